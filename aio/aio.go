@@ -1,0 +1,174 @@
+// Package aio does asynchronous I/O on host files.
+//
+// A [File] is a host file that many goroutines read and write at once. Each
+// call parks only its own goroutine until the I/O completes; which engine
+// does the I/O is chosen at [Open] and invisible to the caller:
+//
+//   - "io_uring": one shared ring per file; concurrent submissions are
+//     batched into one io_uring_enter, one completion goroutine wakes the
+//     waiters (uring_linux.go).
+//   - "threads": plain pread/pwrite/fsync/fallocate issued from the calling
+//     goroutine. The Go runtime moves a goroutine blocked in a syscall off its
+//     P and runs others meanwhile, so the runtime's thread pool is the
+//     thread pool (threads.go).
+//
+// Open falls back from io_uring to threads by itself when the kernel refuses
+// rings (io_uring_disabled, seccomp, ENOSYS, EPERM) and logs one line.
+package aio
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Backend names an I/O engine.
+type Backend string
+
+const (
+	IOUring Backend = "io_uring"
+	Threads Backend = "threads"
+)
+
+// ParseBackend accepts the names the --aio flag takes.
+func ParseBackend(s string) (Backend, error) {
+	switch Backend(s) {
+	case IOUring, Threads:
+		return Backend(s), nil
+	}
+	return "", fmt.Errorf("unknown aio backend %q (want io_uring or threads)", s)
+}
+
+// File is an open host file for concurrent asynchronous I/O.
+type File interface {
+	// ReadAt reads len(p) bytes at off. Short reads are continued; it
+	// returns fewer bytes only at end of file, with io.EOF.
+	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
+	// WriteAt writes all of p at off; short writes are continued.
+	WriteAt(ctx context.Context, p []byte, off int64) (int, error)
+	// ReadvAt and WritevAt are the vectored forms, same rules.
+	ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error)
+	WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error)
+	// Fsync makes data and metadata durable; Fdatasync data (and the
+	// metadata needed to read it back).
+	Fsync(ctx context.Context) error
+	Fdatasync(ctx context.Context) error
+	// Fallocate is fallocate(2) with the FALLOC_FL_* mode bits.
+	Fallocate(ctx context.Context, mode uint32, off, n int64) error
+	// Fd is the descriptor, for metadata calls that are not I/O
+	// (fstat, lseek SEEK_DATA, ftruncate).
+	Fd() int
+	// Name is the path the file was opened with.
+	Name() string
+	// Backend says which engine serves this file.
+	Backend() Backend
+	// Close stops the engine and closes the descriptor. Calls still in
+	// flight complete first.
+	Close() error
+}
+
+// Options choose how Open opens a file.
+type Options struct {
+	Backend  Backend // default IOUring
+	Writable bool
+	// Direct opens with O_DIRECT: the caller's buffers, offsets and lengths
+	// must be multiples of the file's logical block size (see
+	// [LogicalBlockSize]).
+	Direct bool
+	// Entries is the io_uring queue size; 0 means 256.
+	Entries uint32
+	Logger  *slog.Logger
+}
+
+// Open opens path for I/O with the chosen engine.
+func Open(path string, o Options) (File, error) {
+	flags := os.O_RDONLY
+	if o.Writable {
+		flags = os.O_RDWR
+	}
+	if o.Direct {
+		flags |= unix.O_DIRECT
+	}
+	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	backend := o.Backend
+	if backend == "" {
+		backend = IOUring
+	}
+	if backend == IOUring {
+		uf, err := newURingFile(f, o)
+		if err == nil {
+			return uf, nil
+		}
+		if !errors.Is(err, ErrNoURing) {
+			f.Close()
+			return nil, err
+		}
+		logger := o.Logger
+		if logger == nil {
+			logger = slog.Default()
+		}
+		logger.Warn("io_uring unavailable, using the thread backend", "file", path, "err", err)
+	}
+	return newThreadFile(f), nil
+}
+
+// ErrNoURing says the kernel will not give us a ring; Open then falls back.
+var ErrNoURing = errors.New("io_uring not available")
+
+// LogicalBlockSize is the alignment O_DIRECT needs on fd: the block device's
+// logical block size for devices, the file system's for files (never below
+// 512).
+func LogicalBlockSize(fd int) int {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		if n, err := unix.IoctlGetInt(fd, unix.BLKSSZGET); err == nil && n > 0 {
+			return n
+		}
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &sfs); err == nil && sfs.Bsize >= 512 && sfs.Bsize <= 64<<10 {
+		// Statx's DIO alignment would be more precise, but the fs block
+		// size is always a valid (if conservative) alignment.
+		return int(sfs.Bsize)
+	}
+	return 4096
+}
+
+func pathErr(op string, f File, errno error) error {
+	return &os.PathError{Op: op, Path: f.Name(), Err: errno}
+}
+
+// iovLen is the total length of an iovec.
+func iovLen(iov [][]byte) int {
+	n := 0
+	for _, b := range iov {
+		n += len(b)
+	}
+	return n
+}
+
+// advance drops the first n bytes from iov, reusing its backing array.
+func advance(iov [][]byte, n int) [][]byte {
+	for n > 0 && len(iov) > 0 {
+		if n < len(iov[0]) {
+			iov[0] = iov[0][n:]
+			return iov
+		}
+		n -= len(iov[0])
+		iov = iov[1:]
+	}
+	for len(iov) > 0 && len(iov[0]) == 0 {
+		iov = iov[1:]
+	}
+	return iov
+}
+
+var _ = io.EOF

@@ -1,0 +1,140 @@
+package aio
+
+import (
+	"context"
+	"io"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// threadFile issues each call as a plain syscall from the calling goroutine.
+type threadFile struct {
+	f  *os.File
+	fd int
+}
+
+func newThreadFile(f *os.File) *threadFile {
+	return &threadFile{f: f, fd: int(f.Fd())}
+}
+
+func (t *threadFile) Fd() int          { return t.fd }
+func (t *threadFile) Name() string     { return t.f.Name() }
+func (t *threadFile) Backend() Backend { return Threads }
+func (t *threadFile) Close() error     { return t.f.Close() }
+
+func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	done := 0
+	for done < len(p) {
+		if err := ctx.Err(); err != nil {
+			return done, err
+		}
+		n, err := unix.Pread(t.fd, p[done:], off+int64(done))
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		if err != nil {
+			return done, pathErr("pread", t, err)
+		}
+		if n == 0 {
+			return done, io.EOF
+		}
+		done += n
+	}
+	return done, nil
+}
+
+func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	done := 0
+	for done < len(p) {
+		if err := ctx.Err(); err != nil {
+			return done, err
+		}
+		n, err := unix.Pwrite(t.fd, p[done:], off+int64(done))
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		if err != nil {
+			return done, pathErr("pwrite", t, err)
+		}
+		if n == 0 {
+			return done, pathErr("pwrite", t, unix.ENOSPC)
+		}
+		done += n
+	}
+	return done, nil
+}
+
+func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	iov = append([][]byte(nil), iov...)
+	total := 0
+	for len(iov) > 0 {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		n, err := unix.Preadv(t.fd, iov, off+int64(total))
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		if err != nil {
+			return total, pathErr("preadv", t, err)
+		}
+		if n == 0 {
+			return total, io.EOF
+		}
+		total += n
+		iov = advance(iov, n)
+	}
+	return total, nil
+}
+
+func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	iov = append([][]byte(nil), iov...)
+	total := 0
+	for len(iov) > 0 {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		n, err := unix.Pwritev(t.fd, iov, off+int64(total))
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		if err != nil {
+			return total, pathErr("pwritev", t, err)
+		}
+		if n == 0 {
+			return total, pathErr("pwritev", t, unix.ENOSPC)
+		}
+		total += n
+		iov = advance(iov, n)
+	}
+	return total, nil
+}
+
+func (t *threadFile) Fsync(ctx context.Context) error {
+	return retryEINTR(ctx, "fsync", t, func() error { return unix.Fsync(t.fd) })
+}
+
+func (t *threadFile) Fdatasync(ctx context.Context) error {
+	return retryEINTR(ctx, "fdatasync", t, func() error { return unix.Fdatasync(t.fd) })
+}
+
+func (t *threadFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
+	return retryEINTR(ctx, "fallocate", t, func() error { return unix.Fallocate(t.fd, mode, off, n) })
+}
+
+func retryEINTR(ctx context.Context, op string, f File, call func() error) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		err := call()
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return pathErr(op, f, err)
+		}
+		return nil
+	}
+}

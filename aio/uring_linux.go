@@ -1,0 +1,484 @@
+package aio
+
+// A small io_uring on raw syscalls. The Go io_uring libraries either fail to
+// link on Go >= 1.23 (go:linkname into the runtime) or lack fsync/fallocate
+// (see shared/reference/dependencies.md), so this file owns the ~300 lines
+// instead: setup, the three mmaps, SQ filling under one mutex, batched
+// io_uring_enter, and one completion goroutine.
+//
+// Flow control: a request takes a slot from a free list before it fills an
+// SQE and gives it back after its completion is delivered. There are as many
+// slots as SQ entries and the CQ is twice that, so neither ring can
+// overflow; when all slots are taken, callers wait (back-pressure) instead of
+// failing.
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	opNop       = 0
+	opReadv     = 1
+	opWritev    = 2
+	opFsync     = 3
+	opFallocate = 17
+	opRead      = 22
+	opWrite     = 23
+
+	fsyncDatasync = 1
+
+	setupCQSize = 1 << 3
+
+	featSingleMmap = 1 << 0
+
+	enterGetEvents = 1 << 0
+
+	offSQRing = 0
+	offCQRing = 0x8000000
+	offSQEs   = 0x10000000
+
+	// closeTag marks the NOP that tells the completion goroutine to stop.
+	closeTag = ^uint64(0)
+)
+
+type sqOffsets struct {
+	head, tail, ringMask, ringEntries, flags, dropped, array, resv1 uint32
+	userAddr                                                        uint64
+}
+
+type cqOffsets struct {
+	head, tail, ringMask, ringEntries, overflow, cqes, flags, resv1 uint32
+	userAddr                                                        uint64
+}
+
+type uringParams struct {
+	sqEntries, cqEntries, flags, sqThreadCPU, sqThreadIdle, features, wqFD uint32
+	resv                                                                   [3]uint32
+	sqOff                                                                  sqOffsets
+	cqOff                                                                  cqOffsets
+}
+
+type sqe struct {
+	opcode   uint8
+	flags    uint8
+	ioprio   uint16
+	fd       int32
+	off      uint64
+	addr     uint64
+	len      uint32
+	opFlags  uint32
+	userData uint64
+	bufIndex uint16
+	persona  uint16
+	spliceFD int32
+	addr3    uint64
+	pad      uint64
+}
+
+type cqe struct {
+	userData uint64
+	res      int32
+	flags    uint32
+}
+
+// slot is one request in flight: where its completion is delivered, and an
+// iovec array the kernel may read until then.
+type slot struct {
+	done chan int32
+	iov  []unix.Iovec
+}
+
+type uring struct {
+	fd int
+
+	sqRing, cqRing, sqeMem []byte
+	sqHead, sqTail         *uint32
+	sqMask                 uint32
+	sqes                   []sqe
+	cqHead, cqTail         *uint32
+	cqMask                 uint32
+	cqes                   []cqe
+
+	mu         sync.Mutex // guards the SQ tail and the batching state
+	unsub      uint32     // SQEs filled but not yet passed to the kernel
+	submitting bool       // a goroutine is in io_uring_enter for them
+
+	slots []slot
+	free  chan uint32
+
+	closeOnce sync.Once
+	reaped    chan struct{} // closed when the completion goroutine ends
+}
+
+func newURing(entries uint32) (*uring, error) {
+	p := uringParams{flags: setupCQSize, cqEntries: 2 * entries}
+	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(entries), uintptr(unsafe.Pointer(&p)), 0)
+	if errno != 0 {
+		switch errno {
+		case unix.ENOSYS, unix.EPERM, unix.EACCES, unix.EINVAL:
+			return nil, fmt.Errorf("%w: io_uring_setup: %v", ErrNoURing, errno)
+		}
+		return nil, fmt.Errorf("io_uring_setup: %w", errno)
+	}
+	r := &uring{fd: int(fd)}
+	if err := r.mmap(&p); err != nil {
+		unix.Close(r.fd)
+		return nil, err
+	}
+	r.slots = make([]slot, p.sqEntries)
+	r.free = make(chan uint32, p.sqEntries)
+	for i := range r.slots {
+		r.slots[i].done = make(chan int32, 1)
+		r.free <- uint32(i)
+	}
+	r.reaped = make(chan struct{})
+	go r.reap()
+	return r, nil
+}
+
+func (r *uring) mmap(p *uringParams) error {
+	if p.features&featSingleMmap == 0 {
+		return fmt.Errorf("%w: kernel lacks IORING_FEAT_SINGLE_MMAP", ErrNoURing)
+	}
+	sqSize := int(p.sqOff.array + p.sqEntries*4)
+	cqSize := int(p.cqOff.cqes + p.cqEntries*uint32(unsafe.Sizeof(cqe{})))
+	ringSize := max(sqSize, cqSize)
+	ring, err := unix.Mmap(r.fd, offSQRing, ringSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		return fmt.Errorf("io_uring: mmap rings: %w", err)
+	}
+	r.sqRing, r.cqRing = ring, ring // one mapping serves both (SINGLE_MMAP)
+	sqeMem, err := unix.Mmap(r.fd, offSQEs, int(p.sqEntries)*int(unsafe.Sizeof(sqe{})), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		unix.Munmap(ring)
+		return fmt.Errorf("io_uring: mmap SQEs: %w", err)
+	}
+	r.sqeMem = sqeMem
+	at := func(off uint32) *uint32 { return (*uint32)(unsafe.Pointer(&ring[off])) }
+	r.sqHead, r.sqTail = at(p.sqOff.head), at(p.sqOff.tail)
+	r.sqMask = *at(p.sqOff.ringMask)
+	r.cqHead, r.cqTail = at(p.cqOff.head), at(p.cqOff.tail)
+	r.cqMask = *at(p.cqOff.ringMask)
+	r.sqes = unsafe.Slice((*sqe)(unsafe.Pointer(&sqeMem[0])), p.sqEntries)
+	r.cqes = unsafe.Slice((*cqe)(unsafe.Pointer(&ring[p.cqOff.cqes])), p.cqEntries)
+	// SQ array slot i always names SQE i: SQEs are used in ring order.
+	array := unsafe.Slice((*uint32)(unsafe.Pointer(&ring[p.sqOff.array])), p.sqEntries)
+	for i := range array {
+		array[i] = uint32(i)
+	}
+	return nil
+}
+
+// submit queues one SQE (prepared by fill) and makes sure some goroutine
+// passes it to the kernel. Goroutines arriving while another is inside
+// io_uring_enter only queue: the one inside picks their SQEs up in its next
+// round, which is how concurrent submissions share one syscall.
+func (r *uring) submit(fill func(*sqe)) error {
+	r.mu.Lock()
+	tail := *r.sqTail
+	e := &r.sqes[tail&r.sqMask]
+	*e = sqe{}
+	fill(e)
+	atomic.StoreUint32(r.sqTail, tail+1)
+	r.unsub++
+	if r.submitting {
+		r.mu.Unlock()
+		return nil
+	}
+	r.submitting = true
+	for r.unsub > 0 {
+		n := r.unsub
+		r.mu.Unlock()
+		done, err := r.enter(n, 0, 0)
+		r.mu.Lock()
+		if err != nil {
+			r.submitting = false
+			r.mu.Unlock()
+			return err
+		}
+		r.unsub -= done
+	}
+	r.submitting = false
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *uring) enter(toSubmit, minComplete, flags uint32) (uint32, error) {
+	for {
+		n, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, uintptr(r.fd), uintptr(toSubmit), uintptr(minComplete), uintptr(flags), 0, 0)
+		switch errno {
+		case 0:
+			return uint32(n), nil
+		case unix.EINTR, unix.EAGAIN, unix.EBUSY:
+			if toSubmit == 0 || errno == unix.EINTR {
+				continue
+			}
+			runtime.Gosched()
+			continue
+		}
+		return 0, fmt.Errorf("io_uring_enter: %w", errno)
+	}
+}
+
+// reap is the one completion path: it waits for CQEs and hands each result
+// to the goroutine parked on its slot.
+func (r *uring) reap() {
+	defer close(r.reaped)
+	for {
+		head := *r.cqHead
+		tail := atomic.LoadUint32(r.cqTail)
+		if head == tail {
+			if _, err := r.enter(0, 1, enterGetEvents); err != nil {
+				// Only a broken ring gets here; fail every waiter.
+				for i := range r.slots {
+					select {
+					case r.slots[i].done <- -int32(unix.EIO):
+					default:
+					}
+				}
+				return
+			}
+			continue
+		}
+		for ; head != tail; head++ {
+			c := r.cqes[head&r.cqMask]
+			if c.userData == closeTag {
+				atomic.StoreUint32(r.cqHead, head+1)
+				return
+			}
+			r.slots[c.userData].done <- c.res
+		}
+		atomic.StoreUint32(r.cqHead, head)
+	}
+}
+
+// do runs one operation to completion and returns the kernel's result
+// (negative errno on failure).
+func (r *uring) do(fill func(*sqe, *slot, uint64)) (int32, error) {
+	idx := <-r.free
+	s := &r.slots[idx]
+	if err := r.submit(func(e *sqe) { fill(e, s, uint64(idx)) }); err != nil {
+		r.free <- idx
+		return 0, err
+	}
+	res := <-s.done
+	r.free <- idx
+	return res, nil
+}
+
+func (r *uring) close() {
+	r.closeOnce.Do(func() {
+		// Wait for every request in flight by taking all slots, then stop
+		// the completion goroutine with a tagged NOP.
+		for range r.slots {
+			<-r.free
+		}
+		if err := r.submit(func(e *sqe) { e.opcode = opNop; e.userData = closeTag }); err == nil {
+			<-r.reaped
+		}
+		unix.Munmap(r.sqeMem)
+		unix.Munmap(r.sqRing)
+		unix.Close(r.fd)
+	})
+}
+
+// uringFile is a File served by its own ring.
+type uringFile struct {
+	f      *os.File
+	fd     int
+	ring   *uring
+	direct bool
+}
+
+func newURingFile(f *os.File, o Options) (*uringFile, error) {
+	entries := o.Entries
+	if entries == 0 {
+		entries = 256
+	}
+	r, err := newURing(entries)
+	if err != nil {
+		return nil, err
+	}
+	return &uringFile{f: f, fd: int(f.Fd()), ring: r, direct: o.Direct}, nil
+}
+
+func (u *uringFile) Fd() int          { return u.fd }
+func (u *uringFile) Name() string     { return u.f.Name() }
+func (u *uringFile) Backend() Backend { return IOUring }
+
+func (u *uringFile) Close() error {
+	u.ring.close()
+	return u.f.Close()
+}
+
+// rw runs a read or write of p at off through the ring, continuing short
+// transfers. A buffered read first tries preadv2(RWF_NOWAIT): a page-cache
+// hit completes right here without a trip through the ring.
+func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
+	done := 0
+	if op == opRead && !u.direct && len(p) > 0 {
+		n, err := unix.Preadv2(u.fd, [][]byte{p}, off, unix.RWF_NOWAIT)
+		if err == nil {
+			if n == 0 {
+				return 0, io.EOF
+			}
+			done = n
+		}
+	}
+	for done < len(p) {
+		if err := ctx.Err(); err != nil {
+			return done, err
+		}
+		buf := p[done:]
+		res, err := u.ring.do(func(e *sqe, _ *slot, tag uint64) {
+			e.opcode = op
+			e.fd = int32(u.fd)
+			e.off = uint64(off) + uint64(done)
+			e.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
+			e.len = uint32(min(len(buf), 1<<30))
+			e.userData = tag
+		})
+		runtime.KeepAlive(buf)
+		if err != nil {
+			return done, err
+		}
+		switch {
+		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
+			continue
+		case res < 0:
+			return done, pathErr(opName(op), u, unix.Errno(-res))
+		case res == 0 && op == opRead:
+			return done, io.EOF
+		case res == 0:
+			return done, pathErr(opName(op), u, unix.ENOSPC)
+		}
+		done += int(res)
+	}
+	return done, nil
+}
+
+func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) (int, error) {
+	iov = append([][]byte(nil), iov...)
+	iov = advance(iov, 0)
+	total := 0
+	for len(iov) > 0 {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		res, err := u.ring.do(func(e *sqe, s *slot, tag uint64) {
+			s.iov = s.iov[:0]
+			for _, b := range iov {
+				if len(b) > 0 {
+					s.iov = append(s.iov, unix.Iovec{Base: &b[0], Len: uint64(len(b))})
+				}
+			}
+			e.opcode = op
+			e.fd = int32(u.fd)
+			e.off = uint64(off) + uint64(total)
+			e.addr = uint64(uintptr(unsafe.Pointer(&s.iov[0])))
+			e.len = uint32(len(s.iov))
+			e.userData = tag
+		})
+		runtime.KeepAlive(iov)
+		if err != nil {
+			return total, err
+		}
+		switch {
+		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
+			continue
+		case res < 0:
+			return total, pathErr(opName(op), u, unix.Errno(-res))
+		case res == 0 && op == opReadv:
+			return total, io.EOF
+		case res == 0:
+			return total, pathErr(opName(op), u, unix.ENOSPC)
+		}
+		total += int(res)
+		iov = advance(iov, int(res))
+	}
+	return total, nil
+}
+
+func opName(op uint8) string {
+	switch op {
+	case opRead:
+		return "read"
+	case opWrite:
+		return "write"
+	case opReadv:
+		return "readv"
+	case opWritev:
+		return "writev"
+	case opFsync:
+		return "fsync"
+	case opFallocate:
+		return "fallocate"
+	}
+	return fmt.Sprintf("io_uring op %d", op)
+}
+
+func (u *uringFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	return u.rw(ctx, opRead, p, off)
+}
+
+func (u *uringFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	return u.rw(ctx, opWrite, p, off)
+}
+
+func (u *uringFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	return u.rwv(ctx, opReadv, iov, off)
+}
+
+func (u *uringFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	return u.rwv(ctx, opWritev, iov, off)
+}
+
+// simple runs an operation that has no partial result.
+func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error {
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		res, err := u.ring.do(func(e *sqe, _ *slot, tag uint64) {
+			e.opcode = op
+			e.fd = int32(u.fd)
+			fill(e)
+			e.userData = tag
+		})
+		if err != nil {
+			return err
+		}
+		if res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN) {
+			continue
+		}
+		if res < 0 {
+			return pathErr(opName(op), u, unix.Errno(-res))
+		}
+		return nil
+	}
+}
+
+func (u *uringFile) Fsync(ctx context.Context) error {
+	return u.simple(ctx, opFsync, func(*sqe) {})
+}
+
+func (u *uringFile) Fdatasync(ctx context.Context) error {
+	return u.simple(ctx, opFsync, func(e *sqe) { e.opFlags = fsyncDatasync })
+}
+
+func (u *uringFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
+	return u.simple(ctx, opFallocate, func(e *sqe) {
+		e.off = uint64(off)
+		e.addr = uint64(n) // io_uring passes the length in addr
+		e.len = mode       // and the mode in len
+	})
+}

@@ -1,0 +1,86 @@
+package main
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"syscall"
+)
+
+// --daemonize: the process re-executes itself in a new session with a pipe
+// on fd 3. The child opens the image, mounts and starts serving, then writes
+// "ready" to the pipe; the parent exits 0 when it reads that, or with the
+// child's status (whose error is already on stderr) when the pipe closes
+// without it.
+
+const daemonEnv = "BLOCKEXPORT_DAEMON_READY_FD"
+
+// daemonExit carries the child's exit status to the parent's exit.
+type daemonExit int
+
+func (d daemonExit) Error() string { return "the background export did not come up" }
+
+func isDaemonChild() bool { return os.Getenv(daemonEnv) != "" }
+
+func daemonize(argv []string) error {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return fmt.Errorf("daemonize: %w", err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("daemonize: %w", err)
+	}
+	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("daemonize: %w", err)
+	}
+	defer devnull.Close()
+	cmd := exec.Command(self, argv[1:]...)
+	cmd.Env = append(os.Environ(), daemonEnv+"=3")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = devnull, devnull, os.Stderr
+	cmd.ExtraFiles = []*os.File{w}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("daemonize: %w", err)
+	}
+	w.Close()
+	line, _ := bufio.NewReader(r).ReadString('\n')
+	r.Close()
+	if line == "ready\n" {
+		cmd.Process.Release()
+		return nil
+	}
+	err = cmd.Wait()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) && ee.ExitCode() > 0 {
+		// The child has printed its error; exit with its status, quietly.
+		os.Exit(ee.ExitCode())
+	}
+	return daemonExit(exitRuntime)
+}
+
+// notifyReady tells a waiting parent that the export is serving.
+func notifyReady() {
+	fdStr := os.Getenv(daemonEnv)
+	if fdStr == "" {
+		return
+	}
+	fd, err := strconv.Atoi(fdStr)
+	if err != nil {
+		return
+	}
+	f := os.NewFile(uintptr(fd), "ready-pipe")
+	f.Write([]byte("ready\n"))
+	f.Close()
+	os.Unsetenv(daemonEnv)
+	// Like QEMU's --daemonize: once up, let go of the caller's stderr, so
+	// that a caller reading it (a pipe, $(...)) is not held open by us.
+	if devnull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0); err == nil {
+		syscall.Dup2(int(devnull.Fd()), 2)
+		devnull.Close()
+	}
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	fuseexport "github.com/blockexport/blockexport/export/fuse"
+	"github.com/blockexport/blockexport/formats/probe"
+)
+
+type fuseFlags struct {
+	format         string
+	writable       bool
+	growable       bool
+	allowOther     string
+	nullReadZeroes bool
+	daemonize      bool
+	pidfile        string
+	logLevel       string
+	aio            string
+	cache          string
+}
+
+func runFuse(args []string, stdout, stderr io.Writer) error {
+	var f fuseFlags
+	fs := newFlagSet("fuse", "fuse [flags] IMAGE MOUNTPOINT\n\n"+
+		"Export IMAGE (a raw or qcow2 file, or null:SIZE) as the regular file MOUNTPOINT.\n"+
+		"MOUNTPOINT is created if missing and may be IMAGE itself.", stdout)
+	fs.StringVarP(&f.format, "format", "f", "auto", "image format: auto, raw, qcow2 or null (auto: qcow2 by its magic, else raw)")
+	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
+	fs.BoolVar(&f.growable, "growable", false, "writes past the end grow the image instead of failing")
+	fs.StringVar(&f.allowOther, "allow-other", "auto", "let other users access the export: auto (try, fall back), on or off")
+	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
+	fs.BoolVar(&f.daemonize, "daemonize", false, "run in the background; return once the export is mounted and serving")
+	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
+	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() != 2 {
+		return usagef("fuse: want IMAGE and MOUNTPOINT, got %d argument(s) (see blockexport fuse --help)", fs.NArg())
+	}
+	image, mountpoint := fs.Arg(0), fs.Arg(1)
+
+	logger, err := newLogger(f.logLevel, os.Stderr)
+	if err != nil {
+		return err
+	}
+	format, err := probe.ParseFormat(f.format)
+	if err != nil {
+		return usageError{err}
+	}
+	allowOther, err := fuseexport.ParseAllowOther(f.allowOther)
+	if err != nil {
+		return usageError{err}
+	}
+	backend, err := aio.ParseBackend(f.aio)
+	if err != nil {
+		return usageError{err}
+	}
+	var direct bool
+	switch f.cache {
+	case "writeback":
+	case "none":
+		direct = true
+	default:
+		return usagef("unknown --cache mode %q (want writeback or none)", f.cache)
+	}
+	if f.growable && !f.writable {
+		return usagef("--growable needs --writable")
+	}
+	if f.daemonize && !isDaemonChild() {
+		return daemonize(os.Args)
+	}
+
+	img, err := probe.Open(image, probe.Options{
+		Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
+		Direct: direct, Backend: backend, Logger: logger,
+	})
+	if err != nil {
+		if errors.Is(err, probe.ErrUsage) {
+			return usageError{err}
+		}
+		return err
+	}
+	defer img.Close()
+	if img.Probed && img.Format == probe.Raw && f.writable {
+		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", image)
+	}
+
+	// A server of block I/O must not wait on the page cache of the device it
+	// serves: tell the kernel, as userspace block servers do.
+	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
+		logger.Debug("PR_SET_IO_FLUSHER not set", "err", err)
+	}
+
+	exp := fuseexport.New(img, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
+	// A log reader that went away must not kill us before we unmount: with
+	// SIGPIPE ignored, a write to a dead stderr pipe is just an error.
+	signal.Ignore(syscall.SIGPIPE)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image})
+	if err != nil {
+		return err
+	}
+	defer m.Cleanup()
+	if f.pidfile != "" {
+		if err := os.WriteFile(f.pidfile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+			m.Unmount()
+			return fmt.Errorf("pidfile: %w", err)
+		}
+		defer os.Remove(f.pidfile)
+	}
+	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Size(),
+		"mountpoint", m.Path(), "writable", f.writable, "growable", f.growable)
+	notifyReady()
+
+	select {
+	case s := <-sigs:
+		logger.Info("stopping", "signal", s.String())
+		go func() {
+			s := <-sigs
+			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+			os.Exit(exitRuntime)
+		}()
+		if err := m.Unmount(); err != nil {
+			return err
+		}
+	case <-m.Done():
+		logger.Info("unmounted from outside", "mountpoint", m.Path())
+	}
+	if err := img.Flush(context.Background()); err != nil {
+		return fmt.Errorf("final flush: %w", err)
+	}
+	return nil
+}
+
+func newLogger(level string, w io.Writer) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(strings.ToUpper(level))); err != nil {
+		return nil, usagef("unknown --log-level %q (want debug, info, warn or error)", level)
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}

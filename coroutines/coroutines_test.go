@@ -1,0 +1,136 @@
+package coroutines
+
+import (
+	"context"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+func TestDrainWaitsForInFlightAndHoldsNewOnesBack(t *testing.T) {
+	var f InFlight
+	f.Begin()
+	drained := make(chan func())
+	go func() {
+		release, err := f.Drain(context.Background())
+		if err != nil {
+			t.Error(err)
+		}
+		drained <- release
+	}()
+	select {
+	case <-drained:
+		t.Fatal("Drain returned with a request in flight")
+	case <-time.After(50 * time.Millisecond):
+	}
+	f.End()
+	release := <-drained
+	began := make(chan struct{})
+	go func() {
+		f.Begin()
+		close(began)
+		f.End()
+	}()
+	select {
+	case <-began:
+		t.Fatal("a request began while drained")
+	case <-time.After(50 * time.Millisecond):
+	}
+	release()
+	select {
+	case <-began:
+	case <-time.After(5 * time.Second):
+		t.Fatal("requests did not proceed after the drain was released")
+	}
+}
+
+func TestDrainHonoursContext(t *testing.T) {
+	var f InFlight
+	f.Begin()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if _, err := f.Drain(ctx); err == nil {
+		t.Fatal("Drain succeeded with a request in flight")
+	}
+	f.End()
+	release, err := f.Drain(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	release()
+}
+
+// TestRangeLockProperty: random ranges locked by many goroutines; a shared
+// map of owners per byte shows no two overlapping holders, ever.
+func TestRangeLockProperty(t *testing.T) {
+	var l RangeLock
+	const space = 256
+	var owner [space]atomic.Int32
+	var wg sync.WaitGroup
+	var overlaps atomic.Int32
+	for g := 1; g <= 16; g++ {
+		wg.Add(1)
+		go func(id int32) {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(id), 7))
+			for i := 0; i < 300; i++ {
+				off := r.Int64N(space - 1)
+				n := 1 + r.Int64N(min(32, space-off))
+				unlock, err := l.Lock(context.Background(), off, n)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for b := off; b < off+n; b++ {
+					if !owner[b].CompareAndSwap(0, id) {
+						overlaps.Add(1)
+					}
+				}
+				time.Sleep(time.Duration(r.IntN(20)) * time.Microsecond)
+				for b := off; b < off+n; b++ {
+					owner[b].CompareAndSwap(id, 0)
+				}
+				unlock()
+			}
+		}(int32(g))
+	}
+	wg.Wait()
+	if n := overlaps.Load(); n != 0 {
+		t.Fatalf("%d bytes had two holders at once", n)
+	}
+}
+
+func TestRangeLockDisjointRangesDoNotWait(t *testing.T) {
+	var l RangeLock
+	unlock, _ := l.Lock(context.Background(), 0, 4096)
+	defer unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	u2, err := l.Lock(ctx, 4096, 4096)
+	if err != nil {
+		t.Fatalf("disjoint range waited: %v", err)
+	}
+	u2()
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel2()
+	if _, err := l.Lock(ctx2, 4095, 2); err == nil {
+		t.Fatal("overlapping range was granted")
+	}
+}
+
+func TestBufPoolAlignment(t *testing.T) {
+	p := NewBufPool(8192, 4096)
+	for i := 0; i < 10; i++ {
+		b := p.Get()
+		if len(*b) != 8192 || uintptr(unsafe.Pointer(&(*b)[0]))%4096 != 0 {
+			t.Fatalf("buffer len %d at %p", len(*b), &(*b)[0])
+		}
+		p.Put(b)
+	}
+	if b := AlignedBuf(100, 3); len(b) != 100 || uintptr(unsafe.Pointer(&b[0]))%4 != 0 {
+		t.Fatal("non-power-of-two alignment not rounded up")
+	}
+}

@@ -1,0 +1,46 @@
+package coroutines
+
+import (
+	"context"
+	"sync"
+)
+
+// InFlight counts requests in flight and lets one caller at a time drain
+// them.
+//
+// It is a [sync.RWMutex] underneath: a request is a reader, a drain is the
+// writer. That gives exactly the semantics needed, with one atomic add per
+// Begin and End on the hot path and no lock when nobody drains: Drain waits
+// for every request in flight and holds back new ones (Begin blocks) until
+// the returned release function runs.
+type InFlight struct {
+	mu sync.RWMutex
+}
+
+// Begin marks a request in flight. It blocks while a drain holds the export.
+func (f *InFlight) Begin() { f.mu.RLock() }
+
+// End marks the request begun by Begin as finished.
+func (f *InFlight) End() { f.mu.RUnlock() }
+
+// Drain waits until no request is in flight and keeps new ones out until
+// release is called. If ctx ends first, Drain returns its error and holds
+// nothing.
+func (f *InFlight) Drain(ctx context.Context) (release func(), err error) {
+	got := make(chan struct{})
+	go func() {
+		f.mu.Lock()
+		close(got)
+	}()
+	select {
+	case <-got:
+		return f.mu.Unlock, nil
+	case <-ctx.Done():
+		// The goroutine still gets the lock eventually; hand it back at once.
+		go func() {
+			<-got
+			f.mu.Unlock()
+		}()
+		return nil, ctx.Err()
+	}
+}

@@ -1,0 +1,395 @@
+// Package fuse exports one image as a single regular file through FUSE, with
+// the op-by-op behaviour of qemu-storage-daemon's FUSE export (see
+// shared/reference/qemu-fuse-export.md).
+//
+// The package is protocol only: [Export] decodes nothing itself and owns no
+// serve loop. Its methods take go-fuse's request structs (which mirror the
+// kernel's), call the [formats.Image], and fill go-fuse's reply structs, so
+// the same handlers serve go-fuse's loop today (mount_linux.go) and a
+// hand-written /dev/fuse loop later. Error values become errno in one place
+// (errno.go).
+//
+// One READ, end to end: the kernel queues READ(ino 1, off, len) on
+// /dev/fuse; a go-fuse reader goroutine decodes it and calls [Export.Read];
+// Read clamps it to the image's end and calls Image.ReadAt, which for a raw
+// image is aio.File.ReadAt (a page-cache hit served inline, otherwise an
+// io_uring SQE the goroutine parks on); the filled buffer goes back to
+// go-fuse, which writes the reply to /dev/fuse.
+package fuse
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Options are the export's behaviour switches.
+type Options struct {
+	// Writable exports accept writes; others answer EACCES (and are mounted
+	// read-only, so the kernel refuses write opens with EROFS first).
+	Writable bool
+	// Growable exports grow the image on writes past its end; others clamp
+	// them (short write, ENOSPC when nothing fits).
+	Growable bool
+	Logger   *slog.Logger
+}
+
+// attrTimeout is how long the kernel may cache attributes (QEMU: 1 s).
+const attrTimeout = time.Second
+
+// Export serves one image as the root inode (ino 1) of a FUSE mount.
+type Export struct {
+	fuse.RawFileSystem // ENOSYS for every op not below
+
+	img  formats.Image
+	opts Options
+	log  *slog.Logger
+
+	inflight coroutines.InFlight
+	growMu   sync.Mutex // serializes growth past the end of the image
+
+	allowOther atomic.Bool
+	mode       atomic.Uint32 // permission bits of the file
+	uid, gid   atomic.Uint32
+	mtime      time.Time
+}
+
+// New makes an export of img. The image must stay open until the export is
+// unmounted.
+func New(img formats.Image, o Options) *Export {
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	e := &Export{
+		RawFileSystem: fuse.NewDefaultRawFileSystem(),
+		img:           img,
+		opts:          o,
+		log:           o.Logger,
+		mtime:         time.Now(),
+	}
+	mode := uint32(0o400)
+	if o.Writable {
+		mode |= 0o200
+	}
+	e.mode.Store(mode)
+	e.uid.Store(uint32(unix.Geteuid()))
+	e.gid.Store(uint32(unix.Getegid()))
+	return e
+}
+
+// SetAllowOther records whether the mount has allow_other; it decides which
+// SETATTR changes are allowed (QEMU's rules).
+func (e *Export) SetAllowOther(on bool) { e.allowOther.Store(on) }
+
+// Drain waits for every request in flight and holds new ones back until
+// release is called.
+func (e *Export) Drain(ctx context.Context) (release func(), err error) {
+	return e.inflight.Drain(ctx)
+}
+
+func (e *Export) String() string { return "blockexport" }
+
+func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
+	size := e.img.Size()
+	blocks := (size + 511) / 512
+	if alloc, err := e.img.AllocatedSize(ctx); err == nil && alloc >= 0 {
+		blocks = (alloc + 511) / 512
+	}
+	sec, nsec := uint64(e.mtime.Unix()), uint32(e.mtime.Nanosecond())
+	*a = fuse.Attr{
+		Ino:    1,
+		Size:   uint64(size),
+		Blocks: uint64(blocks),
+		Atime:  sec, Mtime: sec, Ctime: sec,
+		Atimensec: nsec, Mtimensec: nsec, Ctimensec: nsec,
+		Mode:    unix.S_IFREG | e.mode.Load(),
+		Nlink:   1,
+		Owner:   fuse.Owner{Uid: e.uid.Load(), Gid: e.gid.Load()},
+		Blksize: 4096,
+	}
+}
+
+// Lookup: the file system is one file, so there is nothing to look up.
+func (e *Export) Lookup(<-chan struct{}, *fuse.InHeader, string, *fuse.EntryOut) fuse.Status {
+	return fuse.ENOENT
+}
+
+func (e *Export) GetAttr(cancel <-chan struct{}, _ *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+	e.fillAttr(cancelCtx(cancel), &out.Attr)
+	out.SetTimeout(attrTimeout)
+	return fuse.OK
+}
+
+// SetAttr supports size (resize) and mode, and uid/gid with allow_other;
+// file handle, lock owner and kill-suid bits are ignored; anything else is
+// ENOTSUP. The errno rules are QEMU's.
+func (e *Export) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
+	ctx := cancelCtx(cancel)
+	valid := in.Valid &^ (fuse.FATTR_FH | fuse.FATTR_LOCKOWNER | fattrKillSUIDGID)
+	supported := uint32(fuse.FATTR_SIZE | fuse.FATTR_MODE)
+	if e.allowOther.Load() {
+		supported |= fuse.FATTR_UID | fuse.FATTR_GID
+	}
+	if valid&^supported != 0 {
+		return fuse.Status(unix.ENOTSUP)
+	}
+	if valid&fuse.FATTR_MODE != 0 {
+		// Without allow_other nobody but the owner can reach the file, so
+		// group/other bits would be a lie.
+		if !e.allowOther.Load() && in.Mode&0o077 != 0 {
+			return fuse.EPERM
+		}
+		if !e.opts.Writable && in.Mode&0o222 != 0 {
+			return fuse.EROFS
+		}
+	}
+	if valid&fuse.FATTR_SIZE != 0 {
+		if !e.opts.Writable {
+			return fuse.EACCES
+		}
+		if st := e.resize(ctx, int64(in.Size)); !st.Ok() {
+			return st
+		}
+	}
+	if valid&fuse.FATTR_MODE != 0 {
+		e.mode.Store(in.Mode & 0o7777)
+	}
+	if valid&fuse.FATTR_UID != 0 {
+		e.uid.Store(in.Uid)
+	}
+	if valid&fuse.FATTR_GID != 0 {
+		e.gid.Store(in.Gid)
+	}
+	e.fillAttr(ctx, &out.Attr)
+	out.SetTimeout(attrTimeout)
+	return fuse.OK
+}
+
+// fattrKillSUIDGID is FATTR_KILL_SUIDGID, which go-fuse does not name.
+const fattrKillSUIDGID = 1 << 11
+
+// resize changes the image size with no request in flight, so that no
+// write lands beyond a new, smaller end.
+func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
+	release, err := e.inflight.Drain(ctx)
+	if err != nil {
+		return errno(err)
+	}
+	defer release()
+	if err := e.img.Resize(ctx, size); err != nil {
+		e.log.Debug("resize failed", "size", size, "err", err)
+		return errno(err)
+	}
+	return fuse.OK
+}
+
+// grow makes the image at least size bytes long. It runs inside a request
+// (in flight), so it must not drain; growth never cuts off a request in
+// flight, so a mutex against concurrent growers is enough.
+func (e *Export) grow(ctx context.Context, size int64) error {
+	e.growMu.Lock()
+	defer e.growMu.Unlock()
+	if e.img.Size() >= size {
+		return nil
+	}
+	return e.img.Resize(ctx, size)
+}
+
+// Open hands out no file handle; I/O bypasses the page cache (the image may
+// change underneath, as in QEMU), writes run in parallel, and shared mmap
+// still works because DIRECT_IO_ALLOW_MMAP is negotiated at INIT.
+func (e *Export) Open(_ <-chan struct{}, _ *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	out.OpenFlags = fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES
+	return fuse.OK
+}
+
+func (e *Export) Release(<-chan struct{}, *fuse.ReleaseIn) {}
+
+// Read is clamped to the end of the image: a short read at EOF, an empty one
+// past it.
+func (e *Export) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+	e.inflight.Begin()
+	defer e.inflight.End()
+	off, size := int64(in.Offset), e.img.Size()
+	if off >= size {
+		return fuse.ReadResultData(nil), fuse.OK
+	}
+	n := min(int64(len(buf)), int64(in.Size), size-off)
+	if _, err := e.img.ReadAt(cancelCtx(cancel), buf[:n], off); err != nil {
+		e.log.Debug("read failed", "off", off, "len", n, "err", err)
+		return nil, errno(err)
+	}
+	return fuse.ReadResultData(buf[:n]), fuse.OK
+}
+
+// Writev takes the payload as the kernel delivered it (one or more pieces).
+func (e *Export) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+	if !e.opts.Writable {
+		return 0, fuse.EACCES
+	}
+	e.inflight.Begin()
+	defer e.inflight.End()
+	ctx := cancelCtx(cancel)
+	off := int64(in.Offset)
+	n := int64(0)
+	for _, d := range data {
+		n += int64(len(d))
+	}
+	if n == 0 {
+		return 0, fuse.OK
+	}
+	if size := e.img.Size(); off+n > size {
+		if e.opts.Growable {
+			if err := e.grow(ctx, off+n); err != nil {
+				return 0, errno(err)
+			}
+		} else if off >= size {
+			return 0, fuse.Status(unix.ENOSPC)
+		} else {
+			n = size - off // short write up to the end
+		}
+	}
+	written := int64(0)
+	for _, d := range data {
+		if written >= n {
+			break
+		}
+		d = d[:min(int64(len(d)), n-written)]
+		if _, err := e.img.WriteAt(ctx, d, off+written); err != nil {
+			e.log.Debug("write failed", "off", off+written, "len", len(d), "err", err)
+			return 0, errno(err)
+		}
+		written += int64(len(d))
+	}
+	return uint32(written), fuse.OK
+}
+
+// Fallocate follows QEMU: mode 0 only at or past the end (it grows the
+// image); PUNCH_HOLE (with KEEP_SIZE) zeroes and may deallocate; ZERO_RANGE
+// zeroes and grows without KEEP_SIZE; KEEP_SIZE clamps to the end.
+func (e *Export) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
+	if !e.opts.Writable {
+		return fuse.EACCES
+	}
+	e.inflight.Begin()
+	defer e.inflight.End()
+	ctx := cancelCtx(cancel)
+	off, length, mode := int64(in.Offset), int64(in.Length), in.Mode
+	size := e.img.Size()
+	if mode&unix.FALLOC_FL_KEEP_SIZE != 0 {
+		length = min(length, size-off)
+	}
+	switch {
+	case mode == 0:
+		if off < size {
+			return fuse.Status(unix.EOPNOTSUPP)
+		}
+		return errno(e.grow(ctx, off+length))
+	case mode&unix.FALLOC_FL_PUNCH_HOLE != 0:
+		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
+			return fuse.EINVAL
+		}
+		if mode&^(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
+			return fuse.Status(unix.EOPNOTSUPP)
+		}
+		if length <= 0 {
+			return fuse.OK
+		}
+		return errno(e.img.WriteZeroes(ctx, off, length, true))
+	case mode&unix.FALLOC_FL_ZERO_RANGE != 0:
+		if mode&^(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
+			return fuse.Status(unix.EOPNOTSUPP)
+		}
+		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 && off+length > size {
+			if err := e.grow(ctx, off+length); err != nil {
+				return errno(err)
+			}
+		}
+		if length <= 0 {
+			return fuse.OK
+		}
+		return errno(e.img.WriteZeroes(ctx, off, length, false))
+	}
+	return fuse.Status(unix.EOPNOTSUPP)
+}
+
+// Lseek answers SEEK_DATA and SEEK_HOLE from the image's allocation (the
+// kernel handles the other whence values itself). The end of the image
+// counts as a hole.
+func (e *Export) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
+	if in.Whence != unix.SEEK_DATA && in.Whence != unix.SEEK_HOLE {
+		return fuse.EINVAL
+	}
+	e.inflight.Begin()
+	defer e.inflight.End()
+	ctx := cancelCtx(cancel)
+	off, size := int64(in.Offset), e.img.Size()
+	wantData := in.Whence == unix.SEEK_DATA
+	for off < size {
+		ext, err := e.img.Extent(ctx, off, size-off)
+		if err != nil {
+			return errno(err)
+		}
+		if ext.Data == wantData {
+			out.Offset = uint64(off)
+			return fuse.OK
+		}
+		if ext.Length <= 0 {
+			return fuse.EIO // a format bug; never loop on it
+		}
+		off += ext.Length
+	}
+	if !wantData && off == size {
+		out.Offset = uint64(size)
+		return fuse.OK
+	}
+	return fuse.Status(unix.ENXIO)
+}
+
+// Flush (every close) and Fsync both make the image durable, as in QEMU.
+func (e *Export) Flush(cancel <-chan struct{}, _ *fuse.FlushIn) fuse.Status {
+	return e.flush(cancelCtx(cancel))
+}
+
+func (e *Export) Fsync(cancel <-chan struct{}, _ *fuse.FsyncIn) fuse.Status {
+	return e.flush(cancelCtx(cancel))
+}
+
+func (e *Export) flush(ctx context.Context) fuse.Status {
+	if !e.opts.Writable {
+		return fuse.OK
+	}
+	if err := e.img.Flush(ctx); err != nil {
+		e.log.Warn("flush failed", "err", err)
+		return errno(err)
+	}
+	return fuse.OK
+}
+
+// StatFs describes the export as a file system holding one file: its size
+// in 4 KiB blocks, the unallocated part free. (QEMU answers ENOSYS, which
+// makes df fail.)
+func (e *Export) StatFs(cancel <-chan struct{}, _ *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
+	const bs = 4096
+	size := e.img.Size()
+	used := int64(0)
+	if alloc, err := e.img.AllocatedSize(cancelCtx(cancel)); err == nil && alloc > 0 {
+		used = min(alloc, size)
+	}
+	blocks := uint64((size + bs - 1) / bs)
+	free := uint64(max(size-used, 0) / bs)
+	*out = fuse.StatfsOut{
+		Blocks: blocks, Bfree: free, Bavail: free,
+		Files: 1, Ffree: 0,
+		Bsize: bs, Frsize: bs, NameLen: 255,
+	}
+	return fuse.OK
+}

@@ -1,0 +1,285 @@
+package fuse
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// AllowOther is the --allow-other policy.
+type AllowOther string
+
+const (
+	AllowOtherAuto AllowOther = "auto" // try allow_other, fall back without
+	AllowOtherOn   AllowOther = "on"
+	AllowOtherOff  AllowOther = "off"
+)
+
+// ParseAllowOther checks an --allow-other value.
+func ParseAllowOther(s string) (AllowOther, error) {
+	switch AllowOther(s) {
+	case AllowOtherAuto, AllowOtherOn, AllowOtherOff:
+		return AllowOther(s), nil
+	}
+	return "", fmt.Errorf("unknown --allow-other value %q (want auto, on or off)", s)
+}
+
+// MountOptions say how to mount an export.
+type MountOptions struct {
+	AllowOther AllowOther
+	// FsName is the "device" column of /proc/mounts (the image spec).
+	FsName string
+	// Debug logs every FUSE request (go-fuse's trace).
+	Debug bool
+}
+
+// Mount is a mounted, serving export.
+type Mount struct {
+	exp     *Export
+	srv     *fuse.Server
+	path    string
+	created bool   // we created the mountpoint file and remove it at the end
+	conn    uint64 // fusectl connection number, for aborting
+	served  chan struct{}
+	log     *slog.Logger
+}
+
+// ErrMountpoint marks problems with the mountpoint the user gave.
+var ErrMountpoint = errors.New("bad mountpoint")
+
+// prepareMountpoint checks path is usable and creates it when missing. It
+// returns the absolute path and whether it was created.
+func prepareMountpoint(path string) (string, bool, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", false, fmt.Errorf("mountpoint %s: %w", path, err)
+	}
+	st, err := os.Stat(abs)
+	if errors.Is(err, fs.ErrNotExist) {
+		f, err := os.OpenFile(abs, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+		if err != nil {
+			return "", false, fmt.Errorf("%w: cannot create %s: %v", ErrMountpoint, abs, err)
+		}
+		f.Close()
+		return abs, true, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
+	}
+	if st.IsDir() {
+		return "", false, fmt.Errorf("%w: %s is a directory; the mountpoint must be a regular file", ErrMountpoint, abs)
+	}
+	if !st.Mode().IsRegular() {
+		return "", false, fmt.Errorf("%w: %s is not a regular file", ErrMountpoint, abs)
+	}
+	real, err := filepath.EvalSymlinks(abs)
+	if err != nil {
+		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
+	}
+	if fuseMounted(real) {
+		return "", false, fmt.Errorf("%w: there already is a FUSE export on %s", ErrMountpoint, real)
+	}
+	return real, false, nil
+}
+
+// fuseMounted says whether path is the mount point of a FUSE file system.
+func fuseMounted(path string) bool {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// id parent major:minor root mountpoint opts... - fstype source superopts
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		sep := -1
+		for i, x := range fields {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 0 || sep+1 >= len(fields) {
+			continue
+		}
+		fstype := fields[sep+1]
+		if unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
+			return true
+		}
+	}
+	return false
+}
+
+// unescapeMountinfo undoes the kernel's octal escapes (\040 for a space).
+func unescapeMountinfo(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// Mount mounts exp on path (a regular file, created if missing) and starts
+// serving it. The image must already be open: when path is the image itself,
+// the export shadows it and the original reappears on unmount.
+func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
+	abs, created, err := prepareMountpoint(path)
+	if err != nil {
+		return nil, err
+	}
+	flags := uintptr(unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOATIME)
+	opts := []string{"default_permissions"}
+	if !exp.opts.Writable {
+		flags |= unix.MS_RDONLY
+		opts = append(opts, "ro")
+	}
+	mo := fuse.MountOptions{
+		Options:          opts,
+		FsName:           o.FsName,
+		Name:             "blockexport",
+		DirectMount:      true,
+		DirectMountFlags: flags,
+		// Parallel I/O: async direct I/O lets libaio/io_uring clients keep
+		// many requests in flight; they are background requests, so
+		// MaxBackground bounds the queue depth the kernel sends us.
+		ExtraCapabilities: fuse.CAP_ASYNC_DIO | fuse.CAP_DIRECT_IO_ALLOW_MMAP,
+		MaxBackground:     256,
+		MaxWrite:          1 << 20,
+		DisableXAttrs:     true,
+		Debug:             o.Debug,
+		Logger:            log.New(slogWriter{exp.log}, "", 0),
+	}
+	tries := []bool{o.AllowOther != AllowOtherOff}
+	if o.AllowOther == AllowOtherAuto {
+		tries = append(tries, false)
+	}
+	var srv *fuse.Server
+	for _, ao := range tries {
+		mo.AllowOther = ao
+		srv, err = fuse.NewServer(exp, abs, &mo)
+		if err == nil {
+			exp.SetAllowOther(ao)
+			break
+		}
+		exp.log.Debug("mount attempt failed", "allow_other", ao, "err", err)
+	}
+	if err != nil {
+		if created {
+			os.Remove(abs)
+		}
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
+	}
+	m := &Mount{exp: exp, srv: srv, path: abs, created: created, served: make(chan struct{}), log: exp.log}
+	go func() {
+		srv.Serve()
+		close(m.served)
+	}()
+	// Only now: a stat of our own mount needs the loop above to answer it.
+	var st unix.Stat_t
+	if err := unix.Stat(abs, &st); err == nil {
+		m.conn = uint64(unix.Major(st.Dev))<<20 | uint64(unix.Minor(st.Dev))
+	}
+	return m, nil
+}
+
+// Path is the absolute mountpoint.
+func (m *Mount) Path() string { return m.path }
+
+// Done is closed when the kernel has ended the connection (unmounted from
+// outside or by Unmount) and every request has been answered.
+func (m *Mount) Done() <-chan struct{} { return m.served }
+
+// Unmount stops the export: it unmounts, and when the file is still in use
+// (open files, a loop device) it detaches the mount lazily and aborts the
+// connection, so users get ENOTCONN instead of hanging on a daemon that is
+// going away. It returns once every request in flight has been answered.
+// Removing a mountpoint file we created is left to Cleanup.
+func (m *Mount) Unmount() error {
+	var err error
+	for try := 0; try < 5; try++ {
+		if err = unix.Unmount(m.path, 0); err == nil || errors.Is(err, unix.EINVAL) {
+			err = nil
+			break
+		}
+		if !errors.Is(err, unix.EBUSY) {
+			break
+		}
+		time.Sleep(time.Duration(10<<try) * time.Millisecond)
+	}
+	switch {
+	case err == nil:
+	case errors.Is(err, unix.EBUSY):
+		m.log.Warn("export still in use; detaching it and aborting its connection", "mountpoint", m.path)
+		if err := unix.Unmount(m.path, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("unmount %s: %w", m.path, err)
+		}
+		m.abort()
+	case errors.Is(err, unix.EPERM):
+		// Not root: fusermount3 mounted it, fusermount3 unmounts it.
+		out, ferr := exec.Command("fusermount3", "-u", "-z", m.path).CombinedOutput()
+		if ferr != nil {
+			return fmt.Errorf("unmount %s: %v: %s", m.path, ferr, strings.TrimSpace(string(out)))
+		}
+	default:
+		return fmt.Errorf("unmount %s: %w", m.path, err)
+	}
+	<-m.served
+	return nil
+}
+
+// abort ends the FUSE connection through fusectl, mounting fusectl first if
+// needed. Without it, the connection ends when its last user closes it.
+func (m *Mount) abort() {
+	const ctl = "/sys/fs/fuse/connections"
+	file := filepath.Join(ctl, strconv.FormatUint(m.conn, 10), "abort")
+	if _, err := os.Stat(file); err != nil {
+		unix.Mount("fusectl", ctl, "fusectl", 0, "")
+	}
+	if err := os.WriteFile(file, []byte("1"), 0); err != nil {
+		m.log.Warn("cannot abort the FUSE connection; it ends when the last user closes the file", "err", err)
+	}
+}
+
+// Cleanup removes the mountpoint file if Mount created it. Call it after
+// Done is closed.
+func (m *Mount) Cleanup() {
+	if m.created {
+		if err := os.Remove(m.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			m.log.Warn("cannot remove the mountpoint we created", "path", m.path, "err", err)
+		}
+	}
+}
+
+// slogWriter sends go-fuse's log lines to slog.
+type slogWriter struct{ l *slog.Logger }
+
+func (w slogWriter) Write(p []byte) (int, error) {
+	w.l.Debug(strings.TrimRight(string(p), "\n"), "from", "go-fuse")
+	return len(p), nil
+}

@@ -1,0 +1,80 @@
+// Package formats defines the interface every image format implements and the
+// errors front ends branch on. A format owns its on-disk layout and nothing
+// else: it never sees a protocol type, and front ends never see its types.
+package formats
+
+import (
+	"context"
+	"errors"
+)
+
+// Errors callers branch on with [errors.Is]. Front ends map each to one
+// errno (FUSE) or error code (NBD); anything else that carries a
+// [syscall.Errno] passes through, and the rest become EIO.
+var (
+	// ErrReadOnly: a write-type request reached an image opened read-only.
+	ErrReadOnly = errors.New("image is read-only")
+	// ErrNotSupported: the format cannot do this (e.g. shrink a qcow2).
+	ErrNotSupported = errors.New("operation not supported by the image format")
+	// ErrOutOfRange: the request lies (partly) beyond the end of the image.
+	ErrOutOfRange = errors.New("request beyond the end of the image")
+	// ErrUnknownFormat: the file is not in a format we know or was asked for.
+	ErrUnknownFormat = errors.New("unknown image format")
+)
+
+// Image is a disk image of one format, opened for I/O.
+//
+// All methods are safe for concurrent use. Offsets and lengths are in bytes
+// and must lie within [0, Size()) unless a method says otherwise; front ends
+// clamp requests before calling.
+type Image interface {
+	// ReadAt fills p from off. It returns len(p) or an error.
+	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
+	// WriteAt writes p at off. It returns len(p) or an error.
+	WriteAt(ctx context.Context, p []byte, off int64) (int, error)
+	// WriteZeroes makes [off, off+n) read as zeroes. mayUnmap allows the
+	// format to deallocate the range instead of writing zeroes.
+	WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error
+	// Discard tells the format [off, off+n) is no longer needed. What it
+	// reads afterwards is unspecified (zeroes or the old data).
+	Discard(ctx context.Context, off, n int64) error
+	// Flush makes every completed write durable.
+	Flush(ctx context.Context) error
+	// Size is the virtual size in bytes.
+	Size() int64
+	// Resize changes the virtual size; a grown tail reads as zeroes.
+	Resize(ctx context.Context, size int64) error
+	// Extent describes the run of bytes that starts at off and shares one
+	// allocation status, cut at off+n. off must be below Size().
+	Extent(ctx context.Context, off, n int64) (Extent, error)
+	// AllocatedSize is the number of bytes the image occupies on the host
+	// (st_blocks*512 of its files), or -1 when that is not meaningful.
+	AllocatedSize(ctx context.Context) (int64, error)
+	// Info describes the image for `info` and logs.
+	Info() Info
+	// Close releases the image. It does not flush.
+	Close() error
+}
+
+// Extent is a run of bytes with one allocation status, in the terms of
+// `qemu-img map --output=json`.
+type Extent struct {
+	Start  int64 `json:"start"`
+	Length int64 `json:"length"`
+	// Data: the bytes are stored (SEEK_DATA stops here). Not data means a
+	// hole: SEEK_HOLE stops here.
+	Data bool `json:"data"`
+	// Zero: the bytes are known to read as zeroes.
+	Zero bool `json:"zero"`
+}
+
+// Info is what a format tells about an image.
+type Info struct {
+	Format      string `json:"format"`
+	Filename    string `json:"filename"`
+	VirtualSize int64  `json:"virtual-size"`
+	// ActualSize is the host allocation in bytes, -1 when unknown.
+	ActualSize int64 `json:"actual-size"`
+	// RequestAlignment is the smallest unit the host accepts for I/O.
+	RequestAlignment int `json:"-"`
+}

@@ -1,0 +1,302 @@
+// Package raw is the raw format: the image is the host file (or block
+// device) byte for byte. Allocation comes from the host: SEEK_DATA/SEEK_HOLE
+// for extents, st_blocks for the allocated size, punch-hole for discard.
+//
+// With Direct (--cache none) the host file is opened O_DIRECT; requests that
+// are not aligned to the host's logical block size go through an aligned
+// bounce buffer, and unaligned writes are read-modify-write under a range
+// lock so that overlapping requests cannot undo each other.
+package raw
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Options say how to open a raw image.
+type Options struct {
+	Writable bool
+	Direct   bool
+	Backend  aio.Backend
+	Logger   *slog.Logger
+}
+
+// Image is an open raw image.
+type Image struct {
+	f        aio.File
+	writable bool
+	blockDev bool
+	size     atomic.Int64
+
+	// Only with Direct:
+	align int
+	rmw   coroutines.RangeLock
+}
+
+// Open opens the raw image at path.
+func Open(path string, o Options) (*Image, error) {
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct, Logger: o.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("raw: %w", err)
+	}
+	img := &Image{f: f, writable: o.Writable, align: 1}
+	var st unix.Stat_t
+	if err := unix.Fstat(f.Fd(), &st); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("raw: stat %s: %w", path, err)
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+	case unix.S_IFBLK:
+		img.blockDev = true
+	default:
+		f.Close()
+		return nil, fmt.Errorf("raw: %s: not a regular file or block device", path)
+	}
+	size, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("raw: size of %s: %w", path, err)
+	}
+	img.size.Store(size)
+	if o.Direct {
+		img.align = aio.LogicalBlockSize(f.Fd())
+	}
+	return img, nil
+}
+
+// Backend says which aio engine serves the image.
+func (r *Image) Backend() aio.Backend { return r.f.Backend() }
+
+func (r *Image) Size() int64 { return r.size.Load() }
+
+func (r *Image) aligned(p []byte, off int64) bool {
+	if r.align == 1 {
+		return true
+	}
+	a := int64(r.align)
+	return off%a == 0 && int64(len(p))%a == 0 && len(p) > 0 && alignedAddr(p, r.align)
+}
+
+func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if r.aligned(p, off) {
+		return r.read(ctx, p, off)
+	}
+	start, end := r.cover(off, int64(len(p)))
+	buf := coroutines.AlignedBuf(int(end-start), r.align)
+	if _, err := r.read(ctx, buf, start); err != nil {
+		return 0, err
+	}
+	return copy(p, buf[off-start:]), nil
+}
+
+// read reads p at off; bytes past the host file's end read as zeroes (the
+// file may have shrunk under us, or the bounce window passes EOF).
+func (r *Image) read(ctx context.Context, p []byte, off int64) (int, error) {
+	n, err := r.f.ReadAt(ctx, p, off)
+	if errors.Is(err, io.EOF) {
+		clear(p[n:])
+		return len(p), nil
+	}
+	if err != nil {
+		return n, fmt.Errorf("raw: read %d bytes at %d: %w", len(p), off, err)
+	}
+	return n, nil
+}
+
+func (r *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if !r.writable {
+		return 0, formats.ErrReadOnly
+	}
+	if r.align == 1 {
+		return r.write(ctx, p, off)
+	}
+	start, end := r.cover(off, int64(len(p)))
+	unlock, err := r.rmw.Lock(ctx, start, end-start)
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
+	if r.aligned(p, off) {
+		return r.write(ctx, p, off)
+	}
+	buf := coroutines.AlignedBuf(int(end-start), r.align)
+	if _, err := r.read(ctx, buf, start); err != nil {
+		return 0, err
+	}
+	copy(buf[off-start:], p)
+	size := r.size.Load()
+	if _, err := r.write(ctx, buf, start); err != nil {
+		return 0, err
+	}
+	// O_DIRECT writes whole blocks: when the image ends inside the window,
+	// cut the host file back so the image does not grow by the padding.
+	if keep := max(size, off+int64(len(p))); end > keep && !r.blockDev {
+		if err := unix.Ftruncate(r.f.Fd(), keep); err != nil {
+			return 0, fmt.Errorf("raw: trim bounce padding at %d: %w", keep, err)
+		}
+	}
+	return len(p), nil
+}
+
+func (r *Image) write(ctx context.Context, p []byte, off int64) (int, error) {
+	n, err := r.f.WriteAt(ctx, p, off)
+	if err != nil {
+		return n, fmt.Errorf("raw: write %d bytes at %d: %w", len(p), off, err)
+	}
+	return n, nil
+}
+
+// cover widens [off, off+n) to the host alignment.
+func (r *Image) cover(off, n int64) (start, end int64) {
+	a := int64(r.align)
+	start = off / a * a
+	end = (off + n + a - 1) / a * a
+	return start, end
+}
+
+// WriteZeroes zeroes [off, off+n): a punched hole when mayUnmap allows it,
+// else an allocated zero range, else written zeroes.
+func (r *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
+	if !r.writable {
+		return formats.ErrReadOnly
+	}
+	if n <= 0 {
+		return nil
+	}
+	if !r.blockDev && r.align == 1 {
+		if mayUnmap {
+			if err := r.f.Fallocate(ctx, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil {
+				return nil
+			} else if !notSupported(err) {
+				return fmt.Errorf("raw: punch hole [%d, +%d): %w", off, n, err)
+			}
+		}
+		if err := r.f.Fallocate(ctx, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n); err == nil {
+			return nil
+		} else if !notSupported(err) {
+			return fmt.Errorf("raw: zero range [%d, +%d): %w", off, n, err)
+		}
+	}
+	return r.writeZeroBuffers(ctx, off, n)
+}
+
+// writeZeroBuffers is the fallback for hosts without zeroing fallocate
+// modes: write zeroes in 1 MiB chunks.
+func (r *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
+	const chunk = 1 << 20
+	zero := coroutines.AlignedBuf(int(min(n, chunk)), max(r.align, 4096))
+	for n > 0 {
+		c := min(n, int64(len(zero)))
+		if _, err := r.WriteAt(ctx, zero[:c], off); err != nil {
+			return err
+		}
+		off += c
+		n -= c
+	}
+	return nil
+}
+
+func notSupported(err error) bool {
+	return errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EINVAL)
+}
+
+// Discard punches a hole where the host can; elsewhere it does nothing,
+// which discard allows.
+func (r *Image) Discard(ctx context.Context, off, n int64) error {
+	if !r.writable {
+		return formats.ErrReadOnly
+	}
+	if r.blockDev || n <= 0 {
+		return nil
+	}
+	err := r.f.Fallocate(ctx, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+	if err != nil && !notSupported(err) {
+		return fmt.Errorf("raw: discard [%d, +%d): %w", off, n, err)
+	}
+	return nil
+}
+
+func (r *Image) Flush(ctx context.Context) error {
+	if !r.writable {
+		return nil
+	}
+	if err := r.f.Fdatasync(ctx); err != nil {
+		return fmt.Errorf("raw: flush: %w", err)
+	}
+	return nil
+}
+
+func (r *Image) Resize(ctx context.Context, size int64) error {
+	if !r.writable {
+		return formats.ErrReadOnly
+	}
+	if r.blockDev {
+		return fmt.Errorf("raw: resize a block device: %w", formats.ErrNotSupported)
+	}
+	if size < 0 {
+		return fmt.Errorf("raw: resize to %d: %w", size, formats.ErrOutOfRange)
+	}
+	if err := unix.Ftruncate(r.f.Fd(), size); err != nil {
+		return fmt.Errorf("raw: resize to %d: %w", size, err)
+	}
+	r.size.Store(size)
+	return nil
+}
+
+// Extent asks the host for the data/hole boundary at off.
+func (r *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+	size := r.size.Load()
+	if off < 0 || off >= size {
+		return formats.Extent{}, fmt.Errorf("raw: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	n = min(n, size-off)
+	fd := r.f.Fd()
+	data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+	switch {
+	case errors.Is(err, unix.ENXIO):
+		// No data from off to the host file's end: one hole.
+		return formats.Extent{Start: off, Length: n, Zero: true}, nil
+	case err != nil:
+		// Host without SEEK_DATA: everything is data.
+		return formats.Extent{Start: off, Length: n, Data: true}, nil
+	case data > off:
+		return formats.Extent{Start: off, Length: min(n, data-off), Zero: true}, nil
+	}
+	hole, err := unix.Seek(fd, off, unix.SEEK_HOLE)
+	if err != nil || hole <= off {
+		hole = off + n
+	}
+	return formats.Extent{Start: off, Length: min(n, hole-off), Data: true}, nil
+}
+
+func (r *Image) AllocatedSize(context.Context) (int64, error) {
+	if r.blockDev {
+		return r.size.Load(), nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(r.f.Fd(), &st); err != nil {
+		return 0, fmt.Errorf("raw: stat: %w", err)
+	}
+	return st.Blocks * 512, nil
+}
+
+func (r *Image) Info() formats.Info {
+	actual, err := r.AllocatedSize(context.Background())
+	if err != nil {
+		actual = -1
+	}
+	return formats.Info{Format: "raw", Filename: r.f.Name(), VirtualSize: r.size.Load(), ActualSize: actual, RequestAlignment: r.align}
+}
+
+func (r *Image) Close() error { return r.f.Close() }

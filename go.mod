@@ -1,0 +1,9 @@
+module github.com/blockexport/blockexport
+
+go 1.26.8
+
+require (
+	github.com/hanwen/go-fuse/v2 v2.12.1 // indirect
+	github.com/spf13/pflag v1.1.0 // indirect
+	golang.org/x/sys v0.50.0 // indirect
+)

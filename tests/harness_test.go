@@ -1,0 +1,293 @@
+package tests
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// bin is the blockexport binary built for this test run.
+var bin string
+
+// requiredTools are the clients the tests drive. A missing one fails the
+// run: a skipped test must never pass for a tested one.
+var requiredTools = []string{"fio", "qemu-img", "qemu-io", "qemu-storage-daemon", "losetup", "mkfs.ext4", "e2fsck", "fallocate", "fusermount3", "mount", "umount"}
+
+func TestMain(m *testing.M) {
+	var missing []string
+	for _, tool := range requiredTools {
+		if _, err := exec.LookPath(tool); err != nil {
+			missing = append(missing, tool)
+		}
+	}
+	if len(missing) > 0 {
+		fmt.Fprintf(os.Stderr, "tests: missing tools %v; install them with: apt-get install -y fuse3 fio qemu-utils qemu-system-common libnbd-bin e2fsprogs mount util-linux\n", missing)
+		os.Exit(1)
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "tests: the end-to-end tests mount FUSE file systems and loop devices; run them as root")
+		os.Exit(1)
+	}
+	dir, err := os.MkdirTemp("", "blockexport-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	bin = filepath.Join(dir, "blockexport")
+	build := exec.Command("go", "build", "-o", bin, "../cmd/blockexport")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "tests: building blockexport:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// daemon is one running export process (ours or qemu-storage-daemon).
+type daemon struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	mnt    string
+	logf   string
+	exited chan struct{}
+	err    error // the process's exit, valid once exited is closed
+}
+
+// startExport runs `blockexport fuse ARGS... IMAGE MNT` and returns once MNT
+// is a FUSE mount. The export is stopped and unmounted in t.Cleanup.
+func startExport(t *testing.T, image, mnt string, args ...string) *daemon {
+	t.Helper()
+	argv := append([]string{"fuse"}, args...)
+	argv = append(argv, image, mnt)
+	return startDaemon(t, mnt, bin, argv...)
+}
+
+func startDaemon(t *testing.T, mnt, prog string, argv ...string) *daemon {
+	t.Helper()
+	d := &daemon{t: t, mnt: mnt, exited: make(chan struct{})}
+	d.logf = filepath.Join(t.TempDir(), "daemon.log")
+	logFile, err := os.Create(d.logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.cmd = exec.Command(prog, argv...)
+	d.cmd.Stdout, d.cmd.Stderr = logFile, logFile
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	logFile.Close()
+	go func() {
+		d.err = d.cmd.Wait()
+		close(d.exited)
+	}()
+	t.Cleanup(d.cleanup)
+	deadline := time.Now().Add(15 * time.Second)
+	for !isFuseMount(mnt) {
+		select {
+		case <-d.exited:
+			t.Fatalf("%s exited before mounting: %v\n%s", filepath.Base(prog), d.err, d.log())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s did not mount %s in time\n%s", filepath.Base(prog), mnt, d.log())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return d
+}
+
+func (d *daemon) log() string {
+	b, _ := os.ReadFile(d.logf)
+	return string(b)
+}
+
+// stop sends SIGTERM and waits for the exit; it returns the exit code.
+func (d *daemon) stop() int {
+	d.t.Helper()
+	select {
+	case <-d.exited:
+	default:
+		d.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	return d.wait(20 * time.Second)
+}
+
+// wait waits for the process to exit by itself and returns its exit code.
+func (d *daemon) wait(timeout time.Duration) int {
+	d.t.Helper()
+	select {
+	case <-d.exited:
+	case <-time.After(timeout):
+		d.t.Fatalf("export did not exit within %v\n%s", timeout, d.log())
+	}
+	var ee *exec.ExitError
+	if errors.As(d.err, &ee) {
+		return ee.ExitCode()
+	}
+	if d.err != nil {
+		d.t.Fatalf("waiting for export: %v", d.err)
+	}
+	return 0
+}
+
+// cleanup leaves nothing behind, whatever the test did: the process is
+// stopped (killed if it will not stop) and the mount is gone.
+func (d *daemon) cleanup() {
+	select {
+	case <-d.exited:
+	default:
+		d.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-d.exited:
+		case <-time.After(10 * time.Second):
+			d.cmd.Process.Kill()
+			<-d.exited
+		}
+	}
+	if isFuseMount(d.mnt) {
+		syscall.Unmount(d.mnt, syscall.MNT_DETACH)
+	}
+}
+
+// isFuseMount says whether path is a FUSE mount point in our namespace.
+func isFuseMount(path string) bool {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 10 || fields[4] != path {
+			continue
+		}
+		for i, x := range fields {
+			if x == "-" && i+1 < len(fields) && strings.HasPrefix(fields[i+1], "fuse") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// runBlockexport runs the binary to completion and returns its exit code
+// and combined output.
+func runBlockexport(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode(), string(out)
+	}
+	if err != nil {
+		t.Fatalf("running blockexport %v: %v", args, err)
+	}
+	return 0, string(out)
+}
+
+// run runs a client command and fails the test if it fails.
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// randomImage writes a raw image of size random bytes and returns its path.
+func randomImage(t *testing.T, dir string, size int64, seed uint64) string {
+	t.Helper()
+	path := filepath.Join(dir, "disk.img")
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	buf := make([]byte, 1<<20)
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for written := int64(0); written < size; {
+		n := min(int64(len(buf)), size-written)
+		for i := range buf[:n] {
+			buf[i] = byte(r.Uint32())
+		}
+		if _, err := f.Write(buf[:n]); err != nil {
+			t.Fatal(err)
+		}
+		written += n
+	}
+	return path
+}
+
+// sparseImage makes a sparse raw image of size bytes.
+func sparseImage(t *testing.T, dir, name string, size int64) string {
+	t.Helper()
+	path := filepath.Join(dir, name)
+	if err := os.WriteFile(path, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, size); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func fileHash(t *testing.T, path string) [32]byte {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		t.Fatal(err)
+	}
+	var sum [32]byte
+	copy(sum[:], h.Sum(nil))
+	return sum
+}
+
+func readAll(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func mustEqualBytes(t *testing.T, what string, got, want []byte) {
+	t.Helper()
+	if !bytes.Equal(got, want) {
+		i := 0
+		for i < len(got) && i < len(want) && got[i] == want[i] {
+			i++
+		}
+		t.Fatalf("%s: contents differ (len %d vs %d, first difference at %d)", what, len(got), len(want), i)
+	}
+}
+
+// errnoOf digs the errno out of an os error.
+func errnoOf(err error) syscall.Errno {
+	var en syscall.Errno
+	if errors.As(err, &en) {
+		return en
+	}
+	return 0
+}

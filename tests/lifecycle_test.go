@@ -1,0 +1,255 @@
+package tests
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func TestMountpointRules(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 1<<20, 6)
+	before := fileHash(t, img)
+
+	t.Run("missing mountpoint is created and removed", func(t *testing.T) {
+		mnt := filepath.Join(dir, "created")
+		d := startExport(t, img, mnt, "-f", "raw")
+		if st, err := os.Stat(mnt); err != nil || st.Size() != 1<<20 {
+			t.Fatalf("stat of created mountpoint: %v", err)
+		}
+		if code := d.stop(); code != 0 {
+			t.Fatalf("exit %d\n%s", code, d.log())
+		}
+		if _, err := os.Stat(mnt); !os.IsNotExist(err) {
+			t.Fatalf("created mountpoint left behind: %v", err)
+		}
+	})
+	t.Run("directory mountpoint", func(t *testing.T) {
+		code, out := runBlockexport(t, "fuse", "-f", "raw", img, dir)
+		if code != 1 || !strings.Contains(out, "is a directory") || strings.Count(out, "\n") != 1 {
+			t.Fatalf("exit %d, output %q; want 1 and one line saying it is a directory", code, out)
+		}
+	})
+	t.Run("missing parent directory", func(t *testing.T) {
+		code, out := runBlockexport(t, "fuse", "-f", "raw", img, filepath.Join(dir, "nope", "mnt"))
+		if code != 1 || !strings.Contains(out, "cannot create") {
+			t.Fatalf("exit %d, output %q", code, out)
+		}
+	})
+	t.Run("second export on the same path", func(t *testing.T) {
+		mnt := filepath.Join(dir, "dup")
+		startExport(t, img, mnt, "-f", "raw")
+		code, out := runBlockexport(t, "fuse", "-f", "raw", img, mnt)
+		if code != 1 || !strings.Contains(out, "already is a FUSE export") {
+			t.Fatalf("exit %d, output %q", code, out)
+		}
+		if !isFuseMount(mnt) {
+			t.Fatal("the first export was unmounted by the second attempt")
+		}
+	})
+	if fileHash(t, img) != before {
+		t.Fatal("the image changed")
+	}
+}
+
+func TestBadInputIsRefusedWithOneLine(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 1<<20, 7)
+	before := fileHash(t, img)
+	qcow := filepath.Join(dir, "x.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
+	mnt := filepath.Join(dir, "mnt")
+	cases := []struct {
+		name string
+		args []string
+		code int
+		say  string
+	}{
+		{"unknown flag", []string{"fuse", "--bogus", img, mnt}, 2, "unknown flag"},
+		{"unknown format", []string{"fuse", "-f", "vmdk", img, mnt}, 2, "unknown format"},
+		{"bad null size", []string{"fuse", "null:12Q", mnt}, 2, "bad size"},
+		{"missing arguments", []string{"fuse", img}, 2, "want IMAGE and MOUNTPOINT"},
+		{"growable without writable", []string{"fuse", "--growable", img, mnt}, 2, "--growable needs --writable"},
+		{"bad aio", []string{"fuse", "--aio", "posix", img, mnt}, 2, "unknown aio backend"},
+		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
+		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
+		{"qcow2 not yet supported", []string{"fuse", "-w", qcow, mnt}, 1, "qcow2 images are not supported yet"},
+		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			code, out := runBlockexport(t, c.args...)
+			if code != c.code || !strings.Contains(strings.ToLower(out), strings.ToLower(c.say)) || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+				t.Fatalf("exit %d, output %q; want exit %d and one line containing %q", code, out, c.code, c.say)
+			}
+			if isFuseMount(mnt) {
+				t.Fatal("something got mounted")
+			}
+		})
+	}
+	if fileHash(t, img) != before {
+		t.Fatal("the image changed")
+	}
+	if _, err := os.Stat(mnt); !os.IsNotExist(err) {
+		t.Fatalf("a failed export left its mountpoint behind: %v", err)
+	}
+}
+
+func TestExternalUnmountEndsTheExport(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "u.img", 1<<20)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "-w")
+	run(t, "fusermount3", "-u", mnt)
+	if code := d.wait(10 * time.Second); code != 0 {
+		t.Fatalf("exit %d after external unmount\n%s", code, d.log())
+	}
+	// The process must have gone, not be spinning: wait returned.
+	if !strings.Contains(d.log(), "unmounted from outside") {
+		t.Fatalf("log does not say why it stopped:\n%s", d.log())
+	}
+}
+
+func TestDaemonizeReturnsOnceServing(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 3<<20, 8)
+	mnt := filepath.Join(dir, "mnt")
+	pidfile := filepath.Join(dir, "pid")
+	code, out := runBlockexport(t, "fuse", "-f", "raw", "--daemonize", "--pidfile", pidfile, img, mnt)
+	pid := 0
+	if b, err := os.ReadFile(pidfile); err == nil {
+		pid, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+	}
+	t.Cleanup(func() {
+		if pid > 0 {
+			syscall.Kill(pid, syscall.SIGTERM)
+			for i := 0; i < 200 && syscall.Kill(pid, 0) == nil; i++ {
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+		if isFuseMount(mnt) {
+			syscall.Unmount(mnt, syscall.MNT_DETACH)
+		}
+	})
+	if code != 0 {
+		t.Fatalf("--daemonize exit %d: %s", code, out)
+	}
+	if pid <= 0 {
+		t.Fatal("no pid in the pidfile")
+	}
+	// Usable right away, no polling.
+	st, err := os.Stat(mnt)
+	if err != nil || st.Size() != 3<<20 {
+		t.Fatalf("stat right after --daemonize returned: %v", err)
+	}
+	mustEqualBytes(t, "daemonized export", readAll(t, mnt), readAll(t, img))
+	syscall.Kill(pid, syscall.SIGTERM)
+	for i := 0; i < 500 && syscall.Kill(pid, 0) == nil; i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if syscall.Kill(pid, 0) == nil {
+		t.Fatal("daemon did not exit on SIGTERM")
+	}
+	if _, err := os.Stat(pidfile); !os.IsNotExist(err) {
+		t.Fatal("pidfile left behind")
+	}
+	if _, err := os.Stat(mnt); !os.IsNotExist(err) {
+		t.Fatal("created mountpoint left behind")
+	}
+
+	// A daemon that cannot come up says why and exits non-zero.
+	code, out = runBlockexport(t, "fuse", "--daemonize", filepath.Join(dir, "absent"), mnt)
+	if code != 1 || !strings.Contains(out, "no such file") {
+		t.Fatalf("--daemonize of a missing image: exit %d, %q", code, out)
+	}
+}
+
+// TestSigtermLosesNoAcknowledgedWrite writes numbered blocks through the
+// export while it is stopped; every write that returned success must be in
+// the image afterwards.
+func TestSigtermLosesNoAcknowledgedWrite(t *testing.T) {
+	dir := t.TempDir()
+	const blocks = 4096
+	img := sparseImage(t, dir, "w.img", blocks*4096)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "-w")
+
+	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	acked := make(chan int, blocks)
+	go func() {
+		defer close(acked)
+		buf := make([]byte, 4096)
+		for i := 0; i < blocks; i++ {
+			for j := 0; j < len(buf); j += 8 {
+				binary.LittleEndian.PutUint64(buf[j:], uint64(i)+1)
+			}
+			if _, err := f.WriteAt(buf, int64(i)*4096); err != nil {
+				return
+			}
+			acked <- i
+		}
+	}()
+	// Let some writes through, then stop the export under load.
+	for i := 0; i < 200; i++ {
+		<-acked
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	var done []int
+	for i := range acked {
+		done = append(done, i)
+	}
+	f.Close()
+	if code := d.wait(20 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, d.log())
+	}
+	got := readAll(t, img)
+	for i := 0; i < 200+len(done); i++ {
+		want := make([]byte, 8)
+		binary.LittleEndian.PutUint64(want, uint64(i)+1)
+		if !bytes.Equal(got[i*4096:i*4096+8], want) {
+			t.Fatalf("acknowledged block %d is not in the image", i)
+		}
+	}
+	if isFuseMount(mnt) {
+		t.Fatal("still mounted")
+	}
+}
+
+func TestNullDevice(t *testing.T) {
+	dir := t.TempDir()
+	mnt := filepath.Join(dir, "mnt")
+	startExport(t, "null:1G", mnt, "-w")
+	st, err := os.Stat(mnt)
+	if err != nil || st.Size() != 1<<30 {
+		t.Fatalf("null:1G: %v, size %d", err, st.Size())
+	}
+	f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(bytes.Repeat([]byte{9}, 65536), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	buf := bytes.Repeat([]byte{1}, 65536)
+	if _, err := f.ReadAt(buf, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	mustEqualBytes(t, "null device read", buf, make([]byte, 65536))
+	out := run(t, "fio", "--name=null", "--filename="+mnt, "--rw=randrw", "--bs=4k", "--size=64M",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--io_size=32M", "--minimal")
+	if !strings.Contains(out, "null;") {
+		t.Fatalf("fio output: %s", out)
+	}
+	_ = exec.Command
+}
