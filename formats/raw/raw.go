@@ -39,8 +39,24 @@ type Image struct {
 	size     atomic.Int64
 
 	// Only with Direct:
-	align int
-	rmw   coroutines.RangeLock
+	align  int
+	rmw    coroutines.RangeLock
+	bounce *coroutines.BufPool // windows up to the largest FUSE request
+}
+
+// maxBounce is the largest request we bounce from the pool (1 MiB, the
+// FUSE max_write, plus an alignment unit on each side); larger ones
+// allocate.
+const maxBounce = 1 << 20
+
+// bounceBuf returns an aligned buffer of n bytes and the function that gives
+// it back.
+func (r *Image) bounceBuf(n int64) ([]byte, func()) {
+	if n <= int64(r.bounce.Size()) {
+		b := r.bounce.Get()
+		return (*b)[:n], func() { r.bounce.Put(b) }
+	}
+	return coroutines.AlignedBuf(int(n), r.align), func() {}
 }
 
 // Open opens the raw image at path.
@@ -71,6 +87,7 @@ func Open(path string, o Options) (*Image, error) {
 	img.size.Store(size)
 	if o.Direct {
 		img.align = aio.LogicalBlockSize(f.Fd())
+		img.bounce = coroutines.NewBufPool(maxBounce+2*img.align, img.align)
 	}
 	return img, nil
 }
@@ -93,7 +110,8 @@ func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 		return r.read(ctx, p, off)
 	}
 	start, end := r.cover(off, int64(len(p)))
-	buf := coroutines.AlignedBuf(int(end-start), r.align)
+	buf, put := r.bounceBuf(end - start)
+	defer put()
 	if _, err := r.read(ctx, buf, start); err != nil {
 		return 0, err
 	}
@@ -130,7 +148,8 @@ func (r *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if r.aligned(p, off) {
 		return r.write(ctx, p, off)
 	}
-	buf := coroutines.AlignedBuf(int(end-start), r.align)
+	buf, put := r.bounceBuf(end - start)
+	defer put()
 	if _, err := r.read(ctx, buf, start); err != nil {
 		return 0, err
 	}
