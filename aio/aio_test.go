@@ -204,3 +204,27 @@ func TestParseBackend(t *testing.T) {
 		t.Error("posix accepted")
 	}
 }
+
+// TestUseAfterCloseIsAnError: a call on a closed file returns os.ErrClosed
+// at once; it neither hangs nor touches a descriptor number reused since.
+func TestUseAfterCloseIsAnError(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(path, make([]byte, 8192), 0o644)
+	for _, b := range []Backend{IOUring, Threads} {
+		f, err := Open(path, Options{Backend: b, Writable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		buf := make([]byte, 4096)
+		if _, err := f.ReadAt(context.Background(), buf, 0); !errors.Is(err, os.ErrClosed) {
+			t.Errorf("%s: read after close: %v", b, err)
+		}
+		if _, err := f.WriteAt(context.Background(), buf, 0); !errors.Is(err, os.ErrClosed) {
+			t.Errorf("%s: write after close: %v", b, err)
+		}
+		if err := f.Fdatasync(context.Background()); !errors.Is(err, os.ErrClosed) {
+			t.Errorf("%s: fdatasync after close: %v", b, err)
+		}
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"os"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -12,6 +13,9 @@ import (
 type threadFile struct {
 	f  *os.File
 	fd int
+	// closed guards against using a descriptor number that Close released
+	// and the kernel may have handed to another file.
+	closed atomic.Bool
 }
 
 func newThreadFile(f *os.File) *threadFile {
@@ -21,12 +25,23 @@ func newThreadFile(f *os.File) *threadFile {
 func (t *threadFile) Fd() int          { return t.fd }
 func (t *threadFile) Name() string     { return t.f.Name() }
 func (t *threadFile) Backend() Backend { return Threads }
-func (t *threadFile) Close() error     { return t.f.Close() }
+func (t *threadFile) Close() error {
+	t.closed.Store(true)
+	return t.f.Close()
+}
+
+// check refuses calls on a closed file.
+func (t *threadFile) check(ctx context.Context, op string) error {
+	if t.closed.Load() {
+		return pathErr(op, t, os.ErrClosed)
+	}
+	return ctx.Err()
+}
 
 func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	done := 0
 	for done < len(p) {
-		if err := ctx.Err(); err != nil {
+		if err := t.check(ctx, "pread"); err != nil {
 			return done, err
 		}
 		n, err := unix.Pread(t.fd, p[done:], off+int64(done))
@@ -47,7 +62,7 @@ func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, erro
 func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	done := 0
 	for done < len(p) {
-		if err := ctx.Err(); err != nil {
+		if err := t.check(ctx, "pwrite"); err != nil {
 			return done, err
 		}
 		n, err := unix.Pwrite(t.fd, p[done:], off+int64(done))
@@ -69,7 +84,7 @@ func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int,
 	iov = append([][]byte(nil), iov...)
 	total := 0
 	for len(iov) > 0 {
-		if err := ctx.Err(); err != nil {
+		if err := t.check(ctx, "preadv"); err != nil {
 			return total, err
 		}
 		n, err := unix.Preadv(t.fd, iov, off+int64(total))
@@ -92,7 +107,7 @@ func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int
 	iov = append([][]byte(nil), iov...)
 	total := 0
 	for len(iov) > 0 {
-		if err := ctx.Err(); err != nil {
+		if err := t.check(ctx, "pwritev"); err != nil {
 			return total, err
 		}
 		n, err := unix.Pwritev(t.fd, iov, off+int64(total))
@@ -123,9 +138,9 @@ func (t *threadFile) Fallocate(ctx context.Context, mode uint32, off, n int64) e
 	return retryEINTR(ctx, "fallocate", t, func() error { return unix.Fallocate(t.fd, mode, off, n) })
 }
 
-func retryEINTR(ctx context.Context, op string, f File, call func() error) error {
+func retryEINTR(ctx context.Context, op string, f *threadFile, call func() error) error {
 	for {
-		if err := ctx.Err(); err != nil {
+		if err := f.check(ctx, op); err != nil {
 			return err
 		}
 		err := call()

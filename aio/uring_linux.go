@@ -116,6 +116,7 @@ type uring struct {
 	free  chan uint32
 
 	closeOnce sync.Once
+	closing   chan struct{} // closed when close begins: no new requests
 	reaped    chan struct{} // closed when the completion goroutine ends
 }
 
@@ -141,6 +142,7 @@ func newURing(entries uint32) (*uring, error) {
 		r.free <- uint32(i)
 	}
 	r.reaped = make(chan struct{})
+	r.closing = make(chan struct{})
 	go r.reap()
 	return r, nil
 }
@@ -264,7 +266,18 @@ func (r *uring) reap() {
 // do runs one operation to completion and returns the kernel's result
 // (negative errno on failure).
 func (r *uring) do(fill func(*sqe, *slot, uint64)) (int32, error) {
-	idx := <-r.free
+	var idx uint32
+	select {
+	case idx = <-r.free:
+	case <-r.closing:
+		return 0, os.ErrClosed
+	}
+	select {
+	case <-r.closing: // close began while we waited for the slot
+		r.free <- idx
+		return 0, os.ErrClosed
+	default:
+	}
 	s := &r.slots[idx]
 	if err := r.submit(func(e *sqe) { fill(e, s, uint64(idx)) }); err != nil {
 		r.free <- idx
@@ -277,8 +290,9 @@ func (r *uring) do(fill func(*sqe, *slot, uint64)) (int32, error) {
 
 func (r *uring) close() {
 	r.closeOnce.Do(func() {
-		// Wait for every request in flight by taking all slots, then stop
-		// the completion goroutine with a tagged NOP.
+		// Refuse new requests, wait for every request in flight by taking
+		// all slots, then stop the completion goroutine with a tagged NOP.
+		close(r.closing)
 		for range r.slots {
 			<-r.free
 		}
@@ -311,7 +325,16 @@ func newURingFile(f *os.File, o Options) (*uringFile, error) {
 	return &uringFile{f: f, fd: int(f.Fd()), ring: r, direct: o.Direct}, nil
 }
 
-func (u *uringFile) Fd() int          { return u.fd }
+func (u *uringFile) Fd() int { return u.fd }
+
+func (u *uringFile) closed() bool {
+	select {
+	case <-u.ring.closing:
+		return true
+	default:
+		return false
+	}
+}
 func (u *uringFile) Name() string     { return u.f.Name() }
 func (u *uringFile) Backend() Backend { return IOUring }
 
@@ -325,7 +348,7 @@ func (u *uringFile) Close() error {
 // hit completes right here without a trip through the ring.
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
 	done := 0
-	if op == opRead && !u.direct && len(p) > 0 {
+	if op == opRead && !u.direct && len(p) > 0 && !u.closed() {
 		n, err := unix.Preadv2(u.fd, [][]byte{p}, off, unix.RWF_NOWAIT)
 		if err == nil {
 			if n == 0 {
@@ -349,7 +372,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		})
 		runtime.KeepAlive(buf)
 		if err != nil {
-			return done, err
+			return done, pathErr(opName(op), u, err)
 		}
 		switch {
 		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
@@ -390,7 +413,7 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 		})
 		runtime.KeepAlive(iov)
 		if err != nil {
-			return total, err
+			return total, pathErr(opName(op), u, err)
 		}
 		switch {
 		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
@@ -455,7 +478,7 @@ func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error
 			e.userData = tag
 		})
 		if err != nil {
-			return err
+			return pathErr(opName(op), u, err)
 		}
 		if res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN) {
 			continue

@@ -356,3 +356,36 @@ func TestLookupIsENOENT(t *testing.T) {
 		t.Fatalf("stat below the file: %v", err)
 	}
 }
+
+// TestHostErrorsReachTheClient: the image lives on a 256 KiB tmpfs, so
+// allocating writes fail with ENOSPC on the host; the client must get that
+// errno (not a hang, not success), and the export keeps serving.
+func TestHostErrorsReachTheClient(t *testing.T) {
+	dir := t.TempDir()
+	small := filepath.Join(dir, "small")
+	os.Mkdir(small, 0o755)
+	run(t, "mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", small)
+	t.Cleanup(func() { unix.Unmount(small, unix.MNT_DETACH) })
+	img := sparseImage(t, small, "full.img", 8<<20)
+	mnt := filepath.Join(dir, "mnt")
+	startExport(t, img, mnt, "-f", "raw", "-w")
+
+	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	block := bytes.Repeat([]byte{1}, 64<<10)
+	var werr error
+	for off := int64(0); off < 8<<20 && werr == nil; off += int64(len(block)) {
+		_, werr = unix.Pwrite(fd, block, off)
+	}
+	if werr != unix.ENOSPC {
+		t.Fatalf("filling a full host: %v, want ENOSPC", werr)
+	}
+	// Still serving: reads of what was written work.
+	buf := make([]byte, 4096)
+	if n, err := unix.Pread(fd, buf, 0); n != 4096 || err != nil || buf[0] != 1 {
+		t.Fatalf("read after ENOSPC: %d %v", n, err)
+	}
+}
