@@ -4,7 +4,7 @@ IMAGE   ?= null:1G
 MOUNT   ?= /tmp/blockexport.export
 FLAGS   ?= --writable
 
-.PHONY: build run test unit vet bench clean
+.PHONY: build run test unit fuzz bench clean
 
 build:
 	$(GO) build -o bin/blockexport ./cmd/blockexport
@@ -20,6 +20,12 @@ test:
 	.ci/deps
 	$(GO) vet ./...
 	$(GO) test -race -timeout 20m ./...
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 10s -fuzzminimizetime 2s ./formats/qcow2
+
+# Fuzz the qcow2 parser for longer (FUZZTIME=10m make fuzz).
+FUZZTIME ?= 2m
+fuzz:
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
 
 # Unit tests only (no mounts, no root needed for most).
 unit:

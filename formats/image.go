@@ -66,6 +66,16 @@ type Extent struct {
 	Data bool `json:"data"`
 	// Zero: the bytes are known to read as zeroes.
 	Zero bool `json:"zero"`
+	// Present: some layer of the backing chain allocates the bytes (as data
+	// or as zeroes); otherwise they read as zeroes from nowhere.
+	Present bool `json:"present"`
+	// Depth is the layer that answers: 0 this image, 1 its backing file...;
+	// for bytes no layer allocates, the depth of the last layer asked.
+	Depth int `json:"depth"`
+	// Offset is where the bytes lie in that layer's host file, when
+	// HasOffset is set.
+	Offset    int64 `json:"-"`
+	HasOffset bool  `json:"-"`
 }
 
 // Info is what a format tells about an image.

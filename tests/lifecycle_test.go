@@ -80,7 +80,7 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 		{"bad aio", []string{"fuse", "--aio", "posix", img, mnt}, 2, "unknown aio backend"},
 		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
 		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
-		{"qcow2 not yet supported", []string{"fuse", "-w", qcow, mnt}, 1, "qcow2 images are not supported yet"},
+		{"writable qcow2 not yet supported", []string{"fuse", "-w", qcow, mnt}, 1, "writing qcow2 images is not supported yet"},
 		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
 	}
 	for _, c := range cases {

@@ -30,6 +30,7 @@ type fuseFlags struct {
 	logLevel       string
 	aio            string
 	cache          string
+	l2CacheSize    string
 }
 
 func runFuse(args []string, stdout, stderr io.Writer) error {
@@ -47,6 +48,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
 	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
+	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -79,6 +81,10 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	default:
 		return usagef("unknown --cache mode %q (want writeback or none)", f.cache)
 	}
+	l2Cache, err := probe.ParseSize(f.l2CacheSize)
+	if err != nil {
+		return usagef("--l2-cache-size: %v", err)
+	}
 	if f.growable && !f.writable {
 		return usagef("--growable needs --writable")
 	}
@@ -88,7 +94,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 
 	img, err := probe.Open(image, probe.Options{
 		Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger,
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache,
 	})
 	if err != nil {
 		if errors.Is(err, probe.ErrUsage) {

@@ -58,7 +58,7 @@ func (n *Image) Extent(_ context.Context, off, length int64) (formats.Extent, er
 	if off < 0 || off >= size {
 		return formats.Extent{}, fmt.Errorf("null: extent at %d: %w", off, formats.ErrOutOfRange)
 	}
-	return formats.Extent{Start: off, Length: min(length, size-off), Zero: n.readZeroes}, nil
+	return formats.Extent{Start: off, Length: min(length, size-off), Zero: n.readZeroes, Present: n.readZeroes}, nil
 }
 
 // AllocatedSize is 0: a null device occupies nothing.

@@ -16,6 +16,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/raw"
 )
 
@@ -67,6 +68,7 @@ type Options struct {
 	// CLI); off leaves read buffers untouched.
 	NullReadZeroes bool
 	Direct         bool        // O_DIRECT on the host file (--cache none)
+	L2CacheSize    int64       // qcow2 L2 table cache in bytes; 0: default
 	Backend        aio.Backend // aio engine for host files
 	Logger         *slog.Logger
 }
@@ -118,7 +120,14 @@ func Open(spec string, o Options) (*Opened, error) {
 	}
 	switch format {
 	case QCOW2:
-		return nil, fmt.Errorf("%s: qcow2 images are not supported yet: %w", spec, formats.ErrUnknownFormat)
+		if o.Writable {
+			return nil, fmt.Errorf("%s: writing qcow2 images is not supported yet; export it read-only (without --writable): %w", spec, formats.ErrNotSupported)
+		}
+		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Logger: o.Logger})
+		if err != nil {
+			return nil, err
+		}
+		return &Opened{Image: img, Format: QCOW2, Probed: probed}, nil
 	case Raw:
 		img, err := raw.Open(spec, raw.Options{Writable: o.Writable, Direct: o.Direct, Backend: o.Backend, Logger: o.Logger})
 		if err != nil {

@@ -48,8 +48,11 @@ func TestOpenDetectsFormats(t *testing.T) {
 
 	q := filepath.Join(dir, "q.img")
 	os.WriteFile(q, []byte{'Q', 'F', 'I', 0xfb, 0, 0, 0, 3}, 0o644)
-	if _, err := Open(q, Options{}); !errors.Is(err, formats.ErrUnknownFormat) {
-		t.Fatalf("qcow2: %v, want a not-supported error", err)
+	if _, err := Open(q, Options{Writable: true}); !errors.Is(err, formats.ErrNotSupported) {
+		t.Fatalf("writable qcow2: %v, want a not-supported error", err)
+	}
+	if _, err := Open(q, Options{}); err == nil {
+		t.Fatal("a truncated qcow2 header opened")
 	}
 	n, err := Open("null:1M", Options{NullReadZeroes: true})
 	if err != nil || n.Format != Null || n.Size() != 1<<20 {

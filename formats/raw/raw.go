@@ -285,18 +285,28 @@ func (r *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) 
 	switch {
 	case errors.Is(err, unix.ENXIO):
 		// No data from off to the host file's end: one hole.
-		return formats.Extent{Start: off, Length: n, Zero: true}, nil
+		return hole(off, n), nil
 	case err != nil:
 		// Host without SEEK_DATA: everything is data.
-		return formats.Extent{Start: off, Length: n, Data: true}, nil
+		return dataExtent(off, n), nil
 	case data > off:
-		return formats.Extent{Start: off, Length: min(n, data-off), Zero: true}, nil
+		return hole(off, min(n, data-off)), nil
 	}
-	hole, err := unix.Seek(fd, off, unix.SEEK_HOLE)
-	if err != nil || hole <= off {
-		hole = off + n
+	end, err := unix.Seek(fd, off, unix.SEEK_HOLE)
+	if err != nil || end <= off {
+		end = off + n
 	}
-	return formats.Extent{Start: off, Length: min(n, hole-off), Data: true}, nil
+	return dataExtent(off, min(n, end-off)), nil
+}
+
+// Raw bytes always lie at their own offset in the file; a hole is present
+// (the file answers for it) and reads as zeroes, as qemu-img map shows it.
+func hole(off, n int64) formats.Extent {
+	return formats.Extent{Start: off, Length: n, Zero: true, Present: true, Offset: off, HasOffset: true}
+}
+
+func dataExtent(off, n int64) formats.Extent {
+	return formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true}
 }
 
 func (r *Image) AllocatedSize(context.Context) (int64, error) {

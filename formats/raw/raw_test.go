@@ -91,9 +91,9 @@ func TestExtentsFollowHoles(t *testing.T) {
 	defer img.Close()
 	ctx := context.Background()
 	want := []formats.Extent{
-		{Start: 0, Length: 2 << 20, Zero: true},
-		{Start: 2 << 20, Length: 1 << 20, Data: true},
-		{Start: 3 << 20, Length: 5 << 20, Zero: true},
+		{Start: 0, Length: 2 << 20, Zero: true, Present: true, HasOffset: true},
+		{Start: 2 << 20, Length: 1 << 20, Data: true, Present: true, Offset: 2 << 20, HasOffset: true},
+		{Start: 3 << 20, Length: 5 << 20, Zero: true, Present: true, Offset: 3 << 20, HasOffset: true},
 	}
 	off := int64(0)
 	for _, w := range want {

@@ -1,0 +1,405 @@
+// Package qcow2 reads qcow2 images (versions 2 and 3): L1/L2 translation
+// with a bounded LRU of L2 tables, contiguous clusters merged into one host
+// I/O, runs of one request read in parallel, zero clusters, compressed
+// clusters (deflate and zstd) through a small cache of decoded clusters, and
+// backing chains of qcow2 or raw files.
+//
+// Writing is not implemented yet: the image is always opened read-only, and
+// write-type calls return [formats.ErrReadOnly].
+//
+// Files: header.go (header and extensions), cluster.go (L1/L2 lookup),
+// cache.go (LRU), compress.go (compressed clusters), backing.go (chains).
+package qcow2
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// DefaultL2CacheSize holds every L2 table of a 64 GiB image with 64 KiB
+// clusters (128 tables of 64 KiB).
+const DefaultL2CacheSize = 8 << 20
+
+// maxExtentSteps bounds the cluster lookups of one Extent call.
+const maxExtentSteps = 1 << 16
+
+// decodedCacheBytes bounds the cache of decompressed clusters.
+const decodedCacheBytes = 4 << 20
+
+// Options say how to open an image and its backing chain.
+type Options struct {
+	// L2CacheSize is the L2 table cache in bytes; 0 means the default.
+	L2CacheSize int64
+	Backend     aio.Backend
+	Direct      bool
+	Logger      *slog.Logger
+}
+
+// Image is an open qcow2 image.
+type Image struct {
+	f        aio.File
+	path     string
+	h        *header
+	l1       []uint64
+	fileSize int64
+	l2cache  *lru[[]uint64]
+	dcache   *lru[[]byte]
+	backing  formats.Image // nil: unallocated clusters read as zeroes
+	bfmt     string        // format of backing
+	// preallocated: metadata preallocation detected, so block status asks
+	// the host file which data clusters are holes (as QEMU does).
+	preallocated bool
+}
+
+// Open opens the qcow2 image at path read-only, with its backing chain.
+func Open(path string, o Options) (*Image, error) {
+	return openChain(path, o, newChainGuard())
+}
+
+func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Logger: o.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("qcow2: %w", err)
+	}
+	q, err := load(f, path, o)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	if err := guard.enter(f.Fd(), path); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return q, nil
+}
+
+// load reads and checks the header and the L1 table.
+func load(f aio.File, path string, o Options) (*Image, error) {
+	ctx := context.Background()
+	var st unix.Stat_t
+	if err := unix.Fstat(f.Fd(), &st); err != nil {
+		return nil, fmt.Errorf("qcow2: stat %s: %w", path, err)
+	}
+	fileSize := st.Size
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		if fileSize, err := unix.Seek(f.Fd(), 0, io.SeekEnd); err == nil {
+			st.Size = fileSize
+		}
+		fileSize = st.Size
+	}
+	head := make([]byte, min(fileSize, 1<<maxClusterBits))
+	if _, err := f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
+		return nil, fmt.Errorf("qcow2: read header of %s: %w", path, err)
+	}
+	h, err := parseHeader(head, fileSize)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	q := &Image{f: f, path: path, h: h, fileSize: fileSize}
+	if h.l1Size > 0 {
+		raw := make([]byte, int64(h.l1Size)*8)
+		if _, err := f.ReadAt(ctx, raw, int64(h.l1Offset)); err != nil {
+			return nil, fmt.Errorf("qcow2: %s: L1 table at %#x: %w", path, h.l1Offset, err)
+		}
+		q.l1 = make([]uint64, h.l1Size)
+		for i := range q.l1 {
+			q.l1[i] = binary.BigEndian.Uint64(raw[i*8:])
+		}
+	}
+	cacheBytes := o.L2CacheSize
+	if cacheBytes <= 0 {
+		cacheBytes = DefaultL2CacheSize
+	}
+	q.l2cache = newLRU[[]uint64](int(cacheBytes / h.clusterSize))
+	q.dcache = newLRU[[]byte](max(2, int(decodedCacheBytes/h.clusterSize)))
+	q.preallocated, err = q.detectMetadataPreallocation(ctx, st.Blocks*512)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return q, nil
+}
+
+func (q *Image) Size() int64 { return int64(q.h.size) }
+
+// ReadAt reads p at off. Clusters are classified first; every run of host
+// I/O (contiguous data clusters, or a stretch to read from the backing file)
+// becomes one read, and the runs of one request go in parallel.
+func (q *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > q.Size() {
+		return 0, fmt.Errorf("qcow2: read [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
+	}
+	var runs []ioRun
+	var first ioRun
+	cs := q.h.clusterSize
+	for pos := int64(0); pos < int64(len(p)); {
+		voff := off + pos
+		n := min(cs-voff%cs, int64(len(p))-pos)
+		m, _, err := q.lookup(ctx, voff/cs)
+		if err != nil {
+			return 0, err
+		}
+		switch m.kind {
+		case zero:
+			clear(p[pos : pos+n])
+		case compressed:
+			c, err := q.compressedCluster(ctx, m)
+			if err != nil {
+				return 0, err
+			}
+			copy(p[pos:pos+n], c[voff%cs:])
+		case data, unallocated:
+			run := ioRun{buf: p[pos : pos+n], off: voff, backing: m.kind == unallocated}
+			if m.kind == data {
+				run.off = m.host + voff%cs
+			}
+			// Extend over following clusters that continue the run.
+			for pos+n < int64(len(p)) {
+				next, _, err := q.lookup(ctx, (voff+n)/cs)
+				if err != nil {
+					return 0, err
+				}
+				if next.kind != m.kind || (m.kind == data && next.host != run.off+n) {
+					break
+				}
+				n += min(cs, int64(len(p))-pos-n)
+			}
+			run.buf = p[pos : pos+n]
+			if first.buf == nil {
+				first = run
+			} else {
+				runs = append(runs, run)
+			}
+		}
+		pos += n
+	}
+	if err := q.doRuns(ctx, first, runs); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// ioRun is one host read: from this file at off, or from the backing chain
+// at virtual offset off.
+type ioRun struct {
+	buf     []byte
+	off     int64
+	backing bool
+}
+
+func (q *Image) doRuns(ctx context.Context, first ioRun, rest []ioRun) error {
+	if first.buf == nil {
+		return nil
+	}
+	if len(rest) == 0 {
+		return q.doRun(ctx, first)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, len(rest))
+	for i, r := range rest {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = q.doRun(ctx, r)
+		}()
+	}
+	err := q.doRun(ctx, first)
+	wg.Wait()
+	if err != nil {
+		return err
+	}
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
+
+func (q *Image) doRun(ctx context.Context, r ioRun) error {
+	if r.backing {
+		return q.readBacking(ctx, r.buf, r.off)
+	}
+	n, err := q.f.ReadAt(ctx, r.buf, r.off)
+	if err == io.EOF {
+		// A cluster the file ends inside of: the rest reads as zeroes.
+		clear(r.buf[n:])
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("qcow2: read %d bytes at host %#x: %w", len(r.buf), r.off, err)
+	}
+	return nil
+}
+
+// readBacking fills p from the backing chain at virtual offset off; what
+// lies past the backing file's end (or everything, without one) is zeroes.
+func (q *Image) readBacking(ctx context.Context, p []byte, off int64) error {
+	if q.backing == nil {
+		clear(p)
+		return nil
+	}
+	bsize := q.backing.Size()
+	inBacking := max(0, min(int64(len(p)), bsize-off))
+	if inBacking > 0 {
+		if _, err := q.backing.ReadAt(ctx, p[:inBacking], off); err != nil {
+			return err
+		}
+	}
+	clear(p[inBacking:])
+	return nil
+}
+
+// Extent reports the run at off with one status, as QEMU's block status
+// does: this layer's data, zero and compressed clusters at depth 0, and for
+// unallocated ones whatever the backing chain says, one level deeper.
+func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
+	size := q.Size()
+	if off < 0 || off >= size {
+		return formats.Extent{}, fmt.Errorf("qcow2: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	n = min(n, size-off)
+	cs := q.h.clusterSize
+	m, absent, err := q.lookup(ctx, off/cs)
+	if err != nil {
+		return formats.Extent{}, err
+	}
+	// Length of the run of clusters like the first.
+	length := cs - off%cs
+	if absent {
+		length = q.l2Span()*cs - off%(q.l2Span()*cs)
+	}
+	// Host offsets must continue too, for runs that have them: the cluster
+	// at virtual off+length lies at m.host+off%cs+length.
+	continues := func(next mapping) bool {
+		if next.kind != m.kind {
+			return false
+		}
+		switch {
+		case m.kind == data, m.kind == zero && m.host != 0:
+			return next.host == m.host+off%cs+length
+		case m.kind == zero:
+			return next.host == 0
+		}
+		return true
+	}
+	// Bound the work of one call: a crafted image can point every L1 entry
+	// at one L2 table of unallocated entries, and callers loop anyway.
+	for steps := 0; length < n && steps < maxExtentSteps; steps++ {
+		next, nAbsent, err := q.lookup(ctx, (off+length)/cs)
+		if err != nil {
+			return formats.Extent{}, err
+		}
+		if !continues(next) {
+			break
+		}
+		if nAbsent {
+			length += q.l2Span()*cs - (off+length)%(q.l2Span()*cs)
+		} else {
+			length += cs
+		}
+	}
+	length = min(length, n)
+	switch m.kind {
+	case data:
+		// Like QEMU, ask the host file whether the clusters read as zeroes
+		// (preallocated, never written: a hole in the file).
+		host := m.host + off%cs
+		zero := false
+		if q.preallocated {
+			length, zero = q.hostZero(host, length)
+		}
+		return formats.Extent{Start: off, Length: length, Data: true, Zero: zero, Present: true, Offset: host, HasOffset: true}, nil
+	case compressed:
+		return formats.Extent{Start: off, Length: length, Data: true, Present: true}, nil
+	case zero:
+		e := formats.Extent{Start: off, Length: length, Zero: true, Present: true}
+		if m.host != 0 {
+			e.Offset, e.HasOffset = m.host+off%cs, true
+		}
+		return e, nil
+	}
+	// Unallocated here: ask the backing chain.
+	if q.backing == nil {
+		return formats.Extent{Start: off, Length: length, Zero: true}, nil
+	}
+	bsize := q.backing.Size()
+	if off >= bsize {
+		// Past the backing file's end this layer answers: zeroes.
+		return formats.Extent{Start: off, Length: length, Zero: true}, nil
+	}
+	e, err := q.backing.Extent(ctx, off, min(length, bsize-off))
+	if err != nil {
+		return formats.Extent{}, err
+	}
+	e.Depth++
+	return e, nil
+}
+
+// hostZero says whether [host, host+n) of the file is a hole (reads as
+// zeroes), and for how long that answer holds.
+func (q *Image) hostZero(host, n int64) (int64, bool) {
+	if host >= q.fileSize {
+		return n, true
+	}
+	fd := q.f.Fd()
+	d, err := unix.Seek(fd, host, unix.SEEK_DATA)
+	switch {
+	case err == unix.ENXIO:
+		return n, true
+	case err != nil:
+		return n, false
+	case d > host:
+		return min(n, d-host), true
+	}
+	h, err := unix.Seek(fd, host, unix.SEEK_HOLE)
+	if err != nil || h <= host {
+		return n, false
+	}
+	return min(n, h-host), false
+}
+
+func (q *Image) WriteAt(context.Context, []byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+func (q *Image) WriteZeroes(context.Context, int64, int64, bool) error { return formats.ErrReadOnly }
+func (q *Image) Discard(context.Context, int64, int64) error           { return formats.ErrReadOnly }
+func (q *Image) Resize(context.Context, int64) error                   { return formats.ErrReadOnly }
+func (q *Image) Flush(context.Context) error                           { return nil }
+
+// AllocatedSize is the host allocation of this file (not the chain), as
+// qemu-img info's actual-size.
+func (q *Image) AllocatedSize(context.Context) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(q.f.Fd(), &st); err != nil {
+		return 0, fmt.Errorf("qcow2: stat: %w", err)
+	}
+	return st.Blocks * 512, nil
+}
+
+func (q *Image) Info() formats.Info {
+	actual, err := q.AllocatedSize(context.Background())
+	if err != nil {
+		actual = -1
+	}
+	return formats.Info{Format: "qcow2", Filename: q.path, VirtualSize: q.Size(), ActualSize: actual, RequestAlignment: 1}
+}
+
+// Close closes the image and its backing chain.
+func (q *Image) Close() error {
+	err := q.f.Close()
+	if q.backing != nil {
+		if berr := q.backing.Close(); err == nil {
+			err = berr
+		}
+	}
+	return err
+}
