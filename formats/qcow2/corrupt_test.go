@@ -2,12 +2,12 @@ package qcow2
 
 import (
 	"context"
-	"fmt"
-	"runtime"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
