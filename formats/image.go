@@ -76,15 +76,64 @@ type Extent struct {
 	// HasOffset is set.
 	Offset    int64 `json:"-"`
 	HasOffset bool  `json:"-"`
+	// File is the host file of the layer that answers.
+	File string `json:"-"`
 }
 
-// Info is what a format tells about an image.
+// Info is what a format tells about an image, for `blockexport info`. The
+// JSON names and nesting are those of `qemu-img info --output=json`.
 type Info struct {
 	Format      string `json:"format"`
 	Filename    string `json:"filename"`
 	VirtualSize int64  `json:"virtual-size"`
 	// ActualSize is the host allocation in bytes, -1 when unknown.
-	ActualSize int64 `json:"actual-size"`
+	ActualSize  int64 `json:"actual-size"`
+	ClusterSize int64 `json:"cluster-size,omitempty"`
+	DirtyFlag   bool  `json:"dirty-flag"`
+
+	BackingFilename       string `json:"backing-filename,omitempty"`
+	FullBackingFilename   string `json:"full-backing-filename,omitempty"`
+	BackingFilenameFormat string `json:"backing-filename-format,omitempty"`
+
+	FormatSpecific *FormatSpecific `json:"format-specific,omitempty"`
+	Snapshots      []Snapshot      `json:"snapshots,omitempty"`
+
 	// RequestAlignment is the smallest unit the host accepts for I/O.
 	RequestAlignment int `json:"-"`
+}
+
+// FormatSpecific is qemu-img's "format-specific" object.
+type FormatSpecific struct {
+	Type string      `json:"type"`
+	Data QCOW2Detail `json:"data"`
+}
+
+// QCOW2Detail is the "data" of a qcow2 image's format-specific object.
+type QCOW2Detail struct {
+	Compat          string `json:"compat"`
+	CompressionType string `json:"compression-type"`
+	LazyRefcounts   bool   `json:"lazy-refcounts"`
+	RefcountBits    int    `json:"refcount-bits"`
+	Corrupt         bool   `json:"corrupt"`
+	ExtendedL2      bool   `json:"extended-l2"`
+	// Bitmaps is set when the image carries persistent dirty bitmaps.
+	Bitmaps bool `json:"-"`
+}
+
+// Snapshot is one internal snapshot of a qcow2 image.
+type Snapshot struct {
+	ID          string `json:"id"`
+	Name        string `json:"name"`
+	VMStateSize uint64 `json:"vm-state-size"`
+	DateSec     uint32 `json:"date-sec"`
+	DateNsec    uint32 `json:"date-nsec"`
+	VMClockSec  uint64 `json:"vm-clock-sec"`
+	VMClockNsec uint64 `json:"vm-clock-nsec"`
+	ICount      uint64 `json:"icount"`
+}
+
+// Layered is implemented by images with a backing file.
+type Layered interface {
+	// Backing returns the backing image, or nil.
+	Backing() Image
 }

@@ -37,6 +37,8 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"fuse", "export an image as a regular file through FUSE", runFuse},
+		{"info", "describe an image (format, sizes, backing chain, features)", runInfo},
+		{"map", "print an image's allocation, as qemu-img map does", runMap},
 	}
 }
 

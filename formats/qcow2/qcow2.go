@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"path/filepath"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -317,11 +318,11 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 		if q.preallocated {
 			length, zero = q.hostZero(host, length)
 		}
-		return formats.Extent{Start: off, Length: length, Data: true, Zero: zero, Present: true, Offset: host, HasOffset: true}, nil
+		return formats.Extent{Start: off, Length: length, Data: true, Zero: zero, Present: true, Offset: host, HasOffset: true, File: q.path}, nil
 	case compressed:
-		return formats.Extent{Start: off, Length: length, Data: true, Present: true}, nil
+		return formats.Extent{Start: off, Length: length, Data: true, Present: true, File: q.path}, nil
 	case zero:
-		e := formats.Extent{Start: off, Length: length, Zero: true, Present: true}
+		e := formats.Extent{Start: off, Length: length, Zero: true, Present: true, File: q.path}
 		if m.host != 0 {
 			e.Offset, e.HasOffset = m.host+off%cs, true
 		}
@@ -329,12 +330,12 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 	}
 	// Unallocated here: ask the backing chain.
 	if q.backing == nil {
-		return formats.Extent{Start: off, Length: length, Zero: true}, nil
+		return formats.Extent{Start: off, Length: length, Zero: true, File: q.path}, nil
 	}
 	bsize := q.backing.Size()
 	if off >= bsize {
 		// Past the backing file's end this layer answers: zeroes.
-		return formats.Extent{Start: off, Length: length, Zero: true}, nil
+		return formats.Extent{Start: off, Length: length, Zero: true, File: q.path}, nil
 	}
 	e, err := q.backing.Extent(ctx, off, min(length, bsize-off))
 	if err != nil {
@@ -385,13 +386,49 @@ func (q *Image) AllocatedSize(context.Context) (int64, error) {
 	return st.Blocks * 512, nil
 }
 
+// Info describes the image as qemu-img info does.
 func (q *Image) Info() formats.Info {
-	actual, err := q.AllocatedSize(context.Background())
+	ctx := context.Background()
+	actual, err := q.AllocatedSize(ctx)
 	if err != nil {
 		actual = -1
 	}
-	return formats.Info{Format: "qcow2", Filename: q.path, VirtualSize: q.Size(), ActualSize: actual, RequestAlignment: 1}
+	h := q.h
+	compat := "1.1"
+	if h.version == 2 {
+		compat = "0.10"
+	}
+	compression := "zlib"
+	if h.compressionType == compressionZstd {
+		compression = "zstd"
+	}
+	info := formats.Info{
+		Format: "qcow2", Filename: q.path, VirtualSize: q.Size(), ActualSize: actual,
+		ClusterSize: h.clusterSize, DirtyFlag: h.incompatible&incDirty != 0,
+		BackingFilename: h.backingFile, BackingFilenameFormat: h.backingFormat,
+		FormatSpecific: &formats.FormatSpecific{Type: "qcow2", Data: formats.QCOW2Detail{
+			Compat: compat, CompressionType: compression,
+			LazyRefcounts: h.compatible&compatLazyRefcounts != 0,
+			RefcountBits:  1 << h.refcountOrder,
+			Corrupt:       h.incompatible&incCorrupt != 0,
+			ExtendedL2:    h.incompatible&incExtendedL2 != 0,
+			Bitmaps:       h.hasBitmaps,
+		}},
+		RequestAlignment: 1,
+	}
+	if h.backingFile != "" {
+		info.FullBackingFilename = h.backingFile
+		if !filepath.IsAbs(h.backingFile) {
+			info.FullBackingFilename = filepath.Join(filepath.Dir(q.path), h.backingFile)
+		}
+	}
+	// Snapshots are best effort: a damaged table must not hide the rest.
+	info.Snapshots, _ = q.snapshots(ctx)
+	return info
 }
+
+// Backing returns the backing image, or nil.
+func (q *Image) Backing() formats.Image { return q.backing }
 
 // Close closes the image and its backing chain.
 func (q *Image) Close() error {

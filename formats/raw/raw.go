@@ -285,28 +285,28 @@ func (r *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) 
 	switch {
 	case errors.Is(err, unix.ENXIO):
 		// No data from off to the host file's end: one hole.
-		return hole(off, n), nil
+		return r.hole(off, n), nil
 	case err != nil:
 		// Host without SEEK_DATA: everything is data.
-		return dataExtent(off, n), nil
+		return r.dataExtent(off, n), nil
 	case data > off:
-		return hole(off, min(n, data-off)), nil
+		return r.hole(off, min(n, data-off)), nil
 	}
 	end, err := unix.Seek(fd, off, unix.SEEK_HOLE)
 	if err != nil || end <= off {
 		end = off + n
 	}
-	return dataExtent(off, min(n, end-off)), nil
+	return r.dataExtent(off, min(n, end-off)), nil
 }
 
 // Raw bytes always lie at their own offset in the file; a hole is present
 // (the file answers for it) and reads as zeroes, as qemu-img map shows it.
-func hole(off, n int64) formats.Extent {
-	return formats.Extent{Start: off, Length: n, Zero: true, Present: true, Offset: off, HasOffset: true}
+func (r *Image) hole(off, n int64) formats.Extent {
+	return formats.Extent{Start: off, Length: n, Zero: true, Present: true, Offset: off, HasOffset: true, File: r.f.Name()}
 }
 
-func dataExtent(off, n int64) formats.Extent {
-	return formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true}
+func (r *Image) dataExtent(off, n int64) formats.Extent {
+	return formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true, File: r.f.Name()}
 }
 
 func (r *Image) AllocatedSize(context.Context) (int64, error) {

@@ -1,0 +1,266 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/probe"
+)
+
+// openForInspection opens IMAGE read-only for info and map.
+func openForInspection(spec, format string) (*probe.Opened, error) {
+	if _, err := probe.ParseFormat(format); err != nil {
+		return nil, usageError{err}
+	}
+	img, err := probe.Open(spec, probe.Options{Format: format, NullReadZeroes: true, Backend: "threads"})
+	if err != nil {
+		if errors.Is(err, probe.ErrUsage) {
+			return nil, usageError{err}
+		}
+		return nil, err
+	}
+	return img, nil
+}
+
+func runInfo(args []string, stdout, _ io.Writer) error {
+	fs := newFlagSet("info", "info [flags] IMAGE\n\nDescribe IMAGE as qemu-img info does.", stdout)
+	asJSON := fs.Bool("json", false, "print JSON with qemu-img info --output=json's names")
+	chain := fs.Bool("backing-chain", false, "describe every image of the backing chain")
+	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		return usagef("info: want one IMAGE, got %d argument(s)", fs.NArg())
+	}
+	img, err := openForInspection(fs.Arg(0), *format)
+	if err != nil {
+		return err
+	}
+	defer img.Close()
+	infos := []formats.Info{img.Info()}
+	if *chain {
+		for layer := formats.Image(img.Image); ; {
+			l, ok := layer.(formats.Layered)
+			if !ok || l.Backing() == nil {
+				break
+			}
+			layer = l.Backing()
+			infos = append(infos, layer.Info())
+		}
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "    ")
+		if *chain {
+			return enc.Encode(infos)
+		}
+		return enc.Encode(infos[0])
+	}
+	for i, info := range infos {
+		if i > 0 {
+			fmt.Fprintln(stdout)
+		}
+		printInfo(stdout, info)
+	}
+	return nil
+}
+
+func printInfo(w io.Writer, in formats.Info) {
+	fmt.Fprintf(w, "image: %s\n", in.Filename)
+	fmt.Fprintf(w, "file format: %s\n", in.Format)
+	fmt.Fprintf(w, "virtual size: %s (%d bytes)\n", humanSize(in.VirtualSize), in.VirtualSize)
+	if in.ActualSize >= 0 {
+		fmt.Fprintf(w, "disk size: %s\n", humanSize(in.ActualSize))
+	}
+	if in.ClusterSize > 0 {
+		fmt.Fprintf(w, "cluster_size: %d\n", in.ClusterSize)
+	}
+	if in.BackingFilename != "" {
+		fmt.Fprintf(w, "backing file: %s", in.BackingFilename)
+		if in.FullBackingFilename != in.BackingFilename {
+			fmt.Fprintf(w, " (actual path: %s)", in.FullBackingFilename)
+		}
+		fmt.Fprintln(w)
+		if in.BackingFilenameFormat != "" {
+			fmt.Fprintf(w, "backing file format: %s\n", in.BackingFilenameFormat)
+		}
+	}
+	if len(in.Snapshots) > 0 {
+		fmt.Fprintln(w, "Snapshot list:")
+		fmt.Fprintf(w, "%-4s %-20s %10s %19s %15s\n", "ID", "TAG", "VM SIZE", "DATE", "VM CLOCK")
+		for _, s := range in.Snapshots {
+			date := time.Unix(int64(s.DateSec), 0).Format("2006-01-02 15:04:05")
+			clock := fmt.Sprintf("%02d:%02d:%02d.%03d", s.VMClockSec/3600, s.VMClockSec/60%60, s.VMClockSec%60, s.VMClockNsec/1e6)
+			fmt.Fprintf(w, "%-4s %-20s %10s %19s %15s\n", s.ID, s.Name, humanSize(int64(s.VMStateSize)), date, clock)
+		}
+	}
+	if fs := in.FormatSpecific; fs != nil {
+		d := fs.Data
+		fmt.Fprintln(w, "Format specific information:")
+		fmt.Fprintf(w, "    compat: %s\n    compression type: %s\n    lazy refcounts: %t\n    refcount bits: %d\n    corrupt: %t\n    extended l2: %t\n",
+			d.Compat, d.CompressionType, d.LazyRefcounts, d.RefcountBits, d.Corrupt, d.ExtendedL2)
+		if d.Bitmaps {
+			fmt.Fprintln(w, "    bitmaps: present (ignored)")
+		}
+	}
+	if in.DirtyFlag {
+		fmt.Fprintln(w, "dirty: yes (refcounts may be stale; qemu-img check -r all repairs)")
+	}
+}
+
+// humanSize prints bytes the way qemu-img does: three significant digits
+// and a binary unit.
+func humanSize(n int64) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"}
+	v := float64(n)
+	i := 0
+	for v >= 1024 && i < len(units)-1 {
+		v /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.3g %s", v, units[i])
+}
+
+// mapEntry is one extent of `blockexport map --json`, with the names and
+// meaning of qemu-img map --output=json.
+type mapEntry struct {
+	Start   int64  `json:"start"`
+	Length  int64  `json:"length"`
+	Depth   int    `json:"depth"`
+	Present bool   `json:"present"`
+	Zero    bool   `json:"zero"`
+	Data    bool   `json:"data"`
+	Offset  *int64 `json:"offset,omitempty"`
+	file    string
+}
+
+// mergeable says whether next continues e as qemu-img merges entries.
+func (e *mapEntry) mergeable(next mapEntry) bool {
+	if e.Depth != next.Depth || e.Present != next.Present || e.Zero != next.Zero || e.Data != next.Data || e.file != next.file {
+		return false
+	}
+	if (e.Offset == nil) != (next.Offset == nil) {
+		return false
+	}
+	return e.Offset == nil || *e.Offset+e.Length == *next.Offset
+}
+
+func runMap(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("map", "map [flags] IMAGE\n\nPrint the allocation of IMAGE as qemu-img map does.", stdout)
+	asJSON := fs.Bool("json", false, "print JSON with qemu-img map --output=json's names")
+	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		return usagef("map: want one IMAGE, got %d argument(s)", fs.NArg())
+	}
+	img, err := openForInspection(fs.Arg(0), *format)
+	if err != nil {
+		return err
+	}
+	defer img.Close()
+	entries, err := mapImage(context.Background(), img, progressTo(stderr))
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		// One entry per line, like qemu-img, and still one JSON array.
+		var b strings.Builder
+		b.WriteString("[")
+		for i, e := range entries {
+			if i > 0 {
+				b.WriteString(",\n")
+			}
+			j, _ := json.Marshal(e)
+			b.Write(j)
+		}
+		b.WriteString("]\n")
+		_, err := io.WriteString(stdout, b.String())
+		return err
+	}
+	fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", "Offset", "Length", "Mapped to", "File")
+	for _, e := range entries {
+		if e.Data && e.Offset != nil {
+			fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", cHex(e.Start), cHex(e.Length), cHex(*e.Offset), e.file)
+		}
+	}
+	return nil
+}
+
+// cHex formats like C's %#x, which prints zero as "0".
+func cHex(v int64) string {
+	if v == 0 {
+		return "0"
+	}
+	return fmt.Sprintf("%#x", v)
+}
+
+// mapImage walks the image's extents and merges them.
+func mapImage(ctx context.Context, img formats.Image, progress func(done, total int64)) ([]mapEntry, error) {
+	var list []mapEntry
+	size := img.Size()
+	for off := int64(0); off < size; {
+		e, err := img.Extent(ctx, off, size-off)
+		if err != nil {
+			return nil, err
+		}
+		if e.Length <= 0 {
+			return nil, fmt.Errorf("map: empty extent at %d", off)
+		}
+		m := mapEntry{Start: e.Start, Length: e.Length, Depth: e.Depth, Present: e.Present, Zero: e.Zero, Data: e.Data, file: e.File}
+		if e.HasOffset {
+			o := e.Offset
+			m.Offset = &o
+		}
+		if n := len(list); n > 0 && list[n-1].mergeable(m) {
+			list[n-1].Length += m.Length
+		} else {
+			list = append(list, m)
+		}
+		off += e.Length
+		progress(off, size)
+	}
+	progress(size, size)
+	return list, nil
+}
+
+// progressTo returns a progress reporter that draws a percentage on w when
+// w is a terminal and the run has taken over a second; otherwise nothing.
+func progressTo(w io.Writer) func(done, total int64) {
+	f, ok := w.(*os.File)
+	if !ok {
+		return func(int64, int64) {}
+	}
+	if _, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS); err != nil {
+		return func(int64, int64) {}
+	}
+	start, last, shown := time.Now(), time.Time{}, false
+	return func(done, total int64) {
+		now := time.Now()
+		if done >= total {
+			if shown {
+				fmt.Fprint(f, "\r\033[K")
+			}
+			return
+		}
+		if now.Sub(start) < time.Second || now.Sub(last) < 100*time.Millisecond {
+			return
+		}
+		last, shown = now, true
+		fmt.Fprintf(f, "\rmapping: %5.1f%%", 100*float64(done)/float64(total))
+	}
+}
