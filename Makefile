@@ -31,5 +31,13 @@ fuzz:
 unit:
 	$(GO) test -race $$($(GO) list ./... | grep -v /tests)
 
+# Side-by-side benchmark against qemu-storage-daemon (about 10 minutes);
+# the report lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null" for
+# a quick look.
+BENCHFLAGS ?=
+bench: build
+	.ci/deps
+	$(GO) run ./tests/bench $(BENCHFLAGS)
+
 clean:
 	rm -rf bin

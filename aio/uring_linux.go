@@ -349,7 +349,7 @@ func (u *uringFile) Close() error {
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
 	done := 0
 	if op == opRead && !u.direct && len(p) > 0 && !u.closed() {
-		n, err := unix.Preadv2(u.fd, [][]byte{p}, off, unix.RWF_NOWAIT)
+		n, err := PreadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {
 				return 0, io.EOF

@@ -137,3 +137,19 @@ type Layered interface {
 	// Backing returns the backing image, or nil.
 	Backing() Image
 }
+
+// NoWaitReader is implemented by images that can try a read without
+// waiting on a device: a serve loop runs such reads inline and hands only
+// the rest to a goroutine.
+type NoWaitReader interface {
+	// ReadAtNoWait fills all of p from off if it can without blocking (page
+	// cache hits, metadata already cached). ok false means it would block;
+	// p's content is then undefined and the caller uses ReadAt.
+	ReadAtNoWait(p []byte, off int64) (ok bool)
+}
+
+// InlineWriter is implemented by images whose writes complete in memory
+// (the host page cache, or nowhere), so a serve loop may run them inline.
+type InlineWriter interface {
+	InlineWrites() bool
+}

@@ -104,3 +104,21 @@ func TestQemuImgConvertIntoTheExport(t *testing.T) {
 	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, mnt)
 	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, dst)
 }
+
+// TestQueuesAndBusyPolling: two cloned /dev/fuse queues served by busy
+// polling loops keep data intact under fio's verify, and the export stops
+// cleanly (the poll loops must notice the unmount).
+func TestQueuesAndBusyPolling(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "q.img", 64<<20)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "-w", "--queues", "2", "--poll-us", "50")
+	job := []string{"--name=verify", "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=16M",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+		"--randseed=7", "--minimal"}
+	run(t, "fio", append(job, "--filename="+mnt)...)
+	if code := d.stop(); code != 0 {
+		t.Fatalf("export exit %d\n%s", code, d.log())
+	}
+	run(t, "fio", append(job, "--filename="+img, "--verify_only")...)
+}

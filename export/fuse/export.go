@@ -47,8 +47,6 @@ const attrTimeout = time.Second
 
 // Export serves one image as the root inode (ino 1) of a FUSE mount.
 type Export struct {
-	fuse.RawFileSystem // ENOSYS for every op not below
-
 	img  formats.Image
 	opts Options
 	log  *slog.Logger
@@ -69,11 +67,10 @@ func New(img formats.Image, o Options) *Export {
 		o.Logger = slog.Default()
 	}
 	e := &Export{
-		RawFileSystem: fuse.NewDefaultRawFileSystem(),
-		img:           img,
-		opts:          o,
-		log:           o.Logger,
-		mtime:         time.Now(),
+		img:   img,
+		opts:  o,
+		log:   o.Logger,
+		mtime: time.Now(),
 	}
 	mode := uint32(0o400)
 	if o.Writable {
@@ -94,8 +91,6 @@ func (e *Export) SetAllowOther(on bool) { e.allowOther.Store(on) }
 func (e *Export) Drain(ctx context.Context) (release func(), err error) {
 	return e.inflight.Drain(ctx)
 }
-
-func (e *Export) String() string { return "blockexport" }
 
 func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	size := e.img.Size()
@@ -213,21 +208,43 @@ func (e *Export) Open(_ <-chan struct{}, _ *fuse.OpenIn, out *fuse.OpenOut) fuse
 
 func (e *Export) Release(<-chan struct{}, *fuse.ReleaseIn) {}
 
-// Read is clamped to the end of the image: a short read at EOF, an empty one
-// past it.
-func (e *Export) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+// ReadInto reads the request into buf, clamped to the end of the image: a
+// short read at EOF, an empty one past it. It returns the byte count.
+func (e *Export) ReadInto(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
 	e.inflight.Begin()
 	defer e.inflight.End()
-	off, size := int64(in.Offset), e.img.Size()
-	if off >= size {
-		return fuse.ReadResultData(nil), fuse.OK
+	off, n := e.clampRead(in, len(buf))
+	if n == 0 {
+		return 0, fuse.OK
 	}
-	n := min(int64(len(buf)), int64(in.Size), size-off)
 	if _, err := e.img.ReadAt(cancelCtx(cancel), buf[:n], off); err != nil {
 		e.log.Debug("read failed", "off", off, "len", n, "err", err)
-		return nil, errno(err)
+		return 0, errno(err)
 	}
-	return fuse.ReadResultData(buf[:n]), fuse.OK
+	return int(n), fuse.OK
+}
+
+// readNoWait is ReadInto for a serve loop that must not block: ok false
+// means the read would wait, and the loop hands it to ReadInto elsewhere.
+func (e *Export) readNoWait(r formats.NoWaitReader, in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
+	e.inflight.Begin()
+	defer e.inflight.End()
+	off, n := e.clampRead(in, len(buf))
+	if n == 0 {
+		return 0, fuse.OK, true
+	}
+	if !r.ReadAtNoWait(buf[:n], off) {
+		return 0, fuse.OK, false
+	}
+	return int(n), fuse.OK, true
+}
+
+func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
+	off, size := int64(in.Offset), e.img.Size()
+	if off >= size {
+		return off, 0
+	}
+	return off, min(int64(bufLen), int64(in.Size), size-off)
 }
 
 // Writev takes the payload as the kernel delivered it (one or more pieces).

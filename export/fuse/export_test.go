@@ -69,13 +69,13 @@ func TestWriteClampingAndGrowth(t *testing.T) {
 func TestReadClamping(t *testing.T) {
 	e := New(newNull(t, 10000), Options{})
 	buf := make([]byte, 4096)
-	res, st := e.Read(nil, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
-	if st != fuse.OK || res.Size() != 2000 {
-		t.Fatalf("read across EOF: %v size %d", st, res.Size())
+	n, st := e.ReadInto(nil, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
+	if st != fuse.OK || n != 2000 {
+		t.Fatalf("read across EOF: %v size %d", st, n)
 	}
-	res, st = e.Read(nil, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
-	if st != fuse.OK || res.Size() != 0 {
-		t.Fatalf("read past EOF: %v size %d", st, res.Size())
+	n, st = e.ReadInto(nil, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
+	if st != fuse.OK || n != 0 {
+		t.Fatalf("read past EOF: %v size %d", st, n)
 	}
 }
 
@@ -152,7 +152,7 @@ func TestClosedImageIsEIO(t *testing.T) {
 	}
 	e := New(img, Options{Writable: true})
 	img.Close()
-	if _, st := e.Read(nil, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
+	if _, st := e.ReadInto(nil, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
 		t.Fatalf("read from a closed image: %v, want EIO", st)
 	}
 }

@@ -69,3 +69,14 @@ func (n *Image) Info() formats.Info {
 }
 
 func (n *Image) Close() error { return nil }
+
+// ReadAtNoWait never waits: there is nothing to read.
+func (n *Image) ReadAtNoWait(p []byte, _ int64) bool {
+	if n.readZeroes {
+		clear(p)
+	}
+	return true
+}
+
+// InlineWrites: writes go nowhere.
+func (n *Image) InlineWrites() bool { return true }

@@ -56,6 +56,7 @@ type Image struct {
 	dcache   *lru[[]byte]
 	backing  formats.Image // nil: unallocated clusters read as zeroes
 	bfmt     string        // format of backing
+	direct bool // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
 	// the host file which data clusters are holes (as QEMU does).
 	preallocated bool
@@ -105,7 +106,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	q := &Image{f: f, path: path, h: h, fileSize: fileSize}
+	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct}
 	if h.l1Size > 0 {
 		raw := make([]byte, int64(h.l1Size)*8)
 		if _, err := f.ReadAt(ctx, raw, int64(h.l1Offset)); err != nil {
@@ -343,6 +344,53 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 	}
 	e.Depth++
 	return e, nil
+}
+
+// ReadAtNoWait serves a read that stays inside one cluster whose L2 table
+// is cached: data from the page cache (RWF_NOWAIT), zero clusters, and
+// unallocated ones without a backing file. Anything else would wait.
+func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
+	cs := q.h.clusterSize
+	if len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || off/cs != (off+int64(len(p))-1)/cs {
+		return false
+	}
+	vc := off / cs
+	l1i := vc / q.h.l2Entries
+	if l1i >= int64(len(q.l1)) {
+		return false
+	}
+	l2off := int64(q.l1[l1i] & l1OffsetMask)
+	if l2off == 0 {
+		if q.backing != nil {
+			return false
+		}
+		clear(p)
+		return true
+	}
+	t, ok := q.l2cache.get(l2off)
+	if !ok {
+		return false
+	}
+	e := t[vc%q.h.l2Entries]
+	if e&l2Compressed != 0 {
+		return false
+	}
+	host := int64(e & l2OffsetMask)
+	switch {
+	case q.h.version >= 3 && e&l2ZeroFlag != 0:
+		clear(p)
+		return true
+	case host == 0:
+		if q.backing != nil {
+			return false
+		}
+		clear(p)
+		return true
+	case host%cs != 0 || host >= q.fileSize || q.direct:
+		return false
+	}
+	n, err := aio.PreadNoWait(q.f.Fd(), p, host+off%cs)
+	return err == nil && n == len(p)
 }
 
 // hostZero says whether [host, host+n) of the file is a hole (reads as

@@ -329,3 +329,17 @@ func (r *Image) Info() formats.Info {
 }
 
 func (r *Image) Close() error { return r.f.Close() }
+
+// ReadAtNoWait serves p from the page cache with preadv2(RWF_NOWAIT); with
+// O_DIRECT there is no cache to hit, so it never tries.
+func (r *Image) ReadAtNoWait(p []byte, off int64) bool {
+	if r.align != 1 || len(p) == 0 {
+		return false
+	}
+	n, err := aio.PreadNoWait(r.f.Fd(), p, off)
+	return err == nil && n == len(p)
+}
+
+// InlineWrites: buffered writes land in the page cache; O_DIRECT ones wait
+// for the device.
+func (r *Image) InlineWrites() bool { return r.align == 1 && !r.blockDev }
