@@ -56,7 +56,7 @@ type Image struct {
 	dcache   *lru[[]byte]
 	backing  formats.Image // nil: unallocated clusters read as zeroes
 	bfmt     string        // format of backing
-	direct bool // O_DIRECT host file: no page cache to hit
+	direct   bool          // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
 	// the host file which data clusters are holes (as QEMU does).
 	preallocated bool
