@@ -357,6 +357,14 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			done = n
 		}
 	}
+	if op == opWrite && !u.direct && !u.closed() {
+		// Buffered writes: file systems without non-blocking buffered
+		// writes (ext4 here answers RWF_NOWAIT with EOPNOTSUPP) make
+		// io_uring punt every one to an io-wq thread, a hand-off that
+		// measured 0.6x of a plain pwrite; the page cache absorbs the write
+		// either way, so write it from the caller.
+		return u.pwrite(ctx, p, off)
+	}
 	for done < len(p) {
 		if err := ctx.Err(); err != nil {
 			return done, err
@@ -385,6 +393,27 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			return done, pathErr(opName(op), u, unix.ENOSPC)
 		}
 		done += int(res)
+	}
+	return done, nil
+}
+
+func (u *uringFile) pwrite(ctx context.Context, p []byte, off int64) (int, error) {
+	done := 0
+	for done < len(p) {
+		if err := ctx.Err(); err != nil {
+			return done, err
+		}
+		n, err := unix.Pwrite(u.fd, p[done:], off+int64(done))
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		if err != nil {
+			return done, pathErr("pwrite", u, err)
+		}
+		if n == 0 {
+			return done, pathErr("pwrite", u, unix.ENOSPC)
+		}
+		done += n
 	}
 	return done, nil
 }

@@ -69,12 +69,15 @@ type server struct {
 	pollFor time.Duration
 
 	async sync.WaitGroup      // requests running in goroutines
-	bufs  *coroutines.BufPool // request copies and read buffers for them
+	bufs  *coroutines.BufPool // request copies and read buffers, up to 1 MiB
+	small *coroutines.BufPool // the same for requests up to 8 KiB
 	loops sync.WaitGroup      // the queue loops
 }
 
 func newServer(exp *Export, fd int) *server {
-	s := &server{exp: exp, fds: []int{fd}, bufs: coroutines.NewBufPool(bufSize, 4096)}
+	s := &server{exp: exp, fds: []int{fd},
+		bufs:  coroutines.NewBufPool(bufSize, 4096),
+		small: coroutines.NewBufPool(8192, 4096)}
 	if r, ok := exp.img.(formats.NoWaitReader); ok {
 		s.inlineReads = r
 	}
@@ -279,17 +282,27 @@ func (s *server) dispatch(fd int, req, out []byte) {
 	}
 }
 
-// goAsync copies req and finishes it in a goroutine.
+// goAsync copies req and finishes it in a goroutine. Buffers come from two
+// size classes, so that 4 KiB requests do not pin 1 MiB each.
 func (s *server) goAsync(fd int, req []byte) {
-	b := s.bufs.Get()
-	copy(*b, req)
-	r := (*b)[:len(req)]
+	b, put := s.buffer(len(req))
+	copy(b, req)
 	s.async.Add(1)
 	go func() {
 		defer s.async.Done()
-		defer s.bufs.Put(b)
-		s.slow(fd, r)
+		defer put()
+		s.slow(fd, b)
 	}()
+}
+
+// buffer returns a pooled buffer of n bytes and the function that returns it.
+func (s *server) buffer(n int) ([]byte, func()) {
+	pool := s.bufs
+	if n <= s.small.Size() {
+		pool = s.small
+	}
+	b := pool.Get()
+	return (*b)[:n], func() { pool.Put(b) }
 }
 
 // slow runs a request that may wait for I/O.
@@ -299,10 +312,10 @@ func (s *server) slow(fd int, req []byte) {
 	switch h.Opcode {
 	case opRead:
 		in := decode[fuse.ReadIn](req)
-		ob := s.bufs.Get()
-		defer s.bufs.Put(ob)
-		n, st := e.ReadInto(nil, in, (*ob)[:min(int(in.Size), maxWrite)])
-		s.replyData(fd, h.Unique, st, (*ob)[:n])
+		ob, put := s.buffer(min(int(in.Size), maxWrite))
+		defer put()
+		n, st := e.ReadInto(nil, in, ob)
+		s.replyData(fd, h.Unique, st, ob[:n])
 	case opWrite:
 		s.handleWrite(fd, req)
 	case opSetattr:
