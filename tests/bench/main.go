@@ -61,10 +61,9 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	systems := []system{
-		{"qemu-storage-daemon", startQSD},
-		{"blockexport", func(target, image, mnt string, writable bool) (*exec.Cmd, error) {
-			args := []string{"fuse", "--log-level", "warn"}
+	ours := func(extra ...string) system {
+		return system{"blockexport", func(target, image, mnt string, writable bool) (*exec.Cmd, error) {
+			args := append([]string{"fuse", "--log-level", "warn"}, extra...)
 			if writable {
 				args = append(args, "-w")
 			}
@@ -77,11 +76,17 @@ func main() {
 				args = append(args, "-f", "qcow2", image)
 			}
 			return startAndWait(exec.Command(bin, append(args, mnt)...), mnt)
-		}},
+		}}
 	}
+	systems := []system{{"qemu-storage-daemon", startQSD}, ours()}
 	var rows []row
 	for _, target := range strings.Split(*only, ",") {
-		rows = append(rows, benchTarget(target, dir, systems)...)
+		rows = append(rows, benchTarget(target, dir, systems, "", nil)...)
+	}
+	if strings.Contains(*only, "null") {
+		// The opt-in busy-poll mode, on the rows it is for.
+		polled := []system{systems[0], ours("--poll-us", "50")}
+		rows = append(rows, benchTarget("null", dir, polled, " (--poll-us 50)", func(j fioJob) bool { return j.engine == "pvsync2" })...)
 	}
 	rows = append(rows, benchConvert(dir, systems)...)
 	if err := report(rows); err != nil {
@@ -255,7 +260,9 @@ func fio(job fioJob, file string) (float64, error) {
 	return st.IOPS, nil
 }
 
-func benchTarget(target, dir string, systems []system) []row {
+// benchTarget runs the matrix (the jobs keep selects, all when nil) on one
+// target; suffix marks the rows' names.
+func benchTarget(target, dir string, systems []system, suffix string, keep func(fioJob) bool) []row {
 	log.Printf("target %s", target)
 	images := map[string]string{}
 	for _, s := range systems {
@@ -291,10 +298,10 @@ func benchTarget(target, dir string, systems []system) []row {
 	}()
 	var rows []row
 	for i, job := range matrix() {
-		if !writable && strings.Contains(job.rw, "write") {
+		if !writable && strings.Contains(job.rw, "write") || keep != nil && !keep(job) {
 			continue
 		}
-		r := row{target: target, name: job.name, unit: "IOPS", higherBetter: true}
+		r := row{target: target, name: job.name + suffix, unit: "IOPS", higherBetter: true}
 		if job.bs == "1M" {
 			r.unit = "MiB/s"
 		}
@@ -317,6 +324,9 @@ func benchTarget(target, dir string, systems []system) []row {
 		}
 		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", job.name, r.qemu, r.ours, ratio(r))
 		rows = append(rows, r)
+	}
+	if keep != nil {
+		return rows
 	}
 	rss := row{target: target, name: "peak RSS (MiB)", unit: "MiB"}
 	rss.qemu = peakRSS(daemons["qemu-storage-daemon"].cmd.Process.Pid)
