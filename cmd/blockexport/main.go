@@ -39,6 +39,7 @@ func commands() []command {
 		{"fuse", "export an image as a regular file through FUSE", runFuse},
 		{"info", "describe an image (format, sizes, backing chain, features)", runInfo},
 		{"map", "print an image's allocation, as qemu-img map does", runMap},
+		{"nbd", "serve an image over NBD (unix socket or TCP)", runNBD},
 	}
 }
 

@@ -80,3 +80,6 @@ func (n *Image) ReadAtNoWait(p []byte, _ int64) bool {
 
 // InlineWrites: writes go nowhere.
 func (n *Image) InlineWrites() bool { return true }
+
+// FastZero: zeroing writes nothing.
+func (n *Image) FastZero() bool { return true }

@@ -343,3 +343,6 @@ func (r *Image) ReadAtNoWait(p []byte, off int64) bool {
 // InlineWrites: buffered writes land in the page cache; O_DIRECT ones wait
 // for the device.
 func (r *Image) InlineWrites() bool { return r.align == 1 && !r.blockDev }
+
+// FastZero: zeroing is a fallocate, not a write, on a buffered regular file.
+func (r *Image) FastZero() bool { return r.align == 1 && !r.blockDev }

@@ -1,0 +1,159 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/export/nbd"
+	"github.com/blockexport/blockexport/formats/probe"
+)
+
+func runNBD(args []string, stdout, _ io.Writer) error {
+	fs := newFlagSet("nbd", "nbd [flags] IMAGE\n\nServe IMAGE (a raw or qcow2 file, or null:SIZE) over NBD.", stdout)
+	listen := fs.String("listen", "tcp:127.0.0.1:10809", "where to listen: unix:PATH or tcp:HOST:PORT")
+	name := fs.String("export-name", "", "the export's name")
+	desc := fs.String("description", "", "the export's description (NBD_INFO_DESCRIPTION)")
+	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
+	writable := fs.BoolP("writable", "w", false, "allow writes (default: read-only)")
+	maxClients := fs.Int("max-clients", 0, "refuse connections beyond this many (0: no limit)")
+	daemon := fs.Bool("daemonize", false, "run in the background; return once listening")
+	pidfile := fs.String("pidfile", "", "write the serving process's PID to this file")
+	logLevel := fs.String("log-level", "info", "log level: debug, info, warn or error")
+	aioFlag := fs.String("aio", "io_uring", "host I/O engine: io_uring or threads")
+	cache := fs.String("cache", "writeback", "host cache mode: writeback or none (O_DIRECT)")
+	nullZeroes := fs.Bool("null-read-zeroes", true, "null device reads return zeroes")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		return usagef("nbd: want one IMAGE, got %d argument(s) (see blockexport nbd --help)", fs.NArg())
+	}
+	logger, err := newLogger(*logLevel, os.Stderr)
+	if err != nil {
+		return err
+	}
+	network, addr, err := parseListen(*listen)
+	if err != nil {
+		return usageError{err}
+	}
+	f, err := probe.ParseFormat(*format)
+	if err != nil {
+		return usageError{err}
+	}
+	backend, err := aio.ParseBackend(*aioFlag)
+	if err != nil {
+		return usageError{err}
+	}
+	if *cache != "writeback" && *cache != "none" {
+		return usagef("unknown --cache mode %q (want writeback or none)", *cache)
+	}
+	if *maxClients < 0 {
+		return usagef("--max-clients %d: want 0 or more", *maxClients)
+	}
+	if *daemon && !isDaemonChild() {
+		return daemonize(os.Args)
+	}
+	img, err := probe.Open(fs.Arg(0), probe.Options{Format: f, Writable: *writable, NullReadZeroes: *nullZeroes,
+		Direct: *cache == "none", Backend: backend, Logger: logger})
+	if err != nil {
+		if errors.Is(err, probe.ErrUsage) {
+			return usageError{err}
+		}
+		return err
+	}
+	defer img.Close()
+
+	l, err := listenOn(network, addr)
+	if err != nil {
+		return err
+	}
+	if network == "unix" {
+		defer os.Remove(addr)
+	}
+	if *pidfile != "" {
+		if err := os.WriteFile(*pidfile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+			l.Close()
+			return fmt.Errorf("pidfile: %w", err)
+		}
+		defer os.Remove(*pidfile)
+	}
+	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients, Logger: logger})
+	signal.Ignore(syscall.SIGPIPE)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Size(), "listen", *listen, "export", *name, "writable", *writable)
+	notifyReady()
+	select {
+	case s := <-sigs:
+		logger.Info("stopping", "signal", s.String())
+		go func() {
+			s := <-sigs
+			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+			os.Exit(exitRuntime)
+		}()
+	case err := <-served:
+		if err != nil {
+			return fmt.Errorf("nbd: %w", err)
+		}
+	}
+	l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		logger.Warn("connections did not finish in time", "err", err)
+	}
+	if err := img.Flush(context.Background()); err != nil {
+		return fmt.Errorf("final flush: %w", err)
+	}
+	return nil
+}
+
+// parseListen splits unix:PATH and tcp:HOST:PORT.
+func parseListen(s string) (network, addr string, err error) {
+	network, addr, ok := strings.Cut(s, ":")
+	if !ok || addr == "" || (network != "unix" && network != "tcp") {
+		return "", "", fmt.Errorf("--listen %q: want unix:PATH or tcp:HOST:PORT", s)
+	}
+	if network == "tcp" {
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return "", "", fmt.Errorf("--listen %q: %v", s, err)
+		}
+	}
+	return network, addr, nil
+}
+
+// listenOn listens, replacing a stale unix socket (one nobody answers on).
+func listenOn(network, addr string) (net.Listener, error) {
+	l, err := net.Listen(network, addr)
+	if err == nil || network != "unix" || !errors.Is(err, syscall.EADDRINUSE) {
+		if err != nil {
+			return nil, fmt.Errorf("listen on %s:%s: %w", network, addr, err)
+		}
+		return l, nil
+	}
+	if c, derr := net.DialTimeout("unix", addr, time.Second); derr == nil {
+		c.Close()
+		return nil, fmt.Errorf("listen on unix:%s: a server is already listening there", addr)
+	}
+	if st, serr := os.Lstat(addr); serr != nil || st.Mode()&os.ModeSocket == 0 {
+		return nil, fmt.Errorf("listen on unix:%s: %w (and it is not a stale socket)", addr, err)
+	}
+	os.Remove(addr)
+	l, err = net.Listen(network, addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen on unix:%s: %w", addr, err)
+	}
+	return l, nil
+}

@@ -1,0 +1,322 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"syscall"
+
+	"github.com/pojntfx/go-nbd/pkg/protocol"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// conn is one client connection.
+type conn struct {
+	srv *Server
+	c   net.Conn
+	log *slog.Logger
+
+	wmu      sync.Mutex // one reply at a time on the wire
+	inflight sync.WaitGroup
+	stopOnce sync.Once
+	stopping chan struct{}
+	neg      negotiated
+}
+
+// stop makes the connection finish what it has read and close.
+func (c *conn) stop() {
+	c.stopOnce.Do(func() {
+		close(c.stopping)
+		// Wake the reader: it then waits for the requests in flight.
+		if tc, ok := c.c.(interface{ CloseRead() error }); ok {
+			tc.CloseRead()
+		} else {
+			c.c.Close()
+		}
+	})
+}
+
+func (c *conn) serve() {
+	defer c.c.Close()
+	r := bufio.NewReaderSize(c.c, 64<<10)
+	neg, err := c.handshake(r)
+	if err != nil {
+		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
+			c.log.Warn("NBD negotiation failed", "err", err)
+		}
+		return
+	}
+	c.neg = neg
+	c.log.Debug("NBD client connected", "structured", neg.structured, "base:allocation", neg.metaAlloc)
+	err = c.transmit(r)
+	c.inflight.Wait()
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+		c.log.Warn("NBD connection ended", "err", err)
+	}
+}
+
+// transmit reads requests until DISC, EOF or a protocol error. Each request
+// runs in its own goroutine; a write's payload is read here first, so the
+// stream stays in step.
+func (c *conn) transmit(r *bufio.Reader) error {
+	var hb [28]byte
+	for {
+		if err := readFull(r, hb[:]); err != nil {
+			select {
+			case <-c.stopping:
+				return nil
+			default:
+			}
+			return err
+		}
+		req := protocol.TransmissionRequestHeader{
+			RequestMagic: be.Uint32(hb[0:]), CommandFlags: be.Uint16(hb[4:]), Type: be.Uint16(hb[6:]),
+			Handle: be.Uint64(hb[8:]), Offset: be.Uint64(hb[16:]), Length: be.Uint32(hb[24:]),
+		}
+		if req.RequestMagic != magicRequest {
+			return errors.New("bad request magic: the stream is out of step")
+		}
+		var payload []byte
+		if req.Type == cmdWrite {
+			if req.Length > maxRequest {
+				// Too big to take: the payload cannot be skipped safely.
+				c.simpleReply(req.Handle, errOverflow, nil)
+				return errors.New("write larger than the advertised maximum")
+			}
+			payload = make([]byte, req.Length)
+			if err := readFull(r, payload); err != nil {
+				return err
+			}
+		}
+		if req.Type == cmdDisc {
+			c.inflight.Wait()
+			if c.srv.opts.Writable {
+				c.srv.img.Flush(context.Background())
+			}
+			return nil
+		}
+		c.inflight.Add(1)
+		go func() {
+			defer c.inflight.Done()
+			c.handle(req, payload)
+		}()
+	}
+}
+
+// handle runs one request and sends its reply.
+func (c *conn) handle(req protocol.TransmissionRequestHeader, payload []byte) {
+	ctx := context.Background()
+	img := c.srv.img
+	off, n := int64(req.Offset), int64(req.Length)
+	size := img.Size()
+	inRange := off >= 0 && n >= 0 && off <= size && n <= size-off && req.Offset < 1<<63
+	writeLike := req.Type == cmdWrite || req.Type == cmdTrim || req.Type == cmdWriteZeroes
+	switch {
+	case writeLike && !c.srv.opts.Writable:
+		c.errorReply(req, errPerm, "the export is read-only")
+		return
+	case req.Type == cmdRead || req.Type == cmdWrite || req.Type == cmdTrim || req.Type == cmdWriteZeroes || req.Type == cmdCache || req.Type == cmdBlockStatus:
+		if req.Length > maxRequest && req.Type != cmdTrim && req.Type != cmdWriteZeroes && req.Type != cmdBlockStatus {
+			c.errorReply(req, errOverflow, "request larger than the advertised maximum")
+			return
+		}
+		if !inRange {
+			code := errInval
+			if req.Type == cmdWrite || req.Type == cmdWriteZeroes {
+				code = errNoSpc
+			}
+			c.errorReply(req, code, "request beyond the end of the export")
+			return
+		}
+	}
+	var err error
+	switch req.Type {
+	case cmdRead:
+		buf := make([]byte, n)
+		if _, err = img.ReadAt(ctx, buf, off); err == nil {
+			c.dataReply(req, buf)
+			return
+		}
+	case cmdWrite:
+		if _, err = img.WriteAt(ctx, payload, off); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+			err = img.Flush(ctx)
+		}
+	case cmdFlush:
+		err = img.Flush(ctx)
+	case cmdTrim:
+		if err = img.Discard(ctx, off, n); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+			err = img.Flush(ctx)
+		}
+	case cmdWriteZeroes:
+		if req.CommandFlags&cmdFlagFastZero != 0 && !fastZero(img) {
+			c.errorReply(req, errNotSup, "zeroing would be slow")
+			return
+		}
+		if err = img.WriteZeroes(ctx, off, n, req.CommandFlags&cmdFlagNoHole == 0); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+			err = img.Flush(ctx)
+		}
+	case cmdCache:
+		// A hint: read through once so the data is in the host cache.
+		err = c.cache(ctx, off, n)
+	case cmdBlockStatus:
+		if !c.neg.structured || !c.neg.metaAlloc {
+			c.errorReply(req, errInval, "block status needs structured replies and base:allocation")
+			return
+		}
+		c.blockStatus(req, off, n)
+		return
+	default:
+		c.errorReply(req, errInval, "unknown command")
+		return
+	}
+	if err != nil {
+		c.log.Debug("NBD request failed", "type", req.Type, "off", off, "len", n, "err", err)
+		c.errorReply(req, errnoOf(err), err.Error())
+		return
+	}
+	c.simpleOrDone(req)
+}
+
+// fastZero says whether the image zeroes without writing data (NBD's
+// FAST_ZERO asks to fail rather than be slow).
+func fastZero(img formats.Image) bool {
+	f, ok := img.(interface{ FastZero() bool })
+	return ok && f.FastZero()
+}
+
+func (c *conn) cache(ctx context.Context, off, n int64) error {
+	buf := make([]byte, min(n, 1<<20))
+	for n > 0 {
+		k := min(n, int64(len(buf)))
+		if _, err := c.srv.img.ReadAt(ctx, buf[:k], off); err != nil {
+			return err
+		}
+		off += k
+		n -= k
+	}
+	return nil
+}
+
+// blockStatus sends base:allocation extents for [off, off+n).
+func (c *conn) blockStatus(req protocol.TransmissionRequestHeader, off, n int64) {
+	ctx := context.Background()
+	payload := be.AppendUint32(nil, baseAllocID)
+	end := off + n
+	for count := 0; off < end && count < 1024; count++ {
+		e, err := c.srv.img.Extent(ctx, off, end-off)
+		if err != nil {
+			c.errorReply(req, errnoOf(err), err.Error())
+			return
+		}
+		length := min(e.Length, 1<<31) // a descriptor length is 32 bits
+		var flags uint32
+		if !e.Data {
+			flags |= stateHole
+		}
+		if e.Zero {
+			flags |= stateZero
+		}
+		payload = be.AppendUint32(payload, uint32(length))
+		payload = be.AppendUint32(payload, flags)
+		off += length
+		if req.CommandFlags&cmdFlagReqOne != 0 {
+			break
+		}
+	}
+	c.chunk(req.Handle, chunkFlagDone, chunkBlockStatus, payload)
+}
+
+// errnoOf maps an image error to an NBD error code.
+func errnoOf(err error) uint32 {
+	var en syscall.Errno
+	switch {
+	case errors.Is(err, formats.ErrReadOnly):
+		return errPerm
+	case errors.Is(err, formats.ErrOutOfRange):
+		return errInval
+	case errors.Is(err, formats.ErrNotSupported):
+		return errNotSup
+	case errors.As(err, &en):
+		switch en {
+		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
+			return errPerm
+		case syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG:
+			return errNoSpc
+		case syscall.ENOMEM:
+			return errNoMem
+		case syscall.EINVAL:
+			return errInval
+		case syscall.EOPNOTSUPP:
+			return errNotSup
+		case syscall.ESHUTDOWN:
+			return errShutdown
+		}
+	}
+	return errIO
+}
+
+func (c *conn) simpleOrDone(req protocol.TransmissionRequestHeader) {
+	if c.neg.structured {
+		c.chunk(req.Handle, chunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
+		return
+	}
+	c.simpleReply(req.Handle, 0, nil)
+}
+
+func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
+	if c.neg.structured {
+		p := make([]byte, 8, 8+len(data))
+		be.PutUint64(p, req.Offset)
+		c.chunk(req.Handle, chunkFlagDone, chunkOffsetData, append(p, data...))
+		return
+	}
+	c.simpleReply(req.Handle, 0, data)
+}
+
+func (c *conn) errorReply(req protocol.TransmissionRequestHeader, code uint32, msg string) {
+	if c.neg.structured {
+		if len(msg) > 4096 {
+			msg = msg[:4096]
+		}
+		p := be.AppendUint32(nil, code)
+		p = be.AppendUint16(p, uint16(len(msg)))
+		c.chunk(req.Handle, chunkFlagDone, chunkError, append(p, msg...))
+		return
+	}
+	c.simpleReply(req.Handle, code, nil)
+}
+
+func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
+	h := protocol.TransmissionReplyHeader{ReplyMagic: magicSimple, Error: code, Handle: handle}
+	b := be.AppendUint32(make([]byte, 0, 16), h.ReplyMagic)
+	b = be.AppendUint32(b, h.Error)
+	b = be.AppendUint64(b, h.Handle)
+	c.send(b, data)
+}
+
+func (c *conn) chunk(handle uint64, flags, typ uint16, payload []byte) {
+	b := be.AppendUint32(make([]byte, 0, 20), structuredReplyMagic)
+	b = be.AppendUint16(b, flags)
+	b = be.AppendUint16(b, typ)
+	b = be.AppendUint64(b, handle)
+	b = be.AppendUint32(b, uint32(len(payload)))
+	c.send(b, payload)
+}
+
+// send writes a reply header and its data as one unit.
+func (c *conn) send(hdr, data []byte) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	bufs := net.Buffers{hdr}
+	if len(data) > 0 {
+		bufs = append(bufs, data)
+	}
+	if _, err := bufs.WriteTo(c.c); err != nil {
+		c.log.Debug("NBD reply not sent", "err", err)
+	}
+}

@@ -1,0 +1,220 @@
+package nbd
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"strings"
+
+	"github.com/pojntfx/go-nbd/pkg/protocol"
+)
+
+// negotiated is what the handshake settled.
+type negotiated struct {
+	structured bool // structured replies
+	metaAlloc  bool // base:allocation selected
+}
+
+var be = binary.BigEndian
+
+// handshake runs the fixed-newstyle negotiation until the client picks the
+// export (GO or EXPORT_NAME). Malformed input ends the connection with an
+// error; unknown options are answered "unsupported", as the spec asks.
+func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
+	var n negotiated
+	var hdr [18]byte
+	be.PutUint64(hdr[0:], magicOldstyle)
+	be.PutUint64(hdr[8:], magicOption)
+	be.PutUint16(hdr[16:], handshakeFixed|handshakeFlagNoZeroes)
+	if _, err := c.c.Write(hdr[:]); err != nil {
+		return n, err
+	}
+	var cf [4]byte
+	if err := readFull(r, cf[:]); err != nil {
+		return n, fmt.Errorf("client flags: %w", err)
+	}
+	clientFlags := be.Uint32(cf[:])
+	if clientFlags&^(clientFlagFixed|clientFlagNoZeroes) != 0 {
+		return n, fmt.Errorf("unknown client flags %#x", clientFlags)
+	}
+	noZeroes := clientFlags&clientFlagNoZeroes != 0
+	for {
+		var oh [16]byte
+		if err := readFull(r, oh[:]); err != nil {
+			return n, fmt.Errorf("option header: %w", err)
+		}
+		opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
+		if opt.OptionMagic != magicOption {
+			return n, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
+		}
+		if opt.Length > maxOptionLen {
+			return n, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
+		}
+		data := make([]byte, opt.Length)
+		if err := readFull(r, data); err != nil {
+			return n, fmt.Errorf("option %d: %w", opt.ID, err)
+		}
+		switch opt.ID {
+		case optExportName:
+			if string(data) != c.srv.opts.Name {
+				return n, fmt.Errorf("client asked for unknown export %q", data)
+			}
+			reply := make([]byte, 10, 134)
+			be.PutUint64(reply[0:], uint64(c.srv.img.Size()))
+			be.PutUint16(reply[8:], c.srv.transmissionFlags())
+			if !noZeroes {
+				reply = append(reply, make([]byte, 124)...)
+			}
+			_, err := c.c.Write(reply)
+			return n, err
+		case optAbort:
+			c.optReply(opt.ID, repAck, nil)
+			return n, errAbort
+		case optList:
+			if len(data) != 0 {
+				c.optReply(opt.ID, repErrInvalid, []byte("LIST takes no data"))
+				continue
+			}
+			name := c.srv.opts.Name
+			payload := be.AppendUint32(nil, uint32(len(name)))
+			payload = append(payload, name...)
+			payload = append(payload, c.srv.opts.Description...)
+			c.optReply(opt.ID, repServer, payload)
+			c.optReply(opt.ID, repAck, nil)
+		case optInfo, optGo:
+			done, err := c.infoGo(opt.ID, data)
+			if err != nil {
+				return n, err
+			}
+			if done {
+				return n, nil
+			}
+		case optStructuredReply:
+			if len(data) != 0 {
+				c.optReply(opt.ID, repErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+				continue
+			}
+			n.structured = true
+			c.optReply(opt.ID, repAck, nil)
+		case optListMetaContext, optSetMetaContext:
+			if opt.ID == optSetMetaContext && !n.structured {
+				c.optReply(opt.ID, repErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
+				continue
+			}
+			sel, err := c.metaContext(opt.ID, data)
+			if err != nil {
+				c.optReply(opt.ID, repErrInvalid, []byte(err.Error()))
+				continue
+			}
+			if opt.ID == optSetMetaContext {
+				n.metaAlloc = sel
+			}
+		case optStartTLS:
+			c.optReply(opt.ID, repErrPolicy, []byte("TLS is not offered"))
+		default:
+			c.optReply(opt.ID, repErrUnsup, nil)
+		}
+	}
+}
+
+// infoGo answers INFO and GO. It returns done when GO succeeded.
+func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
+	if len(data) < 6 {
+		c.optReply(id, repErrInvalid, []byte("short INFO/GO request"))
+		return false, nil
+	}
+	nameLen := be.Uint32(data)
+	if uint64(nameLen)+6 > uint64(len(data)) {
+		c.optReply(id, repErrInvalid, []byte("bad name length"))
+		return false, nil
+	}
+	name := string(data[4 : 4+nameLen])
+	rest := data[4+nameLen:]
+	nreq := int(be.Uint16(rest))
+	if len(rest) != 2+2*nreq {
+		c.optReply(id, repErrInvalid, []byte("bad information request list"))
+		return false, nil
+	}
+	if name != c.srv.opts.Name {
+		c.optReply(id, repErrUnknown, []byte(fmt.Sprintf("no export named %q", name)))
+		return false, nil
+	}
+	wants := map[uint16]bool{}
+	for i := 0; i < nreq; i++ {
+		wants[be.Uint16(rest[2+2*i:])] = true
+	}
+	if wants[infoName] {
+		c.optReply(id, repInfo, append(be.AppendUint16(nil, infoName), name...))
+	}
+	if wants[infoDesc] && c.srv.opts.Description != "" {
+		c.optReply(id, repInfo, append(be.AppendUint16(nil, infoDesc), c.srv.opts.Description...))
+	}
+	// Block sizes are always sent: they are constraints we rely on.
+	bs := protocol.NegotiationReplyBlockSize{Type: infoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
+	p := be.AppendUint16(nil, bs.Type)
+	p = be.AppendUint32(p, bs.MinimumBlockSize)
+	p = be.AppendUint32(p, bs.PreferredBlockSize)
+	p = be.AppendUint32(p, bs.MaximumBlockSize)
+	c.optReply(id, repInfo, p)
+	ex := protocol.NegotiationReplyInfo{Type: infoExport, Size: uint64(c.srv.img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
+	p = be.AppendUint16(nil, ex.Type)
+	p = be.AppendUint64(p, ex.Size)
+	p = be.AppendUint16(p, ex.TransmissionFlags)
+	c.optReply(id, repInfo, p)
+	c.optReply(id, repAck, nil)
+	return id == optGo, nil
+}
+
+// metaContext answers LIST/SET_META_CONTEXT; it reports whether
+// base:allocation was selected.
+func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
+	if len(data) < 8 {
+		return false, fmt.Errorf("short meta context request")
+	}
+	nameLen := be.Uint32(data)
+	if uint64(nameLen)+8 > uint64(len(data)) {
+		return false, fmt.Errorf("bad export name length")
+	}
+	if string(data[4:4+nameLen]) != c.srv.opts.Name {
+		return false, fmt.Errorf("no export named %q", data[4:4+nameLen])
+	}
+	rest := data[4+nameLen:]
+	nq := be.Uint32(rest)
+	rest = rest[4:]
+	var queries []string
+	for i := uint32(0); i < nq; i++ {
+		if len(rest) < 4 || uint64(be.Uint32(rest))+4 > uint64(len(rest)) {
+			return false, fmt.Errorf("bad query %d", i)
+		}
+		l := be.Uint32(rest)
+		queries = append(queries, string(rest[4:4+l]))
+		rest = rest[4+l:]
+	}
+	if len(rest) != 0 {
+		return false, fmt.Errorf("trailing bytes after the queries")
+	}
+	match := false
+	if id == optListMetaContext && nq == 0 {
+		match = true // list everything we have
+	}
+	for _, q := range queries {
+		if q == baseAllocCtx || (id == optListMetaContext && (q == "base:" || strings.TrimSuffix(q, ":") == "base")) {
+			match = true
+		}
+	}
+	if match {
+		c.optReply(id, repMetaContext, append(be.AppendUint32(nil, baseAllocID), baseAllocCtx...))
+	}
+	c.optReply(id, repAck, nil)
+	return match, nil
+}
+
+// optReply sends one option reply; write errors surface on the next read.
+func (c *conn) optReply(id, typ uint32, data []byte) {
+	h := protocol.NegotiationReplyHeader{ReplyMagic: magicReply, ID: id, Type: typ, Length: uint32(len(data))}
+	b := be.AppendUint64(nil, h.ReplyMagic)
+	b = be.AppendUint32(b, h.ID)
+	b = be.AppendUint32(b, h.Type)
+	b = be.AppendUint32(b, h.Length)
+	c.c.Write(append(b, data...))
+}

@@ -1,0 +1,271 @@
+package nbd
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/blockexport/blockexport/formats/null"
+)
+
+// client is a minimal NBD client for protocol tests: it speaks the wire
+// format by hand, so that it can also speak it wrong.
+type client struct {
+	t *testing.T
+	c net.Conn
+	r *bufio.Reader
+}
+
+func newPair(t *testing.T, writable bool) (*client, *Server) {
+	t.Helper()
+	img, _ := null.New("null", 1<<20, true)
+	s := New(img, Options{Name: "disk", Writable: writable})
+	a, b := net.Pipe()
+	cn := &conn{srv: s, c: a, log: s.log, stopping: make(chan struct{})}
+	s.mu.Lock()
+	s.conns[cn] = struct{}{} // as Serve does, so Shutdown sees it
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() { defer s.wg.Done(); cn.serve() }()
+	t.Cleanup(func() { b.Close(); s.wg.Wait() })
+	b.SetDeadline(time.Now().Add(10 * time.Second))
+	return &client{t: t, c: b, r: bufio.NewReader(b)}, s
+}
+
+func (c *client) read(n int) []byte {
+	c.t.Helper()
+	b := make([]byte, n)
+	if _, err := io.ReadFull(c.r, b); err != nil {
+		c.t.Fatalf("reading %d bytes: %v", n, err)
+	}
+	return b
+}
+
+func (c *client) write(b []byte) {
+	c.t.Helper()
+	if _, err := c.c.Write(b); err != nil {
+		c.t.Fatalf("write: %v", err)
+	}
+}
+
+// option sends an option and returns the replies up to the final one.
+func (c *client) option(id uint32, data []byte) (types []uint32, payloads [][]byte) {
+	c.t.Helper()
+	h := be.AppendUint64(nil, magicOption)
+	h = be.AppendUint32(h, id)
+	h = be.AppendUint32(h, uint32(len(data)))
+	c.write(append(h, data...))
+	for {
+		rh := c.read(20)
+		if be.Uint64(rh) != magicReply || be.Uint32(rh[8:]) != id {
+			c.t.Fatalf("bad option reply header %x", rh)
+		}
+		typ := be.Uint32(rh[12:])
+		types = append(types, typ)
+		payloads = append(payloads, c.read(int(be.Uint32(rh[16:]))))
+		if typ == repAck || typ&(1<<31) != 0 {
+			return
+		}
+	}
+}
+
+func (c *client) greet() {
+	c.t.Helper()
+	g := c.read(18)
+	if be.Uint64(g) != magicOldstyle || be.Uint64(g[8:]) != magicOption {
+		c.t.Fatalf("bad greeting %x", g)
+	}
+	c.write(be.AppendUint32(nil, clientFlagFixed|clientFlagNoZeroes))
+}
+
+func goData(name string) []byte {
+	d := be.AppendUint32(nil, uint32(len(name)))
+	d = append(d, name...)
+	return be.AppendUint16(d, 0)
+}
+
+// request sends one command and returns the simple reply's error and data.
+func (c *client) request(typ, flags uint16, handle, off uint64, length uint32, payload []byte) {
+	h := be.AppendUint32(nil, magicRequest)
+	h = be.AppendUint16(h, flags)
+	h = be.AppendUint16(h, typ)
+	h = be.AppendUint64(h, handle)
+	h = be.AppendUint64(h, off)
+	h = be.AppendUint32(h, length)
+	c.write(append(h, payload...))
+}
+
+func (c *client) simpleReply(dataLen int) (uint64, uint32, []byte) {
+	c.t.Helper()
+	h := c.read(16)
+	if be.Uint32(h) != magicSimple {
+		c.t.Fatalf("bad simple reply magic %x", h)
+	}
+	code := be.Uint32(h[4:])
+	var data []byte
+	if code == 0 && dataLen > 0 {
+		data = c.read(dataLen)
+	}
+	return be.Uint64(h[8:]), code, data
+}
+
+func TestNegotiationAndCommands(t *testing.T) {
+	c, _ := newPair(t, false)
+	c.greet()
+	// Unknown option: unsupported, and the session goes on.
+	if types, _ := c.option(99, nil); types[0] != repErrUnsup {
+		t.Fatalf("unknown option answered %#x", types[0])
+	}
+	// LIST names the export.
+	types, payloads := c.option(optList, nil)
+	if types[0] != repServer || !bytes.Contains(payloads[0], []byte("disk")) || types[1] != repAck {
+		t.Fatalf("LIST: %v %q", types, payloads)
+	}
+	// GO for a missing export: ERR_UNKNOWN.
+	if types, _ := c.option(optGo, goData("nope")); types[len(types)-1] != repErrUnknown {
+		t.Fatalf("GO nope: %v", types)
+	}
+	types, payloads = c.option(optGo, goData("disk"))
+	var flags uint16
+	var size uint64
+	for i, p := range payloads {
+		if types[i] == repInfo && be.Uint16(p) == infoExport {
+			size, flags = be.Uint64(p[2:]), be.Uint16(p[10:])
+		}
+	}
+	if size != 1<<20 || flags&flagReadOnly == 0 || flags&flagSendFlush == 0 || flags&flagSendTrim != 0 {
+		t.Fatalf("GO: size %d flags %#x", size, flags)
+	}
+	// Simple replies: read, read past the end, write on a read-only export,
+	// oversized read, unknown command.
+	c.request(cmdRead, 0, 1, 4096, 512, nil)
+	if h, code, data := c.simpleReply(512); h != 1 || code != 0 || !bytes.Equal(data, make([]byte, 512)) {
+		t.Fatalf("read: handle %d code %d", h, code)
+	}
+	c.request(cmdRead, 0, 2, 1<<20-100, 512, nil)
+	if _, code, _ := c.simpleReply(0); code != errInval {
+		t.Fatalf("read past the end: %d", code)
+	}
+	c.request(cmdWrite, 0, 3, 0, 4, []byte("data"))
+	if _, code, _ := c.simpleReply(0); code != errPerm {
+		t.Fatalf("write on a read-only export: %d", code)
+	}
+	c.request(cmdRead, 0, 4, 0, maxRequest+1, nil)
+	if _, code, _ := c.simpleReply(0); code != errOverflow && code != errInval {
+		t.Fatalf("oversized read: %d", code)
+	}
+	c.request(42, 0, 5, 0, 0, nil)
+	if _, code, _ := c.simpleReply(0); code != errInval {
+		t.Fatalf("unknown command: %d", code)
+	}
+	// A bad magic ends the connection; nothing panics.
+	c.write(make([]byte, 28))
+	if _, err := c.r.ReadByte(); err == nil {
+		t.Fatal("connection still open after a bad request magic")
+	}
+}
+
+func TestStructuredRepliesAndBlockStatus(t *testing.T) {
+	c, _ := newPair(t, true)
+	c.greet()
+	// SET_META_CONTEXT before STRUCTURED_REPLY is refused.
+	meta := be.AppendUint32(nil, 4)
+	meta = append(meta, "disk"...)
+	meta = be.AppendUint32(meta, 1)
+	meta = be.AppendUint32(meta, uint32(len(baseAllocCtx)))
+	meta = append(meta, baseAllocCtx...)
+	if types, _ := c.option(optSetMetaContext, meta); types[0] != repErrInvalid {
+		t.Fatalf("SET_META_CONTEXT before structured replies: %#x", types[0])
+	}
+	if types, _ := c.option(optStructuredReply, nil); types[0] != repAck {
+		t.Fatal("STRUCTURED_REPLY refused")
+	}
+	types, payloads := c.option(optSetMetaContext, meta)
+	if types[0] != repMetaContext || be.Uint32(payloads[0]) != baseAllocID {
+		t.Fatalf("SET_META_CONTEXT: %v", types)
+	}
+	c.option(optGo, goData("disk"))
+	c.request(cmdBlockStatus, 0, 7, 0, 1<<20, nil)
+	h := c.read(20)
+	if be.Uint32(h) != structuredReplyMagic || be.Uint16(h[6:]) != chunkBlockStatus || be.Uint64(h[8:]) != 7 {
+		t.Fatalf("block status chunk header %x", h)
+	}
+	p := c.read(int(be.Uint32(h[16:])))
+	// A null device with zeroes: one hole+zero extent over everything.
+	if be.Uint32(p) != baseAllocID || be.Uint32(p[4:]) != 1<<20 || be.Uint32(p[8:]) != stateHole|stateZero {
+		t.Fatalf("block status payload %x", p)
+	}
+	c.request(cmdWrite, cmdFlagFUA, 8, 0, 3, []byte("abc"))
+	h = c.read(20)
+	if be.Uint16(h[4:])&chunkFlagDone == 0 || be.Uint64(h[8:]) != 8 || be.Uint32(h[16:]) != 0 {
+		t.Fatalf("write reply %x", h)
+	}
+	c.request(cmdRead, 0, 9, 1<<20, 1, nil)
+	h = c.read(20)
+	p = c.read(int(be.Uint32(h[16:])))
+	if be.Uint16(h[6:]) != chunkError || binary.BigEndian.Uint32(p) != errInval {
+		t.Fatalf("read past the end, structured: %x %x", h, p)
+	}
+	c.request(cmdDisc, 0, 10, 0, 0, nil)
+}
+
+func TestShutdownFinishesAndCloses(t *testing.T) {
+	c, s := newPair(t, true)
+	c.greet()
+	c.option(optGo, goData("disk"))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.Shutdown(ctx) }()
+	if err := <-done; err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	if _, err := c.r.ReadByte(); err == nil {
+		t.Fatal("connection still open after Shutdown")
+	}
+}
+
+// FuzzServe feeds arbitrary client bytes to a connection: the handshake
+// parser and request decoder must never panic or hang.
+func FuzzServe(f *testing.F) {
+	valid := be.AppendUint32(nil, clientFlagFixed|clientFlagNoZeroes)
+	for _, opt := range [][]byte{
+		append(append(be.AppendUint64(nil, magicOption), be.AppendUint32(be.AppendUint32(nil, optGo), 6)...), goData("")...),
+		append(be.AppendUint64(nil, magicOption), be.AppendUint32(be.AppendUint32(nil, optList), 0)...),
+	} {
+		f.Add(append(append([]byte{}, valid...), opt...))
+	}
+	req := be.AppendUint32(nil, magicRequest)
+	req = append(req, make([]byte, 24)...)
+	f.Add(append(append(append([]byte{}, valid...), f2(goData(""))...), req...))
+	f.Fuzz(func(t *testing.T, in []byte) {
+		img, _ := null.New("null", 1<<20, true)
+		s := New(img, Options{Writable: true})
+		a, b := net.Pipe()
+		cn := &conn{srv: s, c: a, log: s.log, stopping: make(chan struct{})}
+		done := make(chan struct{})
+		go func() { cn.serve(); close(done) }()
+		go io.Copy(io.Discard, b)
+		b.SetDeadline(time.Now().Add(2 * time.Second))
+		b.Write(in)
+		b.Close()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatal("connection did not end after the client went away")
+		}
+	})
+}
+
+// f2 wraps GO option data in an option header for the fuzz seeds.
+func f2(data []byte) []byte {
+	h := be.AppendUint64(nil, magicOption)
+	h = be.AppendUint32(h, optGo)
+	h = be.AppendUint32(h, uint32(len(data)))
+	return append(h, data...)
+}

@@ -1,0 +1,139 @@
+package nbd
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Options describe the export.
+type Options struct {
+	// Name is the export name clients ask for ("" is the default export).
+	Name        string
+	Description string
+	Writable    bool
+	// MaxClients bounds concurrent connections; 0 means no bound.
+	MaxClients int
+	Logger     *slog.Logger
+}
+
+// Server serves one image to any number of NBD connections.
+type Server struct {
+	img  formats.Image
+	opts Options
+	log  *slog.Logger
+
+	mu     sync.Mutex
+	conns  map[*conn]struct{}
+	closed bool
+	wg     sync.WaitGroup // connections
+	slots  chan struct{}  // MaxClients
+}
+
+// New makes a server for img.
+func New(img formats.Image, o Options) *Server {
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{}}
+	if o.MaxClients > 0 {
+		s.slots = make(chan struct{}, o.MaxClients)
+	}
+	return s
+}
+
+// transmissionFlags tells the truth about what the export does.
+func (s *Server) transmissionFlags() uint16 {
+	f := flagHasFlags | flagSendFlush | flagSendFUA | flagSendDF | flagSendCache | flagMultiConn
+	if s.opts.Writable {
+		f |= flagSendTrim | flagSendWriteZeroes | flagSendFastZero
+	} else {
+		f |= flagReadOnly
+	}
+	return f
+}
+
+// Serve accepts connections on l until Shutdown; it returns nil then.
+func (s *Server) Serve(l net.Listener) error {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			s.mu.Lock()
+			closed := s.closed
+			s.mu.Unlock()
+			if closed || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			return err
+		}
+		if s.slots != nil {
+			select {
+			case s.slots <- struct{}{}:
+			default:
+				s.log.Warn("refusing a client: --max-clients reached", "remote", c.RemoteAddr().String())
+				c.Close()
+				continue
+			}
+		}
+		cn := &conn{srv: s, c: c, log: s.log.With("remote", remoteName(c)), stopping: make(chan struct{})}
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			return nil
+		}
+		s.conns[cn] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go func() {
+			defer s.wg.Done()
+			cn.serve()
+			s.mu.Lock()
+			delete(s.conns, cn)
+			s.mu.Unlock()
+			if s.slots != nil {
+				<-s.slots
+			}
+		}()
+	}
+}
+
+func remoteName(c net.Conn) string {
+	if a := c.RemoteAddr(); a != nil && a.String() != "" && a.String() != "@" {
+		return a.String()
+	}
+	return "unix"
+}
+
+// Shutdown stops taking requests: every connection finishes the requests it
+// has read (their replies are sent) and is closed; then it returns. The
+// caller closes the listener(s) first.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.closed = true
+	for c := range s.conns {
+		c.stop()
+	}
+	s.mu.Unlock()
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+var errAbort = errors.New("client aborted the negotiation")
+
+// readFull reads exactly len(p) bytes.
+func readFull(r io.Reader, p []byte) error {
+	_, err := io.ReadFull(r, p)
+	return err
+}

@@ -1,0 +1,287 @@
+package tests
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// nbdServer is a running `blockexport nbd`.
+type nbdServer struct {
+	*daemon
+	uri string // for qemu-img / qemu-io / nbdinfo / nbdcopy
+}
+
+// startNBD serves image on a unix socket (tcp=false) or a free loopback
+// port, and waits until it accepts connections.
+func startNBD(t *testing.T, image string, tcp bool, args ...string) *nbdServer {
+	t.Helper()
+	dir := t.TempDir()
+	var listen, uri, dial, network string
+	if tcp {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		dial = l.Addr().String()
+		l.Close()
+		network, listen, uri = "tcp", "tcp:"+dial, "nbd://"+dial
+	} else {
+		sock := filepath.Join(dir, "nbd.sock")
+		network, dial, listen, uri = "unix", sock, "unix:"+sock, "nbd+unix:///?socket="+sock
+	}
+	argv := append([]string{"nbd", "--listen", listen}, args...)
+	argv = append(argv, image)
+	d := &daemon{t: t, exited: make(chan struct{})}
+	d.logf = filepath.Join(dir, "nbd.log")
+	lf, _ := os.Create(d.logf)
+	d.cmd = exec.Command(bin, argv...)
+	d.cmd.Stdout, d.cmd.Stderr = lf, lf
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lf.Close()
+	go func() { d.err = d.cmd.Wait(); close(d.exited) }()
+	t.Cleanup(d.cleanup)
+	for i := 0; ; i++ {
+		if c, err := net.Dial(network, dial); err == nil {
+			c.Close()
+			break
+		}
+		select {
+		case <-d.exited:
+			t.Fatalf("nbd server exited: %v\n%s", d.err, d.log())
+		default:
+		}
+		if i > 500 {
+			t.Fatalf("nbd server did not listen\n%s", d.log())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return &nbdServer{daemon: d, uri: uri}
+}
+
+func TestNBDWithQemuTools(t *testing.T) {
+	dir := t.TempDir()
+	raw := randomImage(t, dir, 16<<20, 21)
+	qcow := filepath.Join(dir, "img.qcow2")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow)
+	for _, tcp := range []bool{false, true} {
+		for _, img := range []string{raw, qcow} {
+			t.Run(fmt.Sprintf("tcp=%v/%s", tcp, filepath.Base(img)), func(t *testing.T) {
+				s := startNBD(t, img, tcp)
+				info := run(t, "qemu-img", "info", "-f", "raw", s.uri)
+				if !strings.Contains(info, "16 MiB") {
+					t.Fatalf("qemu-img info over NBD:\n%s", info)
+				}
+				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, raw)
+				out := filepath.Join(t.TempDir(), "out.raw")
+				run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", s.uri, out)
+				mustEqualBytes(t, "convert out of NBD", readAll(t, out), readAll(t, raw))
+			})
+		}
+	}
+}
+
+func TestNBDWritesWithQemuIO(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "w.img", 8<<20)
+	s := startNBD(t, img, false, "-f", "raw", "-w")
+	run(t, "qemu-io", "-f", "raw",
+		"-c", "write -P 0x5a 0 1M",
+		"-c", "write -P 0x6b 2M 64k",
+		"-c", "write -z 4096 4096",
+		"-c", "discard 2M 64k",
+		"-c", "flush",
+		"-c", "read -P 0x5a 8192 1040384",
+		"-c", "read -P 0 4096 4096",
+		"-c", "read -P 0 2M 64k",
+		s.uri)
+	if code := s.stop(); code != 0 {
+		t.Fatalf("exit %d\n%s", code, s.log())
+	}
+	b := readAll(t, img)
+	if b[0] != 0x5a || b[4096] != 0 || b[8191] != 0 || b[8192] != 0x5a || b[2<<20] != 0 {
+		t.Fatal("image after qemu-io over NBD does not hold the writes")
+	}
+	// Read-only exports refuse writes with EPERM.
+	ro := startNBD(t, img, false, "-f", "raw")
+	out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write 0 512", ro.uri).CombinedOutput()
+	if err == nil && !strings.Contains(string(out), "Operation not permitted") && !strings.Contains(string(out), "read-only") && !strings.Contains(string(out), "Read-only") {
+		t.Fatalf("write to a read-only NBD export: %v %s", err, out)
+	}
+	if b2 := readAll(t, img); b2[0] != 0x5a {
+		t.Fatal("a read-only export changed the image")
+	}
+}
+
+func TestNBDInfoFlagsAndMap(t *testing.T) {
+	dir := t.TempDir()
+	img := qcowChain(t, dir)
+	for _, writable := range []bool{false, true} {
+		if writable {
+			img = sparseImage(t, dir, "rw.img", 8<<20)
+			f, _ := os.OpenFile(img, os.O_RDWR, 0)
+			f.WriteAt([]byte(strings.Repeat("d", 1<<20)), 2<<20)
+			f.Close()
+		}
+		args := []string{"--export-name", "disk"}
+		if writable {
+			args = append(args, "-w")
+		}
+		s := startNBD(t, img, false, args...)
+		uri := strings.Replace(s.uri, "nbd+unix:///", "nbd+unix:///disk", 1)
+		var info struct {
+			Exports []map[string]any `json:"exports"`
+		}
+		if err := json.Unmarshal([]byte(run(t, "nbdinfo", "--json", uri)), &info); err != nil || len(info.Exports) != 1 {
+			t.Fatalf("nbdinfo --json: %v", err)
+		}
+		e := info.Exports[0]
+		want := map[string]any{
+			"export-name": "disk", "is_read_only": !writable, "can_flush": true, "can_fua": true,
+			"can_trim": writable, "can_zero": writable, "can_multi_conn": true, "can_cache": true,
+			"block_size_minimum": 1.0, "block_size_preferred": 4096.0, "block_size_maximum": float64(32 << 20),
+		}
+		for k, v := range want {
+			if e[k] != v {
+				t.Errorf("writable=%v: nbdinfo %s = %v, want %v", writable, k, e[k], v)
+			}
+		}
+		if ctx, _ := json.Marshal(e["contexts"]); !strings.Contains(string(ctx), "base:allocation") {
+			t.Errorf("contexts %s lack base:allocation", ctx)
+		}
+		// nbdinfo --map (base:allocation) equals blockexport map.
+		code, ours := runBlockexport(t, "map", "--json", img)
+		if code != 0 {
+			t.Fatal(ours)
+		}
+		var mine []struct {
+			Start, Length int64
+			Zero, Data    bool
+		}
+		json.Unmarshal([]byte(ours), &mine)
+		var wantLines []string
+		for _, m := range mine {
+			typ := 0
+			if !m.Data {
+				typ |= 1
+			}
+			if m.Zero {
+				typ |= 2
+			}
+			if n := len(wantLines); n > 0 && strings.HasSuffix(wantLines[n-1], fmt.Sprintf(" %d", typ)) {
+				var s0, l0 int64
+				var t0 int
+				fmt.Sscanf(wantLines[n-1], "%d %d %d", &s0, &l0, &t0)
+				wantLines[n-1] = fmt.Sprintf("%d %d %d", s0, l0+m.Length, typ)
+				continue
+			}
+			wantLines = append(wantLines, fmt.Sprintf("%d %d %d", m.Start, m.Length, typ))
+		}
+		var gotLines []string
+		for _, l := range strings.Split(strings.TrimSpace(run(t, "nbdinfo", "--map", uri)), "\n") {
+			f := strings.Fields(l)
+			if len(f) < 3 {
+				continue
+			}
+			gotLines = append(gotLines, strings.Join(f[:3], " "))
+		}
+		if strings.Join(gotLines, "\n") != strings.Join(wantLines, "\n") {
+			t.Errorf("writable=%v: nbdinfo --map\n%s\nblockexport map\n%s", writable, strings.Join(gotLines, "\n"), strings.Join(wantLines, "\n"))
+		}
+	}
+}
+
+func TestNBDCopyAndConcurrentClients(t *testing.T) {
+	dir := t.TempDir()
+	src := randomImage(t, dir, 32<<20, 22)
+	dst := sparseImage(t, dir, "dst.img", 32<<20)
+	s := startNBD(t, dst, false, "-f", "raw", "-w")
+	run(t, "nbdcopy", src, s.uri)
+	out := filepath.Join(t.TempDir(), "back.raw")
+	run(t, "nbdcopy", s.uri, out)
+	mustEqualBytes(t, "nbdcopy round trip", readAll(t, out), readAll(t, src))
+
+	// Three fio clients at once, each writing and verifying its own 8 MiB.
+	if !strings.Contains(run(t, "fio", "--enghelp"), "nbd") {
+		t.Fatal("this fio has no nbd engine (Debian's fio links libnbd)")
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 3)
+	for i := 0; i < 3; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			o, err := exec.Command("fio", "--name=c", "--ioengine=nbd", "--uri="+s.uri, "--rw=randwrite",
+				"--bs=4k", "--iodepth=16", fmt.Sprintf("--offset=%d", i*8<<20), "--size=8M",
+				"--verify=crc32c", "--verify_fatal=1", fmt.Sprintf("--randseed=%d", i+1)).CombinedOutput()
+			if err != nil {
+				err = fmt.Errorf("client %d: %v\n%s", i, err, o)
+			}
+			errs <- err
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if code := s.stop(); code != 0 {
+		t.Fatalf("exit %d\n%s", code, s.log())
+	}
+}
+
+func TestNBDBadInput(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "b.img", 1<<20)
+	for _, c := range []struct {
+		args []string
+		code int
+		say  string
+	}{
+		{[]string{"nbd", "--listen", "udp:1", img}, 2, "want unix:PATH or tcp:HOST:PORT"},
+		{[]string{"nbd", "--listen", "tcp:nohostport", img}, 2, "--listen"},
+		{[]string{"nbd", "--max-clients", "-1", img}, 2, "--max-clients"},
+		{[]string{"nbd", filepath.Join(dir, "missing")}, 1, "no such file"},
+	} {
+		code, out := runBlockexport(t, c.args...)
+		if code != c.code || !strings.Contains(out, c.say) {
+			t.Errorf("%v: exit %d %q", c.args, code, out)
+		}
+	}
+	// A client that sends garbage is dropped; the server keeps serving.
+	s := startNBD(t, img, false, "-f", "raw")
+	sock := strings.TrimPrefix(s.uri, "nbd+unix:///?socket=")
+	c, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Write([]byte("this is not NBD at all, not even close...."))
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	buf := make([]byte, 1024)
+	for {
+		if _, err := c.Read(buf); err != nil {
+			break
+		}
+	}
+	c.Close()
+	run(t, "qemu-img", "info", "-f", "raw", s.uri)
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	if code := s.wait(20 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, s.log())
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Fatal("socket file left behind")
+	}
+}
