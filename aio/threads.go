@@ -60,20 +60,26 @@ func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, erro
 }
 
 func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	return pwriteAll(ctx, t, p, off, t.check)
+}
+
+// pwriteAll writes all of p at off with pwrite(2) from the calling
+// goroutine, continuing short writes; check runs before each try.
+func pwriteAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
 	done := 0
 	for done < len(p) {
-		if err := t.check(ctx, "pwrite"); err != nil {
+		if err := check(ctx, "pwrite"); err != nil {
 			return done, err
 		}
-		n, err := unix.Pwrite(t.fd, p[done:], off+int64(done))
+		n, err := unix.Pwrite(f.Fd(), p[done:], off+int64(done))
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
 		if err != nil {
-			return done, pathErr("pwrite", t, err)
+			return done, pathErr("pwrite", f, err)
 		}
 		if n == 0 {
-			return done, pathErr("pwrite", t, unix.ENOSPC)
+			return done, pathErr("pwrite", f, unix.ENOSPC)
 		}
 		done += n
 	}

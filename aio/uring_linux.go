@@ -327,6 +327,14 @@ func newURingFile(f *os.File, o Options) (*uringFile, error) {
 
 func (u *uringFile) Fd() int { return u.fd }
 
+// check refuses calls on a closed file.
+func (u *uringFile) check(ctx context.Context, op string) error {
+	if u.closed() {
+		return pathErr(op, u, os.ErrClosed)
+	}
+	return ctx.Err()
+}
+
 func (u *uringFile) closed() bool {
 	select {
 	case <-u.ring.closing:
@@ -363,7 +371,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		// io_uring punt every one to an io-wq thread, a hand-off that
 		// measured 0.6x of a plain pwrite; the page cache absorbs the write
 		// either way, so write it from the caller.
-		return u.pwrite(ctx, p, off)
+		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	for done < len(p) {
 		if err := ctx.Err(); err != nil {
@@ -393,27 +401,6 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			return done, pathErr(opName(op), u, unix.ENOSPC)
 		}
 		done += int(res)
-	}
-	return done, nil
-}
-
-func (u *uringFile) pwrite(ctx context.Context, p []byte, off int64) (int, error) {
-	done := 0
-	for done < len(p) {
-		if err := ctx.Err(); err != nil {
-			return done, err
-		}
-		n, err := unix.Pwrite(u.fd, p[done:], off+int64(done))
-		if err == unix.EINTR || err == unix.EAGAIN {
-			continue
-		}
-		if err != nil {
-			return done, pathErr("pwrite", u, err)
-		}
-		if n == 0 {
-			return done, pathErr("pwrite", u, unix.ENOSPC)
-		}
-		done += n
 	}
 	return done, nil
 }

@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
 	"syscall"
 )
@@ -83,4 +85,36 @@ func notifyReady() {
 		syscall.Dup2(int(devnull.Fd()), 2)
 		devnull.Close()
 	}
+}
+
+// stopSignals delivers SIGINT/SIGTERM. SIGPIPE is ignored, so that a log
+// reader that went away cannot kill us before we unmount or flush.
+func stopSignals() chan os.Signal {
+	signal.Ignore(syscall.SIGPIPE)
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	return sigs
+}
+
+// stopping logs the first signal and makes a second one end the process at
+// once, for a shutdown that hangs.
+func stopping(logger *slog.Logger, first os.Signal, sigs chan os.Signal) {
+	logger.Info("stopping", "signal", first.String())
+	go func() {
+		s := <-sigs
+		logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+		os.Exit(exitRuntime)
+	}()
+}
+
+// writePidfile writes our PID to path ("" writes nothing) and returns the
+// function that removes it.
+func writePidfile(path string) (remove func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	if err := os.WriteFile(path, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return nil, fmt.Errorf("pidfile: %w", err)
+	}
+	return func() { os.Remove(path) }, nil
 }

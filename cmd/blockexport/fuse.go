@@ -7,11 +7,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
 	"runtime/pprof"
-	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -130,24 +127,19 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	// The format itself, not the opener's wrapper: the export looks for
 	// optional fast paths (formats.NoWaitReader, formats.InlineWriter) on it.
 	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
-	// A log reader that went away must not kill us before we unmount: with
-	// SIGPIPE ignored, a write to a dead stderr pipe is just an error.
-	signal.Ignore(syscall.SIGPIPE)
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	sigs := stopSignals()
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
 		PollFor: time.Duration(f.pollUs) * time.Microsecond})
 	if err != nil {
 		return err
 	}
 	defer m.Cleanup()
-	if f.pidfile != "" {
-		if err := os.WriteFile(f.pidfile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-			m.Unmount()
-			return fmt.Errorf("pidfile: %w", err)
-		}
-		defer os.Remove(f.pidfile)
+	removePidfile, err := writePidfile(f.pidfile)
+	if err != nil {
+		m.Unmount()
+		return err
 	}
+	defer removePidfile()
 	if f.cpuprofile != "" {
 		pf, err := os.Create(f.cpuprofile)
 		if err != nil {
@@ -163,12 +155,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 
 	select {
 	case s := <-sigs:
-		logger.Info("stopping", "signal", s.String())
-		go func() {
-			s := <-sigs
-			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
-			os.Exit(exitRuntime)
-		}()
+		stopping(logger, s, sigs)
 		if err := m.Unmount(); err != nil {
 			return err
 		}

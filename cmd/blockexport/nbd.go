@@ -7,8 +7,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -80,29 +78,21 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if network == "unix" {
 		defer os.Remove(addr)
 	}
-	if *pidfile != "" {
-		if err := os.WriteFile(*pidfile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-			l.Close()
-			return fmt.Errorf("pidfile: %w", err)
-		}
-		defer os.Remove(*pidfile)
+	removePidfile, err := writePidfile(*pidfile)
+	if err != nil {
+		l.Close()
+		return err
 	}
+	defer removePidfile()
 	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients, Logger: logger})
-	signal.Ignore(syscall.SIGPIPE)
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
 	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Size(), "listen", *listen, "export", *name, "writable", *writable)
 	notifyReady()
 	select {
 	case s := <-sigs:
-		logger.Info("stopping", "signal", s.String())
-		go func() {
-			s := <-sigs
-			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
-			os.Exit(exitRuntime)
-		}()
+		stopping(logger, s, sigs)
 	case err := <-served:
 		if err != nil {
 			return fmt.Errorf("nbd: %w", err)
