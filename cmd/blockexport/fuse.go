@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -141,13 +140,12 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	}
 	defer removePidfile()
 	if f.cpuprofile != "" {
-		pf, err := os.Create(f.cpuprofile)
+		stop, err := startCPUProfile(f.cpuprofile)
 		if err != nil {
 			m.Unmount()
-			return fmt.Errorf("cpuprofile: %w", err)
+			return err
 		}
-		pprof.StartCPUProfile(pf)
-		defer func() { pprof.StopCPUProfile(); pf.Close() }()
+		defer stop()
 	}
 	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Size(),
 		"mountpoint", m.Path(), "writable", f.writable, "growable", f.growable)

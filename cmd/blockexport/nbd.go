@@ -30,6 +30,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	aioFlag := fs.String("aio", "io_uring", "host I/O engine: io_uring or threads")
 	cache := fs.String("cache", "writeback", "host cache mode: writeback or none (O_DIRECT)")
 	nullZeroes := fs.Bool("null-read-zeroes", true, "null device reads return zeroes")
+	cpuprofile := fs.String("cpuprofile", "", "write a Go CPU profile of the serving process to this file")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -84,6 +85,14 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		return err
 	}
 	defer removePidfile()
+	if *cpuprofile != "" {
+		stop, err := startCPUProfile(*cpuprofile)
+		if err != nil {
+			l.Close()
+			return err
+		}
+		defer stop()
+	}
 	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)

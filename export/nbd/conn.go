@@ -21,11 +21,21 @@ type conn struct {
 	c   net.Conn
 	log *slog.Logger
 
-	wmu      sync.Mutex // one reply at a time on the wire
+	wmu sync.Mutex // one reply at a time on the wire
+	// Replies are buffered in bw. While the reader still has requests in
+	// hand (corked), replies collect there and go out together when it is
+	// about to wait for more: one write for many replies, as QEMU corks.
+	bw     *bufio.Writer
+	corked bool
+
 	inflight sync.WaitGroup
-	stopOnce sync.Once
-	stopping chan struct{}
-	neg      negotiated
+	// Fast paths the image offers, run inline by the reader.
+	noWait       formats.NoWaitReader
+	inlineWrites bool
+	scratch      []byte // the reader's read buffer for inline reads
+	stopOnce     sync.Once
+	stopping     chan struct{}
+	neg          negotiated
 }
 
 // stop makes the connection finish what it has read and close.
@@ -43,7 +53,15 @@ func (c *conn) stop() {
 
 func (c *conn) serve() {
 	defer c.c.Close()
-	r := bufio.NewReaderSize(c.c, 64<<10)
+	r := bufio.NewReaderSize(c.c, 256<<10)
+	c.bw = bufio.NewWriterSize(c.c, 256<<10)
+	c.scratch = make([]byte, 1<<20)
+	if nw, ok := c.srv.img.(formats.NoWaitReader); ok {
+		c.noWait = nw
+	}
+	if iw, ok := c.srv.img.(formats.InlineWriter); ok {
+		c.inlineWrites = iw.InlineWrites()
+	}
 	neg, err := c.handshake(r)
 	if err != nil {
 		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
@@ -66,6 +84,9 @@ func (c *conn) serve() {
 func (c *conn) transmit(r *bufio.Reader) error {
 	var hb [28]byte
 	for {
+		if r.Buffered() < len(hb) {
+			c.uncork() // about to wait on the socket: send what is ready
+		}
 		if err := readFull(r, hb[:]); err != nil {
 			select {
 			case <-c.stopping:
@@ -74,11 +95,13 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			}
 			return err
 		}
+		c.cork()
 		req := protocol.TransmissionRequestHeader{
 			RequestMagic: be.Uint32(hb[0:]), CommandFlags: be.Uint16(hb[4:]), Type: be.Uint16(hb[6:]),
 			Handle: be.Uint64(hb[8:]), Offset: be.Uint64(hb[16:]), Length: be.Uint32(hb[24:]),
 		}
 		if req.RequestMagic != magicRequest {
+			c.uncork()
 			return errors.New("bad request magic: the stream is out of step")
 		}
 		var payload []byte
@@ -86,19 +109,33 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			if req.Length > maxRequest {
 				// Too big to take: the payload cannot be skipped safely.
 				c.simpleReply(req.Handle, errOverflow, nil)
+				c.uncork()
 				return errors.New("write larger than the advertised maximum")
 			}
-			payload = make([]byte, req.Length)
+			inline := c.inlineWrites && int(req.Length) <= cap(c.scratch)
+			if inline {
+				payload = c.scratch[:req.Length]
+			} else {
+				payload = make([]byte, req.Length)
+			}
 			if err := readFull(r, payload); err != nil {
 				return err
 			}
+			if inline {
+				c.handle(req, payload)
+				continue
+			}
 		}
 		if req.Type == cmdDisc {
+			c.uncork()
 			c.inflight.Wait()
 			if c.srv.opts.Writable {
 				c.srv.img.Flush(context.Background())
 			}
 			return nil
+		}
+		if req.Type == cmdRead && c.tryReadInline(req) {
+			continue
 		}
 		c.inflight.Add(1)
 		go func() {
@@ -106,6 +143,40 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			c.handle(req, payload)
 		}()
 	}
+}
+
+// tryReadInline answers a read the image can serve without waiting (page
+// cache, null device) right here in the reader, from its own buffer.
+func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) bool {
+	if c.noWait == nil || req.Length == 0 || int(req.Length) > cap(c.scratch) {
+		return false
+	}
+	off, n := int64(req.Offset), int64(req.Length)
+	if req.Offset >= 1<<63 || off+n > c.srv.img.Size() {
+		return false // the slow path reports the error
+	}
+	buf := c.scratch[:n]
+	if !c.noWait.ReadAtNoWait(buf, off) {
+		return false
+	}
+	c.dataReply(req, buf)
+	return true
+}
+
+func (c *conn) cork() {
+	c.wmu.Lock()
+	c.corked = true
+	c.wmu.Unlock()
+}
+
+// uncork sends every reply collected while corked.
+func (c *conn) uncork() {
+	c.wmu.Lock()
+	c.corked = false
+	if err := c.bw.Flush(); err != nil {
+		c.log.Debug("NBD replies not sent", "err", err)
+	}
+	c.wmu.Unlock()
 }
 
 // handle runs one request and sends its reply.
@@ -270,9 +341,9 @@ func (c *conn) simpleOrDone(req protocol.TransmissionRequestHeader) {
 
 func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
 	if c.neg.structured {
-		p := make([]byte, 8, 8+len(data))
-		be.PutUint64(p, req.Offset)
-		c.chunk(req.Handle, chunkFlagDone, chunkOffsetData, append(p, data...))
+		var off [8]byte
+		be.PutUint64(off[:], req.Offset)
+		c.chunk3(req.Handle, chunkFlagDone, chunkOffsetData, off[:], data)
 		return
 	}
 	c.simpleReply(req.Handle, 0, data)
@@ -292,31 +363,41 @@ func (c *conn) errorReply(req protocol.TransmissionRequestHeader, code uint32, m
 }
 
 func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
+	var b [16]byte
 	h := protocol.TransmissionReplyHeader{ReplyMagic: magicSimple, Error: code, Handle: handle}
-	b := be.AppendUint32(make([]byte, 0, 16), h.ReplyMagic)
-	b = be.AppendUint32(b, h.Error)
-	b = be.AppendUint64(b, h.Handle)
-	c.send(b, data)
+	be.PutUint32(b[0:], h.ReplyMagic)
+	be.PutUint32(b[4:], h.Error)
+	be.PutUint64(b[8:], h.Handle)
+	c.send(b[:], nil, data)
 }
 
 func (c *conn) chunk(handle uint64, flags, typ uint16, payload []byte) {
-	b := be.AppendUint32(make([]byte, 0, 20), structuredReplyMagic)
-	b = be.AppendUint16(b, flags)
-	b = be.AppendUint16(b, typ)
-	b = be.AppendUint64(b, handle)
-	b = be.AppendUint32(b, uint32(len(payload)))
-	c.send(b, payload)
+	c.chunk3(handle, flags, typ, nil, payload)
 }
 
-// send writes a reply header and its data as one unit.
-func (c *conn) send(hdr, data []byte) {
+// chunk3 sends a structured reply chunk whose payload is a then b.
+func (c *conn) chunk3(handle uint64, flags, typ uint16, a, b []byte) {
+	var h [20]byte
+	be.PutUint32(h[0:], structuredReplyMagic)
+	be.PutUint16(h[4:], flags)
+	be.PutUint16(h[6:], typ)
+	be.PutUint64(h[8:], handle)
+	be.PutUint32(h[16:], uint32(len(a)+len(b)))
+	c.send(h[:], a, b)
+}
+
+// send queues a reply (header, then a and b) as one unit, and writes it out
+// at once unless the reader is corked.
+func (c *conn) send(hdr, a, b []byte) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	bufs := net.Buffers{hdr}
-	if len(data) > 0 {
-		bufs = append(bufs, data)
-	}
-	if _, err := bufs.WriteTo(c.c); err != nil {
-		c.log.Debug("NBD reply not sent", "err", err)
+	c.bw.Write(hdr)
+	c.bw.Write(a)
+	c.bw.Write(b)
+	if !c.corked {
+		if err := c.bw.Flush(); err != nil {
+			c.log.Debug("NBD reply not sent", "err", err)
+		}
 	}
 }
+

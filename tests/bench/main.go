@@ -7,10 +7,13 @@
 // daemon's peak RSS. Rows alternate between the two systems so drift hits
 // both. It reports; it never fails on a ratio.
 //
-//	go run ./tests/bench [-runtime 8s] [-out docs/bench] [-only null,raw,qcow2]
+// It also runs fio's nbd engine against both NBD servers (null and raw).
+//
+//	go run ./tests/bench [-runtime 8s] [-out docs/bench] [-only null,raw,qcow2,nbd]
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -40,7 +43,7 @@ type row struct {
 var (
 	runtimeFlag = flag.Duration("runtime", 8*time.Second, "fio runtime per row and system")
 	outDir      = flag.String("out", "docs/bench", "where the report goes")
-	only        = flag.String("only", "null,raw,qcow2", "targets to run")
+	only        = flag.String("only", "null,raw,qcow2", "targets to run (null, raw, qcow2; nbd for the NBD rows alone)")
 	binFlag     = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir     = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 )
@@ -81,14 +84,23 @@ func main() {
 	systems := []system{{"qemu-storage-daemon", startQSD}, ours()}
 	var rows []row
 	for _, target := range strings.Split(*only, ",") {
-		rows = append(rows, benchTarget(target, dir, systems, "", nil)...)
+		if target != "nbd" {
+			rows = append(rows, benchTarget(target, dir, systems, "", nil)...)
+		}
 	}
-	if strings.Contains(*only, "null") {
+	if strings.Contains(*only, "null") && *only != "nbd" {
 		// The opt-in busy-poll mode, on the rows it is for.
 		polled := []system{systems[0], ours("--poll-us", "50")}
 		rows = append(rows, benchTarget("null", dir, polled, " (--poll-us 50)", func(j fioJob) bool { return j.engine == "pvsync2" })...)
 	}
-	rows = append(rows, benchConvert(dir, systems)...)
+	if *only != "nbd" {
+		rows = append(rows, benchConvert(dir, systems)...)
+	}
+	if strings.Contains(*only, "nbd") || *only == "null,raw,qcow2" {
+		for _, target := range []string{"null", "raw"} {
+			rows = append(rows, benchNBD(target, dir, bin)...)
+		}
+	}
 	if err := report(rows); err != nil {
 		log.Fatal(err)
 	}
@@ -471,4 +483,103 @@ func chart(rows []row) string {
 
 func xmlEscape(s string) string {
 	return strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;").Replace(s)
+}
+
+// benchNBD runs fio's nbd engine (4 KiB, iodepth 16) against both NBD
+// servers on a unix socket: qemu-storage-daemon's NBD export and
+// blockexport nbd, on the null device or the same kind of raw file.
+func benchNBD(target, dir, bin string) []row {
+	log.Printf("target nbd %s", target)
+	image := ""
+	if target == "raw" {
+		image = filepath.Join(dir, "nbd.img")
+		if err := makeImage("raw", image); err != nil {
+			log.Fatal(err)
+		}
+		defer os.Remove(image)
+	}
+	start := func(name string) (*exec.Cmd, string) {
+		sock := filepath.Join(dir, name+".sock")
+		os.Remove(sock)
+		var cmd *exec.Cmd
+		if name == "qemu-storage-daemon" {
+			node := "null-co,node-name=n,size=1073741824,read-zeroes=on"
+			if target == "raw" {
+				node = "file,node-name=n,filename=" + image
+			}
+			cmd = exec.Command("qemu-storage-daemon", "--blockdev", node,
+				"--nbd-server", "addr.type=unix,addr.path="+sock, "--export", "nbd,id=e,node-name=n,writable=on,name=")
+		} else {
+			spec := "null:1G"
+			if target == "raw" {
+				spec = image
+			}
+			cmd = exec.Command(bin, "nbd", "--log-level", "warn", "-w", "-f", map[string]string{"null": "null", "raw": "raw"}[target], "--listen", "unix:"+sock, spec)
+		}
+		cmd.Stderr = os.Stderr
+		if err := cmd.Start(); err != nil {
+			log.Fatal(err)
+		}
+		for i := 0; i < 500; i++ {
+			if _, err := os.Stat(sock); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		return cmd, "nbd+unix:///?socket=" + sock
+	}
+	q, quri := start("qemu-storage-daemon")
+	o, ouri := start("blockexport")
+	defer func() {
+		for _, c := range []*exec.Cmd{q, o} {
+			c.Process.Signal(syscall.SIGTERM)
+			c.Wait()
+		}
+	}()
+	var rows []row
+	for i, rw := range []string{"read", "randread", "write", "randwrite"} {
+		r := row{target: "nbd " + target, name: rw + " 4k iodepth 16", unit: "IOPS", higherBetter: true}
+		uris := [][2]string{{"q", quri}, {"o", ouri}}
+		if i%2 == 1 {
+			uris[0], uris[1] = uris[1], uris[0]
+		}
+		for _, u := range uris {
+			warm(image)
+			v, err := fioNBD(rw, u[1])
+			if err != nil {
+				log.Print(err)
+			}
+			if u[0] == "o" {
+				r.ours = v
+			} else {
+				r.qemu = v
+			}
+		}
+		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", r.name, r.qemu, r.ours, ratio(r))
+		rows = append(rows, r)
+	}
+	return rows
+}
+
+func fioNBD(rw, uri string) (float64, error) {
+	out, err := exec.Command("fio", "--name=b", "--ioengine=nbd", "--uri="+uri, "--rw="+rw, "--bs=4k",
+		"--iodepth=16", "--size=1G", "--time_based", "--runtime="+strconv.Itoa(int(runtimeFlag.Seconds())),
+		"--ramp_time=1", "--output-format=json").Output()
+	if err != nil {
+		return 0, fmt.Errorf("fio nbd %s: %v", rw, err)
+	}
+	// The nbd engine may print a line of its own before the JSON.
+	if i := bytes.IndexByte(out, '{'); i > 0 {
+		out = out[i:]
+	}
+	var res struct {
+		Jobs []struct{ Read, Write struct{ IOPS float64 } } `json:"jobs"`
+	}
+	if err := json.Unmarshal(out, &res); err != nil || len(res.Jobs) == 0 {
+		return 0, fmt.Errorf("fio output: %v", err)
+	}
+	if strings.Contains(rw, "write") {
+		return res.Jobs[0].Write.IOPS, nil
+	}
+	return res.Jobs[0].Read.IOPS, nil
 }
