@@ -400,4 +400,3 @@ func (c *conn) send(hdr, a, b []byte) {
 		}
 	}
 }
-
