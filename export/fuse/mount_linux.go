@@ -219,17 +219,16 @@ func mountFUSE(path, fsname string, writable, allowOther bool) (int, error) {
 		flags |= unix.MS_RDONLY
 	}
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("open /dev/fuse: %w", err)
-	}
-	data := fmt.Sprintf("fd=%d,rootmode=%o,user_id=%d,group_id=%d,%s",
-		fd, unix.S_IFREG, os.Geteuid(), os.Getegid(), strings.Join(opts, ","))
-	err = unix.Mount(escapeFsname(fsname), path, "fuse.blockexport", flags, data)
 	if err == nil {
-		return fd, nil
+		data := fmt.Sprintf("fd=%d,rootmode=%o,user_id=%d,group_id=%d,%s",
+			fd, unix.S_IFREG, os.Geteuid(), os.Getegid(), strings.Join(opts, ","))
+		err = unix.Mount(escapeFsname(fsname), path, "fuse.blockexport", flags, data)
+		if err == nil {
+			return fd, nil
+		}
+		unix.Close(fd)
 	}
-	unix.Close(fd)
-	if !errors.Is(err, unix.EPERM) {
+	if !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.EACCES) {
 		return -1, err
 	}
 	// Not root: let the setuid helper mount.
