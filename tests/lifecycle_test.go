@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -252,4 +253,30 @@ func TestNullDevice(t *testing.T) {
 		t.Fatalf("fio output: %s", out)
 	}
 	_ = exec.Command
+}
+
+// TestStatsCountRequests: --stats logs intervals and a summary whose read
+// count covers the reads a client made.
+func TestStatsCountRequests(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 4<<20, 31)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "--stats", "100ms")
+	run(t, "dd", "if="+mnt, "of=/dev/null", "bs=4k", "count=300", "iflag=direct")
+	time.Sleep(250 * time.Millisecond)
+	if code := d.stop(); code != 0 {
+		t.Fatalf("exit %d\n%s", code, d.log())
+	}
+	log := d.log()
+	if !strings.Contains(log, "msg=stats ") {
+		t.Fatalf("no interval line:\n%s", log)
+	}
+	i := strings.Index(log, "stats summary")
+	if i < 0 {
+		t.Fatalf("no summary:\n%s", log)
+	}
+	var n int
+	if _, err := fmt.Sscanf(log[strings.Index(log[i:], "read ")+i:], "read %d ops", &n); err != nil || n < 300 {
+		t.Fatalf("summary counts %d reads (%v), want at least 300:\n%s", n, err, log[i:])
+	}
 }

@@ -32,6 +32,7 @@ type fuseFlags struct {
 	queues         int
 	cpuprofile     string
 	pollUs         int
+	stats          time.Duration
 }
 
 func runFuse(args []string, stdout, stderr io.Writer) error {
@@ -51,6 +52,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
+	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
 	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
 	if err := parseFlags(fs, args); err != nil {
@@ -88,6 +90,9 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	l2Cache, err := probe.ParseSize(f.l2CacheSize)
 	if err != nil {
 		return usagef("--l2-cache-size: %v", err)
+	}
+	if f.stats < 0 {
+		return usagef("--stats %v: want a positive interval", f.stats)
 	}
 	if f.pollUs < 0 || f.pollUs > 1_000_000 {
 		return usagef("--poll-us %d: want 0 to 1000000", f.pollUs)
@@ -127,8 +132,12 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	// optional fast paths (formats.NoWaitReader, formats.InlineWriter) on it.
 	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
 	sigs := stopSignals()
+	var stats *fuseexport.Stats
+	if f.stats > 0 {
+		stats = fuseexport.NewStats()
+	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: time.Duration(f.pollUs) * time.Microsecond})
+		PollFor: time.Duration(f.pollUs) * time.Microsecond, Stats: stats})
 	if err != nil {
 		return err
 	}
@@ -146,6 +155,12 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 		defer stop()
+	}
+	if stats != nil {
+		stopStats := make(chan struct{})
+		statsDone := make(chan struct{})
+		go func() { stats.Run(logger, f.stats, stopStats); close(statsDone) }()
+		defer func() { close(stopStats); <-statsDone }()
 	}
 	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Size(),
 		"mountpoint", m.Path(), "writable", f.writable, "growable", f.growable)

@@ -45,6 +45,8 @@ type MountOptions struct {
 	// PollFor > 0 busy-polls each queue that long after a request before
 	// sleeping: lower latency at queue depth 1, one core kept busy.
 	PollFor time.Duration
+	// Stats, when set, counts every request (--stats).
+	Stats *Stats
 }
 
 // Mount is a mounted, serving export.
@@ -193,6 +195,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err := srv.setPoll(o.PollFor); err != nil {
 		return fail(err)
 	}
+	srv.stats = o.Stats
 	m := &Mount{exp: exp, path: abs, created: created, served: make(chan struct{}), log: exp.log}
 	go func() {
 		srv.serve()

@@ -68,6 +68,8 @@ type server struct {
 	// each request before sleeping (trading CPU for latency).
 	pollFor time.Duration
 
+	stats *Stats // nil: not counting
+
 	async sync.WaitGroup      // requests running in goroutines
 	bufs  *coroutines.BufPool // request copies and read buffers, up to 1 MiB
 	small *coroutines.BufPool // the same for requests up to 8 KiB
@@ -232,14 +234,52 @@ func (s *server) loop(fd int) {
 	}
 }
 
+// count records a finished request for --stats.
+func (s *server) count(op uint32, n int, began time.Time) {
+	k := kindOther
+	switch op {
+	case opRead:
+		k = kindRead
+	case opWrite:
+		k = kindWrite
+	}
+	s.stats.record(k, n, time.Since(began))
+}
+
 // dispatch answers one request. Requests that may block are copied out of
 // the loop's buffer and finished by a goroutine.
 func (s *server) dispatch(fd int, req, out []byte) {
+	if s.stats != nil {
+		s.dispatchCounted(fd, req, out)
+		return
+	}
+	s.dispatchOne(fd, req, out, time.Time{})
+}
+
+// dispatchCounted is dispatch with --stats: inline requests are counted
+// here, async ones when they reply.
+func (s *server) dispatchCounted(fd int, req, out []byte) {
+	began := time.Now()
+	if s.dispatchOne(fd, req, out, began) {
+		h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
+		n := 0
+		if h.Opcode == opRead {
+			n = int(decode[fuse.ReadIn](req).Size)
+		} else if h.Opcode == opWrite {
+			n = int(decode[fuse.WriteIn](req).Size)
+		}
+		s.count(h.Opcode, n, began)
+	}
+}
+
+// dispatchOne answers one request; it reports whether it finished inline
+// (false: a goroutine finishes it, or it needs no reply).
+func (s *server) dispatchOne(fd int, req, out []byte, began time.Time) bool {
 	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
 	e := s.exp
 	switch h.Opcode {
 	case opForget, opBatchForget, opInterrupt:
-		return // no reply
+		return false // no reply
 	case opInit:
 		s.replyErr(fd, h.Unique, unix.EPROTO) // only once, in handshake
 	case opDestroy:
@@ -265,26 +305,30 @@ func (s *server) dispatch(fd int, req, out []byte) {
 		if s.inlineReads != nil {
 			if n, st, ok := e.readNoWait(s.inlineReads, in, out); ok {
 				s.replyData(fd, h.Unique, st, out[:n])
-				return
+				return true
 			}
 		}
-		s.goAsync(fd, req)
+		s.goAsync(fd, req, began)
+		return false
 	case opWrite:
 		if s.inlineWrites {
 			s.handleWrite(fd, req)
-			return
+			return true
 		}
-		s.goAsync(fd, req)
+		s.goAsync(fd, req, began)
+		return false
 	case opSetattr, opFsync, opFlush, opFallocate, opLseek:
-		s.goAsync(fd, req)
+		s.goAsync(fd, req, began)
+		return false
 	default:
 		s.replyErr(fd, h.Unique, unix.ENOSYS)
 	}
+	return true
 }
 
 // goAsync copies req and finishes it in a goroutine. Buffers come from two
 // size classes, so that 4 KiB requests do not pin 1 MiB each.
-func (s *server) goAsync(fd int, req []byte) {
+func (s *server) goAsync(fd int, req []byte, began time.Time) {
 	b, put := s.buffer(len(req))
 	copy(b, req)
 	s.async.Add(1)
@@ -292,6 +336,17 @@ func (s *server) goAsync(fd int, req []byte) {
 		defer s.async.Done()
 		defer put()
 		s.slow(fd, b)
+		if s.stats != nil {
+			h := (*fuse.InHeader)(unsafe.Pointer(&b[0]))
+			n := 0
+			switch h.Opcode {
+			case opRead:
+				n = int(decode[fuse.ReadIn](b).Size)
+			case opWrite:
+				n = int(decode[fuse.WriteIn](b).Size)
+			}
+			s.count(h.Opcode, n, began)
+		}
 	}()
 }
 
