@@ -153,3 +153,10 @@ type NoWaitReader interface {
 type InlineWriter interface {
 	InlineWrites() bool
 }
+
+// PassthroughFder is implemented by images whose bytes are a host file's
+// bytes at the same offsets (raw, buffered): the kernel may then serve
+// reads from that file directly (FUSE passthrough).
+type PassthroughFder interface {
+	PassthroughFd() (fd int, ok bool)
+}

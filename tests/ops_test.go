@@ -389,3 +389,41 @@ func TestHostErrorsReachTheClient(t *testing.T) {
 		t.Fatalf("read after ENOSPC: %d %v", n, err)
 	}
 }
+
+// TestPassthroughReads: with --passthrough on, read-only opens are served by
+// the kernel from the image (no READ reaches the export: --stats counts
+// none), while opens for writing keep the export's rules.
+func TestPassthroughReads(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 4<<20, 41)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "-w", "--passthrough", "on", "--stats", "1h")
+	mustEqualBytes(t, "passthrough read", readAll(t, mnt), readAll(t, img))
+	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := unix.Pwrite(fd, make([]byte, 8192), 4<<20-4096); n != 4096 || err != nil {
+		t.Fatalf("write across EOF with passthrough on: %d %v, want 4096", n, err)
+	}
+	if _, err := unix.Pwrite(fd, []byte{1}, 4<<20); err != unix.ENOSPC {
+		t.Fatalf("write past EOF with passthrough on: %v, want ENOSPC", err)
+	}
+	unix.Close(fd)
+	if code := d.stop(); code != 0 {
+		t.Fatalf("exit %d\n%s", code, d.log())
+	}
+	log := d.log()
+	i := strings.Index(log, "stats summary")
+	if !strings.Contains(log, "FUSE passthrough on") || i < 0 || strings.Contains(log[i:], "read ") || !strings.Contains(log[i:], "write ") {
+		t.Fatalf("want passthrough on, writes counted and no reads:\n%s", log)
+	}
+	if st, _ := os.Stat(img); st.Size() != 4<<20 {
+		t.Fatalf("image grew to %d under passthrough", st.Size())
+	}
+	// Only raw images can be passed through.
+	code, out := runBlockexport(t, "fuse", "--passthrough", "on", "null:1M", filepath.Join(dir, "m2"))
+	if code != 1 || !strings.Contains(out, "only buffered raw images") {
+		t.Fatalf("--passthrough on with a null device: exit %d %q", code, out)
+	}
+}

@@ -33,6 +33,7 @@ type fuseFlags struct {
 	cpuprofile     string
 	pollUs         int
 	stats          time.Duration
+	passthrough    string
 }
 
 func runFuse(args []string, stdout, stderr io.Writer) error {
@@ -52,6 +53,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
+	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
 	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
@@ -90,6 +92,11 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	l2Cache, err := probe.ParseSize(f.l2CacheSize)
 	if err != nil {
 		return usagef("--l2-cache-size: %v", err)
+	}
+	switch f.passthrough {
+	case "auto", "on", "off":
+	default:
+		return usagef("unknown --passthrough mode %q (want auto, on or off)", f.passthrough)
 	}
 	if f.stats < 0 {
 		return usagef("--stats %v: want a positive interval", f.stats)
@@ -137,7 +144,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: time.Duration(f.pollUs) * time.Microsecond, Stats: stats})
+		PollFor: time.Duration(f.pollUs) * time.Microsecond, Stats: stats, Passthrough: f.passthrough})
 	if err != nil {
 		return err
 	}

@@ -55,9 +55,12 @@ type Export struct {
 	growMu   sync.Mutex // serializes growth past the end of the image
 
 	allowOther atomic.Bool
-	mode       atomic.Uint32 // permission bits of the file
-	uid, gid   atomic.Uint32
-	mtime      time.Time
+	// backingID > 0: the kernel knows the image's host file (FUSE
+	// passthrough); opens for reading get it and bypass us for reads.
+	backingID atomic.Int32
+	mode      atomic.Uint32 // permission bits of the file
+	uid, gid  atomic.Uint32
+	mtime     time.Time
 }
 
 // New makes an export of img. The image must stay open until the export is
@@ -201,7 +204,16 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 // Open hands out no file handle; I/O bypasses the page cache (the image may
 // change underneath, as in QEMU), writes run in parallel, and shared mmap
 // still works because DIRECT_IO_ALLOW_MMAP is negotiated at INIT.
-func (e *Export) Open(_ <-chan struct{}, _ *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+//
+// With passthrough, opens for reading only are served by the kernel from
+// the host file. Opens for writing never are: a passthrough write past the
+// end would grow the host file, where a non-growable export must refuse.
+func (e *Export) Open(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	if id := e.backingID.Load(); id > 0 && in.Flags&unix.O_ACCMODE == unix.O_RDONLY {
+		out.OpenFlags = fuse.FOPEN_PASSTHROUGH
+		out.BackingID = id
+		return fuse.OK
+	}
 	out.OpenFlags = fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES
 	return fuse.OK
 }

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
 )
 
 // AllowOther is the --allow-other policy.
@@ -47,6 +49,10 @@ type MountOptions struct {
 	PollFor time.Duration
 	// Stats, when set, counts every request (--stats).
 	Stats *Stats
+	// Passthrough: "on" requires FUSE passthrough for read-only opens of
+	// a buffered raw image, "auto" uses it where the kernel and our
+	// privileges allow, "off" (or "") never.
+	Passthrough string
 }
 
 // Mount is a mounted, serving export.
@@ -176,6 +182,21 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	srv := newServer(exp, fd)
+	ptFd, ptOK := -1, false
+	if pf, ok := exp.img.(formats.PassthroughFder); ok {
+		ptFd, ptOK = pf.PassthroughFd()
+	}
+	switch {
+	case o.Passthrough == "on" && !ptOK:
+		unix.Unmount(abs, unix.MNT_DETACH)
+		unix.Close(fd)
+		if created {
+			os.Remove(abs)
+		}
+		return nil, fmt.Errorf("--passthrough on: only buffered raw images can be passed through")
+	case o.Passthrough == "on" || o.Passthrough == "auto":
+		srv.passthrough = ptOK
+	}
 	fail := func(err error) (*Mount, error) {
 		unix.Unmount(abs, unix.MNT_DETACH)
 		for _, fd := range srv.fds {
@@ -194,6 +215,18 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	}
 	if err := srv.setPoll(o.PollFor); err != nil {
 		return fail(err)
+	}
+	if srv.passthrough {
+		id, err := srv.registerBacking(ptFd)
+		switch {
+		case err == nil:
+			exp.backingID.Store(id)
+			exp.log.Info("FUSE passthrough on: the kernel reads the image directly for read-only opens")
+		case o.Passthrough == "on":
+			return fail(fmt.Errorf("--passthrough on: %w", err))
+		default:
+			exp.log.Info("FUSE passthrough unavailable; serving reads ourselves", "why", err)
+		}
 	}
 	srv.stats = o.Stats
 	m := &Mount{exp: exp, path: abs, created: created, served: make(chan struct{}), log: exp.log}

@@ -70,6 +70,9 @@ type server struct {
 
 	stats *Stats // nil: not counting
 
+	passthrough bool   // ask for FUSE passthrough at INIT
+	negotiated  uint64 // INIT flags both sides agreed on
+
 	async sync.WaitGroup      // requests running in goroutines
 	bufs  *coroutines.BufPool // request copies and read buffers, up to 1 MiB
 	small *coroutines.BufPool // the same for requests up to 8 KiB
@@ -116,7 +119,11 @@ func (s *server) handshake() error {
 		}
 		want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
 			fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
+		if s.passthrough {
+			want |= fuse.CAP_PASSTHROUGH
+		}
 		flags := offered & want
+		s.negotiated = flags
 		out := fuse.InitOut{
 			Major:               kernelVersion,
 			Minor:               min(ourMinor, in.Minor),
@@ -129,9 +136,27 @@ func (s *server) handshake() error {
 			TimeGran:            1,
 			MaxPages:            maxWrite / 4096,
 		}
+		if flags&fuse.CAP_PASSTHROUGH != 0 {
+			out.MaxStackDepth = 1 // the backing file may be on a stacked fs
+		}
 		s.reply(s.fds[0], h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
 		return nil
 	}
+}
+
+// registerBacking hands the image's host file to the kernel for
+// passthrough and returns its backing id (FUSE_DEV_IOC_BACKING_OPEN).
+func (s *server) registerBacking(fd int) (int32, error) {
+	if s.negotiated&fuse.CAP_PASSTHROUGH == 0 {
+		return 0, errors.New("the kernel did not offer FUSE passthrough")
+	}
+	const iocBackingOpen = 0x4010e501 // _IOW(229, 1, struct fuse_backing_map)
+	m := fuse.BackingMap{Fd: int32(fd)}
+	id, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(s.fds[0]), iocBackingOpen, uintptr(unsafe.Pointer(&m)))
+	if errno != 0 {
+		return 0, fmt.Errorf("FUSE_DEV_IOC_BACKING_OPEN: %w", errno)
+	}
+	return int32(id), nil
 }
 
 // addQueues clones the connection's fd so the kernel spreads requests over

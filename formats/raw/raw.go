@@ -346,3 +346,9 @@ func (r *Image) InlineWrites() bool { return r.align == 1 && !r.blockDev }
 
 // FastZero: zeroing is a fallocate, not a write, on a buffered regular file.
 func (r *Image) FastZero() bool { return r.align == 1 && !r.blockDev }
+
+// PassthroughFd offers the host file for FUSE passthrough; with O_DIRECT
+// the kernel would pass unaligned reads straight to it, so not then.
+func (r *Image) PassthroughFd() (int, bool) {
+	return r.f.Fd(), r.align == 1 && !r.blockDev
+}

@@ -96,6 +96,9 @@ func main() {
 	if *only != "nbd" {
 		rows = append(rows, benchConvert(dir, systems)...)
 	}
+	if strings.Contains(*only, "raw") {
+		rows = append(rows, benchPassthrough(dir, bin)...)
+	}
 	if strings.Contains(*only, "nbd") || *only == "null,raw,qcow2" {
 		for _, target := range []string{"null", "raw"} {
 			rows = append(rows, benchNBD(target, dir, bin)...)
@@ -582,4 +585,36 @@ func fioNBD(rw, uri string) (float64, error) {
 		return res.Jobs[0].Write.IOPS, nil
 	}
 	return res.Jobs[0].Read.IOPS, nil
+}
+
+// benchPassthrough compares reads through a --passthrough export with fio
+// on the image file itself (the "qemu" column holds the native file here).
+func benchPassthrough(dir, bin string) []row {
+	log.Printf("target raw passthrough vs native file")
+	img := filepath.Join(dir, "pt.img")
+	if err := makeImage("raw", img); err != nil {
+		log.Fatal(err)
+	}
+	defer os.Remove(img)
+	mnt := img + ".mnt"
+	cmd, err := startAndWait(exec.Command(bin, "fuse", "--log-level", "warn", "-f", "raw", "--passthrough", "on", img, mnt), mnt)
+	if err != nil {
+		log.Printf("passthrough: %v", err)
+		return nil
+	}
+	defer stop(cmd, mnt)
+	var rows []row
+	for _, job := range matrix() {
+		if strings.Contains(job.rw, "write") || job.bs != "4k" {
+			continue
+		}
+		r := row{target: "raw passthrough", name: job.name + " (vs the file itself)", unit: "IOPS", higherBetter: true}
+		warm(img)
+		r.qemu, _ = fio(job, img)
+		warm(img)
+		r.ours, _ = fio(job, mnt)
+		log.Printf("  %-22s file %10.0f  ours %10.0f  x%.2f", job.name, r.qemu, r.ours, ratio(r))
+		rows = append(rows, r)
+	}
+	return rows
 }
