@@ -232,6 +232,13 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	m := &Mount{exp: exp, path: abs, created: created, served: make(chan struct{}), log: exp.log}
 	go func() {
 		srv.serve()
+		// The loops end when the kernel ends the connection (unmount,
+		// abort) or on a protocol error; in the latter case a dead mount
+		// (ENOTCONN) would stay behind, so detach it.
+		if fuseMounted(abs) {
+			exp.log.Error("FUSE connection ended while still mounted; detaching the mount", "mountpoint", abs)
+			unix.Unmount(abs, unix.MNT_DETACH)
+		}
 		close(m.served)
 	}()
 	// Only now: a stat of our own mount needs the loop above to answer it.
