@@ -3,6 +3,7 @@ package tests
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -283,5 +284,73 @@ func TestNBDBadInput(t *testing.T) {
 	}
 	if _, err := os.Stat(sock); !os.IsNotExist(err) {
 		t.Fatal("socket file left behind")
+	}
+}
+
+func TestNBDMaxClientsDaemonizeAndExportName(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 1<<20, 23)
+	sock := filepath.Join(dir, "d.sock")
+	pidfile := filepath.Join(dir, "pid")
+	code, out := runBlockexport(t, "nbd", "--daemonize", "--pidfile", pidfile, "--listen", "unix:"+sock,
+		"--export-name", "disk", "--max-clients", "1", "-f", "raw", img)
+	pid := 0
+	if b, err := os.ReadFile(pidfile); err == nil {
+		fmt.Sscanf(string(b), "%d", &pid)
+	}
+	t.Cleanup(func() {
+		if pid > 0 {
+			syscall.Kill(pid, syscall.SIGTERM)
+			for i := 0; i < 500 && syscall.Kill(pid, 0) == nil; i++ {
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	})
+	if code != 0 || pid <= 0 {
+		t.Fatalf("--daemonize: exit %d, pid %d: %s", code, pid, out)
+	}
+	uri := "nbd+unix:///disk?socket=" + sock
+	// Usable at once after --daemonize returned.
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", uri, img)
+	// A wrong export name is refused.
+	if o, err := exec.Command("qemu-img", "info", "nbd+unix:///other?socket="+sock).CombinedOutput(); err == nil {
+		t.Fatalf("qemu-img info of a missing export succeeded: %s", o)
+	}
+	// With --max-clients 1, a second client is refused while one is
+	// connected, and served again once it has gone.
+	first, err := net.Dial("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	greeting := make([]byte, 18)
+	first.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(first, greeting); err != nil {
+		t.Fatalf("first client got no greeting: %v", err)
+	}
+	if o, err := exec.Command("qemu-img", "info", uri).CombinedOutput(); err == nil {
+		t.Fatalf("a second client was served beyond --max-clients 1: %s", o)
+	}
+	first.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := exec.Command("qemu-img", "info", uri).CombinedOutput(); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the slot was not freed after the first client left")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	syscall.Kill(pid, syscall.SIGTERM)
+	for i := 0; i < 500 && syscall.Kill(pid, 0) == nil; i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if syscall.Kill(pid, 0) == nil {
+		t.Fatal("daemon did not exit on SIGTERM")
+	}
+	for _, p := range []string{sock, pidfile} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Fatalf("%s left behind", p)
+		}
 	}
 }
