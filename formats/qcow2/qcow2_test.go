@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -17,6 +19,7 @@ import (
 	"github.com/lima-vm/go-qcow2reader/image"
 	oracle "github.com/lima-vm/go-qcow2reader/image/qcow2"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -57,12 +60,9 @@ func writes(t *testing.T, img string, cs int) {
 	)
 }
 
-func itoa(n int) string { return strings.TrimSpace(strings.Repeat(" ", 0) + intToString(n)) }
+func itoa(n int) string { return strconv.Itoa(n) }
 
-func intToString(n int) string {
-	b, _ := json.Marshal(n)
-	return string(b)
-}
+func intToString(n int) string { return strconv.Itoa(n) }
 
 func images() []testImage {
 	var list []testImage
@@ -143,7 +143,7 @@ func reference(t *testing.T, img string) []byte {
 }
 
 func TestReadsMatchQemuAndTheOracle(t *testing.T) {
-	oracle.SetDecompressor(oracle.CompressionTypeZstd, func(r io_Reader) (io_ReadCloser, error) {
+	oracle.SetDecompressor(oracle.CompressionTypeZstd, func(r io.Reader) (io.ReadCloser, error) {
 		d, err := zstd.NewReader(r)
 		if err != nil {
 			return nil, err
@@ -156,7 +156,7 @@ func TestReadsMatchQemuAndTheOracle(t *testing.T) {
 			top := ti.make(t, dir)
 			want := reference(t, top)
 			for _, backend := range []string{"io_uring", "threads"} {
-				q, err := Open(top, Options{Backend: aioBackend(backend)})
+				q, err := Open(top, Options{Backend: aio.Backend(backend)})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -221,7 +221,7 @@ func TestReadsMatchQemuAndTheOracle(t *testing.T) {
 				t.Fatal(err)
 			}
 			ob := make([]byte, len(want))
-			if n, err := o.ReadAt(ob, 0); n != len(ob) || (err != nil && err != io_EOF) {
+			if n, err := o.ReadAt(ob, 0); n != len(ob) || (err != nil && err != io.EOF) {
 				t.Fatalf("oracle read: %d, %v", n, err)
 			}
 			if !bytes.Equal(ob, want) {
