@@ -52,7 +52,7 @@ type testImage struct {
 func writes(t *testing.T, img string, cs int) {
 	qio(t, img,
 		"write -P 0x11 0 4k",
-		"write -P 0x22 "+itoa(cs-512)+" 1k", // across the first cluster boundary
+		"write -P 0x22 "+strconv.Itoa(cs-512)+" 1k", // across the first cluster boundary
 		"write -P 0x33 1M 300k",
 		"write -P 0x44 3M 64k",
 		"write -z 3M 4k",
@@ -60,16 +60,13 @@ func writes(t *testing.T, img string, cs int) {
 	)
 }
 
-func itoa(n int) string { return strconv.Itoa(n) }
-
-func intToString(n int) string { return strconv.Itoa(n) }
 
 func images() []testImage {
 	var list []testImage
 	for _, cs := range []int{512, 4096, 65536, 2 << 20} {
-		list = append(list, testImage{"cluster" + intToString(cs), func(t *testing.T, dir string) string {
+		list = append(list, testImage{"cluster" + strconv.Itoa(cs), func(t *testing.T, dir string) string {
 			p := filepath.Join(dir, "c.qcow2")
-			tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size="+intToString(cs), p, "4M")
+			tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size="+strconv.Itoa(cs), p, "4M")
 			writes(t, p, cs)
 			return p
 		}})
@@ -190,7 +187,7 @@ func TestReadsMatchQemuAndTheOracle(t *testing.T) {
 								return
 							}
 							if !bytes.Equal(buf[:n], want[off:off+int64(n)]) {
-								errs <- errors.New("random read differs at " + intToString(int(off)))
+								errs <- errors.New("random read differs at " + strconv.Itoa(int(off)))
 								return
 							}
 						}
