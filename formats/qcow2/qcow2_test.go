@@ -60,7 +60,6 @@ func writes(t *testing.T, img string, cs int) {
 	)
 }
 
-
 func images() []testImage {
 	var list []testImage
 	for _, cs := range []int{512, 4096, 65536, 2 << 20} {
