@@ -20,7 +20,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 
@@ -146,15 +145,6 @@ func pathErr(op string, f File, errno error) error {
 	return &os.PathError{Op: op, Path: f.Name(), Err: errno}
 }
 
-// iovLen is the total length of an iovec.
-func iovLen(iov [][]byte) int {
-	n := 0
-	for _, b := range iov {
-		n += len(b)
-	}
-	return n
-}
-
 // advance drops the first n bytes from iov, reusing its backing array.
 func advance(iov [][]byte, n int) [][]byte {
 	for n > 0 && len(iov) > 0 {
@@ -170,5 +160,3 @@ func advance(iov [][]byte, n int) [][]byte {
 	}
 	return iov
 }
-
-var _ = io.EOF

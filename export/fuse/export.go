@@ -89,12 +89,6 @@ func New(img formats.Image, o Options) *Export {
 // SETATTR changes are allowed (QEMU's rules).
 func (e *Export) SetAllowOther(on bool) { e.allowOther.Store(on) }
 
-// Drain waits for every request in flight and holds new ones back until
-// release is called.
-func (e *Export) Drain(ctx context.Context) (release func(), err error) {
-	return e.inflight.Drain(ctx)
-}
-
 func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	size := e.img.Size()
 	blocks := (size + 511) / 512
