@@ -160,3 +160,9 @@ type InlineWriter interface {
 type PassthroughFder interface {
 	PassthroughFd() (fd int, ok bool)
 }
+
+// FastZeroer is implemented by images that can say whether WriteZeroes is
+// cheap (no data written), as NBD's FAST_ZERO needs to know.
+type FastZeroer interface {
+	FastZero() bool
+}

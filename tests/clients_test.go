@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,9 +46,7 @@ func TestLoopMountMkfsFsck(t *testing.T) {
 	run(t, "umount", fsdir)
 	mounted = false
 	run(t, "losetup", "-d", loop)
-	if code := d.stop(); code != 0 {
-		t.Fatalf("export exit %d\n%s", code, d.log())
-	}
+	d.stopClean()
 
 	run(t, "e2fsck", "-fn", img)
 
@@ -67,26 +66,30 @@ func TestLoopMountMkfsFsck(t *testing.T) {
 	}
 }
 
-// TestFioVerify: random 4 KiB writes at queue depth 16, each block checked
-// with crc32c, on both aio engines; then the image itself is verified
-// outside the export.
+// fioVerifyThroughExport writes ioSize of random 4 KiB blocks at queue
+// depth 16 through an export of a new 64 MiB raw image, each checked with
+// crc32c as fio reads it back; then the export stops cleanly and the same
+// job verifies the image file itself.
+func fioVerifyThroughExport(t *testing.T, ioSize string, seed int, exportArgs ...string) {
+	t.Helper()
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "fio.img", 64<<20)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, append([]string{"-f", "raw", "-w"}, exportArgs...)...)
+	job := []string{"--name=verify", "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=" + ioSize,
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+		fmt.Sprintf("--randseed=%d", seed), "--minimal"}
+	run(t, "fio", append(job, "--filename="+mnt)...)
+	d.stopClean()
+	run(t, "fio", append(job, "--filename="+img, "--verify_only")...)
+}
+
+// TestFioVerify: both aio engines, both cache modes.
 func TestFioVerify(t *testing.T) {
 	for _, engine := range []string{"io_uring", "threads"} {
 		for _, cache := range []string{"writeback", "none"} {
 			t.Run(engine+"/"+cache, func(t *testing.T) {
-				dir := t.TempDir()
-				img := sparseImage(t, dir, "fio.img", 64<<20)
-				mnt := filepath.Join(dir, "mnt")
-				d := startExport(t, img, mnt, "-f", "raw", "-w", "--aio", engine, "--cache", cache)
-				job := []string{"--name=verify", "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=32M",
-					"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
-					"--randseed=42", "--minimal"}
-				run(t, "fio", append(job, "--filename="+mnt)...)
-				if code := d.stop(); code != 0 {
-					t.Fatalf("export exit %d\n%s", code, d.log())
-				}
-				// The same job in verify-only mode against the image file.
-				run(t, "fio", append(job, "--filename="+img, "--verify_only")...)
+				fioVerifyThroughExport(t, "32M", 42, "--aio", engine, "--cache", cache)
 			})
 		}
 	}
@@ -109,16 +112,5 @@ func TestQemuImgConvertIntoTheExport(t *testing.T) {
 // polling loops keep data intact under fio's verify, and the export stops
 // cleanly (the poll loops must notice the unmount).
 func TestQueuesAndBusyPolling(t *testing.T) {
-	dir := t.TempDir()
-	img := sparseImage(t, dir, "q.img", 64<<20)
-	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "-w", "--queues", "2", "--poll-us", "50")
-	job := []string{"--name=verify", "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=16M",
-		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
-		"--randseed=7", "--minimal"}
-	run(t, "fio", append(job, "--filename="+mnt)...)
-	if code := d.stop(); code != 0 {
-		t.Fatalf("export exit %d\n%s", code, d.log())
-	}
-	run(t, "fio", append(job, "--filename="+img, "--verify_only")...)
+	fioVerifyThroughExport(t, "16M", 7, "--queues", "2", "--poll-us", "50")
 }

@@ -125,6 +125,14 @@ func (d *daemon) stop() int {
 	return d.wait(20 * time.Second)
 }
 
+// stopClean stops the process and fails the test unless it exits 0.
+func (d *daemon) stopClean() {
+	d.t.Helper()
+	if code := d.stop(); code != 0 {
+		d.t.Fatalf("export exit %d\n%s", code, d.log())
+	}
+}
+
 // wait waits for the process to exit by itself and returns its exit code.
 func (d *daemon) wait(timeout time.Duration) int {
 	d.t.Helper()

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -25,9 +24,7 @@ func TestMountpointRules(t *testing.T) {
 		if st, err := os.Stat(mnt); err != nil || st.Size() != 1<<20 {
 			t.Fatalf("stat of created mountpoint: %v", err)
 		}
-		if code := d.stop(); code != 0 {
-			t.Fatalf("exit %d\n%s", code, d.log())
-		}
+		d.stopClean()
 		if _, err := os.Stat(mnt); !os.IsNotExist(err) {
 			t.Fatalf("created mountpoint left behind: %v", err)
 		}
@@ -252,7 +249,6 @@ func TestNullDevice(t *testing.T) {
 	if !strings.Contains(out, "null;") {
 		t.Fatalf("fio output: %s", out)
 	}
-	_ = exec.Command
 }
 
 // TestStatsCountRequests: --stats logs intervals and a summary whose read
@@ -264,9 +260,7 @@ func TestStatsCountRequests(t *testing.T) {
 	d := startExport(t, img, mnt, "-f", "raw", "--stats", "100ms")
 	run(t, "dd", "if="+mnt, "of=/dev/null", "bs=4k", "count=300", "iflag=direct")
 	time.Sleep(250 * time.Millisecond)
-	if code := d.stop(); code != 0 {
-		t.Fatalf("exit %d\n%s", code, d.log())
-	}
+	d.stopClean()
 	log := d.log()
 	if !strings.Contains(log, "msg=stats ") {
 		t.Fatalf("no interval line:\n%s", log)

@@ -106,9 +106,7 @@ func TestNBDWritesWithQemuIO(t *testing.T) {
 		"-c", "read -P 0 4096 4096",
 		"-c", "read -P 0 2M 64k",
 		s.uri)
-	if code := s.stop(); code != 0 {
-		t.Fatalf("exit %d\n%s", code, s.log())
-	}
+	s.stopClean()
 	b := readAll(t, img)
 	if b[0] != 0x5a || b[4096] != 0 || b[8191] != 0 || b[8192] != 0x5a || b[2<<20] != 0 {
 		t.Fatal("image after qemu-io over NBD does not hold the writes")
@@ -238,9 +236,7 @@ func TestNBDCopyAndConcurrentClients(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if code := s.stop(); code != 0 {
-		t.Fatalf("exit %d\n%s", code, s.log())
-	}
+	s.stopClean()
 }
 
 func TestNBDBadInput(t *testing.T) {

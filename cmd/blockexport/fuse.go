@@ -124,7 +124,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		}
 		return err
 	}
-	defer img.Close()
+	defer img.Image.Close()
 	if img.Probed && img.Format == probe.Raw && f.writable {
 		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", image)
 	}
@@ -135,8 +135,6 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		logger.Debug("PR_SET_IO_FLUSHER not set", "err", err)
 	}
 
-	// The format itself, not the opener's wrapper: the export looks for
-	// optional fast paths (formats.NoWaitReader, formats.InlineWriter) on it.
 	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
 	sigs := stopSignals()
 	var stats *fuseexport.Stats
@@ -169,7 +167,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		go func() { stats.Run(logger, f.stats, stopStats); close(statsDone) }()
 		defer func() { close(stopStats); <-statsDone }()
 	}
-	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Size(),
+	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Image.Size(),
 		"mountpoint", m.Path(), "writable", f.writable, "growable", f.growable)
 	notifyReady()
 
@@ -182,7 +180,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	case <-m.Done():
 		logger.Info("unmounted from outside", "mountpoint", m.Path())
 	}
-	if err := img.Flush(context.Background()); err != nil {
+	if err := img.Image.Flush(context.Background()); err != nil {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil

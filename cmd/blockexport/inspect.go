@@ -46,10 +46,10 @@ func runInfo(args []string, stdout, _ io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer img.Close()
-	infos := []formats.Info{img.Info()}
+	defer img.Image.Close()
+	infos := []formats.Info{img.Image.Info()}
 	if *chain {
-		for layer := formats.Image(img.Image); ; {
+		for layer := img.Image; ; {
 			l, ok := layer.(formats.Layered)
 			if !ok || l.Backing() == nil {
 				break
@@ -172,8 +172,8 @@ func runMap(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer img.Close()
-	entries, err := mapImage(context.Background(), img, progressTo(stderr))
+	defer img.Image.Close()
+	entries, err := mapImage(context.Background(), img.Image, progressTo(stderr))
 	if err != nil {
 		return err
 	}

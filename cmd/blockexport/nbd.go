@@ -70,7 +70,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		}
 		return err
 	}
-	defer img.Close()
+	defer img.Image.Close()
 
 	l, err := listenOn(network, addr)
 	if err != nil {
@@ -97,7 +97,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Size(), "listen", *listen, "export", *name, "writable", *writable)
+	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Image.Size(), "listen", *listen, "export", *name, "writable", *writable)
 	notifyReady()
 	select {
 	case s := <-sigs:
@@ -113,7 +113,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if err := srv.Shutdown(ctx); err != nil {
 		logger.Warn("connections did not finish in time", "err", err)
 	}
-	if err := img.Flush(context.Background()); err != nil {
+	if err := img.Image.Flush(context.Background()); err != nil {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil

@@ -2,19 +2,19 @@
 // the op-by-op behaviour of qemu-storage-daemon's FUSE export (see
 // shared/reference/qemu-fuse-export.md).
 //
-// The package is protocol only: [Export] decodes nothing itself and owns no
-// serve loop. Its methods take go-fuse's request structs (which mirror the
-// kernel's), call the [formats.Image], and fill go-fuse's reply structs, so
-// the same handlers serve go-fuse's loop today (mount_linux.go) and a
-// hand-written /dev/fuse loop later. Error values become errno in one place
-// (errno.go).
+// [Export] holds the op handlers: they take go-fuse's request structs
+// (which mirror the kernel's), call the [formats.Image], and fill go-fuse's
+// reply structs; they know nothing of how requests arrive. The serve loop
+// (serve_linux.go) reads /dev/fuse and calls them; mounting is in
+// mount_linux.go. Error values become errno in one place (errno.go).
 //
 // One READ, end to end: the kernel queues READ(ino 1, off, len) on
-// /dev/fuse; a go-fuse reader goroutine decodes it and calls [Export.Read];
-// Read clamps it to the image's end and calls Image.ReadAt, which for a raw
-// image is aio.File.ReadAt (a page-cache hit served inline, otherwise an
-// io_uring SQE the goroutine parks on); the filled buffer goes back to
-// go-fuse, which writes the reply to /dev/fuse.
+// /dev/fuse; the serve loop reads it, and for a raw image first tries
+// Image.ReadAtNoWait (a page-cache hit, preadv2 RWF_NOWAIT) and replies at
+// once; otherwise a goroutine runs [Export.ReadInto], which clamps it to the
+// image's end and calls Image.ReadAt, that is aio.File.ReadAt: an io_uring
+// SQE the goroutine parks on until its completion; then one writev sends
+// the reply to /dev/fuse.
 package fuse
 
 import (
@@ -109,13 +109,8 @@ func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	}
 }
 
-// Lookup: the file system is one file, so there is nothing to look up.
-func (e *Export) Lookup(<-chan struct{}, *fuse.InHeader, string, *fuse.EntryOut) fuse.Status {
-	return fuse.ENOENT
-}
-
-func (e *Export) GetAttr(cancel <-chan struct{}, _ *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
-	e.fillAttr(cancelCtx(cancel), &out.Attr)
+func (e *Export) GetAttr(ctx context.Context, _ *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+	e.fillAttr(ctx, &out.Attr)
 	out.SetTimeout(attrTimeout)
 	return fuse.OK
 }
@@ -123,8 +118,7 @@ func (e *Export) GetAttr(cancel <-chan struct{}, _ *fuse.GetAttrIn, out *fuse.At
 // SetAttr supports size (resize) and mode, and uid/gid with allow_other;
 // file handle, lock owner and kill-suid bits are ignored; anything else is
 // ENOTSUP. The errno rules are QEMU's.
-func (e *Export) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
-	ctx := cancelCtx(cancel)
+func (e *Export) SetAttr(ctx context.Context, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
 	valid := in.Valid &^ (fuse.FATTR_FH | fuse.FATTR_LOCKOWNER | fattrKillSUIDGID)
 	supported := uint32(fuse.FATTR_SIZE | fuse.FATTR_MODE)
 	if e.allowOther.Load() {
@@ -202,7 +196,7 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 // With passthrough, opens for reading only are served by the kernel from
 // the host file. Opens for writing never are: a passthrough write past the
 // end would grow the host file, where a non-growable export must refuse.
-func (e *Export) Open(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	if id := e.backingID.Load(); id > 0 && in.Flags&unix.O_ACCMODE == unix.O_RDONLY {
 		out.OpenFlags = fuse.FOPEN_PASSTHROUGH
 		out.BackingID = id
@@ -212,18 +206,16 @@ func (e *Export) Open(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fus
 	return fuse.OK
 }
 
-func (e *Export) Release(<-chan struct{}, *fuse.ReleaseIn) {}
-
 // ReadInto reads the request into buf, clamped to the end of the image: a
 // short read at EOF, an empty one past it. It returns the byte count.
-func (e *Export) ReadInto(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
+func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
 	e.inflight.Begin()
 	defer e.inflight.End()
 	off, n := e.clampRead(in, len(buf))
 	if n == 0 {
 		return 0, fuse.OK
 	}
-	if _, err := e.img.ReadAt(cancelCtx(cancel), buf[:n], off); err != nil {
+	if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
 		e.log.Debug("read failed", "off", off, "len", n, "err", err)
 		return 0, errno(err)
 	}
@@ -253,19 +245,16 @@ func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
 	return off, min(int64(bufLen), int64(in.Size), size-off)
 }
 
-// Writev takes the payload as the kernel delivered it (one or more pieces).
-func (e *Export) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+// Write writes the payload at the request's offset: clamped at the end of
+// a non-growable image (short write; ENOSPC when nothing fits), growing a
+// growable one.
+func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	if !e.opts.Writable {
 		return 0, fuse.EACCES
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
-	ctx := cancelCtx(cancel)
-	off := int64(in.Offset)
-	n := int64(0)
-	for _, d := range data {
-		n += int64(len(d))
-	}
+	off, n := int64(in.Offset), int64(len(data))
 	if n == 0 {
 		return 0, fuse.OK
 	}
@@ -280,31 +269,22 @@ func (e *Export) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte)
 			n = size - off // short write up to the end
 		}
 	}
-	written := int64(0)
-	for _, d := range data {
-		if written >= n {
-			break
-		}
-		d = d[:min(int64(len(d)), n-written)]
-		if _, err := e.img.WriteAt(ctx, d, off+written); err != nil {
-			e.log.Debug("write failed", "off", off+written, "len", len(d), "err", err)
-			return 0, errno(err)
-		}
-		written += int64(len(d))
+	if _, err := e.img.WriteAt(ctx, data[:n], off); err != nil {
+		e.log.Debug("write failed", "off", off, "len", n, "err", err)
+		return 0, errno(err)
 	}
-	return uint32(written), fuse.OK
+	return uint32(n), fuse.OK
 }
 
 // Fallocate follows QEMU: mode 0 only at or past the end (it grows the
 // image); PUNCH_HOLE (with KEEP_SIZE) zeroes and may deallocate; ZERO_RANGE
 // zeroes and grows without KEEP_SIZE; KEEP_SIZE clamps to the end.
-func (e *Export) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
+func (e *Export) Fallocate(ctx context.Context, in *fuse.FallocateIn) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.EACCES
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
-	ctx := cancelCtx(cancel)
 	off, length, mode := int64(in.Offset), int64(in.Length), in.Mode
 	size := e.img.Size()
 	if mode&unix.FALLOC_FL_KEEP_SIZE != 0 {
@@ -347,13 +327,12 @@ func (e *Export) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.St
 // Lseek answers SEEK_DATA and SEEK_HOLE from the image's allocation (the
 // kernel handles the other whence values itself). The end of the image
 // counts as a hole.
-func (e *Export) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
+func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
 	if in.Whence != unix.SEEK_DATA && in.Whence != unix.SEEK_HOLE {
 		return fuse.EINVAL
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
-	ctx := cancelCtx(cancel)
 	off, size := int64(in.Offset), e.img.Size()
 	wantData := in.Whence == unix.SEEK_DATA
 	for off < size {
@@ -378,12 +357,12 @@ func (e *Export) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.Lseek
 }
 
 // Flush (every close) and Fsync both make the image durable, as in QEMU.
-func (e *Export) Flush(cancel <-chan struct{}, _ *fuse.FlushIn) fuse.Status {
-	return e.flush(cancelCtx(cancel))
+func (e *Export) Flush(ctx context.Context, _ *fuse.FlushIn) fuse.Status {
+	return e.flush(ctx)
 }
 
-func (e *Export) Fsync(cancel <-chan struct{}, _ *fuse.FsyncIn) fuse.Status {
-	return e.flush(cancelCtx(cancel))
+func (e *Export) Fsync(ctx context.Context, _ *fuse.FsyncIn) fuse.Status {
+	return e.flush(ctx)
 }
 
 func (e *Export) flush(ctx context.Context) fuse.Status {
@@ -400,11 +379,11 @@ func (e *Export) flush(ctx context.Context) fuse.Status {
 // StatFs describes the export as a file system holding one file: its size
 // in 4 KiB blocks, the unallocated part free. (QEMU answers ENOSYS, which
 // makes df fail.)
-func (e *Export) StatFs(cancel <-chan struct{}, _ *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
+func (e *Export) StatFs(ctx context.Context, _ *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
 	const bs = 4096
 	size := e.img.Size()
 	used := int64(0)
-	if alloc, err := e.img.AllocatedSize(cancelCtx(cancel)); err == nil && alloc > 0 {
+	if alloc, err := e.img.AllocatedSize(ctx); err == nil && alloc > 0 {
 		used = min(alloc, size)
 	}
 	blocks := uint64((size + bs - 1) / bs)

@@ -17,6 +17,8 @@ import (
 	"github.com/blockexport/blockexport/formats/raw"
 )
 
+var ctx = context.Background()
+
 // These tests call the handlers directly, the way any serve loop does, to
 // pin the errno rules that the kernel would otherwise intercept first (a
 // read-only mount refuses write opens before a WRITE can reach us).
@@ -31,20 +33,20 @@ func newNull(t *testing.T, size int64) formats.Image {
 
 func TestWriteOnReadOnlyExportIsEACCES(t *testing.T) {
 	e := New(newNull(t, 1<<20), Options{})
-	if _, st := e.Writev(nil, &fuse.WriteIn{Offset: 0}, [][]byte{make([]byte, 512)}); st != fuse.EACCES {
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 512)); st != fuse.EACCES {
 		t.Fatalf("write: %v, want EACCES", st)
 	}
-	if st := e.Fallocate(nil, &fuse.FallocateIn{Length: 4096, Mode: unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE}); st != fuse.EACCES {
+	if st := e.Fallocate(ctx, &fuse.FallocateIn{Length: 4096, Mode: unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE}); st != fuse.EACCES {
 		t.Fatalf("fallocate: %v, want EACCES", st)
 	}
 	in := &fuse.SetAttrIn{}
 	in.Valid = fuse.FATTR_SIZE
 	in.Size = 4096
-	if st := e.SetAttr(nil, in, &fuse.AttrOut{}); st != fuse.EACCES {
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.EACCES {
 		t.Fatalf("truncate: %v, want EACCES", st)
 	}
 	in.Valid, in.Mode = fuse.FATTR_MODE, 0o600
-	if st := e.SetAttr(nil, in, &fuse.AttrOut{}); st != fuse.EROFS {
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.EROFS {
 		t.Fatalf("chmod u+w: %v, want EROFS", st)
 	}
 }
@@ -52,15 +54,15 @@ func TestWriteOnReadOnlyExportIsEACCES(t *testing.T) {
 func TestWriteClampingAndGrowth(t *testing.T) {
 	img := newNull(t, 10000)
 	e := New(img, Options{Writable: true})
-	n, st := e.Writev(nil, &fuse.WriteIn{Offset: 9000}, [][]byte{make([]byte, 2048)})
+	n, st := e.Write(ctx, &fuse.WriteIn{Offset: 9000}, make([]byte, 2048))
 	if st != fuse.OK || n != 1000 {
 		t.Fatalf("write across EOF: %d %v, want 1000 OK", n, st)
 	}
-	if _, st := e.Writev(nil, &fuse.WriteIn{Offset: 10000}, [][]byte{make([]byte, 1)}); st != fuse.Status(unix.ENOSPC) {
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 10000}, make([]byte, 1)); st != fuse.Status(unix.ENOSPC) {
 		t.Fatalf("write at EOF: %v, want ENOSPC", st)
 	}
 	g := New(img, Options{Writable: true, Growable: true})
-	n, st = g.Writev(nil, &fuse.WriteIn{Offset: 20000}, [][]byte{make([]byte, 100), make([]byte, 50)})
+	n, st = g.Write(ctx, &fuse.WriteIn{Offset: 20000}, make([]byte, 150))
 	if st != fuse.OK || n != 150 || img.Size() != 20150 {
 		t.Fatalf("growable write: %d %v size %d", n, st, img.Size())
 	}
@@ -69,11 +71,11 @@ func TestWriteClampingAndGrowth(t *testing.T) {
 func TestReadClamping(t *testing.T) {
 	e := New(newNull(t, 10000), Options{})
 	buf := make([]byte, 4096)
-	n, st := e.ReadInto(nil, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
+	n, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
 	if st != fuse.OK || n != 2000 {
 		t.Fatalf("read across EOF: %v size %d", st, n)
 	}
-	n, st = e.ReadInto(nil, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
+	n, st = e.ReadInto(ctx, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
 	if st != fuse.OK || n != 0 {
 		t.Fatalf("read past EOF: %v size %d", st, n)
 	}
@@ -82,19 +84,19 @@ func TestReadClamping(t *testing.T) {
 func TestLseekRules(t *testing.T) {
 	e := New(newNull(t, 1<<20), Options{})
 	var out fuse.LseekOut
-	if st := e.Lseek(nil, &fuse.LseekIn{Whence: 0}, &out); st != fuse.EINVAL {
+	if st := e.Lseek(ctx, &fuse.LseekIn{Whence: 0}, &out); st != fuse.EINVAL {
 		t.Fatalf("SEEK_SET: %v, want EINVAL", st)
 	}
-	if st := e.Lseek(nil, &fuse.LseekIn{Offset: 100, Whence: unix.SEEK_DATA}, &out); st != fuse.Status(unix.ENXIO) {
+	if st := e.Lseek(ctx, &fuse.LseekIn{Offset: 100, Whence: unix.SEEK_DATA}, &out); st != fuse.Status(unix.ENXIO) {
 		t.Fatalf("SEEK_DATA on an all-hole device: %v, want ENXIO", st)
 	}
-	if st := e.Lseek(nil, &fuse.LseekIn{Offset: 100, Whence: unix.SEEK_HOLE}, &out); st != fuse.OK || out.Offset != 100 {
+	if st := e.Lseek(ctx, &fuse.LseekIn{Offset: 100, Whence: unix.SEEK_HOLE}, &out); st != fuse.OK || out.Offset != 100 {
 		t.Fatalf("SEEK_HOLE: %v %d", st, out.Offset)
 	}
-	if st := e.Lseek(nil, &fuse.LseekIn{Offset: 1 << 20, Whence: unix.SEEK_HOLE}, &out); st != fuse.OK || out.Offset != 1<<20 {
+	if st := e.Lseek(ctx, &fuse.LseekIn{Offset: 1 << 20, Whence: unix.SEEK_HOLE}, &out); st != fuse.OK || out.Offset != 1<<20 {
 		t.Fatalf("SEEK_HOLE at EOF: %v %d", st, out.Offset)
 	}
-	if st := e.Lseek(nil, &fuse.LseekIn{Offset: 2 << 20, Whence: unix.SEEK_HOLE}, &out); st != fuse.Status(unix.ENXIO) {
+	if st := e.Lseek(ctx, &fuse.LseekIn{Offset: 2 << 20, Whence: unix.SEEK_HOLE}, &out); st != fuse.Status(unix.ENXIO) {
 		t.Fatalf("SEEK_HOLE past EOF: %v, want ENXIO", st)
 	}
 }
@@ -103,21 +105,21 @@ func TestSetattrSupportedBits(t *testing.T) {
 	e := New(newNull(t, 1<<20), Options{Writable: true})
 	in := &fuse.SetAttrIn{}
 	in.Valid = fuse.FATTR_MTIME
-	if st := e.SetAttr(nil, in, &fuse.AttrOut{}); st != fuse.Status(unix.ENOTSUP) {
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.Status(unix.ENOTSUP) {
 		t.Fatalf("mtime: %v, want ENOTSUP", st)
 	}
 	in.Valid = fuse.FATTR_UID
-	if st := e.SetAttr(nil, in, &fuse.AttrOut{}); st != fuse.Status(unix.ENOTSUP) {
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.Status(unix.ENOTSUP) {
 		t.Fatalf("uid without allow_other: %v, want ENOTSUP", st)
 	}
 	e.SetAllowOther(true)
 	in.Valid, in.Uid = fuse.FATTR_UID|fuse.FATTR_FH|fuse.FATTR_LOCKOWNER, 42
 	var out fuse.AttrOut
-	if st := e.SetAttr(nil, in, &out); st != fuse.OK || out.Uid != 42 {
+	if st := e.SetAttr(ctx, in, &out); st != fuse.OK || out.Uid != 42 {
 		t.Fatalf("uid with allow_other: %v uid %d", st, out.Uid)
 	}
 	in.Valid, in.Size = fuse.FATTR_SIZE, 4096
-	if st := e.SetAttr(nil, in, &out); st != fuse.OK || out.Size != 4096 {
+	if st := e.SetAttr(ctx, in, &out); st != fuse.OK || out.Size != 4096 {
 		t.Fatalf("resize: %v size %d", st, out.Size)
 	}
 }
@@ -152,7 +154,7 @@ func TestClosedImageIsEIO(t *testing.T) {
 	}
 	e := New(img, Options{Writable: true})
 	img.Close()
-	if _, st := e.ReadInto(nil, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
+	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
 		t.Fatalf("read from a closed image: %v, want EIO", st)
 	}
 }

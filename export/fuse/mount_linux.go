@@ -57,7 +57,6 @@ type MountOptions struct {
 
 // Mount is a mounted, serving export.
 type Mount struct {
-	exp     *Export
 	path    string
 	created bool   // we created the mountpoint file and remove it at the end
 	conn    uint64 // fusectl connection number, for aborting
@@ -229,7 +228,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 	}
 	srv.stats = o.Stats
-	m := &Mount{exp: exp, path: abs, created: created, served: make(chan struct{}), log: exp.log}
+	m := &Mount{path: abs, created: created, served: make(chan struct{}), log: exp.log}
 	go func() {
 		srv.serve()
 		// The loops end when the kernel ends the connection (unmount,

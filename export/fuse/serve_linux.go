@@ -9,6 +9,7 @@ package fuse
 // go-fuse still supplies the protocol structs the handlers take.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -271,6 +272,9 @@ func (s *server) count(op uint32, n int, began time.Time) {
 	s.stats.record(k, n, time.Since(began))
 }
 
+// Every request runs with context.Background(): the kernel's INTERRUPT is
+// not acted on (a request runs to completion; block I/O is short).
+
 // dispatch answers one request. Requests that may block are copied out of
 // the loop's buffer and finished by a goroutine.
 func (s *server) dispatch(fd int, req, out []byte) {
@@ -313,17 +317,17 @@ func (s *server) dispatchOne(fd int, req, out []byte, began time.Time) bool {
 		s.replyErr(fd, h.Unique, unix.ENOENT)
 	case opGetattr:
 		var o fuse.AttrOut
-		st := e.GetAttr(nil, decode[fuse.GetAttrIn](req), &o)
+		st := e.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
 		replyOut(s, fd, h.Unique, st, &o)
 	case opOpen:
 		var o fuse.OpenOut
-		st := e.Open(nil, decode[fuse.OpenIn](req), &o)
+		st := e.Open(decode[fuse.OpenIn](req), &o)
 		replyOut(s, fd, h.Unique, st, &o)
 	case opRelease:
 		s.reply(fd, h.Unique, 0, nil, nil)
 	case opStatfs:
 		var o fuse.StatfsOut
-		st := e.StatFs(nil, h, &o)
+		st := e.StatFs(context.Background(), h, &o)
 		replyOut(s, fd, h.Unique, st, &o)
 	case opRead:
 		in := decode[fuse.ReadIn](req)
@@ -394,23 +398,23 @@ func (s *server) slow(fd int, req []byte) {
 		in := decode[fuse.ReadIn](req)
 		ob, put := s.buffer(min(int(in.Size), maxWrite))
 		defer put()
-		n, st := e.ReadInto(nil, in, ob)
+		n, st := e.ReadInto(context.Background(), in, ob)
 		s.replyData(fd, h.Unique, st, ob[:n])
 	case opWrite:
 		s.handleWrite(fd, req)
 	case opSetattr:
 		var o fuse.AttrOut
-		st := e.SetAttr(nil, decode[fuse.SetAttrIn](req), &o)
+		st := e.SetAttr(context.Background(), decode[fuse.SetAttrIn](req), &o)
 		replyOut(s, fd, h.Unique, st, &o)
 	case opFsync:
-		s.replyStatus(fd, h.Unique, e.Fsync(nil, decode[fuse.FsyncIn](req)))
+		s.replyStatus(fd, h.Unique, e.Fsync(context.Background(), decode[fuse.FsyncIn](req)))
 	case opFlush:
-		s.replyStatus(fd, h.Unique, e.Flush(nil, decode[fuse.FlushIn](req)))
+		s.replyStatus(fd, h.Unique, e.Flush(context.Background(), decode[fuse.FlushIn](req)))
 	case opFallocate:
-		s.replyStatus(fd, h.Unique, e.Fallocate(nil, decode[fuse.FallocateIn](req)))
+		s.replyStatus(fd, h.Unique, e.Fallocate(context.Background(), decode[fuse.FallocateIn](req)))
 	case opLseek:
 		var o fuse.LseekOut
-		st := e.Lseek(nil, decode[fuse.LseekIn](req), &o)
+		st := e.Lseek(context.Background(), decode[fuse.LseekIn](req), &o)
 		replyOut(s, fd, h.Unique, st, &o)
 	}
 }
@@ -423,8 +427,7 @@ func (s *server) handleWrite(fd int, req []byte) {
 		s.replyErr(fd, h.Unique, unix.EINVAL)
 		return
 	}
-	data := [1][]byte{req[hdr : hdr+int(in.Size)]}
-	n, st := s.exp.Writev(nil, in, data[:])
+	n, st := s.exp.Write(context.Background(), in, req[hdr:hdr+int(in.Size)])
 	o := fuse.WriteOut{Size: n}
 	replyOut(s, fd, h.Unique, st, &o)
 }

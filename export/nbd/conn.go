@@ -256,7 +256,7 @@ func (c *conn) handle(req protocol.TransmissionRequestHeader, payload []byte) {
 // fastZero says whether the image zeroes without writing data (NBD's
 // FAST_ZERO asks to fail rather than be slow).
 func fastZero(img formats.Image) bool {
-	f, ok := img.(interface{ FastZero() bool })
+	f, ok := img.(formats.FastZeroer)
 	return ok && f.FastZero()
 }
 

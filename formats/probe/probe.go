@@ -73,9 +73,12 @@ type Options struct {
 	Logger         *slog.Logger
 }
 
-// Opened is an image with what the opener found out about it.
+// Opened is an image with what the opener found out about it. Image is a
+// named field, not embedded: front ends must get the format's own value,
+// whose optional interfaces (formats.NoWaitReader, ...) a wrapper would
+// hide.
 type Opened struct {
-	formats.Image
+	Image formats.Image
 	// Format is the format in use; Probed says it was detected, not given.
 	Format string
 	Probed bool

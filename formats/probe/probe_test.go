@@ -41,10 +41,10 @@ func TestOpenDetectsFormats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if img.Format != Raw || !img.Probed || img.Size() != 4096 {
-		t.Fatalf("raw: format %s probed %v size %d", img.Format, img.Probed, img.Size())
+	if img.Format != Raw || !img.Probed || img.Image.Size() != 4096 {
+		t.Fatalf("raw: format %s probed %v size %d", img.Format, img.Probed, img.Image.Size())
 	}
-	img.Close()
+	img.Image.Close()
 
 	q := filepath.Join(dir, "q.img")
 	os.WriteFile(q, []byte{'Q', 'F', 'I', 0xfb, 0, 0, 0, 3}, 0o644)
@@ -55,7 +55,7 @@ func TestOpenDetectsFormats(t *testing.T) {
 		t.Fatal("a truncated qcow2 header opened")
 	}
 	n, err := Open("null:1M", Options{NullReadZeroes: true})
-	if err != nil || n.Format != Null || n.Size() != 1<<20 {
+	if err != nil || n.Format != Null || n.Image.Size() != 1<<20 {
 		t.Fatalf("null:1M: %v", err)
 	}
 	if _, err := Open("null:x", Options{}); !errors.Is(err, ErrUsage) {

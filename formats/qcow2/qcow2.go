@@ -53,7 +53,8 @@ type Image struct {
 	l1       []uint64
 	fileSize int64
 	l2cache  *lru[[]uint64]
-	dcache   *lru[[]byte]
+	dcache   *lru[[]byte] // decompressed clusters
+	rcache   *lru[[]byte] // refcount blocks (read at open only, for now)
 	backing  formats.Image // nil: unallocated clusters read as zeroes
 	bfmt     string        // format of backing
 	direct   bool          // O_DIRECT host file: no page cache to hit
@@ -123,6 +124,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	}
 	q.l2cache = newLRU[[]uint64](int(cacheBytes / h.clusterSize))
 	q.dcache = newLRU[[]byte](max(2, int(decodedCacheBytes/h.clusterSize)))
+	q.rcache = newLRU[[]byte](4)
 	q.preallocated, err = q.detectMetadataPreallocation(ctx, st.Blocks*512)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)

@@ -49,14 +49,14 @@ func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {
 	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
 		return nil, fmt.Errorf("%w: refcount block at %#x is misaligned or beyond the end of the file", ErrCorrupt, off)
 	}
-	if b, ok := q.dcache.get(-off); ok { // negative keys: refcount blocks
+	if b, ok := q.rcache.get(off); ok {
 		return b, nil
 	}
 	b := make([]byte, q.h.clusterSize)
 	if _, err := q.f.ReadAt(ctx, b, off); err != nil && err != io.EOF {
 		return nil, fmt.Errorf("qcow2: refcount block at %#x: %w", off, err)
 	}
-	q.dcache.put(-off, b)
+	q.rcache.put(off, b)
 	return b, nil
 }
 

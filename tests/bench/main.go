@@ -419,8 +419,7 @@ func report(rows []row) error {
 	if err := os.WriteFile(filepath.Join(*outDir, stamp+".svg"), []byte(chart(rows)), 0o644); err != nil {
 		return err
 	}
-	latest := strings.Replace(b.String(), "("+stamp+".svg)", "("+stamp+".svg)", 1)
-	if err := os.WriteFile(filepath.Join(*outDir, "latest.md"), []byte(latest), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(*outDir, "latest.md"), []byte(b.String()), 0o644); err != nil {
 		return err
 	}
 	fmt.Print(b.String())
