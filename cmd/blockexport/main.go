@@ -40,6 +40,7 @@ func commands() []command {
 		{"info", "describe an image (format, sizes, backing chain, features)", runInfo},
 		{"map", "print an image's allocation, as qemu-img map does", runMap},
 		{"nbd", "serve an image over NBD (unix socket or TCP)", runNBD},
+		{"create", "create a new raw or qcow2 image", runCreate},
 	}
 }
 

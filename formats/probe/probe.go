@@ -123,10 +123,7 @@ func Open(spec string, o Options) (*Opened, error) {
 	}
 	switch format {
 	case QCOW2:
-		if o.Writable {
-			return nil, fmt.Errorf("%s: writing qcow2 images is not supported yet; export it read-only (without --writable): %w", spec, formats.ErrNotSupported)
-		}
-		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Logger: o.Logger})
+		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger})
 		if err != nil {
 			return nil, err
 		}

@@ -1,12 +1,14 @@
 package probe
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"testing"
 
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/qcow2"
 )
 
 func TestParseSize(t *testing.T) {
@@ -48,11 +50,25 @@ func TestOpenDetectsFormats(t *testing.T) {
 
 	q := filepath.Join(dir, "q.img")
 	os.WriteFile(q, []byte{'Q', 'F', 'I', 0xfb, 0, 0, 0, 3}, 0o644)
-	if _, err := Open(q, Options{Writable: true}); !errors.Is(err, formats.ErrNotSupported) {
-		t.Fatalf("writable qcow2: %v, want a not-supported error", err)
+	if _, err := Open(q, Options{Writable: true}); !errors.Is(err, qcow2.ErrCorrupt) {
+		t.Fatalf("writable truncated qcow2: %v, want a corrupt-image error", err)
 	}
 	if _, err := Open(q, Options{}); err == nil {
 		t.Fatal("a truncated qcow2 header opened")
+	}
+	if err := qcow2.Create(q, qcow2.CreateOptions{Size: 1 << 20, Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	w, err := Open(q, Options{Writable: true, Backend: "threads"})
+	if err != nil || w.Format != QCOW2 || !w.Probed {
+		t.Fatalf("writable qcow2: %v", err)
+	}
+	if _, err := w.Image.WriteAt(context.Background(), []byte("x"), 0); err != nil {
+		t.Fatalf("write to a writable qcow2: %v", err)
+	}
+	w.Image.Close()
+	if _, err := Open(q, Options{Writable: true, Direct: true}); !errors.Is(err, formats.ErrNotSupported) {
+		t.Fatalf("writable qcow2 with O_DIRECT: %v, want a not-supported error", err)
 	}
 	n, err := Open("null:1M", Options{NullReadZeroes: true})
 	if err != nil || n.Format != Null || n.Image.Size() != 1<<20 {

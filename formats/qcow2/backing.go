@@ -64,9 +64,11 @@ func openChain(path string, o Options, guard *chainGuard) (*Image, error) {
 			return nil, fmt.Errorf("qcow2: %s: backing file %s: %w", path, q.h.backingFile, err)
 		}
 	}
+	bo := o
+	bo.Writable = false // writes never reach the backing chain
 	switch bfmt {
 	case "qcow2":
-		b, err := openChain(bpath, o, guard)
+		b, err := openChain(bpath, bo, guard)
 		if err != nil {
 			q.Close()
 			return nil, fmt.Errorf("%s: backing file: %w", path, err)

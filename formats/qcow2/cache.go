@@ -9,10 +9,13 @@ import (
 // tables, and decompressed clusters. Two goroutines missing on one key both
 // load it; the second insert wins, which is harmless for read-only data.
 type lru[V any] struct {
-	mu    sync.Mutex
-	cap   int
-	order *list.List // front = most recently used
-	items map[int64]*list.Element
+	mu  sync.Mutex
+	cap int
+	// generation counts bump calls: a value loaded from the file while it
+	// changed may be older than one put meanwhile, see putIfGen.
+	generation uint64
+	order      *list.List // front = most recently used
+	items      map[int64]*list.Element
 }
 
 type lruItem[V any] struct {
@@ -38,6 +41,10 @@ func (c *lru[V]) get(key int64) (V, bool) {
 func (c *lru[V]) put(key int64, val V) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.putLocked(key, val)
+}
+
+func (c *lru[V]) putLocked(key int64, val V) {
 	if e, ok := c.items[key]; ok {
 		e.Value.(*lruItem[V]).val = val
 		c.order.MoveToFront(e)
@@ -48,5 +55,39 @@ func (c *lru[V]) put(key int64, val V) {
 		last := c.order.Back()
 		c.order.Remove(last)
 		delete(c.items, last.Value.(*lruItem[V]).key)
+	}
+}
+
+// gen returns the current generation.
+func (c *lru[V]) gen() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.generation
+}
+
+// bump starts a new generation: values loaded before it may be stale.
+func (c *lru[V]) bump() {
+	c.mu.Lock()
+	c.generation++
+	c.mu.Unlock()
+}
+
+// putIfGen caches val, loaded from the file during generation g, unless a
+// newer generation began meanwhile or the key is cached already.
+func (c *lru[V]) putIfGen(key int64, val V, g uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, have := c.items[key]; !have && c.generation == g {
+		c.putLocked(key, val)
+	}
+}
+
+// remove drops key.
+func (c *lru[V]) remove(key int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, ok := c.items[key]; ok {
+		c.order.Remove(e)
+		delete(c.items, key)
 	}
 }

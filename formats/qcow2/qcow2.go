@@ -1,14 +1,20 @@
-// Package qcow2 reads qcow2 images (versions 2 and 3): L1/L2 translation
-// with a bounded LRU of L2 tables, contiguous clusters merged into one host
-// I/O, runs of one request read in parallel, zero clusters, compressed
-// clusters (deflate and zstd) through a small cache of decoded clusters, and
-// backing chains of qcow2 or raw files.
+// Package qcow2 reads and writes qcow2 images (versions 2 and 3): L1/L2
+// translation with a bounded LRU of L2 tables, contiguous clusters merged
+// into one host I/O, runs of one request read in parallel, zero clusters,
+// compressed clusters (deflate and zstd) through a small cache of decoded
+// clusters, and backing chains of qcow2 or raw files (always read-only).
 //
-// Writing is not implemented yet: the image is always opened read-only, and
-// write-type calls return [formats.ErrReadOnly].
+// Writes allocate clusters (copy-on-write from the backing chain or a
+// compressed cluster), keep refcounts, L2 tables and the L1 table in
+// write-back caches, and write them at Flush in an order that leaves the
+// file consistent at every instant: a crash may leak clusters, never
+// corrupt the image. See write.go for the rules.
 //
 // Files: header.go (header and extensions), cluster.go (L1/L2 lookup),
-// cache.go (LRU), compress.go (compressed clusters), backing.go (chains).
+// cache.go (LRU), compress.go (compressed clusters), backing.go (chains),
+// refcount.go (refcounts and allocation), write.go (writes), zero.go
+// (write-zeroes and discard), flush.go (metadata write-back), resize.go,
+// create.go (new images).
 package qcow2
 
 import (
@@ -19,6 +25,7 @@ import (
 	"log/slog"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -42,25 +49,39 @@ type Options struct {
 	L2CacheSize int64
 	Backend     aio.Backend
 	Direct      bool
-	Logger      *slog.Logger
+	// Writable opens the image for writing; its backing chain stays
+	// read-only.
+	Writable bool
+	Logger   *slog.Logger
 }
 
 // Image is an open qcow2 image.
 type Image struct {
-	f        aio.File
-	path     string
-	h        *header
-	l1       []uint64
-	fileSize int64
-	l2cache  *lru[[]uint64]
-	dcache   *lru[[]byte] // decompressed clusters
-	rcache   *lru[[]byte] // refcount blocks (read at open only, for now)
-	backing  formats.Image // nil: unallocated clusters read as zeroes
-	bfmt     string        // format of backing
-	direct   bool          // O_DIRECT host file: no page cache to hit
+	f       aio.File
+	path    string
+	h       *header
+	size    atomic.Int64 // virtual size; h.size is the value at open
+	l2cache *lru[[]uint64]
+	dcache  *lru[[]byte]  // decompressed clusters
+	rcache  *lru[[]byte]  // clean refcount blocks
+	backing formats.Image // nil: unallocated clusters read as zeroes
+	bfmt    string        // format of backing
+	direct  bool          // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
 	// the host file which data clusters are holes (as QEMU does).
 	preallocated bool
+
+	// meta guards what lookups read and writers change: l1, the pinned L2
+	// tables and fileSize. Lookups hold it shared for a few loads; writers
+	// hold it exclusively only to store, never across I/O.
+	meta sync.RWMutex
+	l1   []uint64
+	// fileSize is the end of the host file as the metadata knows it:
+	// allocation moves it before the file itself grows.
+	fileSize int64
+
+	w   *writeState // nil when read-only
+	log *slog.Logger
 }
 
 // Open opens the qcow2 image at path read-only, with its backing chain.
@@ -69,7 +90,12 @@ func Open(path string, o Options) (*Image, error) {
 }
 
 func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
-	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Logger: o.Logger})
+	if o.Writable && o.Direct {
+		// Metadata is written in pieces of 8 bytes and up, which O_DIRECT
+		// refuses; QEMU bounces them, we do not yet.
+		return nil, fmt.Errorf("qcow2: %s: writing with --cache none is not supported; use the default cache mode: %w", path, formats.ErrNotSupported)
+	}
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger})
 	if err != nil {
 		return nil, fmt.Errorf("qcow2: %w", err)
 	}
@@ -81,6 +107,12 @@ func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
 	if err := guard.enter(f.Fd(), path); err != nil {
 		f.Close()
 		return nil, err
+	}
+	if o.Writable {
+		if err := q.openForWriting(context.Background()); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
 	}
 	return q, nil
 }
@@ -107,7 +139,8 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct}
+	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct, log: o.Logger}
+	q.size.Store(int64(h.size))
 	if h.l1Size > 0 {
 		raw := make([]byte, int64(h.l1Size)*8)
 		if _, err := f.ReadAt(ctx, raw, int64(h.l1Offset)); err != nil {
@@ -132,7 +165,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	return q, nil
 }
 
-func (q *Image) Size() int64 { return int64(q.h.size) }
+func (q *Image) Size() int64 { return q.size.Load() }
 
 // ReadAt reads p at off. Clusters are classified first; every run of host
 // I/O (contiguous data clusters, or a stretch to read from the backing file)
@@ -141,6 +174,16 @@ func (q *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if off < 0 || off+int64(len(p)) > q.Size() {
 		return 0, fmt.Errorf("qcow2: read [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
 	}
+	if q.w != nil {
+		// No cluster we read is freed and reused under us.
+		q.w.users.RLock()
+		defer q.w.users.RUnlock()
+	}
+	return q.read(ctx, p, off)
+}
+
+// read is ReadAt for callers that hold w.users already (copy-on-write).
+func (q *Image) read(ctx context.Context, p []byte, off int64) (int, error) {
 	var runs []ioRun
 	var first ioRun
 	cs := q.h.clusterSize
@@ -350,30 +393,40 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 
 // ReadAtNoWait serves a read that stays inside one cluster whose L2 table
 // is cached: data from the page cache (RWF_NOWAIT), zero clusters, and
-// unallocated ones without a backing file. Anything else would wait.
+// unallocated ones without a backing file. Anything else would wait, and
+// so would a lock someone else holds: then it says no at once.
 func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
 	cs := q.h.clusterSize
-	if len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || off/cs != (off+int64(len(p))-1)/cs {
+	if len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || off/cs != (off+int64(len(p))-1)/cs || q.direct {
+		return false
+	}
+	if q.w != nil {
+		if !q.w.users.TryRLock() {
+			return false
+		}
+		defer q.w.users.RUnlock()
+	}
+	if !q.meta.TryRLock() {
 		return false
 	}
 	vc := off / cs
 	l1i := vc / q.h.l2Entries
 	if l1i >= int64(len(q.l1)) {
+		q.meta.RUnlock()
 		return false
 	}
 	l2off := int64(q.l1[l1i] & l1OffsetMask)
-	if l2off == 0 {
-		if q.backing != nil {
+	var e uint64
+	if l2off != 0 {
+		t, ok := q.cachedL2(l2off)
+		if !ok {
+			q.meta.RUnlock()
 			return false
 		}
-		clear(p)
-		return true
+		e = t[vc%q.h.l2Entries]
 	}
-	t, ok := q.l2cache.get(l2off)
-	if !ok {
-		return false
-	}
-	e := t[vc%q.h.l2Entries]
+	fileSize := q.fileSize
+	q.meta.RUnlock()
 	if e&l2Compressed != 0 {
 		return false
 	}
@@ -388,7 +441,7 @@ func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
 		}
 		clear(p)
 		return true
-	case host%cs != 0 || host >= q.fileSize || q.direct:
+	case host%cs != 0 || host >= fileSize:
 		return false
 	}
 	n, err := aio.PreadNoWait(q.f.Fd(), p, host+off%cs)
@@ -398,7 +451,10 @@ func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
 // hostZero says whether [host, host+n) of the file is a hole (reads as
 // zeroes), and for how long that answer holds.
 func (q *Image) hostZero(host, n int64) (int64, bool) {
-	if host >= q.fileSize {
+	q.meta.RLock()
+	fileSize := q.fileSize
+	q.meta.RUnlock()
+	if host >= fileSize {
 		return n, true
 	}
 	fd := q.f.Fd()
@@ -417,14 +473,6 @@ func (q *Image) hostZero(host, n int64) (int64, bool) {
 	}
 	return min(n, h-host), false
 }
-
-func (q *Image) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-func (q *Image) WriteZeroes(context.Context, int64, int64, bool) error { return formats.ErrReadOnly }
-func (q *Image) Discard(context.Context, int64, int64) error           { return formats.ErrReadOnly }
-func (q *Image) Resize(context.Context, int64) error                   { return formats.ErrReadOnly }
-func (q *Image) Flush(context.Context) error                           { return nil }
 
 // AllocatedSize is the host allocation of this file (not the chain), as
 // qemu-img info's actual-size.
@@ -480,9 +528,16 @@ func (q *Image) Info() formats.Info {
 // Backing returns the backing image, or nil.
 func (q *Image) Backing() formats.Image { return q.backing }
 
-// Close closes the image and its backing chain.
+// Close writes back cached metadata of a writable image, then closes it
+// and its backing chain.
 func (q *Image) Close() error {
-	err := q.f.Close()
+	var err error
+	if q.w != nil {
+		err = q.Flush(context.Background())
+	}
+	if cerr := q.f.Close(); err == nil {
+		err = cerr
+	}
 	if q.backing != nil {
 		if berr := q.backing.Close(); err == nil {
 			err = berr

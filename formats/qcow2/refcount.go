@@ -7,11 +7,11 @@ import (
 	"io"
 )
 
-// Reading refcounts. Today they only answer one question, the one QEMU asks
-// at open: was the image preallocated with metadata (clusters referenced
-// but never written, so the host file has holes there)? Then, and only
-// then, block status asks the host file which data clusters read as
-// zeroes, as qemu-img map does.
+// Refcounts. Read-only images ask them one question, the one QEMU asks at
+// open: was the image preallocated with metadata (clusters referenced but
+// never written, so the host file has holes there)? Then, and only then,
+// block status asks the host file which data clusters read as zeroes, as
+// qemu-img map does. Writable images keep them: see alloc.go.
 
 // refcount returns the refcount of host cluster c.
 func (q *Image) refcount(ctx context.Context, rt []uint64, c int64) (uint64, error) {
@@ -29,20 +29,42 @@ func (q *Image) refcount(ctx context.Context, rt []uint64, c int64) (uint64, err
 	if err != nil {
 		return 0, err
 	}
-	j := c % perBlock
+	return getRefcount(block, c%perBlock, bits), nil
+}
+
+// getRefcount reads entry j of a refcount block of bits-wide entries.
+func getRefcount(block []byte, j, bits int64) uint64 {
 	switch bits {
 	case 64:
-		return binary.BigEndian.Uint64(block[j*8:]), nil
+		return binary.BigEndian.Uint64(block[j*8:])
 	case 32:
-		return uint64(binary.BigEndian.Uint32(block[j*4:])), nil
+		return uint64(binary.BigEndian.Uint32(block[j*4:]))
 	case 16:
-		return uint64(binary.BigEndian.Uint16(block[j*2:])), nil
+		return uint64(binary.BigEndian.Uint16(block[j*2:]))
 	case 8:
-		return uint64(block[j]), nil
+		return uint64(block[j])
 	}
 	// 1, 2 or 4 bits: packed LSB first.
 	bit := j * bits
-	return uint64(block[bit/8]>>(bit%8)) & (1<<bits - 1), nil
+	return uint64(block[bit/8]>>(bit%8)) & (1<<bits - 1)
+}
+
+// setRefcount stores v (which must fit) as entry j.
+func setRefcount(block []byte, j, bits int64, v uint64) {
+	switch bits {
+	case 64:
+		binary.BigEndian.PutUint64(block[j*8:], v)
+	case 32:
+		binary.BigEndian.PutUint32(block[j*4:], uint32(v))
+	case 16:
+		binary.BigEndian.PutUint16(block[j*2:], uint16(v))
+	case 8:
+		block[j] = uint8(v)
+	default:
+		bit := j * bits
+		mask := byte(1<<bits-1) << (bit % 8)
+		block[bit/8] = block[bit/8]&^mask | byte(v)<<(bit%8)&mask
+	}
 }
 
 func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {

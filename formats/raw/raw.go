@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -351,4 +352,34 @@ func (r *Image) FastZero() bool { return r.align == 1 && !r.blockDev }
 // the kernel would pass unaligned reads straight to it, so not then.
 func (r *Image) PassthroughFd() (int, bool) {
 	return r.f.Fd(), r.align == 1 && !r.blockDev
+}
+
+// Create makes a new raw image of size bytes at path, sparse. It refuses
+// to replace an existing file unless force is set.
+func Create(path string, size int64, force bool) error {
+	if size < 0 {
+		return fmt.Errorf("raw: size %d is negative", size)
+	}
+	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
+	if force {
+		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
+	}
+	f, err := os.OpenFile(path, flags, 0o644)
+	if err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("raw: %s exists; give --force to overwrite it", path)
+		}
+		return fmt.Errorf("raw: %w", err)
+	}
+	err = f.Truncate(size)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("raw: create %s: %w", path, err)
+	}
+	return nil
 }

@@ -1,0 +1,463 @@
+package qcow2
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Cluster allocation and refcounts of a writable image.
+//
+// Refcount blocks live in memory once touched; a changed block stays pinned
+// (never evicted) until Flush has written it. Allocation takes the first
+// run of free clusters from a hint; a cluster whose refcount block does not
+// exist yet is free, and the block is created inside the range it covers,
+// counting itself. When the refcount table itself is full, a larger one is
+// built past the end of what it covers (growRefcountTable).
+//
+// Frees are deferred: the metadata that stopped using a cluster (an L2 entry
+// cleared, an old L1 table replaced) must be durable before the refcount
+// drops, or a crash could leave a reused cluster referenced twice. So freed
+// clusters wait in pendingFree until Flush has written that metadata, and
+// are applied while no request is in flight (one that looked the cluster up
+// before it was freed may still be reading or writing it).
+
+// writeState is what a writable image adds to a read-only one.
+type writeState struct {
+	// users is held shared by every read, write and zeroing, exclusively
+	// while deferred frees are applied.
+	users sync.RWMutex
+	// alloc serializes metadata changes: allocation, L2 and L1 entries,
+	// refcounts, the header's fields. Held across metadata loads from the
+	// file, never across data I/O.
+	alloc sync.Mutex
+	// flushMu lets one Flush run at a time, so that write-backs land in
+	// the order they were taken.
+	flushMu sync.Mutex
+	// clusters serializes requests that change the same virtual clusters'
+	// mapping (allocating writes, zeroing, discard). Writes into allocated
+	// clusters do not take it.
+	clusters coroutines.RangeLock
+
+	// l2pin holds L2 tables that changed (dirty) or that a writer holds
+	// for changing; lookups see them before the LRU. Guarded by meta for
+	// readers, alloc+meta for changes.
+	l2pin map[int64]*pinnedL2
+	// Guarded by alloc:
+	rbpin       map[int64]*pinnedBlock // refcount blocks, same rule
+	rtable      []uint64               // refcount table
+	rtOffset    int64
+	rtDirty     bool // the table must be written
+	rtMoved     bool // ...and the header pointed at its new place
+	l1Offset    int64
+	l1Lo, l1Hi  int  // dirty L1 entries [lo, hi)
+	l1Moved     bool // the header must point at a new L1 table
+	sizeDirty   bool // the header's size must be written
+	pendingFree []int64
+	freeHint    int64 // no cluster below it is free
+	dirtyL2     int   // dirty pinned L2 tables, to bound the write-back
+	dirtyRB     int
+
+	bits     int64 // refcount width
+	perBlock int64 // refcounts per block
+	maxRef   uint64
+}
+
+type pinnedL2 struct {
+	t     []uint64
+	dirty bool
+}
+
+type pinnedBlock struct {
+	b     []byte
+	dirty bool
+}
+
+// openForWriting checks that we can write this image safely and sets up
+// the write state.
+func (q *Image) openForWriting(ctx context.Context) error {
+	h := q.h
+	switch {
+	case h.incompatible&incCorrupt != 0:
+		return fmt.Errorf("%w: the image is marked corrupt; check and repair it with qemu-img check -r all before writing", ErrCorrupt)
+	case h.incompatible&incDirty != 0:
+		return fmt.Errorf("%w: the image was not closed cleanly (lazy refcounts); repair its refcounts with qemu-img check -r all before writing", ErrUnsupported)
+	case h.nbSnapshots > 0:
+		return fmt.Errorf("%w: writing an image with internal snapshots (%d); export it read-only or delete them with qemu-img snapshot -d", ErrUnsupported, h.nbSnapshots)
+	}
+	rt, err := q.refcountTable(ctx)
+	if err != nil {
+		return err
+	}
+	if len(rt) == 0 {
+		return fmt.Errorf("%w: no refcount table", ErrCorrupt)
+	}
+	bits := int64(1) << h.refcountOrder
+	w := &writeState{
+		l2pin: map[int64]*pinnedL2{}, rbpin: map[int64]*pinnedBlock{},
+		rtable: rt, rtOffset: int64(h.refcountOffset), l1Offset: int64(h.l1Offset),
+		freeHint: 1, bits: bits, perBlock: h.clusterSize * 8 / bits,
+	}
+	w.maxRef = 1<<bits - 1
+	if bits == 64 {
+		w.maxRef = ^uint64(0)
+	}
+	// Autoclear features are ones a writer that does not understand them
+	// must clear: we understand none (persistent bitmaps become stale).
+	if h.version >= 3 && h.autoclear != 0 {
+		var zero [8]byte
+		if _, err := q.f.WriteAt(ctx, zero[:], 88); err != nil {
+			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
+		}
+		if err := q.f.Fdatasync(ctx); err != nil {
+			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
+		}
+		h.autoclear = 0
+		h.hasBitmaps = false
+	}
+	q.w = w
+	return nil
+}
+
+// refBlock returns the refcount block covering host cluster c, or nil when
+// none exists. The caller holds alloc.
+func (q *Image) refBlock(ctx context.Context, c int64) ([]byte, int64, error) {
+	w := q.w
+	i := c / w.perBlock
+	if i >= int64(len(w.rtable)) {
+		return nil, 0, nil
+	}
+	off := int64(w.rtable[i] &^ uint64(q.h.clusterSize-1))
+	if off == 0 {
+		return nil, 0, nil
+	}
+	if p, ok := w.rbpin[off]; ok {
+		return p.b, off, nil
+	}
+	if b, ok := q.rcache.get(off); ok {
+		return b, off, nil
+	}
+	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
+		return nil, 0, fmt.Errorf("%w: refcount block at %#x is misaligned or beyond the end of the file", ErrCorrupt, off)
+	}
+	b := make([]byte, q.h.clusterSize)
+	if _, err := q.f.ReadAt(ctx, b, off); err != nil && err != io.EOF {
+		return nil, 0, fmt.Errorf("qcow2: refcount block at %#x: %w", off, err)
+	}
+	q.rcache.put(off, b)
+	return b, off, nil
+}
+
+// getRef returns the refcount of host cluster c. The caller holds alloc.
+func (q *Image) getRef(ctx context.Context, c int64) (uint64, error) {
+	b, _, err := q.refBlock(ctx, c)
+	if err != nil || b == nil {
+		return 0, err
+	}
+	return getRefcount(b, c%q.w.perBlock, q.w.bits), nil
+}
+
+// setRef sets the refcount of host cluster c, whose block must exist. The
+// caller holds alloc.
+func (q *Image) setRef(ctx context.Context, c int64, v uint64) error {
+	w := q.w
+	b, off, err := q.refBlock(ctx, c)
+	if err != nil {
+		return err
+	}
+	if b == nil {
+		return fmt.Errorf("qcow2: refcount of cluster %d: no refcount block (allocator bug)", c)
+	}
+	if v > w.maxRef {
+		return fmt.Errorf("%w: refcount of cluster %#x overflows %d bits", ErrCorrupt, c*q.h.clusterSize, w.bits)
+	}
+	setRefcount(b, c%w.perBlock, w.bits, v)
+	q.pinBlock(off, b)
+	return nil
+}
+
+func (q *Image) pinBlock(off int64, b []byte) {
+	w := q.w
+	p, ok := w.rbpin[off]
+	if !ok {
+		p = &pinnedBlock{b: b}
+		w.rbpin[off] = p
+	}
+	if !p.dirty {
+		p.dirty = true
+		w.dirtyRB++
+	}
+}
+
+// growFile notes that the file extends to at least end. The caller holds
+// alloc.
+func (q *Image) growFile(end int64) {
+	q.meta.Lock()
+	q.fileSize = max(q.fileSize, end)
+	q.meta.Unlock()
+}
+
+// allocClusters finds n contiguous free host clusters, sets their refcounts
+// to one and returns the first one's offset. Refcount blocks missing for
+// them are created right after them (and count themselves too), so a run
+// longer than one block covers still fits. The caller holds alloc.
+func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
+	w := q.w
+	cs := q.h.clusterSize
+	from := w.freeHint
+	for {
+		c, firstFree, err := q.findFree(ctx, from, n)
+		if err != nil {
+			return 0, err
+		}
+		// The run plus the blocks it lacks, until that is stable.
+		total, beyond := n, int64(-1)
+		for {
+			missing, b := q.missingBlocks(c, total)
+			if b >= 0 {
+				beyond = b
+				break
+			}
+			if n+missing == total {
+				break
+			}
+			total = n + missing
+		}
+		if beyond >= 0 {
+			if err := q.growRefcountTable(ctx, beyond); err != nil {
+				return 0, err
+			}
+			from = w.freeHint
+			continue
+		}
+		// The clusters for the new blocks must be free too.
+		busy := int64(-1)
+		for j := c + n; j < c+total; j++ {
+			rc, err := q.getRef(ctx, j)
+			if err != nil {
+				return 0, err
+			}
+			if rc != 0 {
+				busy = j
+				break
+			}
+		}
+		if busy >= 0 {
+			from = busy + 1
+			continue
+		}
+		next := c + n
+		for i := c / w.perBlock; i <= (c+total-1)/w.perBlock; i++ {
+			if w.rtable[i] != 0 {
+				continue
+			}
+			off := next * cs
+			next++
+			b := make([]byte, cs)
+			w.rtable[i] = uint64(off)
+			w.rtDirty = true
+			w.rbpin[off] = &pinnedBlock{b: b}
+			q.pinBlock(off, b)
+		}
+		for j := c; j < c+total; j++ {
+			if err := q.setRef(ctx, j, 1); err != nil {
+				return 0, err
+			}
+		}
+		if from == w.freeHint && firstFree == c {
+			// Nothing free was skipped: the hint may move past the run.
+			w.freeHint = c + total
+		}
+		q.growFile((c + total) * cs)
+		return c * cs, nil
+	}
+}
+
+// findFree returns the first run of n clusters with refcount zero at or
+// after from, and the first free cluster it saw.
+func (q *Image) findFree(ctx context.Context, from, n int64) (c, firstFree int64, err error) {
+	cs := q.h.clusterSize
+	c, firstFree = from, -1
+	for run := int64(0); run < n; {
+		if (c+run+1)*cs > maxHostOffset {
+			return 0, 0, fmt.Errorf("qcow2: allocate %d clusters: the image file is full: %w", n, unix.EFBIG)
+		}
+		rc, err := q.getRef(ctx, c+run)
+		if err != nil {
+			return 0, 0, err
+		}
+		if rc != 0 {
+			c, run = c+run+1, 0
+			continue
+		}
+		if firstFree < 0 {
+			firstFree = c + run
+		}
+		run++
+	}
+	return c, firstFree, nil
+}
+
+// missingBlocks counts the refcount blocks clusters [c, c+n) lack, or
+// returns the first block index the refcount table has no entry for.
+func (q *Image) missingBlocks(c, n int64) (missing, beyond int64) {
+	w := q.w
+	for i := c / w.perBlock; i <= (c+n-1)/w.perBlock; i++ {
+		if i >= int64(len(w.rtable)) {
+			return 0, i
+		}
+		if w.rtable[i] == 0 {
+			missing++
+		}
+	}
+	return missing, -1
+}
+
+// maxHostOffset is where L2 entries' offset field ends.
+const maxHostOffset = 1 << 56
+
+// maxRefTableBytes is QEMU's QCOW_MAX_REFTABLE_SIZE.
+const maxRefTableBytes = 8 << 20
+
+// growRefcountTable replaces the refcount table with one that has an entry
+// for block index need. The new table and the blocks that count it go
+// right past what the old table covers (every cluster there is free), the
+// old table's clusters are freed once the header points at the new one.
+func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
+	w := q.w
+	cs := q.h.clusterSize
+	old := int64(len(w.rtable))
+	x := old * w.perBlock // first cluster the old table cannot count
+	entries := max(old*2, need+1)
+	var tClusters, blocks int64
+	for {
+		tClusters = (entries*8 + cs - 1) / cs
+		blocks = 1
+		for (x+tClusters+blocks-1)/w.perBlock-x/w.perBlock+1 > blocks {
+			blocks++
+		}
+		if (x+tClusters+blocks-1)/w.perBlock < entries {
+			break
+		}
+		entries *= 2
+	}
+	if entries*8 > maxRefTableBytes {
+		return fmt.Errorf("qcow2: refcount table of %d entries: the image file is too large: %w", entries, unix.EFBIG)
+	}
+	rt := make([]uint64, entries)
+	copy(rt, w.rtable)
+	first := x / w.perBlock
+	for k := range blocks {
+		boff := (x + tClusters + k) * cs
+		rt[first+k] = uint64(boff)
+		b := make([]byte, cs)
+		w.rbpin[boff] = &pinnedBlock{b: b}
+		q.pinBlock(boff, b)
+	}
+	oldOff, oldClusters := w.rtOffset, (old*8+cs-1)/cs
+	w.rtable, w.rtOffset = rt, x*cs
+	w.rtDirty, w.rtMoved = true, true
+	for c := x; c < x+tClusters+blocks; c++ {
+		if err := q.setRef(ctx, c, 1); err != nil {
+			return err
+		}
+	}
+	for c := oldOff / cs; c < oldOff/cs+oldClusters; c++ {
+		w.pendingFree = append(w.pendingFree, c)
+	}
+	q.growFile((x + tClusters + blocks) * cs)
+	return nil
+}
+
+// unallocate drops clusters [host, host+n*cs) that nothing references yet
+// (an allocating write failed). The caller holds alloc.
+func (q *Image) unallocate(ctx context.Context, host, n int64) error {
+	cs := q.h.clusterSize
+	for c := host / cs; c < host/cs+n; c++ {
+		if err := q.setRef(ctx, c, 0); err != nil {
+			return err
+		}
+		q.w.freeHint = min(q.w.freeHint, c)
+	}
+	return nil
+}
+
+// freeLater queues the host clusters that L2 entry e used, now that it no
+// longer does. The caller holds alloc.
+func (q *Image) freeLater(e uint64) {
+	w := q.w
+	cs := q.h.clusterSize
+	if e&l2Compressed != 0 {
+		x := 62 - (q.h.clusterBits - 8)
+		start := int64(e&(1<<x-1)) &^ 511
+		sectors := int64((e>>x)&(1<<(62-x)-1)) + 1
+		for c := start / cs; c <= (start+sectors*512-1)/cs; c++ {
+			w.pendingFree = append(w.pendingFree, c)
+		}
+		return
+	}
+	if host := int64(e & l2OffsetMask); host != 0 {
+		w.pendingFree = append(w.pendingFree, host/cs)
+	}
+}
+
+// applyFrees drops the refcounts of clusters whose last user's metadata is
+// durable. No request is in flight meanwhile. Clusters that become free
+// are punched out of the host file.
+func (q *Image) applyFrees(ctx context.Context, frees []int64) error {
+	w := q.w
+	w.users.Lock()
+	defer w.users.Unlock()
+	w.alloc.Lock()
+	defer w.alloc.Unlock()
+	var freed []int64
+	for i, c := range frees {
+		rc, err := q.getRef(ctx, c)
+		if err == nil && rc == 0 {
+			err = fmt.Errorf("%w: freeing cluster %#x whose refcount is already zero", ErrCorrupt, c*q.h.clusterSize)
+		}
+		if err == nil {
+			err = q.setRef(ctx, c, rc-1)
+		}
+		if err != nil {
+			// Keep what is left for the next flush; a leak at worst.
+			w.pendingFree = append(w.pendingFree, frees[i+1:]...)
+			return err
+		}
+		if rc == 1 {
+			freed = append(freed, c)
+			w.freeHint = min(w.freeHint, c)
+		}
+	}
+	// Give the space back to the host; where it cannot, the clusters are
+	// merely free for reuse.
+	cs := q.h.clusterSize
+	for _, c := range freed {
+		err := q.f.Fallocate(ctx, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, c*cs, cs)
+		if err != nil {
+			break
+		}
+	}
+	return nil
+}
+
+// encodeTable is a table of big-endian 64-bit entries as stored.
+func encodeTable(t []uint64) []byte {
+	b := make([]byte, len(t)*8)
+	for i, v := range t {
+		binary.BigEndian.PutUint64(b[i*8:], v)
+	}
+	return b
+}
+
+// errReadOnly is returned by write-type calls on a read-only image.
+func errReadOnly(op string) error {
+	return fmt.Errorf("qcow2: %s: %w", op, formats.ErrReadOnly)
+}

@@ -1,0 +1,161 @@
+package qcow2
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// CreateOptions describe a new image.
+type CreateOptions struct {
+	Size        int64 // virtual size, a multiple of 512
+	ClusterSize int64 // 0: 64 KiB
+	// BackingFile is recorded as given (relative names are relative to
+	// the image's directory); BackingFormat names its format.
+	BackingFile   string
+	BackingFormat string
+	// Force replaces an existing file; otherwise one is an error.
+	Force bool
+}
+
+// DefaultClusterSize is qemu-img's.
+const DefaultClusterSize = 64 << 10
+
+// createRefcountOrder gives 16-bit refcounts, as qemu-img does.
+const createRefcountOrder = 4
+
+// Create writes a new, empty version 3 image at path: the header (with the
+// backing file and a backing format extension), the refcount table, the
+// refcount blocks that count the metadata, and a zeroed L1 table, in that
+// order, as qemu-img lays them out.
+func Create(path string, o CreateOptions) error {
+	cs := o.ClusterSize
+	if cs == 0 {
+		cs = DefaultClusterSize
+	}
+	if cs < 1<<minClusterBits || cs > 1<<maxClusterBits || cs&(cs-1) != 0 {
+		return fmt.Errorf("qcow2: cluster size %d: must be a power of two from 512 to 2 MiB", cs)
+	}
+	if o.Size < 0 || o.Size%512 != 0 {
+		return fmt.Errorf("qcow2: size %d: must be a multiple of 512 bytes", o.Size)
+	}
+	if o.Size > maxVirtualSize {
+		return fmt.Errorf("qcow2: size %d is too large", o.Size)
+	}
+	if len(o.BackingFile) > maxBackingNameLen {
+		return fmt.Errorf("qcow2: backing file name longer than %d bytes", maxBackingNameLen)
+	}
+	l2Entries := cs / 8
+	l1Size := (o.Size + cs*l2Entries - 1) / (cs * l2Entries)
+	if l1Size*8 > maxL1Bytes {
+		return fmt.Errorf("qcow2: size %d needs an L1 table over %d bytes; use a larger cluster size", o.Size, maxL1Bytes)
+	}
+
+	// The header cluster: header, extensions, backing file name.
+	const headerLen = 112 // v3 with the compression type field
+	hdr := make([]byte, cs)
+	be := binary.BigEndian
+	ext := hdr[headerLen:headerLen]
+	if o.BackingFormat != "" {
+		ext = be.AppendUint32(ext, extBackingFmt)
+		ext = be.AppendUint32(ext, uint32(len(o.BackingFormat)))
+		ext = append(ext, o.BackingFormat...)
+		for len(ext)%8 != 0 {
+			ext = append(ext, 0)
+		}
+	}
+	ext = be.AppendUint64(ext, 0) // end of extensions
+	backingOff := int64(0)
+	if o.BackingFile != "" {
+		backingOff = int64(headerLen + len(ext))
+		if backingOff+int64(len(o.BackingFile)) > cs {
+			return fmt.Errorf("qcow2: backing file name does not fit in a %d-byte cluster", cs)
+		}
+		copy(hdr[backingOff:], o.BackingFile)
+	}
+
+	// Clusters: header, refcount table (t), refcount blocks (b), L1 (l).
+	perBlock := cs * 8 / (1 << createRefcountOrder)
+	l := max(1, (l1Size*8+cs-1)/cs)
+	t, b := int64(1), int64(1)
+	for {
+		total := 1 + t + b + l
+		nb := (total + perBlock - 1) / perBlock
+		nt := (nb*8 + cs - 1) / cs
+		if nb == b && nt == t {
+			break
+		}
+		b, t = nb, nt
+	}
+	rtOff, rbOff, l1Off := cs, cs*(1+t), cs*(1+t+b)
+	total := 1 + t + b + l
+
+	copy(hdr, magic[:])
+	be.PutUint32(hdr[4:], 3)
+	be.PutUint64(hdr[8:], uint64(backingOff))
+	be.PutUint32(hdr[16:], uint32(len(o.BackingFile)))
+	be.PutUint32(hdr[20:], uint32(log2(cs)))
+	be.PutUint64(hdr[24:], uint64(o.Size))
+	be.PutUint32(hdr[36:], uint32(l1Size))
+	be.PutUint64(hdr[40:], uint64(l1Off))
+	be.PutUint64(hdr[48:], uint64(rtOff))
+	be.PutUint32(hdr[56:], uint32(t))
+	// 60: no snapshots; 72..95: no features; 96: refcount order.
+	be.PutUint32(hdr[96:], createRefcountOrder)
+	be.PutUint32(hdr[100:], headerLen)
+	// 104: compression type zlib, then padding.
+
+	rt := make([]uint64, t*cs/8)
+	for i := range b {
+		rt[i] = uint64(rbOff + i*cs)
+	}
+	blocks := make([]byte, b*cs)
+	for c := range total {
+		setRefcount(blocks, c, 1<<createRefcountOrder, 1)
+	}
+
+	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
+	if o.Force {
+		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
+	}
+	f, err := os.OpenFile(path, flags, 0o644)
+	if err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("qcow2: %s exists; give --force to overwrite it", path)
+		}
+		return fmt.Errorf("qcow2: %w", err)
+	}
+	err = writeNew(f, []hostWrite{{0, hdr}, {rtOff, encodeTable(rt)}, {rbOff, blocks}}, total*cs)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(path)
+		return fmt.Errorf("qcow2: create %s: %w", path, err)
+	}
+	return nil
+}
+
+func writeNew(f *os.File, parts []hostWrite, size int64) error {
+	for _, p := range parts {
+		if _, err := f.WriteAt(p.buf, p.off); err != nil {
+			return err
+		}
+	}
+	if err := f.Truncate(size); err != nil {
+		return err
+	}
+	return unix.Fsync(int(f.Fd()))
+}
+
+func log2(v int64) int {
+	n := 0
+	for v > 1 {
+		v >>= 1
+		n++
+	}
+	return n
+}

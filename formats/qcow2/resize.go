@@ -1,0 +1,132 @@
+package qcow2
+
+import (
+	"context"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Resize changes the virtual size. Sizes are kept a multiple of 512 bytes
+// (QEMU reads the size in sectors, so it would drop a partial one): a
+// request for another size is rounded up. Growing extends the L1 table when
+// it must; where a backing file is longer than the old size, the new part
+// is zeroed so that it does not show the backing file through. Shrinking
+// drops the clusters past the new end. The new size is durable on return.
+func (q *Image) Resize(ctx context.Context, size int64) error {
+	if q.w == nil {
+		return errReadOnly("resize")
+	}
+	if size < 0 {
+		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EINVAL)
+	}
+	size = (size + 511) &^ 511
+	if size > maxVirtualSize {
+		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EFBIG)
+	}
+	old := q.Size()
+	if size == old {
+		return nil
+	}
+	var err error
+	if size > old {
+		err = q.grow(ctx, old, size)
+	} else {
+		err = q.shrink(ctx, old, size)
+	}
+	if err != nil {
+		return err
+	}
+	return q.Flush(ctx)
+}
+
+func (q *Image) grow(ctx context.Context, old, size int64) error {
+	w := q.w
+	w.alloc.Lock()
+	err := q.ensureL1(ctx, size)
+	if err == nil {
+		q.size.Store(size)
+		w.sizeDirty = true
+	}
+	w.alloc.Unlock()
+	if err != nil {
+		return err
+	}
+	if q.backing == nil || q.backing.Size() <= old {
+		return nil
+	}
+	// The new part must read as zeroes, not as the backing file.
+	w.users.RLock()
+	defer w.users.RUnlock()
+	return q.zeroRange(ctx, old, min(size, q.backing.Size())-old, opZeroUnmap)
+}
+
+func (q *Image) shrink(ctx context.Context, old, size int64) error {
+	w := q.w
+	cs := q.h.clusterSize
+	w.users.RLock()
+	// The kept part of the new last cluster loses nothing; the rest of it
+	// must read as zeroes should the image grow again.
+	err := q.zeroPartial(ctx, size, min(old, (size+cs-1)/cs*cs)-size)
+	if err == nil {
+		a, b := (size+cs-1)/cs, (old+cs-1)/cs
+		if a < b {
+			err = q.setClusters(ctx, a, b, opDiscardAll)
+		}
+	}
+	w.users.RUnlock()
+	if err != nil {
+		return err
+	}
+	w.alloc.Lock()
+	q.size.Store(size)
+	w.sizeDirty = true
+	w.alloc.Unlock()
+	return nil
+}
+
+// ensureL1 grows the L1 table to map size bytes. The new table goes to
+// new clusters and is pointed at by the header at the next write-back; the
+// old one is freed after that. The caller holds alloc.
+func (q *Image) ensureL1(ctx context.Context, size int64) error {
+	w := q.w
+	cs := q.h.clusterSize
+	perEntry := cs * q.h.l2Entries
+	need := (size + perEntry - 1) / perEntry
+	have := int64(len(q.l1))
+	if need <= have {
+		return nil
+	}
+	if need*8 > maxL1Bytes {
+		return fmt.Errorf("qcow2: resize to %d: the L1 table would exceed %d bytes: %w", size, maxL1Bytes, unix.EFBIG)
+	}
+	// Grow by half again, as QEMU does, so that growing in small steps
+	// does not move the table each time.
+	n := max(have, 1)
+	for n < need {
+		n = (n*3 + 1) / 2
+	}
+	n = min(n, maxL1Bytes/8)
+	host, err := q.allocClusters(ctx, (n*8+cs-1)/cs)
+	if err != nil {
+		return err
+	}
+	l1 := make([]uint64, n)
+	copy(l1, q.l1)
+	if have > 0 && w.l1Offset != 0 {
+		for c := w.l1Offset / cs; c < w.l1Offset/cs+(have*8+cs-1)/cs; c++ {
+			w.pendingFree = append(w.pendingFree, c)
+		}
+	}
+	q.meta.Lock()
+	q.l1 = l1
+	q.meta.Unlock()
+	w.l1Offset = host
+	w.l1Moved = true
+	w.l1Lo, w.l1Hi = 0, int(n)
+	return nil
+}
+
+var _ formats.FastZeroer = (*Image)(nil)

@@ -1,0 +1,299 @@
+package qcow2
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Writes.
+//
+// A write into a cluster this image owns (a data cluster with refcount one,
+// marked COPIED) goes straight to the host file, in parallel with anything
+// else. Any other cluster (unallocated, zero, compressed, shared) gets a new
+// one: under a range lock on the virtual clusters, the parts of the first
+// and last cluster the write does not cover are read from what the cluster
+// was (backing chain, zeroes, the compressed data), the whole clusters are
+// written to newly allocated host clusters, and only then does the L2 entry
+// point at them.
+//
+// Crash safety comes from the order Flush writes metadata in (flush.go):
+// data and refcounts, then the refcount table, then L2 tables, then the L1
+// table and header, each step made durable before the next. New L2 entries
+// exist only in memory until then, so on disk an entry never points at a
+// cluster whose data or refcount is not there yet; a crash loses what was
+// not flushed, as the export promises, and at worst leaks clusters.
+
+// WriteAt writes p at off.
+func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if q.w == nil {
+		return 0, errReadOnly("write")
+	}
+	if off < 0 || off+int64(len(p)) > q.Size() {
+		return 0, fmt.Errorf("qcow2: write [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
+	}
+	q.w.users.RLock()
+	err := q.write(ctx, p, off)
+	q.w.users.RUnlock()
+	if err != nil {
+		return 0, err
+	}
+	return len(p), q.boundWriteBack(ctx)
+}
+
+// ownsCluster says whether a write may go to m's host cluster in place.
+func ownsCluster(m mapping) bool {
+	return m.kind == data && m.entry&oflagCopied != 0
+}
+
+// write is WriteAt for callers that hold w.users.
+func (q *Image) write(ctx context.Context, p []byte, off int64) error {
+	cs := q.h.clusterSize
+	for pos := int64(0); pos < int64(len(p)); {
+		voff := off + pos
+		n := min(cs-voff%cs, int64(len(p))-pos)
+		m, _, err := q.lookup(ctx, voff/cs)
+		if err != nil {
+			return err
+		}
+		inPlace := ownsCluster(m)
+		// Extend over the following clusters of the same sort (for in-place
+		// writes: contiguous on the host too).
+		for pos+n < int64(len(p)) {
+			next, _, err := q.lookup(ctx, (voff+n)/cs)
+			if err != nil {
+				return err
+			}
+			if ownsCluster(next) != inPlace || inPlace && next.host != m.host+voff%cs+n {
+				break
+			}
+			n += min(cs, int64(len(p))-pos-n)
+		}
+		if inPlace {
+			host := m.host + voff%cs
+			if _, err := q.f.WriteAt(ctx, p[pos:pos+n], host); err != nil {
+				return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", n, host, err)
+			}
+		} else if err := q.allocWrite(ctx, p[pos:pos+n], voff); err != nil {
+			return err
+		}
+		pos += n
+	}
+	return nil
+}
+
+// allocWrite writes p at off, all in clusters that were not ours to write
+// in place when looked at.
+func (q *Image) allocWrite(ctx context.Context, p []byte, off int64) error {
+	cs := q.h.clusterSize
+	vc0, vc1 := off/cs, (off+int64(len(p))+cs-1)/cs
+	unlock, err := q.w.clusters.Lock(ctx, vc0*cs, (vc1-vc0)*cs)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	// Look again under the lock: a writer before us may have allocated.
+	olds := make([]mapping, vc1-vc0)
+	for i := range olds {
+		if olds[i], _, err = q.lookup(ctx, vc0+int64(i)); err != nil {
+			return err
+		}
+	}
+	for i := 0; i < len(olds); {
+		j := i + 1
+		for j < len(olds) && ownsCluster(olds[j]) == ownsCluster(olds[i]) {
+			j++
+		}
+		a := max(off, (vc0+int64(i))*cs)
+		b := min(off+int64(len(p)), (vc0+int64(j))*cs)
+		piece := p[a-off : b-off]
+		if ownsCluster(olds[i]) {
+			for k := i; k < j; k++ {
+				ca := max(a, (vc0+int64(k))*cs)
+				cb := min(b, (vc0+int64(k)+1)*cs)
+				host := olds[k].host + ca%cs
+				if _, err := q.f.WriteAt(ctx, p[ca-off:cb-off], host); err != nil {
+					return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", cb-ca, host, err)
+				}
+			}
+		} else if err := q.allocRun(ctx, piece, a, vc0+int64(i), olds[i:j]); err != nil {
+			return err
+		}
+		i = j
+	}
+	return nil
+}
+
+// allocRun writes p at off into new clusters for virtual clusters
+// [vc, vc+len(olds)), whose current mappings are olds, and points the L2
+// entries at them. The caller holds the range lock on those clusters.
+func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []mapping) error {
+	w := q.w
+	cs := q.h.clusterSize
+	n := int64(len(olds))
+	iov := make([][]byte, 0, 3)
+	// Copy-on-write: what the write leaves of the first and last cluster
+	// keeps its old content.
+	if head := off - vc*cs; head > 0 {
+		buf := make([]byte, head)
+		if err := q.readOld(ctx, buf, vc*cs, olds[0]); err != nil {
+			return err
+		}
+		iov = append(iov, buf)
+	}
+	iov = append(iov, p)
+	if tail := (vc+n)*cs - off - int64(len(p)); tail > 0 {
+		buf := make([]byte, tail)
+		if err := q.readOld(ctx, buf, off+int64(len(p)), olds[n-1]); err != nil {
+			return err
+		}
+		iov = append(iov, buf)
+	}
+
+	w.alloc.Lock()
+	host, err := q.allocClusters(ctx, n)
+	w.alloc.Unlock()
+	if err != nil {
+		return err
+	}
+	if _, err := q.f.WritevAt(ctx, iov, host); err != nil {
+		w.alloc.Lock()
+		if uerr := q.unallocate(ctx, host, n); uerr != nil {
+			q.logWarn("leaking clusters after a failed write", uerr)
+		}
+		w.alloc.Unlock()
+		return fmt.Errorf("qcow2: write %d clusters at host %#x: %w", n, host, err)
+	}
+
+	w.alloc.Lock()
+	defer w.alloc.Unlock()
+	for i := range n {
+		if err := q.setL2(ctx, vc+i, uint64(host+i*cs)|oflagCopied); err != nil {
+			// The clusters past i are ours alone: drop them.
+			if uerr := q.unallocate(ctx, host+i*cs, n-i); uerr != nil {
+				q.logWarn("leaking clusters after a failed write", uerr)
+			}
+			return err
+		}
+		q.freeLater(olds[i].entry)
+	}
+	return nil
+}
+
+// readOld fills buf with what virtual offset voff read as under mapping m,
+// before this write.
+func (q *Image) readOld(ctx context.Context, buf []byte, voff int64, m mapping) error {
+	cs := q.h.clusterSize
+	switch m.kind {
+	case unallocated:
+		return q.readBacking(ctx, buf, voff)
+	case zero:
+		clear(buf)
+	case compressed:
+		c, err := q.compressedCluster(ctx, m)
+		if err != nil {
+			return err
+		}
+		copy(buf, c[voff%cs:])
+	case data:
+		host := m.host + voff%cs
+		n, err := q.f.ReadAt(ctx, buf, host)
+		if err == io.EOF {
+			clear(buf[n:])
+		} else if err != nil {
+			return fmt.Errorf("qcow2: read %d bytes at host %#x: %w", len(buf), host, err)
+		}
+	}
+	return nil
+}
+
+// l2ForWrite returns the pinned L2 table that maps virtual cluster vc,
+// allocating an empty one if there is none. The caller holds alloc.
+func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
+	w := q.w
+	l1i := vc / q.h.l2Entries
+	if l1i >= int64(len(q.l1)) {
+		return nil, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
+	}
+	e := q.l1[l1i]
+	off := int64(e & l1OffsetMask)
+	if off == 0 {
+		host, err := q.allocClusters(ctx, 1)
+		if err != nil {
+			return nil, err
+		}
+		p := &pinnedL2{t: make([]uint64, q.h.l2Entries), dirty: true}
+		w.dirtyL2++
+		q.meta.Lock()
+		w.l2pin[host] = p
+		q.l1[l1i] = uint64(host) | oflagCopied
+		q.meta.Unlock()
+		q.l1Changed(int(l1i))
+		return p, nil
+	}
+	if e&oflagCopied == 0 {
+		return nil, fmt.Errorf("%w: L2 table at %#x is shared (refcount above one)", ErrUnsupported, off)
+	}
+	if p, ok := w.l2pin[off]; ok {
+		return p, nil
+	}
+	t, ok := q.l2cache.get(off)
+	if !ok {
+		var err error
+		if t, err = q.loadL2(ctx, off, q.fileSize); err != nil {
+			return nil, err
+		}
+	}
+	p := &pinnedL2{t: t}
+	q.meta.Lock()
+	w.l2pin[off] = p
+	q.meta.Unlock()
+	return p, nil
+}
+
+// setL2 stores L2 entry e for virtual cluster vc. The caller holds alloc.
+func (q *Image) setL2(ctx context.Context, vc int64, e uint64) error {
+	p, err := q.l2ForWrite(ctx, vc)
+	if err != nil {
+		return err
+	}
+	q.meta.Lock()
+	p.t[vc%q.h.l2Entries] = e
+	q.meta.Unlock()
+	if !p.dirty {
+		p.dirty = true
+		q.w.dirtyL2++
+	}
+	return nil
+}
+
+// l1Changed marks L1 entry i for write-back. The caller holds alloc.
+func (q *Image) l1Changed(i int) {
+	w := q.w
+	if w.l1Hi == 0 {
+		w.l1Lo, w.l1Hi = i, i+1
+		return
+	}
+	w.l1Lo, w.l1Hi = min(w.l1Lo, i), max(w.l1Hi, i+1)
+}
+
+// boundWriteBack writes the metadata back once the changed tables would
+// fill the L2 cache, so memory stays bounded without a client's flush.
+func (q *Image) boundWriteBack(ctx context.Context) error {
+	w := q.w
+	w.alloc.Lock()
+	over := w.dirtyL2 >= q.l2cache.cap || w.dirtyRB >= max(q.l2cache.cap, 64)
+	w.alloc.Unlock()
+	if !over {
+		return nil
+	}
+	return q.Flush(ctx)
+}
+
+func (q *Image) logWarn(msg string, err error) {
+	if q.log != nil {
+		q.log.Warn(msg, "image", q.path, "err", err)
+	}
+}

@@ -1,0 +1,320 @@
+package qcow2
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/blockexport/blockexport/aio"
+)
+
+// checkClean runs qemu-img check, which exits non-zero on corruption and
+// on leaks alike.
+func checkClean(t *testing.T, img string) {
+	t.Helper()
+	out, err := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("qemu-img check %s: %v\n%s", img, err, out)
+	}
+}
+
+// compareRaw asserts that the qcow2 image reads (through QEMU) as mirror.
+func compareRaw(t *testing.T, img string, mirror []byte) {
+	t.Helper()
+	raw := filepath.Join(t.TempDir(), "mirror.raw")
+	if err := os.WriteFile(raw, mirror, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("qemu-img", "compare", "-f", "qcow2", "-F", "raw", img, raw).CombinedOutput()
+	if err != nil {
+		t.Fatalf("qemu-img compare: %v\n%s", err, out)
+	}
+}
+
+func openRW(t *testing.T, img string) *Image {
+	t.Helper()
+	q, err := Open(img, Options{Writable: true, Backend: aio.Threads})
+	if err != nil {
+		t.Fatalf("open %s writable: %v", img, err)
+	}
+	return q
+}
+
+// randomWrites applies count random writes (and some zeroings and
+// discards) to q and to mirror, from several goroutines on disjoint
+// stripes, so that the outcome is defined.
+func randomWrites(t *testing.T, q *Image, mirror []byte, count int, seed uint64) {
+	t.Helper()
+	ctx := context.Background()
+	const workers = 4
+	size := int64(len(mirror))
+	stripe := size / workers
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(seed, uint64(w)))
+			base := int64(w) * stripe
+			for range count {
+				n := 1 + r.Int64N(min(stripe, 200_000))
+				off := base + r.Int64N(stripe-n+1)
+				switch r.IntN(10) {
+				case 0:
+					if err := q.WriteZeroes(ctx, off, n, r.IntN(2) == 0); err != nil {
+						errs <- err
+						return
+					}
+					clear(mirror[off : off+n])
+				default:
+					p := make([]byte, n)
+					fill(r, p)
+					if _, err := q.WriteAt(ctx, p, off); err != nil {
+						errs <- err
+						return
+					}
+					copy(mirror[off:], p)
+				}
+				if r.IntN(20) == 0 {
+					if err := q.Flush(ctx); err != nil {
+						errs <- err
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+}
+
+func readAll(t *testing.T, q *Image) []byte {
+	t.Helper()
+	got := make([]byte, q.Size())
+	if _, err := q.ReadAt(context.Background(), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func TestWritesKeepTheImageConsistent(t *testing.T) {
+	type setup struct {
+		name   string
+		create func(t *testing.T, dir string) (img string, initial []byte)
+	}
+	const size = 8 << 20
+	plain := func(opts string) func(t *testing.T, dir string) (string, []byte) {
+		return func(t *testing.T, dir string) (string, []byte) {
+			p := filepath.Join(dir, "t.qcow2")
+			tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", opts, p, strconv.Itoa(size))
+			return p, make([]byte, size)
+		}
+	}
+	setups := []setup{
+		{"cluster64k", plain("cluster_size=65536")},
+		{"cluster512", plain("cluster_size=512")},
+		{"cluster4k-refcount1", plain("cluster_size=4096,refcount_bits=1")},
+		{"cluster2m-refcount64", plain("cluster_size=2097152,refcount_bits=64")},
+		{"compat0.10", plain("compat=0.10")},
+		{"overlay", func(t *testing.T, dir string) (string, []byte) {
+			base := filepath.Join(dir, "base.raw")
+			initial := make([]byte, size)
+			fill(rand.New(rand.NewPCG(7, 7)), initial)
+			if err := os.WriteFile(base, initial[:size-1<<20], 0o644); err != nil {
+				t.Fatal(err)
+			}
+			clear(initial[size-1<<20:]) // past the backing file: zeroes
+			p := filepath.Join(dir, "over.qcow2")
+			tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", "-o", "cluster_size=65536", p, strconv.Itoa(size))
+			return p, initial
+		}},
+		{"compressed", func(t *testing.T, dir string) (string, []byte) {
+			src := filepath.Join(dir, "src.raw")
+			initial := bytes.Repeat([]byte("compressible data, cluster after cluster. "), size/42+1)[:size]
+			if err := os.WriteFile(src, initial, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			p := filepath.Join(dir, "c.qcow2")
+			tool(t, "qemu-img", "convert", "-q", "-c", "-f", "raw", "-O", "qcow2", src, p)
+			return p, initial
+		}},
+	}
+	for _, s := range setups {
+		t.Run(s.name, func(t *testing.T) {
+			dir := t.TempDir()
+			img, mirror := s.create(t, dir)
+			q := openRW(t, img)
+			randomWrites(t, q, mirror, 60, 1)
+			if got := readAll(t, q); !bytes.Equal(got, mirror) {
+				t.Fatalf("read back differs from what was written at byte %d", firstDiff(got, mirror))
+			}
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			checkClean(t, img)
+			compareRaw(t, img, mirror)
+			// A second session on the same image, then again.
+			q = openRW(t, img)
+			randomWrites(t, q, mirror, 30, 2)
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			checkClean(t, img)
+			compareRaw(t, img, mirror)
+		})
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return min(len(a), len(b))
+}
+
+func TestRefcountTableGrows(t *testing.T) {
+	// 512-byte clusters with 64-bit refcounts: one refcount block counts 64
+	// clusters and the first table 64 blocks, so 4 MiB of writes need a
+	// bigger table, more than once.
+	dir := t.TempDir()
+	img := filepath.Join(dir, "t.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512,refcount_bits=64", img, "16M")
+	q := openRW(t, img)
+	mirror := make([]byte, 16<<20)
+	p := make([]byte, 1<<20)
+	r := rand.New(rand.NewPCG(3, 3))
+	for i := range 6 {
+		fill(r, p)
+		off := int64(i) * (2 << 20)
+		if _, err := q.WriteAt(context.Background(), p, off); err != nil {
+			t.Fatal(err)
+		}
+		copy(mirror[off:], p)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	checkClean(t, img)
+	compareRaw(t, img, mirror)
+	out := tool(t, "qemu-img", "info", img)
+	if !strings.Contains(out, "virtual size: 16 MiB") {
+		t.Fatalf("qemu-img info:\n%s", out)
+	}
+}
+
+func TestOverlayWritesLeaveTheBackingFileAlone(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", base, "4M")
+	qio(t, base, "write -P 0x5a 0 4M")
+	before, err := os.ReadFile(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	over := filepath.Join(dir, "over.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", over)
+	q := openRW(t, over)
+	mirror := bytes.Repeat([]byte{0x5a}, 4<<20)
+	randomWrites(t, q, mirror, 40, 4)
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	after, err := os.ReadFile(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(before, after) {
+		t.Fatal("writes to the overlay changed the backing file")
+	}
+	checkClean(t, over)
+	compareRaw(t, over, mirror)
+}
+
+func TestResize(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	base := filepath.Join(dir, "base.raw")
+	if err := os.WriteFile(base, bytes.Repeat([]byte{0xbb}, 3<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "t.qcow2")
+	// 512-byte clusters: one L1 entry maps 32 KiB, so growth moves the L1.
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", "-o", "cluster_size=512", img, "1M")
+	q := openRW(t, img)
+	mirror := bytes.Repeat([]byte{0xbb}, 1<<20)
+	if _, err := q.WriteAt(ctx, []byte("end"), 1<<20-3); err != nil {
+		t.Fatal(err)
+	}
+	copy(mirror[1<<20-3:], "end")
+	// Grow to 5 MiB + 100 bytes: rounded up to 512; the part the backing
+	// file covers must read as zeroes, not 0xbb.
+	if err := q.Resize(ctx, 5<<20+100); err != nil {
+		t.Fatal(err)
+	}
+	if q.Size() != 5<<20+512 {
+		t.Fatalf("size %d after growing to 5 MiB + 100", q.Size())
+	}
+	mirror = append(mirror, make([]byte, 4<<20+512)...)
+	if _, err := q.WriteAt(ctx, []byte("tail"), q.Size()-4); err != nil {
+		t.Fatal(err)
+	}
+	copy(mirror[len(mirror)-4:], "tail")
+	if got := readAll(t, q); !bytes.Equal(got, mirror) {
+		t.Fatalf("after growing, byte %d differs", firstDiff(got, mirror))
+	}
+	// Shrink into the middle of a cluster, then grow again: the cut-off
+	// part must come back as zeroes.
+	if err := q.Resize(ctx, 1<<20-1024); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Resize(ctx, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	mirror = append(mirror[:1<<20-1024], make([]byte, 1<<20+1024)...)
+	if got := readAll(t, q); !bytes.Equal(got, mirror) {
+		t.Fatalf("after shrinking and growing, byte %d differs", firstDiff(got, mirror))
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	checkClean(t, img)
+	compareRaw(t, img, mirror)
+}
+
+func TestWritableOpenRefusesWhatItCannotWrite(t *testing.T) {
+	dir := t.TempDir()
+	snap := filepath.Join(dir, "snap.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", snap, "1M")
+	tool(t, "qemu-img", "snapshot", "-c", "s1", snap)
+	if _, err := Open(snap, Options{Writable: true}); err == nil || !strings.Contains(err.Error(), "internal snapshots") {
+		t.Fatalf("writable open of an image with snapshots: %v", err)
+	}
+	// Read-only still works.
+	q, err := Open(snap, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.WriteAt(context.Background(), []byte{1}, 0); err == nil {
+		t.Fatal("write to a read-only image succeeded")
+	}
+	q.Close()
+}
+
+func fill(r *rand.Rand, p []byte) {
+	for i := range p {
+		p[i] = byte(r.Uint32())
+	}
+}

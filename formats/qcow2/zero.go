@@ -1,0 +1,225 @@
+package qcow2
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Write-zeroes and discard. Whole clusters change only their L2 entries: a
+// v3 zero flag (keeping the host cluster unless unmapping is allowed) or no
+// entry at all; the parts of clusters at either end are written as zero
+// bytes, unless they read as zeroes already. Version 2 images have no zero
+// flag: there only unmapping without a backing file avoids writing zeroes.
+
+// clusterOp is what happens to whole clusters.
+type clusterOp uint8
+
+const (
+	opZeroKeep   clusterOp = iota // read as zeroes, keep the host cluster
+	opZeroUnmap                   // read as zeroes, drop the host cluster
+	opDiscard                     // drop; reads as zeroes (or v2: the backing file)
+	opDiscardAll                  // drop the entry whatever the backing file (shrink)
+)
+
+// WriteZeroes makes [off, off+n) read as zeroes.
+func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
+	if q.w == nil {
+		return errReadOnly("write zeroes")
+	}
+	if off < 0 || n < 0 || off+n > q.Size() {
+		return fmt.Errorf("qcow2: write zeroes [%d, +%d): %w", off, n, formats.ErrOutOfRange)
+	}
+	op := opZeroKeep
+	if mayUnmap {
+		op = opZeroUnmap
+	}
+	q.w.users.RLock()
+	err := q.zeroRange(ctx, off, n, op)
+	q.w.users.RUnlock()
+	if err != nil {
+		return err
+	}
+	return q.boundWriteBack(ctx)
+}
+
+// Discard drops the whole clusters in [off, off+n); partial ones keep
+// their data, as in QEMU.
+func (q *Image) Discard(ctx context.Context, off, n int64) error {
+	if q.w == nil {
+		return errReadOnly("discard")
+	}
+	if off < 0 || n < 0 || off+n > q.Size() {
+		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
+	}
+	cs := q.h.clusterSize
+	a, b := (off+cs-1)/cs, (off+n)/cs
+	if off+n == q.Size() {
+		b = (off + n + cs - 1) / cs // the last cluster ends at the image end
+	}
+	if a >= b {
+		return nil
+	}
+	q.w.users.RLock()
+	err := q.setClusters(ctx, a, b, opDiscard)
+	q.w.users.RUnlock()
+	if err != nil {
+		return err
+	}
+	return q.boundWriteBack(ctx)
+}
+
+// FastZero says whether WriteZeroes of whole clusters is metadata only.
+func (q *Image) FastZero() bool { return q.h.version >= 3 }
+
+// zeroRange zeroes [off, off+n). The caller holds w.users.
+func (q *Image) zeroRange(ctx context.Context, off, n int64, op clusterOp) error {
+	cs := q.h.clusterSize
+	end := off + n
+	a, b := (off+cs-1)/cs*cs, end/cs*cs
+	if end == q.Size() {
+		b = (end + cs - 1) / cs * cs // a short last cluster counts as whole
+	}
+	if a >= b {
+		return q.zeroPartial(ctx, off, n)
+	}
+	if off < a {
+		if err := q.zeroPartial(ctx, off, a-off); err != nil {
+			return err
+		}
+	}
+	if b < end {
+		if err := q.zeroPartial(ctx, b, end-b); err != nil {
+			return err
+		}
+	}
+	if q.h.version < 3 && !(op == opZeroUnmap && q.backing == nil) {
+		// No zero flag: write zero bytes, a chunk at a time.
+		zeros := make([]byte, min(b-a, 1<<20))
+		for pos := a; pos < min(b, end); pos += int64(len(zeros)) {
+			if err := q.write(ctx, zeros[:min(int64(len(zeros)), min(b, end)-pos)], pos); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return q.setClusters(ctx, a/cs, (b+cs-1)/cs, op)
+}
+
+// zeroPartial zeroes [off, off+n) inside one cluster by writing zeroes,
+// unless the cluster reads as zeroes there already.
+func (q *Image) zeroPartial(ctx context.Context, off, n int64) error {
+	if n <= 0 {
+		return nil
+	}
+	m, _, err := q.lookup(ctx, off/q.h.clusterSize)
+	if err != nil {
+		return err
+	}
+	switch {
+	case m.kind == zero:
+		return nil
+	case m.kind == unallocated && (q.backing == nil || off >= q.backing.Size()):
+		return nil
+	}
+	return q.write(ctx, make([]byte, n), off)
+}
+
+// setClusters applies op to virtual clusters [a, b), one L2 table's span
+// at a time under the range lock.
+func (q *Image) setClusters(ctx context.Context, a, b int64, op clusterOp) error {
+	w := q.w
+	cs := q.h.clusterSize
+	span := q.h.l2Entries
+	for vc := a; vc < b; {
+		end := min(b, (vc/span+1)*span)
+		unlock, err := w.clusters.Lock(ctx, vc*cs, (end-vc)*cs)
+		if err != nil {
+			return err
+		}
+		w.alloc.Lock()
+		err = q.setClustersInTable(ctx, vc, end, op)
+		w.alloc.Unlock()
+		unlock()
+		if err != nil {
+			return err
+		}
+		vc = end
+	}
+	return nil
+}
+
+// setClustersInTable applies op to [a, b), all mapped by one L2 table.
+// The caller holds alloc.
+func (q *Image) setClustersInTable(ctx context.Context, a, b int64, op clusterOp) error {
+	var table []uint64 // the current table, for reading; nil: none
+	l2off := int64(q.l1[a/q.h.l2Entries] & l1OffsetMask)
+	if l2off != 0 {
+		if p, ok := q.w.l2pin[l2off]; ok {
+			table = p.t
+		} else if t, ok := q.l2cache.get(l2off); ok {
+			table = t
+		} else {
+			t, err := q.loadL2(ctx, l2off, q.fileSize)
+			if err != nil {
+				return err
+			}
+			table = t
+		}
+	}
+	for vc := a; vc < b; vc++ {
+		var old uint64
+		if table != nil {
+			old = table[vc%q.h.l2Entries]
+		}
+		m, err := q.decode(vc, old, q.fileSize)
+		if err != nil {
+			return err
+		}
+		next, keep := q.zeroEntry(m, op)
+		if next == old {
+			continue
+		}
+		if err := q.setL2(ctx, vc, next); err != nil {
+			return err
+		}
+		// Read on from the table setL2 pinned (or created).
+		table = q.w.l2pin[int64(q.l1[a/q.h.l2Entries]&l1OffsetMask)].t
+		if !keep {
+			q.freeLater(old)
+		}
+	}
+	return nil
+}
+
+// zeroEntry is the L2 entry a cluster mapped as m gets from op, and
+// whether m's host cluster stays in use.
+func (q *Image) zeroEntry(m mapping, op clusterOp) (uint64, bool) {
+	v3 := q.h.version >= 3
+	switch op {
+	case opZeroKeep:
+		switch {
+		case m.kind == zero:
+			return m.entry, true
+		case ownsCluster(m):
+			return uint64(m.host) | oflagCopied | l2ZeroFlag, true
+		case m.kind == unallocated && q.backing == nil:
+			return m.entry, true // reads as zeroes already
+		}
+		return l2ZeroFlag, false
+	case opZeroUnmap:
+		if v3 && q.backing != nil {
+			return l2ZeroFlag, false
+		}
+		return 0, false
+	case opDiscardAll:
+		return 0, false
+	}
+	// Discard: with a backing file, v3 makes the cluster read as zeroes
+	// rather than show the backing file through, as QEMU does.
+	if v3 && q.backing != nil {
+		return l2ZeroFlag, false
+	}
+	return 0, false
+}
