@@ -77,7 +77,7 @@ func fioVerifyThroughExport(t *testing.T, ioSize string, seed int, exportArgs ..
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, img, mnt, append([]string{"-f", "raw", "-w"}, exportArgs...)...)
 	job := []string{"--name=verify", "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=" + ioSize,
-		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0",
 		fmt.Sprintf("--randseed=%d", seed), "--minimal"}
 	run(t, "fio", append(job, "--filename="+mnt)...)
 	d.stopClean()

@@ -45,7 +45,13 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	bin = filepath.Join(dir, "blockexport")
-	build := exec.Command("go", "build", "-o", bin, "../cmd/blockexport")
+	// BLOCKEXPORT_RACE=1 builds the exporter with the race detector, so
+	// that the end-to-end tests look for data races in the daemon too.
+	buildArgs := []string{"build", "-o", bin}
+	if os.Getenv("BLOCKEXPORT_RACE") == "1" {
+		buildArgs = append(buildArgs, "-race")
+	}
+	build := exec.Command("go", append(buildArgs, "../cmd/blockexport")...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "tests: building blockexport:", err)

@@ -63,6 +63,7 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 	before := fileHash(t, img)
 	qcow := filepath.Join(dir, "x.qcow2")
 	run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
+	run(t, "qemu-img", "snapshot", "-c", "s1", qcow)
 	mnt := filepath.Join(dir, "mnt")
 	cases := []struct {
 		name string
@@ -78,7 +79,8 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 		{"bad aio", []string{"fuse", "--aio", "posix", img, mnt}, 2, "unknown aio backend"},
 		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
 		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
-		{"writable qcow2 not yet supported", []string{"fuse", "-w", qcow, mnt}, 1, "writing qcow2 images is not supported yet"},
+		{"writable qcow2 with snapshots", []string{"fuse", "-w", qcow, mnt}, 1, "internal snapshots"},
+		{"writable qcow2 with cache none", []string{"fuse", "-w", "--cache", "none", qcow, mnt}, 1, "cache none"},
 		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
 	}
 	for _, c := range cases {
