@@ -122,6 +122,42 @@ func TestNBDWritesWithQemuIO(t *testing.T) {
 	}
 }
 
+// TestNBDWritesToQcow2: the same commands on a writable qcow2 export,
+// where write-zeroes and discard change L2 entries; QEMU then finds the
+// image clean and holding the writes.
+func TestNBDWritesToQcow2(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "w.qcow2")
+	if code, out := runBlockexport(t, "create", "-f", "qcow2", img, "8M"); code != 0 {
+		t.Fatalf("create: %s", out)
+	}
+	s := startNBD(t, img, false, "-w")
+	run(t, "qemu-io", "-f", "raw",
+		"-c", "write -P 0x5a 0 1M",
+		"-c", "write -P 0x6b 2M 128k",
+		"-c", "write -z 65536 65536",
+		"-c", "write -z 4096 4096",
+		"-c", "discard 2M 64k",
+		"-c", "flush",
+		"-c", "read -P 0x5a 8192 57344",
+		"-c", "read -P 0 4096 4096",
+		"-c", "read -P 0 65536 65536",
+		"-c", "read -P 0 2M 64k",
+		"-c", "read -P 0x6b 2112k 64k",
+		s.uri)
+	s.stopClean()
+	qemuImgCheck(t, img)
+	run(t, "qemu-io", "-f", "qcow2",
+		"-c", "read -P 0x5a 0 4096",
+		"-c", "read -P 0 4096 4096",
+		"-c", "read -P 0x5a 8192 57344",
+		"-c", "read -P 0 65536 65536",
+		"-c", "read -P 0x5a 131072 917504",
+		"-c", "read -P 0 2M 64k",
+		"-c", "read -P 0x6b 2112k 64k",
+		img)
+}
+
 func TestNBDInfoFlagsAndMap(t *testing.T) {
 	dir := t.TempDir()
 	img := qcowChain(t, dir)
