@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -64,6 +65,9 @@ type writeState struct {
 	freeHint    int64 // no cluster below it is free
 	dirtyL2     int   // dirty pinned L2 tables, to bound the write-back
 	dirtyRB     int
+
+	// noZeroRange: the host file system cannot FALLOC_FL_ZERO_RANGE.
+	noZeroRange atomic.Bool
 
 	bits     int64 // refcount width
 	perBlock int64 // refcounts per block

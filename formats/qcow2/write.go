@@ -2,8 +2,11 @@ package qcow2
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
 )
@@ -133,24 +136,8 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 	w := q.w
 	cs := q.h.clusterSize
 	n := int64(len(olds))
-	iov := make([][]byte, 0, 3)
-	// Copy-on-write: what the write leaves of the first and last cluster
-	// keeps its old content.
-	if head := off - vc*cs; head > 0 {
-		buf := make([]byte, head)
-		if err := q.readOld(ctx, buf, vc*cs, olds[0]); err != nil {
-			return err
-		}
-		iov = append(iov, buf)
-	}
-	iov = append(iov, p)
-	if tail := (vc+n)*cs - off - int64(len(p)); tail > 0 {
-		buf := make([]byte, tail)
-		if err := q.readOld(ctx, buf, off+int64(len(p)), olds[n-1]); err != nil {
-			return err
-		}
-		iov = append(iov, buf)
-	}
+	head := off - vc*cs
+	tail := (vc+n)*cs - off - int64(len(p))
 
 	w.alloc.Lock()
 	host, err := q.allocClusters(ctx, n)
@@ -158,13 +145,13 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 	if err != nil {
 		return err
 	}
-	if _, err := q.f.WritevAt(ctx, iov, host); err != nil {
+	if err := q.writeNewClusters(ctx, p, off, vc, host, olds, head, tail); err != nil {
 		w.alloc.Lock()
 		if uerr := q.unallocate(ctx, host, n); uerr != nil {
 			q.logWarn("leaking clusters after a failed write", uerr)
 		}
 		w.alloc.Unlock()
-		return fmt.Errorf("qcow2: write %d clusters at host %#x: %w", n, host, err)
+		return err
 	}
 
 	w.alloc.Lock()
@@ -180,6 +167,62 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 		q.freeLater(olds[i].entry)
 	}
 	return nil
+}
+
+// writeNewClusters fills the new clusters at host: p, and around it (head
+// bytes before, tail after) what the clusters held before. Copy-on-write
+// from zeroes (a cluster that read as zeroes) asks the host file system
+// to zero the clusters instead of writing zero bytes, as QEMU does: no
+// page-cache pages are dirtied for them.
+func (q *Image) writeNewClusters(ctx context.Context, p []byte, off, vc, host int64, olds []mapping, head, tail int64) error {
+	cs := q.h.clusterSize
+	n := int64(len(olds))
+	if (head > 0 || tail > 0) && (head == 0 || q.readsZero(olds[0], vc*cs, head)) &&
+		(tail == 0 || q.readsZero(olds[n-1], off+int64(len(p)), tail)) && !q.w.noZeroRange.Load() {
+		err := q.f.Fallocate(ctx, unix.FALLOC_FL_ZERO_RANGE, host, n*cs)
+		if err == nil {
+			if _, err := q.f.WriteAt(ctx, p, host+head); err != nil {
+				return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host+head, err)
+			}
+			return nil
+		}
+		if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
+			return fmt.Errorf("qcow2: zero %d clusters at host %#x: %w", n, host, err)
+		}
+		q.w.noZeroRange.Store(true)
+	}
+	iov := make([][]byte, 0, 3)
+	if head > 0 {
+		buf := make([]byte, head)
+		if err := q.readOld(ctx, buf, vc*cs, olds[0]); err != nil {
+			return err
+		}
+		iov = append(iov, buf)
+	}
+	iov = append(iov, p)
+	if tail > 0 {
+		buf := make([]byte, tail)
+		if err := q.readOld(ctx, buf, off+int64(len(p)), olds[n-1]); err != nil {
+			return err
+		}
+		iov = append(iov, buf)
+	}
+	if _, err := q.f.WritevAt(ctx, iov, host); err != nil {
+		return fmt.Errorf("qcow2: write %d clusters at host %#x: %w", n, host, err)
+	}
+	return nil
+}
+
+// readsZero says whether [voff, voff+n) reads as zeroes under mapping m
+// without looking at data.
+func (q *Image) readsZero(m mapping, voff, n int64) bool {
+	switch m.kind {
+	case zero:
+		return true
+	case unallocated:
+		return q.backing == nil || voff >= q.backing.Size()
+	}
+	return false
 }
 
 // readOld fills buf with what virtual offset voff read as under mapping m,
@@ -284,13 +327,20 @@ func (q *Image) l1Changed(i int) {
 func (q *Image) boundWriteBack(ctx context.Context) error {
 	w := q.w
 	w.alloc.Lock()
-	over := w.dirtyL2 >= q.l2cache.cap || w.dirtyRB >= max(q.l2cache.cap, 64)
+	// Changed tables are pinned outside the LRU; allow as many as QEMU's
+	// default L2 cache holds (32 MiB) before writing them back unasked.
+	limit := max(q.l2cache.cap, int(maxDirtyMetadata/q.h.clusterSize))
+	over := w.dirtyL2 >= limit || w.dirtyRB >= limit
 	w.alloc.Unlock()
 	if !over {
 		return nil
 	}
 	return q.Flush(ctx)
 }
+
+// maxDirtyMetadata bounds the changed metadata kept in memory between
+// flushes.
+const maxDirtyMetadata = 32 << 20
 
 func (q *Image) logWarn(msg string, err error) {
 	if q.log != nil {

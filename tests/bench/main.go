@@ -93,6 +93,9 @@ func main() {
 		polled := []system{systems[0], ours("--poll-us", "50")}
 		rows = append(rows, benchTarget("null", dir, polled, " (--poll-us 50)", func(j fioJob) bool { return j.engine == "pvsync2" })...)
 	}
+	if strings.Contains(*only, "qcow2") {
+		rows = append(rows, benchAlloc(dir, systems)...)
+	}
 	if *only != "nbd" {
 		rows = append(rows, benchConvert(dir, systems)...)
 	}
@@ -246,11 +249,20 @@ func matrix() []fioJob {
 
 // fio runs one job and returns IOPS (4 KiB rows) or MiB/s (1 MiB rows).
 func fio(job fioJob, file string) (float64, error) {
+	return fioRun(job, file, "--time_based", "--runtime="+strconv.Itoa(int(runtimeFlag.Seconds())),
+		"--ramp_time=1", "--size=1G")
+}
+
+// fioCount runs job for a fixed number of I/Os over size bytes.
+func fioCount(job fioJob, file, size string, ios int) (float64, error) {
+	return fioRun(job, file, "--size="+size, "--number_ios="+strconv.Itoa(ios))
+}
+
+func fioRun(job fioJob, file string, extra ...string) (float64, error) {
 	args := []string{"--name=b", "--filename=" + file, "--rw=" + job.rw, "--bs=" + job.bs,
 		"--ioengine=" + job.engine, "--iodepth=" + strconv.Itoa(job.depth), "--direct=1",
-		"--numjobs=1", "--time_based", "--runtime=" + strconv.Itoa(int(runtimeFlag.Seconds())),
-		"--ramp_time=1", "--size=1G", "--output-format=json"}
-	out, err := exec.Command("fio", args...).Output()
+		"--numjobs=1", "--output-format=json"}
+	out, err := exec.Command("fio", append(args, extra...)...).Output()
 	if err != nil {
 		return 0, fmt.Errorf("fio %s on %s: %v", job.name, file, err)
 	}
@@ -290,9 +302,9 @@ func benchTarget(target, dir string, systems []system, suffix string, keep func(
 		}
 		images[s.name] = p
 	}
-	// qcow2 writes need our qcow2 write support; until then those rows
-	// are read-only on both sides.
-	writable := target != "qcow2"
+	// Both sides write (qcow2: into the allocated clusters of a full
+	// image; allocating writes have rows of their own, benchAlloc).
+	writable := true
 	type live struct {
 		cmd *exec.Cmd
 		mnt string
@@ -347,6 +359,52 @@ func benchTarget(target, dir string, systems []system, suffix string, keep func(
 	rss.qemu = peakRSS(daemons["qemu-storage-daemon"].cmd.Process.Pid)
 	rss.ours = peakRSS(daemons["blockexport"].cmd.Process.Pid)
 	return append(rows, rss)
+}
+
+// allocIOs is how many 4 KiB writes an allocating row makes: spread over
+// a 64 GiB image of 64 KiB clusters, nearly every random one allocates.
+const allocIOs = 16384
+
+// benchAlloc measures allocating writes: for each 4 KiB write row, each
+// system gets a new, empty 64 GiB qcow2 image and makes allocIOs writes.
+func benchAlloc(dir string, systems []system) []row {
+	log.Printf("target qcow2 (allocating writes)")
+	var rows []row
+	for i, job := range matrix() {
+		if !strings.Contains(job.rw, "write") || job.bs != "4k" {
+			continue
+		}
+		r := row{target: "qcow2 new", name: job.name + " (allocating)", unit: "IOPS", higherBetter: true}
+		order := []system{systems[0], systems[1]}
+		if i%2 == 1 {
+			order = []system{systems[1], systems[0]}
+		}
+		for _, s := range order {
+			img := filepath.Join(dir, "alloc-"+s.name+".qcow2")
+			mnt := filepath.Join(dir, "alloc-"+s.name+".mnt")
+			if err := run("qemu-img", "create", "-q", "-f", "qcow2", img, "64G"); err != nil {
+				log.Fatal(err)
+			}
+			cmd, err := s.start("qcow2", img, mnt, true)
+			if err != nil {
+				log.Fatal(err)
+			}
+			v, err := fioCount(job, mnt, "64G", allocIOs)
+			if err != nil {
+				log.Printf("%s: %v", s.name, err)
+			}
+			stop(cmd, mnt)
+			os.Remove(img)
+			if s.name == "blockexport" {
+				r.ours = v
+			} else {
+				r.qemu = v
+			}
+		}
+		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", r.name, r.qemu, r.ours, ratio(r))
+		rows = append(rows, r)
+	}
+	return rows
 }
 
 // benchConvert times qemu-img convert -n of a 1 GiB image into each export
