@@ -26,13 +26,12 @@ import (
 )
 
 const (
-	opNop       = 0
-	opReadv     = 1
-	opWritev    = 2
-	opFsync     = 3
-	opFallocate = 17
-	opRead      = 22
-	opWrite     = 23
+	opNop    = 0
+	opReadv  = 1
+	opWritev = 2
+	opFsync  = 3
+	opRead   = 22
+	opWrite  = 23
 
 	fsyncDatasync = 1
 
@@ -459,8 +458,6 @@ func opName(op uint8) string {
 		return "writev"
 	case opFsync:
 		return "fsync"
-	case opFallocate:
-		return "fallocate"
 	}
 	return fmt.Sprintf("io_uring op %d", op)
 }
@@ -514,10 +511,22 @@ func (u *uringFile) Fdatasync(ctx context.Context) error {
 	return u.simple(ctx, opFsync, func(e *sqe) { e.opFlags = fsyncDatasync })
 }
 
+// Fallocate calls fallocate(2) from the calling goroutine. io_uring always
+// hands IORING_OP_FALLOCATE to a worker thread, and that hand-off (a wake-up
+// each way) cost more than the call itself: measured on ext4, qcow2
+// allocating 4 KiB writes at queue depth one went from 4.7k to 11.7k IOPS.
 func (u *uringFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
-	return u.simple(ctx, opFallocate, func(e *sqe) {
-		e.off = uint64(off)
-		e.addr = uint64(n) // io_uring passes the length in addr
-		e.len = mode       // and the mode in len
-	})
+	for {
+		if err := u.check(ctx, "fallocate"); err != nil {
+			return err
+		}
+		err := unix.Fallocate(u.fd, mode, off, n)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return pathErr("fallocate", u, err)
+		}
+		return nil
+	}
 }

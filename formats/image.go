@@ -154,6 +154,18 @@ type InlineWriter interface {
 	InlineWrites() bool
 }
 
+// NoWaitWriter is implemented by images that can tell at once whether a
+// write needs nothing but a host write into the page cache (for qcow2: a
+// cluster it owns, its L2 table cached), so a serve loop may run it inline
+// and hand only the rest (allocation, copy-on-write) to a goroutine.
+type NoWaitWriter interface {
+	// WriteAtNoWait writes all of p at off if it can without waiting for
+	// metadata I/O or a lock someone else holds. done false means nothing
+	// was written and the caller uses WriteAt; with done true, err is the
+	// write's outcome.
+	WriteAtNoWait(p []byte, off int64) (done bool, err error)
+}
+
 // PassthroughFder is implemented by images whose bytes are a host file's
 // bytes at the same offsets (raw, buffered): the kernel may then serve
 // reads from that file directly (FUSE passthrough).

@@ -276,6 +276,29 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return uint32(n), fuse.OK
 }
 
+// writeNoWait is Write for a serve loop that must not block: only writes
+// that need neither clamping nor growth, and that the image can do at
+// once; ok false means nothing happened.
+func (e *Export) writeNoWait(w formats.NoWaitWriter, in *fuse.WriteIn, data []byte) (uint32, fuse.Status, bool) {
+	if !e.opts.Writable || len(data) == 0 {
+		return 0, fuse.OK, false
+	}
+	e.inflight.Begin()
+	defer e.inflight.End()
+	if int64(in.Offset)+int64(len(data)) > e.img.Size() {
+		return 0, fuse.OK, false
+	}
+	done, err := w.WriteAtNoWait(data, int64(in.Offset))
+	if !done {
+		return 0, fuse.OK, false
+	}
+	if err != nil {
+		e.log.Debug("write failed", "off", in.Offset, "len", len(data), "err", err)
+		return 0, errno(err), true
+	}
+	return uint32(len(data)), fuse.OK, true
+}
+
 // Fallocate follows QEMU: mode 0 only at or past the end (it grows the
 // image); PUNCH_HOLE (with KEEP_SIZE) zeroes and may deallocate; ZERO_RANGE
 // zeroes and grows without KEEP_SIZE; KEEP_SIZE clamps to the end.

@@ -64,6 +64,7 @@ type server struct {
 
 	inlineReads  formats.NoWaitReader // nil: reads always go async
 	inlineWrites bool
+	tryWrites    formats.NoWaitWriter // nil: writes go as inlineWrites says
 
 	// pollFor > 0: the queues spin on non-blocking reads that long after
 	// each request before sleeping (trading CPU for latency).
@@ -89,6 +90,9 @@ func newServer(exp *Export, fd int) *server {
 	}
 	if w, ok := exp.img.(formats.InlineWriter); ok {
 		s.inlineWrites = w.InlineWrites()
+	}
+	if w, ok := exp.img.(formats.NoWaitWriter); ok && !s.inlineWrites {
+		s.tryWrites = w
 	}
 	return s
 }
@@ -344,6 +348,9 @@ func (s *server) dispatchOne(fd int, req, out []byte, began time.Time) bool {
 			s.handleWrite(fd, req)
 			return true
 		}
+		if s.tryWrites != nil && s.tryWrite(fd, req) {
+			return true
+		}
 		s.goAsync(fd, req, began)
 		return false
 	case opSetattr, opFsync, opFlush, opFallocate, opLseek:
@@ -430,6 +437,24 @@ func (s *server) handleWrite(fd int, req []byte) {
 	n, st := s.exp.Write(context.Background(), in, req[hdr:hdr+int(in.Size)])
 	o := fuse.WriteOut{Size: n}
 	replyOut(s, fd, h.Unique, st, &o)
+}
+
+// tryWrite finishes a write inline if the image can do it without waiting;
+// false means it did nothing and the request goes async.
+func (s *server) tryWrite(fd int, req []byte) bool {
+	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
+	in := decode[fuse.WriteIn](req)
+	hdr := int(unsafe.Sizeof(fuse.WriteIn{}))
+	if len(req) < hdr || int(in.Size) > len(req)-hdr {
+		return false // the async path answers EINVAL
+	}
+	n, st, ok := s.exp.writeNoWait(s.tryWrites, in, req[hdr:hdr+int(in.Size)])
+	if !ok {
+		return false
+	}
+	o := fuse.WriteOut{Size: n}
+	replyOut(s, fd, h.Unique, st, &o)
+	return true
 }
 
 // decode views the request's op struct (which embeds the InHeader) in

@@ -63,8 +63,9 @@ type writeState struct {
 	sizeDirty   bool // the header's size must be written
 	pendingFree []int64
 	freeHint    int64 // no cluster below it is free
-	dirtyL2     int   // dirty pinned L2 tables, to bound the write-back
-	dirtyRB     int
+	// Dirty pinned tables, to bound what waits for write-back; atomic so
+	// that writers check them without alloc.
+	dirtyL2, dirtyRB atomic.Int64
 
 	// noZeroRange: the host file system cannot FALLOC_FL_ZERO_RANGE.
 	noZeroRange atomic.Bool
@@ -196,7 +197,7 @@ func (q *Image) pinBlock(off int64, b []byte) {
 	}
 	if !p.dirty {
 		p.dirty = true
-		w.dirtyRB++
+		w.dirtyRB.Add(1)
 	}
 }
 

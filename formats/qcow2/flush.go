@@ -84,7 +84,7 @@ func (q *Image) snapshot() *metaSnapshot {
 			p.dirty = false
 		}
 	}
-	w.dirtyRB = 0
+	w.dirtyRB.Store(0)
 	if w.rtDirty {
 		s.rtable = &hostWrite{w.rtOffset, encodeTable(w.rtable)}
 		s.rtDirty = true
@@ -103,7 +103,7 @@ func (q *Image) snapshot() *metaSnapshot {
 			p.dirty = false
 		}
 	}
-	w.dirtyL2 = 0
+	w.dirtyL2.Store(0)
 	if w.l1Hi > 0 {
 		s.l1Lo, s.l1Hi = w.l1Lo, w.l1Hi
 		s.l1 = &hostWrite{w.l1Offset + int64(w.l1Lo)*8, encodeTable(q.l1[w.l1Lo:w.l1Hi])}
@@ -203,13 +203,13 @@ func (q *Image) redirty(s *metaSnapshot) {
 	for _, hw := range s.blocks {
 		if p, ok := w.rbpin[hw.off]; ok && !p.dirty {
 			p.dirty = true
-			w.dirtyRB++
+			w.dirtyRB.Add(1)
 		}
 	}
 	for _, hw := range s.l2 {
 		if p, ok := w.l2pin[hw.off]; ok && !p.dirty {
 			p.dirty = true
-			w.dirtyL2++
+			w.dirtyL2.Add(1)
 		}
 	}
 	if s.l1Hi > 0 {

@@ -46,6 +46,58 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	return len(p), q.boundWriteBack(ctx)
 }
 
+// WriteAtNoWait writes p in place when every cluster it touches is one
+// this image owns, with its L2 table cached, and nobody holds a lock it
+// needs. Clusters contiguous on the host take one write.
+func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
+	cs := q.h.clusterSize
+	if q.w == nil || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() {
+		return false, nil
+	}
+	if !q.w.users.TryRLock() {
+		return false, nil
+	}
+	defer q.w.users.RUnlock()
+	type run struct{ pos, n, host int64 }
+	var buf [8]run
+	runs := buf[:0]
+	if !q.meta.TryRLock() {
+		return false, nil
+	}
+	for pos := int64(0); pos < int64(len(p)); {
+		voff := off + pos
+		n := min(cs-voff%cs, int64(len(p))-pos)
+		vc := voff / cs
+		var e uint64
+		if l1i := vc / q.h.l2Entries; l1i < int64(len(q.l1)) {
+			if l2off := int64(q.l1[l1i] & l1OffsetMask); l2off != 0 {
+				if t, ok := q.cachedL2(l2off); ok {
+					e = t[vc%q.h.l2Entries]
+				}
+			}
+		}
+		host := int64(e & l2OffsetMask)
+		if e&(l2Compressed|l2ZeroFlag) != 0 || e&oflagCopied == 0 || host == 0 || host%cs != 0 || host >= q.fileSize {
+			q.meta.RUnlock()
+			return false, nil
+		}
+		host += voff % cs
+		if last := len(runs) - 1; last >= 0 && runs[last].host+runs[last].n == host {
+			runs[last].n += n
+		} else {
+			runs = append(runs, run{pos, n, host})
+		}
+		pos += n
+	}
+	q.meta.RUnlock()
+	for _, r := range runs {
+		if _, err := q.f.WriteAt(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
+			return true, fmt.Errorf("qcow2: write %d bytes at host %#x: %w", r.n, r.host, err)
+		}
+	}
+	return true, nil
+}
+
 // ownsCluster says whether a write may go to m's host cluster in place.
 func ownsCluster(m mapping) bool {
 	return m.kind == data && m.entry&oflagCopied != 0
@@ -268,7 +320,7 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 			return nil, err
 		}
 		p := &pinnedL2{t: make([]uint64, q.h.l2Entries), dirty: true}
-		w.dirtyL2++
+		w.dirtyL2.Add(1)
 		q.meta.Lock()
 		w.l2pin[host] = p
 		q.l1[l1i] = uint64(host) | oflagCopied
@@ -307,7 +359,7 @@ func (q *Image) setL2(ctx context.Context, vc int64, e uint64) error {
 	q.meta.Unlock()
 	if !p.dirty {
 		p.dirty = true
-		q.w.dirtyL2++
+		q.w.dirtyL2.Add(1)
 	}
 	return nil
 }
@@ -326,13 +378,10 @@ func (q *Image) l1Changed(i int) {
 // fill the L2 cache, so memory stays bounded without a client's flush.
 func (q *Image) boundWriteBack(ctx context.Context) error {
 	w := q.w
-	w.alloc.Lock()
 	// Changed tables are pinned outside the LRU; allow as many as QEMU's
 	// default L2 cache holds (32 MiB) before writing them back unasked.
-	limit := max(q.l2cache.cap, int(maxDirtyMetadata/q.h.clusterSize))
-	over := w.dirtyL2 >= limit || w.dirtyRB >= limit
-	w.alloc.Unlock()
-	if !over {
+	limit := int64(max(q.l2cache.cap, int(maxDirtyMetadata/q.h.clusterSize)))
+	if w.dirtyL2.Load() < limit && w.dirtyRB.Load() < limit {
 		return nil
 	}
 	return q.Flush(ctx)

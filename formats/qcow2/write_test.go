@@ -323,3 +323,45 @@ func fill(r *rand.Rand, p []byte) {
 		p[i] = byte(r.Uint32())
 	}
 }
+
+func TestWriteAtNoWaitOnlyWritesOwnedClusters(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "t.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
+	qio(t, img, "write -P 0x11 0 192k", "write -c -P 0x22 1M 64k", "write -z 2M 64k")
+	q := openRW(t, img)
+	ctx := context.Background()
+	mirror := readAll(t, q) // also caches the L2 table
+	p := bytes.Repeat([]byte{0x77}, 100_000)
+	for _, c := range []struct {
+		what string
+		off  int64
+		want bool
+	}{
+		{"allocated clusters (three, host-contiguous)", 30_000, true},
+		{"past the allocated clusters", 150_000, false},
+		{"a compressed cluster", 1 << 20, false},
+		{"a zero cluster", 2 << 20, false},
+		{"unallocated", 3 << 20, false},
+	} {
+		done, err := q.WriteAtNoWait(p, c.off)
+		if done != c.want || err != nil {
+			t.Fatalf("%s: done %v, %v; want done %v", c.what, done, err, c.want)
+		}
+		if !done {
+			// The slow path does it.
+			if _, err := q.WriteAt(ctx, p, c.off); err != nil {
+				t.Fatal(err)
+			}
+		}
+		copy(mirror[c.off:], p)
+	}
+	if got := readAll(t, q); !bytes.Equal(got, mirror) {
+		t.Fatalf("byte %d differs", firstDiff(got, mirror))
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	checkClean(t, img)
+	compareRaw(t, img, mirror)
+}
