@@ -220,7 +220,8 @@ func (s *server) loop(fd int) {
 	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
 	// wake-ups on other threads) on every request, and sync (queue depth 1)
 	// rows lost 10-20%.
-	buf := coroutines.AlignedBuf(bufSize, 4096)
+	bp := s.bufs.Get()
+	buf := *bp
 	out := coroutines.AlignedBuf(maxWrite, 4096)
 	var spinUntil time.Time
 	for {
@@ -260,8 +261,44 @@ func (s *server) loop(fd int) {
 			s.exp.log.Error("FUSE request length mismatch; stopping this queue", "header", h.Length, "read", n)
 			return
 		}
+		if h.Opcode == opWrite && n >= handOffWrite && s.exp.opts.Writable {
+			// A large write goes to a goroutine with the buffer it was
+			// read into, and the loop reads on into a fresh one: the
+			// copy into the page cache overlaps the next request's read
+			// (on another core) and the request is not copied.
+			s.goAsyncOwned(fd, bp, n)
+			bp = s.bufs.Get()
+			buf = *bp
+			continue
+		}
 		s.dispatch(fd, buf[:n], out)
 	}
+}
+
+// handOffWrite is the request size from which writes leave the loop with
+// their buffer (see loop). Measured with 1 MiB writes on a qcow2 image:
+// inline 2.5 GiB/s, handed off with a copy 2.4, handed off without one
+// higher; 4 KiB writes stay inline, where a hand-off costs more than the
+// copy.
+const handOffWrite = 128 << 10
+
+// goAsyncOwned finishes the request in (*bp)[:n] in a goroutine that owns
+// the buffer and gives it back to the pool.
+func (s *server) goAsyncOwned(fd int, bp *[]byte, n int) {
+	var began time.Time
+	if s.stats != nil {
+		began = time.Now()
+	}
+	s.async.Add(1)
+	go func() {
+		defer s.async.Done()
+		defer s.bufs.Put(bp)
+		req := (*bp)[:n]
+		s.slow(fd, req)
+		if s.stats != nil {
+			s.count(opWrite, int(decode[fuse.WriteIn](req).Size), began)
+		}
+	}()
 }
 
 // count records a finished request for --stats.
