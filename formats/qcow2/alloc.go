@@ -290,6 +290,10 @@ func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
 func (q *Image) findFree(ctx context.Context, from, n int64) (c, firstFree int64, err error) {
 	cs := q.h.clusterSize
 	c, firstFree = from, -1
+	// Refcounts past the end of the file belong to clusters allocated but
+	// not yet written when a crash came: a few. Many are a corrupt table,
+	// which must not send the scan on for billions of clusters.
+	pastEnd := 0
 	for run := int64(0); run < n; {
 		if (c+run+1)*cs > maxHostOffset {
 			return 0, 0, fmt.Errorf("qcow2: allocate %d clusters: the image file is full: %w", n, unix.EFBIG)
@@ -299,6 +303,11 @@ func (q *Image) findFree(ctx context.Context, from, n int64) (c, firstFree int64
 			return 0, 0, err
 		}
 		if rc != 0 {
+			if (c+run)*cs >= q.fileSize {
+				if pastEnd++; pastEnd > maxRefsPastEnd {
+					return 0, 0, fmt.Errorf("%w: refcounts claim more than %d clusters past the end of the file", ErrCorrupt, maxRefsPastEnd)
+				}
+			}
 			c, run = c+run+1, 0
 			continue
 		}
@@ -327,6 +336,10 @@ func (q *Image) missingBlocks(c, n int64) (missing, beyond int64) {
 
 // maxHostOffset is where L2 entries' offset field ends.
 const maxHostOffset = 1 << 56
+
+// maxRefsPastEnd bounds the in-use clusters past the end of the file that
+// allocation steps over (see findFree).
+const maxRefsPastEnd = 1 << 20
 
 // maxRefTableBytes is QEMU's QCOW_MAX_REFTABLE_SIZE.
 const maxRefTableBytes = 8 << 20

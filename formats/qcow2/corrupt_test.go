@@ -171,5 +171,29 @@ func FuzzOpen(f *testing.F) {
 			}
 			off += e.Length
 		}
+		// The write paths on the same input: allocation, copy-on-write,
+		// zeroing, resize and write-back must fail cleanly too.
+		w, err := Open(p, Options{Backend: "threads", Writable: true})
+		if err != nil {
+			return
+		}
+		defer w.Close()
+		size := w.Size()
+		for i, off := range []int64{0, size / 3, size - 1, size / 2} {
+			if off < 0 || off >= size {
+				continue
+			}
+			n := min(int64(len(buf)>>i), size-off)
+			if _, err := w.WriteAt(ctx, buf[:n], off); err != nil {
+				return
+			}
+		}
+		if w.WriteZeroes(ctx, 0, min(size, 1<<20), true) != nil || w.Discard(ctx, size/2, size-size/2) != nil {
+			return
+		}
+		if w.Resize(ctx, size+1<<20) != nil {
+			return
+		}
+		w.Flush(ctx)
 	})
 }
