@@ -32,6 +32,7 @@ type conn struct {
 	// Fast paths the image offers, run inline by the reader.
 	noWait       formats.NoWaitReader
 	inlineWrites bool
+	tryWrites    formats.NoWaitWriter // nil unless writes may run inline
 	scratch      []byte // the reader's read buffer for inline reads
 	stopOnce     sync.Once
 	stopping     chan struct{}
@@ -61,6 +62,9 @@ func (c *conn) serve() {
 	}
 	if iw, ok := c.srv.img.(formats.InlineWriter); ok {
 		c.inlineWrites = iw.InlineWrites()
+	}
+	if tw, ok := c.srv.img.(formats.NoWaitWriter); ok && !c.inlineWrites && c.srv.opts.Writable {
+		c.tryWrites = tw
 	}
 	neg, err := c.handshake(r)
 	if err != nil {
@@ -112,8 +116,8 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				c.uncork()
 				return errors.New("write larger than the advertised maximum")
 			}
-			inline := c.inlineWrites && int(req.Length) <= cap(c.scratch)
-			if inline {
+			fits := int(req.Length) <= cap(c.scratch)
+			if fits && (c.inlineWrites || c.tryWrites != nil) {
 				payload = c.scratch[:req.Length]
 			} else {
 				payload = make([]byte, req.Length)
@@ -121,9 +125,15 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			if err := readFull(r, payload); err != nil {
 				return err
 			}
-			if inline {
+			if fits && c.inlineWrites {
 				c.handle(req, payload)
 				continue
+			}
+			if fits && c.tryWrites != nil {
+				if c.tryWriteInline(req, payload) {
+					continue
+				}
+				payload = append([]byte(nil), payload...) // scratch is reused
 			}
 		}
 		if req.Type == cmdDisc {
@@ -160,6 +170,25 @@ func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) bool {
 		return false
 	}
 	c.dataReply(req, buf)
+	return true
+}
+
+// tryWriteInline runs a plain write (no FUA) the image can do without
+// waiting right here in the reader; false means nothing was written.
+func (c *conn) tryWriteInline(req protocol.TransmissionRequestHeader, payload []byte) bool {
+	off := int64(req.Offset)
+	if req.CommandFlags != 0 || len(payload) == 0 || req.Offset >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
+		return false
+	}
+	done, err := c.tryWrites.WriteAtNoWait(payload, off)
+	if !done {
+		return false
+	}
+	if err != nil {
+		c.errorReply(req, errnoOf(err), err.Error())
+		return true
+	}
+	c.simpleReply(req.Handle, 0, nil)
 	return true
 }
 
