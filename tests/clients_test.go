@@ -17,35 +17,15 @@ func TestLoopMountMkfsFsck(t *testing.T) {
 	img := sparseImage(t, dir, "fs.img", 128<<20)
 	mnt := filepath.Join(dir, "export")
 	d := startExport(t, img, mnt, "-f", "raw", "-w")
-
-	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", mnt))
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
-	run(t, "mkfs.ext4", "-q", "-F", loop)
-	fsdir := filepath.Join(dir, "fs")
-	os.Mkdir(fsdir, 0o755)
-	run(t, "mount", loop, fsdir)
-	mounted := true
-	t.Cleanup(func() {
-		if mounted {
-			exec.Command("umount", fsdir).Run()
-		}
-	})
 	content := map[string][]byte{}
 	for i, size := range []int{0, 1, 4095, 4096, 100000, 3 << 20} {
-		name := filepath.Join("sub", string(rune('a'+i))+".bin")
 		data := make([]byte, size)
 		for j := range data {
 			data[j] = byte(j*7 + i)
 		}
-		os.MkdirAll(filepath.Join(fsdir, "sub"), 0o755)
-		if err := os.WriteFile(filepath.Join(fsdir, name), data, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		content[name] = data
+		content[filepath.Join("sub", string(rune('a'+i))+".bin")] = data
 	}
-	run(t, "umount", fsdir)
-	mounted = false
-	run(t, "losetup", "-d", loop)
+	mkfsAndFill(t, mnt, filepath.Join(dir, "fs"), content)
 	d.stopClean()
 
 	run(t, "e2fsck", "-fn", img)
@@ -53,11 +33,51 @@ func TestLoopMountMkfsFsck(t *testing.T) {
 	// A second, read-only export shows the same files.
 	mnt2 := filepath.Join(dir, "export2")
 	startExport(t, img, mnt2, "-f", "raw")
-	loop2 := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", mnt2))
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop2).Run() })
-	run(t, "mount", "-o", "ro", loop2, fsdir)
+	checkTree(t, mnt2, filepath.Join(dir, "fs"), content)
+}
+
+// mkfsAndFill loop-mounts file (an export), makes an ext4 file system on
+// it, writes files (names relative to its root), then unmounts it and
+// detaches the loop device.
+func mkfsAndFill(t *testing.T, file, fsdir string, files map[string][]byte) {
+	t.Helper()
+	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", file))
+	attached := true
+	t.Cleanup(func() {
+		if attached {
+			exec.Command("losetup", "-d", loop).Run()
+		}
+	})
+	run(t, "mkfs.ext4", "-q", "-F", loop)
+	os.MkdirAll(fsdir, 0o755)
+	run(t, "mount", loop, fsdir)
+	mounted := true
+	t.Cleanup(func() {
+		if mounted {
+			exec.Command("umount", fsdir).Run()
+		}
+	})
+	for name, data := range files {
+		os.MkdirAll(filepath.Join(fsdir, filepath.Dir(name)), 0o755)
+		if err := os.WriteFile(filepath.Join(fsdir, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run(t, "umount", fsdir)
+	mounted = false
+	run(t, "losetup", "-d", loop)
+	attached = false
+}
+
+// checkTree loop-mounts file read-only and checks that it holds files.
+func checkTree(t *testing.T, file, fsdir string, files map[string][]byte) {
+	t.Helper()
+	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", file))
+	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+	os.MkdirAll(fsdir, 0o755)
+	run(t, "mount", "-o", "ro", loop, fsdir)
 	t.Cleanup(func() { exec.Command("umount", fsdir).Run() })
-	for name, want := range content {
+	for name, want := range files {
 		got, err := os.ReadFile(filepath.Join(fsdir, name))
 		if err != nil {
 			t.Fatal(err)

@@ -185,35 +185,16 @@ func TestQcow2LoopMountReadWrite(t *testing.T) {
 	}
 	mnt := filepath.Join(dir, "export")
 	d := startExport(t, img, mnt, "-w")
-	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", mnt))
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
-	run(t, "mkfs.ext4", "-q", "-F", loop)
-	fsdir := filepath.Join(dir, "fs")
-	os.Mkdir(fsdir, 0o755)
-	run(t, "mount", loop, fsdir)
-	mounted := true
-	t.Cleanup(func() {
-		if mounted {
-			exec.Command("umount", fsdir).Run()
-		}
-	})
 	content := map[string][]byte{}
 	r := rand.New(rand.NewPCG(8, 8))
 	for i := range 40 {
-		name := filepath.Join(fmt.Sprintf("d%d", i%5), fmt.Sprintf("f%d.bin", i))
 		data := make([]byte, r.IntN(600_000))
 		for j := range data {
 			data[j] = byte(r.Uint32())
 		}
-		os.MkdirAll(filepath.Join(fsdir, filepath.Dir(name)), 0o755)
-		if err := os.WriteFile(filepath.Join(fsdir, name), data, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		content[name] = data
+		content[filepath.Join(fmt.Sprintf("d%d", i%5), fmt.Sprintf("f%d.bin", i))] = data
 	}
-	run(t, "umount", fsdir)
-	mounted = false
-	run(t, "losetup", "-d", loop)
+	mkfsAndFill(t, mnt, filepath.Join(dir, "fs"), content)
 	d.stopClean()
 	qemuImgCheck(t, img)
 
@@ -222,17 +203,7 @@ func TestQcow2LoopMountReadWrite(t *testing.T) {
 	mnt2 := filepath.Join(dir, "export2")
 	startExport(t, img, mnt2)
 	run(t, "e2fsck", "-fn", mnt2)
-	loop2 := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", mnt2))
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop2).Run() })
-	run(t, "mount", "-o", "ro", loop2, fsdir)
-	t.Cleanup(func() { exec.Command("umount", fsdir).Run() })
-	for name, want := range content {
-		got, err := os.ReadFile(filepath.Join(fsdir, name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		mustEqualBytes(t, name, got, want)
-	}
+	checkTree(t, mnt2, filepath.Join(dir, "fs"), content)
 }
 
 // TestQcow2SurvivesKill9: the exporter is killed with SIGKILL at random

@@ -343,13 +343,9 @@ func benchTarget(target, dir string, systems []system, suffix string, keep func(
 			if err != nil {
 				log.Printf("%s: %v", s.name, err)
 			}
-			if s.name == "blockexport" {
-				r.ours = v
-			} else {
-				r.qemu = v
-			}
+			r.set(s.name == "blockexport", v)
 		}
-		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", job.name, r.qemu, r.ours, ratio(r))
+		logRow(r)
 		rows = append(rows, r)
 	}
 	if keep != nil {
@@ -395,13 +391,9 @@ func benchAlloc(dir string, systems []system) []row {
 			}
 			stop(cmd, mnt)
 			os.Remove(img)
-			if s.name == "blockexport" {
-				r.ours = v
-			} else {
-				r.qemu = v
-			}
+			r.set(s.name == "blockexport", v)
 		}
-		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", r.name, r.qemu, r.ours, ratio(r))
+		logRow(r)
 		rows = append(rows, r)
 	}
 	return rows
@@ -435,17 +427,27 @@ func benchConvert(dir string, systems []system) []row {
 		if err != nil {
 			log.Printf("%s: %v", s.name, err)
 		}
-		if s.name == "blockexport" {
-			r.ours = took
-		} else {
-			r.qemu = took
-		}
+		r.set(s.name == "blockexport", took)
 	}
 	log.Printf("  convert: qemu %.2fs ours %.2fs", r.qemu, r.ours)
 	return []row{r}
 }
 
 // ratio is ours over QEMU's, turned so that above 1 is better for us.
+// set records one system's measurement.
+func (r *row) set(ours bool, v float64) {
+	if ours {
+		r.ours = v
+	} else {
+		r.qemu = v
+	}
+}
+
+// logRow prints a finished row.
+func logRow(r row) {
+	log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", r.name, r.qemu, r.ours, ratio(r))
+}
+
 func ratio(r row) float64 {
 	if r.qemu == 0 || r.ours == 0 {
 		return 0
@@ -609,13 +611,9 @@ func benchNBD(target, dir, bin string) []row {
 			if err != nil {
 				log.Print(err)
 			}
-			if u[0] == "o" {
-				r.ours = v
-			} else {
-				r.qemu = v
-			}
+			r.set(u[0] == "o", v)
 		}
-		log.Printf("  %-22s qemu %10.0f  ours %10.0f  x%.2f", r.name, r.qemu, r.ours, ratio(r))
+		logRow(r)
 		rows = append(rows, r)
 	}
 	return rows
