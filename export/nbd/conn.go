@@ -33,7 +33,7 @@ type conn struct {
 	noWait       formats.NoWaitReader
 	inlineWrites bool
 	tryWrites    formats.NoWaitWriter // nil unless writes may run inline
-	scratch      []byte // the reader's read buffer for inline reads
+	scratch      []byte               // the reader's read buffer for inline reads
 	stopOnce     sync.Once
 	stopping     chan struct{}
 	neg          negotiated
