@@ -80,7 +80,6 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
 		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
 		{"writable qcow2 with snapshots", []string{"fuse", "-w", qcow, mnt}, 1, "internal snapshots"},
-		{"writable qcow2 with cache none", []string{"fuse", "-w", "--cache", "none", qcow, mnt}, 1, "cache none"},
 		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
 	}
 	for _, c := range cases {

@@ -109,17 +109,20 @@ func fioJob(name, bs, offset, size string, seed int) []string {
 // was written; the backing file is untouched.
 func TestQcow2WritesThroughTheExport(t *testing.T) {
 	const size = 48 << 20
+	newImage := func(t *testing.T, dir string) (string, string) {
+		img := filepath.Join(dir, "new.qcow2")
+		if code, out := runBlockexport(t, "create", "-f", "qcow2", img, strconv.Itoa(size)); code != 0 {
+			t.Fatalf("create: %s", out)
+		}
+		return img, ""
+	}
 	setups := []struct {
 		name string
 		make func(t *testing.T, dir string) (img, backing string)
+		args []string // export flags beyond -w
 	}{
-		{"new", func(t *testing.T, dir string) (string, string) {
-			img := filepath.Join(dir, "new.qcow2")
-			if code, out := runBlockexport(t, "create", "-f", "qcow2", img, strconv.Itoa(size)); code != 0 {
-				t.Fatalf("create: %s", out)
-			}
-			return img, ""
-		}},
+		{"new", newImage, nil},
+		{"new, cache none", newImage, []string{"--cache", "none"}},
 		{"overlay", func(t *testing.T, dir string) (string, string) {
 			base := randomImage(t, dir, size, 21)
 			img := filepath.Join(dir, "over.qcow2")
@@ -127,7 +130,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 				t.Fatalf("create: %s", out)
 			}
 			return img, base
-		}},
+		}, nil},
 		{"compressed", func(t *testing.T, dir string) (string, string) {
 			src := filepath.Join(dir, "src.raw")
 			data := bytes.Repeat([]byte("a compressible line of text, over and over\n"), size/43+1)[:size]
@@ -137,7 +140,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 			img := filepath.Join(dir, "c.qcow2")
 			run(t, "qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", src, img)
 			return img, ""
-		}},
+		}, nil},
 	}
 	for _, s := range setups {
 		t.Run(s.name, func(t *testing.T) {
@@ -150,13 +153,13 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 			mirror := toRaw(t, img, dir)
 
 			mnt := filepath.Join(dir, "mnt")
-			d := startExport(t, img, mnt, "-w")
+			d := startExport(t, img, mnt, append([]string{"-w"}, s.args...)...)
 			mirrorWrites(t, mnt, mirror, size, 16, 60, 5)
 			d.stopClean()
 			qemuImgCheck(t, img)
 			run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", img, mirror)
 
-			d = startExport(t, img, mnt, "-w")
+			d = startExport(t, img, mnt, append([]string{"-w"}, s.args...)...)
 			jobs := [][]string{fioJob("small", "4k", "0", "24M", 1), fioJob("large", "64k", "24M", "24M", 2)}
 			for _, job := range jobs {
 				run(t, "fio", append(job, "--io_size=12M", "--filename="+mnt)...)

@@ -90,14 +90,14 @@ func Open(path string, o Options) (*Image, error) {
 }
 
 func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
-	if o.Writable && o.Direct {
-		// Metadata is written in pieces of 8 bytes and up, which O_DIRECT
-		// refuses; QEMU bounces them, we do not yet.
-		return nil, fmt.Errorf("qcow2: %s: writing with --cache none is not supported; use the default cache mode: %w", path, formats.ErrNotSupported)
-	}
 	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger})
 	if err != nil {
 		return nil, fmt.Errorf("qcow2: %w", err)
+	}
+	if o.Direct {
+		// Metadata and compressed clusters are byte-granular; O_DIRECT
+		// wants whole blocks.
+		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
 	q, err := load(f, path, o)
 	if err != nil {

@@ -151,8 +151,11 @@ func TestReadsMatchQemuAndTheOracle(t *testing.T) {
 			dir := t.TempDir()
 			top := ti.make(t, dir)
 			want := reference(t, top)
-			for _, backend := range []string{"io_uring", "threads"} {
-				q, err := Open(top, Options{Backend: aio.Backend(backend)})
+			for _, backend := range []string{"io_uring", "threads", "io_uring+direct"} {
+				// +direct: O_DIRECT (--cache none), where every byte-granular
+				// read goes through an aligned bounce buffer.
+				engine, direct := strings.CutSuffix(backend, "+direct")
+				q, err := Open(top, Options{Backend: aio.Backend(engine), Direct: direct})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -51,8 +51,8 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 // needs. Clusters contiguous on the host take one write.
 func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	cs := q.h.clusterSize
-	if q.w == nil || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() {
-		return false, nil
+	if q.w == nil || q.direct || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() {
+		return false, nil // O_DIRECT writes wait for the device
 	}
 	if !q.w.users.TryRLock() {
 		return false, nil

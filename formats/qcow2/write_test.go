@@ -38,9 +38,9 @@ func compareRaw(t *testing.T, img string, mirror []byte) {
 	}
 }
 
-func openRW(t *testing.T, img string) *Image {
+func openRW(t *testing.T, img string, direct ...bool) *Image {
 	t.Helper()
-	q, err := Open(img, Options{Writable: true, Backend: aio.Threads})
+	q, err := Open(img, Options{Writable: true, Backend: aio.Threads, Direct: len(direct) > 0 && direct[0]})
 	if err != nil {
 		t.Fatalf("open %s writable: %v", img, err)
 	}
@@ -115,6 +115,7 @@ func TestWritesKeepTheImageConsistent(t *testing.T) {
 		// noZeroRange: copy-on-write from zeroes writes zero bytes, as on
 		// a file system without FALLOC_FL_ZERO_RANGE.
 		noZeroRange bool
+		direct      bool // O_DIRECT (--cache none)
 	}
 	const size = 8 << 20
 	plain := func(opts string) func(t *testing.T, dir string) (string, []byte) {
@@ -128,6 +129,8 @@ func TestWritesKeepTheImageConsistent(t *testing.T) {
 		{name: "cluster64k", create: plain("cluster_size=65536")},
 		{name: "cluster512", create: plain("cluster_size=512")},
 		{name: "cluster64k-without-zero-range", create: plain("cluster_size=65536"), noZeroRange: true},
+		{name: "cluster64k-direct", create: plain("cluster_size=65536"), direct: true},
+		{name: "cluster512-direct", create: plain("cluster_size=512"), direct: true},
 		{name: "cluster4k-refcount1", create: plain("cluster_size=4096,refcount_bits=1")},
 		{name: "cluster2m-refcount64", create: plain("cluster_size=2097152,refcount_bits=64")},
 		{name: "compat0.10", create: plain("compat=0.10")},
@@ -158,7 +161,7 @@ func TestWritesKeepTheImageConsistent(t *testing.T) {
 		t.Run(s.name, func(t *testing.T) {
 			dir := t.TempDir()
 			img, mirror := s.create(t, dir)
-			q := openRW(t, img)
+			q := openRW(t, img, s.direct)
 			q.w.noZeroRange.Store(s.noZeroRange)
 			randomWrites(t, q, mirror, 60, 1)
 			if got := readAll(t, q); !bytes.Equal(got, mirror) {
@@ -170,7 +173,7 @@ func TestWritesKeepTheImageConsistent(t *testing.T) {
 			checkClean(t, img)
 			compareRaw(t, img, mirror)
 			// A second session on the same image, then again.
-			q = openRW(t, img)
+			q = openRW(t, img, s.direct)
 			randomWrites(t, q, mirror, 30, 2)
 			if err := q.Close(); err != nil {
 				t.Fatal(err)
