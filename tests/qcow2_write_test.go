@@ -395,6 +395,11 @@ func TestQcow2GrowableExport(t *testing.T) {
 func TestCreateCommand(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "a.qcow2")
+	empty := filepath.Join(dir, "empty.qcow2")
+	if code, out := runBlockexport(t, "create", "-f", "qcow2", empty, "0"); code != 0 {
+		t.Fatalf("create an empty image: %s", out)
+	}
+	qemuImgCheck(t, empty)
 	for _, cs := range []string{"512", "4k", "64k", "2M"} {
 		if code, out := runBlockexport(t, "create", "-f", "qcow2", "--cluster-size", cs, "--force", img, "10G"); code != 0 {
 			t.Fatalf("create --cluster-size %s: %s", cs, out)

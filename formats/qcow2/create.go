@@ -79,7 +79,7 @@ func Create(path string, o CreateOptions) error {
 
 	// Clusters: header, refcount table (t), refcount blocks (b), L1 (l).
 	perBlock := cs * 8 / (1 << createRefcountOrder)
-	l := max(1, (l1Size*8+cs-1)/cs)
+	l := (l1Size*8 + cs - 1) / cs // none for an empty image, as qemu-img does
 	t, b := int64(1), int64(1)
 	for {
 		total := 1 + t + b + l

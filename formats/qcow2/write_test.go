@@ -368,3 +368,29 @@ func TestWriteAtNoWaitOnlyWritesOwnedClusters(t *testing.T) {
 	checkClean(t, img)
 	compareRaw(t, img, mirror)
 }
+
+func TestGrowAnEmptyImage(t *testing.T) {
+	for _, cs := range []int64{512, 65536} {
+		img := filepath.Join(t.TempDir(), "empty.qcow2")
+		if err := Create(img, CreateOptions{Size: 0, ClusterSize: cs}); err != nil {
+			t.Fatal(err)
+		}
+		checkClean(t, img)
+		q := openRW(t, img)
+		ctx := context.Background()
+		if err := q.Resize(ctx, 3<<20); err != nil {
+			t.Fatal(err)
+		}
+		p := bytes.Repeat([]byte{0x42}, 100_000)
+		if _, err := q.WriteAt(ctx, p, 2<<20); err != nil {
+			t.Fatal(err)
+		}
+		if err := q.Close(); err != nil {
+			t.Fatal(err)
+		}
+		checkClean(t, img)
+		mirror := make([]byte, 3<<20)
+		copy(mirror[2<<20:], p)
+		compareRaw(t, img, mirror)
+	}
+}
