@@ -329,7 +329,19 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 		return p, nil
 	}
 	if e&oflagCopied == 0 {
-		return nil, fmt.Errorf("%w: L2 table at %#x is shared (refcount above one)", ErrUnsupported, off)
+		// Without the flag the table may be shared with a snapshot; if its
+		// refcount says it is not, the flag was merely missing: set it.
+		rc, err := q.getRef(ctx, off/q.h.clusterSize)
+		if err != nil {
+			return nil, err
+		}
+		if rc != 1 {
+			return nil, fmt.Errorf("%w: L2 table at %#x is shared (refcount %d)", ErrUnsupported, off, rc)
+		}
+		q.meta.Lock()
+		q.l1[l1i] |= oflagCopied
+		q.meta.Unlock()
+		q.l1Changed(int(l1i))
 	}
 	if p, ok := w.l2pin[off]; ok {
 		return p, nil

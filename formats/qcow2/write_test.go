@@ -3,6 +3,7 @@ package qcow2
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -393,4 +394,35 @@ func TestGrowAnEmptyImage(t *testing.T) {
 		copy(mirror[2<<20:], p)
 		compareRaw(t, img, mirror)
 	}
+}
+
+// TestMissingCopiedFlags: tables and clusters with refcount one but
+// without the COPIED flag (as older tools leave them) are still written:
+// the L1 entry gets its flag back, the data cluster is copied once.
+func TestMissingCopiedFlags(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "t.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
+	qio(t, img, "write -P 0x31 0 128k")
+	raw, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l1 := int64(binary.BigEndian.Uint64(raw[40:]))
+	l1e := binary.BigEndian.Uint64(raw[l1:])
+	l2 := int64(l1e & l1OffsetMask)
+	l2e := binary.BigEndian.Uint64(raw[l2:])
+	patch(t, img, l1, be64(l1e&^oflagCopied))
+	patch(t, img, l2, be64(l2e&^oflagCopied))
+	q := openRW(t, img)
+	if _, err := q.WriteAt(context.Background(), []byte("hello"), 100); err != nil {
+		t.Fatalf("write under a table without COPIED: %v", err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	checkClean(t, img)
+	mirror := make([]byte, 4<<20)
+	copy(mirror, bytes.Repeat([]byte{0x31}, 128<<10))
+	copy(mirror[100:], "hello")
+	compareRaw(t, img, mirror)
 }
