@@ -116,16 +116,28 @@ func TestFioVerify(t *testing.T) {
 }
 
 // TestQemuImgConvertIntoTheExport is the reproducer of QEMU's 2025 data
-// corruption bug: convert into the export with O_DIRECT, then compare.
+// corruption bug: convert into the export with O_DIRECT, then compare; into
+// a raw image and into a new qcow2 image (every write allocating).
 func TestQemuImgConvertIntoTheExport(t *testing.T) {
-	dir := t.TempDir()
-	src := randomImage(t, dir, 32<<20, 9)
-	dst := sparseImage(t, dir, "dst.img", 32<<20)
-	mnt := filepath.Join(dir, "mnt")
-	startExport(t, dst, mnt, "-f", "raw", "-w")
-	run(t, "qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", "-t", "none", src, mnt)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, mnt)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, dst)
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			dir := t.TempDir()
+			src := randomImage(t, dir, 32<<20, 9)
+			dst := filepath.Join(dir, "dst."+format)
+			if code, out := runBlockexport(t, "create", "-f", format, dst, "32M"); code != 0 {
+				t.Fatalf("create: %s", out)
+			}
+			mnt := filepath.Join(dir, "mnt")
+			d := startExport(t, dst, mnt, "-f", format, "-w")
+			run(t, "qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", "-t", "none", src, mnt)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, mnt)
+			d.stopClean()
+			if format == "qcow2" {
+				qemuImgCheck(t, dst)
+			}
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", format, src, dst)
+		})
+	}
 }
 
 // TestQueuesAndBusyPolling: two cloned /dev/fuse queues served by busy
