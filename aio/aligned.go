@@ -25,13 +25,30 @@ func Aligned(f File, align int) File {
 	if align <= 1 {
 		return f
 	}
-	return &alignedFile{File: f, align: int64(align)}
+	return &alignedFile{File: f, align: int64(align),
+		bounce: coroutines.NewBufPool(maxPooledBounce+2*align, align)}
 }
+
+// maxPooledBounce is the largest request whose bounce buffer comes from the
+// pool (a FUSE or NBD request of up to 1 MiB; O_DIRECT writes from FUSE
+// always bounce, their payload follows a header); larger ones allocate.
+const maxPooledBounce = 1 << 20
 
 type alignedFile struct {
 	File
-	align int64
-	rmw   coroutines.RangeLock
+	align  int64
+	rmw    coroutines.RangeLock
+	bounce *coroutines.BufPool
+}
+
+// buf returns an aligned buffer of n bytes and the function that gives it
+// back.
+func (a *alignedFile) buf(n int64) ([]byte, func()) {
+	if n <= int64(a.bounce.Size()) {
+		b := a.bounce.Get()
+		return (*b)[:n], func() { a.bounce.Put(b) }
+	}
+	return coroutines.AlignedBuf(int(n), int(a.align)), func() {}
 }
 
 func (a *alignedFile) ok(p []byte, off int64) bool {
@@ -49,7 +66,8 @@ func (a *alignedFile) ReadAt(ctx context.Context, p []byte, off int64) (int, err
 		return a.File.ReadAt(ctx, p, off)
 	}
 	start, end := a.cover(off, int64(len(p)))
-	buf := coroutines.AlignedBuf(int(end-start), int(a.align))
+	buf, put := a.buf(end - start)
+	defer put()
 	n, err := a.File.ReadAt(ctx, buf, start)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return 0, err
@@ -84,7 +102,8 @@ func (a *alignedFile) WriteAt(ctx context.Context, p []byte, off int64) (int, er
 	if a.ok(p, off) {
 		return a.File.WriteAt(ctx, p, off)
 	}
-	buf := coroutines.AlignedBuf(int(end-start), int(a.align))
+	buf, put := a.buf(end - start)
+	defer put()
 	// Only the first and last block keep old bytes; read just those.
 	for _, blk := range []int64{start, end - a.align} {
 		if blk >= off && blk+a.align <= off+int64(len(p)) {
