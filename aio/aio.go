@@ -14,6 +14,9 @@
 //
 // Open falls back from io_uring to threads by itself when the kernel refuses
 // rings (io_uring_disabled, seccomp, ENOSYS, EPERM) and logs one line.
+// fallocate(2) is always a direct call: io_uring would hand it to a worker
+// thread. [Aligned] lets an O_DIRECT file take requests of any alignment
+// (aligned.go).
 package aio
 
 import (
