@@ -63,7 +63,7 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 	before := fileHash(t, img)
 	qcow := filepath.Join(dir, "x.qcow2")
 	run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
-	run(t, "qemu-img", "snapshot", "-c", "s1", qcow)
+	markCorrupt(t, qcow)
 	mnt := filepath.Join(dir, "mnt")
 	cases := []struct {
 		name string
@@ -79,7 +79,7 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 		{"bad aio", []string{"fuse", "--aio", "posix", img, mnt}, 2, "unknown aio backend"},
 		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
 		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
-		{"writable qcow2 with snapshots", []string{"fuse", "-w", qcow, mnt}, 1, "internal snapshots"},
+		{"writable qcow2 marked corrupt", []string{"fuse", "-w", qcow, mnt}, 1, "marked corrupt"},
 		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
 	}
 	for _, c := range cases {
@@ -98,6 +98,25 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 	}
 	if _, err := os.Stat(mnt); !os.IsNotExist(err) {
 		t.Fatalf("a failed export left its mountpoint behind: %v", err)
+	}
+}
+
+// markCorrupt sets a qcow2 image's corrupt bit (incompatible feature 1),
+// as QEMU does when it finds inconsistent metadata.
+func markCorrupt(t *testing.T, img string) {
+	t.Helper()
+	f, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var b [1]byte
+	if _, err := f.ReadAt(b[:], 79); err != nil { // low byte of the field at 72
+		t.Fatal(err)
+	}
+	b[0] |= 2
+	if _, err := f.WriteAt(b[:], 79); err != nil {
+		t.Fatal(err)
 	}
 }
 

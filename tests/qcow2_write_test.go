@@ -132,6 +132,13 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 			}
 			return img, base
 		}, nil},
+		{"with an internal snapshot", func(t *testing.T, dir string) (string, string) {
+			img := filepath.Join(dir, "snap.qcow2")
+			run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, strconv.Itoa(size))
+			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x3c 0 40M", img)
+			run(t, "qemu-img", "snapshot", "-c", "s1", img)
+			return img, ""
+		}, nil},
 		{"compressed", func(t *testing.T, dir string) (string, string) {
 			src := filepath.Join(dir, "src.raw")
 			data := bytes.Repeat([]byte("a compressible line of text, over and over\n"), size/43+1)[:size]

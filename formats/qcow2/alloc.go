@@ -94,8 +94,6 @@ func (q *Image) openForWriting(ctx context.Context) error {
 		return fmt.Errorf("%w: the image is marked corrupt; check and repair it with qemu-img check -r all before writing", ErrCorrupt)
 	case h.incompatible&incDirty != 0:
 		return fmt.Errorf("%w: the image was not closed cleanly (lazy refcounts); repair its refcounts with qemu-img check -r all before writing", ErrUnsupported)
-	case h.nbSnapshots > 0:
-		return fmt.Errorf("%w: writing an image with internal snapshots (%d); export it read-only or delete them with qemu-img snapshot -d", ErrUnsupported, h.nbSnapshots)
 	}
 	rt, err := q.refcountTable(ctx)
 	if err != nil {

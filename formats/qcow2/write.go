@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -329,19 +330,7 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 		return p, nil
 	}
 	if e&oflagCopied == 0 {
-		// Without the flag the table may be shared with a snapshot; if its
-		// refcount says it is not, the flag was merely missing: set it.
-		rc, err := q.getRef(ctx, off/q.h.clusterSize)
-		if err != nil {
-			return nil, err
-		}
-		if rc != 1 {
-			return nil, fmt.Errorf("%w: L2 table at %#x is shared (refcount %d)", ErrUnsupported, off, rc)
-		}
-		q.meta.Lock()
-		q.l1[l1i] |= oflagCopied
-		q.meta.Unlock()
-		q.l1Changed(int(l1i))
+		return q.unshareL2(ctx, l1i, off)
 	}
 	if p, ok := w.l2pin[off]; ok {
 		return p, nil
@@ -357,6 +346,52 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 	q.meta.Lock()
 	w.l2pin[off] = p
 	q.meta.Unlock()
+	return p, nil
+}
+
+// unshareL2 makes the L2 table at off, which L1 entry l1i points at without
+// the COPIED flag, one this image may change. Shared with a snapshot
+// (refcount above one), it is copied to a new cluster, the L1 entry points
+// at the copy, and the old table loses this reference once that is durable;
+// the data clusters stay shared, and writes copy them in turn. With
+// refcount one the flag was merely missing: it is set. The caller holds
+// alloc.
+func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error) {
+	w := q.w
+	rc, err := q.getRef(ctx, off/q.h.clusterSize)
+	if err != nil {
+		return nil, err
+	}
+	if rc == 0 {
+		return nil, fmt.Errorf("%w: L2 table at %#x has refcount zero", ErrCorrupt, off)
+	}
+	t, ok := q.l2cache.get(off)
+	if !ok {
+		if t, err = q.loadL2(ctx, off, q.fileSize); err != nil {
+			return nil, err
+		}
+	}
+	if rc == 1 {
+		p := &pinnedL2{t: t}
+		q.meta.Lock()
+		w.l2pin[off] = p
+		q.l1[l1i] |= oflagCopied
+		q.meta.Unlock()
+		q.l1Changed(int(l1i))
+		return p, nil
+	}
+	host, err := q.allocClusters(ctx, 1)
+	if err != nil {
+		return nil, err
+	}
+	p := &pinnedL2{t: slices.Clone(t), dirty: true}
+	w.dirtyL2.Add(1)
+	q.meta.Lock()
+	w.l2pin[host] = p
+	q.l1[l1i] = uint64(host) | oflagCopied
+	q.meta.Unlock()
+	q.l1Changed(int(l1i))
+	w.pendingFree = append(w.pendingFree, off/q.h.clusterSize)
 	return p, nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -303,23 +304,40 @@ func TestResize(t *testing.T) {
 	compareRaw(t, img, mirror)
 }
 
-func TestWritableOpenRefusesWhatItCannotWrite(t *testing.T) {
+// TestWritesWithInternalSnapshots: writing an image with a snapshot
+// copies the shared L2 tables and data clusters; the snapshot still holds
+// the old data (qemu-img snapshot -a brings it back), both states check
+// clean. Shrinking is refused, as in QEMU.
+func TestWritesWithInternalSnapshots(t *testing.T) {
 	dir := t.TempDir()
-	snap := filepath.Join(dir, "snap.qcow2")
-	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", snap, "1M")
-	tool(t, "qemu-img", "snapshot", "-c", "s1", snap)
-	if _, err := Open(snap, Options{Writable: true}); err == nil || !strings.Contains(err.Error(), "internal snapshots") {
-		t.Fatalf("writable open of an image with snapshots: %v", err)
+	img := filepath.Join(dir, "snap.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", img, "4M")
+	qio(t, img, "write -c -P 0x6b 1M 64k", "write -P 0x5a 0 1M", "write -P 0x5a 1088k 3008k")
+	tool(t, "qemu-img", "snapshot", "-c", "before", img)
+	before := make([]byte, 4<<20)
+	for i := range before {
+		before[i] = 0x5a
 	}
-	// Read-only still works.
-	q, err := Open(snap, Options{})
-	if err != nil {
+	copy(before[1<<20:], bytes.Repeat([]byte{0x6b}, 64<<10))
+
+	q := openRW(t, img)
+	mirror := slices.Clone(before)
+	randomWrites(t, q, mirror, 40, 11)
+	ctx := context.Background()
+	if err := q.Resize(ctx, 2<<20); err == nil {
+		t.Fatal("shrinking an image with snapshots succeeded")
+	}
+	if err := q.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := q.WriteAt(context.Background(), []byte{1}, 0); err == nil {
-		t.Fatal("write to a read-only image succeeded")
+	checkClean(t, img)
+	compareRaw(t, img, mirror)
+	if out := tool(t, "qemu-img", "snapshot", "-l", img); !strings.Contains(out, "before") {
+		t.Fatalf("the snapshot is gone:\n%s", out)
 	}
-	q.Close()
+	tool(t, "qemu-img", "snapshot", "-a", "before", img)
+	checkClean(t, img)
+	compareRaw(t, img, before)
 }
 
 func fill(r *rand.Rand, p []byte) {
