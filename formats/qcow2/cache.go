@@ -81,13 +81,3 @@ func (c *lru[V]) putIfGen(key int64, val V, g uint64) {
 		c.putLocked(key, val)
 	}
 }
-
-// remove drops key.
-func (c *lru[V]) remove(key int64) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if e, ok := c.items[key]; ok {
-		c.order.Remove(e)
-		delete(c.items, key)
-	}
-}
