@@ -5,9 +5,12 @@ import (
 	"sync"
 )
 
-// lru is a small mutex-guarded LRU cache keyed by host offset: decoded L2
-// tables, and decompressed clusters. Two goroutines missing on one key both
-// load it; the second insert wins, which is harmless for read-only data.
+// lru is a small mutex-guarded LRU cache keyed by host offset: clean
+// decoded L2 tables, clean refcount blocks, decompressed clusters. Two
+// goroutines missing on one key may both load it; lookups insert with
+// putIfGen, so a copy read from the file while a write-back replaced it
+// never lands over the newer one. Changed tables live outside the LRU
+// (writeState's pinned maps) until they are written.
 type lru[V any] struct {
 	mu  sync.Mutex
 	cap int
