@@ -125,9 +125,16 @@ func (q *Image) openForWriting(ctx context.Context) error {
 		h.autoclear = 0
 		h.hasBitmaps = false
 	}
+	// Allocation reads refcounts cluster by cluster: keep more clean
+	// blocks than a read-only open needs (4 MiB of them).
+	q.rcache = newLRU[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
 	q.w = w
 	return nil
 }
+
+// refBlockCacheBytes bounds the clean refcount blocks a writable image
+// keeps.
+const refBlockCacheBytes = 4 << 20
 
 // refBlock returns the refcount block covering host cluster c, or nil when
 // none exists. The caller holds alloc.
