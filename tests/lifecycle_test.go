@@ -191,14 +191,23 @@ func TestDaemonizeReturnsOnceServing(t *testing.T) {
 
 // TestSigtermLosesNoAcknowledgedWrite writes numbered blocks through the
 // export while it is stopped; every write that returned success must be in
-// the image afterwards.
+// the image afterwards, raw and qcow2 (whose metadata is written back at
+// exit).
 func TestSigtermLosesNoAcknowledgedWrite(t *testing.T) {
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) { sigtermUnderLoad(t, format) })
+	}
+}
+
+func sigtermUnderLoad(t *testing.T, format string) {
 	dir := t.TempDir()
 	const blocks = 4096
-	img := sparseImage(t, dir, "w.img", blocks*4096)
+	img := filepath.Join(dir, "w."+format)
+	if code, out := runBlockexport(t, "create", "-f", format, img, strconv.Itoa(blocks*4096)); code != 0 {
+		t.Fatalf("create: %s", out)
+	}
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "-w")
-
+	d := startExport(t, img, mnt, "-f", format, "-w")
 	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -230,7 +239,12 @@ func TestSigtermLosesNoAcknowledgedWrite(t *testing.T) {
 	if code := d.wait(20 * time.Second); code != 0 {
 		t.Fatalf("exit %d after SIGTERM\n%s", code, d.log())
 	}
-	got := readAll(t, img)
+	content := img
+	if format == "qcow2" {
+		qemuImgCheck(t, img)
+		content = toRaw(t, img, dir)
+	}
+	got := readAll(t, content)
 	for i := 0; i < 200+len(done); i++ {
 		want := make([]byte, 8)
 		binary.LittleEndian.PutUint64(want, uint64(i)+1)
