@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"sync/atomic"
 
@@ -266,6 +267,16 @@ func (r *Image) Resize(ctx context.Context, size int64) error {
 	}
 	if size < 0 {
 		return fmt.Errorf("raw: resize to %d: %w", size, formats.ErrOutOfRange)
+	}
+	if r.align != 1 {
+		// An unaligned O_DIRECT write trims its padding back to the size
+		// it read under its range lock; a resize between that read and
+		// the trim would be undone. Take every range.
+		unlock, err := r.rmw.Lock(ctx, 0, math.MaxInt64)
+		if err != nil {
+			return err
+		}
+		defer unlock()
 	}
 	if err := unix.Ftruncate(r.f.Fd(), size); err != nil {
 		return fmt.Errorf("raw: resize to %d: %w", size, err)

@@ -111,3 +111,59 @@ func TestExtentsFollowHoles(t *testing.T) {
 		t.Fatalf("write to a read-only raw image: %v", err)
 	}
 }
+
+// TestDirectAppendsWhileGrowing: with O_DIRECT, writers append at once the
+// way a growable export does (grow under a mutex, then write the new tail,
+// in parallel with other writers): an unaligned write trimming its padding
+// must never cut off a growth that happened meanwhile.
+func TestDirectAppendsWhileGrowing(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "img")
+	os.WriteFile(path, nil, 0o644)
+	img, err := Open(path, Options{Writable: true, Direct: true, Backend: aio.Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	ctx := context.Background()
+	var grow sync.Mutex
+	var wg sync.WaitGroup
+	const writers, each, piece = 8, 60, 1000
+	for g := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p := bytes.Repeat([]byte{byte(g + 1)}, piece)
+			for range each {
+				grow.Lock()
+				off := img.Size()
+				err := img.Resize(ctx, off+piece)
+				grow.Unlock()
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if _, err := img.WriteAt(ctx, p, off); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	const size = writers * each * piece
+	if img.Size() != size {
+		t.Fatalf("image size %d, want %d", img.Size(), size)
+	}
+	got := make([]byte, size)
+	if _, err := img.ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < size; i += piece {
+		if got[i] == 0 || !bytes.Equal(got[i:i+piece], bytes.Repeat(got[i:i+1], piece)) {
+			t.Fatalf("piece at %d lost or torn", i)
+		}
+	}
+	if st, _ := os.Stat(path); st.Size() != size {
+		t.Fatalf("host file size %d, want %d", st.Size(), size)
+	}
+}
