@@ -65,48 +65,74 @@ func (a *alignedFile) ReadAt(ctx context.Context, p []byte, off int64) (int, err
 	if len(p) == 0 || a.ok(p, off) {
 		return a.File.ReadAt(ctx, p, off)
 	}
-	start, end := a.cover(off, int64(len(p)))
-	buf, put := a.buf(end - start)
-	defer put()
-	n, err := a.File.ReadAt(ctx, buf, start)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return 0, err
-	}
-	got := copy(p, buf[min(int64(n), off-start):n])
-	if got < len(p) {
-		return got, io.EOF
-	}
-	return got, nil
+	return a.readBounced(ctx, [][]byte{p}, off)
 }
 
 func (a *alignedFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
 	if a.allOK(iov, off) {
 		return a.File.ReadvAt(ctx, iov, off)
 	}
-	buf := make([]byte, iovLen(iov))
-	n, err := a.ReadAt(ctx, buf, off)
-	scatter(iov, buf[:n])
-	return n, err
+	return a.readBounced(ctx, iov, off)
+}
+
+// readBounced reads the blocks covering iov into a bounce buffer and
+// scatters the requested bytes; short at the end of the file, with io.EOF.
+func (a *alignedFile) readBounced(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	want := iovLen(iov)
+	if want == 0 {
+		return 0, nil
+	}
+	start, end := a.cover(off, int64(want))
+	buf, put := a.buf(end - start)
+	defer put()
+	n, err := a.File.ReadAt(ctx, buf, start)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return 0, err
+	}
+	data := buf[min(int64(n), off-start):n]
+	got := 0
+	for _, b := range iov {
+		c := copy(b, data)
+		data, got = data[c:], got+c
+	}
+	if got < want {
+		return got, io.EOF
+	}
+	return got, nil
 }
 
 func (a *alignedFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if len(p) == 0 {
+	return a.write(ctx, [][]byte{p}, off)
+}
+
+func (a *alignedFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	return a.write(ctx, iov, off)
+}
+
+// write writes iov at off under a range lock on the blocks it touches:
+// straight through when every piece is aligned, else gathered into a
+// bounce buffer whose first and last block keep their old bytes.
+func (a *alignedFile) write(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	total := iovLen(iov)
+	if total == 0 {
 		return 0, nil
 	}
-	start, end := a.cover(off, int64(len(p)))
+	start, end := a.cover(off, int64(total))
 	unlock, err := a.rmw.Lock(ctx, start, end-start)
 	if err != nil {
 		return 0, err
 	}
 	defer unlock()
-	if a.ok(p, off) {
-		return a.File.WriteAt(ctx, p, off)
+	if a.allOK(iov, off) {
+		if len(iov) == 1 {
+			return a.File.WriteAt(ctx, iov[0], off)
+		}
+		return a.File.WritevAt(ctx, iov, off)
 	}
 	buf, put := a.buf(end - start)
 	defer put()
-	// Only the first and last block keep old bytes; read just those.
 	for _, blk := range []int64{start, end - a.align} {
-		if blk >= off && blk+a.align <= off+int64(len(p)) {
+		if blk >= off && blk+a.align <= off+int64(total) {
 			continue // wholly overwritten
 		}
 		b := buf[blk-start : blk-start+a.align]
@@ -116,28 +142,14 @@ func (a *alignedFile) WriteAt(ctx context.Context, p []byte, off int64) (int, er
 		}
 		clear(b[n:])
 	}
-	copy(buf[off-start:], p)
+	at := buf[off-start:]
+	for _, b := range iov {
+		at = at[copy(at, b):]
+	}
 	if _, err := a.File.WriteAt(ctx, buf, start); err != nil {
 		return 0, err
 	}
-	return len(p), nil
-}
-
-func (a *alignedFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	if a.allOK(iov, off) {
-		start, end := a.cover(off, int64(iovLen(iov)))
-		unlock, err := a.rmw.Lock(ctx, start, end-start)
-		if err != nil {
-			return 0, err
-		}
-		defer unlock()
-		return a.File.WritevAt(ctx, iov, off)
-	}
-	buf := make([]byte, 0, iovLen(iov))
-	for _, b := range iov {
-		buf = append(buf, b...)
-	}
-	return a.WriteAt(ctx, buf, off)
+	return total, nil
 }
 
 // allOK says whether a vectored request is aligned piece by piece.
@@ -157,10 +169,4 @@ func iovLen(iov [][]byte) int {
 		n += len(b)
 	}
 	return n
-}
-
-func scatter(iov [][]byte, data []byte) {
-	for _, b := range iov {
-		data = data[copy(b, data):]
-	}
 }

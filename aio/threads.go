@@ -133,20 +133,22 @@ func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int
 }
 
 func (t *threadFile) Fsync(ctx context.Context) error {
-	return retryEINTR(ctx, "fsync", t, func() error { return unix.Fsync(t.fd) })
+	return retryEINTR(ctx, "fsync", t, t.check, func() error { return unix.Fsync(t.fd) })
 }
 
 func (t *threadFile) Fdatasync(ctx context.Context) error {
-	return retryEINTR(ctx, "fdatasync", t, func() error { return unix.Fdatasync(t.fd) })
+	return retryEINTR(ctx, "fdatasync", t, t.check, func() error { return unix.Fdatasync(t.fd) })
 }
 
 func (t *threadFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
-	return retryEINTR(ctx, "fallocate", t, func() error { return unix.Fallocate(t.fd, mode, off, n) })
+	return retryEINTR(ctx, "fallocate", t, t.check, func() error { return unix.Fallocate(t.fd, mode, off, n) })
 }
 
-func retryEINTR(ctx context.Context, op string, f *threadFile, call func() error) error {
+// retryEINTR runs a syscall from the calling goroutine until it is not
+// interrupted; check runs before each try.
+func retryEINTR(ctx context.Context, op string, f File, check func(context.Context, string) error, call func() error) error {
 	for {
-		if err := f.check(ctx, op); err != nil {
+		if err := check(ctx, op); err != nil {
 			return err
 		}
 		err := call()

@@ -516,17 +516,5 @@ func (u *uringFile) Fdatasync(ctx context.Context) error {
 // each way) cost more than the call itself: measured on ext4, qcow2
 // allocating 4 KiB writes at queue depth one went from 4.7k to 11.7k IOPS.
 func (u *uringFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
-	for {
-		if err := u.check(ctx, "fallocate"); err != nil {
-			return err
-		}
-		err := unix.Fallocate(u.fd, mode, off, n)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return pathErr("fallocate", u, err)
-		}
-		return nil
-	}
+	return retryEINTR(ctx, "fallocate", u, u.check, func() error { return unix.Fallocate(u.fd, mode, off, n) })
 }

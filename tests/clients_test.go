@@ -124,9 +124,7 @@ func TestQemuImgConvertIntoTheExport(t *testing.T) {
 			dir := t.TempDir()
 			src := randomImage(t, dir, 32<<20, 9)
 			dst := filepath.Join(dir, "dst."+format)
-			if code, out := runBlockexport(t, "create", "-f", format, dst, "32M"); code != 0 {
-				t.Fatalf("create: %s", out)
-			}
+			createImage(t, "-f", format, dst, "32M")
 			mnt := filepath.Join(dir, "mnt")
 			d := startExport(t, dst, mnt, "-f", format, "-w")
 			run(t, "qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", "-t", "none", src, mnt)

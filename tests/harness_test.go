@@ -214,6 +214,15 @@ func runBlockexport(t *testing.T, args ...string) (int, string) {
 	return 0, string(out)
 }
 
+// createImage runs `blockexport create ARGS...` and fails the test if it
+// fails.
+func createImage(t *testing.T, args ...string) {
+	t.Helper()
+	if code, out := runBlockexport(t, append([]string{"create"}, args...)...); code != 0 {
+		t.Fatalf("blockexport create %v: exit %d\n%s", args, code, out)
+	}
+}
+
 // run runs a client command and fails the test if it fails.
 func run(t *testing.T, name string, args ...string) string {
 	t.Helper()

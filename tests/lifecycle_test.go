@@ -203,9 +203,7 @@ func sigtermUnderLoad(t *testing.T, format string) {
 	dir := t.TempDir()
 	const blocks = 4096
 	img := filepath.Join(dir, "w."+format)
-	if code, out := runBlockexport(t, "create", "-f", format, img, strconv.Itoa(blocks*4096)); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", format, img, strconv.Itoa(blocks*4096))
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, img, mnt, "-f", format, "-w")
 	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)

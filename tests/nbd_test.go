@@ -128,9 +128,7 @@ func TestNBDWritesWithQemuIO(t *testing.T) {
 func TestNBDWritesToQcow2(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "w.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", img, "8M"); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", "qcow2", img, "8M")
 	s := startNBD(t, img, false, "-w")
 	run(t, "qemu-io", "-f", "raw",
 		"-c", "write -P 0x5a 0 1M",

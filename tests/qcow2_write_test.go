@@ -112,9 +112,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 	const size = 48 << 20
 	newImage := func(t *testing.T, dir string) (string, string) {
 		img := filepath.Join(dir, "new.qcow2")
-		if code, out := runBlockexport(t, "create", "-f", "qcow2", img, strconv.Itoa(size)); code != 0 {
-			t.Fatalf("create: %s", out)
-		}
+		createImage(t, "-f", "qcow2", img, strconv.Itoa(size))
 		return img, ""
 	}
 	setups := []struct {
@@ -127,9 +125,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 		{"overlay", func(t *testing.T, dir string) (string, string) {
 			base := randomImage(t, dir, size, 21)
 			img := filepath.Join(dir, "over.qcow2")
-			if code, out := runBlockexport(t, "create", "-f", "qcow2", "-b", filepath.Base(base), "-F", "raw", img); code != 0 {
-				t.Fatalf("create: %s", out)
-			}
+			createImage(t, "-f", "qcow2", "-b", filepath.Base(base), "-F", "raw", img)
 			return img, base
 		}, nil},
 		{"with an internal snapshot", func(t *testing.T, dir string) (string, string) {
@@ -191,9 +187,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 func TestQcow2LoopMountReadWrite(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "fs.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", img, "128M"); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", "qcow2", img, "128M")
 	mnt := filepath.Join(dir, "export")
 	d := startExport(t, img, mnt, "-w")
 	content := map[string][]byte{}
@@ -231,9 +225,7 @@ func TestQcow2SurvivesKill9(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "crash.qcow2")
 	// 4 KiB clusters: many L2 tables and refcount updates per second.
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", "--cluster-size", "4k", img, strconv.Itoa(blocks*blockSize)); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", "qcow2", "--cluster-size", "4k", img, strconv.Itoa(blocks*blockSize))
 	// The value each block must hold (0: zeroes), where known.
 	durable := map[int]uint64{}
 	r := rand.New(rand.NewPCG(99, 99))
@@ -352,9 +344,7 @@ func TestQcow2SurvivesKill9(t *testing.T) {
 func TestQcow2GrowableExport(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "g.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", img, "1M"); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", "qcow2", img, "1M")
 	virtualSize := func() int64 {
 		var info struct {
 			VirtualSize int64 `json:"virtual-size"`
@@ -404,14 +394,10 @@ func TestCreateCommand(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "a.qcow2")
 	empty := filepath.Join(dir, "empty.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", empty, "0"); code != 0 {
-		t.Fatalf("create an empty image: %s", out)
-	}
+	createImage(t, "-f", "qcow2", empty, "0")
 	qemuImgCheck(t, empty)
 	for _, cs := range []string{"512", "4k", "64k", "2M"} {
-		if code, out := runBlockexport(t, "create", "-f", "qcow2", "--cluster-size", cs, "--force", img, "10G"); code != 0 {
-			t.Fatalf("create --cluster-size %s: %s", cs, out)
-		}
+		createImage(t, "-f", "qcow2", "--cluster-size", cs, "--force", img, "10G")
 		qemuImgCheck(t, img)
 		out := run(t, "qemu-img", "info", img)
 		if !strings.Contains(out, "virtual size: 10 GiB") {
@@ -426,9 +412,7 @@ func TestCreateCommand(t *testing.T) {
 		t.Fatal("a refused create changed the existing file")
 	}
 	over := filepath.Join(dir, "over.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", "-b", "a.qcow2", over); code != 0 {
-		t.Fatalf("create with a backing file: %s", out)
-	}
+	createImage(t, "-f", "qcow2", "-b", "a.qcow2", over)
 	var info struct {
 		VirtualSize   int64  `json:"virtual-size"`
 		Backing       string `json:"backing-filename"`
@@ -441,9 +425,7 @@ func TestCreateCommand(t *testing.T) {
 		t.Fatalf("overlay: %+v", info)
 	}
 	rawImg := filepath.Join(dir, "r.raw")
-	if code, out := runBlockexport(t, "create", rawImg, "3M"); code != 0 {
-		t.Fatalf("create raw: %s", out)
-	}
+	createImage(t, rawImg, "3M")
 	if st, err := os.Stat(rawImg); err != nil || st.Size() != 3<<20 {
 		t.Fatalf("raw image: %v", err)
 	}
@@ -473,9 +455,7 @@ func TestQcow2HostFull(t *testing.T) {
 	run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", small)
 	t.Cleanup(func() { syscall.Unmount(small, syscall.MNT_DETACH) })
 	img := filepath.Join(small, "full.qcow2")
-	if code, out := runBlockexport(t, "create", "-f", "qcow2", "--cluster-size", "4k", img, "8M"); code != 0 {
-		t.Fatalf("create: %s", out)
-	}
+	createImage(t, "-f", "qcow2", "--cluster-size", "4k", img, "8M")
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, img, mnt, "-w")
 	f, err := os.OpenFile(mnt, os.O_RDWR, 0)

@@ -464,15 +464,25 @@ func (s *server) slow(fd int, req []byte) {
 	}
 }
 
-func (s *server) handleWrite(fd int, req []byte) {
-	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
-	in := decode[fuse.WriteIn](req)
+// writePayload splits a WRITE request into its op struct and payload; ok
+// false means the payload is not all there.
+func writePayload(req []byte) (in *fuse.WriteIn, data []byte, ok bool) {
+	in = decode[fuse.WriteIn](req)
 	hdr := int(unsafe.Sizeof(fuse.WriteIn{}))
 	if len(req) < hdr || int(in.Size) > len(req)-hdr {
+		return in, nil, false
+	}
+	return in, req[hdr : hdr+int(in.Size)], true
+}
+
+func (s *server) handleWrite(fd int, req []byte) {
+	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
+	in, data, ok := writePayload(req)
+	if !ok {
 		s.replyErr(fd, h.Unique, unix.EINVAL)
 		return
 	}
-	n, st := s.exp.Write(context.Background(), in, req[hdr:hdr+int(in.Size)])
+	n, st := s.exp.Write(context.Background(), in, data)
 	o := fuse.WriteOut{Size: n}
 	replyOut(s, fd, h.Unique, st, &o)
 }
@@ -481,12 +491,11 @@ func (s *server) handleWrite(fd int, req []byte) {
 // false means it did nothing and the request goes async.
 func (s *server) tryWrite(fd int, req []byte) bool {
 	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
-	in := decode[fuse.WriteIn](req)
-	hdr := int(unsafe.Sizeof(fuse.WriteIn{}))
-	if len(req) < hdr || int(in.Size) > len(req)-hdr {
+	in, data, ok := writePayload(req)
+	if !ok {
 		return false // the async path answers EINVAL
 	}
-	n, st, ok := s.exp.writeNoWait(s.tryWrites, in, req[hdr:hdr+int(in.Size)])
+	n, st, ok := s.exp.writeNoWait(s.tryWrites, in, data)
 	if !ok {
 		return false
 	}

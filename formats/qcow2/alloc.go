@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"io"
 	"sync"
 	"sync/atomic"
 
@@ -19,9 +18,9 @@ import (
 // Refcount blocks live in memory once touched; a changed block stays pinned
 // (never evicted) until Flush has written it. Allocation takes the first
 // run of free clusters from a hint; a cluster whose refcount block does not
-// exist yet is free, and the block is created inside the range it covers,
-// counting itself. When the refcount table itself is full, a larger one is
-// built past the end of what it covers (growRefcountTable).
+// exist yet is free, and missing blocks are created right after the run
+// (counting themselves too). When the refcount table itself is full, a
+// larger one is built past the end of what it covers (growRefcountTable).
 //
 // Frees are deferred: the metadata that stopped using a cluster (an L2 entry
 // cleared, an old L1 table replaced) must be durable before the refcount
@@ -136,8 +135,9 @@ func (q *Image) openForWriting(ctx context.Context) error {
 // keeps.
 const refBlockCacheBytes = 4 << 20
 
-// refBlock returns the refcount block covering host cluster c, or nil when
-// none exists. The caller holds alloc.
+// refBlock returns the refcount block covering host cluster c (a changed
+// one, else clean from the cache or the file), or nil when none exists.
+// The caller holds alloc.
 func (q *Image) refBlock(ctx context.Context, c int64) ([]byte, int64, error) {
 	w := q.w
 	i := c / w.perBlock
@@ -151,18 +151,8 @@ func (q *Image) refBlock(ctx context.Context, c int64) ([]byte, int64, error) {
 	if p, ok := w.rbpin[off]; ok {
 		return p.b, off, nil
 	}
-	if b, ok := q.rcache.get(off); ok {
-		return b, off, nil
-	}
-	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
-		return nil, 0, fmt.Errorf("%w: refcount block at %#x is misaligned or beyond the end of the file", ErrCorrupt, off)
-	}
-	b := make([]byte, q.h.clusterSize)
-	if _, err := q.f.ReadAt(ctx, b, off); err != nil && err != io.EOF {
-		return nil, 0, fmt.Errorf("qcow2: refcount block at %#x: %w", off, err)
-	}
-	q.rcache.put(off, b)
-	return b, off, nil
+	b, err := q.refcountBlock(ctx, off)
+	return b, off, err
 }
 
 // getRef returns the refcount of host cluster c. The caller holds alloc.
@@ -193,6 +183,8 @@ func (q *Image) setRef(ctx context.Context, c int64, v uint64) error {
 	return nil
 }
 
+// pinBlock marks refcount block b at off changed, keeping it out of the
+// LRU until it is written. The caller holds alloc.
 func (q *Image) pinBlock(off int64, b []byte) {
 	w := q.w
 	p, ok := w.rbpin[off]
@@ -273,7 +265,6 @@ func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
 			b := make([]byte, cs)
 			w.rtable[i] = uint64(off)
 			w.rtDirty = true
-			w.rbpin[off] = &pinnedBlock{b: b}
 			q.pinBlock(off, b)
 		}
 		for j := c; j < c+total; j++ {
@@ -381,10 +372,9 @@ func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
 		boff := (x + tClusters + k) * cs
 		rt[first+k] = uint64(boff)
 		b := make([]byte, cs)
-		w.rbpin[boff] = &pinnedBlock{b: b}
 		q.pinBlock(boff, b)
 	}
-	oldOff, oldClusters := w.rtOffset, (old*8+cs-1)/cs
+	q.freeRangeLater(w.rtOffset, old*8) // once the header points at rt
 	w.rtable, w.rtOffset = rt, x*cs
 	w.rtDirty, w.rtMoved = true, true
 	for c := x; c < x+tClusters+blocks; c++ {
@@ -392,42 +382,45 @@ func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
 			return err
 		}
 	}
-	for c := oldOff / cs; c < oldOff/cs+oldClusters; c++ {
-		w.pendingFree = append(w.pendingFree, c)
-	}
 	q.growFile((x + tClusters + blocks) * cs)
 	return nil
 }
 
 // unallocate drops clusters [host, host+n*cs) that nothing references yet
-// (an allocating write failed). The caller holds alloc.
-func (q *Image) unallocate(ctx context.Context, host, n int64) error {
+// (an allocating write failed). Failing that, they leak: logged, not
+// returned, since the caller reports the write's own error. The caller
+// holds alloc.
+func (q *Image) unallocate(ctx context.Context, host, n int64) {
 	cs := q.h.clusterSize
 	for c := host / cs; c < host/cs+n; c++ {
 		if err := q.setRef(ctx, c, 0); err != nil {
-			return err
+			q.logWarn("leaking clusters after a failed write", err)
+			return
 		}
 		q.w.freeHint = min(q.w.freeHint, c)
 	}
-	return nil
 }
 
 // freeLater queues the host clusters that L2 entry e used, now that it no
-// longer does. The caller holds alloc.
+// longer does. A compressed cluster counts once in every host cluster its
+// sectors touch, as QEMU frees it. The caller holds alloc.
 func (q *Image) freeLater(e uint64) {
-	w := q.w
-	cs := q.h.clusterSize
 	if e&l2Compressed != 0 {
-		x := 62 - (q.h.clusterBits - 8)
-		start := int64(e&(1<<x-1)) &^ 511
-		sectors := int64((e>>x)&(1<<(62-x)-1)) + 1
-		for c := start / cs; c <= (start+sectors*512-1)/cs; c++ {
-			w.pendingFree = append(w.pendingFree, c)
-		}
+		host, sectors := q.compressedEntry(e)
+		q.freeRangeLater(host&^511, sectors*512)
 		return
 	}
 	if host := int64(e & l2OffsetMask); host != 0 {
-		w.pendingFree = append(w.pendingFree, host/cs)
+		q.freeRangeLater(host, 1)
+	}
+}
+
+// freeRangeLater queues every host cluster that [off, off+n) touches. The
+// caller holds alloc.
+func (q *Image) freeRangeLater(off, n int64) {
+	cs := q.h.clusterSize
+	for c := off / cs; c <= (off+n-1)/cs; c++ {
+		q.w.pendingFree = append(q.w.pendingFree, c)
 	}
 }
 

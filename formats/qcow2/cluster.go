@@ -104,12 +104,17 @@ func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bo
 	return m, false, err
 }
 
+// compressedEntry splits a compressed cluster's L2 entry into the byte
+// offset of its data and the number of 512-byte sectors it spans.
+func (q *Image) compressedEntry(e uint64) (host, sectors int64) {
+	x := 62 - (q.h.clusterBits - 8)
+	return int64(e & (1<<x - 1)), int64((e>>x)&(1<<(62-x)-1)) + 1
+}
+
 // decode interprets L2 entry e of virtual cluster vc.
 func (q *Image) decode(vc int64, e uint64, fileSize int64) (mapping, error) {
 	if e&l2Compressed != 0 {
-		x := 62 - (q.h.clusterBits - 8)
-		host := int64(e & (1<<x - 1))
-		sectors := int64((e>>x)&(1<<(62-x)-1)) + 1
+		host, sectors := q.compressedEntry(e)
 		size := sectors*512 - host%512
 		if host <= 0 || host >= fileSize {
 			return mapping{}, fmt.Errorf("%w: compressed cluster %d at %#x beyond the end of the file", ErrCorrupt, vc, host)

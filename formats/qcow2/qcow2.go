@@ -12,7 +12,8 @@
 //
 // Files: header.go (header and extensions), cluster.go (L1/L2 lookup),
 // cache.go (LRU), compress.go (compressed clusters), backing.go (chains),
-// refcount.go (refcounts and allocation), write.go (writes), zero.go
+// refcount.go (refcount entries), alloc.go (allocation and frees),
+// write.go (writes), zero.go
 // (write-zeroes and discard), flush.go (metadata write-back), resize.go,
 // create.go (new images).
 package qcow2
@@ -179,11 +180,6 @@ func (q *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 		q.w.users.RLock()
 		defer q.w.users.RUnlock()
 	}
-	return q.read(ctx, p, off)
-}
-
-// read is ReadAt for callers that hold w.users already (copy-on-write).
-func (q *Image) read(ctx context.Context, p []byte, off int64) (int, error) {
 	var runs []ioRun
 	var first ioRun
 	cs := q.h.clusterSize

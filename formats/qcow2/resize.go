@@ -120,9 +120,7 @@ func (q *Image) ensureL1(ctx context.Context, size int64) error {
 	l1 := make([]uint64, n)
 	copy(l1, q.l1)
 	if have > 0 && w.l1Offset != 0 {
-		for c := w.l1Offset / cs; c < w.l1Offset/cs+(have*8+cs-1)/cs; c++ {
-			w.pendingFree = append(w.pendingFree, c)
-		}
+		q.freeRangeLater(w.l1Offset, have*8) // once the header points at l1
 	}
 	q.meta.Lock()
 	q.l1 = l1

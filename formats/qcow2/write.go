@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"slices"
 
 	"golang.org/x/sys/unix"
@@ -92,11 +91,19 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	}
 	q.meta.RUnlock()
 	for _, r := range runs {
-		if _, err := q.f.WriteAt(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
-			return true, fmt.Errorf("qcow2: write %d bytes at host %#x: %w", r.n, r.host, err)
+		if err := q.writeHost(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
+			return true, err
 		}
 	}
 	return true, nil
+}
+
+// writeHost writes p at host offset host of a cluster this image owns.
+func (q *Image) writeHost(ctx context.Context, p []byte, host int64) error {
+	if _, err := q.f.WriteAt(ctx, p, host); err != nil {
+		return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host, err)
+	}
+	return nil
 }
 
 // ownsCluster says whether a write may go to m's host cluster in place.
@@ -128,9 +135,8 @@ func (q *Image) write(ctx context.Context, p []byte, off int64) error {
 			n += min(cs, int64(len(p))-pos-n)
 		}
 		if inPlace {
-			host := m.host + voff%cs
-			if _, err := q.f.WriteAt(ctx, p[pos:pos+n], host); err != nil {
-				return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", n, host, err)
+			if err := q.writeHost(ctx, p[pos:pos+n], m.host+voff%cs); err != nil {
+				return err
 			}
 		} else if err := q.allocWrite(ctx, p[pos:pos+n], voff); err != nil {
 			return err
@@ -169,9 +175,8 @@ func (q *Image) allocWrite(ctx context.Context, p []byte, off int64) error {
 			for k := i; k < j; k++ {
 				ca := max(a, (vc0+int64(k))*cs)
 				cb := min(b, (vc0+int64(k)+1)*cs)
-				host := olds[k].host + ca%cs
-				if _, err := q.f.WriteAt(ctx, p[ca-off:cb-off], host); err != nil {
-					return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", cb-ca, host, err)
+				if err := q.writeHost(ctx, p[ca-off:cb-off], olds[k].host+ca%cs); err != nil {
+					return err
 				}
 			}
 		} else if err := q.allocRun(ctx, piece, a, vc0+int64(i), olds[i:j]); err != nil {
@@ -200,9 +205,7 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 	}
 	if err := q.writeNewClusters(ctx, p, off, vc, host, olds, head, tail); err != nil {
 		w.alloc.Lock()
-		if uerr := q.unallocate(ctx, host, n); uerr != nil {
-			q.logWarn("leaking clusters after a failed write", uerr)
-		}
+		q.unallocate(ctx, host, n)
 		w.alloc.Unlock()
 		return err
 	}
@@ -211,10 +214,7 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 	defer w.alloc.Unlock()
 	for i := range n {
 		if err := q.setL2(ctx, vc+i, uint64(host+i*cs)|oflagCopied); err != nil {
-			// The clusters past i are ours alone: drop them.
-			if uerr := q.unallocate(ctx, host+i*cs, n-i); uerr != nil {
-				q.logWarn("leaking clusters after a failed write", uerr)
-			}
+			q.unallocate(ctx, host+i*cs, n-i) // the clusters past i are ours alone
 			return err
 		}
 		q.freeLater(olds[i].entry)
@@ -230,14 +230,11 @@ func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []ma
 func (q *Image) writeNewClusters(ctx context.Context, p []byte, off, vc, host int64, olds []mapping, head, tail int64) error {
 	cs := q.h.clusterSize
 	n := int64(len(olds))
-	if (head > 0 || tail > 0) && (head == 0 || q.readsZero(olds[0], vc*cs, head)) &&
-		(tail == 0 || q.readsZero(olds[n-1], off+int64(len(p)), tail)) && !q.w.noZeroRange.Load() {
+	if (head > 0 || tail > 0) && (head == 0 || q.readsZero(olds[0], vc*cs)) &&
+		(tail == 0 || q.readsZero(olds[n-1], off+int64(len(p)))) && !q.w.noZeroRange.Load() {
 		err := q.f.Fallocate(ctx, unix.FALLOC_FL_ZERO_RANGE, host, n*cs)
 		if err == nil {
-			if _, err := q.f.WriteAt(ctx, p, host+head); err != nil {
-				return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host+head, err)
-			}
-			return nil
+			return q.writeHost(ctx, p, host+head)
 		}
 		if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
 			return fmt.Errorf("qcow2: zero %d clusters at host %#x: %w", n, host, err)
@@ -266,9 +263,9 @@ func (q *Image) writeNewClusters(ctx context.Context, p []byte, off, vc, host in
 	return nil
 }
 
-// readsZero says whether [voff, voff+n) reads as zeroes under mapping m
-// without looking at data.
-func (q *Image) readsZero(m mapping, voff, n int64) bool {
+// readsZero says whether the cluster mapped as m reads as zeroes from
+// virtual offset voff on, without looking at data.
+func (q *Image) readsZero(m mapping, voff int64) bool {
 	switch m.kind {
 	case zero:
 		return true
@@ -281,34 +278,26 @@ func (q *Image) readsZero(m mapping, voff, n int64) bool {
 // readOld fills buf with what virtual offset voff read as under mapping m,
 // before this write.
 func (q *Image) readOld(ctx context.Context, buf []byte, voff int64, m mapping) error {
-	cs := q.h.clusterSize
 	switch m.kind {
-	case unallocated:
-		return q.readBacking(ctx, buf, voff)
 	case zero:
 		clear(buf)
+		return nil
 	case compressed:
 		c, err := q.compressedCluster(ctx, m)
 		if err != nil {
 			return err
 		}
-		copy(buf, c[voff%cs:])
+		copy(buf, c[voff%q.h.clusterSize:])
+		return nil
 	case data:
-		host := m.host + voff%cs
-		n, err := q.f.ReadAt(ctx, buf, host)
-		if err == io.EOF {
-			clear(buf[n:])
-		} else if err != nil {
-			return fmt.Errorf("qcow2: read %d bytes at host %#x: %w", len(buf), host, err)
-		}
+		return q.doRun(ctx, ioRun{buf: buf, off: m.host + voff%q.h.clusterSize})
 	}
-	return nil
+	return q.doRun(ctx, ioRun{buf: buf, off: voff, backing: true})
 }
 
 // l2ForWrite returns the pinned L2 table that maps virtual cluster vc,
 // allocating an empty one if there is none. The caller holds alloc.
 func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
-	w := q.w
 	l1i := vc / q.h.l2Entries
 	if l1i >= int64(len(q.l1)) {
 		return nil, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
@@ -316,36 +305,58 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 	e := q.l1[l1i]
 	off := int64(e & l1OffsetMask)
 	if off == 0 {
-		host, err := q.allocClusters(ctx, 1)
-		if err != nil {
-			return nil, err
-		}
-		p := &pinnedL2{t: make([]uint64, q.h.l2Entries), dirty: true}
-		w.dirtyL2.Add(1)
-		q.meta.Lock()
-		w.l2pin[host] = p
-		q.l1[l1i] = uint64(host) | oflagCopied
-		q.meta.Unlock()
-		q.l1Changed(int(l1i))
-		return p, nil
+		return q.newL2(ctx, l1i, make([]uint64, q.h.l2Entries))
 	}
 	if e&oflagCopied == 0 {
 		return q.unshareL2(ctx, l1i, off)
 	}
-	if p, ok := w.l2pin[off]; ok {
+	if p, ok := q.w.l2pin[off]; ok {
 		return p, nil
 	}
-	t, ok := q.l2cache.get(off)
-	if !ok {
-		var err error
-		if t, err = q.loadL2(ctx, off, q.fileSize); err != nil {
-			return nil, err
-		}
+	t, err := q.l2ForAlloc(ctx, off)
+	if err != nil {
+		return nil, err
 	}
+	return q.pinL2(off, t), nil
+}
+
+// l2ForAlloc returns the L2 table at off as it stands: pinned, cached, or
+// read from the file (not cached: the caller pins it or only reads it).
+// The caller holds alloc, so the table cannot change meanwhile.
+func (q *Image) l2ForAlloc(ctx context.Context, off int64) ([]uint64, error) {
+	if p, ok := q.w.l2pin[off]; ok {
+		return p.t, nil
+	}
+	if t, ok := q.l2cache.get(off); ok {
+		return t, nil
+	}
+	return q.loadL2(ctx, off, q.fileSize)
+}
+
+// pinL2 pins table t at off (unchanged so far) for a writer. The caller
+// holds alloc.
+func (q *Image) pinL2(off int64, t []uint64) *pinnedL2 {
 	p := &pinnedL2{t: t}
 	q.meta.Lock()
-	w.l2pin[off] = p
+	q.w.l2pin[off] = p
 	q.meta.Unlock()
+	return p
+}
+
+// newL2 puts table t in a new cluster and points L1 entry l1i at it; the
+// table is written back before the L1 entry. The caller holds alloc.
+func (q *Image) newL2(ctx context.Context, l1i int64, t []uint64) (*pinnedL2, error) {
+	host, err := q.allocClusters(ctx, 1)
+	if err != nil {
+		return nil, err
+	}
+	p := &pinnedL2{t: t, dirty: true}
+	q.w.dirtyL2.Add(1)
+	q.meta.Lock()
+	q.w.l2pin[host] = p
+	q.l1[l1i] = uint64(host) | oflagCopied
+	q.meta.Unlock()
+	q.l1Changed(int(l1i))
 	return p, nil
 }
 
@@ -357,7 +368,6 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 // refcount one the flag was merely missing: it is set. The caller holds
 // alloc.
 func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error) {
-	w := q.w
 	rc, err := q.getRef(ctx, off/q.h.clusterSize)
 	if err != nil {
 		return nil, err
@@ -365,33 +375,23 @@ func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error
 	if rc == 0 {
 		return nil, fmt.Errorf("%w: L2 table at %#x has refcount zero", ErrCorrupt, off)
 	}
-	t, ok := q.l2cache.get(off)
-	if !ok {
-		if t, err = q.loadL2(ctx, off, q.fileSize); err != nil {
-			return nil, err
-		}
+	t, err := q.l2ForAlloc(ctx, off)
+	if err != nil {
+		return nil, err
 	}
 	if rc == 1 {
-		p := &pinnedL2{t: t}
+		p := q.pinL2(off, t)
 		q.meta.Lock()
-		w.l2pin[off] = p
 		q.l1[l1i] |= oflagCopied
 		q.meta.Unlock()
 		q.l1Changed(int(l1i))
 		return p, nil
 	}
-	host, err := q.allocClusters(ctx, 1)
+	p, err := q.newL2(ctx, l1i, slices.Clone(t))
 	if err != nil {
 		return nil, err
 	}
-	p := &pinnedL2{t: slices.Clone(t), dirty: true}
-	w.dirtyL2.Add(1)
-	q.meta.Lock()
-	w.l2pin[host] = p
-	q.l1[l1i] = uint64(host) | oflagCopied
-	q.meta.Unlock()
-	q.l1Changed(int(l1i))
-	w.pendingFree = append(w.pendingFree, off/q.h.clusterSize)
+	q.freeRangeLater(off, 1)
 	return p, nil
 }
 

@@ -53,11 +53,7 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
 	}
-	cs := q.h.clusterSize
-	a, b := (off+cs-1)/cs, (off+n)/cs
-	if off+n == q.Size() {
-		b = (off + n + cs - 1) / cs // the last cluster ends at the image end
-	}
+	a, b := q.wholeClusters(off, n)
 	if a >= b {
 		return nil
 	}
@@ -73,14 +69,23 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 // FastZero says whether WriteZeroes of whole clusters is metadata only.
 func (q *Image) FastZero() bool { return q.h.version >= 3 }
 
+// wholeClusters returns the clusters [a, b) that [off, off+n) covers whole;
+// a short last cluster counts as whole when the range reaches the image end.
+func (q *Image) wholeClusters(off, n int64) (a, b int64) {
+	cs := q.h.clusterSize
+	a, b = (off+cs-1)/cs, (off+n)/cs
+	if off+n == q.Size() {
+		b = (off + n + cs - 1) / cs
+	}
+	return a, b
+}
+
 // zeroRange zeroes [off, off+n). The caller holds w.users.
 func (q *Image) zeroRange(ctx context.Context, off, n int64, op clusterOp) error {
 	cs := q.h.clusterSize
 	end := off + n
-	a, b := (off+cs-1)/cs*cs, end/cs*cs
-	if end == q.Size() {
-		b = (end + cs - 1) / cs * cs // a short last cluster counts as whole
-	}
+	ca, cb := q.wholeClusters(off, n)
+	a, b := ca*cs, cb*cs
 	if a >= b {
 		return q.zeroPartial(ctx, off, n)
 	}
@@ -104,7 +109,7 @@ func (q *Image) zeroRange(ctx context.Context, off, n int64, op clusterOp) error
 		}
 		return nil
 	}
-	return q.setClusters(ctx, a/cs, (b+cs-1)/cs, op)
+	return q.setClusters(ctx, ca, cb, op)
 }
 
 // zeroPartial zeroes [off, off+n) inside one cluster by writing zeroes,
@@ -117,10 +122,7 @@ func (q *Image) zeroPartial(ctx context.Context, off, n int64) error {
 	if err != nil {
 		return err
 	}
-	switch {
-	case m.kind == zero:
-		return nil
-	case m.kind == unallocated && (q.backing == nil || off >= q.backing.Size()):
+	if q.readsZero(m, off) {
 		return nil
 	}
 	return q.write(ctx, make([]byte, n), off)
@@ -156,17 +158,11 @@ func (q *Image) setClustersInTable(ctx context.Context, a, b int64, op clusterOp
 	var table []uint64 // the current table, for reading; nil: none
 	l2off := int64(q.l1[a/q.h.l2Entries] & l1OffsetMask)
 	if l2off != 0 {
-		if p, ok := q.w.l2pin[l2off]; ok {
-			table = p.t
-		} else if t, ok := q.l2cache.get(l2off); ok {
-			table = t
-		} else {
-			t, err := q.loadL2(ctx, l2off, q.fileSize)
-			if err != nil {
-				return err
-			}
-			table = t
+		t, err := q.l2ForAlloc(ctx, l2off)
+		if err != nil {
+			return err
 		}
+		table = t
 	}
 	for vc := a; vc < b; vc++ {
 		var old uint64
