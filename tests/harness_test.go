@@ -214,6 +214,17 @@ func runBlockexport(t *testing.T, args ...string) (int, string) {
 	return 0, string(out)
 }
 
+// smallHost mounts a tmpfs of size (mount's syntax: "256k") under dir, for
+// images whose host runs out of space; it is unmounted in t.Cleanup.
+func smallHost(t *testing.T, dir, size string) string {
+	t.Helper()
+	small := filepath.Join(dir, "small")
+	os.Mkdir(small, 0o755)
+	run(t, "mount", "-t", "tmpfs", "-o", "size="+size, "tmpfs", small)
+	t.Cleanup(func() { syscall.Unmount(small, syscall.MNT_DETACH) })
+	return small
+}
+
 // createImage runs `blockexport create ARGS...` and fails the test if it
 // fails.
 func createImage(t *testing.T, args ...string) {

@@ -360,11 +360,7 @@ func TestLookupIsENOENT(t *testing.T) {
 // errno (not a hang, not success), and the export keeps serving.
 func TestHostErrorsReachTheClient(t *testing.T) {
 	dir := t.TempDir()
-	small := filepath.Join(dir, "small")
-	os.Mkdir(small, 0o755)
-	run(t, "mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", small)
-	t.Cleanup(func() { unix.Unmount(small, unix.MNT_DETACH) })
-	img := sparseImage(t, small, "full.img", 8<<20)
+	img := sparseImage(t, smallHost(t, dir, "256k"), "full.img", 8<<20)
 	mnt := filepath.Join(dir, "mnt")
 	startExport(t, img, mnt, "-f", "raw", "-w")
 

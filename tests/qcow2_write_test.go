@@ -450,11 +450,7 @@ func TestCreateCommand(t *testing.T) {
 // corrupt (tmpfs has no FALLOC_FL_ZERO_RANGE: the fallback path runs).
 func TestQcow2HostFull(t *testing.T) {
 	dir := t.TempDir()
-	small := filepath.Join(dir, "small")
-	os.Mkdir(small, 0o755)
-	run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", small)
-	t.Cleanup(func() { syscall.Unmount(small, syscall.MNT_DETACH) })
-	img := filepath.Join(small, "full.qcow2")
+	img := filepath.Join(smallHost(t, dir, "1m"), "full.qcow2")
 	createImage(t, "-f", "qcow2", "--cluster-size", "4k", img, "8M")
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, img, mnt, "-w")
