@@ -30,6 +30,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	aioFlag := fs.String("aio", "io_uring", "host I/O engine: io_uring or threads")
 	cache := fs.String("cache", "writeback", "host cache mode: writeback or none (O_DIRECT)")
 	nullZeroes := fs.Bool("null-read-zeroes", true, "null device reads return zeroes")
+	pollUs := fs.Int("poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
 	cpuprofile := fs.String("cpuprofile", "", "write a Go CPU profile of the serving process to this file")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -55,6 +56,9 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	}
 	if *cache != "writeback" && *cache != "none" {
 		return usagef("unknown --cache mode %q (want writeback or none)", *cache)
+	}
+	if *pollUs < 0 || *pollUs > 1_000_000 {
+		return usagef("--poll-us %d: want 0 to 1000000", *pollUs)
 	}
 	if *maxClients < 0 {
 		return usagef("--max-clients %d: want 0 or more", *maxClients)
@@ -93,7 +97,8 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		}
 		defer stop()
 	}
-	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients, Logger: logger})
+	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients,
+		PollMax: time.Duration(*pollUs) * time.Microsecond, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()

@@ -26,7 +26,7 @@ func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
 	be.PutUint64(hdr[0:], magicOldstyle)
 	be.PutUint64(hdr[8:], magicOption)
 	be.PutUint16(hdr[16:], handshakeFixed|handshakeFlagNoZeroes)
-	if _, err := c.c.Write(hdr[:]); err != nil {
+	if _, err := c.sock.Write(hdr[:]); err != nil {
 		return n, err
 	}
 	var cf [4]byte
@@ -65,7 +65,7 @@ func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
 			if !noZeroes {
 				reply = append(reply, make([]byte, 124)...)
 			}
-			_, err := c.c.Write(reply)
+			_, err := c.sock.Write(reply)
 			return n, err
 		case optAbort:
 			c.optReply(opt.ID, repAck, nil)
@@ -216,5 +216,5 @@ func (c *conn) optReply(id, typ uint32, data []byte) {
 	b = be.AppendUint32(b, h.ID)
 	b = be.AppendUint32(b, h.Type)
 	b = be.AppendUint32(b, h.Length)
-	c.c.Write(append(b, data...))
+	c.sock.Write(append(b, data...))
 }

@@ -10,7 +10,11 @@
 // FLUSH, TRIM, WRITE_ZEROES (NO_HOLE, FAST_ZERO), BLOCK_STATUS, CACHE and
 // FUA, structured replies, truthful transmission flags, and parallel
 // processing: each request of a connection runs in its own goroutine and is
-// answered when it completes, so replies may come out of order.
+// answered when it completes, so replies may come out of order. Requests
+// that need no waiting (null, page-cache hits, qcow2 writes in place) are
+// answered inline by the connection's reader, which serves its socket with
+// plain syscalls rather than the netpoller (sock_linux.go). Reads send runs
+// of zeroes as OFFSET_HOLE chunks.
 package nbd
 
 import (
@@ -58,6 +62,7 @@ const (
 	structuredReplyMagic = uint32(0x668e33ef)
 	chunkFlagDone        = uint16(1 << 0)
 	chunkOffsetData      = uint16(1)
+	chunkOffsetHole      = uint16(2)
 	chunkBlockStatus     = uint16(5)
 	chunkError           = uint16(1<<15 + 1)
 

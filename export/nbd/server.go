@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/blockexport/blockexport/formats"
 )
@@ -19,7 +20,10 @@ type Options struct {
 	Writable    bool
 	// MaxClients bounds concurrent connections; 0 means no bound.
 	MaxClients int
-	Logger     *slog.Logger
+	// PollMax bounds the adaptive busy-poll of a connection's socket
+	// before its reader sleeps (see sock); 0 disables it.
+	PollMax time.Duration
+	Logger  *slog.Logger
 }
 
 // Server serves one image to any number of NBD connections.
@@ -80,11 +84,21 @@ func (s *Server) Serve(l net.Listener) error {
 				continue
 			}
 		}
-		cn := &conn{srv: s, c: c, log: s.log.With("remote", remoteName(c)), stopping: make(chan struct{})}
+		log := s.log.With("remote", remoteName(c))
+		sock, err := newConnIO(c, s.opts.PollMax)
+		if err != nil {
+			log.Warn("NBD client dropped", "err", err)
+			c.Close()
+			if s.slots != nil {
+				<-s.slots
+			}
+			continue
+		}
+		cn := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{})}
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
-			c.Close()
+			sock.Close()
 			return nil
 		}
 		s.conns[cn] = struct{}{}
