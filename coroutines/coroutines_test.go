@@ -134,3 +134,20 @@ func TestBufPoolAlignment(t *testing.T) {
 		t.Fatal("non-power-of-two alignment not rounded up")
 	}
 }
+
+func TestYielderYieldsOncePerInterval(t *testing.T) {
+	clock := time.Unix(1000, 0)
+	yields := 0
+	y := Yielder{now: func() time.Time { return clock }, yield: func() { yields++ }}
+	// 16 ticks per 0.1 ms (the clock is read every 16th), for 1 ms: the
+	// first reading yields (nothing was yielded before), then one a ms.
+	for i := 0; i < 10*16*10; i++ {
+		if i%16 == 0 {
+			clock = clock.Add(YieldAfter / 10)
+		}
+		y.Tick()
+	}
+	if yields != 10 {
+		t.Fatalf("%d yields over 10 ms, want 10", yields)
+	}
+}

@@ -12,8 +12,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -80,10 +80,12 @@ type server struct {
 	bufs  *coroutines.BufPool // request copies and read buffers, up to 1 MiB
 	small *coroutines.BufPool // the same for requests up to 8 KiB
 	loops sync.WaitGroup      // the queue loops
+	bulk  bulkHelper
 }
 
 func newServer(exp *Export, fd int) *server {
 	s := &server{exp: exp, fds: []int{fd},
+		bulk:  bulkHelper{fd: -1},
 		bufs:  coroutines.NewBufPool(bufSize, 4096),
 		small: coroutines.NewBufPool(8192, 4096)}
 	if r, ok := exp.img.(formats.NoWaitReader); ok {
@@ -168,20 +170,35 @@ func (s *server) registerBacking(fd int) (int32, error) {
 // addQueues clones the connection's fd so the kernel spreads requests over
 // n queues (FUSE_DEV_IOC_CLONE).
 func (s *server) addQueues(n int) error {
-	const iocClone = 0x8004e500 // _IOR(229, 0, uint32_t)
 	for i := 1; i < n; i++ {
-		fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		fd, err := s.cloneFd()
 		if err != nil {
 			return fmt.Errorf("fuse: queue %d: %w", i, err)
-		}
-		src := uint32(s.fds[0])
-		if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), iocClone, uintptr(unsafe.Pointer(&src))); errno != 0 {
-			unix.Close(fd)
-			return fmt.Errorf("fuse: clone queue %d: %w", i, errno)
 		}
 		s.fds = append(s.fds, fd)
 	}
 	return nil
+}
+
+// cloneFd opens another /dev/fuse fd on the connection: a queue.
+func (s *server) cloneFd() (int, error) {
+	const iocClone = 0x8004e500 // _IOR(229, 0, uint32_t)
+	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	src := uint32(s.fds[0])
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), iocClone, uintptr(unsafe.Pointer(&src))); errno != 0 {
+		unix.Close(fd)
+		return -1, fmt.Errorf("FUSE_DEV_IOC_CLONE: %w", errno)
+	}
+	if s.pollFor > 0 {
+		if err := unix.SetNonblock(fd, true); err != nil {
+			unix.Close(fd)
+			return -1, err
+		}
+	}
+	return fd, nil
 }
 
 // setPoll turns on busy polling for d after each request.
@@ -201,20 +218,135 @@ func (s *server) setPoll(d time.Duration) error {
 // serve runs the queue loops and returns when the connection has ended and
 // every request has been answered.
 func (s *server) serve() {
+	s.bulk.stop = make(chan struct{})
+	var queues sync.WaitGroup
 	for _, fd := range s.fds {
 		s.loops.Add(1)
-		go s.loop(fd)
+		queues.Add(1)
+		go func() {
+			defer queues.Done()
+			s.loop(fd, false)
+		}()
 	}
+	queues.Wait()
+	close(s.bulk.stop) // the connection is gone: a parked helper exits
 	s.loops.Wait()
 	s.async.Wait()
 	for _, fd := range s.fds {
 		unix.Close(fd)
 	}
+	if s.bulk.fd >= 0 {
+		unix.Close(s.bulk.fd)
+	}
+}
+
+// bulkHelper is a second queue that serves only while large writes come.
+//
+// Why: with one queue, a buffered write's two copies (out of /dev/fuse
+// into our buffer, then into the page cache) run in turn on the loop's
+// thread; QEMU overlaps them on several threads and wrote 1 MiB blocks
+// 25-40% faster here. A second queue doubles the bulk rate (measured:
+// 3.0 -> 4.6 GiB/s with raw). It is not kept for small requests, where two
+// readers of one queue take turns sleeping and lose 25% (measured at 4 KiB,
+// iodepth 16). So the helper is cloned at the first large write and parks
+// (stops reading /dev/fuse) once none has come for bulkIdle; its fd stays
+// open, since requests it handed to goroutines reply through it.
+type bulkHelper struct {
+	mu      sync.Mutex
+	fd      int  // -1 until cloned
+	reading bool // the helper is serving (not parked)
+	wake    chan struct{}
+	stop    chan struct{} // closed when the connection has ended
+	last    atomic.Int64  // when the last large write came (UnixNano)
+}
+
+// bulkWrite is the write size that calls the bulk helper in; bulkIdle is how
+// long it serves after the last one.
+const (
+	bulkWrite = 128 << 10
+	bulkIdle  = 20 * time.Millisecond
+)
+
+// sawBulkWrite notes a large write and makes sure the helper is reading.
+func (s *server) sawBulkWrite() {
+	b := &s.bulk
+	b.last.Store(time.Now().UnixNano())
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.reading {
+		return
+	}
+	if b.fd < 0 {
+		fd, err := s.cloneFd()
+		if err == nil {
+			err = unix.SetNonblock(fd, true) // see loop
+			if err != nil {
+				unix.Close(fd)
+			}
+		}
+		if err != nil {
+			s.exp.log.Debug("no bulk-write queue", "err", err)
+			return
+		}
+		b.fd, b.wake = fd, make(chan struct{}, 1)
+		b.reading = true
+		s.loops.Add(1)
+		go s.loop(fd, true)
+		return
+	}
+	b.reading = true
+	b.wake <- struct{}{}
+}
+
+// waitRequest sleeps until fd has a request; false: the connection has
+// ended (the helper checks that every 50 ms).
+func (s *server) waitRequest(fd int, helper bool) bool {
+	timeout := -1
+	if helper {
+		timeout = 50
+	}
+	for {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		if k, _ := unix.Poll(pfd, timeout); k != 0 || !helper {
+			return true
+		}
+		select {
+		case <-s.bulk.stop:
+			return false
+		default:
+		}
+	}
+}
+
+// bulkPark runs after each request the helper serves: once large writes
+// have stopped, it parks the helper until they resume or the connection
+// ends (false: exit).
+func (s *server) bulkPark() bool {
+	b := &s.bulk
+	if time.Since(time.Unix(0, b.last.Load())) < bulkIdle {
+		return true
+	}
+	b.mu.Lock()
+	if time.Since(time.Unix(0, b.last.Load())) < bulkIdle {
+		b.mu.Unlock()
+		return true
+	}
+	b.reading = false
+	b.mu.Unlock()
+	select {
+	case <-b.wake:
+		return true
+	case <-b.stop:
+		return false
+	}
 }
 
 // loop is one queue: read a request, answer it (inline or via a goroutine),
-// repeat until the kernel says the connection is gone.
-func (s *server) loop(fd int) {
+// repeat until the kernel says the connection is gone. The bulk helper
+// (helper true) also parks between bursts of large writes, and never sleeps
+// in read(2), so that it can see the connection end even when its own fd
+// gets no ENODEV (a main queue that stopped on a protocol error).
+func (s *server) loop(fd int, helper bool) {
 	defer s.loops.Done()
 	// No goroutine hand-off between reading a request and answering it.
 	// The goroutine is deliberately not locked to its thread: measured here,
@@ -225,7 +357,7 @@ func (s *server) loop(fd int) {
 	buf := *bp
 	out := coroutines.AlignedBuf(maxWrite, 4096)
 	var spinUntil time.Time
-	served := 0
+	var yield coroutines.Yielder // see there
 	for {
 		n, err := unix.Read(fd, buf)
 		switch {
@@ -241,8 +373,9 @@ func (s *server) loop(fd int) {
 			if now.Before(spinUntil) {
 				continue
 			}
-			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-			unix.Poll(pfd, -1)
+			if !s.waitRequest(fd, helper) {
+				return
+			}
 			spinUntil = time.Time{}
 			continue
 		case errors.Is(err, unix.EINTR), errors.Is(err, unix.ENOENT):
@@ -263,6 +396,9 @@ func (s *server) loop(fd int) {
 			s.exp.log.Error("FUSE request length mismatch; stopping this queue", "header", h.Length, "read", n)
 			return
 		}
+		if h.Opcode == opWrite && n >= bulkWrite && s.exp.opts.Writable && s.inlineWrites {
+			s.sawBulkWrite()
+		}
 		if h.Opcode == opWrite && n >= handOffWrite && s.exp.opts.Writable && !s.inlineWrites {
 			// A large write goes to a goroutine with the buffer it was
 			// read into, and the loop reads on into a fresh one: the
@@ -274,21 +410,12 @@ func (s *server) loop(fd int) {
 			continue
 		}
 		s.dispatch(fd, buf[:n], out)
-		if served++; served%yieldEvery == 0 {
-			runtime.Gosched()
+		yield.Tick()
+		if helper && !s.bulkPark() {
+			return
 		}
 	}
 }
-
-// yieldEvery: the loop yields the processor after this many requests.
-// A goroutine that never yields is seen by the runtime's sysmon, after
-// 10 ms, as hogging its P; since the loop is nearly always inside read(2),
-// sysmon then takes the P away mid-syscall and hands it to another thread,
-// and the loop resumes on yet another one: measured here, thousands of
-// thread switches a second that preempted the client. A yield every few
-// hundred requests (about a millisecond under load) costs well under a
-// microsecond and keeps the loop on its thread.
-const yieldEvery = 256
 
 // handOffWrite is the request size from which writes of images without
 // inline writes (qcow2) leave the loop with their buffer (see loop).

@@ -8,12 +8,12 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"runtime"
 	"sync"
 	"syscall"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -85,10 +85,9 @@ func (c *conn) serve() {
 // stream stays in step.
 func (c *conn) transmit(r *bufio.Reader) error {
 	var hb [28]byte
-	for served := 1; ; served++ {
-		if served%yieldEvery == 0 {
-			runtime.Gosched() // see yieldEvery
-		}
+	var yield coroutines.Yielder // see there
+	for {
+		yield.Tick()
 		if r.Buffered() < len(hb) {
 			c.uncork() // about to wait on the socket: send what is ready
 		}
@@ -155,13 +154,6 @@ func (c *conn) transmit(r *bufio.Reader) error {
 		}()
 	}
 }
-
-// yieldEvery: the reader yields the processor after this many requests.
-// A goroutine that never yields is seen by the runtime's sysmon, after
-// 10 ms, as hogging its P; as the reader is mostly inside a syscall, sysmon
-// then takes the P away mid-syscall and hands it to another thread, and
-// the reader resumes on yet another (the FUSE queue loop does the same).
-const yieldEvery = 256
 
 // tryReadInline answers a read the image can serve without waiting (page
 // cache, null device) right here in the reader, from its own buffer.
