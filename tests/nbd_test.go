@@ -284,6 +284,7 @@ func TestNBDBadInput(t *testing.T) {
 		{[]string{"nbd", "--listen", "udp:1", img}, 2, "want unix:PATH or tcp:HOST:PORT"},
 		{[]string{"nbd", "--listen", "tcp:nohostport", img}, 2, "--listen"},
 		{[]string{"nbd", "--max-clients", "-1", img}, 2, "--max-clients"},
+		{[]string{"nbd", "--poll-us", "-1", img}, 2, "--poll-us"},
 		{[]string{"nbd", filepath.Join(dir, "missing")}, 1, "no such file"},
 	} {
 		code, out := runBlockexport(t, c.args...)
