@@ -9,7 +9,7 @@
 //
 // It also runs fio's nbd engine against both NBD servers (null and raw).
 //
-//	go run ./tests/bench [-runtime 8s] [-out docs/bench] [-only null,raw,qcow2,nbd]
+//	go run ./tests/bench [-runtime 5s] [-out docs/bench] [-only null,raw,qcow2,nbd]
 package main
 
 import (
@@ -41,7 +41,7 @@ type row struct {
 }
 
 var (
-	runtimeFlag = flag.Duration("runtime", 8*time.Second, "fio runtime per row and system")
+	runtimeFlag = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir      = flag.String("out", "docs/bench", "where the report goes")
 	only        = flag.String("only", "null,raw,qcow2", "targets to run (null, raw, qcow2; nbd for the NBD rows alone)")
 	binFlag     = flag.String("bin", "bin/blockexport", "blockexport binary")
