@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -37,6 +38,7 @@ type Server struct {
 	closed bool
 	wg     sync.WaitGroup // connections
 	slots  chan struct{}  // MaxClients
+	bufs   *coroutines.BufPool
 }
 
 // New makes a server for img.
@@ -44,7 +46,8 @@ func New(img formats.Image, o Options) *Server {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{}}
+	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{},
+		bufs: coroutines.NewBufPool(1<<20, 4096)}
 	if o.MaxClients > 0 {
 		s.slots = make(chan struct{}, o.MaxClients)
 	}
@@ -142,6 +145,16 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// buffer returns n bytes for a read (aligned for O_DIRECT), pooled up to
+// 1 MiB, and the function that gives them back.
+func (s *Server) buffer(n int) ([]byte, func()) {
+	if n > s.bufs.Size() {
+		return coroutines.AlignedBuf(n, 4096), func() {}
+	}
+	bp := s.bufs.Get()
+	return (*bp)[:n], func() { s.bufs.Put(bp) }
 }
 
 var errAbort = errors.New("client aborted the negotiation")
