@@ -23,17 +23,19 @@ test:
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 20m ./...
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 10s -fuzzminimizetime 2s ./formats/qcow2
+	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 5s -fuzzminimizetime 2s ./export/nbd
 
-# Fuzz the qcow2 parser for longer (FUZZTIME=10m make fuzz).
+# Fuzz the qcow2 parser and the NBD server for longer (FUZZTIME=10m make fuzz).
 FUZZTIME ?= 2m
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
+	$(GO) test -run XXX -fuzz FuzzServe -fuzztime $(FUZZTIME) ./export/nbd
 
 # Unit tests only (no mounts, no root needed for most).
 unit:
 	$(GO) test -race $$($(GO) list ./... | grep -v /tests)
 
-# Side-by-side benchmark against qemu-storage-daemon (about 10 minutes);
+# Side-by-side benchmark against qemu-storage-daemon (about 11 minutes);
 # the report lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null" for
 # a quick look.
 BENCHFLAGS ?=
