@@ -349,14 +349,25 @@ func TestNBDMaxClientsDaemonizeAndExportName(t *testing.T) {
 	}
 	// With --max-clients 1, a second client is refused while one is
 	// connected, and served again once it has gone.
-	first, err := net.Dial("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	greeting := make([]byte, 18)
-	first.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, err := io.ReadFull(first, greeting); err != nil {
-		t.Fatalf("first client got no greeting: %v", err)
+	// The clients before may still hold the slot for a moment after they
+	// exit (the server frees it when it sees them go), so retry a refusal.
+	var first net.Conn
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = io.ReadFull(c, make([]byte, 18))
+		if err == nil {
+			first = c
+			break
+		}
+		c.Close()
+		if time.Now().After(deadline) {
+			t.Fatalf("first client got no greeting: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 	if o, err := exec.Command("qemu-img", "info", uri).CombinedOutput(); err == nil {
 		t.Fatalf("a second client was served beyond --max-clients 1: %s", o)
