@@ -24,6 +24,9 @@ type conn struct {
 	log  *slog.Logger
 
 	wmu sync.Mutex // one reply at a time on the wire
+	// hdr holds the reply header being sent (under wmu): built here, it
+	// does not cost an allocation per reply.
+	hdr [32]byte
 	// Replies are buffered in bw. While the reader still has requests in
 	// hand (corked), replies collect there and go out together when it is
 	// about to wait for more: one write for many replies, as QEMU corks.
@@ -447,37 +450,40 @@ func (c *conn) errorReply(req protocol.TransmissionRequestHeader, code uint32, m
 }
 
 func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
-	var b [16]byte
 	h := protocol.TransmissionReplyHeader{ReplyMagic: magicSimple, Error: code, Handle: handle}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	b := c.hdr[:16]
 	be.PutUint32(b[0:], h.ReplyMagic)
 	be.PutUint32(b[4:], h.Error)
 	be.PutUint64(b[8:], h.Handle)
-	c.send(b[:], nil, data)
+	c.send(b, data)
 }
 
 func (c *conn) chunk(handle uint64, flags, typ uint16, payload []byte) {
 	c.chunk3(handle, flags, typ, nil, payload)
 }
 
-// chunk3 sends a structured reply chunk whose payload is a then b.
+// chunk3 sends a structured reply chunk whose payload is a (a few bytes of
+// fields, at most 12) then b.
 func (c *conn) chunk3(handle uint64, flags, typ uint16, a, b []byte) {
-	var h [20]byte
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	h := c.hdr[:20+len(a)]
 	be.PutUint32(h[0:], structuredReplyMagic)
 	be.PutUint16(h[4:], flags)
 	be.PutUint16(h[6:], typ)
 	be.PutUint64(h[8:], handle)
 	be.PutUint32(h[16:], uint32(len(a)+len(b)))
-	c.send(h[:], a, b)
+	copy(h[20:], a)
+	c.send(h, b)
 }
 
-// send queues a reply (header, then a and b) as one unit, and writes it out
-// at once unless the reader is corked.
-func (c *conn) send(hdr, a, b []byte) {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
+// send queues a reply (its header, then data) as one unit, and writes it
+// out at once unless the reader is corked. c.wmu is held.
+func (c *conn) send(hdr, data []byte) {
 	c.bw.Write(hdr)
-	c.bw.Write(a)
-	c.bw.Write(b)
+	c.bw.Write(data)
 	if !c.corked {
 		if err := c.bw.Flush(); err != nil {
 			c.log.Debug("NBD reply not sent", "err", err)
