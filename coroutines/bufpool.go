@@ -33,6 +33,24 @@ func (p *BufPool) Get() *[]byte { return p.pool.Get().(*[]byte) }
 // Put returns a buffer obtained from Get.
 func (p *BufPool) Put(b *[]byte) { p.pool.Put(b) }
 
+// Buffer returns n bytes, aligned: pooled when n fits in Size, else freshly
+// allocated. Give the handle back with Release (nil for a fresh buffer; a
+// handle rather than a closure, so that taking a buffer allocates nothing).
+func (p *BufPool) Buffer(n int) ([]byte, *[]byte) {
+	if n > p.size {
+		return AlignedBuf(n, p.align), nil
+	}
+	bp := p.Get()
+	return (*bp)[:n], bp
+}
+
+// Release returns what Buffer handed out.
+func (p *BufPool) Release(bp *[]byte) {
+	if bp != nil {
+		p.pool.Put(bp)
+	}
+}
+
 // AlignedBuf allocates size bytes whose first byte is aligned to align
 // (rounded up to a power of two).
 func AlignedBuf(size, align int) []byte {

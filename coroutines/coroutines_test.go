@@ -151,3 +151,19 @@ func TestYielderYieldsOncePerInterval(t *testing.T) {
 		t.Fatalf("%d yields over 10 ms, want 10", yields)
 	}
 }
+
+// Buffer hands out pooled buffers up to Size and fresh ones beyond, all
+// aligned and of the length asked; Release takes either back.
+func TestBufPoolBuffer(t *testing.T) {
+	p := NewBufPool(8192, 4096)
+	for _, n := range []int{1, 8192, 8193, 1 << 20} {
+		b, bp := p.Buffer(n)
+		if len(b) != n || uintptr(unsafe.Pointer(&b[0]))%4096 != 0 {
+			t.Fatalf("Buffer(%d): len %d, address %p", n, len(b), &b[0])
+		}
+		if pooled := bp != nil; pooled != (n <= p.Size()) {
+			t.Fatalf("Buffer(%d): pooled %v", n, pooled)
+		}
+		p.Release(bp)
+	}
+}

@@ -101,8 +101,9 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	if f.stats < 0 {
 		return usagef("--stats %v: want a positive interval", f.stats)
 	}
-	if f.pollUs < 0 || f.pollUs > 1_000_000 {
-		return usagef("--poll-us %d: want 0 to 1000000", f.pollUs)
+	pollFor, err := pollDuration(f.pollUs)
+	if err != nil {
+		return err
 	}
 	if f.queues < 1 || f.queues > 64 {
 		return usagef("--queues %d: want 1 to 64", f.queues)
@@ -142,7 +143,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: time.Duration(f.pollUs) * time.Microsecond, Stats: stats, Passthrough: f.passthrough})
+		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough})
 	if err != nil {
 		return err
 	}

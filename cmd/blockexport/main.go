@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"time"
 
 	"github.com/spf13/pflag"
 )
@@ -28,6 +29,14 @@ func (u usageError) Error() string { return u.err.Error() }
 func (u usageError) Unwrap() error { return u.err }
 
 func usagef(format string, a ...any) error { return usageError{fmt.Errorf(format, a...)} }
+
+// pollDuration checks a --poll-us value (fuse and nbd) and converts it.
+func pollDuration(us int) (time.Duration, error) {
+	if us < 0 || us > 1_000_000 {
+		return 0, usagef("--poll-us %d: want 0 to 1000000", us)
+	}
+	return time.Duration(us) * time.Microsecond, nil
+}
 
 type command struct {
 	name, summary string

@@ -57,8 +57,9 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if *cache != "writeback" && *cache != "none" {
 		return usagef("unknown --cache mode %q (want writeback or none)", *cache)
 	}
-	if *pollUs < 0 || *pollUs > 1_000_000 {
-		return usagef("--poll-us %d: want 0 to 1000000", *pollUs)
+	pollMax, err := pollDuration(*pollUs)
+	if err != nil {
+		return err
 	}
 	if *maxClients < 0 {
 		return usagef("--max-clients %d: want 0 or more", *maxClients)
@@ -98,7 +99,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		defer stop()
 	}
 	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients,
-		PollMax: time.Duration(*pollUs) * time.Microsecond, Logger: logger})
+		PollMax: pollMax, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()

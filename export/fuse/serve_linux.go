@@ -260,8 +260,11 @@ type bulkHelper struct {
 	last    atomic.Int64  // when the last large write came (UnixNano)
 }
 
-// bulkWrite is the write size that calls the bulk helper in; bulkIdle is how
-// long it serves after the last one.
+// bulkWrite is the write size that calls the bulk helper in, and from which
+// a write that cannot finish in place (qcow2 allocating or copying on
+// write) leaves the loop with the buffer it was read into rather than
+// being copied out of it (below it the copy costs less than a fresh
+// buffer); bulkIdle is how long the helper serves after the last one.
 const (
 	bulkWrite = 128 << 10
 	bulkIdle  = 20 * time.Millisecond
@@ -405,7 +408,7 @@ func (s *server) loop(fd int, helper bool) {
 			// qcow2, in place: inline, like raw (with the bulk helper
 			// the two queues each do both copies; measured 1 MiB
 			// writes 2.3-2.5 GiB/s handed off, 2.9-3.4 so).
-		case h.Opcode == opWrite && n >= handOffWrite && s.exp.opts.Writable && !s.inlineWrites:
+		case bulk && !s.inlineWrites:
 			// A large write that must wait (qcow2 allocating) goes to a
 			// goroutine with the buffer it was read into, and the loop
 			// reads on into a fresh one: the request is not copied.
@@ -422,12 +425,6 @@ func (s *server) loop(fd int, helper bool) {
 	}
 }
 
-// handOffWrite is the request size from which a write that cannot finish
-// in place (qcow2 allocating or copying on write) leaves the loop with the
-// buffer it was read into (see loop) rather than being copied out of it;
-// below it the copy costs less than a fresh buffer.
-const handOffWrite = 128 << 10
-
 // goAsyncOwned finishes the request in (*bp)[:n] in a goroutine that owns
 // the buffer and gives it back to the pool.
 func (s *server) goAsyncOwned(fd int, bp *[]byte, n int) {
@@ -442,19 +439,19 @@ func (s *server) goAsyncOwned(fd int, bp *[]byte, n int) {
 		req := (*bp)[:n]
 		s.slow(fd, req)
 		if s.stats != nil {
-			s.count(opWrite, int(decode[fuse.WriteIn](req).Size), began)
+			s.count(req, began)
 		}
 	}()
 }
 
 // count records a finished request for --stats.
-func (s *server) count(op uint32, n int, began time.Time) {
-	k := kindOther
-	switch op {
+func (s *server) count(req []byte, began time.Time) {
+	k, n := kindOther, 0
+	switch (*fuse.InHeader)(unsafe.Pointer(&req[0])).Opcode {
 	case opRead:
-		k = kindRead
+		k, n = kindRead, int(decode[fuse.ReadIn](req).Size)
 	case opWrite:
-		k = kindWrite
+		k, n = kindWrite, int(decode[fuse.WriteIn](req).Size)
 	}
 	s.stats.record(k, n, time.Since(began))
 }
@@ -477,14 +474,7 @@ func (s *server) dispatch(fd int, req, out []byte) {
 func (s *server) dispatchCounted(fd int, req, out []byte) {
 	began := time.Now()
 	if s.dispatchOne(fd, req, out, began) {
-		h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
-		n := 0
-		if h.Opcode == opRead {
-			n = int(decode[fuse.ReadIn](req).Size)
-		} else if h.Opcode == opWrite {
-			n = int(decode[fuse.WriteIn](req).Size)
-		}
-		s.count(h.Opcode, n, began)
+		s.count(req, began)
 	}
 }
 
@@ -548,35 +538,26 @@ func (s *server) dispatchOne(fd int, req, out []byte, began time.Time) bool {
 // goAsync copies req and finishes it in a goroutine. Buffers come from two
 // size classes, so that 4 KiB requests do not pin 1 MiB each.
 func (s *server) goAsync(fd int, req []byte, began time.Time) {
-	b, put := s.buffer(len(req))
+	pool := s.pool(len(req))
+	b, bp := pool.Buffer(len(req))
 	copy(b, req)
 	s.async.Add(1)
 	go func() {
 		defer s.async.Done()
-		defer put()
+		defer pool.Release(bp)
 		s.slow(fd, b)
 		if s.stats != nil {
-			h := (*fuse.InHeader)(unsafe.Pointer(&b[0]))
-			n := 0
-			switch h.Opcode {
-			case opRead:
-				n = int(decode[fuse.ReadIn](b).Size)
-			case opWrite:
-				n = int(decode[fuse.WriteIn](b).Size)
-			}
-			s.count(h.Opcode, n, began)
+			s.count(b, began)
 		}
 	}()
 }
 
-// buffer returns a pooled buffer of n bytes and the function that returns it.
-func (s *server) buffer(n int) ([]byte, func()) {
-	pool := s.bufs
+// pool is the buffer pool for n bytes: the small one where it will do.
+func (s *server) pool(n int) *coroutines.BufPool {
 	if n <= s.small.Size() {
-		pool = s.small
+		return s.small
 	}
-	b := pool.Get()
-	return (*b)[:n], func() { pool.Put(b) }
+	return s.bufs
 }
 
 // slow runs a request that may wait for I/O.
@@ -586,8 +567,10 @@ func (s *server) slow(fd int, req []byte) {
 	switch h.Opcode {
 	case opRead:
 		in := decode[fuse.ReadIn](req)
-		ob, put := s.buffer(min(int(in.Size), maxWrite))
-		defer put()
+		size := min(int(in.Size), maxWrite)
+		pool := s.pool(size)
+		ob, bp := pool.Buffer(size)
+		defer pool.Release(bp)
 		n, st := e.ReadInto(context.Background(), in, ob)
 		s.replyData(fd, h.Unique, st, ob[:n])
 	case opWrite:
@@ -644,7 +627,7 @@ func (s *server) tryWriteCounted(fd int, req []byte) bool {
 		return false
 	}
 	if s.stats != nil {
-		s.count(opWrite, int(decode[fuse.WriteIn](req).Size), began)
+		s.count(req, began)
 	}
 	return true
 }

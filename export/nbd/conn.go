@@ -240,8 +240,8 @@ func (c *conn) handle(req protocol.TransmissionRequestHeader, payload []byte) {
 	var err error
 	switch req.Type {
 	case cmdRead:
-		buf, put := c.srv.buffer(int(n))
-		defer put() // the reply is written before handle returns
+		buf, bp := c.srv.bufs.Buffer(int(n))
+		defer c.srv.bufs.Release(bp) // the reply is written before handle returns
 		if _, err = img.ReadAt(ctx, buf, off); err == nil {
 			c.dataReply(req, buf)
 			return
@@ -294,8 +294,8 @@ func fastZero(img formats.Image) bool {
 }
 
 func (c *conn) cache(ctx context.Context, off, n int64) error {
-	buf, put := c.srv.buffer(int(min(n, 1<<20)))
-	defer put()
+	buf, bp := c.srv.bufs.Buffer(int(min(n, 1<<20)))
+	defer c.srv.bufs.Release(bp)
 	for n > 0 {
 		k := min(n, int64(len(buf)))
 		if _, err := c.srv.img.ReadAt(ctx, buf[:k], off); err != nil {

@@ -36,9 +36,9 @@ type Server struct {
 	mu     sync.Mutex
 	conns  map[*conn]struct{}
 	closed bool
-	wg     sync.WaitGroup // connections
-	slots  chan struct{}  // MaxClients
-	bufs   *coroutines.BufPool
+	wg     sync.WaitGroup      // connections
+	slots  chan struct{}       // MaxClients
+	bufs   *coroutines.BufPool // slow-path read buffers
 }
 
 // New makes a server for img.
@@ -145,16 +145,6 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-}
-
-// buffer returns n bytes for a read (aligned for O_DIRECT), pooled up to
-// 1 MiB, and the function that gives them back.
-func (s *Server) buffer(n int) ([]byte, func()) {
-	if n > s.bufs.Size() {
-		return coroutines.AlignedBuf(n, 4096), func() {}
-	}
-	bp := s.bufs.Get()
-	return (*bp)[:n], func() { s.bufs.Put(bp) }
 }
 
 var errAbort = errors.New("client aborted the negotiation")
