@@ -96,7 +96,7 @@ func Open(path string, o Options) (File, error) {
 	if o.Direct {
 		flags |= unix.O_DIRECT
 	}
-	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	f, err := OpenHostFile(path, flags)
 	if err != nil {
 		return nil, err
 	}

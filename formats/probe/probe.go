@@ -110,7 +110,7 @@ func Open(spec string, o Options) (*Opened, error) {
 
 	probed := false
 	if format == Auto {
-		f, err := os.Open(spec)
+		f, err := aio.OpenHostFile(spec, os.O_RDONLY)
 		if err != nil {
 			return nil, err
 		}

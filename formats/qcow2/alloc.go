@@ -69,6 +69,9 @@ type writeState struct {
 	// noZeroRange: the host file system cannot FALLOC_FL_ZERO_RANGE.
 	noZeroRange atomic.Bool
 
+	// metaMap is where the metadata lies (overlap.go); guarded by meta.
+	metaMap *metaMap
+
 	bits     int64 // refcount width
 	perBlock int64 // refcounts per block
 	maxRef   uint64
@@ -128,6 +131,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 	// blocks than a read-only open needs (4 MiB of them).
 	q.rcache = newLRU[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
 	q.w = w
+	q.buildMetaMap()
 	return nil
 }
 
@@ -178,17 +182,24 @@ func (q *Image) setRef(ctx context.Context, c int64, v uint64) error {
 	if v > w.maxRef {
 		return fmt.Errorf("%w: refcount of cluster %#x overflows %d bits", ErrCorrupt, c*q.h.clusterSize, w.bits)
 	}
+	if err := q.pinBlock(ctx, off, b); err != nil {
+		return err
+	}
 	setRefcount(b, c%w.perBlock, w.bits, v)
-	q.pinBlock(off, b)
 	return nil
 }
 
 // pinBlock marks refcount block b at off changed, keeping it out of the
-// LRU until it is written. The caller holds alloc.
-func (q *Image) pinBlock(off int64, b []byte) {
+// LRU until it is written. A block pinned for the first time is checked
+// against the other metadata: its write-back must not land on them. The
+// caller holds alloc.
+func (q *Image) pinBlock(ctx context.Context, off int64, b []byte) error {
 	w := q.w
 	p, ok := w.rbpin[off]
 	if !ok {
+		if err := q.checkWrite(ctx, off, q.h.clusterSize, metaRefBlock, "refcount block update"); err != nil {
+			return err
+		}
 		p = &pinnedBlock{b: b}
 		w.rbpin[off] = p
 	}
@@ -196,6 +207,7 @@ func (q *Image) pinBlock(off int64, b []byte) {
 		p.dirty = true
 		w.dirtyRB.Add(1)
 	}
+	return nil
 }
 
 // growFile notes that the file extends to at least end. The caller holds
@@ -255,6 +267,11 @@ func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
 			from = busy + 1
 			continue
 		}
+		// Free by its refcount, but a refcount can be too low: the run
+		// must not hold metadata.
+		if err := q.checkWrite(ctx, c*cs, total*cs, metaNone, fmt.Sprintf("allocation of %d clusters", total)); err != nil {
+			return 0, err
+		}
 		next := c + n
 		for i := c / w.perBlock; i <= (c+total-1)/w.perBlock; i++ {
 			if w.rtable[i] != 0 {
@@ -265,7 +282,12 @@ func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
 			b := make([]byte, cs)
 			w.rtable[i] = uint64(off)
 			w.rtDirty = true
-			q.pinBlock(off, b)
+			q.meta.Lock()
+			w.metaMap.addRB(off/cs, 1)
+			q.meta.Unlock()
+			if err := q.pinBlock(ctx, off, b); err != nil {
+				return 0, err
+			}
 		}
 		for j := c; j < c+total; j++ {
 			if err := q.setRef(ctx, j, 1); err != nil {
@@ -365,14 +387,24 @@ func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
 	if entries*8 > maxRefTableBytes {
 		return fmt.Errorf("qcow2: refcount table of %d entries: the image file is too large: %w", entries, unix.EFBIG)
 	}
+	if err := q.checkWrite(ctx, x*cs, (tClusters+blocks)*cs, metaNone, "new refcount table"); err != nil {
+		return err
+	}
 	rt := make([]uint64, entries)
 	copy(rt, w.rtable)
 	first := x / w.perBlock
+	q.meta.Lock()
+	w.metaMap.setRange(metaRefTable, x*cs, entries*8, cs)
+	for k := range blocks {
+		w.metaMap.addRB(x+tClusters+k, 1)
+	}
+	q.meta.Unlock()
 	for k := range blocks {
 		boff := (x + tClusters + k) * cs
 		rt[first+k] = uint64(boff)
-		b := make([]byte, cs)
-		q.pinBlock(boff, b)
+		if err := q.pinBlock(ctx, boff, make([]byte, cs)); err != nil {
+			return err
+		}
 	}
 	q.freeRangeLater(w.rtOffset, old*8) // once the header points at rt
 	w.rtable, w.rtOffset = rt, x*cs
@@ -426,8 +458,9 @@ func (q *Image) freeRangeLater(off, n int64) {
 
 // applyFrees drops the refcounts of clusters whose last user's metadata is
 // durable. No request is in flight meanwhile. Clusters that become free
-// are punched out of the host file.
-func (q *Image) applyFrees(ctx context.Context, frees []int64) error {
+// are punched out of the host file. A free refused because the cluster is
+// metadata comes back as refused; the others are applied.
+func (q *Image) applyFrees(ctx context.Context, frees []int64) (refused, err error) {
 	w := q.w
 	w.users.Lock()
 	defer w.users.Unlock()
@@ -439,13 +472,23 @@ func (q *Image) applyFrees(ctx context.Context, frees []int64) error {
 		if err == nil && rc == 0 {
 			err = fmt.Errorf("%w: freeing cluster %#x whose refcount is already zero", ErrCorrupt, c*q.h.clusterSize)
 		}
+		if err == nil && rc == 1 {
+			// The last reference goes: the cluster must not be metadata
+			// (a compressed entry pointing into the header would have the
+			// header freed, punched out and handed out again). Such a
+			// cluster keeps its refcount; the rest are freed as usual.
+			if err := q.checkWrite(ctx, c*q.h.clusterSize, q.h.clusterSize, metaNone, "freeing the cluster"); err != nil {
+				refused = err
+				continue
+			}
+		}
 		if err == nil {
 			err = q.setRef(ctx, c, rc-1)
 		}
 		if err != nil {
 			// Keep what is left for the next flush; a leak at worst.
 			w.pendingFree = append(w.pendingFree, frees[i+1:]...)
-			return err
+			return refused, err
 		}
 		if rc == 1 {
 			freed = append(freed, c)
@@ -461,7 +504,7 @@ func (q *Image) applyFrees(ctx context.Context, frees []int64) error {
 			break
 		}
 	}
-	return nil
+	return refused, nil
 }
 
 // encodeTable is a table of big-endian 64-bit entries as stored.

@@ -10,6 +10,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
+
 	"github.com/blockexport/blockexport/formats/raw"
 )
 
@@ -91,7 +93,7 @@ func openChain(path string, o Options, guard *chainGuard) (*Image, error) {
 
 // probeFormat names the format of a backing file given without one.
 func probeFormat(path string) (string, error) {
-	f, err := os.Open(path)
+	f, err := aio.OpenHostFile(path, os.O_RDONLY)
 	if err != nil {
 		return "", err
 	}

@@ -1,6 +1,7 @@
 package qcow2
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -54,6 +55,7 @@ func (q *Image) Flush(ctx context.Context) error {
 	defer w.flushMu.Unlock()
 	// A second round writes the refcounts that the first round's frees
 	// dropped, so that a clean close leaves no leak behind.
+	var refused error // a free refused as metadata: reported, after the rest
 	for range 2 {
 		s := q.snapshot()
 		if err := q.writeBack(ctx, s); err != nil {
@@ -62,13 +64,15 @@ func (q *Image) Flush(ctx context.Context) error {
 		}
 		q.unpinClean()
 		if len(s.frees) == 0 {
-			return nil
+			return refused
 		}
-		if err := q.applyFrees(ctx, s.frees); err != nil {
+		r, err := q.applyFrees(ctx, s.frees)
+		if err != nil {
 			return err
 		}
+		refused = cmp.Or(refused, r)
 	}
-	return nil
+	return refused
 }
 
 // snapshot copies the dirty metadata and marks it clean (but still pinned,

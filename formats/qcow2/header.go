@@ -155,11 +155,24 @@ func parseHeader(buf []byte, fileSize int64) (*header, error) {
 	if h.size > maxVirtualSize {
 		return nil, fmt.Errorf("%w: virtual size %d is absurd", ErrCorrupt, h.size)
 	}
+	// QEMU counts the size in 512-byte sectors and drops a partial one:
+	// a stored 67108764 is a 67108352-byte disk there, so here too.
+	h.size &^= 511
+	if uint64(h.refcountClusters)*uint64(h.clusterSize) > maxRefTableBytes {
+		return nil, fmt.Errorf("%w: refcount table of %d clusters is too large (QEMU's limit is %d MiB)", ErrCorrupt, h.refcountClusters, maxRefTableBytes>>20)
+	}
+	if h.nbSnapshots > maxSnapshots {
+		return nil, fmt.Errorf("%w: %d snapshots (at most %d)", ErrCorrupt, h.nbSnapshots, maxSnapshots)
+	}
 	if h.cryptMethod != 0 {
 		return nil, fmt.Errorf("%w: encryption (method %d)", ErrUnsupported, h.cryptMethod)
 	}
 	if err := h.checkL1(fileSize); err != nil {
 		return nil, err
+	}
+	if off, n := h.refcountOffset, uint64(h.refcountClusters)*uint64(h.clusterSize); n > 0 &&
+		(off%uint64(h.clusterSize) != 0 || off > uint64(fileSize) || n > uint64(fileSize)-off) {
+		return nil, fmt.Errorf("%w: refcount table at %#x (%d clusters) is misaligned or lies beyond the end of the file", ErrCorrupt, off, h.refcountClusters)
 	}
 	if err := h.readExtensions(buf); err != nil {
 		return nil, err
@@ -240,7 +253,9 @@ func (h *header) readExtensions(buf []byte) error {
 				h.featureNames[[2]uint8{data[i], data[i+1]}] = name
 			}
 		case extBitmaps:
-			h.hasBitmaps = true
+			if err := h.checkBitmaps(data); err != nil {
+				return err
+			}
 		case extCrypto:
 			return fmt.Errorf("%w: encryption (LUKS header extension)", ErrUnsupported)
 		case extDataFile:
@@ -248,6 +263,45 @@ func (h *header) readExtensions(buf []byte) error {
 		}
 		off += (length + 7) &^ 7
 	}
+	return nil
+}
+
+// Bounds of the bitmaps extension, QEMU's QCOW2_MAX_BITMAPS and
+// QCOW2_MAX_BITMAP_DIRECTORY_SIZE.
+const (
+	maxBitmaps             = 65535
+	maxBitmapDirectorySize = 1024 * maxBitmaps
+)
+
+// autoclearBitmaps is the autoclear bit that says the bitmaps extension
+// is consistent with the image.
+const autoclearBitmaps = 1 << 0
+
+// checkBitmaps validates the bitmaps extension as QEMU does at open. An
+// extension whose autoclear bit is clear is stale and ignored, as there.
+func (h *header) checkBitmaps(data []byte) error {
+	if h.autoclear&autoclearBitmaps == 0 {
+		return nil
+	}
+	if len(data) < 24 {
+		return fmt.Errorf("%w: bitmaps extension of %d bytes (want 24)", ErrCorrupt, len(data))
+	}
+	be := binary.BigEndian
+	nb, reserved := be.Uint32(data[0:]), be.Uint32(data[4:])
+	dirSize, dirOffset := be.Uint64(data[8:]), be.Uint64(data[16:])
+	switch {
+	case reserved != 0:
+		return fmt.Errorf("%w: bitmaps extension: reserved field is %#x", ErrCorrupt, reserved)
+	case nb == 0:
+		return fmt.Errorf("%w: bitmaps extension lists no bitmaps", ErrCorrupt)
+	case nb > maxBitmaps:
+		return fmt.Errorf("%w: %d bitmaps (at most %d)", ErrCorrupt, nb, maxBitmaps)
+	case dirSize > maxBitmapDirectorySize:
+		return fmt.Errorf("%w: bitmap directory of %d bytes is too large (at most %d)", ErrCorrupt, dirSize, maxBitmapDirectorySize)
+	case dirOffset%uint64(h.clusterSize) != 0:
+		return fmt.Errorf("%w: bitmap directory offset %#x is not cluster-aligned", ErrCorrupt, dirOffset)
+	}
+	h.hasBitmaps = true
 	return nil
 }
 

@@ -69,8 +69,18 @@ type Image struct {
 	bfmt    string        // format of backing
 	direct  bool          // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
-	// the host file which data clusters are holes (as QEMU does).
+	// the host file which data clusters are holes (as QEMU does). Found out
+	// on the first block status that needs it, never at open: the scan
+	// grows with the refcount table.
+	preallocOnce sync.Once
 	preallocated bool
+	// snaps is the snapshot table, read and checked at open.
+	snaps []snapshotEntry
+	// snapTableBytes is the snapshot table's length in the file.
+	snapTableBytes int64
+	// corrupt: a write would have landed on metadata; the image is marked
+	// corrupt and refuses writes from then on (see overlap.go).
+	corrupt atomic.Bool
 
 	// meta guards what lookups read and writers change: l1, the pinned L2
 	// tables and fileSize. Lookups hold it shared for a few loads; writers
@@ -159,8 +169,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	q.l2cache = newLRU[[]uint64](int(cacheBytes / h.clusterSize))
 	q.dcache = newLRU[[]byte](max(2, int(decodedCacheBytes/h.clusterSize)))
 	q.rcache = newLRU[[]byte](4)
-	q.preallocated, err = q.detectMetadataPreallocation(ctx, st.Blocks*512)
-	if err != nil {
+	if q.snaps, q.snapTableBytes, err = q.readSnapshots(ctx); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return q, nil
@@ -357,7 +366,7 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 		// (preallocated, never written: a hole in the file).
 		host := m.host + off%cs
 		zero := false
-		if q.preallocated {
+		if q.isPreallocated(ctx) {
 			length, zero = q.hostZero(host, length)
 		}
 		return formats.Extent{Start: off, Length: length, Data: true, Zero: zero, Present: true, Offset: host, HasOffset: true, File: q.path}, nil
@@ -504,7 +513,7 @@ func (q *Image) Info() formats.Info {
 			Compat: compat, CompressionType: compression,
 			LazyRefcounts: h.compatible&compatLazyRefcounts != 0,
 			RefcountBits:  1 << h.refcountOrder,
-			Corrupt:       h.incompatible&incCorrupt != 0,
+			Corrupt:       h.incompatible&incCorrupt != 0 || q.corrupt.Load(),
 			ExtendedL2:    h.incompatible&incExtendedL2 != 0,
 			Bitmaps:       h.hasBitmaps,
 		}},
@@ -516,8 +525,7 @@ func (q *Image) Info() formats.Info {
 			info.FullBackingFilename = filepath.Join(filepath.Dir(q.path), h.backingFile)
 		}
 	}
-	// Snapshots are best effort: a damaged table must not hide the rest.
-	info.Snapshots, _ = q.snapshots(ctx)
+	info.Snapshots = q.snapshotList()
 	return info
 }
 

@@ -1,36 +1,20 @@
 package qcow2
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
+
+	"golang.org/x/sys/unix"
 )
 
-// Refcounts. Read-only images ask them one question, the one QEMU asks at
-// open: was the image preallocated with metadata (clusters referenced but
+// Refcounts. Read-only images ask them one question, the one QEMU asks on
+// the first block status: was the image preallocated with metadata (clusters referenced but
 // never written, so the host file has holes there)? Then, and only then,
 // block status asks the host file which data clusters read as zeroes, as
 // qemu-img map does. Writable images keep them: see alloc.go.
-
-// refcount returns the refcount of host cluster c.
-func (q *Image) refcount(ctx context.Context, rt []uint64, c int64) (uint64, error) {
-	bits := int64(1) << q.h.refcountOrder
-	perBlock := q.h.clusterSize * 8 / bits
-	i := c / perBlock
-	if i >= int64(len(rt)) {
-		return 0, nil
-	}
-	boff := int64(rt[i] &^ uint64(q.h.clusterSize-1))
-	if boff == 0 {
-		return 0, nil
-	}
-	block, err := q.refcountBlock(ctx, boff)
-	if err != nil {
-		return 0, err
-	}
-	return getRefcount(block, c%perBlock, bits), nil
-}
 
 // getRefcount reads entry j of a refcount block of bits-wide entries.
 func getRefcount(block []byte, j, bits int64) uint64 {
@@ -82,14 +66,15 @@ func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {
 	return b, nil
 }
 
-// refcountTable reads the refcount table.
+// refcountTable reads the refcount table. Its size is bounded at open
+// (parseHeader).
 func (q *Image) refcountTable(ctx context.Context) ([]uint64, error) {
 	n := int64(q.h.refcountClusters) * q.h.clusterSize
 	off := int64(q.h.refcountOffset)
 	if n == 0 {
 		return nil, nil
 	}
-	if off%q.h.clusterSize != 0 || off < 0 || n > q.fileSize || off > q.fileSize-n || n > maxL1Bytes*8 {
+	if off%q.h.clusterSize != 0 || off < 0 || n > q.fileSize || off > q.fileSize-n {
 		return nil, fmt.Errorf("%w: refcount table at %#x (%d clusters) lies beyond the end of the file", ErrCorrupt, off, q.h.refcountClusters)
 	}
 	raw := make([]byte, n)
@@ -103,26 +88,82 @@ func (q *Image) refcountTable(ctx context.Context) ([]uint64, error) {
 	return rt, nil
 }
 
+// isPreallocated says whether the image was preallocated with metadata,
+// finding out on the first call.
+func (q *Image) isPreallocated(ctx context.Context) bool {
+	q.preallocOnce.Do(func() {
+		v, err := q.detectMetadataPreallocation(ctx)
+		if err != nil {
+			q.logWarn("metadata preallocation check failed; data clusters are reported as data", err)
+		}
+		q.preallocated = v
+	})
+	return q.preallocated
+}
+
 // detectMetadataPreallocation is QEMU's heuristic: more referenced clusters
 // than the file really allocates (by a ninth, or two clusters) means
-// preallocated metadata.
-func (q *Image) detectMetadataPreallocation(ctx context.Context, allocated int64) (bool, error) {
-	rt, err := q.refcountTable(ctx)
-	if err != nil {
-		return false, err
+// preallocated metadata. It walks the refcount table, not the file: absent
+// and all-zero refcount blocks are skipped whole, so a huge sparse file
+// costs no more than its table (bounded at 8 MiB), and the count stops at
+// the threshold.
+func (q *Image) detectMetadataPreallocation(ctx context.Context) (bool, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(q.f.Fd(), &st); err != nil {
+		return false, fmt.Errorf("qcow2: stat: %w", err)
 	}
-	real := allocated / q.h.clusterSize
+	cs := q.h.clusterSize
+	real := st.Blocks * 512 / cs
 	threshold := max(real*10/9, real+2)
-	end := (q.fileSize + q.h.clusterSize - 1) / q.h.clusterSize
+	var rt []uint64
+	block := func(off int64) ([]byte, error) { return q.refcountBlock(ctx, off) }
+	if q.w != nil {
+		// A writable image's refcounts live in its write state.
+		q.w.alloc.Lock()
+		defer q.w.alloc.Unlock()
+		rt = q.w.rtable
+		block = func(off int64) ([]byte, error) {
+			if p, ok := q.w.rbpin[off]; ok {
+				return p.b, nil
+			}
+			return q.refcountBlock(ctx, off)
+		}
+	} else {
+		var err error
+		if rt, err = q.refcountTable(ctx); err != nil {
+			return false, err
+		}
+	}
+	q.meta.RLock()
+	end := (q.fileSize + cs - 1) / cs
+	q.meta.RUnlock()
+	bits := int64(1) << q.h.refcountOrder
+	perBlock := cs * 8 / bits
+	zero := make([]byte, cs)
 	count := int64(0)
-	for c := int64(0); c < end && count < threshold; c++ {
-		rc, err := q.refcount(ctx, rt, c)
+	for i, e := range rt {
+		first := int64(i) * perBlock
+		if first >= end {
+			break
+		}
+		boff := int64(e &^ uint64(cs-1))
+		if boff == 0 {
+			continue
+		}
+		b, err := block(boff)
 		if err != nil {
 			return false, err
 		}
-		if rc != 0 {
-			count++
+		if bytes.Equal(b, zero) {
+			continue
+		}
+		for j := range min(perBlock, end-first) {
+			if getRefcount(b, j, bits) != 0 {
+				if count++; count >= threshold {
+					return true, nil
+				}
+			}
 		}
 	}
-	return count >= threshold, nil
+	return false, nil
 }

@@ -19,6 +19,9 @@ func (q *Image) Resize(ctx context.Context, size int64) error {
 	if q.w == nil {
 		return errReadOnly("resize")
 	}
+	if q.corrupt.Load() {
+		return q.errMarkedCorrupt("resize")
+	}
 	if size < 0 {
 		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EINVAL)
 	}
@@ -124,6 +127,7 @@ func (q *Image) ensureL1(ctx context.Context, size int64) error {
 	}
 	q.meta.Lock()
 	q.l1 = l1
+	w.metaMap.setRange(metaL1, host, n*8, cs)
 	q.meta.Unlock()
 	w.l1Offset = host
 	w.l1Moved = true

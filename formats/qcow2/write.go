@@ -34,6 +34,9 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if q.w == nil {
 		return 0, errReadOnly("write")
 	}
+	if q.corrupt.Load() {
+		return 0, q.errMarkedCorrupt("write")
+	}
 	if off < 0 || off+int64(len(p)) > q.Size() {
 		return 0, fmt.Errorf("qcow2: write [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
 	}
@@ -51,8 +54,8 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 // needs. Clusters contiguous on the host take one write.
 func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	cs := q.h.clusterSize
-	if q.w == nil || q.direct || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() {
-		return false, nil // O_DIRECT writes wait for the device
+	if q.w == nil || q.direct || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || q.corrupt.Load() {
+		return false, nil // O_DIRECT writes wait for the device; WriteAt reports the rest
 	}
 	if !q.w.users.TryRLock() {
 		return false, nil
@@ -82,6 +85,10 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 			return false, nil
 		}
 		host += voff % cs
+		if err := q.checkWriteLocked(host, n, metaNone); err != nil {
+			q.meta.RUnlock()
+			return true, q.refuse(context.Background(), err.(*overlapError), "data write")
+		}
 		if last := len(runs) - 1; last >= 0 && runs[last].host+runs[last].n == host {
 			runs[last].n += n
 		} else {
@@ -91,15 +98,24 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	}
 	q.meta.RUnlock()
 	for _, r := range runs {
-		if err := q.writeHost(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
+		if err := q.hostWrite(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
 			return true, err
 		}
 	}
 	return true, nil
 }
 
-// writeHost writes p at host offset host of a cluster this image owns.
+// writeHost writes p at host offset host of a cluster this image owns,
+// unless the L2 entry that said so points at metadata.
 func (q *Image) writeHost(ctx context.Context, p []byte, host int64) error {
+	if err := q.checkWrite(ctx, host, int64(len(p)), metaNone, "data write"); err != nil {
+		return err
+	}
+	return q.hostWrite(ctx, p, host)
+}
+
+// hostWrite is writeHost once the write is checked.
+func (q *Image) hostWrite(ctx context.Context, p []byte, host int64) error {
 	if _, err := q.f.WriteAt(ctx, p, host); err != nil {
 		return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host, err)
 	}
@@ -317,7 +333,7 @@ func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
 	if err != nil {
 		return nil, err
 	}
-	return q.pinL2(off, t), nil
+	return q.pinL2(ctx, off, t)
 }
 
 // l2ForAlloc returns the L2 table at off as it stands: pinned, cached, or
@@ -333,14 +349,18 @@ func (q *Image) l2ForAlloc(ctx context.Context, off int64) ([]uint64, error) {
 	return q.loadL2(ctx, off, q.fileSize)
 }
 
-// pinL2 pins table t at off (unchanged so far) for a writer. The caller
+// pinL2 pins table t at off (unchanged so far) for a writer, once it is
+// sure that writing the table back lands on no other metadata. The caller
 // holds alloc.
-func (q *Image) pinL2(off int64, t []uint64) *pinnedL2 {
+func (q *Image) pinL2(ctx context.Context, off int64, t []uint64) (*pinnedL2, error) {
+	if err := q.checkWrite(ctx, off, q.h.clusterSize, metaL2, "L2 table update"); err != nil {
+		return nil, err
+	}
 	p := &pinnedL2{t: t}
 	q.meta.Lock()
 	q.w.l2pin[off] = p
 	q.meta.Unlock()
-	return p
+	return p, nil
 }
 
 // newL2 puts table t in a new cluster and points L1 entry l1i at it; the
@@ -352,9 +372,14 @@ func (q *Image) newL2(ctx context.Context, l1i int64, t []uint64) (*pinnedL2, er
 	}
 	p := &pinnedL2{t: t, dirty: true}
 	q.w.dirtyL2.Add(1)
+	cs := q.h.clusterSize
 	q.meta.Lock()
 	q.w.l2pin[host] = p
+	if old := int64(q.l1[l1i] & l1OffsetMask); old != 0 {
+		q.w.metaMap.addL2(old/cs, -1)
+	}
 	q.l1[l1i] = uint64(host) | oflagCopied
+	q.w.metaMap.addL2(host/cs, 1)
 	q.meta.Unlock()
 	q.l1Changed(int(l1i))
 	return p, nil
@@ -380,7 +405,10 @@ func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error
 		return nil, err
 	}
 	if rc == 1 {
-		p := q.pinL2(off, t)
+		p, err := q.pinL2(ctx, off, t)
+		if err != nil {
+			return nil, err
+		}
 		q.meta.Lock()
 		q.l1[l1i] |= oflagCopied
 		q.meta.Unlock()

@@ -28,6 +28,9 @@ func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 	if q.w == nil {
 		return errReadOnly("write zeroes")
 	}
+	if q.corrupt.Load() {
+		return q.errMarkedCorrupt("write zeroes")
+	}
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: write zeroes [%d, +%d): %w", off, n, formats.ErrOutOfRange)
 	}
@@ -49,6 +52,9 @@ func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 func (q *Image) Discard(ctx context.Context, off, n int64) error {
 	if q.w == nil {
 		return errReadOnly("discard")
+	}
+	if q.corrupt.Load() {
+		return q.errMarkedCorrupt("discard")
 	}
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
@@ -112,20 +118,27 @@ func (q *Image) zeroRange(ctx context.Context, off, n int64, op clusterOp) error
 	return q.setClusters(ctx, ca, cb, op)
 }
 
-// zeroPartial zeroes [off, off+n) inside one cluster by writing zeroes,
-// unless the cluster reads as zeroes there already.
+// zeroPartial zeroes [off, off+n), which covers no cluster whole, by
+// writing zeroes into each cluster it touches, unless that cluster reads as
+// zeroes there already. The range may straddle a cluster boundary: every
+// cluster is looked at on its own, since one that reads as zeroes says
+// nothing about its neighbour.
 func (q *Image) zeroPartial(ctx context.Context, off, n int64) error {
-	if n <= 0 {
-		return nil
+	cs := q.h.clusterSize
+	for end := off + n; off < end; {
+		k := min(cs-off%cs, end-off)
+		m, _, err := q.lookup(ctx, off/cs)
+		if err != nil {
+			return err
+		}
+		if !q.readsZero(m, off) {
+			if err := q.write(ctx, make([]byte, k), off); err != nil {
+				return err
+			}
+		}
+		off += k
 	}
-	m, _, err := q.lookup(ctx, off/q.h.clusterSize)
-	if err != nil {
-		return err
-	}
-	if q.readsZero(m, off) {
-		return nil
-	}
-	return q.write(ctx, make([]byte, n), off)
+	return nil
 }
 
 // setClusters applies op to virtual clusters [a, b), one L2 table's span

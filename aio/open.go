@@ -1,0 +1,64 @@
+package aio
+
+import (
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrNotImage marks a path that is neither a regular file nor a block
+// device, so it cannot hold an image.
+var ErrNotImage = errors.New("not a regular file or block device")
+
+// OpenHostFile opens an image's host file with flag (os.O_RDONLY, O_RDWR,
+// O_DIRECT...). Only regular files and block devices are accepted: a FIFO
+// would block the open itself (and every read after it) until a writer came,
+// and a directory, socket or character device holds no image. The file is
+// opened non-blocking first, so a FIFO is refused at once instead of
+// hanging; the flag is cleared again before the file is returned.
+func OpenHostFile(path string, flag int) (*os.File, error) {
+	f, err := os.OpenFile(path, flag|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("stat %s: %w", path, err)
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG, unix.S_IFBLK:
+	default:
+		f.Close()
+		return nil, fmt.Errorf("%s is a %s: %w", path, fileType(st.Mode), ErrNotImage)
+	}
+	// Regular files and block devices ignore O_NONBLOCK for I/O, but clear
+	// it anyway so that nothing depends on that.
+	fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+	if err == nil {
+		_, err = unix.FcntlInt(f.Fd(), unix.F_SETFL, fl&^unix.O_NONBLOCK)
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: clear O_NONBLOCK: %w", path, err)
+	}
+	return f, nil
+}
+
+func fileType(mode uint32) string {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFIFO:
+		return "FIFO"
+	case unix.S_IFDIR:
+		return "directory"
+	case unix.S_IFCHR:
+		return "character device"
+	case unix.S_IFSOCK:
+		return "socket"
+	case unix.S_IFLNK:
+		return "symbolic link"
+	}
+	return fmt.Sprintf("file of type %#o", mode&unix.S_IFMT)
+}

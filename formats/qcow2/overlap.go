@@ -1,0 +1,239 @@
+package qcow2
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+)
+
+// Metadata overlap checks, as QEMU's qcow2_check_metadata_overlap does them
+// in its default ("cached") mode. A corrupt image can make a data write land
+// on metadata: a refcount too low lets allocation hand out the L1 table's
+// cluster, an L2 entry can point at an L2 table or the refcount table, a
+// compressed entry pointing into the header has the header's cluster freed
+// (and punched out) when the entry is overwritten. So before a data write,
+// an allocation, a metadata table's first change or a free lands, the host
+// clusters are checked against what the image uses as metadata; on a hit
+// the request fails (EIO), the image is marked corrupt in its header, so
+// that later opens for writing are refused, writes are refused from then
+// on, and one line names the structure.
+
+// metaKind names a metadata structure.
+type metaKind uint8
+
+const (
+	metaNone metaKind = iota
+	metaHeader
+	metaL1
+	metaL2
+	metaRefTable
+	metaRefBlock
+	metaSnapTable
+	metaSnapL1
+)
+
+func (k metaKind) String() string {
+	return [...]string{"nothing", "image header", "active L1 table", "active L2 table", "refcount table",
+		"refcount block", "snapshot table", "inactive L1 table"}[k]
+}
+
+// metaRange is a run of host clusters [start, end) holding one structure.
+type metaRange struct {
+	start, end int64
+	kind       metaKind
+}
+
+// metaUse counts how often a host cluster is used as an L2 table (by L1
+// entries) and as a refcount block (by refcount table entries).
+type metaUse struct{ l2, rb int32 }
+
+// metaMap is where the metadata lies, in host clusters. Guarded by q.meta:
+// checks hold it shared, changes (under alloc too) exclusively.
+type metaMap struct {
+	// ranges holds the few contiguous structures: header, L1 table,
+	// refcount table, snapshot table, snapshot L1 tables.
+	ranges []metaRange
+	// clusters holds the one-cluster structures: L2 tables, refcount
+	// blocks.
+	clusters map[int64]metaUse
+}
+
+// buildMetaMap records the metadata of an image opened for writing. The
+// caller holds alloc, or no one else has the image yet.
+func (q *Image) buildMetaMap() {
+	cs := q.h.clusterSize
+	w := q.w
+	m := &metaMap{clusters: map[int64]metaUse{}}
+	m.setRange(metaHeader, 0, cs, cs)
+	m.setRange(metaL1, w.l1Offset, int64(len(q.l1))*8, cs)
+	m.setRange(metaRefTable, w.rtOffset, int64(len(w.rtable))*8, cs)
+	if q.snapTableBytes > 0 {
+		m.setRange(metaSnapTable, int64(q.h.snapshotsOffset), q.snapTableBytes, cs)
+	}
+	for _, s := range q.snaps {
+		if s.l1Size > 0 {
+			m.addRange(metaSnapL1, s.l1Offset, s.l1Size*8, cs)
+		}
+	}
+	for _, e := range q.l1 {
+		if off := int64(e & l1OffsetMask); off != 0 {
+			m.addL2(off/cs, 1)
+		}
+	}
+	for _, e := range w.rtable {
+		if off := int64(e &^ uint64(cs-1)); off != 0 {
+			m.addRB(off/cs, 1)
+		}
+	}
+	w.metaMap = m
+}
+
+// setRange replaces the range of kind (the one of its kind: header, L1,
+// refcount table, snapshot table) with the clusters [off, off+n) touches.
+func (m *metaMap) setRange(kind metaKind, off, n, cs int64) {
+	for i, r := range m.ranges {
+		if r.kind == kind {
+			m.ranges = append(m.ranges[:i], m.ranges[i+1:]...)
+			break
+		}
+	}
+	if n > 0 {
+		m.addRange(kind, off, n, cs)
+	}
+}
+
+func (m *metaMap) addRange(kind metaKind, off, n, cs int64) {
+	m.ranges = append(m.ranges, metaRange{off / cs, (off + n + cs - 1) / cs, kind})
+}
+
+func (m *metaMap) addL2(c int64, d int32) {
+	u := m.clusters[c]
+	u.l2 += d
+	m.put(c, u)
+}
+
+func (m *metaMap) addRB(c int64, d int32) {
+	u := m.clusters[c]
+	u.rb += d
+	m.put(c, u)
+}
+
+func (m *metaMap) put(c int64, u metaUse) {
+	if u.l2 <= 0 && u.rb <= 0 {
+		delete(m.clusters, c)
+		return
+	}
+	m.clusters[c] = u
+}
+
+// overlap returns the first structure other than allow found in host
+// clusters [a, b), or metaNone.
+func (m *metaMap) overlap(a, b int64, allow metaKind) metaKind {
+	for _, r := range m.ranges {
+		if r.kind != allow && a < r.end && r.start < b {
+			return r.kind
+		}
+	}
+	if len(m.clusters) == 0 {
+		return metaNone
+	}
+	check := func(u metaUse) metaKind {
+		switch {
+		case u.l2 > 0 && allow != metaL2:
+			return metaL2
+		case u.rb > 0 && allow != metaRefBlock:
+			return metaRefBlock
+		}
+		return metaNone
+	}
+	if b-a <= int64(len(m.clusters)) {
+		for c := a; c < b; c++ {
+			if u, ok := m.clusters[c]; ok {
+				if k := check(u); k != metaNone {
+					return k
+				}
+			}
+		}
+		return metaNone
+	}
+	for c, u := range m.clusters {
+		if c >= a && c < b {
+			if k := check(u); k != metaNone {
+				return k
+			}
+		}
+	}
+	return metaNone
+}
+
+// checkWrite refuses a write of n bytes at host offset host that would
+// land on metadata other than allow (metaNone for data). what names the
+// write for the log. The caller holds alloc or nothing; not meta.
+func (q *Image) checkWrite(ctx context.Context, host, n int64, allow metaKind, what string) error {
+	q.meta.RLock()
+	err := q.checkWriteLocked(host, n, allow)
+	q.meta.RUnlock()
+	if err != nil {
+		return q.refuse(ctx, err.(*overlapError), what)
+	}
+	return nil
+}
+
+// overlapError is a refused write, before it is reported.
+type overlapError struct {
+	kind    metaKind
+	host, n int64
+}
+
+func (e *overlapError) Error() string {
+	return fmt.Sprintf("%d bytes at host %#x overlap the %s", e.n, e.host, e.kind)
+}
+
+// checkWriteLocked is checkWrite for a caller that holds meta; an error is
+// an *overlapError, for refuse once meta is released.
+func (q *Image) checkWriteLocked(host, n int64, allow metaKind) error {
+	m := q.w.metaMap
+	cs := q.h.clusterSize
+	if k := m.overlap(host/cs, (host+n+cs-1)/cs, allow); k != metaNone {
+		return &overlapError{kind: k, host: host, n: n}
+	}
+	return nil
+}
+
+// refuse reports a write that would have landed on metadata: the image is
+// marked corrupt, and the error (ErrCorrupt, EIO to clients) names what
+// was hit.
+func (q *Image) refuse(ctx context.Context, oe *overlapError, what string) error {
+	msg := fmt.Sprintf("preventing invalid write on metadata: %s of %s", what, oe)
+	q.markCorrupt(ctx, msg)
+	return fmt.Errorf("%w: %s", ErrCorrupt, msg)
+}
+
+// errMarkedCorrupt refuses writes once the image is marked corrupt.
+func (q *Image) errMarkedCorrupt(op string) error {
+	return fmt.Errorf("%w: %s refused: the image was marked corrupt (a write would have landed on its metadata); check it with qemu-img check", ErrCorrupt, op)
+}
+
+// markCorrupt sets the corrupt bit in the header (version 3 has one; a
+// version 2 image is refused writes for the rest of this session only, as
+// in QEMU), logs one line, and refuses writes from now on.
+func (q *Image) markCorrupt(ctx context.Context, msg string) {
+	if !q.corrupt.CompareAndSwap(false, true) {
+		return
+	}
+	if q.log != nil {
+		q.log.Error("qcow2: marking image as corrupt: "+msg+"; further writes are refused", "image", q.path)
+	}
+	if q.h.version < 3 {
+		return
+	}
+	var b [8]byte
+	binary.BigEndian.PutUint64(b[:], q.h.incompatible|incCorrupt)
+	if _, err := q.f.WriteAt(ctx, b[:], 72); err != nil {
+		q.logWarn("could not set the corrupt bit", err)
+		return
+	}
+	if err := q.f.Fdatasync(ctx); err != nil {
+		q.logWarn("could not set the corrupt bit", err)
+	}
+}
