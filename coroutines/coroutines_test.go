@@ -167,3 +167,70 @@ func TestBufPoolBuffer(t *testing.T) {
 		p.Release(bp)
 	}
 }
+
+func TestBudget(t *testing.T) {
+	b := NewBudget(100)
+	ctx := context.Background()
+	if err := b.Acquire(ctx, 60); err != nil {
+		t.Fatal(err)
+	}
+	// 50 does not fit: it waits until 60 come back.
+	got := make(chan error, 1)
+	go func() { got <- b.Acquire(ctx, 50) }()
+	select {
+	case <-got:
+		t.Fatal("acquired past the budget")
+	case <-time.After(50 * time.Millisecond):
+	}
+	// First come, first served: a small request behind it waits too.
+	small := make(chan error, 1)
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		small <- b.Acquire(ctx, 10)
+	}()
+	select {
+	case <-small:
+		t.Fatal("a later request overtook a waiting one")
+	case <-time.After(50 * time.Millisecond):
+	}
+	b.Release(60)
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-small; err != nil {
+		t.Fatal(err)
+	}
+	if n := b.InUse(); n != 60 {
+		t.Fatalf("in use %d, want 60", n)
+	}
+	// A request larger than the whole budget runs alone.
+	b.Release(50)
+	b.Release(10)
+	if err := b.Acquire(ctx, 1000); err != nil || b.InUse() != 100 {
+		t.Fatalf("oversized acquire: %v, in use %d", err, b.InUse())
+	}
+	// A cancelled wait takes nothing and lets the ones behind it go.
+	cctx, cancel := context.WithCancel(ctx)
+	cancelled := make(chan error, 1)
+	go func() { cancelled <- b.Acquire(cctx, 80) }()
+	time.Sleep(20 * time.Millisecond)
+	cancel()
+	if err := <-cancelled; err == nil {
+		t.Fatal("a cancelled wait acquired")
+	}
+	b.Release(1000)
+	if n := b.InUse(); n != 0 {
+		t.Fatalf("in use %d after everything came back", n)
+	}
+}
+
+func TestBudgetTryAcquire(t *testing.T) {
+	b := NewBudget(10)
+	if !b.TryAcquire(8) || b.TryAcquire(3) || !b.TryAcquire(2) {
+		t.Fatal("TryAcquire took what was not free, or refused what was")
+	}
+	b.Release(10)
+	if b.InUse() != 0 {
+		t.Fatal("not all came back")
+	}
+}

@@ -24,6 +24,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
 	writable := fs.BoolP("writable", "w", false, "allow writes (default: read-only)")
 	maxClients := fs.Int("max-clients", 0, "refuse connections beyond this many (0: no limit)")
+	handshakeLimit := fs.Int("handshake-limit", int(nbd.DefaultHandshakeLimit/time.Second), "drop a client that has not finished the handshake in this many seconds, so idle sockets cannot hold --max-clients slots (0: no limit; qemu-nbd's flag)")
 	daemon := fs.Bool("daemonize", false, "run in the background; return once listening")
 	pidfile := fs.String("pidfile", "", "write the serving process's PID to this file")
 	logLevel := fs.String("log-level", "info", "log level: debug, info, warn or error")
@@ -64,6 +65,9 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if *maxClients < 0 {
 		return usagef("--max-clients %d: want 0 or more", *maxClients)
 	}
+	if *handshakeLimit < 0 {
+		return usagef("--handshake-limit %d: want 0 or more seconds", *handshakeLimit)
+	}
 	if *daemon && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
@@ -99,7 +103,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		defer stop()
 	}
 	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients,
-		PollMax: pollMax, Logger: logger})
+		PollMax: pollMax, HandshakeLimit: time.Duration(*handshakeLimit) * time.Second, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()

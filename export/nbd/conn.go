@@ -3,6 +3,7 @@ package nbd
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"net"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
@@ -42,6 +44,67 @@ type conn struct {
 	stopOnce     sync.Once
 	stopping     chan struct{}
 	neg          negotiated
+
+	// ctx is cancelled when the client is gone (its stream ended or a
+	// reply could not be sent): requests not yet run are dropped, and a
+	// reader waiting for budget gives up. A clean stop (DISC, shutdown)
+	// does not cancel: what was read is answered.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// budget bounds this connection's request buffers (Options.ConnBytes).
+	budget *coroutines.Budget
+}
+
+func newConn(s *Server, sock connIO, log *slog.Logger) *conn {
+	c := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{}),
+		budget: coroutines.NewBudget(s.opts.ConnBytes)}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	return c
+}
+
+// requestCost is what a request counts against the budgets while it is
+// in flight: its buffer, and at least minRequestCost, since a request
+// without data still holds a goroutine.
+func requestCost(req protocol.TransmissionRequestHeader) int64 {
+	n := int64(0)
+	switch req.Type {
+	case cmdRead, cmdWrite:
+		n = int64(req.Length)
+	case cmdCache:
+		n = int64(min(req.Length, 1<<20))
+	}
+	return max(n, minRequestCost)
+}
+
+// minRequestCost bounds the requests without data one connection keeps in
+// flight (a thousand at the default budget).
+const minRequestCost = 64 << 10
+
+// acquire takes cost from the connection's budget and the server's,
+// waiting (back-pressure: the reader reads no further request) until both
+// have room or the client is gone.
+func (c *conn) acquire(cost int64) error {
+	if c.budget.TryAcquire(cost) {
+		if c.srv.budget.TryAcquire(cost) {
+			return nil
+		}
+		c.budget.Release(cost)
+	}
+	// About to wait: send the replies collected so far first.
+	c.uncork()
+	if err := c.budget.Acquire(c.ctx, cost); err != nil {
+		return err
+	}
+	if err := c.srv.budget.Acquire(c.ctx, cost); err != nil {
+		c.budget.Release(cost)
+		return err
+	}
+	return nil
+}
+
+func (c *conn) release(cost int64) {
+	c.srv.budget.Release(cost)
+	c.budget.Release(cost)
 }
 
 // stop makes the connection finish what it has read and close.
@@ -55,6 +118,7 @@ func (c *conn) stop() {
 
 func (c *conn) serve() {
 	defer c.sock.Close()
+	defer c.cancel()
 	r := bufio.NewReaderSize(c.sock, 256<<10)
 	c.bw = bufio.NewWriterSize(c.sock, 256<<10)
 	c.scratch = make([]byte, 1<<20)
@@ -67,7 +131,19 @@ func (c *conn) serve() {
 	if tw, ok := c.srv.img.(formats.NoWaitWriter); ok && !c.inlineWrites && c.srv.opts.Writable {
 		c.tryWrites = tw
 	}
+	var limit *time.Timer
+	if d := c.srv.opts.HandshakeLimit; d > 0 {
+		// A client that never finishes the handshake would hold its
+		// --max-clients slot forever.
+		limit = time.AfterFunc(d, func() {
+			c.log.Warn("dropping an NBD client that did not finish the handshake in time", "limit", d)
+			c.sock.CloseRead()
+		})
+	}
 	neg, err := c.handshake(r)
+	if limit != nil && !limit.Stop() {
+		err = cmp.Or(err, errors.New("handshake limit passed"))
+	}
 	if err != nil {
 		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
 			c.log.Warn("NBD negotiation failed", "err", err)
@@ -77,8 +153,11 @@ func (c *conn) serve() {
 	c.neg = neg
 	c.log.Debug("NBD client connected", "structured", neg.structured, "base:allocation", neg.metaAlloc)
 	err = c.transmit(r)
+	if err != nil {
+		c.cancel() // the client is gone: drop what it left queued
+	}
 	c.inflight.Wait()
-	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, context.Canceled) {
 		c.log.Warn("NBD connection ended", "err", err)
 	}
 }
@@ -112,6 +191,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			return errors.New("bad request magic: the stream is out of step")
 		}
 		var payload []byte
+		cost := int64(0) // taken from the budgets, once the request must wait
 		if req.Type == cmdWrite {
 			if req.Length > maxRequest {
 				// Too big to take: the payload cannot be skipped safely.
@@ -123,6 +203,9 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			if fits && (c.inlineWrites || c.tryWrites != nil) {
 				payload = c.scratch[:req.Length]
 			} else {
+				if cost = requestCost(req); c.acquire(cost) != nil {
+					return c.ctx.Err()
+				}
 				payload = make([]byte, req.Length)
 			}
 			if err := readFull(r, payload); err != nil {
@@ -135,6 +218,9 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			if fits && c.tryWrites != nil {
 				if c.tryWriteInline(req, payload) {
 					continue
+				}
+				if cost = requestCost(req); c.acquire(cost) != nil {
+					return c.ctx.Err()
 				}
 				payload = append([]byte(nil), payload...) // scratch is reused
 			}
@@ -150,9 +236,15 @@ func (c *conn) transmit(r *bufio.Reader) error {
 		if req.Type == cmdRead && c.tryReadInline(req) {
 			continue
 		}
+		if cost == 0 {
+			if cost = requestCost(req); c.acquire(cost) != nil {
+				return c.ctx.Err()
+			}
+		}
 		c.inflight.Add(1)
 		go func() {
 			defer c.inflight.Done()
+			defer c.release(cost)
 			c.handle(req, payload)
 		}()
 	}
@@ -206,14 +298,25 @@ func (c *conn) uncork() {
 	c.wmu.Lock()
 	c.corked = false
 	if err := c.bw.Flush(); err != nil {
-		c.log.Debug("NBD replies not sent", "err", err)
+		c.replyFailed(err)
 	}
 	c.wmu.Unlock()
 }
 
+// replyFailed handles a reply that could not be sent: the client is gone,
+// so the connection stops reading and drops its queued requests.
+func (c *conn) replyFailed(err error) {
+	c.log.Debug("NBD reply not sent; dropping the connection", "err", err)
+	c.cancel()
+	c.sock.CloseRead()
+}
+
 // handle runs one request and sends its reply.
 func (c *conn) handle(req protocol.TransmissionRequestHeader, payload []byte) {
-	ctx := context.Background()
+	ctx := c.ctx
+	if ctx.Err() != nil {
+		return // the client is gone: nobody to answer
+	}
 	img := c.srv.img
 	off, n := int64(req.Offset), int64(req.Length)
 	size := img.Size()
@@ -486,7 +589,7 @@ func (c *conn) send(hdr, data []byte) {
 	c.bw.Write(data)
 	if !c.corked {
 		if err := c.bw.Flush(); err != nil {
-			c.log.Debug("NBD reply not sent", "err", err)
+			c.replyFailed(err)
 		}
 	}
 }

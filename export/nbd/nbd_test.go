@@ -36,7 +36,7 @@ func newPairWith(t *testing.T, img formats.Image, writable bool) (*client, *Serv
 	t.Helper()
 	s := New(img, Options{Name: "disk", Writable: writable})
 	a, b := net.Pipe()
-	cn := &conn{srv: s, sock: netConnIO{a}, log: s.log, stopping: make(chan struct{})}
+	cn := newConn(s, netConnIO{a}, s.log)
 	s.mu.Lock()
 	s.conns[cn] = struct{}{} // as Serve does, so Shutdown sees it
 	s.mu.Unlock()
@@ -381,7 +381,7 @@ func FuzzServe(f *testing.F) {
 		img, _ := null.New("null", 1<<20, true)
 		s := New(img, Options{Writable: true})
 		a, b := net.Pipe()
-		cn := &conn{srv: s, sock: netConnIO{a}, log: s.log, stopping: make(chan struct{})}
+		cn := newConn(s, netConnIO{a}, s.log)
 		done := make(chan struct{})
 		go func() { cn.serve(); close(done) }()
 		go io.Copy(io.Discard, b)

@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -24,8 +25,27 @@ type Options struct {
 	// PollMax bounds the adaptive busy-poll of a connection's socket
 	// before its reader sleeps (see sock); 0 disables it.
 	PollMax time.Duration
-	Logger  *slog.Logger
+	// HandshakeLimit drops a client that has not finished the handshake
+	// in this time (qemu-nbd's --handshake-limit); 0 means no limit.
+	HandshakeLimit time.Duration
+	// ConnBytes and ServerBytes bound the request buffers (read and write
+	// payloads) held at once by one connection and by all of them: past
+	// that, readers stop reading requests until replies go out. 0 means
+	// DefaultConnBytes and DefaultServerBytes.
+	ConnBytes, ServerBytes int64
+	Logger                 *slog.Logger
 }
+
+// Default bounds on the request buffers in flight. A connection's 64 MiB
+// hold two requests of the largest size, or a thousand small ones; the
+// server's 128 MiB keep a flood of 32 MiB reads from several clients near
+// what qemu-nbd holds (about 200 MiB).
+const (
+	DefaultConnBytes   = 64 << 20
+	DefaultServerBytes = 128 << 20
+	// DefaultHandshakeLimit is qemu-nbd's default.
+	DefaultHandshakeLimit = 10 * time.Second
+)
 
 // Server serves one image to any number of NBD connections.
 type Server struct {
@@ -39,6 +59,7 @@ type Server struct {
 	wg     sync.WaitGroup      // connections
 	slots  chan struct{}       // MaxClients
 	bufs   *coroutines.BufPool // slow-path read buffers
+	budget *coroutines.Budget  // request buffers of all connections
 }
 
 // New makes a server for img.
@@ -46,8 +67,10 @@ func New(img formats.Image, o Options) *Server {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
+	o.ConnBytes = cmp.Or(o.ConnBytes, DefaultConnBytes)
+	o.ServerBytes = cmp.Or(o.ServerBytes, DefaultServerBytes)
 	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{},
-		bufs: coroutines.NewBufPool(1<<20, 4096)}
+		bufs: coroutines.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes)}
 	if o.MaxClients > 0 {
 		s.slots = make(chan struct{}, o.MaxClients)
 	}
@@ -97,7 +120,7 @@ func (s *Server) Serve(l net.Listener) error {
 			}
 			continue
 		}
-		cn := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{})}
+		cn := newConn(s, sock, log)
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
