@@ -196,13 +196,20 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 // With passthrough, opens for reading only are served by the kernel from
 // the host file. Opens for writing never are: a passthrough write past the
 // end would grow the host file, where a non-growable export must refuse.
+// Yet the kernel wants every open of an inode that has passthrough opens to
+// be a passthrough open too (it fails any other with EIO), so opens for
+// writing get passthrough with direct I/O, which the kernel lets override
+// it: their reads and writes still come to us.
 func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	if id := e.backingID.Load(); id > 0 && in.Flags&unix.O_ACCMODE == unix.O_RDONLY {
-		out.OpenFlags = fuse.FOPEN_PASSTHROUGH
-		out.BackingID = id
-		return fuse.OK
-	}
 	out.OpenFlags = fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES
+	if id := e.backingID.Load(); id > 0 {
+		out.BackingID = id
+		if in.Flags&unix.O_ACCMODE == unix.O_RDONLY {
+			out.OpenFlags = fuse.FOPEN_PASSTHROUGH
+		} else {
+			out.OpenFlags |= fuse.FOPEN_PASSTHROUGH
+		}
+	}
 	return fuse.OK
 }
 
