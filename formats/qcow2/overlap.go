@@ -1,9 +1,12 @@
 package qcow2
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"fmt"
+	"slices"
+	"sort"
 )
 
 // Metadata overlap checks, as QEMU's qcow2_check_metadata_overlap does them
@@ -50,9 +53,14 @@ type metaUse struct{ l2, rb int32 }
 // metaMap is where the metadata lies, in host clusters. Guarded by q.meta:
 // checks hold it shared, changes (under alloc too) exclusively.
 type metaMap struct {
-	// ranges holds the few contiguous structures: header, L1 table,
-	// refcount table, snapshot table, snapshot L1 tables.
+	// ranges holds the few contiguous structures that move: header, L1
+	// table, refcount table, snapshot table.
 	ranges []metaRange
+	// snapL1 holds the snapshots' L1 tables (there may be 65536), sorted
+	// by start, and snapL1End[i] the largest end among snapL1[:i+1], so
+	// that a check is a binary search.
+	snapL1    []metaRange
+	snapL1End []int64
 	// clusters holds the one-cluster structures: L2 tables, refcount
 	// blocks.
 	clusters map[int64]metaUse
@@ -70,11 +78,13 @@ func (q *Image) buildMetaMap() {
 	if q.snapTableBytes > 0 {
 		m.setRange(metaSnapTable, int64(q.h.snapshotsOffset), q.snapTableBytes, cs)
 	}
+	var snapL1 []metaRange
 	for _, s := range q.snaps {
 		if s.l1Size > 0 {
-			m.addRange(metaSnapL1, s.l1Offset, s.l1Size*8, cs)
+			snapL1 = append(snapL1, metaRange{s.l1Offset / cs, (s.l1Offset + s.l1Size*8 + cs - 1) / cs, metaSnapL1})
 		}
 	}
+	m.setSnapshotL1s(snapL1)
 	for _, e := range q.l1 {
 		if off := int64(e & l1OffsetMask); off != 0 {
 			m.addL2(off/cs, 1)
@@ -99,6 +109,17 @@ func (m *metaMap) setRange(kind metaKind, off, n, cs int64) {
 	}
 	if n > 0 {
 		m.addRange(kind, off, n, cs)
+	}
+}
+
+// setSnapshotL1s records the snapshots' L1 tables (in clusters).
+func (m *metaMap) setSnapshotL1s(r []metaRange) {
+	m.snapL1 = slices.SortedFunc(slices.Values(r), func(a, b metaRange) int { return cmp.Compare(a.start, b.start) })
+	m.snapL1End = m.snapL1End[:0]
+	end := int64(0)
+	for _, r := range m.snapL1 {
+		end = max(end, r.end)
+		m.snapL1End = append(m.snapL1End, end)
 	}
 }
 
@@ -133,6 +154,11 @@ func (m *metaMap) overlap(a, b int64, allow metaKind) metaKind {
 		if r.kind != allow && a < r.end && r.start < b {
 			return r.kind
 		}
+	}
+	// The last snapshot L1 table starting before b, and whether any up to
+	// it reaches past a.
+	if i := sort.Search(len(m.snapL1), func(i int) bool { return m.snapL1[i].start >= b }) - 1; i >= 0 && m.snapL1End[i] > a {
+		return metaSnapL1
 	}
 	if len(m.clusters) == 0 {
 		return metaNone

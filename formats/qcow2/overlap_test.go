@@ -67,6 +67,13 @@ func TestWritesNeverLandOnMetadata(t *testing.T) {
 		{"refcount table cluster at refcount 0", func(t *testing.T, p string, l layout) {
 			setRefcount16(t, p, l, l.rt/l.cs, 0)
 		}, func(q *Image) error { _, err := q.WriteAt(context.Background(), make([]byte, 4096), 3<<16); return err }, "refcount table"},
+		{"snapshot's L1 table at refcount 0, then an allocation", func(t *testing.T, p string, l layout) {
+			tool(t, "qemu-img", "snapshot", "-c", "s", p)
+			b, _ := os.ReadFile(p)
+			st := binary.BigEndian.Uint64(b[64:])
+			snapL1 := int64(binary.BigEndian.Uint64(b[st:]))
+			setRefcount16(t, p, l, snapL1/l.cs, 0)
+		}, func(q *Image) error { _, err := q.WriteAt(context.Background(), make([]byte, 4096), 3<<16); return err }, "inactive L1 table"},
 		{"L2 entry -> L1 table", func(t *testing.T, p string, l layout) {
 			patch(t, p, l.l2, be64(uint64(l.l1)|oflagCopied))
 		}, func(q *Image) error { _, err := q.WriteAt(context.Background(), make([]byte, 4096), 0); return err }, "active L1 table"},
@@ -202,4 +209,31 @@ func slices64k(t *testing.T, p string) []byte {
 		t.Fatal(err)
 	}
 	return b[:64<<10]
+}
+
+func TestMetaMapOverlap(t *testing.T) {
+	m := &metaMap{clusters: map[int64]metaUse{}}
+	m.setRange(metaHeader, 0, 1, 512)
+	m.setRange(metaL1, 10*512, 3*512, 512) // clusters 10-12
+	m.setSnapshotL1s([]metaRange{{100, 104, metaSnapL1}, {50, 51, metaSnapL1}, {60, 70, metaSnapL1}})
+	m.addL2(20, 1)
+	m.addRB(30, 1)
+	m.addL2(40, 1)
+	m.addL2(40, -1) // unlinked again
+	for _, c := range []struct {
+		a, b  int64
+		allow metaKind
+		want  metaKind
+	}{
+		{0, 1, metaNone, metaHeader}, {1, 10, metaNone, metaNone}, {12, 13, metaNone, metaL1},
+		{13, 20, metaNone, metaNone}, {20, 21, metaNone, metaL2}, {20, 21, metaL2, metaNone},
+		{30, 31, metaL2, metaRefBlock}, {40, 41, metaNone, metaNone}, {49, 50, metaNone, metaNone},
+		{50, 51, metaNone, metaSnapL1}, {51, 60, metaNone, metaNone}, {65, 66, metaNone, metaSnapL1},
+		{70, 100, metaNone, metaNone}, {103, 200, metaNone, metaSnapL1}, {104, 1 << 40, metaNone, metaNone},
+		{0, 1 << 40, metaHeader, metaL1},
+	} {
+		if got := m.overlap(c.a, c.b, c.allow); got != c.want {
+			t.Errorf("overlap [%d, %d) allowing %v: %v, want %v", c.a, c.b, c.allow, got, c.want)
+		}
+	}
 }
