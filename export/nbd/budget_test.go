@@ -101,3 +101,27 @@ func TestMisbehavingClientIsBounded(t *testing.T) {
 		t.Fatalf("%d bytes of budget never came back", in)
 	}
 }
+
+// TestTruncatedWriteGivesTheBudgetBack: a client that announces a large
+// write and hangs up before its payload must not keep the server's budget
+// (a few such clients would lock every other client out).
+func TestTruncatedWriteGivesTheBudgetBack(t *testing.T) {
+	img, _ := null.New("null", 1<<30, true)
+	s := New(img, Options{Name: "disk", Writable: true})
+	for range 3 {
+		a, b := net.Pipe()
+		cn := newConn(s, netConnIO{a}, s.log)
+		done := make(chan struct{})
+		go func() { cn.serve(); close(done) }()
+		c := &client{t: t, c: b, r: bufio.NewReader(b)}
+		b.SetDeadline(time.Now().Add(10 * time.Second))
+		c.greet()
+		c.option(optGo, goData("disk"))
+		c.request(cmdWrite, 0, 1, 0, 16<<20, make([]byte, 1000)) // larger than the inline buffer, cut short
+		b.Close()
+		<-done
+	}
+	if in := s.budget.InUse(); in != 0 {
+		t.Fatalf("%d bytes of the server's budget kept by clients that are gone", in)
+	}
+}

@@ -209,6 +209,9 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				payload = make([]byte, req.Length)
 			}
 			if err := readFull(r, payload); err != nil {
+				if cost > 0 {
+					c.release(cost) // the server's budget outlives this client
+				}
 				return err
 			}
 			if fits && c.inlineWrites {
