@@ -197,10 +197,10 @@ func (m *metaMap) overlap(a, b int64, allow metaKind) metaKind {
 // write for the log. The caller holds alloc or nothing; not meta.
 func (q *Image) checkWrite(ctx context.Context, host, n int64, allow metaKind, what string) error {
 	q.meta.RLock()
-	err := q.checkWriteLocked(host, n, allow)
+	oe := q.checkWriteLocked(host, n, allow)
 	q.meta.RUnlock()
-	if err != nil {
-		return q.refuse(ctx, err.(*overlapError), what)
+	if oe != nil {
+		return q.refuse(ctx, oe, what)
 	}
 	return nil
 }
@@ -215,9 +215,9 @@ func (e *overlapError) Error() string {
 	return fmt.Sprintf("%d bytes at host %#x overlap the %s", e.n, e.host, e.kind)
 }
 
-// checkWriteLocked is checkWrite for a caller that holds meta; an error is
-// an *overlapError, for refuse once meta is released.
-func (q *Image) checkWriteLocked(host, n int64, allow metaKind) error {
+// checkWriteLocked is checkWrite for a caller that holds meta; what it
+// finds goes to refuse once meta is released.
+func (q *Image) checkWriteLocked(host, n int64, allow metaKind) *overlapError {
 	m := q.w.metaMap
 	cs := q.h.clusterSize
 	if k := m.overlap(host/cs, (host+n+cs-1)/cs, allow); k != metaNone {

@@ -12,10 +12,10 @@
 //
 // Files: header.go (header and extensions), cluster.go (L1/L2 lookup),
 // cache.go (LRU), compress.go (compressed clusters), backing.go (chains),
-// refcount.go (refcount entries), alloc.go (allocation and frees),
-// write.go (writes), zero.go
-// (write-zeroes and discard), flush.go (metadata write-back), resize.go,
-// create.go (new images).
+// snapshot.go (the snapshot table), refcount.go (refcount entries),
+// alloc.go (allocation and frees), overlap.go (writes never land on
+// metadata), write.go (writes), zero.go (write-zeroes and discard),
+// flush.go (metadata write-back), resize.go, create.go (new images).
 package qcow2
 
 import (

@@ -11,10 +11,11 @@ import (
 )
 
 // Refcounts. Read-only images ask them one question, the one QEMU asks on
-// the first block status: was the image preallocated with metadata (clusters referenced but
-// never written, so the host file has holes there)? Then, and only then,
-// block status asks the host file which data clusters read as zeroes, as
-// qemu-img map does. Writable images keep them: see alloc.go.
+// the first block status: was the image preallocated with metadata
+// (clusters referenced but never written, so the host file has holes
+// there)? Then, and only then, block status asks the host file which data
+// clusters read as zeroes, as qemu-img map does. Writable images keep
+// them: see alloc.go.
 
 // getRefcount reads entry j of a refcount block of bits-wide entries.
 func getRefcount(block []byte, j, bits int64) uint64 {
@@ -66,16 +67,13 @@ func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {
 	return b, nil
 }
 
-// refcountTable reads the refcount table. Its size is bounded at open
-// (parseHeader).
+// refcountTable reads the refcount table, whose place and size
+// parseHeader checked.
 func (q *Image) refcountTable(ctx context.Context) ([]uint64, error) {
 	n := int64(q.h.refcountClusters) * q.h.clusterSize
 	off := int64(q.h.refcountOffset)
 	if n == 0 {
 		return nil, nil
-	}
-	if off%q.h.clusterSize != 0 || off < 0 || n > q.fileSize || off > q.fileSize-n {
-		return nil, fmt.Errorf("%w: refcount table at %#x (%d clusters) lies beyond the end of the file", ErrCorrupt, off, q.h.refcountClusters)
 	}
 	raw := make([]byte, n)
 	if _, err := q.f.ReadAt(ctx, raw, off); err != nil && err != io.EOF {

@@ -85,9 +85,9 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 			return false, nil
 		}
 		host += voff % cs
-		if err := q.checkWriteLocked(host, n, metaNone); err != nil {
+		if oe := q.checkWriteLocked(host, n, metaNone); oe != nil {
 			q.meta.RUnlock()
-			return true, q.refuse(context.Background(), err.(*overlapError), "data write")
+			return true, q.refuse(context.Background(), oe, "data write")
 		}
 		if last := len(runs) - 1; last >= 0 && runs[last].host+runs[last].n == host {
 			runs[last].n += n
