@@ -46,14 +46,8 @@ func TestMisbehavingClientIsBounded(t *testing.T) {
 	img := &gatedImage{Image: inner, gate: make(chan struct{})}
 	const connBytes = 8 << 20
 	s := New(img, Options{Name: "disk", ConnBytes: connBytes, ServerBytes: 64 << 20})
-	a, b := net.Pipe()
-	cn := newConn(s, netConnIO{a}, s.log)
-	done := make(chan struct{})
-	go func() { cn.serve(); close(done) }()
-	c := &client{t: t, c: b, r: bufio.NewReader(b)}
-	b.SetDeadline(time.Now().Add(20 * time.Second))
-	c.greet()
-	c.option(optGo, goData("disk"))
+	c, done := goClient(t, s, "disk")
+	b := c.c
 
 	const reads, size = 1000, 2 << 20 // larger than the 1 MiB inline buffer
 	var wg sync.WaitGroup
@@ -109,19 +103,27 @@ func TestTruncatedWriteGivesTheBudgetBack(t *testing.T) {
 	img, _ := null.New("null", 1<<30, true)
 	s := New(img, Options{Name: "disk", Writable: true})
 	for range 3 {
-		a, b := net.Pipe()
-		cn := newConn(s, netConnIO{a}, s.log)
-		done := make(chan struct{})
-		go func() { cn.serve(); close(done) }()
-		c := &client{t: t, c: b, r: bufio.NewReader(b)}
-		b.SetDeadline(time.Now().Add(10 * time.Second))
-		c.greet()
-		c.option(optGo, goData("disk"))
+		c, done := goClient(t, s, "disk")
 		c.request(cmdWrite, 0, 1, 0, 16<<20, make([]byte, 1000)) // larger than the inline buffer, cut short
-		b.Close()
+		c.c.Close()
 		<-done
 	}
 	if in := s.budget.InUse(); in != 0 {
 		t.Fatalf("%d bytes of the server's budget kept by clients that are gone", in)
 	}
+}
+
+// goClient connects a client to s through a pipe and negotiates export
+// name with OPT_GO; done closes when the server's side of it has ended.
+func goClient(t *testing.T, s *Server, name string) (*client, chan struct{}) {
+	t.Helper()
+	a, b := net.Pipe()
+	cn := newConn(s, netConnIO{a}, s.log)
+	done := make(chan struct{})
+	go func() { cn.serve(); close(done) }()
+	c := &client{t: t, c: b, r: bufio.NewReader(b)}
+	b.SetDeadline(time.Now().Add(20 * time.Second))
+	c.greet()
+	c.option(optGo, goData(name))
+	return c, done
 }
