@@ -57,8 +57,6 @@ func fileType(mode uint32) string {
 		return "character device"
 	case unix.S_IFSOCK:
 		return "socket"
-	case unix.S_IFLNK:
-		return "symbolic link"
 	}
 	return fmt.Sprintf("file of type %#o", mode&unix.S_IFMT)
 }

@@ -13,7 +13,7 @@ import (
 	"time"
 )
 
-// nbdSocket is the unix socket path of a server started by startNBD.
+// socket is the unix socket path of a server startNBD started with tcp false.
 func (s *nbdServer) socket() string { return strings.TrimPrefix(s.uri, "nbd+unix:///?socket=") }
 
 // rawNBDClient connects and negotiates the default export with

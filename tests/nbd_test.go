@@ -294,7 +294,7 @@ func TestNBDBadInput(t *testing.T) {
 	}
 	// A client that sends garbage is dropped; the server keeps serving.
 	s := startNBD(t, img, false, "-f", "raw")
-	sock := strings.TrimPrefix(s.uri, "nbd+unix:///?socket=")
+	sock := s.socket()
 	c, err := net.Dial("unix", sock)
 	if err != nil {
 		t.Fatal(err)

@@ -415,7 +415,7 @@ func (c *conn) cache(ctx context.Context, off, n int64) error {
 
 // blockStatus sends base:allocation extents for [off, off+n).
 func (c *conn) blockStatus(req protocol.TransmissionRequestHeader, off, n int64) {
-	ctx := context.Background()
+	ctx := c.ctx
 	payload := be.AppendUint32(nil, baseAllocID)
 	end := off + n
 	for count := 0; off < end && count < 1024; count++ {

@@ -235,9 +235,16 @@ func (q *Image) refuse(ctx context.Context, oe *overlapError, what string) error
 	return fmt.Errorf("%w: %s", ErrCorrupt, msg)
 }
 
-// errMarkedCorrupt refuses writes once the image is marked corrupt.
-func (q *Image) errMarkedCorrupt(op string) error {
-	return fmt.Errorf("%w: %s refused: the image was marked corrupt (a write would have landed on its metadata); check it with qemu-img check", ErrCorrupt, op)
+// checkWritable refuses op on an image opened read-only, or marked corrupt
+// since it was opened.
+func (q *Image) checkWritable(op string) error {
+	switch {
+	case q.w == nil:
+		return errReadOnly(op)
+	case q.corrupt.Load():
+		return fmt.Errorf("%w: %s refused: the image was marked corrupt (a write would have landed on its metadata); check it with qemu-img check", ErrCorrupt, op)
+	}
+	return nil
 }
 
 // markCorrupt sets the corrupt bit in the header (version 3 has one; a

@@ -16,11 +16,8 @@ import (
 // is zeroed so that it does not show the backing file through. Shrinking
 // drops the clusters past the new end. The new size is durable on return.
 func (q *Image) Resize(ctx context.Context, size int64) error {
-	if q.w == nil {
-		return errReadOnly("resize")
-	}
-	if q.corrupt.Load() {
-		return q.errMarkedCorrupt("resize")
+	if err := q.checkWritable("resize"); err != nil {
+		return err
 	}
 	if size < 0 {
 		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EINVAL)

@@ -31,11 +31,8 @@ import (
 
 // WriteAt writes p at off.
 func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if q.w == nil {
-		return 0, errReadOnly("write")
-	}
-	if q.corrupt.Load() {
-		return 0, q.errMarkedCorrupt("write")
+	if err := q.checkWritable("write"); err != nil {
+		return 0, err
 	}
 	if off < 0 || off+int64(len(p)) > q.Size() {
 		return 0, fmt.Errorf("qcow2: write [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
@@ -98,7 +95,7 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	}
 	q.meta.RUnlock()
 	for _, r := range runs {
-		if err := q.hostWrite(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
+		if err := q.writeHostUnchecked(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
 			return true, err
 		}
 	}
@@ -111,11 +108,12 @@ func (q *Image) writeHost(ctx context.Context, p []byte, host int64) error {
 	if err := q.checkWrite(ctx, host, int64(len(p)), metaNone, "data write"); err != nil {
 		return err
 	}
-	return q.hostWrite(ctx, p, host)
+	return q.writeHostUnchecked(ctx, p, host)
 }
 
-// hostWrite is writeHost once the write is checked.
-func (q *Image) hostWrite(ctx context.Context, p []byte, host int64) error {
+// writeHostUnchecked is writeHost for a write already checked against
+// the metadata.
+func (q *Image) writeHostUnchecked(ctx context.Context, p []byte, host int64) error {
 	if _, err := q.f.WriteAt(ctx, p, host); err != nil {
 		return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host, err)
 	}

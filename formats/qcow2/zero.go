@@ -25,11 +25,8 @@ const (
 
 // WriteZeroes makes [off, off+n) read as zeroes.
 func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
-	if q.w == nil {
-		return errReadOnly("write zeroes")
-	}
-	if q.corrupt.Load() {
-		return q.errMarkedCorrupt("write zeroes")
+	if err := q.checkWritable("write zeroes"); err != nil {
+		return err
 	}
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: write zeroes [%d, +%d): %w", off, n, formats.ErrOutOfRange)
@@ -50,11 +47,8 @@ func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 // Discard drops the whole clusters in [off, off+n); partial ones keep
 // their data, as in QEMU.
 func (q *Image) Discard(ctx context.Context, off, n int64) error {
-	if q.w == nil {
-		return errReadOnly("discard")
-	}
-	if q.corrupt.Load() {
-		return q.errMarkedCorrupt("discard")
+	if err := q.checkWritable("discard"); err != nil {
+		return err
 	}
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
