@@ -35,9 +35,10 @@ fuzz:
 unit:
 	$(GO) test -race $$($(GO) list ./... | grep -v /tests)
 
-# Side-by-side benchmark against qemu-storage-daemon (about 11 minutes);
-# the report lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null" for
-# a quick look.
+# Side-by-side benchmark against qemu-storage-daemon at its best (every
+# configuration measured, the fastest quoted; about 25 minutes); the report
+# lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null
+# -qemu-config aio=io_uring,iothread" for a quick look.
 BENCHFLAGS ?=
 bench: build
 	.ci/deps
