@@ -542,30 +542,48 @@ func benchConvert(dir string, systems []system) []row {
 	}
 	defer os.Remove(src)
 	r := row{target: "raw", name: "qemu-img convert -n 1 GiB (s)", unit: "s"}
+	// Each system converts twice and keeps the faster: the first convert
+	// after other work ran 2-3x slower here whichever system got it (3.4-3.6
+	// s against 1.2-1.6), so one attempt measured the order, not the export.
 	for _, s := range systems {
-		dst := filepath.Join(dir, "convert-dst.img")
-		f, _ := os.Create(dst)
-		f.Truncate(1 << 30)
-		f.Close()
-		mnt := dst + ".mnt"
-		cmd, err := s.start("raw", dst, mnt, true)
-		if err != nil {
-			log.Fatal(err)
+		best := 0.0
+		for range 2 {
+			took, err := convertInto(s, src, filepath.Join(dir, "convert-dst.img"))
+			if err != nil {
+				log.Printf("%s: %v", s.key(), err)
+				continue
+			}
+			if best == 0 || took < best {
+				best = took
+			}
 		}
-		warm(src)
-		t0 := time.Now()
-		err = run("qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", src, mnt)
-		took := time.Since(t0).Seconds()
-		stop(cmd, mnt)
-		os.Remove(dst)
-		if err != nil {
-			log.Printf("%s: %v", s.key(), err)
-			took = 0
-		}
-		r.add(s, took)
+		r.add(s, best)
 	}
 	logRow(r)
 	return []row{r}
+}
+
+// convertInto times qemu-img convert -n of src into an export of a new,
+// empty raw image at dst.
+func convertInto(s system, src, dst string) (float64, error) {
+	f, err := os.Create(dst)
+	if err != nil {
+		return 0, err
+	}
+	f.Truncate(1 << 30)
+	f.Close()
+	defer os.Remove(dst)
+	mnt := dst + ".mnt"
+	cmd, err := s.start("raw", dst, mnt, true)
+	if err != nil {
+		return 0, err
+	}
+	defer stop(cmd, mnt)
+	run("sync") // nobody inherits the write-back of what ran before
+	warm(src)
+	t0 := time.Now()
+	err = run("qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", src, mnt)
+	return time.Since(t0).Seconds(), err
 }
 
 // add records one system's measurement; for QEMU the row keeps every
