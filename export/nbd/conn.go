@@ -206,7 +206,9 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				if cost = requestCost(req); c.acquire(cost) != nil {
 					return c.ctx.Err()
 				}
-				payload = make([]byte, req.Length)
+				// Page-aligned, so that an O_DIRECT image writes it as
+				// it is, without a bounce copy.
+				payload = coroutines.AlignedBuf(int(req.Length), 4096)
 			}
 			if err := readFull(r, payload); err != nil {
 				if cost > 0 {
@@ -225,7 +227,10 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				if cost = requestCost(req); c.acquire(cost) != nil {
 					return c.ctx.Err()
 				}
-				payload = append([]byte(nil), payload...) // scratch is reused
+				// scratch is reused: the goroutine gets a copy.
+				p := coroutines.AlignedBuf(len(payload), 4096)
+				copy(p, payload)
+				payload = p
 			}
 		}
 		if req.Type == cmdDisc {

@@ -2,10 +2,11 @@
 // device) byte for byte. Allocation comes from the host: SEEK_DATA/SEEK_HOLE
 // for extents, st_blocks for the allocated size, punch-hole for discard.
 //
-// With Direct (--cache none) the host file is opened O_DIRECT; requests that
-// are not aligned to the host's logical block size go through an aligned
-// bounce buffer, and unaligned writes are read-modify-write under a range
-// lock so that overlapping requests cannot undo each other.
+// With Direct (--cache none) the host file is opened O_DIRECT behind
+// [aio.Aligned]: aligned requests go straight to the device (a payload
+// that is merely misaligned in memory is copied, never read first), and
+// only the partial blocks at the ends of an unaligned write are
+// read-modify-written.
 package raw
 
 import (
@@ -40,25 +41,10 @@ type Image struct {
 	blockDev bool
 	size     atomic.Int64
 
-	// Only with Direct:
-	align  int
-	rmw    coroutines.RangeLock
-	bounce *coroutines.BufPool // windows up to the largest FUSE request
-}
-
-// maxBounce is the largest request we bounce from the pool (1 MiB, the
-// FUSE max_write, plus an alignment unit on each side); larger ones
-// allocate.
-const maxBounce = 1 << 20
-
-// bounceBuf returns an aligned buffer of n bytes and the function that gives
-// it back.
-func (r *Image) bounceBuf(n int64) ([]byte, func()) {
-	if n <= int64(r.bounce.Size()) {
-		b := r.bounce.Get()
-		return (*b)[:n], func() { r.bounce.Put(b) }
-	}
-	return coroutines.AlignedBuf(int(n), r.align), func() {}
+	// Only with Direct: the host's block size, and a lock that keeps a
+	// resize out of an unaligned write near the end (see WriteAt).
+	align int
+	tail  coroutines.RangeLock
 }
 
 // Open opens the raw image at path.
@@ -89,7 +75,7 @@ func Open(path string, o Options) (*Image, error) {
 	img.size.Store(size)
 	if o.Direct {
 		img.align = aio.LogicalBlockSize(f.Fd())
-		img.bounce = coroutines.NewBufPool(maxBounce+2*img.align, img.align)
+		img.f = aio.Aligned(f, img.align)
 	}
 	return img, nil
 }
@@ -99,25 +85,8 @@ func (r *Image) Backend() aio.Backend { return r.f.Backend() }
 
 func (r *Image) Size() int64 { return r.size.Load() }
 
-func (r *Image) aligned(p []byte, off int64) bool {
-	if r.align == 1 {
-		return true
-	}
-	a := int64(r.align)
-	return off%a == 0 && int64(len(p))%a == 0 && len(p) > 0 && alignedAddr(p, r.align)
-}
-
 func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if r.aligned(p, off) {
-		return r.read(ctx, p, off)
-	}
-	start, end := r.cover(off, int64(len(p)))
-	buf, put := r.bounceBuf(end - start)
-	defer put()
-	if _, err := r.read(ctx, buf, start); err != nil {
-		return 0, err
-	}
-	return copy(p, buf[off-start:]), nil
+	return r.read(ctx, p, off)
 }
 
 // read reads p at off; bytes past the host file's end read as zeroes (the
@@ -138,30 +107,24 @@ func (r *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if !r.writable {
 		return 0, formats.ErrReadOnly
 	}
-	if r.align == 1 {
+	a := int64(r.align)
+	if a == 1 || (off%a == 0 && int64(len(p))%a == 0) {
 		return r.write(ctx, p, off)
 	}
+	// An unaligned O_DIRECT write covers whole blocks: when the image ends
+	// inside the last one, the host file grows by the padding, and is cut
+	// back to the size read here. A resize in between would be undone, so
+	// Resize takes every range of this lock.
 	start, end := r.cover(off, int64(len(p)))
-	unlock, err := r.rmw.Lock(ctx, start, end-start)
+	unlock, err := r.tail.Lock(ctx, start, end-start)
 	if err != nil {
 		return 0, err
 	}
 	defer unlock()
-	if r.aligned(p, off) {
-		return r.write(ctx, p, off)
-	}
-	buf, put := r.bounceBuf(end - start)
-	defer put()
-	if _, err := r.read(ctx, buf, start); err != nil {
-		return 0, err
-	}
-	copy(buf[off-start:], p)
 	size := r.size.Load()
-	if _, err := r.write(ctx, buf, start); err != nil {
+	if _, err := r.write(ctx, p, off); err != nil {
 		return 0, err
 	}
-	// O_DIRECT writes whole blocks: when the image ends inside the window,
-	// cut the host file back so the image does not grow by the padding.
 	if keep := max(size, off+int64(len(p))); end > keep && !r.blockDev {
 		if err := unix.Ftruncate(r.f.Fd(), keep); err != nil {
 			return 0, fmt.Errorf("raw: trim bounce padding at %d: %w", keep, err)
@@ -272,7 +235,7 @@ func (r *Image) Resize(ctx context.Context, size int64) error {
 		// An unaligned O_DIRECT write trims its padding back to the size
 		// it read under its range lock; a resize between that read and
 		// the trim would be undone. Take every range.
-		unlock, err := r.rmw.Lock(ctx, 0, math.MaxInt64)
+		unlock, err := r.tail.Lock(ctx, 0, math.MaxInt64)
 		if err != nil {
 			return err
 		}
