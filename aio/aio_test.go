@@ -13,6 +13,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
 )
 
 func openBoth(t *testing.T, path string, o Options) map[Backend]File {
@@ -35,7 +37,8 @@ func openBoth(t *testing.T, path string, o Options) map[Backend]File {
 
 // TestConcurrentRandomIO: many goroutines write and read random ranges
 // through each engine; afterwards the file equals a model of the writes, and
-// every read matched pread on the same file.
+// every read matched pread on the same file. Half of them mark their
+// requests lone (plain system calls beside the ring's).
 func TestConcurrentRandomIO(t *testing.T) {
 	for _, direct := range []bool{false, true} {
 		const size = 8 << 20
@@ -49,6 +52,7 @@ func TestConcurrentRandomIO(t *testing.T) {
 				}
 				// Each goroutine owns a disjoint 512 KiB region, so the
 				// model is exact without locking.
+				lone := coroutines.Lone(context.Background())
 				var wg sync.WaitGroup
 				for g := 0; g < 16; g++ {
 					wg.Add(1)
@@ -65,6 +69,9 @@ func TestConcurrentRandomIO(t *testing.T) {
 								buf[j] = byte(r.Uint32())
 							}
 							ctx := context.Background()
+							if g%2 == 1 {
+								ctx = lone
+							}
 							if i%3 == 0 {
 								half := n / 2 / align * align
 								_, err := f.WritevAt(ctx, [][]byte{buf[:half], buf[half:n]}, off)

@@ -39,17 +39,23 @@ func (t *threadFile) check(ctx context.Context, op string) error {
 }
 
 func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	return preadAll(ctx, t, p, off, t.check)
+}
+
+// preadAll fills p from off with pread(2) from the calling goroutine,
+// continuing short reads; fewer bytes only at end of file, with io.EOF.
+func preadAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
 	done := 0
 	for done < len(p) {
-		if err := t.check(ctx, "pread"); err != nil {
+		if err := check(ctx, "pread"); err != nil {
 			return done, err
 		}
-		n, err := unix.Pread(t.fd, p[done:], off+int64(done))
+		n, err := unix.Pread(f.Fd(), p[done:], off+int64(done))
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
 		if err != nil {
-			return done, pathErr("pread", t, err)
+			return done, pathErr("pread", f, err)
 		}
 		if n == 0 {
 			return done, io.EOF

@@ -176,6 +176,31 @@ func TestFioVerify(t *testing.T) {
 	}
 }
 
+// TestFioVerifyQueueDepthOne: at queue depth one the serve loop runs each
+// request that must wait itself, with blocking system calls (the lone
+// path); fio writes and verifies through it with both cache modes,
+// qcow2 included.
+func TestFioVerifyQueueDepthOne(t *testing.T) {
+	for _, format := range []string{"raw", "qcow2"} {
+		for _, cache := range []string{"writeback", "none"} {
+			t.Run(format+"/"+cache, func(t *testing.T) {
+				dir := t.TempDir()
+				img := filepath.Join(dir, "img")
+				createImage(t, "-f", format, img, "32M")
+				mnt := filepath.Join(dir, "mnt")
+				d := startExport(t, img, mnt, "-f", format, "-w", "--cache", cache)
+				run(t, "fio", "--name=qd1", "--filename="+mnt, "--rw=randrw", "--bs=4k", "--size=32M",
+					"--io_size=8M", "--ioengine=pvsync2", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+					"--verify_state_save=0", "--randseed=3", "--minimal")
+				d.stopClean()
+				if format == "qcow2" {
+					qemuImgCheck(t, img)
+				}
+			})
+		}
+	}
+}
+
 // TestDirectAlignedWritesDoNotRead: with --cache none, 4 KiB aligned
 // O_DIRECT writes through the export reach the host file without reading
 // it first (the daemon's read_bytes in /proc/PID/io, which counts what it
