@@ -13,10 +13,11 @@
 // can pick for that image (host I/O engine aio=threads or aio=io_uring on
 // the file nodes, with or without an iothread for the export; page cache,
 // like ours), and the report quotes the fastest, named beside its figure,
-// with every configuration's figure in a table of its own. aio=native is
-// left out because QEMU allows it only with cache.direct=on, and these rows
-// use the page cache on both sides. -qemu-config pins one configuration
-// for quick runs.
+// with every configuration's figure in a table of its own. aio=native,
+// which QEMU allows only with cache.direct=on, runs in the slow-path rows
+// (blockexport --cache none against cache.direct=on); there, and for
+// cold-cache reads, fio on a raw file with O_DIRECT is the ceiling.
+// -qemu-config pins one configuration for quick runs.
 //
 // It also runs fio's nbd engine against the NBD servers (null and raw):
 // qemu-storage-daemon's NBD export in the same configurations and qemu-nbd
@@ -63,6 +64,9 @@ type row struct {
 	target, name string
 	unit         string // "IOPS", "MiB/s", "s", "MiB"
 	qemu, ours   float64
+	// file is the ceiling of the slow-path rows: fio on the image file
+	// itself with O_DIRECT (0 elsewhere).
+	file float64
 	// qemuConfig names the QEMU configuration behind qemu: the best of
 	// qemuAll, every configuration's figure.
 	qemuConfig   string
@@ -79,12 +83,16 @@ type measured struct {
 type qemuConfig struct {
 	aio      string // the file nodes' aio=; "" for the null device
 	iothread bool   // the export runs in an iothread of its own
+	direct   bool   // cache.direct=on: O_DIRECT on the host file
 }
 
 func (c qemuConfig) String() string {
 	var parts []string
 	if c.aio != "" {
 		parts = append(parts, "aio="+c.aio)
+	}
+	if c.direct {
+		parts = append(parts, "cache.direct=on")
 	}
 	if c.iothread {
 		parts = append(parts, "iothread")
@@ -104,7 +112,7 @@ func qemuConfigs(target string) []qemuConfig {
 	var list []qemuConfig
 	for _, aio := range aios {
 		for _, iot := range []bool{false, true} {
-			c := qemuConfig{aio, iot}
+			c := qemuConfig{aio: aio, iothread: iot}
 			if pinned(c) {
 				list = append(list, c)
 			}
@@ -126,7 +134,7 @@ func pinned(c qemuConfig) bool {
 				return false
 			}
 		case tok != "iothread" && tok != "no-iothread":
-			log.Fatalf("-qemu-config: unknown %q (want aio=threads|io_uring, iothread, no-iothread)", tok)
+			log.Fatalf("-qemu-config: unknown %q (want aio=threads|io_uring|native, iothread, no-iothread)", tok)
 		}
 	}
 	return true
@@ -147,7 +155,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, loop (ext4 through a loop device), nbd; the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd; the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
@@ -208,6 +216,11 @@ func main() {
 		rows = append(rows, benchConvert(dir, with("raw", ours()))...)
 		rows = append(rows, benchPassthrough(dir, bin)...)
 	}
+	if targets["slow"] || *only == defaultOnly {
+		for _, target := range []string{"raw", "qcow2"} {
+			rows = append(rows, benchSlow(target, dir, ours)...)
+		}
+	}
 	if targets["loop"] || *only == defaultOnly {
 		for _, target := range []string{"raw", "qcow2"} {
 			rows = append(rows, benchLoop(target, dir, with(target, ours()))...)
@@ -223,7 +236,7 @@ func main() {
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,loop,nbd"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd"
 
 // qsdArgs are qemu-storage-daemon's --object and --blockdev arguments for
 // target in configuration c, the node an export takes, and what an export
@@ -236,6 +249,9 @@ func qsdArgs(c qemuConfig, target, image string) (args []string, node, exportOpt
 	file := "file,node-name=%s,filename=" + image
 	if c.aio != "" {
 		file += ",aio=" + c.aio
+	}
+	if c.direct {
+		file += ",cache.direct=on"
 	}
 	switch target {
 	case "null":
@@ -624,7 +640,7 @@ func report(rows []row) error {
 	fmt.Fprintf(&b, "# blockexport vs qemu-storage-daemon — %s\n\n", stamp)
 	fmt.Fprintf(&b, "%s\n\n", machine())
 	fmt.Fprintf(&b, "fio: 4 KiB, direct=1, numjobs=1, time_based, runtime %v (+1 s ramp) per row and system; aio = libaio iodepth 16, sync = pvsync2 iodepth 1. 1 GiB images, page cache warmed before each row; the order of the systems rotates from row to row. Ratio > 1 means blockexport is better (for time and RSS rows: smaller).\n\n", *runtimeFlag)
-	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so does not apply), and the QEMU column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). Every configuration's figure is in the last table.%s\n\n", pinNote())
+	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only to the --cache none rows, where QEMU runs with cache.direct=on and aio=native or aio=io_uring, with or without an iothread), and the QEMU column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). Every configuration's figure is in the last table.%s\n\n", pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
 	fmt.Fprintf(&b, "| target | row | QEMU, best configuration | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
 	for _, r := range rows {
@@ -633,6 +649,13 @@ func report(rows []row) error {
 			q += " (" + r.qemuConfig + ")"
 		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %.2f× |\n", r.target, r.name, q, num(r.ours, r.unit), ratio(r))
+	}
+	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency.\n\n| target | row | device (fio on the file) | QEMU, best | blockexport | blockexport / device |\n|---|---|---:|---:|---:|---:|\n")
+	for _, r := range rows {
+		if r.file == 0 {
+			continue
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %.2f× |\n", r.target, r.name, num(r.file, r.unit), num(r.qemu, r.unit), num(r.ours, r.unit), r.ours/r.file)
 	}
 	fmt.Fprintf(&b, "\n## Every QEMU configuration\n\n| target | row | figures |\n|---|---|---|\n")
 	for _, r := range rows {
@@ -969,4 +992,107 @@ func loopSteps(export, src, dir string) ([3]float64, error) {
 	err = run("e2fsck", "-f", "-n", dev)
 	t[2] = time.Since(t0).Seconds()
 	return t, err
+}
+
+// benchSlow measures the path a request takes when it must wait for the
+// disk, on a raw or qcow2 image: "direct" rows run blockexport --cache none
+// against QEMU with cache.direct=on (aio=native, io_uring or threads, with or
+// without an iothread), random 4 KiB reads and writes; "cold" rows run both
+// in their default cache mode (QEMU in every configuration of the page-cache
+// rows) with every cache dropped before each measurement, random reads.
+// Each row also runs fio on a raw file of the same size with O_DIRECT:
+// what the device itself does, the ceiling. One daemon runs at a time.
+func benchSlow(target, dir string, ours func(extra ...string) system) []row {
+	log.Printf("target %s (slow path: --cache none, cold caches)", target)
+	img := filepath.Join(dir, "slow."+target)
+	ceiling := filepath.Join(dir, "slow-ceiling.raw")
+	for path, kind := range map[string]string{img: target, ceiling: "raw"} {
+		if err := makeImage(kind, path); err != nil {
+			log.Fatal(err)
+		}
+	}
+	defer os.Remove(img)
+	defer os.Remove(ceiling)
+	run("sync")
+	var direct []system
+	for _, aio := range []string{"native", "io_uring", "threads"} {
+		for _, iot := range []bool{false, true} {
+			c := qemuConfig{aio: aio, iothread: iot, direct: true}
+			if !pinned(c) {
+				continue
+			}
+			direct = append(direct, system{name: "qemu-storage-daemon", config: c.String(), start: func(target, image, mnt string, writable bool) (*exec.Cmd, error) {
+				return startQSD(c, target, image, mnt, writable)
+			}})
+		}
+	}
+	file := system{name: "file"} // fio on the file itself
+	groups := []struct {
+		suffix  string
+		systems []system
+		jobs    []fioJob
+		cold    bool
+	}{
+		{" (--cache none vs cache.direct=on)", append([]system{ours("--cache", "none"), file}, direct...), slowJobs(true), false},
+		{" (cold cache)", append([]system{ours(), file}, qsdSystems(target)...), slowJobs(false), true},
+	}
+	var rows []row
+	for _, g := range groups {
+		for i, job := range g.jobs {
+			r := row{target: target + " slow", name: job.name + g.suffix, unit: "IOPS", higherBetter: true}
+			for _, s := range rotate(g.systems, i) {
+				v, err := slowRun(s, job, target, img, ceiling, g.cold)
+				if err != nil {
+					log.Printf("%s: %v", s.key(), err)
+				}
+				if s.name == "file" {
+					r.file = v
+					continue
+				}
+				r.add(s, v)
+			}
+			log.Printf("  %-34s qemu %10.2f (%s)  ours %10.2f  x%.2f  file %10.2f  ours/file %.2f", r.name, r.qemu, r.qemuConfig, r.ours, ratio(r), r.file, r.ours/max(r.file, 1))
+			rows = append(rows, r)
+		}
+	}
+	return rows
+}
+
+// slowJobs: random 4 KiB reads (and writes, for the direct rows) at both
+// queue depths.
+func slowJobs(writes bool) []fioJob {
+	var jobs []fioJob
+	for _, rw := range []string{"randread", "randwrite"} {
+		if rw == "randwrite" && !writes {
+			continue
+		}
+		short := map[string]string{"randread": "R", "randwrite": "W"}[rw]
+		jobs = append(jobs,
+			fioJob{short + " rand aio", rw, "libaio", "4k", 16},
+			fioJob{short + " rand sync", rw, "pvsync2", "4k", 1})
+	}
+	return jobs
+}
+
+// slowRun measures one system on one slow-path job: the daemon starts on
+// img, caches are dropped if the row is cold, fio runs, the daemon stops.
+func slowRun(s system, job fioJob, target, img, ceiling string, cold bool) (float64, error) {
+	dropCaches := func() {
+		run("sync")
+		if cold {
+			os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0)
+		}
+	}
+	if s.name == "file" {
+		dropCaches()
+		return fio(job, ceiling)
+	}
+	mnt := img + ".mnt"
+	cmd, err := s.start(target, img, mnt, true)
+	if err != nil {
+		return 0, err
+	}
+	defer stop(cmd, mnt)
+	dropCaches()
+	return fio(job, mnt)
 }
