@@ -36,7 +36,7 @@ unit:
 	$(GO) test -race $$($(GO) list ./... | grep -v /tests)
 
 # Side-by-side benchmark against qemu-storage-daemon at its best (every
-# configuration measured, the fastest quoted; about 25 minutes); the report
+# configuration measured, the fastest quoted; about 40 minutes); the report
 # lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null
 # -qemu-config aio=io_uring,iothread" for a quick look.
 BENCHFLAGS ?=

@@ -130,12 +130,6 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", image)
 	}
 
-	// A server of block I/O must not wait on the page cache of the device it
-	// serves: tell the kernel, as userspace block servers do.
-	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
-		logger.Debug("PR_SET_IO_FLUSHER not set", "err", err)
-	}
-
 	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
 	sigs := stopSignals()
 	var stats *fuseexport.Stats
@@ -148,6 +142,12 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer m.Cleanup()
+	// A server of block I/O must not wait on the page cache of the device it
+	// serves: tell the kernel, as userspace block servers do. (After the
+	// mount, so that a refused export still says one line.)
+	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
+		logger.Info("not marked as an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): a loop device on this export may stall under memory pressure", "err", err)
+	}
 	removePidfile, err := writePidfile(f.pidfile)
 	if err != nil {
 		m.Unmount()

@@ -161,16 +161,23 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err != nil {
 		return nil, err
 	}
+	var firstErr error
 	tries := []bool{o.AllowOther != AllowOtherOff}
 	if o.AllowOther == AllowOtherAuto {
 		tries = append(tries, false)
 	}
 	fd := -1
-	for _, ao := range tries {
+	for i, ao := range tries {
 		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao)
 		if err == nil {
 			exp.SetAllowOther(ao)
+			if i > 0 {
+				exp.log.Info("allow_other refused; mounted without it, so only this user can open the export (an unprivileged user needs user_allow_other in /etc/fuse.conf)", "why", firstErr)
+			}
 			break
+		}
+		if i == 0 {
+			firstErr = err
 		}
 		exp.log.Debug("mount attempt failed", "allow_other", ao, "err", err)
 	}
