@@ -1,0 +1,36 @@
+package fuse
+
+import "testing"
+
+// TestMissTrackerSkipsTriesWhileReadsMiss: a window of misses makes the
+// loop stop trying reads inline except for one probe in probeEvery; a
+// window of probes that hit at least half the time makes it try every read
+// again.
+func TestMissTrackerSkipsTriesWhileReadsMiss(t *testing.T) {
+	var m missTracker
+	for i := 0; i < missWindow; i++ {
+		if !m.shouldTry() {
+			t.Fatalf("read %d of the first window was not tried", i)
+		}
+		m.note(i%2 == 0) // half hit: keep trying
+	}
+	for i := 0; i < missWindow; i++ {
+		if !m.shouldTry() {
+			t.Fatalf("read %d was not tried after a window that hit half the time", i)
+		}
+		m.note(false)
+	}
+	tried := 0
+	for i := 0; i < probeEvery*missWindow; i++ {
+		if m.shouldTry() {
+			tried++
+			m.note(tried > missWindow/2) // the probes' second half hits
+		}
+	}
+	if tried != missWindow {
+		t.Fatalf("%d of %d reads tried while skipping, want one in %d", tried, probeEvery*missWindow, probeEvery)
+	}
+	if !m.shouldTry() || !m.shouldTry() {
+		t.Fatal("a window of probes that hit half the time did not bring the tries back")
+	}
+}
