@@ -6,8 +6,10 @@ FLAGS   ?= --writable
 
 .PHONY: build run test unit fuzz bench clean
 
+# -buildvcs=auto: stamp the VCS revision (blockexport --version) when built
+# from a git checkout, whatever GOFLAGS says.
 build:
-	$(GO) build -o bin/blockexport ./cmd/blockexport
+	$(GO) build -buildvcs=auto -o bin/blockexport ./cmd/blockexport
 
 # Export IMAGE (default: the built-in 1 GiB null device) at MOUNT in the
 # foreground; Ctrl-C unmounts and exits.

@@ -47,7 +47,7 @@ func TestMain(m *testing.M) {
 	bin = filepath.Join(dir, "blockexport")
 	// BLOCKEXPORT_RACE=1 builds the exporter with the race detector, so
 	// that the end-to-end tests look for data races in the daemon too.
-	buildArgs := []string{"build", "-o", bin}
+	buildArgs := []string{"build", "-buildvcs=auto", "-o", bin}
 	if os.Getenv("BLOCKEXPORT_RACE") == "1" {
 		buildArgs = append(buildArgs, "-race")
 	}

@@ -3,6 +3,7 @@ package tests
 import (
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -63,8 +64,9 @@ func TestInfoJSONMatchesQemuImg(t *testing.T) {
 				args := []string{"info", "--output=json", img}
 				ours := []string{"info", "--json", img}
 				if chain {
+					// qemu-img's spelling, accepted beside --json.
 					args = []string{"info", "--backing-chain", "--output=json", img}
-					ours = []string{"info", "--json", "--backing-chain", img}
+					ours = []string{"info", "--output=json", "--backing-chain", img}
 				}
 				var want, got any
 				if err := json.Unmarshal([]byte(run(t, "qemu-img", args...)), &want); err != nil {
@@ -121,7 +123,7 @@ func TestMapJSONMatchesQemuImg(t *testing.T) {
 			if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &want); err != nil {
 				t.Fatal(err)
 			}
-			code, out := runBlockexport(t, "map", "--json", img)
+			code, out := runBlockexport(t, "map", "--output=json", img)
 			if code != 0 {
 				t.Fatalf("blockexport map: exit %d: %s", code, out)
 			}
@@ -132,6 +134,45 @@ func TestMapJSONMatchesQemuImg(t *testing.T) {
 				t.Fatalf("map differs\n ours: %v\nqemu: %v", got, want)
 			}
 		})
+	}
+}
+
+// TestOutputFlag: --output human is the default text, --output json is
+// --json, and anything else is a usage error (exit 2, one line).
+func TestOutputFlag(t *testing.T) {
+	img := randomImage(t, t.TempDir(), 1<<20, 31)
+	for _, cmd := range []string{"info", "map"} {
+		_, plain := runBlockexport(t, cmd, "-f", "raw", img)
+		code, human := runBlockexport(t, cmd, "-f", "raw", "--output", "human", img)
+		if code != 0 || human != plain {
+			t.Errorf("%s --output human: exit %d, %q; want the default text %q", cmd, code, human, plain)
+		}
+		_, viaJSON := runBlockexport(t, cmd, "-f", "raw", "--json", img)
+		code, out := runBlockexport(t, cmd, "-f", "raw", "--output=json", img)
+		if code != 0 || out != viaJSON || !strings.HasPrefix(strings.TrimSpace(out), "{") && !strings.HasPrefix(strings.TrimSpace(out), "[") {
+			t.Errorf("%s --output=json: exit %d, %q; want %q", cmd, code, out, viaJSON)
+		}
+		code, out = runBlockexport(t, cmd, "--output", "xml", img)
+		if code != 2 || !strings.Contains(out, `unknown --output "xml"`) || strings.Count(out, "\n") != 1 {
+			t.Errorf("%s --output xml: exit %d, %q; want 2 and one line", cmd, code, out)
+		}
+	}
+}
+
+// TestVersion: --version and version print the module version and the
+// VCS revision the binary was built from (the tests build it from this
+// checkout, so the revision is HEAD's when git can tell).
+func TestVersion(t *testing.T) {
+	for _, arg := range []string{"--version", "version"} {
+		code, out := runBlockexport(t, arg)
+		if code != 0 || !strings.HasPrefix(out, "blockexport ") || strings.Count(out, "\n") != 1 {
+			t.Fatalf("%s: exit %d, %q", arg, code, out)
+		}
+		if head, err := exec.Command("git", "rev-parse", "HEAD").Output(); err == nil {
+			if rev := strings.TrimSpace(string(head)); !strings.Contains(out, rev) {
+				t.Errorf("%s: %q does not name HEAD %s", arg, out, rev)
+			}
+		}
 	}
 }
 

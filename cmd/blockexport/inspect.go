@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spf13/pflag"
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
@@ -31,12 +32,42 @@ func openForInspection(spec, format string) (*probe.Opened, error) {
 	return img, nil
 }
 
+// outputFlag is --output human|json (qemu-img's spelling) with --json as
+// its shorthand.
+type outputFlag struct {
+	output *string
+	asJSON *bool
+}
+
+func newOutputFlag(fs *pflag.FlagSet, cmd string) outputFlag {
+	return outputFlag{
+		output: fs.String("output", "human", "output format: human or json (JSON with qemu-img "+cmd+" --output=json's names)"),
+		asJSON: fs.Bool("json", false, "the same as --output=json"),
+	}
+}
+
+// json says whether JSON was asked for; an unknown --output is a usage
+// error.
+func (o outputFlag) json() (bool, error) {
+	switch *o.output {
+	case "human":
+		return *o.asJSON, nil
+	case "json":
+		return true, nil
+	}
+	return false, usagef("unknown --output %q (want human or json)", *o.output)
+}
+
 func runInfo(args []string, stdout, _ io.Writer) error {
 	fs := newFlagSet("info", "info [flags] IMAGE\n\nDescribe IMAGE as qemu-img info does.", stdout)
-	asJSON := fs.Bool("json", false, "print JSON with qemu-img info --output=json's names")
+	output := newOutputFlag(fs, "info")
 	chain := fs.Bool("backing-chain", false, "describe every image of the backing chain")
 	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
 	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	asJSON, err := output.json()
+	if err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {
@@ -58,7 +89,7 @@ func runInfo(args []string, stdout, _ io.Writer) error {
 			infos = append(infos, layer.Info())
 		}
 	}
-	if *asJSON {
+	if asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "    ")
 		if *chain {
@@ -160,9 +191,13 @@ func (e *mapEntry) mergeable(next mapEntry) bool {
 
 func runMap(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("map", "map [flags] IMAGE\n\nPrint the allocation of IMAGE as qemu-img map does.", stdout)
-	asJSON := fs.Bool("json", false, "print JSON with qemu-img map --output=json's names")
+	output := newOutputFlag(fs, "map")
 	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
 	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	asJSON, err := output.json()
+	if err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {
@@ -177,7 +212,7 @@ func runMap(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if *asJSON {
+	if asJSON {
 		// One entry per line, like qemu-img, and still one JSON array.
 		var b strings.Builder
 		b.WriteString("[")

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/debug"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -58,6 +59,10 @@ func main() {
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "version") {
+		fmt.Fprintln(stdout, version())
+		return exitOK
+	}
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		w := stdout
 		code := exitOK
@@ -75,6 +80,39 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stderr, "blockexport: unknown command %q (see blockexport --help)\n", args[0])
 	return exitUsage
+}
+
+// version is the module version and the VCS revision of this build, from
+// the build information the Go toolchain embeds:
+// "blockexport VERSION (REVISION[, modified], TIME) GOVERSION".
+func version() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "blockexport (no build information)"
+	}
+	var rev, when string
+	modified := false
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.time":
+			when = s.Value
+		case "vcs.modified":
+			modified = s.Value == "true"
+		}
+	}
+	detail := "revision unknown"
+	if rev != "" {
+		detail = rev
+		if modified {
+			detail += ", modified"
+		}
+		if when != "" {
+			detail += ", " + when
+		}
+	}
+	return fmt.Sprintf("blockexport %s (%s) %s", bi.Main.Version, detail, bi.GoVersion)
 }
 
 // report prints err as one line and picks the exit status.
@@ -100,6 +138,7 @@ func topUsage(w io.Writer) {
 	for _, c := range commands() {
 		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
 	}
+	fmt.Fprintf(w, "  %-8s %s\n", "version", "print the version and the VCS revision it was built from (also --version)")
 	fmt.Fprintln(w, "\nRun 'blockexport COMMAND --help' for a command's flags.")
 }
 
