@@ -84,7 +84,10 @@ type Options struct {
 	Direct bool
 	// Entries is the io_uring queue size; 0 means 256.
 	Entries uint32
-	Logger  *slog.Logger
+	// Lock, when set, is taken on the file as QEMU takes its image locks;
+	// Open fails with ErrInUse when another user's locks conflict.
+	Lock   *Lock
+	Logger *slog.Logger
 }
 
 // Open opens path for I/O with the chosen engine.
@@ -99,6 +102,12 @@ func Open(path string, o Options) (File, error) {
 	f, err := OpenHostFile(path, flags)
 	if err != nil {
 		return nil, err
+	}
+	if o.Lock != nil {
+		if err := lockImage(f, *o.Lock); err != nil {
+			f.Close()
+			return nil, err
+		}
 	}
 	backend := o.Backend
 	if backend == "" {
@@ -121,6 +130,10 @@ func Open(path string, o Options) (File, error) {
 	}
 	return newThreadFile(f), nil
 }
+
+// ErrInUse says another process uses the image in a way that conflicts
+// with this open (its lock bytes say so).
+var ErrInUse = errors.New("image is in use")
 
 // ErrNoURing says the kernel will not give us a ring; Open then falls back.
 var ErrNoURing = errors.New("io_uring not available")

@@ -115,7 +115,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		return daemonize(os.Args)
 	}
 
-	img, err := probe.Open(image, probe.Options{
+	img, err := probe.Open(image, probe.Options{Lock: true,
 		Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
 		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache,
 	})

@@ -71,7 +71,7 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if *daemon && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	img, err := probe.Open(fs.Arg(0), probe.Options{Format: f, Writable: *writable, NullReadZeroes: *nullZeroes,
+	img, err := probe.Open(fs.Arg(0), probe.Options{Lock: true, Format: f, Writable: *writable, NullReadZeroes: *nullZeroes,
 		Direct: *cache == "none", Backend: backend, Logger: logger})
 	if err != nil {
 		if errors.Is(err, probe.ErrUsage) {

@@ -71,6 +71,10 @@ type Options struct {
 	L2CacheSize    int64       // qcow2 L2 table cache in bytes; 0: default
 	Backend        aio.Backend // aio engine for host files
 	Logger         *slog.Logger
+	// Lock takes QEMU's image locks, so that a VM, a qemu tool or another
+	// export and this one cannot write one image at once (exports set it;
+	// inspection does not, like qemu-img's --force-share).
+	Lock bool
 }
 
 // Opened is an image with what the opener found out about it. Image is a
@@ -123,13 +127,13 @@ func Open(spec string, o Options) (*Opened, error) {
 	}
 	switch format {
 	case QCOW2:
-		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger})
+		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger, Lock: o.Lock})
 		if err != nil {
 			return nil, err
 		}
 		return &Opened{Image: img, Format: QCOW2, Probed: probed}, nil
 	case Raw:
-		img, err := raw.Open(spec, raw.Options{Writable: o.Writable, Direct: o.Direct, Backend: o.Backend, Logger: o.Logger})
+		img, err := raw.Open(spec, raw.Options{Writable: o.Writable, Direct: o.Direct, Backend: o.Backend, Logger: o.Logger, Lock: o.Lock})
 		if err != nil {
 			return nil, err
 		}

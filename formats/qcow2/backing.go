@@ -77,7 +77,7 @@ func openChain(path string, o Options, guard *chainGuard) (*Image, error) {
 		}
 		q.backing = b
 	case "raw":
-		b, err := raw.Open(bpath, raw.Options{Backend: o.Backend, Direct: o.Direct, Logger: o.Logger})
+		b, err := raw.Open(bpath, raw.Options{Backend: o.Backend, Direct: o.Direct, Logger: o.Logger, Lock: o.Lock, Backing: true})
 		if err != nil {
 			q.Close()
 			return nil, fmt.Errorf("qcow2: %s: backing file: %w", path, err)

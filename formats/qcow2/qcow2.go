@@ -54,6 +54,10 @@ type Options struct {
 	// read-only.
 	Writable bool
 	Logger   *slog.Logger
+	// Lock takes QEMU's image locks (see aio.Lock) on every file of the
+	// chain: nobody else may write or resize a qcow2 file we use (its
+	// metadata is ours), and a writable open holds write and resize.
+	Lock bool
 }
 
 // Image is an open qcow2 image.
@@ -101,7 +105,14 @@ func Open(path string, o Options) (*Image, error) {
 }
 
 func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
-	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger})
+	var lock *aio.Lock
+	if o.Lock {
+		lock = &aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
+		if o.Writable {
+			lock.Perm |= aio.PermWrite | aio.PermResize
+		}
+	}
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger, Lock: lock})
 	if err != nil {
 		return nil, fmt.Errorf("qcow2: %w", err)
 	}

@@ -32,6 +32,11 @@ type Options struct {
 	Direct   bool
 	Backend  aio.Backend
 	Logger   *slog.Logger
+	// Lock takes QEMU's image locks (see aio.Lock): a raw image shares
+	// writes with other users, as QEMU's raw driver does, unless it is
+	// a backing file, whose content must not change under its overlay.
+	Lock    bool
+	Backing bool
 }
 
 // Image is an open raw image.
@@ -49,7 +54,17 @@ type Image struct {
 
 // Open opens the raw image at path.
 func Open(path string, o Options) (*Image, error) {
-	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct, Logger: o.Logger})
+	var lock *aio.Lock
+	if o.Lock {
+		lock = &aio.Lock{Perm: aio.PermConsistentRead}
+		if o.Writable {
+			lock.Perm |= aio.PermWrite | aio.PermResize
+		}
+		if o.Backing {
+			lock.Unshared = aio.PermWrite | aio.PermResize
+		}
+	}
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct, Logger: o.Logger, Lock: lock})
 	if err != nil {
 		return nil, fmt.Errorf("raw: %w", err)
 	}
