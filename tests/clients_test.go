@@ -5,7 +5,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -232,21 +231,7 @@ func TestDirectAlignedWritesDoNotRead(t *testing.T) {
 // threads) made the block layer read.
 func readBytes(t *testing.T, pid int) int64 {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "read_bytes: "); ok {
-			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return n
-		}
-	}
-	t.Fatalf("no read_bytes in /proc/%d/io", pid)
-	return 0
+	return procField(t, pid, "io", "read_bytes:")
 }
 
 // TestQemuImgConvertIntoTheExport is the reproducer of QEMU's 2025 data

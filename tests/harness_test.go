@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -323,5 +324,30 @@ func errnoOf(err error) syscall.Errno {
 	if errors.As(err, &en) {
 		return en
 	}
+	return 0
+}
+
+// procField is the number after key on its line of /proc/PID/FILE
+// ("VmHWM:" in status, in KiB; "read_bytes:" in io).
+func procField(t *testing.T, pid int, file, key string) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/%s", pid, file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, key); ok {
+			f := strings.Fields(rest)
+			if len(f) == 0 {
+				break
+			}
+			n, err := strconv.ParseInt(f[0], 10, 64)
+			if err != nil {
+				t.Fatalf("/proc/%d/%s: %s %q: %v", pid, file, key, rest, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no %s in /proc/%d/%s", key, pid, file)
 	return 0
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -44,19 +43,7 @@ func rawNBDClient(t *testing.T, sock string) net.Conn {
 
 func vmHWM(t *testing.T, pid int) int64 {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
-			var kb int64
-			fmt.Sscanf(strings.TrimSpace(rest), "%d", &kb)
-			return kb << 10
-		}
-	}
-	t.Fatal("no VmHWM")
-	return 0
+	return procField(t, pid, "status", "VmHWM:") << 10
 }
 
 // TestNBDMemoryIsBoundedUnderAbuse: six clients each send a burst of 1000
