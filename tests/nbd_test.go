@@ -396,3 +396,21 @@ func TestNBDMaxClientsDaemonizeAndExportName(t *testing.T) {
 		}
 	}
 }
+
+// TestNBDQueueDepthOne: one client at queue depth one, so the reader runs
+// each read and write that waits itself (the lone path), with O_DIRECT and
+// the page cache; fio verifies what it wrote, and the image holds it.
+func TestNBDQueueDepthOne(t *testing.T) {
+	for _, cache := range []string{"writeback", "none"} {
+		t.Run(cache, func(t *testing.T) {
+			dir := t.TempDir()
+			img := sparseImage(t, dir, "qd1.img", 16<<20)
+			s := startNBD(t, img, false, "-f", "raw", "-w", "--cache", cache)
+			job := []string{"--name=qd1", "--rw=randwrite", "--bs=4k", "--iodepth=1", "--size=16M",
+				"--io_size=4M", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--randseed=9"}
+			run(t, "fio", append(job, "--ioengine=nbd", "--uri="+s.uri)...)
+			s.stopClean()
+			run(t, "fio", append(job, "--ioengine=psync", "--filename="+img, "--verify_only")...)
+		})
+	}
+}

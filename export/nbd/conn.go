@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -36,6 +37,10 @@ type conn struct {
 	corked bool
 
 	inflight sync.WaitGroup
+	nasync   atomic.Int32 // requests running in goroutines
+	// lone is ctx marked for requests the reader runs itself, blocking,
+	// because it has no other to serve (coroutines.Lone).
+	lone context.Context
 	// Fast paths the image offers, run inline by the reader.
 	noWait       formats.NoWaitReader
 	inlineWrites bool
@@ -59,6 +64,7 @@ func newConn(s *Server, sock connIO, log *slog.Logger) *conn {
 	c := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
+	c.lone = coroutines.Lone(c.ctx)
 	return c
 }
 
@@ -217,7 +223,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				return err
 			}
 			if fits && c.inlineWrites {
-				c.handle(req, payload)
+				c.handle(c.ctx, req, payload)
 				continue
 			}
 			if fits && c.tryWrites != nil {
@@ -249,13 +255,31 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				return c.ctx.Err()
 			}
 		}
+		if (req.Type == cmdRead || req.Type == cmdWrite) && c.isLone(r) {
+			c.handle(c.lone, req, payload)
+			c.release(cost)
+			continue
+		}
 		c.inflight.Add(1)
+		c.nasync.Add(1)
 		go func() {
 			defer c.inflight.Done()
+			defer c.nasync.Add(-1)
 			defer c.release(cost)
-			c.handle(req, payload)
+			c.handle(c.ctx, req, payload)
 		}()
 	}
+}
+
+// isLone says whether the reader may run a read or write that waits
+// itself (see coroutines.Lone): no request runs in a goroutine and none
+// is waiting, in the reader's buffer or on the socket.
+func (c *conn) isLone(r *bufio.Reader) bool {
+	if c.nasync.Load() != 0 || r.Buffered() != 0 {
+		return false
+	}
+	p, ok := c.sock.(interface{ pending() bool })
+	return ok && !p.pending()
 }
 
 // tryReadInline answers a read the image can serve without waiting (page
@@ -320,8 +344,7 @@ func (c *conn) replyFailed(err error) {
 }
 
 // handle runs one request and sends its reply.
-func (c *conn) handle(req protocol.TransmissionRequestHeader, payload []byte) {
-	ctx := c.ctx
+func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeader, payload []byte) {
 	if ctx.Err() != nil {
 		return // the client is gone: nobody to answer
 	}

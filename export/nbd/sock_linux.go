@@ -174,6 +174,13 @@ func readNoEINTR(fd int, p []byte) (int, error) {
 
 // Write sends all of p. MSG_NOSIGNAL: a vanished client is an EPIPE error,
 // not a signal.
+// pending says whether the socket has bytes to read (a request waiting).
+func (s *sock) pending() bool {
+	fds := [1]unix.PollFd{{Fd: int32(s.fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds[:], 0)
+	return err != nil || n > 0
+}
+
 func (s *sock) Write(p []byte) (int, error) {
 	n := 0
 	for n < len(p) {
