@@ -38,20 +38,17 @@ var permNames = [permBits]string{"consistent read", "write", "write unchanged", 
 // locks belong to this open file and go away when it is closed.
 func lockImage(f *os.File, l Lock) error {
 	fd := int(f.Fd())
-	for i := 0; i < permBits; i++ {
-		for _, b := range []struct {
-			on   bool
-			base int64
-		}{{l.Perm&(1<<i) != 0, lockPermBase}, {l.Unshared&(1<<i) != 0, lockSharedBase}} {
-			if !b.on {
+	for i := int64(0); i < permBits; i++ {
+		for base, on := range map[int64]bool{lockPermBase: l.Perm&(1<<i) != 0, lockSharedBase: l.Unshared&(1<<i) != 0} {
+			if !on {
 				continue
 			}
-			lk := unix.Flock_t{Type: unix.F_RDLCK, Whence: 0, Start: b.base + int64(i), Len: 1}
+			lk := unix.Flock_t{Type: unix.F_RDLCK, Start: base + i, Len: 1}
 			if err := unix.FcntlFlock(uintptr(fd), unix.F_OFD_SETLK, &lk); err != nil {
 				if err == unix.EINVAL || err == unix.ENOLCK || err == unix.EOPNOTSUPP {
 					return nil // a file system without OFD locks: nothing to coordinate with
 				}
-				return fmt.Errorf("%s: lock byte %d: %w", f.Name(), b.base+int64(i), err)
+				return fmt.Errorf("%s: lock byte %d: %w", f.Name(), base+i, err)
 			}
 		}
 	}
@@ -70,7 +67,7 @@ func lockImage(f *os.File, l Lock) error {
 // lockedByOther says whether another open file description holds a lock
 // on byte off (ours never conflict with themselves).
 func lockedByOther(fd int, off int64) bool {
-	lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: 0, Start: off, Len: 1}
+	lk := unix.Flock_t{Type: unix.F_WRLCK, Start: off, Len: 1}
 	if err := unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk); err != nil {
 		return false
 	}

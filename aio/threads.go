@@ -93,44 +93,41 @@ func pwriteAll(ctx context.Context, f File, p []byte, off int64, check func(cont
 }
 
 func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	iov = append([][]byte(nil), iov...)
-	total := 0
-	for len(iov) > 0 {
-		if err := t.check(ctx, "preadv"); err != nil {
-			return total, err
-		}
-		n, err := unix.Preadv(t.fd, iov, off+int64(total))
-		if err == unix.EINTR || err == unix.EAGAIN {
-			continue
-		}
-		if err != nil {
-			return total, pathErr("preadv", t, err)
-		}
-		if n == 0 {
-			return total, io.EOF
-		}
-		total += n
-		iov = advance(iov, n)
-	}
-	return total, nil
+	return preadvAll(ctx, t, iov, off, t.check)
 }
 
 func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	return pwritevAll(ctx, t, iov, off, t.check)
+}
+
+// preadvAll and pwritevAll are preadAll and pwriteAll for an iovec.
+func preadvAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	return vectored(ctx, f, "preadv", unix.Preadv, io.EOF, iov, off, check)
+}
+
+func pwritevAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	return vectored(ctx, f, "pwritev", unix.Pwritev, pathErr("pwritev", f, unix.ENOSPC), iov, off, check)
+}
+
+// vectored runs call until iov is done, continuing short transfers; a
+// transfer of nothing ends it with onZero (EOF for reads, ENOSPC for
+// writes).
+func vectored(ctx context.Context, f File, op string, call func(int, [][]byte, int64) (int, error), onZero error, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
 	iov = append([][]byte(nil), iov...)
 	total := 0
 	for len(iov) > 0 {
-		if err := t.check(ctx, "pwritev"); err != nil {
+		if err := check(ctx, op); err != nil {
 			return total, err
 		}
-		n, err := unix.Pwritev(t.fd, iov, off+int64(total))
+		n, err := call(f.Fd(), iov, off+int64(total))
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
 		if err != nil {
-			return total, pathErr("pwritev", t, err)
+			return total, pathErr(op, f, err)
 		}
 		if n == 0 {
-			return total, pathErr("pwritev", t, unix.ENOSPC)
+			return total, onZero
 		}
 		total += n
 		iov = advance(iov, n)

@@ -14,7 +14,6 @@ package aio
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -280,7 +279,7 @@ func (r *uring) reap() {
 		head := *r.cqHead
 		tail := atomic.LoadUint32(r.cqTail)
 		if head == tail {
-			if _, err := r.wake.Read(tick[:]); err != nil && !errors.Is(err, unix.EINTR) {
+			if _, err := r.wake.Read(tick[:]); err != nil {
 				// Only a broken eventfd gets here; fail every waiter.
 				for i := range r.slots {
 					select {
@@ -397,8 +396,16 @@ func (u *uringFile) Close() error {
 // transfers. A buffered read first tries preadv2(RWF_NOWAIT): a page-cache
 // hit completes right here without a trip through the ring.
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
+	if coroutines.IsLone(ctx) && !u.closed() {
+		// See coroutines.Lone. (A buffered read gets here when its
+		// caller's no-wait try missed the page cache: no second try.)
+		if op == opRead {
+			return preadAll(ctx, u, p, off, u.check)
+		}
+		return pwriteAll(ctx, u, p, off, u.check)
+	}
 	done := 0
-	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && !coroutines.IsLone(ctx) {
+	if op == opRead && !u.direct && len(p) > 0 && !u.closed() {
 		n, err := PreadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {
@@ -413,14 +420,6 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		// io_uring punt every one to an io-wq thread, a hand-off that
 		// measured 0.6x of a plain pwrite; the page cache absorbs the write
 		// either way, so write it from the caller.
-		return pwriteAll(ctx, u, p, off, u.check)
-	}
-	if done == 0 && coroutines.IsLone(ctx) && !u.closed() {
-		// See coroutines.Lone. (A buffered read gets here when its
-		// caller's no-wait try missed the page cache: no second try.)
-		if op == opRead {
-			return preadAll(ctx, u, p, off, u.check)
-		}
 		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	for done < len(p) {
@@ -456,6 +455,12 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 }
 
 func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) (int, error) {
+	if coroutines.IsLone(ctx) && !u.closed() {
+		if op == opReadv {
+			return preadvAll(ctx, u, iov, off, u.check)
+		}
+		return pwritevAll(ctx, u, iov, off, u.check)
+	}
 	iov = append([][]byte(nil), iov...)
 	iov = advance(iov, 0)
 	total := 0

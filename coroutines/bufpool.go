@@ -55,6 +55,14 @@ func (p *BufPool) Release(bp *[]byte) {
 // (rounded up to a power of two).
 func AlignedBuf(size, align int) []byte {
 	align = pow2(align)
+	if size > 0 && size%align == 0 {
+		// Go's allocator places objects of a page-multiple size class,
+		// and large ones, on page boundaries: try without the padding
+		// first (a 4 KiB payload then costs 4 KiB, not 8).
+		if b := make([]byte, size); uintptr(unsafe.Pointer(&b[0]))&uintptr(align-1) == 0 {
+			return b
+		}
+	}
 	b := make([]byte, size+align)
 	skip := (align - int(uintptr(unsafe.Pointer(&b[0]))&uintptr(align-1))) & (align - 1)
 	return b[skip : skip+size : skip+size]

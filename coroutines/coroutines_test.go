@@ -133,6 +133,13 @@ func TestBufPoolAlignment(t *testing.T) {
 	if b := AlignedBuf(100, 3); len(b) != 100 || uintptr(unsafe.Pointer(&b[0]))%4 != 0 {
 		t.Fatal("non-power-of-two alignment not rounded up")
 	}
+	for _, n := range []int{512, 4096, 8192, 12288, 65536, 1 << 20, 4096 + 512} {
+		for _, a := range []int{512, 4096} {
+			if b := AlignedBuf(n, a); len(b) != n || cap(b) != n || uintptr(unsafe.Pointer(&b[0]))%uintptr(a) != 0 {
+				t.Fatalf("AlignedBuf(%d, %d): len %d cap %d at %p", n, a, len(b), cap(b), &b[0])
+			}
+		}
+	}
 }
 
 func TestYielderYieldsOncePerInterval(t *testing.T) {

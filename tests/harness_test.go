@@ -3,6 +3,7 @@ package tests
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -350,4 +351,36 @@ func procField(t *testing.T, pid int, file, key string) int64 {
 	}
 	t.Fatalf("no %s in /proc/%d/%s", key, pid, file)
 	return 0
+}
+
+// tryExport runs `blockexport fuse ARGS MNT` expecting a refusal; see
+// tryRun.
+func tryExport(t *testing.T, mnt string, args ...string) (int, string) {
+	t.Helper()
+	return tryRun(t, mnt, bin, append(append([]string{"fuse"}, args...), mnt)...)
+}
+
+// tryRun runs an export command that should be refused and returns its
+// exit code and output. Should the export come up after all, it is
+// stopped at a deadline (exit -1) and MNT unmounted, so that the test
+// fails instead of hanging.
+func tryRun(t *testing.T, mnt, prog string, argv ...string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, prog, argv...).CombinedOutput()
+	if isFuseMount(mnt) {
+		syscall.Unmount(mnt, syscall.MNT_DETACH)
+	}
+	if ctx.Err() != nil {
+		return -1, string(out)
+	}
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode(), string(out)
+	}
+	if err != nil {
+		t.Fatalf("running %s %v: %v", prog, argv, err)
+	}
+	return 0, string(out)
 }

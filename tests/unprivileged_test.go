@@ -196,12 +196,9 @@ func TestUnprivilegedExport(t *testing.T) {
 	t.Run("image the user may not read", func(t *testing.T) {
 		img := randomImage(t, t.TempDir(), size, 24) // root's, mode 0644 in a 0700 directory
 		mnt := filepath.Join(u.dir, "refused.mnt")
-		out, err := exec.Command("setpriv", u.argv(bin, "fuse", "-f", "raw", img, mnt)...).CombinedOutput()
-		if err == nil {
-			t.Fatalf("exported an image the user may not read:\n%s", out)
-		}
-		if !strings.Contains(string(out), "permission denied") || strings.Count(string(out), "\n") != 1 {
-			t.Fatalf("want one line saying permission denied, got:\n%s", out)
+		code, out := tryRun(t, mnt, "setpriv", u.argv(bin, "fuse", "-f", "raw", img, mnt)...)
+		if code != 1 || !strings.Contains(out, "permission denied") || strings.Count(out, "\n") != 1 {
+			t.Fatalf("exit %d; want 1 and one line saying permission denied, got:\n%s", code, out)
 		}
 		if isFuseMount(mnt) {
 			t.Fatal("a refused export left a mount behind")

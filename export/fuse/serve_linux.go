@@ -558,12 +558,12 @@ func (s *server) dispatchOne(fd int, req, out []byte, began time.Time) bool {
 // goroutines submit). So the loop counts its tries in windows of
 // missWindow: when fewer than half of a window hit, it stops trying except
 // for every probeEvery-th read, whose outcomes make the next window.
+//
+// It sits on every inline read, so it keeps to one atomic add per try.
 type missTracker struct {
-	mu       sync.Mutex
-	tries    int
-	hits     int
-	skipping bool
-	seen     uint32 // reads while skipping, for the probes
+	skipping atomic.Bool
+	window   atomic.Uint64 // this window's tries<<32 | hits
+	seen     atomic.Uint32 // reads while skipping, for the probes
 }
 
 const (
@@ -572,25 +572,19 @@ const (
 )
 
 func (m *missTracker) shouldTry() bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if !m.skipping {
-		return true
-	}
-	m.seen++
-	return m.seen%probeEvery == 0
+	return !m.skipping.Load() || m.seen.Add(1)%probeEvery == 0
 }
 
 func (m *missTracker) note(hit bool) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.tries++
+	d := uint64(1) << 32
 	if hit {
-		m.hits++
+		d++
 	}
-	if m.tries == missWindow {
-		m.skipping = 2*m.hits < m.tries
-		m.tries, m.hits = 0, 0
+	if w := m.window.Add(d); w>>32 == missWindow {
+		// The try that fills the window judges it and starts the next
+		// (tries other queues add meanwhile count there).
+		m.window.Add(-w)
+		m.skipping.Store(2*(w&0xffffffff) < missWindow)
 	}
 }
 

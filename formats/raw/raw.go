@@ -100,13 +100,9 @@ func (r *Image) Backend() aio.Backend { return r.f.Backend() }
 
 func (r *Image) Size() int64 { return r.size.Load() }
 
+// ReadAt reads p at off; bytes past the host file's end read as zeroes
+// (the file may have shrunk under us).
 func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	return r.read(ctx, p, off)
-}
-
-// read reads p at off; bytes past the host file's end read as zeroes (the
-// file may have shrunk under us, or the bounce window passes EOF).
-func (r *Image) read(ctx context.Context, p []byte, off int64) (int, error) {
 	n, err := r.f.ReadAt(ctx, p, off)
 	if errors.Is(err, io.EOF) {
 		clear(p[n:])
