@@ -53,6 +53,16 @@ type File interface {
 	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
 	// WriteAt writes all of p at off; short writes are continued.
 	WriteAt(ctx context.Context, p []byte, off int64) (int, error)
+	// TryReadAt reads all of p at off if it can without waiting for a
+	// device: a page-cache hit, with preadv2(RWF_NOWAIT). false: it would
+	// wait (always so with O_DIRECT, which has no cache to hit), and p
+	// holds nothing usable; ReadAt with a context from
+	// coroutines.Missed then goes to the device without a second try.
+	TryReadAt(p []byte, off int64) bool
+	// TryWriteAt writes all of p at off if the write completes in the page
+	// cache: a buffered file's. false: it would wait for the device
+	// (O_DIRECT) and nothing was written; true: err is the outcome.
+	TryWriteAt(p []byte, off int64) (bool, error)
 	// ReadvAt and WritevAt are the vectored forms, same rules.
 	ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error)
 	WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error)
@@ -63,7 +73,8 @@ type File interface {
 	// Fallocate is fallocate(2) with the FALLOC_FL_* mode bits.
 	Fallocate(ctx context.Context, mode uint32, off, n int64) error
 	// Fd is the descriptor, for metadata calls that are not I/O
-	// (fstat, lseek SEEK_DATA, ftruncate).
+	// (fstat, lseek SEEK_DATA, ftruncate); data goes through the methods
+	// above.
 	Fd() int
 	// Name is the path the file was opened with.
 	Name() string
@@ -128,7 +139,7 @@ func Open(path string, o Options) (File, error) {
 		}
 		logger.Warn("io_uring unavailable, using the thread backend", "file", path, "err", err)
 	}
-	return newThreadFile(f), nil
+	return newThreadFile(f, o.Direct), nil
 }
 
 // ErrInUse says another process uses the image in a way that conflicts

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -233,5 +234,86 @@ func TestUseAfterCloseIsAnError(t *testing.T) {
 		if err := f.Fdatasync(context.Background()); !errors.Is(err, os.ErrClosed) {
 			t.Errorf("%s: fdatasync after close: %v", b, err)
 		}
+	}
+}
+
+// TestCancelReachesTheRing: a read that cannot complete (a pipe nobody
+// writes) returns once its context ends, because the ring is asked to
+// cancel it; and the ring still serves reads afterwards.
+func TestCancelReachesTheRing(t *testing.T) {
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pw.Close()
+	u, err := newURingFile(pr, Options{Entries: 4})
+	if err != nil {
+		t.Fatalf("no io_uring here: %v", err)
+	}
+	defer u.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := u.ReadAt(ctx, make([]byte, 8), 0)
+		done <- err
+	}()
+	time.Sleep(50 * time.Millisecond)
+	select {
+	case err := <-done:
+		t.Fatalf("the read returned before anything was written or cancelled: %v", err)
+	default:
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("cancelled read returned %v, want context.Canceled", err)
+		}
+	case <-time.After(5 * time.Second):
+		pw.Write(make([]byte, 8)) // let it finish, so that Close does not wait forever
+		<-done
+		t.Fatal("the read did not return after its context was cancelled: the cancel never reached the ring")
+	}
+	// The slot came back, and the ring still works.
+	if _, err := pw.Write([]byte("12345678")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 8)
+	if _, err := u.ReadAt(context.Background(), buf, 0); err != nil || string(buf) != "12345678" {
+		t.Fatalf("read after a cancel: %q, %v", buf, err)
+	}
+}
+
+// TestTryReadAndWrite: a buffered file answers tries from the page cache
+// (and writes into it); an O_DIRECT one never does, so nothing is written.
+func TestTryReadAndWrite(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(path, bytes.Repeat([]byte{7}, 1<<16), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for b, f := range openBoth(t, path, Options{Writable: true}) {
+		p := make([]byte, 4096)
+		if !f.TryReadAt(p, 4096) || p[0] != 7 {
+			t.Errorf("%s: a cached read was not served by TryReadAt (%d)", b, p[0])
+		}
+		if f.TryReadAt(make([]byte, 4096), 1<<16-100) {
+			t.Errorf("%s: TryReadAt across the end of the file said it read everything", b)
+		}
+		if ok, err := f.TryWriteAt([]byte{9}, 10); !ok || err != nil {
+			t.Errorf("%s: buffered TryWriteAt: %v %v", b, ok, err)
+		}
+	}
+	for b, f := range openBoth(t, path, Options{Writable: true, Direct: true}) {
+		p := coroutines.AlignedBuf(4096, 4096)
+		if f.TryReadAt(p, 0) {
+			t.Errorf("%s: O_DIRECT TryReadAt said it hit a cache", b)
+		}
+		if ok, _ := f.TryWriteAt(p, 0); ok {
+			t.Errorf("%s: O_DIRECT TryWriteAt wrote without waiting", b)
+		}
+	}
+	got, _ := os.ReadFile(path)
+	if got[10] != 9 || got[0] != 7 {
+		t.Fatalf("after the tries the file holds %d at 10 and %d at 0, want 9 and 7", got[10], got[0])
 	}
 }

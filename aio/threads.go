@@ -11,15 +11,16 @@ import (
 
 // threadFile issues each call as a plain syscall from the calling goroutine.
 type threadFile struct {
-	f  *os.File
-	fd int
+	f      *os.File
+	fd     int
+	direct bool
 	// closed guards against using a descriptor number that Close released
 	// and the kernel may have handed to another file.
 	closed atomic.Bool
 }
 
-func newThreadFile(f *os.File) *threadFile {
-	return &threadFile{f: f, fd: int(f.Fd())}
+func newThreadFile(f *os.File, direct bool) *threadFile {
+	return &threadFile{f: f, fd: int(f.Fd()), direct: direct}
 }
 
 func (t *threadFile) Fd() int          { return t.fd }
@@ -44,25 +45,17 @@ func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, erro
 
 // preadAll fills p from off with pread(2) from the calling goroutine,
 // continuing short reads; fewer bytes only at end of file, with io.EOF.
+// check runs before each try.
 func preadAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	done := 0
-	for done < len(p) {
-		if err := check(ctx, "pread"); err != nil {
-			return done, err
-		}
-		n, err := unix.Pread(f.Fd(), p[done:], off+int64(done))
-		if err == unix.EINTR || err == unix.EAGAIN {
-			continue
-		}
-		if err != nil {
-			return done, pathErr("pread", f, err)
-		}
-		if n == 0 {
-			return done, io.EOF
-		}
-		done += n
-	}
-	return done, nil
+	return transfer(ctx, f, false, p, off, check)
+}
+
+func (t *threadFile) TryReadAt(p []byte, off int64) bool {
+	return !t.closed.Load() && tryRead(t.fd, t.direct, p, off)
+}
+
+func (t *threadFile) TryWriteAt(p []byte, off int64) (bool, error) {
+	return tryWrite(t, t.direct, t.check, p, off)
 }
 
 func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
@@ -72,24 +65,42 @@ func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, err
 // pwriteAll writes all of p at off with pwrite(2) from the calling
 // goroutine, continuing short writes; check runs before each try.
 func pwriteAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
+	return transfer(ctx, f, true, p, off, check)
+}
+
+// transfer is preadAll (write false) and pwriteAll.
+func transfer(ctx context.Context, f File, write bool, p []byte, off int64, check func(context.Context, string) error) (int, error) {
+	op, call := "pread", unix.Pread
+	if write {
+		op, call = "pwrite", unix.Pwrite
+	}
 	done := 0
 	for done < len(p) {
-		if err := check(ctx, "pwrite"); err != nil {
+		if err := check(ctx, op); err != nil {
 			return done, err
 		}
-		n, err := unix.Pwrite(f.Fd(), p[done:], off+int64(done))
+		n, err := call(f.Fd(), p[done:], off+int64(done))
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
 		if err != nil {
-			return done, pathErr("pwrite", f, err)
+			return done, pathErr(op, f, err)
 		}
 		if n == 0 {
-			return done, pathErr("pwrite", f, unix.ENOSPC)
+			return done, nothingMoved(op, f, write)
 		}
 		done += n
 	}
 	return done, nil
+}
+
+// nothingMoved is the error for a transfer of zero bytes: the end of the
+// file for a read, a full device for a write.
+func nothingMoved(op string, f File, write bool) error {
+	if write {
+		return pathErr(op, f, unix.ENOSPC)
+	}
+	return io.EOF
 }
 
 func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
@@ -102,17 +113,20 @@ func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int
 
 // preadvAll and pwritevAll are preadAll and pwriteAll for an iovec.
 func preadvAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return vectored(ctx, f, "preadv", unix.Preadv, io.EOF, iov, off, check)
+	return vectored(ctx, f, false, iov, off, check)
 }
 
 func pwritevAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return vectored(ctx, f, "pwritev", unix.Pwritev, pathErr("pwritev", f, unix.ENOSPC), iov, off, check)
+	return vectored(ctx, f, true, iov, off, check)
 }
 
-// vectored runs call until iov is done, continuing short transfers; a
-// transfer of nothing ends it with onZero (EOF for reads, ENOSPC for
-// writes).
-func vectored(ctx context.Context, f File, op string, call func(int, [][]byte, int64) (int, error), onZero error, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+// vectored runs preadv or pwritev until iov is done, continuing short
+// transfers.
+func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	op, call := "preadv", unix.Preadv
+	if write {
+		op, call = "pwritev", unix.Pwritev
+	}
 	iov = append([][]byte(nil), iov...)
 	total := 0
 	for len(iov) > 0 {
@@ -127,7 +141,7 @@ func vectored(ctx context.Context, f File, op string, call func(int, [][]byte, i
 			return total, pathErr(op, f, err)
 		}
 		if n == 0 {
-			return total, onZero
+			return total, nothingMoved(op, f, write)
 		}
 		total += n
 		iov = advance(iov, n)

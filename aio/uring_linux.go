@@ -7,10 +7,11 @@ package aio
 // io_uring_enter, and one completion goroutine.
 //
 // Flow control: a request takes a slot from a free list before it fills an
-// SQE and gives it back after its completion is delivered. There are as many
-// slots as SQ entries and the CQ is twice that, so neither ring can
-// overflow; when all slots are taken, callers wait (back-pressure) instead of
-// failing.
+// SQE and gives it back after its completion is delivered. A slot may use
+// two SQEs (its operation, and a cancel when its context ends: see do), so
+// there are half as many slots as SQ entries, and the CQ is twice the SQ:
+// neither ring can overflow; when all slots are taken, callers wait
+// (back-pressure) instead of failing.
 
 import (
 	"context"
@@ -49,8 +50,12 @@ const (
 	offCQRing = 0x8000000
 	offSQEs   = 0x10000000
 
-	// closeTag marks the NOP that tells the completion goroutine to stop.
-	closeTag = ^uint64(0)
+	opAsyncCancel = 14
+
+	// closeTag marks the NOP that tells the completion goroutine to stop;
+	// cancelTag the completions of cancel requests, which nobody waits for.
+	closeTag  = ^uint64(0)
+	cancelTag = ^uint64(0) - 1
 )
 
 type sqOffsets struct {
@@ -127,9 +132,10 @@ type uring struct {
 	reaped    chan struct{} // closed when the completion goroutine ends
 }
 
+// newURing makes a ring for entries requests in flight.
 func newURing(entries uint32) (*uring, error) {
-	p := uringParams{flags: setupCQSize, cqEntries: 2 * entries}
-	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(entries), uintptr(unsafe.Pointer(&p)), 0)
+	p := uringParams{flags: setupCQSize, cqEntries: 4 * entries}
+	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(2*entries), uintptr(unsafe.Pointer(&p)), 0)
 	if errno != 0 {
 		switch errno {
 		case unix.ENOSYS, unix.EPERM, unix.EACCES, unix.EINVAL:
@@ -142,8 +148,8 @@ func newURing(entries uint32) (*uring, error) {
 		unix.Close(r.fd)
 		return nil, err
 	}
-	r.slots = make([]slot, p.sqEntries)
-	r.free = make(chan uint32, p.sqEntries)
+	r.slots = make([]slot, p.sqEntries/2)
+	r.free = make(chan uint32, len(r.slots))
 	for i := range r.slots {
 		r.slots[i].done = make(chan int32, 1)
 		r.free <- uint32(i)
@@ -297,6 +303,9 @@ func (r *uring) reap() {
 				atomic.StoreUint32(r.cqHead, head+1)
 				return
 			}
+			if c.userData == cancelTag {
+				continue
+			}
 			r.slots[c.userData].done <- c.res
 		}
 		atomic.StoreUint32(r.cqHead, head)
@@ -304,8 +313,13 @@ func (r *uring) reap() {
 }
 
 // do runs one operation to completion and returns the kernel's result
-// (negative errno on failure).
-func (r *uring) do(fill func(*sqe, *slot, uint64)) (int32, error) {
+// (negative errno on failure). When ctx ends first (a FUSE INTERRUPT, an
+// NBD client gone), it asks the kernel to cancel the operation
+// (IORING_OP_ASYNC_CANCEL): one that has not reached the device yet then
+// completes with -ECANCELED, one that has completes as it would have.
+// Either way do waits for that completion: until it, the kernel may still
+// use the caller's buffer.
+func (r *uring) do(ctx context.Context, fill func(*sqe, *slot, uint64)) (int32, error) {
 	var idx uint32
 	select {
 	case idx = <-r.free:
@@ -323,7 +337,19 @@ func (r *uring) do(fill func(*sqe, *slot, uint64)) (int32, error) {
 		r.free <- idx
 		return 0, err
 	}
-	res := <-s.done
+	var res int32
+	select {
+	case res = <-s.done:
+	case <-ctx.Done():
+		// A cancel that cannot be submitted changes nothing: the
+		// operation completes in its own time.
+		r.submit(func(e *sqe) {
+			e.opcode = opAsyncCancel
+			e.addr = uint64(idx)
+			e.userData = cancelTag
+		})
+		res = <-s.done
+	}
 	r.free <- idx
 	return res, nil
 }
@@ -392,21 +418,31 @@ func (u *uringFile) Close() error {
 	return u.f.Close()
 }
 
-// rw runs a read or write of p at off through the ring, continuing short
-// transfers. A buffered read first tries preadv2(RWF_NOWAIT): a page-cache
-// hit completes right here without a trip through the ring.
+// TryReadAt: see File.
+func (u *uringFile) TryReadAt(p []byte, off int64) bool {
+	return !u.closed() && tryRead(u.fd, u.direct, p, off)
+}
+
+// TryWriteAt: see File.
+func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
+	return tryWrite(u, u.direct, u.check, p, off)
+}
+
+// rw runs a read or write of p at off, continuing short transfers: with a
+// blocking system call for a lone request (see coroutines.Lone), else
+// through the ring. A buffered read first tries the page cache (a hit
+// completes right here), unless its caller's try has just missed; a
+// buffered write is written from the caller (see tryWrite).
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
 	if coroutines.IsLone(ctx) && !u.closed() {
-		// See coroutines.Lone. (A buffered read gets here when its
-		// caller's no-wait try missed the page cache: no second try.)
 		if op == opRead {
 			return preadAll(ctx, u, p, off, u.check)
 		}
 		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	done := 0
-	if op == opRead && !u.direct && len(p) > 0 && !u.closed() {
-		n, err := PreadNoWait(u.fd, p, off)
+	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && !coroutines.HasMissed(ctx) {
+		n, err := preadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {
 				return 0, io.EOF
@@ -415,11 +451,6 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		}
 	}
 	if op == opWrite && !u.direct && !u.closed() {
-		// Buffered writes: file systems without non-blocking buffered
-		// writes (ext4 here answers RWF_NOWAIT with EOPNOTSUPP) make
-		// io_uring punt every one to an io-wq thread, a hand-off that
-		// measured 0.6x of a plain pwrite; the page cache absorbs the write
-		// either way, so write it from the caller.
 		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	for done < len(p) {
@@ -427,7 +458,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			return done, err
 		}
 		buf := p[done:]
-		res, err := u.ring.do(func(e *sqe, _ *slot, tag uint64) {
+		res, err := u.ring.do(ctx, func(e *sqe, _ *slot, tag uint64) {
 			e.opcode = op
 			e.fd = int32(u.fd)
 			e.off = uint64(off) + uint64(done)
@@ -436,20 +467,11 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			e.userData = tag
 		})
 		runtime.KeepAlive(buf)
+		n, err := u.result(ctx, op, res, err)
 		if err != nil {
-			return done, pathErr(opName(op), u, err)
+			return done, err
 		}
-		switch {
-		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
-			continue
-		case res < 0:
-			return done, pathErr(opName(op), u, unix.Errno(-res))
-		case res == 0 && op == opRead:
-			return done, io.EOF
-		case res == 0:
-			return done, pathErr(opName(op), u, unix.ENOSPC)
-		}
-		done += int(res)
+		done += n
 	}
 	return done, nil
 }
@@ -468,7 +490,7 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 		if err := ctx.Err(); err != nil {
 			return total, err
 		}
-		res, err := u.ring.do(func(e *sqe, s *slot, tag uint64) {
+		res, err := u.ring.do(ctx, func(e *sqe, s *slot, tag uint64) {
 			s.iov = s.iov[:0]
 			for _, b := range iov {
 				if len(b) > 0 {
@@ -483,23 +505,32 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 			e.userData = tag
 		})
 		runtime.KeepAlive(iov)
+		n, err := u.result(ctx, op, res, err)
 		if err != nil {
-			return total, pathErr(opName(op), u, err)
+			return total, err
 		}
-		switch {
-		case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
-			continue
-		case res < 0:
-			return total, pathErr(opName(op), u, unix.Errno(-res))
-		case res == 0 && op == opReadv:
-			return total, io.EOF
-		case res == 0:
-			return total, pathErr(opName(op), u, unix.ENOSPC)
-		}
-		total += int(res)
-		iov = advance(iov, int(res))
+		total += n
+		iov = advance(iov, n)
 	}
 	return total, nil
+}
+
+// result reads the completion of a read or write: the bytes it moved (0:
+// try again, interrupted), or the error that ends the transfer.
+func (u *uringFile) result(ctx context.Context, op uint8, res int32, err error) (int, error) {
+	switch {
+	case err != nil:
+		return 0, pathErr(opName(op), u, err)
+	case res == -int32(unix.ECANCELED) && ctx.Err() != nil:
+		return 0, ctx.Err()
+	case res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN):
+		return 0, nil
+	case res < 0:
+		return 0, pathErr(opName(op), u, unix.Errno(-res))
+	case res == 0:
+		return 0, nothingMoved(opName(op), u, op == opWrite || op == opWritev)
+	}
+	return int(res), nil
 }
 
 func opName(op uint8) string {
@@ -540,7 +571,7 @@ func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		res, err := u.ring.do(func(e *sqe, _ *slot, tag uint64) {
+		res, err := u.ring.do(ctx, func(e *sqe, _ *slot, tag uint64) {
 			e.opcode = op
 			e.fd = int32(u.fd)
 			fill(e)
@@ -548,6 +579,9 @@ func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error
 		})
 		if err != nil {
 			return pathErr(opName(op), u, err)
+		}
+		if res == -int32(unix.ECANCELED) && ctx.Err() != nil {
+			return ctx.Err()
 		}
 		if res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN) {
 			continue

@@ -50,6 +50,20 @@ type Image interface {
 	// AllocatedSize is the number of bytes the image occupies on the host
 	// (st_blocks*512 of its files), or -1 when that is not meaningful.
 	AllocatedSize(ctx context.Context) (int64, error)
+	// TryReadAt fills all of p from off if it can without waiting for a
+	// device or a lock someone holds (a page-cache hit, metadata already
+	// in memory). false: it would wait; p's content is undefined, and the
+	// caller uses ReadAt, with coroutines.Missed on its context when this
+	// try reached the host file (so aio does not try a second time).
+	TryReadAt(p []byte, off int64) bool
+	// TryWriteAt writes all of p at off if it can without waiting for a
+	// device, metadata I/O or a lock someone holds (raw: a buffered write
+	// into the page cache; qcow2: into a cluster it owns). done false:
+	// nothing was written and the caller uses WriteAt; with done true, err
+	// is the write's outcome. Front ends clamp first, as for WriteAt.
+	TryWriteAt(p []byte, off int64) (done bool, err error)
+	// Features says what the image can offer front ends.
+	Features() Features
 	// Info describes the image for `info` and logs.
 	Info() Info
 	// Close releases the image. It does not flush.
@@ -104,20 +118,11 @@ type Info struct {
 
 // FormatSpecific is qemu-img's "format-specific" object.
 type FormatSpecific struct {
-	Type string      `json:"type"`
-	Data QCOW2Detail `json:"data"`
-}
-
-// QCOW2Detail is the "data" of a qcow2 image's format-specific object.
-type QCOW2Detail struct {
-	Compat          string `json:"compat"`
-	CompressionType string `json:"compression-type"`
-	LazyRefcounts   bool   `json:"lazy-refcounts"`
-	RefcountBits    int    `json:"refcount-bits"`
-	Corrupt         bool   `json:"corrupt"`
-	ExtendedL2      bool   `json:"extended-l2"`
-	// Bitmaps is set when the image carries persistent dirty bitmaps.
-	Bitmaps bool `json:"-"`
+	Type string `json:"type"`
+	// Data is the format's own object, with qemu-img's JSON names.
+	Data any `json:"data"`
+	// Lines are what `info` prints of it, as qemu-img words it.
+	Lines []string `json:"-"`
 }
 
 // Snapshot is one internal snapshot of a qcow2 image.
@@ -132,49 +137,34 @@ type Snapshot struct {
 	ICount      uint64 `json:"icount"`
 }
 
+// BackingOpener opens an image's backing file, read-only: path as the image
+// names it (a relative name made relative to the image's directory),
+// format as it names it ("": detect it). Formats with backing files get
+// one from whoever opens them (package probe), so that no format needs to
+// know the others.
+type BackingOpener func(path, format string) (Image, error)
+
 // Layered is implemented by images with a backing file.
 type Layered interface {
 	// Backing returns the backing image, or nil.
 	Backing() Image
 }
 
-// NoWaitReader is implemented by images that can try a read without
-// waiting on a device: a serve loop runs such reads inline and hands only
-// the rest to a goroutine.
-type NoWaitReader interface {
-	// ReadAtNoWait fills all of p from off if it can without blocking (page
-	// cache hits, metadata already cached). ok false means it would block;
-	// p's content is then undefined and the caller uses ReadAt.
-	ReadAtNoWait(p []byte, off int64) (ok bool)
+// Features are what an image offers front ends beyond reads and writes.
+type Features struct {
+	// FastZero: WriteZeroes writes no data (NBD's FAST_ZERO asks).
+	FastZero bool
+	// HostFd >= 0 is a host file whose bytes are the image's at the same
+	// offsets, through the page cache (a buffered raw image): a front end
+	// may let the kernel serve them from it (FUSE passthrough). -1: none.
+	HostFd int
 }
 
-// InlineWriter is implemented by images whose writes complete in memory
-// (the host page cache, or nowhere), so a serve loop may run them inline.
-type InlineWriter interface {
-	InlineWrites() bool
-}
+// NoFastPath is what a format embeds when it has no way to finish a read
+// or write without waiting: its tries always say "would wait", so front
+// ends hand every request to a goroutine. It also offers no features.
+type NoFastPath struct{}
 
-// NoWaitWriter is implemented by images that can tell at once whether a
-// write needs nothing but a host write into the page cache (for qcow2: a
-// cluster it owns, its L2 table cached), so a serve loop may run it inline
-// and hand only the rest (allocation, copy-on-write) to a goroutine.
-type NoWaitWriter interface {
-	// WriteAtNoWait writes all of p at off if it can without waiting for
-	// metadata I/O or a lock someone else holds. done false means nothing
-	// was written and the caller uses WriteAt; with done true, err is the
-	// write's outcome.
-	WriteAtNoWait(p []byte, off int64) (done bool, err error)
-}
-
-// PassthroughFder is implemented by images whose bytes are a host file's
-// bytes at the same offsets (raw, buffered): the kernel may then serve
-// reads from that file directly (FUSE passthrough).
-type PassthroughFder interface {
-	PassthroughFd() (fd int, ok bool)
-}
-
-// FastZeroer is implemented by images that can say whether WriteZeroes is
-// cheap (no data written), as NBD's FAST_ZERO needs to know.
-type FastZeroer interface {
-	FastZero() bool
-}
+func (NoFastPath) TryReadAt([]byte, int64) bool           { return false }
+func (NoFastPath) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
+func (NoFastPath) Features() Features                     { return Features{HostFd: -1} }

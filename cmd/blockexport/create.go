@@ -73,7 +73,7 @@ func runCreate(args []string, stdout, _ io.Writer) error {
 		}
 		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
 		if err != nil {
-			if errors.Is(err, probe.ErrUsage) {
+			if errors.Is(err, probe.ErrBadSpec) {
 				return usageError{err}
 			}
 			return fmt.Errorf("create: backing file: %w", err)

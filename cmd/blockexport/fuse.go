@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -12,28 +11,18 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/aio"
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
 	"github.com/blockexport/blockexport/formats/probe"
 )
 
 type fuseFlags struct {
-	format         string
-	writable       bool
-	growable       bool
-	allowOther     string
-	nullReadZeroes bool
-	daemonize      bool
-	pidfile        string
-	logLevel       string
-	aio            string
-	cache          string
-	l2CacheSize    string
-	queues         int
-	cpuprofile     string
-	pollUs         int
-	stats          time.Duration
-	passthrough    string
+	serveFlags
+	growable    bool
+	allowOther  string
+	queues      int
+	pollUs      int
+	stats       time.Duration
+	passthrough string
 }
 
 func runFuse(args []string, stdout, stderr io.Writer) error {
@@ -41,22 +30,13 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("fuse", "fuse [flags] IMAGE MOUNTPOINT\n\n"+
 		"Export IMAGE (a raw or qcow2 file, or null:SIZE) as the regular file MOUNTPOINT.\n"+
 		"MOUNTPOINT is created if missing and may be IMAGE itself.", stdout)
-	fs.StringVarP(&f.format, "format", "f", "auto", "image format: auto, raw, qcow2 or null (auto: qcow2 by its magic, else raw)")
-	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
+	f.register(fs)
 	fs.BoolVar(&f.growable, "growable", false, "writes past the end grow the image instead of failing")
 	fs.StringVar(&f.allowOther, "allow-other", "auto", "let other users access the export: auto (try, fall back), on or off")
-	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
-	fs.BoolVar(&f.daemonize, "daemonize", false, "run in the background; return once the export is mounted and serving")
-	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
-	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
-	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
-	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
-	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
-	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -65,33 +45,13 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	}
 	image, mountpoint := fs.Arg(0), fs.Arg(1)
 
-	logger, err := newLogger(f.logLevel, os.Stderr)
+	logger, opts, err := f.check()
 	if err != nil {
 		return err
-	}
-	format, err := probe.ParseFormat(f.format)
-	if err != nil {
-		return usageError{err}
 	}
 	allowOther, err := fuseexport.ParseAllowOther(f.allowOther)
 	if err != nil {
 		return usageError{err}
-	}
-	backend, err := aio.ParseBackend(f.aio)
-	if err != nil {
-		return usageError{err}
-	}
-	var direct bool
-	switch f.cache {
-	case "writeback":
-	case "none":
-		direct = true
-	default:
-		return usagef("unknown --cache mode %q (want writeback or none)", f.cache)
-	}
-	l2Cache, err := probe.ParseSize(f.l2CacheSize)
-	if err != nil {
-		return usagef("--l2-cache-size: %v", err)
 	}
 	switch f.passthrough {
 	case "auto", "on", "off":
@@ -115,14 +75,8 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		return daemonize(os.Args)
 	}
 
-	img, err := probe.Open(image, probe.Options{Lock: true,
-		Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache,
-	})
+	img, err := f.open(image, opts)
 	if err != nil {
-		if errors.Is(err, probe.ErrUsage) {
-			return usageError{err}
-		}
 		return err
 	}
 	defer img.Image.Close()
@@ -148,20 +102,12 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
 		logger.Info("not marked as an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): a loop device on this export may stall under memory pressure", "err", err)
 	}
-	removePidfile, err := writePidfile(f.pidfile)
+	stop, err := f.start()
 	if err != nil {
 		m.Unmount()
 		return err
 	}
-	defer removePidfile()
-	if f.cpuprofile != "" {
-		stop, err := startCPUProfile(f.cpuprofile)
-		if err != nil {
-			m.Unmount()
-			return err
-		}
-		defer stop()
-	}
+	defer stop()
 	if stats != nil {
 		stopStats := make(chan struct{})
 		statsDone := make(chan struct{})

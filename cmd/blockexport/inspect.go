@@ -24,7 +24,7 @@ func openForInspection(spec, format string) (*probe.Opened, error) {
 	}
 	img, err := probe.Open(spec, probe.Options{Format: format, NullReadZeroes: true, Backend: "threads"})
 	if err != nil {
-		if errors.Is(err, probe.ErrUsage) {
+		if errors.Is(err, probe.ErrBadSpec) {
 			return nil, usageError{err}
 		}
 		return nil, err
@@ -136,12 +136,9 @@ func printInfo(w io.Writer, in formats.Info) {
 		}
 	}
 	if fs := in.FormatSpecific; fs != nil {
-		d := fs.Data
 		fmt.Fprintln(w, "Format specific information:")
-		fmt.Fprintf(w, "    compat: %s\n    compression type: %s\n    lazy refcounts: %t\n    refcount bits: %d\n    corrupt: %t\n    extended l2: %t\n",
-			d.Compat, d.CompressionType, d.LazyRefcounts, d.RefcountBits, d.Corrupt, d.ExtendedL2)
-		if d.Bitmaps {
-			fmt.Fprintln(w, "    bitmaps: present (ignored)")
+		for _, l := range fs.Lines {
+			fmt.Fprintln(w, "    "+l)
 		}
 	}
 	if in.DirtyFlag {

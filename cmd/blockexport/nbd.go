@@ -11,52 +11,32 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/export/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
 )
 
 func runNBD(args []string, stdout, _ io.Writer) error {
 	fs := newFlagSet("nbd", "nbd [flags] IMAGE\n\nServe IMAGE (a raw or qcow2 file, or null:SIZE) over NBD.", stdout)
+	var f serveFlags
+	f.register(fs)
 	listen := fs.String("listen", "tcp:127.0.0.1:10809", "where to listen: unix:PATH or tcp:HOST:PORT")
 	name := fs.String("export-name", "", "the export's name")
 	desc := fs.String("description", "", "the export's description (NBD_INFO_DESCRIPTION)")
-	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
-	writable := fs.BoolP("writable", "w", false, "allow writes (default: read-only)")
 	maxClients := fs.Int("max-clients", 0, "refuse connections beyond this many (0: no limit)")
 	handshakeLimit := fs.Int("handshake-limit", int(nbd.DefaultHandshakeLimit/time.Second), "drop a client that has not finished the handshake in this many seconds, so idle sockets cannot hold --max-clients slots (0: no limit; qemu-nbd's flag)")
-	daemon := fs.Bool("daemonize", false, "run in the background; return once listening")
-	pidfile := fs.String("pidfile", "", "write the serving process's PID to this file")
-	logLevel := fs.String("log-level", "info", "log level: debug, info, warn or error")
-	aioFlag := fs.String("aio", "io_uring", "host I/O engine: io_uring or threads")
-	cache := fs.String("cache", "writeback", "host cache mode: writeback or none (O_DIRECT)")
-	nullZeroes := fs.Bool("null-read-zeroes", true, "null device reads return zeroes")
 	pollUs := fs.Int("poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
-	cpuprofile := fs.String("cpuprofile", "", "write a Go CPU profile of the serving process to this file")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {
 		return usagef("nbd: want one IMAGE, got %d argument(s) (see blockexport nbd --help)", fs.NArg())
 	}
-	logger, err := newLogger(*logLevel, os.Stderr)
+	logger, opts, err := f.check()
 	if err != nil {
 		return err
 	}
 	network, addr, err := parseListen(*listen)
 	if err != nil {
 		return usageError{err}
-	}
-	f, err := probe.ParseFormat(*format)
-	if err != nil {
-		return usageError{err}
-	}
-	backend, err := aio.ParseBackend(*aioFlag)
-	if err != nil {
-		return usageError{err}
-	}
-	if *cache != "writeback" && *cache != "none" {
-		return usagef("unknown --cache mode %q (want writeback or none)", *cache)
 	}
 	pollMax, err := pollDuration(*pollUs)
 	if err != nil {
@@ -68,15 +48,11 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if *handshakeLimit < 0 {
 		return usagef("--handshake-limit %d: want 0 or more seconds", *handshakeLimit)
 	}
-	if *daemon && !isDaemonChild() {
+	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	img, err := probe.Open(fs.Arg(0), probe.Options{Lock: true, Format: f, Writable: *writable, NullReadZeroes: *nullZeroes,
-		Direct: *cache == "none", Backend: backend, Logger: logger})
+	img, err := f.open(fs.Arg(0), opts)
 	if err != nil {
-		if errors.Is(err, probe.ErrUsage) {
-			return usageError{err}
-		}
 		return err
 	}
 	defer img.Image.Close()
@@ -88,26 +64,18 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 	if network == "unix" {
 		defer os.Remove(addr)
 	}
-	removePidfile, err := writePidfile(*pidfile)
+	stop, err := f.start()
 	if err != nil {
 		l.Close()
 		return err
 	}
-	defer removePidfile()
-	if *cpuprofile != "" {
-		stop, err := startCPUProfile(*cpuprofile)
-		if err != nil {
-			l.Close()
-			return err
-		}
-		defer stop()
-	}
-	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: *writable, MaxClients: *maxClients,
+	defer stop()
+	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: f.writable, MaxClients: *maxClients,
 		PollMax: pollMax, HandshakeLimit: time.Duration(*handshakeLimit) * time.Second, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Image.Size(), "listen", *listen, "export", *name, "writable", *writable)
+	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Image.Size(), "listen", *listen, "export", *name, "writable", f.writable)
 	notifyReady()
 	select {
 	case s := <-sigs:

@@ -4,17 +4,27 @@
 //
 // [Export] holds the op handlers: they take go-fuse's request structs
 // (which mirror the kernel's), call the [formats.Image], and fill go-fuse's
-// reply structs; they know nothing of how requests arrive. The serve loop
-// (serve_linux.go) reads /dev/fuse and calls them; mounting is in
-// mount_linux.go. Error values become errno in one place (errno.go).
+// reply structs; they know nothing of how requests arrive. The server
+// (server_linux.go and the files it names) reads /dev/fuse and calls them;
+// mounting is in mount_linux.go. Error values become errno in one place
+// (errno.go).
 //
-// One READ, end to end: the kernel queues READ(ino 1, off, len) on
-// /dev/fuse; the serve loop reads it, and for a raw image first tries
-// Image.ReadAtNoWait (a page-cache hit, preadv2 RWF_NOWAIT) and replies at
-// once; otherwise a goroutine runs [Export.ReadInto], which clamps it to the
-// image's end and calls Image.ReadAt, that is aio.File.ReadAt: an io_uring
-// SQE the goroutine parks on until its completion; then one writev sends
-// the reply to /dev/fuse.
+// One READ, end to end, for a raw image:
+//
+//  1. loop_linux.go: the queue's loop reads READ(ino 1, off, len) from
+//     /dev/fuse into its buffer and calls dispatch.
+//  2. dispatch_linux.go: the opcode table's inline half, tryRead, calls
+//     [Export.TryRead] (export.go: clamp to the image's end), which calls
+//     Image.TryReadAt (formats/raw), which is aio.File.TryReadAt: preadv2
+//     with RWF_NOWAIT. A page-cache hit is replied from the loop (one
+//     writev, reply_linux.go), and that is all.
+//  3. On a miss, the table's waiting half, read, runs: in the loop itself
+//     when nothing else is in flight or queued (blocking pread), else in
+//     a goroutine (coroutines.Handoff) whose context says the try missed
+//     and ends on an INTERRUPT. It calls [Export.ReadInto], Image.ReadAt,
+//     aio.File.ReadAt: in aio/uring_linux.go, an SQE on the file's ring,
+//     and the goroutine parks until the completion goroutine hands it the
+//     result. Then the reply.
 package fuse
 
 import (
@@ -229,16 +239,16 @@ func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int
 	return int(n), fuse.OK
 }
 
-// readNoWait is ReadInto for a serve loop that must not block: ok false
+// TryRead is ReadInto for a serve loop that must not block: ok false
 // means the read would wait, and the loop hands it to ReadInto elsewhere.
-func (e *Export) readNoWait(r formats.NoWaitReader, in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
+func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
 	e.inflight.Begin()
 	defer e.inflight.End()
 	off, n := e.clampRead(in, len(buf))
 	if n == 0 {
 		return 0, fuse.OK, true
 	}
-	if !r.ReadAtNoWait(buf[:n], off) {
+	if !e.img.TryReadAt(buf[:n], off) {
 		return 0, fuse.OK, false
 	}
 	return int(n), fuse.OK, true
@@ -283,10 +293,10 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return uint32(n), fuse.OK
 }
 
-// writeNoWait is Write for a serve loop that must not block: only writes
+// TryWrite is Write for a serve loop that must not block: only writes
 // that need neither clamping nor growth, and that the image can do at
 // once; ok false means nothing happened.
-func (e *Export) writeNoWait(w formats.NoWaitWriter, in *fuse.WriteIn, data []byte) (uint32, fuse.Status, bool) {
+func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (uint32, fuse.Status, bool) {
 	if !e.opts.Writable || len(data) == 0 {
 		return 0, fuse.OK, false
 	}
@@ -295,7 +305,7 @@ func (e *Export) writeNoWait(w formats.NoWaitWriter, in *fuse.WriteIn, data []by
 	if int64(in.Offset)+int64(len(data)) > e.img.Size() {
 		return 0, fuse.OK, false
 	}
-	done, err := w.WriteAtNoWait(data, int64(in.Offset))
+	done, err := e.img.TryWriteAt(data, int64(in.Offset))
 	if !done {
 		return 0, fuse.OK, false
 	}

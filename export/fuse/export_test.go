@@ -14,7 +14,7 @@ import (
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/null"
-	"github.com/blockexport/blockexport/formats/raw"
+	"github.com/blockexport/blockexport/formats/probe"
 )
 
 var ctx = context.Background()
@@ -148,10 +148,11 @@ func TestErrnoMapping(t *testing.T) {
 func TestClosedImageIsEIO(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "img")
 	os.WriteFile(path, make([]byte, 8192), 0o644)
-	img, err := raw.Open(path, raw.Options{Writable: true, Backend: "threads"})
+	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Writable: true, Backend: "threads"})
 	if err != nil {
 		t.Fatal(err)
 	}
+	img := opened.Image
 	e := New(img, Options{Writable: true})
 	img.Close()
 	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {

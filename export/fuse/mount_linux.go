@@ -14,8 +14,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/blockexport/blockexport/formats"
 )
 
 // AllowOther is the --allow-other policy.
@@ -188,10 +186,8 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	srv := newServer(exp, fd)
-	ptFd, ptOK := -1, false
-	if pf, ok := exp.img.(formats.PassthroughFder); ok {
-		ptFd, ptOK = pf.PassthroughFd()
-	}
+	ptFd := exp.img.Features().HostFd
+	ptOK := ptFd >= 0
 	switch {
 	case o.Passthrough == "on" && !ptOK:
 		unix.Unmount(abs, unix.MNT_DETACH)

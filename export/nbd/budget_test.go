@@ -22,6 +22,9 @@ type gatedImage struct {
 	inflight, maxSeen atomic.Int64
 }
 
+// TryReadAt: a gated read waits, so it never finishes in the reader.
+func (g *gatedImage) TryReadAt([]byte, int64) bool { return false }
+
 func (g *gatedImage) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	g.calls.Add(1)
 	n := g.inflight.Add(int64(len(p)))

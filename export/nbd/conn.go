@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -36,19 +35,13 @@ type conn struct {
 	bw     *bufio.Writer
 	corked bool
 
-	inflight sync.WaitGroup
-	nasync   atomic.Int32 // requests running in goroutines
-	// lone is ctx marked for requests the reader runs itself, blocking,
-	// because it has no other to serve (coroutines.Lone).
-	lone context.Context
-	// Fast paths the image offers, run inline by the reader.
-	noWait       formats.NoWaitReader
-	inlineWrites bool
-	tryWrites    formats.NoWaitWriter // nil unless writes may run inline
-	scratch      []byte               // the reader's read buffer for inline reads
-	stopOnce     sync.Once
-	stopping     chan struct{}
-	neg          negotiated
+	// hand runs what may wait: in the reader when it is alone, else in a
+	// goroutine (see coroutines.Handoff).
+	hand     *coroutines.Handoff
+	scratch  []byte // the reader's buffer for inline reads and writes
+	stopOnce sync.Once
+	stopping chan struct{}
+	neg      negotiated
 
 	// ctx is cancelled when the client is gone (its stream ended or a
 	// reply could not be sent): requests not yet run are dropped, and a
@@ -64,7 +57,7 @@ func newConn(s *Server, sock connIO, log *slog.Logger) *conn {
 	c := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
-	c.lone = coroutines.Lone(c.ctx)
+	c.hand = coroutines.NewHandoff(c.ctx)
 	return c
 }
 
@@ -127,16 +120,7 @@ func (c *conn) serve() {
 	defer c.cancel()
 	r := bufio.NewReaderSize(c.sock, 256<<10)
 	c.bw = bufio.NewWriterSize(c.sock, 256<<10)
-	c.scratch = make([]byte, 1<<20)
-	if nw, ok := c.srv.img.(formats.NoWaitReader); ok {
-		c.noWait = nw
-	}
-	if iw, ok := c.srv.img.(formats.InlineWriter); ok {
-		c.inlineWrites = iw.InlineWrites()
-	}
-	if tw, ok := c.srv.img.(formats.NoWaitWriter); ok && !c.inlineWrites && c.srv.opts.Writable {
-		c.tryWrites = tw
-	}
+	c.scratch = coroutines.AlignedBuf(1<<20, 4096)
 	var limit *time.Timer
 	if d := c.srv.opts.HandshakeLimit; d > 0 {
 		// A client that never finishes the handshake would hold its
@@ -162,7 +146,7 @@ func (c *conn) serve() {
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
 	}
-	c.inflight.Wait()
+	c.hand.Wait()
 	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, context.Canceled) {
 		c.log.Warn("NBD connection ended", "err", err)
 	}
@@ -205,8 +189,11 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				c.uncork()
 				return errors.New("write larger than the advertised maximum")
 			}
+			// A write that fits the reader's buffer is read there and
+			// tried in place; one that cannot be done at once moves to
+			// a buffer of its own (the reader's is reused).
 			fits := int(req.Length) <= cap(c.scratch)
-			if fits && (c.inlineWrites || c.tryWrites != nil) {
+			if fits {
 				payload = c.scratch[:req.Length]
 			} else {
 				if cost = requestCost(req); c.acquire(cost) != nil {
@@ -222,18 +209,13 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				}
 				return err
 			}
-			if fits && c.inlineWrites {
-				c.handle(c.ctx, req, payload)
-				continue
-			}
-			if fits && c.tryWrites != nil {
+			if fits {
 				if c.tryWriteInline(req, payload) {
 					continue
 				}
 				if cost = requestCost(req); c.acquire(cost) != nil {
 					return c.ctx.Err()
 				}
-				// scratch is reused: the goroutine gets a copy.
 				p := coroutines.AlignedBuf(len(payload), 4096)
 				copy(p, payload)
 				payload = p
@@ -241,73 +223,86 @@ func (c *conn) transmit(r *bufio.Reader) error {
 		}
 		if req.Type == cmdDisc {
 			c.uncork()
-			c.inflight.Wait()
+			c.hand.Wait()
 			if c.srv.opts.Writable {
 				c.srv.img.Flush(context.Background())
 			}
 			return nil
 		}
-		if req.Type == cmdRead && c.tryReadInline(req) {
-			continue
+		path := coroutines.Fresh
+		if req.Type == cmdRead {
+			switch c.tryReadInline(req) {
+			case answered:
+				continue
+			case missed:
+				path = coroutines.AfterMiss
+			}
 		}
 		if cost == 0 {
 			if cost = requestCost(req); c.acquire(cost) != nil {
 				return c.ctx.Err()
 			}
 		}
-		if (req.Type == cmdRead || req.Type == cmdWrite) && c.isLone(r) {
-			c.handle(c.lone, req, payload)
+		if (req.Type == cmdRead || req.Type == cmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
+			c.handle(c.hand.Context(coroutines.InLoop), req, payload)
 			c.release(cost)
 			continue
 		}
-		c.inflight.Add(1)
-		c.nasync.Add(1)
-		go func() {
-			defer c.inflight.Done()
-			defer c.nasync.Add(-1)
+		c.hand.Go(func() {
 			defer c.release(cost)
-			c.handle(c.ctx, req, payload)
-		}()
+			c.handle(c.hand.Context(path), req, payload)
+		})
 	}
 }
 
-// isLone says whether the reader may run a read or write that waits
-// itself (see coroutines.Lone): no request runs in a goroutine and none
-// is waiting, in the reader's buffer or on the socket.
-func (c *conn) isLone(r *bufio.Reader) bool {
-	if c.nasync.Load() != 0 || r.Buffered() != 0 {
-		return false
+// queued says whether a request waits: in the reader's buffer or on the
+// socket.
+func (c *conn) queued(r *bufio.Reader) bool {
+	if r.Buffered() != 0 {
+		return true
 	}
 	p, ok := c.sock.(interface{ pending() bool })
-	return ok && !p.pending()
+	return !ok || p.pending()
 }
 
+// inlineResult is what a try in the reader came to.
+type inlineResult uint8
+
+const (
+	answered  inlineResult = iota // replied
+	wouldWait                     // nothing done
+	missed                        // nothing done, after a read tried the host file
+)
+
 // tryReadInline answers a read the image can serve without waiting (page
-// cache, null device) right here in the reader, from its own buffer.
-func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) bool {
-	if c.noWait == nil || req.Length == 0 || int(req.Length) > cap(c.scratch) {
-		return false
+// cache, null device) right here in the reader, from its own buffer, while
+// the miss tracker says tries pay.
+func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) inlineResult {
+	if req.Length == 0 || int(req.Length) > cap(c.scratch) || !c.hand.Reads.ShouldTry() {
+		return wouldWait
 	}
 	off, n := int64(req.Offset), int64(req.Length)
 	if req.Offset >= 1<<63 || off+n > c.srv.img.Size() {
-		return false // the slow path reports the error
+		return wouldWait // the slow path reports the error
 	}
 	buf := c.scratch[:n]
-	if !c.noWait.ReadAtNoWait(buf, off) {
-		return false
+	ok := c.srv.img.TryReadAt(buf, off)
+	c.hand.Reads.Note(ok)
+	if !ok {
+		return missed
 	}
 	c.dataReply(req, buf)
-	return true
+	return answered
 }
 
 // tryWriteInline runs a plain write (no FUA) the image can do without
 // waiting right here in the reader; false means nothing was written.
 func (c *conn) tryWriteInline(req protocol.TransmissionRequestHeader, payload []byte) bool {
 	off := int64(req.Offset)
-	if req.CommandFlags != 0 || len(payload) == 0 || req.Offset >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
+	if !c.srv.opts.Writable || req.CommandFlags != 0 || len(payload) == 0 || req.Offset >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
 		return false
 	}
-	done, err := c.tryWrites.WriteAtNoWait(payload, off)
+	done, err := c.srv.img.TryWriteAt(payload, off)
 	if !done {
 		return false
 	}
@@ -422,10 +417,7 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 
 // fastZero says whether the image zeroes without writing data (NBD's
 // FAST_ZERO asks to fail rather than be slow).
-func fastZero(img formats.Image) bool {
-	f, ok := img.(formats.FastZeroer)
-	return ok && f.FastZero()
-}
+func fastZero(img formats.Image) bool { return img.Features().FastZero }
 
 func (c *conn) cache(ctx context.Context, off, n int64) error {
 	buf, bp := c.srv.bufs.Buffer(int(min(n, 1<<20)))

@@ -11,10 +11,14 @@
 // FUA, structured replies, truthful transmission flags, and parallel
 // processing: each request of a connection runs in its own goroutine and is
 // answered when it completes, so replies may come out of order. Requests
-// that need no waiting (null, page-cache hits, qcow2 writes in place) are
-// answered inline by the connection's reader, which serves its socket with
-// plain syscalls rather than the netpoller (sock_linux.go). Reads send runs
-// of zeroes as OFFSET_HOLE chunks.
+// the image finishes without waiting (its TryReadAt and TryWriteAt: null,
+// page-cache hits, qcow2 writes in place) are answered inline by the
+// connection's reader, and a lone one runs there blocking; the FUSE server
+// makes the same decision with the same helper (coroutines.Handoff). The
+// reader serves its socket with plain syscalls rather than the netpoller
+// (sock_linux.go). A client that goes away cancels its requests' context,
+// which aio passes on to the ring. Reads send runs of zeroes as
+// OFFSET_HOLE chunks.
 package nbd
 
 import (

@@ -15,7 +15,7 @@ import (
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/null"
-	"github.com/blockexport/blockexport/formats/raw"
+	"github.com/blockexport/blockexport/formats/probe"
 )
 
 // client is a minimal NBD client for protocol tests: it speaks the wire
@@ -270,10 +270,11 @@ func TestSparseReads(t *testing.T) {
 	if err := os.WriteFile(path, want, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	img, err := raw.Open(path, raw.Options{Backend: "threads"})
+	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Backend: "threads"})
 	if err != nil {
 		t.Fatal(err)
 	}
+	img := opened.Image
 	t.Cleanup(func() { img.Close() })
 	c, _ := newPairWith(t, img, false)
 	c.greet()

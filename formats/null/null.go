@@ -70,16 +70,16 @@ func (n *Image) Info() formats.Info {
 
 func (n *Image) Close() error { return nil }
 
-// ReadAtNoWait never waits: there is nothing to read.
-func (n *Image) ReadAtNoWait(p []byte, _ int64) bool {
+// TryReadAt never waits: there is nothing to read.
+func (n *Image) TryReadAt(p []byte, _ int64) bool {
 	if n.readZeroes {
 		clear(p)
 	}
 	return true
 }
 
-// InlineWrites: writes go nowhere.
-func (n *Image) InlineWrites() bool { return true }
+// TryWriteAt never waits: writes go nowhere.
+func (n *Image) TryWriteAt([]byte, int64) (bool, error) { return true, nil }
 
-// FastZero: zeroing writes nothing.
-func (n *Image) FastZero() bool { return true }
+// Features: zeroing writes nothing; there is no host file.
+func (n *Image) Features() formats.Features { return formats.Features{FastZero: true, HostFd: -1} }

@@ -1,10 +1,12 @@
-// Package probe opens an image by spec: it detects the format from magic
-// bytes (or takes the one asked for) and hands the file to that format's
-// package. It is the only place that knows every format.
+// Package probe opens an image by spec: it opens the host file (through
+// aio, O_DIRECT behind aio.Aligned for --cache none, with the format's
+// image locks), detects the format from magic bytes (or takes the one
+// asked for), and hands the file to that format's package with an opener
+// for backing files, which comes back here. It is the only place that
+// knows every format: a format package knows its own.
 package probe
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +14,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -31,11 +35,9 @@ const (
 // NullPrefix starts an image spec that names a null device: "null:1G".
 const NullPrefix = "null:"
 
-var qcow2Magic = []byte{'Q', 'F', 'I', 0xfb}
-
-// ErrUsage marks errors in what the user typed (as opposed to what the
-// image contains); the CLI exits 2 for them.
-var ErrUsage = errors.New("usage")
+// ErrBadSpec marks an image spec or format name that cannot be right
+// whatever the files hold (a front end reports it as a usage error).
+var ErrBadSpec = errors.New("bad image spec")
 
 // ParseFormat checks a --format value.
 func ParseFormat(s string) (string, error) {
@@ -43,22 +45,47 @@ func ParseFormat(s string) (string, error) {
 	case Auto, Raw, QCOW2, Null:
 		return s, nil
 	}
-	return "", fmt.Errorf("%w: unknown format %q (want auto, raw, qcow2 or null)", ErrUsage, s)
+	return "", fmt.Errorf("%w: unknown format %q (want auto, raw, qcow2 or null)", ErrBadSpec, s)
 }
 
-// Detect reads the first bytes of r and names its format: qcow2 by its
-// magic, raw otherwise.
-func Detect(r io.ReaderAt) (string, error) {
-	var head [4]byte
-	n, err := r.ReadAt(head[:], 0)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return "", fmt.Errorf("probe: read header: %w", err)
-	}
-	if n == len(head) && bytes.Equal(head[:], qcow2Magic) {
-		return QCOW2, nil
-	}
-	return Raw, nil
+// fileFormat is one format of image files: the registry entry.
+type fileFormat struct {
+	name string
+	// detect says whether a file that starts with head is in it.
+	detect func(head []byte) bool
+	// lock is what QEMU's driver locks for such a file (see aio.Lock).
+	lock func(writable, backing bool) aio.Lock
+	// open makes the image of f, which it owns from then on.
+	open func(f aio.File, c *chain, writable bool) (formats.Image, error)
 }
+
+// fileFormats is the registry, in detection order: the most specific
+// magic first, raw (which matches anything) last.
+func fileFormats() []fileFormat {
+	return []fileFormat{
+		{name: QCOW2, detect: qcow2.Detect,
+			lock: func(w, _ bool) aio.Lock { return qcow2.Lock(w) },
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				img, err := qcow2.New(f, qcow2.Options{L2CacheSize: c.o.L2CacheSize, Direct: c.o.Direct, Writable: w,
+					Logger: c.o.Logger, OpenBacking: c.openBacking})
+				if err != nil {
+					return nil, err // not a nil *qcow2.Image in an interface
+				}
+				return img, nil
+			}},
+		{name: Raw, detect: func([]byte) bool { return true }, lock: raw.Lock,
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				img, err := raw.New(f, raw.Options{Writable: w, Direct: c.o.Direct})
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
+	}
+}
+
+// detectHead is how much of a file detection reads.
+const detectHead = 512
 
 // Options say how to open an image.
 type Options struct {
@@ -77,10 +104,7 @@ type Options struct {
 	Lock bool
 }
 
-// Opened is an image with what the opener found out about it. Image is a
-// named field, not embedded: front ends must get the format's own value,
-// whose optional interfaces (formats.NoWaitReader, ...) a wrapper would
-// hide.
+// Opened is an image with what the opener found out about it.
 type Opened struct {
 	Image formats.Image
 	// Format is the format in use; Probed says it was detected, not given.
@@ -100,7 +124,7 @@ func Open(spec string, o Options) (*Opened, error) {
 	if sizeSpec, ok := strings.CutPrefix(spec, NullPrefix); ok && (format == Auto || format == Null) {
 		size, err := ParseSize(sizeSpec)
 		if err != nil {
-			return nil, fmt.Errorf("%w: null device %q: %v", ErrUsage, spec, err)
+			return nil, fmt.Errorf("%w: null device %q: %v", ErrBadSpec, spec, err)
 		}
 		img, err := null.New(spec, size, o.NullReadZeroes)
 		if err != nil {
@@ -109,37 +133,119 @@ func Open(spec string, o Options) (*Opened, error) {
 		return &Opened{Image: img, Format: Null}, nil
 	}
 	if format == Null {
-		return nil, fmt.Errorf("%w: a null device is given as null:SIZE (e.g. null:1G), not %q", ErrUsage, spec)
+		return nil, fmt.Errorf("%w: a null device is given as null:SIZE (e.g. null:1G), not %q", ErrBadSpec, spec)
 	}
+	c := &chain{o: o, seen: map[[2]uint64]string{}}
+	img, name, err := c.open(spec, format, o.Writable, false)
+	if err != nil {
+		return nil, err
+	}
+	return &Opened{Image: img, Format: name, Probed: format == Auto}, nil
+}
 
-	probed := false
+// maxChainDepth bounds backing chains; QEMU has no fixed limit, but a chain
+// this deep is a loop we failed to see or an attack.
+const maxChainDepth = 256
+
+// chain opens an image and its backing files, refusing a chain that loops
+// (the same file twice, by device and inode, whatever the names) or grows
+// absurdly deep.
+type chain struct {
+	o     Options
+	seen  map[[2]uint64]string
+	depth int
+}
+
+// openBacking is the formats.BackingOpener the chain's images get:
+// backing files are read-only.
+func (c *chain) openBacking(path, format string) (formats.Image, error) {
+	if format == "" {
+		format = Auto
+	}
+	img, _, err := c.open(path, format, false, true)
+	return img, err
+}
+
+// open opens path in format (Auto: detected) and returns the image and the
+// format's name.
+func (c *chain) open(path, format string, writable, backing bool) (formats.Image, string, error) {
 	if format == Auto {
-		f, err := aio.OpenHostFile(spec, os.O_RDONLY)
-		if err != nil {
-			return nil, err
+		var err error
+		if format, err = detect(path); err != nil {
+			return nil, "", err
 		}
-		format, err = Detect(f)
+	}
+	var ff *fileFormat
+	for _, f := range fileFormats() {
+		if f.name == format {
+			ff = &f
+			break
+		}
+	}
+	if ff == nil {
+		return nil, "", fmt.Errorf("%s: %w %q", path, formats.ErrUnknownFormat, format)
+	}
+	var lock *aio.Lock
+	if c.o.Lock {
+		l := ff.lock(writable, backing)
+		lock = &l
+	}
+	f, err := aio.Open(path, aio.Options{Backend: c.o.Backend, Writable: writable, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %w", format, err)
+	}
+	if err := c.enter(f.Fd(), path); err != nil {
 		f.Close()
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", spec, err)
-		}
-		probed = true
+		return nil, "", err
 	}
-	switch format {
-	case QCOW2:
-		img, err := qcow2.Open(spec, qcow2.Options{L2CacheSize: o.L2CacheSize, Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger, Lock: o.Lock})
-		if err != nil {
-			return nil, err
-		}
-		return &Opened{Image: img, Format: QCOW2, Probed: probed}, nil
-	case Raw:
-		img, err := raw.Open(spec, raw.Options{Writable: o.Writable, Direct: o.Direct, Backend: o.Backend, Logger: o.Logger, Lock: o.Lock})
-		if err != nil {
-			return nil, err
-		}
-		return &Opened{Image: img, Format: Raw, Probed: probed}, nil
+	if c.o.Direct {
+		// Formats keep byte-granular metadata (qcow2's header fields,
+		// compressed clusters); O_DIRECT wants whole blocks.
+		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
-	return nil, fmt.Errorf("%s: %w", spec, formats.ErrUnknownFormat)
+	img, err := ff.open(f, c, writable)
+	if err != nil {
+		return nil, "", err
+	}
+	return img, ff.name, nil
+}
+
+// enter records a file of the chain.
+func (c *chain) enter(fd int, path string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("stat %s: %w", path, err)
+	}
+	id := [2]uint64{st.Dev, st.Ino}
+	if prev, ok := c.seen[id]; ok {
+		return fmt.Errorf("%w: backing chain loops: %s is %s again", qcow2.ErrCorrupt, path, prev)
+	}
+	c.seen[id] = path
+	c.depth++
+	if c.depth > maxChainDepth {
+		return fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+	}
+	return nil
+}
+
+// detect names the format of the file at path by its first bytes.
+func detect(path string) (string, error) {
+	f, err := aio.OpenHostFile(path, os.O_RDONLY)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	head := make([]byte, detectHead)
+	n, err := f.ReadAt(head, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return "", fmt.Errorf("%s: read header: %w", path, err)
+	}
+	for _, ff := range fileFormats() {
+		if ff.detect(head[:n]) {
+			return ff.name, nil
+		}
+	}
+	return "", fmt.Errorf("%s: %w", path, formats.ErrUnknownFormat)
 }
 
 // ParseSize parses a size the way qemu-img does: a number of bytes with an

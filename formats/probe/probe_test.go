@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/blockexport/blockexport/formats/qcow2"
 )
@@ -78,10 +81,78 @@ func TestOpenDetectsFormats(t *testing.T) {
 	if err != nil || n.Format != Null || n.Image.Size() != 1<<20 {
 		t.Fatalf("null:1M: %v", err)
 	}
-	if _, err := Open("null:x", Options{}); !errors.Is(err, ErrUsage) {
+	if _, err := Open("null:x", Options{}); !errors.Is(err, ErrBadSpec) {
 		t.Fatalf("null:x: %v, want a usage error", err)
 	}
-	if _, err := Open(rawPath, Options{Format: "vmdk"}); !errors.Is(err, ErrUsage) {
+	if _, err := Open(rawPath, Options{Format: "vmdk"}); !errors.Is(err, ErrBadSpec) {
 		t.Fatalf("vmdk: %v, want a usage error", err)
+	}
+}
+
+// TestBackingLoopIsRefused: two images that name each other as backing
+// file are refused as corrupt, at once, not opened forever.
+func TestBackingLoopIsRefused(t *testing.T) {
+	dir := t.TempDir()
+	a := filepath.Join(dir, "a.qcow2")
+	b := filepath.Join(dir, "b.qcow2")
+	for _, args := range [][]string{
+		{"create", "-q", "-f", "qcow2", a, "1M"},
+		{"create", "-q", "-f", "qcow2", "-b", "a.qcow2", "-F", "qcow2", b, "1M"},
+		{"rebase", "-u", "-f", "qcow2", "-b", "b.qcow2", "-F", "qcow2", a},
+	} {
+		if out, err := exec.Command("qemu-img", args...).CombinedOutput(); err != nil {
+			t.Fatalf("qemu-img %v: %v\n%s", args, err, out)
+		}
+	}
+	done := make(chan error, 1)
+	go func() {
+		img, err := Open(b, Options{})
+		if err == nil {
+			img.Image.Close()
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, qcow2.ErrCorrupt) || !strings.Contains(err.Error(), "loops") {
+			t.Fatalf("backing loop: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("opening a backing loop hangs")
+	}
+}
+
+// TestBackingChainOfBothFormats: a qcow2 overlay on a raw file, without a
+// backing format in its header, reads the raw file's bytes (detected
+// here), and the chain's files are locked as QEMU locks them: the raw
+// backing file refuses a writer while the overlay is open.
+func TestBackingChainOfBothFormats(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.raw")
+	top := filepath.Join(dir, "top.qcow2")
+	want := make([]byte, 1<<20)
+	for i := range want {
+		want[i] = byte(i * 7)
+	}
+	if err := os.WriteFile(base, want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := qcow2.Create(top, qcow2.CreateOptions{Size: 1 << 20, BackingFile: "base.raw"}); err != nil {
+		t.Fatal(err)
+	}
+	img, err := Open(top, Options{Lock: true, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Image.Close()
+	got := make([]byte, len(want))
+	if _, err := img.Image.ReadAt(context.Background(), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if string(got) != string(want) {
+		t.Fatal("the overlay does not read its raw backing file's bytes")
+	}
+	if _, err := Open(base, Options{Lock: true, Writable: true, Format: Raw}); err == nil {
+		t.Fatal("a raw backing file in use opened for writing")
 	}
 }

@@ -31,19 +31,11 @@ import (
 
 // writeState is what a writable image adds to a read-only one.
 type writeState struct {
-	// users is held shared by every read, write and zeroing, exclusively
-	// while deferred frees are applied.
-	users sync.RWMutex
-	// alloc serializes metadata changes: allocation, L2 and L1 entries,
-	// refcounts, the header's fields. Held across metadata loads from the
-	// file, never across data I/O.
-	alloc sync.Mutex
-	// flushMu lets one Flush run at a time, so that write-backs land in
-	// the order they were taken.
-	flushMu sync.Mutex
-	// clusters serializes requests that change the same virtual clusters'
-	// mapping (allocating writes, zeroing, discard). Writes into allocated
-	// clusters do not take it.
+	// The locks: see Image.meta for what each is for and their order.
+	// Writes into clusters the image owns take only users.
+	users    sync.RWMutex
+	alloc    sync.Mutex
+	flushMu  sync.Mutex
 	clusters coroutines.RangeLock
 
 	// l2pin holds L2 tables that changed (dirty) or that a writer holds
@@ -118,7 +110,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 	// must clear: we understand none (persistent bitmaps become stale).
 	if h.version >= 3 && h.autoclear != 0 {
 		var zero [8]byte
-		if _, err := q.f.WriteAt(ctx, zero[:], 88); err != nil {
+		if _, err := q.f.WriteAt(ctx, zero[:], hdrAutoclear); err != nil {
 			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
 		}
 		if err := q.f.Fdatasync(ctx); err != nil {
@@ -138,77 +130,6 @@ func (q *Image) openForWriting(ctx context.Context) error {
 // refBlockCacheBytes bounds the clean refcount blocks a writable image
 // keeps.
 const refBlockCacheBytes = 4 << 20
-
-// refBlock returns the refcount block covering host cluster c (a changed
-// one, else clean from the cache or the file), or nil when none exists.
-// The caller holds alloc.
-func (q *Image) refBlock(ctx context.Context, c int64) ([]byte, int64, error) {
-	w := q.w
-	i := c / w.perBlock
-	if i >= int64(len(w.rtable)) {
-		return nil, 0, nil
-	}
-	off := int64(w.rtable[i] &^ uint64(q.h.clusterSize-1))
-	if off == 0 {
-		return nil, 0, nil
-	}
-	if p, ok := w.rbpin[off]; ok {
-		return p.b, off, nil
-	}
-	b, err := q.refcountBlock(ctx, off)
-	return b, off, err
-}
-
-// getRef returns the refcount of host cluster c. The caller holds alloc.
-func (q *Image) getRef(ctx context.Context, c int64) (uint64, error) {
-	b, _, err := q.refBlock(ctx, c)
-	if err != nil || b == nil {
-		return 0, err
-	}
-	return getRefcount(b, c%q.w.perBlock, q.w.bits), nil
-}
-
-// setRef sets the refcount of host cluster c, whose block must exist. The
-// caller holds alloc.
-func (q *Image) setRef(ctx context.Context, c int64, v uint64) error {
-	w := q.w
-	b, off, err := q.refBlock(ctx, c)
-	if err != nil {
-		return err
-	}
-	if b == nil {
-		return fmt.Errorf("qcow2: refcount of cluster %d: no refcount block (allocator bug)", c)
-	}
-	if v > w.maxRef {
-		return fmt.Errorf("%w: refcount of cluster %#x overflows %d bits", ErrCorrupt, c*q.h.clusterSize, w.bits)
-	}
-	if err := q.pinBlock(ctx, off, b); err != nil {
-		return err
-	}
-	setRefcount(b, c%w.perBlock, w.bits, v)
-	return nil
-}
-
-// pinBlock marks refcount block b at off changed, keeping it out of the
-// LRU until it is written. A block pinned for the first time is checked
-// against the other metadata: its write-back must not land on them. The
-// caller holds alloc.
-func (q *Image) pinBlock(ctx context.Context, off int64, b []byte) error {
-	w := q.w
-	p, ok := w.rbpin[off]
-	if !ok {
-		if err := q.checkWrite(ctx, off, q.h.clusterSize, metaRefBlock, "refcount block update"); err != nil {
-			return err
-		}
-		p = &pinnedBlock{b: b}
-		w.rbpin[off] = p
-	}
-	if !p.dirty {
-		p.dirty = true
-		w.dirtyRB.Add(1)
-	}
-	return nil
-}
 
 // growFile notes that the file extends to at least end. The caller holds
 // alloc.

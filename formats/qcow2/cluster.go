@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"slices"
 )
 
 // L1/L2 translation: virtual cluster -> what the cluster is and where.
@@ -67,41 +68,73 @@ func (q *Image) loadL2(ctx context.Context, off, fileSize int64) ([]uint64, erro
 // l2Span is the number of clusters one L2 table maps.
 func (q *Image) l2Span() int64 { return q.h.l2Entries }
 
-// lookup maps virtual cluster vc. When the whole L2 table is absent it says
-// so (tableAbsent), so that scans can skip the table's span at once.
-func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bool, err error) {
+// l2Entry is the one step of every L1/L2 walk (reads, writes, block
+// status): the L2 entry of virtual cluster vc as memory knows it. With no
+// L2 table for vc (L1 entry zero) the entry is 0, unallocated, and
+// tableAbsent says so; a table that exists but is not in memory comes back
+// as l2off with cached false, for the caller to load or give up on. The
+// caller holds q.meta (shared is enough).
+func (q *Image) l2Entry(vc int64) (e uint64, l2off int64, cached, tableAbsent bool, err error) {
 	l1i := vc / q.h.l2Entries
-	q.meta.RLock()
 	if l1i >= int64(len(q.l1)) {
-		q.meta.RUnlock()
-		return mapping{}, false, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
+		return 0, 0, false, false, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
 	}
-	l2off := int64(q.l1[l1i] & l1OffsetMask)
-	fileSize := q.fileSize
+	l2off = int64(q.l1[l1i] & l1OffsetMask)
 	if l2off == 0 {
-		q.meta.RUnlock()
-		return mapping{kind: unallocated}, true, nil
+		return 0, 0, true, true, nil
 	}
 	t, ok := q.cachedL2(l2off)
-	if ok {
-		e := t[vc%q.h.l2Entries]
+	if !ok {
+		return 0, l2off, false, false, nil
+	}
+	return t[vc%q.h.l2Entries], l2off, true, false, nil
+}
+
+// lookup maps virtual cluster vc, reading its L2 table (into the cache)
+// when it is not in memory. When the whole L2 table is absent it says so
+// (tableAbsent), so that scans can skip the table's span at once.
+func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bool, err error) {
+	q.meta.RLock()
+	e, l2off, cached, tableAbsent, err := q.l2Entry(vc)
+	fileSize := q.fileSize
+	if err != nil || cached {
 		q.meta.RUnlock()
+		if err != nil {
+			return mapping{}, false, err
+		}
 		m, err := q.decode(vc, e, fileSize)
-		return m, false, err
+		return m, tableAbsent, err
 	}
 	// The generation tells whether a table was written back while we
 	// read: then what we read may be older than the write-back, and must
 	// not be cached.
 	gen := q.l2cache.gen()
 	q.meta.RUnlock()
-	t, err = q.loadL2(ctx, l2off, fileSize)
+	t, err := q.loadL2(ctx, l2off, fileSize)
 	if err != nil {
 		return mapping{}, false, err
 	}
-	e := t[vc%q.h.l2Entries]
+	e = t[vc%q.h.l2Entries]
 	q.l2cache.putIfGen(l2off, t, gen)
 	m, err = q.decode(vc, e, fileSize)
 	return m, false, err
+}
+
+// tryLookup is lookup for callers that must not wait: ok false when the L2
+// table is not in memory, q.meta is held by a writer, or the entry is
+// corrupt (the caller's slow path then reports it).
+func (q *Image) tryLookup(vc int64) (m mapping, ok bool) {
+	if !q.meta.TryRLock() {
+		return mapping{}, false
+	}
+	e, _, cached, _, err := q.l2Entry(vc)
+	fileSize := q.fileSize
+	q.meta.RUnlock()
+	if err != nil || !cached {
+		return mapping{}, false
+	}
+	m, err = q.decode(vc, e, fileSize)
+	return m, err == nil
 }
 
 // compressedEntry splits a compressed cluster's L2 entry into the byte
@@ -133,4 +166,142 @@ func (q *Image) decode(vc int64, e uint64, fileSize int64) (mapping, error) {
 		return mapping{}, fmt.Errorf("%w: data cluster %d at %#x is misaligned or beyond the end of the file", ErrCorrupt, vc, host)
 	}
 	return mapping{kind: data, host: host, entry: e}, nil
+}
+
+// l2ForWrite returns the pinned L2 table that maps virtual cluster vc,
+// allocating an empty one if there is none. The caller holds alloc.
+func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
+	l1i := vc / q.h.l2Entries
+	if l1i >= int64(len(q.l1)) {
+		return nil, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
+	}
+	e := q.l1[l1i]
+	off := int64(e & l1OffsetMask)
+	if off == 0 {
+		return q.newL2(ctx, l1i, make([]uint64, q.h.l2Entries))
+	}
+	if e&oflagCopied == 0 {
+		return q.unshareL2(ctx, l1i, off)
+	}
+	if p, ok := q.w.l2pin[off]; ok {
+		return p, nil
+	}
+	t, err := q.l2ForAlloc(ctx, off)
+	if err != nil {
+		return nil, err
+	}
+	return q.pinL2(ctx, off, t)
+}
+
+// l2ForAlloc returns the L2 table at off as it stands: pinned, cached, or
+// read from the file (not cached: the caller pins it or only reads it).
+// The caller holds alloc, so the table cannot change meanwhile.
+func (q *Image) l2ForAlloc(ctx context.Context, off int64) ([]uint64, error) {
+	if p, ok := q.w.l2pin[off]; ok {
+		return p.t, nil
+	}
+	if t, ok := q.l2cache.get(off); ok {
+		return t, nil
+	}
+	return q.loadL2(ctx, off, q.fileSize)
+}
+
+// pinL2 pins table t at off (unchanged so far) for a writer, once it is
+// sure that writing the table back lands on no other metadata. The caller
+// holds alloc.
+func (q *Image) pinL2(ctx context.Context, off int64, t []uint64) (*pinnedL2, error) {
+	if err := q.checkWrite(ctx, off, q.h.clusterSize, metaL2, "L2 table update"); err != nil {
+		return nil, err
+	}
+	p := &pinnedL2{t: t}
+	q.meta.Lock()
+	q.w.l2pin[off] = p
+	q.meta.Unlock()
+	return p, nil
+}
+
+// newL2 puts table t in a new cluster and points L1 entry l1i at it; the
+// table is written back before the L1 entry. The caller holds alloc.
+func (q *Image) newL2(ctx context.Context, l1i int64, t []uint64) (*pinnedL2, error) {
+	host, err := q.allocClusters(ctx, 1)
+	if err != nil {
+		return nil, err
+	}
+	p := &pinnedL2{t: t, dirty: true}
+	q.w.dirtyL2.Add(1)
+	cs := q.h.clusterSize
+	q.meta.Lock()
+	q.w.l2pin[host] = p
+	if old := int64(q.l1[l1i] & l1OffsetMask); old != 0 {
+		q.w.metaMap.addL2(old/cs, -1)
+	}
+	q.l1[l1i] = uint64(host) | oflagCopied
+	q.w.metaMap.addL2(host/cs, 1)
+	q.meta.Unlock()
+	q.l1Changed(int(l1i))
+	return p, nil
+}
+
+// unshareL2 makes the L2 table at off, which L1 entry l1i points at without
+// the COPIED flag, one this image may change. Shared with a snapshot
+// (refcount above one), it is copied to a new cluster, the L1 entry points
+// at the copy, and the old table loses this reference once that is durable;
+// the data clusters stay shared, and writes copy them in turn. With
+// refcount one the flag was merely missing: it is set. The caller holds
+// alloc.
+func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error) {
+	rc, err := q.getRef(ctx, off/q.h.clusterSize)
+	if err != nil {
+		return nil, err
+	}
+	if rc == 0 {
+		return nil, fmt.Errorf("%w: L2 table at %#x has refcount zero", ErrCorrupt, off)
+	}
+	t, err := q.l2ForAlloc(ctx, off)
+	if err != nil {
+		return nil, err
+	}
+	if rc == 1 {
+		p, err := q.pinL2(ctx, off, t)
+		if err != nil {
+			return nil, err
+		}
+		q.meta.Lock()
+		q.l1[l1i] |= oflagCopied
+		q.meta.Unlock()
+		q.l1Changed(int(l1i))
+		return p, nil
+	}
+	p, err := q.newL2(ctx, l1i, slices.Clone(t))
+	if err != nil {
+		return nil, err
+	}
+	q.freeRangeLater(off, 1)
+	return p, nil
+}
+
+// setL2 stores L2 entry e for virtual cluster vc. The caller holds alloc.
+func (q *Image) setL2(ctx context.Context, vc int64, e uint64) error {
+	p, err := q.l2ForWrite(ctx, vc)
+	if err != nil {
+		return err
+	}
+	q.meta.Lock()
+	p.t[vc%q.h.l2Entries] = e
+	q.meta.Unlock()
+	if !p.dirty {
+		p.dirty = true
+		q.w.dirtyL2.Add(1)
+	}
+	return nil
+}
+
+// l1Changed marks L1 entry i for write-back. The caller holds alloc.
+func (q *Image) l1Changed(i int) {
+	w := q.w
+	if w.l1Hi == 0 {
+		w.l1Lo, w.l1Hi = i, i+1
+		return
+	}
+	w.l1Lo, w.l1Hi = min(w.l1Lo, i), max(w.l1Hi, i+1)
 }

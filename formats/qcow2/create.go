@@ -94,19 +94,19 @@ func Create(path string, o CreateOptions) error {
 	total := 1 + t + b + l
 
 	copy(hdr, magic[:])
-	be.PutUint32(hdr[4:], 3)
-	be.PutUint64(hdr[8:], uint64(backingOff))
-	be.PutUint32(hdr[16:], uint32(len(o.BackingFile)))
-	be.PutUint32(hdr[20:], uint32(log2(cs)))
-	be.PutUint64(hdr[24:], uint64(o.Size))
-	be.PutUint32(hdr[36:], uint32(l1Size))
-	be.PutUint64(hdr[40:], uint64(l1Off))
-	be.PutUint64(hdr[48:], uint64(rtOff))
-	be.PutUint32(hdr[56:], uint32(t))
-	// 60: no snapshots; 72..95: no features; 96: refcount order.
-	be.PutUint32(hdr[96:], createRefcountOrder)
-	be.PutUint32(hdr[100:], headerLen)
-	// 104: compression type zlib, then padding.
+	be.PutUint32(hdr[hdrVersion:], 3)
+	be.PutUint64(hdr[hdrBackingOffset:], uint64(backingOff))
+	be.PutUint32(hdr[hdrBackingSize:], uint32(len(o.BackingFile)))
+	be.PutUint32(hdr[hdrClusterBits:], uint32(log2(cs)))
+	be.PutUint64(hdr[hdrSize:], uint64(o.Size))
+	be.PutUint32(hdr[hdrL1Size:], uint32(l1Size))
+	be.PutUint64(hdr[hdrL1Offset:], uint64(l1Off))
+	be.PutUint64(hdr[hdrRefcountOffset:], uint64(rtOff))
+	be.PutUint32(hdr[hdrRefcountClusters:], uint32(t))
+	// No snapshots, no feature bits.
+	be.PutUint32(hdr[hdrRefcountOrder:], createRefcountOrder)
+	be.PutUint32(hdr[hdrHeaderLength:], headerLen)
+	// Compression type zlib (0), then padding.
 
 	rt := make([]uint64, t*cs/8)
 	for i := range b {

@@ -95,7 +95,7 @@ func (q *Image) snapshot() *metaSnapshot {
 		if w.rtMoved {
 			b := binary.BigEndian.AppendUint64(nil, uint64(w.rtOffset))
 			b = binary.BigEndian.AppendUint32(b, uint32((int64(len(w.rtable))*8+q.h.clusterSize-1)/q.h.clusterSize))
-			s.rtHeader = &hostWrite{48, b}
+			s.rtHeader = &hostWrite{hdrRefcountOffset, b}
 			s.rtMoved = true
 		}
 		w.rtDirty, w.rtMoved = false, false
@@ -118,7 +118,7 @@ func (q *Image) snapshot() *metaSnapshot {
 		b = binary.BigEndian.AppendUint32(b, 0) // crypt_method
 		b = binary.BigEndian.AppendUint32(b, uint32(len(q.l1)))
 		b = binary.BigEndian.AppendUint64(b, uint64(w.l1Offset))
-		s.header = &hostWrite{24, b}
+		s.header = &hostWrite{hdrSize, b}
 		s.l1Moved, s.sz = w.l1Moved, w.sizeDirty
 		w.l1Moved, w.sizeDirty = false, false
 	}

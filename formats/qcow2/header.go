@@ -12,6 +12,30 @@ import (
 
 var magic = [4]byte{'Q', 'F', 'I', 0xfb}
 
+// Header fields by byte offset (QEMU's docs/interop/qcow2.txt). Writes
+// of single fields (flush.go, alloc.go, overlap.go) use these names too.
+const (
+	hdrVersion          = 4
+	hdrBackingOffset    = 8
+	hdrBackingSize      = 16
+	hdrClusterBits      = 20
+	hdrSize             = 24 // followed by crypt method, L1 size, L1 offset
+	hdrCryptMethod      = 32
+	hdrL1Size           = 36
+	hdrL1Offset         = 40
+	hdrRefcountOffset   = 48 // followed by refcount table clusters
+	hdrRefcountClusters = 56
+	hdrNbSnapshots      = 60
+	hdrSnapshotsOffset  = 64
+	// Version 3 only:
+	hdrIncompatible    = 72
+	hdrCompatible      = 80
+	hdrAutoclear       = 88
+	hdrRefcountOrder   = 96
+	hdrHeaderLength    = 100
+	hdrCompressionType = 104
+)
+
 const (
 	v2HeaderLen = 72
 	v3HeaderLen = 104
@@ -103,18 +127,18 @@ func parseHeader(buf []byte, fileSize int64) (*header, error) {
 	}
 	be := binary.BigEndian
 	h := &header{
-		version:          be.Uint32(buf[4:]),
-		backingOffset:    be.Uint64(buf[8:]),
-		backingSize:      be.Uint32(buf[16:]),
-		clusterBits:      be.Uint32(buf[20:]),
-		size:             be.Uint64(buf[24:]),
-		cryptMethod:      be.Uint32(buf[32:]),
-		l1Size:           be.Uint32(buf[36:]),
-		l1Offset:         be.Uint64(buf[40:]),
-		refcountOffset:   be.Uint64(buf[48:]),
-		refcountClusters: be.Uint32(buf[56:]),
-		nbSnapshots:      be.Uint32(buf[60:]),
-		snapshotsOffset:  be.Uint64(buf[64:]),
+		version:          be.Uint32(buf[hdrVersion:]),
+		backingOffset:    be.Uint64(buf[hdrBackingOffset:]),
+		backingSize:      be.Uint32(buf[hdrBackingSize:]),
+		clusterBits:      be.Uint32(buf[hdrClusterBits:]),
+		size:             be.Uint64(buf[hdrSize:]),
+		cryptMethod:      be.Uint32(buf[hdrCryptMethod:]),
+		l1Size:           be.Uint32(buf[hdrL1Size:]),
+		l1Offset:         be.Uint64(buf[hdrL1Offset:]),
+		refcountOffset:   be.Uint64(buf[hdrRefcountOffset:]),
+		refcountClusters: be.Uint32(buf[hdrRefcountClusters:]),
+		nbSnapshots:      be.Uint32(buf[hdrNbSnapshots:]),
+		snapshotsOffset:  be.Uint64(buf[hdrSnapshotsOffset:]),
 		refcountOrder:    4,
 		headerLength:     v2HeaderLen,
 	}
@@ -124,11 +148,11 @@ func parseHeader(buf []byte, fileSize int64) (*header, error) {
 		if len(buf) < v3HeaderLen {
 			return nil, fmt.Errorf("%w: file too short for a version 3 header", ErrCorrupt)
 		}
-		h.incompatible = be.Uint64(buf[72:])
-		h.compatible = be.Uint64(buf[80:])
-		h.autoclear = be.Uint64(buf[88:])
-		h.refcountOrder = be.Uint32(buf[96:])
-		h.headerLength = be.Uint32(buf[100:])
+		h.incompatible = be.Uint64(buf[hdrIncompatible:])
+		h.compatible = be.Uint64(buf[hdrCompatible:])
+		h.autoclear = be.Uint64(buf[hdrAutoclear:])
+		h.refcountOrder = be.Uint32(buf[hdrRefcountOrder:])
+		h.headerLength = be.Uint32(buf[hdrHeaderLength:])
 		if h.headerLength < v3HeaderLen || h.headerLength%8 != 0 {
 			return nil, fmt.Errorf("%w: header length %d", ErrCorrupt, h.headerLength)
 		}
@@ -136,7 +160,7 @@ func parseHeader(buf []byte, fileSize int64) (*header, error) {
 			if int(h.headerLength) > len(buf) {
 				return nil, fmt.Errorf("%w: header length %d beyond the first cluster", ErrCorrupt, h.headerLength)
 			}
-			h.compressionType = buf[104]
+			h.compressionType = buf[hdrCompressionType]
 		}
 	default:
 		return nil, fmt.Errorf("%w: version %d (only 2 and 3 exist)", ErrUnsupported, h.version)

@@ -26,7 +26,7 @@ func openWithin(t *testing.T, p string, d time.Duration) (*Image, error) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		q, err := Open(p, Options{Backend: aio.Threads})
+		q, err := openTest(p, testOpts{Backend: aio.Threads})
 		done <- result{q, err}
 	}()
 	select {
@@ -151,7 +151,7 @@ func TestVirtualSizeRoundsDownToSectors(t *testing.T) {
 	if err := json.Unmarshal([]byte(tool(t, "qemu-img", "info", "--output=json", p)), &info); err != nil {
 		t.Fatal(err)
 	}
-	q, err := Open(p, Options{Backend: aio.Threads})
+	q, err := openTest(p, testOpts{Backend: aio.Threads})
 	if err != nil {
 		t.Fatal(err)
 	}

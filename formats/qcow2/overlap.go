@@ -262,7 +262,7 @@ func (q *Image) markCorrupt(ctx context.Context, msg string) {
 	}
 	var b [8]byte
 	binary.BigEndian.PutUint64(b[:], q.h.incompatible|incCorrupt)
-	if _, err := q.f.WriteAt(ctx, b[:], 72); err != nil {
+	if _, err := q.f.WriteAt(ctx, b[:], hdrIncompatible); err != nil {
 		q.logWarn("could not set the corrupt bit", err)
 		return
 	}

@@ -82,7 +82,7 @@ func TestWritesNeverLandOnMetadata(t *testing.T) {
 		}, func(q *Image) error {
 			ctx := context.Background()
 			q.ReadAt(ctx, make([]byte, 512), 0) // caches the L2 table
-			done, err := q.WriteAtNoWait(make([]byte, 4096), 0)
+			done, err := q.TryWriteAt(make([]byte, 4096), 0)
 			if !done {
 				return errors.New("the inline write did not run")
 			}
@@ -110,7 +110,7 @@ func TestWritesNeverLandOnMetadata(t *testing.T) {
 			c.break_(t, p, l)
 			before, _ := os.ReadFile(p)
 			var logs bytes.Buffer
-			q, err := Open(p, Options{Writable: true, Backend: aio.Threads, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+			q, err := openTest(p, testOpts{Writable: true, Backend: aio.Threads, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -139,7 +139,7 @@ func TestWritesNeverLandOnMetadata(t *testing.T) {
 			if d := firstDiff(before, after); d < len(before) {
 				t.Errorf("the file changed at byte %#x besides the corrupt bit", d)
 			}
-			if _, err := Open(p, Options{Writable: true, Backend: aio.Threads}); err == nil || !strings.Contains(err.Error(), "corrupt") {
+			if _, err := openTest(p, testOpts{Writable: true, Backend: aio.Threads}); err == nil || !strings.Contains(err.Error(), "corrupt") {
 				t.Errorf("a writable open after: %v; want it refused", err)
 			}
 			if out := tool(t, "qemu-img", "info", "--output=json", p); !strings.Contains(out, `"corrupt": true`) {
@@ -164,7 +164,7 @@ func TestCompressedEntryIntoTheHeader(t *testing.T) {
 	patch(t, p, l.l2, be64(e))
 	header := slices64k(t, p)
 	var logs bytes.Buffer
-	q, err := Open(p, Options{Writable: true, Backend: aio.Threads, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	q, err := openTest(p, testOpts{Writable: true, Backend: aio.Threads, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -44,21 +44,35 @@ const maxExtentSteps = 1 << 16
 // decodedCacheBytes bounds the cache of decompressed clusters.
 const decodedCacheBytes = 4 << 20
 
-// Options say how to open an image and its backing chain.
+// Options say how to use an image file.
 type Options struct {
 	// L2CacheSize is the L2 table cache in bytes; 0 means the default.
 	L2CacheSize int64
-	Backend     aio.Backend
-	Direct      bool
+	// Direct: the file is O_DIRECT (behind aio.Aligned), so no page cache
+	// is there to hit.
+	Direct bool
 	// Writable opens the image for writing; its backing chain stays
 	// read-only.
 	Writable bool
 	Logger   *slog.Logger
-	// Lock takes QEMU's image locks (see aio.Lock) on every file of the
-	// chain: nobody else may write or resize a qcow2 file we use (its
-	// metadata is ours), and a writable open holds write and resize.
-	Lock bool
+	// OpenBacking opens the backing file, if the image has one (package
+	// probe gives it: this package knows no other format).
+	OpenBacking formats.BackingOpener
 }
+
+// Lock is what an open of a qcow2 file locks (see aio.Lock): nobody else
+// may write or resize a qcow2 file we use, its metadata being ours, and a
+// writable open holds write and resize.
+func Lock(writable bool) aio.Lock {
+	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
+	if writable {
+		l.Perm |= aio.PermWrite | aio.PermResize
+	}
+	return l
+}
+
+// Detect says whether a file that starts with head is a qcow2 image.
+func Detect(head []byte) bool { return len(head) >= len(magic) && [4]byte(head[:4]) == magic }
 
 // Image is an open qcow2 image.
 type Image struct {
@@ -70,7 +84,6 @@ type Image struct {
 	dcache  *lru[[]byte]  // decompressed clusters
 	rcache  *lru[[]byte]  // clean refcount blocks
 	backing formats.Image // nil: unallocated clusters read as zeroes
-	bfmt    string        // format of backing
 	direct  bool          // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
 	// the host file which data clusters are holes (as QEMU does). Found out
@@ -86,9 +99,25 @@ type Image struct {
 	// corrupt and refuses writes from then on (see overlap.go).
 	corrupt atomic.Bool
 
-	// meta guards what lookups read and writers change: l1, the pinned L2
-	// tables and fileSize. Lookups hold it shared for a few loads; writers
-	// hold it exclusively only to store, never across I/O.
+	// The locks, in the one order they are taken (none is taken while
+	// one further down is held); the fields they guard say which:
+	//
+	//  1. w.flushMu: one Flush at a time, so write-backs land in order.
+	//  2. w.users: shared by every read, write and zeroing; exclusive
+	//     only while Flush applies deferred frees (no request may be
+	//     using a cluster it frees).
+	//  3. w.clusters: range lock on the virtual clusters whose mapping a
+	//     request changes (allocating writes, zeroing, discard).
+	//  4. w.alloc: every metadata change (allocation, L1 and L2 entries,
+	//     refcounts, header fields); held across metadata loads from the
+	//     file, never across data I/O.
+	//  5. meta: what lookups read (l1, the pinned L2 tables, fileSize);
+	//     shared for a few loads, exclusive only to store, never across
+	//     I/O.
+	//  6. the caches' own mutexes (cache.go).
+	//
+	// The try paths (TryReadAt, TryWriteAt) only TryLock 2 and 5: they
+	// give up rather than wait.
 	meta sync.RWMutex
 	l1   []uint64
 	// fileSize is the end of the host file as the metadata knows it:
@@ -99,34 +128,12 @@ type Image struct {
 	log *slog.Logger
 }
 
-// Open opens the qcow2 image at path read-only, with its backing chain.
-func Open(path string, o Options) (*Image, error) {
-	return openChain(path, o, newChainGuard())
-}
-
-func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
-	var lock *aio.Lock
-	if o.Lock {
-		lock = &aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-		if o.Writable {
-			lock.Perm |= aio.PermWrite | aio.PermResize
-		}
-	}
-	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Direct: o.Direct, Writable: o.Writable, Logger: o.Logger, Lock: lock})
-	if err != nil {
-		return nil, fmt.Errorf("qcow2: %w", err)
-	}
-	if o.Direct {
-		// Metadata and compressed clusters are byte-granular; O_DIRECT
-		// wants whole blocks.
-		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
-	}
+// New opens the qcow2 image in f, which it owns from now on (Close closes
+// it; so does a failed New), with its backing chain.
+func New(f aio.File, o Options) (*Image, error) {
+	path := f.Name()
 	q, err := load(f, path, o)
 	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	if err := guard.enter(f.Fd(), path); err != nil {
 		f.Close()
 		return nil, err
 	}
@@ -135,6 +142,10 @@ func openOne(path string, o Options, guard *chainGuard) (*Image, error) {
 			f.Close()
 			return nil, fmt.Errorf("%s: %w", path, err)
 		}
+	}
+	if err := q.openBacking(o.OpenBacking); err != nil {
+		f.Close()
+		return nil, err
 	}
 	return q, nil
 }
@@ -407,13 +418,14 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 	return e, nil
 }
 
-// ReadAtNoWait serves a read that stays inside one cluster whose L2 table
-// is cached: data from the page cache (RWF_NOWAIT), zero clusters, and
-// unallocated ones without a backing file. Anything else would wait, and
-// so would a lock someone else holds: then it says no at once.
-func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
+// TryReadAt serves a read that stays inside one cluster whose L2 entry is
+// in memory: data from the page cache (aio's try), zero clusters, and
+// unallocated ones from the backing image's own try (or as zeroes without
+// one). Anything else would wait, and so would a lock someone else holds:
+// then it says no at once.
+func (q *Image) TryReadAt(p []byte, off int64) bool {
 	cs := q.h.clusterSize
-	if len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || off/cs != (off+int64(len(p))-1)/cs || q.direct {
+	if len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || off/cs != (off+int64(len(p))-1)/cs {
 		return false
 	}
 	if q.w != nil {
@@ -422,46 +434,24 @@ func (q *Image) ReadAtNoWait(p []byte, off int64) bool {
 		}
 		defer q.w.users.RUnlock()
 	}
-	if !q.meta.TryRLock() {
+	m, ok := q.tryLookup(off / cs)
+	if !ok {
 		return false
 	}
-	vc := off / cs
-	l1i := vc / q.h.l2Entries
-	if l1i >= int64(len(q.l1)) {
-		q.meta.RUnlock()
-		return false
-	}
-	l2off := int64(q.l1[l1i] & l1OffsetMask)
-	var e uint64
-	if l2off != 0 {
-		t, ok := q.cachedL2(l2off)
-		if !ok {
-			q.meta.RUnlock()
-			return false
-		}
-		e = t[vc%q.h.l2Entries]
-	}
-	fileSize := q.fileSize
-	q.meta.RUnlock()
-	if e&l2Compressed != 0 {
-		return false
-	}
-	host := int64(e & l2OffsetMask)
-	switch {
-	case q.h.version >= 3 && e&l2ZeroFlag != 0:
+	switch m.kind {
+	case zero:
 		clear(p)
 		return true
-	case host == 0:
-		if q.backing != nil {
-			return false
+	case unallocated:
+		if q.backing == nil {
+			clear(p)
+			return true
 		}
-		clear(p)
-		return true
-	case host%cs != 0 || host >= fileSize:
-		return false
+		return off+int64(len(p)) <= q.backing.Size() && q.backing.TryReadAt(p, off)
+	case data:
+		return q.f.TryReadAt(p, m.host+off%cs)
 	}
-	n, err := aio.PreadNoWait(q.f.Fd(), p, host+off%cs)
-	return err == nil && n == len(p)
+	return false // compressed: decompressing is not instant
 }
 
 // hostZero says whether [host, host+n) of the file is a hole (reads as
@@ -520,16 +510,27 @@ func (q *Image) Info() formats.Info {
 		Format: "qcow2", Filename: q.path, VirtualSize: q.Size(), ActualSize: actual,
 		ClusterSize: h.clusterSize, DirtyFlag: h.incompatible&incDirty != 0,
 		BackingFilename: h.backingFile, BackingFilenameFormat: h.backingFormat,
-		FormatSpecific: &formats.FormatSpecific{Type: "qcow2", Data: formats.QCOW2Detail{
-			Compat: compat, CompressionType: compression,
-			LazyRefcounts: h.compatible&compatLazyRefcounts != 0,
-			RefcountBits:  1 << h.refcountOrder,
-			Corrupt:       h.incompatible&incCorrupt != 0 || q.corrupt.Load(),
-			ExtendedL2:    h.incompatible&incExtendedL2 != 0,
-			Bitmaps:       h.hasBitmaps,
-		}},
 		RequestAlignment: 1,
 	}
+	d := Detail{
+		Compat: compat, CompressionType: compression,
+		LazyRefcounts: h.compatible&compatLazyRefcounts != 0,
+		RefcountBits:  1 << h.refcountOrder,
+		Corrupt:       h.incompatible&incCorrupt != 0 || q.corrupt.Load(),
+		ExtendedL2:    h.incompatible&incExtendedL2 != 0,
+	}
+	lines := []string{
+		"compat: " + d.Compat,
+		"compression type: " + d.CompressionType,
+		fmt.Sprintf("lazy refcounts: %t", d.LazyRefcounts),
+		fmt.Sprintf("refcount bits: %d", d.RefcountBits),
+		fmt.Sprintf("corrupt: %t", d.Corrupt),
+		fmt.Sprintf("extended l2: %t", d.ExtendedL2),
+	}
+	if h.hasBitmaps {
+		lines = append(lines, "bitmaps: present (ignored)")
+	}
+	info.FormatSpecific = &formats.FormatSpecific{Type: "qcow2", Data: d, Lines: lines}
 	if h.backingFile != "" {
 		info.FullBackingFilename = h.backingFile
 		if !filepath.IsAbs(h.backingFile) {
@@ -538,6 +539,23 @@ func (q *Image) Info() formats.Info {
 	}
 	info.Snapshots = q.snapshotList()
 	return info
+}
+
+// Detail is the "data" of a qcow2 image's format-specific object in
+// `qemu-img info --output=json`.
+type Detail struct {
+	Compat          string `json:"compat"`
+	CompressionType string `json:"compression-type"`
+	LazyRefcounts   bool   `json:"lazy-refcounts"`
+	RefcountBits    int    `json:"refcount-bits"`
+	Corrupt         bool   `json:"corrupt"`
+	ExtendedL2      bool   `json:"extended-l2"`
+}
+
+// Features: zeroing whole clusters is metadata only in version 3 (zero
+// flags); the host file's layout is not the image's.
+func (q *Image) Features() formats.Features {
+	return formats.Features{FastZero: q.h.version >= 3, HostFd: -1}
 }
 
 // Backing returns the backing image, or nil.

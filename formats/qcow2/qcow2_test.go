@@ -155,7 +155,7 @@ func TestReadsMatchQemuAndTheOracle(t *testing.T) {
 				// +direct: O_DIRECT (--cache none), where every byte-granular
 				// read goes through an aligned bounce buffer.
 				engine, direct := strings.CutSuffix(backend, "+direct")
-				q, err := Open(top, Options{Backend: aio.Backend(engine), Direct: direct})
+				q, err := openTest(top, testOpts{Backend: aio.Backend(engine), Direct: direct})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -250,7 +250,7 @@ func TestExtentsMatchQemuImgMap(t *testing.T) {
 			if err := json.Unmarshal([]byte(tool(t, "qemu-img", "map", "--output=json", top)), &want); err != nil {
 				t.Fatal(err)
 			}
-			q, err := Open(top, Options{})
+			q, err := openTest(top, testOpts{})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -132,4 +132,4 @@ func (q *Image) ensureL1(ctx context.Context, size int64) error {
 	return nil
 }
 
-var _ formats.FastZeroer = (*Image)(nil)
+var _ formats.Image = (*Image)(nil)

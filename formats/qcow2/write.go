@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -46,10 +45,11 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	return len(p), q.boundWriteBack(ctx)
 }
 
-// WriteAtNoWait writes p in place when every cluster it touches is one
-// this image owns, with its L2 table cached, and nobody holds a lock it
-// needs. Clusters contiguous on the host take one write.
-func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
+// TryWriteAt writes p in place when every cluster it touches is one this
+// image owns, with its L2 entry in memory, and nobody holds a lock it
+// needs; the host file takes it without waiting (aio's try: not with
+// O_DIRECT). Clusters contiguous on the host take one write.
+func (q *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 	cs := q.h.clusterSize
 	if q.w == nil || q.direct || len(p) == 0 || off < 0 || off+int64(len(p)) > q.Size() || q.corrupt.Load() {
 		return false, nil // O_DIRECT writes wait for the device; WriteAt reports the rest
@@ -68,20 +68,16 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 		voff := off + pos
 		n := min(cs-voff%cs, int64(len(p))-pos)
 		vc := voff / cs
-		var e uint64
-		if l1i := vc / q.h.l2Entries; l1i < int64(len(q.l1)) {
-			if l2off := int64(q.l1[l1i] & l1OffsetMask); l2off != 0 {
-				if t, ok := q.cachedL2(l2off); ok {
-					e = t[vc%q.h.l2Entries]
-				}
-			}
+		e, _, cached, _, err := q.l2Entry(vc)
+		var m mapping
+		if err == nil && cached {
+			m, err = q.decode(vc, e, q.fileSize)
 		}
-		host := int64(e & l2OffsetMask)
-		if e&(l2Compressed|l2ZeroFlag) != 0 || e&oflagCopied == 0 || host == 0 || host%cs != 0 || host >= q.fileSize {
+		if err != nil || !cached || !ownsCluster(m) {
 			q.meta.RUnlock()
 			return false, nil
 		}
-		host += voff % cs
+		host := m.host + voff%cs
 		if oe := q.checkWriteLocked(host, n, metaNone); oe != nil {
 			q.meta.RUnlock()
 			return true, q.refuse(context.Background(), oe, "data write")
@@ -95,8 +91,14 @@ func (q *Image) WriteAtNoWait(p []byte, off int64) (bool, error) {
 	}
 	q.meta.RUnlock()
 	for _, r := range runs {
-		if err := q.writeHostUnchecked(context.Background(), p[r.pos:r.pos+r.n], r.host); err != nil {
-			return true, err
+		done, err := q.f.TryWriteAt(p[r.pos:r.pos+r.n], r.host)
+		if !done {
+			// Not with a buffered file; were it so, the earlier runs
+			// are written and the caller's WriteAt writes them again.
+			return false, nil
+		}
+		if err != nil {
+			return true, fmt.Errorf("qcow2: write %d bytes at host %#x: %w", r.n, r.host, err)
 		}
 	}
 	return true, nil
@@ -204,6 +206,13 @@ func (q *Image) allocWrite(ctx context.Context, p []byte, off int64) error {
 // allocRun writes p at off into new clusters for virtual clusters
 // [vc, vc+len(olds)), whose current mappings are olds, and points the L2
 // entries at them. The caller holds the range lock on those clusters.
+//
+// alloc is taken twice, around the data write and not across it: to
+// allocate, then to link. Holding it across the write would serialize
+// every allocating write in the image behind one device write. (The walks
+// of an allocating write are likewise three on purpose: write classifies
+// clusters without locks, allocWrite looks again under the range lock,
+// since a writer before it may have allocated, and setL2 links.)
 func (q *Image) allocRun(ctx context.Context, p []byte, off, vc int64, olds []mapping) error {
 	w := q.w
 	cs := q.h.clusterSize
@@ -307,144 +316,6 @@ func (q *Image) readOld(ctx context.Context, buf []byte, voff int64, m mapping) 
 		return q.doRun(ctx, ioRun{buf: buf, off: m.host + voff%q.h.clusterSize})
 	}
 	return q.doRun(ctx, ioRun{buf: buf, off: voff, backing: true})
-}
-
-// l2ForWrite returns the pinned L2 table that maps virtual cluster vc,
-// allocating an empty one if there is none. The caller holds alloc.
-func (q *Image) l2ForWrite(ctx context.Context, vc int64) (*pinnedL2, error) {
-	l1i := vc / q.h.l2Entries
-	if l1i >= int64(len(q.l1)) {
-		return nil, fmt.Errorf("%w: cluster %d beyond the L1 table", ErrCorrupt, vc)
-	}
-	e := q.l1[l1i]
-	off := int64(e & l1OffsetMask)
-	if off == 0 {
-		return q.newL2(ctx, l1i, make([]uint64, q.h.l2Entries))
-	}
-	if e&oflagCopied == 0 {
-		return q.unshareL2(ctx, l1i, off)
-	}
-	if p, ok := q.w.l2pin[off]; ok {
-		return p, nil
-	}
-	t, err := q.l2ForAlloc(ctx, off)
-	if err != nil {
-		return nil, err
-	}
-	return q.pinL2(ctx, off, t)
-}
-
-// l2ForAlloc returns the L2 table at off as it stands: pinned, cached, or
-// read from the file (not cached: the caller pins it or only reads it).
-// The caller holds alloc, so the table cannot change meanwhile.
-func (q *Image) l2ForAlloc(ctx context.Context, off int64) ([]uint64, error) {
-	if p, ok := q.w.l2pin[off]; ok {
-		return p.t, nil
-	}
-	if t, ok := q.l2cache.get(off); ok {
-		return t, nil
-	}
-	return q.loadL2(ctx, off, q.fileSize)
-}
-
-// pinL2 pins table t at off (unchanged so far) for a writer, once it is
-// sure that writing the table back lands on no other metadata. The caller
-// holds alloc.
-func (q *Image) pinL2(ctx context.Context, off int64, t []uint64) (*pinnedL2, error) {
-	if err := q.checkWrite(ctx, off, q.h.clusterSize, metaL2, "L2 table update"); err != nil {
-		return nil, err
-	}
-	p := &pinnedL2{t: t}
-	q.meta.Lock()
-	q.w.l2pin[off] = p
-	q.meta.Unlock()
-	return p, nil
-}
-
-// newL2 puts table t in a new cluster and points L1 entry l1i at it; the
-// table is written back before the L1 entry. The caller holds alloc.
-func (q *Image) newL2(ctx context.Context, l1i int64, t []uint64) (*pinnedL2, error) {
-	host, err := q.allocClusters(ctx, 1)
-	if err != nil {
-		return nil, err
-	}
-	p := &pinnedL2{t: t, dirty: true}
-	q.w.dirtyL2.Add(1)
-	cs := q.h.clusterSize
-	q.meta.Lock()
-	q.w.l2pin[host] = p
-	if old := int64(q.l1[l1i] & l1OffsetMask); old != 0 {
-		q.w.metaMap.addL2(old/cs, -1)
-	}
-	q.l1[l1i] = uint64(host) | oflagCopied
-	q.w.metaMap.addL2(host/cs, 1)
-	q.meta.Unlock()
-	q.l1Changed(int(l1i))
-	return p, nil
-}
-
-// unshareL2 makes the L2 table at off, which L1 entry l1i points at without
-// the COPIED flag, one this image may change. Shared with a snapshot
-// (refcount above one), it is copied to a new cluster, the L1 entry points
-// at the copy, and the old table loses this reference once that is durable;
-// the data clusters stay shared, and writes copy them in turn. With
-// refcount one the flag was merely missing: it is set. The caller holds
-// alloc.
-func (q *Image) unshareL2(ctx context.Context, l1i, off int64) (*pinnedL2, error) {
-	rc, err := q.getRef(ctx, off/q.h.clusterSize)
-	if err != nil {
-		return nil, err
-	}
-	if rc == 0 {
-		return nil, fmt.Errorf("%w: L2 table at %#x has refcount zero", ErrCorrupt, off)
-	}
-	t, err := q.l2ForAlloc(ctx, off)
-	if err != nil {
-		return nil, err
-	}
-	if rc == 1 {
-		p, err := q.pinL2(ctx, off, t)
-		if err != nil {
-			return nil, err
-		}
-		q.meta.Lock()
-		q.l1[l1i] |= oflagCopied
-		q.meta.Unlock()
-		q.l1Changed(int(l1i))
-		return p, nil
-	}
-	p, err := q.newL2(ctx, l1i, slices.Clone(t))
-	if err != nil {
-		return nil, err
-	}
-	q.freeRangeLater(off, 1)
-	return p, nil
-}
-
-// setL2 stores L2 entry e for virtual cluster vc. The caller holds alloc.
-func (q *Image) setL2(ctx context.Context, vc int64, e uint64) error {
-	p, err := q.l2ForWrite(ctx, vc)
-	if err != nil {
-		return err
-	}
-	q.meta.Lock()
-	p.t[vc%q.h.l2Entries] = e
-	q.meta.Unlock()
-	if !p.dirty {
-		p.dirty = true
-		q.w.dirtyL2.Add(1)
-	}
-	return nil
-}
-
-// l1Changed marks L1 entry i for write-back. The caller holds alloc.
-func (q *Image) l1Changed(i int) {
-	w := q.w
-	if w.l1Hi == 0 {
-		w.l1Lo, w.l1Hi = i, i+1
-		return
-	}
-	w.l1Lo, w.l1Hi = min(w.l1Lo, i), max(w.l1Hi, i+1)
 }
 
 // boundWriteBack writes the metadata back once the changed tables would

@@ -42,7 +42,7 @@ func compareRaw(t *testing.T, img string, mirror []byte) {
 
 func openRW(t *testing.T, img string, direct ...bool) *Image {
 	t.Helper()
-	q, err := Open(img, Options{Writable: true, Backend: aio.Threads, Direct: len(direct) > 0 && direct[0]})
+	q, err := openTest(img, testOpts{Writable: true, Backend: aio.Threads, Direct: len(direct) > 0 && direct[0]})
 	if err != nil {
 		t.Fatalf("open %s writable: %v", img, err)
 	}
@@ -346,7 +346,7 @@ func fill(r *rand.Rand, p []byte) {
 	}
 }
 
-func TestWriteAtNoWaitOnlyWritesOwnedClusters(t *testing.T) {
+func TestTryWriteAtOnlyWritesOwnedClusters(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "t.qcow2")
 	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
@@ -366,7 +366,7 @@ func TestWriteAtNoWaitOnlyWritesOwnedClusters(t *testing.T) {
 		{"a zero cluster", 2 << 20, false},
 		{"unallocated", 3 << 20, false},
 	} {
-		done, err := q.WriteAtNoWait(p, c.off)
+		done, err := q.TryWriteAt(p, c.off)
 		if done != c.want || err != nil {
 			t.Fatalf("%s: done %v, %v; want done %v", c.what, done, err, c.want)
 		}

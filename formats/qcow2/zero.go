@@ -66,9 +66,6 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 	return q.boundWriteBack(ctx)
 }
 
-// FastZero says whether WriteZeroes of whole clusters is metadata only.
-func (q *Image) FastZero() bool { return q.h.version >= 3 }
-
 // wholeClusters returns the clusters [a, b) that [off, off+n) covers whole;
 // a short last cluster counts as whole when the range reaches the image end.
 func (q *Image) wholeClusters(off, n int64) (a, b int64) {

@@ -2,11 +2,11 @@
 // device) byte for byte. Allocation comes from the host: SEEK_DATA/SEEK_HOLE
 // for extents, st_blocks for the allocated size, punch-hole for discard.
 //
-// With Direct (--cache none) the host file is opened O_DIRECT behind
-// [aio.Aligned]: aligned requests go straight to the device (a payload
-// that is merely misaligned in memory is copied, never read first), and
-// only the partial blocks at the ends of an unaligned write are
-// read-modify-written.
+// With Direct (--cache none) the host file is O_DIRECT behind
+// [aio.Aligned] (package probe opens it so): aligned requests go straight
+// to the device (a payload that is merely misaligned in memory is copied,
+// never read first), and only the partial blocks at the ends of an
+// unaligned write are read-modify-written.
 package raw
 
 import (
@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"math"
 	"os"
 	"sync/atomic"
@@ -26,17 +25,25 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// Options say how to open a raw image.
+// Options say how to use a raw image file.
 type Options struct {
 	Writable bool
-	Direct   bool
-	Backend  aio.Backend
-	Logger   *slog.Logger
-	// Lock takes QEMU's image locks (see aio.Lock): a raw image shares
-	// writes with other users, as QEMU's raw driver does, unless it is
-	// a backing file, whose content must not change under its overlay.
-	Lock    bool
-	Backing bool
+	// Direct: the file is O_DIRECT, behind aio.Aligned.
+	Direct bool
+}
+
+// Lock is what an open of a raw file locks (see aio.Lock): it shares
+// writes with other users, as QEMU's raw driver does, unless it is a
+// backing file, whose content must not change under its overlay.
+func Lock(writable, backing bool) aio.Lock {
+	l := aio.Lock{Perm: aio.PermConsistentRead}
+	if writable {
+		l.Perm |= aio.PermWrite | aio.PermResize
+	}
+	if backing {
+		l.Unshared = aio.PermWrite | aio.PermResize
+	}
+	return l
 }
 
 // Image is an open raw image.
@@ -52,27 +59,14 @@ type Image struct {
 	tail  coroutines.RangeLock
 }
 
-// Open opens the raw image at path.
-func Open(path string, o Options) (*Image, error) {
-	var lock *aio.Lock
-	if o.Lock {
-		lock = &aio.Lock{Perm: aio.PermConsistentRead}
-		if o.Writable {
-			lock.Perm |= aio.PermWrite | aio.PermResize
-		}
-		if o.Backing {
-			lock.Unshared = aio.PermWrite | aio.PermResize
-		}
-	}
-	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct, Logger: o.Logger, Lock: lock})
-	if err != nil {
-		return nil, fmt.Errorf("raw: %w", err)
-	}
+// New makes the raw image of f, which it owns from now on (Close closes
+// it; so does a failed New).
+func New(f aio.File, o Options) (*Image, error) {
 	img := &Image{f: f, writable: o.Writable, align: 1}
 	var st unix.Stat_t
 	if err := unix.Fstat(f.Fd(), &st); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("raw: stat %s: %w", path, err)
+		return nil, fmt.Errorf("raw: stat %s: %w", f.Name(), err)
 	}
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
@@ -80,23 +74,19 @@ func Open(path string, o Options) (*Image, error) {
 		img.blockDev = true
 	default:
 		f.Close()
-		return nil, fmt.Errorf("raw: %s: not a regular file or block device", path)
+		return nil, fmt.Errorf("raw: %s: not a regular file or block device", f.Name())
 	}
 	size, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
 	if err != nil {
 		f.Close()
-		return nil, fmt.Errorf("raw: size of %s: %w", path, err)
+		return nil, fmt.Errorf("raw: size of %s: %w", f.Name(), err)
 	}
 	img.size.Store(size)
 	if o.Direct {
 		img.align = aio.LogicalBlockSize(f.Fd())
-		img.f = aio.Aligned(f, img.align)
 	}
 	return img, nil
 }
-
-// Backend says which aio engine serves the image.
-func (r *Image) Backend() aio.Backend { return r.f.Backend() }
 
 func (r *Image) Size() int64 { return r.size.Load() }
 
@@ -316,27 +306,32 @@ func (r *Image) Info() formats.Info {
 
 func (r *Image) Close() error { return r.f.Close() }
 
-// ReadAtNoWait serves p from the page cache with preadv2(RWF_NOWAIT); with
-// O_DIRECT there is no cache to hit, so it never tries.
-func (r *Image) ReadAtNoWait(p []byte, off int64) bool {
-	if r.align != 1 || len(p) == 0 {
-		return false
+// TryReadAt serves p from the page cache; with O_DIRECT there is no cache
+// to hit, and aio says so without a system call.
+func (r *Image) TryReadAt(p []byte, off int64) bool { return r.f.TryReadAt(p, off) }
+
+// TryWriteAt: a buffered write lands in the page cache; an O_DIRECT one, or
+// one to a block device, waits for the device.
+func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {
+	if !r.writable || r.blockDev {
+		return false, nil // WriteAt reports read-only
 	}
-	n, err := aio.PreadNoWait(r.f.Fd(), p, off)
-	return err == nil && n == len(p)
+	done, err := r.f.TryWriteAt(p, off)
+	if err != nil {
+		err = fmt.Errorf("raw: write %d bytes at %d: %w", len(p), off, err)
+	}
+	return done, err
 }
 
-// InlineWrites: buffered writes land in the page cache; O_DIRECT ones wait
-// for the device.
-func (r *Image) InlineWrites() bool { return r.align == 1 && !r.blockDev }
-
-// FastZero: zeroing is a fallocate, not a write, on a buffered regular file.
-func (r *Image) FastZero() bool { return r.align == 1 && !r.blockDev }
-
-// PassthroughFd offers the host file for FUSE passthrough; with O_DIRECT
-// the kernel would pass unaligned reads straight to it, so not then.
-func (r *Image) PassthroughFd() (int, bool) {
-	return r.f.Fd(), r.align == 1 && !r.blockDev
+// Features: zeroing a buffered regular file is a fallocate, not a write;
+// its bytes are the image's, so FUSE may pass reads through to it (not
+// with O_DIRECT: the kernel would pass unaligned reads straight on).
+func (r *Image) Features() formats.Features {
+	f := formats.Features{HostFd: -1}
+	if r.align == 1 && !r.blockDev {
+		f.FastZero, f.HostFd = true, r.f.Fd()
+	}
+	return f
 }
 
 // Create makes a new raw image of size bytes at path, sparse. It refuses

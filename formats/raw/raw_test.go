@@ -25,7 +25,7 @@ func TestDirectUnalignedIO(t *testing.T) {
 			const size = 1<<20 + 777 // not a multiple of the block size
 			path := filepath.Join(t.TempDir(), "img")
 			os.WriteFile(path, make([]byte, size), 0o644)
-			img, err := Open(path, Options{Writable: true, Direct: true, Backend: backend})
+			img, err := openTest(path, testOpts{Writable: true, Direct: true, Backend: backend})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -85,7 +85,7 @@ func TestExtentsFollowHoles(t *testing.T) {
 	f.Truncate(8 << 20)
 	f.WriteAt(bytes.Repeat([]byte{1}, 1<<20), 2<<20)
 	f.Close()
-	img, err := Open(path, Options{Backend: aio.Threads})
+	img, err := openTest(path, testOpts{Backend: aio.Threads})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func TestExtentsFollowHoles(t *testing.T) {
 func TestDirectAppendsWhileGrowing(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "img")
 	os.WriteFile(path, nil, 0o644)
-	img, err := Open(path, Options{Writable: true, Direct: true, Backend: aio.Threads})
+	img, err := openTest(path, testOpts{Writable: true, Direct: true, Backend: aio.Threads})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,13 +197,18 @@ func TestDirectWritesReadOnlyPartialBlocks(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "img")
 	const size = 1 << 20
 	os.WriteFile(path, make([]byte, size), 0o644)
-	img, err := Open(path, Options{Writable: true, Direct: true})
+	// Count below aio.Aligned: its read-modify-writes are what this is
+	// about.
+	f, err := aio.Open(path, aio.Options{Writable: true, Direct: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf := &countingFile{File: f}
+	img, err := New(aio.Aligned(cf, aio.LogicalBlockSize(f.Fd())), Options{Writable: true, Direct: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer img.Close()
-	cf := &countingFile{File: img.f}
-	img.f = cf
 	ctx := context.Background()
 	a := img.align
 	buf := make([]byte, 8*a+1)
@@ -239,4 +244,24 @@ func TestDirectWritesReadOnlyPartialBlocks(t *testing.T) {
 	if !bytes.Equal(got, buf[:4*a+2]) {
 		t.Fatal("the unaligned write's data did not land")
 	}
+}
+
+// testOpts are the knobs these tests turn: what package probe would be
+// told.
+type testOpts struct {
+	Writable bool
+	Direct   bool
+	Backend  aio.Backend
+}
+
+// openTest opens the raw image at path as package probe does.
+func openTest(path string, o testOpts) (*Image, error) {
+	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct})
+	if err != nil {
+		return nil, err
+	}
+	if o.Direct {
+		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
+	}
+	return New(f, Options{Writable: o.Writable, Direct: o.Direct})
 }

@@ -1,4 +1,4 @@
-package fuse
+package coroutines
 
 import "testing"
 
@@ -7,30 +7,30 @@ import "testing"
 // window of probes that hit at least half the time makes it try every read
 // again.
 func TestMissTrackerSkipsTriesWhileReadsMiss(t *testing.T) {
-	var m missTracker
+	var m MissTracker
 	for i := 0; i < missWindow; i++ {
-		if !m.shouldTry() {
+		if !m.ShouldTry() {
 			t.Fatalf("read %d of the first window was not tried", i)
 		}
-		m.note(i%2 == 0) // half hit: keep trying
+		m.Note(i%2 == 0) // half hit: keep trying
 	}
 	for i := 0; i < missWindow; i++ {
-		if !m.shouldTry() {
+		if !m.ShouldTry() {
 			t.Fatalf("read %d was not tried after a window that hit half the time", i)
 		}
-		m.note(false)
+		m.Note(false)
 	}
 	tried := 0
 	for i := 0; i < probeEvery*missWindow; i++ {
-		if m.shouldTry() {
+		if m.ShouldTry() {
 			tried++
-			m.note(tried > missWindow/2) // the probes' second half hits
+			m.Note(tried > missWindow/2) // the probes' second half hits
 		}
 	}
 	if tried != missWindow {
 		t.Fatalf("%d of %d reads tried while skipping, want one in %d", tried, probeEvery*missWindow, probeEvery)
 	}
-	if !m.shouldTry() || !m.shouldTry() {
+	if !m.ShouldTry() || !m.ShouldTry() {
 		t.Fatal("a window of probes that hit half the time did not bring the tries back")
 	}
 }

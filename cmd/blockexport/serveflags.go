@@ -1,0 +1,102 @@
+package main
+
+import (
+	"errors"
+	"log/slog"
+	"os"
+
+	"github.com/spf13/pflag"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats/probe"
+)
+
+// serveFlags are the flags the serving commands (fuse, nbd) share: which
+// image and how to open it, and how the serving process runs. Declared
+// once, checked once, so that both take the same values the same way.
+type serveFlags struct {
+	format         string
+	writable       bool
+	nullReadZeroes bool
+	aio            string
+	cache          string
+	l2CacheSize    string
+	daemonize      bool
+	pidfile        string
+	logLevel       string
+	cpuprofile     string
+}
+
+func (f *serveFlags) register(fs *pflag.FlagSet) {
+	fs.StringVarP(&f.format, "format", "f", "auto", "image format: auto, raw, qcow2 or null (auto: qcow2 by its magic, else raw)")
+	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
+	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
+	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
+	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
+	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
+	fs.BoolVar(&f.daemonize, "daemonize", false, "run in the background; return once the image is served")
+	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
+	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
+}
+
+// check validates the shared flags and returns the logger and how to open
+// the image (with QEMU's image locks: a served image is in use).
+func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
+	logger, err := newLogger(f.logLevel, os.Stderr)
+	if err != nil {
+		return nil, probe.Options{}, err
+	}
+	format, err := probe.ParseFormat(f.format)
+	if err != nil {
+		return nil, probe.Options{}, usageError{err}
+	}
+	backend, err := aio.ParseBackend(f.aio)
+	if err != nil {
+		return nil, probe.Options{}, usageError{err}
+	}
+	var direct bool
+	switch f.cache {
+	case "writeback":
+	case "none":
+		direct = true
+	default:
+		return nil, probe.Options{}, usagef("unknown --cache mode %q (want writeback or none)", f.cache)
+	}
+	l2Cache, err := probe.ParseSize(f.l2CacheSize)
+	if err != nil {
+		return nil, probe.Options{}, usagef("--l2-cache-size: %v", err)
+	}
+	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache}, nil
+}
+
+// open opens the image; a spec that cannot be right is a usage error.
+func (f *serveFlags) open(spec string, o probe.Options) (*probe.Opened, error) {
+	img, err := probe.Open(spec, o)
+	if err != nil {
+		if errors.Is(err, probe.ErrBadSpec) {
+			return nil, usageError{err}
+		}
+		return nil, err
+	}
+	return img, nil
+}
+
+// start runs what the serving process needs once the image is served:
+// the pidfile and the CPU profile. stop undoes them at exit.
+func (f *serveFlags) start() (stop func(), err error) {
+	removePidfile, err := writePidfile(f.pidfile)
+	if err != nil {
+		return nil, err
+	}
+	if f.cpuprofile == "" {
+		return removePidfile, nil
+	}
+	stopProfile, err := startCPUProfile(f.cpuprofile)
+	if err != nil {
+		removePidfile()
+		return nil, err
+	}
+	return func() { stopProfile(); removePidfile() }, nil
+}

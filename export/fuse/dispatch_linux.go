@@ -1,0 +1,352 @@
+package fuse
+
+// Dispatch: one table says, per opcode, how a request is decoded and
+// answered, whether the loop may answer it without waiting, and what runs
+// when it may wait. One function (dispatch) applies it; --stats counts
+// around it (serveRequest), not inside.
+
+import (
+	"context"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+)
+
+// inlineResult is what an op's inline attempt came to.
+type inlineResult uint8
+
+const (
+	answered  inlineResult = iota // replied (or needs no reply)
+	wouldWait                     // nothing done: the request may wait
+	missed                        // as wouldWait, after a read tried the host file
+)
+
+// op is what the server does with one opcode.
+type op struct {
+	// inline answers the request in the loop, without waiting, if it can.
+	inline func(s *server, q *queue, req []byte) inlineResult
+	// wait answers a request that may wait for I/O; ctx ends on an
+	// INTERRUPT for it. Nil: inline always answers.
+	wait func(s *server, ctx context.Context, fd int, req []byte)
+	// mayBlockLoop: when nothing else is in flight or queued, the loop
+	// runs wait itself (see coroutines.Lone). Only reads and writes:
+	// others (fsync above all) may take long.
+	mayBlockLoop bool
+}
+
+// ops is the opcode table (include/uapi/linux/fuse.h numbers); opcodes
+// not in it are answered ENOSYS.
+var ops = [...]op{
+	opLookup:      {inline: replyConst(-int32(unix.ENOENT))}, // the root holds no names
+	opForget:      {inline: noReply},
+	opBatchForget: {inline: noReply},
+	opInterrupt:   {inline: (*server).interrupt},
+	opInit:        {inline: replyConst(-int32(unix.EPROTO))}, // only once, in handshake
+	opDestroy:     {inline: replyConst(0)},
+	opRelease:     {inline: replyConst(0)},
+	opGetattr:     {inline: (*server).getattr},
+	opOpen:        {inline: (*server).open},
+	opStatfs:      {inline: (*server).statfs},
+	opRead:        {inline: (*server).tryRead, wait: (*server).read, mayBlockLoop: true},
+	opWrite:       {inline: (*server).tryWrite, wait: (*server).write, mayBlockLoop: true},
+	opSetattr:     {wait: (*server).setattr},
+	opFsync:       {wait: (*server).fsync},
+	opFlush:       {wait: (*server).flush},
+	opFallocate:   {wait: (*server).fallocate},
+	opLseek:       {wait: (*server).lseek},
+}
+
+// serveRequest answers one request read into q's buffer, counted for
+// --stats when that is on (a request a goroutine finishes is counted
+// there).
+func (s *server) serveRequest(q *queue, req []byte) {
+	if s.stats == nil {
+		s.dispatch(q, req, time.Time{})
+		return
+	}
+	began := time.Now()
+	if s.dispatch(q, req, began) {
+		s.count(req, began)
+	}
+}
+
+// dispatch answers req through the table: inline if the op can, else in
+// the loop when it is alone, else in a goroutine. It reports whether the
+// request finished here.
+func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
+	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
+	var o *op
+	if int(h.Opcode) < len(ops) {
+		o = &ops[h.Opcode]
+	}
+	if o == nil || (o.inline == nil && o.wait == nil) {
+		s.replyErr(q.fd, h.Unique, unix.ENOSYS)
+		return true
+	}
+	path := coroutines.Fresh
+	if o.inline != nil {
+		switch o.inline(s, q, req) {
+		case answered:
+			return true
+		case missed:
+			path = coroutines.AfterMiss
+		}
+	}
+	if o.mayBlockLoop && s.hand.Lone(q.queued) {
+		o.wait(s, s.hand.Context(coroutines.InLoop), q.fd, req)
+		return true
+	}
+	s.handOff(q, req, o.wait, path, began)
+	return false
+}
+
+// handOff finishes req in a goroutine with a buffer of its own (the rule
+// is queue's): a copy from the pools below bulkWrite, where copying costs
+// less than a fresh buffer; the loop's own buffer from there on.
+func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, int, []byte), path coroutines.PathKind, began time.Time) {
+	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
+	ctx, done := s.pending.add(unique, s.hand.Context(path))
+	fd := q.fd
+	if len(req) >= bulkWrite {
+		bp := q.bp
+		q.bp = s.bufs.Get()
+		s.hand.Go(func() {
+			defer s.bufs.Put(bp)
+			s.finish(ctx, done, fd, req, wait, began)
+		})
+		return
+	}
+	pool := s.pool(reqPad + len(req))
+	b, bp := pool.Buffer(reqPad + len(req))
+	b = b[reqPad:]
+	copy(b, req)
+	s.hand.GoNow(func() {
+		defer pool.Release(bp)
+		s.finish(ctx, done, fd, b, wait, began)
+	})
+}
+
+// finish runs a handed-off request and forgets its INTERRUPT entry.
+func (s *server) finish(ctx context.Context, done func(), fd int, req []byte, wait func(*server, context.Context, int, []byte), began time.Time) {
+	defer done()
+	wait(s, ctx, fd, req)
+	if s.stats != nil {
+		s.count(req, began)
+	}
+}
+
+// pool is the buffer pool for n bytes: the small one where it will do.
+func (s *server) pool(n int) *coroutines.BufPool {
+	if n <= s.small.Size() {
+		return s.small
+	}
+	return s.bufs
+}
+
+// pending maps the unique of each request running in a goroutine to the
+// cancel of its context, so that an INTERRUPT can cancel its I/O (aio
+// takes that on to the ring). Requests the loop answers itself finish
+// before it reads the next, INTERRUPT included, so they need no entry;
+// with several queues an INTERRUPT may overtake its request's entry, and
+// the request then runs to its end.
+//
+// The kernel sends an INTERRUPT for any signal the caller gets, and the
+// caller's system call then fails with EINTR if the request does: Go
+// programs get a signal (SIGURG) whenever their runtime preempts a
+// goroutine, and few programs expect EINTR from a regular file (a Go
+// test's fallocate did not). So an INTERRUPT cancels a request only once
+// it has run for the grace period: I/O that is merely slow finishes, and
+// only a request that hangs ends early.
+type pending struct {
+	mu    sync.Mutex
+	m     map[uint64]*pendingReq
+	grace time.Duration
+}
+
+type pendingReq struct {
+	cancel context.CancelFunc
+	began  time.Time
+	timer  *time.Timer // the cancel an INTERRUPT scheduled, if any
+}
+
+// interruptGrace is how long an interrupted request may still run.
+const interruptGrace = 2 * time.Second
+
+// add makes the context of request unique; done forgets it.
+func (p *pending) add(unique uint64, parent context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(parent)
+	r := &pendingReq{cancel: cancel, began: time.Now()}
+	p.mu.Lock()
+	p.m[unique] = r
+	p.mu.Unlock()
+	return ctx, func() {
+		p.mu.Lock()
+		delete(p.m, unique)
+		if r.timer != nil {
+			r.timer.Stop()
+		}
+		p.mu.Unlock()
+		cancel()
+	}
+}
+
+// interrupt cancels request unique once it has run for the grace period
+// (at once if it has); false: no such request runs.
+func (p *pending) interrupt(unique uint64) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r, ok := p.m[unique]
+	if !ok {
+		return false
+	}
+	if r.timer == nil {
+		r.timer = time.AfterFunc(max(0, p.grace-time.Since(r.began)), r.cancel)
+	}
+	return true
+}
+
+// The inline halves of the table.
+
+func noReply(*server, *queue, []byte) inlineResult { return answered }
+
+// replyConst answers with a fixed status (0 or -errno) and no payload.
+func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
+	return func(s *server, q *queue, req []byte) inlineResult {
+		s.reply(q.fd, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status, nil, nil)
+		return answered
+	}
+}
+
+// interrupt cancels the request an INTERRUPT names, if it still runs (see
+// pending); its reply (EINTR, from the cancelled I/O) is its own. The
+// INTERRUPT gets none.
+func (s *server) interrupt(_ *queue, req []byte) inlineResult {
+	s.pending.interrupt(decode[fuse.InterruptIn](req).Unique)
+	return answered
+}
+
+func (s *server) getattr(q *queue, req []byte) inlineResult {
+	var o fuse.AttrOut
+	st := s.exp.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
+	replyOut(s, q.fd, header(req).Unique, st, &o)
+	return answered
+}
+
+func (s *server) open(q *queue, req []byte) inlineResult {
+	var o fuse.OpenOut
+	st := s.exp.Open(decode[fuse.OpenIn](req), &o)
+	replyOut(s, q.fd, header(req).Unique, st, &o)
+	return answered
+}
+
+func (s *server) statfs(q *queue, req []byte) inlineResult {
+	var o fuse.StatfsOut
+	st := s.exp.StatFs(context.Background(), header(req), &o)
+	replyOut(s, q.fd, header(req).Unique, st, &o)
+	return answered
+}
+
+// tryRead answers a read the image serves without waiting, into the
+// loop's out buffer, while the miss tracker says tries pay.
+func (s *server) tryRead(q *queue, req []byte) inlineResult {
+	if !s.hand.Reads.ShouldTry() {
+		return wouldWait
+	}
+	n, st, ok := s.exp.TryRead(decode[fuse.ReadIn](req), q.out)
+	s.hand.Reads.Note(ok)
+	if !ok {
+		return missed
+	}
+	s.replyData(q.fd, header(req).Unique, st, q.out[:n])
+	return answered
+}
+
+// tryWrite answers a write the image does without waiting.
+func (s *server) tryWrite(q *queue, req []byte) inlineResult {
+	in, data, ok := writePayload(req)
+	if !ok {
+		return wouldWait // write answers EINVAL
+	}
+	n, st, ok := s.exp.TryWrite(in, data)
+	if !ok {
+		return wouldWait
+	}
+	o := fuse.WriteOut{Size: n}
+	replyOut(s, q.fd, in.Unique, st, &o)
+	return answered
+}
+
+// The halves that may wait.
+
+func (s *server) read(ctx context.Context, fd int, req []byte) {
+	in := decode[fuse.ReadIn](req)
+	size := min(int(in.Size), maxWrite)
+	pool := s.pool(size)
+	ob, bp := pool.Buffer(size)
+	defer pool.Release(bp)
+	n, st := s.exp.ReadInto(ctx, in, ob)
+	s.replyData(fd, in.Unique, st, ob[:n])
+}
+
+func (s *server) write(ctx context.Context, fd int, req []byte) {
+	in, data, ok := writePayload(req)
+	if !ok {
+		s.replyErr(fd, in.Unique, unix.EINVAL)
+		return
+	}
+	n, st := s.exp.Write(ctx, in, data)
+	o := fuse.WriteOut{Size: n}
+	replyOut(s, fd, in.Unique, st, &o)
+}
+
+func (s *server) setattr(ctx context.Context, fd int, req []byte) {
+	var o fuse.AttrOut
+	st := s.exp.SetAttr(ctx, decode[fuse.SetAttrIn](req), &o)
+	replyOut(s, fd, header(req).Unique, st, &o)
+}
+
+func (s *server) fsync(ctx context.Context, fd int, req []byte) {
+	s.replyStatus(fd, header(req).Unique, s.exp.Fsync(ctx, decode[fuse.FsyncIn](req)))
+}
+
+func (s *server) flush(ctx context.Context, fd int, req []byte) {
+	s.replyStatus(fd, header(req).Unique, s.exp.Flush(ctx, decode[fuse.FlushIn](req)))
+}
+
+func (s *server) fallocate(ctx context.Context, fd int, req []byte) {
+	s.replyStatus(fd, header(req).Unique, s.exp.Fallocate(ctx, decode[fuse.FallocateIn](req)))
+}
+
+func (s *server) lseek(ctx context.Context, fd int, req []byte) {
+	var o fuse.LseekOut
+	st := s.exp.Lseek(ctx, decode[fuse.LseekIn](req), &o)
+	replyOut(s, fd, header(req).Unique, st, &o)
+}
+
+// writePayload splits a WRITE request into its op struct and payload; ok
+// false means the payload is not all there.
+func writePayload(req []byte) (in *fuse.WriteIn, data []byte, ok bool) {
+	in = decode[fuse.WriteIn](req)
+	hdr := int(unsafe.Sizeof(fuse.WriteIn{}))
+	if len(req) < hdr || int(in.Size) > len(req)-hdr {
+		return in, nil, false
+	}
+	return in, req[hdr : hdr+int(in.Size)], true
+}
+
+// count records a finished request for --stats.
+func (s *server) count(req []byte, began time.Time) {
+	k, n := kindOther, 0
+	switch header(req).Opcode {
+	case opRead:
+		k, n = kindRead, int(decode[fuse.ReadIn](req).Size)
+	case opWrite:
+		k, n = kindWrite, int(decode[fuse.WriteIn](req).Size)
+	}
+	s.stats.record(k, n, time.Since(began))
+}

@@ -1,0 +1,112 @@
+package fuse
+
+import (
+	"context"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats/null"
+)
+
+// stuckImage is a null device whose reads wait until their context ends,
+// as a read from a hung device would.
+type stuckImage struct {
+	*null.Image
+}
+
+func (stuckImage) TryReadAt([]byte, int64) bool { return false }
+
+func (stuckImage) ReadAt(ctx context.Context, _ []byte, _ int64) (int, error) {
+	<-ctx.Done()
+	return 0, ctx.Err()
+}
+
+// kernelSide is the kernel's end of a fake /dev/fuse: a SOCK_SEQPACKET
+// socket pair keeps message boundaries as /dev/fuse does.
+type kernelSide struct {
+	t  *testing.T
+	fd int
+}
+
+func send[T any](k kernelSide, v *T) {
+	b := unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v))
+	(*fuse.InHeader)(unsafe.Pointer(v)).Length = uint32(len(b))
+	if _, err := unix.Write(k.fd, b); err != nil {
+		k.t.Fatal(err)
+	}
+}
+
+// reply waits up to ms milliseconds for the next reply and returns its
+// header.
+func (k kernelSide) reply(ms int) (fuse.OutHeader, bool) {
+	pfd := []unix.PollFd{{Fd: int32(k.fd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(pfd, ms); n != 1 || err != nil {
+		return fuse.OutHeader{}, false
+	}
+	buf := make([]byte, 1<<20)
+	n, err := unix.Read(k.fd, buf)
+	if err != nil || n < outHeaderSize {
+		k.t.Fatalf("reading a reply: %d bytes, %v", n, err)
+	}
+	return *(*fuse.OutHeader)(unsafe.Pointer(&buf[0])), true
+}
+
+// TestInterruptCancelsItsRequest: an INTERRUPT for a read that waits on its
+// device cancels that read's context once the grace period has passed
+// since the read began, not before, and the read is answered EINTR; the
+// other read waiting beside it is not touched until its own INTERRUPT.
+func TestInterruptCancelsItsRequest(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, _ := null.New("stuck", 1<<20, true)
+	s := newServer(New(stuckImage{img}, Options{}), fds[0])
+	const grace = 300 * time.Millisecond
+	s.pending.grace = grace
+	k := kernelSide{t, fds[1]}
+	// Two reads queued before the loop starts: neither is lone (the
+	// second waits behind the first), so both go to goroutines, where an
+	// INTERRUPT can reach them.
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Size: 4096})
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 11, NodeId: 1}, Size: 4096})
+	s.loops.Add(1)
+	loopDone := make(chan struct{})
+	go func() { s.loop(fds[0], false); close(loopDone) }()
+	t.Cleanup(func() {
+		unix.Close(fds[1]) // the loop reads end-of-file and stops
+		<-loopDone
+		// Reads a failed test left waiting end now.
+		s.pending.mu.Lock()
+		for _, r := range s.pending.m {
+			r.cancel()
+		}
+		s.pending.mu.Unlock()
+		s.hand.Wait()
+		unix.Close(fds[0])
+	})
+
+	began := time.Now()
+	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 12}, Unique: 11})
+	h, ok := k.reply(5000)
+	if waited := time.Since(began); ok && waited < grace/2 {
+		t.Fatalf("the interrupted read was answered after %v, inside the %v grace period", waited, grace)
+	}
+	if !ok {
+		t.Fatal("no reply after an INTERRUPT: the interrupted read still waits")
+	}
+	if h.Unique != 11 || h.Status != -int32(unix.EINTR) {
+		t.Fatalf("reply to unique %d status %d, want unique 11 status -EINTR", h.Unique, h.Status)
+	}
+	if _, ok := k.reply(300); ok {
+		t.Fatal("a reply came for the read nobody interrupted")
+	}
+	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 13}, Unique: 10})
+	if h, ok := k.reply(5000); !ok || h.Unique != 10 || h.Status != -int32(unix.EINTR) {
+		t.Fatalf("second INTERRUPT: reply %+v (%v), want unique 10 -EINTR", h, ok)
+	}
+}

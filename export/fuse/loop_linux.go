@@ -1,0 +1,123 @@
+package fuse
+
+import (
+	"errors"
+	"time"
+	"unsafe"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+)
+
+// queue is one /dev/fuse fd and the buffers its loop owns.
+//
+// The one buffer rule: a request is read into the loop's buffer, at reqPad
+// (so a WRITE's payload is page-aligned), and answered from it while the
+// loop waits. A request that leaves the loop for a goroutine takes a
+// buffer of its own along (see server.handOff): a pooled copy when it is
+// small, the loop's very buffer when it is large (the loop then takes a
+// fresh one), so a large payload is never copied.
+type queue struct {
+	fd     int
+	helper bool    // the bulk-write helper (see bulkHelper)
+	bp     *[]byte // the request buffer, from s.bufs
+	out    []byte  // what inline reads fill
+}
+
+// req is the request buffer as requests are read into it.
+func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
+
+// queued says whether a request is waiting on the queue's fd.
+func (q *queue) queued() bool {
+	pfd := [1]unix.PollFd{{Fd: int32(q.fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(pfd[:], 0)
+	return err != nil || n != 0
+}
+
+// loop is one queue: read a request, answer it (inline or via a goroutine),
+// repeat until the kernel says the connection is gone. The bulk helper
+// (helper true) also parks between bursts of large writes, and never sleeps
+// in read(2), so that it can see the connection end even when its own fd
+// gets no ENODEV (a main queue that stopped on a protocol error).
+func (s *server) loop(fd int, helper bool) {
+	defer s.loops.Done()
+	// No goroutine hand-off between reading a request and answering it.
+	// The goroutine is deliberately not locked to its thread: measured here,
+	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
+	// wake-ups on other threads) on every request, and sync (queue depth 1)
+	// rows lost 10-20%.
+	q := &queue{fd: fd, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+	defer func() { s.bufs.Put(q.bp) }()
+	var spinUntil time.Time
+	var yield coroutines.Yielder // see there
+	for {
+		buf := q.req()
+		n, err := unix.Read(fd, buf)
+		switch {
+		case err == nil:
+			spinUntil = time.Time{}
+		case errors.Is(err, unix.EAGAIN):
+			// Busy-poll mode (--poll-us): keep asking for a while after the
+			// last request, then sleep in poll(2) until the next one.
+			now := time.Now()
+			if spinUntil.IsZero() {
+				spinUntil = now.Add(s.pollFor)
+			}
+			if now.Before(spinUntil) {
+				continue
+			}
+			if !s.waitRequest(fd, helper) {
+				return
+			}
+			spinUntil = time.Time{}
+			continue
+		case errors.Is(err, unix.EINTR), errors.Is(err, unix.ENOENT):
+			continue // interrupted, or a request the kernel already dropped
+		case errors.Is(err, unix.ENODEV):
+			return // unmounted or aborted
+		default:
+			s.exp.log.Error("reading /dev/fuse failed; stopping this queue", "err", err)
+			return
+		}
+		if n < inHeaderSize {
+			s.exp.log.Error("short FUSE request; stopping this queue", "len", n)
+			return
+		}
+		h := (*fuse.InHeader)(unsafe.Pointer(&buf[0]))
+		if int(h.Length) != n {
+			// QEMU halts the export here: the stream is out of sync.
+			s.exp.log.Error("FUSE request length mismatch; stopping this queue", "header", h.Length, "read", n)
+			return
+		}
+		if h.Opcode == opWrite && n >= bulkWrite && s.exp.opts.Writable {
+			s.sawBulkWrite()
+		}
+		s.serveRequest(q, buf[:n])
+		yield.Tick()
+		if helper && !s.bulkPark() {
+			return
+		}
+	}
+}
+
+// waitRequest sleeps until fd has a request; false: the connection has
+// ended (the helper checks that every 50 ms).
+func (s *server) waitRequest(fd int, helper bool) bool {
+	timeout := -1
+	if helper {
+		timeout = 50
+	}
+	for {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		if k, _ := unix.Poll(pfd, timeout); k != 0 || !helper {
+			return true
+		}
+		select {
+		case <-s.bulk.stop:
+			return false
+		default:
+		}
+	}
+}

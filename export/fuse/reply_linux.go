@@ -1,0 +1,84 @@
+package fuse
+
+// Replies: one writev per reply, header and payload gathered in place.
+
+import (
+	"unsafe"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// header views the request's header in place.
+func header(req []byte) *fuse.InHeader { return (*fuse.InHeader)(unsafe.Pointer(&req[0])) }
+
+// decode views the request's op struct (which embeds the InHeader) in
+// place. A request shorter than the struct (an older kernel's layout) is
+// copied into a zeroed one.
+func decode[T any](req []byte) *T {
+	var zero T
+	if size := int(unsafe.Sizeof(zero)); len(req) < size {
+		t := new(T)
+		copy(unsafe.Slice((*byte)(unsafe.Pointer(t)), size), req)
+		return t
+	}
+	return (*T)(unsafe.Pointer(&req[0]))
+}
+
+func (s *server) replyStatus(fd int, unique uint64, st fuse.Status) {
+	if st != fuse.OK {
+		s.replyErr(fd, unique, unix.Errno(st))
+		return
+	}
+	s.reply(fd, unique, 0, nil, nil)
+}
+
+func (s *server) replyErr(fd int, unique uint64, errno unix.Errno) {
+	s.reply(fd, unique, -int32(errno), nil, nil)
+}
+
+// replyOut sends *v as the reply payload when st is OK. (Generic, not an
+// interface, so the reply struct stays on the caller's stack.)
+func replyOut[T any](s *server, fd int, unique uint64, st fuse.Status, v *T) {
+	if st != fuse.OK {
+		s.replyErr(fd, unique, unix.Errno(st))
+		return
+	}
+	s.reply(fd, unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)), nil)
+}
+
+func (s *server) replyData(fd int, unique uint64, st fuse.Status, data []byte) {
+	if st != fuse.OK {
+		s.replyErr(fd, unique, unix.Errno(st))
+		return
+	}
+	s.reply(fd, unique, 0, nil, data)
+}
+
+// reply writes header + a + b with one writev. A reply to a request the
+// kernel has dropped meanwhile (ENOENT) is not an error.
+func (s *server) reply(fd int, unique uint64, errno int32, a, b []byte) {
+	oh := fuse.OutHeader{Length: uint32(outHeaderSize + len(a) + len(b)), Status: errno, Unique: unique}
+	var iov [3]unix.Iovec
+	iov[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&oh))}
+	iov[0].SetLen(outHeaderSize)
+	cnt := 1
+	for _, p := range [2][]byte{a, b} {
+		if len(p) > 0 {
+			iov[cnt] = unix.Iovec{Base: &p[0]}
+			iov[cnt].SetLen(len(p))
+			cnt++
+		}
+	}
+	for {
+		_, _, e := unix.Syscall(unix.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(cnt))
+		switch e {
+		case 0, unix.ENOENT, unix.ENODEV:
+			return
+		case unix.EINTR:
+			continue
+		}
+		s.exp.log.Warn("writing a FUSE reply failed", "unique", unique, "err", e)
+		return
+	}
+}
