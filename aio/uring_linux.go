@@ -338,9 +338,15 @@ func (r *uring) do(ctx context.Context, fill func(*sqe, *slot, uint64)) (int32, 
 		return 0, err
 	}
 	var res int32
+	done := ctx.Done()
+	if done == nil { // a context nothing cancels: a plain receive
+		res = <-s.done
+		r.free <- idx
+		return res, nil
+	}
 	select {
 	case res = <-s.done:
-	case <-ctx.Done():
+	case <-done:
 		// A cancel that cannot be submitted changes nothing: the
 		// operation completes in its own time.
 		r.submit(func(e *sqe) {

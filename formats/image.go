@@ -125,6 +125,26 @@ type FormatSpecific struct {
 	Lines []string `json:"-"`
 }
 
+// CheckResult is what a consistency check found, with the names and
+// meaning of `qemu-img check --output=json` (zero counts are left out, as
+// qemu-img leaves them out).
+type CheckResult struct {
+	Filename           string `json:"filename"`
+	Format             string `json:"format"`
+	CheckErrors        int64  `json:"check-errors"`
+	ImageEndOffset     int64  `json:"image-end-offset,omitempty"`
+	Corruptions        int64  `json:"corruptions,omitempty"`
+	Leaks              int64  `json:"leaks,omitempty"`
+	CorruptionsFixed   int64  `json:"corruptions-fixed,omitempty"`
+	LeaksFixed         int64  `json:"leaks-fixed,omitempty"`
+	TotalClusters      int64  `json:"total-clusters,omitempty"`
+	AllocatedClusters  int64  `json:"allocated-clusters,omitempty"`
+	FragmentedClusters int64  `json:"fragmented-clusters,omitempty"`
+	CompressedClusters int64  `json:"compressed-clusters,omitempty"`
+	// Messages name each problem, a line each, as qemu-img prints them.
+	Messages []string `json:"-"`
+}
+
 // Snapshot is one internal snapshot of a qcow2 image.
 type Snapshot struct {
 	ID          string `json:"id"`

@@ -301,6 +301,7 @@ func TestQcow2SurvivesKill9(t *testing.T) {
 		if check.Corruptions != 0 {
 			t.Fatalf("round %d: qemu-img check finds %d corruptions\n%s", round, check.Corruptions, out)
 		}
+		compareChecks(t, img) // blockexport check finds the same
 		content := readAll(t, toRaw(t, img, dir))
 		block := func(b int) []byte { return content[b*blockSize : (b+1)*blockSize] }
 		checked, zeroes := 0, 0
@@ -334,9 +335,14 @@ func TestQcow2SurvivesKill9(t *testing.T) {
 		}
 		t.Logf("round %d: %d flushed blocks intact (%d punched), %d leaked clusters", round, checked, zeroes, check.Leaks)
 	}
-	// Leaks repaired, the image is clean.
-	run(t, "qemu-img", "check", "-q", "-r", "leaks", img)
+	// Leaks repaired by blockexport check, the image is clean and reads
+	// as before.
+	before := readAll(t, toRaw(t, img, dir))
+	if code, res := checkJSON(t, bin, "check", "-r", "leaks", "--output=json", img); code != 0 {
+		t.Fatalf("blockexport check -r leaks: exit %d %v", code, res)
+	}
 	qemuImgCheck(t, img)
+	mustEqualBytes(t, "the image after its leaks were repaired", readAll(t, toRaw(t, img, dir)), before)
 }
 
 // TestQcow2GrowableExport: writes past the end grow the image, truncate

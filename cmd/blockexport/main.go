@@ -51,6 +51,7 @@ func commands() []command {
 		{"map", "print an image's allocation, as qemu-img map does", runMap},
 		{"nbd", "serve an image over NBD (unix socket or TCP)", runNBD},
 		{"create", "create a new raw or qcow2 image", runCreate},
+		{"check", "check (and repair) an image's metadata, as qemu-img check does", runCheck},
 	}
 }
 
@@ -119,6 +120,10 @@ func version() string {
 func report(err error, stderr io.Writer) int {
 	if err == nil || errors.Is(err, pflag.ErrHelp) {
 		return exitOK
+	}
+	var s exitStatus
+	if errors.As(err, &s) {
+		return int(s) // the command has said why
 	}
 	fmt.Fprintf(stderr, "blockexport: %v\n", err)
 	var u usageError

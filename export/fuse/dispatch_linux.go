@@ -8,6 +8,7 @@ package fuse
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -110,14 +111,14 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 // less than a fresh buffer; the loop's own buffer from there on.
 func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, int, []byte), path coroutines.PathKind, began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
-	ctx, done := s.pending.add(unique, s.hand.Context(path))
+	ctx := s.pending.add(unique, s.hand.Context(path))
 	fd := q.fd
 	if len(req) >= bulkWrite {
 		bp := q.bp
 		q.bp = s.bufs.Get()
 		s.hand.Go(func() {
 			defer s.bufs.Put(bp)
-			s.finish(ctx, done, fd, req, wait, began)
+			s.finish(ctx, unique, fd, req, wait, began)
 		})
 		return
 	}
@@ -127,13 +128,13 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 	copy(b, req)
 	s.hand.GoNow(func() {
 		defer pool.Release(bp)
-		s.finish(ctx, done, fd, b, wait, began)
+		s.finish(ctx, unique, fd, b, wait, began)
 	})
 }
 
-// finish runs a handed-off request and forgets its INTERRUPT entry.
-func (s *server) finish(ctx context.Context, done func(), fd int, req []byte, wait func(*server, context.Context, int, []byte), began time.Time) {
-	defer done()
+// finish runs a handed-off request and gives its context back.
+func (s *server) finish(ctx *reqCtx, unique uint64, fd int, req []byte, wait func(*server, context.Context, int, []byte), began time.Time) {
+	defer s.pending.finish(unique, ctx)
 	wait(s, ctx, fd, req)
 	if s.stats != nil {
 		s.count(req, began)
@@ -148,12 +149,12 @@ func (s *server) pool(n int) *coroutines.BufPool {
 	return s.bufs
 }
 
-// pending maps the unique of each request running in a goroutine to the
-// cancel of its context, so that an INTERRUPT can cancel its I/O (aio
-// takes that on to the ring). Requests the loop answers itself finish
-// before it reads the next, INTERRUPT included, so they need no entry;
-// with several queues an INTERRUPT may overtake its request's entry, and
-// the request then runs to its end.
+// pending maps the unique of each request running in a goroutine to its
+// context, so that an INTERRUPT can cancel its I/O (aio takes that on to
+// the ring). Requests the loop answers itself finish before it reads the
+// next, INTERRUPT included, so they need no entry; with several queues an
+// INTERRUPT may overtake its request's entry, and the request then runs to
+// its end.
 //
 // The kernel sends an INTERRUPT for any signal the caller gets, and the
 // caller's system call then fails with EINTR if the request does: Go
@@ -162,37 +163,60 @@ func (s *server) pool(n int) *coroutines.BufPool {
 // test's fallocate did not). So an INTERRUPT cancels a request only once
 // it has run for the grace period: I/O that is merely slow finishes, and
 // only a request that hangs ends early.
+//
+// The contexts are pooled (a context.WithCancel per request, with its
+// map entry, measured 10% of O_DIRECT random reads at queue depth 16).
 type pending struct {
 	mu    sync.Mutex
-	m     map[uint64]*pendingReq
+	m     map[uint64]*reqCtx
 	grace time.Duration
+	pool  sync.Pool
 }
 
-type pendingReq struct {
-	cancel context.CancelFunc
+// reqCtx is a handed-off request's context: its path's context, which is
+// never cancelled, and a done channel an INTERRUPT may close.
+type reqCtx struct {
+	context.Context
+	done   chan struct{}
+	closed atomic.Bool // done is closed: the request was cancelled
 	began  time.Time
 	timer  *time.Timer // the cancel an INTERRUPT scheduled, if any
+}
+
+func (r *reqCtx) Done() <-chan struct{} { return r.done }
+
+func (r *reqCtx) Err() error {
+	if r.closed.Load() {
+		return context.Canceled
+	}
+	return r.Context.Err()
 }
 
 // interruptGrace is how long an interrupted request may still run.
 const interruptGrace = 2 * time.Second
 
-// add makes the context of request unique; done forgets it.
-func (p *pending) add(unique uint64, parent context.Context) (context.Context, func()) {
-	ctx, cancel := context.WithCancel(parent)
-	r := &pendingReq{cancel: cancel, began: time.Now()}
+// add makes the context of request unique; finish gives it back.
+func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
+	r, _ := p.pool.Get().(*reqCtx)
+	if r == nil || r.closed.Load() {
+		r = &reqCtx{done: make(chan struct{})}
+	}
+	r.Context, r.began, r.timer = parent, time.Now(), nil
 	p.mu.Lock()
 	p.m[unique] = r
 	p.mu.Unlock()
-	return ctx, func() {
-		p.mu.Lock()
-		delete(p.m, unique)
-		if r.timer != nil {
-			r.timer.Stop()
-		}
-		p.mu.Unlock()
-		cancel()
+	return r
+}
+
+func (p *pending) finish(unique uint64, r *reqCtx) {
+	p.mu.Lock()
+	delete(p.m, unique)
+	if r.timer != nil {
+		r.timer.Stop()
 	}
+	p.mu.Unlock()
+	r.Context = nil
+	p.pool.Put(r)
 }
 
 // interrupt cancels request unique once it has run for the grace period
@@ -205,9 +229,19 @@ func (p *pending) interrupt(unique uint64) bool {
 		return false
 	}
 	if r.timer == nil {
-		r.timer = time.AfterFunc(max(0, p.grace-time.Since(r.began)), r.cancel)
+		r.timer = time.AfterFunc(max(0, p.grace-time.Since(r.began)), func() { p.cancel(unique, r) })
 	}
 	return true
+}
+
+// cancel closes r's done channel if r still runs request unique.
+func (p *pending) cancel(unique uint64, r *reqCtx) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.m[unique] == r && !r.closed.Load() {
+		r.closed.Store(true)
+		close(r.done)
+	}
 }
 
 // The inline halves of the table.

@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"context"
+	"maps"
 	"testing"
 	"time"
 	"unsafe"
@@ -82,10 +83,11 @@ func TestInterruptCancelsItsRequest(t *testing.T) {
 		<-loopDone
 		// Reads a failed test left waiting end now.
 		s.pending.mu.Lock()
-		for _, r := range s.pending.m {
-			r.cancel()
-		}
+		left := maps.Clone(s.pending.m)
 		s.pending.mu.Unlock()
+		for unique, r := range left {
+			s.pending.cancel(unique, r)
+		}
 		s.hand.Wait()
 		unix.Close(fds[0])
 	})

@@ -93,7 +93,7 @@ type server struct {
 func newServer(exp *Export, fd int) *server {
 	return &server{exp: exp, fds: []int{fd},
 		hand:    coroutines.NewHandoff(context.Background()),
-		pending: pending{m: map[uint64]*pendingReq{}, grace: interruptGrace},
+		pending: pending{m: map[uint64]*reqCtx{}, grace: interruptGrace},
 		bulk:    bulkHelper{fd: -1},
 		bufs:    coroutines.NewBufPool(reqPad+bufSize, 4096),
 		small:   coroutines.NewBufPool(reqPad+8192, 4096)}

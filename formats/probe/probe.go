@@ -7,6 +7,7 @@
 package probe
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -143,6 +144,59 @@ func Open(spec string, o Options) (*Opened, error) {
 	return &Opened{Image: img, Format: name, Probed: format == Auto}, nil
 }
 
+// Check checks the image spec as `qemu-img check` does: a qcow2 image
+// through its refcounts, repairing what repair allows (qcow2.RepairLeaks,
+// qcow2.RepairAll), under the image locks a writer would conflict with (a
+// check refuses an image someone writes, a repair one anybody uses). A raw
+// file or null device has no metadata to be wrong: its check reports its
+// size.
+func Check(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
+	format := o.Format
+	if format == "" {
+		format = Auto
+	}
+	if _, err := ParseFormat(format); err != nil {
+		return formats.CheckResult{}, err
+	}
+	if strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
+		img, err := Open(spec, o)
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		defer img.Image.Close()
+		return formats.CheckResult{Filename: spec, Format: Null, ImageEndOffset: img.Image.Size()}, nil
+	}
+	if format == Auto {
+		var err error
+		if format, err = detect(spec); err != nil {
+			return formats.CheckResult{}, err
+		}
+	}
+	writable := repair != qcow2.RepairNone
+	if format == Raw {
+		if writable {
+			return formats.CheckResult{}, fmt.Errorf("%w: a raw image has no metadata to repair", ErrBadSpec)
+		}
+		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		defer img.Image.Close()
+		return formats.CheckResult{Filename: spec, Format: Raw, ImageEndOffset: img.Image.Size()}, nil
+	}
+	var lock *aio.Lock
+	if o.Lock {
+		l := qcow2.Lock(writable)
+		lock = &l
+	}
+	f, err := aio.Open(spec, aio.Options{Backend: o.Backend, Writable: writable, Logger: o.Logger, Lock: lock})
+	if err != nil {
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", format, err)
+	}
+	defer f.Close()
+	return qcow2.Check(ctx, f, repair)
+}
+
 // maxChainDepth bounds backing chains; QEMU has no fixed limit, but a chain
 // this deep is a loop we failed to see or an attack.
 const maxChainDepth = 256
@@ -259,21 +313,8 @@ func ParseSize(s string) (int64, error) {
 	t = strings.TrimSuffix(strings.TrimSuffix(t, "B"), "i")
 	shift := 0
 	if len(t) > 0 {
-		switch t[len(t)-1] {
-		case 'k', 'K':
-			shift = 10
-		case 'm', 'M':
-			shift = 20
-		case 'g', 'G':
-			shift = 30
-		case 't', 'T':
-			shift = 40
-		case 'p', 'P':
-			shift = 50
-		case 'e', 'E':
-			shift = 60
-		}
-		if shift > 0 {
+		if i := strings.IndexByte("kmgtpe", t[len(t)-1]|0x20); i >= 0 {
+			shift = 10 * (i + 1)
 			t = t[:len(t)-1]
 		}
 	}

@@ -2,15 +2,9 @@ package qcow2
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
-	"sync"
-	"sync/atomic"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/blockexport/blockexport/coroutines"
-	"github.com/blockexport/blockexport/formats"
 )
 
 // Cluster allocation and refcounts of a writable image.
@@ -28,108 +22,6 @@ import (
 // clusters wait in pendingFree until Flush has written that metadata, and
 // are applied while no request is in flight (one that looked the cluster up
 // before it was freed may still be reading or writing it).
-
-// writeState is what a writable image adds to a read-only one.
-type writeState struct {
-	// The locks: see Image.meta for what each is for and their order.
-	// Writes into clusters the image owns take only users.
-	users    sync.RWMutex
-	alloc    sync.Mutex
-	flushMu  sync.Mutex
-	clusters coroutines.RangeLock
-
-	// l2pin holds L2 tables that changed (dirty) or that a writer holds
-	// for changing; lookups see them before the LRU. Guarded by meta for
-	// readers, alloc+meta for changes.
-	l2pin map[int64]*pinnedL2
-	// Guarded by alloc:
-	rbpin       map[int64]*pinnedBlock // refcount blocks, same rule
-	rtable      []uint64               // refcount table
-	rtOffset    int64
-	rtDirty     bool // the table must be written
-	rtMoved     bool // ...and the header pointed at its new place
-	l1Offset    int64
-	l1Lo, l1Hi  int  // dirty L1 entries [lo, hi)
-	l1Moved     bool // the header must point at a new L1 table
-	sizeDirty   bool // the header's size must be written
-	pendingFree []int64
-	freeHint    int64 // no cluster below it is free
-	// Dirty pinned tables, to bound what waits for write-back; atomic so
-	// that writers check them without alloc.
-	dirtyL2, dirtyRB atomic.Int64
-
-	// noZeroRange: the host file system cannot FALLOC_FL_ZERO_RANGE.
-	noZeroRange atomic.Bool
-
-	// metaMap is where the metadata lies (overlap.go); guarded by meta.
-	metaMap *metaMap
-
-	bits     int64 // refcount width
-	perBlock int64 // refcounts per block
-	maxRef   uint64
-}
-
-type pinnedL2 struct {
-	t     []uint64
-	dirty bool
-}
-
-type pinnedBlock struct {
-	b     []byte
-	dirty bool
-}
-
-// openForWriting checks that we can write this image safely and sets up
-// the write state.
-func (q *Image) openForWriting(ctx context.Context) error {
-	h := q.h
-	switch {
-	case h.incompatible&incCorrupt != 0:
-		return fmt.Errorf("%w: the image is marked corrupt; check and repair it with qemu-img check -r all before writing", ErrCorrupt)
-	case h.incompatible&incDirty != 0:
-		return fmt.Errorf("%w: the image was not closed cleanly (lazy refcounts); repair its refcounts with qemu-img check -r all before writing", ErrUnsupported)
-	}
-	rt, err := q.refcountTable(ctx)
-	if err != nil {
-		return err
-	}
-	if len(rt) == 0 {
-		return fmt.Errorf("%w: no refcount table", ErrCorrupt)
-	}
-	bits := int64(1) << h.refcountOrder
-	w := &writeState{
-		l2pin: map[int64]*pinnedL2{}, rbpin: map[int64]*pinnedBlock{},
-		rtable: rt, rtOffset: int64(h.refcountOffset), l1Offset: int64(h.l1Offset),
-		freeHint: 1, bits: bits, perBlock: h.clusterSize * 8 / bits,
-	}
-	w.maxRef = 1<<bits - 1
-	if bits == 64 {
-		w.maxRef = ^uint64(0)
-	}
-	// Autoclear features are ones a writer that does not understand them
-	// must clear: we understand none (persistent bitmaps become stale).
-	if h.version >= 3 && h.autoclear != 0 {
-		var zero [8]byte
-		if _, err := q.f.WriteAt(ctx, zero[:], hdrAutoclear); err != nil {
-			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
-		}
-		if err := q.f.Fdatasync(ctx); err != nil {
-			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
-		}
-		h.autoclear = 0
-		h.hasBitmaps = false
-	}
-	// Allocation reads refcounts cluster by cluster: keep more clean
-	// blocks than a read-only open needs (4 MiB of them).
-	q.rcache = newLRU[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
-	q.w = w
-	q.buildMetaMap()
-	return nil
-}
-
-// refBlockCacheBytes bounds the clean refcount blocks a writable image
-// keeps.
-const refBlockCacheBytes = 4 << 20
 
 // growFile notes that the file extends to at least end. The caller holds
 // alloc.
@@ -426,18 +318,4 @@ func (q *Image) applyFrees(ctx context.Context, frees []int64) (refused, err err
 		}
 	}
 	return refused, nil
-}
-
-// encodeTable is a table of big-endian 64-bit entries as stored.
-func encodeTable(t []uint64) []byte {
-	b := make([]byte, len(t)*8)
-	for i, v := range t {
-		binary.BigEndian.PutUint64(b[i*8:], v)
-	}
-	return b
-}
-
-// errReadOnly is returned by write-type calls on a read-only image.
-func errReadOnly(op string) error {
-	return fmt.Errorf("qcow2: %s: %w", op, formats.ErrReadOnly)
 }

@@ -255,3 +255,12 @@ func (q *Image) unpinClean() {
 		q.l2cache.bump()
 	}
 }
+
+// encodeTable is a table of big-endian 64-bit entries as stored.
+func encodeTable(t []uint64) []byte {
+	b := make([]byte, len(t)*8)
+	for i, v := range t {
+		binary.BigEndian.PutUint64(b[i*8:], v)
+	}
+	return b
+}

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+
+	"github.com/blockexport/blockexport/formats"
 )
 
 // Metadata overlap checks, as QEMU's qcow2_check_metadata_overlap does them
@@ -269,4 +271,9 @@ func (q *Image) markCorrupt(ctx context.Context, msg string) {
 	if err := q.f.Fdatasync(ctx); err != nil {
 		q.logWarn("could not set the corrupt bit", err)
 	}
+}
+
+// errReadOnly is returned by write-type calls on a read-only image.
+func errReadOnly(op string) error {
+	return fmt.Errorf("qcow2: %s: %w", op, formats.ErrReadOnly)
 }

@@ -10,12 +10,14 @@
 // file consistent at every instant: a crash may leak clusters, never
 // corrupt the image. See write.go for the rules.
 //
-// Files: header.go (header and extensions), cluster.go (L1/L2 lookup),
-// cache.go (LRU), compress.go (compressed clusters), backing.go (chains),
-// snapshot.go (the snapshot table), refcount.go (refcount entries),
-// alloc.go (allocation and frees), overlap.go (writes never land on
-// metadata), write.go (writes), zero.go (write-zeroes and discard),
-// flush.go (metadata write-back), resize.go, create.go (new images).
+// Files: header.go (header and extensions), cluster.go (L1/L2 lookup and
+// linking), cache.go (LRU), compress.go (compressed clusters), backing.go
+// (the backing file, opened through the caller's opener), snapshot.go (the
+// snapshot table), refcount.go (refcount blocks and entries), alloc.go
+// (allocation and frees), writestate.go (what a writable image keeps),
+// overlap.go (writes never land on metadata), write.go (writes), zero.go
+// (write-zeroes and discard), flush.go (metadata write-back), resize.go,
+// create.go (new images).
 package qcow2
 
 import (

@@ -10,12 +10,15 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Refcounts. Read-only images ask them one question, the one QEMU asks on
-// the first block status: was the image preallocated with metadata
-// (clusters referenced but never written, so the host file has holes
-// there)? Then, and only then, block status asks the host file which data
-// clusters read as zeroes, as qemu-img map does. Writable images keep
-// them: see alloc.go.
+// Refcounts: entries (getRefcount, setRefcount), blocks (refcountBlock
+// loads a clean one into the cache; refBlock finds the one covering a
+// cluster, changed ones pinned first), and the table. A writable image
+// keeps them (getRef, setRef, pinBlock; alloc.go allocates and frees with
+// them). Read-only images ask them one question, the one QEMU asks on the
+// first block status: was the image preallocated with metadata (clusters
+// referenced but never written, so the host file has holes there)? Then,
+// and only then, block status asks the host file which data clusters read
+// as zeroes, as qemu-img map does.
 
 // getRefcount reads entry j of a refcount block of bits-wide entries.
 func getRefcount(block []byte, j, bits int64) uint64 {
@@ -52,6 +55,8 @@ func setRefcount(block []byte, j, bits int64, v uint64) {
 	}
 }
 
+// refcountBlock returns the refcount block at off as the file has it,
+// through the cache of clean blocks.
 func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {
 	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
 		return nil, fmt.Errorf("%w: refcount block at %#x is misaligned or beyond the end of the file", ErrCorrupt, off)

@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/qcow2"
+)
+
+// Exit statuses of check, qemu-img check's: 0 is a clean image.
+const (
+	checkIncomplete = 1 // the check could not finish (or hit internal errors)
+	checkCorrupt    = 2
+	checkLeaks      = 3 // leaked clusters, and nothing worse
+)
+
+// exitStatus ends a command with a status and no message: check has
+// printed its findings already.
+type exitStatus int
+
+func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
+
+func runCheck(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("check", "check [flags] IMAGE\n\n"+
+		"Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n"+
+		"references; raw and null: nothing to check). Exit status: 0 clean, 2 corruptions,\n"+
+		"3 leaked clusters only, 1 the check could not finish.", stdout)
+	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
+	repair := fs.StringP("repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
+	out := newOutputFlag(fs, "check")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		return usagef("check: want one IMAGE, got %d argument(s)", fs.NArg())
+	}
+	asJSON, err := out.json()
+	if err != nil {
+		return err
+	}
+	mode := qcow2.RepairNone
+	switch *repair {
+	case "":
+	case "leaks":
+		mode = qcow2.RepairLeaks
+	case "all":
+		mode = qcow2.RepairAll
+	default:
+		return usagef("unknown --repair %q (want leaks or all)", *repair)
+	}
+	if _, err := probe.ParseFormat(*format); err != nil {
+		return usageError{err}
+	}
+	res, err := probe.Check(context.Background(), fs.Arg(0), probe.Options{Format: *format, Backend: "threads", Lock: true}, mode)
+	if err != nil {
+		if errors.Is(err, probe.ErrBadSpec) {
+			return usageError{err}
+		}
+		return fmt.Errorf("check %s: %w", fs.Arg(0), err)
+	}
+	for _, m := range res.Messages {
+		fmt.Fprintln(stderr, m)
+	}
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "    ")
+		if err := enc.Encode(res); err != nil {
+			return err
+		}
+	} else {
+		printCheck(stdout, res)
+	}
+	switch {
+	case res.CheckErrors > 0:
+		return exitStatus(checkIncomplete)
+	case res.Corruptions > 0:
+		return exitStatus(checkCorrupt)
+	case res.Leaks > 0:
+		return exitStatus(checkLeaks)
+	}
+	return nil
+}
+
+// printCheck prints a check's findings in qemu-img check's words.
+func printCheck(w io.Writer, r formats.CheckResult) {
+	if r.LeaksFixed+r.CorruptionsFixed > 0 {
+		fmt.Fprintf(w, "The following inconsistencies were found and repaired:\n\n    %d leaked clusters\n    %d corruptions\n\nDouble checking the fixed image now...\n",
+			r.LeaksFixed, r.CorruptionsFixed)
+	}
+	if r.CheckErrors == 0 && r.Corruptions == 0 && r.Leaks == 0 {
+		fmt.Fprintln(w, "No errors were found on the image.")
+	}
+	if r.Corruptions > 0 {
+		fmt.Fprintf(w, "\n%d errors were found on the image.\nData may be corrupted, or further writes to the image may corrupt it.\n", r.Corruptions)
+	}
+	if r.Leaks > 0 {
+		fmt.Fprintf(w, "\n%d leaked clusters were found on the image.\nThis means waste of disk space, but no harm to data.\n", r.Leaks)
+	}
+	if r.CheckErrors > 0 {
+		fmt.Fprintf(w, "\n%d internal errors have occurred during the check.\n", r.CheckErrors)
+	}
+	if r.TotalClusters > 0 && r.AllocatedClusters > 0 {
+		a := float64(r.AllocatedClusters)
+		fmt.Fprintf(w, "%d/%d = %0.2f%% allocated, %0.2f%% fragmented, %0.2f%% compressed clusters\n",
+			r.AllocatedClusters, r.TotalClusters, a*100/float64(r.TotalClusters),
+			float64(r.FragmentedClusters)*100/a, float64(r.CompressedClusters)*100/a)
+	}
+	if r.ImageEndOffset > 0 {
+		fmt.Fprintf(w, "Image end offset: %d\n", r.ImageEndOffset)
+	}
+}
