@@ -16,8 +16,9 @@ import (
 //  2. if that could not finish it and Lone says the loop has nothing else
 //     to serve, run it right there with Context(InLoop) (blocking system
 //     calls: see [Lone]);
-//  3. else give it a buffer of its own and Go: a goroutine finishes it with
-//     Context(AfterMiss) or Context(Fresh), and the loop reads on.
+//  3. else give it a buffer of its own, Start, and start a goroutine that
+//     finishes it with Context(AfterMiss) or Context(Fresh) and calls
+//     Done; the loop reads on.
 type Handoff struct {
 	running sync.WaitGroup
 	n       atomic.Int32
@@ -56,30 +57,30 @@ func (h *Handoff) Lone(queued func() bool) bool {
 	return h.n.Load() == 0 && !queued()
 }
 
-// Go runs fn in a goroutine counted as in flight; the caller has given the
-// request a buffer fn owns.
-func (h *Handoff) Go(fn func()) {
+// Start counts a request that a goroutine is about to finish; the
+// goroutine calls Done when it has. The caller has given the request a
+// buffer of its own. (Start and Done rather than a Go(fn): that would cost
+// each request a second closure beside the goroutine's own.)
+func (h *Handoff) Start() {
 	h.running.Add(1)
 	h.n.Add(1)
-	go func() {
-		defer h.running.Done()
-		defer h.n.Add(-1)
-		fn()
-	}()
 }
 
-// GoNow is Go, then lets the new goroutine run on this thread at once,
-// while its P is ours: it submits its I/O and parks. Left queued behind a
-// loop that goes back to sleep in read(2), it waited for another thread
-// to steal it (measured: FUSE O_DIRECT 4 KiB reads at queue depth 16, 22k
-// IOPS so, 31k with the yield). Not for large writes, which would then
+// Done ends what Start began.
+func (h *Handoff) Done() {
+	h.n.Add(-1)
+	h.running.Done()
+}
+
+// Yield lets a goroutine just started run on this thread at once, while
+// its P is ours: it submits its I/O and parks. Left queued behind a loop
+// that goes back to sleep in read(2), it waited for another thread to
+// steal it (measured: FUSE O_DIRECT 4 KiB reads at queue depth 16, 22k
+// IOPS so, 31k with the yield). Not after large writes, which would then
 // copy their payload before the loop reads on.
-func (h *Handoff) GoNow(fn func()) {
-	h.Go(fn)
-	runtime.Gosched()
-}
+func (h *Handoff) Yield() { runtime.Gosched() }
 
-// Wait returns when every goroutine started by Go has finished.
+// Wait returns when every request Start counted is Done.
 func (h *Handoff) Wait() { h.running.Wait() }
 
 // MissTracker decides whether a serve loop tries a read without blocking.

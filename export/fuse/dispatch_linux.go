@@ -116,24 +116,28 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 	if len(req) >= bulkWrite {
 		bp := q.bp
 		q.bp = s.bufs.Get()
-		s.hand.Go(func() {
+		s.hand.Start()
+		go func() {
 			defer s.bufs.Put(bp)
 			s.finish(ctx, unique, fd, req, wait, began)
-		})
+		}()
 		return
 	}
 	pool := s.pool(reqPad + len(req))
 	b, bp := pool.Buffer(reqPad + len(req))
 	b = b[reqPad:]
 	copy(b, req)
-	s.hand.GoNow(func() {
+	s.hand.Start()
+	go func() {
 		defer pool.Release(bp)
 		s.finish(ctx, unique, fd, b, wait, began)
-	})
+	}()
+	s.hand.Yield()
 }
 
 // finish runs a handed-off request and gives its context back.
 func (s *server) finish(ctx *reqCtx, unique uint64, fd int, req []byte, wait func(*server, context.Context, int, []byte), began time.Time) {
+	defer s.hand.Done()
 	defer s.pending.finish(unique, ctx)
 	wait(s, ctx, fd, req)
 	if s.stats != nil {
@@ -160,8 +164,8 @@ func (s *server) pool(n int) *coroutines.BufPool {
 // caller's system call then fails with EINTR if the request does: Go
 // programs get a signal (SIGURG) whenever their runtime preempts a
 // goroutine, and few programs expect EINTR from a regular file (a Go
-// test's fallocate did not). So an INTERRUPT cancels a request only once
-// it has run for the grace period: I/O that is merely slow finishes, and
+// test's fallocate did not). So an INTERRUPT cancels a request only if it
+// still runs a grace period later: I/O that is merely slow finishes, and
 // only a request that hangs ends early.
 //
 // The contexts are pooled (a context.WithCancel per request, with its
@@ -179,7 +183,6 @@ type reqCtx struct {
 	context.Context
 	done   chan struct{}
 	closed atomic.Bool // done is closed: the request was cancelled
-	began  time.Time
 	timer  *time.Timer // the cancel an INTERRUPT scheduled, if any
 }
 
@@ -201,7 +204,7 @@ func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
 	if r == nil || r.closed.Load() {
 		r = &reqCtx{done: make(chan struct{})}
 	}
-	r.Context, r.began, r.timer = parent, time.Now(), nil
+	r.Context, r.timer = parent, nil
 	p.mu.Lock()
 	p.m[unique] = r
 	p.mu.Unlock()
@@ -219,8 +222,8 @@ func (p *pending) finish(unique uint64, r *reqCtx) {
 	p.pool.Put(r)
 }
 
-// interrupt cancels request unique once it has run for the grace period
-// (at once if it has); false: no such request runs.
+// interrupt cancels request unique if it still runs a grace period from
+// now; false: no such request runs.
 func (p *pending) interrupt(unique uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -229,7 +232,7 @@ func (p *pending) interrupt(unique uint64) bool {
 		return false
 	}
 	if r.timer == nil {
-		r.timer = time.AfterFunc(max(0, p.grace-time.Since(r.began)), func() { p.cancel(unique, r) })
+		r.timer = time.AfterFunc(p.grace, func() { p.cancel(unique, r) })
 	}
 	return true
 }

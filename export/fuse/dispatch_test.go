@@ -58,7 +58,7 @@ func (k kernelSide) reply(ms int) (fuse.OutHeader, bool) {
 
 // TestInterruptCancelsItsRequest: an INTERRUPT for a read that waits on its
 // device cancels that read's context once the grace period has passed
-// since the read began, not before, and the read is answered EINTR; the
+// since the INTERRUPT, not before, and the read is answered EINTR; the
 // other read waiting beside it is not touched until its own INTERRUPT.
 func TestInterruptCancelsItsRequest(t *testing.T) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)

@@ -248,10 +248,12 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			c.release(cost)
 			continue
 		}
-		c.hand.Go(func() {
+		c.hand.Start()
+		go func() {
+			defer c.hand.Done()
 			defer c.release(cost)
 			c.handle(c.hand.Context(path), req, payload)
-		})
+		}()
 	}
 }
 
