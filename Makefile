@@ -4,7 +4,7 @@ IMAGE   ?= null:1G
 MOUNT   ?= /tmp/blockexport.export
 FLAGS   ?= --writable
 
-.PHONY: build run test unit fuzz bench clean
+.PHONY: build run test unit fuzz bench man clean
 
 # -buildvcs=auto: stamp the VCS revision (blockexport --version) when built
 # from a git checkout, whatever GOFLAGS says.
@@ -45,6 +45,13 @@ BENCHFLAGS ?=
 bench: build
 	.ci/deps
 	$(GO) run ./tests/bench $(BENCHFLAGS)
+
+# The man pages in docs/man, generated from the commands' flags (a test
+# fails when they are stale). Shell completion: blockexport completion
+# bash|zsh|fish.
+man: build
+	rm -f docs/man/*.1
+	./bin/blockexport man docs/man
 
 clean:
 	rm -rf bin

@@ -31,8 +31,30 @@ func TestMountpointRules(t *testing.T) {
 	})
 	t.Run("directory mountpoint", func(t *testing.T) {
 		code, out := runBlockexport(t, "fuse", "-f", "raw", img, dir)
-		if code != 1 || !strings.Contains(out, "is a directory") || strings.Count(out, "\n") != 1 {
-			t.Fatalf("exit %d, output %q; want 1 and one line saying it is a directory", code, out)
+		if code != 1 || !strings.Contains(out, "is a directory") || !strings.Contains(out, "--file-name") || strings.Count(out, "\n") != 1 {
+			t.Fatalf("exit %d, output %q; want 1 and one line saying it is a directory (and what to pass)", code, out)
+		}
+	})
+	t.Run("file-name needs a directory", func(t *testing.T) {
+		file := filepath.Join(dir, "plain")
+		os.WriteFile(file, nil, 0o600)
+		defer os.Remove(file)
+		for _, mnt := range []string{file, filepath.Join(dir, "absent")} {
+			code, out := runBlockexport(t, "fuse", "-f", "raw", "--file-name", "disk.img", img, mnt)
+			if code != 1 || !strings.Contains(out, "directory") || strings.Count(out, "\n") != 1 {
+				t.Fatalf("%s: exit %d, output %q; want 1 and one line asking for a directory", mnt, code, out)
+			}
+		}
+		if _, err := os.Stat(filepath.Join(dir, "absent")); !os.IsNotExist(err) {
+			t.Fatalf("a missing directory was created: %v", err)
+		}
+	})
+	t.Run("bad file-name", func(t *testing.T) {
+		for _, name := range []string{"", ".", "..", "a/b", strings.Repeat("x", 256)} {
+			code, out := runBlockexport(t, "fuse", "-f", "raw", "--file-name", name, img, dir)
+			if code != 2 || !strings.Contains(out, "--file-name") || strings.Count(out, "\n") != 1 {
+				t.Fatalf("--file-name %q: exit %d, output %q; want 2 and one line", name, code, out)
+			}
 		}
 	})
 	t.Run("missing parent directory", func(t *testing.T) {
@@ -305,4 +327,70 @@ func TestStatsCountRequests(t *testing.T) {
 	if _, err := fmt.Sscanf(log[strings.Index(log[i:], "read ")+i:], "read %d ops", &n); err != nil || n < 300 {
 		t.Fatalf("summary counts %d reads (%v), want at least 300:\n%s", n, err, log[i:])
 	}
+}
+
+// TestFileNameInDirectory: with --file-name the export is the one file of
+// a mounted directory: listable, usable by real clients (fio verify, then
+// qemu-img compare against the image), and nothing else can be made,
+// renamed or removed there. The directory is ours again afterwards.
+func TestFileNameInDirectory(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "32M")
+	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 1M 2M", img)
+	mnt := filepath.Join(dir, "mnt")
+	os.Mkdir(mnt, 0o755)
+	d := startExport(t, img, mnt, "-f", "qcow2", "-w", "--file-name", "disk.raw")
+	file := filepath.Join(mnt, "disk.raw")
+
+	entries, err := os.ReadDir(mnt)
+	if err != nil || len(entries) != 1 || entries[0].Name() != "disk.raw" || !entries[0].Type().IsRegular() {
+		t.Fatalf("the directory lists %v (%v); want the one regular file disk.raw", entries, err)
+	}
+	st, err := os.Stat(file)
+	if err != nil || st.Size() != 32<<20 || !st.Mode().IsRegular() {
+		t.Fatalf("stat %s: %v, %v", file, st, err)
+	}
+	if st, err := os.Stat(mnt); err != nil || !st.IsDir() {
+		t.Fatalf("stat %s: %v, %v; want a directory", mnt, st, err)
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "other")); !os.IsNotExist(err) {
+		t.Fatalf("a name that is not there: %v; want ENOENT", err)
+	}
+	refused := map[string]error{
+		"create":  os.WriteFile(filepath.Join(mnt, "new"), nil, 0o644),
+		"mkdir":   os.Mkdir(filepath.Join(mnt, "sub"), 0o755),
+		"symlink": os.Symlink("disk.raw", filepath.Join(mnt, "link")),
+		"link":    os.Link(file, filepath.Join(mnt, "hard")),
+		"rename":  os.Rename(file, filepath.Join(mnt, "moved")),
+		"remove":  os.Remove(file),
+		"chmod":   os.Chmod(mnt, 0o777),
+	}
+	for what, err := range refused {
+		if errnoOf(err) != syscall.EPERM {
+			t.Errorf("%s in the export's directory: %v; want EPERM", what, err)
+		}
+	}
+
+	// Real clients on the file: qemu-img sees the data written before,
+	// fio writes and verifies over it.
+	if out := run(t, "qemu-img", "compare", "-U", "-f", "raw", "-F", "qcow2", file, img); !strings.Contains(out, "identical") {
+		t.Fatalf("qemu-img compare: %s", out)
+	}
+	run(t, "fio", "--name=verify", "--filename="+file, "--rw=randwrite", "--bs=4k", "--size=8M", "--offset=16M",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
+	written := readAll(t, file)
+	d.stopClean()
+
+	if isFuseMount(mnt) {
+		t.Fatal("still mounted after SIGTERM")
+	}
+	if entries, err := os.ReadDir(mnt); err != nil || len(entries) != 0 {
+		t.Fatalf("after the export the directory holds %v (%v); want it empty, as it was", entries, err)
+	}
+	// What fio wrote is in the image.
+	raw := filepath.Join(dir, "back.raw")
+	run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", img, raw)
+	mustEqualBytes(t, "the image after the export", readAll(t, raw), written)
+	run(t, "qemu-img", "check", img)
 }

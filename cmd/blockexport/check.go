@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 
+	"github.com/spf13/cobra"
+
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/probe"
 	"github.com/blockexport/blockexport/formats/qcow2"
@@ -25,43 +27,57 @@ type exitStatus int
 
 func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
 
-func runCheck(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("check", "check [flags] IMAGE\n\n"+
-		"Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n"+
-		"references; raw and null: nothing to check). Exit status: 0 clean, 2 corruptions,\n"+
-		"3 leaked clusters only, 1 the check could not finish.", stdout)
-	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
-	repair := fs.StringP("repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
-	out := newOutputFlag(fs, "check")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+func checkCommand() *cobra.Command {
+	var format, repair string
+	var out outputFlag
+	c := &cobra.Command{
+		Use:   "check [flags] IMAGE",
+		Short: "check (and repair) an image's metadata, as qemu-img check does",
+		Long: "Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n" +
+			"references; raw and null: nothing to check). Exit status: 0 clean, 2 corruptions,\n" +
+			"3 leaked clusters only, 1 the check could not finish.",
+		Example: "  blockexport check disk.qcow2\n" +
+			"  blockexport check -r all --output=json disk.qcow2",
 	}
-	if fs.NArg() != 1 {
-		return usagef("check: want one IMAGE, got %d argument(s)", fs.NArg())
+	fs := c.Flags()
+	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
+	fs.StringVarP(&repair, "repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
+	out.register(c, "check")
+	completeWords(c, "repair", "leaks", "all")
+	c.RunE = func(c *cobra.Command, args []string) error {
+		return check(c.OutOrStdout(), c.ErrOrStderr(), args, format, repair, &out)
+	}
+	return c
+}
+
+// check is the check command once its flags are parsed.
+func check(stdout, stderr io.Writer, args []string, format, repair string, out *outputFlag) error {
+	if len(args) != 1 {
+		return usagef("check: want one IMAGE, got %d argument(s)", len(args))
 	}
 	asJSON, err := out.json()
 	if err != nil {
 		return err
 	}
 	mode := qcow2.RepairNone
-	switch *repair {
+	switch repair {
 	case "":
 	case "leaks":
 		mode = qcow2.RepairLeaks
 	case "all":
 		mode = qcow2.RepairAll
 	default:
-		return usagef("unknown --repair %q (want leaks or all)", *repair)
+		return usagef("unknown --repair %q (want leaks or all)", repair)
 	}
-	if _, err := probe.ParseFormat(*format); err != nil {
+	if _, err := probe.ParseFormat(format); err != nil {
 		return usageError{err}
 	}
-	res, err := probe.Check(context.Background(), fs.Arg(0), probe.Options{Format: *format, Backend: "threads", Lock: true}, mode)
+	res, err := probe.Check(context.Background(), args[0], probe.Options{Format: format, Backend: "threads", Lock: true}, mode)
 	if err != nil {
 		if errors.Is(err, probe.ErrBadSpec) {
 			return usageError{err}
 		}
-		return fmt.Errorf("check %s: %w", fs.Arg(0), err)
+		return fmt.Errorf("check %s: %w", args[0], err)
 	}
 	for _, m := range res.Messages {
 		fmt.Fprintln(stderr, m)

@@ -3,68 +3,83 @@ package main
 import (
 	"errors"
 	"fmt"
-	"io"
 	"path/filepath"
+
+	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/formats/probe"
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/raw"
 )
 
-const createSynopsis = `create [flags] IMAGE [SIZE]
+type createFlags struct {
+	format, clusterSize    string
+	backing, backingFormat string
+	force                  bool
+}
 
-Create a new, empty image, as qemu-img create does. SIZE takes qemu-img's
-suffixes (k, M, G, T); with --backing it defaults to the backing file's size.
-An existing IMAGE is an error unless --force is given.`
+func createCommand() *cobra.Command {
+	var f createFlags
+	c := &cobra.Command{
+		Use:   "create [flags] IMAGE [SIZE]",
+		Short: "create a new raw or qcow2 image",
+		Long: "Create a new, empty image, as qemu-img create does. SIZE takes qemu-img's\n" +
+			"suffixes (k, M, G, T); with --backing it defaults to the backing file's size.\n" +
+			"An existing IMAGE is an error unless --force is given.",
+		Example: "  blockexport create -f qcow2 disk.qcow2 10G\n" +
+			"  blockexport create -f qcow2 -b base.qcow2 -F qcow2 overlay.qcow2",
+		RunE: f.run,
+	}
+	fs := c.Flags()
+	fs.StringVarP(&f.format, "format", "f", "raw", "image format: raw or qcow2")
+	fs.StringVar(&f.clusterSize, "cluster-size", "64k", "qcow2 cluster size, a power of two from 512 to 2M")
+	fs.StringVarP(&f.backing, "backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: raw or qcow2 (default: detected)")
+	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
+	completeWords(c, "format", "raw", "qcow2")
+	completeWords(c, "backing-format", "raw", "qcow2")
+	return c
+}
 
-func runCreate(args []string, stdout, _ io.Writer) error {
-	fs := newFlagSet("create", createSynopsis, stdout)
-	format := fs.StringP("format", "f", "raw", "image format: raw or qcow2")
-	clusterSize := fs.String("cluster-size", "64k", "qcow2 cluster size, a power of two from 512 to 2M")
-	backing := fs.StringP("backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
-	backingFormat := fs.StringP("backing-format", "F", "", "format of the backing file: raw or qcow2 (default: detected)")
-	force := fs.Bool("force", false, "overwrite IMAGE if it exists")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+func (f *createFlags) run(c *cobra.Command, args []string) error {
+	if len(args) < 1 || len(args) > 2 {
+		return usagef("create: want IMAGE [SIZE], got %d argument(s)", len(args))
 	}
-	if fs.NArg() < 1 || fs.NArg() > 2 {
-		return usagef("create: want IMAGE [SIZE], got %d argument(s)", fs.NArg())
-	}
-	path := fs.Arg(0)
+	path := args[0]
 	size := int64(-1)
-	if fs.NArg() == 2 {
-		n, err := probe.ParseSize(fs.Arg(1))
+	if len(args) == 2 {
+		n, err := probe.ParseSize(args[1])
 		if err != nil {
 			return usagef("create: %v", err)
 		}
 		size = n
 	}
-	switch *format {
+	switch f.format {
 	case probe.Raw:
-		if *backing != "" || fs.Changed("cluster-size") {
+		if f.backing != "" || c.Flags().Changed("cluster-size") {
 			return usagef("create: --backing and --cluster-size are qcow2 options")
 		}
 		if size < 0 {
 			return usagef("create: a raw image needs a SIZE")
 		}
-		return raw.Create(path, size, *force)
+		return raw.Create(path, size, f.force)
 	case probe.QCOW2:
 	default:
-		return usagef("create: unknown format %q (want raw or qcow2)", *format)
+		return usagef("create: unknown format %q (want raw or qcow2)", f.format)
 	}
-	cs, err := probe.ParseSize(*clusterSize)
+	cs, err := probe.ParseSize(f.clusterSize)
 	if err != nil {
 		return usagef("create: --cluster-size: %v", err)
 	}
-	o := qcow2.CreateOptions{Size: size, ClusterSize: cs, BackingFile: *backing, BackingFormat: *backingFormat, Force: *force}
-	if *backing != "" {
+	o := qcow2.CreateOptions{Size: size, ClusterSize: cs, BackingFile: f.backing, BackingFormat: f.backingFormat, Force: f.force}
+	if f.backing != "" {
 		// Open the backing file as a later open will (relative to the
 		// image), for its format and size.
-		bpath := *backing
+		bpath := f.backing
 		if !filepath.IsAbs(bpath) {
 			bpath = filepath.Join(filepath.Dir(path), bpath)
 		}
-		bf := *backingFormat
+		bf := f.backingFormat
 		if bf == "" {
 			bf = probe.Auto
 		}
@@ -83,7 +98,7 @@ func runCreate(args []string, stdout, _ io.Writer) error {
 			o.Size = b.Image.Size()
 		}
 		b.Image.Close()
-	} else if *backingFormat != "" {
+	} else if f.backingFormat != "" {
 		return usagef("create: --backing-format without --backing")
 	}
 	if o.Size < 0 {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
@@ -23,27 +24,42 @@ type fuseFlags struct {
 	pollUs      int
 	stats       time.Duration
 	passthrough string
+	fileName    string
 }
 
-func runFuse(args []string, stdout, stderr io.Writer) error {
+func fuseCommand() *cobra.Command {
 	var f fuseFlags
-	fs := newFlagSet("fuse", "fuse [flags] IMAGE MOUNTPOINT\n\n"+
-		"Export IMAGE (a raw or qcow2 file, or null:SIZE) as the regular file MOUNTPOINT.\n"+
-		"MOUNTPOINT is created if missing and may be IMAGE itself.", stdout)
-	f.register(fs)
+	c := &cobra.Command{
+		Use:   "fuse [flags] IMAGE MOUNTPOINT",
+		Short: "export an image as a regular file through FUSE",
+		Long: "Export IMAGE (a raw or qcow2 file, or null:SIZE) as the regular file MOUNTPOINT.\n" +
+			"MOUNTPOINT is created if missing and may be IMAGE itself. With --file-name NAME,\n" +
+			"MOUNTPOINT is an existing directory instead, and the export is the one file\n" +
+			"MOUNTPOINT/NAME in it.",
+		Example: "  blockexport fuse -f qcow2 -w disk.qcow2 /tmp/disk.raw\n" +
+			"  blockexport fuse null:1G /tmp/null\n" +
+			"  blockexport fuse --file-name disk.img -w disk.qcow2 /mnt/export",
+		RunE: f.run,
+	}
+	fs := c.Flags()
+	f.register(c)
 	fs.BoolVar(&f.growable, "growable", false, "writes past the end grow the image instead of failing")
 	fs.StringVar(&f.allowOther, "allow-other", "auto", "let other users access the export: auto (try, fall back), on or off")
+	fs.StringVar(&f.fileName, "file-name", "", "MOUNTPOINT is a directory: export the image as the one file NAME in it (without: MOUNTPOINT is the file)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+	completeWords(c, "allow-other", "auto", "on", "off")
+	completeWords(c, "passthrough", "auto", "on", "off")
+	return c
+}
+
+func (f *fuseFlags) run(c *cobra.Command, args []string) error {
+	if len(args) != 2 {
+		return usagef("fuse: want IMAGE and MOUNTPOINT, got %d argument(s) (see blockexport fuse --help)", len(args))
 	}
-	if fs.NArg() != 2 {
-		return usagef("fuse: want IMAGE and MOUNTPOINT, got %d argument(s) (see blockexport fuse --help)", fs.NArg())
-	}
-	image, mountpoint := fs.Arg(0), fs.Arg(1)
+	image, mountpoint := args[0], args[1]
 
 	logger, opts, err := f.check()
 	if err != nil {
@@ -71,6 +87,11 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 	if f.growable && !f.writable {
 		return usagef("--growable needs --writable")
 	}
+	if c.Flags().Changed("file-name") {
+		if err := fuseexport.CheckFileName(f.fileName); err != nil {
+			return usageError{err}
+		}
+	}
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
@@ -91,7 +112,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough})
+		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName})
 	if err != nil {
 		return err
 	}
@@ -115,7 +136,7 @@ func runFuse(args []string, stdout, stderr io.Writer) error {
 		defer func() { close(stopStats); <-statsDone }()
 	}
 	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Image.Size(),
-		"mountpoint", m.Path(), "writable", f.writable, "growable", f.growable)
+		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable)
 	notifyReady()
 
 	select {

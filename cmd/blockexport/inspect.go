@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/spf13/pflag"
+	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
@@ -35,51 +35,63 @@ func openForInspection(spec, format string) (*probe.Opened, error) {
 // outputFlag is --output human|json (qemu-img's spelling) with --json as
 // its shorthand.
 type outputFlag struct {
-	output *string
-	asJSON *bool
+	output string
+	asJSON bool
 }
 
-func newOutputFlag(fs *pflag.FlagSet, cmd string) outputFlag {
-	return outputFlag{
-		output: fs.String("output", "human", "output format: human or json (JSON with qemu-img "+cmd+" --output=json's names)"),
-		asJSON: fs.Bool("json", false, "the same as --output=json"),
-	}
+func (o *outputFlag) register(c *cobra.Command, cmd string) {
+	c.Flags().StringVar(&o.output, "output", "human", "output format: human or json (JSON with qemu-img "+cmd+" --output=json's names)")
+	c.Flags().BoolVar(&o.asJSON, "json", false, "the same as --output=json")
+	completeWords(c, "output", "human", "json")
 }
 
 // json says whether JSON was asked for; an unknown --output is a usage
 // error.
-func (o outputFlag) json() (bool, error) {
-	switch *o.output {
+func (o *outputFlag) json() (bool, error) {
+	switch o.output {
 	case "human":
-		return *o.asJSON, nil
+		return o.asJSON, nil
 	case "json":
 		return true, nil
 	}
-	return false, usagef("unknown --output %q (want human or json)", *o.output)
+	return false, usagef("unknown --output %q (want human or json)", o.output)
 }
 
-func runInfo(args []string, stdout, _ io.Writer) error {
-	fs := newFlagSet("info", "info [flags] IMAGE\n\nDescribe IMAGE as qemu-img info does.", stdout)
-	output := newOutputFlag(fs, "info")
-	chain := fs.Bool("backing-chain", false, "describe every image of the backing chain")
-	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+func infoCommand() *cobra.Command {
+	var format string
+	var chain bool
+	var out outputFlag
+	c := &cobra.Command{
+		Use:     "info [flags] IMAGE",
+		Short:   "describe an image (format, sizes, backing chain, features)",
+		Long:    "Describe IMAGE as qemu-img info does.",
+		Example: "  blockexport info --output=json --backing-chain overlay.qcow2",
 	}
+	out.register(c, "info")
+	c.Flags().BoolVar(&chain, "backing-chain", false, "describe every image of the backing chain")
+	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
+	c.RunE = func(c *cobra.Command, args []string) error {
+		return info(c.OutOrStdout(), args, format, chain, &out)
+	}
+	return c
+}
+
+// info is the info command once its flags are parsed.
+func info(stdout io.Writer, args []string, format string, chain bool, output *outputFlag) error {
 	asJSON, err := output.json()
 	if err != nil {
 		return err
 	}
-	if fs.NArg() != 1 {
-		return usagef("info: want one IMAGE, got %d argument(s)", fs.NArg())
+	if len(args) != 1 {
+		return usagef("info: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(fs.Arg(0), *format)
+	img, err := openForInspection(args[0], format)
 	if err != nil {
 		return err
 	}
 	defer img.Image.Close()
 	infos := []formats.Info{img.Image.Info()}
-	if *chain {
+	if chain {
 		for layer := img.Image; ; {
 			l, ok := layer.(formats.Layered)
 			if !ok || l.Backing() == nil {
@@ -92,7 +104,7 @@ func runInfo(args []string, stdout, _ io.Writer) error {
 	if asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "    ")
-		if *chain {
+		if chain {
 			return enc.Encode(infos)
 		}
 		return enc.Encode(infos[0])
@@ -186,21 +198,33 @@ func (e *mapEntry) mergeable(next mapEntry) bool {
 	return e.Offset == nil || *e.Offset+e.Length == *next.Offset
 }
 
-func runMap(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("map", "map [flags] IMAGE\n\nPrint the allocation of IMAGE as qemu-img map does.", stdout)
-	output := newOutputFlag(fs, "map")
-	format := fs.StringP("format", "f", "auto", "image format: auto, raw, qcow2 or null")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+func mapCommand() *cobra.Command {
+	var format string
+	var out outputFlag
+	c := &cobra.Command{
+		Use:     "map [flags] IMAGE",
+		Short:   "print an image's allocation, as qemu-img map does",
+		Long:    "Print the allocation of IMAGE as qemu-img map does.",
+		Example: "  blockexport map --output=json disk.qcow2",
 	}
+	out.register(c, "map")
+	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
+	c.RunE = func(c *cobra.Command, args []string) error {
+		return mapCmd(c.OutOrStdout(), c.ErrOrStderr(), args, format, &out)
+	}
+	return c
+}
+
+// mapCmd is the map command once its flags are parsed.
+func mapCmd(stdout, stderr io.Writer, args []string, format string, output *outputFlag) error {
 	asJSON, err := output.json()
 	if err != nil {
 		return err
 	}
-	if fs.NArg() != 1 {
-		return usagef("map: want one IMAGE, got %d argument(s)", fs.NArg())
+	if len(args) != 1 {
+		return usagef("map: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(fs.Arg(0), *format)
+	img, err := openForInspection(args[0], format)
 	if err != nil {
 		return err
 	}

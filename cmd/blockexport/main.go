@@ -3,7 +3,12 @@
 // type=fuse` does.
 //
 // Exit status: 0 success, 1 runtime error (unreadable image, mount refused),
-// 2 usage error (bad flag, bad size, unknown format).
+// 2 usage error (bad flag, bad size, unknown format); check has qemu-img
+// check's own (see check.go).
+//
+// The commands are cobra commands (one file each) so that shell completion
+// and the man pages are generated from the same flag sets the commands
+// parse: a flag cannot be added without its completion and its page.
 package main
 
 import (
@@ -14,6 +19,7 @@ import (
 	"runtime/debug"
 	"time"
 
+	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 )
 
@@ -39,48 +45,87 @@ func pollDuration(us int) (time.Duration, error) {
 	return time.Duration(us) * time.Microsecond, nil
 }
 
-type command struct {
-	name, summary string
-	run           func(args []string, stdout, stderr io.Writer) error
-}
-
-func commands() []command {
-	return []command{
-		{"fuse", "export an image as a regular file through FUSE", runFuse},
-		{"info", "describe an image (format, sizes, backing chain, features)", runInfo},
-		{"map", "print an image's allocation, as qemu-img map does", runMap},
-		{"nbd", "serve an image over NBD (unix socket or TCP)", runNBD},
-		{"create", "create a new raw or qcow2 image", runCreate},
-		{"check", "check (and repair) an image's metadata, as qemu-img check does", runCheck},
-	}
-}
-
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
+// run runs the command line args and returns the exit status.
 func run(args []string, stdout, stderr io.Writer) int {
-	if len(args) > 0 && (args[0] == "--version" || args[0] == "version") {
-		fmt.Fprintln(stdout, version())
-		return exitOK
+	root := rootCommand()
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	return report(root.Execute(), stderr)
+}
+
+// rootCommand is blockexport and its commands. The root itself runs only
+// for --version, no command at all (usage on stderr, exit 2) and unknown
+// commands (exit 2), as before cobra.
+func rootCommand() *cobra.Command {
+	var showVersion bool
+	root := &cobra.Command{
+		Use:   "blockexport",
+		Short: "export disk images (raw, qcow2, null) as a regular file through FUSE, or over NBD",
+		Long: "blockexport presents a disk image (raw, qcow2, or a null device) as one regular file\n" +
+			"through FUSE, as qemu-storage-daemon --export type=fuse does, and serves the same\n" +
+			"images over NBD. It also inspects (info, map), creates and checks images.\n\n" +
+			"Exit status: 0 success, 1 runtime error (an unreadable image, a refused mount),\n" +
+			"2 usage error (a bad flag, size or format). check exits as qemu-img check does:\n" +
+			"0 clean, 2 corruptions, 3 leaked clusters only, 1 the check could not finish.",
+		Args:          cobra.ArbitraryArgs,
+		SilenceErrors: true, // report() says it, in one line
+		SilenceUsage:  true,
+		RunE: func(c *cobra.Command, args []string) error {
+			switch {
+			case showVersion:
+				fmt.Fprintln(c.OutOrStdout(), version())
+				return nil
+			case len(args) == 0:
+				c.SetOut(c.ErrOrStderr())
+				c.Usage()
+				return exitStatus(exitUsage)
+			}
+			hint := "see blockexport --help"
+			if s := c.SuggestionsFor(args[0]); len(s) > 0 {
+				hint = "did you mean " + s[0] + "?"
+			}
+			return usagef("unknown command %q (%s)", args[0], hint)
+		},
 	}
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		w := stdout
-		code := exitOK
-		if len(args) == 0 {
-			w, code = stderr, exitUsage
-		}
-		topUsage(w)
-		return code
+	root.SuggestionsMinimumDistance = 2
+	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	root.CompletionOptions.HiddenDefaultCmd = false
+	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(),
+		&cobra.Command{
+			Use:   "version",
+			Short: "print the version and the VCS revision it was built from (also --version)",
+			Args:  noArgs,
+			Run:   func(c *cobra.Command, _ []string) { fmt.Fprintln(c.OutOrStdout(), version()) },
+		},
+		manCommand())
+	for _, c := range root.Commands() {
+		c.Flags().SortFlags = false // in the order they are declared: most used first
 	}
-	for _, c := range commands() {
-		if c.name == args[0] {
-			err := c.run(args[1:], stdout, stderr)
-			return report(err, stderr)
-		}
+	return root
+}
+
+// noArgs refuses arguments with a usage error.
+func noArgs(c *cobra.Command, args []string) error {
+	if len(args) > 0 {
+		return usagef("%s takes no arguments, got %d", c.Name(), len(args))
 	}
-	fmt.Fprintf(stderr, "blockexport: unknown command %q (see blockexport --help)\n", args[0])
-	return exitUsage
+	return nil
+}
+
+// completeWords makes a flag complete to a fixed set of values.
+func completeWords(c *cobra.Command, flag string, words ...string) {
+	err := c.RegisterFlagCompletionFunc(flag, func(*cobra.Command, []string, string) ([]string, cobra.ShellCompDirective) {
+		return words, cobra.ShellCompDirectiveNoFileComp
+	})
+	if err != nil {
+		panic(fmt.Sprintf("completion for --%s: %v", flag, err)) // a programming error: the flag is not declared
+	}
 }
 
 // version is the module version and the VCS revision of this build, from
@@ -91,29 +136,27 @@ func version() string {
 	if !ok {
 		return "blockexport (no build information)"
 	}
-	var rev, when string
-	modified := false
-	for _, s := range bi.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.time":
-			when = s.Value
-		case "vcs.modified":
-			modified = s.Value == "true"
-		}
-	}
+	vcs := buildSettings(bi)
 	detail := "revision unknown"
-	if rev != "" {
+	if rev := vcs["vcs.revision"]; rev != "" {
 		detail = rev
-		if modified {
+		if vcs["vcs.modified"] == "true" {
 			detail += ", modified"
 		}
-		if when != "" {
+		if when := vcs["vcs.time"]; when != "" {
 			detail += ", " + when
 		}
 	}
 	return fmt.Sprintf("blockexport %s (%s) %s", bi.Main.Version, detail, bi.GoVersion)
+}
+
+// buildSettings are a build's settings (vcs.revision, vcs.time, ...) by key.
+func buildSettings(bi *debug.BuildInfo) map[string]string {
+	m := make(map[string]string, len(bi.Settings))
+	for _, s := range bi.Settings {
+		m[s.Key] = s.Value
+	}
+	return m
 }
 
 // report prints err as one line and picks the exit status.
@@ -135,39 +178,4 @@ func report(err error, stderr io.Writer) int {
 		return int(d)
 	}
 	return exitRuntime
-}
-
-func topUsage(w io.Writer) {
-	fmt.Fprintln(w, "Usage: blockexport COMMAND [flags] ARGS...")
-	fmt.Fprintln(w, "\nCommands:")
-	for _, c := range commands() {
-		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
-	}
-	fmt.Fprintf(w, "  %-8s %s\n", "version", "print the version and the VCS revision it was built from (also --version)")
-	fmt.Fprintln(w, "\nRun 'blockexport COMMAND --help' for a command's flags.")
-}
-
-// newFlagSet makes a flag set that reports errors instead of exiting.
-func newFlagSet(name, synopsis string, stdout io.Writer) *pflag.FlagSet {
-	fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
-	fs.SortFlags = false
-	fs.SetOutput(io.Discard) // errors are reported by report(), one line
-	fs.Usage = func() {
-		fmt.Fprintf(stdout, "Usage: blockexport %s\n\nFlags:\n", synopsis)
-		fs.SetOutput(stdout)
-		fs.PrintDefaults()
-		fs.SetOutput(io.Discard)
-	}
-	return fs
-}
-
-// parseFlags parses args, turning flag errors into usage errors.
-func parseFlags(fs *pflag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, pflag.ErrHelp) {
-			return err // pflag has printed the usage
-		}
-		return usageError{err}
-	}
-	return nil
 }

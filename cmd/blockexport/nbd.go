@@ -4,54 +4,73 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/blockexport/blockexport/export/nbd"
 )
 
-func runNBD(args []string, stdout, _ io.Writer) error {
-	fs := newFlagSet("nbd", "nbd [flags] IMAGE\n\nServe IMAGE (a raw or qcow2 file, or null:SIZE) over NBD.", stdout)
-	var f serveFlags
-	f.register(fs)
-	listen := fs.String("listen", "tcp:127.0.0.1:10809", "where to listen: unix:PATH or tcp:HOST:PORT")
-	name := fs.String("export-name", "", "the export's name")
-	desc := fs.String("description", "", "the export's description (NBD_INFO_DESCRIPTION)")
-	maxClients := fs.Int("max-clients", 0, "refuse connections beyond this many (0: no limit)")
-	handshakeLimit := fs.Int("handshake-limit", int(nbd.DefaultHandshakeLimit/time.Second), "drop a client that has not finished the handshake in this many seconds, so idle sockets cannot hold --max-clients slots (0: no limit; qemu-nbd's flag)")
-	pollUs := fs.Int("poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+type nbdFlags struct {
+	serveFlags
+	listen         string
+	name, desc     string
+	maxClients     int
+	handshakeLimit int
+	pollUs         int
+}
+
+func nbdCommand() *cobra.Command {
+	var f nbdFlags
+	c := &cobra.Command{
+		Use:   "nbd [flags] IMAGE",
+		Short: "serve an image over NBD (unix socket or TCP)",
+		Long:  "Serve IMAGE (a raw or qcow2 file, or null:SIZE) over NBD.",
+		Example: "  blockexport nbd --listen unix:/tmp/nbd.sock -w disk.qcow2\n" +
+			"  nbdinfo 'nbd+unix:///?socket=/tmp/nbd.sock'",
+		RunE: f.run,
 	}
-	if fs.NArg() != 1 {
-		return usagef("nbd: want one IMAGE, got %d argument(s) (see blockexport nbd --help)", fs.NArg())
+	fs := c.Flags()
+	f.register(c)
+	fs.StringVar(&f.listen, "listen", "tcp:127.0.0.1:10809", "where to listen: unix:PATH or tcp:HOST:PORT")
+	fs.StringVar(&f.name, "export-name", "", "the export's name")
+	fs.StringVar(&f.desc, "description", "", "the export's description (NBD_INFO_DESCRIPTION)")
+	fs.IntVar(&f.maxClients, "max-clients", 0, "refuse connections beyond this many (0: no limit)")
+	fs.IntVar(&f.handshakeLimit, "handshake-limit", int(nbd.DefaultHandshakeLimit/time.Second), "drop a client that has not finished the handshake in this many seconds, so idle sockets cannot hold --max-clients slots (0: no limit; qemu-nbd's flag)")
+	fs.IntVar(&f.pollUs, "poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
+	return c
+}
+
+func (f *nbdFlags) run(_ *cobra.Command, args []string) error {
+	if len(args) != 1 {
+		return usagef("nbd: want one IMAGE, got %d argument(s) (see blockexport nbd --help)", len(args))
 	}
 	logger, opts, err := f.check()
 	if err != nil {
 		return err
 	}
-	network, addr, err := parseListen(*listen)
+	network, addr, err := parseListen(f.listen)
 	if err != nil {
 		return usageError{err}
 	}
-	pollMax, err := pollDuration(*pollUs)
+	pollMax, err := pollDuration(f.pollUs)
 	if err != nil {
 		return err
 	}
-	if *maxClients < 0 {
-		return usagef("--max-clients %d: want 0 or more", *maxClients)
+	if f.maxClients < 0 {
+		return usagef("--max-clients %d: want 0 or more", f.maxClients)
 	}
-	if *handshakeLimit < 0 {
-		return usagef("--handshake-limit %d: want 0 or more seconds", *handshakeLimit)
+	if f.handshakeLimit < 0 {
+		return usagef("--handshake-limit %d: want 0 or more seconds", f.handshakeLimit)
 	}
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	img, err := f.open(fs.Arg(0), opts)
+	img, err := f.open(args[0], opts)
 	if err != nil {
 		return err
 	}
@@ -70,12 +89,12 @@ func runNBD(args []string, stdout, _ io.Writer) error {
 		return err
 	}
 	defer stop()
-	srv := nbd.New(img.Image, nbd.Options{Name: *name, Description: *desc, Writable: f.writable, MaxClients: *maxClients,
-		PollMax: pollMax, HandshakeLimit: time.Duration(*handshakeLimit) * time.Second, Logger: logger})
+	srv := nbd.New(img.Image, nbd.Options{Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
+		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	logger.Info("serving NBD", "image", fs.Arg(0), "format", img.Format, "size", img.Image.Size(), "listen", *listen, "export", *name, "writable", f.writable)
+	logger.Info("serving NBD", "image", args[0], "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable)
 	notifyReady()
 	select {
 	case s := <-sigs:

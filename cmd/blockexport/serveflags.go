@@ -5,7 +5,7 @@ import (
 	"log/slog"
 	"os"
 
-	"github.com/spf13/pflag"
+	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats/probe"
@@ -27,8 +27,9 @@ type serveFlags struct {
 	cpuprofile     string
 }
 
-func (f *serveFlags) register(fs *pflag.FlagSet) {
-	fs.StringVarP(&f.format, "format", "f", "auto", "image format: auto, raw, qcow2 or null (auto: qcow2 by its magic, else raw)")
+func (f *serveFlags) register(c *cobra.Command) {
+	fs := c.Flags()
+	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null (auto: qcow2 by its magic, else raw)")
 	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
 	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
@@ -38,6 +39,15 @@ func (f *serveFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
+	completeWords(c, "aio", "io_uring", "threads")
+	completeWords(c, "cache", "writeback", "none")
+	completeWords(c, "log-level", "debug", "info", "warn", "error")
+}
+
+// formatFlag declares -f/--format for a command that opens images.
+func formatFlag(c *cobra.Command, p *string, usage string) {
+	c.Flags().StringVarP(p, "format", "f", "auto", usage)
+	completeWords(c, "format", "auto", "raw", "qcow2", "null")
 }
 
 // check validates the shared flags and returns the logger and how to open

@@ -43,7 +43,7 @@ type op struct {
 // ops is the opcode table (include/uapi/linux/fuse.h numbers); opcodes
 // not in it are answered ENOSYS.
 var ops = [...]op{
-	opLookup:      {inline: replyConst(-int32(unix.ENOENT))}, // the root holds no names
+	opLookup:      {inline: (*server).lookup},
 	opForget:      {inline: noReply},
 	opBatchForget: {inline: noReply},
 	opInterrupt:   {inline: (*server).interrupt},
@@ -60,6 +60,23 @@ var ops = [...]op{
 	opFlush:       {wait: (*server).flush},
 	opFallocate:   {wait: (*server).fallocate},
 	opLseek:       {wait: (*server).lseek},
+
+	// Only with --file-name is the root a directory (dir_linux.go). It
+	// holds the one file: nothing is made or removed there.
+	opOpendir:    {inline: (*server).opendir},
+	opReaddir:    {inline: (*server).readdir},
+	opReleasedir: {inline: replyConst(0)},
+	opFsyncdir:   {inline: replyConst(0)},
+	opSymlink:    {inline: replyConst(-int32(unix.EPERM))},
+	opMknod:      {inline: replyConst(-int32(unix.EPERM))},
+	opMkdir:      {inline: replyConst(-int32(unix.EPERM))},
+	opUnlink:     {inline: replyConst(-int32(unix.EPERM))},
+	opRmdir:      {inline: replyConst(-int32(unix.EPERM))},
+	opRename:     {inline: replyConst(-int32(unix.EPERM))},
+	opRename2:    {inline: replyConst(-int32(unix.EPERM))},
+	opLink:       {inline: replyConst(-int32(unix.EPERM))},
+	opCreate:     {inline: replyConst(-int32(unix.EPERM))},
+	opTmpfile:    {inline: replyConst(-int32(unix.EPERM))},
 }
 
 // serveRequest answers one request read into q's buffer, counted for
@@ -269,7 +286,13 @@ func (s *server) interrupt(_ *queue, req []byte) inlineResult {
 
 func (s *server) getattr(q *queue, req []byte) inlineResult {
 	var o fuse.AttrOut
-	st := s.exp.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
+	st := fuse.OK
+	if s.isRootDir(req) {
+		s.dirAttr(&o.Attr)
+		o.SetTimeout(attrTimeout)
+	} else {
+		st = s.exp.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
+	}
 	replyOut(s, q.fd, header(req).Unique, st, &o)
 	return answered
 }
@@ -342,6 +365,10 @@ func (s *server) write(ctx context.Context, fd int, req []byte) {
 }
 
 func (s *server) setattr(ctx context.Context, fd int, req []byte) {
+	if s.isRootDir(req) {
+		s.replyErr(fd, header(req).Unique, unix.EPERM) // the directory is not ours to change
+		return
+	}
 	var o fuse.AttrOut
 	st := s.exp.SetAttr(ctx, decode[fuse.SetAttrIn](req), &o)
 	replyOut(s, fd, header(req).Unique, st, &o)

@@ -44,16 +44,35 @@ func send[T any](k kernelSide, v *T) {
 // reply waits up to ms milliseconds for the next reply and returns its
 // header.
 func (k kernelSide) reply(ms int) (fuse.OutHeader, bool) {
+	h, _, ok := k.replyBody(ms)
+	return h, ok
+}
+
+// replyBody is reply with the payload after the header.
+func (k kernelSide) replyBody(ms int) (fuse.OutHeader, []byte, bool) {
 	pfd := []unix.PollFd{{Fd: int32(k.fd), Events: unix.POLLIN}}
 	if n, err := unix.Poll(pfd, ms); n != 1 || err != nil {
-		return fuse.OutHeader{}, false
+		return fuse.OutHeader{}, nil, false
 	}
 	buf := make([]byte, 1<<20)
 	n, err := unix.Read(k.fd, buf)
 	if err != nil || n < outHeaderSize {
 		k.t.Fatalf("reading a reply: %d bytes, %v", n, err)
 	}
-	return *(*fuse.OutHeader)(unsafe.Pointer(&buf[0])), true
+	h := *(*fuse.OutHeader)(unsafe.Pointer(&buf[0]))
+	if int(h.Length) != n {
+		k.t.Fatalf("reply of %d bytes says it has %d", n, h.Length)
+	}
+	return h, buf[outHeaderSize:n], true
+}
+
+// serveFake runs s's loop on one end of a fake /dev/fuse and returns the
+// other; the loop stops when the test ends.
+func serveFake(t *testing.T, s *server, fd int) {
+	s.loops.Add(1)
+	loopDone := make(chan struct{})
+	go func() { s.loop(fd, false); close(loopDone) }()
+	t.Cleanup(func() { <-loopDone; s.hand.Wait(); unix.Close(fd) })
 }
 
 // TestInterruptCancelsItsRequest: an INTERRUPT for a read that waits on its

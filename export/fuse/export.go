@@ -55,7 +55,8 @@ type Options struct {
 // attrTimeout is how long the kernel may cache attributes (QEMU: 1 s).
 const attrTimeout = time.Second
 
-// Export serves one image as the root inode (ino 1) of a FUSE mount.
+// Export serves one image as the root inode (ino 1) of a FUSE mount, or
+// as the one file in it (ino 2) when the root is a directory.
 type Export struct {
 	img  formats.Image
 	opts Options
@@ -68,6 +69,7 @@ type Export struct {
 	// backingID > 0: the kernel knows the image's host file (FUSE
 	// passthrough); opens for reading get it and bypass us for reads.
 	backingID atomic.Int32
+	ino       uint64        // the file's inode: the root, or the one file in it
 	mode      atomic.Uint32 // permission bits of the file
 	uid, gid  atomic.Uint32
 	mtime     time.Time
@@ -84,6 +86,7 @@ func New(img formats.Image, o Options) *Export {
 		opts:  o,
 		log:   o.Logger,
 		mtime: time.Now(),
+		ino:   rootIno,
 	}
 	mode := uint32(0o400)
 	if o.Writable {
@@ -107,7 +110,7 @@ func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	}
 	sec, nsec := uint64(e.mtime.Unix()), uint32(e.mtime.Nanosecond())
 	*a = fuse.Attr{
-		Ino:    1,
+		Ino:    e.ino,
 		Size:   uint64(size),
 		Blocks: uint64(blocks),
 		Atime:  sec, Mtime: sec, Ctime: sec,

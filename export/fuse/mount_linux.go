@@ -51,11 +51,15 @@ type MountOptions struct {
 	// a buffered raw image, "auto" uses it where the kernel and our
 	// privileges allow, "off" (or "") never.
 	Passthrough string
+	// FileName, when set, makes the mountpoint an existing directory and
+	// the export the one file of that name in it (see CheckFileName).
+	FileName string
 }
 
 // Mount is a mounted, serving export.
 type Mount struct {
-	path    string
+	path    string // the mountpoint
+	file    string // the exported file: path, or path/FileName
 	created bool   // we created the mountpoint file and remove it at the end
 	conn    uint64 // fusectl connection number, for aborting
 	served  chan struct{}
@@ -65,14 +69,24 @@ type Mount struct {
 // ErrMountpoint marks problems with the mountpoint the user gave.
 var ErrMountpoint = errors.New("bad mountpoint")
 
-// prepareMountpoint checks path is usable and creates it when missing. It
-// returns the absolute path and whether it was created.
-func prepareMountpoint(path string) (string, bool, error) {
+// prepareMountpoint checks path is usable and creates it when missing (a
+// file; a directory, for dir, must exist). It returns the absolute path and
+// whether it was created.
+func prepareMountpoint(path string, dir bool) (string, bool, error) {
 	abs, err := filepath.Abs(path)
 	if err != nil {
 		return "", false, fmt.Errorf("mountpoint %s: %w", path, err)
 	}
 	st, err := os.Stat(abs)
+	if dir {
+		switch {
+		case err != nil:
+			return "", false, fmt.Errorf("%w: with --file-name the mountpoint is an existing directory: %v", ErrMountpoint, err)
+		case !st.IsDir():
+			return "", false, fmt.Errorf("%w: with --file-name the mountpoint must be a directory; %s is not", ErrMountpoint, abs)
+		}
+		return checkNotMounted(abs)
+	}
 	if errors.Is(err, fs.ErrNotExist) {
 		f, err := os.OpenFile(abs, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
 		if err != nil {
@@ -85,11 +99,17 @@ func prepareMountpoint(path string) (string, bool, error) {
 		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
 	}
 	if st.IsDir() {
-		return "", false, fmt.Errorf("%w: %s is a directory; the mountpoint must be a regular file", ErrMountpoint, abs)
+		return "", false, fmt.Errorf("%w: %s is a directory; the mountpoint must be a regular file (or pass --file-name NAME to export DIR/NAME)", ErrMountpoint, abs)
 	}
 	if !st.Mode().IsRegular() {
 		return "", false, fmt.Errorf("%w: %s is not a regular file", ErrMountpoint, abs)
 	}
+	return checkNotMounted(abs)
+}
+
+// checkNotMounted resolves abs and refuses it when a FUSE export is
+// mounted there already.
+func checkNotMounted(abs string) (string, bool, error) {
 	real, err := filepath.EvalSymlinks(abs)
 	if err != nil {
 		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
@@ -155,7 +175,13 @@ func unescapeMountinfo(s string) string {
 // serving it. The image must already be open: when path is the image itself,
 // the export shadows it and the original reappears on unmount.
 func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
-	abs, created, err := prepareMountpoint(path)
+	dir := o.FileName != ""
+	if dir {
+		if err := CheckFileName(o.FileName); err != nil {
+			return nil, err
+		}
+	}
+	abs, created, err := prepareMountpoint(path, dir)
 	if err != nil {
 		return nil, err
 	}
@@ -166,7 +192,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	}
 	fd := -1
 	for i, ao := range tries {
-		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao)
+		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao, dir)
 		if err == nil {
 			exp.SetAllowOther(ao)
 			if i > 0 {
@@ -186,6 +212,12 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	srv := newServer(exp, fd)
+	file := abs
+	if dir {
+		srv.fileName = o.FileName
+		exp.ino = fileIno
+		file = filepath.Join(abs, o.FileName)
+	}
 	ptFd := exp.img.Features().HostFd
 	ptOK := ptFd >= 0
 	switch {
@@ -231,7 +263,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 	}
 	srv.stats = o.Stats
-	m := &Mount{path: abs, created: created, served: make(chan struct{}), log: exp.log}
+	m := &Mount{path: abs, file: file, created: created, served: make(chan struct{}), log: exp.log}
 	go func() {
 		srv.serve()
 		// The loops end when the kernel ends the connection (unmount,
@@ -251,10 +283,12 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	return m, nil
 }
 
-// mountFUSE mounts a FUSE file system of one regular file on path and
-// returns the /dev/fuse descriptor: with mount(2) directly as root, through
-// fusermount3 (which hands the descriptor back over a socket) otherwise.
-func mountFUSE(path, fsname string, writable, allowOther bool) (int, error) {
+// mountFUSE mounts a FUSE file system of one regular file (or of a
+// directory, for dir) on path and returns the /dev/fuse descriptor: with
+// mount(2) directly as root, through fusermount3 (which hands the
+// descriptor back over a socket, and takes the root's mode from path)
+// otherwise.
+func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error) {
 	opts := []string{"default_permissions", fmt.Sprintf("max_read=%d", maxWrite)}
 	if allowOther {
 		opts = append(opts, "allow_other")
@@ -265,8 +299,12 @@ func mountFUSE(path, fsname string, writable, allowOther bool) (int, error) {
 	}
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err == nil {
+		rootmode := unix.S_IFREG
+		if dir {
+			rootmode = unix.S_IFDIR
+		}
 		data := fmt.Sprintf("fd=%d,rootmode=%o,user_id=%d,group_id=%d,%s",
-			fd, unix.S_IFREG, os.Geteuid(), os.Getegid(), strings.Join(opts, ","))
+			fd, rootmode, os.Geteuid(), os.Getegid(), strings.Join(opts, ","))
 		err = unix.Mount(escapeFsname(fsname), path, "fuse.blockexport", flags, data)
 		if err == nil {
 			return fd, nil
@@ -326,6 +364,9 @@ func fusermount(path, opts string) (int, error) {
 
 // Path is the absolute mountpoint.
 func (m *Mount) Path() string { return m.path }
+
+// File is the exported file: the mountpoint, or the file in it.
+func (m *Mount) File() string { return m.file }
 
 // Done is closed when the kernel has ended the connection (unmounted from
 // outside or by Unmount) and every request has been answered.

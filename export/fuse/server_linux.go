@@ -8,7 +8,8 @@ package fuse
 // By job: server_linux.go (the connection: INIT, queues, passthrough),
 // loop_linux.go (a queue's read loop and its buffers), dispatch.go (the
 // opcode table, inline or handed off, INTERRUPT), bulk_linux.go (the
-// second queue for large writes), reply_linux.go (writing replies).
+// second queue for large writes), reply_linux.go (writing replies),
+// dir_linux.go (the directory around the file, with --file-name).
 
 import (
 	"context"
@@ -30,6 +31,13 @@ const (
 	opForget      = 2
 	opGetattr     = 3
 	opSetattr     = 4
+	opSymlink     = 6
+	opMknod       = 8
+	opMkdir       = 9
+	opUnlink      = 10
+	opRmdir       = 11
+	opRename      = 12
+	opLink        = 13
 	opOpen        = 14
 	opRead        = 15
 	opWrite       = 16
@@ -38,11 +46,18 @@ const (
 	opFsync       = 20
 	opFlush       = 25
 	opInit        = 26
+	opOpendir     = 27
+	opReaddir     = 28
+	opReleasedir  = 29
+	opFsyncdir    = 30
+	opCreate      = 35
 	opInterrupt   = 36
 	opDestroy     = 38
 	opBatchForget = 42
 	opFallocate   = 43
+	opRename2     = 45
 	opLseek       = 46
+	opTmpfile     = 51
 )
 
 const (
@@ -75,6 +90,10 @@ type server struct {
 	pollFor time.Duration
 
 	stats *Stats // nil: not counting
+
+	// fileName is not empty when the root is a directory holding the
+	// export as its one file, named so (--file-name; dir_linux.go).
+	fileName string
 
 	passthrough bool   // ask for FUSE passthrough at INIT
 	negotiated  uint64 // INIT flags both sides agreed on
