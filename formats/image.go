@@ -5,6 +5,7 @@ package formats
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 )
 
@@ -114,6 +115,26 @@ type Info struct {
 
 	// RequestAlignment is the smallest unit the host accepts for I/O.
 	RequestAlignment int `json:"-"`
+	// Remote: the image is on a server (NBD), with no host file: its JSON
+	// has no actual-size or dirty-flag, as qemu-img's has none.
+	Remote bool `json:"-"`
+	// ServerLines describe the server's side (flags, block sizes), for
+	// info's human output.
+	ServerLines []string `json:"-"`
+}
+
+// MarshalJSON writes qemu-img info's object: for a remote image only the
+// keys qemu-img prints for one.
+func (i Info) MarshalJSON() ([]byte, error) {
+	type plain Info // without this method
+	if !i.Remote {
+		return json.Marshal(plain(i))
+	}
+	return json.Marshal(struct {
+		VirtualSize int64  `json:"virtual-size"`
+		Filename    string `json:"filename"`
+		Format      string `json:"format"`
+	}{i.VirtualSize, i.Filename, i.Format})
 }
 
 // FormatSpecific is qemu-img's "format-specific" object.

@@ -28,8 +28,8 @@ type exitStatus int
 func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
 
 func checkCommand() *cobra.Command {
-	var format, repair string
-	var out outputFlag
+	var f inspectFlags
+	var repair string
 	c := &cobra.Command{
 		Use:   "check [flags] IMAGE",
 		Short: "check (and repair) an image's metadata, as qemu-img check does",
@@ -39,23 +39,21 @@ func checkCommand() *cobra.Command {
 		Example: "  blockexport check disk.qcow2\n" +
 			"  blockexport check -r all --output=json disk.qcow2",
 	}
-	fs := c.Flags()
-	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
-	fs.StringVarP(&repair, "repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
-	out.register(c, "check")
+	c.Flags().StringVarP(&repair, "repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
+	f.register(c)
 	completeWords(c, "repair", "leaks", "all")
 	c.RunE = func(c *cobra.Command, args []string) error {
-		return check(c.OutOrStdout(), c.ErrOrStderr(), args, format, repair, &out)
+		return check(c.OutOrStdout(), c.ErrOrStderr(), args, &f, repair)
 	}
 	return c
 }
 
 // check is the check command once its flags are parsed.
-func check(stdout, stderr io.Writer, args []string, format, repair string, out *outputFlag) error {
+func check(stdout, stderr io.Writer, args []string, f *inspectFlags, repair string) error {
 	if len(args) != 1 {
 		return usagef("check: want one IMAGE, got %d argument(s)", len(args))
 	}
-	asJSON, err := out.json()
+	asJSON, err := f.out.json()
 	if err != nil {
 		return err
 	}
@@ -69,10 +67,12 @@ func check(stdout, stderr io.Writer, args []string, format, repair string, out *
 	default:
 		return usagef("unknown --repair %q (want leaks or all)", repair)
 	}
-	if _, err := probe.ParseFormat(format); err != nil {
-		return usageError{err}
+	o, err := f.options()
+	if err != nil {
+		return err
 	}
-	res, err := probe.Check(context.Background(), args[0], probe.Options{Format: format, Backend: "threads", Lock: true}, mode)
+	o.Lock = true // a check refuses an image someone writes, a repair one anybody uses
+	res, err := probe.Check(context.Background(), args[0], o, mode)
 	if err != nil {
 		if errors.Is(err, probe.ErrBadSpec) {
 			return usageError{err}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/probe"
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/raw"
@@ -76,7 +77,7 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		// Open the backing file as a later open will (relative to the
 		// image), for its format and size.
 		bpath := f.backing
-		if !filepath.IsAbs(bpath) {
+		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) {
 			bpath = filepath.Join(filepath.Dir(path), bpath)
 		}
 		bf := f.backingFormat

@@ -32,7 +32,8 @@ func fuseCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "fuse [flags] IMAGE MOUNTPOINT",
 		Short: "export an image as a regular file through FUSE",
-		Long: "Export IMAGE (a raw or qcow2 file, or null:SIZE) as the regular file MOUNTPOINT.\n" +
+		Long: "Export IMAGE (a raw or qcow2 file, null:SIZE, or an NBD URI: nbd://HOST[:PORT]/EXPORT,\n" +
+			"nbd+unix:///EXPORT?socket=PATH, nbds://... for TLS) as the regular file MOUNTPOINT.\n" +
 			"MOUNTPOINT is created if missing and may be IMAGE itself. With --file-name NAME,\n" +
 			"MOUNTPOINT is an existing directory instead, and the export is the one file\n" +
 			"MOUNTPOINT/NAME in it.",
@@ -50,6 +51,7 @@ func fuseCommand() *cobra.Command {
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
+	f.registerTLS(c)
 	completeWords(c, "allow-other", "auto", "on", "off")
 	completeWords(c, "passthrough", "auto", "on", "off")
 	return c

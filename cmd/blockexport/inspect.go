@@ -17,12 +17,41 @@ import (
 	"github.com/blockexport/blockexport/formats/probe"
 )
 
-// openForInspection opens IMAGE read-only for info and map.
-func openForInspection(spec, format string) (*probe.Opened, error) {
-	if _, err := probe.ParseFormat(format); err != nil {
-		return nil, usageError{err}
+// inspectFlags are the flags of the commands that read an image and
+// report on it (info, map, check).
+type inspectFlags struct {
+	format string
+	out    outputFlag
+	src    sourceFlags
+}
+
+func (f *inspectFlags) register(c *cobra.Command) {
+	f.out.register(c, c.Name())
+	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null")
+	f.src.register(c)
+	f.src.registerTLS(c)
+}
+
+// options are how to open the image: read-only, without locks (as
+// qemu-img's --force-share), through threads.
+func (f *inspectFlags) options() (probe.Options, error) {
+	if _, err := probe.ParseFormat(f.format); err != nil {
+		return probe.Options{}, usageError{err}
 	}
-	img, err := probe.Open(spec, probe.Options{Format: format, NullReadZeroes: true, Backend: "threads"})
+	nbdOpts, err := f.src.options()
+	if err != nil {
+		return probe.Options{}, err
+	}
+	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts}, nil
+}
+
+// openForInspection opens IMAGE read-only for info and map.
+func openForInspection(spec string, f *inspectFlags) (*probe.Opened, error) {
+	o, err := f.options()
+	if err != nil {
+		return nil, err
+	}
+	img, err := probe.Open(spec, o)
 	if err != nil {
 		if errors.Is(err, probe.ErrBadSpec) {
 			return nil, usageError{err}
@@ -58,34 +87,32 @@ func (o *outputFlag) json() (bool, error) {
 }
 
 func infoCommand() *cobra.Command {
-	var format string
+	var f inspectFlags
 	var chain bool
-	var out outputFlag
 	c := &cobra.Command{
 		Use:     "info [flags] IMAGE",
 		Short:   "describe an image (format, sizes, backing chain, features)",
 		Long:    "Describe IMAGE as qemu-img info does.",
 		Example: "  blockexport info --output=json --backing-chain overlay.qcow2",
 	}
-	out.register(c, "info")
 	c.Flags().BoolVar(&chain, "backing-chain", false, "describe every image of the backing chain")
-	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
+	f.register(c)
 	c.RunE = func(c *cobra.Command, args []string) error {
-		return info(c.OutOrStdout(), args, format, chain, &out)
+		return info(c.OutOrStdout(), args, &f, chain)
 	}
 	return c
 }
 
 // info is the info command once its flags are parsed.
-func info(stdout io.Writer, args []string, format string, chain bool, output *outputFlag) error {
-	asJSON, err := output.json()
+func info(stdout io.Writer, args []string, f *inspectFlags, chain bool) error {
+	asJSON, err := f.out.json()
 	if err != nil {
 		return err
 	}
 	if len(args) != 1 {
 		return usagef("info: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(args[0], format)
+	img, err := openForInspection(args[0], f)
 	if err != nil {
 		return err
 	}
@@ -122,8 +149,11 @@ func printInfo(w io.Writer, in formats.Info) {
 	fmt.Fprintf(w, "image: %s\n", in.Filename)
 	fmt.Fprintf(w, "file format: %s\n", in.Format)
 	fmt.Fprintf(w, "virtual size: %s (%d bytes)\n", humanSize(in.VirtualSize), in.VirtualSize)
-	if in.ActualSize >= 0 {
+	switch {
+	case in.ActualSize >= 0:
 		fmt.Fprintf(w, "disk size: %s\n", humanSize(in.ActualSize))
+	case in.Remote:
+		fmt.Fprintln(w, "disk size: unavailable")
 	}
 	if in.ClusterSize > 0 {
 		fmt.Fprintf(w, "cluster_size: %d\n", in.ClusterSize)
@@ -155,6 +185,12 @@ func printInfo(w io.Writer, in formats.Info) {
 	}
 	if in.DirtyFlag {
 		fmt.Fprintln(w, "dirty: yes (refcounts may be stale; qemu-img check -r all repairs)")
+	}
+	if len(in.ServerLines) > 0 {
+		fmt.Fprintln(w, "NBD server:")
+		for _, l := range in.ServerLines {
+			fmt.Fprintln(w, l)
+		}
 	}
 }
 
@@ -199,32 +235,30 @@ func (e *mapEntry) mergeable(next mapEntry) bool {
 }
 
 func mapCommand() *cobra.Command {
-	var format string
-	var out outputFlag
+	var f inspectFlags
 	c := &cobra.Command{
 		Use:     "map [flags] IMAGE",
 		Short:   "print an image's allocation, as qemu-img map does",
 		Long:    "Print the allocation of IMAGE as qemu-img map does.",
 		Example: "  blockexport map --output=json disk.qcow2",
 	}
-	out.register(c, "map")
-	formatFlag(c, &format, "image format: auto, raw, qcow2 or null")
+	f.register(c)
 	c.RunE = func(c *cobra.Command, args []string) error {
-		return mapCmd(c.OutOrStdout(), c.ErrOrStderr(), args, format, &out)
+		return mapCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
 	}
 	return c
 }
 
 // mapCmd is the map command once its flags are parsed.
-func mapCmd(stdout, stderr io.Writer, args []string, format string, output *outputFlag) error {
-	asJSON, err := output.json()
+func mapCmd(stdout, stderr io.Writer, args []string, f *inspectFlags) error {
+	asJSON, err := f.out.json()
 	if err != nil {
 		return err
 	}
 	if len(args) != 1 {
 		return usagef("map: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(args[0], format)
+	img, err := openForInspection(args[0], f)
 	if err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -22,6 +23,10 @@ type nbdFlags struct {
 	maxClients     int
 	handshakeLimit int
 	pollUs         int
+	tlsMode        string
+	tlsCert        string
+	tlsKey         string
+	tlsCA          string
 }
 
 func nbdCommand() *cobra.Command {
@@ -41,11 +46,16 @@ func nbdCommand() *cobra.Command {
 	fs.StringVar(&f.desc, "description", "", "the export's description (NBD_INFO_DESCRIPTION)")
 	fs.IntVar(&f.maxClients, "max-clients", 0, "refuse connections beyond this many (0: no limit)")
 	fs.IntVar(&f.handshakeLimit, "handshake-limit", int(nbd.DefaultHandshakeLimit/time.Second), "drop a client that has not finished the handshake in this many seconds, so idle sockets cannot hold --max-clients slots (0: no limit; qemu-nbd's flag)")
+	fs.StringVar(&f.tlsMode, "tls", "require", "with --tls-cert: require (clients must use TLS; nothing else is answered before it), optional, or off")
+	fs.StringVar(&f.tlsCert, "tls-cert", "", "the server's TLS certificate (PEM); turns TLS on")
+	fs.StringVar(&f.tlsKey, "tls-key", "", "the server certificate's key (PEM)")
+	fs.StringVar(&f.tlsCA, "tls-ca", "", "a CA certificate (PEM): clients must present a certificate it signed")
+	completeWords(c, "tls", "require", "optional", "off")
 	fs.IntVar(&f.pollUs, "poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
 	return c
 }
 
-func (f *nbdFlags) run(_ *cobra.Command, args []string) error {
+func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	if len(args) != 1 {
 		return usagef("nbd: want one IMAGE, got %d argument(s) (see blockexport nbd --help)", len(args))
 	}
@@ -66,6 +76,13 @@ func (f *nbdFlags) run(_ *cobra.Command, args []string) error {
 	}
 	if f.handshakeLimit < 0 {
 		return usagef("--handshake-limit %d: want 0 or more seconds", f.handshakeLimit)
+	}
+	tlsConf, tlsMode, err := f.tlsConfig(c)
+	if err != nil {
+		return err
+	}
+	if tlsMode == nbd.TLSOff && network == "tcp" && !loopback(addr) {
+		logger.Warn("listening on a non-loopback address without TLS: anyone who can reach it can read (and with --writable, write) the image; see --tls-cert", "listen", f.listen)
 	}
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
@@ -90,11 +107,12 @@ func (f *nbdFlags) run(_ *cobra.Command, args []string) error {
 	}
 	defer stop()
 	srv := nbd.New(img.Image, nbd.Options{Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
-		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger})
+		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
+		TLS: tlsConf, TLSMode: tlsMode})
 	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	logger.Info("serving NBD", "image", args[0], "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable)
+	logger.Info("serving NBD", "image", args[0], "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)
 	notifyReady()
 	select {
 	case s := <-sigs:
@@ -114,6 +132,45 @@ func (f *nbdFlags) run(_ *cobra.Command, args []string) error {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil
+}
+
+// tlsConfig checks the TLS flags: TLS is on with a certificate, and
+// --tls says how strictly (require unless given).
+func (f *nbdFlags) tlsConfig(c *cobra.Command) (*tls.Config, nbd.TLSMode, error) {
+	mode, err := nbd.ParseTLSMode(f.tlsMode)
+	if err != nil {
+		return nil, "", usageError{err}
+	}
+	if f.tlsCert == "" {
+		if f.tlsKey != "" || f.tlsCA != "" || (c.Flags().Changed("tls") && mode != nbd.TLSOff) {
+			return nil, "", usagef("--tls %s, --tls-key and --tls-ca need --tls-cert", mode)
+		}
+		return nil, nbd.TLSOff, nil
+	}
+	if f.tlsKey == "" {
+		return nil, "", usagef("--tls-cert needs --tls-key")
+	}
+	if mode == nbd.TLSOff {
+		return nil, nbd.TLSOff, nil
+	}
+	conf, err := nbd.ServerTLSConfig(f.tlsCert, f.tlsKey, f.tlsCA)
+	if err != nil {
+		return nil, "", err
+	}
+	return conf, mode, nil
+}
+
+// loopback says whether a listen address only takes local connections.
+func loopback(hostport string) bool {
+	host, _, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // parseListen splits unix:PATH and tcp:HOST:PORT.

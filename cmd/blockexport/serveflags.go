@@ -4,10 +4,12 @@ import (
 	"errors"
 	"log/slog"
 	"os"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/probe"
 )
 
@@ -15,6 +17,7 @@ import (
 // image and how to open it, and how the serving process runs. Declared
 // once, checked once, so that both take the same values the same way.
 type serveFlags struct {
+	sourceFlags
 	format         string
 	writable       bool
 	nullReadZeroes bool
@@ -39,6 +42,7 @@ func (f *serveFlags) register(c *cobra.Command) {
 	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
+	f.sourceFlags.register(c)
 	completeWords(c, "aio", "io_uring", "threads")
 	completeWords(c, "cache", "writeback", "none")
 	completeWords(c, "log-level", "debug", "info", "warn", "error")
@@ -77,8 +81,44 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 	if err != nil {
 		return nil, probe.Options{}, usagef("--l2-cache-size: %v", err)
 	}
+	nbdOpts, err := f.sourceFlags.options()
+	if err != nil {
+		return nil, probe.Options{}, err
+	}
 	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache}, nil
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts}, nil
+}
+
+// sourceFlags say how to reach an image (or a backing file) on an NBD
+// server, named by an NBD URI.
+type sourceFlags struct {
+	connections      int
+	reconnectTimeout time.Duration
+	tls              nbd.TLSFiles
+}
+
+func (f *sourceFlags) register(c *cobra.Command) {
+	fs := c.Flags()
+	fs.IntVar(&f.connections, "connections", 1, "NBD sources: connections to the server, where it allows several (CAN_MULTI_CONN)")
+	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once)")
+}
+
+// registerTLS adds the client's TLS files (for nbds:// URIs).
+func (f *sourceFlags) registerTLS(c *cobra.Command) {
+	fs := c.Flags()
+	fs.StringVar(&f.tls.CA, "tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: the URI's tls-certificates directory, else the system's)")
+	fs.StringVar(&f.tls.Cert, "tls-cert", "", "nbds sources: the client certificate (PEM) to present, when the server asks for one")
+	fs.StringVar(&f.tls.Key, "tls-key", "", "nbds sources: the client certificate's key (PEM)")
+}
+
+func (f *sourceFlags) options() (probe.NBDOptions, error) {
+	if f.connections < 1 || f.connections > 64 {
+		return probe.NBDOptions{}, usagef("--connections %d: want 1 to 64", f.connections)
+	}
+	if f.reconnectTimeout < 0 {
+		return probe.NBDOptions{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
+	}
+	return probe.NBDOptions{Connections: f.connections, ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
 }
 
 // open opens the image; a spec that cannot be right is a usage error.

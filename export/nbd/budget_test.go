@@ -121,7 +121,7 @@ func TestTruncatedWriteGivesTheBudgetBack(t *testing.T) {
 func goClient(t *testing.T, s *Server, name string) (*client, chan struct{}) {
 	t.Helper()
 	a, b := net.Pipe()
-	cn := newConn(s, netConnIO{a}, s.log)
+	cn := newConn(s, pipeStream(t, a), s.log)
 	done := make(chan struct{})
 	go func() { cn.serve(); close(done) }()
 	c := &client{t: t, c: b, r: bufio.NewReader(b)}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
+	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -22,8 +23,11 @@ import (
 // conn is one client connection.
 type conn struct {
 	srv  *Server
-	sock connIO
-	log  *slog.Logger
+	sock sock.Stream // the client's stream: through TLS after STARTTLS
+	// raw is the socket's own stream, for waking the reader from other
+	// goroutines (sock changes under the reader at STARTTLS).
+	raw sock.Stream
+	log *slog.Logger
 
 	wmu sync.Mutex // one reply at a time on the wire
 	// hdr holds the reply header being sent (under wmu): built here, it
@@ -53,8 +57,8 @@ type conn struct {
 	budget *coroutines.Budget
 }
 
-func newConn(s *Server, sock connIO, log *slog.Logger) *conn {
-	c := &conn{srv: s, sock: sock, log: log, stopping: make(chan struct{}),
+func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
+	c := &conn{srv: s, sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.hand = coroutines.NewHandoff(c.ctx)
@@ -111,12 +115,12 @@ func (c *conn) stop() {
 	c.stopOnce.Do(func() {
 		close(c.stopping)
 		// Wake the reader: it then waits for the requests in flight.
-		c.sock.CloseRead()
+		c.raw.CloseRead()
 	})
 }
 
 func (c *conn) serve() {
-	defer c.sock.Close()
+	defer func() { c.sock.Close() }() // the TLS stream, once there is one
 	defer c.cancel()
 	r := bufio.NewReaderSize(c.sock, 256<<10)
 	c.bw = bufio.NewWriterSize(c.sock, 256<<10)
@@ -127,10 +131,10 @@ func (c *conn) serve() {
 		// --max-clients slot forever.
 		limit = time.AfterFunc(d, func() {
 			c.log.Warn("dropping an NBD client that did not finish the handshake in time", "limit", d)
-			c.sock.CloseRead()
+			c.raw.CloseRead()
 		})
 	}
-	neg, err := c.handshake(r)
+	neg, r, err := c.handshake(r)
 	if limit != nil && !limit.Stop() {
 		err = cmp.Or(err, errors.New("handshake limit passed"))
 	}
@@ -141,6 +145,7 @@ func (c *conn) serve() {
 		return
 	}
 	c.neg = neg
+	c.bw.Reset(c.sock) // after STARTTLS: through TLS
 	c.log.Debug("NBD client connected", "structured", neg.structured, "base:allocation", neg.metaAlloc)
 	err = c.transmit(r)
 	if err != nil {
@@ -263,8 +268,7 @@ func (c *conn) queued(r *bufio.Reader) bool {
 	if r.Buffered() != 0 {
 		return true
 	}
-	p, ok := c.sock.(interface{ pending() bool })
-	return !ok || p.pending()
+	return c.sock.Pending()
 }
 
 // inlineResult is what a try in the reader came to.
@@ -337,7 +341,7 @@ func (c *conn) uncork() {
 func (c *conn) replyFailed(err error) {
 	c.log.Debug("NBD reply not sent; dropping the connection", "err", err)
 	c.cancel()
-	c.sock.CloseRead()
+	c.raw.CloseRead()
 }
 
 // handle runs one request and sends its reply.

@@ -3,10 +3,13 @@ package nbd
 import (
 	"bufio"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"strings"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
+
+	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
 // negotiated is what the handshake settled.
@@ -19,9 +22,22 @@ var be = binary.BigEndian
 
 // handshake runs the fixed-newstyle negotiation until the client picks the
 // export (GO or EXPORT_NAME). Malformed input ends the connection with an
-// error; unknown options are answered "unsupported", as the spec asks.
-func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
+// error; unknown options are answered "unsupported", as the spec asks. It
+// returns the reader the transmission phase reads from: a new one after
+// STARTTLS.
+func (c *conn) handshake(r *bufio.Reader) (negotiated, *bufio.Reader, error) {
+	n, err := c.negotiate(&r)
+	return n, r, err
+}
+
+func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 	var n negotiated
+	r := *rp
+	mode := c.srv.opts.TLSMode
+	if c.srv.opts.TLS == nil {
+		mode = TLSOff
+	}
+	encrypted := false
 	var hdr [18]byte
 	be.PutUint64(hdr[0:], magicOldstyle)
 	be.PutUint64(hdr[8:], magicOption)
@@ -53,6 +69,14 @@ func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
 		data := make([]byte, opt.Length)
 		if err := readFull(r, data); err != nil {
 			return n, fmt.Errorf("option %d: %w", opt.ID, err)
+		}
+		if mode == TLSRequire && !encrypted && opt.ID != optStartTLS && opt.ID != optAbort {
+			if opt.ID == optExportName {
+				// It has no error reply: the spec says to hang up.
+				return n, errors.New("client asked for an export in plain text; TLS is required")
+			}
+			c.optReply(opt.ID, wire.RepErrTLSReqd, []byte("TLS is required: send NBD_OPT_STARTTLS first"))
+			continue
 		}
 		switch opt.ID {
 		case optExportName:
@@ -110,7 +134,24 @@ func (c *conn) handshake(r *bufio.Reader) (negotiated, error) {
 				n.metaAlloc = sel
 			}
 		case optStartTLS:
-			c.optReply(opt.ID, repErrPolicy, []byte("TLS is not offered"))
+			switch {
+			case mode == TLSOff:
+				c.optReply(opt.ID, repErrPolicy, []byte("TLS is not offered"))
+			case encrypted:
+				c.optReply(opt.ID, repErrInvalid, []byte("TLS is on already"))
+			case len(data) != 0:
+				c.optReply(opt.ID, repErrInvalid, []byte("STARTTLS takes no data"))
+			default:
+				c.optReply(opt.ID, repAck, nil)
+				nr, err := c.startTLS(r)
+				if err != nil {
+					return n, err
+				}
+				r, *rp, encrypted = nr, nr, true
+				// What was negotiated in plain text does not carry over
+				// (the spec: a client must negotiate again).
+				n = negotiated{}
+			}
 		default:
 			c.optReply(opt.ID, repErrUnsup, nil)
 		}

@@ -1,8 +1,8 @@
 // Package nbd serves one image over the NBD protocol (fixed newstyle), as
 // qemu-nbd and qemu-storage-daemon's NBD export do.
 //
-// What comes from github.com/pojntfx/go-nbd (pkg/protocol): the magic
-// numbers, the option, option-reply, request and simple-reply headers and
+// What comes from github.com/pojntfx/go-nbd (pkg/protocol), through
+// formats/nbd/wire: the magic numbers, the option, option-reply, request and simple-reply headers and
 // the INFO structs, with their field layouts. What is written here, because
 // go-nbd's server only speaks the baseline (serial READ/WRITE/DISC, a
 // backend error drops the connection): NBD_OPT_EXPORT_NAME,
@@ -21,68 +21,67 @@
 // OFFSET_HOLE chunks.
 package nbd
 
-import (
-	"github.com/pojntfx/go-nbd/pkg/protocol"
-)
+import "github.com/blockexport/blockexport/formats/nbd/wire"
 
-// Protocol values go-nbd does not define (doc/proto.md of the NBD project).
+// The protocol's numbers come from wire (shared with the client in
+// formats/nbd); the rest of the package reads them in NBD's words.
 const (
-	handshakeFlagNoZeroes = uint16(1 << 1)
-	clientFlagFixed       = uint32(1 << 0)
-	clientFlagNoZeroes    = uint32(1 << 1)
+	handshakeFlagNoZeroes = wire.HandshakeNoZeroes
+	clientFlagFixed       = wire.ClientFixed
+	clientFlagNoZeroes    = wire.ClientNoZeroes
 
-	optExportName      = uint32(1)
-	optStartTLS        = uint32(5)
-	optStructuredReply = uint32(8)
-	optListMetaContext = uint32(9)
-	optSetMetaContext  = uint32(10)
+	optExportName      = wire.OptExportName
+	optStartTLS        = wire.OptStartTLS
+	optStructuredReply = wire.OptStructuredReply
+	optListMetaContext = wire.OptListMetaContext
+	optSetMetaContext  = wire.OptSetMetaContext
 
-	repMetaContext = uint32(4)
-	repErrPolicy   = uint32(2 | 1<<31)
-	repErrInvalid  = uint32(3 | 1<<31)
-	repErrTooBig   = uint32(9 | 1<<31)
+	repMetaContext = wire.RepMetaContext
+	repErrPolicy   = wire.RepErrPolicy
+	repErrInvalid  = wire.RepErrInvalid
+	repErrTooBig   = wire.RepErrTooBig
 
-	flagReadOnly        = uint16(1 << 1)
-	flagSendFlush       = uint16(1 << 2)
-	flagSendFUA         = uint16(1 << 3)
-	flagSendTrim        = uint16(1 << 5)
-	flagSendWriteZeroes = uint16(1 << 6)
-	flagSendDF          = uint16(1 << 7)
-	flagSendCache       = uint16(1 << 10)
-	flagSendFastZero    = uint16(1 << 11)
+	flagReadOnly        = wire.FlagReadOnly
+	flagSendFlush       = wire.FlagSendFlush
+	flagSendFUA         = wire.FlagSendFUA
+	flagSendTrim        = wire.FlagSendTrim
+	flagSendWriteZeroes = wire.FlagSendZeroes
+	flagSendDF          = wire.FlagSendDF
+	flagSendCache       = wire.FlagSendCache
+	flagSendFastZero    = wire.FlagSendFastZero
 
-	cmdFlush       = uint16(3)
-	cmdTrim        = uint16(4)
-	cmdCache       = uint16(5)
-	cmdWriteZeroes = uint16(6)
-	cmdBlockStatus = uint16(7)
+	cmdFlush       = wire.CmdFlush
+	cmdTrim        = wire.CmdTrim
+	cmdCache       = wire.CmdCache
+	cmdWriteZeroes = wire.CmdWriteZeroes
+	cmdBlockStatus = wire.CmdBlockStatus
 
-	cmdFlagFUA      = uint16(1 << 0)
-	cmdFlagNoHole   = uint16(1 << 1)
-	cmdFlagDF       = uint16(1 << 2)
-	cmdFlagReqOne   = uint16(1 << 3)
-	cmdFlagFastZero = uint16(1 << 4)
+	cmdFlagFUA      = wire.CmdFlagFUA
+	cmdFlagNoHole   = wire.CmdFlagNoHole
+	cmdFlagDF       = wire.CmdFlagDF
+	cmdFlagReqOne   = wire.CmdFlagReqOne
+	cmdFlagFastZero = wire.CmdFlagFastZero
 
-	structuredReplyMagic = uint32(0x668e33ef)
-	chunkFlagDone        = uint16(1 << 0)
-	chunkOffsetData      = uint16(1)
-	chunkOffsetHole      = uint16(2)
-	chunkBlockStatus     = uint16(5)
-	chunkError           = uint16(1<<15 + 1)
+	structuredReplyMagic = wire.MagicStructured
+	chunkFlagDone        = wire.ChunkFlagDone
+	chunkOffsetData      = wire.ChunkOffsetData
+	chunkOffsetHole      = wire.ChunkOffsetHole
+	chunkBlockStatus     = wire.ChunkBlockStatus
+	chunkError           = wire.ChunkError
 
-	stateHole = uint32(1 << 0)
-	stateZero = uint32(1 << 1)
+	stateHole = wire.StateHole
+	stateZero = wire.StateZero
 
-	errPerm      = uint32(1)
-	errIO        = uint32(5)
-	errNoMem     = uint32(12)
-	errInval     = uint32(22)
-	errNoSpc     = uint32(28)
-	errOverflow  = uint32(75)
-	errNotSup    = uint32(95)
-	errShutdown  = uint32(108)
+	errPerm      = wire.EPerm
+	errIO        = wire.EIO
+	errNoMem     = wire.ENoMem
+	errInval     = wire.EInval
+	errNoSpc     = wire.ENoSpc
+	errOverflow  = wire.EOverflow
+	errNotSup    = wire.ENotSup
+	errShutdown  = wire.EShutdown
 	baseAllocID  = uint32(1)
-	baseAllocCtx = "base:allocation"
+	baseAllocCtx = wire.BaseAllocation
 
 	// Block size constraints we advertise: any byte alignment works, 4 KiB
 	// is best, and 32 MiB is the largest request.
@@ -91,32 +90,29 @@ const (
 	maxRequest     = 32 << 20
 	// maxOptionLen bounds an option's payload (names are at most 4 KiB).
 	maxOptionLen = 64 << 10
-)
 
-// Aliases so the rest of the package reads in NBD's own words.
-const (
-	magicOldstyle  = protocol.NEGOTIATION_MAGIC_OLDSTYLE
-	magicOption    = protocol.NEGOTIATION_MAGIC_OPTION
-	magicReply     = protocol.NEGOTIATION_MAGIC_REPLY
-	magicRequest   = protocol.TRANSMISSION_MAGIC_REQUEST
-	magicSimple    = protocol.TRANSMISSION_MAGIC_REPLY
-	handshakeFixed = protocol.NEGOTIATION_HANDSHAKE_FLAG_FIXED_NEWSTYLE
-	optAbort       = protocol.NEGOTIATION_ID_OPTION_ABORT
-	optList        = protocol.NEGOTIATION_ID_OPTION_LIST
-	optInfo        = protocol.NEGOTIATION_ID_OPTION_INFO
-	optGo          = protocol.NEGOTIATION_ID_OPTION_GO
-	repAck         = protocol.NEGOTIATION_TYPE_REPLY_ACK
-	repServer      = protocol.NEGOTIATION_TYPE_REPLY_SERVER
-	repInfo        = protocol.NEGOTIATION_TYPE_REPLY_INFO
-	repErrUnsup    = protocol.NEGOTIATION_TYPE_REPLY_ERR_UNSUPPORTED
-	repErrUnknown  = protocol.NEGOTIATION_TYPE_REPLY_ERR_UNKNOWN
-	infoExport     = protocol.NEGOTIATION_TYPE_INFO_EXPORT
-	infoName       = protocol.NEGOTIATION_TYPE_INFO_NAME
-	infoDesc       = protocol.NEGOTIATION_TYPE_INFO_DESCRIPTION
-	infoBlockSize  = protocol.NEGOTIATION_TYPE_INFO_BLOCKSIZE
-	flagHasFlags   = protocol.NEGOTIATION_REPLY_FLAGS_HAS_FLAGS
-	flagMultiConn  = protocol.NEGOTIATION_REPLY_FLAGS_CAN_MULTI_CONN
-	cmdRead        = protocol.TRANSMISSION_TYPE_REQUEST_READ
-	cmdWrite       = protocol.TRANSMISSION_TYPE_REQUEST_WRITE
-	cmdDisc        = protocol.TRANSMISSION_TYPE_REQUEST_DISC
+	magicOldstyle  = wire.MagicOldstyle
+	magicOption    = wire.MagicOption
+	magicReply     = wire.MagicReply
+	magicRequest   = wire.MagicRequest
+	magicSimple    = wire.MagicSimple
+	handshakeFixed = wire.HandshakeFixed
+	optAbort       = wire.OptAbort
+	optList        = wire.OptList
+	optInfo        = wire.OptInfo
+	optGo          = wire.OptGo
+	repAck         = wire.RepAck
+	repServer      = wire.RepServer
+	repInfo        = wire.RepInfo
+	repErrUnsup    = wire.RepErrUnsup
+	repErrUnknown  = wire.RepErrUnknown
+	infoExport     = wire.InfoExport
+	infoName       = wire.InfoName
+	infoDesc       = wire.InfoDescription
+	infoBlockSize  = wire.InfoBlockSize
+	flagHasFlags   = wire.FlagHasFlags
+	flagMultiConn  = wire.FlagCanMultiConn
+	cmdRead        = wire.CmdRead
+	cmdWrite       = wire.CmdWrite
+	cmdDisc        = wire.CmdDisc
 )

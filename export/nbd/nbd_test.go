@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/null"
 	"github.com/blockexport/blockexport/formats/probe"
@@ -32,11 +33,22 @@ func newPair(t *testing.T, writable bool) (*client, *Server) {
 	return newPairWith(t, img, writable)
 }
 
+// pipeStream is a net.Pipe end as a stream (it has no descriptor, so no
+// sock: plain reads and writes).
+func pipeStream(t *testing.T, c net.Conn) sock.Stream {
+	t.Helper()
+	s, err := sock.New(c, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 func newPairWith(t *testing.T, img formats.Image, writable bool) (*client, *Server) {
 	t.Helper()
 	s := New(img, Options{Name: "disk", Writable: writable})
 	a, b := net.Pipe()
-	cn := newConn(s, netConnIO{a}, s.log)
+	cn := newConn(s, pipeStream(t, a), s.log)
 	s.mu.Lock()
 	s.conns[cn] = struct{}{} // as Serve does, so Shutdown sees it
 	s.mu.Unlock()
@@ -382,7 +394,7 @@ func FuzzServe(f *testing.F) {
 		img, _ := null.New("null", 1<<20, true)
 		s := New(img, Options{Writable: true})
 		a, b := net.Pipe()
-		cn := newConn(s, netConnIO{a}, s.log)
+		cn := newConn(s, pipeStream(t, a), s.log)
 		done := make(chan struct{})
 		go func() { cn.serve(); close(done) }()
 		go io.Copy(io.Discard, b)

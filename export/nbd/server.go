@@ -3,6 +3,7 @@ package nbd
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -33,7 +35,11 @@ type Options struct {
 	// that, readers stop reading requests until replies go out. 0 means
 	// DefaultConnBytes and DefaultServerBytes.
 	ConnBytes, ServerBytes int64
-	Logger                 *slog.Logger
+	// TLS is the server's TLS configuration (ServerTLSConfig); TLSMode
+	// says whether clients must, may or may not use it.
+	TLS     *tls.Config
+	TLSMode TLSMode
+	Logger  *slog.Logger
 }
 
 // Default bounds on the request buffers in flight. A connection's 64 MiB
@@ -111,7 +117,7 @@ func (s *Server) Serve(l net.Listener) error {
 			}
 		}
 		log := s.log.With("remote", remoteName(c))
-		sock, err := newConnIO(c, s.opts.PollMax)
+		stream, err := sock.New(c, s.opts.PollMax)
 		if err != nil {
 			log.Warn("NBD client dropped", "err", err)
 			c.Close()
@@ -120,11 +126,11 @@ func (s *Server) Serve(l net.Listener) error {
 			}
 			continue
 		}
-		cn := newConn(s, sock, log)
+		cn := newConn(s, stream, log)
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
-			sock.Close()
+			stream.Close()
 			return nil
 		}
 		s.conns[cn] = struct{}{}

@@ -15,11 +15,13 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/null"
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/raw"
@@ -103,6 +105,20 @@ type Options struct {
 	// export and this one cannot write one image at once (exports set it;
 	// inspection does not, like qemu-img's --force-share).
 	Lock bool
+	// NBD says how to reach images named by NBD URIs (the image itself or
+	// a backing file).
+	NBD NBDOptions
+}
+
+// NBDOptions are the client settings for NBD URIs.
+type NBDOptions struct {
+	// Connections to open where the server allows several.
+	Connections int
+	// ReconnectTimeout: how long requests wait for a lost connection to
+	// come back (0: they fail at once).
+	ReconnectTimeout time.Duration
+	// TLS files for nbds URIs (see nbd.TLSFiles).
+	TLS nbd.TLSFiles
 }
 
 // Opened is an image with what the opener found out about it.
@@ -136,6 +152,13 @@ func Open(spec string, o Options) (*Opened, error) {
 	if format == Null {
 		return nil, fmt.Errorf("%w: a null device is given as null:SIZE (e.g. null:1G), not %q", ErrBadSpec, spec)
 	}
+	if nbd.IsURI(spec) {
+		img, err := openNBD(spec, format, o, o.Writable)
+		if err != nil {
+			return nil, err
+		}
+		return &Opened{Image: img, Format: Raw}, nil // nothing probed: an export is raw bytes
+	}
 	c := &chain{o: o, seen: map[[2]uint64]string{}}
 	img, name, err := c.open(spec, format, o.Writable, false)
 	if err != nil {
@@ -157,6 +180,17 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	}
 	if _, err := ParseFormat(format); err != nil {
 		return formats.CheckResult{}, err
+	}
+	if nbd.IsURI(spec) {
+		if repair != qcow2.RepairNone {
+			return formats.CheckResult{}, fmt.Errorf("%w: an NBD export has no metadata to repair", ErrBadSpec)
+		}
+		img, err := Open(spec, o)
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		defer img.Image.Close()
+		return formats.CheckResult{Filename: spec, Format: Raw, ImageEndOffset: img.Image.Size()}, nil
 	}
 	if strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
 		img, err := Open(spec, o)
@@ -210,11 +244,44 @@ type chain struct {
 	depth int
 }
 
+// openNBD opens an image on an NBD server. What the server exports is
+// the disk's bytes, raw: a qcow2 file is served as qcow2 by the server
+// (qemu-nbd -f qcow2), not read as qcow2 through it.
+func openNBD(uri, format string, o Options, writable bool) (formats.Image, error) {
+	if format != Auto && format != Raw {
+		return nil, fmt.Errorf("%w: %s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", ErrBadSpec, uri, format, format)
+	}
+	addr, err := nbd.ParseURI(uri)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrBadSpec, err)
+	}
+	no := nbd.Options{Writable: writable, Connections: o.NBD.Connections, ReconnectTimeout: o.NBD.ReconnectTimeout, Logger: o.Logger}
+	if addr.TLS {
+		if no.TLS, err = nbd.TLSConfig(addr, o.NBD.TLS); err != nil {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	img, err := nbd.Open(ctx, addr, no)
+	if err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
 // openBacking is the formats.BackingOpener the chain's images get:
 // backing files are read-only.
 func (c *chain) openBacking(path, format string) (formats.Image, error) {
 	if format == "" {
 		format = Auto
+	}
+	if nbd.IsURI(path) {
+		c.depth++ // a loop through a server cannot be seen; depth still bounds it
+		if c.depth > maxChainDepth {
+			return nil, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+		}
+		return openNBD(path, format, c.o, false)
 	}
 	img, _, err := c.open(path, format, false, true)
 	return img, err

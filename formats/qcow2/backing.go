@@ -3,6 +3,7 @@ package qcow2
 import (
 	"fmt"
 	"path/filepath"
+	"strings"
 
 	"github.com/blockexport/blockexport/formats"
 )
@@ -18,7 +19,7 @@ func (q *Image) openBacking(open formats.BackingOpener) error {
 		return fmt.Errorf("qcow2: %s has a backing file (%s) and nothing to open it with", q.path, q.h.backingFile)
 	}
 	bpath := q.h.backingFile
-	if !filepath.IsAbs(bpath) {
+	if !filepath.IsAbs(bpath) && !strings.Contains(bpath, "://") { // a URI (nbd://) is no path
 		bpath = filepath.Join(filepath.Dir(q.path), bpath)
 	}
 	switch q.h.backingFormat {

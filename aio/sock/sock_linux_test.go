@@ -1,4 +1,4 @@
-package nbd
+package sock
 
 import (
 	"bytes"
@@ -30,7 +30,7 @@ func sockPair(t *testing.T, spinMax time.Duration) (*sock, net.Conn) {
 		return c
 	}
 	ours, peer := conn(fds[0]), conn(fds[1])
-	cio, err := newConnIO(ours, spinMax)
+	cio, err := New(ours, spinMax)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,397 @@
+package nbd
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"syscall"
+
+	"github.com/blockexport/blockexport/aio/sock"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
+)
+
+var be = binary.BigEndian
+
+// errLost marks a request whose connection broke before its reply: it
+// may be sent again on a new connection.
+var errLost = errors.New("nbd: connection lost")
+
+// errProtocol marks a reply that breaks the protocol: the connection is
+// dropped and its requests fail, never retried (a server that sends
+// garbage once will again).
+var errProtocol = errors.New("nbd: protocol error")
+
+// conn is one transmission-phase connection. Requests are written under
+// wmu, each with its own cookie, so any number may be in flight, answered
+// in any order. There is no reader goroutine: a request waiting for its
+// reply reads replies itself, for whoever they are, until its own has come
+// (one reader at a time, under rmu), then hands the reading on to another
+// waiter. At queue depth one the reply thus lands in the goroutine that
+// waits for it, with no hand-over; the stream is a sock (plain system
+// calls, a short adaptive spin) where it can be, as the server's is.
+type conn struct {
+	s    sock.Stream
+	r    *bufio.Reader
+	info exportInfo
+	wmu  sync.Mutex
+
+	rmu  sync.Mutex    // held by the goroutine reading replies
+	turn chan struct{} // a token: nobody reads while requests wait
+
+	mu     sync.Mutex
+	calls  map[uint64]*call
+	cookie uint64
+	err    error         // why the connection ended; set once
+	dead   chan struct{} // closed when err is set
+}
+
+// call is one request in flight.
+type call struct {
+	cmd  uint16
+	off  int64
+	buf  []byte // READ: where the data goes
+	done chan struct{}
+	err  error
+	// BLOCK_STATUS: the first extent's length and flags.
+	extLen   uint32
+	extFlags uint32
+	gotExt   bool
+}
+
+func newConn(s sock.Stream, info exportInfo) *conn {
+	return &conn{s: s, r: bufio.NewReaderSize(s, 64<<10), info: info, calls: map[uint64]*call{},
+		dead: make(chan struct{}), turn: make(chan struct{}, 1)}
+}
+
+// alive says whether the connection still carries requests.
+func (c *conn) alive() bool {
+	select {
+	case <-c.dead:
+		return false
+	default:
+		return true
+	}
+}
+
+// fail ends the connection: every request in flight gets err. Only the
+// reader calls it (it alone writes to requests in flight); others close
+// the socket and let the reader fail (close, when nothing is in flight).
+func (c *conn) fail(err error) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.err = err
+	calls := c.calls
+	c.calls = nil
+	close(c.dead)
+	c.mu.Unlock()
+	c.s.Close()
+	for _, cl := range calls {
+		cl.err = err // a server's error for the request counts for less
+		close(cl.done)
+	}
+}
+
+// close says goodbye (NBD_CMD_DISC) and ends the connection. Nothing may
+// be in flight.
+func (c *conn) close() {
+	if c.alive() {
+		var hdr [wire.RequestSize]byte
+		putRequest(hdr[:], 0, wire.CmdDisc, 0, 0, 0)
+		c.wmu.Lock()
+		c.s.Write(hdr[:])
+		c.wmu.Unlock()
+	}
+	c.rmu.Lock() // no reader left behind
+	c.fail(net.ErrClosed)
+	c.rmu.Unlock()
+}
+
+// do sends one request and waits for its reply. payload is a WRITE's
+// data; cl.buf a READ's destination.
+func (c *conn) do(cl *call, flags uint16, length uint32, payload []byte) error {
+	cl.done = make(chan struct{})
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return errLost
+	}
+	c.cookie++
+	cookie := c.cookie
+	c.calls[cookie] = cl
+	c.mu.Unlock()
+
+	var hdr [wire.RequestSize]byte
+	putRequest(hdr[:], flags, cl.cmd, cookie, uint64(cl.off), length)
+	c.wmu.Lock()
+	var err error
+	if len(payload) > 0 {
+		err = c.s.WriteBuffers([][]byte{hdr[:], payload})
+	} else {
+		_, err = c.s.Write(hdr[:])
+	}
+	c.wmu.Unlock()
+	if err != nil {
+		c.s.CloseRead() // the reader fails every request, this one too
+	}
+	c.wait(cl)
+	return cl.err
+}
+
+// wait reads replies until cl's has come, or waits while another
+// goroutine reads them.
+func (c *conn) wait(cl *call) {
+	for {
+		select {
+		case <-cl.done:
+			return
+		default:
+		}
+		if c.rmu.TryLock() {
+			c.readUntil(cl)
+			c.rmu.Unlock()
+			c.mu.Lock()
+			waiting := len(c.calls) > 0
+			c.mu.Unlock()
+			if waiting {
+				select { // someone must read for them
+				case c.turn <- struct{}{}:
+				default:
+				}
+			}
+			return
+		}
+		select {
+		case <-cl.done:
+			return
+		case <-c.turn:
+		}
+	}
+}
+
+// readUntil reads replies until cl is answered or the connection ends.
+func (c *conn) readUntil(cl *call) {
+	for {
+		select {
+		case <-cl.done:
+			return
+		default:
+		}
+		if err := c.readReply(); err != nil {
+			if !errors.Is(err, errProtocol) {
+				err = fmt.Errorf("%w: %v", errLost, err)
+			}
+			c.fail(err)
+			return
+		}
+	}
+}
+
+func putRequest(b []byte, flags, cmd uint16, cookie, off uint64, length uint32) {
+	be.PutUint32(b[0:], wire.MagicRequest)
+	be.PutUint16(b[4:], flags)
+	be.PutUint16(b[6:], cmd)
+	be.PutUint64(b[8:], cookie)
+	be.PutUint64(b[16:], off)
+	be.PutUint32(b[24:], length)
+}
+
+// lookup finds the request a reply names. It stays in flight (and fail
+// answers it, should the connection break in the middle of its reply)
+// until finish.
+func (c *conn) lookup(cookie uint64) (*call, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cl := c.calls[cookie]
+	if cl == nil {
+		return nil, fmt.Errorf("%w: reply for cookie %d, which no request has", errProtocol, cookie)
+	}
+	return cl, nil
+}
+
+// finish answers the request with cookie, unless fail has.
+func (c *conn) finish(cookie uint64, cl *call) {
+	c.mu.Lock()
+	if c.calls[cookie] != cl {
+		c.mu.Unlock()
+		return
+	}
+	delete(c.calls, cookie)
+	c.mu.Unlock()
+	close(cl.done)
+}
+
+func (c *conn) readReply() error {
+	var m [4]byte
+	if _, err := io.ReadFull(c.r, m[:]); err != nil {
+		return err
+	}
+	switch be.Uint32(m[:]) {
+	case wire.MagicSimple:
+		return c.simpleReply()
+	case wire.MagicStructured:
+		if !c.info.structured {
+			return fmt.Errorf("%w: structured reply without structured replies negotiated", errProtocol)
+		}
+		return c.structuredReply()
+	}
+	return fmt.Errorf("%w: bad reply magic %#x", errProtocol, be.Uint32(m[:]))
+}
+
+func (c *conn) simpleReply() error {
+	var h [wire.SimpleReplySize - 4]byte
+	if _, err := io.ReadFull(c.r, h[:]); err != nil {
+		return err
+	}
+	code, cookie := be.Uint32(h[0:]), be.Uint64(h[4:])
+	cl, err := c.lookup(cookie)
+	if err != nil {
+		return err
+	}
+	if code == 0 && cl.cmd == wire.CmdRead {
+		if c.info.structured {
+			return fmt.Errorf("%w: a simple reply to a READ after structured replies were negotiated", errProtocol)
+		}
+		if _, err := io.ReadFull(c.r, cl.buf); err != nil {
+			return err
+		}
+	}
+	if code != 0 {
+		cl.err = serverError(code, "")
+	}
+	c.finish(cookie, cl)
+	return nil
+}
+
+func (c *conn) structuredReply() error {
+	var h [wire.StructuredReplySize - 4]byte
+	if _, err := io.ReadFull(c.r, h[:]); err != nil {
+		return err
+	}
+	flags, typ, cookie, length := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:]), be.Uint32(h[12:])
+	cl, err := c.lookup(cookie)
+	if err != nil {
+		return err
+	}
+	if err := c.chunk(cl, typ, length); err != nil {
+		return err
+	}
+	if flags&wire.ChunkFlagDone != 0 {
+		c.finish(cookie, cl)
+	}
+	return nil
+}
+
+// maxChunkOverhead bounds a chunk's non-data bytes (an error message,
+// block-status descriptors we do not read one by one).
+const maxChunkOverhead = 64 << 10
+
+// chunk takes one structured reply chunk of cl.
+func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
+	switch typ {
+	case wire.ChunkNone:
+		if length != 0 {
+			return fmt.Errorf("%w: NONE chunk with %d bytes", errProtocol, length)
+		}
+	case wire.ChunkOffsetData, wire.ChunkOffsetHole:
+		if cl.cmd != wire.CmdRead {
+			return fmt.Errorf("%w: data chunk in reply to command %d", errProtocol, cl.cmd)
+		}
+		var ob [8]byte
+		if length < 8 || (typ == wire.ChunkOffsetHole && length != 12) {
+			return fmt.Errorf("%w: chunk %d of %d bytes", errProtocol, typ, length)
+		}
+		if _, err := io.ReadFull(c.r, ob[:]); err != nil {
+			return err
+		}
+		n := int64(length - 8)
+		if typ == wire.ChunkOffsetHole {
+			var lb [4]byte
+			if _, err := io.ReadFull(c.r, lb[:]); err != nil {
+				return err
+			}
+			n = int64(be.Uint32(lb[:]))
+		}
+		start := int64(be.Uint64(ob[:])) - cl.off
+		if start < 0 || n == 0 || start+n > int64(len(cl.buf)) {
+			return fmt.Errorf("%w: chunk for [%d, +%d) outside the request [%d, +%d)", errProtocol, start+cl.off, n, cl.off, len(cl.buf))
+		}
+		if typ == wire.ChunkOffsetHole {
+			clear(cl.buf[start : start+n])
+		} else if _, err := io.ReadFull(c.r, cl.buf[start:start+n]); err != nil {
+			return err
+		}
+	case wire.ChunkBlockStatus:
+		if cl.cmd != wire.CmdBlockStatus || length < 12 || (length-4)%8 != 0 || length > maxChunkOverhead {
+			return fmt.Errorf("%w: BLOCK_STATUS chunk of %d bytes", errProtocol, length)
+		}
+		b := make([]byte, length)
+		if _, err := io.ReadFull(c.r, b); err != nil {
+			return err
+		}
+		if be.Uint32(b) == c.info.allocCtx && !cl.gotExt {
+			cl.extLen, cl.extFlags, cl.gotExt = be.Uint32(b[4:]), be.Uint32(b[8:]), true
+		}
+	case wire.ChunkError, wire.ChunkErrorOffset:
+		if length < 6 || length > maxChunkOverhead {
+			return fmt.Errorf("%w: error chunk of %d bytes", errProtocol, length)
+		}
+		b := make([]byte, length)
+		if _, err := io.ReadFull(c.r, b); err != nil {
+			return err
+		}
+		msgLen := int(be.Uint16(b[4:]))
+		if 6+msgLen > len(b) {
+			return fmt.Errorf("%w: error message overruns its chunk", errProtocol)
+		}
+		if cl.err == nil {
+			cl.err = serverError(be.Uint32(b), string(b[6:6+msgLen]))
+		}
+	default:
+		if typ&(1<<15) == 0 {
+			return fmt.Errorf("%w: unknown chunk type %d", errProtocol, typ)
+		}
+		// An unknown error chunk: the request failed; skip its payload.
+		if length > maxChunkOverhead {
+			return fmt.Errorf("%w: chunk of %d bytes", errProtocol, length)
+		}
+		if _, err := io.CopyN(io.Discard, c.r, int64(length)); err != nil {
+			return err
+		}
+		if cl.err == nil {
+			cl.err = serverError(wire.EIO, fmt.Sprintf("unknown error chunk %d", typ))
+		}
+	}
+	return nil
+}
+
+// serverError turns an NBD error code into an errno error.
+func serverError(code uint32, msg string) error {
+	errno := syscall.EIO
+	switch code {
+	case wire.EPerm:
+		errno = syscall.EPERM
+	case wire.ENoMem:
+		errno = syscall.ENOMEM
+	case wire.EInval:
+		errno = syscall.EINVAL
+	case wire.ENoSpc:
+		errno = syscall.ENOSPC
+	case wire.EOverflow:
+		errno = syscall.EOVERFLOW
+	case wire.ENotSup:
+		errno = syscall.ENOTSUP
+	case wire.EShutdown:
+		errno = syscall.ESHUTDOWN
+	}
+	if msg != "" {
+		return fmt.Errorf("nbd server: %.200s: %w", msg, errno)
+	}
+	return fmt.Errorf("nbd server: %w", errno)
+}

@@ -1,0 +1,445 @@
+// Package nbd is an image on an NBD server: qemu-nbd, nbdkit,
+// qemu-storage-daemon or blockexport nbd, named by an NBD URI
+// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds:// for
+// TLS). It is the client side of what export/nbd serves: fixed newstyle
+// with GO, structured replies, base:allocation block status, TRIM,
+// WRITE_ZEROES, FLUSH, the server's block-size constraints, any number of
+// requests in flight per connection and several connections when the
+// server allows it (CAN_MULTI_CONN).
+//
+// A connection that breaks is made again, with backoff, for up to
+// Options.ReconnectTimeout; the requests that were in flight are sent
+// again on the new one (a replay of a write is the same write: NBD makes
+// no promise about the order of requests in flight). Writes acknowledged
+// since the last flush may not have survived a server that went away, so
+// the first flush after a reconnect reports an error when there were any:
+// a client's fsync learns of it.
+package nbd
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
+)
+
+// Options say how to reach and use the export.
+type Options struct {
+	Writable bool
+	// Connections is how many connections to open when the server allows
+	// several (CAN_MULTI_CONN); one otherwise. 0 means 1.
+	Connections int
+	// ReconnectTimeout is how long a request waits for a broken
+	// connection to come back before it fails with EIO; 0 fails at once.
+	ReconnectTimeout time.Duration
+	// TLS is the client's TLS configuration for nbds URIs (see TLSConfig).
+	TLS    *tls.Config
+	Logger *slog.Logger
+}
+
+// Image is an export on an NBD server.
+type Image struct {
+	formats.NoFastPath
+	addr Address
+	o    Options
+	d    dialer
+	info exportInfo // the first connection's; later ones must agree
+
+	slots []*slot
+	next  atomic.Uint32
+
+	// log keeps unflushed writes to send again after a reconnect (one
+	// connection). With several, dirty says some were acknowledged since
+	// the last flush, and lost that a connection broke meanwhile: the
+	// next flush reports it.
+	log   replayLog
+	dirty atomic.Bool
+	lost  atomic.Bool
+	rmw   sync.Mutex // read-modify-write of unaligned writes
+}
+
+// slot is one of the image's connections, made again when it breaks.
+type slot struct {
+	mu sync.Mutex
+	c  *conn
+}
+
+// Open connects to the export addr names.
+func Open(ctx context.Context, addr Address, o Options) (*Image, error) {
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if addr.TLS && o.TLS == nil {
+		return nil, fmt.Errorf("nbd: %s: a TLS URI needs TLS settings", addr.URI)
+	}
+	if !addr.TLS {
+		o.TLS = nil
+	}
+	img := &Image{addr: addr, o: o, d: dialer{addr: addr, tls: o.TLS}}
+	s, info, err := img.d.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	img.info = info
+	first := newConn(s, info)
+	if o.Writable && info.flags&wire.FlagReadOnly != 0 {
+		first.close()
+		return nil, fmt.Errorf("nbd: %s: the server exports it read-only: %w", addr.URI, formats.ErrReadOnly)
+	}
+	n := max(o.Connections, 1)
+	if n > 1 && info.flags&wire.FlagCanMultiConn == 0 {
+		o.Logger.Info("the NBD server does not allow several connections to this export (no CAN_MULTI_CONN); using one", "uri", addr.URI)
+		n = 1
+	}
+	img.slots = []*slot{{c: first}}
+	for i := 1; i < n; i++ {
+		img.slots = append(img.slots, &slot{})
+	}
+	return img, nil
+}
+
+// conn returns slot s's connection, connecting again if it broke: with
+// backoff from 50 ms to 1 s until deadline (zero: one try).
+func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.c != nil && s.c.alive() {
+		return s.c, nil
+	}
+	backoff := 50 * time.Millisecond
+	for {
+		c, err := img.redial(ctx)
+		if err == nil {
+			s.c = c
+			return c, nil
+		}
+		left := time.Until(deadline)
+		if deadline.IsZero() || left <= 0 || errors.Is(err, errChanged) {
+			return nil, err
+		}
+		wait := min(backoff, left)
+		img.o.Logger.Debug("NBD reconnect failed; retrying", "uri", img.addr.URI, "in", wait, "err", err)
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(wait):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// errChanged: the export came back different; no retry helps.
+var errChanged = errors.New("nbd: the export changed")
+
+// redial makes a new connection; the export must be the one we know.
+func (img *Image) redial(ctx context.Context) (*conn, error) {
+	s, info, err := img.d.dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if info.size != img.info.size || info.flags&wire.FlagReadOnly != img.info.flags&wire.FlagReadOnly {
+		s.Close()
+		return nil, fmt.Errorf("%w: size %d (was %d), flags %#x (were %#x)", errChanged, info.size, img.info.size, info.flags, img.info.flags)
+	}
+	c := newConn(s, info)
+	switch {
+	case img.replaying():
+		if err := img.log.replay(c); err != nil {
+			c.close()
+			return nil, err
+		}
+	case img.dirty.Load():
+		img.lost.Store(true)
+	}
+	img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI)
+	return c, nil
+}
+
+// do runs one request, on the next connection in turn, again on a new
+// connection while its connection breaks, for up to ReconnectTimeout.
+func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint32, payload []byte) (call, error) {
+	s := img.slots[int(img.next.Add(1))%len(img.slots)]
+	var deadline time.Time
+	for {
+		c, err := img.conn(ctx, s, deadline)
+		if err != nil {
+			return cl, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
+		}
+		try := cl
+		err = c.do(&try, flags, length, payload)
+		if !errors.Is(err, errLost) {
+			if errors.Is(err, errProtocol) {
+				img.o.Logger.Error("the NBD server broke the protocol; its connection is dropped", "uri", img.addr.URI, "err", err)
+				return try, fmt.Errorf("%v: %w", err, syscall.EIO)
+			}
+			return try, err
+		}
+		if img.o.ReconnectTimeout <= 0 {
+			return try, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
+		}
+		if deadline.IsZero() {
+			img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
+			deadline = time.Now().Add(img.o.ReconnectTimeout)
+		}
+	}
+}
+
+// Each request is cut at the server's maximum and aligned to its minimum.
+
+func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if err := img.inRange(off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	if a := int64(img.info.minBlock); off%a != 0 || int64(len(p))%a != 0 {
+		start := off &^ (a - 1)
+		end := (off + int64(len(p)) + a - 1) &^ (a - 1)
+		b := make([]byte, end-start)
+		if err := img.read(ctx, b, start); err != nil {
+			return 0, err
+		}
+		copy(p, b[off-start:])
+		return len(p), nil
+	}
+	if err := img.read(ctx, p, off); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+func (img *Image) read(ctx context.Context, p []byte, off int64) error {
+	for len(p) > 0 {
+		n := min(len(p), int(img.info.maxBlock))
+		if _, err := img.do(ctx, call{cmd: wire.CmdRead, off: off, buf: p[:n]}, 0, uint32(n), nil); err != nil {
+			return fmt.Errorf("nbd: read %d bytes at %d: %w", n, off, err)
+		}
+		p, off = p[n:], off+int64(n)
+	}
+	return nil
+}
+
+func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if !img.o.Writable {
+		return 0, formats.ErrReadOnly
+	}
+	if err := img.inRange(off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	total := len(p)
+	if a := int64(img.info.minBlock); off%a != 0 || int64(len(p))%a != 0 {
+		// Whole blocks, read first: one at a time, so that two partial
+		// writes into one block do not undo each other.
+		img.rmw.Lock()
+		defer img.rmw.Unlock()
+		start := off &^ (a - 1)
+		end := (off + int64(len(p)) + a - 1) &^ (a - 1)
+		b := make([]byte, end-start)
+		if err := img.read(ctx, b, start); err != nil {
+			return 0, err
+		}
+		copy(b[off-start:], p)
+		p, off = b, start
+	}
+	for len(p) > 0 {
+		n := min(len(p), int(img.info.maxBlock))
+		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint32(n), p[:n]); err != nil {
+			return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", n, off, err)
+		}
+		if err := img.acked(ctx, logEntry{cmd: wire.CmdWrite, off: off, length: uint32(n), data: p[:n]}); err != nil {
+			return 0, err
+		}
+		p, off = p[n:], off+int64(n)
+	}
+	return total, nil
+}
+
+// bigRequest is the most a request without payload asks for at once.
+const bigRequest = 1 << 30
+
+func (img *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
+	if !img.o.Writable {
+		return formats.ErrReadOnly
+	}
+	if err := img.inRange(off, n); err != nil {
+		return err
+	}
+	a := int64(img.info.minBlock)
+	if img.info.flags&wire.FlagSendZeroes == 0 || off%a != 0 || n%a != 0 {
+		// No WRITE_ZEROES, or not on block boundaries: write zeroes.
+		return img.writeZeroBuffers(ctx, off, n)
+	}
+	var flags uint16
+	if !mayUnmap {
+		flags |= wire.CmdFlagNoHole
+	}
+	return img.ranges(ctx, wire.CmdWriteZeroes, flags, off, n)
+}
+
+func (img *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
+	zero := make([]byte, min(n, 1<<20))
+	for n > 0 {
+		k := min(n, int64(len(zero)))
+		if _, err := img.WriteAt(ctx, zero[:k], off); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+	}
+	return nil
+}
+
+// ranges sends cmd for [off, off+n) in requests of at most bigRequest.
+func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) error {
+	step := bigRequest &^ (int64(img.info.minBlock) - 1)
+	for n > 0 {
+		k := min(n, step)
+		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint32(k), nil); err != nil {
+			return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, k, off, err)
+		}
+		if err := img.acked(ctx, logEntry{cmd: cmd, flags: flags, off: off, length: uint32(k)}); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+	}
+	return nil
+}
+
+// Discard trims where the server can; elsewhere it is a no-op, which the
+// interface allows.
+func (img *Image) Discard(ctx context.Context, off, n int64) error {
+	if !img.o.Writable {
+		return formats.ErrReadOnly
+	}
+	if err := img.inRange(off, n); err != nil {
+		return err
+	}
+	a := int64(img.info.minBlock)
+	start := (off + a - 1) &^ (a - 1)
+	end := (off + n) &^ (a - 1)
+	if img.info.flags&wire.FlagSendTrim == 0 || end <= start {
+		return nil
+	}
+	return img.ranges(ctx, wire.CmdTrim, 0, start, end-start)
+}
+
+// Flush makes acknowledged writes durable on the server; after a
+// reconnect that may have lost some (several connections, see replayLog),
+// it reports that once.
+func (img *Image) Flush(ctx context.Context) error {
+	if !img.o.Writable {
+		return nil
+	}
+	mark := img.log.mark()
+	dirty := img.dirty.Swap(false)
+	if img.info.flags&wire.FlagSendFlush != 0 {
+		if _, err := img.do(ctx, call{cmd: wire.CmdFlush}, 0, 0, nil); err != nil {
+			if dirty {
+				img.dirty.Store(true)
+			}
+			return fmt.Errorf("nbd: flush: %w", err)
+		}
+	}
+	img.log.durable(mark)
+	if img.lost.Swap(false) {
+		return fmt.Errorf("nbd: %s: the connection broke while writes were not flushed; the server may have lost them: %w", img.addr.URI, syscall.EIO)
+	}
+	return nil
+}
+
+func (img *Image) Size() int64 { return img.info.size }
+
+func (img *Image) Resize(context.Context, int64) error {
+	return fmt.Errorf("nbd: the export's size is the server's: %w", formats.ErrNotSupported)
+}
+
+// Extent asks the server (base:allocation) for the run at off. A server
+// without it reports everything as data, as QEMU reads it.
+func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
+	if off < 0 || off >= img.info.size {
+		return formats.Extent{}, fmt.Errorf("nbd: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	n = min(n, img.info.size-off)
+	e := formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true, File: img.addr.URI}
+	if !img.info.hasAlloc {
+		return e, nil
+	}
+	a := int64(img.info.minBlock)
+	start := off &^ (a - 1)
+	length := min((off+n+a-1)&^(a-1)-start, bigRequest)
+	cl, err := img.do(ctx, call{cmd: wire.CmdBlockStatus, off: start}, wire.CmdFlagReqOne, uint32(length), nil)
+	if err != nil {
+		return formats.Extent{}, fmt.Errorf("nbd: block status at %d: %w", off, err)
+	}
+	if !cl.gotExt || cl.extLen == 0 {
+		return formats.Extent{}, fmt.Errorf("nbd: block status at %d: %w: no extent in the reply", off, syscall.EIO)
+	}
+	e.Length = min(start+int64(cl.extLen)-off, n)
+	if e.Length <= 0 {
+		e.Length = min(a, n) // a run shorter than the minimum block: the block's status
+	}
+	e.Data = cl.extFlags&wire.StateHole == 0
+	e.Zero = cl.extFlags&wire.StateZero != 0
+	return e, nil
+}
+
+// AllocatedSize is unknown: the server does not say.
+func (img *Image) AllocatedSize(context.Context) (int64, error) { return -1, nil }
+
+func (img *Image) inRange(off, n int64) error {
+	if off < 0 || n < 0 || off+n > img.info.size {
+		return fmt.Errorf("nbd: [%d, +%d) of a %d-byte export: %w", off, n, img.info.size, formats.ErrOutOfRange)
+	}
+	return nil
+}
+
+// Info is what qemu-img info says of an NBD image, and what the server
+// told us (flags and block sizes) for the human lines.
+func (img *Image) Info() formats.Info {
+	i := img.info
+	flag := func(f uint16) string {
+		if i.flags&f != 0 {
+			return "yes"
+		}
+		return "no"
+	}
+	lines := []string{
+		"    export: " + fmt.Sprintf("%q", img.addr.Export),
+		"    tls: " + map[bool]string{true: "yes", false: "no"}[i.tls],
+		fmt.Sprintf("    read-only: %s", flag(wire.FlagReadOnly)),
+		fmt.Sprintf("    flush: %s, fua: %s, trim: %s, zeroes: %s, fast-zero: %s, multi-conn: %s",
+			flag(wire.FlagSendFlush), flag(wire.FlagSendFUA), flag(wire.FlagSendTrim), flag(wire.FlagSendZeroes),
+			flag(wire.FlagSendFastZero), flag(wire.FlagCanMultiConn)),
+		fmt.Sprintf("    block size: minimum %d, preferred %d, maximum %d", i.minBlock, i.prefBlock, i.maxBlock),
+		"    base:allocation: " + map[bool]string{true: "yes", false: "no"}[i.hasAlloc],
+	}
+	if i.description != "" {
+		lines = append(lines, fmt.Sprintf("    description: %q", i.description))
+	}
+	return formats.Info{
+		Format:           "raw",
+		Filename:         img.addr.URI,
+		VirtualSize:      i.size,
+		ActualSize:       -1,
+		Remote:           true,
+		ServerLines:      lines,
+		RequestAlignment: int(i.minBlock),
+	}
+}
+
+// Close says goodbye on every connection.
+func (img *Image) Close() error {
+	for _, s := range img.slots {
+		s.mu.Lock()
+		if s.c != nil {
+			s.c.close()
+		}
+		s.mu.Unlock()
+	}
+	return nil
+}

@@ -1,0 +1,431 @@
+package nbd_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	exportnbd "github.com/blockexport/blockexport/export/nbd"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
+	"github.com/blockexport/blockexport/formats/probe"
+)
+
+func TestParseURI(t *testing.T) {
+	good := []struct {
+		uri                   string
+		network, addr, export string
+		tls                   bool
+		serverName, certDir   string
+	}{
+		{"nbd://example.com/disk", "tcp", "example.com:10809", "disk", false, "example.com", ""},
+		{"nbd://127.0.0.1:1234", "tcp", "127.0.0.1:1234", "", false, "127.0.0.1", ""},
+		{"nbd://[::1]:99/a%20b", "tcp", "[::1]:99", "a b", false, "::1", ""},
+		{"nbd:///x", "tcp", "localhost:10809", "x", false, "localhost", ""},
+		{"nbds://host/e?tls-certificates=/etc/pki", "tcp", "host:10809", "e", true, "host", "/etc/pki"},
+		{"nbd+unix:///exp?socket=/run/nbd.sock", "unix", "/run/nbd.sock", "exp", false, "localhost", ""},
+		{"nbds+unix:///?socket=/s&tls-hostname=srv", "unix", "/s", "", true, "srv", ""},
+		{"nbd+tcp://h/e", "tcp", "h:10809", "e", false, "h", ""},
+	}
+	for _, g := range good {
+		a, err := nbd.ParseURI(g.uri)
+		if err != nil {
+			t.Errorf("%s: %v", g.uri, err)
+			continue
+		}
+		if a.Network != g.network || a.Addr != g.addr || a.Export != g.export || a.TLS != g.tls || a.ServerName != g.serverName || a.CertDir != g.certDir {
+			t.Errorf("%s: %+v", g.uri, a)
+		}
+		if !nbd.IsURI(g.uri) {
+			t.Errorf("IsURI(%s) = false", g.uri)
+		}
+	}
+	for _, bad := range []string{
+		"nbd+unix:///exp",               // no socket
+		"nbd+unix://host/exp?socket=/s", // a host on a unix URI
+		"nbd://host/e?socket=/s",        // socket on tcp
+		"nbd://host:0/e", "nbd://host:99999/e", "nbd://host:x/e",
+		"nbd://user@host/e", // TLS-PSK user names
+		"nbd://host/e?bogus=1",
+		"http://host/e",
+	} {
+		if _, err := nbd.ParseURI(bad); !errors.Is(err, nbd.ErrBadURI) {
+			t.Errorf("%s: %v, want ErrBadURI", bad, err)
+		}
+	}
+	for _, notURI := range []string{"disk.img", "/tmp/nbd:/x", "null:1G", "nbd:x"} {
+		if nbd.IsURI(notURI) {
+			t.Errorf("IsURI(%s) = true", notURI)
+		}
+	}
+}
+
+// server serves a raw file over a unix socket with our own NBD server.
+type server struct {
+	t    *testing.T
+	sock string
+	img  *probe.Opened
+	srv  *exportnbd.Server
+	l    net.Listener
+	done chan struct{}
+}
+
+func serve(t *testing.T, sockPath, file string, o exportnbd.Options) *server {
+	t.Helper()
+	img, err := probe.Open(file, probe.Options{Format: probe.Raw, Writable: o.Writable, Backend: "threads"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", sockPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	s := &server{t: t, sock: sockPath, img: img, srv: exportnbd.New(img.Image, o), l: l, done: make(chan struct{})}
+	go func() { s.srv.Serve(l); close(s.done) }()
+	t.Cleanup(s.stop)
+	return s
+}
+
+// stop ends the server as a crash would: the listener and every
+// connection go, nothing is flushed.
+func (s *server) stop() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	s.l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s.srv.Shutdown(ctx)
+	<-s.done
+	s.img.Image.Close()
+	os.Remove(s.sock)
+}
+
+func open(t *testing.T, uri string, o nbd.Options) *nbd.Image {
+	t.Helper()
+	a, err := nbd.ParseURI(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	img, err := nbd.Open(context.Background(), a, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { img.Close() })
+	return img
+}
+
+func randomFile(t *testing.T, path string, size int, seed uint64) []byte {
+	t.Helper()
+	b := make([]byte, size)
+	r := rand.New(rand.NewPCG(seed, seed))
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// TestAgainstOurServer: reads, writes, zeroes, trims, flush and block
+// status through the client, checked against the file the server serves,
+// with many requests in flight at once.
+func TestAgainstOurServer(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	want := randomFile(t, file, 4<<20, 1)
+	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "disk", Writable: true})
+	img := open(t, "nbd+unix:///disk?socket="+s.sock, nbd.Options{Writable: true})
+	ctx := context.Background()
+	if img.Size() != 4<<20 {
+		t.Fatalf("size %d", img.Size())
+	}
+	// 64 reads and writes at once, odd sizes and offsets included.
+	errs := make(chan error, 64)
+	for i := range 64 {
+		go func() {
+			off, n := int64(i)*65536+int64(i), 4096+i*13
+			if i%2 == 0 {
+				data := bytes.Repeat([]byte{byte(i)}, n)
+				copy(want[off:], data)
+				_, err := img.WriteAt(ctx, data, off)
+				errs <- err
+				return
+			}
+			got := make([]byte, n)
+			if _, err := img.ReadAt(ctx, got, off); err != nil {
+				errs <- err
+				return
+			}
+			if !bytes.Equal(got, want[off:off+int64(n)]) {
+				errs <- errors.New("read wrong data")
+				return
+			}
+			errs <- nil
+		}()
+	}
+	for range 64 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := img.WriteZeroes(ctx, 1<<20, 1<<20, true); err != nil {
+		t.Fatal(err)
+	}
+	clear(want[1<<20 : 2<<20])
+	if err := img.Discard(ctx, 3<<20, 4096); err != nil { // a raw file punches it: zeroes
+		t.Fatal(err)
+	}
+	clear(want[3<<20 : 3<<20+4096])
+	if err := img.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(file)
+	if !bytes.Equal(got, want) {
+		t.Fatal("the served file differs from what was written")
+	}
+	all := make([]byte, len(want))
+	if _, err := img.ReadAt(ctx, all, 0); err != nil || !bytes.Equal(all, want) {
+		t.Fatalf("reading it all back: %v", err)
+	}
+	// The zeroed MiB was unmapped: a hole that reads as zeroes.
+	e, err := img.Extent(ctx, 1<<20, 1<<20)
+	if err != nil || e.Data || !e.Zero || e.Start != 1<<20 || e.Length <= 0 {
+		t.Fatalf("extent of the zeroed range: %+v, %v", e, err)
+	}
+	if e, err := img.Extent(ctx, 0, 4096); err != nil || !e.Data {
+		t.Fatalf("extent of data: %+v, %v", e, err)
+	}
+	// Out of range is refused before it reaches the server.
+	if _, err := img.ReadAt(ctx, make([]byte, 2), 4<<20-1); !errors.Is(err, formats.ErrOutOfRange) {
+		t.Fatalf("read across the end: %v", err)
+	}
+}
+
+// TestReadOnlyExport: a read-only export refuses a writable open and
+// writes through a read-only one.
+func TestReadOnlyExport(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	randomFile(t, file, 1<<20, 2)
+	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{})
+	uri := "nbd+unix:///?socket=" + s.sock
+	a, _ := nbd.ParseURI(uri)
+	if _, err := nbd.Open(context.Background(), a, nbd.Options{Writable: true}); !errors.Is(err, formats.ErrReadOnly) {
+		t.Fatalf("writable open of a read-only export: %v", err)
+	}
+	img := open(t, uri, nbd.Options{})
+	if _, err := img.WriteAt(context.Background(), []byte("x"), 0); !errors.Is(err, formats.ErrReadOnly) {
+		t.Fatalf("write: %v", err)
+	}
+}
+
+// TestUnknownExport: the server's refusal, in words.
+func TestUnknownExport(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	randomFile(t, file, 1<<20, 3)
+	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "disk"})
+	a, _ := nbd.ParseURI("nbd+unix:///other?socket=" + s.sock)
+	_, err := nbd.Open(context.Background(), a, nbd.Options{})
+	if err == nil || !bytes.Contains([]byte(err.Error()), []byte(`no export named "other"`)) {
+		t.Fatalf("open of an unknown export: %v", err)
+	}
+}
+
+// TestReconnectReplaysUnflushedWrites: the server goes away and comes
+// back having lost the writes it acknowledged but never flushed (it
+// serves the file as it was before them); the client reconnects, sends
+// them again, and nothing is lost. A later write waits for the server
+// and succeeds.
+func TestReconnectReplaysUnflushedWrites(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	before := randomFile(t, file, 1<<20, 4)
+	sockPath := filepath.Join(dir, "s.sock")
+	s := serve(t, sockPath, file, exportnbd.Options{Writable: true})
+	img := open(t, "nbd+unix:///?socket="+sockPath, nbd.Options{Writable: true, ReconnectTimeout: 10 * time.Second})
+	ctx := context.Background()
+	want := bytes.Clone(before)
+	for i := range 8 {
+		data := bytes.Repeat([]byte{0xa0 + byte(i)}, 4096)
+		copy(want[i*8192:], data)
+		if _, err := img.WriteAt(ctx, data, int64(i*8192)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := img.WriteZeroes(ctx, 512<<10, 64<<10, false); err != nil {
+		t.Fatal(err)
+	}
+	clear(want[512<<10 : 576<<10])
+
+	s.stop()
+	if err := os.WriteFile(file, before, 0o644); err != nil { // the "lost" writes
+		t.Fatal(err)
+	}
+	restarted := make(chan struct{})
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		serve(t, sockPath, file, exportnbd.Options{Writable: true})
+		close(restarted)
+	}()
+	late := bytes.Repeat([]byte{0x5c}, 4096)
+	if _, err := img.WriteAt(ctx, late, 900<<10); err != nil {
+		t.Fatalf("a write while the server was away: %v", err)
+	}
+	<-restarted
+	copy(want[900<<10:], late)
+	if err := img.Flush(ctx); err != nil {
+		t.Fatalf("flush after the reconnect: %v", err)
+	}
+	got, _ := os.ReadFile(file)
+	if !bytes.Equal(got, want) {
+		t.Fatal("writes acknowledged before the server went away are missing after the reconnect")
+	}
+}
+
+// TestReconnectTimeout: a server that stays away fails requests with EIO
+// once the timeout has passed, not before, and not never.
+func TestReconnectTimeout(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	randomFile(t, file, 1<<20, 5)
+	sockPath := filepath.Join(dir, "s.sock")
+	s := serve(t, sockPath, file, exportnbd.Options{})
+	img := open(t, "nbd+unix:///?socket="+sockPath, nbd.Options{ReconnectTimeout: 700 * time.Millisecond})
+	s.stop()
+	began := time.Now()
+	_, err := img.ReadAt(context.Background(), make([]byte, 4096), 0)
+	if took := time.Since(began); !errors.Is(err, syscall.EIO) || took < 500*time.Millisecond || took > 10*time.Second {
+		t.Fatalf("read with the server gone: %v after %v; want EIO after about 700ms", err, took)
+	}
+	a, _ := nbd.ParseURI("nbd+unix:///?socket=" + filepath.Join(dir, "none.sock"))
+	if _, err := nbd.Open(context.Background(), a, nbd.Options{}); err == nil {
+		t.Fatal("opened an export on a socket nobody listens on")
+	}
+}
+
+// fakeServer runs a server that completes the handshake (structured
+// replies, no block status), answers the first request with reply and
+// hangs up; it returns the URI.
+func fakeServer(t *testing.T, reply func(cookie uint64) []byte) string {
+	t.Helper()
+	sockPath := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", sockPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		be := binary.BigEndian
+		w := func(b []byte) { c.Write(b) }
+		g := be.AppendUint64(nil, wire.MagicOldstyle)
+		g = be.AppendUint64(g, wire.MagicOption)
+		w(be.AppendUint16(g, wire.HandshakeFixed|wire.HandshakeNoZeroes))
+		io.ReadFull(c, make([]byte, 4))
+		optReply := func(opt, typ uint32, data []byte) {
+			b := be.AppendUint64(nil, wire.MagicReply)
+			b = be.AppendUint32(b, opt)
+			b = be.AppendUint32(b, typ)
+			b = be.AppendUint32(b, uint32(len(data)))
+			w(append(b, data...))
+		}
+		for {
+			var h [16]byte
+			if _, err := io.ReadFull(c, h[:]); err != nil {
+				return
+			}
+			opt, n := be.Uint32(h[8:]), be.Uint32(h[12:])
+			io.ReadFull(c, make([]byte, n))
+			switch opt {
+			case wire.OptStructuredReply:
+				optReply(opt, wire.RepAck, nil)
+			case wire.OptGo:
+				info := be.AppendUint16(nil, wire.InfoExport)
+				info = be.AppendUint64(info, 1<<20)
+				optReply(opt, wire.RepInfo, be.AppendUint16(info, wire.FlagHasFlags))
+				optReply(opt, wire.RepAck, nil)
+				var req [wire.RequestSize]byte
+				if _, err := io.ReadFull(c, req[:]); err != nil {
+					return
+				}
+				w(reply(be.Uint64(req[8:])))
+				return // and hang up
+			default:
+				optReply(opt, wire.RepErrUnsup, nil)
+			}
+		}
+	}()
+	return "nbd+unix:///?socket=" + sockPath
+}
+
+// TestMalformedReplies: a server that breaks the protocol gets an EIO
+// error for the request, in time, and never a hang or a panic.
+func TestMalformedReplies(t *testing.T) {
+	be := binary.BigEndian
+	chunk := func(cookie uint64, flags, typ uint16, payload []byte) []byte {
+		b := be.AppendUint32(nil, wire.MagicStructured)
+		b = be.AppendUint16(b, flags)
+		b = be.AppendUint16(b, typ)
+		b = be.AppendUint64(b, cookie)
+		b = be.AppendUint32(b, uint32(len(payload)))
+		return append(b, payload...)
+	}
+	cases := map[string]func(cookie uint64) []byte{
+		"bad magic":      func(uint64) []byte { return bytes.Repeat([]byte{0xee}, 64) },
+		"unknown cookie": func(c uint64) []byte { return chunk(c+99, wire.ChunkFlagDone, wire.ChunkNone, nil) },
+		"data outside the request": func(c uint64) []byte {
+			return chunk(c, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 1<<30), make([]byte, 16)...))
+		},
+		"huge error chunk": func(c uint64) []byte { return chunk(c, wire.ChunkFlagDone, wire.ChunkError, make([]byte, 1<<20)) },
+		"error message overrun": func(c uint64) []byte {
+			return chunk(c, wire.ChunkFlagDone, wire.ChunkError, append(be.AppendUint16(be.AppendUint32(nil, 5), 9999), 'x'))
+		},
+		"simple read reply after structured": func(c uint64) []byte {
+			return be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), c)
+		},
+		"unknown chunk type": func(c uint64) []byte { return chunk(c, wire.ChunkFlagDone, 77, nil) },
+		"hang up mid-reply": func(c uint64) []byte {
+			return chunk(c, 0, wire.ChunkOffsetData, be.AppendUint64(nil, 0))[:10]
+		},
+	}
+	for name, reply := range cases {
+		t.Run(name, func(t *testing.T) {
+			img := open(t, fakeServer(t, reply), nbd.Options{})
+			done := make(chan error, 1)
+			go func() {
+				_, err := img.ReadAt(context.Background(), make([]byte, 4096), 0)
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if !errors.Is(err, syscall.EIO) {
+					t.Fatalf("read: %v, want EIO", err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the read hangs")
+			}
+		})
+	}
+}
