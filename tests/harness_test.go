@@ -24,7 +24,7 @@ var bin string
 
 // requiredTools are the clients the tests drive. A missing one fails the
 // run: a skipped test must never pass for a tested one.
-var requiredTools = []string{"fio", "qemu-img", "qemu-io", "qemu-storage-daemon", "losetup", "mkfs.ext4", "e2fsck", "fallocate", "fusermount3", "mount", "umount"}
+var requiredTools = []string{"fio", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon", "nbdinfo", "nbdkit", "losetup", "mkfs.ext4", "e2fsck", "fallocate", "fusermount3", "mount", "umount", "man", "bash"}
 
 func TestMain(m *testing.M) {
 	var missing []string
@@ -34,7 +34,7 @@ func TestMain(m *testing.M) {
 		}
 	}
 	if len(missing) > 0 {
-		fmt.Fprintf(os.Stderr, "tests: missing tools %v; install them with: apt-get install -y fuse3 fio qemu-utils qemu-system-common libnbd-bin e2fsprogs mount util-linux\n", missing)
+		fmt.Fprintf(os.Stderr, "tests: missing tools %v; install them with: apt-get install -y fuse3 fio qemu-utils qemu-system-common libnbd-bin nbdkit e2fsprogs mount util-linux man-db bash-completion\n", missing)
 		os.Exit(1)
 	}
 	if os.Geteuid() != 0 {

@@ -84,6 +84,24 @@ func New(c net.Conn, spinMax time.Duration) (Stream, error) {
 	return &sock{fd: fd, spinMax: spinMax}, nil
 }
 
+// NewBlocking is New for a stream that is read only while an answer is
+// due (a client waiting for its replies): its descriptor blocks, so a read
+// that finds nothing sleeps in that one read(2) instead of a read, a
+// poll(2) and a read again.
+func NewBlocking(c net.Conn) (Stream, error) {
+	st, err := New(c, 0)
+	if err != nil {
+		return nil, err
+	}
+	if s, ok := st.(*sock); ok {
+		if err := unix.SetNonblock(s.fd, false); err != nil {
+			s.Close()
+			return nil, os.NewSyscallError("fcntl", err)
+		}
+	}
+	return st, nil
+}
+
 func (s *sock) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil

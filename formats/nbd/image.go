@@ -365,7 +365,7 @@ func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, err
 		return formats.Extent{}, fmt.Errorf("nbd: extent at %d: %w", off, formats.ErrOutOfRange)
 	}
 	n = min(n, img.info.size-off)
-	e := formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true, File: img.addr.URI}
+	e := formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: off, HasOffset: true, File: img.addr.Canonical()}
 	if !img.info.hasAlloc {
 		return e, nil
 	}
@@ -423,7 +423,7 @@ func (img *Image) Info() formats.Info {
 	}
 	return formats.Info{
 		Format:           "raw",
-		Filename:         img.addr.URI,
+		Filename:         img.addr.Canonical(),
 		VirtualSize:      i.size,
 		ActualSize:       -1,
 		Remote:           true,

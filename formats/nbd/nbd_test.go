@@ -429,3 +429,50 @@ func TestMalformedReplies(t *testing.T) {
 		})
 	}
 }
+
+// TestReconnectWithConnectionsReportsLoss: with several connections the
+// client cannot replay (an old write could land after a newer one), so a
+// reconnect with writes not yet flushed makes the next flush fail, once.
+func TestReconnectWithConnectionsReportsLoss(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	randomFile(t, file, 1<<20, 6)
+	sockPath := filepath.Join(dir, "s.sock")
+	s := serve(t, sockPath, file, exportnbd.Options{Writable: true})
+	img := open(t, "nbd+unix:///?socket="+sockPath, nbd.Options{Writable: true, Connections: 2, ReconnectTimeout: 10 * time.Second})
+	ctx := context.Background()
+	for i := range 4 { // both connections carry writes
+		if _, err := img.WriteAt(ctx, []byte{byte(i)}, int64(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.stop()
+	serve(t, sockPath, file, exportnbd.Options{Writable: true})
+	for i := range 4 {
+		if _, err := img.WriteAt(ctx, []byte{9}, int64(100+i)); err != nil {
+			t.Fatalf("a write after the reconnect: %v", err)
+		}
+	}
+	if err := img.Flush(ctx); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("the first flush after a reconnect with unflushed writes: %v, want EIO", err)
+	}
+	if err := img.Flush(ctx); err != nil {
+		t.Fatalf("the flush after that: %v", err)
+	}
+}
+
+func TestCanonicalURI(t *testing.T) {
+	for uri, want := range map[string]string{
+		"nbd+unix:///?socket=/s":                    "nbd+unix://?socket=/s",
+		"nbd+unix:///disk?socket=/s":                "nbd+unix:///disk?socket=/s",
+		"nbd://h/e":                                 "nbd://h:10809/e",
+		"nbd://127.0.0.1:99":                        "nbd://127.0.0.1:99",
+		"nbds://h/a%20b?tls-certificates=/pki":      "nbds://h:10809/a%20b",
+		"nbds+unix:///x?socket=/s&tls-hostname=srv": "nbds+unix:///x?socket=/s",
+	} {
+		a, err := nbd.ParseURI(uri)
+		if err != nil || a.Canonical() != want {
+			t.Errorf("%s: %q, %v; want %q", uri, a.Canonical(), err, want)
+		}
+	}
+}

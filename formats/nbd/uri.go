@@ -114,3 +114,21 @@ func ParseURI(spec string) (Address, error) {
 	}
 	return a, nil
 }
+
+// Canonical is the URI as QEMU writes it back (its filename in qemu-img
+// info and map): the export's slash only when it has a name, the socket
+// or host and port spelt out, the TLS query parameters left out.
+func (a Address) Canonical() string {
+	scheme := "nbd"
+	if a.TLS {
+		scheme = "nbds"
+	}
+	export := ""
+	if a.Export != "" {
+		export = "/" + (&url.URL{Path: a.Export}).EscapedPath()
+	}
+	if a.Network == "unix" {
+		return scheme + "+unix://" + export + "?socket=" + a.Addr
+	}
+	return scheme + "://" + a.Addr + export
+}

@@ -23,7 +23,11 @@
 // qemu-storage-daemon's NBD export in the same configurations and qemu-nbd
 // --aio=io_uring.
 //
-//	go run ./tests/bench [-runtime 5s] [-out docs/bench] [-only null,raw,qcow2,nbd,loop] [-qemu-config aio=io_uring,iothread]
+// And FUSE exports of an image on an NBD server (qemu-nbd --aio=io_uring
+// over a unix socket): ours, qemu-storage-daemon's nbd blockdev under its
+// FUSE export, and nbdfuse.
+//
+//	go run ./tests/bench [-runtime 5s] [-out docs/bench] [-only null,raw,qcow2,nbd,nbdsrc,loop] [-qemu-config aio=io_uring,iothread]
 package main
 
 import (
@@ -155,7 +159,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd; the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
@@ -231,12 +235,15 @@ func main() {
 			rows = append(rows, benchNBD(target, dir, bin)...)
 		}
 	}
+	if targets["nbdsrc"] || *only == defaultOnly {
+		rows = append(rows, benchNBDSource(dir, bin)...)
+	}
 	if err := report(rows); err != nil {
 		log.Fatal(err)
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc"
 
 // qsdArgs are qemu-storage-daemon's --object and --blockdev arguments for
 // target in configuration c, the node an export takes, and what an export
