@@ -20,10 +20,14 @@ run: build
 # clients. Installs missing client tools first (as root). -count=1: the
 # end-to-end tests run a binary they build themselves and outside tools,
 # which Go's test cache does not see, so a cached pass proves nothing.
+# The export tests run a second time over FUSE over io_uring (the module
+# parameter is switched on for the run and restored).
+URING_TESTS = ^(TestReadOnlyExportServesImageAndRefusesWrites|TestWritesAreClampedUnlessGrowable|TestGrowableExportGrowsAndShrinks|TestFallocateModes|TestSeekDataHoleAndBlocksFollowAllocation|TestSetattrRules|TestSetattrWithAllowOther|TestStatfsDescribesTheImage|TestSharedMmapOfTheExport|TestExportOntoTheImageItself|TestLookupIsENOENT|TestHostErrorsReachTheClient|TestPassthroughReads|TestExternalUnmountEndsTheExport|TestSigtermLosesNoAcknowledgedWrite|TestDaemonizeReturnsOnceServing|TestStatsCountRequests|TestFileNameInDirectory|TestNullDevice|TestFioVerify|TestFioVerifyQueueDepthOne|TestLoopMountMkfsFsck|TestQcow2WritesThroughTheExport|TestQcow2LoopMountReadWrite|TestQcow2SurvivesKill9)$$
 test:
 	.ci/deps
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 20m ./...
+	BLOCKEXPORT_TRANSPORT=uring $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 10s -fuzzminimizetime 2s ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 5s -fuzzminimizetime 2s ./export/nbd
 

@@ -108,6 +108,12 @@ func fioVerifyThroughExport(t *testing.T, ioSize string, seed int, exportArgs ..
 // fuseFds counts the /dev/fuse descriptors (queues) a process holds.
 func fuseFds(t *testing.T, pid int) int {
 	t.Helper()
+	return fdsTo(t, pid, "/dev/fuse")
+}
+
+// fdsTo counts a process's descriptors whose link reads target.
+func fdsTo(t *testing.T, pid int, target string) int {
+	t.Helper()
 	dir := fmt.Sprintf("/proc/%d/fd", pid)
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -115,7 +121,7 @@ func fuseFds(t *testing.T, pid int) int {
 	}
 	n := 0
 	for _, e := range ents {
-		if target, _ := os.Readlink(filepath.Join(dir, e.Name())); target == "/dev/fuse" {
+		if link, _ := os.Readlink(filepath.Join(dir, e.Name())); link == target {
 			n++
 		}
 	}

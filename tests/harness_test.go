@@ -59,9 +59,73 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "tests: building blockexport:", err)
 		os.Exit(1)
 	}
+	restore, err := chooseTransport()
+	if errors.Is(err, errNoURing) {
+		// Not a pass: the run says loudly that it did not happen.
+		fmt.Fprintln(os.Stderr, "tests: SKIPPED the FUSE-over-io_uring run:", err)
+		os.RemoveAll(dir)
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "tests:", err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
 	code := m.Run()
+	restore()
 	os.RemoveAll(dir)
 	os.Exit(code)
+}
+
+// transportArgs are what every startExport adds: BLOCKEXPORT_TRANSPORT=uring
+// runs the FUSE exports over io_uring instead of /dev/fuse (make test runs
+// the end-to-end suite's export tests both ways).
+var transportArgs []string
+
+// errNoURing: this kernel has no FUSE over io_uring to test.
+var errNoURing = errors.New("this kernel has no FUSE over io_uring (Linux 6.14+ with CONFIG_FUSE_IO_URING)")
+
+// uringParam is the fuse module's switch for FUSE over io_uring.
+const uringParam = "/sys/module/fuse/parameters/enable_uring"
+
+// chooseTransport reads BLOCKEXPORT_TRANSPORT; for uring it switches the
+// module parameter on for the run and returns what puts it back.
+func chooseTransport() (restore func(), err error) {
+	switch t := os.Getenv("BLOCKEXPORT_TRANSPORT"); t {
+	case "", "dev":
+		return func() {}, nil
+	case "uring":
+		undo, err := setUringParam(true)
+		if err != nil {
+			return nil, fmt.Errorf("BLOCKEXPORT_TRANSPORT=uring: %w", err)
+		}
+		transportArgs = []string{"--io-uring", "on"}
+		fmt.Fprintln(os.Stderr, "tests: FUSE exports run over io_uring (--io-uring on)")
+		return undo, nil
+	default:
+		return nil, fmt.Errorf("BLOCKEXPORT_TRANSPORT=%q: want dev or uring", t)
+	}
+}
+
+// setUringParam sets enable_uring and returns what restores the value it
+// had.
+func setUringParam(on bool) (restore func(), err error) {
+	old, err := os.ReadFile(uringParam)
+	if err != nil {
+		return nil, fmt.Errorf("%w (%v)", errNoURing, err)
+	}
+	v := "0"
+	if on {
+		v = "1"
+	}
+	if err := os.WriteFile(uringParam, []byte(v), 0); err != nil {
+		return nil, fmt.Errorf("setting %s: %w", uringParam, err)
+	}
+	was := "0"
+	if strings.TrimSpace(string(old)) == "Y" {
+		was = "1"
+	}
+	return func() { os.WriteFile(uringParam, []byte(was), 0) }, nil
 }
 
 // daemon is one running export process (ours or qemu-storage-daemon).
@@ -78,9 +142,24 @@ type daemon struct {
 // is a FUSE mount. The export is stopped and unmounted in t.Cleanup.
 func startExport(t *testing.T, image, mnt string, args ...string) *daemon {
 	t.Helper()
-	argv := append([]string{"fuse"}, args...)
+	argv := append(append([]string{"fuse"}, transportArgs...), args...)
 	argv = append(argv, image, mnt)
-	return startDaemon(t, mnt, bin, argv...)
+	d := startDaemon(t, mnt, bin, argv...)
+	// The mount shows as soon as mount(2) returns; the export serves once
+	// INIT is answered (and, over io_uring, its rings registered), which
+	// it logs.
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(d.log(), "exporting"); {
+		select {
+		case <-d.exited:
+			t.Fatalf("blockexport exited before serving: %v\n%s", d.err, d.log())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("blockexport did not say it serves in time\n%s", d.log())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return d
 }
 
 func startDaemon(t *testing.T, mnt, prog string, argv ...string) *daemon {

@@ -25,6 +25,9 @@ type fuseFlags struct {
 	stats       time.Duration
 	passthrough string
 	fileName    string
+	ioURing     string
+	uringDepth  int
+	uringPin    bool
 }
 
 func fuseCommand() *cobra.Command {
@@ -50,10 +53,14 @@ func fuseCommand() *cobra.Command {
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
+	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
+	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
+	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (measured: queue depth 1 40k IOPS pinned, 26k not; depth 16 85k pinned, 100k not)")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	f.registerTLS(c)
 	completeWords(c, "allow-other", "auto", "on", "off")
 	completeWords(c, "passthrough", "auto", "on", "off")
+	completeWords(c, "io-uring", "auto", "on", "off")
 	return c
 }
 
@@ -86,6 +93,19 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.queues < 1 || f.queues > 64 {
 		return usagef("--queues %d: want 1 to 64", f.queues)
 	}
+	uringMode, err := fuseexport.ParseURingMode(f.ioURing)
+	if err != nil {
+		return usageError{err}
+	}
+	if f.uringDepth < 1 || f.uringDepth > 1024 {
+		return usagef("--io-uring-depth %d: want 1 to 1024", f.uringDepth)
+	}
+	if uringMode == fuseexport.URingOn && f.pollUs > 0 {
+		return usagef("--poll-us busy-polls /dev/fuse, which FUSE over io_uring does not read requests from; drop one of them")
+	}
+	if uringMode == fuseexport.URingAuto && f.pollUs > 0 {
+		uringMode = fuseexport.URingOff // the busy-poll asked for is the /dev/fuse loop's
+	}
 	if f.growable && !f.writable {
 		return usagef("--growable needs --writable")
 	}
@@ -114,7 +134,8 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName})
+		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName,
+		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
 	if err != nil {
 		return err
 	}

@@ -75,25 +75,25 @@ func (s *server) lookup(q *queue, req []byte) inlineResult {
 	h := header(req)
 	name, _, _ := bytes.Cut(req[inHeaderSize:], []byte{0})
 	if !s.inDir() || h.NodeId != rootIno || string(name) != s.fileName {
-		s.replyErr(q.fd, h.Unique, unix.ENOENT)
+		s.replyErr(q.to, h.Unique, unix.ENOENT)
 		return answered
 	}
 	out := fuse.EntryOut{NodeId: fileIno}
 	out.SetEntryTimeout(attrTimeout)
 	out.SetAttrTimeout(attrTimeout)
 	s.exp.fillAttr(context.Background(), &out.Attr)
-	replyOut(s, q.fd, h.Unique, fuse.OK, &out)
+	replyOut(s, q.to, h.Unique, fuse.OK, &out)
 	return answered
 }
 
 // opendir opens the root directory; it needs no handle.
 func (s *server) opendir(q *queue, req []byte) inlineResult {
 	if !s.isRootDir(req) {
-		s.replyErr(q.fd, header(req).Unique, unix.ENOTDIR)
+		s.replyErr(q.to, header(req).Unique, unix.ENOTDIR)
 		return answered
 	}
 	var o fuse.OpenOut
-	replyOut(s, q.fd, header(req).Unique, fuse.OK, &o)
+	replyOut(s, q.to, header(req).Unique, fuse.OK, &o)
 	return answered
 }
 
@@ -103,7 +103,7 @@ func (s *server) opendir(q *queue, req []byte) inlineResult {
 func (s *server) readdir(q *queue, req []byte) inlineResult {
 	in := decode[fuse.ReadIn](req)
 	if !s.isRootDir(req) {
-		s.replyErr(q.fd, in.Unique, unix.ENOTDIR)
+		s.replyErr(q.to, in.Unique, unix.ENOTDIR)
 		return answered
 	}
 	entries := [...]struct {
@@ -125,6 +125,6 @@ func (s *server) readdir(q *queue, req []byte) inlineResult {
 		out = append(out, e.name...)
 		out = append(out, make([]byte, start+n-len(out))...)
 	}
-	s.replyData(q.fd, in.Unique, fuse.OK, out)
+	s.replyData(q.to, in.Unique, fuse.OK, out)
 	return answered
 }

@@ -33,7 +33,7 @@ type op struct {
 	inline func(s *server, q *queue, req []byte) inlineResult
 	// wait answers a request that may wait for I/O; ctx ends on an
 	// INTERRUPT for it. Nil: inline always answers.
-	wait func(s *server, ctx context.Context, fd int, req []byte)
+	wait func(s *server, ctx context.Context, to replyTo, req []byte)
 	// mayBlockLoop: when nothing else is in flight or queued, the loop
 	// runs wait itself (see coroutines.Lone). Only reads and writes:
 	// others (fsync above all) may take long.
@@ -103,7 +103,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 		o = &ops[h.Opcode]
 	}
 	if o == nil || (o.inline == nil && o.wait == nil) {
-		s.replyErr(q.fd, h.Unique, unix.ENOSYS)
+		s.replyErr(q.to, h.Unique, unix.ENOSYS)
 		return true
 	}
 	path := coroutines.Fresh
@@ -116,7 +116,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 		}
 	}
 	if o.mayBlockLoop && s.hand.Lone(q.queued) {
-		o.wait(s, s.hand.Context(coroutines.InLoop), q.fd, req)
+		o.wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
 		return true
 	}
 	s.handOff(q, req, o.wait, path, began)
@@ -126,17 +126,25 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 // handOff finishes req in a goroutine with a buffer of its own (the rule
 // is queue's): a copy from the pools below bulkWrite, where copying costs
 // less than a fresh buffer; the loop's own buffer from there on.
-func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, int, []byte), path coroutines.PathKind, began time.Time) {
+func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), path coroutines.PathKind, began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
 	ctx := s.pending.add(unique, s.hand.Context(path))
-	fd := q.fd
+	to := q.to.handedOff()
+	if q.ring != nil {
+		// The request lives in its ring entry, which is its own until
+		// the reply commits it: nothing to copy.
+		s.hand.Start()
+		go s.finish(ctx, unique, to, req, wait, began)
+		s.hand.Yield()
+		return
+	}
 	if len(req) >= bulkWrite {
 		bp := q.bp
 		q.bp = s.bufs.Get()
 		s.hand.Start()
 		go func() {
 			defer s.bufs.Put(bp)
-			s.finish(ctx, unique, fd, req, wait, began)
+			s.finish(ctx, unique, to, req, wait, began)
 		}()
 		return
 	}
@@ -147,16 +155,16 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 	s.hand.Start()
 	go func() {
 		defer pool.Release(bp)
-		s.finish(ctx, unique, fd, b, wait, began)
+		s.finish(ctx, unique, to, b, wait, began)
 	}()
 	s.hand.Yield()
 }
 
 // finish runs a handed-off request and gives its context back.
-func (s *server) finish(ctx *reqCtx, unique uint64, fd int, req []byte, wait func(*server, context.Context, int, []byte), began time.Time) {
+func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	defer s.hand.Done()
 	defer s.pending.finish(unique, ctx)
-	wait(s, ctx, fd, req)
+	wait(s, ctx, to, req)
 	if s.stats != nil {
 		s.count(req, began)
 	}
@@ -271,7 +279,7 @@ func noReply(*server, *queue, []byte) inlineResult { return answered }
 // replyConst answers with a fixed status (0 or -errno) and no payload.
 func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
 	return func(s *server, q *queue, req []byte) inlineResult {
-		s.reply(q.fd, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status, nil, nil)
+		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status, nil, nil)
 		return answered
 	}
 }
@@ -293,21 +301,21 @@ func (s *server) getattr(q *queue, req []byte) inlineResult {
 	} else {
 		st = s.exp.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
 	}
-	replyOut(s, q.fd, header(req).Unique, st, &o)
+	replyOut(s, q.to, header(req).Unique, st, &o)
 	return answered
 }
 
 func (s *server) open(q *queue, req []byte) inlineResult {
 	var o fuse.OpenOut
 	st := s.exp.Open(decode[fuse.OpenIn](req), &o)
-	replyOut(s, q.fd, header(req).Unique, st, &o)
+	replyOut(s, q.to, header(req).Unique, st, &o)
 	return answered
 }
 
 func (s *server) statfs(q *queue, req []byte) inlineResult {
 	var o fuse.StatfsOut
 	st := s.exp.StatFs(context.Background(), header(req), &o)
-	replyOut(s, q.fd, header(req).Unique, st, &o)
+	replyOut(s, q.to, header(req).Unique, st, &o)
 	return answered
 }
 
@@ -322,7 +330,7 @@ func (s *server) tryRead(q *queue, req []byte) inlineResult {
 	if !ok {
 		return missed
 	}
-	s.replyData(q.fd, header(req).Unique, st, q.out[:n])
+	s.replyData(q.to, header(req).Unique, st, q.out[:n])
 	return answered
 }
 
@@ -337,59 +345,59 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 		return wouldWait
 	}
 	o := fuse.WriteOut{Size: n}
-	replyOut(s, q.fd, in.Unique, st, &o)
+	replyOut(s, q.to, in.Unique, st, &o)
 	return answered
 }
 
 // The halves that may wait.
 
-func (s *server) read(ctx context.Context, fd int, req []byte) {
+func (s *server) read(ctx context.Context, to replyTo, req []byte) {
 	in := decode[fuse.ReadIn](req)
 	size := min(int(in.Size), maxWrite)
 	pool := s.pool(size)
 	ob, bp := pool.Buffer(size)
 	defer pool.Release(bp)
 	n, st := s.exp.ReadInto(ctx, in, ob)
-	s.replyData(fd, in.Unique, st, ob[:n])
+	s.replyData(to, in.Unique, st, ob[:n])
 }
 
-func (s *server) write(ctx context.Context, fd int, req []byte) {
+func (s *server) write(ctx context.Context, to replyTo, req []byte) {
 	in, data, ok := writePayload(req)
 	if !ok {
-		s.replyErr(fd, in.Unique, unix.EINVAL)
+		s.replyErr(to, in.Unique, unix.EINVAL)
 		return
 	}
 	n, st := s.exp.Write(ctx, in, data)
 	o := fuse.WriteOut{Size: n}
-	replyOut(s, fd, in.Unique, st, &o)
+	replyOut(s, to, in.Unique, st, &o)
 }
 
-func (s *server) setattr(ctx context.Context, fd int, req []byte) {
+func (s *server) setattr(ctx context.Context, to replyTo, req []byte) {
 	if s.isRootDir(req) {
-		s.replyErr(fd, header(req).Unique, unix.EPERM) // the directory is not ours to change
+		s.replyErr(to, header(req).Unique, unix.EPERM) // the directory is not ours to change
 		return
 	}
 	var o fuse.AttrOut
 	st := s.exp.SetAttr(ctx, decode[fuse.SetAttrIn](req), &o)
-	replyOut(s, fd, header(req).Unique, st, &o)
+	replyOut(s, to, header(req).Unique, st, &o)
 }
 
-func (s *server) fsync(ctx context.Context, fd int, req []byte) {
-	s.replyStatus(fd, header(req).Unique, s.exp.Fsync(ctx, decode[fuse.FsyncIn](req)))
+func (s *server) fsync(ctx context.Context, to replyTo, req []byte) {
+	s.replyStatus(to, header(req).Unique, s.exp.Fsync(ctx, decode[fuse.FsyncIn](req)))
 }
 
-func (s *server) flush(ctx context.Context, fd int, req []byte) {
-	s.replyStatus(fd, header(req).Unique, s.exp.Flush(ctx, decode[fuse.FlushIn](req)))
+func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
+	s.replyStatus(to, header(req).Unique, s.exp.Flush(ctx, decode[fuse.FlushIn](req)))
 }
 
-func (s *server) fallocate(ctx context.Context, fd int, req []byte) {
-	s.replyStatus(fd, header(req).Unique, s.exp.Fallocate(ctx, decode[fuse.FallocateIn](req)))
+func (s *server) fallocate(ctx context.Context, to replyTo, req []byte) {
+	s.replyStatus(to, header(req).Unique, s.exp.Fallocate(ctx, decode[fuse.FallocateIn](req)))
 }
 
-func (s *server) lseek(ctx context.Context, fd int, req []byte) {
+func (s *server) lseek(ctx context.Context, to replyTo, req []byte) {
 	var o fuse.LseekOut
 	st := s.exp.Lseek(ctx, decode[fuse.LseekIn](req), &o)
-	replyOut(s, fd, header(req).Unique, st, &o)
+	replyOut(s, to, header(req).Unique, st, &o)
 }
 
 // writePayload splits a WRITE request into its op struct and payload; ok

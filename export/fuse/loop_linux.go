@@ -21,16 +21,23 @@ import (
 // fresh one), so a large payload is never copied.
 type queue struct {
 	fd     int
+	to     replyTo // where the request in hand replies
 	helper bool    // the bulk-write helper (see bulkHelper)
 	bp     *[]byte // the request buffer, from s.bufs
 	out    []byte  // what inline reads fill
+	// ring is set for a FUSE-over-io_uring queue (uring_linux.go): its
+	// requests live in their ring entries, not in bp.
+	ring *uringQueue
 }
 
 // req is the request buffer as requests are read into it.
 func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
 
-// queued says whether a request is waiting on the queue's fd.
+// queued says whether a request is waiting on the queue's fd (or ring).
 func (q *queue) queued() bool {
+	if q.ring != nil {
+		return q.ring.queued()
+	}
 	pfd := [1]unix.PollFd{{Fd: int32(q.fd), Events: unix.POLLIN}}
 	n, err := unix.Poll(pfd[:], 0)
 	return err != nil || n != 0
@@ -48,7 +55,7 @@ func (s *server) loop(fd int, helper bool) {
 	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
 	// wake-ups on other threads) on every request, and sync (queue depth 1)
 	// rows lost 10-20%.
-	q := &queue{fd: fd, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+	q := &queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
 	defer func() { s.bufs.Put(q.bp) }()
 	var spinUntil time.Time
 	var yield coroutines.Yielder // see there

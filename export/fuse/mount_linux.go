@@ -54,6 +54,13 @@ type MountOptions struct {
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
+	// URing says whether requests come through FUSE over io_uring: on
+	// (or fail), auto (where the kernel offers it) or off ("" is off).
+	// URingDepth is each queue's number of entries; URingPin pins each
+	// queue's thread to its CPU.
+	URing      URingMode
+	URingDepth int
+	URingPin   bool
 }
 
 // Mount is a mounted, serving export.
@@ -233,6 +240,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	}
 	fail := func(err error) (*Mount, error) {
 		unix.Unmount(abs, unix.MNT_DETACH)
+		srv.stopURing()
 		for _, fd := range srv.fds {
 			unix.Close(fd)
 		}
@@ -240,6 +248,17 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			os.Remove(abs)
 		}
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
+	}
+	if o.URing == URingOn || o.URing == URingAuto {
+		err := srv.prepareURing(max(o.URingDepth, 1), o.URingPin)
+		switch {
+		case err == nil:
+			srv.uring = true
+		case o.URing == URingOn:
+			return fail(fmt.Errorf("--io-uring on: %w", err))
+		default:
+			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
+		}
 	}
 	if err := srv.handshake(); err != nil {
 		return fail(err)
@@ -260,6 +279,20 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			return fail(fmt.Errorf("--passthrough on: %w", err))
 		default:
 			exp.log.Info("FUSE passthrough unavailable; serving reads ourselves", "why", err)
+		}
+	}
+	if srv.uring {
+		// Before the loops start: until every queue has registered, the
+		// kernel sends requests through /dev/fuse, and nobody reads it
+		// yet, so none is missed.
+		err := srv.startURing()
+		switch {
+		case err == nil:
+			exp.log.Info("FUSE over io_uring on", "queues", len(srv.uqs), "depth", max(o.URingDepth, 1), "pinned", o.URingPin)
+		case o.URing == URingOn:
+			return fail(fmt.Errorf("--io-uring on: %w", err))
+		default:
+			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
 		}
 	}
 	srv.stats = o.Stats

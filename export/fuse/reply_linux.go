@@ -9,6 +9,23 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// replyTo is where a request's reply goes: the /dev/fuse fd it came
+// from, or the FUSE-over-io_uring entry that carried it.
+type replyTo struct {
+	fd  int
+	ent *ringEntry
+	// direct: the entry's own queue thread answers (inline, or a lone
+	// request), and queues the commit itself; other goroutines hand it
+	// the reply.
+	direct bool
+}
+
+// handedOff is where a request handed to a goroutine replies.
+func (t replyTo) handedOff() replyTo {
+	t.direct = false
+	return t
+}
+
 // header views the request's header in place.
 func header(req []byte) *fuse.InHeader { return (*fuse.InHeader)(unsafe.Pointer(&req[0])) }
 
@@ -25,39 +42,46 @@ func decode[T any](req []byte) *T {
 	return (*T)(unsafe.Pointer(&req[0]))
 }
 
-func (s *server) replyStatus(fd int, unique uint64, st fuse.Status) {
+func (s *server) replyStatus(to replyTo, unique uint64, st fuse.Status) {
 	if st != fuse.OK {
-		s.replyErr(fd, unique, unix.Errno(st))
+		s.replyErr(to, unique, unix.Errno(st))
 		return
 	}
-	s.reply(fd, unique, 0, nil, nil)
+	s.reply(to, unique, 0, nil, nil)
 }
 
-func (s *server) replyErr(fd int, unique uint64, errno unix.Errno) {
-	s.reply(fd, unique, -int32(errno), nil, nil)
+func (s *server) replyErr(to replyTo, unique uint64, errno unix.Errno) {
+	s.reply(to, unique, -int32(errno), nil, nil)
 }
 
 // replyOut sends *v as the reply payload when st is OK. (Generic, not an
 // interface, so the reply struct stays on the caller's stack.)
-func replyOut[T any](s *server, fd int, unique uint64, st fuse.Status, v *T) {
+func replyOut[T any](s *server, to replyTo, unique uint64, st fuse.Status, v *T) {
 	if st != fuse.OK {
-		s.replyErr(fd, unique, unix.Errno(st))
+		s.replyErr(to, unique, unix.Errno(st))
 		return
 	}
-	s.reply(fd, unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)), nil)
+	s.reply(to, unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)), nil)
 }
 
-func (s *server) replyData(fd int, unique uint64, st fuse.Status, data []byte) {
+func (s *server) replyData(to replyTo, unique uint64, st fuse.Status, data []byte) {
 	if st != fuse.OK {
-		s.replyErr(fd, unique, unix.Errno(st))
+		s.replyErr(to, unique, unix.Errno(st))
 		return
 	}
-	s.reply(fd, unique, 0, nil, data)
+	s.reply(to, unique, 0, nil, data)
 }
 
 // reply writes header + a + b with one writev. A reply to a request the
 // kernel has dropped meanwhile (ENOENT) is not an error.
-func (s *server) reply(fd int, unique uint64, errno int32, a, b []byte) {
+//
+// A request that came through FUSE over io_uring is answered in its ring
+// entry instead (uring_linux.go).
+func (s *server) reply(to replyTo, unique uint64, errno int32, a, b []byte) {
+	if to.ent != nil {
+		to.ent.commit(unique, errno, a, b, to.direct)
+		return
+	}
 	oh := fuse.OutHeader{Length: uint32(outHeaderSize + len(a) + len(b)), Status: errno, Unique: unique}
 	var iov [3]unix.Iovec
 	iov[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&oh))}
@@ -71,7 +95,7 @@ func (s *server) reply(fd int, unique uint64, errno int32, a, b []byte) {
 		}
 	}
 	for {
-		_, _, e := unix.Syscall(unix.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(cnt))
+		_, _, e := unix.Syscall(unix.SYS_WRITEV, uintptr(to.fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(cnt))
 		switch e {
 		case 0, unix.ENOENT, unix.ENODEV:
 			return

@@ -6,6 +6,7 @@ package fuse
 // reads. go-fuse still supplies the protocol structs the handlers take.
 //
 // By job: server_linux.go (the connection: INIT, queues, passthrough),
+// uring_linux.go (FUSE over io_uring, the second transport),
 // loop_linux.go (a queue's read loop and its buffers), dispatch.go (the
 // opcode table, inline or handed off, INTERRUPT), bulk_linux.go (the
 // second queue for large writes), reply_linux.go (writing replies),
@@ -95,6 +96,11 @@ type server struct {
 	// export as its one file, named so (--file-name; dir_linux.go).
 	fileName string
 
+	// uring asks for FUSE over io_uring at INIT; uqs are its queues once
+	// started (uring_linux.go).
+	uring bool
+	uqs   []*uringQueue
+
 	passthrough bool   // ask for FUSE passthrough at INIT
 	negotiated  uint64 // INIT flags both sides agreed on
 
@@ -136,7 +142,7 @@ func (s *server) handshake() error {
 		}
 		in := decode[fuse.InitIn](buf[:n])
 		if in.Major != kernelVersion {
-			s.replyErr(s.fds[0], h.Unique, unix.EPROTO)
+			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
 			return fmt.Errorf("fuse: kernel speaks protocol %d, we speak %d", in.Major, kernelVersion)
 		}
 		offered := uint64(in.Flags)
@@ -147,6 +153,9 @@ func (s *server) handshake() error {
 			fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
 		if s.passthrough {
 			want |= fuse.CAP_PASSTHROUGH
+		}
+		if s.uring {
+			want |= capOverIOURing
 		}
 		flags := offered & want
 		s.negotiated = flags
@@ -165,7 +174,7 @@ func (s *server) handshake() error {
 		if flags&fuse.CAP_PASSTHROUGH != 0 {
 			out.MaxStackDepth = 1 // the backing file may be on a stacked fs
 		}
-		s.reply(s.fds[0], h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
+		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
 		return nil
 	}
 }
@@ -250,6 +259,7 @@ func (s *server) serve() {
 	close(s.bulk.stop) // the connection is gone: a parked helper exits
 	s.loops.Wait()
 	s.hand.Wait()
+	s.stopURing() // after the requests in flight: their replies go through it
 	for _, fd := range s.fds {
 		unix.Close(fd)
 	}
