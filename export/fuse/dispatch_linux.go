@@ -88,8 +88,9 @@ func (s *server) serveRequest(q *queue, req []byte) {
 		return
 	}
 	began := time.Now()
+	k, n := statKindOf(req) // before the reply: over io_uring, req is the kernel's again after it
 	if s.dispatch(q, req, began) {
-		s.count(req, began)
+		s.stats.record(k, n, time.Since(began))
 	}
 }
 
@@ -164,10 +165,13 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	defer s.hand.Done()
 	defer s.pending.finish(unique, ctx)
-	wait(s, ctx, to, req)
-	if s.stats != nil {
-		s.count(req, began)
+	if s.stats == nil {
+		wait(s, ctx, to, req)
+		return
 	}
+	k, n := statKindOf(req) // see serveRequest
+	wait(s, ctx, to, req)
+	s.stats.record(k, n, time.Since(began))
 }
 
 // pool is the buffer pool for n bytes: the small one where it will do.
@@ -411,14 +415,13 @@ func writePayload(req []byte) (in *fuse.WriteIn, data []byte, ok bool) {
 	return in, req[hdr : hdr+int(in.Size)], true
 }
 
-// count records a finished request for --stats.
-func (s *server) count(req []byte, began time.Time) {
-	k, n := kindOther, 0
+// statKindOf is how --stats counts a request: its kind and bytes.
+func statKindOf(req []byte) (statKind, int) {
 	switch header(req).Opcode {
 	case opRead:
-		k, n = kindRead, int(decode[fuse.ReadIn](req).Size)
+		return kindRead, int(decode[fuse.ReadIn](req).Size)
 	case opWrite:
-		k, n = kindWrite, int(decode[fuse.WriteIn](req).Size)
+		return kindWrite, int(decode[fuse.WriteIn](req).Size)
 	}
-	s.stats.record(k, n, time.Since(began))
+	return kindOther, 0
 }

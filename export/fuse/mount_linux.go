@@ -249,6 +249,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
+	srv.stats = o.Stats // before any queue thread starts
 	if o.URing == URingOn || o.URing == URingAuto {
 		err := srv.prepareURing(max(o.URingDepth, 1), o.URingPin)
 		switch {
@@ -295,7 +296,6 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
 		}
 	}
-	srv.stats = o.Stats
 	m := &Mount{path: abs, file: file, created: created, served: make(chan struct{}), log: exp.log}
 	go func() {
 		srv.serve()

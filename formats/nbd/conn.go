@@ -108,7 +108,8 @@ func (c *conn) close() {
 		c.s.Write(hdr[:])
 		c.wmu.Unlock()
 	}
-	c.rmu.Lock() // no reader left behind
+	c.s.CloseRead() // a reader still waiting wakes up and lets go
+	c.rmu.Lock()
 	c.fail(net.ErrClosed)
 	c.rmu.Unlock()
 }

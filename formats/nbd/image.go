@@ -68,8 +68,9 @@ type Image struct {
 
 // slot is one of the image's connections, made again when it breaks.
 type slot struct {
-	mu sync.Mutex
-	c  *conn
+	mu   sync.Mutex
+	c    *conn
+	lost atomic.Bool // an outage has been logged and not yet ended
 }
 
 // Open connects to the export addr names.
@@ -101,7 +102,12 @@ func Open(ctx context.Context, addr Address, o Options) (*Image, error) {
 	}
 	img.slots = []*slot{{c: first}}
 	for i := 1; i < n; i++ {
-		img.slots = append(img.slots, &slot{})
+		c, err := img.redial(ctx)
+		if err != nil {
+			o.Logger.Warn("opening more NBD connections failed; using fewer", "uri", addr.URI, "connections", i, "err", err)
+			break
+		}
+		img.slots = append(img.slots, &slot{c: c})
 	}
 	return img, nil
 }
@@ -118,6 +124,9 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 	for {
 		c, err := img.redial(ctx)
 		if err == nil {
+			if s.lost.Swap(false) {
+				img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI)
+			}
 			s.c = c
 			return c, nil
 		}
@@ -139,7 +148,8 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 // errChanged: the export came back different; no retry helps.
 var errChanged = errors.New("nbd: the export changed")
 
-// redial makes a new connection; the export must be the one we know.
+// redial makes a new connection (after the first); the export must be the
+// one we know, and unflushed writes are sent again first (see replayLog).
 func (img *Image) redial(ctx context.Context) (*conn, error) {
 	s, info, err := img.d.dial(ctx)
 	if err != nil {
@@ -159,7 +169,6 @@ func (img *Image) redial(ctx context.Context) (*conn, error) {
 	case img.dirty.Load():
 		img.lost.Store(true)
 	}
-	img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI)
 	return c, nil
 }
 
@@ -168,9 +177,26 @@ func (img *Image) redial(ctx context.Context) (*conn, error) {
 func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint32, payload []byte) (call, error) {
 	s := img.slots[int(img.next.Add(1))%len(img.slots)]
 	var deadline time.Time
+	// waitFor starts the wait for a connection (once per request), or
+	// says it is over.
+	waitFor := func(err error) bool {
+		if img.o.ReconnectTimeout <= 0 || !deadline.IsZero() || errors.Is(err, errChanged) || ctx.Err() != nil {
+			return false
+		}
+		if s.lost.CompareAndSwap(false, true) { // one line per outage, not per request
+			img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
+		}
+		deadline = time.Now().Add(img.o.ReconnectTimeout)
+		return true
+	}
 	for {
 		c, err := img.conn(ctx, s, deadline)
 		if err != nil {
+			// A request that finds the server gone waits for it as one
+			// that was in flight does.
+			if waitFor(err) {
+				continue
+			}
 			return cl, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
 		}
 		try := cl
@@ -182,12 +208,8 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint32, 
 			}
 			return try, err
 		}
-		if img.o.ReconnectTimeout <= 0 {
+		if !waitFor(err) && deadline.IsZero() {
 			return try, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
-		}
-		if deadline.IsZero() {
-			img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
-			deadline = time.Now().Add(img.o.ReconnectTimeout)
 		}
 	}
 }
