@@ -30,12 +30,14 @@ test:
 	BLOCKEXPORT_TRANSPORT=uring $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 10s -fuzzminimizetime 2s ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 5s -fuzzminimizetime 2s ./export/nbd
+	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 5s -fuzzminimizetime 2s ./formats/nbd
 
-# Fuzz the qcow2 parser and the NBD server for longer (FUZZTIME=10m make fuzz).
+# Fuzz the qcow2 parser, the NBD server and the NBD client for longer (FUZZTIME=10m make fuzz).
 FUZZTIME ?= 2m
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime $(FUZZTIME) ./export/nbd
+	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime $(FUZZTIME) ./formats/nbd
 
 # Unit tests only (no mounts, no root needed for most).
 unit:

@@ -1,0 +1,77 @@
+package nbd
+
+import (
+	"bufio"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/blockexport/blockexport/aio/sock"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
+)
+
+// FuzzReplies feeds arbitrary bytes to the client as a server's replies
+// to three requests in flight (a read, a block status, a write) and then
+// hangs up: every request must end, in an error or not, without a panic
+// or a hang, and a read never gets more than it asked for.
+func FuzzReplies(f *testing.F) {
+	chunk := func(cookie uint64, flags, typ uint16, payload []byte) []byte {
+		b := be.AppendUint32(nil, wire.MagicStructured)
+		b = be.AppendUint16(b, flags)
+		b = be.AppendUint16(b, typ)
+		b = be.AppendUint64(b, cookie)
+		b = be.AppendUint32(b, uint32(len(payload)))
+		return append(b, payload...)
+	}
+	f.Add(chunk(1, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 0), make([]byte, 4096)...)))
+	f.Add(append(chunk(1, 0, wire.ChunkOffsetHole, be.AppendUint32(be.AppendUint64(nil, 0), 4096)), chunk(1, wire.ChunkFlagDone, wire.ChunkNone, nil)...))
+	f.Add(chunk(2, wire.ChunkFlagDone, wire.ChunkBlockStatus, be.AppendUint32(be.AppendUint32(be.AppendUint32(nil, 1), 4096), 3)))
+	f.Add(be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), 3))
+	f.Add(chunk(3, wire.ChunkFlagDone, wire.ChunkError, append(be.AppendUint16(be.AppendUint32(nil, 5), 2), "no"...)))
+	f.Fuzz(func(t *testing.T, replies []byte) {
+		a, b := net.Pipe()
+		st, err := sock.New(a, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newConn(st, exportInfo{size: 1 << 20, structured: true, hasAlloc: true, allocCtx: 1,
+			minBlock: 1, prefBlock: 4096, maxBlock: 1 << 20})
+		go func() { // the server: takes the requests, sends the replies, hangs up
+			r := bufio.NewReader(b)
+			for range 3 {
+				var h [wire.RequestSize]byte
+				if _, err := r.Read(h[:]); err != nil {
+					break
+				}
+			}
+			b.SetDeadline(time.Now().Add(2 * time.Second))
+			b.Write(replies)
+			b.Close()
+		}()
+		buf := make([]byte, 4096)
+		done := make(chan struct{}, 3)
+		go func() {
+			cl := call{cmd: wire.CmdRead, off: 0, buf: buf}
+			c.do(&cl, 0, 4096, nil)
+			done <- struct{}{}
+		}()
+		go func() {
+			cl := call{cmd: wire.CmdBlockStatus, off: 0}
+			c.do(&cl, wire.CmdFlagReqOne, 4096, nil)
+			done <- struct{}{}
+		}()
+		go func() {
+			cl := call{cmd: wire.CmdWrite, off: 0}
+			c.do(&cl, 0, 16, make([]byte, 16))
+			done <- struct{}{}
+		}()
+		for range 3 {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("a request never ended")
+			}
+		}
+		c.close()
+	})
+}
