@@ -118,7 +118,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return daemonize(os.Args)
 	}
 
-	img, err := f.open(image, opts)
+	img, err := openImage(image, opts)
 	if err != nil {
 		return err
 	}

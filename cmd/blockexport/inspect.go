@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -51,14 +50,7 @@ func openForInspection(spec string, f *inspectFlags) (*probe.Opened, error) {
 	if err != nil {
 		return nil, err
 	}
-	img, err := probe.Open(spec, o)
-	if err != nil {
-		if errors.Is(err, probe.ErrBadSpec) {
-			return nil, usageError{err}
-		}
-		return nil, err
-	}
-	return img, nil
+	return openImage(spec, o)
 }
 
 // outputFlag is --output human|json (qemu-img's spelling) with --json as

@@ -121,8 +121,8 @@ func (f *sourceFlags) options() (probe.NBDOptions, error) {
 	return probe.NBDOptions{Connections: f.connections, ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
 }
 
-// open opens the image; a spec that cannot be right is a usage error.
-func (f *serveFlags) open(spec string, o probe.Options) (*probe.Opened, error) {
+// openImage opens spec; a spec that cannot be right is a usage error.
+func openImage(spec string, o probe.Options) (*probe.Opened, error) {
 	img, err := probe.Open(spec, o)
 	if err != nil {
 		if errors.Is(err, probe.ErrBadSpec) {

@@ -10,19 +10,21 @@ import (
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
+// chunk is a structured reply chunk as a server sends it.
+func chunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
+	b := be.AppendUint32(nil, wire.MagicStructured)
+	b = be.AppendUint16(b, flags)
+	b = be.AppendUint16(b, typ)
+	b = be.AppendUint64(b, cookie)
+	b = be.AppendUint32(b, uint32(len(payload)))
+	return append(b, payload...)
+}
+
 // FuzzReplies feeds arbitrary bytes to the client as a server's replies
 // to three requests in flight (a read, a block status, a write) and then
 // hangs up: every request must end, in an error or not, without a panic
 // or a hang, and a read never gets more than it asked for.
 func FuzzReplies(f *testing.F) {
-	chunk := func(cookie uint64, flags, typ uint16, payload []byte) []byte {
-		b := be.AppendUint32(nil, wire.MagicStructured)
-		b = be.AppendUint16(b, flags)
-		b = be.AppendUint16(b, typ)
-		b = be.AppendUint64(b, cookie)
-		b = be.AppendUint32(b, uint32(len(payload)))
-		return append(b, payload...)
-	}
 	f.Add(chunk(1, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 0), make([]byte, 4096)...)))
 	f.Add(append(chunk(1, 0, wire.ChunkOffsetHole, be.AppendUint32(be.AppendUint64(nil, 0), 4096)), chunk(1, wire.ChunkFlagDone, wire.ChunkNone, nil)...))
 	f.Add(chunk(2, wire.ChunkFlagDone, wire.ChunkBlockStatus, be.AppendUint32(be.AppendUint32(be.AppendUint32(nil, 1), 4096), 3)))

@@ -384,14 +384,7 @@ func fakeServer(t *testing.T, reply func(cookie uint64) []byte) string {
 // error for the request, in time, and never a hang or a panic.
 func TestMalformedReplies(t *testing.T) {
 	be := binary.BigEndian
-	chunk := func(cookie uint64, flags, typ uint16, payload []byte) []byte {
-		b := be.AppendUint32(nil, wire.MagicStructured)
-		b = be.AppendUint16(b, flags)
-		b = be.AppendUint16(b, typ)
-		b = be.AppendUint64(b, cookie)
-		b = be.AppendUint32(b, uint32(len(payload)))
-		return append(b, payload...)
-	}
+	chunk := nbd.Chunk
 	cases := map[string]func(cookie uint64) []byte{
 		"bad magic":      func(uint64) []byte { return bytes.Repeat([]byte{0xee}, 64) },
 		"unknown cookie": func(c uint64) []byte { return chunk(c+99, wire.ChunkFlagDone, wire.ChunkNone, nil) },
