@@ -82,8 +82,9 @@ func TestMain(m *testing.M) {
 // the end-to-end suite's export tests both ways).
 var transportArgs []string
 
-// errNoURing: this kernel has no FUSE over io_uring to test.
-var errNoURing = errors.New("this kernel has no FUSE over io_uring (Linux 6.14+ with CONFIG_FUSE_IO_URING)")
+// errNoURing: FUSE over io_uring cannot be switched on here (no such
+// kernel, or a read-only /sys).
+var errNoURing = errors.New("FUSE over io_uring cannot be switched on here")
 
 // uringParam is the fuse module's switch for FUSE over io_uring.
 const uringParam = "/sys/module/fuse/parameters/enable_uring"
@@ -112,14 +113,14 @@ func chooseTransport() (restore func(), err error) {
 func setUringParam(on bool) (restore func(), err error) {
 	old, err := os.ReadFile(uringParam)
 	if err != nil {
-		return nil, fmt.Errorf("%w (%v)", errNoURing, err)
+		return nil, fmt.Errorf("%w: this kernel has none (Linux 6.14+ with CONFIG_FUSE_IO_URING): %v", errNoURing, err)
 	}
 	v := "0"
 	if on {
 		v = "1"
 	}
 	if err := os.WriteFile(uringParam, []byte(v), 0); err != nil {
-		return nil, fmt.Errorf("setting %s: %w", uringParam, err)
+		return nil, fmt.Errorf("%w: setting %s: %v", errNoURing, uringParam, err)
 	}
 	was := "0"
 	if strings.TrimSpace(string(old)) == "Y" {
