@@ -22,6 +22,20 @@ type replayLog struct {
 	bytes   int64
 	// flushed counts entries dropped by flushes: positions survive them.
 	flushed int
+
+	// The write data is copied into slabs, which are reused once flushes
+	// have dropped every entry in them: on this machine a copy into
+	// fresh memory took a page fault per 4 KiB, a third of a 4 KiB
+	// write's CPU (pprof).
+	slabs    []slab // in use, oldest first
+	spare    [][]byte
+	nextSlab uint64
+}
+
+type slab struct {
+	b    []byte
+	used int
+	seq  uint64 // entries name their slab by it; 0 is none
 }
 
 type logEntry struct {
@@ -29,22 +43,48 @@ type logEntry struct {
 	off        int64
 	length     uint32
 	data       []byte // a WRITE's payload, copied
+	slab       uint64 // the slab holding data (0: its own allocation, or none)
 }
 
-// maxLogBytes bounds the write data kept for replay.
-const maxLogBytes = 64 << 20
+const (
+	// maxLogBytes bounds the write data kept for replay.
+	maxLogBytes = 64 << 20
+	slabSize    = 1 << 20
+)
 
 // add records an acknowledged request; it says whether the log is over
 // its bound (the caller then flushes).
 func (l *replayLog) add(e logEntry) bool {
-	if e.data != nil {
-		e.data = append([]byte(nil), e.data...)
-	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if e.data != nil {
+		e.data, e.slab = l.copyIn(e.data)
+	}
 	l.entries = append(l.entries, e)
 	l.bytes += int64(len(e.data))
 	return l.bytes > maxLogBytes
+}
+
+// copyIn copies b into the current slab (a new one when it is full).
+func (l *replayLog) copyIn(b []byte) ([]byte, uint64) {
+	if len(b) > slabSize {
+		return append([]byte(nil), b...), 0
+	}
+	if k := len(l.slabs); k == 0 || l.slabs[k-1].used+len(b) > slabSize {
+		var buf []byte
+		if n := len(l.spare); n > 0 {
+			buf, l.spare = l.spare[n-1], l.spare[:n-1]
+		} else {
+			buf = make([]byte, slabSize)
+		}
+		l.nextSlab++
+		l.slabs = append(l.slabs, slab{b: buf, seq: l.nextSlab})
+	}
+	s := &l.slabs[len(l.slabs)-1]
+	dst := s.b[s.used : s.used+len(b)]
+	copy(dst, b)
+	s.used += len(b)
+	return dst, s.seq
 }
 
 // mark is the log's position now: a flush that starts here makes what
@@ -68,6 +108,21 @@ func (l *replayLog) durable(mark int) {
 	}
 	l.entries = append(l.entries[:0:0], l.entries[n:]...)
 	l.flushed = mark
+	// Slabs older than the oldest one an entry still uses go back to
+	// the spares (all of them when no entry uses one).
+	keep := l.nextSlab + 1
+	for _, e := range l.entries {
+		if e.slab != 0 {
+			keep = e.slab
+			break
+		}
+	}
+	i := 0
+	for i < len(l.slabs) && l.slabs[i].seq < keep {
+		l.spare = append(l.spare, l.slabs[i].b)
+		i++
+	}
+	l.slabs = append(l.slabs[:0], l.slabs[i:]...)
 }
 
 // replay sends every entry again on c, in order, one at a time (two
@@ -98,5 +153,6 @@ func (img *Image) acked(ctx context.Context, e logEntry) error {
 	return nil
 }
 
-// replaying says whether writes are kept for replay (one connection).
-func (img *Image) replaying() bool { return len(img.slots) == 1 }
+// replaying says whether writes are kept for replay: one connection, and
+// a reconnect to replay them on.
+func (img *Image) replaying() bool { return len(img.slots) == 1 && img.o.ReconnectTimeout > 0 }
