@@ -385,14 +385,19 @@ func (u *uringQueue) serve(e *ringEntry) {
 }
 
 // possibleCPUs is how many queues the kernel expects: one per possible
-// CPU (/sys/devices/system/cpu/possible, "0-N").
+// CPU (/sys/devices/system/cpu/possible).
 func possibleCPUs() (int, error) {
 	b, err := os.ReadFile("/sys/devices/system/cpu/possible")
 	if err != nil {
 		return 0, err
 	}
+	return countCPUs(string(b))
+}
+
+// countCPUs counts the CPUs of a kernel CPU list ("0-3,8-11", "0").
+func countCPUs(list string) (int, error) {
 	n := 0
-	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+	for _, part := range strings.Split(strings.TrimSpace(list), ",") {
 		lo, hi, found := strings.Cut(part, "-")
 		a, err1 := strconv.Atoi(lo)
 		z := a
@@ -400,8 +405,8 @@ func possibleCPUs() (int, error) {
 		if found {
 			z, err2 = strconv.Atoi(hi)
 		}
-		if err1 != nil || err2 != nil || z < a {
-			return 0, fmt.Errorf("cannot read the possible CPUs %q", b)
+		if err1 != nil || err2 != nil || a < 0 || z < a {
+			return 0, fmt.Errorf("cannot read the CPU list %q", list)
 		}
 		n += z - a + 1
 	}
