@@ -223,6 +223,23 @@ func TestNBDSourceServers(t *testing.T) {
 		startServerProc(t, sock, "nbdkit", "-f", "-U", sock, "memory", "32M")
 		exerciseNBDSource(t, nbdURI("", sock))
 	})
+	t.Run("nbdkit with strict block sizes", func(t *testing.T) {
+		// 4 KiB minimum, 64 KiB maximum, anything else an error: the
+		// client must align and split what its clients send.
+		sock := filepath.Join(t.TempDir(), "s.sock")
+		startServerProc(t, sock, "nbdkit", "-f", "-U", sock, "--filter=blocksize-policy", "memory", "32M",
+			"blocksize-minimum=4096", "blocksize-preferred=4096", "blocksize-maximum=65536", "blocksize-error-policy=error")
+		uri := nbdURI("", sock)
+		exerciseNBDSource(t, uri)
+		mnt := filepath.Join(t.TempDir(), "mnt")
+		d := startExport(t, uri, mnt, "-w")
+		out := run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x41 100 5000", "-c", "write -P 0x42 70000 200000",
+			"-c", "read -P 0x41 100 5000", "-c", "read -P 0x42 70000 200000", "-c", "write -z 4000 300", "-c", "read -P 0 4000 300", mnt)
+		if strings.Contains(out, "fail") || strings.Contains(out, "error") {
+			t.Fatalf("unaligned I/O through a strict server: %s", out)
+		}
+		d.stopClean()
+	})
 	t.Run("blockexport nbd", func(t *testing.T) {
 		dir := t.TempDir()
 		img := sourceImage(t, dir, "32M")

@@ -38,6 +38,11 @@ type conn struct {
 	r    *bufio.Reader
 	info exportInfo
 	wmu  sync.Mutex
+	// wbufs gathers a request and its payload for one sendmsg (under
+	// wmu); scratch holds the fixed parts of a reply (the reader's
+	// alone): per-request allocations otherwise.
+	wbufs   [2][]byte
+	scratch [16]byte
 
 	rmu  sync.Mutex    // held by the goroutine reading replies
 	turn chan struct{} // a token: nobody reads while requests wait
@@ -51,6 +56,7 @@ type conn struct {
 
 // call is one request in flight.
 type call struct {
+	hdr  [wire.RequestSize]byte // the request as sent: no allocation of its own
 	cmd  uint16
 	off  int64
 	buf  []byte // READ: where the data goes
@@ -128,14 +134,15 @@ func (c *conn) do(cl *call, flags uint16, length uint32, payload []byte) error {
 	c.calls[cookie] = cl
 	c.mu.Unlock()
 
-	var hdr [wire.RequestSize]byte
-	putRequest(hdr[:], flags, cl.cmd, cookie, uint64(cl.off), length)
+	putRequest(cl.hdr[:], flags, cl.cmd, cookie, uint64(cl.off), length)
 	c.wmu.Lock()
 	var err error
 	if len(payload) > 0 {
-		err = c.s.WriteBuffers([][]byte{hdr[:], payload})
+		c.wbufs = [2][]byte{cl.hdr[:], payload}
+		err = c.s.WriteBuffers(c.wbufs[:])
+		c.wbufs = [2][]byte{}
 	} else {
-		_, err = c.s.Write(hdr[:])
+		_, err = c.s.Write(cl.hdr[:])
 	}
 	c.wmu.Unlock()
 	if err != nil {
@@ -229,11 +236,11 @@ func (c *conn) finish(cookie uint64, cl *call) {
 }
 
 func (c *conn) readReply() error {
-	var m [4]byte
-	if _, err := io.ReadFull(c.r, m[:]); err != nil {
+	m, err := c.readFixed(4)
+	if err != nil {
 		return err
 	}
-	switch be.Uint32(m[:]) {
+	switch magic := be.Uint32(m); magic {
 	case wire.MagicSimple:
 		return c.simpleReply()
 	case wire.MagicStructured:
@@ -241,13 +248,14 @@ func (c *conn) readReply() error {
 			return fmt.Errorf("%w: structured reply without structured replies negotiated", errProtocol)
 		}
 		return c.structuredReply()
+	default:
+		return fmt.Errorf("%w: bad reply magic %#x", errProtocol, magic)
 	}
-	return fmt.Errorf("%w: bad reply magic %#x", errProtocol, be.Uint32(m[:]))
 }
 
 func (c *conn) simpleReply() error {
-	var h [wire.SimpleReplySize - 4]byte
-	if _, err := io.ReadFull(c.r, h[:]); err != nil {
+	h, err := c.readFixed(wire.SimpleReplySize - 4)
+	if err != nil {
 		return err
 	}
 	code, cookie := be.Uint32(h[0:]), be.Uint64(h[4:])
@@ -271,8 +279,8 @@ func (c *conn) simpleReply() error {
 }
 
 func (c *conn) structuredReply() error {
-	var h [wire.StructuredReplySize - 4]byte
-	if _, err := io.ReadFull(c.r, h[:]); err != nil {
+	h, err := c.readFixed(wire.StructuredReplySize - 4)
+	if err != nil {
 		return err
 	}
 	flags, typ, cookie, length := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:]), be.Uint32(h[12:])
@@ -287,6 +295,14 @@ func (c *conn) structuredReply() error {
 		c.finish(cookie, cl)
 	}
 	return nil
+}
+
+// readFixed reads n bytes (at most len(scratch)) into the reader's
+// scratch buffer; they are good until the next readFixed.
+func (c *conn) readFixed(n int) ([]byte, error) {
+	b := c.scratch[:n]
+	_, err := io.ReadFull(c.r, b)
+	return b, err
 }
 
 // maxChunkOverhead bounds a chunk's non-data bytes (an error message,
@@ -304,22 +320,22 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 		if cl.cmd != wire.CmdRead {
 			return fmt.Errorf("%w: data chunk in reply to command %d", errProtocol, cl.cmd)
 		}
-		var ob [8]byte
 		if length < 8 || (typ == wire.ChunkOffsetHole && length != 12) {
 			return fmt.Errorf("%w: chunk %d of %d bytes", errProtocol, typ, length)
 		}
-		if _, err := io.ReadFull(c.r, ob[:]); err != nil {
+		fixed := 8 // the offset; a hole's length follows it
+		if typ == wire.ChunkOffsetHole {
+			fixed = 12
+		}
+		b, err := c.readFixed(fixed)
+		if err != nil {
 			return err
 		}
 		n := int64(length - 8)
 		if typ == wire.ChunkOffsetHole {
-			var lb [4]byte
-			if _, err := io.ReadFull(c.r, lb[:]); err != nil {
-				return err
-			}
-			n = int64(be.Uint32(lb[:]))
+			n = int64(be.Uint32(b[8:]))
 		}
-		start := int64(be.Uint64(ob[:])) - cl.off
+		start := int64(be.Uint64(b)) - cl.off
 		if start < 0 || n == 0 || start+n > int64(len(cl.buf)) {
 			return fmt.Errorf("%w: chunk for [%d, +%d) outside the request [%d, +%d)", errProtocol, start+cl.off, n, cl.off, len(cl.buf))
 		}
@@ -372,24 +388,13 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 	return nil
 }
 
-// serverError turns an NBD error code into an errno error.
+// serverError turns an NBD error code into an errno error. The codes are
+// Linux's errno numbers; any the protocol does not define is EIO.
 func serverError(code uint32, msg string) error {
 	errno := syscall.EIO
 	switch code {
-	case wire.EPerm:
-		errno = syscall.EPERM
-	case wire.ENoMem:
-		errno = syscall.ENOMEM
-	case wire.EInval:
-		errno = syscall.EINVAL
-	case wire.ENoSpc:
-		errno = syscall.ENOSPC
-	case wire.EOverflow:
-		errno = syscall.EOVERFLOW
-	case wire.ENotSup:
-		errno = syscall.ENOTSUP
-	case wire.EShutdown:
-		errno = syscall.ESHUTDOWN
+	case wire.EPerm, wire.ENoMem, wire.EInval, wire.ENoSpc, wire.EOverflow, wire.ENotSup, wire.EShutdown:
+		errno = syscall.Errno(code)
 	}
 	if msg != "" {
 		return fmt.Errorf("nbd server: %.200s: %w", msg, errno)

@@ -220,9 +220,7 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 	if err := img.inRange(off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	if a := int64(img.info.minBlock); off%a != 0 || int64(len(p))%a != 0 {
-		start := off &^ (a - 1)
-		end := (off + int64(len(p)) + a - 1) &^ (a - 1)
+	if start, end, ok := img.blocks(off, len(p)); !ok {
 		b := make([]byte, end-start)
 		if err := img.read(ctx, b, start); err != nil {
 			return 0, err
@@ -234,6 +232,14 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 		return 0, err
 	}
 	return len(p), nil
+}
+
+// blocks widens [off, off+n) to the server's minimum block; ok says it
+// was aligned already.
+func (img *Image) blocks(off int64, n int) (start, end int64, ok bool) {
+	a := int64(img.info.minBlock)
+	start, end = off&^(a-1), (off+int64(n)+a-1)&^(a-1)
+	return start, end, start == off && end == off+int64(n)
 }
 
 func (img *Image) read(ctx context.Context, p []byte, off int64) error {
@@ -255,13 +261,11 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 		return 0, err
 	}
 	total := len(p)
-	if a := int64(img.info.minBlock); off%a != 0 || int64(len(p))%a != 0 {
+	if start, end, ok := img.blocks(off, len(p)); !ok {
 		// Whole blocks, read first: one at a time, so that two partial
 		// writes into one block do not undo each other.
 		img.rmw.Lock()
 		defer img.rmw.Unlock()
-		start := off &^ (a - 1)
-		end := (off + int64(len(p)) + a - 1) &^ (a - 1)
 		b := make([]byte, end-start)
 		if err := img.read(ctx, b, start); err != nil {
 			return 0, err
