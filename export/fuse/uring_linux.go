@@ -126,6 +126,8 @@ type uringQueue struct {
 	ents []ringEntry
 	efd  int
 	wake [8]byte
+	// cmdBuf is the command bytes being queued (queue thread only).
+	cmdBuf [aio.CmdLen]byte
 
 	q     queue // the dispatch's view of the request in hand
 	batch []completion
@@ -241,12 +243,13 @@ func (s *server) newURingQueue(qid, depth int, pin bool) (*uringQueue, error) {
 	return u, nil
 }
 
-// cmd is a struct fuse_uring_cmd_req: flags, commit_id, qid.
+// cmd fills the queue thread's struct fuse_uring_cmd_req (flags,
+// commit_id, qid), which the ring copies into the SQE: no allocation
+// per commit.
 func (u *uringQueue) cmd(commitID uint64) *[aio.CmdLen]byte {
-	var c [aio.CmdLen]byte
-	binary.NativeEndian.PutUint64(c[8:], commitID)
-	binary.NativeEndian.PutUint16(c[16:], uint16(u.qid))
-	return &c
+	binary.NativeEndian.PutUint64(u.cmdBuf[8:], commitID)
+	binary.NativeEndian.PutUint16(u.cmdBuf[16:], uint16(u.qid))
+	return &u.cmdBuf
 }
 
 // queueCommit queues the entry's reply and next fetch (queue thread only).
