@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
 	"github.com/blockexport/blockexport/formats/null"
 )
 
@@ -58,9 +59,9 @@ func TestMisbehavingClientIsBounded(t *testing.T) {
 	go func() {
 		defer wg.Done()
 		for i := range reads {
-			h := be.AppendUint32(nil, magicRequest)
+			h := be.AppendUint32(nil, wire.MagicRequest)
 			h = be.AppendUint16(h, 0)
-			h = be.AppendUint16(h, cmdRead)
+			h = be.AppendUint16(h, wire.CmdRead)
 			h = be.AppendUint64(h, uint64(i))
 			h = be.AppendUint64(h, uint64(i%256)*size)
 			h = be.AppendUint32(h, size)
@@ -107,7 +108,7 @@ func TestTruncatedWriteGivesTheBudgetBack(t *testing.T) {
 	s := New(img, Options{Name: "disk", Writable: true})
 	for range 3 {
 		c, done := goClient(t, s, "disk")
-		c.request(cmdWrite, 0, 1, 0, 16<<20, make([]byte, 1000)) // larger than the inline buffer, cut short
+		c.request(wire.CmdWrite, 0, 1, 0, 16<<20, make([]byte, 1000)) // larger than the inline buffer, cut short
 		c.c.Close()
 		<-done
 	}
@@ -127,6 +128,6 @@ func goClient(t *testing.T, s *Server, name string) (*client, chan struct{}) {
 	c := &client{t: t, c: b, r: bufio.NewReader(b)}
 	b.SetDeadline(time.Now().Add(20 * time.Second))
 	c.greet()
-	c.option(optGo, goData(name))
+	c.option(wire.OptGo, goData(name))
 	return c, done
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
 // conn is one client connection.
@@ -71,9 +72,9 @@ func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
 func requestCost(req protocol.TransmissionRequestHeader) int64 {
 	n := int64(0)
 	switch req.Type {
-	case cmdRead, cmdWrite:
+	case wire.CmdRead, wire.CmdWrite:
 		n = int64(req.Length)
-	case cmdCache:
+	case wire.CmdCache:
 		n = int64(min(req.Length, 1<<20))
 	}
 	return max(n, minRequestCost)
@@ -181,16 +182,16 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			RequestMagic: be.Uint32(hb[0:]), CommandFlags: be.Uint16(hb[4:]), Type: be.Uint16(hb[6:]),
 			Handle: be.Uint64(hb[8:]), Offset: be.Uint64(hb[16:]), Length: be.Uint32(hb[24:]),
 		}
-		if req.RequestMagic != magicRequest {
+		if req.RequestMagic != wire.MagicRequest {
 			c.uncork()
 			return errors.New("bad request magic: the stream is out of step")
 		}
 		var payload []byte
 		cost := int64(0) // taken from the budgets, once the request must wait
-		if req.Type == cmdWrite {
+		if req.Type == wire.CmdWrite {
 			if req.Length > maxRequest {
 				// Too big to take: the payload cannot be skipped safely.
-				c.simpleReply(req.Handle, errOverflow, nil)
+				c.simpleReply(req.Handle, wire.EOverflow, nil)
 				c.uncork()
 				return errors.New("write larger than the advertised maximum")
 			}
@@ -226,7 +227,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				payload = p
 			}
 		}
-		if req.Type == cmdDisc {
+		if req.Type == wire.CmdDisc {
 			c.uncork()
 			c.hand.Wait()
 			if c.srv.opts.Writable {
@@ -235,7 +236,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			return nil
 		}
 		path := coroutines.Fresh
-		if req.Type == cmdRead {
+		if req.Type == wire.CmdRead {
 			switch c.tryReadInline(req) {
 			case answered:
 				continue
@@ -248,7 +249,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				return c.ctx.Err()
 			}
 		}
-		if (req.Type == cmdRead || req.Type == cmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
+		if (req.Type == wire.CmdRead || req.Type == wire.CmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
 			c.handle(c.hand.Context(coroutines.InLoop), req, payload)
 			c.release(cost)
 			continue
@@ -353,20 +354,20 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 	off, n := int64(req.Offset), int64(req.Length)
 	size := img.Size()
 	inRange := off >= 0 && n >= 0 && off <= size && n <= size-off && req.Offset < 1<<63
-	writeLike := req.Type == cmdWrite || req.Type == cmdTrim || req.Type == cmdWriteZeroes
+	writeLike := req.Type == wire.CmdWrite || req.Type == wire.CmdTrim || req.Type == wire.CmdWriteZeroes
 	switch {
 	case writeLike && !c.srv.opts.Writable:
-		c.errorReply(req, errPerm, "the export is read-only")
+		c.errorReply(req, wire.EPerm, "the export is read-only")
 		return
-	case req.Type == cmdRead || req.Type == cmdWrite || req.Type == cmdTrim || req.Type == cmdWriteZeroes || req.Type == cmdCache || req.Type == cmdBlockStatus:
-		if req.Length > maxRequest && req.Type != cmdTrim && req.Type != cmdWriteZeroes && req.Type != cmdBlockStatus {
-			c.errorReply(req, errOverflow, "request larger than the advertised maximum")
+	case req.Type == wire.CmdRead || req.Type == wire.CmdWrite || req.Type == wire.CmdTrim || req.Type == wire.CmdWriteZeroes || req.Type == wire.CmdCache || req.Type == wire.CmdBlockStatus:
+		if req.Length > maxRequest && req.Type != wire.CmdTrim && req.Type != wire.CmdWriteZeroes && req.Type != wire.CmdBlockStatus {
+			c.errorReply(req, wire.EOverflow, "request larger than the advertised maximum")
 			return
 		}
 		if !inRange {
-			code := errInval
-			if req.Type == cmdWrite || req.Type == cmdWriteZeroes {
-				code = errNoSpc
+			code := wire.EInval
+			if req.Type == wire.CmdWrite || req.Type == wire.CmdWriteZeroes {
+				code = wire.ENoSpc
 			}
 			c.errorReply(req, code, "request beyond the end of the export")
 			return
@@ -374,43 +375,43 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 	}
 	var err error
 	switch req.Type {
-	case cmdRead:
+	case wire.CmdRead:
 		buf, bp := c.srv.bufs.Buffer(int(n))
 		defer c.srv.bufs.Release(bp) // the reply is written before handle returns
 		if _, err = img.ReadAt(ctx, buf, off); err == nil {
 			c.dataReply(req, buf)
 			return
 		}
-	case cmdWrite:
-		if _, err = img.WriteAt(ctx, payload, off); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+	case wire.CmdWrite:
+		if _, err = img.WriteAt(ctx, payload, off); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
-	case cmdFlush:
+	case wire.CmdFlush:
 		err = img.Flush(ctx)
-	case cmdTrim:
-		if err = img.Discard(ctx, off, n); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+	case wire.CmdTrim:
+		if err = img.Discard(ctx, off, n); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
-	case cmdWriteZeroes:
-		if req.CommandFlags&cmdFlagFastZero != 0 && !fastZero(img) {
-			c.errorReply(req, errNotSup, "zeroing would be slow")
+	case wire.CmdWriteZeroes:
+		if req.CommandFlags&wire.CmdFlagFastZero != 0 && !fastZero(img) {
+			c.errorReply(req, wire.ENotSup, "zeroing would be slow")
 			return
 		}
-		if err = img.WriteZeroes(ctx, off, n, req.CommandFlags&cmdFlagNoHole == 0); err == nil && req.CommandFlags&cmdFlagFUA != 0 {
+		if err = img.WriteZeroes(ctx, off, n, req.CommandFlags&wire.CmdFlagNoHole == 0); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
-	case cmdCache:
+	case wire.CmdCache:
 		// A hint: read through once so the data is in the host cache.
 		err = c.cache(ctx, off, n)
-	case cmdBlockStatus:
+	case wire.CmdBlockStatus:
 		if !c.neg.structured || !c.neg.metaAlloc {
-			c.errorReply(req, errInval, "block status needs structured replies and base:allocation")
+			c.errorReply(req, wire.EInval, "block status needs structured replies and base:allocation")
 			return
 		}
 		c.blockStatus(req, off, n)
 		return
 	default:
-		c.errorReply(req, errInval, "unknown command")
+		c.errorReply(req, wire.EInval, "unknown command")
 		return
 	}
 	if err != nil {
@@ -453,19 +454,19 @@ func (c *conn) blockStatus(req protocol.TransmissionRequestHeader, off, n int64)
 		length := min(e.Length, 1<<31) // a descriptor length is 32 bits
 		var flags uint32
 		if !e.Data {
-			flags |= stateHole
+			flags |= wire.StateHole
 		}
 		if e.Zero {
-			flags |= stateZero
+			flags |= wire.StateZero
 		}
 		payload = be.AppendUint32(payload, uint32(length))
 		payload = be.AppendUint32(payload, flags)
 		off += length
-		if req.CommandFlags&cmdFlagReqOne != 0 {
+		if req.CommandFlags&wire.CmdFlagReqOne != 0 {
 			break
 		}
 	}
-	c.chunk(req.Handle, chunkFlagDone, chunkBlockStatus, payload)
+	c.chunk(req.Handle, wire.ChunkFlagDone, wire.ChunkBlockStatus, payload)
 }
 
 // errnoOf maps an image error to an NBD error code.
@@ -473,28 +474,28 @@ func errnoOf(err error) uint32 {
 	var en syscall.Errno
 	switch {
 	case errors.Is(err, formats.ErrReadOnly):
-		return errPerm
+		return wire.EPerm
 	case errors.Is(err, formats.ErrOutOfRange):
-		return errInval
+		return wire.EInval
 	case errors.Is(err, formats.ErrNotSupported):
-		return errNotSup
+		return wire.ENotSup
 	case errors.As(err, &en):
 		switch en {
 		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
-			return errPerm
+			return wire.EPerm
 		case syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG:
-			return errNoSpc
+			return wire.ENoSpc
 		case syscall.ENOMEM:
-			return errNoMem
+			return wire.ENoMem
 		case syscall.EINVAL:
-			return errInval
+			return wire.EInval
 		case syscall.EOPNOTSUPP:
-			return errNotSup
+			return wire.ENotSup
 		case syscall.ESHUTDOWN:
-			return errShutdown
+			return wire.EShutdown
 		}
 	}
-	return errIO
+	return wire.EIO
 }
 
 // done answers a command that succeeded and returns no data. That is a
@@ -519,11 +520,11 @@ func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
 	}
 	if len(data) == 0 {
 		// A read of nothing: one final chunk without content.
-		c.chunk(req.Handle, chunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
+		c.chunk(req.Handle, wire.ChunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
 		return
 	}
 	off := req.Offset
-	sparse := req.CommandFlags&cmdFlagDF == 0
+	sparse := req.CommandFlags&wire.CmdFlagDF == 0
 	for {
 		n, zero := len(data), false
 		if sparse {
@@ -531,15 +532,15 @@ func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
 		}
 		var flags uint16
 		if n == len(data) {
-			flags = chunkFlagDone
+			flags = wire.ChunkFlagDone
 		}
 		var h [12]byte
 		be.PutUint64(h[:], off)
 		if zero {
 			be.PutUint32(h[8:], uint32(n))
-			c.chunk3(req.Handle, flags, chunkOffsetHole, h[:], nil)
+			c.chunk3(req.Handle, flags, wire.ChunkOffsetHole, h[:], nil)
 		} else {
-			c.chunk3(req.Handle, flags, chunkOffsetData, h[:8], data[:n])
+			c.chunk3(req.Handle, flags, wire.ChunkOffsetData, h[:8], data[:n])
 		}
 		if flags != 0 {
 			return
@@ -575,14 +576,14 @@ func (c *conn) errorReply(req protocol.TransmissionRequestHeader, code uint32, m
 		}
 		p := be.AppendUint32(nil, code)
 		p = be.AppendUint16(p, uint16(len(msg)))
-		c.chunk(req.Handle, chunkFlagDone, chunkError, append(p, msg...))
+		c.chunk(req.Handle, wire.ChunkFlagDone, wire.ChunkError, append(p, msg...))
 		return
 	}
 	c.simpleReply(req.Handle, code, nil)
 }
 
 func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
-	h := protocol.TransmissionReplyHeader{ReplyMagic: magicSimple, Error: code, Handle: handle}
+	h := protocol.TransmissionReplyHeader{ReplyMagic: wire.MagicSimple, Error: code, Handle: handle}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	b := c.hdr[:16]
@@ -602,7 +603,7 @@ func (c *conn) chunk3(handle uint64, flags, typ uint16, a, b []byte) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	h := c.hdr[:20+len(a)]
-	be.PutUint32(h[0:], structuredReplyMagic)
+	be.PutUint32(h[0:], wire.MagicStructured)
 	be.PutUint16(h[4:], flags)
 	be.PutUint16(h[6:], typ)
 	be.PutUint64(h[8:], handle)

@@ -39,9 +39,9 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 	}
 	encrypted := false
 	var hdr [18]byte
-	be.PutUint64(hdr[0:], magicOldstyle)
-	be.PutUint64(hdr[8:], magicOption)
-	be.PutUint16(hdr[16:], handshakeFixed|handshakeFlagNoZeroes)
+	be.PutUint64(hdr[0:], wire.MagicOldstyle)
+	be.PutUint64(hdr[8:], wire.MagicOption)
+	be.PutUint16(hdr[16:], wire.HandshakeFixed|wire.HandshakeNoZeroes)
 	if _, err := c.sock.Write(hdr[:]); err != nil {
 		return n, err
 	}
@@ -50,17 +50,17 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		return n, fmt.Errorf("client flags: %w", err)
 	}
 	clientFlags := be.Uint32(cf[:])
-	if clientFlags&^(clientFlagFixed|clientFlagNoZeroes) != 0 {
+	if clientFlags&^(wire.ClientFixed|wire.ClientNoZeroes) != 0 {
 		return n, fmt.Errorf("unknown client flags %#x", clientFlags)
 	}
-	noZeroes := clientFlags&clientFlagNoZeroes != 0
+	noZeroes := clientFlags&wire.ClientNoZeroes != 0
 	for {
 		var oh [16]byte
 		if err := readFull(r, oh[:]); err != nil {
 			return n, fmt.Errorf("option header: %w", err)
 		}
 		opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
-		if opt.OptionMagic != magicOption {
+		if opt.OptionMagic != wire.MagicOption {
 			return n, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
 		}
 		if opt.Length > maxOptionLen {
@@ -70,8 +70,8 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		if err := readFull(r, data); err != nil {
 			return n, fmt.Errorf("option %d: %w", opt.ID, err)
 		}
-		if mode == TLSRequire && !encrypted && opt.ID != optStartTLS && opt.ID != optAbort {
-			if opt.ID == optExportName {
+		if mode == TLSRequire && !encrypted && opt.ID != wire.OptStartTLS && opt.ID != wire.OptAbort {
+			if opt.ID == wire.OptExportName {
 				// It has no error reply: the spec says to hang up.
 				return n, errors.New("client asked for an export in plain text; TLS is required")
 			}
@@ -79,7 +79,7 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 			continue
 		}
 		switch opt.ID {
-		case optExportName:
+		case wire.OptExportName:
 			if string(data) != c.srv.opts.Name {
 				return n, fmt.Errorf("client asked for unknown export %q", data)
 			}
@@ -91,21 +91,21 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 			}
 			_, err := c.sock.Write(reply)
 			return n, err
-		case optAbort:
-			c.optReply(opt.ID, repAck, nil)
+		case wire.OptAbort:
+			c.optReply(opt.ID, wire.RepAck, nil)
 			return n, errAbort
-		case optList:
+		case wire.OptList:
 			if len(data) != 0 {
-				c.optReply(opt.ID, repErrInvalid, []byte("LIST takes no data"))
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("LIST takes no data"))
 				continue
 			}
 			name := c.srv.opts.Name
 			payload := be.AppendUint32(nil, uint32(len(name)))
 			payload = append(payload, name...)
 			payload = append(payload, c.srv.opts.Description...)
-			c.optReply(opt.ID, repServer, payload)
-			c.optReply(opt.ID, repAck, nil)
-		case optInfo, optGo:
+			c.optReply(opt.ID, wire.RepServer, payload)
+			c.optReply(opt.ID, wire.RepAck, nil)
+		case wire.OptInfo, wire.OptGo:
 			done, err := c.infoGo(opt.ID, data)
 			if err != nil {
 				return n, err
@@ -113,36 +113,36 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 			if done {
 				return n, nil
 			}
-		case optStructuredReply:
+		case wire.OptStructuredReply:
 			if len(data) != 0 {
-				c.optReply(opt.ID, repErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
 				continue
 			}
 			n.structured = true
-			c.optReply(opt.ID, repAck, nil)
-		case optListMetaContext, optSetMetaContext:
-			if opt.ID == optSetMetaContext && !n.structured {
-				c.optReply(opt.ID, repErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
+			c.optReply(opt.ID, wire.RepAck, nil)
+		case wire.OptListMetaContext, wire.OptSetMetaContext:
+			if opt.ID == wire.OptSetMetaContext && !n.structured {
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
 				continue
 			}
 			sel, err := c.metaContext(opt.ID, data)
 			if err != nil {
-				c.optReply(opt.ID, repErrInvalid, []byte(err.Error()))
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte(err.Error()))
 				continue
 			}
-			if opt.ID == optSetMetaContext {
+			if opt.ID == wire.OptSetMetaContext {
 				n.metaAlloc = sel
 			}
-		case optStartTLS:
+		case wire.OptStartTLS:
 			switch {
 			case mode == TLSOff:
-				c.optReply(opt.ID, repErrPolicy, []byte("TLS is not offered"))
+				c.optReply(opt.ID, wire.RepErrPolicy, []byte("TLS is not offered"))
 			case encrypted:
-				c.optReply(opt.ID, repErrInvalid, []byte("TLS is on already"))
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("TLS is on already"))
 			case len(data) != 0:
-				c.optReply(opt.ID, repErrInvalid, []byte("STARTTLS takes no data"))
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("STARTTLS takes no data"))
 			default:
-				c.optReply(opt.ID, repAck, nil)
+				c.optReply(opt.ID, wire.RepAck, nil)
 				nr, err := c.startTLS(r)
 				if err != nil {
 					return n, err
@@ -153,7 +153,7 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				n = negotiated{}
 			}
 		default:
-			c.optReply(opt.ID, repErrUnsup, nil)
+			c.optReply(opt.ID, wire.RepErrUnsup, nil)
 		}
 	}
 }
@@ -161,49 +161,49 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 // infoGo answers INFO and GO. It returns done when GO succeeded.
 func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	if len(data) < 6 {
-		c.optReply(id, repErrInvalid, []byte("short INFO/GO request"))
+		c.optReply(id, wire.RepErrInvalid, []byte("short INFO/GO request"))
 		return false, nil
 	}
 	nameLen := be.Uint32(data)
 	if uint64(nameLen)+6 > uint64(len(data)) {
-		c.optReply(id, repErrInvalid, []byte("bad name length"))
+		c.optReply(id, wire.RepErrInvalid, []byte("bad name length"))
 		return false, nil
 	}
 	name := string(data[4 : 4+nameLen])
 	rest := data[4+nameLen:]
 	nreq := int(be.Uint16(rest))
 	if len(rest) != 2+2*nreq {
-		c.optReply(id, repErrInvalid, []byte("bad information request list"))
+		c.optReply(id, wire.RepErrInvalid, []byte("bad information request list"))
 		return false, nil
 	}
 	if name != c.srv.opts.Name {
-		c.optReply(id, repErrUnknown, []byte(fmt.Sprintf("no export named %q", name)))
+		c.optReply(id, wire.RepErrUnknown, []byte(fmt.Sprintf("no export named %q", name)))
 		return false, nil
 	}
 	wants := map[uint16]bool{}
 	for i := 0; i < nreq; i++ {
 		wants[be.Uint16(rest[2+2*i:])] = true
 	}
-	if wants[infoName] {
-		c.optReply(id, repInfo, append(be.AppendUint16(nil, infoName), name...))
+	if wants[wire.InfoName] {
+		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoName), name...))
 	}
-	if wants[infoDesc] && c.srv.opts.Description != "" {
-		c.optReply(id, repInfo, append(be.AppendUint16(nil, infoDesc), c.srv.opts.Description...))
+	if wants[wire.InfoDescription] && c.srv.opts.Description != "" {
+		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), c.srv.opts.Description...))
 	}
 	// Block sizes are always sent: they are constraints we rely on.
-	bs := protocol.NegotiationReplyBlockSize{Type: infoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
+	bs := protocol.NegotiationReplyBlockSize{Type: wire.InfoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
 	p := be.AppendUint16(nil, bs.Type)
 	p = be.AppendUint32(p, bs.MinimumBlockSize)
 	p = be.AppendUint32(p, bs.PreferredBlockSize)
 	p = be.AppendUint32(p, bs.MaximumBlockSize)
-	c.optReply(id, repInfo, p)
-	ex := protocol.NegotiationReplyInfo{Type: infoExport, Size: uint64(c.srv.img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
+	c.optReply(id, wire.RepInfo, p)
+	ex := protocol.NegotiationReplyInfo{Type: wire.InfoExport, Size: uint64(c.srv.img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
 	p = be.AppendUint16(nil, ex.Type)
 	p = be.AppendUint64(p, ex.Size)
 	p = be.AppendUint16(p, ex.TransmissionFlags)
-	c.optReply(id, repInfo, p)
-	c.optReply(id, repAck, nil)
-	return id == optGo, nil
+	c.optReply(id, wire.RepInfo, p)
+	c.optReply(id, wire.RepAck, nil)
+	return id == wire.OptGo, nil
 }
 
 // metaContext answers LIST/SET_META_CONTEXT; it reports whether
@@ -235,24 +235,24 @@ func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
 		return false, fmt.Errorf("trailing bytes after the queries")
 	}
 	match := false
-	if id == optListMetaContext && nq == 0 {
+	if id == wire.OptListMetaContext && nq == 0 {
 		match = true // list everything we have
 	}
 	for _, q := range queries {
-		if q == baseAllocCtx || (id == optListMetaContext && (q == "base:" || strings.TrimSuffix(q, ":") == "base")) {
+		if q == wire.BaseAllocation || (id == wire.OptListMetaContext && (q == "base:" || strings.TrimSuffix(q, ":") == "base")) {
 			match = true
 		}
 	}
 	if match {
-		c.optReply(id, repMetaContext, append(be.AppendUint32(nil, baseAllocID), baseAllocCtx...))
+		c.optReply(id, wire.RepMetaContext, append(be.AppendUint32(nil, baseAllocID), wire.BaseAllocation...))
 	}
-	c.optReply(id, repAck, nil)
+	c.optReply(id, wire.RepAck, nil)
 	return match, nil
 }
 
 // optReply sends one option reply; write errors surface on the next read.
 func (c *conn) optReply(id, typ uint32, data []byte) {
-	h := protocol.NegotiationReplyHeader{ReplyMagic: magicReply, ID: id, Type: typ, Length: uint32(len(data))}
+	h := protocol.NegotiationReplyHeader{ReplyMagic: wire.MagicReply, ID: id, Type: typ, Length: uint32(len(data))}
 	b := be.AppendUint64(nil, h.ReplyMagic)
 	b = be.AppendUint32(b, h.ID)
 	b = be.AppendUint32(b, h.Type)

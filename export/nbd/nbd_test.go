@@ -15,6 +15,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
 	"github.com/blockexport/blockexport/formats/null"
 	"github.com/blockexport/blockexport/formats/probe"
 )
@@ -78,19 +79,19 @@ func (c *client) write(b []byte) {
 // option sends an option and returns the replies up to the final one.
 func (c *client) option(id uint32, data []byte) (types []uint32, payloads [][]byte) {
 	c.t.Helper()
-	h := be.AppendUint64(nil, magicOption)
+	h := be.AppendUint64(nil, wire.MagicOption)
 	h = be.AppendUint32(h, id)
 	h = be.AppendUint32(h, uint32(len(data)))
 	c.write(append(h, data...))
 	for {
 		rh := c.read(20)
-		if be.Uint64(rh) != magicReply || be.Uint32(rh[8:]) != id {
+		if be.Uint64(rh) != wire.MagicReply || be.Uint32(rh[8:]) != id {
 			c.t.Fatalf("bad option reply header %x", rh)
 		}
 		typ := be.Uint32(rh[12:])
 		types = append(types, typ)
 		payloads = append(payloads, c.read(int(be.Uint32(rh[16:]))))
-		if typ == repAck || typ&(1<<31) != 0 {
+		if typ == wire.RepAck || typ&(1<<31) != 0 {
 			return
 		}
 	}
@@ -99,10 +100,10 @@ func (c *client) option(id uint32, data []byte) (types []uint32, payloads [][]by
 func (c *client) greet() {
 	c.t.Helper()
 	g := c.read(18)
-	if be.Uint64(g) != magicOldstyle || be.Uint64(g[8:]) != magicOption {
+	if be.Uint64(g) != wire.MagicOldstyle || be.Uint64(g[8:]) != wire.MagicOption {
 		c.t.Fatalf("bad greeting %x", g)
 	}
-	c.write(be.AppendUint32(nil, clientFlagFixed|clientFlagNoZeroes))
+	c.write(be.AppendUint32(nil, wire.ClientFixed|wire.ClientNoZeroes))
 }
 
 func goData(name string) []byte {
@@ -113,7 +114,7 @@ func goData(name string) []byte {
 
 // request sends one command and returns the simple reply's error and data.
 func (c *client) request(typ, flags uint16, handle, off uint64, length uint32, payload []byte) {
-	h := be.AppendUint32(nil, magicRequest)
+	h := be.AppendUint32(nil, wire.MagicRequest)
 	h = be.AppendUint16(h, flags)
 	h = be.AppendUint16(h, typ)
 	h = be.AppendUint64(h, handle)
@@ -125,7 +126,7 @@ func (c *client) request(typ, flags uint16, handle, off uint64, length uint32, p
 func (c *client) simpleReply(dataLen int) (uint64, uint32, []byte) {
 	c.t.Helper()
 	h := c.read(16)
-	if be.Uint32(h) != magicSimple {
+	if be.Uint32(h) != wire.MagicSimple {
 		c.t.Fatalf("bad simple reply magic %x", h)
 	}
 	code := be.Uint32(h[4:])
@@ -140,49 +141,49 @@ func TestNegotiationAndCommands(t *testing.T) {
 	c, _ := newPair(t, false)
 	c.greet()
 	// Unknown option: unsupported, and the session goes on.
-	if types, _ := c.option(99, nil); types[0] != repErrUnsup {
+	if types, _ := c.option(99, nil); types[0] != wire.RepErrUnsup {
 		t.Fatalf("unknown option answered %#x", types[0])
 	}
 	// LIST names the export.
-	types, payloads := c.option(optList, nil)
-	if types[0] != repServer || !bytes.Contains(payloads[0], []byte("disk")) || types[1] != repAck {
+	types, payloads := c.option(wire.OptList, nil)
+	if types[0] != wire.RepServer || !bytes.Contains(payloads[0], []byte("disk")) || types[1] != wire.RepAck {
 		t.Fatalf("LIST: %v %q", types, payloads)
 	}
 	// GO for a missing export: ERR_UNKNOWN.
-	if types, _ := c.option(optGo, goData("nope")); types[len(types)-1] != repErrUnknown {
+	if types, _ := c.option(wire.OptGo, goData("nope")); types[len(types)-1] != wire.RepErrUnknown {
 		t.Fatalf("GO nope: %v", types)
 	}
-	types, payloads = c.option(optGo, goData("disk"))
+	types, payloads = c.option(wire.OptGo, goData("disk"))
 	var flags uint16
 	var size uint64
 	for i, p := range payloads {
-		if types[i] == repInfo && be.Uint16(p) == infoExport {
+		if types[i] == wire.RepInfo && be.Uint16(p) == wire.InfoExport {
 			size, flags = be.Uint64(p[2:]), be.Uint16(p[10:])
 		}
 	}
-	if size != 1<<20 || flags&flagReadOnly == 0 || flags&flagSendFlush == 0 || flags&flagSendTrim != 0 {
+	if size != 1<<20 || flags&wire.FlagReadOnly == 0 || flags&wire.FlagSendFlush == 0 || flags&wire.FlagSendTrim != 0 {
 		t.Fatalf("GO: size %d flags %#x", size, flags)
 	}
 	// Simple replies: read, read past the end, write on a read-only export,
 	// oversized read, unknown command.
-	c.request(cmdRead, 0, 1, 4096, 512, nil)
+	c.request(wire.CmdRead, 0, 1, 4096, 512, nil)
 	if h, code, data := c.simpleReply(512); h != 1 || code != 0 || !bytes.Equal(data, make([]byte, 512)) {
 		t.Fatalf("read: handle %d code %d", h, code)
 	}
-	c.request(cmdRead, 0, 2, 1<<20-100, 512, nil)
-	if _, code, _ := c.simpleReply(0); code != errInval {
+	c.request(wire.CmdRead, 0, 2, 1<<20-100, 512, nil)
+	if _, code, _ := c.simpleReply(0); code != wire.EInval {
 		t.Fatalf("read past the end: %d", code)
 	}
-	c.request(cmdWrite, 0, 3, 0, 4, []byte("data"))
-	if _, code, _ := c.simpleReply(0); code != errPerm {
+	c.request(wire.CmdWrite, 0, 3, 0, 4, []byte("data"))
+	if _, code, _ := c.simpleReply(0); code != wire.EPerm {
 		t.Fatalf("write on a read-only export: %d", code)
 	}
-	c.request(cmdRead, 0, 4, 0, maxRequest+1, nil)
-	if _, code, _ := c.simpleReply(0); code != errOverflow && code != errInval {
+	c.request(wire.CmdRead, 0, 4, 0, maxRequest+1, nil)
+	if _, code, _ := c.simpleReply(0); code != wire.EOverflow && code != wire.EInval {
 		t.Fatalf("oversized read: %d", code)
 	}
 	c.request(42, 0, 5, 0, 0, nil)
-	if _, code, _ := c.simpleReply(0); code != errInval {
+	if _, code, _ := c.simpleReply(0); code != wire.EInval {
 		t.Fatalf("unknown command: %d", code)
 	}
 	// A bad magic ends the connection; nothing panics.
@@ -199,42 +200,42 @@ func TestStructuredRepliesAndBlockStatus(t *testing.T) {
 	meta := be.AppendUint32(nil, 4)
 	meta = append(meta, "disk"...)
 	meta = be.AppendUint32(meta, 1)
-	meta = be.AppendUint32(meta, uint32(len(baseAllocCtx)))
-	meta = append(meta, baseAllocCtx...)
-	if types, _ := c.option(optSetMetaContext, meta); types[0] != repErrInvalid {
+	meta = be.AppendUint32(meta, uint32(len(wire.BaseAllocation)))
+	meta = append(meta, wire.BaseAllocation...)
+	if types, _ := c.option(wire.OptSetMetaContext, meta); types[0] != wire.RepErrInvalid {
 		t.Fatalf("SET_META_CONTEXT before structured replies: %#x", types[0])
 	}
-	if types, _ := c.option(optStructuredReply, nil); types[0] != repAck {
+	if types, _ := c.option(wire.OptStructuredReply, nil); types[0] != wire.RepAck {
 		t.Fatal("STRUCTURED_REPLY refused")
 	}
-	types, payloads := c.option(optSetMetaContext, meta)
-	if types[0] != repMetaContext || be.Uint32(payloads[0]) != baseAllocID {
+	types, payloads := c.option(wire.OptSetMetaContext, meta)
+	if types[0] != wire.RepMetaContext || be.Uint32(payloads[0]) != baseAllocID {
 		t.Fatalf("SET_META_CONTEXT: %v", types)
 	}
-	c.option(optGo, goData("disk"))
-	c.request(cmdBlockStatus, 0, 7, 0, 1<<20, nil)
+	c.option(wire.OptGo, goData("disk"))
+	c.request(wire.CmdBlockStatus, 0, 7, 0, 1<<20, nil)
 	h := c.read(20)
-	if be.Uint32(h) != structuredReplyMagic || be.Uint16(h[6:]) != chunkBlockStatus || be.Uint64(h[8:]) != 7 {
+	if be.Uint32(h) != wire.MagicStructured || be.Uint16(h[6:]) != wire.ChunkBlockStatus || be.Uint64(h[8:]) != 7 {
 		t.Fatalf("block status chunk header %x", h)
 	}
 	p := c.read(int(be.Uint32(h[16:])))
 	// A null device with zeroes: one hole+zero extent over everything.
-	if be.Uint32(p) != baseAllocID || be.Uint32(p[4:]) != 1<<20 || be.Uint32(p[8:]) != stateHole|stateZero {
+	if be.Uint32(p) != baseAllocID || be.Uint32(p[4:]) != 1<<20 || be.Uint32(p[8:]) != wire.StateHole|wire.StateZero {
 		t.Fatalf("block status payload %x", p)
 	}
 	// Success without data: a simple reply, as QEMU sends (the spec asks
 	// structured replies only of reads and block status).
-	c.request(cmdWrite, cmdFlagFUA, 8, 0, 3, []byte("abc"))
+	c.request(wire.CmdWrite, wire.CmdFlagFUA, 8, 0, 3, []byte("abc"))
 	if h, code, _ := c.simpleReply(0); h != 8 || code != 0 {
 		t.Fatalf("write reply: handle %d code %d", h, code)
 	}
-	c.request(cmdRead, 0, 9, 1<<20, 1, nil)
+	c.request(wire.CmdRead, 0, 9, 1<<20, 1, nil)
 	h = c.read(20)
 	p = c.read(int(be.Uint32(h[16:])))
-	if be.Uint16(h[6:]) != chunkError || binary.BigEndian.Uint32(p) != errInval {
+	if be.Uint16(h[6:]) != wire.ChunkError || binary.BigEndian.Uint32(p) != wire.EInval {
 		t.Fatalf("read past the end, structured: %x %x", h, p)
 	}
-	c.request(cmdDisc, 0, 10, 0, 0, nil)
+	c.request(wire.CmdDisc, 0, 10, 0, 0, nil)
 }
 
 // chunk is one structured reply chunk as a test client sees it.
@@ -251,19 +252,19 @@ func (c *client) readChunks(handle uint64) []chunk {
 	var out []chunk
 	for {
 		h := c.read(20)
-		if be.Uint32(h) != structuredReplyMagic || be.Uint64(h[8:]) != handle {
+		if be.Uint32(h) != wire.MagicStructured || be.Uint64(h[8:]) != handle {
 			c.t.Fatalf("chunk header %x", h)
 		}
 		ch := chunk{flags: be.Uint16(h[4:]), typ: be.Uint16(h[6:])}
 		p := c.read(int(be.Uint32(h[16:])))
 		switch ch.typ {
-		case chunkOffsetData:
+		case wire.ChunkOffsetData:
 			ch.off, ch.data = be.Uint64(p), p[8:]
-		case chunkOffsetHole:
+		case wire.ChunkOffsetHole:
 			ch.off, ch.holeLen = be.Uint64(p), be.Uint32(p[8:])
 		}
 		out = append(out, ch)
-		if ch.flags&chunkFlagDone != 0 {
+		if ch.flags&wire.ChunkFlagDone != 0 {
 			return out
 		}
 	}
@@ -290,16 +291,16 @@ func TestSparseReads(t *testing.T) {
 	t.Cleanup(func() { img.Close() })
 	c, _ := newPairWith(t, img, false)
 	c.greet()
-	c.option(optStructuredReply, nil)
-	c.option(optGo, goData("disk"))
+	c.option(wire.OptStructuredReply, nil)
+	c.option(wire.OptGo, goData("disk"))
 
 	rebuild := func(off uint64, n int, chunks []chunk) []byte {
 		got := bytes.Repeat([]byte{0xee}, n) // no chunk may leave a gap
 		for _, ch := range chunks {
 			switch ch.typ {
-			case chunkOffsetData:
+			case wire.ChunkOffsetData:
 				copy(got[ch.off-off:], ch.data)
-			case chunkOffsetHole:
+			case wire.ChunkOffsetHole:
 				clear(got[ch.off-off : ch.off-off+uint64(ch.holeLen)])
 			default:
 				t.Fatalf("unexpected chunk type %d", ch.typ)
@@ -308,13 +309,13 @@ func TestSparseReads(t *testing.T) {
 		return got
 	}
 	// From offset 0, the whole image: blocks 0, 3, 5 and 12-15 hold data.
-	c.request(cmdRead, 0, 1, 0, uint32(len(want)), nil)
+	c.request(wire.CmdRead, 0, 1, 0, uint32(len(want)), nil)
 	chunks := c.readChunks(1)
 	var kinds []uint16
 	for _, ch := range chunks {
 		kinds = append(kinds, ch.typ)
 	}
-	wantKinds := []uint16{chunkOffsetData, chunkOffsetHole, chunkOffsetData, chunkOffsetHole, chunkOffsetData, chunkOffsetHole, chunkOffsetData}
+	wantKinds := []uint16{wire.ChunkOffsetData, wire.ChunkOffsetHole, wire.ChunkOffsetData, wire.ChunkOffsetHole, wire.ChunkOffsetData, wire.ChunkOffsetHole, wire.ChunkOffsetData}
 	if !slices.Equal(kinds, wantKinds) {
 		t.Fatalf("chunk types %v, want %v", kinds, wantKinds)
 	}
@@ -323,18 +324,18 @@ func TestSparseReads(t *testing.T) {
 	}
 	// An unaligned read across a hole into data.
 	off, n := uint64(5000), 3*4096+77
-	c.request(cmdRead, 0, 2, off, uint32(n), nil)
+	c.request(wire.CmdRead, 0, 2, off, uint32(n), nil)
 	if got := rebuild(off, n, c.readChunks(2)); !bytes.Equal(got, want[off:off+uint64(n)]) {
 		t.Fatal("unaligned sparse read differs")
 	}
 	// All zeroes: one hole chunk.
-	c.request(cmdRead, 0, 3, 7*4096, 4*4096, nil)
-	if ch := c.readChunks(3); len(ch) != 1 || ch[0].typ != chunkOffsetHole || ch[0].holeLen != 4*4096 || ch[0].off != 7*4096 {
+	c.request(wire.CmdRead, 0, 3, 7*4096, 4*4096, nil)
+	if ch := c.readChunks(3); len(ch) != 1 || ch[0].typ != wire.ChunkOffsetHole || ch[0].holeLen != 4*4096 || ch[0].off != 7*4096 {
 		t.Fatalf("zero read: %+v", ch)
 	}
 	// DF: exactly one data chunk, zeroes included.
-	c.request(cmdRead, cmdFlagDF, 4, 0, uint32(len(want)), nil)
-	if ch := c.readChunks(4); len(ch) != 1 || ch[0].typ != chunkOffsetData || !bytes.Equal(ch[0].data, want) {
+	c.request(wire.CmdRead, wire.CmdFlagDF, 4, 0, uint32(len(want)), nil)
+	if ch := c.readChunks(4); len(ch) != 1 || ch[0].typ != wire.ChunkOffsetData || !bytes.Equal(ch[0].data, want) {
 		t.Fatalf("DF read: %d chunks", len(ch))
 	}
 }
@@ -364,7 +365,7 @@ func TestZeroRun(t *testing.T) {
 func TestShutdownFinishesAndCloses(t *testing.T) {
 	c, s := newPair(t, true)
 	c.greet()
-	c.option(optGo, goData("disk"))
+	c.option(wire.OptGo, goData("disk"))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	done := make(chan error, 1)
@@ -380,14 +381,14 @@ func TestShutdownFinishesAndCloses(t *testing.T) {
 // FuzzServe feeds arbitrary client bytes to a connection: the handshake
 // parser and request decoder must never panic or hang.
 func FuzzServe(f *testing.F) {
-	valid := be.AppendUint32(nil, clientFlagFixed|clientFlagNoZeroes)
+	valid := be.AppendUint32(nil, wire.ClientFixed|wire.ClientNoZeroes)
 	for _, opt := range [][]byte{
-		append(append(be.AppendUint64(nil, magicOption), be.AppendUint32(be.AppendUint32(nil, optGo), 6)...), goData("")...),
-		append(be.AppendUint64(nil, magicOption), be.AppendUint32(be.AppendUint32(nil, optList), 0)...),
+		append(append(be.AppendUint64(nil, wire.MagicOption), be.AppendUint32(be.AppendUint32(nil, wire.OptGo), 6)...), goData("")...),
+		append(be.AppendUint64(nil, wire.MagicOption), be.AppendUint32(be.AppendUint32(nil, wire.OptList), 0)...),
 	} {
 		f.Add(append(append([]byte{}, valid...), opt...))
 	}
-	req := be.AppendUint32(nil, magicRequest)
+	req := be.AppendUint32(nil, wire.MagicRequest)
 	req = append(req, make([]byte, 24)...)
 	f.Add(append(append(append([]byte{}, valid...), f2(goData(""))...), req...))
 	f.Fuzz(func(t *testing.T, in []byte) {
@@ -411,8 +412,8 @@ func FuzzServe(f *testing.F) {
 
 // f2 wraps GO option data in an option header for the fuzz seeds.
 func f2(data []byte) []byte {
-	h := be.AppendUint64(nil, magicOption)
-	h = be.AppendUint32(h, optGo)
+	h := be.AppendUint64(nil, wire.MagicOption)
+	h = be.AppendUint32(h, wire.OptGo)
 	h = be.AppendUint32(h, uint32(len(data)))
 	return append(h, data...)
 }

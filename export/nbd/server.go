@@ -14,6 +14,7 @@ import (
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
 // Options describe the export.
@@ -85,11 +86,11 @@ func New(img formats.Image, o Options) *Server {
 
 // transmissionFlags tells the truth about what the export does.
 func (s *Server) transmissionFlags() uint16 {
-	f := flagHasFlags | flagSendFlush | flagSendFUA | flagSendDF | flagSendCache | flagMultiConn
+	f := wire.FlagHasFlags | wire.FlagSendFlush | wire.FlagSendFUA | wire.FlagSendDF | wire.FlagSendCache | wire.FlagCanMultiConn
 	if s.opts.Writable {
-		f |= flagSendTrim | flagSendWriteZeroes | flagSendFastZero
+		f |= wire.FlagSendTrim | wire.FlagSendZeroes | wire.FlagSendFastZero
 	} else {
-		f |= flagReadOnly
+		f |= wire.FlagReadOnly
 	}
 	return f
 }

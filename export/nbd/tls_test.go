@@ -62,9 +62,9 @@ func tlsPair(t *testing.T, mode TLSMode) (*client, *x509.CertPool) {
 // which has no error reply, ends the connection.
 func TestTLSRequired(t *testing.T) {
 	c, _ := tlsPair(t, TLSRequire)
-	for _, opt := range []uint32{optList, optInfo, optGo, optStructuredReply, optListMetaContext, 77} {
+	for _, opt := range []uint32{wire.OptList, wire.OptInfo, wire.OptGo, wire.OptStructuredReply, wire.OptListMetaContext, 77} {
 		data := []byte(nil)
-		if opt == optInfo || opt == optGo {
+		if opt == wire.OptInfo || opt == wire.OptGo {
 			data = goData("disk")
 		}
 		types, payloads := c.option(opt, data)
@@ -72,8 +72,8 @@ func TestTLSRequired(t *testing.T) {
 			t.Errorf("option %d in plain text: replies %#x %q; want one TLS_REQD", opt, types, payloads)
 		}
 	}
-	h := be.AppendUint64(nil, magicOption)
-	h = be.AppendUint32(h, optExportName)
+	h := be.AppendUint64(nil, wire.MagicOption)
+	h = be.AppendUint32(h, wire.OptExportName)
 	h = be.AppendUint32(h, 4)
 	c.write(append(h, "disk"...))
 	if n, err := c.r.Read(make([]byte, 1)); err != io.EOF {
@@ -86,10 +86,10 @@ func TestTLSRequired(t *testing.T) {
 func TestStartTLS(t *testing.T) {
 	for _, mode := range []TLSMode{TLSRequire, TLSOptional} {
 		c, pool := tlsPair(t, mode)
-		if types, _ := c.option(optStartTLS, []byte("x")); len(types) != 1 || types[0] != repErrInvalid {
+		if types, _ := c.option(wire.OptStartTLS, []byte("x")); len(types) != 1 || types[0] != wire.RepErrInvalid {
 			t.Fatalf("%s: STARTTLS with data: %#x", mode, types)
 		}
-		if types, _ := c.option(optStartTLS, nil); len(types) != 1 || types[0] != repAck {
+		if types, _ := c.option(wire.OptStartTLS, nil); len(types) != 1 || types[0] != wire.RepAck {
 			t.Fatalf("%s: STARTTLS: %#x", mode, types)
 		}
 		tc := tls.Client(c.c, &tls.Config{RootCAs: pool, ServerName: "localhost"})
@@ -97,14 +97,14 @@ func TestStartTLS(t *testing.T) {
 			t.Fatalf("%s: TLS handshake: %v", mode, err)
 		}
 		c.c, c.r = tc, bufio.NewReader(tc)
-		if types, _ := c.option(optStartTLS, nil); len(types) != 1 || types[0] != repErrInvalid {
+		if types, _ := c.option(wire.OptStartTLS, nil); len(types) != 1 || types[0] != wire.RepErrInvalid {
 			t.Fatalf("%s: a second STARTTLS: %#x", mode, types)
 		}
-		types, _ := c.option(optGo, goData("disk"))
-		if types[len(types)-1] != repAck {
+		types, _ := c.option(wire.OptGo, goData("disk"))
+		if types[len(types)-1] != wire.RepAck {
 			t.Fatalf("%s: GO over TLS: %#x", mode, types)
 		}
-		c.request(cmdRead, 0, 1, 0, 4096, nil)
+		c.request(wire.CmdRead, 0, 1, 0, 4096, nil)
 		if _, errCode, data := c.simpleReply(4096); errCode != 0 || len(data) != 4096 {
 			t.Fatalf("%s: a read over TLS: error %d, %d bytes", mode, errCode, len(data))
 		}
@@ -115,11 +115,11 @@ func TestStartTLS(t *testing.T) {
 // STARTTLS by policy.
 func TestTLSOptionalAndOff(t *testing.T) {
 	c, _ := tlsPair(t, TLSOptional)
-	if types, _ := c.option(optGo, goData("disk")); types[len(types)-1] != repAck {
+	if types, _ := c.option(wire.OptGo, goData("disk")); types[len(types)-1] != wire.RepAck {
 		t.Fatalf("optional: plain GO: %#x", types)
 	}
 	c, _ = tlsPair(t, TLSOff)
-	if types, _ := c.option(optStartTLS, nil); len(types) != 1 || types[0] != repErrPolicy {
+	if types, _ := c.option(wire.OptStartTLS, nil); len(types) != 1 || types[0] != wire.RepErrPolicy {
 		t.Fatalf("off: STARTTLS: %#x", types)
 	}
 }
