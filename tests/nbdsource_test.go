@@ -276,6 +276,7 @@ func TestNBDSourceReconnect(t *testing.T) {
 	fioDone := make(chan error, 1)
 	var out []byte
 	go func() { out, _ = io.ReadAll(fioOut); fioDone <- fio.Wait() }()
+	t.Cleanup(func() { fio.Process.Kill() }) // a test that fails early leaves no fio behind
 	time.Sleep(700 * time.Millisecond)
 	s.kill()
 	time.Sleep(500 * time.Millisecond)
