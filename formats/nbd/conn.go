@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
 	"syscall"
 
@@ -43,6 +44,7 @@ type conn struct {
 	// alone): per-request allocations otherwise.
 	wbufs   [2][]byte
 	scratch [16]byte
+	readied bool // the reader answered a request since it last yielded
 
 	rmu  sync.Mutex    // held by the goroutine reading replies
 	turn chan struct{} // a token: nobody reads while requests wait
@@ -185,11 +187,29 @@ func (c *conn) wait(cl *call) {
 
 // readUntil reads replies until cl is answered or the connection ends.
 func (c *conn) readUntil(cl *call) {
+	c.readied = false // our own reply ends the loop: only others' count
 	for {
 		select {
 		case <-cl.done:
 			return
 		default:
+		}
+		if c.r.Buffered() == 0 && c.readied {
+			// The next read may sleep, and the requests just answered
+			// wait in this thread's run queue: let them write their
+			// replies here first. Otherwise the runtime wakes another
+			// thread for them while this one sleeps in read(2)
+			// (measured, FUSE export of qemu-nbd, 4 KiB random reads
+			// at queue depth 16, A/B three rounds: 23-26.5k IOPS and
+			// 26-31 µs of our CPU a request, against 18-23k and
+			// 35-46 µs without).
+			c.readied = false
+			runtime.Gosched()
+			select {
+			case <-cl.done:
+				return
+			default:
+			}
 		}
 		if err := c.readReply(); err != nil {
 			if !errors.Is(err, errProtocol) {
@@ -232,6 +252,7 @@ func (c *conn) finish(cookie uint64, cl *call) {
 	}
 	delete(c.calls, cookie)
 	c.mu.Unlock()
+	c.readied = true
 	close(cl.done)
 }
 
