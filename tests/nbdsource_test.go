@@ -199,6 +199,8 @@ func TestNBDSourceServers(t *testing.T) {
 		img := sourceImage(t, dir, "32M")
 		sock := filepath.Join(dir, "s.sock")
 		startServerProc(t, sock, "qemu-nbd", "-f", "raw", "--aio=io_uring", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+		// QEMU 7.2 has no extended headers: the client falls back.
+		wantInfoLine(t, nbdURI("disk", sock), "extended headers: no")
 		exerciseNBDSource(t, nbdURI("disk", sock))
 	})
 	t.Run("qemu-nbd qcow2", func(t *testing.T) {
@@ -245,8 +247,19 @@ func TestNBDSourceServers(t *testing.T) {
 		img := sourceImage(t, dir, "32M")
 		sock := filepath.Join(dir, "s.sock")
 		startServerProc(t, sock, bin, "nbd", "-f", "raw", "-w", "--export-name", "disk", "--listen", "unix:"+sock, img)
+		// Both ends have extended headers: the export runs on them,
+		// while qemu-img and nbdinfo above spoke the compact form.
+		wantInfoLine(t, nbdURI("disk", sock), "extended headers: yes")
 		exerciseNBDSource(t, nbdURI("disk", sock), "--connections", "4")
 	})
+}
+
+// wantInfoLine checks that `blockexport info URI` prints line.
+func wantInfoLine(t *testing.T, uri, line string) {
+	t.Helper()
+	if code, out := runBlockexport(t, "info", uri); code != 0 || !strings.Contains(out, "\n    "+line+"\n") {
+		t.Fatalf("info %s (exit %d) lacks %q:\n%s", uri, code, line, out)
+	}
 }
 
 // TestNBDSourceReconnect: the server is killed while fio writes through

@@ -6,6 +6,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -21,6 +22,14 @@ import (
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
+// request is one transmission-phase request, compact (28-byte header,
+// 32-bit length) or extended (32 bytes, 64-bit length).
+type request struct {
+	flags, typ  uint16
+	cookie, off uint64
+	length      uint64 // the payload's with CmdFlagPayloadLen, else the range's
+}
+
 // conn is one client connection.
 type conn struct {
 	srv  *Server
@@ -33,7 +42,7 @@ type conn struct {
 	wmu sync.Mutex // one reply at a time on the wire
 	// hdr holds the reply header being sent (under wmu): built here, it
 	// does not cost an allocation per reply.
-	hdr [32]byte
+	hdr [wire.ExtendedReplySize + 12]byte
 	// Replies are buffered in bw. While the reader still has requests in
 	// hand (corked), replies collect there and go out together when it is
 	// about to wait for more: one write for many replies, as QEMU corks.
@@ -69,13 +78,13 @@ func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
 // requestCost is what a request counts against the budgets while it is
 // in flight: its buffer, and at least minRequestCost, since a request
 // without data still holds a goroutine.
-func requestCost(req protocol.TransmissionRequestHeader) int64 {
+func requestCost(req request) int64 {
 	n := int64(0)
-	switch req.Type {
+	switch req.typ {
 	case wire.CmdRead, wire.CmdWrite:
-		n = int64(req.Length)
+		n = int64(min(req.length, maxRequest)) // larger ones are refused
 	case wire.CmdCache:
-		n = int64(min(req.Length, 1<<20))
+		n = int64(min(req.length, 1<<20))
 	}
 	return max(n, minRequestCost)
 }
@@ -147,7 +156,7 @@ func (c *conn) serve() {
 	}
 	c.neg = neg
 	c.bw.Reset(c.sock) // after STARTTLS: through TLS
-	c.log.Debug("NBD client connected", "structured", neg.structured, "base:allocation", neg.metaAlloc)
+	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "base:allocation", neg.metaAlloc)
 	err = c.transmit(r)
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
@@ -162,14 +171,18 @@ func (c *conn) serve() {
 // runs in its own goroutine; a write's payload is read here first, so the
 // stream stays in step.
 func (c *conn) transmit(r *bufio.Reader) error {
-	var hb [28]byte
+	var hb [wire.ExtendedRequestSize]byte
+	hsize := wire.RequestSize
+	if c.neg.extended {
+		hsize = wire.ExtendedRequestSize
+	}
 	var yield coroutines.Yielder // see there
 	for {
 		yield.Tick()
-		if r.Buffered() < len(hb) {
+		if r.Buffered() < hsize {
 			c.uncork() // about to wait on the socket: send what is ready
 		}
-		if err := readFull(r, hb[:]); err != nil {
+		if err := readFull(r, hb[:hsize]); err != nil {
 			select {
 			case <-c.stopping:
 				return nil
@@ -178,36 +191,40 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			return err
 		}
 		c.cork()
-		req := protocol.TransmissionRequestHeader{
-			RequestMagic: be.Uint32(hb[0:]), CommandFlags: be.Uint16(hb[4:]), Type: be.Uint16(hb[6:]),
-			Handle: be.Uint64(hb[8:]), Offset: be.Uint64(hb[16:]), Length: be.Uint32(hb[24:]),
-		}
-		if req.RequestMagic != wire.MagicRequest {
+		req, err := c.parseRequest(hb[:hsize])
+		if err != nil {
 			c.uncork()
-			return errors.New("bad request magic: the stream is out of step")
+			return err
 		}
 		var payload []byte
 		cost := int64(0) // taken from the budgets, once the request must wait
-		if req.Type == wire.CmdWrite {
-			if req.Length > maxRequest {
-				// Too big to take: the payload cannot be skipped safely.
-				c.simpleReply(req.Handle, wire.EOverflow, nil)
-				c.uncork()
-				return errors.New("write larger than the advertised maximum")
+		if c.neg.extended && req.flags&wire.CmdFlagPayloadLen != 0 && req.typ != wire.CmdWrite {
+			// A payload no command here takes: skipped, then refused.
+			if _, err := r.Discard(int(req.length)); err != nil {
+				return err
 			}
+			c.errorReply(req, wire.EInval, "this command takes no payload")
+			continue
+		}
+		if c.neg.extended && req.typ == wire.CmdWrite && req.flags&wire.CmdFlagPayloadLen == 0 {
+			// Its length is then no payload's: nothing to read.
+			c.errorReply(req, wire.EInval, "a WRITE under extended headers must carry NBD_CMD_FLAG_PAYLOAD_LEN")
+			continue
+		}
+		if req.typ == wire.CmdWrite {
 			// A write that fits the reader's buffer is read there and
 			// tried in place; one that cannot be done at once moves to
 			// a buffer of its own (the reader's is reused).
-			fits := int(req.Length) <= cap(c.scratch)
+			fits := req.length <= uint64(cap(c.scratch)) // at most maxRequest: parseRequest
 			if fits {
-				payload = c.scratch[:req.Length]
+				payload = c.scratch[:req.length]
 			} else {
 				if cost = requestCost(req); c.acquire(cost) != nil {
 					return c.ctx.Err()
 				}
 				// Page-aligned, so that an O_DIRECT image writes it as
 				// it is, without a bounce copy.
-				payload = coroutines.AlignedBuf(int(req.Length), 4096)
+				payload = coroutines.AlignedBuf(int(req.length), 4096)
 			}
 			if err := readFull(r, payload); err != nil {
 				if cost > 0 {
@@ -227,7 +244,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				payload = p
 			}
 		}
-		if req.Type == wire.CmdDisc {
+		if req.typ == wire.CmdDisc {
 			c.uncork()
 			c.hand.Wait()
 			if c.srv.opts.Writable {
@@ -236,7 +253,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			return nil
 		}
 		path := coroutines.Fresh
-		if req.Type == wire.CmdRead {
+		if req.typ == wire.CmdRead {
 			switch c.tryReadInline(req) {
 			case answered:
 				continue
@@ -249,7 +266,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				return c.ctx.Err()
 			}
 		}
-		if (req.Type == wire.CmdRead || req.Type == wire.CmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
+		if (req.typ == wire.CmdRead || req.typ == wire.CmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
 			c.handle(c.hand.Context(coroutines.InLoop), req, payload)
 			c.release(cost)
 			continue
@@ -261,6 +278,33 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			c.handle(c.hand.Context(path), req, payload)
 		}()
 	}
+}
+
+// parseRequest decodes a request header: compact or extended, as
+// negotiated. A bad magic means the stream is out of step; a payload
+// larger than we advertised cannot be skipped safely: both end the
+// connection.
+func (c *conn) parseRequest(h []byte) (request, error) {
+	req := request{flags: be.Uint16(h[4:]), typ: be.Uint16(h[6:]), cookie: be.Uint64(h[8:]), off: be.Uint64(h[16:])}
+	magic := wire.MagicRequest
+	if c.neg.extended {
+		magic = wire.MagicExtendedRequest
+		req.length = be.Uint64(h[24:])
+	} else {
+		req.length = uint64(be.Uint32(h[24:]))
+	}
+	if got := be.Uint32(h); got != magic {
+		return req, fmt.Errorf("bad request magic %#x: the stream is out of step", got)
+	}
+	hasPayload := req.typ == wire.CmdWrite
+	if c.neg.extended {
+		hasPayload = req.flags&wire.CmdFlagPayloadLen != 0
+	}
+	if hasPayload && req.length > maxRequest {
+		c.errorReply(req, wire.EOverflow, "payload larger than the advertised maximum")
+		return req, errors.New("a request payload larger than the advertised maximum")
+	}
+	return req, nil
 }
 
 // queued says whether a request waits: in the reader's buffer or on the
@@ -284,12 +328,12 @@ const (
 // tryReadInline answers a read the image can serve without waiting (page
 // cache, null device) right here in the reader, from its own buffer, while
 // the miss tracker says tries pay.
-func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) inlineResult {
-	if req.Length == 0 || int(req.Length) > cap(c.scratch) || !c.hand.Reads.ShouldTry() {
+func (c *conn) tryReadInline(req request) inlineResult {
+	if req.length == 0 || req.length > uint64(cap(c.scratch)) || !c.hand.Reads.ShouldTry() {
 		return wouldWait
 	}
-	off, n := int64(req.Offset), int64(req.Length)
-	if req.Offset >= 1<<63 || off+n > c.srv.img.Size() {
+	off, n := int64(req.off), int64(req.length)
+	if req.off >= 1<<63 || off+n > c.srv.img.Size() {
 		return wouldWait // the slow path reports the error
 	}
 	buf := c.scratch[:n]
@@ -304,9 +348,9 @@ func (c *conn) tryReadInline(req protocol.TransmissionRequestHeader) inlineResul
 
 // tryWriteInline runs a plain write (no FUA) the image can do without
 // waiting right here in the reader; false means nothing was written.
-func (c *conn) tryWriteInline(req protocol.TransmissionRequestHeader, payload []byte) bool {
-	off := int64(req.Offset)
-	if !c.srv.opts.Writable || req.CommandFlags != 0 || len(payload) == 0 || req.Offset >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
+func (c *conn) tryWriteInline(req request, payload []byte) bool {
+	off := int64(req.off)
+	if !c.srv.opts.Writable || req.flags&^wire.CmdFlagPayloadLen != 0 || len(payload) == 0 || req.off >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
 		return false
 	}
 	done, err := c.srv.img.TryWriteAt(payload, off)
@@ -317,7 +361,7 @@ func (c *conn) tryWriteInline(req protocol.TransmissionRequestHeader, payload []
 		c.errorReply(req, errnoOf(err), err.Error())
 		return true
 	}
-	c.simpleReply(req.Handle, 0, nil)
+	c.done(req)
 	return true
 }
 
@@ -346,27 +390,27 @@ func (c *conn) replyFailed(err error) {
 }
 
 // handle runs one request and sends its reply.
-func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeader, payload []byte) {
+func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 	if ctx.Err() != nil {
 		return // the client is gone: nobody to answer
 	}
 	img := c.srv.img
-	off, n := int64(req.Offset), int64(req.Length)
+	off, n := int64(req.off), int64(req.length)
 	size := img.Size()
-	inRange := off >= 0 && n >= 0 && off <= size && n <= size-off && req.Offset < 1<<63
-	writeLike := req.Type == wire.CmdWrite || req.Type == wire.CmdTrim || req.Type == wire.CmdWriteZeroes
+	inRange := req.off < 1<<63 && req.length < 1<<63 && off <= size && n <= size-off
+	writeLike := req.typ == wire.CmdWrite || req.typ == wire.CmdTrim || req.typ == wire.CmdWriteZeroes
 	switch {
 	case writeLike && !c.srv.opts.Writable:
 		c.errorReply(req, wire.EPerm, "the export is read-only")
 		return
-	case req.Type == wire.CmdRead || req.Type == wire.CmdWrite || req.Type == wire.CmdTrim || req.Type == wire.CmdWriteZeroes || req.Type == wire.CmdCache || req.Type == wire.CmdBlockStatus:
-		if req.Length > maxRequest && req.Type != wire.CmdTrim && req.Type != wire.CmdWriteZeroes && req.Type != wire.CmdBlockStatus {
+	case req.typ == wire.CmdRead || req.typ == wire.CmdWrite || req.typ == wire.CmdTrim || req.typ == wire.CmdWriteZeroes || req.typ == wire.CmdCache || req.typ == wire.CmdBlockStatus:
+		if req.length > maxRequest && req.typ != wire.CmdTrim && req.typ != wire.CmdWriteZeroes && req.typ != wire.CmdBlockStatus {
 			c.errorReply(req, wire.EOverflow, "request larger than the advertised maximum")
 			return
 		}
 		if !inRange {
 			code := wire.EInval
-			if req.Type == wire.CmdWrite || req.Type == wire.CmdWriteZeroes {
+			if req.typ == wire.CmdWrite || req.typ == wire.CmdWriteZeroes {
 				code = wire.ENoSpc
 			}
 			c.errorReply(req, code, "request beyond the end of the export")
@@ -374,7 +418,7 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 		}
 	}
 	var err error
-	switch req.Type {
+	switch req.typ {
 	case wire.CmdRead:
 		buf, bp := c.srv.bufs.Buffer(int(n))
 		defer c.srv.bufs.Release(bp) // the reply is written before handle returns
@@ -383,21 +427,21 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 			return
 		}
 	case wire.CmdWrite:
-		if _, err = img.WriteAt(ctx, payload, off); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
+		if _, err = img.WriteAt(ctx, payload, off); err == nil && req.flags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
 	case wire.CmdFlush:
 		err = img.Flush(ctx)
 	case wire.CmdTrim:
-		if err = img.Discard(ctx, off, n); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
+		if err = img.Discard(ctx, off, n); err == nil && req.flags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
 	case wire.CmdWriteZeroes:
-		if req.CommandFlags&wire.CmdFlagFastZero != 0 && !fastZero(img) {
+		if req.flags&wire.CmdFlagFastZero != 0 && !fastZero(img) {
 			c.errorReply(req, wire.ENotSup, "zeroing would be slow")
 			return
 		}
-		if err = img.WriteZeroes(ctx, off, n, req.CommandFlags&wire.CmdFlagNoHole == 0); err == nil && req.CommandFlags&wire.CmdFlagFUA != 0 {
+		if err = img.WriteZeroes(ctx, off, n, req.flags&wire.CmdFlagNoHole == 0); err == nil && req.flags&wire.CmdFlagFUA != 0 {
 			err = img.Flush(ctx)
 		}
 	case wire.CmdCache:
@@ -415,7 +459,7 @@ func (c *conn) handle(ctx context.Context, req protocol.TransmissionRequestHeade
 		return
 	}
 	if err != nil {
-		c.log.Debug("NBD request failed", "type", req.Type, "off", off, "len", n, "err", err)
+		c.log.Debug("NBD request failed", "type", req.typ, "off", off, "len", n, "err", err)
 		c.errorReply(req, errnoOf(err), err.Error())
 		return
 	}
@@ -440,18 +484,29 @@ func (c *conn) cache(ctx context.Context, off, n int64) error {
 	return nil
 }
 
-// blockStatus sends base:allocation extents for [off, off+n).
-func (c *conn) blockStatus(req protocol.TransmissionRequestHeader, off, n int64) {
+// blockStatus sends base:allocation extents for [off, off+n): 32-bit
+// descriptors, or under extended headers 64-bit ones (BLOCK_STATUS_EXT),
+// which also let one extent run past 4 GiB.
+func (c *conn) blockStatus(req request, off, n int64) {
 	ctx := c.ctx
+	ext := c.neg.extended
 	payload := be.AppendUint32(nil, baseAllocID)
+	if ext {
+		payload = be.AppendUint32(payload, 0) // the count, filled in below
+	}
+	maxLen := int64(1 << 31) // a compact descriptor's length is 32 bits
+	if ext {
+		maxLen = 1<<63 - 1
+	}
 	end := off + n
-	for count := 0; off < end && count < 1024; count++ {
+	count := 0
+	for ; off < end && count < 1024; count++ {
 		e, err := c.srv.img.Extent(ctx, off, end-off)
 		if err != nil {
 			c.errorReply(req, errnoOf(err), err.Error())
 			return
 		}
-		length := min(e.Length, 1<<31) // a descriptor length is 32 bits
+		length := min(e.Length, maxLen&^(minBlock-1))
 		var flags uint32
 		if !e.Data {
 			flags |= wire.StateHole
@@ -459,14 +514,25 @@ func (c *conn) blockStatus(req protocol.TransmissionRequestHeader, off, n int64)
 		if e.Zero {
 			flags |= wire.StateZero
 		}
-		payload = be.AppendUint32(payload, uint32(length))
-		payload = be.AppendUint32(payload, flags)
+		if ext {
+			payload = be.AppendUint64(payload, uint64(length))
+			payload = be.AppendUint64(payload, uint64(flags))
+		} else {
+			payload = be.AppendUint32(payload, uint32(length))
+			payload = be.AppendUint32(payload, flags)
+		}
 		off += length
-		if req.CommandFlags&wire.CmdFlagReqOne != 0 {
+		if req.flags&wire.CmdFlagReqOne != 0 {
+			count++
 			break
 		}
 	}
-	c.chunk(req.Handle, wire.ChunkFlagDone, wire.ChunkBlockStatus, payload)
+	typ := wire.ChunkBlockStatus
+	if ext {
+		be.PutUint32(payload[4:], uint32(count))
+		typ = wire.ChunkBlockStatusExt
+	}
+	c.chunk(req, wire.ChunkFlagDone, typ, payload)
 }
 
 // errnoOf maps an image error to an NBD error code.
@@ -503,8 +569,13 @@ func errnoOf(err error) uint32 {
 // structured replies only for reads (and block status), and the 16-byte
 // simple reply costs a client one receive where a chunk costs two. QEMU
 // answers the same way.
-func (c *conn) done(req protocol.TransmissionRequestHeader) {
-	c.simpleReply(req.Handle, 0, nil)
+func (c *conn) done(req request) {
+	if c.neg.extended {
+		// Extended headers have no simple reply: a final NONE chunk.
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil)
+		return
+	}
+	c.simpleReply(req.cookie, 0, nil)
 }
 
 // dataReply answers a read with what it found. With structured replies, a
@@ -513,18 +584,18 @@ func (c *conn) done(req protocol.TransmissionRequestHeader) {
 // finds such runs with block status; we find them in the data, which costs
 // a memory compare instead of a metadata lookup or lseek and catches zeroes
 // any format returns. DF asks for one chunk, so then the data goes whole.
-func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
+func (c *conn) dataReply(req request, data []byte) {
 	if !c.neg.structured {
-		c.simpleReply(req.Handle, 0, data)
+		c.simpleReply(req.cookie, 0, data)
 		return
 	}
 	if len(data) == 0 {
 		// A read of nothing: one final chunk without content.
-		c.chunk(req.Handle, wire.ChunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
+		c.chunk(req, wire.ChunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
 		return
 	}
-	off := req.Offset
-	sparse := req.CommandFlags&wire.CmdFlagDF == 0
+	off := req.off
+	sparse := req.flags&wire.CmdFlagDF == 0
 	for {
 		n, zero := len(data), false
 		if sparse {
@@ -538,9 +609,9 @@ func (c *conn) dataReply(req protocol.TransmissionRequestHeader, data []byte) {
 		be.PutUint64(h[:], off)
 		if zero {
 			be.PutUint32(h[8:], uint32(n))
-			c.chunk3(req.Handle, flags, wire.ChunkOffsetHole, h[:], nil)
+			c.chunk3(req, flags, wire.ChunkOffsetHole, h[:], nil)
 		} else {
-			c.chunk3(req.Handle, flags, wire.ChunkOffsetData, h[:8], data[:n])
+			c.chunk3(req, flags, wire.ChunkOffsetData, h[:8], data[:n])
 		}
 		if flags != 0 {
 			return
@@ -569,17 +640,17 @@ func zeroRun(p []byte) (n int, zero bool) {
 	return n, zero
 }
 
-func (c *conn) errorReply(req protocol.TransmissionRequestHeader, code uint32, msg string) {
+func (c *conn) errorReply(req request, code uint32, msg string) {
 	if c.neg.structured {
 		if len(msg) > 4096 {
 			msg = msg[:4096]
 		}
 		p := be.AppendUint32(nil, code)
 		p = be.AppendUint16(p, uint16(len(msg)))
-		c.chunk(req.Handle, wire.ChunkFlagDone, wire.ChunkError, append(p, msg...))
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, append(p, msg...))
 		return
 	}
-	c.simpleReply(req.Handle, code, nil)
+	c.simpleReply(req.cookie, code, nil)
 }
 
 func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
@@ -593,22 +664,32 @@ func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
 	c.send(b, data)
 }
 
-func (c *conn) chunk(handle uint64, flags, typ uint16, payload []byte) {
-	c.chunk3(handle, flags, typ, nil, payload)
+func (c *conn) chunk(req request, flags, typ uint16, payload []byte) {
+	c.chunk3(req, flags, typ, nil, payload)
 }
 
 // chunk3 sends a structured reply chunk whose payload is a (a few bytes of
-// fields, at most 12) then b.
-func (c *conn) chunk3(handle uint64, flags, typ uint16, a, b []byte) {
+// fields, at most 12) then b: with a 20-byte header, or under extended
+// headers a 32-byte one that also carries the request's offset and a
+// 64-bit length.
+func (c *conn) chunk3(req request, flags, typ uint16, a, b []byte) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	h := c.hdr[:20+len(a)]
-	be.PutUint32(h[0:], wire.MagicStructured)
+	var h []byte
+	if c.neg.extended {
+		h = c.hdr[:wire.ExtendedReplySize+len(a)]
+		be.PutUint32(h[0:], wire.MagicExtendedReply)
+		be.PutUint64(h[16:], req.off)
+		be.PutUint64(h[24:], uint64(len(a)+len(b)))
+	} else {
+		h = c.hdr[:wire.StructuredReplySize+len(a)]
+		be.PutUint32(h[0:], wire.MagicStructured)
+		be.PutUint32(h[16:], uint32(len(a)+len(b)))
+	}
 	be.PutUint16(h[4:], flags)
 	be.PutUint16(h[6:], typ)
-	be.PutUint64(h[8:], handle)
-	be.PutUint32(h[16:], uint32(len(a)+len(b)))
-	copy(h[20:], a)
+	be.PutUint64(h[8:], req.cookie)
+	copy(h[len(h)-len(a):], a)
 	c.send(h, b)
 }
 

@@ -15,6 +15,7 @@ import (
 // negotiated is what the handshake settled.
 type negotiated struct {
 	structured bool // structured replies
+	extended   bool // extended headers (structured is then set too)
 	metaAlloc  bool // base:allocation selected
 }
 
@@ -80,6 +81,11 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		}
 		switch opt.ID {
 		case wire.OptExportName:
+			if n.extended {
+				// It has no error reply, and its answer no way to
+				// confirm the headers: the spec forbids it here.
+				return n, errors.New("client asked for an export with EXPORT_NAME after extended headers")
+			}
 			if string(data) != c.srv.opts.Name {
 				return n, fmt.Errorf("client asked for unknown export %q", data)
 			}
@@ -114,11 +120,26 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				return n, nil
 			}
 		case wire.OptStructuredReply:
-			if len(data) != 0 {
+			switch {
+			case len(data) != 0:
 				c.optReply(opt.ID, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+			case n.extended:
+				c.optReply(opt.ID, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
+			default:
+				n.structured = true
+				c.optReply(opt.ID, wire.RepAck, nil)
+			}
+		case wire.OptExtendedHeaders:
+			if c.srv.opts.CompactHeaders {
+				c.optReply(opt.ID, wire.RepErrUnsup, nil)
 				continue
 			}
-			n.structured = true
+			if len(data) != 0 {
+				c.optReply(opt.ID, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
+				continue
+			}
+			// They take the place of structured replies.
+			n.extended, n.structured = true, true
 			c.optReply(opt.ID, wire.RepAck, nil)
 		case wire.OptListMetaContext, wire.OptSetMetaContext:
 			if opt.ID == wire.OptSetMetaContext && !n.structured {

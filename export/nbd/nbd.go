@@ -6,7 +6,8 @@
 // request and simple-reply headers and the INFO structs. What is written here, because
 // go-nbd's server only speaks the baseline (serial READ/WRITE/DISC, a
 // backend error drops the connection): NBD_OPT_EXPORT_NAME,
-// STRUCTURED_REPLY, LIST/SET_META_CONTEXT (base:allocation), the commands
+// STRUCTURED_REPLY, EXTENDED_HEADERS (32-byte headers with 64-bit lengths,
+// and BLOCK_STATUS_EXT), LIST/SET_META_CONTEXT (base:allocation), the commands
 // FLUSH, TRIM, WRITE_ZEROES (NO_HOLE, FAST_ZERO), BLOCK_STATUS, CACHE and
 // FUA, structured replies, truthful transmission flags, and parallel
 // processing: each request of a connection runs in its own goroutine and is

@@ -40,7 +40,11 @@ type Options struct {
 	// says whether clients must, may or may not use it.
 	TLS     *tls.Config
 	TLSMode TLSMode
-	Logger  *slog.Logger
+	// CompactHeaders turns down NBD_OPT_EXTENDED_HEADERS, as servers
+	// without the extension do (tests use it to speak the compact form
+	// with our own client).
+	CompactHeaders bool
+	Logger         *slog.Logger
 }
 
 // Default bounds on the request buffers in flight. A connection's 64 MiB

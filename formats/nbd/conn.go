@@ -43,7 +43,7 @@ type conn struct {
 	// wmu); scratch holds the fixed parts of a reply (the reader's
 	// alone): per-request allocations otherwise.
 	wbufs   [2][]byte
-	scratch [16]byte
+	scratch [wire.ExtendedReplySize]byte
 	readied bool // the reader answered a request since it last yielded
 
 	rmu  sync.Mutex    // held by the goroutine reading replies
@@ -58,14 +58,14 @@ type conn struct {
 
 // call is one request in flight.
 type call struct {
-	hdr  [wire.RequestSize]byte // the request as sent: no allocation of its own
+	hdr  [wire.ExtendedRequestSize]byte // the request as sent: no allocation of its own
 	cmd  uint16
 	off  int64
 	buf  []byte // READ: where the data goes
 	done chan struct{}
 	err  error
 	// BLOCK_STATUS: the first extent's length and flags.
-	extLen   uint32
+	extLen   uint64
 	extFlags uint32
 	gotExt   bool
 }
@@ -110,10 +110,10 @@ func (c *conn) fail(err error) {
 // be in flight.
 func (c *conn) close() {
 	if c.alive() {
-		var hdr [wire.RequestSize]byte
-		putRequest(hdr[:], 0, wire.CmdDisc, 0, 0, 0)
+		var hdr [wire.ExtendedRequestSize]byte
+		n := c.putRequest(hdr[:], 0, wire.CmdDisc, 0, 0, 0)
 		c.wmu.Lock()
-		c.s.Write(hdr[:])
+		c.s.Write(hdr[:n])
 		c.wmu.Unlock()
 	}
 	c.s.CloseRead() // a reader still waiting wakes up and lets go
@@ -124,7 +124,7 @@ func (c *conn) close() {
 
 // do sends one request and waits for its reply. payload is a WRITE's
 // data; cl.buf a READ's destination.
-func (c *conn) do(cl *call, flags uint16, length uint32, payload []byte) error {
+func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 	cl.done = make(chan struct{})
 	c.mu.Lock()
 	if c.err != nil {
@@ -136,15 +136,18 @@ func (c *conn) do(cl *call, flags uint16, length uint32, payload []byte) error {
 	c.calls[cookie] = cl
 	c.mu.Unlock()
 
-	putRequest(cl.hdr[:], flags, cl.cmd, cookie, uint64(cl.off), length)
+	if len(payload) > 0 && c.info.extended {
+		flags |= wire.CmdFlagPayloadLen
+	}
+	hdr := cl.hdr[:c.putRequest(cl.hdr[:], flags, cl.cmd, cookie, uint64(cl.off), length)]
 	c.wmu.Lock()
 	var err error
 	if len(payload) > 0 {
-		c.wbufs = [2][]byte{cl.hdr[:], payload}
+		c.wbufs = [2][]byte{hdr, payload}
 		err = c.s.WriteBuffers(c.wbufs[:])
 		c.wbufs = [2][]byte{}
 	} else {
-		_, err = c.s.Write(cl.hdr[:])
+		_, err = c.s.Write(hdr)
 	}
 	c.wmu.Unlock()
 	if err != nil {
@@ -221,13 +224,22 @@ func (c *conn) readUntil(cl *call) {
 	}
 }
 
-func putRequest(b []byte, flags, cmd uint16, cookie, off uint64, length uint32) {
-	be.PutUint32(b[0:], wire.MagicRequest)
+// putRequest encodes a request header into b, compact or extended as
+// negotiated, and returns its size. A compact header's length is 32 bits:
+// callers cut their requests to fit.
+func (c *conn) putRequest(b []byte, flags, cmd uint16, cookie, off, length uint64) int {
 	be.PutUint16(b[4:], flags)
 	be.PutUint16(b[6:], cmd)
 	be.PutUint64(b[8:], cookie)
 	be.PutUint64(b[16:], off)
-	be.PutUint32(b[24:], length)
+	if c.info.extended {
+		be.PutUint32(b[0:], wire.MagicExtendedRequest)
+		be.PutUint64(b[24:], length)
+		return wire.ExtendedRequestSize
+	}
+	be.PutUint32(b[0:], wire.MagicRequest)
+	be.PutUint32(b[24:], uint32(length))
+	return wire.RequestSize
 }
 
 // lookup finds the request a reply names. It stays in flight (and fail
@@ -261,10 +273,14 @@ func (c *conn) readReply() error {
 	if err != nil {
 		return err
 	}
-	switch magic := be.Uint32(m); magic {
-	case wire.MagicSimple:
+	switch magic := be.Uint32(m); {
+	case c.info.extended && magic == wire.MagicExtendedReply:
+		return c.extendedReply()
+	case c.info.extended:
+		return fmt.Errorf("%w: reply magic %#x under extended headers", errProtocol, magic)
+	case magic == wire.MagicSimple:
 		return c.simpleReply()
-	case wire.MagicStructured:
+	case magic == wire.MagicStructured:
 		if !c.info.structured {
 			return fmt.Errorf("%w: structured reply without structured replies negotiated", errProtocol)
 		}
@@ -310,6 +326,34 @@ func (c *conn) structuredReply() error {
 		return err
 	}
 	if err := c.chunk(cl, typ, length); err != nil {
+		return err
+	}
+	if flags&wire.ChunkFlagDone != 0 {
+		c.finish(cookie, cl)
+	}
+	return nil
+}
+
+// extendedReply is structuredReply's form under extended headers: the
+// header also names the request's offset, and the length is 64 bits.
+func (c *conn) extendedReply() error {
+	h, err := c.readFixed(wire.ExtendedReplySize - 4)
+	if err != nil {
+		return err
+	}
+	flags, typ, cookie, off, length := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:]), be.Uint64(h[12:]), be.Uint64(h[20:])
+	cl, err := c.lookup(cookie)
+	if err != nil {
+		return err
+	}
+	if off != uint64(cl.off) {
+		return fmt.Errorf("%w: reply for offset %d to a request at %d", errProtocol, off, cl.off)
+	}
+	if length > 1<<32-1 {
+		// Payloads are bounded by the block sizes, which are 32 bits.
+		return fmt.Errorf("%w: a reply chunk of %d bytes", errProtocol, length)
+	}
+	if err := c.chunk(cl, typ, uint32(length)); err != nil {
 		return err
 	}
 	if flags&wire.ChunkFlagDone != 0 {
@@ -366,7 +410,7 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 			return err
 		}
 	case wire.ChunkBlockStatus:
-		if cl.cmd != wire.CmdBlockStatus || length < 12 || (length-4)%8 != 0 || length > maxChunkOverhead {
+		if cl.cmd != wire.CmdBlockStatus || c.info.extended || length < 12 || (length-4)%8 != 0 || length > maxChunkOverhead {
 			return fmt.Errorf("%w: BLOCK_STATUS chunk of %d bytes", errProtocol, length)
 		}
 		b := make([]byte, length)
@@ -374,7 +418,23 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 			return err
 		}
 		if be.Uint32(b) == c.info.allocCtx && !cl.gotExt {
-			cl.extLen, cl.extFlags, cl.gotExt = be.Uint32(b[4:]), be.Uint32(b[8:]), true
+			cl.extLen, cl.extFlags, cl.gotExt = uint64(be.Uint32(b[4:])), be.Uint32(b[8:]), true
+		}
+	case wire.ChunkBlockStatusExt:
+		// Context, descriptor count, then 64-bit lengths and flags.
+		if cl.cmd != wire.CmdBlockStatus || !c.info.extended || length < 24 || (length-8)%16 != 0 || length > maxChunkOverhead {
+			return fmt.Errorf("%w: BLOCK_STATUS_EXT chunk of %d bytes", errProtocol, length)
+		}
+		b := make([]byte, length)
+		if _, err := io.ReadFull(c.r, b); err != nil {
+			return err
+		}
+		if n := be.Uint32(b[4:]); uint64(n) != uint64(length-8)/16 {
+			return fmt.Errorf("%w: BLOCK_STATUS_EXT chunk of %d bytes says %d descriptors", errProtocol, length, n)
+		}
+		if be.Uint32(b) == c.info.allocCtx && !cl.gotExt {
+			// base: contexts' flags are 32 bits; the high half is zero.
+			cl.extLen, cl.extFlags, cl.gotExt = be.Uint64(b[8:]), uint32(be.Uint64(b[16:])), true
 		}
 	case wire.ChunkError, wire.ChunkErrorOffset:
 		if length < 6 || length > maxChunkOverhead {

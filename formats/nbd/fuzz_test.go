@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -9,6 +10,17 @@ import (
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
+
+// extChunk is an extended reply chunk as a server sends it.
+func extChunk(cookie, off uint64, flags, typ uint16, payload []byte) []byte {
+	b := be.AppendUint32(nil, wire.MagicExtendedReply)
+	b = be.AppendUint16(b, flags)
+	b = be.AppendUint16(b, typ)
+	b = be.AppendUint64(b, cookie)
+	b = be.AppendUint64(b, off)
+	b = be.AppendUint64(b, uint64(len(payload)))
+	return append(b, payload...)
+}
 
 // chunk is a structured reply chunk as a server sends it.
 func chunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
@@ -25,24 +37,33 @@ func chunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
 // hangs up: every request must end, in an error or not, without a panic
 // or a hang, and a read never gets more than it asked for.
 func FuzzReplies(f *testing.F) {
-	f.Add(chunk(1, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 0), make([]byte, 4096)...)))
-	f.Add(append(chunk(1, 0, wire.ChunkOffsetHole, be.AppendUint32(be.AppendUint64(nil, 0), 4096)), chunk(1, wire.ChunkFlagDone, wire.ChunkNone, nil)...))
-	f.Add(chunk(2, wire.ChunkFlagDone, wire.ChunkBlockStatus, be.AppendUint32(be.AppendUint32(be.AppendUint32(nil, 1), 4096), 3)))
-	f.Add(be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), 3))
-	f.Add(chunk(3, wire.ChunkFlagDone, wire.ChunkError, append(be.AppendUint16(be.AppendUint32(nil, 5), 2), "no"...)))
-	f.Fuzz(func(t *testing.T, replies []byte) {
+	f.Add(chunk(1, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 0), make([]byte, 4096)...)), false)
+	f.Add(append(chunk(1, 0, wire.ChunkOffsetHole, be.AppendUint32(be.AppendUint64(nil, 0), 4096)), chunk(1, wire.ChunkFlagDone, wire.ChunkNone, nil)...), false)
+	f.Add(chunk(2, wire.ChunkFlagDone, wire.ChunkBlockStatus, be.AppendUint32(be.AppendUint32(be.AppendUint32(nil, 1), 4096), 3)), false)
+	f.Add(be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), 3), false)
+	f.Add(chunk(3, wire.ChunkFlagDone, wire.ChunkError, append(be.AppendUint16(be.AppendUint32(nil, 5), 2), "no"...)), false)
+	// Under extended headers: data, block status, a final NONE.
+	f.Add(extChunk(1, 0, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 0), make([]byte, 4096)...)), true)
+	f.Add(extChunk(2, 0, wire.ChunkFlagDone, wire.ChunkBlockStatusExt,
+		be.AppendUint64(be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, 1), 1), 4096), 3)), true)
+	f.Add(extChunk(3, 0, wire.ChunkFlagDone, wire.ChunkNone, nil), true)
+	f.Fuzz(func(t *testing.T, replies []byte, extended bool) {
 		a, b := net.Pipe()
 		st, err := sock.New(a, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := newConn(st, exportInfo{size: 1 << 20, structured: true, hasAlloc: true, allocCtx: 1,
+		c := newConn(st, exportInfo{size: 1 << 20, structured: true, extended: extended, hasAlloc: true, allocCtx: 1,
 			minBlock: 1, prefBlock: 4096, maxBlock: 1 << 20})
 		go func() { // the server: takes the requests, sends the replies, hangs up
 			r := bufio.NewReader(b)
 			for range 3 {
-				var h [wire.RequestSize]byte
-				if _, err := r.Read(h[:]); err != nil {
+				var h [wire.ExtendedRequestSize]byte
+				n := wire.RequestSize
+				if extended {
+					n = wire.ExtendedRequestSize
+				}
+				if _, err := io.ReadFull(r, h[:n]); err != nil {
 					break
 				}
 			}

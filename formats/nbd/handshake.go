@@ -22,6 +22,7 @@ type exportInfo struct {
 	prefBlock   uint32
 	maxBlock    uint32 // the largest payload
 	structured  bool   // structured replies
+	extended    bool   // extended headers: 64-bit lengths (structured too)
 	allocCtx    uint32 // base:allocation's context id, when hasAlloc
 	hasAlloc    bool
 	description string
@@ -41,8 +42,9 @@ type dialer struct {
 }
 
 // dial connects and runs the fixed-newstyle handshake (the NBD project's
-// doc/proto.md): STARTTLS first when TLS is asked for, then structured
-// replies, base:allocation, and GO with the block-size constraints.
+// doc/proto.md): STARTTLS first when TLS is asked for, then extended
+// headers (structured replies where the server has not those),
+// base:allocation, and GO with the block-size constraints.
 //
 // The handshake runs through the netpoller, with a deadline; the
 // connection then becomes a sock.Stream (plain system calls) for the
@@ -120,14 +122,28 @@ func (h *handshaker) run(tlsConf *tls.Config) (exportInfo, error) {
 		}
 		info.tls = true
 	}
-	typ, _, err := h.option(wire.OptStructuredReply, nil)
+	// Extended headers first: where the server has them they replace
+	// structured replies, and zeroing, trimming and block status then
+	// take a whole range in one request.
+	typ, _, err := h.option(wire.OptExtendedHeaders, nil)
 	switch {
 	case err != nil:
 		return info, err
 	case typ == wire.RepAck:
-		info.structured = true
+		info.extended, info.structured = true, true
 	case typ == wire.RepErrTLSReqd:
 		return info, errors.New("the server requires TLS (use an nbds:// URI)")
+	}
+	if !info.extended {
+		typ, _, err := h.option(wire.OptStructuredReply, nil)
+		switch {
+		case err != nil:
+			return info, err
+		case typ == wire.RepAck:
+			info.structured = true
+		case typ == wire.RepErrTLSReqd:
+			return info, errors.New("the server requires TLS (use an nbds:// URI)")
+		}
 	}
 	if info.structured {
 		if err := h.metaContext(&info); err != nil {
@@ -213,8 +229,10 @@ func (h *handshaker) goExport(info *exportInfo) error {
 				return errors.New("the server finished GO without the export's size")
 			}
 			return checkBlockSizes(info)
-		case typ == wire.RepErrUnsup:
+		case typ == wire.RepErrUnsup && !info.extended:
 			return h.exportName(info)
+		case typ == wire.RepErrUnsup:
+			return errors.New("the server agreed to extended headers but has no GO, which they require")
 		case typ == wire.RepErrUnknown:
 			return fmt.Errorf("no export named %q on the server (%s)", h.export, repError(typ, data))
 		case typ == wire.RepErrTLSReqd:

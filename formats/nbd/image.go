@@ -2,7 +2,8 @@
 // qemu-storage-daemon or blockexport nbd, named by an NBD URI
 // (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds:// for
 // TLS). It is the client side of what export/nbd serves: fixed newstyle
-// with GO, structured replies, base:allocation block status, TRIM,
+// with GO, extended headers (64-bit lengths) where the server has them
+// and structured replies where not, base:allocation block status, TRIM,
 // WRITE_ZEROES, FLUSH, the server's block-size constraints, any number of
 // requests in flight per connection and several connections when the
 // server allows it (CAN_MULTI_CONN).
@@ -174,7 +175,7 @@ func (img *Image) redial(ctx context.Context) (*conn, error) {
 
 // do runs one request, on the next connection in turn, again on a new
 // connection while its connection breaks, for up to ReconnectTimeout.
-func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint32, payload []byte) (call, error) {
+func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, payload []byte) (call, error) {
 	s := img.slots[int(img.next.Add(1))%len(img.slots)]
 	var deadline time.Time
 	// waitFor starts the wait for a connection (once per request), or
@@ -245,7 +246,7 @@ func (img *Image) blocks(off int64, n int) (start, end int64, ok bool) {
 func (img *Image) read(ctx context.Context, p []byte, off int64) error {
 	for len(p) > 0 {
 		n := min(len(p), int(img.info.maxBlock))
-		if _, err := img.do(ctx, call{cmd: wire.CmdRead, off: off, buf: p[:n]}, 0, uint32(n), nil); err != nil {
+		if _, err := img.do(ctx, call{cmd: wire.CmdRead, off: off, buf: p[:n]}, 0, uint64(n), nil); err != nil {
 			return fmt.Errorf("nbd: read %d bytes at %d: %w", n, off, err)
 		}
 		p, off = p[n:], off+int64(n)
@@ -275,10 +276,10 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 	}
 	for len(p) > 0 {
 		n := min(len(p), int(img.info.maxBlock))
-		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint32(n), p[:n]); err != nil {
+		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint64(n), p[:n]); err != nil {
 			return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", n, off, err)
 		}
-		if err := img.acked(ctx, logEntry{cmd: wire.CmdWrite, off: off, length: uint32(n), data: p[:n]}); err != nil {
+		if err := img.acked(ctx, logEntry{cmd: wire.CmdWrite, off: off, length: uint64(n), data: p[:n]}); err != nil {
 			return 0, err
 		}
 		p, off = p[n:], off+int64(n)
@@ -286,8 +287,18 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 	return total, nil
 }
 
-// bigRequest is the most a request without payload asks for at once.
+// bigRequest is the most a request without payload asks for at once in
+// a compact header (32-bit lengths); with extended headers, one request
+// covers any range.
 const bigRequest = 1 << 30
+
+// rangeStep is the most one TRIM, WRITE_ZEROES or BLOCK_STATUS covers.
+func (img *Image) rangeStep() int64 {
+	if img.info.extended {
+		return 1<<63 - 1
+	}
+	return bigRequest &^ (int64(img.info.minBlock) - 1)
+}
 
 func (img *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
 	if !img.o.Writable {
@@ -322,13 +333,13 @@ func (img *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
 
 // ranges sends cmd for [off, off+n) in requests of at most bigRequest.
 func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) error {
-	step := bigRequest &^ (int64(img.info.minBlock) - 1)
+	step := img.rangeStep()
 	for n > 0 {
 		k := min(n, step)
-		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint32(k), nil); err != nil {
+		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint64(k), nil); err != nil {
 			return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, k, off, err)
 		}
-		if err := img.acked(ctx, logEntry{cmd: cmd, flags: flags, off: off, length: uint32(k)}); err != nil {
+		if err := img.acked(ctx, logEntry{cmd: cmd, flags: flags, off: off, length: uint64(k)}); err != nil {
 			return err
 		}
 		off, n = off+k, n-k
@@ -397,15 +408,15 @@ func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, err
 	}
 	a := int64(img.info.minBlock)
 	start := off &^ (a - 1)
-	length := min((off+n+a-1)&^(a-1)-start, bigRequest)
-	cl, err := img.do(ctx, call{cmd: wire.CmdBlockStatus, off: start}, wire.CmdFlagReqOne, uint32(length), nil)
+	length := min((off+n+a-1)&^(a-1)-start, img.rangeStep())
+	cl, err := img.do(ctx, call{cmd: wire.CmdBlockStatus, off: start}, wire.CmdFlagReqOne, uint64(length), nil)
 	if err != nil {
 		return formats.Extent{}, fmt.Errorf("nbd: block status at %d: %w", off, err)
 	}
 	if !cl.gotExt || cl.extLen == 0 {
 		return formats.Extent{}, fmt.Errorf("nbd: block status at %d: %w: no extent in the reply", off, syscall.EIO)
 	}
-	e.Length = min(start+int64(cl.extLen)-off, n)
+	e.Length = min(start+int64(min(cl.extLen, 1<<62))-off, n)
 	if e.Length <= 0 {
 		e.Length = min(a, n) // a run shorter than the minimum block: the block's status
 	}
@@ -443,6 +454,7 @@ func (img *Image) Info() formats.Info {
 			flag(wire.FlagSendFastZero), flag(wire.FlagCanMultiConn)),
 		fmt.Sprintf("    block size: minimum %d, preferred %d, maximum %d", i.minBlock, i.prefBlock, i.maxBlock),
 		"    base:allocation: " + map[bool]string{true: "yes", false: "no"}[i.hasAlloc],
+		"    extended headers: " + map[bool]string{true: "yes", false: "no"}[i.extended],
 	}
 	if i.description != "" {
 		lines = append(lines, fmt.Sprintf("    description: %q", i.description))

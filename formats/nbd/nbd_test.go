@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -145,16 +146,39 @@ func randomFile(t *testing.T, path string, size int, seed uint64) []byte {
 
 // TestAgainstOurServer: reads, writes, zeroes, trims, flush and block
 // status through the client, checked against the file the server serves,
-// with many requests in flight at once.
+// with many requests in flight at once; with extended headers (which both
+// ends offer) and with the compact headers other servers speak.
 func TestAgainstOurServer(t *testing.T) {
+	for _, compact := range []bool{false, true} {
+		name := map[bool]string{false: "extended", true: "compact"}[compact]
+		t.Run(name, func(t *testing.T) { testAgainstOurServer(t, compact) })
+	}
+}
+
+// serverLine is the line of the image's server description that starts
+// with prefix (after the indent), or "".
+func serverLine(img *nbd.Image, prefix string) string {
+	for _, l := range img.Info().ServerLines {
+		if strings.HasPrefix(strings.TrimSpace(l), prefix) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}
+
+func testAgainstOurServer(t *testing.T, compact bool) {
 	dir := t.TempDir()
 	file := filepath.Join(dir, "disk.raw")
 	want := randomFile(t, file, 4<<20, 1)
-	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "disk", Writable: true})
+	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "disk", Writable: true, CompactHeaders: compact})
 	img := open(t, "nbd+unix:///disk?socket="+s.sock, nbd.Options{Writable: true})
 	ctx := context.Background()
 	if img.Size() != 4<<20 {
 		t.Fatalf("size %d", img.Size())
+	}
+	wantLine := map[bool]string{false: "extended headers: yes", true: "extended headers: no"}[compact]
+	if got := serverLine(img, "extended headers:"); got != wantLine {
+		t.Fatalf("negotiated %q, want %q", got, wantLine)
 	}
 	// 64 reads and writes at once, odd sizes and offsets included.
 	errs := make(chan error, 64)
@@ -215,6 +239,70 @@ func TestAgainstOurServer(t *testing.T) {
 	// Out of range is refused before it reaches the server.
 	if _, err := img.ReadAt(ctx, make([]byte, 2), 4<<20-1); !errors.Is(err, formats.ErrOutOfRange) {
 		t.Fatalf("read across the end: %v", err)
+	}
+}
+
+// TestLargeRanges: zeroing, trimming and block status over an 8 GiB
+// export. With extended headers each is one request and one extent covers
+// the whole export; with compact headers lengths are 32 bits, so an
+// extent stops at 2 GiB (our server's largest descriptor) and the client
+// cuts commands into 1 GiB requests. Both must leave the same result.
+func TestLargeRanges(t *testing.T) {
+	const size = 8 << 30
+	for _, compact := range []bool{false, true} {
+		t.Run(map[bool]string{false: "extended", true: "compact"}[compact], func(t *testing.T) {
+			dir := t.TempDir()
+			file := filepath.Join(dir, "big.raw")
+			f, err := os.Create(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Data at 1 MiB and at 7 GiB, a hole everywhere else.
+			f.WriteAt(bytes.Repeat([]byte{7}, 4096), 1<<20)
+			f.WriteAt(bytes.Repeat([]byte{9}, 4096), 7<<30)
+			f.Truncate(size)
+			f.Close()
+			s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "big", Writable: true, CompactHeaders: compact})
+			img := open(t, "nbd+unix:///big?socket="+s.sock, nbd.Options{Writable: true})
+			ctx := context.Background()
+			// The hole from 2 MiB runs to 7 GiB.
+			e, err := img.Extent(ctx, 2<<20, size-2<<20)
+			if err != nil || e.Data {
+				t.Fatalf("extent at 2 MiB: %+v, %v", e, err)
+			}
+			wantLen := int64(7<<30 - 2<<20)
+			if compact {
+				wantLen = 1 << 30 // a compact BLOCK_STATUS asks for 1 GiB at most
+			}
+			if e.Length != wantLen {
+				t.Fatalf("extent at 2 MiB is %d bytes, want %d", e.Length, wantLen)
+			}
+			// Zero everything from 0 to 7 GiB + 4 KiB, as one range.
+			if err := img.WriteZeroes(ctx, 0, 7<<30+4096, true); err != nil {
+				t.Fatal(err)
+			}
+			if e, err := img.Extent(ctx, 0, size); err != nil || e.Data {
+				t.Fatalf("extent after zeroing: %+v, %v", e, err)
+			} else if !compact && e.Length != size {
+				t.Fatalf("after zeroing, the first extent is %d bytes, want the whole %d", e.Length, int64(size))
+			}
+			got := make([]byte, 4096)
+			for _, off := range []int64{1 << 20, 7 << 30} {
+				if _, err := img.ReadAt(ctx, got, off); err != nil || !bytes.Equal(got, make([]byte, 4096)) {
+					t.Fatalf("at %d after zeroing: %v, %x...", off, err, got[:8])
+				}
+			}
+			if err := img.Discard(ctx, 0, size); err != nil {
+				t.Fatal(err)
+			}
+			if err := img.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var st syscall.Stat_t
+			if err := syscall.Stat(file, &st); err != nil || st.Blocks > 64 {
+				t.Fatalf("the file still holds %d blocks after zeroing and trimming it all (%v)", st.Blocks, err)
+			}
+		})
 	}
 }
 
@@ -324,7 +412,8 @@ func TestReconnectTimeout(t *testing.T) {
 // fakeServer runs a server that completes the handshake (structured
 // replies, no block status), answers the first request with reply and
 // hangs up; it returns the URI.
-func fakeServer(t *testing.T, reply func(cookie uint64) []byte) string {
+// With extended, it accepts extended headers and reads 32-byte requests.
+func fakeServer(t *testing.T, extended bool, reply func(cookie, off uint64) []byte) string {
 	t.Helper()
 	sockPath := filepath.Join(t.TempDir(), "fake.sock")
 	l, err := net.Listen("unix", sockPath)
@@ -361,16 +450,28 @@ func fakeServer(t *testing.T, reply func(cookie uint64) []byte) string {
 			switch opt {
 			case wire.OptStructuredReply:
 				optReply(opt, wire.RepAck, nil)
+			case 11: // NBD_OPT_EXTENDED_HEADERS
+				if extended {
+					optReply(opt, wire.RepAck, nil)
+				} else {
+					optReply(opt, wire.RepErrUnsup, nil)
+				}
 			case wire.OptGo:
 				info := be.AppendUint16(nil, wire.InfoExport)
 				info = be.AppendUint64(info, 1<<20)
 				optReply(opt, wire.RepInfo, be.AppendUint16(info, wire.FlagHasFlags))
 				optReply(opt, wire.RepAck, nil)
-				var req [wire.RequestSize]byte
-				if _, err := io.ReadFull(c, req[:]); err != nil {
+				req := make([]byte, 28)
+				if extended {
+					req = make([]byte, 32)
+				}
+				if _, err := io.ReadFull(c, req); err != nil {
 					return
 				}
-				w(reply(be.Uint64(req[8:])))
+				if extended && be.Uint32(req) != 0x21e41c71 {
+					return // not an extended request: hang up
+				}
+				w(reply(be.Uint64(req[8:]), be.Uint64(req[16:])))
 				return // and hang up
 			default:
 				optReply(opt, wire.RepErrUnsup, nil)
@@ -385,27 +486,43 @@ func fakeServer(t *testing.T, reply func(cookie uint64) []byte) string {
 func TestMalformedReplies(t *testing.T) {
 	be := binary.BigEndian
 	chunk := nbd.Chunk
-	cases := map[string]func(cookie uint64) []byte{
-		"bad magic":      func(uint64) []byte { return bytes.Repeat([]byte{0xee}, 64) },
-		"unknown cookie": func(c uint64) []byte { return chunk(c+99, wire.ChunkFlagDone, wire.ChunkNone, nil) },
-		"data outside the request": func(c uint64) []byte {
+	data := func(off uint64) []byte { return append(be.AppendUint64(nil, off), make([]byte, 4096)...) }
+	cases := map[string]func(cookie, off uint64) []byte{
+		"bad magic":      func(uint64, uint64) []byte { return bytes.Repeat([]byte{0xee}, 64) },
+		"unknown cookie": func(c, _ uint64) []byte { return chunk(c+99, wire.ChunkFlagDone, wire.ChunkNone, nil) },
+		"data outside the request": func(c, _ uint64) []byte {
 			return chunk(c, wire.ChunkFlagDone, wire.ChunkOffsetData, append(be.AppendUint64(nil, 1<<30), make([]byte, 16)...))
 		},
-		"huge error chunk": func(c uint64) []byte { return chunk(c, wire.ChunkFlagDone, wire.ChunkError, make([]byte, 1<<20)) },
-		"error message overrun": func(c uint64) []byte {
+		"huge error chunk": func(c, _ uint64) []byte { return chunk(c, wire.ChunkFlagDone, wire.ChunkError, make([]byte, 1<<20)) },
+		"error message overrun": func(c, _ uint64) []byte {
 			return chunk(c, wire.ChunkFlagDone, wire.ChunkError, append(be.AppendUint16(be.AppendUint32(nil, 5), 9999), 'x'))
 		},
-		"simple read reply after structured": func(c uint64) []byte {
+		"simple read reply after structured": func(c, _ uint64) []byte {
 			return be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), c)
 		},
-		"unknown chunk type": func(c uint64) []byte { return chunk(c, wire.ChunkFlagDone, 77, nil) },
-		"hang up mid-reply": func(c uint64) []byte {
+		"unknown chunk type": func(c, _ uint64) []byte { return chunk(c, wire.ChunkFlagDone, 77, nil) },
+		"hang up mid-reply": func(c, _ uint64) []byte {
 			return chunk(c, 0, wire.ChunkOffsetData, be.AppendUint64(nil, 0))[:10]
+		},
+		// Under extended headers:
+		"extended: reply names another offset": func(c, off uint64) []byte {
+			return extChunk(c, off+4096, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
+		},
+		"extended: a structured reply": func(c, off uint64) []byte {
+			return chunk(c, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
+		},
+		"extended: a simple reply": func(c, _ uint64) []byte {
+			return be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), c)
+		},
+		"extended: a length past 32 bits": func(c, off uint64) []byte {
+			b := extChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
+			be.PutUint64(b[24:], 1<<32+4104)
+			return b
 		},
 	}
 	for name, reply := range cases {
 		t.Run(name, func(t *testing.T) {
-			img := open(t, fakeServer(t, reply), nbd.Options{})
+			img := open(t, fakeServer(t, strings.HasPrefix(name, "extended:"), reply), nbd.Options{})
 			done := make(chan error, 1)
 			go func() {
 				_, err := img.ReadAt(context.Background(), make([]byte, 4096), 0)
@@ -420,6 +537,44 @@ func TestMalformedReplies(t *testing.T) {
 				t.Fatal("the read hangs")
 			}
 		})
+	}
+}
+
+// extChunk is an extended reply chunk, laid out as the EXTENDED_HEADERS
+// extension says (its numbers written out: a wrong one in wire fails).
+func extChunk(cookie, off uint64, flags, typ uint16, payload []byte) []byte {
+	be := binary.BigEndian
+	b := be.AppendUint32(nil, 0x6e8a278c)
+	b = be.AppendUint16(b, flags)
+	b = be.AppendUint16(b, typ)
+	b = be.AppendUint64(b, cookie)
+	b = be.AppendUint64(b, off)
+	b = be.AppendUint64(b, uint64(len(payload)))
+	return append(b, payload...)
+}
+
+// TestExtendedRepliesFromAnotherServer: a server of someone else's making
+// (the fake, its bytes laid out from the spec) that takes extended headers
+// gets 32-byte requests, and its extended chunks (a hole then data, out of
+// order) are read into the right places.
+func TestExtendedRepliesFromAnotherServer(t *testing.T) {
+	be := binary.BigEndian
+	uri := fakeServer(t, true, func(c, off uint64) []byte {
+		hole := be.AppendUint32(be.AppendUint64(nil, off), 2048)
+		data := append(be.AppendUint64(nil, off+2048), bytes.Repeat([]byte{0xab}, 2048)...)
+		return append(extChunk(c, off, 0, wire.ChunkOffsetData, data), extChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetHole, hole)...)
+	})
+	img := open(t, uri, nbd.Options{})
+	if got := serverLine(img, "extended headers:"); got != "extended headers: yes" {
+		t.Fatalf("negotiated %q", got)
+	}
+	got := bytes.Repeat([]byte{0xee}, 4096)
+	if _, err := img.ReadAt(context.Background(), got, 8192); err != nil {
+		t.Fatal(err)
+	}
+	want := append(make([]byte, 2048), bytes.Repeat([]byte{0xab}, 2048)...)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("read %x...%x, want 2 KiB of zeroes then 2 KiB of 0xab", got[:8], got[2048:2056])
 	}
 }
 

@@ -41,7 +41,7 @@ type slab struct {
 type logEntry struct {
 	cmd, flags uint16
 	off        int64
-	length     uint32
+	length     uint64
 	data       []byte // a WRITE's payload, copied
 	slab       uint64 // the slab holding data (0: its own allocation, or none)
 }

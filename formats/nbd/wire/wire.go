@@ -30,6 +30,10 @@ const (
 	OptStructuredReply = uint32(8)
 	OptListMetaContext = uint32(9)
 	OptSetMetaContext  = uint32(10)
+	// OptExtendedHeaders asks for 32-byte request and reply headers with
+	// 64-bit lengths (the EXTENDED_HEADERS extension: the NBD project's
+	// extension-ext-header branch of doc/proto.md).
+	OptExtendedHeaders = uint32(11)
 )
 
 // Option replies (NBD_REP_*); errors have bit 31 set.
@@ -49,6 +53,7 @@ const (
 	RepErrShutdown   = uint32(7 | 1<<31)
 	RepErrBlockReqd  = uint32(8 | 1<<31)
 	RepErrTooBig     = uint32(9 | 1<<31)
+	RepErrExtHdrReqd = uint32(10 | 1<<31)
 	InfoExport       = protocol.NEGOTIATION_TYPE_INFO_EXPORT
 	InfoName         = protocol.NEGOTIATION_TYPE_INFO_NAME
 	InfoDescription  = protocol.NEGOTIATION_TYPE_INFO_DESCRIPTION
@@ -94,14 +99,25 @@ const (
 	CmdFlagDF       = uint16(1 << 2)
 	CmdFlagReqOne   = uint16(1 << 3)
 	CmdFlagFastZero = uint16(1 << 4)
+	// CmdFlagPayloadLen: with extended headers, the length is the
+	// payload's (a WRITE's data), not the range the command covers.
+	CmdFlagPayloadLen = uint16(1 << 5)
 
 	RequestSize = 28 // magic, flags, type, cookie, offset, length
+
+	// With extended headers: the length is 64 bits.
+	MagicExtendedRequest = uint32(0x21e41c71)
+	ExtendedRequestSize  = 32
 )
 
 // Replies.
 const (
 	MagicSimple     = protocol.TRANSMISSION_MAGIC_REPLY
 	MagicStructured = uint32(0x668e33ef)
+	// MagicExtendedReply heads every reply once extended headers are
+	// negotiated: flags, type, cookie, the request's offset, a 64-bit
+	// length (32 bytes).
+	MagicExtendedReply = uint32(0x6e8a278c)
 
 	ChunkFlagDone = uint16(1 << 0)
 
@@ -109,11 +125,15 @@ const (
 	ChunkOffsetData  = uint16(1)
 	ChunkOffsetHole  = uint16(2)
 	ChunkBlockStatus = uint16(5)
-	ChunkError       = uint16(1<<15 + 1)
-	ChunkErrorOffset = uint16(1<<15 + 2)
+	// ChunkBlockStatusExt: block status under extended headers (context,
+	// descriptor count, then 64-bit lengths and status flags).
+	ChunkBlockStatusExt = uint16(6)
+	ChunkError          = uint16(1<<15 + 1)
+	ChunkErrorOffset    = uint16(1<<15 + 2)
 
 	SimpleReplySize     = 16 // magic, error, cookie
 	StructuredReplySize = 20 // magic, flags, type, cookie, length
+	ExtendedReplySize   = 32 // magic, flags, type, cookie, offset, length
 
 	StateHole = uint32(1 << 0)
 	StateZero = uint32(1 << 1)
