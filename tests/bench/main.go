@@ -621,9 +621,12 @@ func (r *row) add(s system, v float64) {
 		r.ours = v
 		return
 	}
-	r.qemuAll = append(r.qemuAll, measured{s.config, v})
+	// Named with the system (qemu-storage-daemon, nbdfuse, our own
+	// /dev/fuse loop in the io_uring rows): the rows do not all compare
+	// with the same program.
+	r.qemuAll = append(r.qemuAll, measured{s.key(), v})
 	if v != 0 && (r.qemu == 0 || r.higherBetter == (v > r.qemu)) {
-		r.qemu, r.qemuConfig = v, s.config
+		r.qemu, r.qemuConfig = v, s.key()
 	}
 }
 
@@ -652,24 +655,24 @@ func report(rows []row) error {
 	fmt.Fprintf(&b, "# blockexport vs qemu-storage-daemon — %s\n\n", stamp)
 	fmt.Fprintf(&b, "%s\n\n", machine())
 	fmt.Fprintf(&b, "fio: 4 KiB, direct=1, numjobs=1, time_based, runtime %v (+1 s ramp) per row and system; aio = libaio iodepth 16, sync = pvsync2 iodepth 1. 1 GiB images, page cache warmed before each row; the order of the systems rotates from row to row. Ratio > 1 means blockexport is better (for time and RSS rows: smaller).\n\n", *runtimeFlag)
-	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only to the --cache none rows, where QEMU runs with cache.direct=on and aio=native or aio=io_uring, with or without an iothread), and the QEMU column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). Every configuration's figure is in the last table.%s\n\n", pinNote())
+	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only to the --cache none rows, where QEMU runs with cache.direct=on and aio=native or aio=io_uring, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse; the uring rows compare FUSE over io_uring with our own /dev/fuse loop. Every configuration's figure is in the last table.%s\n\n", pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
-	fmt.Fprintf(&b, "| target | row | QEMU, best configuration | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "| target | row | compared with: the best of its configurations | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
 	for _, r := range rows {
 		q := num(r.qemu, r.unit)
 		if r.qemuConfig != "" {
-			q += " (" + r.qemuConfig + ")"
+			q += ", " + r.qemuConfig
 		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %.2f× |\n", r.target, r.name, q, num(r.ours, r.unit), ratio(r))
 	}
-	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency.\n\n| target | row | device (fio on the file) | QEMU, best | blockexport | blockexport / device |\n|---|---|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency.\n\n| target | row | device (fio on the file) | compared with, best | blockexport | blockexport / device |\n|---|---|---:|---:|---:|---:|\n")
 	for _, r := range rows {
 		if r.file == 0 {
 			continue
 		}
 		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %.2f× |\n", r.target, r.name, num(r.file, r.unit), num(r.qemu, r.unit), num(r.ours, r.unit), r.ours/r.file)
 	}
-	fmt.Fprintf(&b, "\n## Every QEMU configuration\n\n| target | row | figures |\n|---|---|---|\n")
+	fmt.Fprintf(&b, "\n## Every configuration compared with\n\n| target | row | figures |\n|---|---|---|\n")
 	for _, r := range rows {
 		if len(r.qemuAll) == 0 {
 			continue

@@ -24,7 +24,7 @@ type nbdSourceExporter struct {
 // benchNBDSource measures FUSE exports of an image on an NBD server: each
 // exporter gets its own qemu-nbd --aio=io_uring serving its own
 // page-cached 1 GiB raw image over a unix socket (so three processes
-// share the cores: fio, the exporter, the server). The QEMU column quotes
+// share the cores: fio, the exporter, the server). The compared-with column quotes
 // the faster of qemu-storage-daemon (with and without an iothread) and
 // nbdfuse, named. qemu-nbd --shared=16 offers CAN_MULTI_CONN, so nbdfuse
 // runs with one connection and with its default four (whichever is faster

@@ -30,6 +30,6 @@ func benchURing(target, dir string, ours func(extra ...string) system) []row {
 	}()
 	uring := ours("--io-uring", "on")
 	loop := ours()
-	loop.ours, loop.config = false, "blockexport, /dev/fuse loop"
+	loop.ours, loop.config = false, "its /dev/fuse loop"
 	return benchTarget(target, dir, []system{uring, loop}, " (io_uring vs /dev/fuse)", nil)
 }
