@@ -529,6 +529,19 @@ func TestNBDTLS(t *testing.T) {
 		if code, out := runBlockexport(t, "info", "--tls-ca", filepath.Join(p.otherCA, "ca-cert.pem"), tlsURI+certs(p.dir)); code != 1 || !strings.Contains(out, "certificate") {
 			t.Errorf("an untrusted server certificate: exit %d, %s", code, out)
 		}
+		// `nbd` re-serving it: its client files come from --image-tls-*
+		// (its --tls-* are its own server's), the URI naming no
+		// directory. qemu-nbd asks for a client certificate, so without
+		// them it cannot start.
+		relay := filepath.Join(dir, "relay.sock")
+		if code, out := runBlockexport(t, "nbd", "--listen", "unix:"+relay, "--image-tls-ca", p.ca, tlsURI); code != 1 || !strings.Contains(out, "TLS") {
+			t.Errorf("nbd re-serving without a client certificate: exit %d, %s", code, out)
+		}
+		startServerProc(t, relay, bin, "nbd", "--listen", "unix:"+relay, "--export-name", "disk", "--image-tls-ca", p.ca,
+			"--image-tls-cert", filepath.Join(p.dir, "client-cert.pem"), "--image-tls-key", filepath.Join(p.dir, "client-key.pem"), tlsURI)
+		if got := readAllURI(t, nbdURI("disk", relay)); !reflect.DeepEqual(got, readAll(t, img)) {
+			t.Error("nbd re-serving qemu-nbd over TLS served other data")
+		}
 	})
 }
 

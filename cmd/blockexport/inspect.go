@@ -28,7 +28,7 @@ func (f *inspectFlags) register(c *cobra.Command) {
 	f.out.register(c, c.Name())
 	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null")
 	f.src.register(c)
-	f.src.registerTLS(c)
+	f.src.registerTLS(c, "")
 }
 
 // options are how to open the image: read-only, without locks (as

@@ -41,6 +41,9 @@ func nbdCommand() *cobra.Command {
 	}
 	fs := c.Flags()
 	f.register(c)
+	// IMAGE may be on a TLS server: its client files (--tls-* are ours
+	// as a server).
+	f.registerTLS(c, "image-")
 	fs.StringVar(&f.listen, "listen", "tcp:127.0.0.1:10809", "where to listen: unix:PATH or tcp:HOST:PORT")
 	fs.StringVar(&f.name, "export-name", "", "the export's name")
 	fs.StringVar(&f.desc, "description", "", "the export's description (NBD_INFO_DESCRIPTION)")

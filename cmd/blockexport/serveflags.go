@@ -103,12 +103,14 @@ func (f *sourceFlags) register(c *cobra.Command) {
 	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once)")
 }
 
-// registerTLS adds the client's TLS files (for nbds:// URIs).
-func (f *sourceFlags) registerTLS(c *cobra.Command) {
+// registerTLS adds the client's TLS files (for nbds:// URIs) as
+// --PREFIXtls-ca, --PREFIXtls-cert and --PREFIXtls-key: `nbd` has its own
+// --tls-* flags for the server it is, so there they are --image-tls-*.
+func (f *sourceFlags) registerTLS(c *cobra.Command, prefix string) {
 	fs := c.Flags()
-	fs.StringVar(&f.tls.CA, "tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: the URI's tls-certificates directory, else the system's)")
-	fs.StringVar(&f.tls.Cert, "tls-cert", "", "nbds sources: the client certificate (PEM) to present, when the server asks for one")
-	fs.StringVar(&f.tls.Key, "tls-key", "", "nbds sources: the client certificate's key (PEM)")
+	fs.StringVar(&f.tls.CA, prefix+"tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: the URI's tls-certificates directory, else the system's)")
+	fs.StringVar(&f.tls.Cert, prefix+"tls-cert", "", "nbds sources: the client certificate (PEM) to present, when the server asks for one")
+	fs.StringVar(&f.tls.Key, prefix+"tls-key", "", "nbds sources: the client certificate's key (PEM)")
 }
 
 func (f *sourceFlags) options() (probe.NBDOptions, error) {
