@@ -209,3 +209,26 @@ type NoFastPath struct{}
 func (NoFastPath) TryReadAt([]byte, int64) bool           { return false }
 func (NoFastPath) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
 func (NoFastPath) Features() Features                     { return Features{HostFd: -1} }
+
+// Completions is an image whose requests complete on descriptors of its
+// own: an NBD client's sockets, where replies arrive. By default a request
+// waiting for its completion reads it itself (on its own thread, asleep
+// in read(2) meanwhile). A serve loop with one thread may instead take
+// that reading over, as QEMU's event loop does: it waits on these
+// descriptors beside its own input and reads whatever has come, so that
+// one thread sleeps only when neither has anything, and nothing sleeps
+// per request on a second thread.
+//
+// The loop calls CompletionFds each time before it waits (connections may
+// change: a reconnect). From the first call on, requests that wait on the
+// connections named leave reading to the loop, except those that run in
+// the loop itself (coroutines.Lone), which still read their own (the loop
+// is busy with them). ServeCompletions reads what has arrived without
+// waiting for more; the requests it completes become runnable. Release
+// hands reading back to the requests (the loop is ending): it must come
+// before the loop stops answering, or requests left waiting would hang.
+type Completions interface {
+	CompletionFds(dst []int) []int
+	ServeCompletions()
+	ReleaseCompletions()
+}

@@ -175,6 +175,9 @@ func exerciseNBDSource(t *testing.T, uri string, exportArgs ...string) {
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, uri, mnt, append([]string{"-w"}, exportArgs...)...)
+	if len(transportArgs) == 0 && !strings.Contains(d.log(), "the /dev/fuse loop reads the NBD replies too") {
+		t.Errorf("one /dev/fuse queue, and its loop does not read the replies:\n%s", d.log())
+	}
 	if got, want := dataRanges(t, mnt), nbdinfoData(t, uri); !reflect.DeepEqual(got, want) {
 		t.Errorf("SEEK_DATA/SEEK_HOLE through the export: %v; nbdinfo --map: %v", got, want)
 	}

@@ -201,6 +201,10 @@ func readNoEINTR(fd int, p []byte) (int, error) {
 	}
 }
 
+// Fd is the socket's descriptor, for waiting on it in poll(2) elsewhere
+// (a serve loop that reads an NBD client's replies: formats.Completions).
+func (s *sock) Fd() int { return s.fd }
+
 // Pending says whether the socket has bytes to read.
 func (s *sock) Pending() bool {
 	fds := [1]unix.PollFd{{Fd: int32(s.fd), Events: unix.POLLIN}}

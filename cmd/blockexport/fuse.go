@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"runtime"
 	"strings"
 	"time"
 
@@ -140,6 +141,19 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return err
 	}
 	defer m.Cleanup()
+	if m.ReadsCompletions() {
+		// One thread serves /dev/fuse and the NBD replies (see
+		// ReadsCompletions). Measured, FUSE export of qemu-nbd, 4 KiB,
+		// A/B in turns: random reads at queue depth 16 22-28k IOPS
+		// against 15.5-19k, writes 11.9-13k against 7.8-10.6k.
+		procs := "GOMAXPROCS=1"
+		if os.Getenv("GOMAXPROCS") == "" {
+			runtime.GOMAXPROCS(1)
+		} else {
+			procs = "GOMAXPROCS from the environment"
+		}
+		logger.Info("the /dev/fuse loop reads the NBD replies too: one thread serves the export", "procs", procs)
+	}
 	// A server of block I/O must not wait on the page cache of the device it
 	// serves: tell the kernel, as userspace block servers do. (After the
 	// mount, so that a refused export still says one line.)

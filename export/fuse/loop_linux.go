@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"errors"
+	"runtime"
 	"time"
 	"unsafe"
 
@@ -9,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
 )
 
 // queue is one /dev/fuse fd and the buffers its loop owns.
@@ -57,6 +59,16 @@ func (s *server) loop(fd int, helper bool) {
 	// rows lost 10-20%.
 	q := &queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
 	defer func() { s.bufs.Put(q.bp) }()
+	comp := s.comp
+	if helper {
+		comp = nil
+	}
+	if comp != nil {
+		// Before the loop stops answering: requests still waiting
+		// read their replies themselves again.
+		defer comp.ReleaseCompletions()
+	}
+	served := 0
 	var spinUntil time.Time
 	var yield coroutines.Yielder // see there
 	for {
@@ -75,7 +87,9 @@ func (s *server) loop(fd int, helper bool) {
 			if now.Before(spinUntil) {
 				continue
 			}
-			if !s.waitRequest(fd, helper) {
+			if comp != nil {
+				s.waitRequestOrCompletion(fd, comp)
+			} else if !s.waitRequest(fd, helper) {
 				return
 			}
 			spinUntil = time.Time{}
@@ -102,8 +116,43 @@ func (s *server) loop(fd int, helper bool) {
 			s.sawBulkWrite()
 		}
 		s.serveRequest(q, buf[:n])
+		if served++; comp != nil && served%completionsEvery == 0 {
+			comp.ServeCompletions() // while requests keep coming
+		}
 		yield.Tick()
 		if helper && !s.bulkPark() {
+			return
+		}
+	}
+}
+
+// completionsEvery is how many requests in a row a queue serves before it
+// reads the completions that came meanwhile (it always reads them when
+// /dev/fuse has nothing).
+const completionsEvery = 8
+
+// waitRequestOrCompletion sleeps until fd has a request or a completion
+// has come, and reads the completions: the loop of a queue that reads the
+// image's completions (formats.Completions), so that its one thread
+// sleeps only when neither has anything, as QEMU's event loop does.
+//
+// First it lets the requests that completions made runnable run: they
+// write their replies on this thread before it sleeps (with one P, as
+// the fuse command then runs, nothing else would run them until the
+// runtime takes the P from a thread asleep in poll).
+func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
+	runtime.Gosched()
+	s.cfds = comp.CompletionFds(s.cfds[:0])
+	s.pfds = append(s.pfds[:0], unix.PollFd{Fd: int32(fd), Events: unix.POLLIN})
+	for _, c := range s.cfds {
+		s.pfds = append(s.pfds, unix.PollFd{Fd: int32(c), Events: unix.POLLIN})
+	}
+	if _, err := unix.Poll(s.pfds, -1); err != nil {
+		return // EINTR: the caller reads again
+	}
+	for _, p := range s.pfds[1:] {
+		if p.Revents != 0 {
+			comp.ServeCompletions()
 			return
 		}
 	}

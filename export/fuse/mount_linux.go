@@ -71,7 +71,19 @@ type Mount struct {
 	conn    uint64 // fusectl connection number, for aborting
 	served  chan struct{}
 	log     *slog.Logger
+	// oneLoop: the one queue's loop also reads the image's completions
+	// (see ReadsCompletions).
+	oneLoop bool
 }
+
+// ReadsCompletions says whether one loop serves /dev/fuse and reads the
+// image's completions too (an NBD source, one /dev/fuse queue): its
+// thread then does all the work, as QEMU's event loop does, and the
+// program runs best on one Go processor (the fuse command sets
+// GOMAXPROCS=1 then): with more, the runtime wakes other threads to steal
+// the requests each reply makes runnable, which is the wake-up this loop
+// exists to save.
+func (m *Mount) ReadsCompletions() bool { return m.oneLoop }
 
 // ErrMountpoint marks problems with the mountpoint the user gave.
 var ErrMountpoint = errors.New("bad mountpoint")
@@ -267,6 +279,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err := srv.addQueues(max(o.Queues, 1)); err != nil {
 		return fail(err)
 	}
+	srv.useCompletions()
 	if err := srv.setPoll(o.PollFor); err != nil {
 		return fail(err)
 	}
@@ -296,7 +309,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
 		}
 	}
-	m := &Mount{path: abs, file: file, created: created, served: make(chan struct{}), log: exp.log}
+	m := &Mount{path: abs, file: file, created: created, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
 	go func() {
 		srv.serve()
 		// The loops end when the kernel ends the connection (unmount,

@@ -24,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
 )
 
 // Opcodes (include/uapi/linux/fuse.h); go-fuse keeps its own unexported.
@@ -89,6 +90,14 @@ type server struct {
 	// pollFor > 0: the queues spin on non-blocking reads that long after
 	// each request before sleeping (trading CPU for latency).
 	pollFor time.Duration
+
+	// comp is set when the one queue reads the image's completions
+	// itself (an NBD client's replies), waiting on their sockets beside
+	// /dev/fuse: see formats.Completions and useCompletions. cfds and
+	// pfds are its loop's scratch.
+	comp formats.Completions
+	cfds []int
+	pfds []unix.PollFd
 
 	stats *Stats // nil: not counting
 
@@ -219,7 +228,7 @@ func (s *server) cloneFd() (int, error) {
 		unix.Close(fd)
 		return -1, fmt.Errorf("FUSE_DEV_IOC_CLONE: %w", errno)
 	}
-	if s.pollFor > 0 {
+	if s.pollFor > 0 || s.comp != nil {
 		if err := unix.SetNonblock(fd, true); err != nil {
 			unix.Close(fd)
 			return -1, err
@@ -228,10 +237,22 @@ func (s *server) cloneFd() (int, error) {
 	return fd, nil
 }
 
-// setPoll turns on busy polling for d after each request.
+// useCompletions makes the queue read the image's completions, where
+// the image has them and one /dev/fuse queue serves (over io_uring, or
+// with several queues, the requests read their own).
+func (s *server) useCompletions() {
+	c, ok := s.exp.img.(formats.Completions)
+	if ok && !s.uring && len(s.fds) == 1 {
+		s.comp = c
+	}
+}
+
+// setPoll turns on busy polling for d after each request. A queue that
+// reads completions never sleeps in read(2) either: it waits in poll(2)
+// on /dev/fuse and the completions' descriptors.
 func (s *server) setPoll(d time.Duration) error {
 	s.pollFor = d
-	if d <= 0 {
+	if d <= 0 && s.comp == nil {
 		return nil
 	}
 	for _, fd := range s.fds {

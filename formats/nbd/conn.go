@@ -9,6 +9,7 @@ import (
 	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/blockexport/blockexport/aio/sock"
@@ -34,6 +35,12 @@ var errProtocol = errors.New("nbd: protocol error")
 // waiter. At queue depth one the reply thus lands in the goroutine that
 // waits for it, with no hand-over; the stream is a sock (plain system
 // calls, a short adaptive spin) where it can be, as the server's is.
+//
+// A serve loop may take the reading over (formats.Completions, which the
+// FUSE export's one /dev/fuse queue does): it waits on the socket beside
+// its own input and reads what came, so that one thread does it all, as
+// QEMU's event loop does; waiting requests then just wait, except a lone
+// one (run by the loop itself), which reads.
 type conn struct {
 	s    sock.Stream
 	r    *bufio.Reader
@@ -48,6 +55,12 @@ type conn struct {
 
 	rmu  sync.Mutex    // held by the goroutine reading replies
 	turn chan struct{} // a token: nobody reads while requests wait
+
+	// reader says who reads replies: the requests waiting for them
+	// (selfRead), or a serve loop (loopReads: formats.Completions) until
+	// it lets go (loopGone, then closed).
+	reader   atomic.Int32
+	loopGone chan struct{}
 
 	mu     sync.Mutex
 	calls  map[uint64]*call
@@ -68,11 +81,62 @@ type call struct {
 	extLen   uint64
 	extFlags uint32
 	gotExt   bool
+	// lone: the request runs in a serve loop, which cannot read its
+	// reply for it (coroutines.Lone).
+	lone bool
 }
+
+// Who reads a connection's replies (conn.reader).
+const (
+	selfRead  = iota // the requests that wait for them
+	loopReads        // a serve loop (see Image.CompletionFds)
+	loopGone         // the loop has let go: the requests again
+)
 
 func newConn(s sock.Stream, info exportInfo) *conn {
 	return &conn{s: s, r: bufio.NewReaderSize(s, 64<<10), info: info, calls: map[uint64]*call{},
-		dead: make(chan struct{}), turn: make(chan struct{}, 1)}
+		dead: make(chan struct{}), turn: make(chan struct{}, 1), loopGone: make(chan struct{})}
+}
+
+// fd is the connection's descriptor, for a loop to wait on; -1 when the
+// stream has none (a pipe in tests).
+func (c *conn) fd() int {
+	if f, ok := c.s.(interface{ Fd() int }); ok {
+		return f.Fd()
+	}
+	return -1
+}
+
+// attachLoop makes a serve loop the reader of replies (once: a connection
+// is attached to one loop, and never again after it let go).
+func (c *conn) attachLoop() bool {
+	return c.reader.CompareAndSwap(selfRead, loopReads) || c.reader.Load() == loopReads
+}
+
+// releaseLoop gives reading back to the requests and wakes those waiting.
+func (c *conn) releaseLoop() {
+	if c.reader.CompareAndSwap(loopReads, loopGone) {
+		close(c.loopGone)
+	}
+}
+
+// serveReplies reads the replies that have come, without waiting for
+// more (the loop's side of formats.Completions). A reply that has begun
+// is read to its end. Nothing happens while someone else reads.
+func (c *conn) serveReplies() {
+	if !c.rmu.TryLock() {
+		return
+	}
+	defer c.rmu.Unlock()
+	for c.alive() && (c.r.Buffered() > 0 || c.s.Pending()) {
+		if err := c.readReply(); err != nil {
+			if !errors.Is(err, errProtocol) {
+				err = fmt.Errorf("%w: %v", errLost, err)
+			}
+			c.fail(err)
+			return
+		}
+	}
 }
 
 // alive says whether the connection still carries requests.
@@ -158,13 +222,23 @@ func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 }
 
 // wait reads replies until cl's has come, or waits while another
-// goroutine reads them.
+// goroutine (or the serve loop) reads them.
 func (c *conn) wait(cl *call) {
 	for {
 		select {
 		case <-cl.done:
 			return
 		default:
+		}
+		if c.reader.Load() == loopReads && !cl.lone {
+			// The loop reads (a lone request runs in the loop, which
+			// is busy with it: that one reads itself).
+			select {
+			case <-cl.done:
+				return
+			case <-c.loopGone:
+				continue
+			}
 		}
 		if c.rmu.TryLock() {
 			c.readUntil(cl)
@@ -194,7 +268,12 @@ func (c *conn) readUntil(cl *call) {
 	for {
 		select {
 		case <-cl.done:
-			return
+			// Under a serve loop, replies already read into the buffer
+			// are read out too: the loop waits on the socket, which
+			// no longer shows them.
+			if c.reader.Load() != loopReads || c.r.Buffered() == 0 {
+				return
+			}
 		default:
 		}
 		if c.r.Buffered() == 0 && c.readied {

@@ -28,6 +28,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
@@ -65,6 +66,9 @@ type Image struct {
 	dirty atomic.Bool
 	lost  atomic.Bool
 	rmw   sync.Mutex // read-modify-write of unaligned writes
+	// loopDone: a serve loop read replies and has let go (see
+	// ReleaseCompletions); connections made later are never its.
+	loopDone atomic.Bool
 }
 
 // slot is one of the image's connections, made again when it breaks.
@@ -72,6 +76,14 @@ type slot struct {
 	mu   sync.Mutex
 	c    *conn
 	lost atomic.Bool // an outage has been logged and not yet ended
+	// live is c, for a serve loop that must not wait for mu (a
+	// reconnect holds it while it replays writes).
+	live atomic.Pointer[conn]
+}
+
+func (s *slot) set(c *conn) {
+	s.c = c
+	s.live.Store(c)
 }
 
 // Open connects to the export addr names.
@@ -101,14 +113,17 @@ func Open(ctx context.Context, addr Address, o Options) (*Image, error) {
 		o.Logger.Info("the NBD server does not allow several connections to this export (no CAN_MULTI_CONN); using one", "uri", addr.URI)
 		n = 1
 	}
-	img.slots = []*slot{{c: first}}
+	img.slots = []*slot{{}}
+	img.slots[0].set(first)
 	for i := 1; i < n; i++ {
 		c, err := img.redial(ctx)
 		if err != nil {
 			o.Logger.Warn("opening more NBD connections failed; using fewer", "uri", addr.URI, "connections", i, "err", err)
 			break
 		}
-		img.slots = append(img.slots, &slot{c: c})
+		s := &slot{}
+		s.set(c)
+		img.slots = append(img.slots, s)
 	}
 	return img, nil
 }
@@ -128,7 +143,7 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 			if s.lost.Swap(false) {
 				img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI)
 			}
-			s.c = c
+			s.set(c)
 			return c, nil
 		}
 		left := time.Until(deadline)
@@ -201,6 +216,7 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, 
 			return cl, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
 		}
 		try := cl
+		try.lone = coroutines.IsLone(ctx)
 		err = c.do(&try, flags, length, payload)
 		if !errors.Is(err, errLost) {
 			if errors.Is(err, errProtocol) {
@@ -480,4 +496,42 @@ func (img *Image) Close() error {
 		s.mu.Unlock()
 	}
 	return nil
+}
+
+// The serve loop's side (formats.Completions): a FUSE queue that waits on
+// the connections' sockets beside /dev/fuse and reads the replies itself.
+
+// CompletionFds lists the live connections' sockets, and makes the loop
+// their reader from now on.
+func (img *Image) CompletionFds(dst []int) []int {
+	if img.loopDone.Load() {
+		return dst
+	}
+	for _, s := range img.slots {
+		if c := s.live.Load(); c != nil && c.alive() {
+			if fd := c.fd(); fd >= 0 && c.attachLoop() {
+				dst = append(dst, fd)
+			}
+		}
+	}
+	return dst
+}
+
+// ServeCompletions reads the replies that have come on every connection.
+func (img *Image) ServeCompletions() {
+	for _, s := range img.slots {
+		if c := s.live.Load(); c != nil && c.reader.Load() == loopReads {
+			c.serveReplies()
+		}
+	}
+}
+
+// ReleaseCompletions hands reading back to the requests, for good.
+func (img *Image) ReleaseCompletions() {
+	img.loopDone.Store(true)
+	for _, s := range img.slots {
+		if c := s.live.Load(); c != nil {
+			c.releaseLoop()
+		}
+	}
 }

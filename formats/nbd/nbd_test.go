@@ -16,6 +16,9 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
 	exportnbd "github.com/blockexport/blockexport/export/nbd"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/nbd"
@@ -622,5 +625,126 @@ func TestCanonicalURI(t *testing.T) {
 		if err != nil || a.Canonical() != want {
 			t.Errorf("%s: %q, %v; want %q", uri, a.Canonical(), err, want)
 		}
+	}
+}
+
+// TestLoopReadsCompletions: once a serve loop has taken the connections'
+// sockets (CompletionFds), a waiting request leaves reading its reply to
+// the loop: it does not complete while the loop does not serve, and does
+// when it does. A lone request (one the loop itself runs) reads its own.
+// Releasing hands reading back: a request left waiting then completes by
+// itself. With the loop serving, many requests at once read right.
+func TestLoopReadsCompletions(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "disk.raw")
+	want := randomFile(t, file, 4<<20, 7)
+	s := serve(t, filepath.Join(dir, "s.sock"), file, exportnbd.Options{Name: "disk"})
+	img := open(t, "nbd+unix:///disk?socket="+s.sock, nbd.Options{})
+	ctx := context.Background()
+	var comp formats.Completions = img
+	fds := comp.CompletionFds(nil)
+	if len(fds) != 1 {
+		t.Fatalf("CompletionFds: %v, want one socket", fds)
+	}
+	read := func(ctx context.Context, off int64) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			got := make([]byte, 4096)
+			_, err := img.ReadAt(ctx, got, off)
+			if err == nil && !bytes.Equal(got, want[off:off+4096]) {
+				err = errors.New("wrong data")
+			}
+			done <- err
+		}()
+		return done
+	}
+	// The loop does not serve: the request waits.
+	waiting := read(ctx, 8192)
+	select {
+	case err := <-waiting:
+		t.Fatalf("a request completed with nobody reading for it (%v)", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	// A lone request reads its own reply (and maybe the other's).
+	select {
+	case err := <-read(coroutines.Lone(ctx), 4096):
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a lone request did not read its own reply")
+	}
+	// Serving once completes the one waiting, if the lone one did not.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		comp.ServeCompletions()
+		select {
+		case err := <-waiting:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Millisecond):
+			if time.Now().Before(deadline) {
+				continue
+			}
+			t.Fatal("serving completions did not complete the waiting request")
+		}
+		break
+	}
+	// The loop serves: 64 reads at once, all right.
+	stop := make(chan struct{})
+	loopDone := make(chan struct{})
+	go func() {
+		defer close(loopDone)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			var pfds []unix.PollFd
+			for _, fd := range comp.CompletionFds(nil) {
+				pfds = append(pfds, unix.PollFd{Fd: int32(fd), Events: unix.POLLIN})
+			}
+			unix.Poll(pfds, 20)
+			comp.ServeCompletions()
+		}
+	}()
+	var all []<-chan error
+	for i := range 64 {
+		all = append(all, read(ctx, int64(i)*4096*13%(4<<20-4096)))
+	}
+	for _, c := range all {
+		select {
+		case err := <-c:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a request the loop serves never completed")
+		}
+	}
+	close(stop)
+	<-loopDone
+	// The loop has stopped: a request waits until the release.
+	waiting = read(ctx, 12288)
+	select {
+	case err := <-waiting:
+		t.Fatalf("a request completed with the loop stopped (%v)", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	comp.ReleaseCompletions()
+	select {
+	case err := <-waiting:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a request left waiting at the release never completed")
+	}
+	if fds := comp.CompletionFds(nil); len(fds) != 0 {
+		t.Fatalf("after the release, CompletionFds still lists %v", fds)
+	}
+	if err := <-read(ctx, 0); err != nil {
+		t.Fatal(err)
 	}
 }
