@@ -69,6 +69,10 @@ type Image struct {
 	// loopDone: a serve loop read replies and has let go (see
 	// ReleaseCompletions); connections made later are never its.
 	loopDone atomic.Bool
+	// logFlushing: a background flush empties the replay log; bg
+	// counts it, for Close.
+	logFlushing atomic.Bool
+	bg          sync.WaitGroup
 }
 
 // slot is one of the image's connections, made again when it breaks.
@@ -488,6 +492,7 @@ func (img *Image) Info() formats.Info {
 
 // Close says goodbye on every connection.
 func (img *Image) Close() error {
+	img.bg.Wait() // a background flush uses the connections
 	for _, s := range img.slots {
 		s.mu.Lock()
 		if s.c != nil {
