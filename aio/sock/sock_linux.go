@@ -205,11 +205,21 @@ func readNoEINTR(fd int, p []byte) (int, error) {
 // (a serve loop that reads an NBD client's replies: formats.Completions).
 func (s *sock) Fd() int { return s.fd }
 
-// Pending says whether the socket has bytes to read.
+// Pending says whether the socket has bytes to read (or an end or error
+// to report: a read then returns at once). A poll interrupted by a signal
+// is asked again: the Go runtime signals its threads to preempt them, and
+// a caller that reads on "pending" would otherwise sleep in read(2) with
+// nothing coming (the NBD client's serve loop did, with no request in
+// flight: the export hung).
 func (s *sock) Pending() bool {
 	fds := [1]unix.PollFd{{Fd: int32(s.fd), Events: unix.POLLIN}}
-	n, err := unix.Poll(fds[:], 0)
-	return err != nil || n > 0
+	for {
+		n, err := unix.Poll(fds[:], 0)
+		if err == unix.EINTR {
+			continue
+		}
+		return err != nil || n > 0
+	}
 }
 
 // Write sends all of p. MSG_NOSIGNAL: a vanished peer is an EPIPE error,

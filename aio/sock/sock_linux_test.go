@@ -142,3 +142,40 @@ func TestSockCloseReadAndVanishedPeer(t *testing.T) {
 		t.Fatalf("CloseRead after Close: %v", err)
 	}
 }
+
+// TestPendingIgnoresSignals: an empty socket is never "pending", however
+// often signals interrupt the poll (the runtime preempts threads with
+// SIGURG; a poll cut short by one used to count as pending, and a reader
+// that trusted it slept in read(2) with nothing coming).
+func TestPendingIgnoresSignals(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[1])
+	s := &sock{fd: fds[0]}
+	defer s.Close()
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // a storm of signals at this process
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				unix.Kill(os.Getpid(), unix.SIGURG)
+			}
+		}
+	}()
+	deadline := time.Now().Add(2 * time.Second)
+	for n := 0; time.Now().Before(deadline); n++ {
+		if s.Pending() {
+			close(stop)
+			<-done
+			t.Fatalf("an empty socket was pending (after %d polls)", n)
+		}
+	}
+	close(stop)
+	<-done
+}

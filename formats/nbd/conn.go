@@ -268,10 +268,11 @@ func (c *conn) readUntil(cl *call) {
 	for {
 		select {
 		case <-cl.done:
-			// Under a serve loop, replies already read into the buffer
-			// are read out too: the loop waits on the socket, which
+			// Replies already read into the buffer are read out too
+			// before the reader lets go: a serve loop that takes over
+			// (even now, while this reads) waits on the socket, which
 			// no longer shows them.
-			if c.reader.Load() != loopReads || c.r.Buffered() == 0 {
+			if c.r.Buffered() == 0 {
 				return
 			}
 		default:
