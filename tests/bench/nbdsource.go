@@ -63,9 +63,9 @@ func benchNBDSource(dir, bin string) []row {
 		})
 	}
 	for _, conns := range []string{"1", "4"} {
-		config := "nbdfuse -C " + conns
+		config := "-C " + conns
 		if conns == "4" {
-			config += " (its default)"
+			config += ", its default"
 		}
 		exporters = append(exporters, nbdSourceExporter{
 			s: system{name: "nbdfuse", config: config},
