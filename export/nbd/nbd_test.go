@@ -60,6 +60,17 @@ func newPairWith(t *testing.T, img formats.Image, writable bool) (*client, *Serv
 	return &client{t: t, c: b, r: bufio.NewReader(b)}, s
 }
 
+// openRaw opens a raw file for a test server, closed when the test ends.
+func openRaw(t *testing.T, path string, writable bool) formats.Image {
+	t.Helper()
+	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Writable: writable, Backend: "threads"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { opened.Image.Close() })
+	return opened.Image
+}
+
 func (c *client) read(n int) []byte {
 	c.t.Helper()
 	b := make([]byte, n)
@@ -104,6 +115,16 @@ func (c *client) greet() {
 		c.t.Fatalf("bad greeting %x", g)
 	}
 	c.write(be.AppendUint32(nil, wire.ClientFixed|wire.ClientNoZeroes))
+}
+
+// metaAllocation is SET_META_CONTEXT's data asking export for
+// base:allocation.
+func metaAllocation(export string) []byte {
+	meta := be.AppendUint32(nil, uint32(len(export)))
+	meta = append(meta, export...)
+	meta = be.AppendUint32(meta, 1)
+	meta = be.AppendUint32(meta, uint32(len(wire.BaseAllocation)))
+	return append(meta, wire.BaseAllocation...)
 }
 
 func goData(name string) []byte {
@@ -197,11 +218,7 @@ func TestStructuredRepliesAndBlockStatus(t *testing.T) {
 	c, _ := newPair(t, true)
 	c.greet()
 	// SET_META_CONTEXT before STRUCTURED_REPLY is refused.
-	meta := be.AppendUint32(nil, 4)
-	meta = append(meta, "disk"...)
-	meta = be.AppendUint32(meta, 1)
-	meta = be.AppendUint32(meta, uint32(len(wire.BaseAllocation)))
-	meta = append(meta, wire.BaseAllocation...)
+	meta := metaAllocation("disk")
 	if types, _ := c.option(wire.OptSetMetaContext, meta); types[0] != wire.RepErrInvalid {
 		t.Fatalf("SET_META_CONTEXT before structured replies: %#x", types[0])
 	}
@@ -283,13 +300,7 @@ func TestSparseReads(t *testing.T) {
 	if err := os.WriteFile(path, want, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Backend: "threads"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	img := opened.Image
-	t.Cleanup(func() { img.Close() })
-	c, _ := newPairWith(t, img, false)
+	c, _ := newPairWith(t, openRaw(t, path, false), false)
 	c.greet()
 	c.option(wire.OptStructuredReply, nil)
 	c.option(wire.OptGo, goData("disk"))
@@ -477,13 +488,7 @@ func TestExtendedHeaders(t *testing.T) {
 	}
 	f.Truncate(size)
 	f.Close()
-	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Writable: true, Backend: "threads"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	img := opened.Image
-	t.Cleanup(func() { img.Close() })
-	c, _ := newPairWith(t, img, true)
+	c, _ := newPairWith(t, openRaw(t, path, true), true)
 	c.greet()
 	if types, _ := c.option(11, []byte{1}); types[0] != wire.RepErrInvalid {
 		t.Fatalf("EXTENDED_HEADERS with data: %#x", types[0])
@@ -494,11 +499,7 @@ func TestExtendedHeaders(t *testing.T) {
 	if types, _ := c.option(wire.OptStructuredReply, nil); types[0] != 10|1<<31 {
 		t.Fatalf("STRUCTURED_REPLY after extended headers: %#x, want NBD_REP_ERR_EXT_HEADER_REQD", types[0])
 	}
-	meta := be.AppendUint32(nil, 4)
-	meta = append(meta, "disk"...)
-	meta = be.AppendUint32(meta, 1)
-	meta = be.AppendUint32(meta, uint32(len(wire.BaseAllocation)))
-	meta = append(meta, wire.BaseAllocation...)
+	meta := metaAllocation("disk")
 	if types, _ := c.option(wire.OptSetMetaContext, meta); types[0] != wire.RepMetaContext {
 		t.Fatalf("SET_META_CONTEXT under extended headers: %#x", types[0])
 	}

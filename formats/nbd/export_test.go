@@ -1,4 +1,8 @@
 package nbd
 
-// Chunk lets the external tests build reply chunks (see chunk).
-var Chunk = chunk
+// Chunk and ExtChunk let the external tests build reply chunks (see
+// chunk, extChunk).
+var (
+	Chunk    = chunk
+	ExtChunk = extChunk
+)

@@ -11,9 +11,11 @@ import (
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
-// extChunk is an extended reply chunk as a server sends it.
+// extChunk is an extended reply chunk as a server sends it, laid out as
+// the EXTENDED_HEADERS extension says (its magic written out: a wrong
+// constant in wire fails the tests that use this).
 func extChunk(cookie, off uint64, flags, typ uint16, payload []byte) []byte {
-	b := be.AppendUint32(nil, wire.MagicExtendedReply)
+	b := be.AppendUint32(nil, 0x6e8a278c)
 	b = be.AppendUint16(b, flags)
 	b = be.AppendUint16(b, typ)
 	b = be.AppendUint64(b, cookie)

@@ -509,7 +509,7 @@ func TestMalformedReplies(t *testing.T) {
 		},
 		// Under extended headers:
 		"extended: reply names another offset": func(c, off uint64) []byte {
-			return extChunk(c, off+4096, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
+			return nbd.ExtChunk(c, off+4096, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
 		},
 		"extended: a structured reply": func(c, off uint64) []byte {
 			return chunk(c, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
@@ -518,7 +518,7 @@ func TestMalformedReplies(t *testing.T) {
 			return be.AppendUint64(be.AppendUint32(be.AppendUint32(nil, wire.MagicSimple), 0), c)
 		},
 		"extended: a length past 32 bits": func(c, off uint64) []byte {
-			b := extChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
+			b := nbd.ExtChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetData, data(off))
 			be.PutUint64(b[24:], 1<<32+4104)
 			return b
 		},
@@ -543,19 +543,6 @@ func TestMalformedReplies(t *testing.T) {
 	}
 }
 
-// extChunk is an extended reply chunk, laid out as the EXTENDED_HEADERS
-// extension says (its numbers written out: a wrong one in wire fails).
-func extChunk(cookie, off uint64, flags, typ uint16, payload []byte) []byte {
-	be := binary.BigEndian
-	b := be.AppendUint32(nil, 0x6e8a278c)
-	b = be.AppendUint16(b, flags)
-	b = be.AppendUint16(b, typ)
-	b = be.AppendUint64(b, cookie)
-	b = be.AppendUint64(b, off)
-	b = be.AppendUint64(b, uint64(len(payload)))
-	return append(b, payload...)
-}
-
 // TestExtendedRepliesFromAnotherServer: a server of someone else's making
 // (the fake, its bytes laid out from the spec) that takes extended headers
 // gets 32-byte requests, and its extended chunks (a hole then data, out of
@@ -565,7 +552,7 @@ func TestExtendedRepliesFromAnotherServer(t *testing.T) {
 	uri := fakeServer(t, true, func(c, off uint64) []byte {
 		hole := be.AppendUint32(be.AppendUint64(nil, off), 2048)
 		data := append(be.AppendUint64(nil, off+2048), bytes.Repeat([]byte{0xab}, 2048)...)
-		return append(extChunk(c, off, 0, wire.ChunkOffsetData, data), extChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetHole, hole)...)
+		return append(nbd.ExtChunk(c, off, 0, wire.ChunkOffsetData, data), nbd.ExtChunk(c, off, wire.ChunkFlagDone, wire.ChunkOffsetHole, hole)...)
 	})
 	img := open(t, uri, nbd.Options{})
 	if got := serverLine(img, "extended headers:"); got != "extended headers: yes" {
