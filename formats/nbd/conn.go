@@ -129,14 +129,24 @@ func (c *conn) serveReplies() {
 	}
 	defer c.rmu.Unlock()
 	for c.alive() && (c.r.Buffered() > 0 || c.s.Pending()) {
-		if err := c.readReply(); err != nil {
-			if !errors.Is(err, errProtocol) {
-				err = fmt.Errorf("%w: %v", errLost, err)
-			}
-			c.fail(err)
+		if !c.readOrFail() {
 			return
 		}
 	}
+}
+
+// readOrFail reads one reply; a reply that cannot be read ends the
+// connection (false). The caller holds rmu.
+func (c *conn) readOrFail() bool {
+	err := c.readReply()
+	if err == nil {
+		return true
+	}
+	if !errors.Is(err, errProtocol) {
+		err = fmt.Errorf("%w: %v", errLost, err)
+	}
+	c.fail(err)
+	return false
 }
 
 // alive says whether the connection still carries requests.
@@ -294,11 +304,7 @@ func (c *conn) readUntil(cl *call) {
 			default:
 			}
 		}
-		if err := c.readReply(); err != nil {
-			if !errors.Is(err, errProtocol) {
-				err = fmt.Errorf("%w: %v", errLost, err)
-			}
-			c.fail(err)
+		if !c.readOrFail() {
 			return
 		}
 	}
@@ -355,7 +361,7 @@ func (c *conn) readReply() error {
 	}
 	switch magic := be.Uint32(m); {
 	case c.info.extended && magic == wire.MagicExtendedReply:
-		return c.extendedReply()
+		return c.chunkReply()
 	case c.info.extended:
 		return fmt.Errorf("%w: reply magic %#x under extended headers", errProtocol, magic)
 	case magic == wire.MagicSimple:
@@ -364,7 +370,7 @@ func (c *conn) readReply() error {
 		if !c.info.structured {
 			return fmt.Errorf("%w: structured reply without structured replies negotiated", errProtocol)
 		}
-		return c.structuredReply()
+		return c.chunkReply()
 	default:
 		return fmt.Errorf("%w: bad reply magic %#x", errProtocol, magic)
 	}
@@ -395,43 +401,32 @@ func (c *conn) simpleReply() error {
 	return nil
 }
 
-func (c *conn) structuredReply() error {
-	h, err := c.readFixed(wire.StructuredReplySize - 4)
+// chunkReply reads one structured reply chunk: with the 20-byte header,
+// or under extended headers the 32-byte one, which also names the
+// request's offset and has a 64-bit length.
+func (c *conn) chunkReply() error {
+	size := wire.StructuredReplySize
+	if c.info.extended {
+		size = wire.ExtendedReplySize
+	}
+	h, err := c.readFixed(size - 4)
 	if err != nil {
 		return err
 	}
-	flags, typ, cookie, length := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:]), be.Uint32(h[12:])
+	flags, typ, cookie := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:])
 	cl, err := c.lookup(cookie)
 	if err != nil {
 		return err
 	}
-	if err := c.chunk(cl, typ, length); err != nil {
-		return err
-	}
-	if flags&wire.ChunkFlagDone != 0 {
-		c.finish(cookie, cl)
-	}
-	return nil
-}
-
-// extendedReply is structuredReply's form under extended headers: the
-// header also names the request's offset, and the length is 64 bits.
-func (c *conn) extendedReply() error {
-	h, err := c.readFixed(wire.ExtendedReplySize - 4)
-	if err != nil {
-		return err
-	}
-	flags, typ, cookie, off, length := be.Uint16(h[0:]), be.Uint16(h[2:]), be.Uint64(h[4:]), be.Uint64(h[12:]), be.Uint64(h[20:])
-	cl, err := c.lookup(cookie)
-	if err != nil {
-		return err
-	}
-	if off != uint64(cl.off) {
-		return fmt.Errorf("%w: reply for offset %d to a request at %d", errProtocol, off, cl.off)
-	}
-	if length > 1<<32-1 {
+	length := uint64(be.Uint32(h[12:]))
+	if c.info.extended {
+		if off := be.Uint64(h[12:]); off != uint64(cl.off) {
+			return fmt.Errorf("%w: reply for offset %d to a request at %d", errProtocol, off, cl.off)
+		}
 		// Payloads are bounded by the block sizes, which are 32 bits.
-		return fmt.Errorf("%w: a reply chunk of %d bytes", errProtocol, length)
+		if length = be.Uint64(h[20:]); length > 1<<32-1 {
+			return fmt.Errorf("%w: a reply chunk of %d bytes", errProtocol, length)
+		}
 	}
 	if err := c.chunk(cl, typ, uint32(length)); err != nil {
 		return err

@@ -392,17 +392,13 @@ func (img *Image) Flush(ctx context.Context) error {
 	if !img.o.Writable {
 		return nil
 	}
-	mark := img.log.mark()
 	dirty := img.dirty.Swap(false)
-	if img.info.flags&wire.FlagSendFlush != 0 {
-		if _, err := img.do(ctx, call{cmd: wire.CmdFlush}, 0, 0, nil); err != nil {
-			if dirty {
-				img.dirty.Store(true)
-			}
-			return fmt.Errorf("nbd: flush: %w", err)
+	if err := img.flushLog(ctx); err != nil {
+		if dirty {
+			img.dirty.Store(true)
 		}
+		return err
 	}
-	img.log.durable(mark)
 	if img.lost.Swap(false) {
 		return fmt.Errorf("nbd: %s: the connection broke while writes were not flushed; the server may have lost them: %w", img.addr.URI, syscall.EIO)
 	}
