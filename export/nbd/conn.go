@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
@@ -54,6 +55,10 @@ type conn struct {
 	hand     *coroutines.Handoff
 	scratch  []byte // the reader's buffer for inline reads and writes
 	stopOnce sync.Once
+	// hsMu orders the handshake limit's hangUp against the end of the
+	// handshake (hsOver): past it, serve may close the stream.
+	hsMu     sync.Mutex
+	hsOver   bool
 	stopping chan struct{}
 	neg      negotiated
 
@@ -120,6 +125,29 @@ func (c *conn) release(cost int64) {
 	c.budget.Release(cost)
 }
 
+// hangUp ends both directions of a connection still in the handshake:
+// a client that floods options and never reads blocks our option reply in
+// write, and shutting down only the read side left that writer (and the
+// client's --max-clients slot) blocked for ever. shutdown(2) wakes a
+// writer waiting in poll(2) or in the netpoller (its write then fails with
+// EPIPE); close(2) would not, and could hit a descriptor already reused.
+// It runs under hsMu, so it never touches a stream that serve has closed.
+func (c *conn) hangUp() {
+	c.hsMu.Lock()
+	defer c.hsMu.Unlock()
+	if c.hsOver {
+		return
+	}
+	fs, ok := c.raw.(interface{ Fd() int })
+	if !ok {
+		c.raw.Close() // a net.Conn without a descriptor: Close wakes its writer
+		return
+	}
+	if err := unix.Shutdown(fs.Fd(), unix.SHUT_RDWR); err != nil {
+		c.log.Debug("shutdown of a client socket", "err", err)
+	}
+}
+
 // stop makes the connection finish what it has read and close.
 func (c *conn) stop() {
 	c.stopOnce.Do(func() {
@@ -141,13 +169,16 @@ func (c *conn) serve() {
 		// --max-clients slot forever.
 		limit = time.AfterFunc(d, func() {
 			c.log.Warn("dropping an NBD client that did not finish the handshake in time", "limit", d)
-			c.raw.CloseRead()
+			c.hangUp()
 		})
 	}
 	neg, r, err := c.handshake(r)
 	if limit != nil && !limit.Stop() {
 		err = cmp.Or(err, errors.New("handshake limit passed"))
 	}
+	c.hsMu.Lock()
+	c.hsOver = true // from here on the stream may be closed: hangUp must not touch it
+	c.hsMu.Unlock()
 	if err != nil {
 		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
 			c.log.Warn("NBD negotiation failed", "err", err)

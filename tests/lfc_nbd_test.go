@@ -1,0 +1,68 @@
+package tests
+
+import (
+	"encoding/binary"
+	"net"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestLfcHandshakeFloodFreesItsSlot: a client that sends options in a loop
+// and never reads its replies fills the socket; the server's option reply
+// then blocks in write. The handshake limit once shut down only the read
+// side, so the blocked writer never returned and the client kept its
+// --max-clients slot for ever. Now the limit ends both directions: the
+// slot is free again, and a second client is served, within a bound.
+func TestLfcHandshakeFloodFreesItsSlot(t *testing.T) {
+	s := startNBD(t, "null:1M", false, "--max-clients", "1", "--handshake-limit", "1")
+	// startNBD's own probe connection may hold the slot for a moment.
+	time.Sleep(100 * time.Millisecond)
+	c, err := net.Dial("unix", s.socket())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	be := binary.BigEndian
+	flood := make(chan struct{})
+	go func() {
+		defer close(flood)
+		// Bounded: the writes stop once the server has hung up, or
+		// after 30 s at most.
+		c.SetWriteDeadline(time.Now().Add(30 * time.Second))
+		if _, err := c.Write(be.AppendUint32(nil, 3)); err != nil { // fixed newstyle, no zeroes
+			return
+		}
+		var opt []byte
+		for range 64 {
+			opt = be.AppendUint64(opt, 0x49484156454F5054) // IHAVEOPT
+			opt = be.AppendUint32(opt, 3)                  // NBD_OPT_LIST: two replies each
+			opt = be.AppendUint32(opt, 0)
+		}
+		for {
+			if _, err := c.Write(opt); err != nil {
+				return
+			}
+		}
+	}()
+	start := time.Now()
+	for {
+		out, err := exec.Command("nbdinfo", "--size", s.uri).CombinedOutput()
+		if err == nil && strings.TrimSpace(string(out)) == "1048576" {
+			break
+		}
+		if time.Since(start) > 8*time.Second {
+			t.Fatalf("no client served %v after a flooding client took the only slot (--handshake-limit 1): %s\n%s", time.Since(start), out, s.log())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	select {
+	case <-flood:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the flooding client's writes still go through: the server did not hang up on it")
+	}
+	if !strings.Contains(s.log(), "did not finish the handshake") {
+		t.Fatalf("no log line about the dropped client:\n%s", s.log())
+	}
+}
