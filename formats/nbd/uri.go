@@ -115,6 +115,27 @@ func ParseURI(spec string) (Address, error) {
 	return a, nil
 }
 
+// ErrUntrustedTLSFiles marks a URI taken from an image (a qcow2 backing
+// file) that names a tls-certificates directory.
+var ErrUntrustedTLSFiles = errors.New("an image's backing file may not name TLS certificate files")
+
+// ParseImageURI parses a URI that an image names (a qcow2 backing file).
+// Whoever wrote the image wrote it: it may name a server, but never which
+// certificate and key of this machine to present there, nor which CA to
+// trust. A tls-certificates parameter is refused, so that TLSConfig only
+// ever reads the files the user passed.
+func ParseImageURI(spec string) (Address, error) {
+	a, err := ParseURI(spec)
+	if err != nil {
+		return Address{}, err
+	}
+	if a.CertDir != "" {
+		return Address{}, fmt.Errorf("%w (tls-certificates=%s): an image is untrusted input; the client's certificate, key and CA come only from the command line (--tls-ca/--tls-cert/--tls-key; for nbd, --image-tls-*)",
+			ErrUntrustedTLSFiles, a.CertDir)
+	}
+	return a, nil
+}
+
 // Canonical is the URI as QEMU writes it back (its filename in qemu-img
 // info and map): the export's slash only when it has a name, the socket
 // or host and port spelt out, the TLS query parameters left out.

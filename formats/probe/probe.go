@@ -153,7 +153,7 @@ func Open(spec string, o Options) (*Opened, error) {
 		return nil, fmt.Errorf("%w: a null device is given as null:SIZE (e.g. null:1G), not %q", ErrBadSpec, spec)
 	}
 	if nbd.IsURI(spec) {
-		img, err := openNBD(spec, format, o, o.Writable)
+		img, err := openNBD(spec, format, o, o.Writable, false)
 		if err != nil {
 			return nil, err
 		}
@@ -247,13 +247,27 @@ type chain struct {
 // openNBD opens an image on an NBD server. What the server exports is
 // the disk's bytes, raw: a qcow2 file is served as qcow2 by the server
 // (qemu-nbd -f qcow2), not read as qcow2 through it.
-func openNBD(uri, format string, o Options, writable bool) (formats.Image, error) {
-	if format != Auto && format != Raw {
-		return nil, fmt.Errorf("%w: %s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", ErrBadSpec, uri, format, format)
-	}
-	addr, err := nbd.ParseURI(uri)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrBadSpec, err)
+//
+// fromImage says the URI is a backing file an image names: untrusted, so
+// it is parsed by nbd.ParseImageURI (no certificate files of its choosing)
+// and its faults are the image's, not the command line's.
+func openNBD(uri, format string, o Options, writable, fromImage bool) (formats.Image, error) {
+	var addr nbd.Address
+	var err error
+	if fromImage {
+		if format != Auto && format != Raw {
+			return nil, fmt.Errorf("backing file %s is an NBD export, which is raw bytes; the image says its format is %q", uri, format)
+		}
+		if addr, err = nbd.ParseImageURI(uri); err != nil {
+			return nil, err
+		}
+	} else {
+		if format != Auto && format != Raw {
+			return nil, fmt.Errorf("%w: %s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", ErrBadSpec, uri, format, format)
+		}
+		if addr, err = nbd.ParseURI(uri); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrBadSpec, err)
+		}
 	}
 	no := nbd.Options{Writable: writable, Connections: o.NBD.Connections, ReconnectTimeout: o.NBD.ReconnectTimeout, Logger: o.Logger}
 	if addr.TLS {
@@ -281,7 +295,7 @@ func (c *chain) openBacking(path, format string) (formats.Image, error) {
 		if c.depth > maxChainDepth {
 			return nil, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
 		}
-		return openNBD(path, format, c.o, false)
+		return openNBD(path, format, c.o, false, true)
 	}
 	img, _, err := c.open(path, format, false, true)
 	return img, err
