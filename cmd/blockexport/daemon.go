@@ -4,12 +4,16 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
 	"runtime/pprof"
 	"strconv"
+	"strings"
+	"sync"
 	"syscall"
 )
 
@@ -97,27 +101,123 @@ func stopSignals() chan os.Signal {
 	return sigs
 }
 
+// exitJobs are what a process that exits at once (a second signal while
+// stopping) must still undo: the mount, the files it created. Each job is
+// safe to run while the orderly shutdown runs too.
+type exitJobs struct {
+	mu   sync.Mutex
+	jobs []func()
+}
+
+func (e *exitJobs) add(job func()) {
+	e.mu.Lock()
+	e.jobs = append(e.jobs, job)
+	e.mu.Unlock()
+}
+
+// run runs the jobs, the last added first.
+func (e *exitJobs) run() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i := len(e.jobs) - 1; i >= 0; i-- {
+		e.jobs[i]()
+	}
+}
+
 // stopping logs the first signal and makes a second one end the process at
-// once, for a shutdown that hangs.
-func stopping(logger *slog.Logger, first os.Signal, sigs chan os.Signal) {
+// once, for a shutdown that hangs. timeout(1) and systemd send SIGTERM
+// twice in a row, so this path is common: it does not wait for requests,
+// but it still runs the exit jobs, leaving no mount or file of ours.
+func stopping(logger *slog.Logger, first os.Signal, sigs chan os.Signal, jobs *exitJobs) {
 	logger.Info("stopping", "signal", first.String())
 	go func() {
 		s := <-sigs
 		logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+		jobs.run()
 		os.Exit(exitRuntime)
 	}()
 }
 
 // writePidfile writes our PID to path ("" writes nothing) and returns the
-// function that removes it.
+// function that removes it. The file is ours while we run: mode 0600 and
+// locked (flock), so a second instance given the same pidfile is refused
+// (with the PID of the one that holds it) instead of overwriting it; and
+// it is removed at exit only if path still names the file we locked.
 func writePidfile(path string) (remove func(), err error) {
 	if path == "" {
 		return func() {}, nil
 	}
-	if err := os.WriteFile(path, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-		return nil, fmt.Errorf("pidfile: %w", err)
+	for try := 0; ; try++ {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("pidfile: %w", err)
+		}
+		if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+			pid, _ := io.ReadAll(io.LimitReader(f, 32))
+			f.Close()
+			if errors.Is(err, syscall.EWOULDBLOCK) {
+				return nil, fmt.Errorf("pidfile %s is held by another running instance (pid %s)", path, strings.TrimSpace(string(pid)))
+			}
+			return nil, fmt.Errorf("pidfile %s: lock: %w", path, err)
+		}
+		// The holder we waited out may have removed the file between
+		// our open and our lock: then the lock is on a file nobody
+		// else will see; open again.
+		same, err := sameFile(f, path)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("pidfile: %w", err)
+		}
+		if !same {
+			f.Close()
+			if try >= 10 {
+				return nil, fmt.Errorf("pidfile %s keeps being replaced under us", path)
+			}
+			continue
+		}
+		if err := writePid(f); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("pidfile %s: %w", path, err)
+		}
+		return sync.OnceFunc(func() {
+			// Unlink before letting go of the lock: a new instance
+			// that takes the lock then sees the file gone and makes
+			// its own.
+			if same, _ := sameFile(f, path); same {
+				os.Remove(path)
+			}
+			f.Close()
+		}), nil
 	}
-	return func() { os.Remove(path) }, nil
+}
+
+// writePid replaces f's contents with our PID and makes it 0600 (a file
+// that was there keeps its mode otherwise).
+func writePid(f *os.File) error {
+	if err := f.Chmod(0o600); err != nil {
+		return err
+	}
+	if err := f.Truncate(0); err != nil {
+		return err
+	}
+	_, err := f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return err
+}
+
+// sameFile says whether path names the file f has open (not a symlink).
+func sameFile(f *os.File, path string) (bool, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return false, err
+	}
+	pi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return os.SameFile(fi, pi), nil
 }
 
 // startCPUProfile profiles the process into path until stop is called.

@@ -118,6 +118,15 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
+	// The pidfile first: a second instance given the same one is refused
+	// before it opens or mounts anything.
+	stop, err := f.start()
+	if err != nil {
+		return err
+	}
+	defer stop()
+	var jobs exitJobs
+	jobs.add(stop)
 
 	img, err := openImage(image, opts)
 	if err != nil {
@@ -141,6 +150,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return err
 	}
 	defer m.Cleanup()
+	jobs.add(m.Abandon)
 	if m.ReadsCompletions() {
 		// One thread serves /dev/fuse and the NBD replies (see
 		// ReadsCompletions). Measured, FUSE export of qemu-nbd, 4 KiB,
@@ -160,12 +170,6 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
 		logger.Info("not marked as an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): a loop device on this export may stall under memory pressure", "err", err)
 	}
-	stop, err := f.start()
-	if err != nil {
-		m.Unmount()
-		return err
-	}
-	defer stop()
 	if stats != nil {
 		stopStats := make(chan struct{})
 		statsDone := make(chan struct{})
@@ -178,7 +182,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 
 	select {
 	case s := <-sigs:
-		stopping(logger, s, sigs)
+		stopping(logger, s, sigs, &jobs)
 		if err := m.Unmount(); err != nil {
 			return err
 		}

@@ -90,6 +90,15 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
+	// The pidfile first: a second instance given the same one is refused
+	// before it opens or listens on anything.
+	stop, err := f.start()
+	if err != nil {
+		return err
+	}
+	defer stop()
+	var jobs exitJobs
+	jobs.add(stop)
 	img, err := openImage(args[0], opts)
 	if err != nil {
 		return err
@@ -102,13 +111,8 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	}
 	if network == "unix" {
 		defer os.Remove(addr)
+		jobs.add(func() { os.Remove(addr) })
 	}
-	stop, err := f.start()
-	if err != nil {
-		l.Close()
-		return err
-	}
-	defer stop()
 	srv := nbd.New(img.Image, nbd.Options{Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
 		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
 		TLS: tlsConf, TLSMode: tlsMode})
@@ -119,7 +123,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	notifyReady()
 	select {
 	case s := <-sigs:
-		stopping(logger, s, sigs)
+		stopping(logger, s, sigs, &jobs)
 	case err := <-served:
 		if err != nil {
 			return fmt.Errorf("nbd: %w", err)

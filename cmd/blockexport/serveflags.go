@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -150,5 +151,6 @@ func (f *serveFlags) start() (stop func(), err error) {
 		removePidfile()
 		return nil, err
 	}
-	return func() { stopProfile(); removePidfile() }, nil
+	// Once: the orderly exit and a second signal's fast exit may both run it.
+	return sync.OnceFunc(func() { stopProfile(); removePidfile() }), nil
 }

@@ -65,12 +65,12 @@ type MountOptions struct {
 
 // Mount is a mounted, serving export.
 type Mount struct {
-	path    string // the mountpoint
-	file    string // the exported file: path, or path/FileName
-	created bool   // we created the mountpoint file and remove it at the end
-	conn    uint64 // fusectl connection number, for aborting
-	served  chan struct{}
-	log     *slog.Logger
+	path   string    // the mountpoint
+	file   string    // the exported file: path, or path/FileName
+	made   *madeFile // the mountpoint file we created, removed at the end; nil if none
+	conn   uint64    // fusectl connection number, for aborting
+	served chan struct{}
+	log    *slog.Logger
 	// oneLoop: the one queue's loop also reads the image's completions
 	// (see ReadsCompletions).
 	oneLoop bool
@@ -88,55 +88,90 @@ func (m *Mount) ReadsCompletions() bool { return m.oneLoop }
 // ErrMountpoint marks problems with the mountpoint the user gave.
 var ErrMountpoint = errors.New("bad mountpoint")
 
+// madeFile is a mountpoint file we created: its path and the identity
+// (device and inode) of the file we created there.
+type madeFile struct {
+	path     string
+	dev, ino uint64
+}
+
+// remove unlinks the file if path still names the inode we created: once
+// unmounted, someone may have replaced it (renamed another file over it),
+// and theirs is not ours to delete.
+func (f *madeFile) remove() error {
+	if f == nil {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(f.path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return fmt.Errorf("stat %s: %w", f.path, err)
+	}
+	if st.Dev != f.dev || st.Ino != f.ino {
+		return fmt.Errorf("%s is no longer the file we created (another file was put in its place); left as it is", f.path)
+	}
+	if err := os.Remove(f.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
 // prepareMountpoint checks path is usable and creates it when missing (a
 // file; a directory, for dir, must exist). It returns the absolute path and
-// whether it was created.
-func prepareMountpoint(path string, dir bool) (string, bool, error) {
+// the file it created (nil if none).
+func prepareMountpoint(path string, dir bool) (string, *madeFile, error) {
 	abs, err := filepath.Abs(path)
 	if err != nil {
-		return "", false, fmt.Errorf("mountpoint %s: %w", path, err)
+		return "", nil, fmt.Errorf("mountpoint %s: %w", path, err)
 	}
 	st, err := os.Stat(abs)
 	if dir {
 		switch {
 		case err != nil:
-			return "", false, fmt.Errorf("%w: with --file-name the mountpoint is an existing directory: %v", ErrMountpoint, err)
+			return "", nil, fmt.Errorf("%w: with --file-name the mountpoint is an existing directory: %v", ErrMountpoint, err)
 		case !st.IsDir():
-			return "", false, fmt.Errorf("%w: with --file-name the mountpoint must be a directory; %s is not", ErrMountpoint, abs)
+			return "", nil, fmt.Errorf("%w: with --file-name the mountpoint must be a directory; %s is not", ErrMountpoint, abs)
 		}
 		return checkNotMounted(abs)
 	}
 	if errors.Is(err, fs.ErrNotExist) {
-		f, err := os.OpenFile(abs, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+		fd, err := unix.Open(abs, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
 		if err != nil {
-			return "", false, fmt.Errorf("%w: cannot create %s: %v", ErrMountpoint, abs, err)
+			return "", nil, fmt.Errorf("%w: cannot create %s: %v", ErrMountpoint, abs, err)
 		}
-		f.Close()
-		return abs, true, nil
+		defer unix.Close(fd)
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			os.Remove(abs)
+			return "", nil, fmt.Errorf("%w: stat of the created %s: %v", ErrMountpoint, abs, err)
+		}
+		return abs, &madeFile{path: abs, dev: st.Dev, ino: st.Ino}, nil
 	}
 	if err != nil {
-		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
+		return "", nil, fmt.Errorf("%w: %v", ErrMountpoint, err)
 	}
 	if st.IsDir() {
-		return "", false, fmt.Errorf("%w: %s is a directory; the mountpoint must be a regular file (or pass --file-name NAME to export DIR/NAME)", ErrMountpoint, abs)
+		return "", nil, fmt.Errorf("%w: %s is a directory; the mountpoint must be a regular file (or pass --file-name NAME to export DIR/NAME)", ErrMountpoint, abs)
 	}
 	if !st.Mode().IsRegular() {
-		return "", false, fmt.Errorf("%w: %s is not a regular file", ErrMountpoint, abs)
+		return "", nil, fmt.Errorf("%w: %s is not a regular file", ErrMountpoint, abs)
 	}
 	return checkNotMounted(abs)
 }
 
 // checkNotMounted resolves abs and refuses it when a FUSE export is
 // mounted there already.
-func checkNotMounted(abs string) (string, bool, error) {
+func checkNotMounted(abs string) (string, *madeFile, error) {
 	real, err := filepath.EvalSymlinks(abs)
 	if err != nil {
-		return "", false, fmt.Errorf("%w: %v", ErrMountpoint, err)
+		return "", nil, fmt.Errorf("%w: %v", ErrMountpoint, err)
 	}
 	if fuseMounted(real) {
-		return "", false, fmt.Errorf("%w: there already is a FUSE export on %s", ErrMountpoint, real)
+		return "", nil, fmt.Errorf("%w: there already is a FUSE export on %s", ErrMountpoint, real)
 	}
-	return real, false, nil
+	return real, nil, nil
 }
 
 // fuseMounted says whether path is the mount point of a FUSE file system.
@@ -200,7 +235,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			return nil, err
 		}
 	}
-	abs, created, err := prepareMountpoint(path, dir)
+	abs, made, err := prepareMountpoint(path, dir)
 	if err != nil {
 		return nil, err
 	}
@@ -225,9 +260,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		exp.log.Debug("mount attempt failed", "allow_other", ao, "err", err)
 	}
 	if err != nil {
-		if created {
-			os.Remove(abs)
-		}
+		made.remove()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	srv := newServer(exp, fd)
@@ -241,24 +274,20 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	ptOK := ptFd >= 0
 	switch {
 	case o.Passthrough == "on" && !ptOK:
-		unix.Unmount(abs, unix.MNT_DETACH)
+		detach(abs, exp.log)
 		unix.Close(fd)
-		if created {
-			os.Remove(abs)
-		}
+		made.remove()
 		return nil, fmt.Errorf("--passthrough on: only buffered raw images can be passed through")
 	case o.Passthrough == "on" || o.Passthrough == "auto":
 		srv.passthrough = ptOK
 	}
 	fail := func(err error) (*Mount, error) {
-		unix.Unmount(abs, unix.MNT_DETACH)
+		detach(abs, exp.log)
 		srv.stopURing()
 		for _, fd := range srv.fds {
 			unix.Close(fd)
 		}
-		if created {
-			os.Remove(abs)
-		}
+		made.remove()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	srv.stats = o.Stats // before any queue thread starts
@@ -309,7 +338,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
 		}
 	}
-	m := &Mount{path: abs, file: file, created: created, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
+	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
 	go func() {
 		srv.serve()
 		// The loops end when the kernel ends the connection (unmount,
@@ -317,7 +346,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		// (ENOTCONN) would stay behind, so detach it.
 		if fuseMounted(abs) {
 			exp.log.Error("FUSE connection ended while still mounted; detaching the mount", "mountpoint", abs)
-			unix.Unmount(abs, unix.MNT_DETACH)
+			detach(abs, exp.log)
 		}
 		close(m.served)
 	}()
@@ -361,7 +390,7 @@ func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error)
 		return -1, err
 	}
 	// Not root: let the setuid helper mount.
-	fmOpts := append(opts, "nosuid", "nodev", "noatime", "subtype=blockexport", "fsname="+escapeFsname(fsname))
+	fmOpts := append(opts, "nosuid", "nodev", "noatime", "subtype=blockexport", "fsname="+escapeFusermountValue(escapeFsname(fsname)))
 	if !writable {
 		fmOpts = append(fmOpts, "ro")
 	}
@@ -371,6 +400,37 @@ func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error)
 // escapeFsname keeps the mount source readable in /proc/mounts.
 func escapeFsname(s string) string {
 	return strings.NewReplacer(",", "_", " ", "_").Replace(s)
+}
+
+// escapeFusermountValue escapes an fsname= value as fusermount3 parses
+// it: in fsname= and subtype= a backslash takes the next character
+// literally (and is dropped). Unescaped, an image named "a\" made the
+// option "fsname=a\,ro" swallow the ",ro" that follows: a read-only
+// export mounted writable.
+func escapeFusermountValue(s string) string {
+	return strings.NewReplacer(`\`, `\\`, ",", `\,`).Replace(s)
+}
+
+// detach lazily unmounts path: with umount2(2) as root, through
+// fusermount3 -u -z otherwise (a user's mount is fusermount3's to
+// undo: umount2 fails with EPERM, and the mount would stay behind, dead).
+func detach(path string, log *slog.Logger) error {
+	err := unix.Unmount(path, unix.MNT_DETACH)
+	if err == nil || errors.Is(err, unix.EINVAL) {
+		return nil // unmounted, or not (or no longer) a mount point
+	}
+	if errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES) {
+		if !fuseMounted(path) {
+			return nil // not root, and no longer mounted (umount2 checks permission first)
+		}
+		out, ferr := exec.Command("fusermount3", "-u", "-z", "--", path).CombinedOutput()
+		if ferr == nil {
+			return nil
+		}
+		err = fmt.Errorf("fusermount3 -u: %v: %s", ferr, strings.TrimSpace(string(out)))
+	}
+	log.Warn("cannot unmount the export", "mountpoint", path, "err", err)
+	return fmt.Errorf("unmount %s: %w", path, err)
 }
 
 // fusermount runs fusermount3 with _FUSE_COMMFD and receives the
@@ -445,7 +505,7 @@ func (m *Mount) Unmount() error {
 		m.abort()
 	case errors.Is(err, unix.EPERM):
 		// Not root: fusermount3 mounted it, fusermount3 unmounts it.
-		out, ferr := exec.Command("fusermount3", "-u", "-z", m.path).CombinedOutput()
+		out, ferr := exec.Command("fusermount3", "-u", "-z", "--", m.path).CombinedOutput()
 		if ferr != nil {
 			return fmt.Errorf("unmount %s: %v: %s", m.path, ferr, strings.TrimSpace(string(out)))
 		}
@@ -469,12 +529,21 @@ func (m *Mount) abort() {
 	}
 }
 
-// Cleanup removes the mountpoint file if Mount created it. Call it after
-// Done is closed.
+// Cleanup removes the mountpoint file if Mount created it and it is
+// still the file it created. Call it after Done is closed.
 func (m *Mount) Cleanup() {
-	if m.created {
-		if err := os.Remove(m.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			m.log.Warn("cannot remove the mountpoint we created", "path", m.path, "err", err)
-		}
+	if err := m.made.remove(); err != nil {
+		m.log.Warn("cannot remove the mountpoint we created", "path", m.path, "err", err)
 	}
+}
+
+// Abandon is the way out for a process about to exit at once (a second
+// signal while stopping): it does not wait for requests in flight, but
+// still leaves no mount and no file of ours behind. It detaches the mount
+// (the connection ends when the process exits and its /dev/fuse
+// descriptors close) and removes the mountpoint file if we created it.
+// It may run while Unmount waits.
+func (m *Mount) Abandon() {
+	detach(m.path, m.log)
+	m.Cleanup()
 }
