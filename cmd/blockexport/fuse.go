@@ -3,11 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"os"
 	"runtime"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -193,12 +190,4 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil
-}
-
-func newLogger(level string, w io.Writer) (*slog.Logger, error) {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(strings.ToUpper(level))); err != nil {
-		return nil, usagef("unknown --log-level %q (want debug, info, warn or error)", level)
-	}
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
 }

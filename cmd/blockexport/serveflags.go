@@ -3,7 +3,6 @@ package main
 import (
 	"errors"
 	"log/slog"
-	"os"
 	"sync"
 	"time"
 
@@ -28,6 +27,7 @@ type serveFlags struct {
 	daemonize      bool
 	pidfile        string
 	logLevel       string
+	logFile        string
 	cpuprofile     string
 }
 
@@ -42,6 +42,7 @@ func (f *serveFlags) register(c *cobra.Command) {
 	fs.BoolVar(&f.daemonize, "daemonize", false, "run in the background; return once the image is served")
 	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&f.logFile, "log-file", "", "append the log to this file (created 0600 if missing) instead of stderr; without it a --daemonize'd process logs to syslog where /dev/log exists")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile of the serving process to this file (for go tool pprof)")
 	f.sourceFlags.register(c)
 	completeWords(c, "aio", "io_uring", "threads")
@@ -58,7 +59,7 @@ func formatFlag(c *cobra.Command, p *string, usage string) {
 // check validates the shared flags and returns the logger and how to open
 // the image (with QEMU's image locks: a served image is in use).
 func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
-	logger, err := newLogger(f.logLevel, os.Stderr)
+	logger, err := serveLogger(f.logLevel, f.logFile, f.daemonize && isDaemonChild())
 	if err != nil {
 		return nil, probe.Options{}, err
 	}
