@@ -132,26 +132,33 @@ func (c *conn) release(cost int64) {
 // writer waiting in poll(2) or in the netpoller (its write then fails with
 // EPIPE); close(2) would not, and could hit a descriptor already reused.
 // It runs under hsMu, so it never touches a stream that serve has closed.
-func (c *conn) hangUp() {
+// It reports whether the connection was still in the handshake.
+func (c *conn) hangUp() bool {
 	c.hsMu.Lock()
 	defer c.hsMu.Unlock()
 	if c.hsOver {
-		return
+		return false
 	}
 	fs, ok := c.raw.(interface{ Fd() int })
 	if !ok {
 		c.raw.Close() // a net.Conn without a descriptor: Close wakes its writer
-		return
+		return true
 	}
 	if err := unix.Shutdown(fs.Fd(), unix.SHUT_RDWR); err != nil {
 		c.log.Debug("shutdown of a client socket", "err", err)
 	}
+	return true
 }
 
 // stop makes the connection finish what it has read and close.
 func (c *conn) stop() {
 	c.stopOnce.Do(func() {
 		close(c.stopping)
+		// A client still negotiating has nothing to be answered, and
+		// may hold our option reply blocked in write: hang up.
+		if c.hangUp() {
+			return
+		}
 		// Wake the reader: it then waits for the requests in flight.
 		c.raw.CloseRead()
 	})
