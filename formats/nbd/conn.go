@@ -8,12 +8,14 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
 
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/formats/nbd/wire"
+	"golang.org/x/sys/unix"
 )
 
 var be = binary.BigEndian
@@ -67,6 +69,13 @@ type conn struct {
 	cookie uint64
 	err    error         // why the connection ended; set once
 	dead   chan struct{} // closed when err is set
+	// writers counts the goroutines writing to the stream (under mu).
+	// The stream is closed only once the connection is dead and none is
+	// left: a writer never writes into a closed descriptor, or into
+	// another connection that reused its number. fail shuts the socket
+	// down instead, which wakes a writer blocked in it.
+	writers int
+	closed  bool // the stream is closed (under mu)
 }
 
 // call is one request in flight.
@@ -84,6 +93,63 @@ type call struct {
 	// lone: the request runs in a serve loop, which cannot read its
 	// reply for it (coroutines.Lone).
 	lone bool
+	// READ: the parts of buf the reply's chunks covered, disjoint and
+	// sorted (seenBuf holds the first few: no allocation for a reply in
+	// a few chunks), and how many bytes they hold. A successful READ must
+	// have covered all of buf, or the caller would get stale bytes.
+	seen    []span
+	seenBuf [2]span
+	covered uint64
+}
+
+// span is [start, end) of a READ's buffer.
+type span struct{ start, end uint64 }
+
+// maxSpans bounds how fragmented a READ's reply may be (chunks that are
+// neither in order nor adjacent): a server that scatters a reply in more
+// pieces breaks it, and the bound keeps the bookkeeping linear.
+const maxSpans = 1024
+
+// cover records that a chunk filled [start, start+n) of cl.buf (both
+// within it). Chunks of one reply must not overlap (the spec; libnbd
+// counts bytes the same way): with disjoint chunks, covering len(buf)
+// bytes is covering all of it.
+func (cl *call) cover(start, n uint64) error {
+	end := start + n
+	if cl.seen == nil {
+		cl.seen = cl.seenBuf[:0]
+	}
+	s := cl.seen
+	// The first span that ends after start; spans before it end at or
+	// before start.
+	i, _ := slices.BinarySearchFunc(s, start, func(sp span, v uint64) int {
+		if sp.end <= v {
+			return -1
+		}
+		return 1
+	})
+	if i < len(s) && s[i].start < end {
+		return fmt.Errorf("%w: READ chunks overlap at [%d, %d)", errProtocol, max(start, s[i].start), min(end, s[i].end))
+	}
+	joinPrev := i > 0 && s[i-1].end == start
+	joinNext := i < len(s) && s[i].start == end
+	switch {
+	case joinPrev && joinNext:
+		s[i-1].end = s[i].end
+		s = slices.Delete(s, i, i+1)
+	case joinPrev:
+		s[i-1].end = end
+	case joinNext:
+		s[i].start = start
+	default:
+		if len(s) >= maxSpans {
+			return fmt.Errorf("%w: a READ reply in more than %d scattered chunks", errProtocol, maxSpans)
+		}
+		s = slices.Insert(s, i, span{start, end})
+	}
+	cl.seen = s
+	cl.covered += n
+	return nil
 }
 
 // Who reads a connection's replies (conn.reader).
@@ -127,12 +193,15 @@ func (c *conn) serveReplies() {
 	if !c.rmu.TryLock() {
 		return
 	}
-	defer c.rmu.Unlock()
 	for c.alive() && (c.r.Buffered() > 0 || c.s.Pending()) {
 		if !c.readOrFail() {
-			return
+			break
 		}
 	}
+	c.rmu.Unlock()
+	// A request that found us reading waits for the turn (the loop may
+	// have let go meanwhile).
+	c.passTurn()
 }
 
 // readOrFail reads one reply; a reply that cannot be read ends the
@@ -160,8 +229,10 @@ func (c *conn) alive() bool {
 }
 
 // fail ends the connection: every request in flight gets err. Only the
-// reader calls it (it alone writes to requests in flight); others close
-// the socket and let the reader fail (close, when nothing is in flight).
+// reader calls it (it alone writes to requests in flight, and reads stop
+// with it: both under rmu); others shut the socket down and let the
+// reader fail (close, when nothing is in flight). The stream is closed
+// here only when nobody writes to it; else by the last writer (release).
 func (c *conn) fail(err error) {
 	c.mu.Lock()
 	if c.err != nil {
@@ -172,25 +243,69 @@ func (c *conn) fail(err error) {
 	calls := c.calls
 	c.calls = nil
 	close(c.dead)
+	closeNow := c.writers == 0
+	c.closed = closeNow
 	c.mu.Unlock()
-	c.s.Close()
+	if closeNow {
+		c.s.Close()
+	} else {
+		c.shutdown() // the writers' descriptor stays theirs until they let go
+	}
 	for _, cl := range calls {
 		cl.err = err // a server's error for the request counts for less
 		close(cl.done)
 	}
 }
 
+// shutdown ends both directions of the socket, which wakes a reader and
+// a writer blocked in it, without giving up the descriptor. Called only
+// while the stream is open (before fail closes it, or by a writer).
+func (c *conn) shutdown() {
+	if fd := c.fd(); fd >= 0 {
+		unix.Shutdown(fd, unix.SHUT_RDWR)
+		return
+	}
+	c.s.CloseRead()
+}
+
+// acquire makes the caller a writer of the stream, which stays open until
+// it calls release; false when the connection has ended.
+func (c *conn) acquire() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return false
+	}
+	c.writers++
+	return true
+}
+
+// release ends a write; the last writer of a dead connection closes it.
+func (c *conn) release() {
+	c.mu.Lock()
+	c.writers--
+	closeNow := c.writers == 0 && c.err != nil && !c.closed
+	if closeNow {
+		c.closed = true
+	}
+	c.mu.Unlock()
+	if closeNow {
+		c.s.Close()
+	}
+}
+
 // close says goodbye (NBD_CMD_DISC) and ends the connection. Nothing may
 // be in flight.
 func (c *conn) close() {
-	if c.alive() {
+	if c.acquire() {
 		var hdr [wire.ExtendedRequestSize]byte
 		n := c.putRequest(hdr[:], 0, wire.CmdDisc, 0, 0, 0)
 		c.wmu.Lock()
 		c.s.Write(hdr[:n])
 		c.wmu.Unlock()
+		c.shutdown() // a reader still waiting wakes up and lets go
+		c.release()
 	}
-	c.s.CloseRead() // a reader still waiting wakes up and lets go
 	c.rmu.Lock()
 	c.fail(net.ErrClosed)
 	c.rmu.Unlock()
@@ -208,6 +323,7 @@ func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 	c.cookie++
 	cookie := c.cookie
 	c.calls[cookie] = cl
+	c.writers++ // the stream stays open until the request is written
 	c.mu.Unlock()
 
 	if len(payload) > 0 && c.info.extended {
@@ -225,15 +341,27 @@ func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 	}
 	c.wmu.Unlock()
 	if err != nil {
-		c.s.CloseRead() // the reader fails every request, this one too
+		c.shutdown() // the reader fails every request, this one too
 	}
+	c.release()
 	c.wait(cl)
 	return cl.err
 }
 
 // wait reads replies until cl's has come, or waits while another
 // goroutine (or the serve loop) reads them.
+//
+// Whoever takes the turn (the token that says "nobody reads while
+// requests wait") reads, or passes it on: a request whose reply came
+// meanwhile passes it to the next waiter rather than dropping it, or
+// that one would wait for ever with nobody reading.
 func (c *conn) wait(cl *call) {
+	haveTurn := false
+	defer func() {
+		if haveTurn {
+			c.passTurn()
+		}
+	}()
 	for {
 		select {
 		case <-cl.done:
@@ -251,23 +379,34 @@ func (c *conn) wait(cl *call) {
 			}
 		}
 		if c.rmu.TryLock() {
+			haveTurn = false // the turn is ours: we read, and pass it on after
 			c.readUntil(cl)
 			c.rmu.Unlock()
-			c.mu.Lock()
-			waiting := len(c.calls) > 0
-			c.mu.Unlock()
-			if waiting {
-				select { // someone must read for them
-				case c.turn <- struct{}{}:
-				default:
-				}
-			}
+			c.passTurn()
 			return
 		}
+		// Someone else reads. A turn we hold stays ours (we pass it on
+		// when we return, or read with it): a turn more is harmless, one
+		// fewer leaves waiters with nobody reading.
 		select {
 		case <-cl.done:
 			return
 		case <-c.turn:
+			haveTurn = true
+		}
+	}
+}
+
+// passTurn hands reading on to the requests still waiting, if any: one
+// of them takes the turn and reads.
+func (c *conn) passTurn() {
+	c.mu.Lock()
+	waiting := len(c.calls) > 0
+	c.mu.Unlock()
+	if waiting {
+		select {
+		case c.turn <- struct{}{}:
+		default: // a turn is there already
 		}
 	}
 }
@@ -276,6 +415,11 @@ func (c *conn) wait(cl *call) {
 func (c *conn) readUntil(cl *call) {
 	c.readied = false // our own reply ends the loop: only others' count
 	for {
+		if !c.alive() {
+			// fail may have closed the stream: what is buffered belongs
+			// to requests that failed anyway.
+			return
+		}
 		select {
 		case <-cl.done:
 			// Replies already read into the buffer are read out too
@@ -432,6 +576,11 @@ func (c *conn) chunkReply() error {
 		return err
 	}
 	if flags&wire.ChunkFlagDone != 0 {
+		if cl.cmd == wire.CmdRead && cl.err == nil && cl.covered != uint64(len(cl.buf)) {
+			// The rest of buf holds whatever it held before: stale data
+			// of another request must not reach the reader as this one.
+			cl.err = fmt.Errorf("nbd server: a READ of %d bytes at %d answered with %d: %w", len(cl.buf), cl.off, cl.covered, syscall.EIO)
+		}
 		c.finish(cookie, cl)
 	}
 	return nil
@@ -471,13 +620,19 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 		if err != nil {
 			return err
 		}
-		n := int64(length - 8)
+		n := uint64(length - 8)
 		if typ == wire.ChunkOffsetHole {
-			n = int64(be.Uint32(b[8:]))
+			n = uint64(be.Uint32(b[8:]))
 		}
-		start := int64(be.Uint64(b)) - cl.off
-		if start < 0 || n == 0 || start+n > int64(len(cl.buf)) {
-			return fmt.Errorf("%w: chunk for [%d, +%d) outside the request [%d, +%d)", errProtocol, start+cl.off, n, cl.off, len(cl.buf))
+		// Unsigned, each bound checked on its own: offsets and lengths
+		// are the server's, and a sum of them may wrap.
+		off, reqOff, size := be.Uint64(b), uint64(cl.off), uint64(len(cl.buf))
+		start := off - reqOff
+		if off < reqOff || n == 0 || start > size || n > size-start {
+			return fmt.Errorf("%w: chunk for [%d, +%d) outside the request [%d, +%d)", errProtocol, off, n, cl.off, len(cl.buf))
+		}
+		if err := cl.cover(start, n); err != nil {
+			return err
 		}
 		if typ == wire.ChunkOffsetHole {
 			clear(cl.buf[start : start+n])
