@@ -11,10 +11,14 @@
 // A connection that breaks is made again, with backoff, for up to
 // Options.ReconnectTimeout; the requests that were in flight are sent
 // again on the new one (a replay of a write is the same write: NBD makes
-// no promise about the order of requests in flight). Writes acknowledged
-// since the last flush may not have survived a server that went away, so
-// the first flush after a reconnect reports an error when there were any:
-// a client's fsync learns of it.
+// no promise about the order of requests in flight), each within that
+// timeout from its first failure, backing off between tries. The new
+// connection must carry everything the first one negotiated (header
+// form, block sizes, flags, base:allocation, size); if it cannot, every
+// request fails with EIO from then on rather than going out reshaped.
+// Writes acknowledged since the last flush may not have survived a server
+// that went away, so the first flush after a reconnect reports an error
+// when there were any: a client's fsync learns of it.
 package nbd
 
 import (
@@ -23,6 +27,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -39,8 +44,9 @@ type Options struct {
 	// Connections is how many connections to open when the server allows
 	// several (CAN_MULTI_CONN); one otherwise. 0 means 1.
 	Connections int
-	// ReconnectTimeout is how long a request waits for a broken
-	// connection to come back before it fails with EIO; 0 fails at once.
+	// ReconnectTimeout bounds how long a request keeps trying after its
+	// first failure (a broken connection, or one that keeps breaking)
+	// before it fails with EIO; 0 fails at once.
 	ReconnectTimeout time.Duration
 	// TLS is the client's TLS configuration for nbds URIs (see TLSConfig).
 	TLS    *tls.Config
@@ -65,7 +71,14 @@ type Image struct {
 	log   replayLog
 	dirty atomic.Bool
 	lost  atomic.Bool
-	rmw   sync.Mutex // read-modify-write of unaligned writes
+	// writing serialises overlapping write-type requests: an unaligned
+	// write reads whole blocks and writes them back, and a write, zeroing
+	// or trim that landed in between would be undone (QEMU serialises
+	// them the same way).
+	writing coroutines.RangeLock
+	// changed: the export came back unable to carry what the first
+	// connection promised; every request fails from then on.
+	changed atomic.Pointer[error]
 	// loopDone: a serve loop read replies and has let go (see
 	// ReleaseCompletions); connections made later are never its.
 	loopDone atomic.Bool
@@ -80,6 +93,12 @@ type slot struct {
 	mu   sync.Mutex
 	c    *conn
 	lost atomic.Bool // an outage has been logged and not yet ended
+	// During an outage: when it began (unix nanoseconds), how many
+	// connections were made again in it, and whether a request gave up
+	// (logged once): a storm is three lines, not one per reconnect.
+	since   atomic.Int64
+	redials atomic.Int64
+	gaveUp  atomic.Bool
 	// live is c, for a serve loop that must not wait for mu (a
 	// reconnect holds it while it replays writes).
 	live atomic.Pointer[conn]
@@ -144,11 +163,14 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 	for {
 		c, err := img.redial(ctx)
 		if err == nil {
-			if s.lost.Swap(false) {
-				img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI)
-			}
+			s.redials.Add(1) // the outage ends when a request gets through (back)
 			s.set(c)
 			return c, nil
+		}
+		if errors.Is(err, errChanged) && img.changed.CompareAndSwap(nil, &err) {
+			// For good: requests shaped for the first connection must
+			// not go out reshaped, nor wait for a server that came back.
+			img.o.Logger.Error("the NBD export came back unable to carry what it promised; its requests fail", "uri", img.addr.URI, "err", err)
 		}
 		left := time.Until(deadline)
 		if deadline.IsZero() || left <= 0 || errors.Is(err, errChanged) {
@@ -168,23 +190,31 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 // errChanged: the export came back different; no retry helps.
 var errChanged = errors.New("nbd: the export changed")
 
-// redial makes a new connection (after the first); the export must be the
-// one we know, and unflushed writes are sent again first (see replayLog).
+// redial makes a new connection (after the first); it must carry what the
+// first one promised (see carries), and unflushed writes are sent again
+// first (see replayLog).
 func (img *Image) redial(ctx context.Context) (*conn, error) {
+	if p := img.changed.Load(); p != nil {
+		return nil, *p
+	}
 	s, info, err := img.d.dial(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if info.size != img.info.size || info.flags&wire.FlagReadOnly != img.info.flags&wire.FlagReadOnly {
+	if err := img.carries(info); err != nil {
 		s.Close()
-		return nil, fmt.Errorf("%w: size %d (was %d), flags %#x (were %#x)", errChanged, info.size, img.info.size, info.flags, img.info.flags)
+		return nil, fmt.Errorf("%w: %v", errChanged, err)
 	}
 	c := newConn(s, info)
 	switch {
 	case img.replaying():
-		if err := img.log.replay(c); err != nil {
+		refused, err := img.log.replay(c)
+		if err != nil {
 			c.close()
 			return nil, err
+		}
+		if refused {
+			img.lost.Store(true)
 		}
 	case img.dirty.Load():
 		img.lost.Store(true)
@@ -192,46 +222,141 @@ func (img *Image) redial(ctx context.Context) (*conn, error) {
 	return c, nil
 }
 
+// carries says what a new connection lacks of what the first one
+// negotiated, which requests were shaped for and callers were promised:
+// the size, the header form (a compact header cuts a 64-bit length),
+// structured replies, base:allocation, a minimum block no larger (requests
+// are aligned to the first one's), a maximum no smaller, every command
+// flag the first one had, and not read-only when it was not. A new
+// connection may offer more. The preferred block size is a hint that
+// shapes nothing, and the context id, which may differ, is each
+// connection's own.
+func (img *Image) carries(n exportInfo) error {
+	o := img.info
+	var lacks []string
+	if n.size != o.size {
+		lacks = append(lacks, fmt.Sprintf("size %d (was %d)", n.size, o.size))
+	}
+	if o.extended && !n.extended {
+		lacks = append(lacks, "extended headers")
+	}
+	if o.structured && !n.structured {
+		lacks = append(lacks, "structured replies")
+	}
+	if o.hasAlloc && !n.hasAlloc {
+		lacks = append(lacks, "base:allocation")
+	}
+	if n.minBlock > o.minBlock {
+		lacks = append(lacks, fmt.Sprintf("minimum block %d (was %d)", n.minBlock, o.minBlock))
+	}
+	if n.maxBlock < o.maxBlock {
+		lacks = append(lacks, fmt.Sprintf("maximum block %d (was %d)", n.maxBlock, o.maxBlock))
+	}
+	if n.flags&wire.FlagReadOnly != 0 && o.flags&wire.FlagReadOnly == 0 {
+		lacks = append(lacks, "read-only now")
+	}
+	names := []struct {
+		f    uint16
+		name string
+	}{
+		{wire.FlagHasFlags, "HAS_FLAGS"}, {wire.FlagSendFlush, "SEND_FLUSH"}, {wire.FlagSendFUA, "SEND_FUA"},
+		{wire.FlagSendTrim, "SEND_TRIM"}, {wire.FlagSendZeroes, "SEND_WRITE_ZEROES"}, {wire.FlagSendDF, "SEND_DF"},
+		{wire.FlagCanMultiConn, "CAN_MULTI_CONN"}, {wire.FlagSendCache, "SEND_CACHE"}, {wire.FlagSendFastZero, "SEND_FAST_ZERO"},
+	}
+	for _, f := range names {
+		if o.flags&f.f != 0 && n.flags&f.f == 0 {
+			lacks = append(lacks, "no "+f.name)
+		}
+	}
+	if len(lacks) > 0 {
+		return fmt.Errorf("the export now has %s", strings.Join(lacks, ", "))
+	}
+	return nil
+}
+
 // do runs one request, on the next connection in turn, again on a new
 // connection while its connection breaks, for up to ReconnectTimeout.
 func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, payload []byte) (call, error) {
 	s := img.slots[int(img.next.Add(1))%len(img.slots)]
+	// deadline bounds the request's whole time from its first failure:
+	// a server that comes back and breaks again at once (say, it hangs
+	// up on every write) must not have it retried for ever.
 	var deadline time.Time
-	// waitFor starts the wait for a connection (once per request), or
-	// says it is over.
-	waitFor := func(err error) bool {
-		if img.o.ReconnectTimeout <= 0 || !deadline.IsZero() || errors.Is(err, errChanged) || ctx.Err() != nil {
+	var backoff time.Duration
+	// again says whether to try once more after err.
+	again := func(err error) bool {
+		if img.o.ReconnectTimeout <= 0 || errors.Is(err, errChanged) || ctx.Err() != nil {
 			return false
 		}
-		if s.lost.CompareAndSwap(false, true) { // one line per outage, not per request
-			img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
+		if deadline.IsZero() {
+			img.outage(s, err)
+			deadline = time.Now().Add(img.o.ReconnectTimeout)
 		}
-		deadline = time.Now().Add(img.o.ReconnectTimeout)
-		return true
+		return time.Now().Before(deadline)
+	}
+	giveUp := func(err error) error {
+		if !deadline.IsZero() && s.gaveUp.CompareAndSwap(false, true) {
+			img.o.Logger.Warn("NBD requests fail: the connection did not come back in time", "uri", img.addr.URI,
+				"timeout", img.o.ReconnectTimeout, "reconnects", s.redials.Load(), "err", err)
+		}
+		return fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
 	}
 	for {
 		c, err := img.conn(ctx, s, deadline)
 		if err != nil {
 			// A request that finds the server gone waits for it as one
 			// that was in flight does.
-			if waitFor(err) {
+			if again(err) {
 				continue
 			}
-			return cl, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
+			return cl, giveUp(err)
 		}
 		try := cl
 		try.lone = coroutines.IsLone(ctx)
 		err = c.do(&try, flags, length, payload)
 		if !errors.Is(err, errLost) {
+			img.back(s)
 			if errors.Is(err, errProtocol) {
 				img.o.Logger.Error("the NBD server broke the protocol; its connection is dropped", "uri", img.addr.URI, "err", err)
 				return try, fmt.Errorf("%v: %w", err, syscall.EIO)
 			}
 			return try, err
 		}
-		if !waitFor(err) && deadline.IsZero() {
-			return try, fmt.Errorf("nbd: %s: %v: %w", img.addr.URI, err, syscall.EIO)
+		if !again(err) {
+			return try, giveUp(err)
 		}
+		// The first retry goes at once (a server that restarted is
+		// back); later ones back off, 50 ms doubling to 1 s, within the
+		// deadline.
+		if backoff > 0 {
+			select {
+			case <-ctx.Done():
+				return try, giveUp(ctx.Err())
+			case <-time.After(min(backoff, time.Until(deadline))):
+			}
+			backoff = min(2*backoff, time.Second)
+		} else {
+			backoff = 50 * time.Millisecond
+		}
+	}
+}
+
+// outage notes that slot s's connection broke: logged once per outage.
+func (img *Image) outage(s *slot, err error) {
+	if s.lost.CompareAndSwap(false, true) {
+		s.since.Store(time.Now().UnixNano())
+		s.redials.Store(0)
+		s.gaveUp.Store(false)
+		img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
+	}
+}
+
+// back ends slot s's outage, if any, once a request got an answer: one
+// line that sums it up.
+func (img *Image) back(s *slot) {
+	if s.lost.Load() && s.lost.CompareAndSwap(true, false) {
+		img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI,
+			"after", time.Since(time.Unix(0, s.since.Load())).Round(time.Millisecond), "reconnects", s.redials.Load())
 	}
 }
 
@@ -282,11 +407,14 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 		return 0, err
 	}
 	total := len(p)
-	if start, end, ok := img.blocks(off, len(p)); !ok {
-		// Whole blocks, read first: one at a time, so that two partial
-		// writes into one block do not undo each other.
-		img.rmw.Lock()
-		defer img.rmw.Unlock()
+	start, end, aligned := img.blocks(off, len(p))
+	unlock, err := img.writing.Lock(ctx, start, end-start)
+	if err != nil {
+		return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", len(p), off, err)
+	}
+	defer unlock()
+	if !aligned {
+		// Whole blocks, read first; overlapping writes wait (writing).
 		b := make([]byte, end-start)
 		if err := img.read(ctx, b, start); err != nil {
 			return 0, err
@@ -296,10 +424,12 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 	}
 	for len(p) > 0 {
 		n := min(len(p), int(img.info.maxBlock))
+		pos := img.record(logEntry{cmd: wire.CmdWrite, off: off, length: uint64(n), data: p[:n]})
 		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint64(n), p[:n]); err != nil {
+			img.failed(pos)
 			return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", n, off, err)
 		}
-		if err := img.acked(ctx, logEntry{cmd: wire.CmdWrite, off: off, length: uint64(n), data: p[:n]}); err != nil {
+		if err := img.acked(ctx, pos); err != nil {
 			return 0, err
 		}
 		p, off = p[n:], off+int64(n)
@@ -353,13 +483,20 @@ func (img *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
 
 // ranges sends cmd for [off, off+n) in requests of at most bigRequest.
 func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) error {
+	unlock, err := img.writing.Lock(ctx, off, n)
+	if err != nil {
+		return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, n, off, err)
+	}
+	defer unlock()
 	step := img.rangeStep()
 	for n > 0 {
 		k := min(n, step)
+		pos := img.record(logEntry{cmd: cmd, flags: flags, off: off, length: uint64(k)})
 		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint64(k), nil); err != nil {
+			img.failed(pos)
 			return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, k, off, err)
 		}
-		if err := img.acked(ctx, logEntry{cmd: cmd, flags: flags, off: off, length: uint64(k)}); err != nil {
+		if err := img.acked(ctx, pos); err != nil {
 			return err
 		}
 		off, n = off+k, n-k
@@ -432,7 +569,8 @@ func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, err
 	if !cl.gotExt || cl.extLen == 0 {
 		return formats.Extent{}, fmt.Errorf("nbd: block status at %d: %w: no extent in the reply", off, syscall.EIO)
 	}
-	e.Length = min(start+int64(min(cl.extLen, 1<<62))-off, n)
+	// The server's length is bounded by what was asked (no overflow).
+	e.Length = min(start+int64(min(cl.extLen, uint64(length)))-off, n)
 	if e.Length <= 0 {
 		e.Length = min(a, n) // a run shorter than the minimum block: the block's status
 	}

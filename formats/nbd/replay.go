@@ -2,17 +2,23 @@ package nbd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
 	"github.com/blockexport/blockexport/formats/nbd/wire"
 )
 
-// replayLog keeps the writes the server acknowledged since the last flush
-// it completed: a server that went away may have lost them (they need not
-// have reached its disk), so after a reconnect they are sent again, in the
-// order they were acknowledged, before anything else. A flush empties the
-// log; past maxBytes of data the log flushes the server itself.
+// replayLog keeps the writes sent since the last flush that covered them:
+// a server that went away may have lost them (they need not have reached
+// its disk), so after a reconnect they are sent again, in the order they
+// were sent, before anything else. A write is recorded before it is sent
+// (add), marked when the server acknowledged it (ack) and dropped from the
+// log when it failed (cancel): recorded only after its acknowledgement, a
+// write acknowledged just before the connection broke could miss the
+// replay that the reconnect ran meanwhile, and be lost with the server.
+// A flush drops the writes acknowledged before it was sent; past
+// flushLogBytes of data the log flushes the server itself.
 //
 // It replays over a single connection only: with several, an old write
 // sent again on one could land after a newer one another connection
@@ -24,6 +30,9 @@ type replayLog struct {
 	bytes   int64
 	// flushed counts entries dropped by flushes: positions survive them.
 	flushed int
+	// acks counts acknowledgements: a flush covers the entries whose
+	// ackSeq is at most the count when it was sent.
+	acks uint64
 
 	// The write data is copied into slabs, which are reused once flushes
 	// have dropped every entry in them: on this machine a copy into
@@ -46,7 +55,18 @@ type logEntry struct {
 	length     uint64
 	data       []byte // a WRITE's payload, copied
 	slab       uint64 // the slab holding data (0: its own allocation, or none)
+	state      entryState
+	ackSeq     uint64 // acked: the log's acks then
 }
+
+// entryState is where a logged request stands.
+type entryState uint8
+
+const (
+	entrySent      entryState = iota // sent (or about to be), not answered
+	entryAcked                       // the server acknowledged it
+	entryCancelled                   // it failed: never replayed
+)
 
 const (
 	// Past flushLogBytes of write data the log has the server flush, in
@@ -67,15 +87,35 @@ const (
 	logFull
 )
 
-// add records an acknowledged request and says how full the log is.
-func (l *replayLog) add(e logEntry) logState {
+// add records a request about to be sent and returns its position.
+func (l *replayLog) add(e logEntry) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if e.data != nil {
 		e.data, e.slab = l.copyIn(e.data)
 	}
+	e.state = entrySent
 	l.entries = append(l.entries, e)
 	l.bytes += int64(len(e.data))
+	return l.flushed + len(l.entries) - 1
+}
+
+// entry is the entry at position pos, or nil when a flush dropped it.
+func (l *replayLog) entry(pos int) *logEntry {
+	if i := pos - l.flushed; i >= 0 && i < len(l.entries) {
+		return &l.entries[i]
+	}
+	return nil
+}
+
+// ack marks the entry at pos acknowledged and says how full the log is.
+func (l *replayLog) ack(pos int) logState {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.entry(pos); e != nil {
+		l.acks++
+		e.state, e.ackSeq = entryAcked, l.acks
+	}
 	switch {
 	case l.bytes > maxLogBytes:
 		return logFull
@@ -107,27 +147,47 @@ func (l *replayLog) copyIn(b []byte) ([]byte, uint64) {
 	return dst, s.seq
 }
 
-// mark is the log's position now: a flush that starts here makes what
-// came before it durable.
-func (l *replayLog) mark() int {
+// cancel marks the entry at pos failed: it is never replayed (a replay
+// of a write the server refused would fail every reconnect).
+func (l *replayLog) cancel(pos int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.flushed + len(l.entries)
+	if e := l.entry(pos); e != nil {
+		e.state = entryCancelled
+	}
 }
 
-// durable drops the entries before mark: a flush covered them.
-func (l *replayLog) durable(mark int) {
+// mark is the log's acknowledgement count now: a flush sent after it makes
+// the entries acknowledged up to it durable.
+func (l *replayLog) mark() uint64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	n := mark - l.flushed
-	if n <= 0 {
+	return l.acks
+}
+
+// durable drops the leading entries a flush sent at mark covered (and
+// those that failed); an entry still unanswered, or acknowledged after
+// the flush was sent, stays, and so does everything after it.
+func (l *replayLog) durable(mark uint64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for n < len(l.entries) {
+		e := &l.entries[n]
+		if e.state == entryCancelled || (e.state == entryAcked && e.ackSeq <= mark) {
+			n++
+			continue
+		}
+		break
+	}
+	if n == 0 {
 		return
 	}
 	for _, e := range l.entries[:n] {
 		l.bytes -= int64(len(e.data))
 	}
 	l.entries = append(l.entries[:0:0], l.entries[n:]...)
-	l.flushed = mark
+	l.flushed += n
 	// Slabs older than the oldest one an entry still uses go back to
 	// the spares (all of them when no entry uses one).
 	keep := l.nextSlab + 1
@@ -145,19 +205,46 @@ func (l *replayLog) durable(mark int) {
 	l.slabs = append(l.slabs[:0], l.slabs[i:]...)
 }
 
-// replay sends every entry again on c, in order, one at a time (two
-// entries may overlap; the later must land last).
-func (l *replayLog) replay(c *conn) error {
+// replay sends every entry that has not failed again on c, in order, one
+// at a time (two entries may overlap; the later must land last). Those
+// not yet answered are sent too: their own requests send them again
+// after this, which writes the same data. A replayed write the server
+// refuses does not stop the reconnect; it says so (refused: the data
+// may be lost, which the next flush reports).
+func (l *replayLog) replay(c *conn) (refused bool, err error) {
 	l.mu.Lock()
-	entries := append([]logEntry(nil), l.entries...)
+	entries := make([]logEntry, 0, len(l.entries))
+	for _, e := range l.entries {
+		if e.state != entryCancelled {
+			entries = append(entries, e)
+		}
+	}
 	l.mu.Unlock()
 	for _, e := range entries {
 		cl := call{cmd: e.cmd, off: e.off}
-		if err := c.do(&cl, e.flags, e.length, e.data); err != nil {
-			return fmt.Errorf("replaying unflushed writes: %w", err)
+		if err := c.do(&cl, e.flags, e.length, e.data); errors.Is(err, errLost) || errors.Is(err, errProtocol) {
+			return refused, fmt.Errorf("replaying unflushed writes: %w", err)
+		} else if err != nil {
+			refused = true
 		}
 	}
-	return nil
+	return refused, nil
+}
+
+// record logs a write-type request before it is sent; it returns the
+// entry's position, or -1 when nothing is kept (see replaying).
+func (img *Image) record(e logEntry) int {
+	if !img.replaying() {
+		return -1
+	}
+	return img.log.add(e)
+}
+
+// failed drops a recorded request that failed from the replays.
+func (img *Image) failed(pos int) {
+	if pos >= 0 {
+		img.log.cancel(pos)
+	}
 }
 
 // acked records a write-type request the server acknowledged. When the
@@ -167,12 +254,12 @@ func (l *replayLog) replay(c *conn) error {
 // waited for every flush stalled its client for the whole fdatasync of
 // 64 MiB of scattered pages: random 4 KiB writes at queue depth one ran
 // at 0.67x QEMU's.)
-func (img *Image) acked(ctx context.Context, e logEntry) error {
-	if !img.replaying() {
+func (img *Image) acked(ctx context.Context, pos int) error {
+	if pos < 0 {
 		img.dirty.Store(true)
 		return nil
 	}
-	switch img.log.add(e) {
+	switch img.log.ack(pos) {
 	case logFull:
 		return img.flushLog(ctx)
 	case logFlushSoon:

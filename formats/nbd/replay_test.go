@@ -32,15 +32,15 @@ func TestReplayLogSlabs(t *testing.T) {
 	next := 0
 	add := func(n int) {
 		for range n {
-			l.add(logEntry{cmd: 1, off: int64(next), length: 4096, data: data(next)})
+			l.ack(l.add(logEntry{cmd: 1, off: int64(next), length: 4096, data: data(next)}))
 			if next%7 == 0 { // entries without data mixed in
-				l.add(logEntry{cmd: 6, off: int64(next), length: 4096})
+				l.ack(l.add(logEntry{cmd: 6, off: int64(next), length: 4096}))
 			}
 			next++
 		}
 	}
 	add(3000) // about 12 MiB: 12 slabs
-	l.durable(l.flushed + len(l.entries)/2)
+	l.durable(l.acks / 2)
 	check()
 	if len(l.spare) == 0 {
 		t.Fatal("a flush that dropped half the log recycled no slab")
@@ -70,7 +70,7 @@ func TestReplayLogStates(t *testing.T) {
 	chunk := make([]byte, 1<<20)
 	var last logState
 	for i := 1; i <= 2*flushLogBytes>>20+1; i++ {
-		last = l.add(logEntry{cmd: 1, length: 1 << 20, data: chunk})
+		last = l.ack(l.add(logEntry{cmd: 1, length: 1 << 20, data: chunk}))
 		want := logRoomy
 		switch {
 		case int64(i)<<20 > maxLogBytes:
