@@ -10,13 +10,13 @@ import (
 	"time"
 )
 
-// TestLfcSecondSigtermCleansUp: timeout(1) and systemd send SIGTERM twice
-// in a row (to the process and to its group); the second one takes the
-// "exiting at once" path, which once left the mount dead and the
-// mountpoint file we had created behind. The fast path still unmounts and
-// removes what it created: with nothing in use (the two signals back to
-// back), and with the file held open, so that the first SIGTERM's unmount
-// is still retrying when the second comes.
+// TestLfcSecondSigtermCleansUp: timeout(1) sends SIGTERM to the process
+// and to its group, so the process gets it twice, microseconds apart; the
+// second once took the "exiting at once" path, which skipped the final
+// flush and left the mount dead and the mountpoint file behind. The same
+// signal again at once is now the same request (an orderly stop, exit 0,
+// nothing left behind), with nothing in use and with the file held open
+// (the unmount retrying when the second comes).
 func TestLfcSecondSigtermCleansUp(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 25)
@@ -40,7 +40,9 @@ func TestLfcSecondSigtermCleansUp(t *testing.T) {
 				time.Sleep(50 * time.Millisecond) // the unmount is retrying (EBUSY)
 			}
 			d.cmd.Process.Signal(syscall.SIGTERM)
-			d.wait(20 * time.Second)
+			if code := d.wait(20 * time.Second); code != 0 {
+				t.Fatalf("exit %d after SIGTERM twice at once; want an orderly stop (0)\n%s", code, d.log())
+			}
 			if isFuseMount(mnt) {
 				t.Fatalf("still mounted after two SIGTERMs\n%s", d.log())
 			}
@@ -48,6 +50,53 @@ func TestLfcSecondSigtermCleansUp(t *testing.T) {
 				t.Fatalf("the mountpoint file we created is left behind (%v)\n%s", err, d.log())
 			}
 		})
+	}
+}
+
+// TestLfcFastExitCleansUp: a second signal while a stop hangs (here the
+// final flush, to an NBD server that was stopped) exits at once, status 1,
+// and still leaves no mount, no mountpoint file and no pidfile of ours.
+func TestLfcFastExitCleansUp(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src.raw")
+	run(t, "qemu-img", "create", "-q", "-f", "raw", src, "4M")
+	sock := filepath.Join(dir, "s.sock")
+	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-t", "-k", sock, src)
+	t.Cleanup(func() { srv.cmd.Process.Signal(syscall.SIGCONT) })
+	mnt := filepath.Join(dir, "mnt")
+	pidfile := filepath.Join(dir, "pid")
+	d := startExport(t, nbdURI("", sock), mnt, "-w", "--reconnect-timeout", "60s", "--pidfile", pidfile)
+	// A write, so that the final flush has something to send.
+	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write(make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	srv.cmd.Process.Signal(syscall.SIGSTOP)
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	time.Sleep(time.Second)
+	select {
+	case <-d.exited:
+		t.Fatalf("the stop did not hang on the stopped server; nothing to test\n%s", d.log())
+	default:
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	if code := d.wait(20 * time.Second); code != 1 {
+		t.Fatalf("exit %d after a second SIGTERM; want 1 (exited at once)\n%s", code, d.log())
+	}
+	if !strings.Contains(d.log(), "exiting at once") {
+		t.Fatalf("no log line for the fast exit:\n%s", d.log())
+	}
+	if isFuseMount(mnt) {
+		t.Fatalf("the fast exit left the mount\n%s", d.log())
+	}
+	for _, p := range []string{mnt, pidfile} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, d.log())
+		}
 	}
 }
 

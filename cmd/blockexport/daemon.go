@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 )
 
 // --daemonize: the process re-executes itself in a new session with a pipe
@@ -124,17 +125,29 @@ func (e *exitJobs) run() {
 	}
 }
 
+// repeatWindow is how soon after the first signal the same signal again is
+// taken for the same request: timeout(1) sends its signal to the process
+// and then to its process group, the process included, microseconds apart.
+// Taken for a second request, that pair skipped the final flush.
+const repeatWindow = 200 * time.Millisecond
+
 // stopping logs the first signal and makes a second one end the process at
-// once, for a shutdown that hangs. timeout(1) and systemd send SIGTERM
-// twice in a row, so this path is common: it does not wait for requests,
-// but it still runs the exit jobs, leaving no mount or file of ours.
+// once, for a shutdown that hangs. The fast exit does not wait for
+// requests or the final flush, but it still runs the exit jobs, leaving no
+// mount or file of ours.
 func stopping(logger *slog.Logger, first os.Signal, sigs chan os.Signal, jobs *exitJobs) {
 	logger.Info("stopping", "signal", first.String())
+	start := time.Now()
 	go func() {
-		s := <-sigs
-		logger.Error("second signal while stopping; exiting at once", "signal", s.String())
-		jobs.run()
-		os.Exit(exitRuntime)
+		for s := range sigs {
+			if s == first && time.Since(start) < repeatWindow {
+				logger.Debug("the same signal again at once: one request to stop", "signal", s.String())
+				continue
+			}
+			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+			jobs.run()
+			os.Exit(exitRuntime)
+		}
 	}()
 }
 
