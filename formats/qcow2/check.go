@@ -3,55 +3,74 @@ package qcow2
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"math"
 	"slices"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 )
 
-// Check and repair, as qemu-img check does them: the refcount of every
-// cluster is computed from every reference the image holds (header, L1 and
-// L2 tables and what they map, snapshots and their tables, the refcount
-// table and blocks) and compared with the stored one. Stored above
-// computed is a leak (space wasted, no harm); below is a corruption (a
-// write could reuse a cluster in use). COPIED flags must say "refcount
-// one" exactly where it is so.
+// Check and repair, as qemu-img check (QEMU 7.2's qcow2_check_refcounts
+// and its helpers) does them, so that the counts, the exit status and what
+// a repair changes are QEMU's: the refcount of every cluster is computed
+// from every reference the image holds (header, L1 and L2 tables and what
+// they map, snapshots and their tables, the refcount table and blocks) and
+// compared with the stored one. Stored above computed is a leak (space
+// wasted, no harm); below is a corruption (a write could reuse a cluster
+// in use). COPIED flags must say "refcount one" exactly where it is so.
+//
+// Some damage cannot be repaired in place: a refcount table entry that is
+// misaligned, names a cluster used by something else (data, metadata,
+// another entry), or a cluster in use whose stored refcount is zero. QEMU
+// then rebuilds the refcount structures from the computed refcounts; so do
+// we, under -r all, in fresh clusters at the end of the file, switching the
+// header to them in one write once they are durable. -r leaks refuses such
+// an image untouched ("need to rebuild refcount structures"), as qemu-img
+// does: fixing leaks by a refcount table that points into guest data would
+// write refcounts over that data.
 //
 // It reads the metadata itself rather than through an open Image, so that
-// the images an Image refuses to write (marked corrupt, left dirty) can be
-// checked and repaired.
+// the images an Image refuses (marked corrupt, left dirty, tables past the
+// end of the file, a broken snapshot table) can be checked and repaired.
+// What lies past the end of the file reads as zeroes, as in QEMU.
 
 // RepairLeaks and RepairAll are what Check may fix (qemu-img check -r).
 const (
 	RepairNone  = 0
 	RepairLeaks = 1
-	RepairAll   = 3 // leaks, refcounts too low, COPIED flags
+	RepairAll   = 3 // leaks, refcounts too low, COPIED flags, rebuilds
 )
 
-// refcountTableMask is QEMU's REFT_OFFSET_MASK.
-const refcountTableMask = 0xfffffffffffffe00
+// Masks of QEMU's qcow2.h.
+const (
+	refcountTableMask = 0xfffffffffffffe00 // REFT_OFFSET_MASK
+	reftReserved      = 0x1ff              // REFT_RESERVED_MASK
+	l1Reserved        = 0x7f000000000001ff // L1E_RESERVED_MASK
+	l2StdReserved     = 0x3f000000000001fe // L2E_STD_RESERVED_MASK
+)
 
-// checker is one check's state.
-type checker struct {
-	q   *Image
-	res *formats.CheckResult
-	// refs are the computed refcounts of the clusters inside the file;
-	// beyond holds those of clusters referenced beyond its end.
-	refs   []uint32
-	beyond map[int64]uint32
-	rt     []uint64
-	// blocks caches refcount blocks read, changed ones marked dirty.
-	blocks map[int64][]byte
-	dirty  map[int64]bool
-}
+// maxCheckClusters is QEMU's bound on the clusters a check covers (INT_MAX):
+// a larger file is refused ("File too large") before anything is held.
+const maxCheckClusters = math.MaxInt32
+
+// ErrNeedRebuild is a repair refused because only a rebuild of the
+// refcount structures (check -r all) can fix the image.
+var ErrNeedRebuild = errors.New("need to rebuild refcount structures; repair with check -r all")
+
+// errFileTooLarge is QEMU's EFBIG: more clusters than a check handles.
+var errFileTooLarge = errors.New("File too large")
 
 // Check checks the qcow2 image in f, repairing what repair allows (f must
 // then be writable), and reports in qemu-img check's terms. As qemu-img
 // does, a repair is followed by a second check, whose findings are the
 // result, with the first one's fixed counts. A check that cannot finish
-// returns an error.
+// returns an error (qemu-img's "Check failed").
 func Check(ctx context.Context, f aio.File, repair int) (formats.CheckResult, error) {
 	res, err := checkOnce(ctx, f, repair)
 	if err != nil || res.LeaksFixed+res.CorruptionsFixed == 0 {
@@ -63,75 +82,84 @@ func Check(ctx context.Context, f aio.File, repair int) (formats.CheckResult, er
 	return again, err
 }
 
+// checker is one check's state.
+type checker struct {
+	f      aio.File
+	q      *Image // header and helpers only; nothing is opened
+	h      *header
+	res    *formats.CheckResult
+	repair int
+
+	fileLen int64
+	nb      int64 // clusters the file covers: the range compared
+	rt      []uint64
+	rtOff   int64
+	l1      []uint64
+	snaps   []snapshotEntry
+	snapOff int64
+	snapLen int64
+
+	imrt    *imrt
+	rebuild bool
+	// blocks caches the stored refcount blocks read.
+	blocks map[int64][]byte
+	meta   *metaMap // for the overlap checks of repairs; nil: stale
+}
+
 func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult, error) {
 	res := formats.CheckResult{Filename: f.Name(), Format: "qcow2"}
-	q, err := load(f, f.Name(), Options{})
-	if err != nil {
+	c := &checker{f: f, res: &res, repair: repair, blocks: map[int64][]byte{}}
+	if err := c.load(ctx); err != nil {
 		return res, err
 	}
-	if q.h.hasBitmaps {
-		return res, fmt.Errorf("qcow2: %s: checking images with persistent dirty bitmaps is not supported (qemu-img check is)", f.Name())
-	}
-	cs := q.h.clusterSize
-	c := &checker{q: q, res: &res, refs: make([]uint32, (q.fileSize+cs-1)/cs), beyond: map[int64]uint32{},
-		blocks: map[int64][]byte{}, dirty: map[int64]bool{}}
-	if c.rt, err = q.refcountTable(ctx); err != nil {
+	if err := c.readSnapshotTable(ctx); err != nil {
 		return res, err
 	}
-	res.TotalClusters = (q.Size() + cs - 1) / cs
+	cs := c.h.clusterSize
+	c.nb = (c.fileLen + cs - 1) / cs
+	if c.nb > maxCheckClusters {
+		res.CheckErrors++
+		return res, fmt.Errorf("qcow2: %s: %w (%d clusters; qemu-img checks at most %d)", f.Name(), errFileTooLarge, c.nb, maxCheckClusters)
+	}
+	res.TotalClusters = (int64(c.h.size) + cs - 1) / cs
+	if err := c.calculate(ctx, repair); err != nil {
+		return res, err
+	}
+	pre := res
+	pre.Messages = slices.Clone(res.Messages)
+	highest := c.compare(ctx, RepairNone)
 
-	c.inc(0, cs) // the header
-	if err := c.l1(ctx, int64(q.h.l1Offset), int64(q.h.l1Size), true); err != nil {
-		return res, err
-	}
-	for _, sn := range q.snaps {
-		if err := c.l1(ctx, sn.l1Offset, sn.l1Size, false); err != nil {
+	all := repair&RepairAll == RepairAll
+	switch {
+	case c.rebuild && all:
+		var err error
+		if highest, err = c.rebuildRefcounts(ctx); err != nil {
 			return res, err
 		}
-	}
-	c.inc(int64(q.h.snapshotsOffset), q.snapTableBytes)
-	c.inc(int64(q.h.refcountOffset), int64(q.h.refcountClusters)*cs)
-	for i, e := range c.rt {
-		off := int64(e & refcountTableMask)
-		switch {
-		case off%cs != 0:
-			c.report(&res.Corruptions, "ERROR refcount block %d is not cluster aligned; refcount table entry corrupted", i)
-		case off/cs >= int64(len(c.refs)):
-			c.report(&res.Corruptions, "ERROR refcount block %d is outside image", i)
-		case off != 0:
-			c.inc(off, cs)
-			if n := c.refs[off/cs]; n != 1 {
-				c.report(&res.Corruptions, "ERROR refcount block %d refcount=%d", i, n)
+	case repair != RepairNone:
+		if c.rebuild {
+			res.CheckErrors++
+			res.Messages = append(res.Messages, "ERROR need to rebuild refcount structures")
+			return res, fmt.Errorf("qcow2: %s: %w", f.Name(), ErrNeedRebuild)
+		}
+		if res.Leaks != 0 || res.Corruptions != 0 {
+			msgs := res.Messages
+			res = pre
+			res.Messages = msgs
+			var err error
+			if highest, err = c.compareFix(ctx, repair); err != nil {
+				return res, err
 			}
 		}
 	}
-
-	// With -r all, COPIED flags that claim too much (judged by the
-	// computed refcounts, the true ones) are cleared first, since that
-	// only makes writes copy; then the refcounts are repaired; then, with
-	// those durable, the flags are set right both ways. A crash between
-	// steps leaves what a second repair fixes, never a cluster in use
-	// with too low a refcount or a shared one marked COPIED.
-	all := repair&RepairAll == RepairAll
-	if all {
-		if err := c.copiedFlags(ctx, clearExcess); err != nil {
-			return res, err
-		}
-	}
-	if err := c.compare(ctx, repair); err != nil {
+	if err := c.copiedFlags(ctx, repair); err != nil {
 		return res, err
 	}
-	mode := countOnly
-	if all {
-		mode = fixBoth
-	}
-	if err := c.copiedFlags(ctx, mode); err != nil {
-		return res, err
-	}
-	if repair != RepairNone && res.CheckErrors == 0 && res.Corruptions == 0 && q.h.incompatible&(incDirty|incCorrupt) != 0 {
+	res.ImageEndOffset = (highest + 1) * cs
+	if repair != RepairNone && res.CheckErrors == 0 && res.Corruptions == 0 && c.h.incompatible&(incDirty|incCorrupt) != 0 {
 		// Repaired: the image is clean and consistent again.
 		var b [8]byte
-		binary.BigEndian.PutUint64(b[:], q.h.incompatible&^(incDirty|incCorrupt))
+		binary.BigEndian.PutUint64(b[:], c.h.incompatible&^(incDirty|incCorrupt))
 		if _, err := f.WriteAt(ctx, b[:], hdrIncompatible); err != nil {
 			return res, fmt.Errorf("qcow2: clear the dirty and corrupt bits: %w", err)
 		}
@@ -142,45 +170,128 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	return res, nil
 }
 
-func (c *checker) report(counter *int64, format string, args ...any) {
-	*counter++
-	c.res.Messages = append(c.res.Messages, fmt.Sprintf(format, args...))
-}
-
-// inc counts one more reference to every cluster [off, off+n) touches.
-func (c *checker) inc(off, n int64) {
-	if n <= 0 {
-		return
+// load reads the header, the refcount table and the active L1 table, with
+// the checks QEMU's open makes (alignment, size limits) and none that
+// would keep a damaged image from its check: tables past the end of the
+// file read as zeroes.
+func (c *checker) load(ctx context.Context) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(c.f.Fd(), &st); err != nil {
+		return fmt.Errorf("qcow2: stat %s: %w", c.f.Name(), err)
 	}
-	cs := c.q.h.clusterSize
-	for k := off / cs; k <= (off+n-1)/cs; k++ {
-		v := c.computed(k)
-		if v == uint64(^uint32(0)) {
-			c.report(&c.res.Corruptions, "ERROR: overflow cluster offset=%#x", k*cs)
-			continue
-		}
-		if k < int64(len(c.refs)) {
-			c.refs[k]++
-		} else {
-			c.beyond[k]++
+	c.fileLen = st.Size
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		if n, err := unix.Seek(c.f.Fd(), 0, io.SeekEnd); err == nil {
+			c.fileLen = n
 		}
 	}
-}
-
-// computed is the computed refcount of cluster k.
-func (c *checker) computed(k int64) uint64 {
-	if k < int64(len(c.refs)) {
-		return uint64(c.refs[k])
+	head := make([]byte, min(c.fileLen, 1<<maxClusterBits))
+	if _, err := c.f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
+		return fmt.Errorf("qcow2: read header of %s: %w", c.f.Name(), err)
 	}
-	return uint64(c.beyond[k])
+	// The snapshot table is the check's to read and judge, as in QEMU's
+	// check mode, not the header parser's: it is taken out of the copy.
+	parsed := slices.Clone(head)
+	if len(parsed) >= hdrSnapshotsOffset+8 {
+		clear(parsed[hdrNbSnapshots : hdrSnapshotsOffset+8])
+	}
+	h, err := parseHeader(parsed, math.MaxInt64)
+	if err != nil {
+		return fmt.Errorf("%s: %w", c.f.Name(), err)
+	}
+	if h.hasBitmaps {
+		return fmt.Errorf("qcow2: %s: checking images with persistent dirty bitmaps is not supported (qemu-img check is)", c.f.Name())
+	}
+	be := binary.BigEndian
+	h.nbSnapshots = be.Uint32(head[hdrNbSnapshots:])
+	h.snapshotsOffset = be.Uint64(head[hdrSnapshotsOffset:])
+	c.h = h
+	c.q = &Image{f: c.f, path: c.f.Name(), h: h, fileSize: c.fileLen}
+	c.rtOff = int64(h.refcountOffset)
+	if c.rt, err = c.readTable(ctx, c.rtOff, int64(h.refcountClusters)*h.clusterSize/8); err != nil {
+		return err
+	}
+	if c.l1, err = c.readTable(ctx, int64(h.l1Offset), int64(h.l1Size)); err != nil {
+		return err
+	}
+	return nil
 }
 
-// readTable reads n big-endian entries at off; what lies past the end of
-// the file reads as zeroes, as QEMU reads it.
+// readSnapshotTable reads the snapshot table as QEMU's check does: a
+// pointer that is misaligned, out of range or names too many snapshots
+// fails the check; entries past the end of the file read as zeroes.
+func (c *checker) readSnapshotTable(ctx context.Context) error {
+	n := int64(c.h.nbSnapshots)
+	off := c.h.snapshotsOffset
+	c.snapOff = int64(off)
+	if n == 0 {
+		return nil
+	}
+	fail := func(format string, args ...any) error {
+		c.res.CheckErrors++
+		msg := fmt.Sprintf(format, args...)
+		c.res.Messages = append(c.res.Messages, "ERROR "+msg)
+		return fmt.Errorf("qcow2: %s: %s", c.f.Name(), msg)
+	}
+	if n > maxSnapshots {
+		return fail("snapshot table too large (%d snapshots, at most %d); qemu-img check -r all drops the overhanging ones, this check refuses", n, maxSnapshots)
+	}
+	if uint64(math.MaxInt64)-uint64(n*snapshotHeaderLen) < off || int64(off)%c.h.clusterSize != 0 {
+		return fail("snapshot table offset invalid (%#x)", off)
+	}
+	be := binary.BigEndian
+	pos, length := int64(off), int64(0)
+	for i := range n {
+		pos = (pos + 7) &^ 7
+		length = (length + 7) &^ 7
+		var hdr [snapshotHeaderLen]byte
+		if err := c.readAt(ctx, hdr[:], pos); err != nil {
+			return err
+		}
+		idLen := int64(be.Uint16(hdr[12:]))
+		nameLen := int64(be.Uint16(hdr[14:]))
+		extraLen := int64(be.Uint32(hdr[36:]))
+		if extraLen > maxSnapshotExtra {
+			return fail("failed to read the snapshot table: too much extra metadata in snapshot table entry %d", i)
+		}
+		rest := make([]byte, extraLen+idLen+nameLen)
+		if err := c.readAt(ctx, rest, pos+snapshotHeaderLen); err != nil {
+			return err
+		}
+		pos += snapshotHeaderLen + extraLen + idLen + nameLen
+		length += snapshotHeaderLen + extraLen + idLen + nameLen
+		if length > maxSnapshotTableBytes || pos-int64(off) > math.MaxInt32 {
+			return fail("failed to read the snapshot table: snapshot table is too big")
+		}
+		c.snaps = append(c.snaps, snapshotEntry{
+			Snapshot: formats.Snapshot{ID: string(rest[extraLen : extraLen+idLen]), Name: string(rest[extraLen+idLen:])},
+			l1Offset: int64(be.Uint64(hdr[0:])),
+			l1Size:   int64(be.Uint32(hdr[8:])),
+		})
+	}
+	c.snapLen = pos - int64(off)
+	return nil
+}
+
+// readAt reads p at off; what lies past the end of the file (or past any
+// offset a file can have) reads as zeroes.
+func (c *checker) readAt(ctx context.Context, p []byte, off int64) error {
+	clear(p)
+	if off < 0 || off >= c.fileLen {
+		return nil
+	}
+	if _, err := c.f.ReadAt(ctx, p, off); err != nil && err != io.EOF {
+		c.res.CheckErrors++
+		return fmt.Errorf("qcow2: read %d bytes at %#x: %w", len(p), off, err)
+	}
+	return nil
+}
+
+// readTable reads n big-endian entries at off.
 func (c *checker) readTable(ctx context.Context, off, n int64) ([]uint64, error) {
 	raw := make([]byte, n*8)
-	if _, err := c.q.f.ReadAt(ctx, raw, off); err != nil && err != io.EOF {
-		return nil, fmt.Errorf("qcow2: table at %#x: %w", off, err)
+	if err := c.readAt(ctx, raw, off); err != nil {
+		return nil, err
 	}
 	t := make([]uint64, n)
 	for i := range t {
@@ -189,260 +300,472 @@ func (c *checker) readTable(ctx context.Context, off, n int64) ([]uint64, error)
 	return t, nil
 }
 
-// l1 counts an L1 table, its L2 tables and the clusters they map; active
-// (the image's own table, not a snapshot's) also counts the allocation
-// figures.
-func (c *checker) l1(ctx context.Context, off, size int64, active bool) error {
-	q, cs := c.q, c.q.h.clusterSize
+func (c *checker) report(counter *int64, format string, args ...any) {
+	*counter++
+	c.res.Messages = append(c.res.Messages, fmt.Sprintf(format, args...))
+}
+
+// calculate computes the refcounts of every cluster from the references
+// (QEMU's calculate_refcounts), finding what must be rebuilt.
+func (c *checker) calculate(ctx context.Context, repair int) error {
+	c.imrt = newIMRT(c.refcountMax())
+	cs := c.h.clusterSize
+	c.inc(0, cs) // the header
+	if err := c.l1Refs(ctx, int64(c.h.l1Offset), int64(c.h.l1Size), true, repair); err != nil {
+		return err
+	}
+	for _, sn := range c.snaps {
+		if uint64(sn.l1Offset)%uint64(cs) != 0 {
+			c.report(&c.res.Corruptions, "ERROR snapshot %s (%s) l1_offset=%#x: L1 table is not cluster aligned; snapshot table entry corrupted", sn.ID, sn.Name, uint64(sn.l1Offset))
+			continue
+		}
+		if sn.l1Size > maxL1Bytes/8 {
+			c.report(&c.res.Corruptions, "ERROR snapshot %s (%s) l1_size=%#x: L1 table is too large; snapshot table entry corrupted", sn.ID, sn.Name, sn.l1Size)
+			continue
+		}
+		if err := c.l1Refs(ctx, sn.l1Offset, sn.l1Size, false, repair); err != nil {
+			return err
+		}
+	}
+	c.inc(c.snapOff, c.snapLen)
+	c.inc(c.rtOff, int64(len(c.rt))*8)
+	return c.refblocks(repair)
+}
+
+// refcountMax is the largest refcount an entry holds.
+func (c *checker) refcountMax() uint64 {
+	bits := uint64(1) << c.h.refcountOrder
+	if bits >= 32 {
+		return math.MaxUint32 // the computed counts are 32-bit; no image comes near
+	}
+	return 1<<bits - 1
+}
+
+// inc counts one more reference to every cluster [off, off+n) touches
+// (QEMU's qcow2_inc_refcounts_imrt): a range ending a cluster or more past
+// the end of the file is a corruption and counts nothing.
+func (c *checker) inc(off, n int64) {
+	if n <= 0 {
+		return
+	}
+	cs := c.h.clusterSize
+	if off < 0 || off > math.MaxInt64-n || off+n-c.fileLen >= cs {
+		c.report(&c.res.Corruptions, "ERROR: counting reference for region exceeding the end of the file by one cluster or more: offset %#x size %#x", uint64(off), n)
+		return
+	}
+	for k := off / cs; k <= (off+n-1)/cs; k++ {
+		if !c.imrt.inc(k) {
+			c.report(&c.res.Corruptions, "ERROR: overflow cluster offset=%#x", k*cs)
+		}
+	}
+}
+
+// l1Refs counts an L1 table, its L2 tables and the clusters they map
+// (QEMU's check_refcounts_l1); active (the image's own table, not a
+// snapshot's) also counts the allocation figures.
+func (c *checker) l1Refs(ctx context.Context, off, size int64, active bool, repair int) error {
+	if size == 0 {
+		return nil
+	}
+	cs := c.h.clusterSize
 	c.inc(off, size*8)
 	l1, err := c.readTable(ctx, off, size)
 	if err != nil {
 		return err
 	}
 	for _, e := range l1 {
-		l2off := int64(e & l1OffsetMask)
-		if l2off == 0 {
+		if e == 0 {
 			continue
 		}
+		if e&l1Reserved != 0 {
+			c.report(&c.res.Corruptions, "ERROR found L1 entry with reserved bits set: %x", e)
+		}
+		l2off := int64(e & l1OffsetMask)
 		c.inc(l2off, cs)
 		if l2off%cs != 0 {
 			c.report(&c.res.Corruptions, "ERROR l2_offset=%x: Table is not cluster aligned; L1 entry corrupted", l2off)
-			continue
 		}
-		l2, err := c.readTable(ctx, l2off, q.h.l2Entries)
-		if err != nil {
+		if err := c.l2Refs(ctx, l2off, active, repair); err != nil {
 			return err
 		}
-		var next int64 // where a contiguous cluster would lie
-		for _, e := range l2 {
-			switch {
-			case e&l2Compressed != 0:
-				if e&oflagCopied != 0 {
-					c.report(&c.res.Corruptions, "ERROR: cluster %d: copied flag must never be set for compressed clusters", int64(e&^oflagCopied)>>q.h.clusterBits)
-				}
-				host, sectors := q.compressedEntry(e &^ oflagCopied)
-				c.inc(host&^511, sectors*512)
-				if active {
-					c.res.AllocatedClusters++
-					c.res.CompressedClusters++
-					c.res.FragmentedClusters++ // by nature, as QEMU counts them
-				}
-			case e&l2OffsetMask != 0: // data, or zero with a preallocated cluster
-				host := int64(e & l2OffsetMask)
-				if host%cs != 0 {
-					c.report(&c.res.Corruptions, "ERROR offset=%x: Data cluster is not properly aligned; L2 entry corrupted.", host)
-					continue
-				}
-				if active {
-					c.res.AllocatedClusters++
-					if next != 0 && host != next {
-						c.res.FragmentedClusters++
+	}
+	return nil
+}
+
+// l2Refs is QEMU's check_refcounts_l2.
+func (c *checker) l2Refs(ctx context.Context, l2off int64, active bool, repair int) error {
+	q, cs := c.q, c.h.clusterSize
+	l2, err := c.readTable(ctx, l2off, c.h.l2Entries)
+	if err != nil {
+		return err
+	}
+	var next int64 // where a contiguous cluster would lie
+	for i, e := range l2 {
+		if e&l2Compressed == 0 && e&l2StdReserved != 0 {
+			c.report(&c.res.Corruptions, "ERROR found l2 entry with reserved bits set: %x", e)
+		}
+		switch {
+		case e&l2Compressed != 0:
+			if e&oflagCopied != 0 {
+				host, _ := q.compressedEntry(e &^ oflagCopied)
+				c.report(&c.res.Corruptions, "ERROR: coffset=%#x: copied flag must never be set for compressed clusters", host)
+				e &^= oflagCopied
+			}
+			host, sectors := q.compressedEntry(e)
+			c.inc(host, sectors*512-host%512)
+			if active {
+				c.res.AllocatedClusters++
+				c.res.CompressedClusters++
+				c.res.FragmentedClusters++ // by nature, as QEMU counts them
+			}
+		case e&l2OffsetMask != 0: // data, or zero with a preallocated cluster
+			host := int64(e & l2OffsetMask)
+			if host%cs != 0 {
+				c.res.Corruptions++
+				if e&l2ZeroFlag == 0 {
+					c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR offset=%x: Data cluster is not properly aligned; L2 entry corrupted.", host))
+				} else {
+					word := "ERROR"
+					if repair&RepairAll == RepairAll {
+						word = "Repairing"
 					}
-					next = host + cs
+					c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s offset=%x: Preallocated cluster is not properly aligned; L2 entry corrupted.", word, host))
+					if repair&RepairAll == RepairAll {
+						// A zero cluster whose preallocation is broken
+						// becomes a plain zero cluster: it reads the same.
+						allow := metaL2
+						if !active {
+							allow = metaNone // an inactive L2 table is not in the map
+						}
+						if err := c.writeMeta(ctx, binary.BigEndian.AppendUint64(nil, l2ZeroFlag), l2off+int64(i)*8, allow, "L2 entry", true); err != nil {
+							return err
+						}
+						c.res.Corruptions--
+						c.res.CorruptionsFixed++
+						continue
+					}
 				}
-				c.inc(host, cs)
+			}
+			if active {
+				c.res.AllocatedClusters++
+				if next != 0 && host != next {
+					c.res.FragmentedClusters++
+				}
+				next = host + cs
+			}
+			c.inc(host, cs)
+		}
+	}
+	return nil
+}
+
+// refblocks checks the refcount table's entries and counts the blocks
+// (QEMU's check_refblocks).
+func (c *checker) refblocks(repair int) error {
+	cs := c.h.clusterSize
+	all := repair&RepairAll == RepairAll
+	for i, e := range c.rt {
+		off := e & refcountTableMask
+		if e&reftReserved != 0 {
+			c.report(&c.res.Corruptions, "ERROR refcount table entry %d has reserved bits set", i)
+			c.rebuild = true
+			continue
+		}
+		if off%uint64(cs) != 0 {
+			c.report(&c.res.Corruptions, "ERROR refcount block %d is not cluster aligned; refcount table entry corrupted", i)
+			c.rebuild = true
+			continue
+		}
+		k := off / uint64(cs)
+		if k >= uint64(c.nb) {
+			c.res.Corruptions++
+			if !all {
+				c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR refcount block %d is outside image", i))
+				continue
+			}
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("Repairing refcount block %d is outside image", i))
+			// QEMU grows the file to hold the block, which then reads
+			// as zeroes (the refcounts in it are then rebuilt); a block
+			// past any file size means a rebuild.
+			if off > math.MaxInt64-uint64(cs) || off+uint64(cs) > uint64(maxCheckClusters)*uint64(cs) {
+				c.res.Messages = append(c.res.Messages, "ERROR could not resize image: Invalid argument")
+				c.rebuild = true
+				continue
+			}
+			if err := unix.Ftruncate(c.f.Fd(), int64(off)+cs); err != nil {
+				c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR could not resize image: %v", err))
+				c.rebuild = true
+				continue
+			}
+			c.fileLen = int64(off) + cs
+			c.nb = c.fileLen / cs
+			c.res.Corruptions--
+			c.res.CorruptionsFixed++
+			c.inc(int64(off), cs)
+			continue
+		}
+		if off != 0 {
+			c.inc(int64(off), cs)
+			if n := c.imrt.get(int64(k)); n != 1 {
+				c.report(&c.res.Corruptions, "ERROR refcount block %d refcount=%d", i, n)
+				c.rebuild = true
 			}
 		}
 	}
 	return nil
 }
 
-// stored returns the refcount block covering cluster k (nil: none) and
-// k's index in it.
+// stored returns the stored refcount block covering cluster k (nil: none)
+// and k's index in it; an error for a block that cannot be read (QEMU's
+// qcow2_get_refcount fails on a misaligned one).
 func (c *checker) stored(ctx context.Context, k int64) ([]byte, int64, int64, error) {
-	q := c.q
-	per := q.h.clusterSize * 8 >> q.h.refcountOrder
+	per := c.perBlock()
 	i := k / per
 	if i >= int64(len(c.rt)) {
 		return nil, 0, 0, nil
 	}
-	off := int64(c.rt[i] & refcountTableMask)
+	off := c.rt[i] & refcountTableMask
 	if off == 0 {
 		return nil, 0, 0, nil
 	}
-	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
-		return nil, 0, 0, fmt.Errorf("refcount block %d at %#x is misaligned or outside the image", i, off)
+	if off%uint64(c.h.clusterSize) != 0 {
+		return nil, 0, 0, fmt.Errorf("refblock offset %#x unaligned (reftable index: %#x)", off, i)
 	}
-	b, ok := c.blocks[off]
+	b, ok := c.blocks[int64(off)]
 	if !ok {
-		raw, err := q.refcountBlock(ctx, off)
-		if err != nil {
+		b = make([]byte, c.h.clusterSize)
+		if err := c.readAt(ctx, b, int64(off)); err != nil {
 			return nil, 0, 0, err
 		}
-		b = slices.Clone(raw)
-		c.blocks[off] = b
+		c.blocks[int64(off)] = b
 	}
-	return b, off, k % per, nil
+	return b, int64(off), k % per, nil
 }
+
+func (c *checker) perBlock() int64 { return c.h.clusterSize * 8 >> c.h.refcountOrder }
 
 func (c *checker) refcount(ctx context.Context, k int64) (uint64, error) {
 	b, _, j, err := c.stored(ctx, k)
 	if err != nil || b == nil {
 		return 0, err
 	}
-	return getRefcount(b, j, 1<<c.q.h.refcountOrder), nil
+	return getRefcount(b, j, 1<<c.h.refcountOrder), nil
 }
 
-// compare compares stored and computed refcounts, fixing what repair
-// allows, and finds the end of the image.
-func (c *checker) compare(ctx context.Context, repair int) error {
-	q, cs := c.q, c.q.h.clusterSize
-	bits := int64(1) << q.h.refcountOrder
-	keys := make([]int64, 0, len(c.beyond))
-	for k := range c.beyond {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
+// compare compares stored and computed refcounts without fixing anything
+// (QEMU's compare_refcounts with fix 0): it counts, finds what needs a
+// rebuild, and returns the highest cluster in use.
+func (c *checker) compare(ctx context.Context, repair int) int64 {
+	h, _ := c.compareAll(ctx, repair)
+	return h
+}
+
+// compareFix is compare fixing what repair allows.
+func (c *checker) compareFix(ctx context.Context, repair int) (int64, error) {
+	return c.compareAll(ctx, repair)
+}
+
+func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 	highest := int64(0)
-	check := func(k int64) {
-		have, err := c.refcount(ctx, k)
-		if err != nil {
-			c.report(&c.res.CheckErrors, "Can't get refcount for cluster %d: %v", k, err)
-			return
+	per := c.perBlock()
+	bits := int64(1) << c.h.refcountOrder
+	dirty := map[int64]bool{}
+	for first := int64(0); first < c.nb; first += per {
+		last := min(first+per, c.nb)
+		// A range with no block and nothing referenced is all zeroes on
+		// both sides: skipped whole, so a sparse file costs its table.
+		i := first / per
+		if (i >= int64(len(c.rt)) || c.rt[i]&refcountTableMask == 0) && !c.imrt.any(first, last) {
+			continue
 		}
-		want := c.computed(k)
-		if have > 0 || want > 0 {
-			highest = k
-		}
-		if have == want {
-			return
-		}
-		fix := have > want && repair&RepairLeaks != 0 || have < want && repair&RepairAll == RepairAll
-		word := "Leaked"
-		switch {
-		case fix:
-			word = "Repairing"
-		case have < want:
-			word = "ERROR"
-		}
-		c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s cluster %d refcount=%d reference=%d", word, k, have, want))
-		if fix {
-			b, off, j, _ := c.stored(ctx, k)
-			if b != nil && want <= 1<<bits-1 {
-				setRefcount(b, j, bits, want)
-				c.dirty[off] = true
-				if have > want {
-					c.res.LeaksFixed++
-				} else {
-					c.res.CorruptionsFixed++
-				}
-				return
+		for k := first; k < last; k++ {
+			have, err := c.refcount(ctx, k)
+			if err != nil {
+				c.report(&c.res.CheckErrors, "Can't get refcount for cluster %d: %v", k, err)
+				continue
 			}
-			c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR cluster %d: no refcount block covers it; qemu-img check -r all rebuilds the refcount structure", k))
+			want := c.imrt.get(k)
+			if have > 0 || want > 0 {
+				highest = k
+			}
+			if have == want {
+				continue
+			}
+			var fixed *int64
+			switch {
+			case have == 0:
+				c.rebuild = true
+			case have > want && repair&RepairLeaks != 0:
+				fixed = &c.res.LeaksFixed
+			case have < want && repair&RepairAll == RepairAll:
+				fixed = &c.res.CorruptionsFixed
+			}
+			word := "Leaked"
+			switch {
+			case fixed != nil:
+				word = "Repairing"
+			case have < want:
+				word = "ERROR"
+			}
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s cluster %d refcount=%d reference=%d", word, k, have, want))
+			if fixed != nil {
+				// (have is not zero: the block exists and was read.)
+				b, off, j, _ := c.stored(ctx, k)
+				setRefcount(b, j, bits, want)
+				dirty[off] = true
+				*fixed++
+				continue
+			}
+			if have < want {
+				c.res.Corruptions++
+			} else {
+				c.res.Leaks++
+			}
 		}
-		if have < want {
-			c.res.Corruptions++
-		} else {
-			c.res.Leaks++
+	}
+	// The changed blocks, each after its overlap check, then one flush.
+	for _, off := range slices.Sorted(maps.Keys(dirty)) {
+		if err := c.writeMeta(ctx, c.blocks[off], off, metaRefBlock, "refcount block", false); err != nil {
+			return highest, err
 		}
 	}
-	for k := range int64(len(c.refs)) {
-		check(k)
+	if len(dirty) > 0 {
+		if err := c.f.Fdatasync(ctx); err != nil {
+			c.res.CheckErrors++
+			return highest, fmt.Errorf("qcow2: write refcount blocks: %w", err)
+		}
 	}
-	for _, k := range keys {
-		check(k)
-	}
-	c.res.ImageEndOffset = (highest + 1) * cs
-	return c.writeBlocks(ctx)
+	return highest, nil
 }
 
-// writeBlocks writes the changed refcount blocks and makes them durable.
-func (c *checker) writeBlocks(ctx context.Context) error {
-	if len(c.dirty) == 0 {
+// writeMeta writes metadata b at off, after the overlap check (allow: the
+// kind being written), durably if sync.
+func (c *checker) writeMeta(ctx context.Context, b []byte, off int64, allow metaKind, what string, sync bool) error {
+	if c.meta == nil {
+		c.meta = c.metadata()
+	}
+	cs := c.h.clusterSize
+	if off < cs {
+		return c.overlapFailure(what, off, int64(len(b)), metaHeader)
+	}
+	if k := c.meta.overlap(off/cs, (off+int64(len(b))+cs-1)/cs, allow); k != metaNone {
+		return c.overlapFailure(what, off, int64(len(b)), k)
+	}
+	if _, err := c.f.WriteAt(ctx, b, off); err != nil {
+		c.res.CheckErrors++
+		return fmt.Errorf("qcow2: write %s at %#x: %w", what, off, err)
+	}
+	if !sync {
 		return nil
 	}
-	offs := make([]int64, 0, len(c.dirty))
-	for off := range c.dirty {
-		offs = append(offs, off)
-	}
-	slices.Sort(offs)
-	for _, off := range offs {
-		if _, err := c.q.f.WriteAt(ctx, c.blocks[off], off); err != nil {
-			return fmt.Errorf("qcow2: write refcount block at %#x: %w", off, err)
-		}
-	}
-	clear(c.dirty)
-	if err := c.q.f.Fdatasync(ctx); err != nil {
-		return fmt.Errorf("qcow2: write refcount blocks: %w", err)
+	if err := c.f.Fdatasync(ctx); err != nil {
+		c.res.CheckErrors++
+		return fmt.Errorf("qcow2: write %s at %#x: %w", what, off, err)
 	}
 	return nil
 }
 
-// What copiedFlags does with a wrong COPIED flag.
-const (
-	countOnly   = iota // count it as a corruption
-	clearExcess        // clear it where the computed refcount is not one
-	fixBoth            // set it right by the stored (repaired) refcount
-)
+func (c *checker) overlapFailure(what string, off, n int64, k metaKind) error {
+	c.report(&c.res.CheckErrors, "ERROR: Could not write %s; metadata overlap check failed: %d bytes at %#x overlap the %s", what, n, off, k)
+	return fmt.Errorf("%w: preventing invalid write on metadata: %s of %d bytes at %#x would overlap the %s", ErrCorrupt, what, n, off, k)
+}
+
+// metadata maps the image's metadata for the overlap checks, as QEMU's
+// default checks see it (inactive L2 tables are not in it, as there).
+func (c *checker) metadata() *metaMap {
+	cs := c.h.clusterSize
+	m := &metaMap{clusters: map[int64]metaUse{}}
+	m.setRange(metaHeader, 0, cs, cs)
+	if c.h.l1Size > 0 {
+		m.setRange(metaL1, int64(c.h.l1Offset), int64(c.h.l1Size)*8, cs)
+	}
+	m.setRange(metaRefTable, c.rtOff, int64(len(c.rt))*8, cs)
+	if c.snapLen > 0 && c.snapOff >= 0 {
+		m.setRange(metaSnapTable, c.snapOff, c.snapLen, cs)
+	}
+	var snapL1 []metaRange
+	for _, s := range c.snaps {
+		if s.l1Size > 0 && s.l1Offset >= 0 && s.l1Offset <= math.MaxInt64-s.l1Size*8 {
+			snapL1 = append(snapL1, metaRange{s.l1Offset / cs, (s.l1Offset + s.l1Size*8 + cs - 1) / cs, metaSnapL1})
+		}
+	}
+	m.setSnapshotL1s(snapL1)
+	for _, e := range c.l1 {
+		if off := int64(e & l1OffsetMask); off != 0 {
+			m.addL2(off/cs, 1)
+		}
+	}
+	for _, e := range c.rt {
+		if off := int64(e & refcountTableMask); off != 0 {
+			m.addRB(off/cs, 1)
+		}
+	}
+	return m
+}
 
 // copiedFlags checks the COPIED flags of the active L1 and L2 tables: set
-// exactly where the refcount is one.
-func (c *checker) copiedFlags(ctx context.Context, mode int) error {
-	q, cs := c.q, c.q.h.clusterSize
-	l1, err := c.readTable(ctx, int64(q.h.l1Offset), int64(q.h.l1Size))
-	if err != nil {
-		return err
+// exactly where the stored refcount is one (QEMU's check_oflag_copied).
+// -r all repairs them; -r leaks too, where the refcounts are now right.
+func (c *checker) copiedFlags(ctx context.Context, repair int) error {
+	cs := c.h.clusterSize
+	fix := repair&RepairAll == RepairAll ||
+		repair&RepairLeaks != 0 && c.res.CheckErrors == 0 && c.res.Corruptions == 0 && c.res.Leaks == 0
+	word := "ERROR"
+	if fix {
+		word = "Repairing"
 	}
-	// judge returns the entry with its flag as it should be, and whether
-	// that changed it.
-	judge := func(e uint64, host int64, what string) (uint64, bool) {
-		var rc uint64
-		var err error
-		if mode == clearExcess {
-			rc = c.computed(host / cs)
-		} else {
-			rc, err = c.refcount(ctx, host/cs)
-		}
-		if err != nil || (rc == 1) == (e&oflagCopied != 0) {
-			return e, false // (a refcount that cannot be read: compare said so)
-		}
-		switch {
-		case mode == fixBoth, mode == clearExcess && e&oflagCopied != 0:
-			c.res.Messages = append(c.res.Messages, fmt.Sprintf("Repairing OFLAG_COPIED %s: entry=%x refcount=%d", what, e, rc))
-			c.res.CorruptionsFixed++
-			return e ^ oflagCopied, true
-		case mode == countOnly:
-			c.report(&c.res.Corruptions, "ERROR OFLAG_COPIED %s: entry=%x refcount=%d", what, e, rc)
-		}
-		return e, false
-	}
-	l1Dirty := false
-	for i, e := range l1 {
+	for i, e := range c.l1 {
 		l2off := int64(e & l1OffsetMask)
-		if l2off == 0 || l2off%cs != 0 {
+		if l2off == 0 {
 			continue
 		}
-		if ne, changed := judge(e, l2off, fmt.Sprintf("L2 cluster (l1_index=%d)", i)); changed {
-			l1[i], l1Dirty = ne, true
+		rc, err := c.refcount(ctx, l2off/cs)
+		if err != nil {
+			continue // compare has said so
 		}
-		l2, err := c.readTable(ctx, l2off, q.h.l2Entries)
+		if (rc == 1) != (e&oflagCopied != 0) {
+			c.report(&c.res.Corruptions, "%s OFLAG_COPIED L2 cluster: l1_index=%d l1_entry=%x refcount=%d", word, i, e, rc)
+			if fix {
+				ne := e &^ oflagCopied
+				if rc == 1 {
+					ne |= oflagCopied
+				}
+				if err := c.writeMeta(ctx, binary.BigEndian.AppendUint64(nil, ne), int64(c.h.l1Offset)+int64(i)*8, metaL1, "L1 entry", true); err != nil {
+					return err
+				}
+				c.l1[i] = ne
+				c.res.Corruptions--
+				c.res.CorruptionsFixed++
+			}
+		}
+		l2, err := c.readTable(ctx, l2off, c.h.l2Entries)
 		if err != nil {
 			return err
 		}
-		l2Dirty := false
+		dirty := int64(0)
 		for j, e := range l2 {
 			host := int64(e & l2OffsetMask)
-			if e&l2Compressed != 0 || host == 0 || host%cs != 0 {
+			if e&l2Compressed != 0 || host == 0 {
 				continue
 			}
-			if ne, changed := judge(e, host, "data cluster"); changed {
-				l2[j], l2Dirty = ne, true
+			rc, err := c.refcount(ctx, host/cs)
+			if err != nil {
+				continue
+			}
+			if (rc == 1) != (e&oflagCopied != 0) {
+				c.report(&c.res.Corruptions, "%s OFLAG_COPIED data cluster: l2_entry=%x refcount=%d", word, e, rc)
+				if fix {
+					l2[j] = e ^ oflagCopied
+					dirty++
+				}
 			}
 		}
-		if l2Dirty {
-			if _, err := q.f.WriteAt(ctx, encodeTable(l2), l2off); err != nil {
-				return fmt.Errorf("qcow2: write L2 table at %#x: %w", l2off, err)
+		if dirty > 0 {
+			if err := c.writeMeta(ctx, encodeTable(l2), l2off, metaL2, "L2 table", true); err != nil {
+				return err
 			}
-		}
-	}
-	if l1Dirty {
-		if _, err := q.f.WriteAt(ctx, encodeTable(l1), int64(q.h.l1Offset)); err != nil {
-			return fmt.Errorf("qcow2: write the L1 table: %w", err)
-		}
-	}
-	if mode != countOnly {
-		if err := q.f.Fdatasync(ctx); err != nil {
-			return fmt.Errorf("qcow2: repair COPIED flags: %w", err)
+			c.res.Corruptions -= dirty
+			c.res.CorruptionsFixed += dirty
 		}
 	}
 	return nil

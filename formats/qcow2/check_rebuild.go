@@ -1,0 +1,220 @@
+package qcow2
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"maps"
+	"slices"
+)
+
+// The computed refcounts of a check, and the rebuild of the refcount
+// structures from them (QEMU's rebuild_refcount_structure).
+
+// imrtPage is how many clusters one page of computed refcounts covers.
+const imrtPage = 4096
+
+// imrt holds the computed refcounts (QEMU's in-memory refcount table) in
+// pages allocated where something is referenced, so that a check holds
+// memory for what the metadata references, not for the file's size: a
+// sparse file of a terabyte with a few clusters in use costs a few pages.
+type imrt struct {
+	pages map[int64]*[imrtPage]uint32
+	max   uint64
+}
+
+func newIMRT(max uint64) *imrt { return &imrt{pages: map[int64]*[imrtPage]uint32{}, max: max} }
+
+func (m *imrt) get(k int64) uint64 {
+	if p := m.pages[k/imrtPage]; p != nil {
+		return uint64(p[k%imrtPage])
+	}
+	return 0
+}
+
+func (m *imrt) set(k int64, v uint64) {
+	p := m.pages[k/imrtPage]
+	if p == nil {
+		if v == 0 {
+			return
+		}
+		p = new([imrtPage]uint32)
+		m.pages[k/imrtPage] = p
+	}
+	p[k%imrtPage] = uint32(v)
+}
+
+// inc counts one more reference to cluster k; false when its count is at
+// the largest an entry holds (QEMU's "overflow").
+func (m *imrt) inc(k int64) bool {
+	v := m.get(k)
+	if v >= m.max {
+		return false
+	}
+	m.set(k, v+1)
+	return true
+}
+
+// any says whether a cluster in [a, b) is referenced.
+func (m *imrt) any(a, b int64) bool {
+	if a >= b {
+		return false
+	}
+	for pi := a / imrtPage; pi <= (b-1)/imrtPage; pi++ {
+		p := m.pages[pi]
+		if p == nil {
+			continue
+		}
+		lo, hi := max(a, pi*imrtPage)-pi*imrtPage, min(b, (pi+1)*imrtPage)-pi*imrtPage
+		for _, v := range p[lo:hi] {
+			if v != 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// highest returns the highest referenced cluster, or -1.
+func (m *imrt) highest() int64 {
+	h := int64(-1)
+	for pi, p := range m.pages {
+		if (pi+1)*imrtPage-1 <= h {
+			continue
+		}
+		for j := imrtPage - 1; j >= 0; j-- {
+			if p[j] != 0 {
+				h = max(h, pi*imrtPage+int64(j))
+				break
+			}
+		}
+	}
+	return h
+}
+
+// rebuildRefcounts writes new refcount blocks and a new refcount table,
+// holding the computed refcounts, in fresh clusters past the end of the
+// file and past every cluster referenced, makes them durable, and only
+// then points the header at them (offset and size in one write, then a
+// flush): killed at any point, the image has either its old refcount
+// structures or the complete new ones. The old structures are leaked
+// then, and freed by the leak repair that follows, as in QEMU. It returns
+// the highest cluster in use.
+func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
+	cs, per := c.h.clusterSize, c.perBlock()
+	c.res.Messages = append(c.res.Messages, "Rebuilding refcount structure")
+	old := *c.res
+
+	start := max(c.nb, c.imrt.highest()+1)
+	need := map[int64]bool{}
+	for pi, p := range c.imrt.pages {
+		for j, v := range p {
+			if v != 0 {
+				need[(pi*imrtPage+int64(j))/per] = true
+			}
+		}
+	}
+	// The new blocks and table must be covered by blocks too: grow the set
+	// until it covers itself.
+	var nblocks, entries, tableClusters, end int64
+	for {
+		nblocks = int64(len(need))
+		top := int64(0)
+		for i := range need {
+			top = max(top, i)
+		}
+		entries = ((top+1)*8 + cs - 1) / cs * cs / 8
+		tableClusters = entries * 8 / cs
+		end = start + nblocks + tableClusters
+		grown := false
+		for k := start; k < end; k++ {
+			if !need[k/per] {
+				need[k/per], grown = true, true
+			}
+		}
+		if !grown {
+			break
+		}
+	}
+	if entries*8 > maxRefTableBytes || end > maxCheckClusters {
+		c.res.CheckErrors++
+		return 0, fmt.Errorf("qcow2: %s: the rebuilt refcount table would need %d clusters past cluster %d; too large", c.f.Name(), tableClusters, start)
+	}
+	for k := start; k < end; k++ {
+		c.imrt.set(k, 1)
+	}
+	table := make([]uint64, entries)
+	bits := int64(1) << c.h.refcountOrder
+	c.meta = c.metadata()
+	for n, i := range slices.Sorted(maps.Keys(need)) {
+		off := (start + int64(n)) * cs
+		table[i] = uint64(off)
+		b := make([]byte, cs)
+		for j := range per {
+			if v := c.imrt.get(i*per + j); v != 0 {
+				setRefcount(b, j, bits, v)
+			}
+		}
+		if err := c.writeMeta(ctx, b, off, metaNone, "refcount block", false); err != nil {
+			return 0, err
+		}
+	}
+	tableOff := (start + nblocks) * cs
+	if err := c.writeMeta(ctx, encodeTable(table), tableOff, metaNone, "refcount table", false); err != nil {
+		return 0, err
+	}
+	if err := c.f.Fdatasync(ctx); err != nil {
+		c.res.CheckErrors++
+		return 0, fmt.Errorf("qcow2: write the rebuilt refcount structures: %w", err)
+	}
+	// The switch: refcount_table_offset and refcount_table_clusters are
+	// adjacent in the header, one 12-byte write within one sector.
+	var hdr [12]byte
+	binary.BigEndian.PutUint64(hdr[0:], uint64(tableOff))
+	binary.BigEndian.PutUint32(hdr[8:], uint32(tableClusters))
+	if _, err := c.f.WriteAt(ctx, hdr[:], hdrRefcountOffset); err != nil {
+		c.res.CheckErrors++
+		return 0, fmt.Errorf("qcow2: set the rebuilt refcount table: %w", err)
+	}
+	if err := c.f.Fdatasync(ctx); err != nil {
+		c.res.CheckErrors++
+		return 0, fmt.Errorf("qcow2: set the rebuilt refcount table: %w", err)
+	}
+	c.h.refcountOffset, c.h.refcountClusters = uint64(tableOff), uint32(tableClusters)
+	c.rt, c.rtOff = table, tableOff
+	c.blocks = map[int64][]byte{}
+	c.meta = nil
+	c.fileLen = max(c.fileLen, end*cs)
+	c.nb = (c.fileLen + cs - 1) / cs
+
+	// The references again, with the new structures; the old ones are
+	// leaks now, which -r all repairs (QEMU counts what that pass finds
+	// apart: only leaks it could not fix are reported).
+	c.res.Corruptions, c.res.Leaks = 0, 0
+	c.res.AllocatedClusters, c.res.FragmentedClusters, c.res.CompressedClusters = 0, 0, 0
+	c.rebuild = false
+	if err := c.calculate(ctx, RepairNone); err != nil {
+		return 0, err
+	}
+	saved := *c.res
+	c.res.Corruptions, c.res.Leaks, c.res.CheckErrors, c.res.LeaksFixed, c.res.CorruptionsFixed = 0, 0, 0, 0, 0
+	highest, err := c.compareFix(ctx, RepairLeaks)
+	if err != nil {
+		return 0, err
+	}
+	if c.rebuild {
+		c.res.Messages = append(c.res.Messages, "ERROR rebuilt refcount structure is still broken")
+	}
+	fresh := c.res.Leaks
+	msgs := c.res.Messages
+	*c.res = saved
+	c.res.Messages = msgs
+	if c.res.Corruptions < old.Corruptions {
+		c.res.CorruptionsFixed += old.Corruptions - c.res.Corruptions
+	}
+	if c.res.Leaks < old.Leaks {
+		c.res.LeaksFixed += old.Leaks - c.res.Leaks
+	}
+	c.res.Leaks += fresh
+	return highest, nil
+}
