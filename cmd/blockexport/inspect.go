@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strings"
 	"time"
@@ -41,7 +42,20 @@ func (f *inspectFlags) options() (probe.Options, error) {
 	if err != nil {
 		return probe.Options{}, err
 	}
-	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts}, nil
+	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr)}, nil
+}
+
+// warnLogger is the logger of the commands that report and exit: warnings
+// (a file given as raw that looks like a vmdk, say) as plain lines on w,
+// without the time a long-running export's log has.
+func warnLogger(w io.Writer) *slog.Logger {
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn,
+		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
+			if len(groups) == 0 && a.Key == slog.TimeKey {
+				return slog.Attr{}
+			}
+			return a
+		}}))
 }
 
 // openForInspection opens IMAGE read-only for info and map.

@@ -24,7 +24,6 @@ import (
 	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/null"
 	"github.com/blockexport/blockexport/formats/qcow2"
-	"github.com/blockexport/blockexport/formats/raw"
 )
 
 // Format names accepted by --format.
@@ -38,9 +37,20 @@ const (
 // NullPrefix starts an image spec that names a null device: "null:1G".
 const NullPrefix = "null:"
 
-// ErrBadSpec marks an image spec or format name that cannot be right
+// ErrBadSpec marks an IMAGE argument or format name that cannot be right
 // whatever the files hold (a front end reports it as a usage error).
-var ErrBadSpec = errors.New("bad image spec")
+// Messages made here say what is wrong in plain words (badSpec) and do
+// not repeat its text.
+var ErrBadSpec = errors.New("refused")
+
+// specError is a usage mistake about IMAGE or --format: errors.Is finds
+// ErrBadSpec in it, and its text is the message alone.
+type specError struct{ msg string }
+
+func (e *specError) Error() string        { return e.msg }
+func (e *specError) Is(target error) bool { return target == ErrBadSpec }
+
+func badSpec(format string, a ...any) error { return &specError{fmt.Sprintf(format, a...)} }
 
 // ParseFormat checks a --format value.
 func ParseFormat(s string) (string, error) {
@@ -48,47 +58,11 @@ func ParseFormat(s string) (string, error) {
 	case Auto, Raw, QCOW2, Null:
 		return s, nil
 	}
-	return "", fmt.Errorf("%w: unknown format %q (want auto, raw, qcow2 or null)", ErrBadSpec, s)
-}
-
-// fileFormat is one format of image files: the registry entry.
-type fileFormat struct {
-	name string
-	// detect says whether a file that starts with head is in it.
-	detect func(head []byte) bool
-	// lock is what QEMU's driver locks for such a file (see aio.Lock).
-	lock func(writable, backing bool) aio.Lock
-	// open makes the image of f, which it owns from then on.
-	open func(f aio.File, c *chain, writable bool) (formats.Image, error)
-}
-
-// fileFormats is the registry, in detection order: the most specific
-// magic first, raw (which matches anything) last.
-func fileFormats() []fileFormat {
-	return []fileFormat{
-		{name: QCOW2, detect: qcow2.Detect,
-			lock: func(w, _ bool) aio.Lock { return qcow2.Lock(w) },
-			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
-				img, err := qcow2.New(f, qcow2.Options{L2CacheSize: c.o.L2CacheSize, Direct: c.o.Direct, Writable: w,
-					Logger: c.o.Logger, OpenBacking: c.openBacking})
-				if err != nil {
-					return nil, err // not a nil *qcow2.Image in an interface
-				}
-				return img, nil
-			}},
-		{name: Raw, detect: func([]byte) bool { return true }, lock: raw.Lock,
-			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
-				img, err := raw.New(f, raw.Options{Writable: w, Direct: c.o.Direct})
-				if err != nil {
-					return nil, err
-				}
-				return img, nil
-			}},
+	if ff, ok := lookupFormat(s); ok && ff.open == nil {
+		return "", badSpec("--format %s: %s images are not supported yet (want auto, raw, qcow2 or null; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, s)
 	}
+	return "", badSpec("unknown format %q (want auto, raw, qcow2 or null)", s)
 }
-
-// detectHead is how much of a file detection reads.
-const detectHead = 512
 
 // Options say how to open an image.
 type Options struct {
@@ -141,7 +115,7 @@ func Open(spec string, o Options) (*Opened, error) {
 	if sizeSpec, ok := strings.CutPrefix(spec, NullPrefix); ok && (format == Auto || format == Null) {
 		size, err := ParseSize(sizeSpec)
 		if err != nil {
-			return nil, fmt.Errorf("%w: null device %q: %v", ErrBadSpec, spec, err)
+			return nil, badSpec("null device %q: %v", spec, err)
 		}
 		img, err := null.New(spec, size, o.NullReadZeroes)
 		if err != nil {
@@ -150,7 +124,7 @@ func Open(spec string, o Options) (*Opened, error) {
 		return &Opened{Image: img, Format: Null}, nil
 	}
 	if format == Null {
-		return nil, fmt.Errorf("%w: a null device is given as null:SIZE (e.g. null:1G), not %q", ErrBadSpec, spec)
+		return nil, badSpec("a null device is given as null:SIZE (e.g. null:1G), not %q", spec)
 	}
 	if nbd.IsURI(spec) {
 		img, err := openNBD(spec, format, o, o.Writable, false)
@@ -263,10 +237,10 @@ func openNBD(uri, format string, o Options, writable, fromImage bool) (formats.I
 		}
 	} else {
 		if format != Auto && format != Raw {
-			return nil, fmt.Errorf("%w: %s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", ErrBadSpec, uri, format, format)
+			return nil, badSpec("%s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", uri, format, format)
 		}
 		if addr, err = nbd.ParseURI(uri); err != nil {
-			return nil, fmt.Errorf("%w: %v", ErrBadSpec, err)
+			return nil, badSpec("%v", err)
 		}
 	}
 	no := nbd.Options{Writable: writable, Connections: o.NBD.Connections, ReconnectTimeout: o.NBD.ReconnectTimeout, Logger: o.Logger}
@@ -309,16 +283,15 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 		if format, err = detect(path); err != nil {
 			return nil, "", err
 		}
+	} else if format == Raw {
+		c.warnForcedRaw(path)
 	}
-	var ff *fileFormat
-	for _, f := range fileFormats() {
-		if f.name == format {
-			ff = &f
-			break
-		}
-	}
-	if ff == nil {
+	ff, ok := lookupFormat(format)
+	if !ok {
 		return nil, "", fmt.Errorf("%s: %w %q", path, formats.ErrUnknownFormat, format)
+	}
+	if ff.open == nil {
+		return nil, "", unsupported(path, ff.name) // a backing format the image names
 	}
 	var lock *aio.Lock
 	if c.o.Lock {
@@ -363,24 +336,50 @@ func (c *chain) enter(fd int, path string) error {
 	return nil
 }
 
-// detect names the format of the file at path by its first bytes.
+// detect names the format of the file at path as QEMU would probe it,
+// and refuses a format this program does not read.
 func detect(path string) (string, error) {
-	f, err := aio.OpenHostFile(path, os.O_RDONLY)
+	head, err := readHead(path)
 	if err != nil {
 		return "", err
 	}
+	ff := probeFormat(head, path)
+	if ff.open == nil {
+		return "", unsupported(path, ff.name)
+	}
+	return ff.name, nil
+}
+
+// readHead reads the first probeHead bytes of the file at path, zero past
+// its end.
+func readHead(path string) ([]byte, error) {
+	f, err := aio.OpenHostFile(path, os.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
 	defer f.Close()
-	head := make([]byte, detectHead)
-	n, err := f.ReadAt(head, 0)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return "", fmt.Errorf("%s: read header: %w", path, err)
+	head := make([]byte, probeHead)
+	if _, err := f.ReadAt(head, 0); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("%s: read header: %w", path, err)
 	}
-	for _, ff := range fileFormats() {
-		if ff.detect(head[:n]) {
-			return ff.name, nil
-		}
+	return head, nil
+}
+
+// warnForcedRaw warns when a file given as raw has another format's
+// magic: its metadata is then disk bytes to the guest (and with -w
+// writable). QEMU opens it as asked, silently; the warning is ours. A
+// file that cannot be read is left for the open to report.
+func (c *chain) warnForcedRaw(path string) {
+	if c.o.Logger == nil {
+		return
 	}
-	return "", fmt.Errorf("%s: %w", path, formats.ErrUnknownFormat)
+	head, err := readHead(path)
+	if err != nil {
+		return
+	}
+	if ff := probeFormat(head, path); ff.name != Raw {
+		c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", path, ff.name, ff.name))
+	}
 }
 
 // ParseSize parses a size the way qemu-img does: a number of bytes with an

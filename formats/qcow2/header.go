@@ -88,6 +88,11 @@ var ErrUnsupported = errors.New("qcow2: unsupported feature")
 // ErrCorrupt marks images whose metadata is inconsistent.
 var ErrCorrupt = errors.New("qcow2: corrupt image")
 
+// ErrNotQCOW2 marks a file that is no qcow2 image at all (opened as qcow2
+// because the user said so): nothing in it is damaged, so it is not
+// ErrCorrupt (qemu-img: "Image is not in qcow2 format").
+var ErrNotQCOW2 = errors.New("not a qcow2 image")
+
 // header is the parsed, validated header.
 type header struct {
 	version          uint32
@@ -119,11 +124,11 @@ type header struct {
 // parseHeader decodes and validates the header in buf (the first cluster
 // of the file, or as much of it as exists). fileSize bounds every offset.
 func parseHeader(buf []byte, fileSize int64) (*header, error) {
+	if len(buf) < len(magic) || [4]byte(buf[0:4]) != magic {
+		return nil, fmt.Errorf("%w (it does not start with the qcow2 magic, QFI\\xfb)", ErrNotQCOW2)
+	}
 	if len(buf) < v2HeaderLen {
 		return nil, fmt.Errorf("%w: file too short for a header (%d bytes)", ErrCorrupt, len(buf))
-	}
-	if [4]byte(buf[0:4]) != magic {
-		return nil, fmt.Errorf("%w: no qcow2 magic", ErrCorrupt)
 	}
 	be := binary.BigEndian
 	h := &header{

@@ -1,0 +1,105 @@
+package probe
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/qcow2"
+	"github.com/blockexport/blockexport/formats/raw"
+)
+
+// ErrUnsupportedFormat marks an image in a format QEMU reads and this
+// program does not (yet): it is refused by name, never served as raw
+// bytes (a guest write would land in the container's metadata).
+var ErrUnsupportedFormat = errors.New("images are not supported yet")
+
+// fileFormat is one format of image files: the registry entry. A format
+// QEMU probes and this program does not read has probe and no open: it is
+// recognised so that it is refused, not taken for raw. Adding a reader is
+// filling in its entry's lock and open.
+type fileFormat struct {
+	name string
+	// probe scores a file as QEMU's bdrv_probe does: head is its first
+	// probeHead bytes (zero past the end of a shorter file), path its name
+	// (dmg goes by its suffix). 0: not this format; 100: its magic; raw
+	// says 1 to anything, so any magic wins over it.
+	probe func(head []byte, path string) int
+	// lock is what QEMU's driver locks for such a file (see aio.Lock).
+	lock func(writable, backing bool) aio.Lock
+	// open makes the image of f, which it owns from then on; nil: a format
+	// this program does not read.
+	open func(f aio.File, c *chain, writable bool) (formats.Image, error)
+}
+
+// probeHead is how much of a file detection reads: QEMU's
+// BLOCK_PROBE_BUF_SIZE. A shorter file is read as if padded with zeroes,
+// as QEMU's block layer reads past the end of a file.
+const probeHead = 2048
+
+// fileFormats is the registry: every format QEMU 7.2's qemu-img probes
+// for in a file, the ones read here first. Probing takes the highest
+// score; on a tie the earlier entry.
+func fileFormats() []fileFormat {
+	return []fileFormat{
+		{name: QCOW2, probe: probeQCOW2,
+			lock: func(w, _ bool) aio.Lock { return qcow2.Lock(w) },
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				img, err := qcow2.New(f, qcow2.Options{L2CacheSize: c.o.L2CacheSize, Direct: c.o.Direct, Writable: w,
+					Logger: c.o.Logger, OpenBacking: c.openBacking})
+				if err != nil {
+					return nil, err // not a nil *qcow2.Image in an interface
+				}
+				return img, nil
+			}},
+		{name: Raw, probe: func([]byte, string) int { return 1 }, lock: raw.Lock,
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				img, err := raw.New(f, raw.Options{Writable: w, Direct: c.o.Direct})
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
+		// QEMU reads these; we recognise them (block/*.c, *_probe).
+		{name: "qcow", probe: probeQCOW1},
+		{name: "vmdk", probe: probeVMDK},
+		{name: "vhdx", probe: probeVHDX},
+		{name: "vpc", probe: probeVPC},
+		{name: "vdi", probe: probeVDI},
+		{name: "qed", probe: probeQED},
+		{name: "parallels", probe: probeParallels},
+		{name: "bochs", probe: probeBochs},
+		{name: "cloop", probe: probeCloop},
+		{name: "dmg", probe: probeDMG},
+		{name: "luks", probe: probeLUKS},
+	}
+}
+
+// lookupFormat finds a format by name.
+func lookupFormat(name string) (fileFormat, bool) {
+	for _, ff := range fileFormats() {
+		if ff.name == name {
+			return ff, true
+		}
+	}
+	return fileFormat{}, false
+}
+
+// probeFormat is the format QEMU would take a file for: the highest
+// score (raw's 1 when nothing else matches).
+func probeFormat(head []byte, path string) fileFormat {
+	var best fileFormat
+	score := 0
+	for _, ff := range fileFormats() {
+		if s := ff.probe(head, path); s > score {
+			best, score = ff, s
+		}
+	}
+	return best
+}
+
+// unsupported is the one-line refusal of an image in format name.
+func unsupported(path, name string) error {
+	return fmt.Errorf("%s: %s %w (convert it: qemu-img convert -f %s -O qcow2 %s OUT.qcow2)", path, name, ErrUnsupportedFormat, name, path)
+}

@@ -1,0 +1,183 @@
+package tests
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// prbForeignImages makes one image of every format QEMU probes and
+// blockexport does not read: by qemu-img where it creates the format, by
+// hand (the probe's magic in a header) where it does not. The map is file
+// -> the format qemu-img's probe names.
+func prbForeignImages(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	imgs := map[string]string{}
+	for _, c := range []struct {
+		file, format string
+		opts         []string
+	}{
+		{"sparse.vmdk", "vmdk", nil},
+		{"stream.vmdk", "vmdk", []string{"-o", "subformat=streamOptimized"}},
+		{"desc.vmdk", "vmdk", []string{"-o", "subformat=monolithicFlat"}}, // a "# Disk DescriptorFile" text file
+		{"compat6.vmdk", "vmdk", []string{"-o", "compat6=on"}},
+		{"disk.vhdx", "vhdx", nil},
+		{"dynamic.vhd", "vpc", nil},
+		{"disk.vdi", "vdi", nil},
+		{"disk.qed", "qed", nil},
+		{"disk.hds", "parallels", nil},
+		{"v1.qcow", "qcow", nil},
+		{"secret.luks", "luks", []string{"--object", "secret,id=s0,data=pw", "-o", "key-secret=s0,iter-time=10"}},
+	} {
+		p := filepath.Join(dir, c.file)
+		args := append([]string{"create", "-q", "-f", c.format}, c.opts...)
+		run(t, "qemu-img", append(args, p, "4M")...)
+		imgs[p] = c.format
+	}
+	write := func(name string, head []byte, size int64) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, head, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(p, size); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	bochs := make([]byte, 512)
+	copy(bochs[0:], "Bochs Virtual HD Image")
+	copy(bochs[32:], "Redolog")
+	copy(bochs[48:], "Growing")
+	binary.LittleEndian.PutUint32(bochs[64:], 0x00020000)
+	imgs[write("redolog.img", bochs, 1<<20)] = "bochs"
+	imgs[write("knoppix.img", []byte("#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0 && mount -r -t iso9660 /dev/cloop $1\n"), 1<<20)] = "cloop"
+	imgs[write("apple.dmg", nil, 1<<20)] = "dmg"                // QEMU goes by the name
+	imgs[write("vmware3.vmdk", []byte("COWD"), 1<<20)] = "vmdk" // a VMware 3 COW disk
+	return imgs
+}
+
+// TestPrbForeignFormats: a file in a format QEMU reads and blockexport
+// does not (vmdk, vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
+// cloop, dmg) was reported by info as raw and exported writable as raw
+// bytes: a guest write landed in the container's metadata. Each is now
+// refused in one line naming the format qemu-img names (info, map, fuse
+// -w), and `-f raw` opens it as asked with a warning that names it. A
+// fixed VHD (footer at the end only) and a raw file stay raw, as in QEMU.
+func TestPrbForeignFormats(t *testing.T) {
+	dir := t.TempDir()
+	imgs := prbForeignImages(t, dir)
+	for img, format := range imgs {
+		t.Run(filepath.Base(img), func(t *testing.T) {
+			// The expectation is qemu-img's own probe, where it can say.
+			if !strings.HasSuffix(img, ".img") && !strings.HasSuffix(img, ".dmg") && !strings.HasSuffix(img, "vmware3.vmdk") {
+				var info struct{ Format string }
+				out, err := exec.Command("qemu-img", "info", "--output=json", img).Output()
+				if err != nil || json.Unmarshal(out, &info) != nil || info.Format != format {
+					t.Fatalf("qemu-img info says %q (%v), the test expects %q", info.Format, err, format)
+				}
+			}
+			before := readAll(t, img)
+			for _, cmd := range [][]string{{"info", img}, {"info", "--output=json", img}, {"map", img}, {"check", img}} {
+				code, out := runBlockexport(t, cmd...)
+				if code != 1 || !strings.Contains(out, format+" images are not supported") {
+					t.Errorf("%v: exit %d, want 1 and %q:\n%s", cmd, code, format+" images are not supported", out)
+				}
+				if n := strings.Count(strings.TrimSpace(out), "\n"); n != 0 {
+					t.Errorf("%v: %d lines, want one:\n%s", cmd, n+1, out)
+				}
+			}
+			mnt := filepath.Join(t.TempDir(), "export")
+			if code, out := tryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, format+" images are not supported") {
+				t.Errorf("fuse -w: exit %d, want 1 and the refusal:\n%s", code, out)
+			}
+			code, out := runBlockexport(t, "info", "-f", "raw", img)
+			if code != 0 || !strings.Contains(out, "file format: raw") || !strings.Contains(out, "looks like a "+format+" image") {
+				t.Errorf("info -f raw: exit %d, want 0, raw, and a warning naming %s:\n%s", code, format, out)
+			}
+			mustEqualBytes(t, "the image after the refusals", readAll(t, img), before)
+		})
+	}
+
+	t.Run("backing file", func(t *testing.T) {
+		// A qcow2 overlay over a vdi (backing format probed) and over one
+		// the header says is vmdk: both refused by name, not read as raw.
+		var vdi, vmdk string
+		for img, f := range imgs {
+			switch {
+			case f == "vdi":
+				vdi = img
+			case f == "vmdk" && strings.HasSuffix(img, "sparse.vmdk"):
+				vmdk = img
+			}
+		}
+		probed := filepath.Join(dir, "over-vdi.qcow2")
+		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", vdi, "-F", "vdi", probed, "4M")
+		prbDropBackingFormat(t, probed)
+		named := filepath.Join(dir, "over-vmdk.qcow2")
+		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", vmdk, "-F", "vmdk", named, "4M")
+		// The named one is refused by the qcow2 reader, which knows its
+		// backing formats; the message names it all the same.
+		for img, want := range map[string]string{probed: "vdi images are not supported", named: `backing format "vmdk"`} {
+			if code, out := runBlockexport(t, "map", img); code != 1 || !strings.Contains(out, want) {
+				t.Errorf("map %s: exit %d, want 1 and %q:\n%s", filepath.Base(img), code, want, out)
+			}
+		}
+	})
+
+	t.Run("stays raw", func(t *testing.T) {
+		fixed := filepath.Join(dir, "fixed.vhd")
+		run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "subformat=fixed", fixed, "4M")
+		plain := filepath.Join(dir, "plain.img")
+		run(t, "qemu-img", "create", "-q", "-f", "raw", plain, "4M")
+		short := filepath.Join(dir, "short.img") // a prefix of cloop's magic: QEMU pads and says raw
+		if err := os.WriteFile(short, []byte("#!/bin/sh\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		for _, img := range []string{fixed, plain, short} {
+			code, out := runBlockexport(t, "info", img)
+			if code != 0 || !strings.Contains(out, "file format: raw") {
+				t.Errorf("info %s: exit %d, want raw as qemu-img says:\n%s", filepath.Base(img), code, out)
+			}
+			if _, out := runBlockexport(t, "info", "-f", "raw", img); strings.Contains(out, "looks like") {
+				t.Errorf("info -f raw %s warns of a format it is not:\n%s", filepath.Base(img), out)
+			}
+		}
+	})
+}
+
+// prbDropBackingFormat makes the qcow2 image at path name its backing file
+// without a format (qemu-img 7.2 no longer creates such images; older ones
+// did), so that the backing file is probed: the backing-format header
+// extension becomes the end of the extensions.
+func prbDropBackingFormat(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	be := binary.BigEndian
+	off := int(be.Uint32(b[100:])) // header_length (version 3)
+	for off+8 <= len(b) && off < 65536 {
+		typ, n := be.Uint32(b[off:]), int(be.Uint32(b[off+4:]))
+		if typ == 0 {
+			break
+		}
+		if typ == 0xe2792aca {
+			f, err := os.OpenFile(path, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if _, err := f.WriteAt(make([]byte, 4), int64(off)); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+		off += 8 + (n+7)&^7
+	}
+	t.Fatalf("%s has no backing format extension", path)
+}
