@@ -3,8 +3,11 @@ package tests
 import (
 	"encoding/binary"
 	"net"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -64,5 +67,46 @@ func TestLfcHandshakeFloodFreesItsSlot(t *testing.T) {
 	}
 	if !strings.Contains(s.log(), "did not finish the handshake") {
 		t.Fatalf("no log line about the dropped client:\n%s", s.log())
+	}
+}
+
+// TestLfcNBDFastExitCleansUp: a client that sends reads and never reads
+// the replies holds the server's stop (its replies block in write) until
+// the stop's minute runs out; a second SIGTERM then exits at once, status
+// 1, and still removes the socket and the pidfile (it left both).
+func TestLfcNBDFastExitCleansUp(t *testing.T) {
+	pidfile := filepath.Join(t.TempDir(), "pid")
+	s := startNBD(t, "null:1G", false, "--pidfile", pidfile)
+	c := rawNBDClient(t, s.socket())
+	t.Cleanup(func() { c.Close() })
+	be := binary.BigEndian
+	var reads []byte
+	for i := range 64 {
+		reads = be.AppendUint32(reads, 0x25609513)
+		reads = be.AppendUint16(reads, 0)
+		reads = be.AppendUint16(reads, 0) // READ
+		reads = be.AppendUint64(reads, uint64(i))
+		reads = be.AppendUint64(reads, uint64(i)<<20)
+		reads = be.AppendUint32(reads, 1<<20)
+	}
+	if _, err := c.Write(reads); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond) // the replies fill the socket
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	time.Sleep(time.Second)
+	select {
+	case <-s.exited:
+		t.Fatalf("the stop did not wait for the client; nothing to test\n%s", s.log())
+	default:
+	}
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	if code := s.wait(20 * time.Second); code != 1 {
+		t.Fatalf("exit %d after a second SIGTERM; want 1\n%s", code, s.log())
+	}
+	for _, p := range []string{s.socket(), pidfile} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, s.log())
+		}
 	}
 }
