@@ -118,7 +118,15 @@ func info(stdout io.Writer, args []string, f *inspectFlags, chain bool) error {
 	if len(args) != 1 {
 		return usagef("info: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(args[0], f)
+	o, err := f.options()
+	if err != nil {
+		return err
+	}
+	// qemu-img info opens no backing file unless asked for the chain: an
+	// image whose backing file is missing is still described (and names
+	// it), and no server a backing URI names is contacted.
+	o.NoBacking = !chain
+	img, err := openImage(args[0], o)
 	if err != nil {
 		return err
 	}

@@ -82,6 +82,12 @@ type Options struct {
 	// NBD says how to reach images named by NBD URIs (the image itself or
 	// a backing file).
 	NBD NBDOptions
+	// NoBacking opens no backing file (QEMU's BDRV_O_NO_BACKING, as
+	// qemu-img info without --backing-chain): the image describes itself
+	// from its own metadata, and a missing or unreachable backing file is
+	// no error. Its reads of what the backing file holds would be zeroes,
+	// so only a command that reads no data sets it.
+	NoBacking bool
 }
 
 // NBDOptions are the client settings for NBD URIs.
@@ -261,6 +267,9 @@ func openNBD(uri, format string, o Options, writable, fromImage bool) (formats.I
 // openBacking is the formats.BackingOpener the chain's images get:
 // backing files are read-only.
 func (c *chain) openBacking(path, format string) (formats.Image, error) {
+	if c.o.NoBacking {
+		return nil, nil // no backing image: nil interface, not a nil pointer in one
+	}
 	if format == "" {
 		format = Auto
 	}
