@@ -1,0 +1,207 @@
+package tests
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+)
+
+// nbdcServer is an NBD server that lies: it serves a 1 MiB export of
+// 0x5a bytes with structured replies, and answers each READ with what
+// reply returns (nil: the truth). It takes any number of connections (the
+// client reconnects after a reply it refused) and stops in t.Cleanup.
+func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "liar.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var conns sync.Map
+	t.Cleanup(func() {
+		l.Close()
+		conns.Range(func(k, _ any) bool { k.(net.Conn).Close(); return true })
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			conns.Store(c, true)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer conns.Delete(c)
+				defer c.Close()
+				nbdcServe(c, reply)
+			}()
+		}
+	}()
+	return nbdURI("", sock)
+}
+
+const nbdcSize = 1 << 20
+
+// nbdcChunk is a structured reply chunk (the NBD spec's layout).
+func nbdcChunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
+	be := binary.BigEndian
+	b := be.AppendUint32(nil, 0x668e33ef)
+	b = be.AppendUint16(b, flags)
+	b = be.AppendUint16(b, typ)
+	b = be.AppendUint64(b, cookie)
+	b = be.AppendUint32(b, uint32(len(payload)))
+	return append(b, payload...)
+}
+
+// Chunk types and the DONE flag, from the spec.
+const (
+	nbdcDone   = 1
+	nbdcNone   = 0
+	nbdcData   = 1
+	nbdcHole   = 2
+	nbdcOptGo  = 7
+	nbdcOptSR  = 8
+	nbdcRepAck = 1
+)
+
+func nbdcServe(c net.Conn, reply func(cookie, off, length uint64) []byte) {
+	be := binary.BigEndian
+	g := be.AppendUint64(nil, 0x4e42444d41474943) // NBDMAGIC
+	g = be.AppendUint64(g, 0x49484156454f5054)    // IHAVEOPT
+	c.Write(be.AppendUint16(g, 3))                // fixed newstyle, no zeroes
+	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+		return
+	}
+	optReply := func(opt, typ uint32, data []byte) {
+		b := be.AppendUint64(nil, 0x3e889045565a9)
+		b = be.AppendUint32(b, opt)
+		b = be.AppendUint32(b, typ)
+		b = be.AppendUint32(b, uint32(len(data)))
+		c.Write(append(b, data...))
+	}
+	for done := false; !done; {
+		var h [16]byte
+		if _, err := io.ReadFull(c, h[:]); err != nil {
+			return
+		}
+		opt, n := be.Uint32(h[8:]), be.Uint32(h[12:])
+		if _, err := io.ReadFull(c, make([]byte, n)); err != nil {
+			return
+		}
+		switch opt {
+		case nbdcOptSR:
+			optReply(opt, nbdcRepAck, nil)
+		case nbdcOptGo:
+			info := be.AppendUint16(nil, 0) // INFO_EXPORT
+			info = be.AppendUint64(info, nbdcSize)
+			optReply(opt, 3, be.AppendUint16(info, 1|4)) // HAS_FLAGS, SEND_FLUSH
+			optReply(opt, nbdcRepAck, nil)
+			done = true
+		default:
+			optReply(opt, 1<<31|1, nil) // unsupported
+		}
+	}
+	for {
+		var h [28]byte
+		if _, err := io.ReadFull(c, h[:]); err != nil {
+			return
+		}
+		typ, cookie, off, length := be.Uint16(h[6:]), be.Uint64(h[8:]), be.Uint64(h[16:]), uint64(be.Uint32(h[24:]))
+		switch typ {
+		case 0: // READ
+			r := reply(cookie, off, length)
+			if r == nil {
+				r = nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length))...))
+			}
+			c.Write(r)
+		case 1: // WRITE: not offered
+			return
+		case 2: // DISC
+			return
+		default: // FLUSH and the rest: a simple success
+			c.Write(be.AppendUint64(be.AppendUint64(nil, 0x67446698<<32), cookie))
+		}
+	}
+}
+
+// nbdcReadDirect reads n bytes at off from path with O_DIRECT (the page
+// cache would hide what the export answers) into a buffer that held
+// 0xee: it returns what the read returned.
+func nbdcReadDirect(t *testing.T, path string, off int64, n int) (int, []byte, error) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Munmap(buf) })
+	for i := range buf {
+		buf[i] = 0xee
+	}
+	k, err := f.ReadAt(buf, off)
+	return k, buf, err
+}
+
+// TestNbdcLyingServerBehindFUSE: a FUSE export of an NBD server whose
+// READ replies lie: an OFFSET_DATA chunk 2^63-1 past the request (it
+// killed the export: the mount went ENOTCONN), a hole of one byte as far, a read
+// answered with NONE only or with half its data (the reader got stale
+// bytes, FUSE request headers among them). Each read fails with EIO, the
+// export lives on, and an honest read after it reads right.
+func TestNbdcLyingServerBehindFUSE(t *testing.T) {
+	be := binary.BigEndian
+	const lieAt = 64 << 10 // reads here get the lie; elsewhere the truth
+	lies := map[string]func(cookie, off, length uint64) []byte{
+		"data 2 to the 63 past the request": func(cookie, off, length uint64) []byte {
+			return nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off+1<<63-1), make([]byte, length)...))
+		},
+		"a hole of one byte 2 to the 63 less 1 past the request": func(cookie, off, _ uint64) []byte {
+			return nbdcChunk(cookie, nbdcDone, nbdcHole, be.AppendUint32(be.AppendUint64(nil, off+1<<63-1), 1))
+		},
+		"NONE and DONE only": func(cookie, _, _ uint64) []byte {
+			return nbdcChunk(cookie, nbdcDone, nbdcNone, nil)
+		},
+		"half the data": func(cookie, off, length uint64) []byte {
+			return nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length/2))...))
+		},
+	}
+	for name, lie := range lies {
+		t.Run(name, func(t *testing.T) {
+			uri := nbdcServer(t, func(cookie, off, length uint64) []byte {
+				if off <= lieAt && lieAt < off+length {
+					return lie(cookie, off, length)
+				}
+				return nil
+			})
+			mnt := filepath.Join(t.TempDir(), "mnt")
+			d := startExport(t, uri, mnt)
+			// An honest read first: its bytes would be the stale ones.
+			if n, got, err := nbdcReadDirect(t, mnt, 0, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
+				t.Fatalf("an honest read: %d, %v", n, err)
+			}
+			n, got, err := nbdcReadDirect(t, mnt, lieAt, 4096)
+			if errnoOf(err) != syscall.EIO {
+				t.Fatalf("a read the server lied to: %d bytes (%x...), %v; want EIO", n, got[:16], err)
+			}
+			if n, got, err := nbdcReadDirect(t, mnt, 8192, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
+				t.Fatalf("a read after the lie: %d, %v (the export died?)\n%s", n, err, d.log())
+			}
+			d.stopClean()
+		})
+	}
+}
