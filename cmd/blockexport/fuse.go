@@ -115,16 +115,6 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	// The pidfile first: a second instance given the same one is refused
-	// before it opens or mounts anything.
-	stop, err := f.start()
-	if err != nil {
-		return err
-	}
-	defer stop()
-	var jobs exitJobs
-	jobs.add(stop)
-
 	img, err := openImage(image, opts)
 	if err != nil {
 		return err
@@ -136,6 +126,16 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 
 	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
 	sigs := stopSignals()
+	// The pidfile before the mount: a second instance given the same one
+	// is refused before it mounts anything. (After stopSignals: a signal
+	// from here on is handled, so the pidfile is never left behind.)
+	stop, err := f.start()
+	if err != nil {
+		return err
+	}
+	defer stop()
+	var jobs exitJobs
+	jobs.add(stop)
 	var stats *fuseexport.Stats
 	if f.stats > 0 {
 		stats = fuseexport.NewStats()

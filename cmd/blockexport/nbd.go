@@ -90,8 +90,15 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	// The pidfile first: a second instance given the same one is refused
-	// before it opens or listens on anything.
+	img, err := openImage(args[0], opts)
+	if err != nil {
+		return err
+	}
+	defer img.Image.Close()
+	sigs := stopSignals()
+	// The pidfile before the socket: a second instance given the same
+	// one is refused before it listens. (After stopSignals: a signal from
+	// here on is handled, so the pidfile is never left behind.)
 	stop, err := f.start()
 	if err != nil {
 		return err
@@ -99,11 +106,6 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	defer stop()
 	var jobs exitJobs
 	jobs.add(stop)
-	img, err := openImage(args[0], opts)
-	if err != nil {
-		return err
-	}
-	defer img.Image.Close()
 
 	l, err := listenOn(network, addr)
 	if err != nil {
@@ -116,7 +118,6 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	srv := nbd.New(img.Image, nbd.Options{Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
 		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
 		TLS: tlsConf, TLSMode: tlsMode})
-	sigs := stopSignals()
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
 	logger.Info("serving NBD", "image", args[0], "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)
