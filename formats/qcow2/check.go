@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"math"
 	"slices"
 
@@ -98,6 +97,10 @@ type checker struct {
 	snaps   []snapshotEntry
 	snapOff int64
 	snapLen int64
+	// snapRaw is each snapshot entry as read; snapCorruptions counts the
+	// entries that must be rewritten (QEMU's snapshot check result).
+	snapRaw         []snapRaw
+	snapCorruptions int64
 
 	imrt    *imrt
 	rebuild bool
@@ -156,6 +159,14 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 		return res, err
 	}
 	res.ImageEndOffset = (highest + 1) * cs
+	if c.snapCorruptions > 0 {
+		res.Corruptions += c.snapCorruptions
+		if all {
+			if err := c.rewriteSnapshotTable(ctx); err != nil {
+				return res, err
+			}
+		}
+	}
 	if repair != RepairNone && res.CheckErrors == 0 && res.Corruptions == 0 && c.h.incompatible&(incDirty|incCorrupt) != 0 {
 		// Repaired: the image is clean and consistent again.
 		var b [8]byte
@@ -246,7 +257,7 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 		length = (length + 7) &^ 7
 		var hdr [snapshotHeaderLen]byte
 		if err := c.readAt(ctx, hdr[:], pos); err != nil {
-			return err
+			return fail("failed to read the snapshot table: %v", err)
 		}
 		idLen := int64(be.Uint16(hdr[12:]))
 		nameLen := int64(be.Uint16(hdr[14:]))
@@ -256,13 +267,24 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 		}
 		rest := make([]byte, extraLen+idLen+nameLen)
 		if err := c.readAt(ctx, rest, pos+snapshotHeaderLen); err != nil {
-			return err
+			return fail("failed to read the snapshot table: %v", err)
 		}
 		pos += snapshotHeaderLen + extraLen + idLen + nameLen
 		length += snapshotHeaderLen + extraLen + idLen + nameLen
 		if length > maxSnapshotTableBytes || pos-int64(off) > math.MaxInt32 {
 			return fail("failed to read the snapshot table: snapshot table is too big")
 		}
+		if c.h.version >= 3 && extraLen < 16 {
+			// Version 3 entries carry at least the VM state size and
+			// the disk size as extra data.
+			word := "ERROR"
+			if c.repair&RepairAll == RepairAll {
+				word = "Repairing"
+			}
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s snapshot table entry %d is incomplete", word, i))
+			c.snapCorruptions++
+		}
+		c.snapRaw = append(c.snapRaw, snapRaw{hdr: hdr, extra: slices.Clone(rest[:extraLen])})
 		c.snaps = append(c.snaps, snapshotEntry{
 			Snapshot: formats.Snapshot{ID: string(rest[extraLen : extraLen+idLen]), Name: string(rest[extraLen+idLen:])},
 			l1Offset: int64(be.Uint64(hdr[0:])),
@@ -273,15 +295,24 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 	return nil
 }
 
-// readAt reads p at off; what lies past the end of the file (or past any
-// offset a file can have) reads as zeroes.
+// maxIOOffset is QEMU's BDRV_MAX_LENGTH: a request ending beyond it fails
+// (EIO) rather than reading zeroes.
+const maxIOOffset = math.MaxInt64 - (1<<30 - 1)
+
+// errIO is a read QEMU's block layer refuses.
+var errIO = errors.New("Input/output error")
+
+// readAt reads p at off; what lies past the end of the file reads as
+// zeroes, as in QEMU, and a range past what any file can hold fails.
 func (c *checker) readAt(ctx context.Context, p []byte, off int64) error {
 	clear(p)
-	if off < 0 || off >= c.fileLen {
+	if off < 0 || off > maxIOOffset-int64(len(p)) {
+		return fmt.Errorf("qcow2: read %d bytes at %#x: %w", len(p), uint64(off), errIO)
+	}
+	if off >= c.fileLen {
 		return nil
 	}
 	if _, err := c.f.ReadAt(ctx, p, off); err != nil && err != io.EOF {
-		c.res.CheckErrors++
 		return fmt.Errorf("qcow2: read %d bytes at %#x: %w", len(p), off, err)
 	}
 	return nil
@@ -371,6 +402,7 @@ func (c *checker) l1Refs(ctx context.Context, off, size int64, active bool, repa
 	c.inc(off, size*8)
 	l1, err := c.readTable(ctx, off, size)
 	if err != nil {
+		c.report(&c.res.CheckErrors, "ERROR: I/O error in check_refcounts_l1")
 		return err
 	}
 	for _, e := range l1 {
@@ -397,6 +429,7 @@ func (c *checker) l2Refs(ctx context.Context, l2off int64, active bool, repair i
 	q, cs := c.q, c.h.clusterSize
 	l2, err := c.readTable(ctx, l2off, c.h.l2Entries)
 	if err != nil {
+		c.report(&c.res.CheckErrors, "ERROR: I/O error in check_refcounts_l2")
 		return err
 	}
 	var next int64 // where a contiguous cluster would lie
@@ -623,19 +656,7 @@ func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 			}
 		}
 	}
-	// The changed blocks, each after its overlap check, then one flush.
-	for _, off := range slices.Sorted(maps.Keys(dirty)) {
-		if err := c.writeMeta(ctx, c.blocks[off], off, metaRefBlock, "refcount block", false); err != nil {
-			return highest, err
-		}
-	}
-	if len(dirty) > 0 {
-		if err := c.f.Fdatasync(ctx); err != nil {
-			c.res.CheckErrors++
-			return highest, fmt.Errorf("qcow2: write refcount blocks: %w", err)
-		}
-	}
-	return highest, nil
+	return highest, c.flushBlocks(ctx, dirty)
 }
 
 // writeMeta writes metadata b at off, after the overlap check (allow: the
@@ -740,6 +761,7 @@ func (c *checker) copiedFlags(ctx context.Context, repair int) error {
 		}
 		l2, err := c.readTable(ctx, l2off, c.h.l2Entries)
 		if err != nil {
+			c.report(&c.res.CheckErrors, "ERROR: Could not read L2 table: %v", err)
 			return err
 		}
 		dirty := int64(0)
