@@ -93,12 +93,28 @@ func notifyReady() {
 	}
 }
 
-// stopSignals delivers SIGINT/SIGTERM. SIGPIPE is ignored, so that a log
-// reader that went away cannot kill us before we unmount or flush.
-func stopSignals() chan os.Signal {
+// stopSignal is a SIGINT or SIGTERM and when it came.
+type stopSignal struct {
+	sig os.Signal
+	at  time.Time
+}
+
+// stopSignals delivers SIGINT/SIGTERM, each stamped on arrival by one
+// goroutine that does nothing else: how far apart two signals came is
+// then not skewed by how late the serving code got round to the first
+// (on a loaded machine, hundreds of milliseconds). SIGPIPE is ignored, so
+// that a log reader that went away cannot kill us before we unmount or
+// flush.
+func stopSignals() chan stopSignal {
 	signal.Ignore(syscall.SIGPIPE)
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	raw := make(chan os.Signal, 4)
+	signal.Notify(raw, syscall.SIGINT, syscall.SIGTERM)
+	sigs := make(chan stopSignal, 4)
+	go func() {
+		for s := range raw {
+			sigs <- stopSignal{sig: s, at: time.Now()}
+		}
+	}()
 	return sigs
 }
 
@@ -129,22 +145,21 @@ func (e *exitJobs) run() {
 // taken for the same request: timeout(1) sends its signal to the process
 // and then to its process group, the process included, microseconds apart.
 // Taken for a second request, that pair skipped the final flush.
-const repeatWindow = 200 * time.Millisecond
+const repeatWindow = 500 * time.Millisecond
 
 // stopping logs the first signal and makes a second one end the process at
 // once, for a shutdown that hangs. The fast exit does not wait for
 // requests or the final flush, but it still runs the exit jobs, leaving no
 // mount or file of ours.
-func stopping(logger *slog.Logger, first os.Signal, sigs chan os.Signal, jobs *exitJobs) {
-	logger.Info("stopping", "signal", first.String())
-	start := time.Now()
+func stopping(logger *slog.Logger, first stopSignal, sigs chan stopSignal, jobs *exitJobs) {
+	logger.Info("stopping", "signal", first.sig.String())
 	go func() {
 		for s := range sigs {
-			if s == first && time.Since(start) < repeatWindow {
-				logger.Debug("the same signal again at once: one request to stop", "signal", s.String())
+			if s.sig == first.sig && s.at.Sub(first.at) < repeatWindow {
+				logger.Debug("the same signal again at once: one request to stop", "signal", s.sig.String())
 				continue
 			}
-			logger.Error("second signal while stopping; exiting at once", "signal", s.String())
+			logger.Error("second signal while stopping; exiting at once", "signal", s.sig.String())
 			jobs.run()
 			os.Exit(exitRuntime)
 		}
