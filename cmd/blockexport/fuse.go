@@ -163,9 +163,11 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	}
 	// A server of block I/O must not wait on the page cache of the device it
 	// serves: tell the kernel, as userspace block servers do. (After the
-	// mount, so that a refused export still says one line.)
+	// mount, so that a refused export still says one line.) Refused, it
+	// matters only to a loop device on the export, which we cannot know
+	// of: a debug line, not one on every unprivileged start.
 	if err := unix.Prctl(unix.PR_SET_IO_FLUSHER, 1, 0, 0, 0); err != nil {
-		logger.Info("not marked as an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): a loop device on this export may stall under memory pressure", "err", err)
+		logger.Debug("not marked as an I/O flusher (PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE): a loop device on this export may stall under memory pressure", "err", err)
 	}
 	if stats != nil {
 		stopStats := make(chan struct{})

@@ -92,13 +92,19 @@ func (o *outputFlag) json() (bool, error) {
 	return false, usagef("unknown --output %q (want human or json)", o.output)
 }
 
+// imageHelp says what IMAGE may be, for the inspecting commands' help.
+const imageHelp = "IMAGE is a raw or qcow2 file, null:SIZE, or an export on an NBD server:\n" +
+	"nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, and nbds://... or\n" +
+	"nbds+unix://... for TLS (the client's files: --tls-ca, --tls-cert, --tls-key)."
+
 func infoCommand() *cobra.Command {
 	var f inspectFlags
 	var chain bool
 	c := &cobra.Command{
-		Use:     "info [flags] IMAGE",
-		Short:   "describe an image (format, sizes, backing chain, features)",
-		Long:    "Describe IMAGE as qemu-img info does.",
+		Use:   "info [flags] IMAGE",
+		Short: "describe an image (format, sizes, backing chain, features)",
+		Long: "Describe IMAGE as qemu-img info does; without --backing-chain no backing file\n" +
+			"is opened, as in qemu-img.\n" + imageHelp,
 		Example: "  blockexport info --output=json --backing-chain overlay.qcow2",
 	}
 	c.Flags().BoolVar(&chain, "backing-chain", false, "describe every image of the backing chain")
@@ -253,7 +259,7 @@ func mapCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:     "map [flags] IMAGE",
 		Short:   "print an image's allocation, as qemu-img map does",
-		Long:    "Print the allocation of IMAGE as qemu-img map does.",
+		Long:    "Print the allocation of IMAGE as qemu-img map does.\n" + imageHelp,
 		Example: "  blockexport map --output=json disk.qcow2",
 	}
 	f.register(c)

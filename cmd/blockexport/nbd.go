@@ -34,9 +34,14 @@ func nbdCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "nbd [flags] IMAGE",
 		Short: "serve an image over NBD (unix socket or TCP)",
-		Long:  "Serve IMAGE (a raw or qcow2 file, or null:SIZE) over NBD.",
+		Long: "Serve IMAGE over NBD. IMAGE is a raw or qcow2 file, null:SIZE, or an export on\n" +
+			"another NBD server, named by its URI: nbd://HOST[:PORT]/EXPORT,\n" +
+			"nbd+unix:///EXPORT?socket=PATH, and nbds://... or nbds+unix://... for TLS (the\n" +
+			"client's files are --image-tls-ca/--image-tls-cert/--image-tls-key; --tls-* are\n" +
+			"this server's own).",
 		Example: "  blockexport nbd --listen unix:/tmp/nbd.sock -w disk.qcow2\n" +
-			"  nbdinfo 'nbd+unix:///?socket=/tmp/nbd.sock'",
+			"  nbdinfo 'nbd+unix:///?socket=/tmp/nbd.sock'\n" +
+			"  blockexport nbd --listen tcp:0.0.0.0:10809 'nbds://storage.example/disk' --image-tls-ca ca.pem",
 		RunE: f.run,
 	}
 	fs := c.Flags()

@@ -373,6 +373,7 @@ func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error)
 		flags |= unix.MS_RDONLY
 	}
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	openErr := err
 	if err == nil {
 		rootmode := unix.S_IFREG
 		if dir {
@@ -394,7 +395,12 @@ func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error)
 	if !writable {
 		fmOpts = append(fmOpts, "ro")
 	}
-	return fusermount(path, strings.Join(fmOpts, ","))
+	fd, err = fusermount(path, strings.Join(fmOpts, ","))
+	if err != nil && errors.Is(openErr, unix.EACCES) && strings.Contains(err.Error(), "/dev/fuse") {
+		// fusermount3 opens /dev/fuse as the user too: say what to do.
+		return -1, fmt.Errorf("permission denied opening /dev/fuse: run as root, or let this user open it (chmod 0666 /dev/fuse, the mode distributions ship, or a udev rule; membership of its group, where it has one) (%w)", err)
+	}
+	return fd, err
 }
 
 // escapeFsname keeps the mount source readable in /proc/mounts.
