@@ -7,16 +7,20 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // nbdcServer is an NBD server that lies: it serves a 1 MiB export of
 // 0x5a bytes with structured replies, and answers each READ with what
 // reply returns (nil: the truth). It takes any number of connections (the
-// client reconnects after a reply it refused) and stops in t.Cleanup.
-func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) string {
+// client reconnects after a reply it refused) and stops in t.Cleanup. It
+// hangs up on every WRITE. accepted counts its connections.
+func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) (uri string, accepted *atomic.Int64) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "liar.sock")
 	l, err := net.Listen("unix", sock)
@@ -25,6 +29,7 @@ func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) str
 	}
 	var wg sync.WaitGroup
 	var conns sync.Map
+	accepted = new(atomic.Int64)
 	t.Cleanup(func() {
 		l.Close()
 		conns.Range(func(k, _ any) bool { k.(net.Conn).Close(); return true })
@@ -39,6 +44,7 @@ func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) str
 				return
 			}
 			conns.Store(c, true)
+			accepted.Add(1)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
@@ -48,7 +54,7 @@ func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) str
 			}()
 		}
 	}()
-	return nbdURI("", sock)
+	return nbdURI("", sock), accepted
 }
 
 const nbdcSize = 1 << 20
@@ -182,7 +188,7 @@ func TestNbdcLyingServerBehindFUSE(t *testing.T) {
 	}
 	for name, lie := range lies {
 		t.Run(name, func(t *testing.T) {
-			uri := nbdcServer(t, func(cookie, off, length uint64) []byte {
+			uri, _ := nbdcServer(t, func(cookie, off, length uint64) []byte {
 				if off <= lieAt && lieAt < off+length {
 					return lie(cookie, off, length)
 				}
@@ -204,4 +210,54 @@ func TestNbdcLyingServerBehindFUSE(t *testing.T) {
 			d.stopClean()
 		})
 	}
+}
+
+// TestNbdcReconnectStormThroughFUSE: a server that completes every
+// handshake and hangs up on every WRITE, behind `fuse -w
+// --reconnect-timeout 1s`: a 4 KiB write fails with EIO in about that
+// second, after a bounded number of reconnects, and the daemon logs the
+// storm in a few lines (it retried 12,000 times in 20 s, never
+// returning, and logged every reconnect).
+func TestNbdcReconnectStormThroughFUSE(t *testing.T) {
+	uri, accepted := nbdcServer(t, func(uint64, uint64, uint64) []byte { return nil })
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	d := startExport(t, uri, mnt, "-w", "--reconnect-timeout", "1s")
+	f, err := os.OpenFile(mnt, os.O_WRONLY|syscall.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(buf)
+	before := accepted.Load()
+	done := make(chan error, 1)
+	began := time.Now()
+	go func() {
+		_, err := f.WriteAt(buf, 0)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if took := time.Since(began); errnoOf(err) != syscall.EIO || took > 5*time.Second {
+			t.Fatalf("a write to a server that hangs up on writes: %v after %v; want EIO after about 1s", err, took)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the write never returned: %d connections so far\n%s", accepted.Load(), d.log())
+	}
+	if n := accepted.Load() - before; n > 12 {
+		t.Fatalf("the write made %d connections in about a second", n)
+	}
+	lines := 0
+	for _, l := range strings.Split(d.log(), "\n") {
+		if strings.Contains(l, "NBD") {
+			lines++
+		}
+	}
+	if lines > 4 {
+		t.Fatalf("the storm logged %d lines about NBD:\n%s", lines, d.log())
+	}
+	d.stopClean()
 }
