@@ -199,9 +199,11 @@ func (c *conn) serveReplies() {
 		}
 	}
 	c.rmu.Unlock()
-	// A request that found us reading waits for the turn (the loop may
-	// have let go meanwhile).
-	c.passTurn()
+	// A request that found us reading after the loop let go waits for
+	// the turn; while the loop reads, requests wait for it instead.
+	if c.reader.Load() != loopReads {
+		c.passTurn()
+	}
 }
 
 // readOrFail reads one reply; a reply that cannot be read ends the
