@@ -16,9 +16,10 @@ import (
 
 // Exit statuses of check, qemu-img check's: 0 is a clean image.
 const (
-	checkIncomplete = 1 // the check could not finish (or hit internal errors)
+	checkIncomplete = 1 // the check could not finish (or hit internal errors), or a usage error
 	checkCorrupt    = 2
-	checkLeaks      = 3 // leaked clusters, and nothing worse
+	checkLeaks      = 3  // leaked clusters, and nothing worse
+	checkNoChecks   = 63 // the format has no checks (raw, null, NBD)
 )
 
 // exitStatus ends a command with a status and no message: check has
@@ -34,18 +35,38 @@ func checkCommand() *cobra.Command {
 		Use:   "check [flags] IMAGE",
 		Short: "check (and repair) an image's metadata, as qemu-img check does",
 		Long: "Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n" +
-			"references; raw and null: nothing to check). Exit status: 0 clean, 2 corruptions,\n" +
-			"3 leaked clusters only, 1 the check could not finish.",
+			"references). Exit status, as qemu-img check's: 0 clean, 2 corruptions, 3 leaked\n" +
+			"clusters only, 1 the check could not finish or a usage error, 63 a format without\n" +
+			"checks (raw, null, NBD). -r leaks refuses an image whose refcount structures must be\n" +
+			"rebuilt (exit 1, image untouched); -r all rebuilds them in fresh clusters at the end.",
 		Example: "  blockexport check disk.qcow2\n" +
 			"  blockexport check -r all --output=json disk.qcow2",
 	}
 	c.Flags().StringVarP(&repair, "repair", "r", "", "repair: leaks (free leaked clusters) or all (also refcounts too low and COPIED flags); refused while anyone uses the image")
 	f.register(c)
 	completeWords(c, "repair", "leaks", "all")
+	// qemu-img check exits 1 on a usage error, not 2 as the other
+	// commands do; flag errors included.
+	c.SetFlagErrorFunc(func(c *cobra.Command, err error) error { return checkStatus(c.ErrOrStderr(), usageError{err}) })
 	c.RunE = func(c *cobra.Command, args []string) error {
-		return check(c.OutOrStdout(), c.ErrOrStderr(), args, &f, repair)
+		return checkStatus(c.ErrOrStderr(), check(c.OutOrStdout(), c.ErrOrStderr(), args, &f, repair))
 	}
 	return c
+}
+
+// checkStatus turns check's usage errors and formats without checks into
+// qemu-img check's exit statuses, saying why.
+func checkStatus(stderr io.Writer, err error) error {
+	var u usageError
+	switch {
+	case errors.As(err, &u):
+		fmt.Fprintf(stderr, "blockexport: %v\n", err)
+		return exitStatus(checkIncomplete)
+	case errors.Is(err, probe.ErrNoChecks):
+		fmt.Fprintf(stderr, "blockexport: %v\n", err)
+		return exitStatus(checkNoChecks)
+	}
+	return err
 }
 
 // check is the check command once its flags are parsed.

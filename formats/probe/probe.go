@@ -147,12 +147,16 @@ func Open(spec string, o Options) (*Opened, error) {
 	return &Opened{Image: img, Format: name, Probed: format == Auto}, nil
 }
 
+// ErrNoChecks is Check on a format that has no checks (qemu-img check's
+// "This image format does not support checks", exit 63).
+var ErrNoChecks = errors.New("this image format does not support checks")
+
 // Check checks the image spec as `qemu-img check` does: a qcow2 image
 // through its refcounts, repairing what repair allows (qcow2.RepairLeaks,
 // qcow2.RepairAll), under the image locks a writer would conflict with (a
 // check refuses an image someone writes, a repair one anybody uses). A raw
-// file or null device has no metadata to be wrong: its check reports its
-// size.
+// file, a null device or an NBD export has no checks: once it opens,
+// ErrNoChecks, as qemu-img check says it (exit 63) with or without -r.
 func Check(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
 	format := o.Format
 	if format == "" {
@@ -161,24 +165,13 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	if _, err := ParseFormat(format); err != nil {
 		return formats.CheckResult{}, err
 	}
-	if nbd.IsURI(spec) {
-		if repair != qcow2.RepairNone {
-			return formats.CheckResult{}, fmt.Errorf("%w: an NBD export has no metadata to repair", ErrBadSpec)
-		}
+	if nbd.IsURI(spec) || strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
 		img, err := Open(spec, o)
 		if err != nil {
 			return formats.CheckResult{}, err
 		}
-		defer img.Image.Close()
-		return formats.CheckResult{Filename: spec, Format: Raw, ImageEndOffset: img.Image.Size()}, nil
-	}
-	if strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
-		img, err := Open(spec, o)
-		if err != nil {
-			return formats.CheckResult{}, err
-		}
-		defer img.Image.Close()
-		return formats.CheckResult{Filename: spec, Format: Null, ImageEndOffset: img.Image.Size()}, nil
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
 	}
 	if format == Auto {
 		var err error
@@ -188,15 +181,12 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	}
 	writable := repair != qcow2.RepairNone
 	if format == Raw {
-		if writable {
-			return formats.CheckResult{}, fmt.Errorf("%w: a raw image has no metadata to repair", ErrBadSpec)
-		}
 		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
 		if err != nil {
 			return formats.CheckResult{}, err
 		}
-		defer img.Image.Close()
-		return formats.CheckResult{Filename: spec, Format: Raw, ImageEndOffset: img.Image.Size()}, nil
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
 	}
 	var lock *aio.Lock
 	if o.Lock {

@@ -63,7 +63,7 @@ const maxCheckClusters = math.MaxInt32
 var ErrNeedRebuild = errors.New("need to rebuild refcount structures; repair with check -r all")
 
 // errFileTooLarge is QEMU's EFBIG: more clusters than a check handles.
-var errFileTooLarge = errors.New("File too large")
+var errFileTooLarge = errors.New("file too large")
 
 // Check checks the qcow2 image in f, repairing what repair allows (f must
 // then be writable), and reports in qemu-img check's terms. As qemu-img
@@ -300,7 +300,7 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 const maxIOOffset = math.MaxInt64 - (1<<30 - 1)
 
 // errIO is a read QEMU's block layer refuses.
-var errIO = errors.New("Input/output error")
+var errIO = errors.New("input/output error")
 
 // readAt reads p at off; what lies past the end of the file reads as
 // zeroes, as in QEMU, and a range past what any file can hold fails.
