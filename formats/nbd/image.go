@@ -95,10 +95,15 @@ type slot struct {
 	lost atomic.Bool // an outage has been logged and not yet ended
 	// During an outage: when it began (unix nanoseconds), how many
 	// connections were made again in it, and whether a request gave up
-	// (logged once): a storm is three lines, not one per reconnect.
+	// (logged once). An outage that begins within stormWindow of the
+	// last one logged is quiet (counted in quiet, summed up in the next
+	// line logged): a storm is a few lines, not some per reconnect.
 	since   atomic.Int64
 	redials atomic.Int64
 	gaveUp  atomic.Bool
+	loud    atomic.Bool  // this outage is logged
+	logged  atomic.Int64 // when the last logged outage began
+	quiet   atomic.Int64 // outages not logged since
 	// live is c, for a serve loop that must not wait for mu (a
 	// reconnect holds it while it replays writes).
 	live atomic.Pointer[conn]
@@ -295,7 +300,7 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, 
 		return time.Now().Before(deadline)
 	}
 	giveUp := func(err error) error {
-		if !deadline.IsZero() && s.gaveUp.CompareAndSwap(false, true) {
+		if !deadline.IsZero() && s.loud.Load() && s.gaveUp.CompareAndSwap(false, true) {
 			img.o.Logger.Warn("NBD requests fail: the connection did not come back in time", "uri", img.addr.URI,
 				"timeout", img.o.ReconnectTimeout, "reconnects", s.redials.Load(), "err", err)
 		}
@@ -343,18 +348,32 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, 
 
 // outage notes that slot s's connection broke: logged once per outage.
 func (img *Image) outage(s *slot, err error) {
-	if s.lost.CompareAndSwap(false, true) {
-		s.since.Store(time.Now().UnixNano())
-		s.redials.Store(0)
-		s.gaveUp.Store(false)
-		img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout)
+	if !s.lost.CompareAndSwap(false, true) {
+		return
 	}
+	now := time.Now()
+	s.since.Store(now.UnixNano())
+	s.redials.Store(0)
+	s.gaveUp.Store(false)
+	if last := s.logged.Load(); last != 0 && now.Sub(time.Unix(0, last)) < stormWindow {
+		s.loud.Store(false)
+		s.quiet.Add(1)
+		return
+	}
+	s.loud.Store(true)
+	s.logged.Store(now.UnixNano())
+	img.o.Logger.Warn("NBD connection lost; reconnecting", "uri", img.addr.URI, "err", err, "timeout", img.o.ReconnectTimeout,
+		"outages_not_logged_since", s.quiet.Swap(0))
 }
+
+// stormWindow: outages that follow a logged one this closely are counted,
+// not logged one by one.
+const stormWindow = 10 * time.Second
 
 // back ends slot s's outage, if any, once a request got an answer: one
 // line that sums it up.
 func (img *Image) back(s *slot) {
-	if s.lost.Load() && s.lost.CompareAndSwap(true, false) {
+	if s.lost.Load() && s.lost.CompareAndSwap(true, false) && s.loud.Load() {
 		img.o.Logger.Info("NBD connection made again", "uri", img.addr.URI,
 			"after", time.Since(time.Unix(0, s.since.Load())).Round(time.Millisecond), "reconnects", s.redials.Load())
 	}

@@ -295,3 +295,28 @@ func TestWriteLoggedBeforeSent(t *testing.T) {
 		t.Fatalf("after its acknowledgement the log holds %+v", img.log.entries)
 	}
 }
+
+// TestReconnectStormWithReadsBetween: the server hangs up on every WRITE
+// but answers reads, so that outages end and begin again, over and
+// over: that is one storm, logged in a few lines, not lines per outage.
+func TestReconnectStormWithReadsBetween(t *testing.T) {
+	f := newFakeNBD(t, 1<<20, func(int) fakeInfo { return fakeInfo{structured: true} })
+	f.handle = func(q fakeReq, _ fakeInfo) ([]byte, bool) { return nil, q.cmd == wire.CmdWrite }
+	logs := &logCount{}
+	img := f.open(Options{Writable: true, ReconnectTimeout: 100 * time.Millisecond, Logger: slog.New(logs)})
+	ctx := context.Background()
+	for range 8 {
+		if _, err := img.ReadAt(ctx, make([]byte, 4096), 0); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := img.WriteAt(ctx, make([]byte, 4096), 0); !errors.Is(err, syscall.EIO) {
+			t.Fatalf("write: %v, want EIO", err)
+		}
+	}
+	if _, err := img.ReadAt(ctx, make([]byte, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+	if l := logs.lines(); len(l) > 3 {
+		t.Fatalf("8 outages in a row logged %d lines: %q", len(l), l)
+	}
+}
