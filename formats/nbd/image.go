@@ -257,19 +257,27 @@ func (img *Image) carries(n exportInfo) error {
 	if n.maxBlock < o.maxBlock {
 		lacks = append(lacks, fmt.Sprintf("maximum block %d (was %d)", n.maxBlock, o.maxBlock))
 	}
-	if n.flags&wire.FlagReadOnly != 0 && o.flags&wire.FlagReadOnly == 0 {
+	// A client that never writes sends no write-type command, so a
+	// server that comes back read-only or without them still serves it
+	// (qemu-nbd restarted with --read-only under a read-only export); and
+	// CAN_MULTI_CONN promises consistency between connections, which one
+	// connection does not need.
+	writes := img.o.Writable
+	if writes && n.flags&wire.FlagReadOnly != 0 && o.flags&wire.FlagReadOnly == 0 {
 		lacks = append(lacks, "read-only now")
 	}
 	names := []struct {
-		f    uint16
-		name string
+		f      uint16
+		name   string
+		needed bool
 	}{
-		{wire.FlagHasFlags, "HAS_FLAGS"}, {wire.FlagSendFlush, "SEND_FLUSH"}, {wire.FlagSendFUA, "SEND_FUA"},
-		{wire.FlagSendTrim, "SEND_TRIM"}, {wire.FlagSendZeroes, "SEND_WRITE_ZEROES"}, {wire.FlagSendDF, "SEND_DF"},
-		{wire.FlagCanMultiConn, "CAN_MULTI_CONN"}, {wire.FlagSendCache, "SEND_CACHE"}, {wire.FlagSendFastZero, "SEND_FAST_ZERO"},
+		{wire.FlagHasFlags, "HAS_FLAGS", true}, {wire.FlagSendFlush, "SEND_FLUSH", writes}, {wire.FlagSendFUA, "SEND_FUA", writes},
+		{wire.FlagSendTrim, "SEND_TRIM", writes}, {wire.FlagSendZeroes, "SEND_WRITE_ZEROES", writes}, {wire.FlagSendDF, "SEND_DF", true},
+		{wire.FlagCanMultiConn, "CAN_MULTI_CONN", len(img.slots) > 1}, {wire.FlagSendCache, "SEND_CACHE", true},
+		{wire.FlagSendFastZero, "SEND_FAST_ZERO", writes},
 	}
 	for _, f := range names {
-		if o.flags&f.f != 0 && n.flags&f.f == 0 {
+		if f.needed && o.flags&f.f != 0 && n.flags&f.f == 0 {
 			lacks = append(lacks, "no "+f.name)
 		}
 	}

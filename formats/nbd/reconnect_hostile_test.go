@@ -58,22 +58,23 @@ func fullInfo() fakeInfo {
 // connection, and the change is logged once. Coming back the same works.
 func TestReconnectMustCarryWhatWasPromised(t *testing.T) {
 	less := map[string]func(i *fakeInfo){
-		"no extended headers":    func(i *fakeInfo) { i.extended = false },
-		"no structured replies":  func(i *fakeInfo) { i.extended, i.structured = false, false },
-		"no base:allocation":     func(i *fakeInfo) { i.alloc = false },
-		"minimum block 4096":     func(i *fakeInfo) { i.min = 4096 },
-		"maximum block 64 KiB":   func(i *fakeInfo) { i.max = 64 << 10 },
-		"no SEND_FLUSH":          func(i *fakeInfo) { i.flags &^= wire.FlagSendFlush },
-		"no SEND_FUA":            func(i *fakeInfo) { i.flags &^= wire.FlagSendFUA },
-		"no SEND_TRIM":           func(i *fakeInfo) { i.flags &^= wire.FlagSendTrim },
-		"no SEND_WRITE_ZEROES":   func(i *fakeInfo) { i.flags &^= wire.FlagSendZeroes },
-		"no SEND_FAST_ZERO":      func(i *fakeInfo) { i.flags &^= wire.FlagSendFastZero },
-		"no CAN_MULTI_CONN":      func(i *fakeInfo) { i.flags &^= wire.FlagCanMultiConn },
-		"read-only":              func(i *fakeInfo) { i.flags |= wire.FlagReadOnly },
-		"another size":           func(i *fakeInfo) { i.size = 2 << 20 },
-		"the same (works)":       func(*fakeInfo) {},
-		"more than before (ok)":  func(i *fakeInfo) { i.min, i.max, i.flags = 1, 32<<20, i.flags|wire.FlagSendCache },
-		"another preferred (ok)": func(i *fakeInfo) { i.pref = 65536 },
+		"no extended headers":   func(i *fakeInfo) { i.extended = false },
+		"no structured replies": func(i *fakeInfo) { i.extended, i.structured = false, false },
+		"no base:allocation":    func(i *fakeInfo) { i.alloc = false },
+		"minimum block 4096":    func(i *fakeInfo) { i.min = 4096 },
+		"maximum block 64 KiB":  func(i *fakeInfo) { i.max = 64 << 10 },
+		"no SEND_FLUSH":         func(i *fakeInfo) { i.flags &^= wire.FlagSendFlush },
+		"no SEND_FUA":           func(i *fakeInfo) { i.flags &^= wire.FlagSendFUA },
+		"no SEND_TRIM":          func(i *fakeInfo) { i.flags &^= wire.FlagSendTrim },
+		"no SEND_WRITE_ZEROES":  func(i *fakeInfo) { i.flags &^= wire.FlagSendZeroes },
+		"no SEND_FAST_ZERO":     func(i *fakeInfo) { i.flags &^= wire.FlagSendFastZero },
+		// One connection needs no consistency between connections.
+		"no CAN_MULTI_CONN, one connection (ok)": func(i *fakeInfo) { i.flags &^= wire.FlagCanMultiConn },
+		"read-only":                              func(i *fakeInfo) { i.flags |= wire.FlagReadOnly },
+		"another size":                           func(i *fakeInfo) { i.size = 2 << 20 },
+		"the same (works)":                       func(*fakeInfo) {},
+		"more than before (ok)":                  func(i *fakeInfo) { i.min, i.max, i.flags = 1, 32<<20, i.flags|wire.FlagSendCache },
+		"another preferred (ok)":                 func(i *fakeInfo) { i.pref = 65536 },
 	}
 	for name, change := range less {
 		t.Run(name, func(t *testing.T) {
@@ -142,6 +143,42 @@ func TestReconnectMustCarryWhatWasPromised(t *testing.T) {
 				t.Fatalf("the change was logged %d times, want once: %q", n, logs.lines())
 			}
 		})
+	}
+}
+
+// TestReconnectLesserServesAReader: a client that never writes goes on
+// reading from a server that came back read-only, without any write-type
+// command and (with two connections) still offering CAN_MULTI_CONN, and
+// one that lost CAN_MULTI_CONN fails a reader with two connections.
+func TestReconnectLesserServesAReader(t *testing.T) {
+	for _, multi := range []bool{true, false} {
+		f := newFakeNBD(t, 1<<20, func(n int) fakeInfo {
+			i := fullInfo()
+			if n >= 2 { // the two first connections are the opening ones
+				i.flags |= wire.FlagReadOnly
+				i.flags &^= wire.FlagSendFlush | wire.FlagSendFUA | wire.FlagSendTrim | wire.FlagSendZeroes | wire.FlagSendFastZero
+				if !multi {
+					i.flags &^= wire.FlagCanMultiConn
+				}
+			}
+			return i
+		})
+		var hungUp atomic.Bool
+		f.handle = func(q fakeReq, _ fakeInfo) ([]byte, bool) {
+			return nil, q.conn < 2 && q.cmd == wire.CmdRead && hungUp.CompareAndSwap(false, true)
+		}
+		img := f.open(Options{Connections: 2, ReconnectTimeout: 2 * time.Second})
+		ctx := context.Background()
+		for i := 0; i < 4; i++ { // both connections break, one after the other
+			hungUp.Store(false)
+			_, err := img.ReadAt(ctx, make([]byte, 512), 512)
+			switch {
+			case multi && err != nil:
+				t.Fatalf("read %d from a server that came back read-only: %v", i, err)
+			case !multi && i == 0 && !errors.Is(err, syscall.EIO):
+				t.Fatalf("read from a server that lost CAN_MULTI_CONN under two connections: %v, want EIO", err)
+			}
+		}
 	}
 }
 
