@@ -282,62 +282,71 @@ func TestChkDifferentialAgainstQemuImg(t *testing.T) {
 			broken := filepath.Join(cdir, "broken.qcow2")
 			copyFile(t, base, broken)
 			c.corrupt(t, broken, l)
-			brokenBytes := readAll(t, broken)
-			for _, mode := range []string{"", "leaks", "all"} {
-				qImg := filepath.Join(cdir, "q"+mode+".qcow2")
-				oImg := filepath.Join(cdir, "o"+mode+".qcow2")
-				copyFile(t, broken, qImg)
-				copyFile(t, broken, oImg)
-				q := chkRun(t, "qemu-img", mode, qImg)
-				o := chkRun(t, bin, mode, oImg)
-				label := "check"
-				if mode != "" {
-					label += " -r " + mode
-				}
-				same := q.code == o.code && (q.counts == nil) == (o.counts == nil)
-				if same && q.counts != nil {
-					for _, k := range chkCounts {
-						same = same && q.counts[k] == o.counts[k]
-					}
-				}
-				if why, ok := c.differ[mode]; ok {
-					t.Logf("%s: qemu-img %v, blockexport %v (expected to differ: %s)", label, q, o, why)
-				} else if !same {
-					t.Errorf("%s: qemu-img %v, blockexport %v\nqemu-img said:\n%s\nblockexport said:\n%s", label, q, o, q.stderr, o.stderr)
-				}
-				if strings.Contains(o.stderr, "panic:") || strings.Contains(o.stderr, "goroutine ") {
-					t.Errorf("%s: blockexport panicked:\n%s", label, o.stderr)
-				}
-				if mode == "" {
-					if !bytes.Equal(readAll(t, oImg), brokenBytes) {
-						t.Errorf("check without -r changed the image")
-					}
-					continue
-				}
-				// Safety after a repair.
-				if bytes.Equal(readAll(t, qImg), brokenBytes) && !bytes.Equal(readAll(t, oImg), brokenBytes) {
-					t.Errorf("%s: qemu-img left the image untouched, blockexport changed it", label)
-				}
-				qData, oData := chkGuest(t, qImg), chkGuest(t, oImg)
-				switch {
-				case qData == nil:
-				case oData == nil:
-					t.Errorf("%s: qemu-img reads its repaired image, not ours", label)
-				default:
-					if off := chkKeptLess(orig, qData, oData); off >= 0 {
-						t.Errorf("%s: our repair lost guest data at %#x that qemu-img's kept", label, off)
-					}
-				}
-				// What qemu-img check makes of each repaired image.
-				qq, qo := chkRun(t, "qemu-img", "", qImg), chkRun(t, "qemu-img", "", oImg)
-				if qo.code > qq.code && qq.code != 1 {
-					t.Errorf("%s: qemu-img check finds qemu-img's repair %v, ours %v\n%s", label, qq, qo, qo.stderr)
-				}
-				if _, ok := c.differ[mode]; ok && qo.code != 0 {
-					// A difference is allowed only where ours does better.
-					t.Errorf("%s: differs from qemu-img, and qemu-img check finds our repair %v\n%s", label, qo, qo.stderr)
-				}
-			}
+			chkDiffRuns(t, broken, orig, c.differ)
 		})
+	}
+}
+
+// chkDiffRuns runs both checkers on copies of broken with no repair, -r
+// leaks and -r all, and compares them; orig is the guest data before the
+// corruption. differ names the runs allowed to differ, and why.
+func chkDiffRuns(t *testing.T, broken string, orig []byte, differ map[string]string) {
+	t.Helper()
+	cdir := filepath.Dir(broken)
+	brokenBytes := readAll(t, broken)
+	for _, mode := range []string{"", "leaks", "all"} {
+		qImg := filepath.Join(cdir, "q"+mode+".qcow2")
+		oImg := filepath.Join(cdir, "o"+mode+".qcow2")
+		copyFile(t, broken, qImg)
+		copyFile(t, broken, oImg)
+		q := chkRun(t, "qemu-img", mode, qImg)
+		o := chkRun(t, bin, mode, oImg)
+		label := "check"
+		if mode != "" {
+			label += " -r " + mode
+		}
+		same := q.code == o.code && (q.counts == nil) == (o.counts == nil)
+		if same && q.counts != nil {
+			for _, k := range chkCounts {
+				same = same && q.counts[k] == o.counts[k]
+			}
+		}
+		if why, ok := differ[mode]; ok {
+			t.Logf("%s: qemu-img %v, blockexport %v (expected to differ: %s)", label, q, o, why)
+		} else if !same {
+			t.Errorf("%s: qemu-img %v, blockexport %v\nqemu-img said:\n%s\nblockexport said:\n%s", label, q, o, q.stderr, o.stderr)
+		}
+		if strings.Contains(o.stderr, "panic:") || strings.Contains(o.stderr, "goroutine ") {
+			t.Errorf("%s: blockexport panicked:\n%s", label, o.stderr)
+		}
+		if mode == "" {
+			if !bytes.Equal(readAll(t, oImg), brokenBytes) {
+				t.Errorf("check without -r changed the image")
+			}
+			continue
+		}
+		// Safety after a repair.
+		if bytes.Equal(readAll(t, qImg), brokenBytes) && !bytes.Equal(readAll(t, oImg), brokenBytes) {
+			t.Errorf("%s: qemu-img left the image untouched, blockexport changed it", label)
+		}
+		qData, oData := chkGuest(t, qImg), chkGuest(t, oImg)
+		switch {
+		case qData == nil:
+		case oData == nil:
+			t.Errorf("%s: qemu-img reads its repaired image, not ours", label)
+		default:
+			if off := chkKeptLess(orig, qData, oData); off >= 0 {
+				t.Errorf("%s: our repair lost guest data at %#x that qemu-img's kept", label, off)
+			}
+		}
+		// What qemu-img check makes of each repaired image.
+		qq, qo := chkRun(t, "qemu-img", "", qImg), chkRun(t, "qemu-img", "", oImg)
+		if qo.code > qq.code && qq.code != 1 {
+			t.Errorf("%s: qemu-img check finds qemu-img's repair %v, ours %v\n%s", label, qq, qo, qo.stderr)
+		}
+		if _, ok := differ[mode]; ok && qo.code != 0 {
+			// A difference is allowed only where ours does better.
+			t.Errorf("%s: differs from qemu-img, and qemu-img check finds our repair %v\n%s", label, qo, qo.stderr)
+		}
 	}
 }
