@@ -210,6 +210,7 @@ func chkCases() []chkCase {
 		{name: "snapshot L1 bit 63", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.snapTable, uint64(l.snapL1)|bit63) }},
 		{name: "snapshot L1 misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.snapTable, uint64(l.snapL1+512)) }},
 		{name: "snapshot L1 too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, l.snapTable+8, 1<<23) }},
+		{name: "snapshot extra data too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, l.snapTable+36, 2000) }},
 		{name: "snapshot count too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, 60, 70000) }},
 		{name: "dirty bit and a leak", corrupt: func(t *testing.T, img string, l chkLayout) {
 			chkPatch64(t, img, 72, 1)

@@ -262,15 +262,26 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 		idLen := int64(be.Uint16(hdr[12:]))
 		nameLen := int64(be.Uint16(hdr[14:]))
 		extraLen := int64(be.Uint32(hdr[36:]))
+		keep := extraLen // the extra data kept
 		if extraLen > maxSnapshotExtra {
-			return fail("failed to read the snapshot table: too much extra metadata in snapshot table entry %d", i)
+			if c.repair&RepairAll != RepairAll {
+				return fail("failed to read the snapshot table: too much extra metadata in snapshot table entry %d (qemu-img check -r all discards it)", i)
+			}
+			// As QEMU: the excess is dropped, the table rewritten.
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("Discarding too much extra metadata in snapshot table entry %d (%d > %d)", i, extraLen, maxSnapshotExtra))
+			c.snapCorruptions++
+			keep = maxSnapshotExtra
 		}
-		rest := make([]byte, extraLen+idLen+nameLen)
-		if err := c.readAt(ctx, rest, pos+snapshotHeaderLen); err != nil {
+		extra := make([]byte, keep)
+		names := make([]byte, idLen+nameLen)
+		if err := c.readAt(ctx, extra, pos+snapshotHeaderLen); err != nil {
+			return fail("failed to read the snapshot table: %v", err)
+		}
+		if err := c.readAt(ctx, names, pos+snapshotHeaderLen+extraLen); err != nil {
 			return fail("failed to read the snapshot table: %v", err)
 		}
 		pos += snapshotHeaderLen + extraLen + idLen + nameLen
-		length += snapshotHeaderLen + extraLen + idLen + nameLen
+		length += snapshotHeaderLen + keep + idLen + nameLen
 		if length > maxSnapshotTableBytes || pos-int64(off) > math.MaxInt32 {
 			return fail("failed to read the snapshot table: snapshot table is too big")
 		}
@@ -284,9 +295,9 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s snapshot table entry %d is incomplete", word, i))
 			c.snapCorruptions++
 		}
-		c.snapRaw = append(c.snapRaw, snapRaw{hdr: hdr, extra: slices.Clone(rest[:extraLen])})
+		c.snapRaw = append(c.snapRaw, snapRaw{hdr: hdr, extra: extra})
 		c.snaps = append(c.snaps, snapshotEntry{
-			Snapshot: formats.Snapshot{ID: string(rest[extraLen : extraLen+idLen]), Name: string(rest[extraLen+idLen:])},
+			Snapshot: formats.Snapshot{ID: string(names[:idLen]), Name: string(names[idLen:])},
 			l1Offset: int64(be.Uint64(hdr[0:])),
 			l1Size:   int64(be.Uint32(hdr[8:])),
 		})
