@@ -104,14 +104,17 @@ type checker struct {
 
 	imrt    *imrt
 	rebuild bool
-	// blocks caches the stored refcount blocks read.
+	// blocks caches the stored refcount blocks read (at most
+	// blockCacheBytes of clean ones); dirty marks those changed and not
+	// yet written.
 	blocks map[int64][]byte
+	dirty  map[int64]bool
 	meta   *metaMap // for the overlap checks of repairs; nil: stale
 }
 
 func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult, error) {
 	res := formats.CheckResult{Filename: f.Name(), Format: "qcow2"}
-	c := &checker{f: f, res: &res, repair: repair, blocks: map[int64][]byte{}}
+	c := &checker{f: f, res: &res, repair: repair, blocks: map[int64][]byte{}, dirty: map[int64]bool{}}
 	if err := c.load(ctx); err != nil {
 		return res, err
 	}
@@ -577,6 +580,13 @@ func (c *checker) stored(ctx context.Context, k int64) ([]byte, int64, int64, er
 	}
 	b, ok := c.blocks[int64(off)]
 	if !ok {
+		if int64(len(c.blocks))*c.h.clusterSize >= blockCacheBytes {
+			for k := range c.blocks {
+				if !c.dirty[k] {
+					delete(c.blocks, k)
+				}
+			}
+		}
 		b = make([]byte, c.h.clusterSize)
 		if err := c.readAt(ctx, b, int64(off)); err != nil {
 			return nil, 0, 0, err
@@ -585,6 +595,10 @@ func (c *checker) stored(ctx context.Context, k int64) ([]byte, int64, int64, er
 	}
 	return b, int64(off), k % per, nil
 }
+
+// blockCacheBytes bounds the clean refcount blocks a check keeps: memory
+// follows the computed refcounts, not the number of blocks.
+const blockCacheBytes = 32 << 20
 
 func (c *checker) perBlock() int64 { return c.h.clusterSize * 8 >> c.h.refcountOrder }
 
@@ -613,7 +627,6 @@ func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 	highest := int64(0)
 	per := c.perBlock()
 	bits := int64(1) << c.h.refcountOrder
-	dirty := map[int64]bool{}
 	for first := int64(0); first < c.nb; first += per {
 		last := min(first+per, c.nb)
 		// A range with no block and nothing referenced is all zeroes on
@@ -656,7 +669,7 @@ func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 				// (have is not zero: the block exists and was read.)
 				b, off, j, _ := c.stored(ctx, k)
 				setRefcount(b, j, bits, want)
-				dirty[off] = true
+				c.dirty[off] = true
 				*fixed++
 				continue
 			}
@@ -667,7 +680,7 @@ func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 			}
 		}
 	}
-	return highest, c.flushBlocks(ctx, dirty)
+	return highest, c.flushBlocks(ctx)
 }
 
 // writeMeta writes metadata b at off, after the overlap check (allow: the

@@ -53,16 +53,15 @@ func (c *checker) rewriteSnapshotTable(ctx context.Context) error {
 		return fmt.Errorf("qcow2: %s: update the snapshot table: %s", c.f.Name(), msg)
 	}
 	bits := int64(1) << c.h.refcountOrder
-	dirty := map[int64]bool{}
 	for k := start; k < start+n; k++ {
 		b, off, j, err := c.stored(ctx, k)
 		if err != nil || b == nil {
 			return fail("no refcount block covers cluster %d for the new table", k)
 		}
 		setRefcount(b, j, bits, 1)
-		dirty[off] = true
+		c.dirty[off] = true
 	}
-	if err := c.flushBlocks(ctx, dirty); err != nil {
+	if err := c.flushBlocks(ctx); err != nil {
 		return err
 	}
 	tableOff := start * cs
@@ -86,7 +85,6 @@ func (c *checker) rewriteSnapshotTable(ctx context.Context) error {
 	c.nb = (c.fileLen + cs - 1) / cs
 	// Free the old table where it had refcounts (one past the end of the
 	// file had none).
-	clear(dirty)
 	if oldLen > 0 && oldOff >= 0 && oldOff <= maxIOOffset-oldLen {
 		for k := oldOff / cs; k <= (oldOff+oldLen-1)/cs; k++ {
 			b, off, j, err := c.stored(ctx, k)
@@ -95,10 +93,10 @@ func (c *checker) rewriteSnapshotTable(ctx context.Context) error {
 			}
 			if v := getRefcount(b, j, bits); v > 0 {
 				setRefcount(b, j, bits, v-1)
-				dirty[off] = true
+				c.dirty[off] = true
 			}
 		}
-		if err := c.flushBlocks(ctx, dirty); err != nil {
+		if err := c.flushBlocks(ctx); err != nil {
 			return err
 		}
 	}
@@ -109,18 +107,19 @@ func (c *checker) rewriteSnapshotTable(ctx context.Context) error {
 
 // flushBlocks writes the changed refcount blocks, each after its overlap
 // check, and makes them durable.
-func (c *checker) flushBlocks(ctx context.Context, dirty map[int64]bool) error {
-	for _, off := range slices.Sorted(maps.Keys(dirty)) {
+func (c *checker) flushBlocks(ctx context.Context) error {
+	if len(c.dirty) == 0 {
+		return nil
+	}
+	for _, off := range slices.Sorted(maps.Keys(c.dirty)) {
 		if err := c.writeMeta(ctx, c.blocks[off], off, metaRefBlock, "refcount block", false); err != nil {
 			return err
 		}
-	}
-	if len(dirty) == 0 {
-		return nil
 	}
 	if err := c.f.Fdatasync(ctx); err != nil {
 		c.res.CheckErrors++
 		return fmt.Errorf("qcow2: write refcount blocks: %w", err)
 	}
+	clear(c.dirty)
 	return nil
 }
