@@ -53,6 +53,13 @@ func TestChkExitStatusesAsQemuImg(t *testing.T) {
 			t.Errorf("%v: exit 63 without saying why: %s", args, oout)
 		}
 	}
+	// The null device has no checks either (qemu-img: null-co, 63).
+	qcode, qout, _ := chkExit(t, "qemu-img", "check", "null-co://")
+	for _, args := range [][]string{{"check", "null:1M"}, {"check", "-r", "all", "null:1M"}} {
+		if ocode, oout, _ := chkExit(t, bin, args...); ocode != qcode || !strings.Contains(oout, "does not support checks") {
+			t.Errorf("%v: exit %d (qemu-img on null-co: %d %s)\n%s", args, ocode, qcode, qout, oout)
+		}
+	}
 }
 
 // TestChkHugeSparseFiles: the memory of a check is bounded by what the
