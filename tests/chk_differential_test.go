@@ -317,6 +317,9 @@ func chkDiffRuns(t *testing.T, broken string, orig []byte, differ map[string]str
 		} else if !same {
 			t.Errorf("%s: qemu-img %v, blockexport %v\nqemu-img said:\n%s\nblockexport said:\n%s", label, q, o, q.stderr, o.stderr)
 		}
+		if strings.Contains(q.stderr, "need to rebuild refcount structures") && !strings.Contains(o.stderr, "need to rebuild refcount structures") {
+			t.Errorf("%s: qemu-img refuses, needing a rebuild; ours does not say so:\n%s", label, o.stderr)
+		}
 		if strings.Contains(o.stderr, "panic:") || strings.Contains(o.stderr, "goroutine ") {
 			t.Errorf("%s: blockexport panicked:\n%s", label, o.stderr)
 		}

@@ -94,14 +94,16 @@ func check(stdout, stderr io.Writer, args []string, f *inspectFlags, repair stri
 	}
 	o.Lock = true // a check refuses an image someone writes, a repair one anybody uses
 	res, err := probe.Check(context.Background(), args[0], o, mode)
+	// What the check found before it failed is said too, as qemu-img
+	// says it before "Check failed".
+	for _, m := range res.Messages {
+		fmt.Fprintln(stderr, m)
+	}
 	if err != nil {
 		if errors.Is(err, probe.ErrBadSpec) {
 			return usageError{err}
 		}
 		return fmt.Errorf("check %s: %w", args[0], err)
-	}
-	for _, m := range res.Messages {
-		fmt.Fprintln(stderr, m)
 	}
 	if asJSON {
 		enc := json.NewEncoder(stdout)
