@@ -110,7 +110,7 @@ func (f *sourceFlags) register(c *cobra.Command) {
 // --tls-* flags for the server it is, so there they are --image-tls-*.
 func (f *sourceFlags) registerTLS(c *cobra.Command, prefix string) {
 	fs := c.Flags()
-	fs.StringVar(&f.tls.CA, prefix+"tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: the URI's tls-certificates directory, else the system's)")
+	fs.StringVar(&f.tls.CA, prefix+"tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: IMAGE's URI's tls-certificates directory, else the system's; a backing file's URI may not name one)")
 	fs.StringVar(&f.tls.Cert, prefix+"tls-cert", "", "nbds sources: the client certificate (PEM) to present, when the server asks for one")
 	fs.StringVar(&f.tls.Key, prefix+"tls-key", "", "nbds sources: the client certificate's key (PEM)")
 }
