@@ -72,3 +72,29 @@ type (
 	uint32be uint32
 	uint16be uint16
 )
+
+// FuzzProbeFormat: any head, of any length, and any name is some format
+// (raw at worst), without a panic; and a head that holds every probe's
+// header (512 bytes) names the same format when padded with zeroes to
+// probeHead, as QEMU pads a short file.
+func FuzzProbeFormat(f *testing.F) {
+	for _, seed := range []string{"", "KDMV", "COWD", "# Disk DescriptorFile\nversion=1\n", "#", " ", " \r", "vhdxfile",
+		"conectix", "QFI\xfb\x00\x00\x00\x01", "QFI\xfb\x00\x00\x00\x03", "QED\x00", "WithoutFreeSpace\x02\x00\x00\x00",
+		"LUKS\xba\xbe\x00\x01", cloopMagic, "Bochs Virtual HD Image"} {
+		f.Add([]byte(seed), "x.img")
+	}
+	f.Add([]byte{}, "y.dmg")
+	f.Fuzz(func(t *testing.T, head []byte, name string) {
+		ff := probeFormat(head, name)
+		if ff.name == "" {
+			t.Fatalf("no format for %q", head)
+		}
+		if len(head) <= probeHead {
+			padded := make([]byte, probeHead)
+			copy(padded, head)
+			if pf := probeFormat(padded, name); len(head) >= 512 && pf.name != ff.name {
+				t.Fatalf("%q is %s, padded %s", head, ff.name, pf.name)
+			}
+		}
+	})
+}
