@@ -101,5 +101,8 @@ func probeFormat(head []byte, path string) fileFormat {
 
 // unsupported is the one-line refusal of an image in format name.
 func unsupported(path, name string) error {
+	if name == "dmg" { // probed by its name alone
+		return fmt.Errorf("%s: %s %w (QEMU takes any file named *.dmg for one; give -f raw if it is raw, or convert it: qemu-img convert -f dmg -O qcow2 %s OUT.qcow2)", path, name, ErrUnsupportedFormat, path)
+	}
 	return fmt.Errorf("%s: %s %w (convert it: qemu-img convert -f %s -O qcow2 %s OUT.qcow2)", path, name, ErrUnsupportedFormat, name, path)
 }
