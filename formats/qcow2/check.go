@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"slices"
 
@@ -104,6 +105,10 @@ type checker struct {
 
 	imrt    *imrt
 	rebuild bool
+	// preCleared holds, by file offset, the L1 and L2 entries whose
+	// COPIED flag -r all cleared before raising refcounts, as they were:
+	// the flag pass judges and counts them as found.
+	preCleared map[int64]uint64
 	// blocks caches the stored refcount blocks read (at most
 	// blockCacheBytes of clean ones); dirty marks those changed and not
 	// yet written.
@@ -136,6 +141,11 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	highest := c.compare(ctx, RepairNone)
 
 	all := repair&RepairAll == RepairAll
+	if all && (c.rebuild || res.Corruptions > 0) {
+		if err := c.clearExcessCopied(ctx); err != nil {
+			return res, err
+		}
+	}
 	switch {
 	case c.rebuild && all:
 		var err error
@@ -759,37 +769,46 @@ func (c *checker) copiedFlags(ctx context.Context, repair int) error {
 	if fix {
 		word = "Repairing"
 	}
-	for i, e := range c.l1 {
-		l2off := int64(e & l1OffsetMask)
+	// want is entry e with its flag as refcount rc says.
+	want := func(e, rc uint64) uint64 {
+		if rc == 1 {
+			return e | oflagCopied
+		}
+		return e &^ oflagCopied
+	}
+	for i, cur := range c.l1 {
+		l2off := int64(cur & l1OffsetMask)
 		if l2off == 0 {
 			continue
 		}
+		at := int64(c.h.l1Offset) + int64(i)*8
+		e := c.original(at, cur)
 		rc, err := c.refcount(ctx, l2off/cs)
 		if err != nil {
 			continue // compare has said so
 		}
-		if (rc == 1) != (e&oflagCopied != 0) {
+		ne := want(e, rc)
+		if ne != e {
 			c.report(&c.res.Corruptions, "%s OFLAG_COPIED L2 cluster: l1_index=%d l1_entry=%x refcount=%d", word, i, e, rc)
-			if fix {
-				ne := e &^ oflagCopied
-				if rc == 1 {
-					ne |= oflagCopied
-				}
-				if err := c.writeMeta(ctx, binary.BigEndian.AppendUint64(nil, ne), int64(c.h.l1Offset)+int64(i)*8, metaL1, "L1 entry", true); err != nil {
-					return err
-				}
-				c.l1[i] = ne
-				c.res.Corruptions--
-				c.res.CorruptionsFixed++
+		}
+		if fix && ne != cur {
+			if err := c.writeMeta(ctx, binary.BigEndian.AppendUint64(nil, ne), at, metaL1, "L1 entry", true); err != nil {
+				return err
 			}
+			c.l1[i] = ne
+		}
+		if fix && ne != e {
+			c.res.Corruptions--
+			c.res.CorruptionsFixed++
 		}
 		l2, err := c.readTable(ctx, l2off, c.h.l2Entries)
 		if err != nil {
 			c.report(&c.res.CheckErrors, "ERROR: Could not read L2 table: %v", err)
 			return err
 		}
-		dirty := int64(0)
-		for j, e := range l2 {
+		fixed, changed := int64(0), false
+		for j, cur := range l2 {
+			e := c.original(l2off+int64(j)*8, cur)
 			host := int64(e & l2OffsetMask)
 			if e&l2Compressed != 0 || host == 0 {
 				continue
@@ -798,21 +817,116 @@ func (c *checker) copiedFlags(ctx context.Context, repair int) error {
 			if err != nil {
 				continue
 			}
-			if (rc == 1) != (e&oflagCopied != 0) {
+			ne := want(e, rc)
+			if ne != e {
 				c.report(&c.res.Corruptions, "%s OFLAG_COPIED data cluster: l2_entry=%x refcount=%d", word, e, rc)
 				if fix {
-					l2[j] = e ^ oflagCopied
-					dirty++
+					fixed++
 				}
 			}
+			if fix && ne != cur {
+				l2[j], changed = ne, true
+			}
 		}
-		if dirty > 0 {
+		if changed {
 			if err := c.writeMeta(ctx, encodeTable(l2), l2off, metaL2, "L2 table", true); err != nil {
 				return err
 			}
-			c.res.Corruptions -= dirty
-			c.res.CorruptionsFixed += dirty
 		}
+		c.res.Corruptions -= fixed
+		c.res.CorruptionsFixed += fixed
 	}
 	return nil
+}
+
+// original is the entry at file offset at as the check found it (cur is
+// what the file holds now).
+func (c *checker) original(at int64, cur uint64) uint64 {
+	if e, ok := c.preCleared[at]; ok {
+		return e
+	}
+	return cur
+}
+
+// clearExcessCopied clears, before -r all raises a refcount or rebuilds
+// the refcount structures, every COPIED flag of the active tables on a
+// cluster whose computed refcount is not one, and makes that durable.
+// QEMU fixes the flags after the refcounts; killed in between, its image
+// has a shared cluster marked COPIED, which the next write would
+// overwrite in place under the snapshot sharing it. Cleared first, the
+// worst a kill leaves is a flag missing: a copy on the next write. The
+// flag pass then judges these entries as they were found, so the counts
+// are QEMU's. A table whose write the overlap check refuses is left to
+// the flag pass, as in QEMU.
+func (c *checker) clearExcessCopied(ctx context.Context) error {
+	cs := c.h.clusterSize
+	c.preCleared = map[int64]uint64{}
+	excess := func(e uint64, host int64) bool {
+		return e&oflagCopied != 0 && c.imrt.get(host/cs) != 1
+	}
+	wrote := false
+	for i, e := range c.l1 {
+		l2off := int64(e & l1OffsetMask)
+		if l2off == 0 {
+			continue
+		}
+		if l2, err := c.readTable(ctx, l2off, c.h.l2Entries); err == nil {
+			changed := map[int64]uint64{}
+			for j, le := range l2 {
+				host := int64(le & l2OffsetMask)
+				if le&l2Compressed == 0 && host != 0 && excess(le, host) {
+					changed[l2off+int64(j)*8] = le
+					l2[j] = le &^ oflagCopied
+				}
+			}
+			if len(changed) > 0 {
+				ok, err := c.writeQuiet(ctx, encodeTable(l2), l2off, metaL2)
+				if err != nil {
+					return err
+				}
+				if ok {
+					maps.Copy(c.preCleared, changed)
+					wrote = true
+				}
+			}
+		}
+		if excess(e, l2off) {
+			at := int64(c.h.l1Offset) + int64(i)*8
+			ok, err := c.writeQuiet(ctx, binary.BigEndian.AppendUint64(nil, e&^oflagCopied), at, metaL1)
+			if err != nil {
+				return err
+			}
+			if ok {
+				c.preCleared[at] = e
+				c.l1[i] = e &^ oflagCopied
+				wrote = true
+			}
+		}
+	}
+	if !wrote {
+		return nil
+	}
+	if err := c.f.Fdatasync(ctx); err != nil {
+		c.res.CheckErrors++
+		return fmt.Errorf("qcow2: clear COPIED flags: %w", err)
+	}
+	return nil
+}
+
+// writeQuiet writes metadata b at off if the overlap check allows it,
+// saying nothing when it does not (false: the caller leaves that to a
+// later pass that reports it); a failed write is an error all the same.
+func (c *checker) writeQuiet(ctx context.Context, b []byte, off int64, allow metaKind) (bool, error) {
+	if c.meta == nil {
+		c.meta = c.metadata()
+	}
+	cs := c.h.clusterSize
+	if off < cs || c.meta.overlap(off/cs, (off+int64(len(b))+cs-1)/cs, allow) != metaNone {
+		return false, nil
+	}
+	if _, err := c.f.WriteAt(ctx, b, off); err != nil {
+		c.res.CheckErrors++
+		return false, fmt.Errorf("qcow2: clear COPIED flags at %#x: %w", off, err)
+	}
+	return true, nil
 }

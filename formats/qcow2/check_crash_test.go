@@ -10,6 +10,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -52,12 +54,11 @@ func chkQemuRaw(t *testing.T, img string) []byte {
 	return b
 }
 
-// chkBrokenImage makes an image with data and a snapshot whose first
-// refcount table entry names a data cluster: the case where a repair that
-// trusts the table writes refcounts over guest data.
-func chkBrokenImage(t *testing.T, dir string) string {
+// chkBaseImage makes an image with data and a snapshot: the first
+// cluster is shared with the snapshot (refcount 2, COPIED clear).
+func chkBaseImage(t *testing.T, dir string) (string, []byte) {
 	t.Helper()
-	img := filepath.Join(dir, "broken.qcow2")
+	img := filepath.Join(dir, "base.qcow2")
 	for _, args := range [][]string{
 		{"qemu-img", "create", "-q", "-f", "qcow2", img, "8M"},
 		{"qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 256k", "-c", "write -P 0x33 1M 64k", img},
@@ -72,15 +73,50 @@ func chkBrokenImage(t *testing.T, dir string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	be := binary.BigEndian
-	rt := be.Uint64(b[48:])
-	l2 := be.Uint64(b[be.Uint64(b[40:]):]) & l1OffsetMask
-	data := be.Uint64(b[l2:]) & l2OffsetMask
-	be.PutUint64(b[rt:], data)
-	if err := os.WriteFile(img, b, 0o644); err != nil {
-		t.Fatal(err)
+	return img, b
+}
+
+// chkCrashCases are the damage the kill test repairs: a refcount table
+// entry naming a data cluster (a rebuild), and a shared cluster whose
+// refcount dropped to one with its COPIED flag set, as a lost increment
+// leaves it (a refcount raised, a flag cleared).
+var chkCrashCases = []struct {
+	name   string
+	break_ func(b []byte)
+}{
+	{"reftable entry on data", func(b []byte) {
+		be := binary.BigEndian
+		rt := be.Uint64(b[48:])
+		l2 := be.Uint64(b[be.Uint64(b[40:]):]) & l1OffsetMask
+		be.PutUint64(b[rt:], be.Uint64(b[l2:])&l2OffsetMask)
+	}},
+	{"shared cluster at refcount one, COPIED", func(b []byte) {
+		be := binary.BigEndian
+		rb := be.Uint64(b[be.Uint64(b[48:]):])
+		l2 := be.Uint64(b[be.Uint64(b[40:]):]) & l1OffsetMask
+		e := be.Uint64(b[l2:])
+		be.PutUint16(b[rb+2*((e&l2OffsetMask)>>16):], 1)
+		be.PutUint64(b[l2:], e|oflagCopied)
+	}},
+}
+
+// chkCopiedOnShared returns qemu-img check's complaints about a COPIED
+// flag set on a cluster whose refcount is not one: the state in which a
+// write lands in place on a cluster a snapshot shares.
+func chkCopiedOnShared(t *testing.T, img string) []string {
+	t.Helper()
+	out, _ := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput()
+	var bad []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if !strings.Contains(line, "OFLAG_COPIED") || strings.HasSuffix(line, "refcount=1") {
+			continue
+		}
+		// "entry=8..." is an entry with the flag set.
+		if i := strings.Index(line, "entry="); i >= 0 && strings.HasPrefix(line[i+len("entry="):], "8") {
+			bad = append(bad, line)
+		}
 	}
-	return img
+	return bad
 }
 
 func checkWith(t *testing.T, img string, repair, killAfter int) (int, error) {
@@ -95,53 +131,70 @@ func checkWith(t *testing.T, img string, repair, killAfter int) (int, error) {
 	return k.writes, err
 }
 
-func TestCheckRebuildSurvivesAKillAtEveryWrite(t *testing.T) {
+func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 	if _, err := exec.LookPath("qemu-img"); err != nil {
 		t.Skip("no qemu-img")
 	}
-	dir := t.TempDir()
-	broken := chkBrokenImage(t, dir)
-	orig := chkQemuRaw(t, broken)
-	brokenBytes, err := os.ReadFile(broken)
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	// -r leaks refuses, writing nothing.
-	if n, err := checkWith(t, broken, RepairLeaks, 1<<30); !errors.Is(err, ErrNeedRebuild) || n != 0 {
-		t.Fatalf("-r leaks: %d writes, %v; want none and ErrNeedRebuild", n, err)
-	}
-	full := filepath.Join(dir, "full.qcow2")
-	if err := os.WriteFile(full, brokenBytes, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	total, err := checkWith(t, full, RepairAll, 1<<30)
-	if err != nil || total < 3 {
-		t.Fatalf("-r all: %d writes, %v", total, err)
-	}
-	for n := 0; n < total; n++ {
-		t.Run(fmt.Sprintf("killed after %d of %d writes", n, total), func(t *testing.T) {
-			img := filepath.Join(t.TempDir(), "k.qcow2")
-			if err := os.WriteFile(img, brokenBytes, 0o644); err != nil {
+	base, baseBytes := chkBaseImage(t, t.TempDir())
+	orig := chkQemuRaw(t, base)
+	for _, cc := range chkCrashCases {
+		t.Run(cc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			brokenBytes := slices.Clone(baseBytes)
+			cc.break_(brokenBytes)
+			full := filepath.Join(dir, "full.qcow2")
+			if err := os.WriteFile(full, brokenBytes, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := checkWith(t, img, RepairAll, n); !errors.Is(err, errKilled) {
-				t.Fatalf("the kill was not reached: %v", err)
+			before := chkCopiedOnShared(t, full)
+			total, err := checkWith(t, full, RepairAll, 1<<30)
+			if err != nil || total < 2 {
+				t.Fatalf("-r all: %d writes, %v", total, err)
 			}
-			if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
-				t.Fatal("the guest data changed")
+			if bad := chkCopiedOnShared(t, full); len(bad) > 0 {
+				t.Fatalf("after the repair: %v", bad)
 			}
-			// A second repair, uninterrupted, makes the image clean.
-			if _, err := checkWith(t, img, RepairAll, 1<<30); err != nil {
-				t.Fatalf("the second repair: %v", err)
-			}
-			if out, err := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput(); err != nil {
-				t.Fatalf("qemu-img check after the second repair: %v\n%s", err, out)
-			}
-			if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
-				t.Fatal("the guest data changed after the second repair")
+			for n := 0; n < total; n++ {
+				img := filepath.Join(dir, fmt.Sprintf("k%d.qcow2", n))
+				if err := os.WriteFile(img, brokenBytes, 0o644); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := checkWith(t, img, RepairAll, n); !errors.Is(err, errKilled) {
+					t.Fatalf("killed after %d of %d writes: the kill was not reached: %v", n, total, err)
+				}
+				if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
+					t.Fatalf("killed after %d of %d writes: the guest data changed", n, total)
+				}
+				// The damage may remain; a flag claiming a shared
+				// cluster may not have been added by the repair.
+				for _, line := range chkCopiedOnShared(t, img) {
+					if !slices.Contains(before, line) {
+						t.Errorf("killed after %d of %d writes: %s", n, total, line)
+					}
+				}
+				// A second repair, uninterrupted, makes the image clean.
+				if _, err := checkWith(t, img, RepairAll, 1<<30); err != nil {
+					t.Fatalf("killed after %d of %d writes: the second repair: %v", n, total, err)
+				}
+				if out, err := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput(); err != nil {
+					t.Fatalf("killed after %d of %d writes: qemu-img check after the second repair: %v\n%s", n, total, err, out)
+				}
+				if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
+					t.Fatalf("killed after %d of %d writes: the guest data changed after the second repair", n, total)
+				}
 			}
 		})
+	}
+
+	// -r leaks refuses the image that needs a rebuild, writing nothing.
+	broken := filepath.Join(t.TempDir(), "leaks.qcow2")
+	b := slices.Clone(baseBytes)
+	chkCrashCases[0].break_(b)
+	if err := os.WriteFile(broken, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := checkWith(t, broken, RepairLeaks, 1<<30); !errors.Is(err, ErrNeedRebuild) || n != 0 {
+		t.Fatalf("-r leaks: %d writes, %v; want none and ErrNeedRebuild", n, err)
 	}
 }
 
