@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"maps"
+	"math"
 	"slices"
 )
 
@@ -18,28 +19,55 @@ const imrtPage = 4096
 // pages allocated where something is referenced, so that a check holds
 // memory for what the metadata references, not for the file's size: a
 // sparse file of a terabyte with a few clusters in use costs a few pages.
+// Counts of refcounts up to 16 bits take two bytes each, as in QEMU; wider
+// ones four.
 type imrt struct {
-	pages map[int64]*[imrtPage]uint32
-	max   uint64
+	narrow map[int64]*[imrtPage]uint16
+	wide   map[int64]*[imrtPage]uint32
+	max    uint64
 }
 
-func newIMRT(max uint64) *imrt { return &imrt{pages: map[int64]*[imrtPage]uint32{}, max: max} }
+func newIMRT(max uint64) *imrt {
+	if max <= math.MaxUint16 {
+		return &imrt{narrow: map[int64]*[imrtPage]uint16{}, max: max}
+	}
+	return &imrt{wide: map[int64]*[imrtPage]uint32{}, max: max}
+}
 
 func (m *imrt) get(k int64) uint64 {
-	if p := m.pages[k/imrtPage]; p != nil {
+	if m.narrow != nil {
+		if p := m.narrow[k/imrtPage]; p != nil {
+			return uint64(p[k%imrtPage])
+		}
+		return 0
+	}
+	if p := m.wide[k/imrtPage]; p != nil {
 		return uint64(p[k%imrtPage])
 	}
 	return 0
 }
 
+// set stores v, which must not exceed max.
 func (m *imrt) set(k int64, v uint64) {
-	p := m.pages[k/imrtPage]
+	if m.narrow != nil {
+		p := m.narrow[k/imrtPage]
+		if p == nil {
+			if v == 0 {
+				return
+			}
+			p = new([imrtPage]uint16)
+			m.narrow[k/imrtPage] = p
+		}
+		p[k%imrtPage] = uint16(v)
+		return
+	}
+	p := m.wide[k/imrtPage]
 	if p == nil {
 		if v == 0 {
 			return
 		}
 		p = new([imrtPage]uint32)
-		m.pages[k/imrtPage] = p
+		m.wide[k/imrtPage] = p
 	}
 	p[k%imrtPage] = uint32(v)
 }
@@ -55,19 +83,30 @@ func (m *imrt) inc(k int64) bool {
 	return true
 }
 
+// pageIndexes returns the indexes of the pages held.
+func (m *imrt) pageIndexes() []int64 {
+	if m.narrow != nil {
+		return slices.Collect(maps.Keys(m.narrow))
+	}
+	return slices.Collect(maps.Keys(m.wide))
+}
+
+// hasPage says whether page pi is held.
+func (m *imrt) hasPage(pi int64) bool {
+	if m.narrow != nil {
+		return m.narrow[pi] != nil
+	}
+	return m.wide[pi] != nil
+}
+
 // any says whether a cluster in [a, b) is referenced.
 func (m *imrt) any(a, b int64) bool {
-	if a >= b {
-		return false
-	}
-	for pi := a / imrtPage; pi <= (b-1)/imrtPage; pi++ {
-		p := m.pages[pi]
-		if p == nil {
+	for pi := a / imrtPage; a < b && pi <= (b-1)/imrtPage; pi++ {
+		if !m.hasPage(pi) {
 			continue
 		}
-		lo, hi := max(a, pi*imrtPage)-pi*imrtPage, min(b, (pi+1)*imrtPage)-pi*imrtPage
-		for _, v := range p[lo:hi] {
-			if v != 0 {
+		for k := max(a, pi*imrtPage); k < min(b, (pi+1)*imrtPage); k++ {
+			if m.get(k) != 0 {
 				return true
 			}
 		}
@@ -75,20 +114,21 @@ func (m *imrt) any(a, b int64) bool {
 	return false
 }
 
-// highest returns the highest referenced cluster, or -1.
-func (m *imrt) highest() int64 {
-	h := int64(-1)
-	for pi, p := range m.pages {
-		if (pi+1)*imrtPage-1 <= h {
-			continue
-		}
-		for j := imrtPage - 1; j >= 0; j-- {
-			if p[j] != 0 {
-				h = max(h, pi*imrtPage+int64(j))
-				break
+// each calls f for every referenced cluster, in no order.
+func (m *imrt) each(f func(k int64)) {
+	for _, pi := range m.pageIndexes() {
+		for k := pi * imrtPage; k < (pi+1)*imrtPage; k++ {
+			if m.get(k) != 0 {
+				f(k)
 			}
 		}
 	}
+}
+
+// highest returns the highest referenced cluster, or -1.
+func (m *imrt) highest() int64 {
+	h := int64(-1)
+	m.each(func(k int64) { h = max(h, k) })
 	return h
 }
 
@@ -107,13 +147,7 @@ func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
 
 	start := max(c.nb, c.imrt.highest()+1)
 	need := map[int64]bool{}
-	for pi, p := range c.imrt.pages {
-		for j, v := range p {
-			if v != 0 {
-				need[(pi*imrtPage+int64(j))/per] = true
-			}
-		}
-	}
+	c.imrt.each(func(k int64) { need[k/per] = true })
 	// The new blocks and table must be covered by blocks too: grow the set
 	// until it covers itself.
 	var nblocks, entries, tableClusters, end int64
