@@ -9,7 +9,7 @@ import (
 
 // The differential run of chk_differential_test.go over images unlike the
 // first one: compressed clusters, version 2 (compat=0.10), refcounts of 1
-// and 64 bits, 512-byte clusters. Each gets the corruptions that mean
+// and 64 bits, persistent dirty bitmaps, 512-byte clusters. Each gets the corruptions that mean
 // something there, through a layout read from the image itself.
 
 // chkVarLayout is what the variant cases corrupt.
@@ -125,6 +125,13 @@ func TestChkDifferentialVariants(t *testing.T) {
 		{"64-bit refcounts", func(t *testing.T, img string) {
 			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "refcount_bits=64", img, "4M")
 			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
+		}, []varCase{tooHigh}},
+		{"persistent bitmaps", func(t *testing.T, img string) {
+			run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "8M")
+			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 1M", img)
+			run(t, "qemu-img", "bitmap", "--add", img, "b0")
+			run(t, "qemu-img", "bitmap", "--add", "-g", "512", img, "b1")
+			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x33 2M 64k", img)
 		}, []varCase{tooHigh}},
 		{"512-byte clusters", func(t *testing.T, img string) {
 			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", img, "1M")

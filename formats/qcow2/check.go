@@ -103,6 +103,10 @@ type checker struct {
 	snapRaw         []snapRaw
 	snapCorruptions int64
 
+	// The persistent bitmaps' directory, when the image has them.
+	bitmaps                     bool
+	bitmapDirSize, bitmapDirOff int64
+
 	imrt    *imrt
 	rebuild bool
 	// preCleared holds, by file offset, the L1 and L2 entries whose
@@ -223,9 +227,7 @@ func (c *checker) load(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", c.f.Name(), err)
 	}
-	if h.hasBitmaps {
-		return fmt.Errorf("qcow2: %s: checking images with persistent dirty bitmaps is not supported (qemu-img check is)", c.f.Name())
-	}
+	c.bitmapDirSize, c.bitmapDirOff, c.bitmaps = bitmapExtension(head, h)
 	be := binary.BigEndian
 	h.nbSnapshots = be.Uint32(head[hdrNbSnapshots:])
 	h.snapshotsOffset = be.Uint64(head[hdrSnapshotsOffset:])
@@ -384,6 +386,9 @@ func (c *checker) calculate(ctx context.Context, repair int) error {
 	}
 	c.inc(c.snapOff, c.snapLen)
 	c.inc(c.rtOff, int64(len(c.rt))*8)
+	if err := c.bitmapRefs(ctx); err != nil {
+		return err
+	}
 	return c.refblocks(repair)
 }
 
