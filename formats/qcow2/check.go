@@ -701,15 +701,8 @@ func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
 // writeMeta writes metadata b at off, after the overlap check (allow: the
 // kind being written), durably if sync.
 func (c *checker) writeMeta(ctx context.Context, b []byte, off int64, allow metaKind, what string, sync bool) error {
-	if c.meta == nil {
-		c.meta = c.metadata()
-	}
-	cs := c.h.clusterSize
-	if off < cs {
-		return c.overlapFailure(what, off, int64(len(b)), metaHeader)
-	}
-	if k := c.meta.overlap(off/cs, (off+int64(len(b))+cs-1)/cs, allow); k != metaNone {
-		return c.overlapFailure(what, off, int64(len(b)), k)
+	if name := c.overlaps(off, int64(len(b)), allow); name != "" {
+		return c.overlapFailure(what, off, int64(len(b)), name)
 	}
 	if _, err := c.f.WriteAt(ctx, b, off); err != nil {
 		c.res.CheckErrors++
@@ -725,9 +718,30 @@ func (c *checker) writeMeta(ctx context.Context, b []byte, off int64, allow meta
 	return nil
 }
 
-func (c *checker) overlapFailure(what string, off, n int64, k metaKind) error {
-	c.report(&c.res.CheckErrors, "ERROR: Could not write %s; metadata overlap check failed: %d bytes at %#x overlap the %s", what, n, off, k)
-	return fmt.Errorf("%w: preventing invalid write on metadata: %s of %d bytes at %#x would overlap the %s", ErrCorrupt, what, n, off, k)
+// overlaps names the metadata other than allow that n bytes at off would
+// land on ("": none): QEMU's default overlap checks, the bitmap directory
+// included.
+func (c *checker) overlaps(off, n int64, allow metaKind) string {
+	if c.meta == nil {
+		c.meta = c.metadata()
+	}
+	cs := c.h.clusterSize
+	first, end := off/cs, (off+n+cs-1)/cs
+	switch {
+	case off < cs:
+		return metaHeader.String()
+	case c.bitmaps && c.bitmapDirSize > 0 && first < (c.bitmapDirOff+c.bitmapDirSize+cs-1)/cs && c.bitmapDirOff/cs < end:
+		return "bitmap directory"
+	}
+	if k := c.meta.overlap(first, end, allow); k != metaNone {
+		return k.String()
+	}
+	return ""
+}
+
+func (c *checker) overlapFailure(what string, off, n int64, name string) error {
+	c.report(&c.res.CheckErrors, "ERROR: Could not write %s; metadata overlap check failed: %d bytes at %#x overlap the %s", what, n, off, name)
+	return fmt.Errorf("%w: preventing invalid write on metadata: %s of %d bytes at %#x would overlap the %s", ErrCorrupt, what, n, off, name)
 }
 
 // metadata maps the image's metadata for the overlap checks, as QEMU's
@@ -922,11 +936,7 @@ func (c *checker) clearExcessCopied(ctx context.Context) error {
 // saying nothing when it does not (false: the caller leaves that to a
 // later pass that reports it); a failed write is an error all the same.
 func (c *checker) writeQuiet(ctx context.Context, b []byte, off int64, allow metaKind) (bool, error) {
-	if c.meta == nil {
-		c.meta = c.metadata()
-	}
-	cs := c.h.clusterSize
-	if off < cs || c.meta.overlap(off/cs, (off+int64(len(b))+cs-1)/cs, allow) != metaNone {
+	if c.overlaps(off, int64(len(b)), allow) != "" {
 		return false, nil
 	}
 	if _, err := c.f.WriteAt(ctx, b, off); err != nil {

@@ -198,6 +198,36 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 	}
 }
 
+// TestCheckRepairRunsTheOverlapCheck: an L1 entry naming the L1 table's
+// own cluster makes the COPIED repair want to write that L1 entry, which
+// lies in what is now also an L2 table; the overlap check refuses, the
+// check fails, and the L1 table is as it was (qemu-img fails the same
+// way).
+func TestCheckRepairRunsTheOverlapCheck(t *testing.T) {
+	if _, err := exec.LookPath("qemu-img"); err != nil {
+		t.Skip("no qemu-img")
+	}
+	_, b := chkBaseImage(t, t.TempDir())
+	be := binary.BigEndian
+	l1 := be.Uint64(b[40:])
+	be.PutUint64(b[l1:], l1|oflagCopied)
+	img := filepath.Join(t.TempDir(), "overlap.qcow2")
+	if err := os.WriteFile(img, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := checkWith(t, img, RepairAll, 1<<30); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "overlap the active L2 table") {
+		t.Fatalf("-r all: %v; want the write refused as overlapping an L2 table", err)
+	}
+	after, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := int64(1) << be.Uint32(b[20:])
+	if !bytes.Equal(after[l1:int64(l1)+cs], b[l1:int64(l1)+cs]) {
+		t.Fatal("the L1 table was written over")
+	}
+}
+
 // FuzzCheck runs check and both repairs over mutated images: whatever the
 // metadata says (offsets at bit 63, tables past the end, counts at their
 // limits), no panic and no hang.
