@@ -142,7 +142,10 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	}
 	pre := res
 	pre.Messages = slices.Clone(res.Messages)
-	highest := c.compare(ctx, RepairNone)
+	highest, err := c.compare(ctx, RepairNone)
+	if err != nil {
+		return res, err
+	}
 
 	all := repair&RepairAll == RepairAll
 	if all && (c.rebuild || res.Corruptions > 0) {
@@ -152,7 +155,6 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	}
 	switch {
 	case c.rebuild && all:
-		var err error
 		if highest, err = c.rebuildRefcounts(ctx); err != nil {
 			return res, err
 		}
@@ -166,8 +168,7 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 			msgs := res.Messages
 			res = pre
 			res.Messages = msgs
-			var err error
-			if highest, err = c.compareFix(ctx, repair); err != nil {
+			if highest, err = c.compare(ctx, repair); err != nil {
 				return res, err
 			}
 		}
@@ -625,20 +626,10 @@ func (c *checker) refcount(ctx context.Context, k int64) (uint64, error) {
 	return getRefcount(b, j, 1<<c.h.refcountOrder), nil
 }
 
-// compare compares stored and computed refcounts without fixing anything
-// (QEMU's compare_refcounts with fix 0): it counts, finds what needs a
-// rebuild, and returns the highest cluster in use.
-func (c *checker) compare(ctx context.Context, repair int) int64 {
-	h, _ := c.compareAll(ctx, repair)
-	return h
-}
-
-// compareFix is compare fixing what repair allows.
-func (c *checker) compareFix(ctx context.Context, repair int) (int64, error) {
-	return c.compareAll(ctx, repair)
-}
-
-func (c *checker) compareAll(ctx context.Context, repair int) (int64, error) {
+// compare compares stored and computed refcounts (QEMU's
+// compare_refcounts), fixing what repair allows: it counts, finds what
+// needs a rebuild, and returns the highest cluster in use.
+func (c *checker) compare(ctx context.Context, repair int) (int64, error) {
 	highest := int64(0)
 	per := c.perBlock()
 	bits := int64(1) << c.h.refcountOrder

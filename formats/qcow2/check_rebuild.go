@@ -232,7 +232,7 @@ func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
 	}
 	saved := *c.res
 	c.res.Corruptions, c.res.Leaks, c.res.CheckErrors, c.res.LeaksFixed, c.res.CorruptionsFixed = 0, 0, 0, 0, 0
-	highest, err := c.compareFix(ctx, RepairLeaks)
+	highest, err := c.compare(ctx, RepairLeaks)
 	if err != nil {
 		return 0, err
 	}
