@@ -22,11 +22,9 @@ func (q *Image) openBacking(open formats.BackingOpener) error {
 	if !filepath.IsAbs(bpath) && !strings.Contains(bpath, "://") { // a URI (nbd://) is no path
 		bpath = filepath.Join(filepath.Dir(q.path), bpath)
 	}
-	switch q.h.backingFormat {
-	case "", "qcow2", "raw":
-	default:
-		return fmt.Errorf("%w: backing format %q of %s", ErrUnsupported, q.h.backingFormat, q.path)
-	}
+	// The backing format is whatever the header names: the opener is the
+	// one place that knows every format, and refuses by name one it does
+	// not read.
 	b, err := open(bpath, q.h.backingFormat)
 	if err != nil {
 		return fmt.Errorf("qcow2: %s: backing file %s: %w", q.path, q.h.backingFile, err)
