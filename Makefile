@@ -34,6 +34,7 @@ test:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/nbd
+	$(GO) test -run XXX -fuzz FuzzParse -fuzztime 20000x -fuzzminimizetime 2s ./formats/partition
 
 # Fuzz the qcow2 parser, the NBD server and the NBD client for longer (FUZZTIME=10m make fuzz).
 FUZZTIME ?= 2m
@@ -41,6 +42,7 @@ fuzz:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime $(FUZZTIME) ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime $(FUZZTIME) ./formats/nbd
+	$(GO) test -run XXX -fuzz FuzzParse -fuzztime $(FUZZTIME) ./formats/partition
 
 # Unit tests only (no mounts, no root needed for most).
 unit:

@@ -1,0 +1,143 @@
+package partition
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Range is a byte range of another image, served as an image of its own:
+// a partition. Every request is checked against the range before it
+// reaches the disk, so no read or write through it touches a byte outside
+// [start, start+size) of the disk. Its size is fixed: a partition grows
+// only by rewriting the table, which is the disk's business.
+type Range struct {
+	img         formats.Image
+	start, size int64
+	name        string
+}
+
+// NewRange serves [start, start+size) of img. The range must lie inside
+// the image. Closing the range does not close img, which the caller owns
+// (a disk may have several ranges open).
+func NewRange(img formats.Image, start, size int64, name string) (*Range, error) {
+	if start < 0 || size < 0 || size > img.Size() || start > img.Size()-size {
+		return nil, fmt.Errorf("partition %s: bytes %d+%d are not inside the image (%d bytes): %w", name, start, size, img.Size(), formats.ErrOutOfRange)
+	}
+	return &Range{img: img, start: start, size: size, name: name}, nil
+}
+
+// Open serves partition p of img.
+func Open(img formats.Image, p Partition, name string) (*Range, error) {
+	return NewRange(img, p.Start, p.Size, name)
+}
+
+// check refuses a request that leaves the range; off and n are the
+// range's own.
+func (r *Range) check(op string, off, n int64) error {
+	if off < 0 || n < 0 || off > r.size || n > r.size-off {
+		return fmt.Errorf("partition %s: %s of %d bytes at %d (size %d): %w", r.name, op, n, off, r.size, formats.ErrOutOfRange)
+	}
+	return nil
+}
+
+func (r *Range) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if err := r.check("read", off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	return r.img.ReadAt(ctx, p, r.start+off)
+}
+
+func (r *Range) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if err := r.check("write", off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	return r.img.WriteAt(ctx, p, r.start+off)
+}
+
+func (r *Range) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
+	if err := r.check("write-zeroes", off, n); err != nil {
+		return err
+	}
+	return r.img.WriteZeroes(ctx, r.start+off, n, mayUnmap)
+}
+
+func (r *Range) Discard(ctx context.Context, off, n int64) error {
+	if err := r.check("discard", off, n); err != nil {
+		return err
+	}
+	return r.img.Discard(ctx, r.start+off, n)
+}
+
+// Flush flushes the whole disk: durability is not a per-range affair.
+func (r *Range) Flush(ctx context.Context) error { return r.img.Flush(ctx) }
+
+func (r *Range) Size() int64 { return r.size }
+
+// Resize is refused: the partition's size is the table's.
+func (r *Range) Resize(_ context.Context, size int64) error {
+	if size == r.size {
+		return nil
+	}
+	return fmt.Errorf("partition %s: a partition's size is set by the partition table: %w", r.name, formats.ErrNotSupported)
+}
+
+// Extent is the disk's extent at the same bytes, cut at the range's end
+// and moved to the range's offsets.
+func (r *Range) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
+	if off < 0 || off >= r.size {
+		return formats.Extent{}, fmt.Errorf("partition %s: extent at %d (size %d): %w", r.name, off, r.size, formats.ErrOutOfRange)
+	}
+	n = min(n, r.size-off)
+	e, err := r.img.Extent(ctx, r.start+off, n)
+	if err != nil {
+		return e, err
+	}
+	if e.Start != r.start+off || e.Length <= 0 {
+		return formats.Extent{}, fmt.Errorf("partition %s: the disk described bytes %d+%d when asked for %d", r.name, e.Start, e.Length, r.start+off)
+	}
+	e.Start = off
+	e.Length = min(e.Length, n)
+	return e, nil
+}
+
+// AllocatedSize is unknown: the disk's host allocation is not the
+// partition's (st_blocks then says the size).
+func (r *Range) AllocatedSize(context.Context) (int64, error) { return -1, nil }
+
+func (r *Range) TryReadAt(p []byte, off int64) bool {
+	if r.check("read", off, int64(len(p))) != nil {
+		return false // ReadAt says why
+	}
+	return r.img.TryReadAt(p, r.start+off)
+}
+
+func (r *Range) TryWriteAt(p []byte, off int64) (bool, error) {
+	if err := r.check("write", off, int64(len(p))); err != nil {
+		return true, err
+	}
+	return r.img.TryWriteAt(p, r.start+off)
+}
+
+// Features: fast zeroes as the disk has them; no host fd, whose offsets
+// are the disk's, not the partition's.
+func (r *Range) Features() formats.Features {
+	f := r.img.Features()
+	f.HostFd = -1
+	return f
+}
+
+// Info is the disk's, sized as the partition.
+func (r *Range) Info() formats.Info {
+	i := r.img.Info()
+	i.VirtualSize = r.size
+	i.ActualSize = -1
+	return i
+}
+
+// Close releases nothing: the disk is the caller's.
+func (r *Range) Close() error { return nil }
+
+// Start is where the range begins on the disk.
+func (r *Range) Start() int64 { return r.start }
