@@ -33,7 +33,10 @@ type request struct {
 
 // conn is one client connection.
 type conn struct {
-	srv  *Server
+	srv *Server
+	// img is the export the client chose (the server's, or an extra
+	// one's: a partition), set by the handshake before any request.
+	img  formats.Image
 	sock sock.Stream // the client's stream: through TLS after STARTTLS
 	// raw is the socket's own stream, for waking the reader from other
 	// goroutines (sock changes under the reader at STARTTLS).
@@ -73,7 +76,7 @@ type conn struct {
 }
 
 func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
-	c := &conn{srv: s, sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
+	c := &conn{srv: s, img: s.img, sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.hand = coroutines.NewHandoff(c.ctx)
@@ -286,7 +289,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			c.uncork()
 			c.hand.Wait()
 			if c.srv.opts.Writable {
-				c.srv.img.Flush(context.Background())
+				c.img.Flush(context.Background())
 			}
 			return nil
 		}
@@ -371,11 +374,11 @@ func (c *conn) tryReadInline(req request) inlineResult {
 		return wouldWait
 	}
 	off, n := int64(req.off), int64(req.length)
-	if req.off >= 1<<63 || off+n > c.srv.img.Size() {
+	if req.off >= 1<<63 || off+n > c.img.Size() {
 		return wouldWait // the slow path reports the error
 	}
 	buf := c.scratch[:n]
-	ok := c.srv.img.TryReadAt(buf, off)
+	ok := c.img.TryReadAt(buf, off)
 	c.hand.Reads.Note(ok)
 	if !ok {
 		return missed
@@ -388,10 +391,10 @@ func (c *conn) tryReadInline(req request) inlineResult {
 // waiting right here in the reader; false means nothing was written.
 func (c *conn) tryWriteInline(req request, payload []byte) bool {
 	off := int64(req.off)
-	if !c.srv.opts.Writable || req.flags&^wire.CmdFlagPayloadLen != 0 || len(payload) == 0 || req.off >= 1<<63 || off+int64(len(payload)) > c.srv.img.Size() {
+	if !c.srv.opts.Writable || req.flags&^wire.CmdFlagPayloadLen != 0 || len(payload) == 0 || req.off >= 1<<63 || off+int64(len(payload)) > c.img.Size() {
 		return false
 	}
-	done, err := c.srv.img.TryWriteAt(payload, off)
+	done, err := c.img.TryWriteAt(payload, off)
 	if !done {
 		return false
 	}
@@ -432,7 +435,7 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 	if ctx.Err() != nil {
 		return // the client is gone: nobody to answer
 	}
-	img := c.srv.img
+	img := c.img
 	off, n := int64(req.off), int64(req.length)
 	size := img.Size()
 	inRange := req.off < 1<<63 && req.length < 1<<63 && off <= size && n <= size-off
@@ -513,7 +516,7 @@ func (c *conn) cache(ctx context.Context, off, n int64) error {
 	defer c.srv.bufs.Release(bp)
 	for n > 0 {
 		k := min(n, int64(len(buf)))
-		if _, err := c.srv.img.ReadAt(ctx, buf[:k], off); err != nil {
+		if _, err := c.img.ReadAt(ctx, buf[:k], off); err != nil {
 			return err
 		}
 		off += k
@@ -539,7 +542,7 @@ func (c *conn) blockStatus(req request, off, n int64) {
 	end := off + n
 	count := 0
 	for ; off < end && count < 1024; count++ {
-		e, err := c.srv.img.Extent(ctx, off, end-off)
+		e, err := c.img.Extent(ctx, off, end-off)
 		if err != nil {
 			c.errorReply(req, errnoOf(err), err.Error())
 			return

@@ -86,11 +86,13 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				// confirm the headers: the spec forbids it here.
 				return n, errors.New("client asked for an export with EXPORT_NAME after extended headers")
 			}
-			if string(data) != c.srv.opts.Name {
+			img, _, ok := c.srv.export(string(data))
+			if !ok {
 				return n, fmt.Errorf("client asked for unknown export %q", data)
 			}
+			c.img = img
 			reply := make([]byte, 10, 134)
-			be.PutUint64(reply[0:], uint64(c.srv.img.Size()))
+			be.PutUint64(reply[0:], uint64(c.img.Size()))
 			be.PutUint16(reply[8:], c.srv.transmissionFlags())
 			if !noZeroes {
 				reply = append(reply, make([]byte, 124)...)
@@ -105,11 +107,13 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				c.optReply(opt.ID, wire.RepErrInvalid, []byte("LIST takes no data"))
 				continue
 			}
-			name := c.srv.opts.Name
-			payload := be.AppendUint32(nil, uint32(len(name)))
-			payload = append(payload, name...)
-			payload = append(payload, c.srv.opts.Description...)
-			c.optReply(opt.ID, wire.RepServer, payload)
+			list := append([]Export{{Name: c.srv.opts.Name, Description: c.srv.opts.Description}}, c.srv.opts.Extra...)
+			for _, e := range list {
+				payload := be.AppendUint32(nil, uint32(len(e.Name)))
+				payload = append(payload, e.Name...)
+				payload = append(payload, e.Description...)
+				c.optReply(opt.ID, wire.RepServer, payload)
+			}
 			c.optReply(opt.ID, wire.RepAck, nil)
 		case wire.OptInfo, wire.OptGo:
 			done, err := c.infoGo(opt.ID, data)
@@ -197,7 +201,8 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 		c.optReply(id, wire.RepErrInvalid, []byte("bad information request list"))
 		return false, nil
 	}
-	if name != c.srv.opts.Name {
+	img, desc, ok := c.srv.export(name)
+	if !ok {
 		c.optReply(id, wire.RepErrUnknown, []byte(fmt.Sprintf("no export named %q", name)))
 		return false, nil
 	}
@@ -208,8 +213,8 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	if wants[wire.InfoName] {
 		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoName), name...))
 	}
-	if wants[wire.InfoDescription] && c.srv.opts.Description != "" {
-		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), c.srv.opts.Description...))
+	if wants[wire.InfoDescription] && desc != "" {
+		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), desc...))
 	}
 	// Block sizes are always sent: they are constraints we rely on.
 	bs := protocol.NegotiationReplyBlockSize{Type: wire.InfoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
@@ -218,12 +223,15 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	p = be.AppendUint32(p, bs.PreferredBlockSize)
 	p = be.AppendUint32(p, bs.MaximumBlockSize)
 	c.optReply(id, wire.RepInfo, p)
-	ex := protocol.NegotiationReplyInfo{Type: wire.InfoExport, Size: uint64(c.srv.img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
+	ex := protocol.NegotiationReplyInfo{Type: wire.InfoExport, Size: uint64(img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
 	p = be.AppendUint16(nil, ex.Type)
 	p = be.AppendUint64(p, ex.Size)
 	p = be.AppendUint16(p, ex.TransmissionFlags)
 	c.optReply(id, wire.RepInfo, p)
 	c.optReply(id, wire.RepAck, nil)
+	if id == wire.OptGo {
+		c.img = img
+	}
 	return id == wire.OptGo, nil
 }
 
@@ -237,7 +245,7 @@ func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
 	if uint64(nameLen)+8 > uint64(len(data)) {
 		return false, fmt.Errorf("bad export name length")
 	}
-	if string(data[4:4+nameLen]) != c.srv.opts.Name {
+	if _, _, ok := c.srv.export(string(data[4 : 4+nameLen])); !ok {
 		return false, fmt.Errorf("no export named %q", data[4:4+nameLen])
 	}
 	rest := data[4+nameLen:]

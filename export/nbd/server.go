@@ -45,6 +45,30 @@ type Options struct {
 	// with our own client).
 	CompactHeaders bool
 	Logger         *slog.Logger
+	// Extra are more exports of the same server beside Name: the disk's
+	// partitions (--partitions), listed by NBD_OPT_LIST and chosen by
+	// name, each a range of the disk (formats/partition).
+	Extra []Export
+}
+
+// Export is one more export a server offers under its own name.
+type Export struct {
+	Name, Description string
+	Image             formats.Image
+}
+
+// export finds the export a client names: the image and its
+// description.
+func (s *Server) export(name string) (formats.Image, string, bool) {
+	if name == s.opts.Name {
+		return s.img, s.opts.Description, true
+	}
+	for _, e := range s.opts.Extra {
+		if e.Name == name {
+			return e.Image, e.Description, true
+		}
+	}
+	return nil, "", false
 }
 
 // Default bounds on the request buffers in flight. A connection's 64 MiB
