@@ -1,6 +1,7 @@
 package probe
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -8,6 +9,9 @@ import (
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/raw"
+	"github.com/blockexport/blockexport/formats/vdi"
+	"github.com/blockexport/blockexport/formats/vhdx"
+	"github.com/blockexport/blockexport/formats/vmdk"
 )
 
 // ErrUnsupportedFormat marks an image in a format QEMU reads and this
@@ -63,10 +67,47 @@ func fileFormats() []fileFormat {
 			}},
 		// QEMU reads these; we recognise them (block/*.c, *_probe).
 		{name: "qcow", probe: probeQCOW1},
-		{name: "vmdk", probe: probeVMDK},
-		{name: "vhdx", probe: probeVHDX},
+		{name: "vmdk", probe: probeVMDK, lock: vmdk.Lock,
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				if w {
+					f.Close()
+					return nil, vmdk.WritableError(f.Name())
+				}
+				name := f.Name()
+				img, err := vmdk.New(context.Background(), f, vmdk.Options{Name: name, Direct: c.o.Direct,
+					GTCacheSize: c.o.L2CacheSize,
+					OpenExtent:  func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
+					OpenParent:  func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, "vmdk") }})
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
+		{name: "vhdx", probe: probeVHDX,
+			lock: func(w, _ bool) aio.Lock { return vhdx.Lock(w) },
+			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
+				img, err := vhdx.New(context.Background(), f, vhdx.Options{Writable: w})
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
 		{name: "vpc", probe: probeVPC},
-		{name: "vdi", probe: probeVDI},
+		{name: "vdi", probe: probeVDI,
+			// Never writable: a -w open is refused by open with a pointer
+			// to an overlay, not by a lock conflict first.
+			lock: func(bool, bool) aio.Lock { return vdi.Lock(false) },
+			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
+				if w {
+					f.Close()
+					return nil, readOnlyFormat(f.Name(), "vdi")
+				}
+				img, err := vdi.New(f)
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
 		{name: "qed", probe: probeQED},
 		{name: "parallels", probe: probeParallels},
 		{name: "bochs", probe: probeBochs},
@@ -105,4 +146,11 @@ func unsupported(path, name string) error {
 		return fmt.Errorf("%s: %s %w (QEMU takes any file named *.dmg for one; give -f raw if it is raw, or convert it: qemu-img convert -f dmg -O qcow2 %s OUT.qcow2)", path, name, ErrUnsupportedFormat, path)
 	}
 	return fmt.Errorf("%s: %s %w (convert it: qemu-img convert -f %s -O qcow2 %s OUT.qcow2)", path, name, ErrUnsupportedFormat, name, path)
+}
+
+// readOnlyFormat is the one-line refusal of a writable open of an image
+// in a format read here but not written (vdi, vpc): the way to write over
+// one is a qcow2 overlay, as with QEMU.
+func readOnlyFormat(path, name string) error {
+	return fmt.Errorf("%s: %s images are read-only here; to write, export a qcow2 overlay on it: qemu-img create -f qcow2 -b %s -F %s OVERLAY.qcow2", path, name, path, name)
 }

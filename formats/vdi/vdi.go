@@ -1,0 +1,371 @@
+// Package vdi reads VirtualBox disk images (VDI, version 1.1), static and
+// dynamic, as QEMU 7.2's vdi driver does (block/vdi.c): a 512-byte header,
+// a block map of little-endian 32-bit entries, and 1 MiB data blocks.
+//
+// It is read-only for now; writes are refused with formats.ErrReadOnly
+// (write over one through a qcow2 overlay). Unlike QEMU, every block-map
+// entry is checked when the image opens: an entry past the blocks the
+// header counts or past the end of the file, and two entries naming one
+// data block, make the image corrupt (QEMU serves zeroes or another
+// block's bytes for them without an error).
+package vdi
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Errors callers branch on.
+var (
+	// ErrCorrupt: the metadata contradicts itself or the file.
+	ErrCorrupt = errors.New("vdi: image is corrupt")
+	// ErrUnsupported: a valid VDI image QEMU does not read either
+	// (another version, block size, a differencing image).
+	ErrUnsupported = errors.New("vdi: unsupported image")
+)
+
+const (
+	headerSize  = 512 // QEMU's VdiHeader, read whole
+	signature   = 0xbeda107f
+	version11   = 0x00010001
+	typeStatic  = 2
+	sectorSize  = 512
+	blockSize   = 1 << 20 // the only block size QEMU reads
+	unallocated = 0xffffffff
+	discarded   = 0xfffffffe // reads as zeroes
+	// maxBlocks is QEMU's VDI_BLOCKS_IN_IMAGE_MAX: a block map of at most
+	// 2 GiB, read in one piece.
+	maxBlocks    = (1<<31 - 512) / 4
+	maxDiskSize  = maxBlocks * blockSize
+	offBmapField = 0x154
+)
+
+// Lock is what an open of a VDI file locks (see aio.Lock): as for any
+// format with metadata, nobody else may write or resize it.
+func Lock(writable bool) aio.Lock {
+	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
+	if writable {
+		l.Perm |= aio.PermWrite | aio.PermResize
+	}
+	return l
+}
+
+// Header is the part of the VDI header the reader uses, host-endian.
+type Header struct {
+	Version         uint32
+	ImageType       uint32
+	OffsetBmap      uint32
+	OffsetData      uint32
+	SectorSize      uint32
+	DiskSize        uint64
+	BlockSize       uint32
+	BlocksInImage   uint32
+	BlocksAllocated uint32
+	UUIDLink        [16]byte
+	UUIDParent      [16]byte
+}
+
+func parseHeader(b []byte) (Header, error) {
+	le := binary.LittleEndian
+	if le.Uint32(b[64:]) != signature {
+		return Header{}, fmt.Errorf("%w: bad signature %08x", ErrCorrupt, le.Uint32(b[64:]))
+	}
+	h := Header{
+		Version:         le.Uint32(b[68:]),
+		ImageType:       le.Uint32(b[76:]),
+		OffsetBmap:      le.Uint32(b[offBmapField:]),
+		OffsetData:      le.Uint32(b[offBmapField+4:]),
+		SectorSize:      le.Uint32(b[offBmapField+20:]),
+		DiskSize:        le.Uint64(b[offBmapField+28:]),
+		BlockSize:       le.Uint32(b[offBmapField+36:]),
+		BlocksInImage:   le.Uint32(b[offBmapField+44:]),
+		BlocksAllocated: le.Uint32(b[offBmapField+48:]),
+	}
+	copy(h.UUIDLink[:], b[offBmapField+84:])
+	copy(h.UUIDParent[:], b[offBmapField+100:])
+	return h, nil
+}
+
+// validate applies QEMU's vdi_open checks, in its order, and rounds an odd
+// disk size up to a sector as it does.
+func (h *Header) validate() error {
+	if h.DiskSize > maxDiskSize {
+		return fmt.Errorf("%w: size %#x is over the maximum %#x", ErrUnsupported, h.DiskSize, uint64(maxDiskSize))
+	}
+	h.DiskSize = (h.DiskSize + sectorSize - 1) &^ (sectorSize - 1) // VBoxManage convertfromraw makes odd sizes
+	switch {
+	case h.Version != version11:
+		return fmt.Errorf("%w: version %d.%d", ErrUnsupported, h.Version>>16, h.Version&0xffff)
+	case h.OffsetBmap%sectorSize != 0:
+		return fmt.Errorf("%w: unaligned block map offset %#x", ErrUnsupported, h.OffsetBmap)
+	case h.OffsetData%sectorSize != 0:
+		return fmt.Errorf("%w: unaligned data offset %#x", ErrUnsupported, h.OffsetData)
+	case h.SectorSize != sectorSize:
+		return fmt.Errorf("%w: sector size %d is not %d", ErrUnsupported, h.SectorSize, sectorSize)
+	case h.BlockSize != blockSize:
+		return fmt.Errorf("%w: block size %d is not %d", ErrUnsupported, h.BlockSize, blockSize)
+	case h.DiskSize > uint64(h.BlocksInImage)*uint64(h.BlockSize):
+		return fmt.Errorf("%w: disk size %d, block map has room for %d", ErrUnsupported, h.DiskSize, uint64(h.BlocksInImage)*uint64(h.BlockSize))
+	case h.UUIDLink != [16]byte{}:
+		return fmt.Errorf("%w: non-null link UUID", ErrUnsupported)
+	case h.UUIDParent != [16]byte{}:
+		return fmt.Errorf("%w: non-null parent UUID (a differencing image)", ErrUnsupported)
+	case h.BlocksInImage > maxBlocks:
+		return fmt.Errorf("%w: too many blocks %d, max is %d", ErrUnsupported, h.BlocksInImage, maxBlocks)
+	}
+	return nil
+}
+
+// Image is an open VDI image.
+type Image struct {
+	f      aio.File
+	h      Header
+	size   int64
+	static bool
+	// bmap holds the entries of the blocks that cover the disk (QEMU holds
+	// blocks_in_image of them; those past the disk are never used).
+	bmap []uint32
+}
+
+// New opens the VDI image of f, which it owns from now on (Close closes
+// it; so does a failed New). Only read-only opens exist so far.
+func New(f aio.File) (*Image, error) {
+	img, err := open(f)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	return img, nil
+}
+
+func open(f aio.File) (*Image, error) {
+	ctx := context.Background()
+	var st unix.Stat_t
+	if err := unix.Fstat(f.Fd(), &st); err != nil {
+		return nil, fmt.Errorf("vdi: stat: %w", err)
+	}
+	fileSize := st.Size
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
+		if err != nil {
+			return nil, fmt.Errorf("vdi: size: %w", err)
+		}
+		fileSize = n
+	}
+	buf := make([]byte, headerSize)
+	// A short file reads as zero-padded, as QEMU reads it; its size is
+	// refused after the fields are (QEMU's messages first).
+	if _, err := f.ReadAt(ctx, buf, 0); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("vdi: read header: %w", err)
+	}
+	h, err := parseHeader(buf)
+	if err != nil {
+		return nil, err
+	}
+	if err := h.validate(); err != nil {
+		return nil, err
+	}
+	if fileSize < headerSize {
+		return nil, fmt.Errorf("%w: file of %d bytes is shorter than the header", ErrCorrupt, fileSize)
+	}
+	img := &Image{f: f, h: h, size: int64(h.DiskSize), static: h.ImageType == typeStatic}
+	if err := img.loadBmap(ctx, fileSize); err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+// loadBmap reads and checks the entries of the blocks that hold the disk.
+// QEMU reads a block map past the end of the file as zeroes (every block
+// then is data block 0) and uses entries unchecked; here the map must lie
+// in the file, after the header and before the data, and each allocated
+// entry must name a distinct data block inside the file and below the
+// header's count.
+func (img *Image) loadBmap(ctx context.Context, fileSize int64) error {
+	h := img.h
+	blocks := (img.size + blockSize - 1) / blockSize // <= BlocksInImage (validate)
+	mapStart, mapEnd := int64(h.OffsetBmap), int64(h.OffsetBmap)+4*blocks
+	switch {
+	case mapStart < headerSize:
+		return fmt.Errorf("%w: block map at %#x overlaps the header", ErrCorrupt, mapStart)
+	case mapEnd > fileSize:
+		return fmt.Errorf("%w: block map [%#x, %#x) ends past the end of the file (%d bytes)", ErrCorrupt, mapStart, mapEnd, fileSize)
+	case blocks > 0 && int64(h.OffsetData) < mapEnd:
+		return fmt.Errorf("%w: data at %#x overlaps the block map [%#x, %#x)", ErrCorrupt, h.OffsetData, mapStart, mapEnd)
+	}
+	raw := make([]byte, 4*blocks) // bounded by the file's size (checked above)
+	if _, err := img.f.ReadAt(ctx, raw, mapStart); err != nil {
+		return fmt.Errorf("vdi: read block map: %w", err)
+	}
+	// Data blocks that fit in the file: a used one is marked here, so
+	// that a second entry naming it is seen (bounded by the file, not by
+	// the header's counts).
+	// Every entry checked below is at most fit, whose (partial) block is
+	// the last one in the file.
+	fit := max(0, (fileSize-int64(h.OffsetData))/blockSize)
+	used := make([]uint64, (min(fit+1, int64(h.BlocksAllocated))+63)/64)
+	img.bmap = make([]uint32, blocks)
+	for i := range img.bmap {
+		e := binary.LittleEndian.Uint32(raw[4*i:])
+		img.bmap[i] = e
+		if e >= discarded {
+			continue
+		}
+		if e >= h.BlocksAllocated {
+			return fmt.Errorf("%w: block %d names data block %d, but the image has %d", ErrCorrupt, i, e, h.BlocksAllocated)
+		}
+		// The part of the block inside the disk must be in the file.
+		need := min(int64(blockSize), img.size-int64(i)*blockSize)
+		if off := int64(h.OffsetData) + int64(e)*blockSize; off+need > fileSize {
+			return fmt.Errorf("%w: block %d's data at %#x ends past the end of the file (%d bytes)", ErrCorrupt, i, off, fileSize)
+		}
+		w, bit := e/64, uint64(1)<<(e%64)
+		if used[w]&bit != 0 {
+			return fmt.Errorf("%w: block %d names data block %d, which another block names too", ErrCorrupt, i, e)
+		}
+		used[w] |= bit
+	}
+	return nil
+}
+
+// Header returns the image's header, with the disk size as in use.
+func (img *Image) Header() Header { return img.h }
+
+func (img *Image) Size() int64 { return img.size }
+
+// locate says where the byte at off lies: its data-file offset and how
+// many bytes of its block follow, or ok false for a block that reads as
+// zeroes.
+func (img *Image) locate(off int64) (host int64, n int64, ok bool) {
+	i := off / blockSize
+	in := off % blockSize
+	n = blockSize - in
+	e := img.bmap[i]
+	if e >= discarded {
+		return 0, n, false
+	}
+	return int64(img.h.OffsetData) + int64(e)*blockSize + in, n, true
+}
+
+// ReadAt reads p at off, block by block.
+func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > img.size {
+		return 0, fmt.Errorf("vdi: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
+	}
+	done := 0
+	for done < len(p) {
+		host, n, ok := img.locate(off + int64(done))
+		chunk := p[done:min(len(p), done+int(n))]
+		if !ok {
+			clear(chunk)
+		} else if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
+			return done, fmt.Errorf("vdi: read %d bytes at %d (file offset %#x): %w", len(chunk), off+int64(done), host, err)
+		}
+		done += len(chunk)
+	}
+	return done, nil
+}
+
+// TryReadAt serves p with the block map in memory and the file's page
+// cache: false as soon as one block would wait.
+func (img *Image) TryReadAt(p []byte, off int64) bool {
+	if off < 0 || off+int64(len(p)) > img.size {
+		return false
+	}
+	done := 0
+	for done < len(p) {
+		host, n, ok := img.locate(off + int64(done))
+		chunk := p[done:min(len(p), done+int(n))]
+		if !ok {
+			clear(chunk)
+		} else if !img.f.TryReadAt(chunk, host) {
+			return false
+		}
+		done += len(chunk)
+	}
+	return true
+}
+
+// Extent: an unallocated or discarded block reads as zeroes (QEMU's
+// BDRV_BLOCK_ZERO); an allocated one is data at its file offset. For a
+// static image QEMU asks the file too (BDRV_BLOCK_RECURSE), so a hole in
+// the file is data that reads as zeroes, cut where the hole ends.
+func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+	if off < 0 || off >= img.size {
+		return formats.Extent{}, fmt.Errorf("vdi: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	host, run, ok := img.locate(off)
+	n = min(n, run, img.size-off)
+	e := formats.Extent{Start: off, Length: n, Present: true, File: img.f.Name()}
+	if !ok {
+		e.Zero = true
+		return e, nil
+	}
+	e.Data, e.Offset, e.HasOffset = true, host, true
+	if img.static {
+		fd := img.f.Fd()
+		data, err := unix.Seek(fd, host, unix.SEEK_DATA)
+		switch {
+		case errors.Is(err, unix.ENXIO):
+			e.Zero = true // a hole to the end of the file
+		case err != nil: // no SEEK_DATA: all data
+		case data > host:
+			e.Zero = true
+			e.Length = min(n, data-host)
+		default:
+			if end, err := unix.Seek(fd, host, unix.SEEK_HOLE); err == nil && end > host {
+				e.Length = min(n, end-host)
+			}
+		}
+	}
+	return e, nil
+}
+
+func (img *Image) AllocatedSize(context.Context) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
+		return 0, fmt.Errorf("vdi: stat: %w", err)
+	}
+	return st.Blocks * 512, nil
+}
+
+// Info is qemu-img info's: the block size as cluster size, and no
+// format-specific block (QEMU 7.2's vdi driver prints none).
+func (img *Image) Info() formats.Info {
+	actual, err := img.AllocatedSize(context.Background())
+	if err != nil {
+		actual = -1
+	}
+	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual,
+		ClusterSize: blockSize, RequestAlignment: 1}
+}
+
+func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+
+func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error {
+	return formats.ErrReadOnly
+}
+
+func (img *Image) Discard(context.Context, int64, int64) error { return formats.ErrReadOnly }
+
+func (img *Image) Resize(context.Context, int64) error { return formats.ErrReadOnly }
+
+func (img *Image) Flush(context.Context) error { return nil }
+
+// TryWriteAt: nothing is written here; WriteAt refuses.
+func (img *Image) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
+
+// Features: none; the file's bytes are not the disk's.
+func (img *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
+
+func (img *Image) Close() error { return img.f.Close() }

@@ -1,0 +1,274 @@
+package vdi
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/blockexport/blockexport/aio"
+)
+
+// vdiSpec describes a crafted image: header fields and the block map.
+type vdiSpec struct {
+	diskSize        uint64
+	blocksInImage   uint32
+	blocksAllocated uint32
+	offBmap         uint32
+	offData         uint32
+	blockSize       uint32
+	sectorSize      uint32
+	version         uint32
+	imageType       uint32
+	bmap            []uint32
+	fileSize        int64 // 0: just past the last allocated block
+}
+
+// goodSpec is a 3 MiB dynamic image: block 0 at data block 1, block 1
+// unallocated, block 2 discarded... and data block 0 used by block 2's
+// neighbour; see the test for the data.
+func goodSpec() vdiSpec {
+	return vdiSpec{diskSize: 4 << 20, blocksInImage: 4, blocksAllocated: 2, offBmap: 512, offData: 1024,
+		blockSize: blockSize, sectorSize: 512, version: version11, imageType: 1,
+		bmap: []uint32{1, unallocated, 0, discarded}}
+}
+
+// build writes the image to a file; data block k holds byte k+1 everywhere.
+func (s vdiSpec) build(t testing.TB) string {
+	h := make([]byte, 512)
+	copy(h, "<<< crafted >>>\n")
+	le := binary.LittleEndian
+	le.PutUint32(h[64:], signature)
+	le.PutUint32(h[68:], s.version)
+	le.PutUint32(h[72:], 0x180)
+	le.PutUint32(h[76:], s.imageType)
+	le.PutUint32(h[offBmapField:], s.offBmap)
+	le.PutUint32(h[offBmapField+4:], s.offData)
+	le.PutUint32(h[offBmapField+20:], s.sectorSize)
+	le.PutUint64(h[offBmapField+28:], s.diskSize)
+	le.PutUint32(h[offBmapField+36:], s.blockSize)
+	le.PutUint32(h[offBmapField+44:], s.blocksInImage)
+	le.PutUint32(h[offBmapField+48:], s.blocksAllocated)
+	p := filepath.Join(t.TempDir(), "c.vdi")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(h, 0); err != nil {
+		t.Fatal(err)
+	}
+	m := make([]byte, 4*len(s.bmap))
+	for i, e := range s.bmap {
+		le.PutUint32(m[4*i:], e)
+	}
+	if _, err := f.WriteAt(m, int64(s.offBmap)); err != nil {
+		t.Fatal(err)
+	}
+	end := int64(s.offBmap) + int64(len(m))
+	for k := uint32(0); k < s.blocksAllocated && k < 64; k++ {
+		off := int64(s.offData) + int64(k)*blockSize
+		if _, err := f.WriteAt(bytes.Repeat([]byte{byte(k + 1)}, blockSize), off); err != nil {
+			t.Fatal(err)
+		}
+		end = max(end, off+blockSize)
+	}
+	if s.fileSize != 0 {
+		end = s.fileSize
+	}
+	if err := f.Truncate(end); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func openPath(t testing.TB, p string) (*Image, error) {
+	f, err := aio.Open(p, aio.Options{Backend: aio.Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(f)
+	if err == nil {
+		t.Cleanup(func() { img.Close() })
+	}
+	return img, err
+}
+
+func TestVDIReadsBlocksThroughTheMap(t *testing.T) {
+	img, err := openPath(t, goodSpec().build(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := [][]byte{bytes.Repeat([]byte{2}, blockSize), make([]byte, blockSize), bytes.Repeat([]byte{1}, blockSize), make([]byte, blockSize)}
+	got := make([]byte, 4*blockSize)
+	if _, err := img.ReadAt(context.Background(), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, bytes.Join(want, nil)) {
+		t.Fatal("read across the blocks differs from the map's data")
+	}
+	// An unaligned read across a block boundary, and the fast path.
+	p := make([]byte, 1000)
+	if _, err := img.ReadAt(context.Background(), p, 2*blockSize-500); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p, got[2*blockSize-500:2*blockSize+500]) {
+		t.Fatal("unaligned read across blocks differs")
+	}
+	q := make([]byte, 1000)
+	if img.TryReadAt(q, 2*blockSize-500) && !bytes.Equal(q, p) {
+		t.Fatal("TryReadAt differs from ReadAt")
+	}
+	e, err := img.Extent(context.Background(), 0, img.Size())
+	if err != nil || !e.Data || e.Zero || e.Length != blockSize || e.Offset != 1024+blockSize {
+		t.Fatalf("extent of block 0: %+v %v", e, err)
+	}
+	e, err = img.Extent(context.Background(), blockSize, img.Size())
+	if err != nil || e.Data || !e.Zero || !e.Present || e.Length != blockSize {
+		t.Fatalf("extent of block 1: %+v %v", e, err)
+	}
+	if _, err := img.WriteAt(context.Background(), p, 0); err == nil {
+		t.Fatal("a write succeeded on a read-only format")
+	}
+	if i := img.Info(); i.Format != "vdi" || i.ClusterSize != blockSize || i.VirtualSize != 4<<20 || i.FormatSpecific != nil {
+		t.Fatalf("info %+v", i)
+	}
+}
+
+// TestVDIHostileHeadersAndMaps: each field at 0, its maximum and one past
+// it; block-map entries past the end, at the header, duplicated. Each is
+// refused with one line or opens and reads only what it describes.
+func TestVDIHostileHeadersAndMaps(t *testing.T) {
+	type tc struct {
+		name string
+		mod  func(*vdiSpec)
+		want error // nil: opens
+	}
+	cases := []tc{
+		{"good", func(*vdiSpec) {}, nil},
+		{"disk size 0", func(s *vdiSpec) { s.diskSize = 0 }, nil},
+		{"disk size odd rounds up", func(s *vdiSpec) { s.diskSize = 4<<20 - 700 }, nil},
+		{"disk size at the max", func(s *vdiSpec) { s.diskSize = maxDiskSize; s.blocksInImage = maxBlocks }, ErrCorrupt}, // its map would be past the end
+		{"disk size past the max", func(s *vdiSpec) { s.diskSize = maxDiskSize + 1; s.blocksInImage = maxBlocks }, ErrUnsupported},
+		{"disk size 2^64-1", func(s *vdiSpec) { s.diskSize = 1<<64 - 1 }, ErrUnsupported},
+		{"disk size over the map", func(s *vdiSpec) { s.diskSize = 4<<20 + 512 }, ErrUnsupported},
+		{"blocks in image 0", func(s *vdiSpec) { s.blocksInImage = 0 }, ErrUnsupported},
+		{"blocks in image 0, size 0", func(s *vdiSpec) { s.blocksInImage = 0; s.diskSize = 0 }, nil},
+		{"blocks in image max", func(s *vdiSpec) { s.blocksInImage = maxBlocks }, nil},
+		{"blocks in image max+1", func(s *vdiSpec) { s.blocksInImage = maxBlocks + 1 }, ErrUnsupported},
+		{"blocks in image 2^32-1", func(s *vdiSpec) { s.blocksInImage = 1<<32 - 1 }, ErrUnsupported},
+		{"block size 0", func(s *vdiSpec) { s.blockSize = 0 }, ErrUnsupported},
+		{"block size 2 MiB", func(s *vdiSpec) { s.blockSize = 2 << 20 }, ErrUnsupported},
+		{"block size 1 MiB+1", func(s *vdiSpec) { s.blockSize = blockSize + 1 }, ErrUnsupported},
+		{"block size 2^32-1", func(s *vdiSpec) { s.blockSize = 1<<32 - 1 }, ErrUnsupported},
+		{"sector size 0", func(s *vdiSpec) { s.sectorSize = 0 }, ErrUnsupported},
+		{"sector size 4096", func(s *vdiSpec) { s.sectorSize = 4096 }, ErrUnsupported},
+		{"version 0", func(s *vdiSpec) { s.version = 0 }, ErrUnsupported},
+		{"version 1.2", func(s *vdiSpec) { s.version = version11 + 1 }, ErrUnsupported},
+		{"version max", func(s *vdiSpec) { s.version = 1<<32 - 1 }, ErrUnsupported},
+		{"image type 0", func(s *vdiSpec) { s.imageType = 0 }, nil},
+		{"image type max", func(s *vdiSpec) { s.imageType = 1<<32 - 1 }, nil},
+		{"bmap offset 0 (the header)", func(s *vdiSpec) { s.offBmap = 0; s.offData = 1024 }, ErrCorrupt},
+		{"bmap offset unaligned", func(s *vdiSpec) { s.offBmap = 513 }, ErrUnsupported},
+		{"bmap offset max", func(s *vdiSpec) { s.offBmap = 1<<32 - 512; s.fileSize = 3<<20 + 1024 }, ErrCorrupt},
+		{"bmap past the end", func(s *vdiSpec) { s.fileSize = 514 }, ErrCorrupt},
+		{"data offset 0 (over header and map)", func(s *vdiSpec) { s.offData = 0 }, ErrCorrupt},
+		{"data offset unaligned", func(s *vdiSpec) { s.offData = 1025 }, ErrUnsupported},
+		{"data offset max", func(s *vdiSpec) { s.offData = 1<<32 - 512 }, nil},
+		{"entry past blocks allocated", func(s *vdiSpec) { s.bmap[1] = 2 }, ErrCorrupt},
+		{"entry 2^32-3", func(s *vdiSpec) { s.bmap[1] = 1<<32 - 3; s.blocksAllocated = 1<<32 - 1 }, ErrCorrupt},
+		{"entry past the end of the file", func(s *vdiSpec) { s.blocksAllocated = 3; s.bmap[1] = 2; s.fileSize = 1024 + 2*blockSize }, ErrCorrupt},
+		{"last block cut short", func(s *vdiSpec) { s.fileSize = 1024 + 2*blockSize - 1 }, ErrCorrupt},
+		{"duplicate entries", func(s *vdiSpec) { s.bmap[2] = 1 }, ErrCorrupt},
+		{"blocks allocated 0 with entries", func(s *vdiSpec) { s.blocksAllocated = 0 }, ErrCorrupt},
+		{"all discarded", func(s *vdiSpec) { s.bmap = []uint32{discarded, discarded, discarded, discarded} }, nil},
+		{"short file", func(s *vdiSpec) { s.fileSize = 392 }, ErrCorrupt}, // every field, no UUIDs
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := goodSpec()
+			c.mod(&s)
+			img, err := openPath(t, s.build(t))
+			switch {
+			case c.want == nil && err != nil:
+				t.Fatalf("refused: %v", err)
+			case c.want != nil && !errors.Is(err, c.want):
+				t.Fatalf("got %v, want %v", err, c.want)
+			case err != nil:
+				if bytes.ContainsRune([]byte(err.Error()), '\n') {
+					t.Fatalf("refusal is not one line: %q", err)
+				}
+				return
+			}
+			readAll(t, img)
+		})
+	}
+}
+
+// readAll reads and maps the whole image in 1 MiB steps (it must not fail).
+func readAll(t testing.TB, img *Image) {
+	ctx := context.Background()
+	p := make([]byte, 1<<20)
+	for off := int64(0); off < img.Size(); off += int64(len(p)) {
+		n := min(int64(len(p)), img.Size()-off)
+		if _, err := img.ReadAt(ctx, p[:n], off); err != nil {
+			t.Fatalf("read at %d: %v", off, err)
+		}
+		img.TryReadAt(p[:n], off)
+		if _, err := img.Extent(ctx, off, n); err != nil {
+			t.Fatalf("extent at %d: %v", off, err)
+		}
+	}
+}
+
+// FuzzOpen: any file opens or is refused without a panic or a hang, and
+// what opens reads and maps to its end.
+func FuzzOpen(f *testing.F) {
+	for _, s := range []vdiSpec{goodSpec(), {diskSize: 1 << 62, blocksInImage: maxBlocks, blocksAllocated: 1<<32 - 1,
+		offBmap: 512, offData: 1<<32 - 512, blockSize: blockSize, sectorSize: 512, version: version11, bmap: []uint32{1<<31 + 5, 0}},
+		// Opens: one 512-byte block of data, and a map of holes.
+		{diskSize: 512, blocksInImage: 1, blocksAllocated: 1, offBmap: 512, offData: 1024, blockSize: blockSize,
+			sectorSize: 512, version: version11, bmap: []uint32{0}, fileSize: 1536},
+		{diskSize: 3 << 20, blocksInImage: 3, offBmap: 512, offData: 1024, blockSize: blockSize,
+			sectorSize: 512, version: version11, imageType: typeStatic, bmap: []uint32{discarded, unallocated, discarded}},
+	} {
+		// Keep seeds small: the header and map, and a little data.
+		fd, err := os.Open(s.build(f))
+		if err != nil {
+			f.Fatal(err)
+		}
+		b := make([]byte, 4096)
+		n, _ := fd.ReadAt(b, 0)
+		fd.Close()
+		f.Add(b[:n])
+	}
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, b []byte) {
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				panic(fmt.Sprintf("vdi open hangs on %d bytes", len(b)))
+			}
+		}()
+		p := filepath.Join(dir, "f.vdi")
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		img, err := openPath(t, p)
+		if err != nil {
+			return
+		}
+		if img.Size() > 64<<20 {
+			return // a sparse disk this big takes long to read; its map was checked
+		}
+		readAll(t, img)
+	})
+}
