@@ -58,6 +58,9 @@ func ParseFormat(s string) (string, error) {
 	case Auto, Raw, QCOW2, Null:
 		return s, nil
 	}
+	if ff, ok := lookupFormat(s); ok && ff.open != nil {
+		return s, nil // a format read beyond the four above (vmdk...)
+	}
 	if ff, ok := lookupFormat(s); ok && ff.open == nil {
 		return "", badSpec("--format %s: %s images are not supported yet (want auto, raw, qcow2 or null; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, s)
 	}
@@ -88,6 +91,10 @@ type Options struct {
 	// no error. Its reads of what the backing file holds would be zeroes,
 	// so only a command that reads no data sets it.
 	NoBacking bool
+	// RelatedDirs are directories, besides an image's own, that files an
+	// image names (VMDK extents and parents, VHD/VHDX parents) may lie in
+	// (see related.go); by default only the image's directory.
+	RelatedDirs []string
 }
 
 // NBDOptions are the client settings for NBD URIs.
@@ -212,6 +219,8 @@ type chain struct {
 	o     Options
 	seen  map[[2]uint64]string
 	depth int
+	// related counts the files opened by name (openRelated).
+	related int
 }
 
 // openNBD opens an image on an NBD server. What the server exports is
