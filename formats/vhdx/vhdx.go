@@ -1,0 +1,638 @@
+// Package vhdx reads Hyper-V VHDX images (MS-VHDX; QEMU's block/vhdx.c
+// for what QEMU accepts): the file identifier, two headers chosen by
+// sequence number under CRC-32C, the region table, the metadata region and
+// the block allocation table. Images are read-only here; a writer comes
+// later (the layout is kept in one place, header/regions/BAT, so it can).
+//
+// Every table entry is checked against the file before it is used: a BAT
+// region past the end of the file, a payload block inside the headers, the
+// log, a region or another block, are refused at open with one line, where
+// QEMU 7.2 reads zeroes or another block's bytes.
+package vhdx
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"slices"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// ErrCorrupt marks an image whose metadata is inconsistent or hostile.
+var ErrCorrupt = errors.New("vhdx: corrupt image")
+
+// ErrUnsupported marks a valid image this reader does not read (QEMU 7.2
+// refuses the same ones: differencing images, unknown required regions or
+// metadata items).
+var ErrUnsupported = errors.New("vhdx: unsupported image")
+
+// ErrDirtyLog marks an image whose log holds entries not yet replayed: its
+// BAT and metadata may be stale until they are.
+var ErrDirtyLog = errors.New("vhdx: log needs to be replayed")
+
+// Layout (MS-VHDX 2.1): a 1 MiB header section holding the file
+// identifier, two headers and two copies of the region table.
+const (
+	mib            = 1 << 20
+	header1Offset  = 64 << 10
+	header2Offset  = 128 << 10
+	headerSize     = 4 << 10
+	region1Offset  = 192 << 10
+	region2Offset  = 256 << 10
+	regionSize     = 64 << 10
+	headerSection  = mib
+	maxRegions     = 2047
+	metaTableSize  = 64 << 10
+	maxMetaEntries = 2047
+
+	blockSizeMin = 1 << 20
+	blockSizeMax = 256 << 20
+	// maxImageSize is QEMU's VHDX_MAX_IMAGE_SIZE (64 TiB, the spec's
+	// limit): it bounds the BAT held in memory to what QEMU would hold.
+	maxImageSize = 64 << 40
+	// sectorsPerChunk is 2^23: the sectors one sector bitmap block covers.
+	sectorsPerChunk = 1 << 23
+)
+
+// BAT entry states (MS-VHDX 2.5.1).
+const (
+	blockNotPresent       = 0
+	blockUndefined        = 1
+	blockZero             = 2
+	blockUnmapped         = 3
+	blockFullyPresent     = 6
+	blockPartiallyPresent = 7
+	batStateMask          = 7
+	batOffsetMask         = 0xFFFFFFFFFFF00000
+)
+
+// GUIDs in their on-disk (little-endian first three fields) byte order.
+var (
+	guidBAT           = msGUID(0x2dc27766, 0xf623, 0x4200, 0x9d, 0x64, 0x11, 0x5e, 0x9b, 0xfd, 0x4a, 0x08)
+	guidMetadata      = msGUID(0x8b7ca206, 0x4790, 0x4b9a, 0xb8, 0xfe, 0x57, 0x5f, 0x05, 0x0f, 0x88, 0x6e)
+	guidFileParams    = msGUID(0xcaa16737, 0xfa36, 0x4d43, 0xb3, 0xb6, 0x33, 0xf0, 0xaa, 0x44, 0xe7, 0x6b)
+	guidVirtualSize   = msGUID(0x2fa54224, 0xcd1b, 0x4876, 0xb2, 0x11, 0x5d, 0xbe, 0xd8, 0x3b, 0xf4, 0xb8)
+	guidPage83        = msGUID(0xbeca12ab, 0xb2e6, 0x4523, 0x93, 0xef, 0xc3, 0x09, 0xe0, 0x00, 0xc7, 0x46)
+	guidLogicalSector = msGUID(0x8141bf1d, 0xa96f, 0x4709, 0xba, 0x47, 0xf2, 0x33, 0xa8, 0xfa, 0xab, 0x5f)
+	guidPhysSector    = msGUID(0xcda348c7, 0x445d, 0x4471, 0x9c, 0xc9, 0xe9, 0x88, 0x52, 0x51, 0xc5, 0x56)
+	guidParentLocator = msGUID(0xa8d35f2d, 0xb30b, 0x454d, 0xab, 0xf7, 0xd3, 0xd8, 0x48, 0x34, 0xab, 0x0c)
+	castagnoli        = crc32.MakeTable(crc32.Castagnoli)
+)
+
+func msGUID(d1 uint32, d2, d3 uint16, d4 ...byte) [16]byte {
+	var g [16]byte
+	binary.LittleEndian.PutUint32(g[0:], d1)
+	binary.LittleEndian.PutUint16(g[4:], d2)
+	binary.LittleEndian.PutUint16(g[6:], d3)
+	copy(g[8:], d4)
+	return g
+}
+
+// Lock is what an open of a VHDX file locks (see aio.Lock), as QEMU's
+// format drivers lock their file: nobody else may write or resize it.
+func Lock(writable bool) aio.Lock {
+	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
+	if writable {
+		l.Perm |= aio.PermWrite | aio.PermResize
+	}
+	return l
+}
+
+// Detect says whether a file that starts with head is a VHDX image.
+func Detect(head []byte) bool { return bytes.HasPrefix(head, []byte("vhdxfile")) }
+
+// Options say how to open an image.
+type Options struct {
+	// Writable is refused: VHDX images are read here, not written.
+	Writable bool
+}
+
+// header is the active VHDX header (MS-VHDX 2.2.2).
+type header struct {
+	seq        uint64
+	logGUID    [16]byte
+	logVersion uint16
+	logLength  uint32
+	logOffset  uint64
+}
+
+// span is a byte range of the file that holds metadata.
+type span struct {
+	start, end uint64
+	what       string
+}
+
+// Image is an open VHDX image.
+type Image struct {
+	formats.NoFastPath // no write fast path, no features; TryReadAt is below
+	f                  aio.File
+	path               string
+
+	size           int64 // virtual size as QEMU reports it (whole 512-byte sectors)
+	blockSize      int64
+	logicalSector  uint32
+	physicalSector uint32
+	fixed          bool // leave_blocks_allocated
+	// bat holds the payload entries only, one per data block: what reads
+	// need, never more than QEMU's BAT copy.
+	bat []uint64
+}
+
+// New opens the VHDX image in f, which it owns from now on (Close closes
+// it; so does a failed New).
+func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
+	img, err := open(ctx, f, o)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return img, nil
+}
+
+func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
+	name := f.Name()
+	if o.Writable {
+		return nil, fmt.Errorf("%s: VHDX images are opened read-only here, and -w is refused; write over it through a qcow2 overlay: qemu-img create -f qcow2 -b %s -F vhdx overlay.qcow2, then export the overlay with -w", name, name)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(f.Fd(), &st); err != nil {
+		return nil, fmt.Errorf("vhdx: stat %s: %w", name, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG && st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return nil, fmt.Errorf("vhdx: %s: not a regular file or block device", name)
+	}
+	fileSize, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
+	if err != nil {
+		return nil, fmt.Errorf("vhdx: size of %s: %w", name, err)
+	}
+	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize)}
+
+	id, err := r.read(0, 8)
+	if err != nil {
+		return nil, err
+	}
+	if !Detect(id) {
+		return nil, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, name)
+	}
+	h, err := r.headers()
+	if err != nil {
+		return nil, err
+	}
+	spans := []span{{0, headerSection, "the header section"}}
+	if h.logLength > 0 {
+		spans = append(spans, span{h.logOffset, h.logOffset + uint64(h.logLength), "the log"})
+	}
+	if err := r.checkLog(h); err != nil {
+		return nil, err
+	}
+	bat, meta, spans, err := r.regions(spans)
+	if err != nil {
+		return nil, err
+	}
+	img := &Image{f: f, path: name}
+	if err := r.metadata(img, meta); err != nil {
+		return nil, err
+	}
+	if err := r.loadBAT(img, bat, spans); err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+// reader reads the metadata of one file at open.
+type reader struct {
+	ctx  context.Context
+	f    aio.File
+	name string
+	size uint64
+}
+
+// read reads n bytes at off; bytes past the end of the file read as
+// zeroes, as QEMU's block layer reads them (a short file then fails its
+// signature or checksum, not a read).
+func (r *reader) read(off uint64, n int) ([]byte, error) {
+	buf := make([]byte, n)
+	if off >= r.size {
+		return buf, nil
+	}
+	got, err := r.f.ReadAt(r.ctx, buf, int64(off))
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("vhdx: %s: read %d bytes at %d: %w", r.name, n, off, err)
+	}
+	clear(buf[got:])
+	return buf, nil
+}
+
+// checksumOK checks a CRC-32C stored at buf[4:8], computed with that
+// field as zero.
+func checksumOK(buf []byte) bool {
+	want := binary.LittleEndian.Uint32(buf[4:])
+	c := crc32.Update(0, castagnoli, buf[:4])
+	c = crc32.Update(c, castagnoli, []byte{0, 0, 0, 0})
+	c = crc32.Update(c, castagnoli, buf[8:])
+	return c == want
+}
+
+// headers picks the active header as QEMU's vhdx_parse_header does: a
+// header counts if its checksum, signature and version are right; of two,
+// the higher sequence number wins; equal numbers are accepted only for
+// identical headers (Disk2VHD writes those).
+func (r *reader) headers() (header, error) {
+	var raw [2][]byte
+	var valid [2]bool
+	for i, off := range []uint64{header1Offset, header2Offset} {
+		b, err := r.read(off, headerSize)
+		if err != nil {
+			return header{}, err
+		}
+		raw[i] = b
+		valid[i] = string(b[:4]) == "head" && checksumOK(b) && binary.LittleEndian.Uint16(b[66:]) == 1
+	}
+	cur := 0
+	switch {
+	case valid[0] && !valid[1]:
+	case !valid[0] && valid[1]:
+		cur = 1
+	case !valid[0] && !valid[1]:
+		return header{}, fmt.Errorf("%w: %s: no valid VHDX header (both fail their checksum, signature or version)", ErrCorrupt, r.name)
+	default:
+		s0, s1 := binary.LittleEndian.Uint64(raw[0][8:]), binary.LittleEndian.Uint64(raw[1][8:])
+		switch {
+		case s1 > s0:
+			cur = 1
+		case s1 == s0 && !bytes.Equal(raw[0][:80], raw[1][:80]):
+			return header{}, fmt.Errorf("%w: %s: both VHDX headers have sequence number %d but differ", ErrCorrupt, r.name, s0)
+		}
+	}
+	b := raw[cur]
+	h := header{
+		seq:        binary.LittleEndian.Uint64(b[8:]),
+		logVersion: binary.LittleEndian.Uint16(b[64:]),
+		logLength:  binary.LittleEndian.Uint32(b[68:]),
+		logOffset:  binary.LittleEndian.Uint64(b[72:]),
+	}
+	copy(h.logGUID[:], b[48:64])
+	return h, nil
+}
+
+// regions reads the region table (the first copy, the second where the
+// first fails its checksum: MS-VHDX keeps two for that) and returns the
+// BAT and metadata regions, each checked to lie in the file, aligned, and
+// clear of the header section, the log and every other region.
+func (r *reader) regions(spans []span) (bat, meta span, _ []span, _ error) {
+	var b []byte
+	for _, off := range []uint64{region1Offset, region2Offset} {
+		t, err := r.read(off, regionSize)
+		if err != nil {
+			return span{}, span{}, nil, err
+		}
+		if string(t[:4]) == "regi" && checksumOK(t) {
+			b = t
+			break
+		}
+	}
+	if b == nil {
+		return span{}, span{}, nil, fmt.Errorf("%w: %s: both copies of the region table fail their checksum or signature", ErrCorrupt, r.name)
+	}
+	n := binary.LittleEndian.Uint32(b[8:])
+	if n > maxRegions {
+		return span{}, span{}, nil, fmt.Errorf("%w: %s: region table has %d entries (at most %d)", ErrCorrupt, r.name, n, maxRegions)
+	}
+	var haveBAT, haveMeta bool
+	for i := range int(n) {
+		e := b[16+32*i : 16+32*(i+1)]
+		guid := [16]byte(e[:16])
+		off := binary.LittleEndian.Uint64(e[16:])
+		length := uint64(binary.LittleEndian.Uint32(e[24:]))
+		required := binary.LittleEndian.Uint32(e[28:])&1 != 0
+		what := fmt.Sprintf("region %d", i)
+		switch guid {
+		case guidBAT:
+			what = "the BAT region"
+		case guidMetadata:
+			what = "the metadata region"
+		}
+		s := span{off, off + length, what}
+		if off%mib != 0 || length%mib != 0 || length == 0 || off > r.size || length > r.size-off {
+			return span{}, span{}, nil, fmt.Errorf("%w: %s: %s [%d, +%d) is not whole MiB inside the file (%d bytes)", ErrCorrupt, r.name, what, off, length, r.size)
+		}
+		if o := overlap(spans, s); o != nil {
+			return span{}, span{}, nil, fmt.Errorf("%w: %s: %s [%d, +%d) overlaps %s", ErrCorrupt, r.name, what, off, length, o.what)
+		}
+		spans = append(spans, s)
+		switch guid {
+		case guidBAT:
+			if haveBAT {
+				return span{}, span{}, nil, fmt.Errorf("%w: %s: two BAT regions", ErrCorrupt, r.name)
+			}
+			haveBAT, bat = true, s
+		case guidMetadata:
+			if haveMeta {
+				return span{}, span{}, nil, fmt.Errorf("%w: %s: two metadata regions", ErrCorrupt, r.name)
+			}
+			haveMeta, meta = true, s
+		default:
+			if required {
+				return span{}, span{}, nil, fmt.Errorf("%w: %s: region %d (%x) is marked required and is not one this reader knows (QEMU refuses it too)", ErrUnsupported, r.name, i, guid)
+			}
+		}
+	}
+	if !haveBAT || !haveMeta {
+		return span{}, span{}, nil, fmt.Errorf("%w: %s: region table lacks the BAT or metadata region", ErrCorrupt, r.name)
+	}
+	return bat, meta, spans, nil
+}
+
+// overlap returns the span of spans that s overlaps, or nil.
+func overlap(spans []span, s span) *span {
+	for i := range spans {
+		if s.start < spans[i].end && spans[i].start < s.end {
+			return &spans[i]
+		}
+	}
+	return nil
+}
+
+// metadata parses the metadata table and items (MS-VHDX 2.6).
+func (r *reader) metadata(img *Image, meta span) error {
+	b, err := r.read(meta.start, metaTableSize)
+	if err != nil {
+		return err
+	}
+	if string(b[:8]) != "metadata" {
+		return fmt.Errorf("%w: %s: metadata table has no signature", ErrCorrupt, r.name)
+	}
+	n := int(binary.LittleEndian.Uint16(b[10:]))
+	if n > maxMetaEntries {
+		return fmt.Errorf("%w: %s: metadata table has %d entries (at most %d)", ErrCorrupt, r.name, n, maxMetaEntries)
+	}
+	items := map[[16]byte][]byte{}
+	want := map[[16]byte]uint32{guidFileParams: 8, guidVirtualSize: 8, guidPage83: 16, guidLogicalSector: 4, guidPhysSector: 4, guidParentLocator: 20}
+	for i := range n {
+		e := b[32+32*i : 32+32*(i+1)]
+		guid := [16]byte(e[:16])
+		off := binary.LittleEndian.Uint32(e[16:])
+		length := binary.LittleEndian.Uint32(e[20:])
+		required := binary.LittleEndian.Uint32(e[24:])&4 != 0
+		size, known := want[guid]
+		if !known {
+			if required {
+				return fmt.Errorf("%w: %s: metadata item %x is marked required and is not one this reader knows (QEMU refuses it too)", ErrUnsupported, r.name, guid)
+			}
+			continue
+		}
+		if _, dup := items[guid]; dup {
+			return fmt.Errorf("%w: %s: metadata item %x appears twice", ErrCorrupt, r.name, guid)
+		}
+		if off < metaTableSize || length < size || uint64(off)+uint64(length) > meta.end-meta.start {
+			return fmt.Errorf("%w: %s: metadata item %x at [%d, +%d) is outside the metadata region's %d bytes or too short", ErrCorrupt, r.name, guid, off, length, meta.end-meta.start)
+		}
+		v, err := r.read(meta.start+uint64(off), int(size))
+		if err != nil {
+			return err
+		}
+		items[guid] = v
+	}
+	for _, g := range [][16]byte{guidFileParams, guidVirtualSize, guidPage83, guidLogicalSector, guidPhysSector} {
+		if items[g] == nil {
+			return fmt.Errorf("%w: %s: metadata lacks a required item (%x)", ErrCorrupt, r.name, g)
+		}
+	}
+	params := items[guidFileParams]
+	bs := binary.LittleEndian.Uint32(params)
+	flags := binary.LittleEndian.Uint32(params[4:])
+	if flags&2 != 0 {
+		if items[guidParentLocator] == nil {
+			return fmt.Errorf("%w: %s: has a parent but no parent locator", ErrCorrupt, r.name)
+		}
+		return fmt.Errorf("%w: %s: differencing VHDX images are not read (QEMU 7.2 refuses them too); convert it with the tool that made it, e.g. Hyper-V's Merge-VHD", ErrUnsupported, r.name)
+	}
+	if bs < blockSizeMin || bs > blockSizeMax || bs&(bs-1) != 0 {
+		return fmt.Errorf("%w: %s: block size %d is not a power of two from 1 MiB to 256 MiB", ErrCorrupt, r.name, bs)
+	}
+	ls := binary.LittleEndian.Uint32(items[guidLogicalSector])
+	ps := binary.LittleEndian.Uint32(items[guidPhysSector])
+	if (ls != 512 && ls != 4096) || (ps != 512 && ps != 4096) {
+		return fmt.Errorf("%w: %s: sector sizes %d (logical) and %d (physical) are not 512 or 4096", ErrCorrupt, r.name, ls, ps)
+	}
+	vs := binary.LittleEndian.Uint64(items[guidVirtualSize])
+	if vs > maxImageSize {
+		return fmt.Errorf("%w: %s: virtual size %d is above the 64 TiB VHDX maximum", ErrCorrupt, r.name, vs)
+	}
+	img.blockSize = int64(bs)
+	img.logicalSector, img.physicalSector = ls, ps
+	img.fixed = flags&1 != 0
+	// QEMU's size is in whole 512-byte sectors.
+	img.size = int64(vs) &^ 511
+	return nil
+}
+
+// loadBAT reads the BAT and keeps the payload entries, refusing a state
+// the spec does not define for a non-differencing image and a present
+// block that does not lie wholly in the file, clear of every metadata
+// span and of every other block.
+func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
+	blocks := (uint64(img.size) + uint64(img.blockSize) - 1) / uint64(img.blockSize)
+	chunk := uint64(sectorsPerChunk) * uint64(img.logicalSector) / uint64(img.blockSize)
+	entries := uint64(0)
+	if blocks > 0 {
+		entries = blocks + (blocks-1)/chunk
+	}
+	if entries > (bat.end-bat.start)/8 {
+		return fmt.Errorf("%w: %s: the BAT region holds %d entries; the virtual size needs %d", ErrCorrupt, r.name, (bat.end-bat.start)/8, entries)
+	}
+	raw := make([]byte, entries*8)
+	got, err := r.f.ReadAt(r.ctx, raw, int64(bat.start))
+	if err != nil && !(errors.Is(err, io.EOF) && got == len(raw)) {
+		return fmt.Errorf("vhdx: %s: read the BAT: %w", r.name, err)
+	}
+	img.bat = make([]uint64, blocks)
+	type blk struct{ off, idx uint64 }
+	var present []blk
+	for i := range blocks {
+		e := binary.LittleEndian.Uint64(raw[8*(i+i/chunk):])
+		img.bat[i] = e
+		switch e & batStateMask {
+		case blockNotPresent, blockUndefined, blockZero, blockUnmapped:
+		case blockFullyPresent:
+			off := e & batOffsetMask
+			s := span{off, off + uint64(img.blockSize), ""}
+			if off > r.size || uint64(img.blockSize) > r.size-off {
+				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, i, off, img.blockSize, r.size)
+			}
+			if o := overlap(spans, s); o != nil {
+				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, i, off, img.blockSize, o.what)
+			}
+			present = append(present, blk{off, i})
+		default:
+			return fmt.Errorf("%w: %s: BAT entry %d has state %d, undefined for a VHDX image without a parent", ErrCorrupt, r.name, i, e&batStateMask)
+		}
+	}
+	slices.SortFunc(present, func(a, b blk) int {
+		if a.off < b.off {
+			return -1
+		}
+		if a.off > b.off {
+			return 1
+		}
+		return 0
+	})
+	for i := 1; i < len(present); i++ {
+		if present[i].off < present[i-1].off+uint64(img.blockSize) {
+			return fmt.Errorf("%w: %s: BAT entries %d and %d share file bytes at %d", ErrCorrupt, r.name, present[i-1].idx, present[i].idx, present[i].off)
+		}
+	}
+	return nil
+}
+
+// Size is the virtual size in bytes.
+func (img *Image) Size() int64 { return img.size }
+
+// piece is where the bytes of one block at off lie: host is the file
+// offset, or -1 for bytes that read as zeroes.
+func (img *Image) piece(off int64, n int) (host int64, take int, state uint64) {
+	blk := off / img.blockSize
+	in := off % img.blockSize
+	take = int(min(int64(n), img.blockSize-in))
+	e := img.bat[blk]
+	state = e & batStateMask
+	if state != blockFullyPresent {
+		return -1, take, state
+	}
+	return int64(e&batOffsetMask) + in, take, state
+}
+
+func (img *Image) inRange(off int64, n int) error {
+	if off < 0 || n < 0 || off > img.size || int64(n) > img.size-off {
+		return fmt.Errorf("vhdx: %d bytes at %d: %w", n, off, formats.ErrOutOfRange)
+	}
+	return nil
+}
+
+// ReadAt fills p from off, block by block: present blocks from the file,
+// every other state as zeroes (QEMU reads them so without a parent).
+func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if err := img.inRange(off, len(p)); err != nil {
+		return 0, err
+	}
+	done := 0
+	for done < len(p) {
+		host, take, _ := img.piece(off+int64(done), len(p)-done)
+		q := p[done : done+take]
+		if host < 0 {
+			clear(q)
+		} else if _, err := img.f.ReadAt(ctx, q, host); err != nil {
+			// Blocks were checked against the file at open: a short read
+			// means it shrank under us, which is an error, not zeroes.
+			return done, fmt.Errorf("vhdx: read %d bytes at %d (file offset %d): %w", take, off+int64(done), host, err)
+		}
+		done += take
+	}
+	return len(p), nil
+}
+
+// TryReadAt serves p without waiting: the BAT is in memory, zero blocks
+// need no I/O, and present ones are tried in the page cache.
+func (img *Image) TryReadAt(p []byte, off int64) bool {
+	if img.inRange(off, len(p)) != nil {
+		return false
+	}
+	done := 0
+	for done < len(p) {
+		host, take, _ := img.piece(off+int64(done), len(p)-done)
+		q := p[done : done+take]
+		if host < 0 {
+			clear(q)
+		} else if !img.f.TryReadAt(q, host) {
+			return false
+		}
+		done += take
+	}
+	return true
+}
+
+// Extent merges blocks of one status from off: present blocks are data
+// at their file offset; ZERO blocks are allocated zeroes; the other
+// states read as zeroes from nowhere (a hole).
+func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+	if off < 0 || off >= img.size {
+		return formats.Extent{}, fmt.Errorf("vhdx: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	n = min(n, img.size-off)
+	kind := func(state uint64) int {
+		switch state {
+		case blockFullyPresent:
+			return 0
+		case blockZero:
+			return 1
+		}
+		return 2
+	}
+	host, take, state := img.piece(off, int(min(n, img.blockSize)))
+	k := kind(state)
+	length := int64(take)
+	for length < n {
+		h2, t2, s2 := img.piece(off+length, int(min(n-length, img.blockSize)))
+		if kind(s2) != k || (k == 0 && h2 != host+length) {
+			break
+		}
+		length += int64(t2)
+	}
+	e := formats.Extent{Start: off, Length: length, File: img.path}
+	switch k {
+	case 0:
+		e.Data, e.Present, e.Offset, e.HasOffset = true, true, host, true
+	case 1:
+		e.Zero, e.Present = true, true
+	default:
+		e.Zero = true
+	}
+	return e, nil
+}
+
+// AllocatedSize is the host allocation of the file.
+func (img *Image) AllocatedSize(context.Context) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
+		return 0, fmt.Errorf("vhdx: stat: %w", err)
+	}
+	return st.Blocks * 512, nil
+}
+
+// Info is what qemu-img 7.2 prints for a VHDX image: its block size as
+// the cluster size, and no format-specific block (QEMU's vhdx driver has
+// no bdrv_get_specific_info).
+func (img *Image) Info() formats.Info {
+	actual, err := img.AllocatedSize(context.Background())
+	if err != nil {
+		actual = -1
+	}
+	return formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: actual,
+		ClusterSize: img.blockSize, RequestAlignment: 1}
+}
+
+// BlockSize, LogicalSectorSize, PhysicalSectorSize and Fixed describe the
+// image's metadata.
+func (img *Image) BlockSize() int64           { return img.blockSize }
+func (img *Image) LogicalSectorSize() uint32  { return img.logicalSector }
+func (img *Image) PhysicalSectorSize() uint32 { return img.physicalSector }
+func (img *Image) Fixed() bool                { return img.fixed }
+
+func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error { return formats.ErrReadOnly }
+func (img *Image) Discard(context.Context, int64, int64) error           { return formats.ErrReadOnly }
+func (img *Image) Flush(context.Context) error                           { return nil }
+func (img *Image) Resize(context.Context, int64) error                   { return formats.ErrReadOnly }
+
+// Close closes the file.
+func (img *Image) Close() error { return img.f.Close() }
