@@ -1,10 +1,13 @@
 package fuse
 
 // The directory around the file (--file-name NAME): the mount's root is
-// then a directory holding the export as its one entry, NAME, as nbdfuse
-// lays it out. Nothing else can be made or removed there. Without
-// --file-name the root is the file itself (QEMU's layout) and none of
-// this runs: the kernel sends no directory requests for a regular file.
+// then a directory holding the export as its entry NAME, as nbdfuse
+// lays it out, and with --partitions one more regular file per partition
+// (NAME-p1, ...: extra files, each an Export of its own over its byte
+// range, on inodes 3, 4, ...). Nothing else can be made or removed there.
+// Without --file-name the root is the file itself (QEMU's layout) and
+// none of this runs: the kernel sends no directory requests for a
+// regular file.
 
 import (
 	"bytes"
@@ -15,6 +18,8 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
 )
 
 // dirent is struct fuse_dirent (include/uapi/linux/fuse.h), the fixed
@@ -30,7 +35,65 @@ type dirent struct {
 const (
 	rootIno = 1 // the mount's root: the file, or the directory around it
 	fileIno = 2 // the file inside the directory
+	// Extra files (partitions) are fileIno+1, fileIno+2, ...
 )
+
+// ExtraFile is one more file in the directory beside NAME: a partition,
+// served from its own image (a byte range of the disk).
+type ExtraFile struct {
+	Name  string
+	Image formats.Image
+}
+
+// extraFile is an extra file being served.
+type extraFile struct {
+	name string
+	exp  *Export
+}
+
+// maxExtraFiles bounds the directory: one file per partition the kernel
+// would number (DISK_MAX_PARTS).
+const maxExtraFiles = 256
+
+// addExtraFiles makes an export of each extra file, writable when the
+// disk is, and with none of the disk's other options: a partition never
+// grows, and no two inodes may cache the same bytes (each would go stale
+// under the other's writes), so the disk's file must not be cached by the
+// kernel either (the caller's rule: see --kernel-cache).
+func (s *server) addExtraFiles(files []ExtraFile) error {
+	if len(files) == 0 {
+		return nil
+	}
+	if !s.inDir() {
+		return fmt.Errorf("extra files need a directory (--file-name)")
+	}
+	if len(files) > maxExtraFiles {
+		return fmt.Errorf("%d extra files: at most %d", len(files), maxExtraFiles)
+	}
+	names := map[string]bool{s.fileName: true}
+	for _, f := range files {
+		if err := CheckFileName(f.Name); err != nil {
+			return err
+		}
+		if names[f.Name] {
+			return fmt.Errorf("two files named %q", f.Name)
+		}
+		names[f.Name] = true
+		e := New(f.Image, Options{Writable: s.exp.opts.Writable, Logger: s.exp.opts.Logger})
+		e.ino = fileIno + 1 + uint64(len(s.extra))
+		s.extra = append(s.extra, extraFile{name: f.Name, exp: e})
+	}
+	return nil
+}
+
+// expOf is the export a request's inode names: an extra file's, or the
+// disk's (the root file, the file NAME, and requests that name no file).
+func (s *server) expOf(req []byte) *Export {
+	if id := header(req).NodeId; id > fileIno && id-fileIno-1 < uint64(len(s.extra)) {
+		return s.extra[id-fileIno-1].exp
+	}
+	return s.exp
+}
 
 // CheckFileName checks a --file-name: one path component.
 func CheckFileName(name string) error {
@@ -70,18 +133,33 @@ func (s *server) dirAttr(a *fuse.Attr) {
 	}
 }
 
-// lookup finds NAME in the root directory; every other name is absent.
+// lookup finds NAME or an extra file in the root directory; every other
+// name is absent.
 func (s *server) lookup(q *queue, req []byte) inlineResult {
 	h := header(req)
 	name, _, _ := bytes.Cut(req[inHeaderSize:], []byte{0})
-	if !s.inDir() || h.NodeId != rootIno || string(name) != s.fileName {
+	if !s.inDir() || h.NodeId != rootIno {
 		s.replyErr(q.to, h.Unique, unix.ENOENT)
 		return answered
 	}
-	out := fuse.EntryOut{NodeId: fileIno}
+	e := s.exp
+	if string(name) != s.fileName {
+		e = nil
+		for _, f := range s.extra {
+			if string(name) == f.name {
+				e = f.exp
+				break
+			}
+		}
+		if e == nil {
+			s.replyErr(q.to, h.Unique, unix.ENOENT)
+			return answered
+		}
+	}
+	out := fuse.EntryOut{NodeId: e.ino}
 	out.SetEntryTimeout(attrTimeout)
 	out.SetAttrTimeout(attrTimeout)
-	s.exp.fillAttr(context.Background(), &out.Attr)
+	e.fillAttr(context.Background(), &out.Attr)
 	replyOut(s, q.to, h.Unique, fuse.OK, &out)
 	return answered
 }
@@ -97,7 +175,8 @@ func (s *server) opendir(q *queue, req []byte) inlineResult {
 	return answered
 }
 
-// readdir lists ".", ".." and NAME from the entry the offset names,
+// readdir lists ".", "..", NAME and the extra files from the entry the
+// offset names,
 // as many as fit in the size asked for. An entry's offset is the index
 // of the entry after it.
 func (s *server) readdir(q *queue, req []byte) inlineResult {
@@ -106,11 +185,16 @@ func (s *server) readdir(q *queue, req []byte) inlineResult {
 		s.replyErr(q.to, in.Unique, unix.ENOTDIR)
 		return answered
 	}
-	entries := [...]struct {
+	type entry struct {
 		ino  uint64
 		typ  uint32
 		name string
-	}{{rootIno, unix.DT_DIR, "."}, {rootIno, unix.DT_DIR, ".."}, {fileIno, unix.DT_REG, s.fileName}}
+	}
+	entries := make([]entry, 0, 3+len(s.extra))
+	entries = append(entries, entry{rootIno, unix.DT_DIR, "."}, entry{rootIno, unix.DT_DIR, ".."}, entry{fileIno, unix.DT_REG, s.fileName})
+	for _, f := range s.extra {
+		entries = append(entries, entry{f.exp.ino, unix.DT_REG, f.name})
+	}
 	const direntSize = int(unsafe.Sizeof(dirent{}))
 	out := q.out[:0]
 	for i := in.Offset; i < uint64(len(entries)); i++ {

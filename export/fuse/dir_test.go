@@ -155,3 +155,92 @@ func TestCheckFileName(t *testing.T) {
 		}
 	}
 }
+
+// TestDirectoryWithExtraFiles: the partitions' files beside NAME, each
+// its own inode answered by its own image: LOOKUP, GETATTR and READ of
+// each reach the right size, READDIR lists them all, and extra files are
+// refused without a directory or twice under one name.
+func TestDirectoryWithExtraFiles(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	disk, _ := null.New("null", 1<<20, true)
+	p1, _ := null.New("p1", 4096, true)
+	p5, _ := null.New("p5", 8192, true)
+	exp := New(disk, Options{Writable: true})
+	exp.ino = fileIno
+	s := newServer(exp, fds[0])
+	if err := s.addExtraFiles([]ExtraFile{{"disk-p1", p1}}); err == nil {
+		t.Error("extra files accepted without a directory")
+	}
+	s.fileName = "disk"
+	for _, bad := range [][]ExtraFile{{{"disk", p1}}, {{"a", p1}, {"a", p5}}, {{"a/b", p1}}} {
+		if err := s.addExtraFiles(bad); err == nil {
+			t.Errorf("extra files %v accepted", bad)
+		}
+		s.extra = nil
+	}
+	if err := s.addExtraFiles([]ExtraFile{{"disk-p1", p1}, {"disk-p5", p5}}); err != nil {
+		t.Fatal(err)
+	}
+	k := kernelSide{t, fds[1]}
+	serveFake(t, s, fds[0])
+	defer unix.Close(fds[1])
+	unique := uint64(100)
+	ask := func(send func(u uint64)) (fuse.OutHeader, []byte) {
+		t.Helper()
+		unique++
+		send(unique)
+		h, body, ok := k.replyBody(5000)
+		if !ok || h.Unique != unique {
+			t.Fatalf("no reply to request %d (got %+v)", unique, h)
+		}
+		return h, body
+	}
+	for _, c := range []struct {
+		name string
+		ino  uint64
+		size uint64
+	}{{"disk", fileIno, 1 << 20}, {"disk-p1", fileIno + 1, 4096}, {"disk-p5", fileIno + 2, 8192}} {
+		h, body := ask(func(u uint64) {
+			in := lookupIn{InHeader: fuse.InHeader{Opcode: opLookup, Unique: u, NodeId: rootIno}}
+			copy(in.name[:], c.name)
+			b := unsafe.Slice((*byte)(unsafe.Pointer(&in)), inHeaderSize+len(c.name)+1)
+			(*fuse.InHeader)(unsafe.Pointer(&b[0])).Length = uint32(len(b))
+			unix.Write(k.fd, b)
+		})
+		if h.Status != 0 {
+			t.Fatalf("LOOKUP %s: status %d", c.name, h.Status)
+		}
+		e := (*fuse.EntryOut)(unsafe.Pointer(&body[0]))
+		if e.NodeId != c.ino || e.Attr.Ino != c.ino || e.Attr.Size != c.size || e.Attr.Mode != unix.S_IFREG|0o600 {
+			t.Errorf("LOOKUP %s: %+v", c.name, e)
+		}
+		h, body = ask(func(u uint64) {
+			send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: c.ino}})
+		})
+		if a := (*fuse.AttrOut)(unsafe.Pointer(&body[0])); h.Status != 0 || a.Ino != c.ino || a.Size != c.size {
+			t.Errorf("GETATTR %s: status %d, %+v", c.name, h.Status, a.Attr)
+		}
+		// A read across the file's end is cut there: its own size.
+		h, body = ask(func(u uint64) {
+			send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: c.ino}, Offset: c.size - 512, Size: 4096})
+		})
+		if h.Status != 0 || len(body) != 512 {
+			t.Errorf("READ across the end of %s: status %d, %d bytes", c.name, h.Status, len(body))
+		}
+	}
+	h, body := ask(func(u uint64) {
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opReaddir, Unique: u, NodeId: rootIno}, Offset: 2, Size: 4096})
+	})
+	var names []string
+	for len(body) >= 24 {
+		n := int(binary.NativeEndian.Uint32(body[16:]))
+		names = append(names, string(body[24:24+n]))
+		body = body[(24+n+7)&^7:]
+	}
+	if h.Status != 0 || strings.Join(names, " ") != "disk disk-p1 disk-p5" {
+		t.Errorf("READDIR from 2: status %d, %q", h.Status, names)
+	}
+}

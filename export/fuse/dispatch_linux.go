@@ -303,7 +303,7 @@ func (s *server) getattr(q *queue, req []byte) inlineResult {
 		s.dirAttr(&o.Attr)
 		o.SetTimeout(attrTimeout)
 	} else {
-		st = s.exp.GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
+		st = s.expOf(req).GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
 	}
 	replyOut(s, q.to, header(req).Unique, st, &o)
 	return answered
@@ -311,7 +311,7 @@ func (s *server) getattr(q *queue, req []byte) inlineResult {
 
 func (s *server) open(q *queue, req []byte) inlineResult {
 	var o fuse.OpenOut
-	st := s.exp.Open(decode[fuse.OpenIn](req), &o)
+	st := s.expOf(req).Open(decode[fuse.OpenIn](req), &o)
 	replyOut(s, q.to, header(req).Unique, st, &o)
 	return answered
 }
@@ -329,7 +329,7 @@ func (s *server) tryRead(q *queue, req []byte) inlineResult {
 	if !s.hand.Reads.ShouldTry() {
 		return wouldWait
 	}
-	n, st, ok := s.exp.TryRead(decode[fuse.ReadIn](req), q.out)
+	n, st, ok := s.expOf(req).TryRead(decode[fuse.ReadIn](req), q.out)
 	s.hand.Reads.Note(ok)
 	if !ok {
 		return missed
@@ -344,7 +344,7 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 	if !ok {
 		return wouldWait // write answers EINVAL
 	}
-	n, st, ok := s.exp.TryWrite(in, data)
+	n, st, ok := s.expOf(req).TryWrite(in, data)
 	if !ok {
 		return wouldWait
 	}
@@ -362,14 +362,14 @@ func (s *server) read(ctx context.Context, to replyTo, req []byte) {
 		// Over io_uring the reply's payload buffer is the request's own
 		// until the reply: read into it, and the reply copies nothing.
 		ob := to.ent.payload()[:size]
-		n, st := s.exp.ReadInto(ctx, in, ob)
+		n, st := s.expOf(req).ReadInto(ctx, in, ob)
 		s.replyData(to, in.Unique, st, ob[:n])
 		return
 	}
 	pool := s.pool(size)
 	ob, bp := pool.Buffer(size)
 	defer pool.Release(bp)
-	n, st := s.exp.ReadInto(ctx, in, ob)
+	n, st := s.expOf(req).ReadInto(ctx, in, ob)
 	s.replyData(to, in.Unique, st, ob[:n])
 }
 
@@ -379,7 +379,7 @@ func (s *server) write(ctx context.Context, to replyTo, req []byte) {
 		s.replyErr(to, in.Unique, unix.EINVAL)
 		return
 	}
-	n, st := s.exp.Write(ctx, in, data)
+	n, st := s.expOf(req).Write(ctx, in, data)
 	o := fuse.WriteOut{Size: n}
 	replyOut(s, to, in.Unique, st, &o)
 }
@@ -390,25 +390,25 @@ func (s *server) setattr(ctx context.Context, to replyTo, req []byte) {
 		return
 	}
 	var o fuse.AttrOut
-	st := s.exp.SetAttr(ctx, decode[fuse.SetAttrIn](req), &o)
+	st := s.expOf(req).SetAttr(ctx, decode[fuse.SetAttrIn](req), &o)
 	replyOut(s, to, header(req).Unique, st, &o)
 }
 
 func (s *server) fsync(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.exp.Fsync(ctx, decode[fuse.FsyncIn](req)))
+	s.replyStatus(to, header(req).Unique, s.expOf(req).Fsync(ctx, decode[fuse.FsyncIn](req)))
 }
 
 func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.exp.Flush(ctx, decode[fuse.FlushIn](req)))
+	s.replyStatus(to, header(req).Unique, s.expOf(req).Flush(ctx, decode[fuse.FlushIn](req)))
 }
 
 func (s *server) fallocate(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.exp.Fallocate(ctx, decode[fuse.FallocateIn](req)))
+	s.replyStatus(to, header(req).Unique, s.expOf(req).Fallocate(ctx, decode[fuse.FallocateIn](req)))
 }
 
 func (s *server) lseek(ctx context.Context, to replyTo, req []byte) {
 	var o fuse.LseekOut
-	st := s.exp.Lseek(ctx, decode[fuse.LseekIn](req), &o)
+	st := s.expOf(req).Lseek(ctx, decode[fuse.LseekIn](req), &o)
 	replyOut(s, to, header(req).Unique, st, &o)
 }
 

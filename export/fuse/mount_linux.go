@@ -54,6 +54,9 @@ type MountOptions struct {
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
+	// Extra are more files in that directory, beside FileName: the
+	// partitions (--partitions; dir_linux.go).
+	Extra []ExtraFile
 	// URing says whether requests come through FUSE over io_uring: on
 	// (or fail), auto (where the kernel offers it) or off ("" is off).
 	// URingDepth is each queue's number of entries; URingPin pins each
@@ -269,6 +272,12 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		srv.fileName = o.FileName
 		exp.ino = fileIno
 		file = filepath.Join(abs, o.FileName)
+	}
+	if err := srv.addExtraFiles(o.Extra); err != nil {
+		detach(abs, exp.log)
+		unix.Close(fd)
+		made.remove()
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	ptFd := exp.img.Features().HostFd
 	ptOK := ptFd >= 0

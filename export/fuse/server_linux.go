@@ -104,6 +104,8 @@ type server struct {
 	// fileName is not empty when the root is a directory holding the
 	// export as its one file, named so (--file-name; dir_linux.go).
 	fileName string
+	// extra are the files beside it (partitions), on inodes fileIno+1...
+	extra []extraFile
 
 	// uring asks for FUSE over io_uring at INIT; uqs are its queues once
 	// started (uring_linux.go).
