@@ -26,6 +26,7 @@ type fuseFlags struct {
 	ioURing     string
 	uringDepth  int
 	uringPin    bool
+	parts       partitionFlags
 }
 
 func fuseCommand() *cobra.Command {
@@ -54,6 +55,7 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
 	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
 	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (measured: queue depth 1 40k IOPS pinned, 26k not; depth 16 85k pinned, 100k not)")
+	f.parts.register(c, "with --file-name: one more file per partition of the image's MBR or GPT beside NAME, NAME-p1, NAME-p2... numbered as Linux numbers them")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	f.registerTLS(c, "")
 	completeWords(c, "allow-other", "auto", "on", "off")
@@ -107,6 +109,15 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.growable && !f.writable {
 		return usagef("--growable needs --writable")
 	}
+	if err := f.parts.check(c); err != nil {
+		return err
+	}
+	if f.parts.all && f.fileName == "" {
+		return usagef("--partitions adds files beside the disk's: it needs --file-name NAME (or --partition N alone)")
+	}
+	if (f.parts.all || f.parts.one > 0) && f.growable {
+		return usagef("--growable and --partition(s): a partition's size is the partition table's")
+	}
 	if c.Flags().Changed("file-name") {
 		if err := fuseexport.CheckFileName(f.fileName); err != nil {
 			return usageError{err}
@@ -124,7 +135,15 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", image)
 	}
 
-	exp := fuseexport.New(img.Image, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
+	served, parts, err := f.parts.apply(context.Background(), img.Image, image, f.fileName+"-", logger)
+	if err != nil {
+		return err
+	}
+	extra := make([]fuseexport.ExtraFile, len(parts))
+	for i, p := range parts {
+		extra[i] = fuseexport.ExtraFile{Name: p.name, Image: p.img}
+	}
+	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
 	sigs := stopSignals()
 	// The pidfile before the mount: a second instance given the same one
 	// is refused before it mounts anything. (After stopSignals: a signal
@@ -141,7 +160,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
-		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName,
+		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
 		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
 	if err != nil {
 		return err

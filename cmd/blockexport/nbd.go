@@ -20,6 +20,7 @@ type nbdFlags struct {
 	serveFlags
 	listen         string
 	name, desc     string
+	parts          partitionFlags
 	maxClients     int
 	handshakeLimit int
 	pollUs         int
@@ -59,6 +60,7 @@ func nbdCommand() *cobra.Command {
 	fs.StringVar(&f.tlsKey, "tls-key", "", "the server certificate's key (PEM)")
 	fs.StringVar(&f.tlsCA, "tls-ca", "", "a CA certificate (PEM): clients must present a certificate it signed")
 	completeWords(c, "tls", "require", "optional", "off")
+	f.parts.register(c, "serve each partition of the image's MBR or GPT too, as export NAME-p1, NAME-p2... (p1, p2... for the default export \"\"), numbered as Linux numbers them")
 	fs.IntVar(&f.pollUs, "poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
 	return c
 }
@@ -69,6 +71,9 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	}
 	logger, opts, err := f.check()
 	if err != nil {
+		return err
+	}
+	if err := f.parts.check(c); err != nil {
 		return err
 	}
 	network, addr, err := parseListen(f.listen)
@@ -100,6 +105,18 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 		return err
 	}
 	defer img.Image.Close()
+	prefix := ""
+	if f.name != "" {
+		prefix = f.name + "-"
+	}
+	disk, parts, err := f.parts.apply(context.Background(), img.Image, args[0], prefix, logger)
+	if err != nil {
+		return err
+	}
+	extra := make([]nbd.Export, len(parts))
+	for i, p := range parts {
+		extra[i] = nbd.Export{Name: p.name, Image: p.img}
+	}
 	sigs := stopSignals()
 	// The pidfile before the socket: a second instance given the same
 	// one is refused before it listens. (After stopSignals: a signal from
@@ -120,7 +137,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 		defer os.Remove(addr)
 		jobs.add(func() { os.Remove(addr) })
 	}
-	srv := nbd.New(img.Image, nbd.Options{Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
+	srv := nbd.New(disk, nbd.Options{Extra: extra, Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
 		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
 		TLS: tlsConf, TLSMode: tlsMode})
 	served := make(chan error, 1)
