@@ -12,6 +12,7 @@ import (
 	"github.com/blockexport/blockexport/formats/vdi"
 	"github.com/blockexport/blockexport/formats/vhdx"
 	"github.com/blockexport/blockexport/formats/vmdk"
+	"github.com/blockexport/blockexport/formats/vpc"
 )
 
 // ErrUnsupportedFormat marks an image in a format QEMU reads and this
@@ -92,7 +93,19 @@ func fileFormats() []fileFormat {
 				}
 				return img, nil
 			}},
-		{name: "vpc", probe: probeVPC},
+		{name: "vpc", probe: probeVPC,
+			lock: func(bool, bool) aio.Lock { return vpc.Lock(false) }, // as vdi's
+			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
+				if w {
+					f.Close()
+					return nil, readOnlyFormat(f.Name(), "vpc")
+				}
+				img, err := vpc.New(f, vpc.Options{})
+				if err != nil {
+					return nil, err
+				}
+				return img, nil
+			}},
 		{name: "vdi", probe: probeVDI,
 			// Never writable: a -w open is refused by open with a pointer
 			// to an overlay, not by a lock conflict first.

@@ -1,0 +1,445 @@
+// Package vpc reads Virtual PC / Hyper-V disk images (VHD; QEMU's name is
+// vpc), fixed and dynamic, as QEMU 7.2's vpc driver does (block/vpc.c):
+// a 512-byte footer ("conectix", at the start of a dynamic disk and at
+// the end of every disk), a dynamic disk header ("cxsparse"), and a block
+// allocation table (BAT) of 32-bit sector numbers, each naming a sector
+// bitmap followed by the block's data.
+//
+// The virtual size is QEMU's: the footer's CHS geometry or its
+// current_size, chosen by the creator application (see diskSectors).
+//
+// It is read-only for now; writes are refused with formats.ErrReadOnly
+// (write over one through a qcow2 overlay). Differencing disks are not
+// read (QEMU reads them as dynamic disks without their parent, which is
+// wrong data; they are refused here). Every BAT entry is checked when the
+// image opens: a block past the end of the file (QEMU refuses that too),
+// over the footer, the dynamic header or the BAT, or over another block
+// makes the image corrupt.
+package vpc
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Errors callers branch on.
+var (
+	// ErrCorrupt: the metadata contradicts itself or the file.
+	ErrCorrupt = errors.New("vpc: image is corrupt")
+	// ErrUnsupported: a VHD this reader does not read (differencing).
+	ErrUnsupported = errors.New("vpc: unsupported image")
+)
+
+const (
+	footerSize   = 512
+	dynHeaderLen = 1024
+	typeFixed    = 2
+	typeDynamic  = 3
+	typeDiff     = 4
+	unallocated  = 0xffffffff
+	// maxSectors is QEMU's VHD_MAX_SECTORS (2040 GiB).
+	maxSectors = 0xff000000
+	// maxGeometry is the largest CHS geometry: a disk that has it is
+	// sized by current_size whatever its creator.
+	maxGeometry = 65535 * 16 * 255
+	// maxTableEntries is QEMU's bound (INT_MAX / 4).
+	maxTableEntries = (1<<31 - 1) / 4
+)
+
+// SizeCalc overrides how the virtual size is computed, as QEMU's
+// force_size_calc runtime option does.
+type SizeCalc int
+
+const (
+	SizeAuto        SizeCalc = iota // by creator application (QEMU's default)
+	SizeCHS                         // force_size_calc=chs
+	SizeCurrentSize                 // force_size_calc=current_size
+)
+
+// Options say how to read an image.
+type Options struct {
+	SizeCalc SizeCalc
+}
+
+// Lock is what an open of a VHD file locks (see aio.Lock): as for any
+// format with metadata, nobody else may write or resize it.
+func Lock(writable bool) aio.Lock {
+	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
+	if writable {
+		l.Perm |= aio.PermWrite | aio.PermResize
+	}
+	return l
+}
+
+// Footer is the VHD footer's fields the reader uses.
+type Footer struct {
+	DataOffset  uint64
+	CreatorApp  [4]byte
+	CurrentSize uint64
+	Cylinders   uint16
+	Heads       uint8
+	Sectors     uint8
+	Type        uint32
+}
+
+func parseFooter(b []byte) Footer {
+	be := binary.BigEndian
+	f := Footer{DataOffset: be.Uint64(b[16:]), CurrentSize: be.Uint64(b[48:]), Cylinders: be.Uint16(b[56:]),
+		Heads: b[58], Sectors: b[59], Type: be.Uint32(b[60:])}
+	copy(f.CreatorApp[:], b[28:32])
+	return f
+}
+
+// checksumOK: the one's complement of the byte sum with the checksum
+// field (bytes 64..68) taken as zero.
+func checksumOK(b []byte) bool {
+	var sum uint32
+	for i, c := range b[:footerSize] {
+		if i < 64 || i >= 68 {
+			sum += uint32(c)
+		}
+	}
+	return ^sum == binary.BigEndian.Uint32(b[64:])
+}
+
+// diskSectors is QEMU's vpc_open size rule: Virtual PC and QEMU's "qemu"
+// size a disk by its CHS geometry; Hyper-V ("win "), QEMU's "qem2",
+// Disk2vhd ("d2v "), XenConverter ("CTXS") and XenServer ("tap\0") by
+// current_size; a disk of the largest geometry by current_size always.
+func diskSectors(f Footer, calc SizeCalc) uint64 {
+	chs := uint64(f.Cylinders) * uint64(f.Heads) * uint64(f.Sectors)
+	useCHS := true
+	switch string(f.CreatorApp[:]) {
+	case "win ", "qem2", "d2v ", "CTXS", "tap\x00":
+		useCHS = false
+	}
+	if calc == SizeCHS {
+		useCHS = true
+	}
+	if !useCHS || chs == maxGeometry || calc == SizeCurrentSize {
+		return f.CurrentSize / 512
+	}
+	return chs
+}
+
+// Image is an open VHD image.
+type Image struct {
+	f      aio.File
+	footer Footer
+	size   int64
+	fixed  bool
+	// Dynamic disks: block size, bitmap size (both bytes) and the BAT
+	// entries of the blocks that hold the disk.
+	blockSize  int64
+	bitmapSize int64
+	bat        []uint32
+}
+
+// New opens the VHD image of f, which it owns from now on (Close closes
+// it; so does a failed New).
+func New(f aio.File, o Options) (*Image, error) {
+	img, err := open(f, o)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: %w", f.Name(), err)
+	}
+	return img, nil
+}
+
+func fileSize(f aio.File) (int64, error) {
+	n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
+	if err != nil {
+		return 0, fmt.Errorf("vpc: size: %w", err)
+	}
+	return n, nil
+}
+
+func open(f aio.File, o Options) (*Image, error) {
+	ctx := context.Background()
+	size, err := fileSize(f)
+	if err != nil {
+		return nil, err
+	}
+	buf := make([]byte, footerSize)
+	if _, err := f.ReadAt(ctx, buf, 0); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("vpc: read footer: %w", err)
+	}
+	atEnd := false
+	if !bytes.HasPrefix(buf, []byte("conectix")) {
+		// A fixed disk has its footer only at the end.
+		if size < footerSize {
+			return nil, fmt.Errorf("%w: file of %d bytes is too small for a VHD footer", ErrCorrupt, size)
+		}
+		if _, err := f.ReadAt(ctx, buf, size-footerSize); err != nil {
+			return nil, fmt.Errorf("vpc: read footer: %w", err)
+		}
+		if !bytes.HasPrefix(buf, []byte("conectix")) {
+			return nil, fmt.Errorf("%w: no VHD footer (\"conectix\") at the start or the end", ErrCorrupt)
+		}
+		atEnd = true
+	}
+	if !checksumOK(buf) {
+		return nil, fmt.Errorf("%w: incorrect footer checksum", ErrCorrupt)
+	}
+	ft := parseFooter(buf)
+	sectors := diskSectors(ft, o.SizeCalc)
+	if sectors > maxSectors {
+		return nil, fmt.Errorf("%w: %d sectors is over the VHD maximum of %d (2040 GiB)", ErrUnsupported, sectors, uint64(maxSectors))
+	}
+	img := &Image{f: f, footer: ft, size: int64(sectors) * 512}
+	switch {
+	case ft.Type == typeFixed:
+		// QEMU reads any disk whose footer says fixed as the file's
+		// bytes; they must be there (QEMU reads zeroes past the end).
+		img.fixed = true
+		room := size
+		if atEnd {
+			room -= footerSize
+		}
+		if img.size > room {
+			return nil, fmt.Errorf("%w: a fixed disk of %d bytes in a file with room for %d", ErrCorrupt, img.size, room)
+		}
+		return img, nil
+	case atEnd:
+		// QEMU opens a dynamic footer found only at the end with no BAT
+		// and reads zeroes: the file has lost its head.
+		return nil, fmt.Errorf("%w: a type %d disk's footer is only at the end of the file (no dynamic header)", ErrCorrupt, ft.Type)
+	case ft.Type == typeDiff:
+		return nil, fmt.Errorf("%w: differencing disk (convert it with its parent: qemu-img convert -f vpc -O qcow2 IMAGE OUT.qcow2)", ErrUnsupported)
+	}
+	if err := img.loadBAT(ctx, size); err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+// loadBAT reads the dynamic header and the BAT with QEMU's checks, then
+// checks every entry against the file and the other structures.
+func (img *Image) loadBAT(ctx context.Context, size int64) error {
+	hdrOff := img.footer.DataOffset
+	if hdrOff < footerSize || hdrOff > uint64(size) || uint64(size)-hdrOff < dynHeaderLen {
+		return fmt.Errorf("%w: dynamic header at %#x is not inside the file (%d bytes)", ErrCorrupt, hdrOff, size)
+	}
+	h := make([]byte, dynHeaderLen)
+	if _, err := img.f.ReadAt(ctx, h, int64(hdrOff)); err != nil {
+		return fmt.Errorf("vpc: read dynamic header: %w", err)
+	}
+	if !bytes.HasPrefix(h, []byte("cxsparse")) {
+		return fmt.Errorf("%w: invalid dynamic header magic", ErrCorrupt)
+	}
+	be := binary.BigEndian
+	batOff := be.Uint64(h[16:])
+	entries := uint64(be.Uint32(h[28:]))
+	bs := uint64(be.Uint32(h[32:]))
+	if bs < 512 || bs&(bs-1) != 0 {
+		return fmt.Errorf("%w: invalid block size %d", ErrCorrupt, bs)
+	}
+	img.blockSize = int64(bs)
+	img.bitmapSize = int64((bs/(8*512) + 511) &^ 511)
+	total := uint64(img.size)
+	switch {
+	case total/bs > 0xffffffff:
+		return fmt.Errorf("%w: too many blocks", ErrCorrupt)
+	case entries*bs < total:
+		return fmt.Errorf("%w: BAT of %d entries too small for %d bytes", ErrCorrupt, entries, total)
+	case entries > maxTableEntries:
+		return fmt.Errorf("%w: BAT of %d entries is too large", ErrCorrupt, entries)
+	}
+	batLen := entries * 4
+	if batOff < footerSize || batOff > uint64(size) || uint64(size)-batOff < batLen {
+		return fmt.Errorf("%w: BAT [%#x, +%d) is not inside the file (%d bytes)", ErrCorrupt, batOff, batLen, size)
+	}
+	if batOff < hdrOff+dynHeaderLen && hdrOff < batOff+batLen {
+		return fmt.Errorf("%w: BAT at %#x overlaps the dynamic header at %#x", ErrCorrupt, batOff, hdrOff)
+	}
+	raw := make([]byte, batLen) // inside the file: bounded by its size
+	if _, err := img.f.ReadAt(ctx, raw, int64(batOff)); err != nil {
+		return fmt.Errorf("vpc: read BAT: %w", err)
+	}
+	// Regions no block may overlap: the footer copy, the dynamic header,
+	// the BAT (to a whole sector, where QEMU puts the first block).
+	type region struct{ start, end int64 }
+	used := []region{{0, footerSize}, {int64(hdrOff), int64(hdrOff) + dynHeaderLen},
+		{int64(batOff), int64((batOff + batLen + 511) &^ 511)}}
+	needed := (total + bs - 1) / bs
+	img.bat = make([]uint32, needed)
+	for i := uint64(0); i < entries; i++ {
+		e := be.Uint32(raw[4*i:])
+		if i < needed {
+			img.bat[i] = e
+		}
+		if e == unallocated {
+			continue
+		}
+		start := int64(e) * 512
+		end := start + img.bitmapSize + img.blockSize
+		if end > size { // QEMU refuses this too ("the image has been truncated")
+			return fmt.Errorf("%w: block %d at %#x ends past the end of the file (%d bytes)", ErrCorrupt, i, start, size)
+		}
+		used = append(used, region{start, end})
+	}
+	slices.SortFunc(used, func(a, b region) int {
+		if a.start != b.start {
+			if a.start < b.start {
+				return -1
+			}
+			return 1
+		}
+		return 0
+	})
+	for k := 1; k < len(used); k++ {
+		if used[k].start < used[k-1].end {
+			return fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
+		}
+	}
+	return nil
+}
+
+func (img *Image) Size() int64 { return img.size }
+
+// locate says where the byte at off lies in the file and how many bytes
+// of its block follow, or ok false for an unallocated block (zeroes; QEMU
+// does not consult the sector bitmap on reads, and neither does this).
+func (img *Image) locate(off int64) (host, n int64, ok bool) {
+	if img.fixed {
+		return off, img.size - off, true
+	}
+	i := off / img.blockSize
+	in := off % img.blockSize
+	n = img.blockSize - in
+	e := img.bat[i]
+	if e == unallocated {
+		return 0, n, false
+	}
+	return int64(e)*512 + img.bitmapSize + in, n, true
+}
+
+// ReadAt reads p at off, block by block.
+func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if off < 0 || off+int64(len(p)) > img.size {
+		return 0, fmt.Errorf("vpc: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
+	}
+	done := 0
+	for done < len(p) {
+		host, n, ok := img.locate(off + int64(done))
+		chunk := p[done:min(int64(len(p)), int64(done)+n)]
+		if !ok {
+			clear(chunk)
+		} else if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
+			return done, fmt.Errorf("vpc: read %d bytes at %d (file offset %#x): %w", len(chunk), off+int64(done), host, err)
+		}
+		done += len(chunk)
+	}
+	return done, nil
+}
+
+// TryReadAt serves p with the BAT in memory and the file's page cache.
+func (img *Image) TryReadAt(p []byte, off int64) bool {
+	if off < 0 || off+int64(len(p)) > img.size {
+		return false
+	}
+	done := 0
+	for done < len(p) {
+		host, n, ok := img.locate(off + int64(done))
+		chunk := p[done:min(int64(len(p)), int64(done)+n)]
+		if !ok {
+			clear(chunk)
+		} else if !img.f.TryReadAt(chunk, host) {
+			return false
+		}
+		done += len(chunk)
+	}
+	return true
+}
+
+// Extent: an unallocated block reads as zeroes; an allocated one is data
+// at its file offset. A fixed disk is the file's bytes, and QEMU asks the
+// file (BDRV_BLOCK_RAW): a hole in it is data that reads as zeroes.
+func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+	if off < 0 || off >= img.size {
+		return formats.Extent{}, fmt.Errorf("vpc: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	host, run, ok := img.locate(off)
+	n = min(n, run, img.size-off)
+	e := formats.Extent{Start: off, Length: n, Present: true, File: img.f.Name()}
+	if !ok {
+		e.Zero = true
+		return e, nil
+	}
+	e.Data, e.Offset, e.HasOffset = true, host, true
+	if img.fixed {
+		fd := img.f.Fd()
+		data, err := unix.Seek(fd, host, unix.SEEK_DATA)
+		switch {
+		case errors.Is(err, unix.ENXIO):
+			e.Zero = true
+		case err != nil:
+		case data > host:
+			e.Zero = true
+			e.Length = min(n, data-host)
+		default:
+			if end, err := unix.Seek(fd, host, unix.SEEK_HOLE); err == nil && end > host {
+				e.Length = min(n, end-host)
+			}
+		}
+	}
+	return e, nil
+}
+
+func (img *Image) AllocatedSize(context.Context) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
+		return 0, fmt.Errorf("vpc: stat: %w", err)
+	}
+	return st.Blocks * 512, nil
+}
+
+// Info is qemu-img info's: a dynamic disk's block size as cluster size,
+// none for a fixed one, and no format-specific block (QEMU 7.2's vpc
+// driver prints none).
+func (img *Image) Info() formats.Info {
+	actual, err := img.AllocatedSize(context.Background())
+	if err != nil {
+		actual = -1
+	}
+	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual, RequestAlignment: 1}
+	if !img.fixed {
+		i.ClusterSize = img.blockSize
+	}
+	return i
+}
+
+// Footer returns the footer's fields.
+func (img *Image) Footer() Footer { return img.footer }
+
+func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+
+func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error {
+	return formats.ErrReadOnly
+}
+
+func (img *Image) Discard(context.Context, int64, int64) error { return formats.ErrReadOnly }
+
+func (img *Image) Resize(context.Context, int64) error { return formats.ErrReadOnly }
+
+func (img *Image) Flush(context.Context) error { return nil }
+
+// TryWriteAt: nothing is written here; WriteAt refuses.
+func (img *Image) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
+
+// Features: none; FUSE passthrough is left to raw images.
+func (img *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
+
+func (img *Image) Close() error { return img.f.Close() }
