@@ -94,7 +94,7 @@ func TestBadInputIsRefusedWithOneLine(t *testing.T) {
 		say  string
 	}{
 		{"unknown flag", []string{"fuse", "--bogus", img, mnt}, 2, "unknown flag"},
-		{"unknown format", []string{"fuse", "-f", "vmdk", img, mnt}, 2, "unknown format"},
+		{"unknown format", []string{"fuse", "-f", "vmdx", img, mnt}, 2, "unknown format"},
 		{"bad null size", []string{"fuse", "null:12Q", mnt}, 2, "bad size"},
 		{"missing arguments", []string{"fuse", img}, 2, "want IMAGE and MOUNTPOINT"},
 		{"growable without writable", []string{"fuse", "--growable", img, mnt}, 2, "--growable needs --writable"},

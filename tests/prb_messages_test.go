@@ -92,7 +92,7 @@ func TestPrbPlainUsageMessages(t *testing.T) {
 		want string
 	}{
 		{[]string{"info", "-f", "vmdx", rawImg}, `unknown format "vmdx"`},
-		{[]string{"info", "-f", "vmdk", rawImg}, "vmdk images are not supported yet"},
+		{[]string{"info", "-f", "qed", rawImg}, "qed images are not supported yet"},
 		{[]string{"info", "null:lots"}, `null device "null:lots"`},
 		{[]string{"info", "-f", "null", rawImg}, "a null device is given as null:SIZE"},
 		{[]string{"info", "-f", "qcow2", "nbd://localhost/disk"}, "is an NBD export, which is raw bytes"},

@@ -84,8 +84,10 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		if bf == "" {
 			bf = probe.Auto
 		}
-		if bf != probe.Auto && bf != probe.Raw && bf != probe.QCOW2 {
-			return usagef("create: --backing-format %q (want raw or qcow2)", bf)
+		// Any image format read here may be a backing file (vmdk...); a
+		// null device may not.
+		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
+			return usagef("create: --backing-format %q (want a format blockexport reads: raw, qcow2, vmdk...)", bf)
 		}
 		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
 		if err != nil {

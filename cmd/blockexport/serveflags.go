@@ -33,7 +33,7 @@ type serveFlags struct {
 
 func (f *serveFlags) register(c *cobra.Command) {
 	fs := c.Flags()
-	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null (auto: probed as qemu-img probes; a format not read here, vmdk say, is refused by name)")
+	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null (auto: probed as qemu-img probes; a format not read here, qed say, is refused by name)")
 	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
 	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")

@@ -69,13 +69,11 @@ type Options struct {
 }
 
 // Lock is what an open of a vmdk file locks: as qcow2's, nobody may write
-// or resize a file whose metadata we read.
-func Lock(writable, _ bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
+// or resize a file whose metadata we read. A writable open is refused
+// after the lock (see WritableError), so it asks for no more than a
+// reader: its refusal then says why, not that a reader holds the image.
+func Lock(_, _ bool) aio.Lock {
+	return aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
 }
 
 // WritableError is the refusal of a writable open.

@@ -1,0 +1,135 @@
+package tests
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// vmdkSameInspection: info and map of img, as JSON, equal qemu-img's
+// (keys and values; run in img's directory with a relative name, so that
+// extent file names are compared as qemu-img forms them).
+func vmdkSameInspection(t *testing.T, img string) {
+	t.Helper()
+	for _, cmd := range [][]string{{"info", "--output=json", img}, {"map", "--output=json", img}} {
+		if got, want := jsonOf(t, bin, cmd...), jsonOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
+			t.Errorf("%s differs from qemu-img's\n got %v\nwant %v", cmd[0], got, want)
+		}
+	}
+}
+
+// TestVmdkSubformatsExportAsQemuReadsThem: for each subformat qemu-img
+// writes, a VMDK converted from a 64 MiB random raw disk with holes and
+// zero runs reads back byte for byte through the FUSE export (format
+// probed), and its info and map JSON equal qemu-img's; -w is refused in
+// one line that points at a qcow2 overlay; a qcow2 overlay on the VMDK
+// exports read-write, fio verifies its writes, and the VMDK is unchanged.
+func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
+	dir := t.TempDir()
+	src := vdiRawWithHoles(t, dir)
+	for _, sub := range []string{"monolithicSparse", "monolithicFlat", "twoGbMaxExtentSparse", "twoGbMaxExtentFlat", "streamOptimized"} {
+		t.Run(sub, func(t *testing.T) {
+			d := t.TempDir()
+			img := filepath.Join(d, "d.vmdk")
+			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+			mnt := filepath.Join(d, "mnt")
+			startExport(t, img, mnt)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			vmdkSameInspection(t, img)
+
+			wmnt := filepath.Join(d, "wmnt")
+			code, out := tryExport(t, wmnt, "-w", img)
+			if code == 0 || !strings.Contains(out, "-F vmdk overlay.qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+				t.Fatalf("-w on a vmdk image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
+			}
+
+			ov := filepath.Join(d, "ov.qcow2")
+			createImage(t, "-f", "qcow2", "-b", img, "-F", "vmdk", ov)
+			omnt := filepath.Join(d, "omnt")
+			e := startExport(t, ov, omnt, "-w")
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
+			run(t, "fio", append(fioJob("vmdk", "4k", "0", "64M", 27), "--io_size=8M", "--filename="+omnt)...)
+			e.stopClean()
+			run(t, "qemu-img", "compare", "-f", "vmdk", "-F", "raw", img, src)
+		})
+	}
+}
+
+// TestVmdkDeltaChain: a delta disk made by qemu-img on a monolithicSparse
+// base, written by qemu-io (data, and zeroes over base data), reads
+// through the export as QEMU reads it, with info and map equal to
+// qemu-img's; a base whose CID changed since is refused in one line.
+func TestVmdkDeltaChain(t *testing.T) {
+	dir := t.TempDir()
+	src := randomImage(t, dir, 16<<20, 28)
+	base := filepath.Join(dir, "base.vmdk")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, base)
+	delta := filepath.Join(dir, "delta.vmdk")
+	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", base, "-F", "vmdk", delta)
+	run(t, "qemu-io", "-c", "write -P 0xa5 1M 192k", "-c", "write -z 5M 128k", "-c", "write -P 0x5a 15M 4k", delta)
+	want := filepath.Join(dir, "want.raw")
+	run(t, "qemu-img", "convert", "-O", "raw", delta, want)
+	mnt := filepath.Join(dir, "mnt")
+	e := startExport(t, delta, mnt)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, want)
+	vmdkSameInspection(t, delta)
+	e.stopClean()
+
+	// The base written after the delta was made: its CID changes, and the
+	// delta's data would be wrong.
+	run(t, "qemu-io", "-c", "write -P 1 0 4k", base)
+	code, out := runBlockexport(t, "map", delta)
+	if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "CID") {
+		t.Fatalf("delta on a changed base: exit %d, want a one-line refusal naming the CID:\n%s", code, out)
+	}
+}
+
+// TestVmdkHostileExtentsRefusedWhereQemuFollowsThem: descriptors whose
+// extent names /etc/passwd (relative and absolute), /dev/zero, a FIFO,
+// the descriptor itself, or a symlink out of the directory. QEMU 7.2
+// opens each (reading /etc/passwd as disk data, hanging on the FIFO); we
+// refuse each with one line.
+func TestVmdkHostileExtentsRefusedWhereQemuFollowsThem(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/etc/passwd", filepath.Join(dir, "link")); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "d.vmdk")
+	for _, name := range []string{"../../../../../../../etc/passwd", "/etc/passwd", "/dev/zero", "fifo", "d.vmdk", "link"} {
+		t.Run(strings.ReplaceAll(name, "/", "_"), func(t *testing.T) {
+			desc := fmt.Sprintf("# Disk DescriptorFile\nversion=1\nCID=1\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 1 FLAT \"%s\" 0\n", name)
+			if err := os.WriteFile(img, []byte(desc), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if name != "fifo" && name != "d.vmdk" {
+				// QEMU opens it: the attack works there.
+				run(t, "qemu-img", "info", "-U", img)
+			}
+			cmd := exec.Command(bin, "info", img)
+			done := make(chan struct{})
+			var out []byte
+			var err error
+			go func() { out, err = cmd.CombinedOutput(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(20 * time.Second):
+				cmd.Process.Kill()
+				<-done
+				t.Fatal("blockexport info hangs")
+			}
+			if err == nil || strings.Count(strings.TrimSpace(string(out)), "\n") != 0 || !strings.Contains(string(out), "refused") {
+				t.Fatalf("extent %q: %v, want a one-line refusal:\n%s", name, err, out)
+			}
+		})
+	}
+}
