@@ -35,6 +35,8 @@ test:
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/nbd
 	$(GO) test -run XXX -fuzz FuzzParse -fuzztime 20000x -fuzzminimizetime 2s ./formats/partition
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vdi
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vpc
 
 # Fuzz the qcow2 parser, the NBD server and the NBD client for longer (FUZZTIME=10m make fuzz).
 FUZZTIME ?= 2m
@@ -43,6 +45,8 @@ fuzz:
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime $(FUZZTIME) ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime $(FUZZTIME) ./formats/nbd
 	$(GO) test -run XXX -fuzz FuzzParse -fuzztime $(FUZZTIME) ./formats/partition
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vdi
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vpc
 
 # Unit tests only (no mounts, no root needed for most).
 unit:
