@@ -85,7 +85,7 @@ func fileFormats() []fileFormat {
 				return img, nil
 			}},
 		{name: "vhdx", probe: probeVHDX,
-			lock: func(w, _ bool) aio.Lock { return vhdx.Lock(w) },
+			lock: func(bool, bool) aio.Lock { return vhdx.Lock(false) }, // -w is refused by open, not by a lock conflict
 			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
 				img, err := vhdx.New(context.Background(), f, vhdx.Options{Writable: w})
 				if err != nil {
