@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -132,4 +133,38 @@ func TestVmdkHostileExtentsRefusedWhereQemuFollowsThem(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestVmdkAllowDir: an extent outside the image's directory is refused by
+// default and opened with --allow-dir naming its directory (info equal to
+// qemu-img's, the export reading the extent's bytes).
+func TestVmdkAllowDir(t *testing.T) {
+	dir := t.TempDir()
+	for _, d := range []string{"sub", "other"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flat := randomImage(t, filepath.Join(dir, "other"), 1<<20, 29)
+	img := filepath.Join(dir, "sub", "d.vmdk")
+	desc := "# Disk DescriptorFile\nversion=1\nCID=1\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 2048 FLAT \"../other/disk.img\" 0\n"
+	if err := os.WriteFile(img, []byte(desc), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if code, out := runBlockexport(t, "info", img); code == 0 || !strings.Contains(out, "--allow-dir") {
+		t.Fatalf("extent outside the directory: exit %d, want a refusal naming --allow-dir:\n%s", code, out)
+	}
+	other := filepath.Join(dir, "other")
+	var got any
+	if code, out := runBlockexport(t, "info", "--output=json", "--allow-dir", other, img); code != 0 {
+		t.Fatalf("info --allow-dir: exit %d\n%s", code, out)
+	} else if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatal(err)
+	}
+	if want := jsonOf(t, "qemu-img", "info", "--output=json", img); !reflect.DeepEqual(got, want) {
+		t.Errorf("info differs from qemu-img's\n got %v\nwant %v", got, want)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	startExport(t, img, mnt, "--allow-dir", other)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, flat)
 }

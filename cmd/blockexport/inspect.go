@@ -42,7 +42,8 @@ func (f *inspectFlags) options() (probe.Options, error) {
 	if err != nil {
 		return probe.Options{}, err
 	}
-	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr)}, nil
+	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
+		RelatedDirs: f.src.allowDirs}, nil
 }
 
 // warnLogger is the logger of the commands that report and exit: warnings

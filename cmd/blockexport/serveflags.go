@@ -88,7 +88,7 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 		return nil, probe.Options{}, err
 	}
 	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts}, nil
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts, RelatedDirs: f.allowDirs}, nil
 }
 
 // sourceFlags say how to reach an image (or a backing file) on an NBD
@@ -97,12 +97,16 @@ type sourceFlags struct {
 	connections      int
 	reconnectTimeout time.Duration
 	tls              nbd.TLSFiles
+	// allowDirs: directories besides an image's own where files it names
+	// (VMDK extents and parents) may lie.
+	allowDirs []string
 }
 
 func (f *sourceFlags) register(c *cobra.Command) {
 	fs := c.Flags()
 	fs.IntVar(&f.connections, "connections", 1, "NBD sources: connections to the server, where it allows several (CAN_MULTI_CONN)")
 	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once)")
+	fs.StringArrayVar(&f.allowDirs, "allow-dir", nil, "a directory, besides the image's own, where files the image names (VMDK extents and parents) may lie (repeatable; default: only the image's directory)")
 }
 
 // registerTLS adds the client's TLS files (for nbds:// URIs) as

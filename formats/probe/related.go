@@ -51,13 +51,7 @@ func (c *chain) relatedPath(image, name string) (real, shown string, err error) 
 		return "", "", fmt.Errorf("%s names a file %q: %w (empty or not a path)", image, name, ErrRelatedRefused)
 	}
 	dir := filepath.Dir(image)
-	shown = name
-	if !filepath.IsAbs(name) {
-		shown = filepath.Join(dir, name)
-		if dir == "." {
-			shown = name
-		}
-	}
+	shown = qemuPath(image, name)
 	allowed := make([]string, 0, 1+len(c.o.RelatedDirs))
 	for _, d := range append([]string{dir}, c.o.RelatedDirs...) {
 		rd, err := filepath.EvalSymlinks(d)
@@ -146,11 +140,7 @@ func (c *chain) openRelatedImage(image, name, format string) (formats.Image, str
 	if c.o.NoBacking {
 		// Nothing is opened, so nothing needs confining; the name is
 		// still shown as the image gives it.
-		shown := name
-		if !filepath.IsAbs(name) && filepath.Dir(image) != "." {
-			shown = filepath.Join(filepath.Dir(image), name)
-		}
-		return nil, shown, nil
+		return nil, qemuPath(image, name), nil
 	}
 	real, shown, err := c.relatedPath(image, name)
 	if err != nil {
@@ -164,6 +154,20 @@ func (c *chain) openRelatedImage(image, name, format string) (formats.Image, str
 		return nil, shown, err
 	}
 	return img, shown, nil
+}
+
+// qemuPath is name as QEMU forms it from the image's path: a relative
+// name after the image's directory as given ("dir/" + name, unresolved:
+// "dir/../x" stays so), an absolute one as it is.
+func qemuPath(image, name string) string {
+	if filepath.IsAbs(name) {
+		return name
+	}
+	i := strings.LastIndexByte(image, '/')
+	if i < 0 {
+		return name
+	}
+	return image[:i+1] + name
 }
 
 func kindOf(mode uint32) string {
