@@ -159,8 +159,11 @@ func parseMBR(ctx context.Context, r Reader, entries [4]mbrEntry) (*Table, error
 	t := &Table{Scheme: MBR, SectorSize: ss}
 	var extended []Partition // for the overlap check against primaries
 	for i, e := range entries {
-		if e.size == 0 || e.typ == 0 {
-			continue // an unused slot, as the kernel skips it
+		if e.size == 0 {
+			// An unused slot. The kernel goes by the size alone: an
+			// entry of type 0 with a size is a partition to it, so it is
+			// one here.
+			continue
 		}
 		p := Partition{Number: i + 1, Start: int64(e.start) * ss, Size: int64(e.size) * ss, Type: fmt.Sprintf("%#02x", e.typ)}
 		if e.start == 0 {

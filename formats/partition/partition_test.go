@@ -126,7 +126,7 @@ func TestPartMBRHostile(t *testing.T) {
 	}{
 		{"start 0", func(d []byte) { putEntries(d, ent{0, 0x83, 0, 10}) }, ErrCorrupt, 0},
 		{"size 0 is unused", func(d []byte) { putEntries(d, ent{0, 0x83, 10, 0}) }, nil, 0},
-		{"type 0 is unused", func(d []byte) { putEntries(d, ent{0, 0, 10, 10}) }, nil, 0},
+		{"type 0 with a size is a partition (the kernel's rule)", func(d []byte) { putEntries(d, ent{0, 0, 10, 10}) }, nil, 1},
 		{"ends at the last sector", func(d []byte) { putEntries(d, ent{0, 0x83, 1, sectors - 1}) }, nil, 1},
 		{"one sector past the end", func(d []byte) { putEntries(d, ent{0, 0x83, 1, sectors}) }, ErrCorrupt, 0},
 		{"size max", func(d []byte) { putEntries(d, ent{0, 0x83, 1, 0xffffffff}) }, ErrCorrupt, 0},
