@@ -80,10 +80,33 @@ func vhdxMapMatches(t *testing.T, img, src string, size int64, wantHoles bool) {
 	}
 }
 
+// vhdxSeeksFollowTheBAT: through the export of a 1 MiB-block image of
+// vhdxRawWithHoles, the blocks of its last 8 MiB hole are not data
+// (SEEK_HOLE stays, SEEK_DATA finds nothing after), and its first MiB
+// is.
+func vhdxSeeksFollowTheBAT(t *testing.T, mnt string) {
+	t.Helper()
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	if off, err := unix.Seek(fd, 0, unix.SEEK_DATA); err != nil || off != 0 {
+		t.Fatalf("SEEK_DATA from 0: %d, %v (want 0)", off, err)
+	}
+	if off, err := unix.Seek(fd, 56<<20, unix.SEEK_HOLE); err != nil || off != 56<<20 {
+		t.Fatalf("SEEK_HOLE from 56 MiB: %d, %v (want 56 MiB)", off, err)
+	}
+	if off, err := unix.Seek(fd, 56<<20, unix.SEEK_DATA); err != unix.ENXIO {
+		t.Fatalf("SEEK_DATA from 56 MiB: %d, %v (want ENXIO)", off, err)
+	}
+}
+
 // TestVhdxConvertedImagesExportAsQemuReadsThem: qemu-img's VHDX images
 // (dynamic, fixed, 1 MiB and 32 MiB blocks, blocks not zeroed) of a raw
 // disk with holes and zero runs read back byte for byte through the FUSE
-// export (format probed), info equals qemu-img's, map differs only as
+// export (format probed) and over NBD, info equals qemu-img's, map differs only as
 // vhdxMapMatches says, -w is refused in one line pointing at a qcow2
 // overlay, and such an overlay exports read-write (fio verifies its
 // writes) with the VHDX unchanged.
@@ -104,6 +127,11 @@ func TestVhdxConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			mnt := filepath.Join(d, "mnt")
 			startExport(t, img, mnt)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			if name == "block_size=1M" {
+				vhdxSeeksFollowTheBAT(t, mnt)
+			}
+			srv := startNBD(t, img, false)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
 			cmd := []string{"info", "--output=json", img}
 			if got, want := jsonOf(t, bin, cmd...), jsonOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
 				t.Errorf("info differs from qemu-img's\n got %v\nwant %v", got, want)
