@@ -23,6 +23,51 @@ func vmdkSameInspection(t *testing.T, img string) {
 			t.Errorf("%s differs from qemu-img's\n got %v\nwant %v", cmd[0], got, want)
 		}
 	}
+	if got, want := run(t, bin, "info", img), run(t, "qemu-img", "info", img); got != want {
+		t.Errorf("info differs from qemu-img's\n got %s\nwant %s", got, want)
+	}
+}
+
+// TestVmdkManyExtents: a 5 GiB disk (data at 2 GiB - 1 MiB, across the
+// first extent's end, and at 4.4 GiB) as three twoGbMaxExtent extents:
+// info (JSON and text) and map equal qemu-img's, and the data reads back
+// through the export from the right extents.
+func TestVmdkManyExtents(t *testing.T) {
+	dir := t.TempDir()
+	src := sparseImage(t, dir, "big.raw", 5<<30)
+	data := randomImage(t, t.TempDir(), 3<<20, 30)
+	b := readAll(t, data)
+	f, err := os.OpenFile(src, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ranges := [][2]int64{{2<<30 - 1<<20, 2 << 20}, {4500 << 20, 1 << 20}}
+	f.WriteAt(b[:2<<20], ranges[0][0])
+	f.WriteAt(b[2<<20:], ranges[1][0])
+	f.Close()
+	for _, sub := range []string{"twoGbMaxExtentSparse", "twoGbMaxExtentFlat"} {
+		t.Run(sub, func(t *testing.T) {
+			d := t.TempDir()
+			img := filepath.Join(d, "d.vmdk")
+			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+			vmdkSameInspection(t, img)
+			mnt := filepath.Join(d, "mnt")
+			startExport(t, img, mnt)
+			m, err := os.Open(mnt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			for i, r := range ranges {
+				got := make([]byte, r[1]+8192)
+				if _, err := m.ReadAt(got, r[0]-4096); err != nil {
+					t.Fatal(err)
+				}
+				want := append(append(make([]byte, 4096), b[[]int64{0, 2 << 20}[i]:][:r[1]]...), make([]byte, 4096)...)
+				mustEqualBytes(t, fmt.Sprintf("range %d", i), got, want)
+			}
+		})
+	}
 }
 
 // TestVmdkSubformatsExportAsQemuReadsThem: for each subformat qemu-img

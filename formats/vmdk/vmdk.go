@@ -624,9 +624,7 @@ func (im *Image) Info() formats.Info {
 		spec.Extents = append(spec.Extents, x)
 	}
 	lines := extentLines(spec)
-	if len(im.extents) > 0 && im.extents[0].sparse && len(im.extents) == 1 {
-		in.ClusterSize = im.extents[0].grain
-	}
+	in.ClusterSize = im.clusterSize()
 	if im.parentHint != "" {
 		in.BackingFilename = im.parentHint
 		in.FullBackingFilename = im.parentName
@@ -634,6 +632,22 @@ func (im *Image) Info() formats.Info {
 	}
 	in.FormatSpecific = &formats.FormatSpecific{Type: "vmdk", Data: spec, Lines: lines}
 	return in
+}
+
+// clusterSize is info's cluster size as QEMU's vmdk_get_info gives it:
+// the first extent's grain when it is sparse and every extent is of its
+// kind (flat or sparse, compressed or not, the same grain); else none.
+func (im *Image) clusterSize() int64 {
+	if len(im.extents) == 0 || !im.extents[0].sparse {
+		return 0
+	}
+	first := im.extents[0]
+	for _, e := range im.extents[1:] {
+		if e.sparse != first.sparse || e.compressed != first.compressed || e.grain != first.grain {
+			return 0
+		}
+	}
+	return first.grain
 }
 
 // extentLines are info's human lines for spec, as qemu-img words them.
@@ -646,7 +660,7 @@ func extentLines(s SpecificInfo) []string {
 		}
 		l = append(l, fmt.Sprintf("        virtual size: %d", x.VirtualSize), "        filename: "+x.Filename)
 		if x.ClusterSize != 0 {
-			l = append(l, fmt.Sprintf("        cluster_size: %d", x.ClusterSize))
+			l = append(l, fmt.Sprintf("        cluster size: %d", x.ClusterSize))
 		}
 		l = append(l, "        format: "+x.Format)
 	}
