@@ -5,7 +5,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
+	"strconv"
 	"testing"
 )
 
@@ -14,15 +14,31 @@ import (
 // memory a check of a huge sparse image takes.
 
 // chkExit runs name with args and returns its exit status, its output and
-// its peak memory in KiB.
+// its peak memory in KiB. The peak is GNU time's: Go starts a child with
+// vfork, whose exec carries the parent's high-water mark into the child's
+// ru_maxrss, so a child of a large (say race-built) test binary would
+// report the test's memory, not its own; time(1) forks, so its child's
+// figure is the child's.
 func chkExit(t *testing.T, name string, args ...string) (int, string, int64) {
 	t.Helper()
-	cmd := exec.Command(name, args...)
+	peak := filepath.Join(t.TempDir(), "peak")
+	cmd := exec.Command("/usr/bin/time", append([]string{"-f", "%M", "-o", peak, name}, args...)...)
 	out, err := cmd.CombinedOutput()
 	if _, ok := err.(*exec.ExitError); err != nil && !ok {
 		t.Fatalf("%s %v: %v", name, args, err)
 	}
-	return cmd.ProcessState.ExitCode(), string(out), cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss
+	b, err := os.ReadFile(peak)
+	if err != nil {
+		t.Fatalf("time(1) wrote no peak for %s %v: %v", name, args, err)
+	}
+	// time(1) says "Command exited with non-zero status N" before the
+	// figure when the command fails: the figure is the last line.
+	lines := strings.Fields(strings.TrimSpace(string(b)))
+	kib, err := strconv.ParseInt(lines[len(lines)-1], 10, 64)
+	if err != nil {
+		t.Fatalf("time(1) peak %q: %v", b, err)
+	}
+	return cmd.ProcessState.ExitCode(), string(out), kib
 }
 
 // TestChkExitStatusesAsQemuImg: usage errors exit 1, and a format without
