@@ -118,21 +118,28 @@ func partContent(t *testing.T) string {
 }
 
 // TestPartFilesEqualTheKernelsPartitions: for an MBR disk with logical
-// partitions and a GPT disk, --partitions puts NAME-pN beside NAME for
-// exactly the partitions partx finds, each of its partition's size; file
-// systems made through them (ext4 and vfat) land inside their partition
-// and nowhere else (every other byte of the disk unchanged after each),
-// each file equals the kernel's block device for the partition byte for
-// byte (cmp), and fsck passes on that device.
+// partitions and a GPT disk, raw and qcow2, --partitions puts NAME-pN
+// beside NAME for exactly the partitions partx finds, each of its
+// partition's size; file systems made through them (ext4 and vfat) land
+// inside their partition and nowhere else (every other byte of the disk
+// unchanged after each); and once the export is stopped, each file of a
+// read-only export equals the kernel's block device for the partition
+// byte for byte (cmp), and fsck passes on that device.
 func TestPartFilesEqualTheKernelsPartitions(t *testing.T) {
-	for _, kind := range []string{"mbr", "gpt"} {
-		t.Run(kind, func(t *testing.T) {
+	for _, c := range []struct{ kind, format string }{{"mbr", "raw"}, {"gpt", "raw"}, {"mbr", "qcow2"}, {"gpt", "qcow2"}} {
+		kind := c.kind
+		t.Run(kind+"-"+c.format, func(t *testing.T) {
 			dir := t.TempDir()
 			disk := partDisk(t, dir, kind)
 			parts := partRanges(t, disk)
+			image := disk
+			if c.format == "qcow2" {
+				image = filepath.Join(dir, "disk.qcow2")
+				run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", disk, image)
+			}
 			mnt := filepath.Join(dir, "mnt")
 			os.Mkdir(mnt, 0o755)
-			startExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk", "--partitions")
+			d := startExport(t, image, mnt, "-f", c.format, "-w", "--file-name", "disk", "--partitions")
 
 			entries, err := os.ReadDir(mnt)
 			if err != nil {
@@ -169,6 +176,11 @@ func TestPartFilesEqualTheKernelsPartitions(t *testing.T) {
 					t.Fatalf("mkfs through %s changed nothing in its partition", file)
 				}
 			}
+			d.stopClean()
+			if c.format == "qcow2" {
+				run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", image, disk)
+			}
+			startExport(t, image, mnt, "-f", c.format, "--file-name", "disk", "--partitions")
 			for _, p := range parts {
 				dev := partKernelDevice(t, disk, p)
 				file := filepath.Join(mnt, fmt.Sprintf("disk-p%d", p.nr))
