@@ -95,12 +95,14 @@ func fileFormats() []fileFormat {
 			}},
 		{name: "vpc", probe: probeVPC,
 			lock: func(bool, bool) aio.Lock { return vpc.Lock(false) }, // as vdi's
-			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
 				if w {
 					f.Close()
 					return nil, readOnlyFormat(f.Name(), "vpc")
 				}
-				img, err := vpc.New(f, vpc.Options{})
+				name := f.Name()
+				img, err := vpc.New(f, vpc.Options{
+					OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, "vpc") }})
 				if err != nil {
 					return nil, err
 				}

@@ -9,12 +9,17 @@
 // current_size, chosen by the creator application (see diskSectors).
 //
 // It is read-only for now; writes are refused with formats.ErrReadOnly
-// (write over one through a qcow2 overlay). Differencing disks are not
-// read (QEMU reads them as dynamic disks without their parent, which is
-// wrong data; they are refused here). Every BAT entry is checked when the
-// image opens: a block past the end of the file (QEMU refuses that too),
-// over the footer, the dynamic header or the BAT, or over another block
-// makes the image corrupt.
+// (write over one through a qcow2 overlay). Differencing disks are read
+// with their parent, found through the parent locators (W2ru, a relative
+// Windows path, then W2ku, an absolute one, then MacX, a file URL) by
+// Options.OpenParent, which confines the name; a sector comes from the
+// child where its block's sector bitmap has its bit, else from the
+// parent, whose footer's unique id must be the one the child records.
+// QEMU 7.2 reads a differencing disk without its parent (zeroes where the
+// parent's data is). Every BAT entry is checked when the image opens: a
+// block past the end of the file (QEMU refuses that too), over the
+// footer, the dynamic header or the BAT, or over another block makes the
+// image corrupt.
 package vpc
 
 import (
@@ -25,6 +30,8 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
+	"unicode/utf16"
 
 	"golang.org/x/sys/unix"
 
@@ -69,6 +76,12 @@ const (
 // Options say how to read an image.
 type Options struct {
 	SizeCalc SizeCalc
+	// OpenParent opens a differencing disk's parent by the name a parent
+	// locator gives (package probe confines it to the image's directory)
+	// and returns it with its name as shown; nil: differencing disks are
+	// refused. A nil image with no error: parents are not opened (info
+	// without the backing chain); reads then see zeroes.
+	OpenParent func(name string) (formats.Image, string, error)
 }
 
 // Lock is what an open of a VHD file locks (see aio.Lock): as for any
@@ -90,6 +103,7 @@ type Footer struct {
 	Heads       uint8
 	Sectors     uint8
 	Type        uint32
+	UUID        [16]byte
 }
 
 func parseFooter(b []byte) Footer {
@@ -97,6 +111,7 @@ func parseFooter(b []byte) Footer {
 	f := Footer{DataOffset: be.Uint64(b[16:]), CurrentSize: be.Uint64(b[48:]), Cylinders: be.Uint16(b[56:]),
 		Heads: b[58], Sectors: b[59], Type: be.Uint32(b[60:])}
 	copy(f.CreatorApp[:], b[28:32])
+	copy(f.UUID[:], b[68:84])
 	return f
 }
 
@@ -143,7 +158,15 @@ type Image struct {
 	blockSize  int64
 	bitmapSize int64
 	bat        []uint32
+	// Differencing disks: the parent (nil when not opened) and its name
+	// as the locator gives it and as shown.
+	diff                   bool
+	parent                 formats.Image
+	parentName, parentFull string
 }
+
+// Backing returns a differencing disk's parent, or nil.
+func (img *Image) Backing() formats.Image { return img.parent }
 
 // New opens the VHD image of f, which it owns from now on (Close closes
 // it; so does a failed New).
@@ -215,56 +238,145 @@ func open(f aio.File, o Options) (*Image, error) {
 		// and reads zeroes: the file has lost its head.
 		return nil, fmt.Errorf("%w: a type %d disk's footer is only at the end of the file (no dynamic header)", ErrCorrupt, ft.Type)
 	case ft.Type == typeDiff:
-		return nil, fmt.Errorf("%w: differencing disk (convert it with its parent: qemu-img convert -f vpc -O qcow2 IMAGE OUT.qcow2)", ErrUnsupported)
+		if o.OpenParent == nil {
+			return nil, fmt.Errorf("%w: differencing disk, and no way to open its parent here", ErrUnsupported)
+		}
+		img.diff = true
 	}
-	if err := img.loadBAT(ctx, size); err != nil {
+	hdr, err := img.loadBAT(ctx, size)
+	if err != nil {
 		return nil, err
+	}
+	if img.diff {
+		if err := img.openParent(ctx, hdr, size, o.OpenParent); err != nil {
+			return nil, err
+		}
 	}
 	return img, nil
 }
 
+// Parent locator platform codes.
+const (
+	platW2ru = 0x57327275 // relative Windows path, UTF-16LE
+	platW2ku = 0x57326b75 // absolute Windows path, UTF-16LE
+	platMacX = 0x4d616358 // file URL, UTF-8
+)
+
+// maxLocator bounds a locator's data: a path.
+const maxLocator = 4096
+
+// openParent finds the parent through the locators, in the order the
+// VHD specification gives, opens it and checks its unique id.
+func (img *Image) openParent(ctx context.Context, hdr []byte, size int64, open func(string) (formats.Image, string, error)) error {
+	be := binary.BigEndian
+	var want [16]byte
+	copy(want[:], hdr[40:56])
+	names := map[uint32]string{}
+	for k := 0; k < 8; k++ {
+		e := hdr[576+24*k:]
+		code, length, off := be.Uint32(e), be.Uint32(e[8:]), be.Uint64(e[16:])
+		if code == 0 || length == 0 {
+			continue
+		}
+		if length > maxLocator || off > uint64(size) || uint64(size)-off < uint64(length) {
+			return fmt.Errorf("%w: parent locator %d [%#x, +%d) is not inside the file", ErrCorrupt, k, off, length)
+		}
+		b := make([]byte, length)
+		if _, err := img.f.ReadAt(ctx, b, int64(off)); err != nil {
+			return fmt.Errorf("vpc: read parent locator: %w", err)
+		}
+		switch code {
+		case platW2ru, platW2ku:
+			u := make([]uint16, len(b)/2)
+			for i := range u {
+				u[i] = binary.LittleEndian.Uint16(b[2*i:])
+			}
+			n := strings.TrimRight(string(utf16.Decode(u)), "\x00")
+			n = strings.ReplaceAll(n, "\\", "/")
+			if code == platW2ru {
+				n = strings.TrimPrefix(n, "./")
+			}
+			names[code] = n
+		case platMacX:
+			names[code] = strings.TrimPrefix(strings.TrimRight(string(b), "\x00"), "file://")
+		}
+	}
+	var firstErr error
+	for _, code := range []uint32{platW2ru, platW2ku, platMacX} {
+		n, ok := names[code]
+		if !ok || n == "" {
+			continue
+		}
+		if code == platW2ku && len(n) >= 2 && n[1] == ':' {
+			continue // a Windows drive path names nothing here
+		}
+		p, shown, err := open(n)
+		if err != nil {
+			if errors.Is(err, unix.ENOENT) && firstErr == nil {
+				firstErr = err
+				continue // the next locator may name it
+			}
+			return fmt.Errorf("vpc: parent %s: %w", n, err)
+		}
+		img.parentName, img.parentFull = n, shown
+		if p == nil {
+			return nil // parents not opened (info without the chain)
+		}
+		if pv, ok := p.(*Image); !ok || pv.footer.UUID != want {
+			p.Close()
+			return fmt.Errorf("%w: parent %s is not the disk the differencing disk was made on (unique id differs)", ErrCorrupt, shown)
+		}
+		img.parent = p
+		return nil
+	}
+	if firstErr != nil {
+		return fmt.Errorf("vpc: parent of a differencing disk: %w", firstErr)
+	}
+	return fmt.Errorf("%w: differencing disk without a usable parent locator", ErrCorrupt)
+}
+
 // loadBAT reads the dynamic header and the BAT with QEMU's checks, then
 // checks every entry against the file and the other structures.
-func (img *Image) loadBAT(ctx context.Context, size int64) error {
+func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 	hdrOff := img.footer.DataOffset
 	if hdrOff < footerSize || hdrOff > uint64(size) || uint64(size)-hdrOff < dynHeaderLen {
-		return fmt.Errorf("%w: dynamic header at %#x is not inside the file (%d bytes)", ErrCorrupt, hdrOff, size)
+		return nil, fmt.Errorf("%w: dynamic header at %#x is not inside the file (%d bytes)", ErrCorrupt, hdrOff, size)
 	}
 	h := make([]byte, dynHeaderLen)
 	if _, err := img.f.ReadAt(ctx, h, int64(hdrOff)); err != nil {
-		return fmt.Errorf("vpc: read dynamic header: %w", err)
+		return nil, fmt.Errorf("vpc: read dynamic header: %w", err)
 	}
 	if !bytes.HasPrefix(h, []byte("cxsparse")) {
-		return fmt.Errorf("%w: invalid dynamic header magic", ErrCorrupt)
+		return nil, fmt.Errorf("%w: invalid dynamic header magic", ErrCorrupt)
 	}
 	be := binary.BigEndian
 	batOff := be.Uint64(h[16:])
 	entries := uint64(be.Uint32(h[28:]))
 	bs := uint64(be.Uint32(h[32:]))
 	if bs < 512 || bs&(bs-1) != 0 {
-		return fmt.Errorf("%w: invalid block size %d", ErrCorrupt, bs)
+		return nil, fmt.Errorf("%w: invalid block size %d", ErrCorrupt, bs)
 	}
 	img.blockSize = int64(bs)
 	img.bitmapSize = int64((bs/(8*512) + 511) &^ 511)
 	total := uint64(img.size)
 	switch {
 	case total/bs > 0xffffffff:
-		return fmt.Errorf("%w: too many blocks", ErrCorrupt)
+		return nil, fmt.Errorf("%w: too many blocks", ErrCorrupt)
 	case entries*bs < total:
-		return fmt.Errorf("%w: BAT of %d entries too small for %d bytes", ErrCorrupt, entries, total)
+		return nil, fmt.Errorf("%w: BAT of %d entries too small for %d bytes", ErrCorrupt, entries, total)
 	case entries > maxTableEntries:
-		return fmt.Errorf("%w: BAT of %d entries is too large", ErrCorrupt, entries)
+		return nil, fmt.Errorf("%w: BAT of %d entries is too large", ErrCorrupt, entries)
 	}
 	batLen := entries * 4
 	if batOff < footerSize || batOff > uint64(size) || uint64(size)-batOff < batLen {
-		return fmt.Errorf("%w: BAT [%#x, +%d) is not inside the file (%d bytes)", ErrCorrupt, batOff, batLen, size)
+		return nil, fmt.Errorf("%w: BAT [%#x, +%d) is not inside the file (%d bytes)", ErrCorrupt, batOff, batLen, size)
 	}
 	if batOff < hdrOff+dynHeaderLen && hdrOff < batOff+batLen {
-		return fmt.Errorf("%w: BAT at %#x overlaps the dynamic header at %#x", ErrCorrupt, batOff, hdrOff)
+		return nil, fmt.Errorf("%w: BAT at %#x overlaps the dynamic header at %#x", ErrCorrupt, batOff, hdrOff)
 	}
 	raw := make([]byte, batLen) // inside the file: bounded by its size
 	if _, err := img.f.ReadAt(ctx, raw, int64(batOff)); err != nil {
-		return fmt.Errorf("vpc: read BAT: %w", err)
+		return nil, fmt.Errorf("vpc: read BAT: %w", err)
 	}
 	// Regions no block may overlap: the footer copy, the dynamic header,
 	// the BAT (to a whole sector, where QEMU puts the first block).
@@ -284,7 +396,7 @@ func (img *Image) loadBAT(ctx context.Context, size int64) error {
 		start := int64(e) * 512
 		end := start + img.bitmapSize + img.blockSize
 		if end > size { // QEMU refuses this too ("the image has been truncated")
-			return fmt.Errorf("%w: block %d at %#x ends past the end of the file (%d bytes)", ErrCorrupt, i, start, size)
+			return nil, fmt.Errorf("%w: block %d at %#x ends past the end of the file (%d bytes)", ErrCorrupt, i, start, size)
 		}
 		used = append(used, region{start, end})
 	}
@@ -299,10 +411,10 @@ func (img *Image) loadBAT(ctx context.Context, size int64) error {
 	})
 	for k := 1; k < len(used); k++ {
 		if used[k].start < used[k-1].end {
-			return fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
+			return nil, fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
 		}
 	}
-	return nil
+	return h, nil
 }
 
 func (img *Image) Size() int64 { return img.size }
@@ -324,28 +436,88 @@ func (img *Image) locate(off int64) (host, n int64, ok bool) {
 	return int64(e)*512 + img.bitmapSize + in, n, true
 }
 
-// ReadAt reads p at off, block by block.
+// diffRun is, for a differencing disk, where the byte at off comes from
+// and for how many bytes: the child's file at host (fromChild), or the
+// parent at off. A block the BAT does not allocate is the parent's; in an
+// allocated one, each sector is the child's where the block's bitmap
+// (most significant bit first) has its bit.
+func (img *Image) diffRun(ctx context.Context, off int64) (host, n int64, fromChild bool, err error) {
+	host, n, ok := img.locate(off)
+	if !ok {
+		return 0, n, false, nil
+	}
+	i := off / img.blockSize
+	bitmap := make([]byte, img.bitmapSize)
+	bmOff := int64(img.bat[i]) * 512
+	if _, err := img.f.ReadAt(ctx, bitmap, bmOff); err != nil {
+		return 0, 0, false, fmt.Errorf("vpc: read sector bitmap at %#x: %w", bmOff, err)
+	}
+	bit := func(sec int64) bool { return bitmap[sec/8]&(0x80>>(sec%8)) != 0 }
+	first := (off % img.blockSize) / 512
+	last := img.blockSize / 512
+	want := bit(first)
+	sec := first + 1
+	for sec < last && bit(sec) == want {
+		sec++
+	}
+	return host, min(n, sec*512-off%img.blockSize), want, nil
+}
+
+// readParent reads p at off from the parent; past its end (a parent
+// smaller than the child), and with no parent opened, zeroes.
+func (img *Image) readParent(ctx context.Context, p []byte, off int64) error {
+	clear(p)
+	if img.parent == nil || off >= img.parent.Size() {
+		return nil
+	}
+	n := min(int64(len(p)), img.parent.Size()-off)
+	if _, err := img.parent.ReadAt(ctx, p[:n], off); err != nil {
+		return fmt.Errorf("vpc: read parent: %w", err)
+	}
+	return nil
+}
+
+// ReadAt reads p at off, block by block (sector run by sector run in a
+// differencing disk).
 func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if off < 0 || off+int64(len(p)) > img.size {
 		return 0, fmt.Errorf("vpc: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
 	}
 	done := 0
 	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
+		pos := off + int64(done)
+		var host, n int64
+		var ok bool
+		if img.diff {
+			var err error
+			if host, n, ok, err = img.diffRun(ctx, pos); err != nil {
+				return done, err
+			}
+		} else {
+			host, n, ok = img.locate(pos)
+		}
 		chunk := p[done:min(int64(len(p)), int64(done)+n)]
-		if !ok {
+		switch {
+		case ok:
+			if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
+				return done, fmt.Errorf("vpc: read %d bytes at %d (file offset %#x): %w", len(chunk), pos, host, err)
+			}
+		case img.diff:
+			if err := img.readParent(ctx, chunk, pos); err != nil {
+				return done, err
+			}
+		default:
 			clear(chunk)
-		} else if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
-			return done, fmt.Errorf("vpc: read %d bytes at %d (file offset %#x): %w", len(chunk), off+int64(done), host, err)
 		}
 		done += len(chunk)
 	}
 	return done, nil
 }
 
-// TryReadAt serves p with the BAT in memory and the file's page cache.
+// TryReadAt serves p with the BAT in memory and the file's page cache (a
+// differencing disk's bitmaps are read from the file: it goes to ReadAt).
 func (img *Image) TryReadAt(p []byte, off int64) bool {
-	if off < 0 || off+int64(len(p)) > img.size {
+	if img.diff || off < 0 || off+int64(len(p)) > img.size {
 		return false
 	}
 	done := 0
@@ -365,9 +537,12 @@ func (img *Image) TryReadAt(p []byte, off int64) bool {
 // Extent: an unallocated block reads as zeroes; an allocated one is data
 // at its file offset. A fixed disk is the file's bytes, and QEMU asks the
 // file (BDRV_BLOCK_RAW): a hole in it is data that reads as zeroes.
-func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
 	if off < 0 || off >= img.size {
 		return formats.Extent{}, fmt.Errorf("vpc: extent at %d: %w", off, formats.ErrOutOfRange)
+	}
+	if img.diff {
+		return img.diffExtent(ctx, off, n)
 	}
 	host, run, ok := img.locate(off)
 	n = min(n, run, img.size-off)
@@ -396,6 +571,29 @@ func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error
 	return e, nil
 }
 
+// diffExtent: the child's sectors are data at depth 0; the rest is the
+// parent's extent one layer down (zeroes from nowhere past its end or
+// without one).
+func (img *Image) diffExtent(ctx context.Context, off, n int64) (formats.Extent, error) {
+	host, run, child, err := img.diffRun(ctx, off)
+	if err != nil {
+		return formats.Extent{}, err
+	}
+	n = min(n, run, img.size-off)
+	if child {
+		return formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: host, HasOffset: true, File: img.f.Name()}, nil
+	}
+	if img.parent == nil || off >= img.parent.Size() {
+		return formats.Extent{Start: off, Length: n, Zero: true, Depth: 1}, nil
+	}
+	e, err := img.parent.Extent(ctx, off, min(n, img.parent.Size()-off))
+	if err != nil {
+		return formats.Extent{}, err
+	}
+	e.Depth++
+	return e, nil
+}
+
 func (img *Image) AllocatedSize(context.Context) (int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
@@ -412,7 +610,11 @@ func (img *Image) Info() formats.Info {
 	if err != nil {
 		actual = -1
 	}
-	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual, RequestAlignment: 1}
+	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual, RequestAlignment: 1,
+		BackingFilename: img.parentName, FullBackingFilename: img.parentFull}
+	if img.parentName != "" {
+		i.BackingFilenameFormat = "vpc"
+	}
 	if !img.fixed {
 		i.ClusterSize = img.blockSize
 	}
@@ -442,4 +644,9 @@ func (img *Image) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
 // Features: none; FUSE passthrough is left to raw images.
 func (img *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
 
-func (img *Image) Close() error { return img.f.Close() }
+func (img *Image) Close() error {
+	if img.parent != nil {
+		img.parent.Close()
+	}
+	return img.f.Close()
+}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
 )
 
 // vhdSpec is a crafted dynamic (or fixed) VHD.
@@ -278,6 +279,21 @@ func FuzzOpen(f *testing.F) {
 		}
 		f.Add(b)
 	}
+	// A differencing disk with a W2ru locator in its last sector.
+	d := goodVHD()
+	d.typ = typeDiff
+	b, err := os.ReadFile(d.build(f))
+	if err != nil {
+		f.Fatal(err)
+	}
+	loc := len(b)
+	b = append(b, make([]byte, 512)...)
+	copy(b[loc:], []byte{'p', 0, '.', 0, 'v', 0})
+	le := b[512+576:]
+	binary.BigEndian.PutUint32(le, platW2ru)
+	binary.BigEndian.PutUint32(le[8:], 6)
+	binary.BigEndian.PutUint64(le[16:], uint64(loc))
+	f.Add(b)
 	dir := f.TempDir()
 	f.Fuzz(func(t *testing.T, b []byte) {
 		done := make(chan struct{})
@@ -293,7 +309,9 @@ func FuzzOpen(f *testing.F) {
 		if err := os.WriteFile(p, b, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		img, err := openVHD(t, p, Options{})
+		// A differencing disk's parent: not opened (as info without the
+		// chain), so its locators and bitmaps are parsed and read.
+		img, err := openVHD(t, p, Options{OpenParent: func(string) (formats.Image, string, error) { return nil, "", nil }})
 		if err != nil || img.Size() > 64<<20 {
 			return
 		}
