@@ -324,10 +324,10 @@ func TestPartRefusals(t *testing.T) {
 }
 
 // TestPartUnprivilegedFuse2fs: no root anywhere on the way from a disk
-// image to its files. As the unprivileged test user, a qcow2 disk (an
-// MBR disk whose logical partition 5 holds ext4) is exported with
-// --partitions, and fuse2fs -o fakeroot on NAME-p5 lists the file
-// system's files.
+// image to its files. As the unprivileged test user, a VMDK and a qcow2
+// disk (an MBR disk whose logical partition 5 holds ext4) are exported
+// with --partitions, and fuse2fs -o fakeroot on NAME-p5 lists and reads
+// the file system's files.
 func TestPartUnprivilegedFuse2fs(t *testing.T) {
 	u := unprivileged(t)
 	dir := t.TempDir()
@@ -352,39 +352,41 @@ func TestPartUnprivilegedFuse2fs(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	qcow2 := filepath.Join(u.dir, "disk.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", disk, qcow2)
-	mnt := filepath.Join(u.dir, "export")
-	fsMnt := filepath.Join(u.dir, "fs")
-	for _, p := range []string{qcow2} {
-		if err := os.Chown(p, u.uid, u.gid); err != nil {
-			t.Fatal(err)
-		}
-	}
-	u.run(t, "mkdir", mnt, fsMnt)
+	for _, format := range []string{"vmdk", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			image := filepath.Join(u.dir, "disk."+format)
+			run(t, "qemu-img", "convert", "-f", "raw", "-O", format, disk, image)
+			if err := os.Chown(image, u.uid, u.gid); err != nil {
+				t.Fatal(err)
+			}
+			mnt := filepath.Join(u.dir, "export-"+format)
+			fsMnt := filepath.Join(u.dir, "fs-"+format)
+			u.run(t, "mkdir", mnt, fsMnt)
 
-	d := u.export(t, qcow2, mnt, "-f", "qcow2", "--file-name", "disk", "--partitions")
-	t.Cleanup(func() {
-		if isFuseMount(fsMnt) {
-			exec.Command("setpriv", u.argv("fusermount3", "-u", fsMnt)...).Run()
-		}
-		if isFuseMount(fsMnt) {
-			exec.Command("umount", "-l", fsMnt).Run()
-		}
-	})
-	u.run(t, "fuse2fs", "-o", "fakeroot,ro", filepath.Join(mnt, "disk-p5"), fsMnt)
-	ls := u.run(t, "ls", fsMnt)
-	for _, name := range []string{"hello.txt", "partitions-as-files"} {
-		if !strings.Contains(ls, name) {
-			t.Errorf("fuse2fs on disk-p5 lists %q, no %s\n%s", ls, name, d.log())
-		}
+			d := u.export(t, image, mnt, "-f", format, "--file-name", "disk", "--partitions")
+			t.Cleanup(func() {
+				if isFuseMount(fsMnt) {
+					exec.Command("setpriv", u.argv("fusermount3", "-u", fsMnt)...).Run()
+				}
+				if isFuseMount(fsMnt) {
+					exec.Command("umount", "-l", fsMnt).Run()
+				}
+			})
+			u.run(t, "fuse2fs", "-o", "fakeroot,ro", filepath.Join(mnt, "disk-p5"), fsMnt)
+			ls := u.run(t, "ls", fsMnt)
+			for _, name := range []string{"hello.txt", "partitions-as-files"} {
+				if !strings.Contains(ls, name) {
+					t.Errorf("fuse2fs on disk-p5 lists %q, no %s\n%s", ls, name, d.log())
+				}
+			}
+			if got := u.run(t, "cat", filepath.Join(fsMnt, "hello.txt")); got != "made through hello.txt\n" {
+				t.Errorf("hello.txt reads %q", got)
+			}
+			u.run(t, "fusermount3", "-u", fsMnt)
+			if ps := run(t, "ps", "-o", "user=", "-p", strconv.Itoa(d.cmd.Process.Pid)); strings.TrimSpace(ps) == "root" {
+				t.Errorf("the export runs as root")
+			}
+			d.stopClean()
+		})
 	}
-	if got := u.run(t, "cat", filepath.Join(fsMnt, "hello.txt")); got != "made through hello.txt\n" {
-		t.Errorf("hello.txt reads %q", got)
-	}
-	u.run(t, "fusermount3", "-u", fsMnt)
-	if ps := run(t, "ps", "-o", "user=", "-p", strconv.Itoa(d.cmd.Process.Pid)); strings.TrimSpace(ps) == "root" {
-		t.Errorf("the export runs as root")
-	}
-	d.stopClean()
 }
