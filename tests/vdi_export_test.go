@@ -47,7 +47,7 @@ func vdiSameInspection(t *testing.T, img string) {
 
 // TestVdiConvertedImagesExportAsQemuReadsThem: qemu-img's static and
 // dynamic VDI images of a raw disk with holes and zero runs read back
-// byte for byte through the FUSE export (format probed), their info and
+// byte for byte through the FUSE export and NBD (format probed), their info and
 // map equal qemu-img's, -w is refused in one line that points at a qcow2
 // overlay, and such an overlay on the VDI exports read-write (fio
 // verifies its writes) with the VDI unchanged.
@@ -62,6 +62,8 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			mnt := filepath.Join(d, "mnt")
 			startExport(t, img, mnt)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			srv := startNBD(t, img, false)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
 			vdiSameInspection(t, img)
 
 			wmnt := filepath.Join(d, "wmnt")

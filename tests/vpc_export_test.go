@@ -24,7 +24,7 @@ func vpcSameInspection(t *testing.T, img string, fmtArgs ...string) {
 
 // TestVpcConvertedImagesExportAsQemuReadsThem: qemu-img's dynamic, fixed
 // and force_size VHDs of a raw disk with holes and zero runs read back
-// through the FUSE export as qemu-img reads them (a fixed one given -f
+// through the FUSE export and NBD as qemu-img reads them (a fixed one given -f
 // vpc: both tools probe it as raw), byte for byte against the raw source
 // where the size is the source's (force_size; otherwise the CHS geometry
 // sizes the disk, as in QEMU); info and map equal qemu-img's; -w is
@@ -49,6 +49,8 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			mnt := filepath.Join(d, "mnt")
 			startExport(t, img, mnt, c.fmtArgs...)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", mnt, img)
+			srv := startNBD(t, img, false, c.fmtArgs...)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", srv.uri, img)
 			if strings.Contains(c.opts, "force_size") {
 				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			}
