@@ -73,7 +73,8 @@ func TestVmdkManyExtents(t *testing.T) {
 // TestVmdkSubformatsExportAsQemuReadsThem: for each subformat qemu-img
 // writes, a VMDK converted from a 64 MiB random raw disk with holes and
 // zero runs reads back byte for byte through the FUSE export (format
-// probed), and its info and map JSON equal qemu-img's; -w is refused in
+// probed) and over NBD (qemu-img, nbdcopy), and its info and map equal
+// qemu-img's; -w is refused in
 // one line that points at a qcow2 overlay; a qcow2 overlay on the VMDK
 // exports read-write, fio verifies its writes, and the VMDK is unchanged.
 func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
@@ -88,6 +89,13 @@ func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 			startExport(t, img, mnt)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			vmdkSameInspection(t, img)
+			// Over NBD too: qemu-img and nbdcopy read what the raw holds.
+			s := startNBD(t, img, false)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, src)
+			out := filepath.Join(d, "copy.raw")
+			run(t, "nbdcopy", s.uri, out)
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", out, src)
+			os.Remove(out)
 
 			wmnt := filepath.Join(d, "wmnt")
 			code, out := tryExport(t, wmnt, "-w", img)
