@@ -390,3 +390,31 @@ func TestPartUnprivilegedFuse2fs(t *testing.T) {
 		})
 	}
 }
+
+// TestPartDiskSizeFixed: beside its partitions' files the disk's size is
+// fixed (the files are ranges read from the table at that size):
+// truncating the disk's file, shorter or longer, fails and changes
+// nothing, where without --partitions it resizes the image.
+func TestPartDiskSizeFixed(t *testing.T) {
+	dir := t.TempDir()
+	disk := partDisk(t, dir, "gpt")
+	mnt := filepath.Join(dir, "mnt")
+	os.Mkdir(mnt, 0o755)
+	d := startExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk", "--partitions")
+	for _, size := range []int64{32 << 20, 128 << 20} {
+		if err := os.Truncate(filepath.Join(mnt, "disk"), size); err == nil {
+			t.Errorf("truncating the disk to %d beside its partitions succeeded", size)
+		}
+		if st, err := os.Stat(disk); err != nil || st.Size() != 64<<20 {
+			t.Errorf("after a truncate to %d the image is %v bytes (%v)", size, st.Size(), err)
+		}
+	}
+	if err := os.Truncate(filepath.Join(mnt, "disk-p1"), 1<<20); err == nil {
+		t.Error("truncating a partition's file succeeded")
+	}
+	d.stopClean()
+	startExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk")
+	if err := os.Truncate(filepath.Join(mnt, "disk"), 128<<20); err != nil {
+		t.Fatalf("truncating the disk without --partitions: %v", err)
+	}
+}
