@@ -22,7 +22,8 @@ run: build
 # which Go's test cache does not see, so a cached pass proves nothing.
 # The export tests run a second time over FUSE over io_uring (the module
 # parameter is switched on for the run and restored; .ci/keep-fuse-param
-# restores it even when a test binary panics). The fuzzers run
+# restores it even when a test binary panics), and a third time with the
+# kernel page cache on (--kernel-cache on). The fuzzers run
 # for a count, not a time: a time limit that ran out while a worker held an
 # input was reported as "context deadline exceeded", a failure, in one run.
 URING_TESTS = ^(TestReadOnlyExportServesImageAndRefusesWrites|TestWritesAreClampedUnlessGrowable|TestGrowableExportGrowsAndShrinks|TestFallocateModes|TestSeekDataHoleAndBlocksFollowAllocation|TestSetattrRules|TestSetattrWithAllowOther|TestStatfsDescribesTheImage|TestSharedMmapOfTheExport|TestExportOntoTheImageItself|TestLookupIsENOENT|TestHostErrorsReachTheClient|TestPassthroughReads|TestExternalUnmountEndsTheExport|TestSigtermLosesNoAcknowledgedWrite|TestDaemonizeReturnsOnceServing|TestStatsCountRequests|TestFileNameInDirectory|TestNullDevice|TestFioVerify|TestFioVerifyQueueDepthOne|TestLoopMountMkfsFsck|TestQcow2WritesThroughTheExport|TestQcow2LoopMountReadWrite|TestQcow2SurvivesKill9)$$
@@ -31,6 +32,7 @@ test:
 	$(GO) vet ./...
 	.ci/keep-fuse-param $(GO) test -race -count=1 -timeout 20m ./...
 	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
+	BLOCKEXPORT_KERNEL_CACHE=on $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/nbd

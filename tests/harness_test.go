@@ -143,7 +143,7 @@ type daemon struct {
 // is a FUSE mount. The export is stopped and unmounted in t.Cleanup.
 func startExport(t *testing.T, image, mnt string, args ...string) *daemon {
 	t.Helper()
-	argv := append(append([]string{"fuse"}, transportArgs...), args...)
+	argv := append(append(append([]string{"fuse"}, transportArgs...), kcHarnessArgs(args)...), args...)
 	argv = append(argv, image, mnt)
 	d := startDaemon(t, mnt, bin, argv...)
 	// The mount shows as soon as mount(2) returns; the export serves once

@@ -81,6 +81,10 @@ func TestWritesAreClampedUnlessGrowable(t *testing.T) {
 	}
 	defer f.Close()
 	data := bytes.Repeat([]byte{0xab}, 4096)
+	if kcWriteback() {
+		kcClampedAtWriteback(t, f, img, mnt, data)
+		return
+	}
 	// A write across the end is cut at the end. (pwrite(2) itself: Go's
 	// WriteAt hides the short count behind the next chunk's ENOSPC.)
 	n, err := unix.Pwrite(int(f.Fd()), data, oddSize-1000)
@@ -370,6 +374,10 @@ func TestHostErrorsReachTheClient(t *testing.T) {
 	}
 	defer unix.Close(fd)
 	block := bytes.Repeat([]byte{1}, 64<<10)
+	if kcWriteback() {
+		kcHostErrorAtFsync(t, fd, img, block)
+		return
+	}
 	var werr error
 	for off := int64(0); off < 8<<20 && werr == nil; off += int64(len(block)) {
 		_, werr = unix.Pwrite(fd, block, off)

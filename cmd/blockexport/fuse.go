@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
+	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/probe"
 )
 
@@ -27,6 +28,7 @@ type fuseFlags struct {
 	uringDepth  int
 	uringPin    bool
 	parts       partitionFlags
+	kernelCache string
 }
 
 func fuseCommand() *cobra.Command {
@@ -55,12 +57,14 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
 	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
 	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (measured: queue depth 1 40k IOPS pinned, 26k not; depth 16 85k pinned, 100k not)")
+	fs.StringVar(&f.kernelCache, "kernel-cache", "off", "let the kernel cache the export (page cache, read-ahead, writeback cache for buffered opens; O_DIRECT opens bypass it): on, off or auto (on for a local raw or qcow2 image with --cache writeback; off for null, NBD sources and --cache none)")
 	f.parts.register(c, "with --file-name: one more file per partition of the image's MBR or GPT beside NAME, NAME-p1, NAME-p2... numbered as Linux numbers them")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	f.registerTLS(c, "")
 	completeWords(c, "allow-other", "auto", "on", "off")
 	completeWords(c, "passthrough", "auto", "on", "off")
 	completeWords(c, "io-uring", "auto", "on", "off")
+	completeWords(c, "kernel-cache", "auto", "on", "off")
 	return c
 }
 
@@ -115,8 +119,19 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.parts.all && f.fileName == "" {
 		return usagef("--partitions adds files beside the disk's: it needs --file-name NAME (or --partition N alone)")
 	}
+	if f.parts.all && f.kernelCache == "on" {
+		return usagef("--kernel-cache on serves one file; --partitions serves several over the same bytes, each of which would not see the others' cached writes: drop one")
+	}
 	if (f.parts.all || f.parts.one > 0) && f.growable {
 		return usagef("--growable and --partition(s): a partition's size is the partition table's")
+	}
+	switch f.kernelCache {
+	case "auto", "on", "off":
+	default:
+		return usagef("unknown --kernel-cache mode %q (want auto, on or off)", f.kernelCache)
+	}
+	if f.kernelCache == "on" && f.passthrough == "on" {
+		return usagef("--kernel-cache on and --passthrough on: the kernel would cache the export beside the host file it reads directly; drop one")
 	}
 	if c.Flags().Changed("file-name") {
 		if err := fuseexport.CheckFileName(f.fileName); err != nil {
@@ -143,7 +158,18 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	for i, p := range parts {
 		extra[i] = fuseexport.ExtraFile{Name: p.name, Image: p.img}
 	}
-	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger})
+	kernelCache := f.kernelCacheFor(image, img.Format)
+	if kernelCache && img.Format == probe.Null {
+		// Its writes are dropped: a cache would hand back what was
+		// written, where the device reads zeroes.
+		logger.Info("--kernel-cache on: the null device keeps no data, so it is served uncached")
+		kernelCache = false
+	}
+	if f.parts.all {
+		kernelCache = false // several files over the same bytes (checked against "on" above)
+	}
+	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
+		KernelCache: kernelCache, KeepCache: kernelCache && !nbd.IsURI(image)})
 	sigs := stopSignals()
 	// The pidfile before the mount: a second instance given the same one
 	// is refused before it mounts anything. (After stopSignals: a signal
@@ -195,7 +221,8 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		defer func() { close(stopStats); <-statsDone }()
 	}
 	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Image.Size(),
-		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable)
+		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable,
+		"kernel_cache", kernelCache)
 	notifyReady()
 
 	select {
@@ -211,4 +238,23 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil
+}
+
+// kernelCacheFor resolves --kernel-cache. auto is on for a local raw or
+// qcow2 image under --cache writeback: we hold its image locks, so only
+// this export changes it and the kernel's cache of it stays true. It is
+// off for the null device (nothing worth caching: writes are dropped),
+// for NBD sources (another client of the server may change the image,
+// and no lock of ours says otherwise), for --cache none (asked not to
+// cache) and beside --passthrough on/auto (the kernel reads the host
+// file itself there).
+func (f *fuseFlags) kernelCacheFor(image, format string) bool {
+	switch f.kernelCache {
+	case "on":
+		return true
+	case "off":
+		return false
+	}
+	return (format == probe.Raw || format == probe.QCOW2) && !nbd.IsURI(image) &&
+		f.cache == "writeback" && f.passthrough == "off"
 }

@@ -14,6 +14,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -120,7 +121,8 @@ func (s *server) isRootDir(req []byte) bool { return s.inDir() && header(req).No
 // access is the file's own mode's business), nothing to write.
 func (s *server) dirAttr(a *fuse.Attr) {
 	e := s.exp
-	sec, nsec := uint64(e.mtime.Unix()), uint32(e.mtime.Nanosecond())
+	mt := time.Unix(0, e.mtimeNs.Load())
+	sec, nsec := uint64(mt.Unix()), uint32(mt.Nanosecond())
 	*a = fuse.Attr{
 		Ino:   rootIno,
 		Size:  4096,

@@ -60,6 +60,7 @@ var ops = [...]op{
 	opFlush:       {wait: (*server).flush},
 	opFallocate:   {wait: (*server).fallocate},
 	opLseek:       {wait: (*server).lseek},
+	opSyncfs:      {wait: (*server).syncfs},
 
 	// Only with --file-name is the root a directory (dir_linux.go). It
 	// holds the one file: nothing is made or removed there.
@@ -116,7 +117,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 			path = coroutines.AfterMiss
 		}
 	}
-	if o.mayBlockLoop && s.hand.Lone(q.queued) {
+	if o.mayBlockLoop && !s.handOffOnly(req) && s.hand.Lone(q.queued) {
 		o.wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
 		return true
 	}
@@ -400,6 +401,13 @@ func (s *server) fsync(ctx context.Context, to replyTo, req []byte) {
 
 func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
 	s.replyStatus(to, header(req).Unique, s.expOf(req).Flush(ctx, decode[fuse.FlushIn](req)))
+}
+
+// syncfs (sync(2), syncfs(2)) makes the image durable as FSYNC does: the
+// kernel sends it after writing its dirty pages back, and a qcow2 image
+// has metadata of its own to write.
+func (s *server) syncfs(ctx context.Context, to replyTo, req []byte) {
+	s.replyStatus(to, header(req).Unique, s.exp.Fsync(ctx, nil))
 }
 
 func (s *server) fallocate(ctx context.Context, to replyTo, req []byte) {

@@ -49,7 +49,15 @@ type Options struct {
 	// Growable exports grow the image on writes past its end; others clamp
 	// them (short write, ENOSPC when nothing fits).
 	Growable bool
-	Logger   *slog.Logger
+	// KernelCache lets the kernel cache the export (--kernel-cache on):
+	// buffered opens go through the page cache with writeback caching,
+	// O_DIRECT opens still reach us directly (kernelcache_linux.go).
+	KernelCache bool
+	// KeepCache keeps the kernel's cache of the export across opens:
+	// set only where nobody but this export can change the image (we
+	// hold its image locks), so a new open has nothing to revalidate.
+	KeepCache bool
+	Logger    *slog.Logger
 }
 
 // attrTimeout is how long the kernel may cache attributes (QEMU: 1 s).
@@ -72,7 +80,22 @@ type Export struct {
 	ino       uint64        // the file's inode: the root, or the one file in it
 	mode      atomic.Uint32 // permission bits of the file
 	uid, gid  atomic.Uint32
-	mtime     time.Time
+	// mtimeNs is the file's mtime in Unix nanoseconds. It only changes
+	// with the kernel cache on, where the kernel owns mtime under its
+	// writeback rules and hands it back in SETATTR.
+	mtimeNs atomic.Int64
+	// inval, set by the server with the kernel cache on, drops the
+	// kernel's cached pages of [off, off+length) (length 0: to the end)
+	// where the image changed by a path the page cache did not see.
+	inval func(off, length int64)
+	// closing: the export is being stopped with the kernel cache on;
+	// GETATTR fails, so that a buffered write that has not yet begun
+	// fails too instead of landing in a cache nobody writes back (see
+	// server.flushKernelCache).
+	closing atomic.Bool
+	// writebackFailed, set with the writeback cache, mends the kernel's
+	// cache after a write-back WRITE that failed for [off, off+length).
+	writebackFailed func(off, length int64)
 }
 
 // New makes an export of img. The image must stay open until the export is
@@ -82,12 +105,12 @@ func New(img formats.Image, o Options) *Export {
 		o.Logger = slog.Default()
 	}
 	e := &Export{
-		img:   img,
-		opts:  o,
-		log:   o.Logger,
-		mtime: time.Now(),
-		ino:   rootIno,
+		img:  img,
+		opts: o,
+		log:  o.Logger,
+		ino:  rootIno,
 	}
+	e.mtimeNs.Store(time.Now().UnixNano())
 	mode := uint32(0o400)
 	if o.Writable {
 		mode |= 0o200
@@ -108,7 +131,8 @@ func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	if alloc, err := e.img.AllocatedSize(ctx); err == nil && alloc >= 0 {
 		blocks = (alloc + 511) / 512
 	}
-	sec, nsec := uint64(e.mtime.Unix()), uint32(e.mtime.Nanosecond())
+	mt := time.Unix(0, e.mtimeNs.Load())
+	sec, nsec := uint64(mt.Unix()), uint32(mt.Nanosecond())
 	*a = fuse.Attr{
 		Ino:    e.ino,
 		Size:   uint64(size),
@@ -123,6 +147,9 @@ func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 }
 
 func (e *Export) GetAttr(ctx context.Context, _ *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+	if e.closing.Load() {
+		return fuse.EIO
+	}
 	e.fillAttr(ctx, &out.Attr)
 	out.SetTimeout(attrTimeout)
 	return fuse.OK
@@ -136,6 +163,13 @@ func (e *Export) SetAttr(ctx context.Context, in *fuse.SetAttrIn, out *fuse.Attr
 	supported := uint32(fuse.FATTR_SIZE | fuse.FATTR_MODE)
 	if e.allowOther.Load() {
 		supported |= fuse.FATTR_UID | fuse.FATTR_GID
+	}
+	if e.opts.KernelCache {
+		// Under the writeback cache the kernel owns mtime and ctime and
+		// writes them back with SETATTR (on fsync, close, truncate): a
+		// refusal would fail the fsync. Atime stays refused, so touch
+		// still fails as in QEMU.
+		supported |= fuse.FATTR_MTIME | fuse.FATTR_CTIME | fuse.FATTR_MTIME_NOW
 	}
 	if valid&^supported != 0 {
 		return fuse.Status(unix.ENOTSUP)
@@ -154,8 +188,12 @@ func (e *Export) SetAttr(ctx context.Context, in *fuse.SetAttrIn, out *fuse.Attr
 		if !e.opts.Writable {
 			return fuse.EACCES
 		}
-		if st := e.resize(ctx, int64(in.Size)); !st.Ok() {
-			return st
+		// The same size changes nothing (and drains nothing): it is how
+		// the kernel cache learns the size at mount (see kernelcache).
+		if int64(in.Size) != e.img.Size() {
+			if st := e.resize(ctx, int64(in.Size)); !st.Ok() {
+				return st
+			}
 		}
 	}
 	if valid&fuse.FATTR_MODE != 0 {
@@ -166,6 +204,12 @@ func (e *Export) SetAttr(ctx context.Context, in *fuse.SetAttrIn, out *fuse.Attr
 	}
 	if valid&fuse.FATTR_GID != 0 {
 		e.gid.Store(in.Gid)
+	}
+	switch {
+	case valid&fuse.FATTR_MTIME_NOW != 0:
+		e.mtimeNs.Store(time.Now().UnixNano())
+	case valid&fuse.FATTR_MTIME != 0:
+		e.mtimeNs.Store(time.Unix(int64(in.Mtime), int64(in.Mtimensec)).UnixNano())
 	}
 	e.fillAttr(ctx, &out.Attr)
 	out.SetTimeout(attrTimeout)
@@ -182,12 +226,42 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 	if err != nil {
 		return errno(err)
 	}
-	defer release()
-	if err := e.img.Resize(ctx, size); err != nil {
+	old := e.img.Size()
+	err = e.img.Resize(ctx, size)
+	// The cache is dropped after the drain: invalidating waits on pages
+	// locked by reads in flight, which the drain would hold back.
+	release()
+	if err != nil {
 		e.log.Debug("resize failed", "size", size, "err", err)
 		return errno(err)
 	}
+	e.invalidate(min(old, size), 0)
 	return fuse.OK
+}
+
+// invalidate drops the kernel's cached pages of [off, off+length) (length
+// 0: to the end) when the kernel caches the export. It runs before the
+// reply of the request that changed the image, so no read that starts
+// after that reply sees the old bytes. Never from a serve loop: the
+// kernel may write dirty pages back (to us) before it returns.
+func (e *Export) invalidate(off, length int64) {
+	if off < 0 {
+		return // a request's offset past 2^63: nothing was written there
+	}
+	if length < 0 {
+		length = 0 // a length past 2^63: to the end
+	}
+	if e.inval != nil {
+		e.inval(off, length)
+	}
+}
+
+// WriteBypassesCache says whether a WRITE changes the image behind the
+// kernel's cache: with the kernel cache on, a write that did not come
+// from the page cache (an O_DIRECT open's) must drop the pages it
+// overwrote, and so must not be answered from a serve loop.
+func (e *Export) WriteBypassesCache(in *fuse.WriteIn) bool {
+	return e.opts.KernelCache && in.WriteFlags&fuse.WRITE_CACHE == 0
 }
 
 // grow makes the image at least size bytes long. It runs inside a request
@@ -213,7 +287,20 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 // be a passthrough open too (it fails any other with EIO), so opens for
 // writing get passthrough with direct I/O, which the kernel lets override
 // it: their reads and writes still come to us.
+//
+// With the kernel cache on (and no passthrough, which the mount refuses
+// beside it), buffered opens get no direct I/O: the kernel caches, reads
+// ahead and batches writes. O_DIRECT opens keep direct I/O, and the
+// cache is kept across opens only where nobody else can change the
+// image (KeepCache).
 func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	if e.opts.KernelCache && in.Flags&unix.O_DIRECT == 0 {
+		out.OpenFlags = 0
+		if e.opts.KeepCache {
+			out.OpenFlags = fuse.FOPEN_KEEP_CACHE
+		}
+		return fuse.OK
+	}
 	out.OpenFlags = fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES
 	if id := e.backingID.Load(); id > 0 {
 		out.BackingID = id
@@ -269,6 +356,29 @@ func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
 // a non-growable image (short write; ENOSPC when nothing fits), growing a
 // growable one.
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	n, st := e.write(ctx, in, data)
+	switch {
+	case n > 0 && e.WriteBypassesCache(in):
+		e.invalidate(int64(in.Offset), int64(n))
+	default:
+		e.checkWriteback(in, n, st, len(data))
+	}
+	return n, st
+}
+
+// checkWriteback: when the kernel's write-back of pages it had accepted
+// failed or fell short (a full host, past the end of a non-growable
+// image), the kernel reports the error at fsync and close, but would keep
+// the pages, and its larger size. Once this reply is out, the pages that
+// did not make it are dropped and the image's size handed back.
+func (e *Export) checkWriteback(in *fuse.WriteIn, n uint32, st fuse.Status, length int) {
+	if e.writebackFailed == nil || in.WriteFlags&fuse.WRITE_CACHE == 0 || (st.Ok() && int(n) >= length) {
+		return
+	}
+	go e.writebackFailed(int64(in.Offset)+int64(n), int64(length)-int64(n))
+}
+
+func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	if !e.opts.Writable {
 		return 0, fuse.EACCES
 	}
@@ -300,7 +410,7 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 // that need neither clamping nor growth, and that the image can do at
 // once; ok false means nothing happened.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (uint32, fuse.Status, bool) {
-	if !e.opts.Writable || len(data) == 0 {
+	if !e.opts.Writable || len(data) == 0 || e.WriteBypassesCache(in) {
 		return 0, fuse.OK, false
 	}
 	e.inflight.Begin()
@@ -314,6 +424,7 @@ func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (uint32, fuse.Status, b
 	}
 	if err != nil {
 		e.log.Debug("write failed", "off", in.Offset, "len", len(data), "err", err)
+		e.checkWriteback(in, 0, errno(err), len(data))
 		return 0, errno(err), true
 	}
 	return uint32(len(data)), fuse.OK, true
@@ -323,6 +434,16 @@ func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (uint32, fuse.Status, b
 // image); PUNCH_HOLE (with KEEP_SIZE) zeroes and may deallocate; ZERO_RANGE
 // zeroes and grows without KEEP_SIZE; KEEP_SIZE clamps to the end.
 func (e *Export) Fallocate(ctx context.Context, in *fuse.FallocateIn) fuse.Status {
+	st := e.fallocate(ctx, in)
+	if st.Ok() && in.Mode&(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_ZERO_RANGE) != 0 {
+		// The kernel drops its own pages of the range too; this covers a
+		// page read back in while we zeroed.
+		e.invalidate(int64(in.Offset), int64(in.Length))
+	}
+	return st
+}
+
+func (e *Export) fallocate(ctx context.Context, in *fuse.FallocateIn) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.EACCES
 	}

@@ -77,6 +77,9 @@ type Mount struct {
 	// oneLoop: the one queue's loop also reads the image's completions
 	// (see ReadsCompletions).
 	oneLoop bool
+	// flushCache, with the kernel cache on, writes the kernel's dirty
+	// pages of the export back to us before Unmount lets go of it.
+	flushCache func() error
 }
 
 // ReadsCompletions says whether one loop serves /dev/fuse and reads the
@@ -282,6 +285,14 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	ptFd := exp.img.Features().HostFd
 	ptOK := ptFd >= 0
 	switch {
+	case exp.opts.KernelCache && o.Passthrough == "on":
+		detach(abs, exp.log)
+		unix.Close(fd)
+		made.remove()
+		return nil, fmt.Errorf("--passthrough on: the kernel reads the host file itself, which the kernel cache (--kernel-cache) would cache beside it; drop one")
+	case exp.opts.KernelCache:
+		// Passthrough opens and cached opens of one inode do not mix
+		// (the kernel fails the other kind with EIO): the cache wins.
 	case o.Passthrough == "on" && !ptOK:
 		detach(abs, exp.log)
 		unix.Close(fd)
@@ -347,7 +358,18 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
 		}
 	}
+	if exp.opts.KernelCache {
+		exp.inval = func(off, length int64) {
+			if err := srv.notifyInval(off, length); err != nil {
+				exp.log.Warn("cannot invalidate the kernel's cache of the export", "err", err)
+			}
+		}
+	}
 	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
+	if srv.writebackCache() {
+		exp.writebackFailed = func(off, length int64) { srv.mendFailedWriteback(file, off, length) }
+		m.flushCache = func() error { return srv.flushKernelCache(file) }
+	}
 	go func() {
 		srv.serve()
 		// The loops end when the kernel ends the connection (unmount,
@@ -363,6 +385,16 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(abs, &st); err == nil {
 		m.conn = uint64(unix.Major(st.Dev))<<20 | uint64(unix.Minor(st.Dev))
+		if exp.opts.KernelCache {
+			if err := tuneBDI(st.Dev); err != nil {
+				exp.log.Info("kernel cache: the export's bdi keeps the kernel's defaults", "why", err)
+			}
+		}
+	}
+	if err := srv.learnSize(file); err != nil {
+		m.Unmount()
+		made.remove()
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	return m, nil
 }
@@ -499,6 +531,11 @@ func (m *Mount) Done() <-chan struct{} { return m.served }
 // going away. It returns once every request in flight has been answered.
 // Removing a mountpoint file we created is left to Cleanup.
 func (m *Mount) Unmount() error {
+	if m.flushCache != nil {
+		if err := m.flushCache(); err != nil {
+			m.log.Warn("cannot write the kernel's cached writes back before unmounting; an abort may lose writes not yet fsynced", "err", err)
+		}
+	}
 	var err error
 	for try := 0; try < 5; try++ {
 		if err = unix.Unmount(m.path, 0); err == nil || errors.Is(err, unix.EINVAL) {

@@ -59,6 +59,7 @@ const (
 	opFallocate   = 43
 	opRename2     = 45
 	opLseek       = 46
+	opSyncfs      = 50
 	opTmpfile     = 51
 )
 
@@ -168,8 +169,17 @@ func (s *server) handshake() error {
 		if s.uring {
 			want |= capOverIOURing
 		}
+		if s.exp.opts.KernelCache && s.exp.opts.Writable {
+			// Only writes need it, and without it the kernel takes the
+			// size from GETATTR as usual.
+			want |= fuse.CAP_WRITEBACK_CACHE
+		}
 		flags := offered & want
 		s.negotiated = flags
+		if want&fuse.CAP_WRITEBACK_CACHE != 0 && flags&fuse.CAP_WRITEBACK_CACHE == 0 {
+			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
+			return fmt.Errorf("fuse: --kernel-cache: the kernel did not offer FUSE_WRITEBACK_CACHE")
+		}
 		out := fuse.InitOut{
 			Major:               kernelVersion,
 			Minor:               min(ourMinor, in.Minor),

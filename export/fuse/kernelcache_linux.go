@@ -1,0 +1,156 @@
+package fuse
+
+// The kernel-cached mode (--kernel-cache on): the kernel caches the
+// export's pages, reads ahead and batches buffered writes (writeback
+// cache); we keep it coherent with what changes the image behind it.
+//
+//   - INIT asks for FUSE_WRITEBACK_CACHE; opens for buffered I/O get no
+//     direct I/O (Export.Open), O_DIRECT opens still do.
+//   - A write that bypassed the cache (an O_DIRECT open's), a punched or
+//     zeroed range and a resize drop the kernel's pages of what changed
+//     with FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify
+//     may make the kernel write dirty pages of the range back to us first,
+//     so it never runs in a serve loop (dispatch hands such requests off).
+//   - The FUSE bdi gets a 1 MiB read-ahead window (INIT can only lower
+//     the kernel's 128 KiB default) and a strict dirty limit: a loop
+//     device over a writeback-cached export must not let the kernel hold
+//     more dirty pages of it than we can take without memory to spare.
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"unsafe"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// notifyInvalInode is FUSE_NOTIFY_INVAL_INODE's code in the out header's
+// error field of an unsolicited message (unique 0).
+const notifyInvalInode = 2
+
+// notifyInval drops the kernel's cached pages of [off, off+length) of the
+// export's file (length 0: to the end) and its cached attributes. The
+// kernel answers ENOENT when it does not know the inode (nothing cached).
+func (s *server) notifyInval(off, length int64) error {
+	msg := struct {
+		h fuse.OutHeader
+		n fuse.NotifyInvalInodeOut
+	}{}
+	msg.h = fuse.OutHeader{Length: uint32(unsafe.Sizeof(msg)), Status: notifyInvalInode}
+	msg.n = fuse.NotifyInvalInodeOut{Ino: s.exp.ino, Off: off, Length: length}
+	b := unsafe.Slice((*byte)(unsafe.Pointer(&msg)), unsafe.Sizeof(msg))
+	for {
+		_, err := unix.Write(s.fds[0], b)
+		switch {
+		case err == nil, errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENODEV):
+			return nil
+		case errors.Is(err, unix.EINTR):
+			continue
+		}
+		return fmt.Errorf("FUSE_NOTIFY_INVAL_INODE [%d, +%d): %w", off, length, err)
+	}
+}
+
+// handOffOnly says whether req must run outside the serve loop even when
+// the loop is alone: a write whose reply waits for an invalidation.
+func (s *server) handOffOnly(req []byte) bool {
+	if !s.exp.opts.KernelCache || header(req).Opcode != opWrite {
+		return false
+	}
+	return s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
+}
+
+// kernelCacheReadAheadKB is the read-ahead window of a kernel-cached
+// export: 1 MiB, one maximal READ ahead of a sequential reader.
+const kernelCacheReadAheadKB = maxWrite / 1024
+
+// tuneBDI sets the export's bdi (named by the mount's st_dev) for the
+// kernel cache: read_ahead_kb to 1 MiB, and the dirty bounds: the kernel
+// gives FUSE a 1% max_ratio with strictlimit; we make sure of both (a
+// distribution may loosen the default) so that its dirty pages stay
+// bounded per bdi, not only by the global limits. Without the rights
+// (not root) the kernel's defaults stay, which is logged.
+func tuneBDI(dev uint64) error {
+	dir := filepath.Join("/sys/class/bdi", fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev)))
+	set := []struct{ name, val string }{
+		{"read_ahead_kb", strconv.Itoa(kernelCacheReadAheadKB)},
+		{"strict_limit", "1"},
+		{"max_ratio", "1"},
+	}
+	var errs []error
+	for _, kv := range set {
+		if err := os.WriteFile(filepath.Join(dir, kv.name), []byte(kv.val), 0); err != nil {
+			errs = append(errs, fmt.Errorf("bdi %s: %w", kv.name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// learnSize tells a writeback-cached kernel the file's size. Under the
+// writeback cache the kernel keeps i_size itself and ignores the size in
+// GETATTR replies; the root inode (the exported file without
+// --file-name) is made at mount, before INIT, with size 0, so the kernel
+// would see an empty file for good. A SETATTR of the size is the one
+// reply it takes i_size from: truncating the file to its own size (which
+// SetAttr answers without a resize) does it, before Mount returns and
+// the daemon says it serves.
+func (s *server) learnSize(file string) error {
+	if s.negotiated&fuse.CAP_WRITEBACK_CACHE == 0 {
+		return nil
+	}
+	if err := unix.Truncate(file, s.exp.img.Size()); err != nil {
+		return fmt.Errorf("kernel cache: setting the size the kernel caches: %w", err)
+	}
+	return nil
+}
+
+// flushKernelCache writes the kernel's dirty pages of the export back to
+// us and makes them durable, before Unmount unmounts (or, with the file
+// still open, detaches and aborts the connection, which would drop them).
+// A writer may still be writing: from the moment the export is closing,
+// GETATTR fails, and with the attributes invalidated the kernel asks for
+// them before its next buffered write, which then fails; the fsync takes
+// the inode lock, so it waits for a write already under way and writes
+// that one back too. Whatever write returned before the fsync is in the
+// image; any later one failed.
+func (s *server) flushKernelCache(file string) error {
+	// Open first: with the attributes invalid, the permission check of
+	// an open would need the GETATTR that closing refuses.
+	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return fmt.Errorf("opening the export to flush it: %w", err)
+	}
+	defer unix.Close(fd)
+	s.exp.closing.Store(true)
+	if err := s.notifyInval(-1, 0); err != nil {
+		return err
+	}
+	if err := unix.Fsync(fd); err != nil {
+		return fmt.Errorf("fsync of the export: %w", err)
+	}
+	return nil
+}
+
+// writebackCache says whether the kernel caches our writes.
+func (s *server) writebackCache() bool { return s.negotiated&fuse.CAP_WRITEBACK_CACHE != 0 }
+
+// mendFailedWriteback runs after the reply to a write-back WRITE that
+// failed or fell short for [off, off+length): the kernel has the error
+// for the next fsync/close, but still holds those pages as if written,
+// and, for a write past the end of a non-growable image, a size we do
+// not have. It drops the pages (reads then get what the image holds)
+// and hands the image's size back with a SETATTR of it (see learnSize),
+// which also drops any page past that end. It must not run before the
+// reply: both wait for the write-back the reply ends.
+func (s *server) mendFailedWriteback(file string, off, length int64) {
+	if err := s.notifyInval(off, length); err != nil {
+		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)
+	}
+	if err := unix.Truncate(file, s.exp.img.Size()); err != nil && !errors.Is(err, unix.ENOTCONN) {
+		s.exp.log.Warn("cannot give the kernel the image's size back after a failed write-back", "err", err)
+	}
+}

@@ -1,0 +1,418 @@
+package tests
+
+// The kernel-cached export (--kernel-cache on): coherence between the
+// page cache and every path that changes the image behind it, and
+// durability of what was acknowledged.
+
+import (
+	"bytes"
+	"encoding/binary"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// kcStart exports image writable with the kernel cache on.
+func kcStart(t *testing.T, img, mnt string, args ...string) *daemon {
+	t.Helper()
+	d := startExport(t, img, mnt, append([]string{"-w", "--kernel-cache", "on"}, args...)...)
+	if !strings.Contains(d.log(), "kernel_cache=true") {
+		t.Fatalf("the export did not turn the kernel cache on\n%s", d.log())
+	}
+	return d
+}
+
+// kcAlignedBuf is an O_DIRECT-ready buffer of n bytes.
+func kcAlignedBuf(n int) []byte {
+	b := make([]byte, n+4096)
+	off := int(4096 - uintptr(unsafe.Pointer(&b[0]))%4096)
+	return b[off%4096 : off%4096+n]
+}
+
+// kcPread reads n bytes at off through a fresh buffered open (the
+// kernel's cache, kept across opens).
+func kcPread(t *testing.T, path string, off int64, n int) []byte {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, n)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatalf("buffered read at %d: %v", off, err)
+	}
+	return b
+}
+
+// kcDirectWrite writes data at off through an O_DIRECT open.
+func kcDirectWrite(t *testing.T, path string, off int64, data []byte) {
+	t.Helper()
+	fd, err := unix.Open(path, unix.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	buf := kcAlignedBuf(len(data))
+	copy(buf, data)
+	if n, err := unix.Pwrite(fd, buf, off); err != nil || n != len(buf) {
+		t.Fatalf("O_DIRECT write at %d: %d, %v", off, n, err)
+	}
+}
+
+func kcRandom(n int, seed uint64) []byte {
+	r := rand.New(rand.NewPCG(seed, 29))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+// TestKcOptionDropsDirectIO: with the kernel cache on, a second buffered
+// read of the same range is served by the kernel (no READ reaches the
+// daemon), and the kernel reads ahead in 1 MiB READs; off, every read is
+// a READ. (--stats counts the requests.)
+func TestKcOptionDropsDirectIO(t *testing.T) {
+	for _, mode := range []string{"on", "off"} {
+		t.Run(mode, func(t *testing.T) {
+			dir := t.TempDir()
+			img := randomImage(t, dir, 16<<20, 7)
+			mnt := filepath.Join(dir, "mnt")
+			d := startExport(t, img, mnt, "-f", "raw", "-w", "--kernel-cache", mode, "--stats", "1h")
+			want := readAll(t, img)
+			for range 2 {
+				mustEqualBytes(t, "export", readAll(t, mnt), want)
+			}
+			d.stopClean()
+			reads := kcStatCount(t, d.log(), "read")
+			if mode == "off" {
+				if reads < 2*16*1024*1024/(1<<20) {
+					t.Fatalf("off: %d READs for two 16 MiB reads, want every read to reach the daemon", reads)
+				}
+				return
+			}
+			// 16 MiB once, in 1 MiB READs (a few smaller at the start of
+			// read-ahead): well under 64; the second pass none.
+			if reads == 0 || reads > 40 {
+				t.Fatalf("on: %d READs for two 16 MiB reads, want the first in about 16 large READs and the second from the cache\n%s", reads, d.log())
+			}
+		})
+	}
+}
+
+// kcStatCount is the summary's request count of kind in the log.
+func kcStatCount(t *testing.T, log, kind string) int {
+	t.Helper()
+	lines := strings.Split(log, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		l := lines[i]
+		if !strings.Contains(l, "stats") {
+			continue
+		}
+		_, after, ok := strings.Cut(l, kind+" ")
+		if !ok {
+			return 0
+		}
+		n, err := strconv.Atoi(strings.Fields(after)[0])
+		if err != nil {
+			t.Fatalf("stats line %q: %v", l, err)
+		}
+		return n
+	}
+	t.Fatalf("no stats line in\n%s", log)
+	return 0
+}
+
+// TestKcDirectWriteInvalidatesCache: a range cached by a buffered read,
+// overwritten through an O_DIRECT open, reads back new through a
+// buffered open and through a shared mapping made before the write.
+func TestKcDirectWriteInvalidatesCache(t *testing.T) {
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			dir := t.TempDir()
+			img := filepath.Join(dir, "img")
+			createImage(t, "-f", format, img, "4M")
+			mnt := filepath.Join(dir, "mnt")
+			kcStart(t, img, mnt, "-f", format)
+
+			fd, err := unix.Open(mnt, unix.O_RDWR, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			m, err := unix.Mmap(fd, 0, 4<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Munmap(m)
+			// Cache it all (zeroes), through the mapping and a read.
+			if !bytes.Equal(m[1<<20:1<<20+8192], make([]byte, 8192)) {
+				t.Fatal("fresh image not zero")
+			}
+			kcPread(t, mnt, 0, 4<<20)
+
+			data := kcRandom(8192, 1)
+			kcDirectWrite(t, mnt, 1<<20, data)
+			mustEqualBytes(t, "buffered read after an O_DIRECT write", kcPread(t, mnt, 1<<20, 8192), data)
+			mustEqualBytes(t, "shared mapping after an O_DIRECT write", m[1<<20:1<<20+8192], data)
+
+			// The other way: a store through the mapping, msync'd, is
+			// what an O_DIRECT read sees.
+			copy(m[2<<20:], kcRandom(4096, 2))
+			if err := unix.Msync(m, unix.MS_SYNC); err != nil {
+				t.Fatal(err)
+			}
+			dfd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECT, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(dfd)
+			buf := kcAlignedBuf(4096)
+			if _, err := unix.Pread(dfd, buf, 2<<20); err != nil {
+				t.Fatal(err)
+			}
+			mustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, kcRandom(4096, 2))
+		})
+	}
+}
+
+// TestKcPunchAndZeroInvalidate: cached data, punched or zeroed through
+// the export, reads back as zeroes through a buffered open; so does a
+// range shrunk away and grown back on a growable export, and the sizes
+// the kernel reports follow the image.
+func TestKcPunchAndZeroInvalidate(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "img")
+	createImage(t, "-f", "raw", img, "4M")
+	mnt := filepath.Join(dir, "mnt")
+	kcStart(t, img, mnt, "-f", "raw", "--growable")
+
+	data := kcRandom(4<<20, 3)
+	if err := os.WriteFile(mnt, data, 0); err != nil {
+		t.Fatal(err)
+	}
+	mustEqualBytes(t, "written", kcPread(t, mnt, 0, 4<<20), data)
+	f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	if err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 1<<20, 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE, 2<<20, 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	zero := make([]byte, 64<<10)
+	mustEqualBytes(t, "punched range", kcPread(t, mnt, 1<<20, 64<<10), zero)
+	mustEqualBytes(t, "zeroed range", kcPread(t, mnt, 2<<20, 64<<10), zero)
+	mustEqualBytes(t, "after the punched range", kcPread(t, mnt, 1<<20+64<<10, 4096), data[1<<20+64<<10:1<<20+68<<10])
+
+	// Shrink to 1 MiB, grow back to 4 MiB: the tail is zeroes, in the
+	// image and through the cache.
+	if err := f.Truncate(1 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := os.Stat(img); st.Size() != 1<<20 {
+		t.Fatalf("image size %d after truncate to 1 MiB", st.Size())
+	}
+	if err := f.Truncate(4 << 20); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := os.Stat(mnt); st.Size() != 4<<20 {
+		t.Fatalf("export size %d after growing to 4 MiB", st.Size())
+	}
+	mustEqualBytes(t, "grown tail", kcPread(t, mnt, 3<<20, 4096), make([]byte, 4096))
+
+	// A buffered write past the end grows the image once written back.
+	tail := kcRandom(4096, 4)
+	if _, err := f.WriteAt(tail, 5<<20); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := os.Stat(mnt); st.Size() != 5<<20+4096 {
+		t.Fatalf("export size %d after a write past the end, want %d", st.Size(), 5<<20+4096)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	got := readAll(t, img)
+	if len(got) != 5<<20+4096 {
+		t.Fatalf("image size %d after fsync, want %d", len(got), 5<<20+4096)
+	}
+	mustEqualBytes(t, "image tail", got[5<<20:], tail)
+}
+
+// TestKcFioBufferedAndDirectAtOnce: a buffered and an O_DIRECT fio job
+// write and verify (crc32c) at the same time on one export, on halves of
+// it cached beforehand; then each half is verified by the other kind of
+// reader: the direct job's writes through the buffered cache (stale
+// without invalidation), the buffered job's through O_DIRECT.
+func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			dir := t.TempDir()
+			img := filepath.Join(dir, "img")
+			createImage(t, "-f", format, img, "32M")
+			mnt := filepath.Join(dir, "mnt")
+			d := kcStart(t, img, mnt, "-f", format)
+			readAll(t, mnt) // cache the whole export
+			job := func(name string, direct int, off string, extra ...string) []string {
+				return append([]string{"--name=" + name, "--filename=" + mnt, "--rw=randwrite", "--bs=4k",
+					"--offset=" + off, "--size=16M", "--ioengine=psync", "--direct=" + strconv.Itoa(direct),
+					"--verify=crc32c", "--verify_fatal=1", "--randseed=29", "--end_fsync=1"}, extra...)
+			}
+			var both []string
+			both = append(both, "--verify_state_save=0", "--minimal")
+			both = append(both, job("buffered", 0, "0")...)
+			both = append(both, job("direct", 1, "16M")...)
+			run(t, "fio", both...)
+			// Swap the readers: verify_only replays each job's writes.
+			var swapped []string
+			swapped = append(swapped, "--verify_state_save=0", "--minimal")
+			swapped = append(swapped, job("buffered", 1, "0", "--verify_only=1")...)
+			swapped = append(swapped, job("direct", 0, "16M", "--verify_only=1")...)
+			run(t, "fio", swapped...)
+			d.stopClean()
+			if format == "qcow2" {
+				qemuImgCheck(t, img)
+			}
+		})
+	}
+}
+
+// TestKcFsyncedBytesSurviveSigkill: buffered writes, fsync (and sync(2)
+// for a second range), then SIGKILL of the daemon: every fsynced byte is
+// in the image file (and, raw, every synced one).
+func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			dir := t.TempDir()
+			img := filepath.Join(dir, "img")
+			createImage(t, "-f", format, img, "16M")
+			mnt := filepath.Join(dir, "mnt")
+			d := kcStart(t, img, mnt, "-f", format)
+			f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a, b := kcRandom(6<<20, 5), kcRandom(6<<20, 6)
+			for off := 0; off < len(a); off += 4096 {
+				if _, err := f.WriteAt(a[off:off+4096], int64(off)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := f.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			for off := 0; off < len(b); off += 4096 {
+				if _, err := f.WriteAt(b[off:off+4096], int64(8<<20+off)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			syscall.Sync()
+			d.cmd.Process.Kill()
+			<-d.exited
+			f.Close()
+			content := img
+			if format == "qcow2" {
+				content = toRaw(t, img, dir)
+			}
+			got := readAll(t, content)
+			mustEqualBytes(t, "fsynced range", got[:6<<20], a)
+			if format == "raw" {
+				// sync(2) writes the kernel's pages back to us, which
+				// puts a raw image's bytes in the host file; the kernel
+				// sends no SYNCFS to a FUSE server (virtiofs only), so
+				// a qcow2's new mappings are durable on fsync alone.
+				mustEqualBytes(t, "synced range", got[8<<20:14<<20], b)
+			}
+		})
+	}
+}
+
+// TestKcSigtermKeepsWrittenPages: buffered writes that returned, on a file
+// still open when the daemon gets SIGTERM, are in the image after it exits
+// (it writes the kernel's dirty pages back before it lets go of the
+// connection), and a write after that fails rather than vanishing.
+func TestKcSigtermKeepsWrittenPages(t *testing.T) {
+	dir := t.TempDir()
+	const blocks = 2048
+	img := filepath.Join(dir, "img")
+	createImage(t, "-f", "raw", img, strconv.Itoa(blocks*4096))
+	mnt := filepath.Join(dir, "mnt")
+	d := kcStart(t, img, mnt, "-f", "raw")
+	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	acked := make(chan int, blocks)
+	go func() {
+		defer close(acked)
+		buf := make([]byte, 4096)
+		for i := 0; i < blocks; i++ {
+			for j := 0; j < len(buf); j += 8 {
+				binary.LittleEndian.PutUint64(buf[j:], uint64(i)+1)
+			}
+			if _, err := f.WriteAt(buf, int64(i)*4096); err != nil {
+				return
+			}
+			acked <- i
+			if i >= 300 {
+				time.Sleep(2 * time.Millisecond) // keep writing while the daemon stops
+			}
+		}
+	}()
+	for range 300 {
+		<-acked
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	n := 300
+	for range acked {
+		n++
+	}
+	if code := d.wait(30 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, d.log())
+	}
+	got := readAll(t, img)
+	for i := 0; i < n; i++ {
+		if binary.LittleEndian.Uint64(got[i*4096:]) != uint64(i)+1 {
+			t.Fatalf("block %d of %d written before SIGTERM is not in the image\n%s", i, n, d.log())
+		}
+	}
+}
+
+// TestKcNBDSourceRevalidatesOnOpen: an NBD source may change behind the
+// export (another client of the server), so even with the kernel cache
+// on its cache is not kept across opens: data read and cached, then
+// overwritten by another NBD client, reads back new through a new open.
+// (With the cache kept, the old bytes came back.) auto leaves the cache
+// off for it altogether.
+func TestKcNBDSourceRevalidatesOnOpen(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "src.img", 4<<20)
+	sock := filepath.Join(dir, "nbd.sock")
+	startServerProc(t, sock, "qemu-nbd", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+	uri := nbdURI("disk", sock)
+	mnt := filepath.Join(dir, "mnt")
+	kcStart(t, uri, mnt)
+	mustEqualBytes(t, "before", kcPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
+	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 4k", uri)
+	mustEqualBytes(t, "after another client's write", kcPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x5a}, 4096))
+
+	mnt2 := filepath.Join(dir, "mnt2")
+	d := startExport(t, uri, mnt2, "--kernel-cache", "auto")
+	if !strings.Contains(d.log(), "kernel_cache=false") {
+		t.Fatalf("auto turned the kernel cache on for an NBD source\n%s", d.log())
+	}
+}
