@@ -74,9 +74,9 @@ func TestVmdkManyExtents(t *testing.T) {
 // writes, a VMDK converted from a 64 MiB random raw disk with holes and
 // zero runs reads back byte for byte through the FUSE export (format
 // probed) and over NBD (qemu-img, nbdcopy), and its info and map equal
-// qemu-img's; -w is refused in
-// one line that points at a qcow2 overlay; a qcow2 overlay on the VMDK
-// exports read-write, fio verifies its writes, and the VMDK is unchanged.
+// qemu-img's; -w is refused in one line that points at a qcow2 overlay; a
+// qcow2 overlay on the VMDK exports read-write, fio verifies its writes,
+// and the VMDK is unchanged.
 func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 	dir := t.TempDir()
 	src := vdiRawWithHoles(t, dir)

@@ -39,6 +39,10 @@ const (
 	// maxExtents extents never overflow.
 	maxSectors = 1 << 42
 
+	// maxCompressedGrain bounds the grain of a compressed extent, each
+	// read of which inflates a whole grain into memory.
+	maxCompressedGrain = 16 << 20
+
 	// gteZeroed is a grain-table entry meaning "reads as zeroes" in an
 	// image with flagZeroGrain.
 	gteZeroed = 1
@@ -142,6 +146,11 @@ func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) (he
 	e.marker = h.flags&flagMarker != 0
 	e.fileSize = fileSize
 	e.grainStart = int64(h.grainOffset) * sectorSize
+	if e.compressed && e.grain > maxCompressedGrain {
+		// A compressed grain is inflated whole: QEMU's 1 GiB grain would
+		// cost 3 GiB a read whatever the file holds.
+		return h, fmt.Errorf("%w: compressed grains of %d bytes (at most %d read; VMware writes 64 KiB)", ErrUnsupported, e.grain, maxCompressedGrain)
+	}
 
 	gd, err := readGD(ctx, e, h.gdOffset, gdEntries, fileSize)
 	if err != nil && h.flags&flagRGD != 0 && h.rgdOffset != 0 {

@@ -324,6 +324,19 @@ func TestVmdkCompressedGrainLies(t *testing.T) {
 			copy(b[g+12:], z.Bytes())
 			return b
 		}},
+		{name: "grain of 16 MiB", read: true, mut: func(b []byte) []byte {
+			le64(b, 20, maxCompressedGrain/512)
+			le32(b, 44, 1) // opens; its grains hold 4 KiB, which the read finds
+			return b
+		}},
+		{name: "grain of 16 MiB + 512", mut: func(b []byte) []byte {
+			le64(b, 20, maxCompressedGrain/512+1)
+			return b
+		}},
+		{name: "grain of 1 GiB", mut: func(b []byte) []byte {
+			le64(b, 20, maxGrainSectors)
+			return b
+		}},
 	} {
 		t.Run(m.name, func(t *testing.T) {
 			c := craft(true)
