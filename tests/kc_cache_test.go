@@ -181,6 +181,16 @@ func TestKcDirectWriteInvalidatesCache(t *testing.T) {
 				t.Fatal(err)
 			}
 			mustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, kcRandom(4096, 2))
+
+			// A buffered write still dirty in the cache (its file open,
+			// not synced) is what an O_DIRECT read sees.
+			if _, err := unix.Pwrite(fd, kcRandom(4096, 3), 3<<20); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := unix.Pread(dfd, buf, 3<<20); err != nil {
+				t.Fatal(err)
+			}
+			mustEqualBytes(t, "O_DIRECT read after a buffered write", buf, kcRandom(4096, 3))
 		})
 	}
 }
