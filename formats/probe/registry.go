@@ -86,8 +86,10 @@ func fileFormats() []fileFormat {
 			}},
 		{name: "vhdx", probe: probeVHDX,
 			lock: func(bool, bool) aio.Lock { return vhdx.Lock(false) }, // -w is refused by open, not by a lock conflict
-			open: func(f aio.File, _ *chain, w bool) (formats.Image, error) {
-				img, err := vhdx.New(context.Background(), f, vhdx.Options{Writable: w})
+			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
+				name := f.Name()
+				img, err := vhdx.New(context.Background(), f, vhdx.Options{Writable: w,
+					OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, "vhdx") }})
 				if err != nil {
 					return nil, err
 				}

@@ -113,15 +113,23 @@ func Detect(head []byte) bool { return bytes.HasPrefix(head, []byte("vhdxfile"))
 type Options struct {
 	// Writable is refused: VHDX images are read here, not written.
 	Writable bool
+	// OpenParent opens a differencing image's parent by the name its
+	// parent locator gives (package probe confines it to the image's
+	// directory) and returns it with its name as shown. nil: differencing
+	// images are refused. A nil image with no error: parents are not
+	// opened (info without the chain); reads of the parent's sectors
+	// then read zeroes, so only a command that reads no data asks that.
+	OpenParent func(name string) (formats.Image, string, error)
 }
 
 // header is the active VHDX header (MS-VHDX 2.2.2).
 type header struct {
-	seq        uint64
-	logGUID    [16]byte
-	logVersion uint16
-	logLength  uint32
-	logOffset  uint64
+	seq           uint64
+	dataWriteGUID [16]byte
+	logGUID       [16]byte
+	logVersion    uint16
+	logLength     uint32
+	logOffset     uint64
 }
 
 // span is a byte range of the file that holds metadata.
@@ -144,6 +152,16 @@ type Image struct {
 	// bat holds the payload entries only, one per data block: what reads
 	// need, never more than QEMU's BAT copy.
 	bat []uint64
+	// dataWriteGUID is the active header's: a child's parent_linkage.
+	dataWriteGUID [16]byte
+
+	// Differencing images: the parent (nil: not opened), its name as
+	// shown, and one sector bitmap entry per chunk of chunkRatio blocks.
+	diff       bool
+	parent     formats.Image
+	parentName string
+	chunkRatio int64
+	bitmaps    []uint64
 }
 
 // New opens the VHDX image in f, which it owns from now on (Close closes
@@ -197,12 +215,21 @@ func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	img := &Image{f: f, path: name}
-	if err := r.metadata(img, meta); err != nil {
+	img := &Image{f: f, path: name, dataWriteGUID: h.dataWriteGUID}
+	locator, err := r.metadata(img, meta)
+	if err != nil {
 		return nil, err
+	}
+	if img.diff && o.OpenParent == nil {
+		return nil, fmt.Errorf("%w: %s: differencing VHDX image, and no way to open its parent here", ErrUnsupported, name)
 	}
 	if err := r.loadBAT(img, bat, spans); err != nil {
 		return nil, err
+	}
+	if img.diff {
+		if err := img.openParent(locator, o.OpenParent); err != nil {
+			return nil, err
+		}
 	}
 	return img, nil
 }
@@ -279,6 +306,7 @@ func (r *reader) headers() (header, error) {
 		logLength:  binary.LittleEndian.Uint32(b[68:]),
 		logOffset:  binary.LittleEndian.Uint64(b[72:]),
 	}
+	copy(h.dataWriteGUID[:], b[32:48])
 	copy(h.logGUID[:], b[48:64])
 	return h, nil
 }
@@ -362,20 +390,21 @@ func overlap(spans []span, s span) *span {
 }
 
 // metadata parses the metadata table and items (MS-VHDX 2.6).
-func (r *reader) metadata(img *Image, meta span) error {
+func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	b, err := r.read(meta.start, metaTableSize)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if string(b[:8]) != "metadata" {
-		return fmt.Errorf("%w: %s: metadata table has no signature", ErrCorrupt, r.name)
+		return nil, fmt.Errorf("%w: %s: metadata table has no signature", ErrCorrupt, r.name)
 	}
 	n := int(binary.LittleEndian.Uint16(b[10:]))
 	if n > maxMetaEntries {
-		return fmt.Errorf("%w: %s: metadata table has %d entries (at most %d)", ErrCorrupt, r.name, n, maxMetaEntries)
+		return nil, fmt.Errorf("%w: %s: metadata table has %d entries (at most %d)", ErrCorrupt, r.name, n, maxMetaEntries)
 	}
 	items := map[[16]byte][]byte{}
 	want := map[[16]byte]uint32{guidFileParams: 8, guidVirtualSize: 8, guidPage83: 16, guidLogicalSector: 4, guidPhysSector: 4, guidParentLocator: 20}
+	var locator []byte
 	for i := range n {
 		e := b[32+32*i : 32+32*(i+1)]
 		guid := [16]byte(e[:16])
@@ -385,25 +414,30 @@ func (r *reader) metadata(img *Image, meta span) error {
 		size, known := want[guid]
 		if !known {
 			if required {
-				return fmt.Errorf("%w: %s: metadata item %x is marked required and is not one this reader knows (QEMU refuses it too)", ErrUnsupported, r.name, guid)
+				return nil, fmt.Errorf("%w: %s: metadata item %x is marked required and is not one this reader knows (QEMU refuses it too)", ErrUnsupported, r.name, guid)
 			}
 			continue
 		}
 		if _, dup := items[guid]; dup {
-			return fmt.Errorf("%w: %s: metadata item %x appears twice", ErrCorrupt, r.name, guid)
+			return nil, fmt.Errorf("%w: %s: metadata item %x appears twice", ErrCorrupt, r.name, guid)
 		}
 		if off < metaTableSize || length < size || uint64(off)+uint64(length) > meta.end-meta.start {
-			return fmt.Errorf("%w: %s: metadata item %x at [%d, +%d) is outside the metadata region's %d bytes or too short", ErrCorrupt, r.name, guid, off, length, meta.end-meta.start)
+			return nil, fmt.Errorf("%w: %s: metadata item %x at [%d, +%d) is outside the metadata region's %d bytes or too short", ErrCorrupt, r.name, guid, off, length, meta.end-meta.start)
+		}
+		if guid == guidParentLocator {
+			// Read whole: its key-value table points into it. A metadata
+			// item is inside its region, so at most the region's length.
+			size = min(length, maxLocatorSize)
 		}
 		v, err := r.read(meta.start+uint64(off), int(size))
 		if err != nil {
-			return err
+			return nil, err
 		}
 		items[guid] = v
 	}
 	for _, g := range [][16]byte{guidFileParams, guidVirtualSize, guidPage83, guidLogicalSector, guidPhysSector} {
 		if items[g] == nil {
-			return fmt.Errorf("%w: %s: metadata lacks a required item (%x)", ErrCorrupt, r.name, g)
+			return nil, fmt.Errorf("%w: %s: metadata lacks a required item (%x)", ErrCorrupt, r.name, g)
 		}
 	}
 	params := items[guidFileParams]
@@ -411,28 +445,28 @@ func (r *reader) metadata(img *Image, meta span) error {
 	flags := binary.LittleEndian.Uint32(params[4:])
 	if flags&2 != 0 {
 		if items[guidParentLocator] == nil {
-			return fmt.Errorf("%w: %s: has a parent but no parent locator", ErrCorrupt, r.name)
+			return nil, fmt.Errorf("%w: %s: has a parent but no parent locator", ErrCorrupt, r.name)
 		}
-		return fmt.Errorf("%w: %s: differencing VHDX images are not read (QEMU 7.2 refuses them too); convert it with the tool that made it, e.g. Hyper-V's Merge-VHD", ErrUnsupported, r.name)
+		img.diff, locator = true, items[guidParentLocator]
 	}
 	if bs < blockSizeMin || bs > blockSizeMax || bs&(bs-1) != 0 {
-		return fmt.Errorf("%w: %s: block size %d is not a power of two from 1 MiB to 256 MiB", ErrCorrupt, r.name, bs)
+		return nil, fmt.Errorf("%w: %s: block size %d is not a power of two from 1 MiB to 256 MiB", ErrCorrupt, r.name, bs)
 	}
 	ls := binary.LittleEndian.Uint32(items[guidLogicalSector])
 	ps := binary.LittleEndian.Uint32(items[guidPhysSector])
 	if (ls != 512 && ls != 4096) || (ps != 512 && ps != 4096) {
-		return fmt.Errorf("%w: %s: sector sizes %d (logical) and %d (physical) are not 512 or 4096", ErrCorrupt, r.name, ls, ps)
+		return nil, fmt.Errorf("%w: %s: sector sizes %d (logical) and %d (physical) are not 512 or 4096", ErrCorrupt, r.name, ls, ps)
 	}
 	vs := binary.LittleEndian.Uint64(items[guidVirtualSize])
 	if vs > maxImageSize {
-		return fmt.Errorf("%w: %s: virtual size %d is above the 64 TiB VHDX maximum", ErrCorrupt, r.name, vs)
+		return nil, fmt.Errorf("%w: %s: virtual size %d is above the 64 TiB VHDX maximum", ErrCorrupt, r.name, vs)
 	}
 	img.blockSize = int64(bs)
 	img.logicalSector, img.physicalSector = ls, ps
 	img.fixed = flags&1 != 0
 	// QEMU's size is in whole 512-byte sectors.
 	img.size = int64(vs) &^ 511
-	return nil
+	return locator, nil
 }
 
 // loadBAT reads the BAT and keeps the payload entries, refusing a state
@@ -442,8 +476,13 @@ func (r *reader) metadata(img *Image, meta span) error {
 func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 	blocks := (uint64(img.size) + uint64(img.blockSize) - 1) / uint64(img.blockSize)
 	chunk := uint64(sectorsPerChunk) * uint64(img.logicalSector) / uint64(img.blockSize)
+	img.chunkRatio = int64(chunk)
 	entries := uint64(0)
-	if blocks > 0 {
+	chunks := (blocks + chunk - 1) / chunk
+	switch {
+	case img.diff:
+		entries = chunks * (chunk + 1) // every chunk has its sector bitmap entry
+	case blocks > 0:
 		entries = blocks + (blocks-1)/chunk
 	}
 	if entries > (bat.end-bat.start)/8 {
@@ -457,11 +496,41 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 	img.bat = make([]uint64, blocks)
 	type blk struct{ off, idx uint64 }
 	var present []blk
+	sbSize := uint64(mib) // a sector bitmap block
+	if img.diff {
+		img.bitmaps = make([]uint64, chunks)
+		for k := range chunks {
+			e := binary.LittleEndian.Uint64(raw[8*(k*(chunk+1)+chunk):])
+			img.bitmaps[k] = e
+			switch e & batStateMask {
+			case blockNotPresent:
+			case blockFullyPresent: // SB_BLOCK_PRESENT
+				off := e & batOffsetMask
+				if off > r.size || sbSize > r.size-off {
+					return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, k, off, sbSize, r.size)
+				}
+				if o := overlap(spans, span{off, off + sbSize, ""}); o != nil {
+					return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, k, off, sbSize, o.what)
+				}
+				present = append(present, blk{off, ^k})
+			default:
+				return fmt.Errorf("%w: %s: sector bitmap entry %d has state %d", ErrCorrupt, r.name, k, e&batStateMask)
+			}
+		}
+	}
 	for i := range blocks {
 		e := binary.LittleEndian.Uint64(raw[8*(i+i/chunk):])
 		img.bat[i] = e
 		switch e & batStateMask {
 		case blockNotPresent, blockUndefined, blockZero, blockUnmapped:
+		case blockPartiallyPresent:
+			if !img.diff {
+				return fmt.Errorf("%w: %s: BAT entry %d is partially present in an image without a parent", ErrCorrupt, r.name, i)
+			}
+			if img.bitmaps[i/chunk]&batStateMask != blockFullyPresent {
+				return fmt.Errorf("%w: %s: BAT entry %d is partially present, and its chunk has no sector bitmap", ErrCorrupt, r.name, i)
+			}
+			fallthrough
 		case blockFullyPresent:
 			off := e & batOffsetMask
 			s := span{off, off + uint64(img.blockSize), ""}
@@ -486,8 +555,12 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 		return 0
 	})
 	for i := 1; i < len(present); i++ {
-		if present[i].off < present[i-1].off+uint64(img.blockSize) {
-			return fmt.Errorf("%w: %s: BAT entries %d and %d share file bytes at %d", ErrCorrupt, r.name, present[i-1].idx, present[i].idx, present[i].off)
+		size := uint64(img.blockSize)
+		if int64(present[i-1].idx) < 0 { // a sector bitmap (^chunk)
+			size = sbSize
+		}
+		if present[i].off < present[i-1].off+size {
+			return fmt.Errorf("%w: %s: BAT entries share file bytes at %d (a block or sector bitmap over another)", ErrCorrupt, r.name, present[i].off)
 		}
 	}
 	return nil
@@ -497,14 +570,14 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 func (img *Image) Size() int64 { return img.size }
 
 // piece is where the bytes of one block at off lie: host is the file
-// offset, or -1 for bytes that read as zeroes.
+// offset of a (fully or partially) present block's bytes, else -1.
 func (img *Image) piece(off int64, n int) (host int64, take int, state uint64) {
 	blk := off / img.blockSize
 	in := off % img.blockSize
 	take = int(min(int64(n), img.blockSize-in))
 	e := img.bat[blk]
 	state = e & batStateMask
-	if state != blockFullyPresent {
+	if state != blockFullyPresent && state != blockPartiallyPresent {
 		return -1, take, state
 	}
 	return int64(e&batOffsetMask) + in, take, state
@@ -525,14 +598,26 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 	}
 	done := 0
 	for done < len(p) {
-		host, take, _ := img.piece(off+int64(done), len(p)-done)
+		at := off + int64(done)
+		host, take, state := img.piece(at, len(p)-done)
 		q := p[done : done+take]
-		if host < 0 {
+		switch {
+		case state == blockFullyPresent:
+			if _, err := img.f.ReadAt(ctx, q, host); err != nil {
+				// Blocks were checked against the file at open: a short
+				// read means it shrank under us, an error, not zeroes.
+				return done, fmt.Errorf("vhdx: read %d bytes at %d (file offset %d): %w", take, at, host, err)
+			}
+		case state == blockPartiallyPresent:
+			if err := img.readPartial(ctx, q, at, host-at%img.blockSize); err != nil {
+				return done, err
+			}
+		case img.fromParent(state):
+			if err := img.readParent(ctx, q, at); err != nil {
+				return done, err
+			}
+		default:
 			clear(q)
-		} else if _, err := img.f.ReadAt(ctx, q, host); err != nil {
-			// Blocks were checked against the file at open: a short read
-			// means it shrank under us, which is an error, not zeroes.
-			return done, fmt.Errorf("vhdx: read %d bytes at %d (file offset %d): %w", take, off+int64(done), host, err)
 		}
 		done += take
 	}
@@ -540,19 +625,31 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 }
 
 // TryReadAt serves p without waiting: the BAT is in memory, zero blocks
-// need no I/O, and present ones are tried in the page cache.
+// need no I/O, present ones are tried in the page cache and the parent's
+// by the parent's own try; a partially present block's sector bitmap is
+// not held in memory, so its reads wait.
 func (img *Image) TryReadAt(p []byte, off int64) bool {
 	if img.inRange(off, len(p)) != nil {
 		return false
 	}
 	done := 0
 	for done < len(p) {
-		host, take, _ := img.piece(off+int64(done), len(p)-done)
+		at := off + int64(done)
+		host, take, state := img.piece(at, len(p)-done)
 		q := p[done : done+take]
-		if host < 0 {
-			clear(q)
-		} else if !img.f.TryReadAt(q, host) {
+		switch {
+		case state == blockFullyPresent:
+			if !img.f.TryReadAt(q, host) {
+				return false
+			}
+		case state == blockPartiallyPresent:
 			return false
+		case img.fromParent(state):
+			if img.parent == nil || at+int64(take) > img.parent.Size() || !img.parent.TryReadAt(q, at) {
+				return false
+			}
+		default:
+			clear(q)
 		}
 		done += take
 	}
@@ -561,18 +658,24 @@ func (img *Image) TryReadAt(p []byte, off int64) bool {
 
 // Extent merges blocks of one status from off: present blocks are data
 // at their file offset; ZERO blocks are allocated zeroes; the other
-// states read as zeroes from nowhere (a hole).
-func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
+// states read as zeroes from nowhere (a hole), or, in a differencing
+// image, as the parent maps them (one layer deeper); a partially
+// present block is data (some of its sectors are this file's).
+func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
 	if off < 0 || off >= img.size {
 		return formats.Extent{}, fmt.Errorf("vhdx: extent at %d: %w", off, formats.ErrOutOfRange)
 	}
 	n = min(n, img.size-off)
 	kind := func(state uint64) int {
-		switch state {
-		case blockFullyPresent:
+		switch {
+		case state == blockFullyPresent:
 			return 0
-		case blockZero:
+		case state == blockZero || state == blockUnmapped && img.diff:
 			return 1
+		case state == blockPartiallyPresent:
+			return 3
+		case img.fromParent(state):
+			return 4
 		}
 		return 2
 	}
@@ -592,6 +695,18 @@ func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error
 		e.Data, e.Present, e.Offset, e.HasOffset = true, true, host, true
 	case 1:
 		e.Zero, e.Present = true, true
+	case 3:
+		e.Data, e.Present = true, true
+	case 4:
+		if img.parent != nil && off < img.parent.Size() {
+			pe, err := img.parent.Extent(ctx, off, min(length, img.parent.Size()-off))
+			if err != nil {
+				return formats.Extent{}, fmt.Errorf("vhdx: map the parent at %d: %w", off, err)
+			}
+			pe.Depth++
+			return pe, nil
+		}
+		e.Zero, e.Depth = true, 1 // past the parent's end, or none opened
 	default:
 		e.Zero = true
 	}
@@ -615,8 +730,12 @@ func (img *Image) Info() formats.Info {
 	if err != nil {
 		actual = -1
 	}
-	return formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: actual,
+	inf := formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: actual,
 		ClusterSize: img.blockSize, RequestAlignment: 1}
+	if img.diff {
+		inf.BackingFilename, inf.FullBackingFilename, inf.BackingFilenameFormat = img.parentName, img.parentName, "vhdx"
+	}
+	return inf
 }
 
 // BlockSize, LogicalSectorSize, PhysicalSectorSize and Fixed describe the
@@ -634,5 +753,11 @@ func (img *Image) Discard(context.Context, int64, int64) error           { retur
 func (img *Image) Flush(context.Context) error                           { return nil }
 func (img *Image) Resize(context.Context, int64) error                   { return formats.ErrReadOnly }
 
-// Close closes the file.
-func (img *Image) Close() error { return img.f.Close() }
+// Close closes the file and the parent's.
+func (img *Image) Close() error {
+	err := img.f.Close()
+	if img.parent != nil {
+		err = errors.Join(err, img.parent.Close())
+	}
+	return err
+}

@@ -36,6 +36,8 @@ type spec struct {
 	extraMeta     [][32]byte
 	skipMeta      [16]byte
 	fileSize      int64 // 0: just past the last block written
+	dataWriteGUID [16]byte
+	raw           map[uint64][]byte // written last, at these offsets
 }
 
 const (
@@ -64,6 +66,7 @@ func (s spec) header(seq uint64) []byte {
 	h := make([]byte, headerSize)
 	copy(h, "head")
 	binary.LittleEndian.PutUint64(h[8:], seq)
+	copy(h[32:], s.dataWriteGUID[:])
 	copy(h[48:], s.logGUID[:])
 	binary.LittleEndian.PutUint16(h[66:], 1)
 	binary.LittleEndian.PutUint32(h[68:], mib)
@@ -147,6 +150,9 @@ func (s spec) bytes() []byte {
 	for off, v := range s.blocks {
 		copy(img[off:off+uint64(s.blockSize)], bytes.Repeat([]byte{v}, int(s.blockSize)))
 	}
+	for off, v := range s.raw {
+		copy(img[off:], v)
+	}
 	if s.fileSize > 0 {
 		if s.fileSize < int64(len(img)) {
 			img = img[:s.fileSize]
@@ -159,6 +165,12 @@ func (s spec) bytes() []byte {
 
 func openBytes(t testing.TB, b []byte) (*Image, error) {
 	t.Helper()
+	return openBytesWith(t, b, Options{})
+}
+
+// openBytesWith opens the image b with o.
+func openBytesWith(t testing.TB, b []byte, o Options) (*Image, error) {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "t.vhdx")
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
@@ -167,7 +179,7 @@ func openBytes(t testing.TB, b []byte) (*Image, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := New(context.Background(), f, Options{})
+	img, err := New(context.Background(), f, o)
 	if err == nil {
 		t.Cleanup(func() { img.Close() })
 	}
@@ -504,7 +516,7 @@ func FuzzOpen(f *testing.F) {
 	base := goodSpec().bytes()
 	const headLen = region2Offset + regionSize
 	seed := func(b []byte) {
-		f.Add(b[:headLen], b[logOff:logOff+logSector], b[metaOff:metaOff+metaTableSize+5*4096], b[batOff:batOff+64], int64(len(b)))
+		f.Add(b[:headLen], b[logOff:logOff+logSector], b[metaOff:metaOff+0x20000+256], b[batOff:batOff+8*(chunkEntries+1)], int64(len(b)))
 	}
 	seed(base)
 	s := goodSpec()
@@ -520,6 +532,9 @@ func FuzzOpen(f *testing.F) {
 	s.batOffset = 1<<63 - mib
 	s.virtualSize = 1<<63 - 1
 	seed(s.bytes())
+	s = diffChild(guidString(vhdxParentGUID))
+	s.bat[chunkEntries] = (dataBase + 3*mib) | blockFullyPresent // inside base's file once grown
+	seed(s.bytes())
 	f.Fuzz(func(t *testing.T, head, log, meta, bat []byte, size int64) {
 		img := append([]byte(nil), base...)
 		if size < 0 || size > 8*mib {
@@ -534,7 +549,10 @@ func FuzzOpen(f *testing.F) {
 		} else {
 			img = append(img, make([]byte, size-int64(len(img)))...)
 		}
-		im, err := openBytes(t, img)
+		// A differencing image's parent is not opened (its sectors read
+		// as zeroes), so that its locator, BAT and bitmaps are exercised.
+		noParent := func(name string) (formats.Image, string, error) { return nil, name, nil }
+		im, err := openBytesWith(t, img, Options{OpenParent: noParent})
 		if err != nil {
 			if strings.Contains(err.Error(), "\n") {
 				t.Fatalf("refusal of more than one line: %v", err)
