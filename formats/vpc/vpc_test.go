@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -187,6 +188,9 @@ func TestVpcSizeByCreator(t *testing.T) {
 
 // TestVpcHostileFootersAndBATs: fields at 0, max and max+1; BAT entries
 // past the end, at the footer, the header or the BAT, and at each other.
+// Differential: each file is also read by qemu-img 7.2; what opens here
+// must open there and read the same bytes, and what QEMU reads but is
+// refused here is logged (the cases where QEMU serves wrong data).
 func TestVpcHostileFootersAndBATs(t *testing.T) {
 	cases := []struct {
 		name string
@@ -231,7 +235,9 @@ func TestVpcHostileFootersAndBATs(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			s := goodVHD()
 			c.mod(&s)
-			img, err := openVHD(t, s.build(t), Options{})
+			path := s.build(t)
+			img, err := openVHD(t, path, Options{})
+			qemu, qemuOK := qemuReads(t, path)
 			switch {
 			case c.want == nil && err != nil:
 				t.Fatalf("refused: %v", err)
@@ -241,9 +247,23 @@ func TestVpcHostileFootersAndBATs(t *testing.T) {
 				if bytes.ContainsRune([]byte(err.Error()), '\n') {
 					t.Fatalf("refusal is not one line: %q", err)
 				}
+				if qemuOK {
+					t.Logf("QEMU 7.2 opens and reads it; refused here: %v", err)
+				}
 				return
 			}
 			readAllVHD(t, img)
+			// Differential: what opens here reads as qemu-img reads it.
+			if !qemuOK {
+				t.Fatal("opens here, but qemu-img refuses it")
+			}
+			got := make([]byte, img.Size())
+			if _, err := img.ReadAt(context.Background(), got, 0); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, qemu) {
+				t.Fatal("reads differ from qemu-img's")
+			}
 		})
 	}
 }
@@ -317,4 +337,23 @@ func FuzzOpen(f *testing.F) {
 		}
 		readAllVHD(t, img)
 	})
+}
+
+// qemuReads is the disk qemu-img 7.2 reads from the image at path (-f
+// vpc), and whether it opens it at all. Without qemu-img the test skips.
+func qemuReads(t *testing.T, path string) ([]byte, bool) {
+	t.Helper()
+	if _, err := exec.LookPath("qemu-img"); err != nil {
+		t.Skip("no qemu-img")
+	}
+	out := filepath.Join(t.TempDir(), "qemu.raw")
+	if msg, err := exec.Command("qemu-img", "convert", "-f", "vpc", "-O", "raw", path, out).CombinedOutput(); err != nil {
+		t.Logf("qemu-img: %s", bytes.TrimSpace(msg))
+		return nil, false
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b, true
 }
