@@ -426,3 +426,21 @@ func TestKcNBDSourceRevalidatesOnOpen(t *testing.T) {
 		t.Fatalf("auto turned the kernel cache on for an NBD source\n%s", d.log())
 	}
 }
+
+// TestKcRawImageRevalidatesOnOpen: a raw image's locks deny nobody write
+// access (a read-only export's image may be written beside it), so its
+// cache is not kept across opens: bytes written into the image by
+// qemu-io after a cached read come back through the next open. (Kept,
+// the old bytes came back.)
+func TestKcRawImageRevalidatesOnOpen(t *testing.T) {
+	dir := t.TempDir()
+	img := sparseImage(t, dir, "ro.img", 4<<20)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, img, mnt, "-f", "raw", "--kernel-cache", "on")
+	if !strings.Contains(d.log(), "kernel_cache=true") {
+		t.Fatalf("the export did not turn the kernel cache on\n%s", d.log())
+	}
+	mustEqualBytes(t, "before", kcPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
+	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x6b 1M 4k", img)
+	mustEqualBytes(t, "after qemu-io wrote the image", kcPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x6b}, 4096))
+}

@@ -169,7 +169,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		kernelCache = false // several files over the same bytes (checked against "on" above)
 	}
 	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
-		KernelCache: kernelCache, KeepCache: kernelCache && !nbd.IsURI(image)})
+		KernelCache: kernelCache, KeepCache: kernelCache && img.Format == probe.QCOW2 && !nbd.IsURI(image)})
 	sigs := stopSignals()
 	// The pidfile before the mount: a second instance given the same one
 	// is refused before it mounts anything. (After stopSignals: a signal
@@ -240,6 +240,15 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	return nil
 }
 
+// The kernel's cache is kept across opens (KeepCache) only for a qcow2
+// image: its image locks deny everybody else write access (QEMU's qcow2
+// driver unshares write and resize, read-only or not), so nothing but
+// this export changes it. A raw image's locks deny nothing (a VM with
+// share-rw, or any writer of a read-only export's image, may write it
+// beside us), and an NBD source's server has other clients: there every
+// open revalidates the cache (close-to-open, as QEMU's export, which
+// never keeps it).
+//
 // kernelCacheFor resolves --kernel-cache. auto is on for a local raw or
 // qcow2 image under --cache writeback: we hold its image locks, so only
 // this export changes it and the kernel's cache of it stays true. It is
