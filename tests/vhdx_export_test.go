@@ -2,7 +2,10 @@ package tests
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"hash/crc32"
 	"os"
 	"os/exec"
@@ -10,6 +13,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+	"unicode/utf16"
 
 	"golang.org/x/sys/unix"
 )
@@ -254,4 +259,184 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		startExport(t, p, mnt)
 		run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 	})
+}
+
+// vhdxGUIDString formats an on-disk MS GUID as a parent locator writes it.
+func vhdxGUIDString(g []byte) string {
+	return fmt.Sprintf("{%08x-%04x-%04x-%x-%x}", binary.LittleEndian.Uint32(g[0:]), binary.LittleEndian.Uint16(g[4:]),
+		binary.LittleEndian.Uint16(g[6:]), g[8:10], g[10:16])
+}
+
+// vhdxDataWriteGUID is the data write GUID of the VHDX at path (of its
+// header with the higher sequence number).
+func vhdxDataWriteGUID(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := b[64<<10:]
+	if h2 := b[128<<10:]; binary.LittleEndian.Uint64(h2[8:]) > binary.LittleEndian.Uint64(h[8:]) {
+		h = h2
+	}
+	return vhdxGUIDString(h[32:48])
+}
+
+// vhdxMakeChild turns the qemu-made VHDX at path (1 MiB blocks) into a
+// differencing image: has_parent set, a parent locator of kv added to its
+// metadata, and the BAT entries of the blocks in absent made NOT_PRESENT,
+// so that those read from the parent. (qemu-img makes no differencing
+// VHDX; this is the layout MS-VHDX gives, and a non-differencing BAT of
+// fewer than 4096 blocks has its payload entries where a differencing
+// one has them.)
+func vhdxMakeChild(t *testing.T, path string, kv [][2]string, absent []int) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var metaOff, batOff uint64
+	rt := b[192<<10:]
+	for i := range int(binary.LittleEndian.Uint32(rt[8:])) {
+		e := rt[16+32*i:]
+		switch binary.LittleEndian.Uint32(e) {
+		case 0x2dc27766:
+			batOff = binary.LittleEndian.Uint64(e[16:])
+		case 0x8b7ca206:
+			metaOff = binary.LittleEndian.Uint64(e[16:])
+		}
+	}
+	m := b[metaOff:]
+	n := int(binary.LittleEndian.Uint16(m[10:]))
+	for i := range n {
+		e := m[32+32*i:]
+		if binary.LittleEndian.Uint32(e) == 0xcaa16737 { // file parameters
+			item := m[binary.LittleEndian.Uint32(e[16:]):]
+			binary.LittleEndian.PutUint32(item[4:], binary.LittleEndian.Uint32(item[4:])|2)
+		}
+	}
+	loc := make([]byte, 20+12*len(kv))
+	copy(loc, []byte{0xb7, 0xef, 0x4a, 0xb0, 0x9e, 0xd1, 0x81, 0x4a, 0xb7, 0x89, 0x25, 0xb8, 0xe9, 0x44, 0x59, 0x13})
+	binary.LittleEndian.PutUint16(loc[18:], uint16(len(kv)))
+	for i, p := range kv {
+		for j, s := range p {
+			var u []byte
+			for _, c := range utf16.Encode([]rune(s)) {
+				u = binary.LittleEndian.AppendUint16(u, c)
+			}
+			binary.LittleEndian.PutUint32(loc[20+12*i+4*j:], uint32(len(loc)))
+			binary.LittleEndian.PutUint16(loc[20+12*i+8+2*j:], uint16(len(u)))
+			loc = append(loc, u...)
+		}
+	}
+	const locOff = 256 << 10
+	copy(m[locOff:], loc)
+	e := m[32+32*n:]
+	copy(e, []byte{0x2d, 0x5f, 0xd3, 0xa8, 0x0b, 0xb3, 0x4d, 0x45, 0xab, 0xf7, 0xd3, 0xd8, 0x48, 0x34, 0xab, 0x0c})
+	binary.LittleEndian.PutUint32(e[16:], locOff)
+	binary.LittleEndian.PutUint32(e[20:], uint32(len(loc)))
+	binary.LittleEndian.PutUint32(e[24:], 4) // required
+	binary.LittleEndian.PutUint16(m[10:], uint16(n+1))
+	for _, blk := range absent {
+		binary.LittleEndian.PutUint64(b[batOff+8*uint64(blk):], 0)
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// vhdxTryFor runs blockexport with a deadline (a FIFO must not hang it).
+func vhdxTryFor(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	if ctx.Err() != nil {
+		t.Fatalf("blockexport %v did not return in 30 s (hung on what the image names?)\n%s", args, out)
+	}
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode(), string(out)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return 0, string(out)
+}
+
+// TestVhdxDifferencingChainsAndConfinedParents: a differencing VHDX
+// (which QEMU 7.2 refuses to open) over a qemu-made parent reads, through
+// the FUSE export, its own blocks where it has them and the parent's
+// elsewhere; a qcow2 overlay on it exports read-write under fio verify.
+// Parent locators naming /etc/passwd (absolute, by ../, or as a Win32
+// path), /dev/zero, a FIFO, the child itself, or a parent whose data
+// write GUID is not the linkage, are each refused in one line, without
+// hanging.
+func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
+	dir := t.TempDir()
+	praw, craw := filepath.Join(dir, "parent.raw"), filepath.Join(dir, "child.raw")
+	for i, p := range []string{praw, craw} { // randomImage writes disk.img
+		if err := os.Rename(randomImage(t, dir, 8<<20, uint64(31+i)), p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	parent := filepath.Join(dir, "parent.vhdx")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", praw, parent)
+	link := vhdxDataWriteGUID(t, parent)
+	pb, _ := os.ReadFile(praw)
+	want, _ := os.ReadFile(craw)
+	absent := []int{1, 4, 5, 7}
+	for _, blk := range absent {
+		copy(want[blk<<20:(blk+1)<<20], pb[blk<<20:])
+	}
+	wantPath := filepath.Join(dir, "want.raw")
+	if err := os.WriteFile(wantPath, want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mkfifo(filepath.Join(dir, "fifo"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	makeChild := func(t *testing.T, name string, kv [][2]string) string {
+		child := filepath.Join(dir, name)
+		run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", craw, child)
+		vhdxMakeChild(t, child, kv, absent)
+		return child
+	}
+
+	child := makeChild(t, "child.vhdx", [][2]string{{"parent_linkage", link}, {"relative_path", `.\parent.vhdx`}})
+	if out, err := vhdxTry("qemu-img", "info", child); err == nil {
+		t.Fatalf("qemu-img reads differencing VHDX now (compare with it):\n%s", out)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	startExport(t, child, mnt)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, wantPath)
+	if inf, ok := jsonOf(t, bin, "info", "--output=json", child).(map[string]any); !ok || !strings.HasSuffix(fmt.Sprint(inf["backing-filename"]), "parent.vhdx") {
+		t.Fatalf("info names no parent: %v", inf)
+	}
+	ov := filepath.Join(dir, "ov.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", child, "-F", "vhdx", "-o", "size=8M", ov)
+	omnt := filepath.Join(dir, "omnt")
+	e := startExport(t, ov, omnt, "-w")
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, wantPath)
+	run(t, "fio", append(fioJob("vhdxdiff", "4k", "0", "8M", 31), "--io_size=4M", "--filename="+omnt)...)
+	e.stopClean()
+
+	for name, kv := range map[string][][2]string{
+		"absolute /etc/passwd":     {{"parent_linkage", link}, {"relative_path", "/etc/passwd"}},
+		"../ to /etc/passwd":       {{"parent_linkage", link}, {"relative_path", `..\..\..\..\..\..\..\..\etc\passwd`}},
+		"win32 path /etc/passwd":   {{"parent_linkage", link}, {"absolute_win32_path", `C:\etc\passwd`}},
+		"/dev/zero":                {{"parent_linkage", link}, {"relative_path", "/dev/zero"}},
+		"a FIFO":                   {{"parent_linkage", link}, {"relative_path", "fifo"}},
+		"itself":                   {{"parent_linkage", link}, {"relative_path", "self.vhdx"}},
+		"another parent (linkage)": {{"parent_linkage", "{01234567-89ab-cdef-0123-456789abcdef}"}, {"relative_path", "parent.vhdx"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := makeChild(t, "self.vhdx", kv)
+			code, out := vhdxTryFor(t, "map", c) // info opens no parent, as qemu-img info
+			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+				t.Fatalf("blockexport map: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			t.Log(strings.TrimSpace(out))
+		})
+	}
 }
