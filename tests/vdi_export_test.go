@@ -2,6 +2,7 @@ package tests
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -10,6 +11,45 @@ import (
 
 	"golang.org/x/sys/unix"
 )
+
+// vdiSeekAndBlocksAsQemu: SEEK_DATA/SEEK_HOLE through the export at mnt
+// find the data qemu-img map reports for img (its data runs, merged),
+// and st_blocks is the image file's.
+func vdiSeekAndBlocksAsQemu(t *testing.T, mnt, img string, fmtArgs ...string) {
+	t.Helper()
+	var entries []struct {
+		Start, Length int64
+		Data          bool
+	}
+	out := run(t, "qemu-img", append(append([]string{"map", "--output=json"}, fmtArgs...), img)...)
+	if err := json.Unmarshal([]byte(out), &entries); err != nil {
+		t.Fatal(err)
+	}
+	var want [][2]int64
+	for _, e := range entries {
+		if !e.Data {
+			continue
+		}
+		if n := len(want); n > 0 && want[n-1][1] == e.Start {
+			want[n-1][1] += e.Length
+		} else {
+			want = append(want, [2]int64{e.Start, e.Start + e.Length})
+		}
+	}
+	if got := dataRanges(t, mnt); !reflect.DeepEqual(got, want) {
+		t.Errorf("SEEK_DATA/SEEK_HOLE through the export: %v, qemu-img map's data: %v", got, want)
+	}
+	var sm, si unix.Stat_t
+	if err := unix.Stat(mnt, &sm); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Stat(img, &si); err != nil {
+		t.Fatal(err)
+	}
+	if sm.Blocks != si.Blocks {
+		t.Errorf("st_blocks through the export %d, the image file's %d", sm.Blocks, si.Blocks)
+	}
+}
 
 // vdiRawWithHoles makes a 64 MiB raw image of random data with holes
 // (punched, one unaligned) and runs of written zeroes, the source every
@@ -65,6 +105,7 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			srv := startNBD(t, img, false)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
 			vdiSameInspection(t, img)
+			vdiSeekAndBlocksAsQemu(t, mnt, img)
 
 			wmnt := filepath.Join(d, "wmnt")
 			os.Mkdir(wmnt, 0o755)

@@ -55,6 +55,7 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			}
 			vpcSameInspection(t, img, c.fmtArgs...)
+			vdiSeekAndBlocksAsQemu(t, mnt, img, c.fmtArgs...)
 
 			wmnt := filepath.Join(d, "wmnt")
 			os.Mkdir(wmnt, 0o755)
