@@ -534,8 +534,11 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 		case blockFullyPresent:
 			off := e & batOffsetMask
 			s := span{off, off + uint64(img.blockSize), ""}
-			if off > r.size || uint64(img.blockSize) > r.size-off {
-				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, i, off, img.blockSize, r.size)
+			// The last block need only hold the disk's bytes, as QEMU
+			// allows (files from other tools end there).
+			need := min(uint64(img.blockSize), uint64(img.size)-i*uint64(img.blockSize))
+			if off > r.size || need > r.size-off {
+				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, i, off, need, r.size)
 			}
 			if o := overlap(spans, s); o != nil {
 				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, i, off, img.blockSize, o.what)

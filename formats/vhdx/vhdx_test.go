@@ -487,6 +487,12 @@ func TestVhdxLimits(t *testing.T) {
 		"virtual size 0":          func(s *spec) { s.virtualSize = 0; s.bat = nil; s.blocks = nil },
 		"odd virtual size":        func(s *spec) { s.virtualSize = 8*mib + 1000 },
 		"region table 1 bad only": func(s *spec) {},
+		// QEMU allows a last block that holds only the disk's bytes.
+		"last block cut at the disk's end": func(s *spec) {
+			s.virtualSize = mib + 4096
+			s.bat = []uint64{blockZero, (dataBase + mib) | blockFullyPresent}
+			s.fileSize = dataBase + mib + 4096
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			s := goodSpec()
@@ -501,6 +507,12 @@ func TestVhdxLimits(t *testing.T) {
 			}
 			if want := int64(s.virtualSize) &^ 511; img.Size() != want {
 				t.Fatalf("size %d, want %d", img.Size(), want)
+			}
+			if s.fileSize == dataBase+mib+4096 { // the cut last block reads its bytes
+				p := make([]byte, 4096)
+				if _, err := img.ReadAt(context.Background(), p, mib); err != nil || !bytes.Equal(p, bytes.Repeat([]byte{0xB2}, 4096)) {
+					t.Fatalf("read of the cut last block: %v", err)
+				}
 			}
 		})
 	}
