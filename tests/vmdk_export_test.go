@@ -2,6 +2,7 @@ package tests
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -274,5 +275,47 @@ func TestVmdkHostileTablesDifferential(t *testing.T) {
 				t.Fatalf("blockexport map: exit %d, want a one-line refusal:\n%s", code, out)
 			}
 		})
+	}
+}
+
+// TestVmdkCheckAsQemuImg: check on clean images of each kind exits 0 with
+// qemu-img's JSON; a flat extent that starts past its file's end and a
+// grain past the end of the file fail the check (exit 1, the ERROR line
+// qemu-img prints) as in qemu-img.
+func TestVmdkCheckAsQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	src := randomImage(t, dir, 1<<20, 32)
+	for _, sub := range []string{"monolithicSparse", "monolithicFlat", "streamOptimized", "twoGbMaxExtentSparse"} {
+		img := filepath.Join(dir, sub+".vmdk")
+		run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+		if got, want := jsonOf(t, bin, "check", "--output=json", img), jsonOf(t, "qemu-img", "check", "--output=json", img); !reflect.DeepEqual(got, want) {
+			t.Errorf("%s: check %v, qemu-img %v", sub, got, want)
+		}
+	}
+	flat := filepath.Join(dir, "flat.vmdk")
+	desc := fmt.Sprintf("# Disk DescriptorFile\nversion=1\nCID=1\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 2048 FLAT \"%s\" 4096\n", filepath.Base(src))
+	if err := os.WriteFile(flat, []byte(desc), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sparse := filepath.Join(dir, "monolithicSparse.vmdk")
+	b := readAll(t, sparse)
+	le := func(off int) int { return int(b[off]) | int(b[off+1])<<8 | int(b[off+2])<<16 | int(b[off+3])<<24 }
+	gt := le(le(56)*512) * 512
+	past := len(b)/512 + 1000
+	b[gt+8], b[gt+9], b[gt+10], b[gt+11] = byte(past), byte(past>>8), byte(past>>16), byte(past>>24)
+	bad := filepath.Join(dir, "bad.vmdk")
+	if err := os.WriteFile(bad, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, img := range []string{flat, bad} {
+		qout, qerr := exec.Command("qemu-img", "check", img).CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(qerr, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(qout), "points after EOF") {
+			t.Fatalf("qemu-img check %s: %v, the test expects exit 1 and an ERROR line:\n%s", img, qerr, qout)
+		}
+		code, out := runBlockexport(t, "check", img)
+		if code != 1 || !strings.Contains(out, "ERROR: cluster offset for sector") || !strings.Contains(out, "points after EOF") {
+			t.Errorf("check %s: exit %d, want 1 and qemu-img's ERROR line:\n%s", filepath.Base(img), code, out)
+		}
 	}
 }

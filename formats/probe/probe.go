@@ -186,6 +186,9 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 			return formats.CheckResult{}, err
 		}
 	}
+	if format == "vmdk" {
+		return checkVMDK(ctx, spec, o)
+	}
 	writable := repair != qcow2.RepairNone
 	if format == Raw {
 		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
