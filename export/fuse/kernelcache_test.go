@@ -1,0 +1,189 @@
+package fuse
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// kcRange is one invalidation or failed write-back the export asked for.
+type kcRange struct{ off, length int64 }
+
+// kcRecorder stands in for the server: it records what the export asks
+// the kernel to drop and which write-backs it reports failed.
+type kcRecorder struct {
+	mu     sync.Mutex
+	inval  []kcRange
+	failed chan kcRange
+}
+
+func kcExport(t *testing.T, size int64, o Options) (*Export, *kcRecorder) {
+	t.Helper()
+	o.KernelCache = true
+	e := New(newNull(t, size), o)
+	r := &kcRecorder{failed: make(chan kcRange, 64)}
+	e.inval = func(off, length int64) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.inval = append(r.inval, kcRange{off, length})
+	}
+	e.writebackFailed = func(off, length int64) { r.failed <- kcRange{off, length} }
+	return e, r
+}
+
+func (r *kcRecorder) take() []kcRange {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	got := r.inval
+	r.inval = nil
+	return got
+}
+
+// TestKernelCacheOpenFlags: buffered opens get no direct I/O (and keep the
+// cache only with KeepCache); O_DIRECT opens keep direct I/O; without
+// the kernel cache every open has direct I/O.
+func TestKernelCacheOpenFlags(t *testing.T) {
+	for _, c := range []struct {
+		kc, keep bool
+		flags    uint32
+		want     uint32
+	}{
+		{true, false, unix.O_RDWR, 0},
+		{true, true, unix.O_RDWR, fuse.FOPEN_KEEP_CACHE},
+		{true, true, unix.O_RDWR | unix.O_DIRECT, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES},
+		{false, false, unix.O_RDONLY, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES},
+	} {
+		e := New(newNull(t, 1<<20), Options{Writable: true, KernelCache: c.kc, KeepCache: c.keep})
+		var out fuse.OpenOut
+		e.Open(&fuse.OpenIn{Flags: c.flags}, &out)
+		if out.OpenFlags != c.want {
+			t.Errorf("kernel cache %v keep %v flags %#o: open flags %#x, want %#x", c.kc, c.keep, c.flags, out.OpenFlags, c.want)
+		}
+	}
+}
+
+// TestKernelCacheSetattrTimes: with the kernel cache the mtime the kernel
+// writes back is taken (and reported); atime stays refused; without it,
+// times are refused as in QEMU.
+func TestKernelCacheSetattrTimes(t *testing.T) {
+	e, _ := kcExport(t, 1<<20, Options{Writable: true})
+	in := &fuse.SetAttrIn{}
+	in.Valid = fuse.FATTR_MTIME | fuse.FATTR_CTIME | fuse.FATTR_FH
+	in.Mtime, in.Mtimensec = 1_000_000_000, 5
+	var out fuse.AttrOut
+	if st := e.SetAttr(ctx, in, &out); st != fuse.OK {
+		t.Fatalf("setattr mtime: %v", st)
+	}
+	if out.Mtime != 1_000_000_000 || out.Mtimensec != 5 {
+		t.Fatalf("mtime %d.%d, want 1000000000.5", out.Mtime, out.Mtimensec)
+	}
+	in.Valid = fuse.FATTR_ATIME | fuse.FATTR_MTIME
+	if st := e.SetAttr(ctx, in, &out); st != fuse.Status(unix.ENOTSUP) {
+		t.Fatalf("setattr atime: %v, want ENOTSUP", st)
+	}
+	plain := New(newNull(t, 1<<20), Options{Writable: true})
+	in.Valid = fuse.FATTR_MTIME
+	if st := plain.SetAttr(ctx, in, &out); st != fuse.Status(unix.ENOTSUP) {
+		t.Fatalf("setattr mtime without the kernel cache: %v, want ENOTSUP", st)
+	}
+}
+
+// TestKernelCacheInvalidates: writes that bypassed the cache, punched and
+// zeroed ranges and resizes ask for the pages they changed to be dropped;
+// write-backs from the cache do not; a write-back past the end of a
+// non-growable image is reported failed for what did not fit.
+func TestKernelCacheInvalidates(t *testing.T) {
+	e, r := kcExport(t, 10000, Options{Writable: true})
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096}, make([]byte, 512)); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if got := r.take(); len(got) != 1 || got[0] != (kcRange{4096, 512}) {
+		t.Fatalf("direct write: invalidated %v, want [4096 +512]", got)
+	}
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096)); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if got := r.take(); len(got) != 0 {
+		t.Fatalf("write-back: invalidated %v, want nothing", got)
+	}
+	if st := e.Fallocate(ctx, &fuse.FallocateIn{Offset: 0, Length: 8192, Mode: unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_KEEP_SIZE}); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if got := r.take(); len(got) != 1 || got[0] != (kcRange{0, 8192}) {
+		t.Fatalf("punch: invalidated %v, want [0 +8192]", got)
+	}
+	in := &fuse.SetAttrIn{}
+	in.Valid, in.Size = fuse.FATTR_SIZE, 6000
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if got := r.take(); len(got) != 1 || got[0] != (kcRange{6000, 0}) {
+		t.Fatalf("shrink: invalidated %v, want [6000 to the end]", got)
+	}
+	// The same size is no resize and drops nothing.
+	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.OK || len(r.take()) != 0 {
+		t.Fatalf("same size: %v", st)
+	}
+	// A write-back across the end: short, and the rest reported failed.
+	n, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096))
+	if st != fuse.OK || n != 6000-4096 {
+		t.Fatalf("write-back across the end: %d %v", n, st)
+	}
+	select {
+	case f := <-r.failed:
+		if f != (kcRange{6000, 4096 - (6000 - 4096)}) {
+			t.Fatalf("failed write-back %v, want [6000 +2192]", f)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a short write-back was not reported")
+	}
+}
+
+// TestKernelCacheClosingRefusesGetattr: once the export is closing,
+// GETATTR fails, so that the kernel fails buffered writes that have not
+// begun (see flushKernelCache).
+func TestKernelCacheClosingRefusesGetattr(t *testing.T) {
+	e, _ := kcExport(t, 1<<20, Options{Writable: true})
+	if st := e.GetAttr(ctx, &fuse.GetAttrIn{}, &fuse.AttrOut{}); st != fuse.OK {
+		t.Fatal(st)
+	}
+	e.closing.Store(true)
+	if st := e.GetAttr(ctx, &fuse.GetAttrIn{}, &fuse.AttrOut{}); st != fuse.EIO {
+		t.Fatalf("getattr while closing: %v, want EIO", st)
+	}
+}
+
+// FuzzKernelCacheRequests drives the kernel-cache paths of the handlers
+// (writes with and without WRITE_CACHE, fallocate, setattr size and
+// times) with any offsets, lengths and flags, offsets near 2^63 seeded:
+// no panic, and every range the export asks the kernel to drop starts at
+// 0 or after and has a length of 0 (to the end) or more.
+func FuzzKernelCacheRequests(f *testing.F) {
+	f.Add(uint8(0), uint64(4096), uint64(512), uint32(0), uint32(0))
+	f.Add(uint8(0), uint64(1<<63-1), uint64(4096), uint32(fuse.WRITE_CACHE), uint32(0))
+	f.Add(uint8(1), uint64(1<<63), uint64(1<<63), uint32(0), uint32(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE))
+	f.Add(uint8(1), uint64(9000), uint64(1<<64-1), uint32(0), uint32(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE))
+	f.Add(uint8(2), uint64(1<<62), uint64(0), uint32(fuse.FATTR_SIZE|fuse.FATTR_MTIME), uint32(0))
+	f.Add(uint8(2), uint64(0), uint64(1<<64-1), uint32(fuse.FATTR_MTIME_NOW|fuse.FATTR_CTIME), uint32(0))
+	f.Fuzz(func(t *testing.T, op uint8, off, length uint64, flags, mode uint32) {
+		e, r := kcExport(t, 10000, Options{Writable: true})
+		switch op % 3 {
+		case 0:
+			e.Write(ctx, &fuse.WriteIn{Offset: off, WriteFlags: flags}, make([]byte, min(length, 1<<16)))
+		case 1:
+			e.Fallocate(ctx, &fuse.FallocateIn{Offset: off, Length: length, Mode: mode})
+		case 2:
+			in := &fuse.SetAttrIn{}
+			in.Valid, in.Size, in.Mtime, in.Mtimensec = flags, off%(1<<20), length, mode
+			e.SetAttr(ctx, in, &fuse.AttrOut{})
+		}
+		for _, g := range r.take() {
+			if g.off < 0 || g.length < 0 {
+				t.Fatalf("asked to drop [%d +%d]", g.off, g.length)
+			}
+		}
+	})
+}
