@@ -189,6 +189,17 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	if format == "vmdk" {
 		return checkVMDK(ctx, spec, o)
 	}
+	switch format {
+	case "vpc": // no checks in QEMU's vpc driver either: once it opens, exit 63
+		img, err := Open(spec, Options{Format: format, Backend: o.Backend, Lock: o.Lock, NoBacking: true})
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
+	case "vdi": // never handed to the qcow2 check below
+		return formats.CheckResult{}, fmt.Errorf("%s: vdi images are not checked here yet (qemu-img check -f vdi %s does)", spec, spec)
+	}
 	writable := repair != qcow2.RepairNone
 	if format == Raw {
 		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
