@@ -29,6 +29,31 @@ func vmdkSameInspection(t *testing.T, img string) {
 	}
 }
 
+// vmdkMapData is the data of qemu-img map's JSON for img as [start, end)
+// runs, adjacent entries merged.
+func vmdkMapData(t *testing.T, img string) [][2]int64 {
+	t.Helper()
+	var entries []struct {
+		Start, Length int64
+		Data          bool
+	}
+	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &entries); err != nil {
+		t.Fatal(err)
+	}
+	var r [][2]int64
+	for _, e := range entries {
+		if !e.Data {
+			continue
+		}
+		if n := len(r); n > 0 && r[n-1][1] == e.Start {
+			r[n-1][1] += e.Length
+			continue
+		}
+		r = append(r, [2]int64{e.Start, e.Start + e.Length})
+	}
+	return r
+}
+
 // TestVmdkManyExtents: a 5 GiB disk (data at 2 GiB - 1 MiB, across the
 // first extent's end, and at 4.4 GiB) as three twoGbMaxExtent extents:
 // info (JSON and text) and map equal qemu-img's, and the data reads back
@@ -74,8 +99,8 @@ func TestVmdkManyExtents(t *testing.T) {
 // TestVmdkSubformatsExportAsQemuReadsThem: for each subformat qemu-img
 // writes, a VMDK converted from a 64 MiB random raw disk with holes and
 // zero runs reads back byte for byte through the FUSE export (format
-// probed) and over NBD (qemu-img, nbdcopy), and its info and map equal
-// qemu-img's; -w is refused in one line that points at a qcow2 overlay; a
+// probed) and over NBD (qemu-img, nbdcopy), its info and map equal
+// qemu-img's, SEEK_DATA/SEEK_HOLE through the export find map's data; -w is refused in one line that points at a qcow2 overlay; a
 // qcow2 overlay on the VMDK exports read-write, fio verifies its writes,
 // and the VMDK is unchanged.
 func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
@@ -90,6 +115,9 @@ func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 			startExport(t, img, mnt)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			vmdkSameInspection(t, img)
+			if got, want := dataRanges(t, mnt), vmdkMapData(t, img); !reflect.DeepEqual(got, want) {
+				t.Errorf("SEEK_DATA/SEEK_HOLE through the export find %v, qemu-img map's data is %v", got, want)
+			}
 			// Over NBD too: qemu-img and nbdcopy read what the raw holds.
 			s := startNBD(t, img, false)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, src)
