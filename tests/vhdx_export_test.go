@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -438,5 +439,75 @@ func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 			}
 			t.Log(strings.TrimSpace(out))
 		})
+	}
+}
+
+// vhdxCheckOf runs `check --output=json ARGS` with prog and returns its
+// exit status and its JSON object (nil when stdout holds none).
+func vhdxCheckOf(t *testing.T, prog string, args ...string) (int, map[string]any) {
+	t.Helper()
+	cmd := exec.Command(prog, append([]string{"check", "--output=json"}, args...)...)
+	out, err := cmd.Output()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if json.Unmarshal(out, &m) != nil {
+		m = nil
+	}
+	return code, m
+}
+
+// TestVhdxCheckAsQemuImg: check's exit status and JSON equal qemu-img's
+// on a clean image (also under -r leaks and -r all), one truncated so
+// that two present blocks lie past its end (corruptions, exit 2). The
+// one difference is by design: a BAT region past
+// the end of the file, which qemu-img checks clean (and then reads as
+// zeroes), fails the check here (exit 1).
+func TestVhdxCheckAsQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	src := randomImage(t, dir, 8<<20, 33)
+	clean := filepath.Join(dir, "clean.vhdx")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", src, clean)
+	b, err := os.ReadFile(clean)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cut := filepath.Join(dir, "cut.vhdx")
+	if err := os.WriteFile(cut, b[:len(b)-2<<20], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{clean}, {"-r", "leaks", clean}, {"-r", "all", clean}, {cut}} {
+		code, got := vhdxCheckOf(t, bin, args...)
+		qcode, want := vhdxCheckOf(t, "qemu-img", args...)
+		if code != qcode || !reflect.DeepEqual(got, want) {
+			t.Errorf("check %v: exit %d %v; qemu-img: exit %d %v", args, code, got, qcode, want)
+		}
+	}
+	if code, got := vhdxCheckOf(t, bin, cut); code != 2 || got["corruptions"] != 2.0 {
+		t.Fatalf("check of a cut image: exit %d %v, want 2 corruptions", code, got)
+	}
+	batPast := filepath.Join(dir, "batpast.vhdx")
+	batGUID := []byte{0x66, 0x77, 0xc2, 0x2d, 0x23, 0xf6, 0x00, 0x42}
+	for _, rt := range []int{192 << 10, 256 << 10} {
+		for i := range int(binary.LittleEndian.Uint32(b[rt+8:])) {
+			if e := b[rt+16+32*i:]; bytes.HasPrefix(e, batGUID) {
+				binary.LittleEndian.PutUint64(e[16:], uint64(len(b))+64<<20)
+			}
+		}
+		vhdxPutCRC(b[rt : rt+64<<10])
+	}
+	if err := os.WriteFile(batPast, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if code, _ := vhdxCheckOf(t, "qemu-img", batPast); code != 0 {
+		t.Fatalf("qemu-img check of a BAT region past the end: exit %d (now it sees it: compare exactly)", code)
+	}
+	if code, _ := vhdxCheckOf(t, bin, batPast); code != 1 {
+		t.Fatalf("check of a BAT region past the end: exit %d, want 1", code)
 	}
 }

@@ -200,6 +200,9 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	case "vdi": // never handed to the qcow2 check below
 		return formats.CheckResult{}, fmt.Errorf("%s: vdi images are not checked here yet (qemu-img check -f vdi %s does)", spec, spec)
 	}
+	if format == "vhdx" {
+		return checkVHDX(ctx, spec, o)
+	}
 	writable := repair != qcow2.RepairNone
 	if format == Raw {
 		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})

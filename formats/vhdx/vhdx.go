@@ -167,7 +167,7 @@ type Image struct {
 // New opens the VHDX image in f, which it owns from now on (Close closes
 // it; so does a failed New).
 func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
-	img, err := open(ctx, f, o)
+	img, err := open(ctx, f, o, nil)
 	if err != nil {
 		f.Close()
 		return nil, err
@@ -175,7 +175,9 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	return img, nil
 }
 
-func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
+// open opens the image; with found set (a check), BAT entries past the
+// end of the file are listed there instead of refused.
+func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, error) {
 	name := f.Name()
 	if o.Writable {
 		return nil, fmt.Errorf("%s: VHDX images are opened read-only here, and -w is refused; write over it through a qcow2 overlay: qemu-img create -f qcow2 -b %s -F vhdx overlay.qcow2, then export the overlay with -w", name, name)
@@ -191,7 +193,7 @@ func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	if err != nil {
 		return nil, fmt.Errorf("vhdx: size of %s: %w", name, err)
 	}
-	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize)}
+	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize), found: found}
 
 	id, err := r.read(0, 8)
 	if err != nil {
@@ -240,6 +242,9 @@ type reader struct {
 	f    aio.File
 	name string
 	size uint64
+	// found, for a check: BAT entries past the end of the file, in
+	// qemu-img check's words, instead of a refusal.
+	found *[]string
 }
 
 // read reads n bytes at off; bytes past the end of the file read as
@@ -537,6 +542,11 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 			// The last block need only hold the disk's bytes, as QEMU
 			// allows (files from other tools end there).
 			need := min(uint64(img.blockSize), uint64(img.size)-i*uint64(img.blockSize))
+			if (off > r.size || need > r.size-off) && r.found != nil {
+				*r.found = append(*r.found, fmt.Sprintf("VHDX BAT entry %d start offset %d points after end of file (%d). Image has probably been truncated.", batIndex(i, chunk), off, r.size))
+				img.bat[i] = blockNotPresent
+				continue
+			}
 			if off > r.size || need > r.size-off {
 				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, i, off, need, r.size)
 			}
@@ -763,4 +773,25 @@ func (img *Image) Close() error {
 		err = errors.Join(err, img.parent.Close())
 	}
 	return err
+}
+
+// batIndex is the BAT entry of payload block i: each chunk's payload
+// entries are followed by its sector bitmap entry.
+func batIndex(i, chunk uint64) uint64 { return i + i/chunk }
+
+// Check checks the image in f as qemu-img check checks a VHDX: the image
+// opens (every refusal of New is the check's failure, exit 1), and each
+// present block that lies past the end of the file is a corruption, said
+// in qemu-img's words. QEMU's check repairs nothing but a log it replays
+// at a writable open; this reader replays no log, so a dirty one fails
+// the check with the line that says how to replay it. f is closed.
+func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
+	var found []string
+	img, err := open(ctx, f, Options{OpenParent: func(string) (formats.Image, string, error) { return nil, "", nil }}, &found)
+	if err != nil {
+		f.Close()
+		return formats.CheckResult{}, err
+	}
+	res := formats.CheckResult{Filename: img.path, Format: "vhdx", Corruptions: int64(len(found)), Messages: found}
+	return res, img.Close()
 }
