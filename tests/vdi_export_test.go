@@ -102,6 +102,9 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			mnt := filepath.Join(d, "mnt")
 			startExport(t, img, mnt)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			dmnt := filepath.Join(d, "dmnt") // O_DIRECT: the map and data through aligned bounce buffers
+			startExport(t, img, dmnt, "--cache", "none")
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", dmnt, src)
 			srv := startNBD(t, img, false)
 			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
 			vdiSameInspection(t, img)
