@@ -493,39 +493,54 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 	if entries > (bat.end-bat.start)/8 {
 		return fmt.Errorf("%w: %s: the BAT region holds %d entries; the virtual size needs %d", ErrCorrupt, r.name, (bat.end-bat.start)/8, entries)
 	}
-	raw := make([]byte, entries*8)
-	got, err := r.f.ReadAt(r.ctx, raw, int64(bat.start))
-	if err != nil && !(errors.Is(err, io.EOF) && got == len(raw)) {
-		return fmt.Errorf("vhdx: %s: read the BAT: %w", r.name, err)
-	}
+	// The BAT is read a MiB at a time into the payload and sector bitmap
+	// entries kept: no second copy of a BAT of up to 512 MiB.
 	img.bat = make([]uint64, blocks)
-	type blk struct{ off, idx uint64 }
-	var present []blk
-	sbSize := uint64(mib) // a sector bitmap block
 	if img.diff {
 		img.bitmaps = make([]uint64, chunks)
-		for k := range chunks {
-			e := binary.LittleEndian.Uint64(raw[8*(k*(chunk+1)+chunk):])
-			img.bitmaps[k] = e
-			switch e & batStateMask {
-			case blockNotPresent:
-			case blockFullyPresent: // SB_BLOCK_PRESENT
-				off := e & batOffsetMask
-				if off > r.size || sbSize > r.size-off {
-					return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, k, off, sbSize, r.size)
+	}
+	buf := make([]byte, min(entries*8, mib))
+	for j := uint64(0); j < entries; {
+		n := min(uint64(len(buf))/8, entries-j)
+		got, err := r.f.ReadAt(r.ctx, buf[:n*8], int64(bat.start+8*j))
+		if err != nil && !(errors.Is(err, io.EOF) && uint64(got) == n*8) {
+			return fmt.Errorf("vhdx: %s: read the BAT: %w", r.name, err)
+		}
+		for x := range n {
+			e := binary.LittleEndian.Uint64(buf[8*x:])
+			switch idx := j + x; {
+			case idx%(chunk+1) != chunk:
+				if b := idx - idx/(chunk+1); b < blocks { // a last chunk's tail has no blocks
+					img.bat[b] = e
 				}
-				if o := overlap(spans, span{off, off + sbSize, ""}); o != nil {
-					return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, k, off, sbSize, o.what)
-				}
-				present = append(present, blk{off, ^k})
-			default:
-				return fmt.Errorf("%w: %s: sector bitmap entry %d has state %d", ErrCorrupt, r.name, k, e&batStateMask)
+			case img.diff:
+				img.bitmaps[idx/(chunk+1)] = e
 			}
 		}
+		j += n
 	}
-	for i := range blocks {
-		e := binary.LittleEndian.Uint64(raw[8*(i+i/chunk):])
-		img.bat[i] = e
+	// present holds the file offset of every present block and sector
+	// bitmap (MiB-aligned, so bit 0 marks a bitmap), to find overlaps.
+	var present []uint64
+	sbSize := uint64(mib) // a sector bitmap block
+	for k, e := range img.bitmaps {
+		switch e & batStateMask {
+		case blockNotPresent:
+		case blockFullyPresent: // SB_BLOCK_PRESENT
+			off := e & batOffsetMask
+			if off > r.size || sbSize > r.size-off {
+				return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), past the end of the file (%d bytes)", ErrCorrupt, r.name, k, off, sbSize, r.size)
+			}
+			if o := overlap(spans, span{off, off + sbSize, ""}); o != nil {
+				return fmt.Errorf("%w: %s: sector bitmap %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, k, off, sbSize, o.what)
+			}
+			present = append(present, off|1)
+		default:
+			return fmt.Errorf("%w: %s: sector bitmap entry %d has state %d", ErrCorrupt, r.name, k, e&batStateMask)
+		}
+	}
+	for i, e := range img.bat {
+		i := uint64(i)
 		switch e & batStateMask {
 		case blockNotPresent, blockUndefined, blockZero, blockUnmapped:
 		case blockPartiallyPresent:
@@ -553,27 +568,19 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 			if o := overlap(spans, s); o != nil {
 				return fmt.Errorf("%w: %s: BAT entry %d points at [%d, +%d), inside %s", ErrCorrupt, r.name, i, off, img.blockSize, o.what)
 			}
-			present = append(present, blk{off, i})
+			present = append(present, off)
 		default:
 			return fmt.Errorf("%w: %s: BAT entry %d has state %d, undefined for a VHDX image without a parent", ErrCorrupt, r.name, i, e&batStateMask)
 		}
 	}
-	slices.SortFunc(present, func(a, b blk) int {
-		if a.off < b.off {
-			return -1
-		}
-		if a.off > b.off {
-			return 1
-		}
-		return 0
-	})
+	slices.Sort(present)
 	for i := 1; i < len(present); i++ {
-		size := uint64(img.blockSize)
-		if int64(present[i-1].idx) < 0 { // a sector bitmap (^chunk)
-			size = sbSize
+		prev, size := present[i-1], uint64(img.blockSize)
+		if prev&1 != 0 {
+			prev, size = prev&^1, sbSize
 		}
-		if present[i].off < present[i-1].off+size {
-			return fmt.Errorf("%w: %s: BAT entries share file bytes at %d (a block or sector bitmap over another)", ErrCorrupt, r.name, present[i].off)
+		if present[i]&^1 < prev+size {
+			return fmt.Errorf("%w: %s: BAT entries share file bytes at %d (a block or sector bitmap over another)", ErrCorrupt, r.name, present[i]&^1)
 		}
 	}
 	return nil
