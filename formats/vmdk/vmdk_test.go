@@ -421,7 +421,25 @@ func FuzzOpen(f *testing.F) {
 		le64(b, off, 1<<63-512)
 		f.Add(b)
 	}
+	// Descriptor files: every extent resolves to one sparse or flat file.
+	for _, d := range []string{
+		"# Disk DescriptorFile\nversion=1\nCID=1\nparentCID=ffffffff\ncreateType=\"twoGbMaxExtentSparse\"\nRW 8192 SPARSE \"s\"\nRW 8 FLAT \"f\" 0\nRW 4 ZERO \"\"\n",
+		"# Disk DescriptorFile\nCID=fffffffe\nparentCID=ffffffff\ncreateType=\"vmfs\"\nRW 4611686018427387903 VMFS \"f\"\n",
+		"# Disk DescriptorFile\nCID=1\nparentCID=1\ncreateType=\"monolithicFlat\"\nRW 8 FLAT \"f\" 9223372036854775807\n",
+	} {
+		f.Add([]byte(d))
+	}
 	dir := f.TempDir()
+	sparse := writeTemp(f, dir, "s", craft(false).b)
+	flat := writeTemp(f, dir, "f", make([]byte, 8192))
+	opener := func(name string) (aio.File, string, error) {
+		p := flat
+		if name == "s" {
+			p = sparse
+		}
+		file, err := aio.Open(p, aio.Options{Backend: aio.Threads})
+		return file, name, err
+	}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		done := make(chan struct{})
 		defer close(done)
@@ -433,7 +451,7 @@ func FuzzOpen(f *testing.F) {
 			}
 		}()
 		p := writeTemp(t, dir, "fuzz.vmdk", b)
-		img, err := open(t, p, Options{})
+		img, err := open(t, p, Options{OpenExtent: opener})
 		if err != nil {
 			return
 		}
