@@ -459,8 +459,12 @@ func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	}
 	ls := binary.LittleEndian.Uint32(items[guidLogicalSector])
 	ps := binary.LittleEndian.Uint32(items[guidPhysSector])
-	if (ls != 512 && ls != 4096) || (ps != 512 && ps != 4096) {
-		return nil, fmt.Errorf("%w: %s: sector sizes %d (logical) and %d (physical) are not 512 or 4096", ErrCorrupt, r.name, ls, ps)
+	// The physical sector size is a hint to the guest, read by nothing
+	// here: QEMU does not check it either. (QEMU 7.2 refuses 4096-byte
+	// logical sectors, which Hyper-V makes; they only change the chunk
+	// ratio, and are read here.)
+	if ls != 512 && ls != 4096 {
+		return nil, fmt.Errorf("%w: %s: logical sector size %d is not 512 or 4096", ErrCorrupt, r.name, ls)
 	}
 	vs := binary.LittleEndian.Uint64(items[guidVirtualSize])
 	if vs > maxImageSize {
