@@ -154,7 +154,7 @@ func TestVmdkDeltaChain(t *testing.T) {
 	base := filepath.Join(dir, "base.vmdk")
 	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, base)
 	delta := filepath.Join(dir, "delta.vmdk")
-	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", base, "-F", "vmdk", delta)
+	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", delta) // relative to the delta
 	run(t, "qemu-io", "-c", "write -P 0xa5 1M 192k", "-c", "write -z 5M 128k", "-c", "write -P 0x5a 15M 4k", delta)
 	want := filepath.Join(dir, "want.raw")
 	run(t, "qemu-img", "convert", "-O", "raw", delta, want)
@@ -162,6 +162,16 @@ func TestVmdkDeltaChain(t *testing.T) {
 	e := startExport(t, delta, mnt)
 	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, want)
 	vmdkSameInspection(t, delta)
+	// Through a symlinked directory: the parent is named as QEMU names it
+	// (under the link), not by the path it resolves to.
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(dir, link); err != nil {
+		t.Fatal(err)
+	}
+	viaLink := filepath.Join(link, "delta.vmdk")
+	if got, want := jsonOf(t, bin, "info", "--output=json", "--backing-chain", viaLink), jsonOf(t, "qemu-img", "info", "--output=json", "--backing-chain", viaLink); !reflect.DeepEqual(got, want) {
+		t.Errorf("info --backing-chain differs from qemu-img's\n got %v\nwant %v", got, want)
+	}
 	e.stopClean()
 
 	// The base written after the delta was made: its CID changes, and the

@@ -142,14 +142,17 @@ func (c *chain) openRelatedImage(image, name, format string) (formats.Image, str
 		// still shown as the image gives it.
 		return nil, qemuPath(image, name), nil
 	}
-	real, shown, err := c.relatedPath(image, name)
+	// The checks are on the resolved path; the open is by the name QEMU
+	// shows (info names the parent so, and its own extents are relative
+	// to it), which resolves to that path.
+	_, shown, err := c.relatedPath(image, name)
 	if err != nil {
 		return nil, shown, err
 	}
 	if format == "" {
 		format = Auto
 	}
-	img, _, err := c.open(real, format, false, true)
+	img, _, err := c.open(shown, format, false, true)
 	if err != nil {
 		return nil, shown, err
 	}
