@@ -174,6 +174,19 @@ func TestVmdkDeltaChain(t *testing.T) {
 	}
 	e.stopClean()
 
+	// A delta larger than its base: past the base's end it reads zeroes
+	// (as QEMU reads a short backing file), with a write there too.
+	grow := filepath.Join(dir, "grow.vmdk")
+	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", grow, "24M")
+	run(t, "qemu-io", "-c", "write -P 0x33 20M 64k", grow)
+	growRaw := filepath.Join(dir, "grow.raw")
+	run(t, "qemu-img", "convert", "-O", "raw", grow, growRaw)
+	gmnt := filepath.Join(dir, "gmnt")
+	g := startExport(t, grow, gmnt)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", gmnt, growRaw)
+	vmdkSameInspection(t, grow)
+	g.stopClean()
+
 	// The base written after the delta was made: its CID changes, and the
 	// delta's data would be wrong.
 	run(t, "qemu-io", "-c", "write -P 1 0 4k", base)

@@ -436,13 +436,15 @@ func (im *Image) readPiece(ctx context.Context, pc piece, b []byte, off int64) e
 	case grainZero:
 		clear(b)
 	case grainUnalloc:
-		if im.parent != nil {
-			if _, err := im.parent.ReadAt(ctx, b, off); err != nil {
+		// A parent shorter than the delta reads as zeroes past its end,
+		// as QEMU reads a short backing file.
+		n := im.fromParent(off, len(b))
+		if n > 0 {
+			if _, err := im.parent.ReadAt(ctx, b[:n], off); err != nil {
 				return fmt.Errorf("vmdk: %s: parent: %w", im.name, err)
 			}
-			return nil
 		}
-		clear(b)
+		clear(b[n:])
 	case grainData:
 		if pc.e.compressed {
 			g, err := pc.e.decoded(ctx, pc.sector, pc.gidx, false)
@@ -467,6 +469,15 @@ func (im *Image) readPiece(ctx context.Context, pc piece, b []byte, off int64) e
 	return nil
 }
 
+// fromParent is how many of the n bytes at off the parent holds: none
+// without a parent or past its end.
+func (im *Image) fromParent(off int64, n int) int {
+	if im.parent == nil {
+		return 0
+	}
+	return int(max(0, min(int64(n), im.parent.Size()-off)))
+}
+
 // TryReadAt fills p if every grain table it needs is cached and every
 // byte is in the page cache (or a decompressed grain cached).
 func (im *Image) TryReadAt(p []byte, off int64) bool {
@@ -485,11 +496,11 @@ func (im *Image) TryReadAt(p []byte, off int64) bool {
 		case grainZero:
 			clear(b)
 		case grainUnalloc:
-			if im.parent == nil {
-				clear(b)
-			} else if !im.parent.TryReadAt(b, off+int64(done)) {
+			n := im.fromParent(off+int64(done), len(b))
+			if n > 0 && !im.parent.TryReadAt(b[:n], off+int64(done)) {
 				return false
 			}
+			clear(b[n:])
 		case grainData:
 			if pc.e.compressed {
 				g, err := pc.e.decoded(ctx, pc.sector, pc.gidx, true)
@@ -521,7 +532,7 @@ func (im *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, erro
 	case grainZero:
 		x.Zero = true
 	case grainUnalloc:
-		if im.parent != nil {
+		if im.fromParent(off, 1) > 0 {
 			px, err := im.parent.Extent(ctx, off, pc.n)
 			if err != nil {
 				return formats.Extent{}, err
