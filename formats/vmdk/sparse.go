@@ -219,7 +219,7 @@ func readGD(ctx context.Context, e *extent, off, n uint64, fileSize int64) ([]ui
 // gt returns grain table i of the extent (its GD entry gdEntry), from the
 // cache or, unless try, the file. nil, nil: try and not cached.
 func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, error) {
-	if t, ok := e.gtCache.get(int64(gdEntry)); ok {
+	if t, ok := e.gtCache.get(e.key(gdEntry)); ok {
 		return t, nil
 	}
 	if try {
@@ -233,7 +233,7 @@ func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, er
 	for i := range t {
 		t[i] = binary.LittleEndian.Uint32(raw[4*i:])
 	}
-	e.gtCache.put(int64(gdEntry), t)
+	e.gtCache.put(e.key(gdEntry), t)
 	return t, nil
 }
 
@@ -293,7 +293,7 @@ func (e *extent) lookupGrain(ctx context.Context, off int64, try bool) (state in
 // and two grains (QEMU's bound), its LBA against the grain asked for, and
 // the output against one grain.
 func (e *extent) decoded(ctx context.Context, sector uint32, grainIndex int64, try bool) ([]byte, error) {
-	if b, ok := e.grainCache.get(int64(sector)); ok {
+	if b, ok := e.grainCache.get(e.key(sector)); ok {
 		return b, nil
 	}
 	if try {
@@ -340,6 +340,9 @@ func (e *extent) decoded(ctx context.Context, sector uint32, grainIndex int64, t
 		}
 	}
 	out = out[:n]
-	e.grainCache.put(int64(sector), out)
+	e.grainCache.put(e.key(sector), out)
 	return out, nil
 }
+
+// key is the cache key of a table or grain at sector of this extent.
+func (e *extent) key(sector uint32) int64 { return e.id<<40 | int64(sector) }

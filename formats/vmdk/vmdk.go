@@ -43,8 +43,10 @@ var (
 // 64 KiB grains mapped.
 const DefaultGTCacheSize = 8 << 20
 
-// decodedCacheBytes bounds the cache of decompressed grains.
-const decodedCacheBytes = 4 << 20
+// decodedCacheBytes bounds the cache of decompressed grains (an image's,
+// whatever its extents): a random read of a stream-optimized image that
+// misses inflates a whole grain (64 KiB for one 4 KiB read).
+const decodedCacheBytes = 32 << 20
 
 // maxParentDepth bounds a chain of delta disks.
 const maxParentDepth = 64
@@ -104,6 +106,7 @@ type extent struct {
 	fileSize   int64
 	headerEnd  int64 // bytes of header no table or grain may lie in
 	grainStart int64
+	id         int64 // index in the image: cache keys are id<<40 | sector
 	gtCache    *lru[[]uint32]
 	grainCache *lru[[]byte]
 }
@@ -219,15 +222,28 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 		}
 	}
 	im.cid, im.parentCID, im.parentHint = d.cid, d.parentCID, d.parentHint
-	var start int64
-	for _, e := range im.extents {
-		e.start = start
+	// One cache of each kind for the whole image, sized by its largest
+	// table and grain, so that memory is bounded however many extents
+	// the descriptor lists; keys carry the extent's index.
+	var start, maxGT, maxGrain int64
+	for i, e := range im.extents {
+		e.start, e.id = start, int64(i)
 		start += e.size
 		if e.sparse {
-			e.gtCache = newLRU[[]uint32](int(max(gtCache/(e.gtes*4+64), 1)))
+			maxGT = max(maxGT, e.gtes*4+64)
 			if e.compressed {
-				e.grainCache = newLRU[[]byte](int(max(decodedCacheBytes/e.grain, 2)))
+				maxGrain = max(maxGrain, e.grain)
 			}
+		}
+	}
+	if maxGT > 0 {
+		gts := newLRU[[]uint32](int(max(gtCache/maxGT, 1)))
+		var grains *lru[[]byte]
+		if maxGrain > 0 {
+			grains = newLRU[[]byte](int(max(decodedCacheBytes/maxGrain, 2)))
+		}
+		for _, e := range im.extents {
+			e.gtCache, e.grainCache = gts, grains
 		}
 	}
 	im.size = start

@@ -468,3 +468,41 @@ func FuzzOpen(f *testing.F) {
 		img.Info()
 	})
 }
+
+// TestVmdkCachesBoundedPerImage: a descriptor of many sparse extents gets
+// one grain-table cache and one grain cache for the image, not one each
+// (4096 extents of 8 MiB caches would be 32 GiB), and reads right through
+// them.
+func TestVmdkCachesBoundedPerImage(t *testing.T) {
+	dir := t.TempDir()
+	c := craft(true)
+	sparse := writeTemp(t, dir, "s", c.b)
+	desc := "# Disk DescriptorFile\nCID=1\nparentCID=ffffffff\ncreateType=\"twoGbMaxExtentSparse\"\n" + strings.Repeat("RW 8192 SPARSE \"s\"\n", 50)
+	p := writeTemp(t, dir, "d.vmdk", []byte(desc))
+	img, err := open(t, p, Options{OpenExtent: func(name string) (aio.File, string, error) {
+		f, err := aio.Open(sparse, aio.Options{Backend: aio.Threads})
+		return f, name, err
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	first := img.extents[0]
+	for _, e := range img.extents {
+		if e.gtCache != first.gtCache || e.grainCache != first.grainCache {
+			t.Fatal("extents have caches of their own")
+		}
+	}
+	if want := DefaultGTCacheSize / (tGTEs*4 + 64); first.gtCache.cap != want {
+		t.Fatalf("grain-table cache of %d tables, want %d", first.gtCache.cap, want)
+	}
+	if want := decodedCacheBytes / (tGrain * 512); first.grainCache.cap != want {
+		t.Fatalf("grain cache of %d grains, want %d", first.grainCache.cap, want)
+	}
+	got := make([]byte, len(c.want))
+	for i := range 50 {
+		if _, err := img.ReadAt(context.Background(), got, int64(i)*int64(len(c.want))); err != nil || !bytes.Equal(got, c.want) {
+			t.Fatalf("extent %d: %v", i, err)
+		}
+	}
+}
