@@ -55,6 +55,10 @@ func prbForeignImages(t *testing.T, dir string) map[string]string {
 	return imgs
 }
 
+// prbRead are the foreign formats read here (read-only) since they were
+// first refused.
+var prbRead = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
+
 // TestPrbForeignFormats: a file in a format QEMU reads and blockexport
 // does not (vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
 // cloop, dmg) was reported by info as raw and exported writable as raw
@@ -76,6 +80,22 @@ func TestPrbForeignFormats(t *testing.T) {
 				}
 			}
 			before := readAll(t, img)
+			if prbRead[format] {
+				// Read here now (read-only): probed as qemu-img probes it,
+				// and -w refused, pointing at an overlay.
+				if code, out := runBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {
+					t.Errorf("info: exit %d, want 0 and format %s:\n%s", code, format, out)
+				}
+				mnt := filepath.Join(t.TempDir(), "export")
+				if code, out := tryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, "qcow2") {
+					t.Errorf("fuse -w: exit %d, want 1 and a refusal naming a qcow2 overlay:\n%s", code, out)
+				}
+				if code, out := runBlockexport(t, "info", "-f", "raw", img); code != 0 || !strings.Contains(out, "looks like a "+format+" image") {
+					t.Errorf("info -f raw: exit %d, want 0 and a warning naming %s:\n%s", code, format, out)
+				}
+				mustEqualBytes(t, "the image after the refusal", readAll(t, img), before)
+				return
+			}
 			for _, cmd := range [][]string{{"info", img}, {"info", "--output=json", img}, {"map", img}, {"check", img}} {
 				code, out := runBlockexport(t, cmd...)
 				if code != 1 || !strings.Contains(out, format+" images are not supported") {
@@ -98,25 +118,26 @@ func TestPrbForeignFormats(t *testing.T) {
 	}
 
 	t.Run("backing file", func(t *testing.T) {
-		// A qcow2 overlay over a vdi (backing format probed) and over one
-		// the header says is qed: both refused by name, not read as raw.
-		var vdi, qed string
+		// A qcow2 overlay over a parallels image (backing format probed)
+		// and over one the header says is qed: both refused by name, not
+		// read as raw.
+		var hds, qed string
 		for img, f := range imgs {
 			switch {
-			case f == "vdi":
-				vdi = img
+			case f == "parallels":
+				hds = img
 			case f == "qed":
 				qed = img
 			}
 		}
-		probed := filepath.Join(dir, "over-vdi.qcow2")
-		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", vdi, "-F", "vdi", probed, "4M")
+		probed := filepath.Join(dir, "over-hds.qcow2")
+		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", hds, "-F", "parallels", probed, "4M")
 		prbDropBackingFormat(t, probed)
 		named := filepath.Join(dir, "over-qed.qcow2")
 		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", qed, "-F", "qed", named, "4M")
 		// The named one goes to the opener as the header names it, which
 		// refuses it by name as it refuses a probed one.
-		for img, want := range map[string]string{probed: "vdi images are not supported", named: "qed images are not supported"} {
+		for img, want := range map[string]string{probed: "parallels images are not supported", named: "qed images are not supported"} {
 			if code, out := runBlockexport(t, "map", img); code != 1 || !strings.Contains(out, want) {
 				t.Errorf("map %s: exit %d, want 1 and %q:\n%s", filepath.Base(img), code, want, out)
 			}
