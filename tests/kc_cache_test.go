@@ -300,9 +300,11 @@ func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
 	}
 }
 
-// TestKcFsyncedBytesSurviveSigkill: buffered writes, fsync (and sync(2)
-// for a second range), then SIGKILL of the daemon: every fsynced byte is
-// in the image file (and, raw, every synced one).
+// TestKcFsyncedBytesSurviveSigkill: buffered writes, fsync, more buffered
+// writes and sync(2), then SIGKILL of the daemon: every fsynced byte is in
+// the image file, whatever happened to the writes after the fsync. sync(2)
+// promises nothing here: the kernel starts the write-back to a FUSE server
+// without waiting for it (a check of the synced range failed under load).
 func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
 	for _, format := range []string{"raw", "qcow2"} {
 		t.Run(format, func(t *testing.T) {
@@ -339,13 +341,6 @@ func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
 			}
 			got := readAll(t, content)
 			mustEqualBytes(t, "fsynced range", got[:6<<20], a)
-			if format == "raw" {
-				// sync(2) writes the kernel's pages back to us, which
-				// puts a raw image's bytes in the host file; the kernel
-				// sends no SYNCFS to a FUSE server (virtiofs only), so
-				// a qcow2's new mappings are durable on fsync alone.
-				mustEqualBytes(t, "synced range", got[8<<20:14<<20], b)
-			}
 		})
 	}
 }
