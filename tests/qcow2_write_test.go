@@ -290,7 +290,23 @@ func TestQcow2SurvivesKill9(t *testing.T) {
 		d.wait(10 * time.Second)
 		syscall.Unmount(mnt, syscall.MNT_DETACH)
 
-		out, err := exec.Command("qemu-img", "check", "-f", "qcow2", "--output=json", img).Output()
+		// The killed daemon's image locks go with its last reference to
+		// the file, which an io_uring ring torn down after the process
+		// died may still hold a moment: qemu-img then fails to take its
+		// lock (exit 1) and is asked again.
+		var out []byte
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			var stderr bytes.Buffer
+			cmd := exec.Command("qemu-img", "check", "-f", "qcow2", "--output=json", img)
+			cmd.Stderr = &stderr
+			out, err = cmd.Output()
+			if err == nil || !strings.Contains(stderr.String(), "lock") || time.Now().After(deadline) {
+				if err != nil {
+					err = fmt.Errorf("%w: %s", err, stderr.Bytes())
+				}
+				break
+			}
+		}
 		var check struct {
 			Corruptions int `json:"corruptions"`
 			Leaks       int `json:"leaks"`
