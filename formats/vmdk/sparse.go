@@ -2,13 +2,14 @@ package vmdk
 
 import (
 	"bytes"
-	"compress/zlib"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"slices"
+
+	"github.com/klauspost/compress/zlib"
 
 	"github.com/blockexport/blockexport/aio"
 )
@@ -300,33 +301,49 @@ func (e *extent) decoded(ctx context.Context, sector uint32, grainIndex int64, t
 		return nil, nil
 	}
 	off := int64(sector) * sectorSize
+	// One read of the marker and the most a grain may take (two grains,
+	// QEMU's bound), as QEMU reads it: not a read for the marker and
+	// another for the data. The scratch buffer is the extent's, reused.
 	hdr := 0
+	if e.marker {
+		hdr = 12
+	}
+	if off >= e.fileSize {
+		return nil, fmt.Errorf("%w: %s: compressed grain at %d past the end of the file (%d bytes)", ErrCorrupt, e.name, off, e.fileSize)
+	}
+	span := min(int64(hdr)+2*e.grain, e.fileSize-off)
+	scratch, _ := e.scratch.Get().(*[]byte)
+	if scratch == nil || int64(cap(*scratch)) < span {
+		b := make([]byte, int64(hdr)+2*e.grain)
+		scratch = &b
+	}
+	defer e.scratch.Put(scratch)
+	raw := (*scratch)[:span]
+	if _, err := e.f.ReadAt(ctx, raw, off); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("vmdk: %s: read compressed grain at %d: %w", e.name, off, err)
+	}
 	var length int64
 	if e.marker {
-		var m [12]byte
-		if _, err := e.f.ReadAt(ctx, m[:], off); err != nil {
-			return nil, fmt.Errorf("vmdk: %s: read grain marker at %d: %w", e.name, off, err)
+		if span < int64(hdr) {
+			return nil, fmt.Errorf("%w: %s: grain marker at %d past the end of the file", ErrCorrupt, e.name, off)
 		}
-		lba := binary.LittleEndian.Uint64(m[:])
-		length = int64(binary.LittleEndian.Uint32(m[8:]))
+		lba := binary.LittleEndian.Uint64(raw[:])
+		length = int64(binary.LittleEndian.Uint32(raw[8:]))
 		if lba != uint64(grainIndex*e.grain/sectorSize) {
 			return nil, fmt.Errorf("%w: %s: grain marker at %d says sector %d, the table says %d", ErrCorrupt, e.name, off, lba, grainIndex*e.grain/sectorSize)
 		}
-		hdr = 12
 	} else {
-		length = min(2*e.grain, e.fileSize-off)
+		length = span
 	}
 	if length == 0 || length > 2*e.grain || off+int64(hdr)+length > e.fileSize {
 		return nil, fmt.Errorf("%w: %s: compressed grain at %d of %d bytes (file %d bytes, grain %d)", ErrCorrupt, e.name, off, length, e.fileSize, e.grain)
 	}
-	buf := make([]byte, length)
-	if _, err := e.f.ReadAt(ctx, buf, off+int64(hdr)); err != nil && !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("vmdk: %s: read compressed grain at %d: %w", e.name, off, err)
-	}
-	zr, err := zlib.NewReader(bytes.NewReader(buf))
+	buf := raw[hdr : int64(hdr)+length]
+	zr, err := e.inflater(buf)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
 	}
+	defer e.inflaters.Put(zr)
 	out := make([]byte, e.grain)
 	n, err := io.ReadFull(zr, out)
 	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) {
@@ -342,6 +359,19 @@ func (e *extent) decoded(ctx context.Context, sector uint32, grainIndex int64, t
 	out = out[:n]
 	e.grainCache.put(e.key(sector), out)
 	return out, nil
+}
+
+// inflater is a zlib reader of buf, reused from the extent's pool when
+// one is there (klauspost's inflate: about twice the standard library's
+// speed, and resettable).
+func (e *extent) inflater(buf []byte) (io.ReadCloser, error) {
+	if zr, ok := e.inflaters.Get().(io.ReadCloser); ok {
+		if err := zr.(zlib.Resetter).Reset(bytes.NewReader(buf), nil); err != nil {
+			return nil, err
+		}
+		return zr, nil
+	}
+	return zlib.NewReader(bytes.NewReader(buf))
 }
 
 // key is the cache key of a table or grain at sector of this extent.

@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -109,6 +110,13 @@ type extent struct {
 	id         int64 // index in the image: cache keys are id<<40 | sector
 	gtCache    *lru[[]uint32]
 	grainCache *lru[[]byte]
+	// inflaters are zlib readers reused across compressed grains: a new
+	// one allocates its decoding tables, a cost per grain at random
+	// reads of a streamOptimized disk.
+	inflaters sync.Pool
+	// scratch holds the compressed bytes of a grain while it inflates
+	// (*[]byte of a marker and two grains), reused for the same reason.
+	scratch sync.Pool
 }
 
 // Image is an open VMDK image.

@@ -159,7 +159,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
@@ -194,6 +194,10 @@ func main() {
 				args = append(args, "-f", "raw", image)
 			case "qcow2":
 				args = append(args, "-f", "qcow2", image)
+			default:
+				if f, ok := foreignFormats[target]; ok {
+					args = append(args, "-f", f.format, image)
+				}
 			}
 			return startAndWait(exec.Command(bin, append(args, mnt)...), mnt)
 		}}
@@ -246,12 +250,29 @@ func main() {
 	if targets["kcache"] || *only == defaultOnly {
 		rows = append(rows, benchKernelCache(dir, ours)...)
 	}
+	for _, target := range foreignTargets {
+		if targets["formats"] || targets[target] || *only == defaultOnly {
+			rows = append(rows, benchTarget(target, dir, with(target, ours()), "", func(j fioJob) bool { return j.bs == "4k" })...)
+		}
+	}
 	if err := report(rows); err != nil {
 		log.Fatal(err)
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,uring,kcache"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,uring,kcache,formats"
+
+// foreignFormats are the read-only formats' targets: the same 1 GiB of
+// random data converted by qemu-img, read through each export.
+var foreignFormats = map[string]struct{ format, opts string }{
+	"vmdk":        {"vmdk", "subformat=monolithicSparse"},
+	"vmdk-stream": {"vmdk", "subformat=streamOptimized"},
+	"vhdx":        {"vhdx", ""},
+	"vpc":         {"vpc", "subformat=dynamic"},
+	"vdi":         {"vdi", "static=off"},
+}
+
+var foreignTargets = []string{"vmdk", "vmdk-stream", "vhdx", "vpc", "vdi"}
 
 // qsdArgs are qemu-storage-daemon's --object and --blockdev arguments for
 // target in configuration c, the node an export takes, and what an export
@@ -278,6 +299,13 @@ func qsdArgs(c qemuConfig, target, image string) (args []string, node, exportOpt
 	case "qcow2":
 		args = append(args, "--blockdev", fmt.Sprintf(file, "f"), "--blockdev", "qcow2,node-name=q,file=f")
 		node = "q"
+	default:
+		if f, ok := foreignFormats[target]; ok {
+			// Read-only nodes: the image is shared with our export,
+			// and a read-write node takes the write lock.
+			args = append(args, "--blockdev", fmt.Sprintf(file, "f")+",read-only=on", "--blockdev", f.format+",node-name=q,file=f,read-only=on")
+			node = "q"
+		}
 	}
 	return args, node, exportOpts
 }
@@ -352,7 +380,8 @@ func peakRSS(pid int) float64 {
 // allocated with non-zero data (qcow2 with 64 KiB clusters).
 func makeImage(target, path string) error {
 	rawPath := path
-	if target == "qcow2" {
+	foreign, isForeign := foreignFormats[target]
+	if target == "qcow2" || isForeign {
 		rawPath = path + ".src"
 	}
 	if err := run("fio", "--name=fill", "--filename="+rawPath, "--rw=write", "--bs=1M", "--size=1G",
@@ -362,6 +391,14 @@ func makeImage(target, path string) error {
 	if target == "qcow2" {
 		defer os.Remove(rawPath)
 		return run("qemu-img", "convert", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=65536", rawPath, path)
+	}
+	if isForeign {
+		defer os.Remove(rawPath)
+		args := []string{"convert", "-f", "raw", "-O", foreign.format}
+		if foreign.opts != "" {
+			args = append(args, "-o", foreign.opts)
+		}
+		return run("qemu-img", append(args, rawPath, path)...)
 	}
 	return nil
 }
@@ -451,10 +488,16 @@ func fioRun(job fioJob, file string, extra ...string) (float64, error) {
 // target; suffix marks the rows' names.
 func benchTarget(target, dir string, systems []system, suffix string, keep func(fioJob) bool) []row {
 	log.Printf("target %s", target)
-	// One image each: QEMU locks the images it opens for writing.
+	// One image each: QEMU locks the images it opens for writing. The
+	// read-only formats share one (read locks share).
+	_, readOnly := foreignFormats[target]
 	images := map[string]string{}
 	for i, s := range systems {
 		if target == "null" {
+			continue
+		}
+		if readOnly && i > 0 {
+			images[s.key()] = images[systems[0].key()]
 			continue
 		}
 		p := filepath.Join(dir, fmt.Sprintf("%s-%d.img", target, i))
@@ -470,7 +513,7 @@ func benchTarget(target, dir string, systems []system, suffix string, keep func(
 	}()
 	// Both sides write (qcow2: into the allocated clusters of a full
 	// image; allocating writes have rows of their own, benchAlloc).
-	writable := true
+	writable := !readOnly
 	type live struct {
 		cmd *exec.Cmd
 		mnt string
