@@ -50,9 +50,20 @@ func (k kernelSide) reply(ms int) (fuse.OutHeader, bool) {
 
 // replyBody is reply with the payload after the header.
 func (k kernelSide) replyBody(ms int) (fuse.OutHeader, []byte, bool) {
+	// A poll cut short by a signal (the runtime preempts threads with
+	// SIGURG) is asked again for the time left: it is no "no reply".
 	pfd := []unix.PollFd{{Fd: int32(k.fd), Events: unix.POLLIN}}
-	if n, err := unix.Poll(pfd, ms); n != 1 || err != nil {
-		return fuse.OutHeader{}, nil, false
+	deadline := time.Now().Add(time.Duration(ms) * time.Millisecond)
+	for {
+		left := max(int(time.Until(deadline).Milliseconds()), 0)
+		n, err := unix.Poll(pfd, left)
+		if err == unix.EINTR && left > 0 {
+			continue
+		}
+		if n != 1 || err != nil {
+			return fuse.OutHeader{}, nil, false
+		}
+		break
 	}
 	buf := make([]byte, 1<<20)
 	n, err := unix.Read(k.fd, buf)
