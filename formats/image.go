@@ -210,6 +210,16 @@ func (NoFastPath) TryReadAt([]byte, int64) bool           { return false }
 func (NoFastPath) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
 func (NoFastPath) Features() Features                     { return Features{HostFd: -1} }
 
+// ReadOnly is what a read-only format embeds: every write-type request
+// is refused with ErrReadOnly, and a flush has nothing to write.
+type ReadOnly struct{}
+
+func (ReadOnly) WriteAt(context.Context, []byte, int64) (int, error)   { return 0, ErrReadOnly }
+func (ReadOnly) WriteZeroes(context.Context, int64, int64, bool) error { return ErrReadOnly }
+func (ReadOnly) Discard(context.Context, int64, int64) error           { return ErrReadOnly }
+func (ReadOnly) Resize(context.Context, int64) error                   { return ErrReadOnly }
+func (ReadOnly) Flush(context.Context) error                           { return nil }
+
 // Completions is an image whose requests complete on descriptors of its
 // own: an NBD client's sockets, where replies arrive. By default a request
 // waiting for its completion reads it itself (on its own thread, asleep

@@ -126,10 +126,12 @@ func (h *Header) validate() error {
 
 // Image is an open VDI image.
 type Image struct {
-	f      aio.File
-	h      Header
-	size   int64
-	static bool
+	formats.NoFastPath // no write fast path, no features; TryReadAt is its own
+	formats.ReadOnly   // writes refused: write through a qcow2 overlay
+	f                  aio.File
+	h                  Header
+	size               int64
+	static             bool
 	// bmap holds the entries of the blocks that cover the disk (QEMU holds
 	// blocks_in_image of them; those past the disk are never used).
 	bmap []uint32
@@ -347,25 +349,5 @@ func (img *Image) Info() formats.Info {
 	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual,
 		ClusterSize: blockSize, RequestAlignment: 1}
 }
-
-func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-
-func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error {
-	return formats.ErrReadOnly
-}
-
-func (img *Image) Discard(context.Context, int64, int64) error { return formats.ErrReadOnly }
-
-func (img *Image) Resize(context.Context, int64) error { return formats.ErrReadOnly }
-
-func (img *Image) Flush(context.Context) error { return nil }
-
-// TryWriteAt: nothing is written here; WriteAt refuses.
-func (img *Image) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
-
-// Features: none; the file's bytes are not the disk's.
-func (img *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
 
 func (img *Image) Close() error { return img.f.Close() }

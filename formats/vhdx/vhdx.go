@@ -141,8 +141,9 @@ type span struct {
 // Image is an open VHDX image.
 type Image struct {
 	formats.NoFastPath // no write fast path, no features; TryReadAt is below
-	f                  aio.File
-	path               string
+	formats.ReadOnly
+	f    aio.File
+	path string
 
 	size           int64 // virtual size as QEMU reports it (whole 512-byte sectors)
 	blockSize      int64
@@ -768,14 +769,6 @@ func (img *Image) BlockSize() int64           { return img.blockSize }
 func (img *Image) LogicalSectorSize() uint32  { return img.logicalSector }
 func (img *Image) PhysicalSectorSize() uint32 { return img.physicalSector }
 func (img *Image) Fixed() bool                { return img.fixed }
-
-func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error { return formats.ErrReadOnly }
-func (img *Image) Discard(context.Context, int64, int64) error           { return formats.ErrReadOnly }
-func (img *Image) Flush(context.Context) error                           { return nil }
-func (img *Image) Resize(context.Context, int64) error                   { return formats.ErrReadOnly }
 
 // Close closes the file and the parent's.
 func (img *Image) Close() error {

@@ -121,17 +121,19 @@ type extent struct {
 
 // Image is an open VMDK image.
 type Image struct {
-	f          aio.File // the file opened (descriptor or sparse)
-	name       string
-	direct     bool
-	createType string
-	cid        uint32
-	parentCID  uint32
-	parentHint string
-	parentName string
-	parent     formats.Image
-	extents    []*extent
-	size       int64
+	formats.NoFastPath          // no write fast path, no features; TryReadAt is its own
+	formats.ReadOnly            // writes refused: write through a qcow2 overlay
+	f                  aio.File // the file opened (descriptor or sparse)
+	name               string
+	direct             bool
+	createType         string
+	cid                uint32
+	parentCID          uint32
+	parentHint         string
+	parentName         string
+	parent             formats.Image
+	extents            []*extent
+	size               int64
 }
 
 // Detect says whether head starts a VMDK: the sparse magic, or a text
@@ -711,23 +713,6 @@ func (im *Image) Backing() formats.Image {
 }
 
 func (im *Image) Size() int64 { return im.size }
-
-func (im *Image) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-
-func (im *Image) TryWriteAt([]byte, int64) (bool, error) { return true, formats.ErrReadOnly }
-
-func (im *Image) WriteZeroes(context.Context, int64, int64, bool) error { return formats.ErrReadOnly }
-
-func (im *Image) Discard(context.Context, int64, int64) error { return formats.ErrReadOnly }
-
-func (im *Image) Resize(context.Context, int64) error { return formats.ErrReadOnly }
-
-// Flush has nothing to write: the image is read-only.
-func (im *Image) Flush(context.Context) error { return nil }
-
-func (im *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
 
 // Close closes the image's files and its parent.
 func (im *Image) Close() error {

@@ -149,10 +149,12 @@ func diskSectors(f Footer, calc SizeCalc) uint64 {
 
 // Image is an open VHD image.
 type Image struct {
-	f      aio.File
-	footer Footer
-	size   int64
-	fixed  bool
+	formats.NoFastPath // no write fast path, no features; TryReadAt is its own
+	formats.ReadOnly   // writes refused: write through a qcow2 overlay
+	f                  aio.File
+	footer             Footer
+	size               int64
+	fixed              bool
 	// Dynamic disks: block size, bitmap size (both bytes) and the BAT
 	// entries of the blocks that hold the disk.
 	blockSize  int64
@@ -623,26 +625,6 @@ func (img *Image) Info() formats.Info {
 
 // Footer returns the footer's fields.
 func (img *Image) Footer() Footer { return img.footer }
-
-func (img *Image) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-
-func (img *Image) WriteZeroes(context.Context, int64, int64, bool) error {
-	return formats.ErrReadOnly
-}
-
-func (img *Image) Discard(context.Context, int64, int64) error { return formats.ErrReadOnly }
-
-func (img *Image) Resize(context.Context, int64) error { return formats.ErrReadOnly }
-
-func (img *Image) Flush(context.Context) error { return nil }
-
-// TryWriteAt: nothing is written here; WriteAt refuses.
-func (img *Image) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
-
-// Features: none; FUSE passthrough is left to raw images.
-func (img *Image) Features() formats.Features { return formats.Features{HostFd: -1} }
 
 func (img *Image) Close() error {
 	if img.parent != nil {

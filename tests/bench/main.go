@@ -523,6 +523,11 @@ func benchTarget(target, dir string, systems []system, suffix string, keep func(
 		mnt := filepath.Join(dir, fmt.Sprintf("%s-%d.mnt", target, i))
 		cmd, err := s.start(target, images[s.key()], mnt, writable)
 		if err != nil {
+			// log.Fatal runs no deferred stop: unmount what is up first
+			// (a failed start left our export mounted once).
+			for _, d := range daemons {
+				stop(d.cmd, d.mnt)
+			}
 			log.Fatal(err)
 		}
 		daemons[s.key()] = live{cmd, mnt}
