@@ -121,6 +121,55 @@ func TestRangeLockDisjointRangesDoNotWait(t *testing.T) {
 	}
 }
 
+// TestRangeLockAllocationFree: every write of every format takes a range
+// lock; once warm, an uncontended Lock and its unlock allocate nothing.
+func TestRangeLockAllocationFree(t *testing.T) {
+	var l RangeLock
+	ctx := context.Background()
+	a := testing.AllocsPerRun(1000, func() {
+		u1, _ := l.Lock(ctx, 0, 4096)
+		u2, _ := l.Lock(ctx, 8192, 4096)
+		u1()
+		u2()
+	})
+	if a != 0 {
+		t.Fatalf("Lock+unlock allocated %.1f objects per run", a)
+	}
+}
+
+// TestRangeLockWaiterWakesAfterReuse: the entry a waiter waited on is
+// reused by a new holder at once; the waiter must still wake, and then
+// wait on the new holder, not take its range.
+func TestRangeLockWaiterWakesAfterReuse(t *testing.T) {
+	var l RangeLock
+	ctx := context.Background()
+	u1, _ := l.Lock(ctx, 0, 100)
+	got := make(chan func())
+	go func() {
+		u, err := l.Lock(ctx, 50, 10)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- u
+	}()
+	time.Sleep(10 * time.Millisecond) // the waiter is asleep on u1's range
+	u1()
+	u3, err := l.Lock(ctx, 200, 10) // may reuse u1's entry
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case u := <-got:
+		u()
+	case <-time.After(5 * time.Second):
+		t.Fatal("the waiter never woke")
+	}
+	u3()
+	if len(l.held) != 0 {
+		t.Fatalf("%d ranges still held", len(l.held))
+	}
+}
+
 func TestBufPoolAlignment(t *testing.T) {
 	p := NewBufPool(8192, 4096)
 	for i := 0; i < 10; i++ {

@@ -11,19 +11,30 @@ import (
 // Held ranges are kept in a short list: the number of requests in flight is
 // bounded by the queue depth, and a linear scan of a few dozen entries beats
 // a tree at that size.
+//
+// Every write of raw, qcow2, an NBD source and an O_DIRECT read-modify-write
+// takes one, so an uncontended Lock allocates nothing: released entries
+// (with their unlock functions, made once) go to a free list, and the
+// channel a waiter sleeps on is made only when someone has to wait.
 type RangeLock struct {
 	mu   sync.Mutex
 	held []*heldRange
+	free []*heldRange
 }
 
 type heldRange struct {
+	l        *RangeLock
 	off, end int64
-	// released is closed when the holder unlocks; waiters then retry.
+	// released, made by the first waiter, is closed when the holder
+	// unlocks; waiters then retry. A waiter keeps the channel, not the
+	// entry, so the entry can be reused at once.
 	released chan struct{}
+	unlock   func() // h.release, bound once for the entry's life
 }
 
 // Lock waits until no held range overlaps [off, off+n) and takes it. The
-// returned function releases it. If ctx ends first, Lock returns ctx's error.
+// returned function releases it and must be called exactly once. If ctx
+// ends first, Lock returns ctx's error.
 func (l *RangeLock) Lock(ctx context.Context, off, n int64) (unlock func(), err error) {
 	end := off + n
 	for {
@@ -36,21 +47,35 @@ func (l *RangeLock) Lock(ctx context.Context, off, n int64) (unlock func(), err 
 			}
 		}
 		if conflict == nil {
-			h := &heldRange{off: off, end: end, released: make(chan struct{})}
+			var h *heldRange
+			if k := len(l.free); k > 0 {
+				h, l.free[k-1] = l.free[k-1], nil
+				l.free = l.free[:k-1]
+			} else {
+				h = &heldRange{l: l}
+				h.unlock = h.release
+			}
+			h.off, h.end = off, end
 			l.held = append(l.held, h)
 			l.mu.Unlock()
-			return func() { l.unlock(h) }, nil
+			return h.unlock, nil
 		}
+		if conflict.released == nil {
+			conflict.released = make(chan struct{})
+		}
+		wait := conflict.released
 		l.mu.Unlock()
 		select {
-		case <-conflict.released:
+		case <-wait:
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
 	}
 }
 
-func (l *RangeLock) unlock(h *heldRange) {
+// release is the unlock function of h's holder.
+func (h *heldRange) release() {
+	l := h.l
 	l.mu.Lock()
 	for i, x := range l.held {
 		if x == h {
@@ -61,6 +86,10 @@ func (l *RangeLock) unlock(h *heldRange) {
 			break
 		}
 	}
+	if h.released != nil {
+		close(h.released)
+		h.released = nil
+	}
+	l.free = append(l.free, h)
 	l.mu.Unlock()
-	close(h.released)
 }
