@@ -141,7 +141,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	img, err := openImage(image, opts)
+	img, err := f.open(image, opts)
 	if err != nil {
 		return err
 	}

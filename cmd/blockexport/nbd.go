@@ -100,7 +100,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
 	}
-	img, err := openImage(args[0], opts)
+	img, err := f.open(args[0], opts)
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats/copyonread"
 	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/probe"
 )
@@ -20,6 +21,7 @@ type serveFlags struct {
 	sourceFlags
 	format         string
 	writable       bool
+	copyOnRead     bool
 	nullReadZeroes bool
 	aio            string
 	cache          string
@@ -35,6 +37,7 @@ func (f *serveFlags) register(c *cobra.Command) {
 	fs := c.Flags()
 	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null (auto: probed as qemu-img probes; a format not read here, qed say, is refused by name)")
 	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
+	fs.BoolVar(&f.copyOnRead, "copy-on-read", false, "reads of what a qcow2 overlay does not hold copy it, whole clusters, from the backing chain into the overlay (QEMU's copy-on-read filter): each block crosses from the backing file once; needs --writable and a backing file")
 	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
 	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
@@ -66,6 +69,9 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 	format, err := probe.ParseFormat(f.format)
 	if err != nil {
 		return nil, probe.Options{}, usageError{err}
+	}
+	if f.copyOnRead && !f.writable {
+		return nil, probe.Options{}, usagef("--copy-on-read writes what it reads into the image: it needs --writable")
 	}
 	backend, err := aio.ParseBackend(f.aio)
 	if err != nil {
@@ -138,6 +144,21 @@ func openImage(spec string, o probe.Options) (*probe.Opened, error) {
 		}
 		return nil, err
 	}
+	return img, nil
+}
+
+// open opens the image to serve, behind the copy-on-read filter if asked.
+func (f *serveFlags) open(spec string, o probe.Options) (*probe.Opened, error) {
+	img, err := openImage(spec, o)
+	if err != nil || !f.copyOnRead {
+		return img, err
+	}
+	cor, err := copyonread.New(img.Image, img.Format)
+	if err != nil {
+		img.Image.Close()
+		return nil, usageError{err}
+	}
+	img.Image = cor
 	return img, nil
 }
 

@@ -1,0 +1,72 @@
+// Package copyonread is QEMU's copy-on-read filter: an image whose reads
+// copy what its top layer does not allocate from the backing chain into
+// that layer, so that every block crosses from the backing file (a remote
+// one, say) once, and the top layer can be used without it later. Writes,
+// flushes and everything else go to the top layer as usual.
+//
+// The copying itself belongs to the top layer's format (package qcow2: it
+// alone knows which clusters it allocates, and holds the range lock that
+// orders a copy against a guest write of the same cluster); this package
+// only routes reads there, and refuses images that cannot do it.
+package copyonread
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Copier is a writable top layer that copies on read.
+type Copier interface {
+	formats.Image
+	formats.Layered
+	// ReadCopy reads p at off, first copying the clusters it touches that
+	// this layer does not allocate from the backing chain into it.
+	ReadCopy(ctx context.Context, p []byte, off int64) (int, error)
+	// TryReadHere is TryReadAt for bytes this layer allocates; anything
+	// else would wait (ReadCopy copies it).
+	TryReadHere(p []byte, off int64) bool
+}
+
+// ErrNoBacking: the image has no backing file to copy from.
+var ErrNoBacking = errors.New("--copy-on-read: the image has no backing file to copy from")
+
+// Image reads through its top layer's copy-on-read; the rest of
+// formats.Image is the top layer's own.
+type Image struct {
+	Copier
+}
+
+// New wraps img, which must be a writable image of a format that copies
+// on read (qcow2), with a backing file.
+func New(img formats.Image, format string) (*Image, error) {
+	c, ok := img.(Copier)
+	if !ok {
+		return nil, fmt.Errorf("--copy-on-read needs a qcow2 overlay; the image is %s", format)
+	}
+	if c.Backing() == nil {
+		return nil, ErrNoBacking
+	}
+	return &Image{c}, nil
+}
+
+// ReadAt copies what the top layer lacks, then reads.
+func (i *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	return i.Copier.ReadCopy(ctx, p, off)
+}
+
+// TryReadAt serves only bytes the top layer holds: a read of the backing
+// chain must go through ReadAt, which copies.
+func (i *Image) TryReadAt(p []byte, off int64) bool {
+	return i.Copier.TryReadHere(p, off)
+}
+
+// Features are the top layer's, without a host file to pass reads to:
+// the kernel reading one directly would bypass the copy.
+func (i *Image) Features() formats.Features {
+	f := i.Copier.Features()
+	f.HostFd = -1
+	return f
+}
