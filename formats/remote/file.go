@@ -1,0 +1,601 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+)
+
+// Defaults for Options' zero values.
+const (
+	DefaultConnections = 8
+	DefaultCacheSize   = 64 << 20
+	DefaultBlockSize   = 64 << 10
+)
+
+const (
+	// maxGet bounds one range GET: a longer run of missing blocks is
+	// split, so that a large read keeps several connections busy and the
+	// bounce buffers (one per connection) stay small.
+	maxGet = 1 << 20
+	// minAttempt is the least time a fetch gets, retries included, when
+	// the reconnect timeout is shorter (0 means "no retries", not "no time").
+	minAttempt = time.Second
+	// Readahead starts at initWindow once a reader is seen reading on from
+	// where it stopped, doubles with each read that continues the stream,
+	// and stops at maxWindow (or a quarter of the cache, if smaller).
+	initWindow = 256 << 10
+	maxWindow  = 32 << 20
+	// nstreams sequential readers are followed at once (a guest reading
+	// two files, the kernel's readahead beside a reader's own requests).
+	nstreams = 8
+	// maxFree bounds the recycled block buffers kept aside.
+	maxFree = 64
+)
+
+// Options say how a File reads its object.
+type Options struct {
+	// Connections: range GETs in flight at once (0: DefaultConnections).
+	Connections int
+	// CacheSize: bytes of fetched blocks kept (0: DefaultCacheSize).
+	CacheSize int64
+	// BlockSize: the cache's unit, a power of two (0: DefaultBlockSize).
+	BlockSize int
+	// ReconnectTimeout: how long a fetch retries temporary failures
+	// (resets, timeouts, 5xx, 429) before the read fails with EIO; also
+	// what one request may take, so a hanging or trickling server ends in
+	// EIO. At least a second.
+	ReconnectTimeout time.Duration
+	Logger           *slog.Logger
+}
+
+// File is an object read through a Backend, as an aio.File that formats
+// open like a local file: read-only, no descriptor (Fd is -1; its size is
+// Size, see aio.FileSize).
+//
+// Reads are served from a cache of fixed-size blocks. A block that is
+// missing is fetched once however many readers want it (they all wait on
+// the one request); runs of missing blocks are fetched by one range GET
+// each (up to maxGet) over at most Connections requests at once. A reader
+// seen continuing where it stopped gets readahead, growing with the
+// stream; a random read gets none.
+type File struct {
+	b    Backend
+	obj  Object
+	name string
+	o    Options
+	log  *slog.Logger
+	bs   int64 // block size
+	// sem holds a token per request in flight.
+	sem chan struct{}
+	// ctx is the fetches' context: a fetch outlives the reader that
+	// started it (others may wait on it), not the file.
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	// bounce buffers for one GET each, maxGet bytes.
+	bounce  sync.Pool
+	changed atomic.Bool // ErrChanged logged
+	gets    atomic.Int64
+
+	mu       sync.Mutex
+	blocks   map[int64]*block
+	lru      block // sentinel of the loaded blocks, most recent first
+	capacity int
+	free     [][]byte
+	streams  [nstreams]stream
+	tick     uint64
+	window   int64 // readahead limit
+	closed   bool
+}
+
+// block is one cache entry: loading until done is closed, then loaded
+// (data valid) or failed (err; already out of the map).
+type block struct {
+	idx        int64
+	data       []byte
+	done       chan struct{}
+	err        error
+	loaded     bool
+	refs       int  // readers copying out of data
+	evicted    bool // out of the map; data recycled at the last unref
+	prev, next *block
+}
+
+type stream struct {
+	next, ahead, window int64
+	used                uint64
+}
+
+// Open pins obj's size and identity (Backend.Stat, retried like a read)
+// and returns the File. The backend is the File's from then on: Close
+// closes it, and so does a failed Open.
+func Open(ctx context.Context, b Backend, o Options) (*File, error) {
+	if o.Connections <= 0 {
+		o.Connections = DefaultConnections
+	}
+	if o.CacheSize <= 0 {
+		o.CacheSize = DefaultCacheSize
+	}
+	if o.BlockSize <= 0 {
+		o.BlockSize = DefaultBlockSize
+	}
+	if o.BlockSize&(o.BlockSize-1) != 0 || o.BlockSize > maxGet {
+		b.Close()
+		return nil, fmt.Errorf("remote: block size %d: want a power of two up to %d", o.BlockSize, maxGet)
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	f := &File{b: b, name: b.String(), o: o, log: o.Logger, bs: int64(o.BlockSize),
+		sem: make(chan struct{}, o.Connections), blocks: map[int64]*block{}}
+	f.lru.next, f.lru.prev = &f.lru, &f.lru
+	f.capacity = int(max(o.CacheSize/f.bs, 16))
+	f.window = min(maxWindow, max(o.CacheSize/4, initWindow))
+	f.bounce.New = func() any { b := make([]byte, maxGet); return &b }
+	f.ctx, f.cancel = context.WithCancel(context.Background())
+	obj, err := f.stat(ctx)
+	if err != nil {
+		f.cancel()
+		b.Close()
+		return nil, err
+	}
+	if obj.Size < 0 {
+		f.cancel()
+		b.Close()
+		return nil, fmt.Errorf("%s: size %d: %w", f.name, obj.Size, errBadReply)
+	}
+	f.obj = obj
+	return f, nil
+}
+
+var errBadReply = errors.New("server's reply makes no sense")
+
+// stat is Backend.Stat with the retries a read gets.
+func (f *File) stat(ctx context.Context) (Object, error) {
+	var obj Object
+	err := f.retry(ctx, func(ctx context.Context) error {
+		var err error
+		obj, err = f.b.Stat(ctx)
+		return err
+	})
+	if err != nil {
+		return Object{}, fmt.Errorf("%s: %w", f.name, err)
+	}
+	return obj, nil
+}
+
+// Object is what Open pinned.
+func (f *File) Object() Object { return f.obj }
+
+// Size is the object's size, pinned at open (aio.Sized).
+func (f *File) Size() int64 { return f.obj.Size }
+
+// Gets counts the range requests made (not their retries).
+func (f *File) Gets() int64 { return f.gets.Load() }
+
+func (f *File) Fd() int              { return -1 }
+func (f *File) Name() string         { return f.name }
+func (f *File) Backend() aio.Backend { return aio.Backend("remote") }
+
+func (f *File) WriteAt(context.Context, []byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+func (f *File) WritevAt(context.Context, [][]byte, int64) (int, error) {
+	return 0, formats.ErrReadOnly
+}
+func (f *File) TryWriteAt([]byte, int64) (bool, error) { return true, formats.ErrReadOnly }
+func (f *File) Fallocate(context.Context, uint32, int64, int64) error {
+	return formats.ErrReadOnly
+}
+
+// Fsync and Fdatasync have nothing to make durable: nothing is written.
+func (f *File) Fsync(context.Context) error     { return nil }
+func (f *File) Fdatasync(context.Context) error { return nil }
+
+func (f *File) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	total := 0
+	for _, p := range iov {
+		n, err := f.ReadAt(ctx, p, off)
+		total += n
+		off += int64(n)
+		if err != nil {
+			return total, err
+		}
+	}
+	return total, nil
+}
+
+// ReadAt reads p at off; past the object's end it returns fewer bytes
+// and io.EOF, as a file does.
+func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("%s: read at %d: %w", f.name, off, unix.EINVAL)
+	}
+	if off >= f.obj.Size {
+		if len(p) == 0 {
+			return 0, nil
+		}
+		return 0, io.EOF
+	}
+	n := int(min(int64(len(p)), f.obj.Size-off))
+	want, err := f.acquire(off, int64(n))
+	if err != nil {
+		return 0, err
+	}
+	defer f.release(want)
+	for _, b := range want {
+		select {
+		case <-b.done:
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+		if b.err != nil {
+			return 0, b.err
+		}
+	}
+	f.copyOut(want, p[:n], off)
+	if n < len(p) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+// TryReadAt serves p from the cache when every block of it is there.
+func (f *File) TryReadAt(p []byte, off int64) bool {
+	if off < 0 || off+int64(len(p)) > f.obj.Size || len(p) == 0 {
+		return false
+	}
+	first, last := off/f.bs, (off+int64(len(p))-1)/f.bs
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return false
+	}
+	want := make([]*block, 0, last-first+1)
+	for i := first; i <= last; i++ {
+		b := f.blocks[i]
+		if b == nil || !b.loaded {
+			f.mu.Unlock()
+			return false
+		}
+		want = append(want, b)
+	}
+	for _, b := range want {
+		b.refs++
+		f.touch(b)
+	}
+	runs := f.follow(off, off+int64(len(p)))
+	f.mu.Unlock()
+	f.start(runs)
+	f.copyOut(want, p, off)
+	f.release(want)
+	return true
+}
+
+func (f *File) copyOut(want []*block, p []byte, off int64) {
+	for _, b := range want {
+		start := b.idx * f.bs
+		lo, hi := max(off, start), min(off+int64(len(p)), start+int64(len(b.data)))
+		copy(p[lo-off:hi-off], b.data[lo-start:hi-start])
+	}
+}
+
+// acquire returns the blocks of [off, off+n), referenced, starting the
+// fetches of those missing and the readahead the read earns.
+func (f *File) acquire(off, n int64) ([]*block, error) {
+	first, last := off/f.bs, (off+n-1)/f.bs
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return nil, fmt.Errorf("%s: %w", f.name, errClosed)
+	}
+	want := make([]*block, 0, last-first+1)
+	var runs [][2]int64
+	for i := first; i <= last; i++ {
+		b := f.blocks[i]
+		if b == nil {
+			b = f.insert(i)
+			if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
+				runs[k][1]++
+			} else {
+				runs = append(runs, [2]int64{i, i + 1})
+			}
+		} else if b.loaded {
+			f.touch(b)
+		}
+		b.refs++
+		want = append(want, b)
+	}
+	runs = append(runs, f.follow(off, off+n)...)
+	f.mu.Unlock()
+	f.start(runs)
+	return want, nil
+}
+
+var errClosed = errors.New("remote file closed")
+
+// release drops the references acquire took.
+func (f *File) release(want []*block) {
+	f.mu.Lock()
+	for _, b := range want {
+		b.refs--
+		if b.refs == 0 && b.evicted {
+			f.recycle(b)
+		}
+	}
+	f.mu.Unlock()
+}
+
+// insert makes a loading entry for block i, evicting the least recently
+// used loaded blocks beyond the capacity. Loading blocks are never
+// evicted: when all are loading, the cache overshoots by what is in
+// flight (bounded by the readahead window and the readers' own requests).
+func (f *File) insert(i int64) *block {
+	for len(f.blocks) >= f.capacity && f.lru.prev != &f.lru {
+		v := f.lru.prev
+		f.unlink(v)
+		delete(f.blocks, v.idx)
+		v.evicted = true
+		if v.refs == 0 {
+			f.recycle(v)
+		}
+	}
+	b := &block{idx: i, done: make(chan struct{})}
+	f.blocks[i] = b
+	return b
+}
+
+func (f *File) recycle(b *block) {
+	if len(f.free) < maxFree && int64(cap(b.data)) == f.bs {
+		f.free = append(f.free, b.data[:cap(b.data)])
+	}
+	b.data = nil
+}
+
+func (f *File) touch(b *block) {
+	f.unlink(b)
+	b.next, b.prev = f.lru.next, &f.lru
+	f.lru.next.prev = b
+	f.lru.next = b
+}
+
+func (f *File) unlink(b *block) {
+	if b.next != nil {
+		b.prev.next, b.next.prev = b.next, b.prev
+		b.next, b.prev = nil, nil
+	}
+}
+
+// follow records a read of [off, end) against the sequential streams and
+// returns the runs of blocks to read ahead (entries made, loading).
+func (f *File) follow(off, end int64) [][2]int64 {
+	f.tick++
+	var s *stream
+	slack := 4 * f.bs // concurrent requests of one stream arrive out of order
+	for i := range f.streams {
+		c := &f.streams[i]
+		if c.used != 0 && off >= c.next-slack && off <= c.next+slack {
+			s = c
+			break
+		}
+	}
+	if s == nil {
+		// A new stream (or a random read): no readahead until it goes on.
+		s = &f.streams[0]
+		for i := range f.streams {
+			if f.streams[i].used < s.used {
+				s = &f.streams[i]
+			}
+		}
+		*s = stream{next: end, ahead: end, used: f.tick}
+		return nil
+	}
+	s.used = f.tick
+	if end <= s.next {
+		return nil // a request of the stream that arrived late, or a reread
+	}
+	s.next = end
+	if s.ahead-s.next > s.window/2 {
+		// Enough is on its way: the next batch goes out once the reader
+		// has eaten into half of it, so each batch is a large request
+		// rather than one small one per read.
+		return nil
+	}
+	s.window = min(max(2*s.window, initWindow), f.window)
+	target := min(s.next+s.window, f.obj.Size)
+	from := max(s.ahead, s.next)
+	if target <= from {
+		return nil
+	}
+	s.ahead = target
+	var runs [][2]int64
+	for i := from / f.bs; i <= (target-1)/f.bs; i++ {
+		if f.blocks[i] != nil {
+			continue
+		}
+		f.insert(i)
+		if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
+			runs[k][1]++
+		} else {
+			runs = append(runs, [2]int64{i, i + 1})
+		}
+	}
+	return runs
+}
+
+// start fetches runs of loading blocks, each in GETs of up to maxGet.
+func (f *File) start(runs [][2]int64) {
+	per := maxGet / f.bs
+	for _, r := range runs {
+		for i := r[0]; i < r[1]; i += per {
+			j := min(i+per, r[1])
+			f.wg.Add(1)
+			go f.load(i, j)
+		}
+	}
+}
+
+// load fetches blocks [i, j) with one range GET (retried) and completes
+// their entries.
+func (f *File) load(i, j int64) {
+	defer f.wg.Done()
+	off := i * f.bs
+	end := min(j*f.bs, f.obj.Size)
+	var err error
+	var bp *[]byte
+	select {
+	case f.sem <- struct{}{}:
+		bp = f.bounce.Get().(*[]byte)
+		buf := (*bp)[:end-off]
+		f.gets.Add(1)
+		err = f.retry(f.ctx, func(ctx context.Context) error {
+			return f.b.ReadRange(ctx, f.obj, buf, off)
+		})
+		<-f.sem
+		if err != nil {
+			err = f.ioError(err, off, end-off)
+		}
+	case <-f.ctx.Done():
+		err = fmt.Errorf("%s: %w", f.name, errClosed)
+	}
+	f.mu.Lock()
+	for k := i; k < j; k++ {
+		b := f.blocks[k]
+		if b == nil || b.loaded || b.err != nil {
+			continue // cannot be: loading entries stay until completed here
+		}
+		if err != nil {
+			delete(f.blocks, k)
+			b.evicted = true
+			b.err = err
+			close(b.done)
+			continue
+		}
+		lo := k*f.bs - off
+		hi := min(lo+f.bs, end-off)
+		var data []byte
+		if n := len(f.free); n > 0 {
+			data, f.free = f.free[n-1], f.free[:n-1]
+		} else {
+			data = make([]byte, f.bs)
+		}
+		data = data[:hi-lo]
+		copy(data, (*bp)[lo:hi])
+		b.data, b.loaded = data, true
+		f.touch(b)
+		close(b.done)
+	}
+	f.mu.Unlock()
+	if bp != nil {
+		f.bounce.Put(bp)
+	}
+}
+
+// retry runs op until it succeeds, fails for good, or the reconnect
+// timeout has passed since the first try; each try's context ends at that
+// deadline too, so that a server that hangs or trickles cannot hold a read
+// past it.
+func (f *File) retry(ctx context.Context, op func(context.Context) error) error {
+	deadline := time.Now().Add(max(f.o.ReconnectTimeout, minAttempt))
+	actx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	backoff := 10 * time.Millisecond
+	for {
+		err := op(actx)
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err() // the caller (or Close) gave up, not the server
+		case errors.Is(err, ErrChanged):
+			return err
+		case actx.Err() != nil:
+			return &timeoutError{after: max(f.o.ReconnectTimeout, minAttempt), last: err}
+		case !errors.Is(err, ErrTemporary):
+			return err
+		}
+		if time.Now().Add(backoff).After(deadline) {
+			return &timeoutError{after: max(f.o.ReconnectTimeout, minAttempt), last: err}
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-actx.Done():
+			t.Stop()
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// timeoutError: the reconnect timeout passed with no good answer. It does
+// not wrap context.DeadlineExceeded: that is the caller's interruption
+// (EINTR), this is the server's failure (EIO).
+type timeoutError struct {
+	after time.Duration
+	last  error
+}
+
+func (e *timeoutError) Error() string {
+	return fmt.Sprintf("no good answer within the reconnect timeout (%v); last: %v", e.after, e.last)
+}
+
+// IOError is what a failed read returns: EIO to errno mappers, and
+// ErrChanged when that is the cause, but none of the cause's own errnos
+// or context errors (a reset is not the reader's ECONNRESET, a request's
+// timeout is not the reader's interruption).
+type IOError struct {
+	msg     string
+	changed bool
+}
+
+func (e *IOError) Error() string { return e.msg }
+func (e *IOError) Unwrap() []error {
+	if e.changed {
+		return []error{unix.EIO, ErrChanged}
+	}
+	return []error{unix.EIO}
+}
+
+func (f *File) ioError(err error, off, n int64) error {
+	if errors.Is(err, errClosed) || errors.Is(err, context.Canceled) && f.ctx.Err() != nil {
+		return fmt.Errorf("%s: %w", f.name, errClosed)
+	}
+	changed := errors.Is(err, ErrChanged)
+	if changed && !f.changed.Swap(true) {
+		f.log.Error("remote object changed while exported: reads fail with EIO from now on", "object", f.name,
+			"etag", f.obj.ETag, "size", f.obj.Size)
+	}
+	return &IOError{msg: fmt.Sprintf("%s: read %d bytes at %d: %v", f.name, n, off, err), changed: changed}
+}
+
+// Close stops the fetches in flight and closes the backend.
+func (f *File) Close() error {
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return nil
+	}
+	f.closed = true
+	f.mu.Unlock()
+	f.cancel()
+	f.wg.Wait()
+	f.mu.Lock()
+	f.blocks, f.free = nil, nil
+	f.lru.next, f.lru.prev = &f.lru, &f.lru
+	f.mu.Unlock()
+	return f.b.Close()
+}
+
+var _ aio.File = (*File)(nil)
+var _ aio.Sized = (*File)(nil)

@@ -1,0 +1,302 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// memBackend serves data, counting requests and bytes, failing as fail
+// says (called with the request's number, from 1).
+type memBackend struct {
+	data  []byte
+	gets  atomic.Int64
+	bytes atomic.Int64
+	delay time.Duration
+	fail  func(n int64, ctx context.Context) error
+	mu    sync.Mutex
+	asked [][2]int64
+}
+
+func (m *memBackend) Stat(context.Context) (Object, error) {
+	return Object{Size: int64(len(m.data)), ETag: `"v1"`}, nil
+}
+
+func (m *memBackend) ReadRange(ctx context.Context, obj Object, p []byte, off int64) error {
+	n := m.gets.Add(1)
+	m.mu.Lock()
+	m.asked = append(m.asked, [2]int64{off, int64(len(p))})
+	m.mu.Unlock()
+	if m.delay > 0 {
+		select {
+		case <-time.After(m.delay):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if m.fail != nil {
+		if err := m.fail(n, ctx); err != nil {
+			return err
+		}
+	}
+	if obj.ETag != `"v1"` || off+int64(len(p)) > int64(len(m.data)) {
+		return fmt.Errorf("bad request %d+%d", off, len(p))
+	}
+	m.bytes.Add(int64(len(p)))
+	copy(p, m.data[off:])
+	return nil
+}
+
+func (m *memBackend) String() string { return "mem://object" }
+func (m *memBackend) Close() error   { return nil }
+
+func rhData(n int) []byte {
+	d := make([]byte, n)
+	rand.New(rand.NewSource(int64(n))).Read(d)
+	return d
+}
+
+func openMem(t *testing.T, m *memBackend, o Options) *File {
+	t.Helper()
+	f, err := Open(context.Background(), m, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+func TestReadsMatchTheObject(t *testing.T) {
+	m := &memBackend{data: rhData(3<<20 + 12345)}
+	f := openMem(t, m, Options{CacheSize: 1 << 20})
+	rng := rand.New(rand.NewSource(1))
+	for i := 0; i < 300; i++ {
+		off := rng.Int63n(int64(len(m.data)) + 100)
+		p := make([]byte, rng.Intn(300<<10))
+		n, err := f.ReadAt(context.Background(), p, off)
+		wantN := int(max(0, min(int64(len(p)), int64(len(m.data))-off)))
+		if n != wantN {
+			t.Fatalf("read %d at %d: %d bytes, want %d (err %v)", len(p), off, n, wantN, err)
+		}
+		if n < len(p) && !errors.Is(err, io.EOF) || n == len(p) && err != nil {
+			t.Fatalf("read %d at %d: err %v with %d bytes", len(p), off, err, n)
+		}
+		if n > 0 && !bytes.Equal(p[:n], m.data[off:off+int64(n)]) {
+			t.Fatalf("read %d at %d: wrong bytes", len(p), off)
+		}
+	}
+	// What the cache holds stays within its size (plus what was in flight,
+	// none now).
+	time.Sleep(50 * time.Millisecond)
+	f.mu.Lock()
+	held := len(f.blocks)
+	f.mu.Unlock()
+	if held > f.capacity {
+		t.Fatalf("cache holds %d blocks, capacity %d", held, f.capacity)
+	}
+}
+
+// Concurrent readers of one block share one request.
+func TestConcurrentReadsOfABlockShareOneGet(t *testing.T) {
+	m := &memBackend{data: rhData(1 << 20), delay: 50 * time.Millisecond}
+	f := openMem(t, m, Options{})
+	var wg sync.WaitGroup
+	for i := 0; i < 32; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			p := make([]byte, 512)
+			off := int64(i * 512)
+			if _, err := f.ReadAt(context.Background(), p, off); err != nil || !bytes.Equal(p, m.data[off:off+512]) {
+				t.Errorf("read at %d: %v", off, err)
+			}
+		}(i)
+	}
+	wg.Wait()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n := 0
+	for _, a := range m.asked {
+		if a[0] == 0 {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("32 readers of one block made %d requests for it, want 1 (%v)", n, m.asked)
+	}
+}
+
+func TestTemporaryFailuresAreRetried(t *testing.T) {
+	m := &memBackend{data: rhData(1 << 20), fail: func(n int64, _ context.Context) error {
+		if n <= 4 {
+			return Temporary(errors.New("503 Service Unavailable"))
+		}
+		return nil
+	}}
+	f := openMem(t, m, Options{ReconnectTimeout: 5 * time.Second})
+	p := make([]byte, 4096)
+	if _, err := f.ReadAt(context.Background(), p, 8192); err != nil || !bytes.Equal(p, m.data[8192:8192+4096]) {
+		t.Fatalf("read after 4 temporary failures: %v", err)
+	}
+}
+
+// A server that keeps failing, or never answers, ends in EIO within the
+// reconnect timeout: not a hang, not EINTR (the reader was not
+// interrupted), not the cause's own errno.
+func TestFailuresEndInEIOWithinTheTimeout(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		fail func(int64, context.Context) error
+	}{
+		{"5xx forever", func(int64, context.Context) error { return Temporary(errors.New("502")) }},
+		{"reset forever", func(int64, context.Context) error { return Temporary(unix.ECONNRESET) }},
+		{"hang", func(_ int64, ctx context.Context) error { <-ctx.Done(); return Temporary(ctx.Err()) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := &memBackend{data: rhData(1 << 20), fail: tc.fail}
+			f := openMem(t, m, Options{ReconnectTimeout: 1500 * time.Millisecond})
+			start := time.Now()
+			_, err := f.ReadAt(context.Background(), make([]byte, 4096), 0)
+			took := time.Since(start)
+			var en unix.Errno
+			if !errors.As(err, &en) || en != unix.EIO || errors.Is(err, context.DeadlineExceeded) {
+				t.Fatalf("err %v (errno %v), want EIO alone", err, en)
+			}
+			if took > 2500*time.Millisecond {
+				t.Fatalf("failed after %v, timeout 1.5s", took)
+			}
+		})
+	}
+}
+
+// A permanent error is not retried.
+func TestPermanentErrorIsNotRetried(t *testing.T) {
+	m := &memBackend{data: rhData(1 << 20), fail: func(int64, context.Context) error { return errors.New("403 Forbidden") }}
+	f := openMem(t, m, Options{ReconnectTimeout: 10 * time.Second})
+	if _, err := f.ReadAt(context.Background(), make([]byte, 10), 0); !errors.Is(err, unix.EIO) {
+		t.Fatalf("err %v, want EIO", err)
+	}
+	if g := m.gets.Load(); g != 1 {
+		t.Fatalf("%d requests for a permanent error", g)
+	}
+}
+
+// An object replaced while exported: EIO (with ErrChanged) and one log
+// line however many reads fail.
+func TestChangedObjectIsEIOAndLoggedOnce(t *testing.T) {
+	m := &memBackend{data: rhData(4 << 20), fail: func(int64, context.Context) error {
+		return fmt.Errorf("412 Precondition Failed: %w", ErrChanged)
+	}}
+	var log strings.Builder
+	var mu sync.Mutex
+	f := openMem(t, m, Options{Logger: slog.New(slog.NewTextHandler(lockedWriter{&mu, &log}, nil))})
+	for i := 0; i < 4; i++ {
+		_, err := f.ReadAt(context.Background(), make([]byte, 10), int64(i)<<20)
+		if !errors.Is(err, unix.EIO) || !errors.Is(err, ErrChanged) {
+			t.Fatalf("err %v, want EIO and ErrChanged", err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if n := strings.Count(log.String(), "changed"); n != 1 {
+		t.Fatalf("%d log lines about the change, want 1:\n%s", n, log.String())
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// A reader that gives up gets its context's error at once; the fetch it
+// started goes on for whoever else waits.
+func TestReaderCancelDoesNotWait(t *testing.T) {
+	m := &memBackend{data: rhData(1 << 20), delay: 300 * time.Millisecond}
+	f := openMem(t, m, Options{})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	if _, err := f.ReadAt(ctx, make([]byte, 10), 0); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err %v", err)
+	}
+	if time.Since(start) > 200*time.Millisecond {
+		t.Fatal("the cancelled reader waited for the fetch")
+	}
+	p := make([]byte, 10)
+	if _, err := f.ReadAt(context.Background(), p, 0); err != nil || !bytes.Equal(p, m.data[:10]) {
+		t.Fatal(err)
+	}
+	if g := m.gets.Load(); g != 1 {
+		t.Fatalf("%d requests, want the one", g)
+	}
+}
+
+// Sequential reads earn readahead (fewer, larger requests ahead of the
+// reader); random reads fetch only their own blocks.
+func TestReadaheadFollowsStreamsOnly(t *testing.T) {
+	m := &memBackend{data: rhData(32 << 20)}
+	f := openMem(t, m, Options{})
+	p := make([]byte, 128<<10)
+	for off := int64(0); off < 16<<20; off += int64(len(p)) {
+		if _, err := f.ReadAt(context.Background(), p, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.wg.Wait()
+	seq := m.gets.Load()
+	if seq > 40 {
+		t.Fatalf("16 MiB read sequentially in 128 KiB reads took %d requests: no readahead", seq)
+	}
+	var hits int
+	for off := int64(2 << 20); off < 15<<20; off += int64(len(p)) {
+		if f.TryReadAt(p, off) {
+			hits++
+		}
+	}
+	if hits == 0 {
+		t.Fatal("nothing of what was read is served without waiting")
+	}
+
+	m2 := &memBackend{data: rhData(32 << 20)}
+	f2 := openMem(t, m2, Options{})
+	rng := rand.New(rand.NewSource(2))
+	q := make([]byte, 4096)
+	for i := 0; i < 200; i++ {
+		off := rng.Int63n(int64(len(m2.data))/4096) * 4096
+		if _, err := f2.ReadAt(context.Background(), q, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f2.wg.Wait()
+	if b := m2.bytes.Load(); b > 200*DefaultBlockSize {
+		t.Fatalf("200 random 4 KiB reads fetched %d bytes: readahead on random access", b)
+	}
+}
+
+func TestWritesRefusedAndNoFd(t *testing.T) {
+	m := &memBackend{data: rhData(4096)}
+	f := openMem(t, m, Options{})
+	if _, err := f.WriteAt(context.Background(), []byte{1}, 0); err == nil {
+		t.Fatal("write accepted")
+	}
+	if f.Fd() >= 0 || f.Size() != 4096 {
+		t.Fatalf("fd %d size %d", f.Fd(), f.Size())
+	}
+}
