@@ -293,6 +293,7 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 		if gerr != nil {
 			if c := apiCode(gerr); c != "" {
 				code = c
+				status = httpStatus(gerr)
 			}
 		}
 	}
@@ -302,7 +303,7 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 		why = "no such bucket"
 	case "NoSuchKey", "NotFound":
 		why = "no such object"
-	case "InvalidAccessKeyId":
+	case "InvalidAccessKeyId", "XAdminUserNotFound": // versitygw's word for it, with a 404
 		why = "the access key is not known to the server (InvalidAccessKeyId): check AWS_ACCESS_KEY_ID, AWS_PROFILE or the shared credentials file"
 	case "SignatureDoesNotMatch":
 		why = "the server refused the request signature (SignatureDoesNotMatch): check the secret key"
@@ -324,7 +325,13 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 			why = sdkMessage(err)
 		}
 	default:
-		why = "the server refused (" + code + ")"
+		if status == http.StatusForbidden {
+			// Stores name an unknown key in their own words
+			// (versitygw: XAdminUserNotFound).
+			why = "access refused (" + code + "): check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, the shared credentials file) and the bucket's policy"
+		} else {
+			why = "the server refused (" + code + ")"
+		}
 	}
 	return fmt.Errorf("%s: %s", b.name, why)
 }
