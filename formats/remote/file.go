@@ -170,7 +170,7 @@ func (f *File) stat(ctx context.Context) (Object, error) {
 		return err
 	})
 	if err != nil {
-		return Object{}, fmt.Errorf("%s: %w", f.name, err)
+		return Object{}, err // the backend's errors name the object
 	}
 	return obj, nil
 }
