@@ -12,7 +12,7 @@ import (
 )
 
 // commandNames are the commands every user-facing test below covers.
-var commandNames = []string{"fuse", "nbd", "info", "map", "create", "check", "version", "man", "completion"}
+var commandNames = []string{"fuse", "nbd", "info", "map", "create", "check", "version", "man", "completion", "stream"}
 
 // TestUsageAndExitStatus: the exit statuses of the command line itself
 // (the commands' own are tested with them).

@@ -1,0 +1,472 @@
+package tests
+
+import (
+	"bufio"
+	"crypto/sha256"
+	"encoding/json"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// Copy-on-read (fuse/nbd --copy-on-read) and `blockexport stream`.
+
+// corBase makes a raw image of size random bytes with holes punched in
+// it (every fifth MiB), and returns its path.
+func corBase(t *testing.T, dir string, size int64, seed uint64) string {
+	t.Helper()
+	sub := filepath.Join(dir, fmt.Sprintf("base%d", seed))
+	os.MkdirAll(sub, 0o755)
+	base := randomImage(t, sub, size, seed)
+	for off := int64(2 << 20); off+(1<<20) <= size; off += 5 << 20 {
+		run(t, "fallocate", "-p", "-o", fmt.Sprint(off), "-l", fmt.Sprint(1<<20), base)
+	}
+	return base
+}
+
+// corOverlay makes a qcow2 overlay of backing (format raw) in dir.
+func corOverlay(t *testing.T, dir, backing string) string {
+	t.Helper()
+	over := filepath.Join(dir, "over.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "raw", over)
+	return over
+}
+
+// corMapEntry is one entry of qemu-img map --output=json.
+type corMapEntry struct {
+	Start   int64 `json:"start"`
+	Length  int64 `json:"length"`
+	Depth   int   `json:"depth"`
+	Present bool  `json:"present"`
+}
+
+// corDepthOf returns qemu-img's map of img as the depth at each MiB.
+func corDepthOf(t *testing.T, img string) []int {
+	t.Helper()
+	var m []corMapEntry
+	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+		t.Fatal(err)
+	}
+	var depth []int
+	for _, e := range m {
+		for mib := (e.Start + 1<<20 - 1) >> 20; mib<<20 < e.Start+e.Length; mib++ {
+			depth = append(depth, e.Depth)
+		}
+	}
+	return depth
+}
+
+// corCheckClean runs qemu-img check, which exits non-zero on leaks and on
+// corruption alike.
+func corCheckClean(t *testing.T, img string) {
+	t.Helper()
+	run(t, "qemu-img", "check", "-f", "qcow2", img)
+}
+
+// TestCorReadsCopyIntoTheOverlay: through `fuse -w --copy-on-read`, the
+// MiBs read become the overlay's own (depth 0 in qemu-img map; the
+// holes too, as zero clusters) and the rest stays the backing file's;
+// once all is read, the overlay cut from its backing file (an unsafe
+// rebase onto nothing) reads as the backing file did.
+func TestCorReadsCopyIntoTheOverlay(t *testing.T) {
+	dir := t.TempDir()
+	const size = 24 << 20
+	base := corBase(t, dir, size, 1)
+	want := readAll(t, base)
+	over := corOverlay(t, dir, base)
+	mnt := filepath.Join(dir, "mnt")
+
+	d := startExport(t, over, mnt, "-w", "--copy-on-read")
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// MiBs 0-3 and 10-13 (a hole at 12), in odd-sized reads across
+	// cluster boundaries.
+	for _, r := range [][2]int64{{0, 4 << 20}, {10 << 20, 14 << 20}} {
+		for off := r[0]; off < r[1]; {
+			n := min(r[1]-off, 12345)
+			buf := make([]byte, n)
+			if _, err := f.ReadAt(buf, off); err != nil {
+				t.Fatal(err)
+			}
+			mustEqualBytes(t, fmt.Sprintf("read at %d", off), buf, want[off:off+n])
+			off += n
+		}
+	}
+	f.Close()
+	d.stopClean()
+	corCheckClean(t, over)
+	depth := corDepthOf(t, over)
+	for mib, dep := range depth {
+		read := mib < 4 || mib >= 10 && mib < 14
+		if read && dep != 0 || !read && dep != 1 {
+			t.Fatalf("MiB %d is at depth %d after copy-on-read of MiBs 0-3 and 10-13: %v", mib, dep, depth)
+		}
+	}
+
+	// Everything, by fio's verify-free sequential read, then cut loose.
+	d = startExport(t, over, mnt, "-w", "--copy-on-read")
+	mustEqualBytes(t, "the overlay through copy-on-read", readAll(t, mnt), want)
+	d.stopClean()
+	corCheckClean(t, over)
+	for mib, dep := range corDepthOf(t, over) {
+		if dep != 0 {
+			t.Fatalf("MiB %d still at depth %d after reading everything", mib, dep)
+		}
+	}
+	run(t, "qemu-img", "rebase", "-u", "-b", "", over)
+	gone := base + ".gone"
+	if err := os.Rename(base, gone); err != nil {
+		t.Fatal(err)
+	}
+	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, gone)
+}
+
+// TestCorRefused: --copy-on-read without --writable, on an image with no
+// backing file, or on a raw image is refused with one line, exit 2.
+func TestCorRefused(t *testing.T) {
+	dir := t.TempDir()
+	base := sparseImage(t, dir, "base.raw", 1<<20)
+	over := corOverlay(t, dir, base)
+	plain := filepath.Join(dir, "plain.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", plain, "1M")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"fuse", "--copy-on-read", over}, "needs --writable"},
+		{[]string{"nbd", "--copy-on-read", over}, "needs --writable"},
+		{[]string{"fuse", "-w", "--copy-on-read", plain}, "no backing file"},
+		{[]string{"nbd", "-w", "--copy-on-read", plain}, "no backing file"},
+		{[]string{"fuse", "-w", "-f", "raw", "--copy-on-read", base}, "needs a qcow2 overlay"},
+	} {
+		mnt := filepath.Join(dir, "mnt")
+		os.WriteFile(mnt, nil, 0o644)
+		args := c.args
+		if args[0] == "fuse" {
+			args = append(args, mnt)
+		} else {
+			args = append(args, "--listen", "unix:"+filepath.Join(dir, "s.sock"))
+		}
+		code, out := runBlockexport(t, args...)
+		if code != 2 || !strings.Contains(out, c.want) || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+			t.Errorf("blockexport %v: exit %d, want 2 and one line with %q:\n%s", args, code, c.want, out)
+		}
+		if isFuseMount(mnt) {
+			syscall.Unmount(mnt, syscall.MNT_DETACH)
+			t.Fatal("a refused export mounted")
+		}
+	}
+}
+
+// corTree is a tree of files of random sizes and contents.
+func corTree(t *testing.T, dir string, files int, seed uint64) {
+	t.Helper()
+	r := rand.New(rand.NewPCG(seed, 3))
+	for i := range files {
+		p := filepath.Join(dir, fmt.Sprintf("d%d", i%7), fmt.Sprintf("f%d", i))
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		data := make([]byte, r.IntN(1<<20))
+		for j := range data {
+			data[j] = byte(r.Uint32())
+		}
+		if err := os.WriteFile(p, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// corTreeHashes loop-mounts file read-only, hashes every file under it,
+// and unmounts it and detaches the loop device again.
+func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
+	t.Helper()
+	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", file))
+	attached := true
+	t.Cleanup(func() {
+		if attached {
+			exec.Command("losetup", "-d", loop).Run()
+		}
+	})
+	os.MkdirAll(at, 0o755)
+	run(t, "mount", "-o", "ro,noload", loop, at)
+	mounted := true
+	t.Cleanup(func() {
+		if mounted {
+			exec.Command("umount", at).Run()
+		}
+	})
+	sums := map[string][32]byte{}
+	err := filepath.WalkDir(at, func(p string, e fs.DirEntry, err error) error {
+		if err != nil || !e.Type().IsRegular() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(at, p)
+		sums[rel] = sha256.Sum256(b)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, "umount", at)
+	mounted = false
+	run(t, "losetup", "-d", loop)
+	attached = false
+	return sums
+}
+
+// TestCorLoopMountSurvivesTheBackingServer: an ext4 image served by
+// qemu-nbd is the backing file of a local overlay exported with
+// --copy-on-read; a tree read through a loop mount is read again, the
+// same, after the NBD server is gone: every block read crossed once and
+// stayed in the overlay.
+func TestCorLoopMountSurvivesTheBackingServer(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src")
+	corTree(t, src, 60, 5)
+	base := filepath.Join(dir, "fs.raw")
+	run(t, "mkfs.ext4", "-q", "-d", src, base, "96M")
+	want := map[string][32]byte{}
+	filepath.WalkDir(src, func(p string, e fs.DirEntry, err error) error {
+		if err == nil && e.Type().IsRegular() {
+			b, _ := os.ReadFile(p)
+			rel, _ := filepath.Rel(src, p)
+			want[rel] = sha256.Sum256(b)
+		}
+		return err
+	})
+	sock := filepath.Join(dir, "nbd.sock")
+	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
+	over := filepath.Join(dir, "over.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", nbdURI("base", sock), "-F", "raw", over)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off", "--reconnect-timeout", "1s")
+
+	first := corTreeHashes(t, mnt, filepath.Join(dir, "fs1"))
+	for name, sum := range want {
+		if first[name] != sum {
+			t.Fatalf("%s differs through the export (first read)", name)
+		}
+	}
+	if len(first) < len(want) {
+		t.Fatalf("%d files through the export, %d made", len(first), len(want))
+	}
+	srv.kill()
+	second := corTreeHashes(t, mnt, filepath.Join(dir, "fs2"))
+	for name, sum := range first {
+		if second[name] != sum {
+			t.Fatalf("%s differs once the backing server is gone", name)
+		}
+	}
+	d.stopClean()
+}
+
+// corStream runs `blockexport stream --progress json ARGS...` and returns
+// its command, with its JSON lines coming on lines. Its stdout is a pipe
+// of one page, so that the stream waits for the reader a few lines ahead.
+func corStream(t *testing.T, args ...string) (*exec.Cmd, *bufio.Scanner, *strings.Builder) {
+	t.Helper()
+	cmd := exec.Command(bin, append([]string{"stream", "--progress", "json"}, args...)...)
+	stdout, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdout.Close() })
+	if _, err := unix.FcntlInt(w.Fd(), unix.F_SETPIPE_SZ, 4096); err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout = w
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	return cmd, bufio.NewScanner(stdout), &stderr
+}
+
+// corStep is a progress line of stream --progress json.
+type corStep struct {
+	Event string `json:"event"`
+	Done  int64  `json:"done"`
+	Total int64  `json:"total"`
+}
+
+// corStreamToEnd runs a stream to completion and returns its planned
+// total.
+func corStreamToEnd(t *testing.T, over string, args ...string) int64 {
+	t.Helper()
+	cmd, lines, stderr := corStream(t, append(args, over)...)
+	var planned int64 = -1
+	var last corStep
+	for lines.Scan() {
+		if err := json.Unmarshal(lines.Bytes(), &last); err != nil {
+			t.Fatalf("stream: a progress line that is no JSON: %q", lines.Text())
+		}
+		if last.Event == "planned" {
+			planned = last.Total
+		}
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("stream %s: %v\n%s", over, err, stderr)
+	}
+	if last.Event != "completed" || last.Done != planned {
+		t.Fatalf("stream's last line: %+v, planned %d", last, planned)
+	}
+	return planned
+}
+
+// corStandalone checks that over has no backing file and reads as want
+// (a raw file), even with the old backing file renamed away.
+func corStandalone(t *testing.T, over, want, oldBacking string) {
+	t.Helper()
+	var info map[string]any
+	if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info); err != nil {
+		t.Fatal(err)
+	}
+	if b, ok := info["backing-filename"]; ok {
+		t.Fatalf("qemu-img info still shows a backing file: %v", b)
+	}
+	corCheckClean(t, over)
+	if oldBacking != "" {
+		if err := os.Rename(oldBacking, oldBacking+".away"); err != nil {
+			t.Fatal(err)
+		}
+		defer os.Rename(oldBacking+".away", oldBacking)
+	}
+	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, want)
+}
+
+// TestCorStream: the overlay (with writes of its own) of a raw backing
+// file with holes streams to completion: no backing file in qemu-img
+// info, the same bytes with the backing file gone, check clean; a second
+// stream has nothing to do.
+func TestCorStream(t *testing.T) {
+	dir := t.TempDir()
+	const size = 40<<20 + 12345 // not a whole number of clusters
+	base := corBase(t, dir, size, 2)
+	over := corOverlay(t, dir, base)
+	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 20M 2M", over)
+	want := filepath.Join(dir, "want.raw")
+	run(t, "qemu-img", "convert", "-O", "raw", over, want)
+
+	planned := corStreamToEnd(t, over)
+	if planned <= 0 || planned > size {
+		t.Fatalf("stream planned %d bytes of %d", planned, size)
+	}
+	corStandalone(t, over, want, base)
+	if code, out := runBlockexport(t, "stream", over); code != 0 || !strings.Contains(out, "nothing to stream") {
+		t.Fatalf("a second stream: exit %d\n%s", code, out)
+	}
+}
+
+// TestCorStreamFromNBD: the backing file is on an NBD server; once the
+// stream is done the server is gone and the overlay reads the same.
+func TestCorStreamFromNBD(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 16<<20, 3)
+	sock := filepath.Join(dir, "nbd.sock")
+	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
+	over := filepath.Join(dir, "over.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", nbdURI("base", sock), "-F", "raw", over)
+	corStreamToEnd(t, over)
+	srv.kill()
+	corStandalone(t, over, base, "")
+}
+
+// TestCorStreamInterrupted: a stream killed (SIGKILL) or interrupted
+// (SIGINT) at a random step leaves an image qemu-img finds no corruption
+// in (SIGINT: none at all, leaks included), still over its backing file;
+// the next run plans only what is missing and completes.
+func TestCorStreamInterrupted(t *testing.T) {
+	dir := t.TempDir()
+	const size = 128 << 20
+	base := corBase(t, dir, size, 4)
+	r := rand.New(rand.NewPCG(4, 4))
+	for _, sig := range []syscall.Signal{syscall.SIGKILL, syscall.SIGINT} {
+		t.Run(sig.String(), func(t *testing.T) {
+			over := filepath.Join(t.TempDir(), "over.qcow2")
+			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", over)
+			// The stream waits on its stdout: stop reading at step k (of
+			// 128, past the first flush at 16 MiB) and signal it there.
+			k := 20 + r.IntN(80)
+			cmd, lines, stderr := corStream(t, "--parallel", "4", over)
+			var full int64
+			for i := 0; i < k && lines.Scan(); i++ {
+				var s corStep
+				json.Unmarshal(lines.Bytes(), &s)
+				if s.Event == "planned" {
+					full = s.Total
+				}
+			}
+			cmd.Process.Signal(sig)
+			go func() {
+				for lines.Scan() {
+				}
+			}()
+			err := cmd.Wait()
+			if err == nil {
+				t.Fatalf("stream ended 0 after %v at step %d", sig, k)
+			}
+			if sig == syscall.SIGINT {
+				if !strings.Contains(stderr.String(), "interrupted") || strings.Count(strings.TrimSpace(stderr.String()), "\n") != 0 {
+					t.Fatalf("stream's message on SIGINT: %q", stderr.String())
+				}
+				corCheckClean(t, over)
+			} else {
+				var check struct {
+					Corruptions int `json:"corruptions"`
+				}
+				out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
+				if err := json.Unmarshal(out, &check); err != nil || check.Corruptions != 0 {
+					t.Fatalf("qemu-img check after SIGKILL: %v\n%s", err, out)
+				}
+			}
+			var info map[string]any
+			json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+			if info["backing-filename"] == nil {
+				t.Fatal("an interrupted stream dropped the backing file")
+			}
+			rest := corStreamToEnd(t, over)
+			if full <= 0 || rest >= full {
+				t.Fatalf("the resumed stream planned %d bytes of %d: it copies again what was copied", rest, full)
+			}
+			corStandalone(t, over, base, "")
+		})
+	}
+}
+
+// TestCorStreamProgressBar: on a terminal the stream shows a bar with a
+// rate and an ETA (script(1) gives it one).
+func TestCorStreamProgressBar(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 8<<20, 6)
+	over := corOverlay(t, dir, base)
+	out, err := exec.Command("script", "-qec", bin+" stream -p "+over, "/dev/null").CombinedOutput()
+	if err != nil {
+		t.Fatalf("stream under script: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "stream") || !strings.Contains(string(out), "100%") || !strings.Contains(string(out), "/s") {
+		t.Fatalf("no progress bar with a rate:\n%q", out)
+	}
+	corStandalone(t, over, base, "")
+}
