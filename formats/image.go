@@ -127,6 +127,14 @@ type Info struct {
 // keys qemu-img prints for one.
 func (i Info) MarshalJSON() ([]byte, error) {
 	type plain Info // without this method
+	if !i.Remote && i.ActualSize < 0 {
+		// Unknown (an image in remote storage read through a format):
+		// qemu-img leaves the key out.
+		return json.Marshal(struct {
+			plain
+			ActualSize int64 `json:"actual-size,omitempty"`
+		}{plain: plain(i)})
+	}
 	if !i.Remote {
 		return json.Marshal(plain(i))
 	}

@@ -77,7 +77,7 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		// Open the backing file as a later open will (relative to the
 		// image), for its format and size.
 		bpath := f.backing
-		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) {
+		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) && !probe.IsRemote(bpath) {
 			bpath = filepath.Join(filepath.Dir(path), bpath)
 		}
 		bf := f.backingFormat

@@ -42,8 +42,12 @@ func (f *inspectFlags) options() (probe.Options, error) {
 	if err != nil {
 		return probe.Options{}, err
 	}
+	remoteOpts, err := f.src.remote()
+	if err != nil {
+		return probe.Options{}, err
+	}
 	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
-		RelatedDirs: f.src.allowDirs}, nil
+		RelatedDirs: f.src.allowDirs, Remote: remoteOpts}, nil
 }
 
 // warnLogger is the logger of the commands that report and exit: warnings
@@ -173,7 +177,7 @@ func printInfo(w io.Writer, in formats.Info) {
 	switch {
 	case in.ActualSize >= 0:
 		fmt.Fprintf(w, "disk size: %s\n", humanSize(in.ActualSize))
-	case in.Remote:
+	case in.Remote, in.ActualSize < 0:
 		fmt.Fprintln(w, "disk size: unavailable")
 	}
 	if in.ClusterSize > 0 {

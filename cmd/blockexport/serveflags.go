@@ -93,8 +93,13 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 	if err != nil {
 		return nil, probe.Options{}, err
 	}
+	remoteOpts, err := f.sourceFlags.remote()
+	if err != nil {
+		return nil, probe.Options{}, err
+	}
 	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts, RelatedDirs: f.allowDirs}, nil
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts, RelatedDirs: f.allowDirs,
+		Remote: remoteOpts}, nil
 }
 
 // sourceFlags say how to reach an image (or a backing file) on an NBD
@@ -106,12 +111,17 @@ type sourceFlags struct {
 	// allowDirs: directories besides an image's own where files it names
 	// (VMDK extents and parents) may lie.
 	allowDirs []string
+	// cacheSize and allowRedirects are for http(s) sources.
+	cacheSize      string
+	allowRedirects bool
 }
 
 func (f *sourceFlags) register(c *cobra.Command) {
 	fs := c.Flags()
-	fs.IntVar(&f.connections, "connections", 1, "NBD sources: connections to the server, where it allows several (CAN_MULTI_CONN)")
-	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once)")
+	fs.IntVar(&f.connections, "connections", 0, "connections to the server of an NBD source, where it allows several (CAN_MULTI_CONN; default 1), or range requests in flight at once per http(s) object (default 8)")
+	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once); http(s) sources: how long a read retries resets, timeouts, 5xx and 429 (and what one request may take) before it fails with EIO (at least 1s)")
+	fs.StringVar(&f.cacheSize, "cache-size", "64M", "http(s) sources: memory for the blocks fetched, per remote object")
+	fs.BoolVar(&f.allowRedirects, "allow-redirects", false, "http(s) sources: follow redirects to another origin (scheme, host, port); by default only within the URL's own")
 	fs.StringArrayVar(&f.allowDirs, "allow-dir", nil, "a directory, besides the image's own, where files the image names (VMDK extents and parents) may lie (repeatable; default: only the image's directory)")
 }
 
@@ -120,19 +130,30 @@ func (f *sourceFlags) register(c *cobra.Command) {
 // --tls-* flags for the server it is, so there they are --image-tls-*.
 func (f *sourceFlags) registerTLS(c *cobra.Command, prefix string) {
 	fs := c.Flags()
-	fs.StringVar(&f.tls.CA, prefix+"tls-ca", "", "nbds sources: the CA certificate (PEM) that signed the server's (default: IMAGE's URI's tls-certificates directory, else the system's; a backing file's URI may not name one)")
+	fs.StringVar(&f.tls.CA, prefix+"tls-ca", "", "nbds and https sources: the CA certificate (PEM) that signed the server's (default: IMAGE's URI's tls-certificates directory for nbds, else the system's; a backing file's URI may not name one)")
 	fs.StringVar(&f.tls.Cert, prefix+"tls-cert", "", "nbds sources: the client certificate (PEM) to present, when the server asks for one")
 	fs.StringVar(&f.tls.Key, prefix+"tls-key", "", "nbds sources: the client certificate's key (PEM)")
 }
 
 func (f *sourceFlags) options() (probe.NBDOptions, error) {
-	if f.connections < 1 || f.connections > 64 {
+	if f.connections < 0 || f.connections > 64 {
 		return probe.NBDOptions{}, usagef("--connections %d: want 1 to 64", f.connections)
 	}
 	if f.reconnectTimeout < 0 {
 		return probe.NBDOptions{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
 	}
-	return probe.NBDOptions{Connections: f.connections, ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
+	return probe.NBDOptions{Connections: max(f.connections, 1), ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
+}
+
+// remote is how to read http(s) sources (0 connections: the remote
+// layer's default).
+func (f *sourceFlags) remote() (probe.RemoteOptions, error) {
+	cache, err := probe.ParseSize(f.cacheSize)
+	if err != nil || cache < 1<<20 {
+		return probe.RemoteOptions{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
+	}
+	return probe.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
+		TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects}, nil
 }
 
 // openImage opens spec; a spec that cannot be right is a usage error.

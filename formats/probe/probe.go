@@ -85,6 +85,9 @@ type Options struct {
 	// NBD says how to reach images named by NBD URIs (the image itself or
 	// a backing file).
 	NBD NBDOptions
+	// Remote says how to read images named by http(s):// URLs (the image
+	// itself or a backing file).
+	Remote RemoteOptions
 	// NoBacking opens no backing file (QEMU's BDRV_O_NO_BACKING, as
 	// qemu-img info without --backing-chain): the image describes itself
 	// from its own metadata, and a missing or unreachable backing file is
@@ -179,6 +182,9 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 		}
 		img.Image.Close()
 		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
+	}
+	if IsRemote(spec) {
+		return checkRemote(ctx, spec, o, repair)
 	}
 	if format == Auto {
 		var err error
@@ -303,6 +309,9 @@ func (c *chain) openBacking(path, format string) (formats.Image, error) {
 // open opens path in format (Auto: detected) and returns the image and the
 // format's name.
 func (c *chain) open(path, format string, writable, backing bool) (formats.Image, string, error) {
+	if IsRemote(path) {
+		return c.openRemoteImage(path, format, writable, backing)
+	}
 	if format == Auto {
 		var err error
 		if format, err = detect(path); err != nil {

@@ -205,7 +205,13 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 // file read as zeroes.
 func (c *checker) load(ctx context.Context) error {
 	var st unix.Stat_t
-	if err := unix.Fstat(c.f.Fd(), &st); err != nil {
+	if !aio.HasFd(c.f) {
+		n, err := aio.FileSize(c.f)
+		if err != nil {
+			return fmt.Errorf("qcow2: %w", err)
+		}
+		st.Size, st.Mode = n, unix.S_IFREG
+	} else if err := unix.Fstat(c.f.Fd(), &st); err != nil {
 		return fmt.Errorf("qcow2: stat %s: %w", c.f.Name(), err)
 	}
 	c.fileLen = st.Size

@@ -23,6 +23,7 @@ package qcow2
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -157,7 +158,14 @@ func New(f aio.File, o Options) (*Image, error) {
 func load(f aio.File, path string, o Options) (*Image, error) {
 	ctx := context.Background()
 	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
+	if !aio.HasFd(f) {
+		// A remote object: its size is all there is to stat.
+		n, err := aio.FileSize(f)
+		if err != nil {
+			return nil, fmt.Errorf("qcow2: %w", err)
+		}
+		st.Size, st.Mode = n, unix.S_IFREG
+	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
 		return nil, fmt.Errorf("qcow2: stat %s: %w", path, err)
 	}
 	fileSize := st.Size
@@ -466,6 +474,9 @@ func (q *Image) hostZero(host, n int64) (int64, bool) {
 	if host >= fileSize {
 		return n, true
 	}
+	if !aio.HasFd(q.f) {
+		return n, false // a remote object: no holes to ask about
+	}
 	fd := q.f.Fd()
 	d, err := unix.Seek(fd, host, unix.SEEK_DATA)
 	switch {
@@ -486,12 +497,19 @@ func (q *Image) hostZero(host, n int64) (int64, bool) {
 // AllocatedSize is the host allocation of this file (not the chain), as
 // qemu-img info's actual-size.
 func (q *Image) AllocatedSize(context.Context) (int64, error) {
+	if !aio.HasFd(q.f) {
+		return 0, errNoAllocation
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(q.f.Fd(), &st); err != nil {
 		return 0, fmt.Errorf("qcow2: stat: %w", err)
 	}
 	return st.Blocks * 512, nil
 }
+
+// errNoAllocation: a file without a descriptor (a remote object) has no
+// host allocation to report (qemu-img's "disk size: unavailable").
+var errNoAllocation = errors.New("no host allocation to report")
 
 // Info describes the image as qemu-img info does.
 func (q *Image) Info() formats.Info {

@@ -8,6 +8,8 @@ import (
 	"io"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
 )
 
 // Refcounts: entries (getRefcount, setRefcount), blocks (refcountBlock
@@ -111,6 +113,9 @@ func (q *Image) isPreallocated(ctx context.Context) bool {
 // costs no more than its table (bounded at 8 MiB), and the count stops at
 // the threshold.
 func (q *Image) detectMetadataPreallocation(ctx context.Context) (bool, error) {
+	if !aio.HasFd(q.f) {
+		return false, nil // a remote object: nothing to compare with
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(q.f.Fd(), &st); err != nil {
 		return false, fmt.Errorf("qcow2: stat: %w", err)

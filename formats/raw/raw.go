@@ -63,6 +63,16 @@ type Image struct {
 // it; so does a failed New).
 func New(f aio.File, o Options) (*Image, error) {
 	img := &Image{f: f, writable: o.Writable, align: 1}
+	if !aio.HasFd(f) {
+		// A remote object (read-only, no host file to stat or seek).
+		size, err := aio.FileSize(f)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("raw: %w", err)
+		}
+		img.size.Store(size)
+		return img, nil
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(f.Fd(), &st); err != nil {
 		f.Close()
@@ -256,6 +266,9 @@ func (r *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) 
 		return formats.Extent{}, fmt.Errorf("raw: extent at %d: %w", off, formats.ErrOutOfRange)
 	}
 	n = min(n, size-off)
+	if !aio.HasFd(r.f) {
+		return r.dataExtent(off, n), nil // a remote object: all data, as qemu-img maps one
+	}
 	fd := r.f.Fd()
 	data, err := unix.Seek(fd, off, unix.SEEK_DATA)
 	switch {
@@ -286,6 +299,9 @@ func (r *Image) dataExtent(off, n int64) formats.Extent {
 }
 
 func (r *Image) AllocatedSize(context.Context) (int64, error) {
+	if !aio.HasFd(r.f) {
+		return 0, errNoAllocation
+	}
 	if r.blockDev {
 		return r.size.Load(), nil
 	}
@@ -296,12 +312,17 @@ func (r *Image) AllocatedSize(context.Context) (int64, error) {
 	return st.Blocks * 512, nil
 }
 
+// errNoAllocation: a file without a descriptor (a remote object) has no
+// host allocation to report (qemu-img's "disk size: unavailable").
+var errNoAllocation = errors.New("no host allocation to report")
+
 func (r *Image) Info() formats.Info {
 	actual, err := r.AllocatedSize(context.Background())
 	if err != nil {
 		actual = -1
 	}
-	return formats.Info{Format: "raw", Filename: r.f.Name(), VirtualSize: r.size.Load(), ActualSize: actual, RequestAlignment: r.align}
+	return formats.Info{Format: "raw", Filename: r.f.Name(), VirtualSize: r.size.Load(), ActualSize: actual, RequestAlignment: r.align,
+		Remote: !aio.HasFd(r.f)}
 }
 
 func (r *Image) Close() error { return r.f.Close() }
@@ -328,7 +349,7 @@ func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 // with O_DIRECT: the kernel would pass unaligned reads straight on).
 func (r *Image) Features() formats.Features {
 	f := formats.Features{HostFd: -1}
-	if r.align == 1 && !r.blockDev {
+	if r.align == 1 && !r.blockDev && aio.HasFd(r.f) {
 		f.FastZero, f.HostFd = true, r.f.Fd()
 	}
 	return f
