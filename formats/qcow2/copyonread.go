@@ -276,10 +276,12 @@ func (q *Image) DropBacking(ctx context.Context) error {
 		}
 		pos = next
 	}
-	// The end marker goes with the kept extensions when the region has
-	// room (it had one for the longer list, or the name followed at once).
-	if len(kept)+8 <= len(region) {
-		kept = append(kept, make([]byte, 8)...)
+	// Once the header names no backing file, extensions are read up to
+	// an end marker, past where the name was: the marker must fit before
+	// the name, which stays in place until the header forgets it. QEMU
+	// always writes one there; a crafted header may leave no room.
+	if len(kept)+8 > len(region) {
+		return fmt.Errorf("%w: no room for the end of the header extensions before the backing file name at %#x (qemu-img rebase -b '' rewrites the header whole)", ErrUnsupported, nameOff)
 	}
 	kept = append(kept, make([]byte, len(region)-len(kept))...)
 	sync := func(what string) error {
