@@ -1,0 +1,388 @@
+package tests
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// rhNginx is Debian's nginx serving a directory on two loopback ports,
+// plain http and https (a certificate for 127.0.0.1 signed by a CA the
+// test made), with its own config, logs and temp files in a temporary
+// directory.
+type rhNginx struct {
+	root      string // the served directory
+	http      string // http://127.0.0.1:PORT
+	https     string // https://127.0.0.1:PORT
+	ca        string // the CA's PEM, for --tls-ca
+	errorLog  string
+	accessLog string
+}
+
+func (n *rhNginx) url(scheme, name string) string {
+	if scheme == "https" {
+		return n.https + "/" + name
+	}
+	return n.http + "/" + name
+}
+
+// rhFreePort is a loopback port nobody listens on (closed again: nginx
+// binds it a moment later).
+func rhFreePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// rhMakeCA writes a CA and a server certificate for 127.0.0.1 signed by it
+// into dir: ca.pem, server.pem, server.key.
+func rhMakeCA(t *testing.T, dir string) (ca, cert, key string) {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "blockexport test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvTmpl := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "127.0.0.1"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caTmpl, &srvKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(srvKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(name, typ string, der []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	return write("ca.pem", "CERTIFICATE", caDER), write("server.pem", "CERTIFICATE", srvDER), write("server.key", "EC PRIVATE KEY", keyDER)
+}
+
+// rhStartNginx starts nginx over a new directory (stopped in t.Cleanup).
+func rhStartNginx(t *testing.T) *rhNginx {
+	t.Helper()
+	bin, err := exec.LookPath("nginx")
+	if err != nil {
+		if _, err2 := os.Stat("/usr/sbin/nginx"); err2 != nil {
+			t.Fatal("the http(s) source tests serve images with nginx: apt-get install -y nginx-light")
+		}
+		bin = "/usr/sbin/nginx"
+	}
+	dir := t.TempDir()
+	n := &rhNginx{root: filepath.Join(dir, "www"), errorLog: filepath.Join(dir, "error.log"), accessLog: filepath.Join(dir, "access.log")}
+	if err := os.MkdirAll(filepath.Join(dir, "tmp"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(n.root, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var cert, key string
+	n.ca, cert, key = rhMakeCA(t, dir)
+	hp, sp := rhFreePort(t), rhFreePort(t)
+	n.http, n.https = fmt.Sprintf("http://127.0.0.1:%d", hp), fmt.Sprintf("https://127.0.0.1:%d", sp)
+	tmp := filepath.Join(dir, "tmp")
+	conf := fmt.Sprintf(`daemon off;
+master_process off;
+pid %[1]s/nginx.pid;
+error_log %[2]s warn;
+worker_processes 1;
+events { worker_connections 512; }
+http {
+  access_log %[3]s;
+  client_body_temp_path %[4]s; proxy_temp_path %[4]s; fastcgi_temp_path %[4]s; uwsgi_temp_path %[4]s; scgi_temp_path %[4]s;
+  default_type application/octet-stream;
+  keepalive_requests 100000;
+  server {
+    listen 127.0.0.1:%[5]d;
+    listen 127.0.0.1:%[6]d ssl;
+    ssl_certificate %[7]s;
+    ssl_certificate_key %[8]s;
+    root %[9]s;
+  }
+}
+`, dir, n.errorLog, n.accessLog, tmp, hp, sp, cert, key, n.root)
+	confFile := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(confFile, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "-c", confFile, "-p", dir, "-e", n.errorLog)
+	out := &strings.Builder{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start nginx: %v", err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		<-exited
+	})
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", hp)); err == nil {
+			c.Close()
+			break
+		}
+		select {
+		case <-exited:
+			log, _ := os.ReadFile(n.errorLog)
+			t.Fatalf("nginx exited: %s\n%s", out, log)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("nginx did not listen in time")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return n
+}
+
+// put places a copy of the file src as name in the served directory,
+// atomically (a new file renamed over any old one: a new ETag).
+func (n *rhNginx) put(t *testing.T, name, src string) {
+	t.Helper()
+	tmp := filepath.Join(n.root, "."+name+".tmp")
+	run(t, "cp", "--sparse=always", src, tmp)
+	if err := os.Rename(tmp, filepath.Join(n.root, name)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// rhImages makes a 64 MiB raw disk whose first 48 MiB hold fio's
+// crc32c-verified records, and the same disk as qcow2, both served.
+func rhImages(t *testing.T, n *rhNginx) (raw string, job []string) {
+	t.Helper()
+	dir := t.TempDir()
+	raw = sparseImage(t, dir, "disk.img", 64<<20)
+	job = []string{"--name=rh", "--rw=randwrite", "--bs=4k", "--size=48M", "--io_size=48M",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+		"--verify_state_save=0", "--randseed=2711", "--minimal"}
+	run(t, "fio", append(job, "--filename="+raw)...)
+	qc := filepath.Join(dir, "disk.qcow2")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
+	n.put(t, "disk.img", raw)
+	n.put(t, "disk.qcow2", qc)
+	return raw, job
+}
+
+// TestRhHTTPObjectsThroughTheExport: a raw and a qcow2 image on nginx,
+// over http and https (verified against the test's CA), exported
+// read-only over FUSE: fio's crc32c records verify, qemu-img compare finds
+// each export identical to the local disk, and every request nginx saw
+// was a conditional range GET (If-Match), besides the HEAD at open.
+func TestRhHTTPObjectsThroughTheExport(t *testing.T) {
+	n := rhStartNginx(t)
+	raw, job := rhImages(t, n)
+	for _, scheme := range []string{"http", "https"} {
+		for _, name := range []string{"disk.img", "disk.qcow2"} {
+			t.Run(scheme+"/"+name, func(t *testing.T) {
+				mnt := filepath.Join(t.TempDir(), "mnt")
+				d := startExport(t, n.url(scheme, name), mnt, "--tls-ca", n.ca, "--connections", "4", "--cache-size", "8M")
+				// fio checks each block's crc32c header as it reads:
+				// randomly at queue depth 16, then sequentially.
+				for _, rw := range []string{"--rw=randread", "--rw=read"} {
+					verify := append(append([]string(nil), job...), rw, "--readonly", "--filename="+mnt)
+					run(t, "fio", verify...)
+				}
+				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+				d.stopClean()
+				if strings.Contains(d.log(), "level=ERROR") || strings.Contains(d.log(), "level=WARN") {
+					t.Fatalf("the export logged trouble:\n%s", d.log())
+				}
+			})
+		}
+	}
+	// nginx's access log (combined format): the range GETs were answered
+	// 206, none with the whole object.
+	log, err := os.ReadFile(n.accessLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if gets := strings.Count(string(log), `"GET /disk.`); gets < 8 {
+		t.Fatalf("nginx saw %d GETs:\n%s", gets, log)
+	}
+	for _, line := range strings.Split(string(log), "\n") {
+		if strings.Contains(line, `"GET /disk.`) && !strings.Contains(line, `" 206 `) {
+			t.Fatalf("a GET not answered with a range: %s", line)
+		}
+	}
+}
+
+// rhJSON runs a command and returns its stdout as canonical JSON (keys
+// sorted), to compare with another's.
+func rhJSON(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	return rhCanon(t, run(t, name, args...))
+}
+
+// rhCanon is JSON text with its keys sorted.
+func rhCanon(t *testing.T, s string) string {
+	t.Helper()
+	var v any
+	if err := json.Unmarshal([]byte(s), &v); err != nil {
+		t.Fatalf("not JSON: %v\n%s", err, s)
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestRhHTTPInfoAndMapEqualQemuImg: info and map of the http URLs of a
+// raw and a qcow2 image say what qemu-img (its curl driver) says.
+func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
+	if _, err := os.Stat("/usr/lib/x86_64-linux-gnu/qemu/block-curl.so"); err != nil {
+		t.Fatal("qemu-img reads http URLs with its curl driver: apt-get install -y qemu-block-extra")
+	}
+	n := rhStartNginx(t)
+	rhImages(t, n)
+	for _, name := range []string{"disk.img", "disk.qcow2"} {
+		u := n.url("http", name)
+		for _, cmd := range []string{"info", "map"} {
+			want := rhJSON(t, "qemu-img", cmd, "--output=json", u)
+			_, got := runBlockexport(t, cmd, "--output", "json", u)
+			if g := rhCanon(t, got); g != want {
+				t.Errorf("%s %s:\n got %s\nwant %s", cmd, name, g, want)
+			}
+		}
+	}
+	// The human info says what qemu-img's says of the size it cannot know.
+	if _, out := runBlockexport(t, "info", n.url("http", "disk.qcow2")); !strings.Contains(out, "disk size: unavailable") {
+		t.Errorf("info:\n%s", out)
+	}
+}
+
+// TestRhOverlayOnAnHTTPSBackingFile: a local qcow2 overlay whose backing
+// file is an https:// URL, exported writable: fio writes and verifies
+// through it, what it did not write reads as the remote image, and
+// qemu-img check finds the overlay clean. `create -b URL` sizes an overlay
+// from the remote image.
+func TestRhOverlayOnAnHTTPSBackingFile(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	base := randomImage(t, dir, 32<<20, 2712)
+	n.put(t, "base.img", base)
+	ov := filepath.Join(dir, "ov.qcow2")
+	run(t, "qemu-img", "create", "-f", "qcow2", "-u", "-b", n.url("https", "base.img"), "-F", "raw", ov, "32M")
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, ov, mnt, "-w", "--tls-ca", n.ca)
+	job := []string{"--name=rhov", "--rw=randwrite", "--bs=4k", "--size=8M", "--io_size=8M",
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
+		"--verify_state_save=0", "--randseed=2713", "--minimal"}
+	run(t, "fio", append(job, "--filename="+mnt)...)
+	got := readAll(t, mnt)
+	mustEqualBytes(t, "the backing file's bytes past the writes", got[8<<20:], readAll(t, base)[8<<20:])
+	d.stopClean()
+	// qemu-img cannot be given our CA: it checks the overlay alone.
+	out := run(t, "qemu-img", "check", "--output=json", fmt.Sprintf(`json:{"driver":"qcow2","backing":null,"file":{"driver":"file","filename":%q}}`, ov))
+	if !strings.Contains(out, `"check-errors": 0`) || strings.Contains(out, "corruptions\"") && !strings.Contains(out, `"corruptions": 0`) {
+		t.Fatalf("qemu-img check:\n%s", out)
+	}
+	// create -b over http: the overlay takes the remote image's size.
+	ov2 := filepath.Join(dir, "ov2.qcow2")
+	createImage(t, "-f", "qcow2", "-b", n.url("http", "base.img"), "-F", "raw", ov2)
+	if out := run(t, "qemu-img", "info", "--output=json", ov2); !strings.Contains(out, `"virtual-size": 33554432`) {
+		t.Fatalf("create -b http://…: %s", out)
+	}
+	// Without our CA, the https backing file is refused at open: its
+	// certificate does not verify against the system's roots.
+	if code, out := tryExport(t, filepath.Join(dir, "mnt2"), ov); code == 0 || !strings.Contains(out, "certificate") {
+		t.Fatalf("an https backing file with an unknown CA: exit %d\n%s", code, out)
+	}
+}
+
+// TestRhObjectReplacedWhileExported: an image replaced on the server while
+// it is exported: reads of blocks not yet fetched fail with EIO (nginx
+// answers 412 to If-Match), never the new version's bytes, and the log
+// says so once.
+func TestRhObjectReplacedWhileExported(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	v1 := randomImage(t, dir, 16<<20, 2714)
+	n.put(t, "disk.img", v1)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, n.url("http", "disk.img"), mnt, "--cache-size", "1M")
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	head := make([]byte, 4096)
+	if _, err := f.ReadAt(head, 0); err != nil {
+		t.Fatal(err)
+	}
+	mustEqualBytes(t, "the first block", head, readAll(t, v1)[:4096])
+	// Same size, new bytes: only the ETag tells.
+	time.Sleep(1100 * time.Millisecond) // a new Last-Modified second too
+	v2 := randomImage(t, t.TempDir(), 16<<20, 2715)
+	n.put(t, "disk.img", v2)
+	for _, off := range []int64{8 << 20, 12 << 20} {
+		buf := make([]byte, 4096)
+		g, err := os.Open(mnt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = g.ReadAt(buf, off)
+		g.Close()
+		if errnoOf(err) != 5 {
+			t.Fatalf("read at %d after the object was replaced: %v (bytes from v2: %v)", off, err, string(buf[:8]) == string(readAll(t, v2)[off:off+8]))
+		}
+	}
+	d.stopClean()
+	if c := strings.Count(d.log(), "changed while exported"); c != 1 {
+		t.Fatalf("%d log lines about the change, want 1:\n%s", c, d.log())
+	}
+}
+
+// TestRhServerWithoutRangesRefused: not nginx, a server that answers every GET with the
+// whole object (no ranges): the export refuses it at open with one line.
+func TestRhServerWithoutRangesRefused(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write(make([]byte, 1<<20))
+	})}
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	code, out := runBlockexport(t, "info", "http://"+l.Addr().String()+"/disk.img")
+	if code == 0 || !strings.Contains(out, "does not serve byte ranges") {
+		t.Fatalf("exit %d\n%s", code, out)
+	}
+}
