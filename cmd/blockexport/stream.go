@@ -82,8 +82,12 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	if err != nil {
 		return err
 	}
+	remoteOpts, err := f.src.remote()
+	if err != nil {
+		return err
+	}
 	o := probe.Options{Lock: true, Format: probe.QCOW2, Writable: true, Backend: "threads", NBD: nbdOpts,
-		Logger: warnLogger(c.ErrOrStderr()), RelatedDirs: f.src.allowDirs}
+		Logger: warnLogger(c.ErrOrStderr()), RelatedDirs: f.src.allowDirs, Remote: remoteOpts}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 

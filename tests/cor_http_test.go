@@ -1,0 +1,45 @@
+package tests
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// TestCorHTTPBacking: a qcow2 overlay whose backing file is on nginx
+// (https, the test's CA). Copy-on-read: everything read once through the
+// export reads again, the same, once the object on the server is replaced
+// by another (zeroes). Stream: a second overlay over plain http streams to
+// completion and then has no backing file, checks clean and reads the
+// same with the object replaced.
+func TestCorHTTPBacking(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	base := corBase(t, dir, 16<<20, 9)
+	want := readAll(t, base)
+	n.put(t, "base.img", base)
+
+	cor := filepath.Join(dir, "cor.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("https", "base.img"), "-F", "raw", cor, "16M")
+	streamed := filepath.Join(dir, "streamed.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("http", "base.img"), "-F", "raw", streamed, "16M")
+
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.ca, "--kernel-cache", "off")
+	mustEqualBytes(t, "the overlay over https, first read", readAll(t, mnt), want)
+	d.stopClean()
+
+	corStreamToEnd(t, streamed)
+
+	if err := os.Remove(filepath.Join(n.root, "base.img")); err != nil {
+		t.Fatal(err)
+	}
+	// The backing file still opens (its name stays in the header), but
+	// holds other bytes now: every read must come from the overlay.
+	n.put(t, "base.img", sparseImage(t, dir, "other.raw", 16<<20))
+	d = startExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.ca, "--kernel-cache", "off")
+	mustEqualBytes(t, "the overlay over https once the object is replaced", readAll(t, mnt), want)
+	d.stopClean()
+
+	corStandalone(t, streamed, base, "")
+}
