@@ -668,24 +668,29 @@ func TestCorGuestWritesRaceCopies(t *testing.T) {
 }
 
 // TestCorMapEqualsQemuCopyOnRead: the same reads (random offsets and
-// lengths, some in holes) done by qemu-io -C (QEMU's copy-on-read) on one
+// lengths, some in holes, some across and past the end of the shorter
+// backing file) done by qemu-io -C (QEMU's copy-on-read) on one
 // overlay and through our --copy-on-read export on another leave the same
 // qemu-img map: the same clusters copied, zero clusters where QEMU makes
 // them.
 func TestCorMapEqualsQemuCopyOnRead(t *testing.T) {
 	dir := t.TempDir()
-	const size = 24 << 20
-	base := corBase(t, dir, size, 11)
+	// The overlay is larger than its backing file, which ends inside a
+	// cluster: reads there and past it too.
+	const size, baseSize = 28 << 20, 24<<20 + 5000
+	base := corBase(t, dir, baseSize, 11)
 	r := rand.New(rand.NewPCG(11, 11))
 	var cmds []string
 	for range 25 {
 		n := 1 + r.Int64N(400<<10)
 		cmds = append(cmds, "-c", fmt.Sprintf("read %d %d", r.Int64N(size-n), n))
 	}
+	cmds = append(cmds, "-c", fmt.Sprintf("read %d 70000", baseSize-4000), "-c", "read 27M 4096")
 	theirs := filepath.Join(dir, "theirs.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", theirs)
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", theirs, fmt.Sprint(size))
 	run(t, "qemu-io", append(append([]string{"-C", "-f", "qcow2"}, cmds...), theirs)...)
-	ours := corOverlay(t, dir, base)
+	ours := filepath.Join(dir, "ours.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", ours, fmt.Sprint(size))
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, ours, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
 	run(t, "qemu-io", append(append([]string{"-f", "raw"}, cmds...), mnt)...)
