@@ -97,7 +97,7 @@ func rootCommand() *cobra.Command {
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
 	root.AddCommand(streamCommand())
-	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(),
+	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(), compareCommand(), convertCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "print the version and the VCS revision it was built from (also --version)",

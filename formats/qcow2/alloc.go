@@ -305,6 +305,7 @@ func (q *Image) applyFrees(ctx context.Context, frees []int64) (refused, err err
 		}
 		if rc == 1 {
 			freed = append(freed, c)
+			q.compFreed(c)
 			w.freeHint = min(w.freeHint, c)
 		}
 	}

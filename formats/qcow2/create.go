@@ -19,6 +19,13 @@ type CreateOptions struct {
 	BackingFormat string
 	// Force replaces an existing file; otherwise one is an error.
 	Force bool
+	// CompressionType is "zlib" (or "") or "zstd": how compressed
+	// clusters are compressed (qemu-img's -o compression_type).
+	CompressionType string
+	// LazyRefcounts sets the lazy_refcounts compatible feature bit, as
+	// qemu-img's -o lazy_refcounts=on (this writer keeps refcounts
+	// current anyway).
+	LazyRefcounts bool
 }
 
 // DefaultClusterSize is qemu-img's.
@@ -47,6 +54,14 @@ func Create(path string, o CreateOptions) error {
 	}
 	if len(o.BackingFile) > maxBackingNameLen {
 		return fmt.Errorf("qcow2: backing file name longer than %d bytes", maxBackingNameLen)
+	}
+	var compType byte
+	switch o.CompressionType {
+	case "", "zlib":
+	case "zstd":
+		compType = compressionZstd
+	default:
+		return fmt.Errorf("qcow2: compression type %q: want zlib or zstd", o.CompressionType)
 	}
 	l2Entries := cs / 8
 	l1Size := (o.Size + cs*l2Entries - 1) / (cs * l2Entries)
@@ -106,7 +121,14 @@ func Create(path string, o CreateOptions) error {
 	// No snapshots, no feature bits.
 	be.PutUint32(hdr[hdrRefcountOrder:], createRefcountOrder)
 	be.PutUint32(hdr[hdrHeaderLength:], headerLen)
-	// Compression type zlib (0), then padding.
+	// Compression type (zlib: 0, no feature bit), then padding.
+	if compType != compressionZlib {
+		hdr[hdrCompressionType] = compType
+		be.PutUint64(hdr[hdrIncompatible:], incCompressionTyp)
+	}
+	if o.LazyRefcounts {
+		be.PutUint64(hdr[hdrCompatible:], compatLazyRefcounts)
+	}
 
 	rt := make([]uint64, t*cs/8)
 	for i := range b {

@@ -50,6 +50,11 @@ type writeState struct {
 	bits     int64 // refcount width
 	perBlock int64 // refcounts per block
 	maxRef   uint64
+
+	// compNext is where the next compressed cluster goes: a byte in a
+	// host cluster that compressed clusters fill (compresswrite.go); 0
+	// or cluster-aligned: none. Guarded by alloc.
+	compNext int64
 }
 
 type pinnedL2 struct {

@@ -1,0 +1,449 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/convert"
+	"github.com/blockexport/blockexport/formats/nbd"
+	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/qcow2"
+	"github.com/blockexport/blockexport/formats/raw"
+)
+
+// exitInterrupted is convert's status after SIGINT (128 + SIGINT, as a
+// shell reports a command the signal ended).
+const exitInterrupted = 130
+
+type convertFlags struct {
+	inspectFlags
+	outFormat     string
+	options       []string
+	compress      bool
+	showProgress  bool
+	progressFmt   string
+	parallel      int
+	outOfOrder    bool
+	noCreate      bool
+	sparse        string
+	backing       string
+	backingFormat string
+	targetIsZero  bool
+	cache         string
+}
+
+func convertCommand() *cobra.Command {
+	var f convertFlags
+	c := &cobra.Command{
+		Use:   "convert [flags] SOURCE TARGET",
+		Short: "convert an image to raw or qcow2, as qemu-img convert does",
+		Long: "Convert SOURCE (any image blockexport reads, a file or an NBD export) into TARGET,\n" +
+			"a new raw or qcow2 file (-O), or an existing image or NBD export with -n, with\n" +
+			"qemu-img convert's flags. The source's block status drives the copy: holes and\n" +
+			"zero runs are neither read nor written; -S finds zeroes inside data.\n" +
+			"Memory: at most (-m or, with -c, the CPU count) x 2 MiB buffers, twice that with -B.\n" +
+			"Progress: -p draws a bar with rate and ETA on a terminal; --progress=json (or -p\n" +
+			"when stderr is not a terminal) prints one JSON object per percent on stdout:\n" +
+			"{\"done\":B,\"total\":B,\"percent\":P,\"rate\":B/s,\"eta-seconds\":S}.\n" +
+			"SIGINT stops it: a new raw TARGET is truncated to what was converted, a qcow2 one\n" +
+			"is left consistent; exit 130. " + imageHelp,
+		Example: "  blockexport convert -O qcow2 -c -o compression_type=zstd disk.raw disk.qcow2\n" +
+			"  blockexport convert -p -m 16 -W disk.vmdk disk.raw",
+	}
+	fs := c.Flags()
+	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: raw or qcow2 (with -n: TARGET's format, as it is opened)")
+	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, qemu-img's: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off, preallocation=off, compat=v3, refcount_bits=16, backing_file, backing_fmt")
+	fs.BoolVarP(&f.compress, "compress", "c", false, "store TARGET's data clusters compressed (qcow2), on all cores")
+	fs.BoolVarP(&f.showProgress, "show-progress", "p", false, "show progress: a bar with rate and ETA on a terminal, JSON lines otherwise")
+	fs.StringVar(&f.progressFmt, "progress", "", "progress format: bar or json (one JSON object per percent on stdout)")
+	fs.IntVarP(&f.parallel, "parallel", "m", 8, "requests in flight (qemu-img's -m; 1 to 64)")
+	fs.BoolVarP(&f.outOfOrder, "out-of-order", "W", false, "let writes complete out of order")
+	fs.BoolVarP(&f.noCreate, "no-create", "n", false, "write into an existing TARGET (a file or nbd://...) instead of creating it")
+	fs.StringVarP(&f.sparse, "sparse-size", "S", "4k", "zero runs inside data at least this long (a multiple of 512) are not written; 0 writes all data")
+	fs.StringVarP(&f.backing, "backing", "B", "", "TARGET's backing file (qcow2): only what differs from it is written")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file (default: detected)")
+	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
+	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT)")
+	f.register(c)
+	completeWords(c, "output-format", "raw", "qcow2")
+	completeWords(c, "progress", "bar", "json")
+	completeWords(c, "target-cache", "writeback", "none")
+	c.RunE = func(c *cobra.Command, args []string) error {
+		return convertCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
+	}
+	return c
+}
+
+// targetOptions are -o's, parsed.
+type targetOptions struct {
+	clusterSize     int64
+	compressionType string
+	lazyRefcounts   bool
+	backing         string
+	backingFormat   string
+}
+
+// parseTargetOptions reads -o as qemu-img does (key=value, comma
+// separated, repeatable), refusing what is not implemented here in
+// qemu-img's words.
+func parseTargetOptions(opts []string, format string) (targetOptions, error) {
+	var t targetOptions
+	for _, o := range opts {
+		for kv := range strings.SplitSeq(o, ",") {
+			if kv == "" {
+				continue
+			}
+			k, v, _ := strings.Cut(kv, "=")
+			bad := func() error { return usagef("Parameter '%s' does not accept value '%s'", k, v) }
+			known := format == probe.QCOW2 || k == "preallocation" || k == "size"
+			if !known {
+				return t, usagef("Invalid parameter '%s' (a %s target takes preallocation=off only)", k, format)
+			}
+			switch k {
+			case "cluster_size":
+				n, err := probe.ParseSize(v)
+				if err != nil {
+					return t, bad()
+				}
+				t.clusterSize = n
+			case "compression_type":
+				if v != "zlib" && v != "zstd" {
+					return t, bad()
+				}
+				t.compressionType = v
+			case "lazy_refcounts":
+				switch v {
+				case "on", "true":
+					t.lazyRefcounts = true
+				case "off", "false":
+					t.lazyRefcounts = false
+				default:
+					return t, bad()
+				}
+			case "preallocation":
+				if v != "off" {
+					return t, usagef("Parameter 'preallocation' value '%s' is not supported here (only preallocation=off)", v)
+				}
+			case "compat":
+				if v != "1.1" && v != "v3" {
+					return t, usagef("Parameter 'compat' value '%s' is not supported here (images are created as compat=1.1)", v)
+				}
+			case "refcount_bits":
+				if v != "16" {
+					return t, usagef("Parameter 'refcount_bits' value '%s' is not supported here (refcounts are 16 bits)", v)
+				}
+			case "backing_file":
+				t.backing = v
+			case "backing_fmt":
+				t.backingFormat = v
+			case "size":
+				return t, usagef("Parameter 'size' is not supported here (TARGET takes SOURCE's size)")
+			case "encryption", "encrypt.format", "data_file", "data_file_raw", "extended_l2":
+				return t, usagef("Parameter '%s' is not supported here", k)
+			default:
+				return t, usagef("Invalid parameter '%s'", k)
+			}
+		}
+	}
+	return t, nil
+}
+
+func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error {
+	if len(args) != 2 {
+		return usagef("convert: want SOURCE TARGET, got %d argument(s)", len(args))
+	}
+	srcSpec, dstSpec := args[0], args[1]
+	if f.parallel < 1 || f.parallel > 64 {
+		return usagef("Invalid number of coroutines. Allowed number of coroutines is between 1 and 64")
+	}
+	minSparse, err := probe.ParseSize(f.sparse)
+	if err != nil || minSparse%512 != 0 || minSparse > 16<<20 {
+		return usagef("Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to 16777216.")
+	}
+	var direct bool
+	switch f.cache {
+	case "writeback":
+	case "none":
+		direct = true
+	default:
+		return usagef("Invalid cache option: %s (want writeback or none)", f.cache)
+	}
+	switch f.outFormat {
+	case probe.Raw, probe.QCOW2:
+	default:
+		return usagef("convert: -O %s: want raw or qcow2", f.outFormat)
+	}
+	topts, err := parseTargetOptions(f.options, f.outFormat)
+	if err != nil {
+		return err
+	}
+	if f.backing == "" {
+		f.backing, f.backingFormat = topts.backing, cmp(f.backingFormat, topts.backingFormat)
+	}
+	switch {
+	case f.compress && f.outFormat != probe.QCOW2:
+		return usagef("Compression not supported for this file format")
+	case f.backing != "" && f.outFormat != probe.QCOW2:
+		return usagef("Backing file not supported for file format '%s'", f.outFormat)
+	case f.backing != "" && f.noCreate:
+		return usagef("-B makes a new TARGET; it cannot be used with -n")
+	case f.targetIsZero && !f.noCreate:
+		return usagef("--target-is-zero requires use of -n flag")
+	case f.noCreate && len(f.options) > 0:
+		return usagef("-o has no effect with -n (TARGET exists)")
+	case f.backingFormat != "" && f.backing == "":
+		return usagef("-F without -B")
+	}
+	progressMode, err := f.progressMode(stderr)
+	if err != nil {
+		return err
+	}
+	o, err := f.inspectFlags.options()
+	if err != nil {
+		return err
+	}
+	src, err := openImage(srcSpec, o)
+	if err != nil {
+		return fmt.Errorf("convert: %s: %w", srcSpec, err)
+	}
+	defer src.Image.Close()
+	size := src.Image.Size()
+
+	// The target: made here (and removed again if it cannot be opened),
+	// or an existing one with -n.
+	created := false
+	if !f.noCreate {
+		if nbd.IsURI(dstSpec) {
+			return usagef("an NBD TARGET exists already: give -n")
+		}
+		if err := f.create(dstSpec, size, topts); err != nil {
+			return err
+		}
+		created = true
+	}
+	to := probe.Options{Format: f.outFormat, Writable: true, Lock: true, Backend: o.Backend, Direct: direct && !f.compress,
+		NBD: o.NBD, RelatedDirs: o.RelatedDirs}
+	if f.noCreate && nbd.IsURI(dstSpec) {
+		to.Format = probe.Auto // an export is raw bytes
+	}
+	dst, err := openImage(dstSpec, to)
+	if err != nil {
+		if created {
+			os.Remove(dstSpec)
+		}
+		return fmt.Errorf("convert: %s: %w", dstSpec, err)
+	}
+	if dst.Image.Size() < size {
+		dst.Image.Close()
+		return fmt.Errorf("convert: %s: the target (%d bytes) is smaller than the source (%d bytes)", dstSpec, dst.Image.Size(), size)
+	}
+	co := convert.Options{Parallel: f.parallel, OutOfOrder: f.outOfOrder, MinSparse: minSparse,
+		TargetZero: created || f.targetIsZero}
+	if l, ok := dst.Image.(formats.Layered); ok && f.backing != "" {
+		co.Backing = l.Backing()
+		co.TargetZero = false
+	}
+	if f.compress {
+		ct, ok := dst.Image.(convert.CompressedTarget)
+		if !ok {
+			dst.Image.Close()
+			return usagef("Compression not supported for this file format")
+		}
+		co.Compressed = ct
+	}
+	prog := newProgress(progressMode, stdout, stderr, size)
+	co.Progress = prog.update
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	st, cerr := convert.Convert(ctx, src.Image, dst.Image, co)
+	interrupted := cerr != nil && ctx.Err() != nil
+	// Whatever happened, what was written is made durable: a qcow2
+	// target's metadata is consistent after its flush.
+	ferr := dst.Image.Flush(context.Background())
+	if interrupted && created && f.outFormat == probe.Raw {
+		// A new raw target keeps exactly what was converted.
+		if err := dst.Image.Resize(context.Background(), st.Done); err != nil && ferr == nil {
+			ferr = err
+		}
+	}
+	clerr := dst.Image.Close()
+	prog.finish(cerr == nil)
+	switch {
+	case interrupted:
+		what := fmt.Sprintf("%s holds %d of %d bytes of %s", dstSpec, st.Done, size, srcSpec)
+		switch {
+		case created && f.outFormat == probe.Raw:
+			what = fmt.Sprintf("%s is truncated to the %d bytes converted (of %d)", dstSpec, st.Done, size)
+		case f.outFormat == probe.QCOW2:
+			what += "; it is consistent (qemu-img check finds it clean), the rest reads as zeroes or as its backing file"
+		}
+		if ferr != nil {
+			what += fmt.Sprintf("; writing it back failed: %v", ferr)
+		}
+		fmt.Fprintf(stderr, "blockexport: convert: interrupted: %s\n", what)
+		return exitStatus(exitInterrupted)
+	case cerr != nil:
+		return cerr
+	case ferr != nil:
+		return fmt.Errorf("convert: %s: %w", dstSpec, ferr)
+	case clerr != nil:
+		return fmt.Errorf("convert: %s: %w", dstSpec, clerr)
+	}
+	return nil
+}
+
+// cmp is the first of a and b that is not empty.
+func cmp(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// create makes a new TARGET of size bytes, replacing one that exists (as
+// qemu-img convert does).
+func (f *convertFlags) create(path string, size int64, t targetOptions) error {
+	if f.outFormat == probe.Raw {
+		return raw.Create(path, size, true)
+	}
+	co := qcow2.CreateOptions{Size: (size + 511) &^ 511, ClusterSize: t.clusterSize, Force: true,
+		CompressionType: t.compressionType, LazyRefcounts: t.lazyRefcounts}
+	if f.backing != "" {
+		bpath := f.backing
+		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) {
+			bpath = filepath.Join(filepath.Dir(path), bpath)
+		}
+		bf := cmp(f.backingFormat, probe.Auto)
+		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
+			return usagef("convert: -F %q (want a format blockexport reads: raw, qcow2, vmdk...)", bf)
+		}
+		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
+		if err != nil {
+			if errors.Is(err, probe.ErrBadSpec) {
+				return usageError{err}
+			}
+			return fmt.Errorf("convert: backing file %s: %w", f.backing, err)
+		}
+		co.BackingFile, co.BackingFormat = f.backing, b.Format
+		b.Image.Close()
+	}
+	if err := qcow2.Create(path, co); err != nil {
+		return fmt.Errorf("convert: %w", err)
+	}
+	return nil
+}
+
+// progressMode is what -p and --progress ask for: "", "bar" or "json".
+func (f *convertFlags) progressMode(stderr io.Writer) (string, error) {
+	switch f.progressFmt {
+	case "", "bar", "json":
+	default:
+		return "", usagef("--progress %q: want bar or json", f.progressFmt)
+	}
+	if f.progressFmt != "" {
+		return f.progressFmt, nil
+	}
+	if !f.showProgress {
+		return "", nil
+	}
+	if isTerminal(stderr) {
+		return "bar", nil
+	}
+	return "json", nil
+}
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
+
+// progress shows how far a conversion has come: a bar (with rate and ETA)
+// on stderr, or one JSON object per percent on stdout.
+type progress struct {
+	mode    string
+	bar     *progressbar.ProgressBar
+	out     io.Writer
+	total   int64
+	start   time.Time
+	mu      sync.Mutex
+	lastPct int
+}
+
+// progressLine is one JSON progress step.
+type progressLine struct {
+	Done       int64   `json:"done"`
+	Total      int64   `json:"total"`
+	Percent    int     `json:"percent"`
+	Rate       float64 `json:"rate"`
+	ETASeconds float64 `json:"eta-seconds"`
+}
+
+func newProgress(mode string, stdout, stderr io.Writer, total int64) *progress {
+	p := &progress{mode: mode, out: stdout, total: total, start: time.Now(), lastPct: -1}
+	if mode == "bar" {
+		p.bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(stderr), progressbar.OptionShowBytes(true),
+			progressbar.OptionSetDescription("converting"), progressbar.OptionSetPredictTime(true),
+			progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionShowElapsedTimeOnFinish(),
+			progressbar.OptionOnCompletion(func() { fmt.Fprintln(stderr) }))
+	}
+	if mode == "json" {
+		p.update(0, total)
+	}
+	return p
+}
+
+func (p *progress) update(done, total int64) {
+	switch p.mode {
+	case "bar":
+		p.bar.Set64(done)
+	case "json":
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		pct := 100
+		if total > 0 {
+			pct = int(done * 100 / total)
+		}
+		if pct == p.lastPct {
+			return
+		}
+		p.lastPct = pct
+		el := time.Since(p.start).Seconds()
+		l := progressLine{Done: done, Total: total, Percent: pct}
+		if el > 0 {
+			l.Rate = float64(done) / el
+		}
+		if l.Rate > 0 {
+			l.ETASeconds = float64(total-done) / l.Rate
+		}
+		j, _ := json.Marshal(l)
+		fmt.Fprintf(p.out, "%s\n", j)
+	}
+}
+
+func (p *progress) finish(ok bool) {
+	if p.mode == "bar" && ok {
+		p.bar.Finish()
+	}
+	if p.mode == "json" && ok {
+		p.update(p.total, p.total)
+	}
+}
