@@ -114,6 +114,9 @@ type sourceFlags struct {
 	// cacheSize and allowRedirects are for http(s) sources.
 	cacheSize      string
 	allowRedirects bool
+	// s3Endpoint and s3PathStyle are for s3:// sources.
+	s3Endpoint  string
+	s3PathStyle bool
 }
 
 func (f *sourceFlags) register(c *cobra.Command) {
@@ -122,6 +125,8 @@ func (f *sourceFlags) register(c *cobra.Command) {
 	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once); http(s) sources: how long a read retries resets, timeouts, 5xx and 429 (and what one request may take) before it fails with EIO (at least 1s)")
 	fs.StringVar(&f.cacheSize, "cache-size", "64M", "http(s) sources: memory for the blocks fetched, per remote object")
 	fs.BoolVar(&f.allowRedirects, "allow-redirects", false, "http(s) sources: follow redirects to another origin (scheme, host, port); by default only within the URL's own")
+	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "s3:// sources: the S3-compatible endpoint (e.g. http://127.0.0.1:7070), instead of AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the shared config's; region and credentials come from the AWS environment variables and shared files")
+	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "s3:// sources: path-style addressing (ENDPOINT/BUCKET/KEY) instead of BUCKET.ENDPOINT/KEY; automatic for an IP address or localhost endpoint")
 	fs.StringArrayVar(&f.allowDirs, "allow-dir", nil, "a directory, besides the image's own, where files the image names (VMDK extents and parents) may lie (repeatable; default: only the image's directory)")
 }
 
@@ -153,7 +158,7 @@ func (f *sourceFlags) remote() (probe.RemoteOptions, error) {
 		return probe.RemoteOptions{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
 	}
 	return probe.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
-		TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects}, nil
+		TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects, S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}, nil
 }
 
 // openImage opens spec; a spec that cannot be right is a usage error.

@@ -13,6 +13,7 @@ import (
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/remote"
 	remotehttp "github.com/blockexport/blockexport/formats/remote/http"
+	remotes3 "github.com/blockexport/blockexport/formats/remote/s3"
 )
 
 // RemoteOptions say how to read images in remote storage (http://,
@@ -32,11 +33,18 @@ type RemoteOptions struct {
 	TLSCA string
 	// AllowRedirects: follow redirects to another origin.
 	AllowRedirects bool
+	// S3Endpoint (--s3-endpoint) overrides the endpoint the AWS
+	// configuration gives s3:// objects; S3PathStyle asks for path-style
+	// addressing (chosen by itself for an IP or localhost endpoint).
+	// Region and credentials come from the AWS environment and shared
+	// files only: an s3:// backing string names a bucket and a key.
+	S3Endpoint  string
+	S3PathStyle bool
 }
 
 // IsRemote says whether spec names an object in remote storage.
 func IsRemote(spec string) bool {
-	return remotehttp.IsURL(spec)
+	return remotehttp.IsURL(spec) || remotes3.IsURL(spec)
 }
 
 // remoteOpenTimeout bounds what opening one remote object may take
@@ -60,6 +68,20 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 			return nil, err
 		}
 		b = hb
+	case remotes3.IsURL(spec):
+		conns := o.Remote.Connections
+		if conns <= 0 {
+			conns = remote.DefaultConnections
+		}
+		sb, err := remotes3.New(ctx, spec, remotes3.Options{Endpoint: o.Remote.S3Endpoint, PathStyle: o.Remote.S3PathStyle,
+			Connections: conns, CAFile: o.Remote.TLSCA})
+		if err != nil {
+			if errors.Is(err, remotes3.ErrBadURL) && !fromImage {
+				return nil, badSpec("%v", err)
+			}
+			return nil, err
+		}
+		b = sb
 	default:
 		return nil, fmt.Errorf("%s: %w: not a remote URL", spec, ErrBadSpec)
 	}

@@ -72,27 +72,35 @@ type Backend struct {
 	name   string
 }
 
+// ErrBadURL marks a name that is not a usable s3://BUCKET/KEY.
+var ErrBadURL = errors.New("bad s3 URL")
+
+// IsURL says whether spec is meant as an s3:// name (checked or not).
+func IsURL(spec string) bool { return strings.HasPrefix(spec, "s3://") }
+
 // ParseURL splits s3://BUCKET/KEY. The key is taken literally (as the AWS
 // CLI takes it), the bucket must be a plausible bucket name, so that no
 // user@host or host:port can pass for one.
 func ParseURL(raw string) (bucket, key string, err error) {
 	rest, ok := strings.CutPrefix(raw, "s3://")
 	if !ok {
-		return "", "", fmt.Errorf("%q is not an s3://BUCKET/KEY name", raw)
+		return "", "", fmt.Errorf("%w: not an s3://BUCKET/KEY name", ErrBadURL)
 	}
 	bucket, key, ok = strings.Cut(rest, "/")
 	if !ok || key == "" {
-		return "", "", fmt.Errorf("%q names no object: want s3://BUCKET/KEY", raw)
+		return "", "", fmt.Errorf("%w: %q names no object: want s3://BUCKET/KEY", ErrBadURL, raw)
 	}
 	if err := checkBucket(bucket); err != nil {
-		return "", "", fmt.Errorf("%q: %w", raw, err)
+		// Not quoted: what stands where the bucket should may be a
+		// user:password@host typed by mistake.
+		return "", "", fmt.Errorf("%w: %w", ErrBadURL, err)
 	}
 	if len(key) > 1024 {
-		return "", "", fmt.Errorf("s3://%s/…: key of %d bytes is longer than S3's 1024", bucket, len(key))
+		return "", "", fmt.Errorf("%w: s3://%s/…: key of %d bytes is longer than S3's 1024", ErrBadURL, bucket, len(key))
 	}
 	for _, c := range []byte(key) {
 		if c < 0x20 || c == 0x7f {
-			return "", "", fmt.Errorf("s3://%s/…: key has a control character", bucket)
+			return "", "", fmt.Errorf("%w: s3://%s/…: key has a control character", ErrBadURL, bucket)
 		}
 	}
 	return bucket, key, nil
@@ -103,7 +111,7 @@ func ParseURL(raw string) (bucket, key string, err error) {
 // host, a port or user information.
 func checkBucket(b string) error {
 	if len(b) < 3 || len(b) > 63 {
-		return fmt.Errorf("bucket name %q is not 3 to 63 characters", b)
+		return fmt.Errorf("s3://BUCKET/KEY: the bucket name is %d characters, not 3 to 63", len(b))
 	}
 	for i := 0; i < len(b); i++ {
 		c := b[i]
@@ -111,7 +119,7 @@ func checkBucket(b string) error {
 		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
 		case c == '-' || c == '.' || c == '_':
 		default:
-			return fmt.Errorf("bucket name %q has a character a bucket name cannot have", b)
+			return fmt.Errorf("s3://BUCKET/KEY: the bucket has a character a bucket name cannot have (%q)", c)
 		}
 	}
 	return nil

@@ -272,6 +272,9 @@ func TestParseURL(t *testing.T) {
 		if (err == nil) != c.ok || b != c.bucket || k != c.key {
 			t.Errorf("ParseURL(%q) = %q, %q, %v", c.in, b, k, err)
 		}
+		if err != nil && (!errors.Is(err, ErrBadURL) || strings.Contains(err.Error(), "pass")) {
+			t.Errorf("ParseURL(%q): %v", c.in, err)
+		}
 	}
 }
 
