@@ -1,0 +1,392 @@
+package tests
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// cvSource writes a raw image of size bytes with holes, runs of zero
+// bytes stored as data, runs of one repeated byte (compressible) and
+// random data, in 4 KiB to 1 MiB pieces at sector-aligned offsets.
+func cvSource(t *testing.T, dir, name string, size int64, seed uint64) string {
+	t.Helper()
+	path := filepath.Join(dir, name)
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(seed, 0xc0))
+	for range 48 {
+		off := r.Int64N(size) &^ 511
+		n := min([]int64{4096, 65536, 300 << 10, 1 << 20, 1500}[r.IntN(5)], size-off)
+		buf := make([]byte, n)
+		switch r.IntN(3) {
+		case 0: // zeroes written as data
+		case 1:
+			for i := range buf {
+				buf[i] = byte(r.IntN(4) + 'a')
+			}
+		default:
+			for i := range buf {
+				buf[i] = byte(r.Uint32())
+			}
+		}
+		if _, err := f.WriteAt(buf, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return path
+}
+
+// cvQemuCompare runs qemu-img compare and fails the test unless the
+// images are identical.
+func cvQemuCompare(t *testing.T, what string, args ...string) {
+	t.Helper()
+	out, err := exec.Command("qemu-img", append([]string{"compare"}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s: qemu-img compare %v: %v\n%s", what, args, err, out)
+	}
+}
+
+// cvCheckClean fails the test unless qemu-img check finds img clean.
+func cvCheckClean(t *testing.T, what, img string) {
+	t.Helper()
+	out, err := exec.Command("qemu-img", "check", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s: qemu-img check %s: %v\n%s", what, img, err, out)
+	}
+}
+
+func cvConvert(t *testing.T, args ...string) {
+	t.Helper()
+	if code, out := runBlockexport(t, append([]string{"convert"}, args...)...); code != 0 {
+		t.Fatalf("blockexport convert %v: exit %d\n%s", args, code, out)
+	}
+}
+
+// Every source format read here, made by qemu-img from one raw image with
+// holes and zero runs, converts into every kind of target so that
+// qemu-img compare finds the target identical to the source and qemu-img
+// check finds every qcow2 target clean.
+func TestCvConvertMatrix(t *testing.T) {
+	dir := t.TempDir()
+	const size = 6 << 20
+	orig := cvSource(t, dir, "orig.raw", size, 1)
+	type src struct{ name, path, format string }
+	srcs := []src{{"raw", orig, "raw"}}
+	for _, s := range []struct{ name, fmt string }{
+		{"qcow2", "qcow2"}, {"qcow2-compressed", "qcow2"}, {"vmdk", "vmdk"}, {"vmdk-stream", "vmdk"},
+		{"vhdx", "vhdx"}, {"vpc", "vpc"}, {"vdi", "vdi"},
+	} {
+		p := filepath.Join(dir, "src-"+s.name)
+		args := []string{"convert", "-f", "raw", "-O", s.fmt}
+		switch s.name {
+		case "qcow2-compressed":
+			args = append(args, "-c")
+		case "vmdk-stream":
+			args = append(args, "-o", "subformat=streamOptimized")
+		}
+		run(t, "qemu-img", append(args, orig, p)...)
+		srcs = append(srcs, src{s.name, p, s.fmt})
+	}
+	// The backing file for -B: the original with a few changes, so that
+	// some ranges equal it and some do not.
+	base := filepath.Join(dir, "base.qcow2")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", cvSource(t, dir, "base.raw", size, 1), base)
+	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x55 1M 64k", "-c", "write -z 3M 128k", base)
+
+	targets := []struct {
+		name string
+		args []string
+		qcow bool
+	}{
+		{"raw", []string{"-O", "raw"}, false},
+		{"qcow2", []string{"-O", "qcow2", "-W", "-m", "4"}, true},
+		{"qcow2-zlib", []string{"-O", "qcow2", "-c"}, true},
+		{"qcow2-zstd", []string{"-O", "qcow2", "-c", "-o", "compression_type=zstd,cluster_size=16k"}, true},
+		{"backing", []string{"-O", "qcow2", "-B", base, "-F", "qcow2"}, true},
+	}
+	for _, s := range srcs {
+		for _, tg := range targets {
+			t.Run(s.name+"/"+tg.name, func(t *testing.T) {
+				dst := filepath.Join(t.TempDir(), "dst")
+				cvConvert(t, append(append([]string{"-f", s.format}, tg.args...), s.path, dst)...)
+				what := s.name + " -> " + tg.name
+				// Against the original raw: a vpc source may be larger (CHS
+				// geometry), its tail zeroes, which compare accepts.
+				cvQemuCompare(t, what, "-f", s.format, s.path, dst)
+				cvQemuCompare(t, what, "-f", "raw", orig, dst)
+				if tg.qcow {
+					cvCheckClean(t, what, dst)
+				}
+			})
+		}
+	}
+}
+
+// A -B target holds only what differs from its backing file: where the
+// source equals the backing file, nothing is allocated.
+func TestCvConvertBackingWritesOnlyDifferences(t *testing.T) {
+	dir := t.TempDir()
+	src := cvSource(t, dir, "src.raw", 4<<20, 2)
+	base := filepath.Join(dir, "base.qcow2")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", src, base)
+	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x77 2M 64k", src)
+	dst := filepath.Join(dir, "dst.qcow2")
+	cvConvert(t, "-O", "qcow2", "-B", base, "-F", "qcow2", src, dst)
+	cvQemuCompare(t, "-B", src, dst)
+	cvCheckClean(t, "-B", dst)
+	var m []struct {
+		Start, Length int64
+		Depth         int
+		Data          bool
+	}
+	out := run(t, "qemu-img", "map", "--output=json", dst)
+	if err := json.Unmarshal([]byte(out), &m); err != nil {
+		t.Fatal(err)
+	}
+	var top int64
+	for _, e := range m {
+		if e.Depth == 0 && e.Data {
+			top += e.Length
+		}
+	}
+	if top != 64<<10 {
+		t.Fatalf("the -B target allocates %d bytes of data itself, want the 64 KiB that differ:\n%s", top, out)
+	}
+}
+
+// -n writes into an existing target: zero runs are written as zeroes over
+// what was there (a raw file of 0xff, an NBD export), unless
+// --target-is-zero says the target reads as zeroes.
+func TestCvConvertNoCreate(t *testing.T) {
+	dir := t.TempDir()
+	const size = 4 << 20
+	src := cvSource(t, dir, "src.raw", size, 3)
+	ff := filepath.Join(dir, "ff.raw")
+	if err := os.WriteFile(ff, bytes.Repeat([]byte{0xff}, size), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cvConvert(t, "-n", "-O", "raw", src, ff)
+	cvQemuCompare(t, "-n onto 0xff", src, ff)
+
+	q := filepath.Join(dir, "t.qcow2")
+	run(t, "qemu-img", "create", "-f", "qcow2", q, fmt.Sprint(size))
+	cvConvert(t, "-n", "--target-is-zero", "-O", "qcow2", src, q)
+	cvQemuCompare(t, "-n --target-is-zero", src, q)
+	cvCheckClean(t, "-n qcow2", q)
+
+	nb := filepath.Join(dir, "nbd.raw")
+	if err := os.WriteFile(nb, bytes.Repeat([]byte{0xee}, size), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	srv := startNBD(t, nb, false, "-w")
+	cvConvert(t, "-n", src, srv.uri)
+	cvQemuCompare(t, "-n onto NBD", src, srv.uri)
+
+	small := filepath.Join(dir, "small.raw")
+	sparseImage(t, dir, "small.raw", size/2)
+	if code, out := runBlockexport(t, "convert", "-n", src, small); code == 0 || !strings.Contains(out, "smaller than the source") {
+		t.Fatalf("-n onto a smaller target: exit %d\n%s", code, out)
+	}
+}
+
+// cvSlowSource serves a 48 MiB random image over NBD with every read
+// delayed, so that a convert runs for seconds without using the CPU.
+func cvSlowSource(t *testing.T, dir string) (uri, file string) {
+	t.Helper()
+	file = randomImage(t, dir, 48<<20, 9)
+	sock := filepath.Join(dir, "slow.sock")
+	cmd := exec.Command("nbdkit", "--exit-with-parent", "-f", "-U", sock, "--filter=delay", "file", file, "rdelay=150ms")
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("nbdkit (apt-get install nbdkit): %v", err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	for i := 0; ; i++ {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		if i > 100 {
+			t.Fatal("nbdkit did not start")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return "nbd+unix:///?socket=" + sock, file
+}
+
+// cvStartConvert starts a convert and returns it with its output buffer.
+func cvStartConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := exec.Command(bin, append([]string{"convert"}, args...)...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	return cmd, &out
+}
+
+// SIGINT mid-convert: a new raw target is truncated to what was
+// converted, and holds exactly the source's bytes there; a qcow2 target
+// is consistent (qemu-img check clean); both say so and exit 130. SIGKILL
+// leaves a qcow2 target qemu-img check calls at worst leaky, never corrupt.
+func TestCvConvertInterrupted(t *testing.T) {
+	dir := t.TempDir()
+	uri, file := cvSlowSource(t, dir)
+	want := readAll(t, file)
+	for _, c := range []struct {
+		name string
+		sig  syscall.Signal
+		args []string
+	}{
+		{"raw-sigint", syscall.SIGINT, []string{"-O", "raw", "-m", "2"}},
+		{"qcow2-sigint", syscall.SIGINT, []string{"-O", "qcow2", "-m", "2", "-W"}},
+		{"qcow2-c-sigint", syscall.SIGINT, []string{"-O", "qcow2", "-c", "-m", "2"}},
+		{"qcow2-sigkill", syscall.SIGKILL, []string{"-O", "qcow2", "-m", "2", "-W"}},
+		{"qcow2-c-sigkill", syscall.SIGKILL, []string{"-O", "qcow2", "-c", "-m", "2"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dst := filepath.Join(t.TempDir(), "dst")
+			cmd, out := cvStartConvert(t, append(c.args, uri, dst)...)
+			time.Sleep(1500 * time.Millisecond)
+			cmd.Process.Signal(c.sig)
+			err := cmd.Wait()
+			code := cmd.ProcessState.ExitCode()
+			if c.sig == syscall.SIGKILL {
+				chk, _ := exec.Command("qemu-img", "check", dst).CombinedOutput()
+				if e := exec.Command("qemu-img", "check", dst).Run(); e != nil {
+					if ee, ok := e.(*exec.ExitError); !ok || ee.ExitCode() != 3 {
+						t.Fatalf("after SIGKILL qemu-img check: %v (want clean or leaks only)\n%s", e, chk)
+					}
+				}
+				return
+			}
+			if code != 130 || !strings.Contains(out.String(), "interrupted") {
+				t.Fatalf("SIGINT: exit %d (%v), want 130 and a message\n%s", code, err, out)
+			}
+			if strings.Count(strings.TrimSpace(out.String()), "\n") != 0 {
+				t.Fatalf("SIGINT: want one line, got\n%s", out)
+			}
+			if c.args[1] == "raw" {
+				got := readAll(t, dst)
+				if len(got) == 0 || len(got) >= len(want) {
+					t.Fatalf("raw target is %d bytes after SIGINT, want part of %d\n%s", len(got), len(want), out)
+				}
+				mustEqualBytes(t, "the converted prefix", got, want[:len(got)])
+				return
+			}
+			cvCheckClean(t, c.name, dst)
+			// What it holds is the source's, where it holds anything.
+			run(t, "qemu-img", "info", dst)
+		})
+	}
+}
+
+// A full disk ends the convert with one line naming ENOSPC.
+func TestCvConvertENOSPC(t *testing.T) {
+	dir := t.TempDir()
+	src := randomImage(t, dir, 8<<20, 4)
+	small := smallHost(t, dir, "2m")
+	for _, f := range []string{"raw", "qcow2"} {
+		code, out := runBlockexport(t, "convert", "-O", f, src, filepath.Join(small, "dst."+f))
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if code == 0 || len(lines) != 1 || !strings.Contains(out, "no space left on device") {
+			t.Fatalf("-O %s onto a 2 MiB tmpfs: exit %d, want one line naming ENOSPC:\n%s", f, code, out)
+		}
+		os.Remove(filepath.Join(small, "dst."+f))
+	}
+}
+
+// compare agrees with qemu-img compare: the exit status and the whole
+// output (the first differing offset included) on identical images,
+// one byte apart, different sizes, and different allocation with -s.
+func TestCvCompareAgreesWithQemu(t *testing.T) {
+	dir := t.TempDir()
+	const size = 4 << 20
+	a := cvSource(t, dir, "a.raw", size, 5)
+	aq := filepath.Join(dir, "a.qcow2")
+	run(t, "qemu-img", "convert", "-O", "qcow2", a, aq)
+	acomp := filepath.Join(dir, "ac.qcow2")
+	run(t, "qemu-img", "convert", "-c", "-O", "qcow2", a, acomp)
+	b := filepath.Join(dir, "b.raw")
+	run(t, "cp", "--sparse=always", a, b)
+	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 3000001 1", b)
+	bq := filepath.Join(dir, "b.qcow2")
+	run(t, "qemu-img", "convert", "-O", "qcow2", b, bq)
+	big := filepath.Join(dir, "big.raw")
+	run(t, "cp", "--sparse=always", a, big)
+	if err := os.Truncate(big, size+1<<20); err != nil {
+		t.Fatal(err)
+	}
+	bigDirty := filepath.Join(dir, "bigdirty.raw")
+	run(t, "cp", "--sparse=always", big, bigDirty)
+	run(t, "qemu-io", "-f", "raw", "-c", "write -P 1 4500000 10", bigDirty)
+	zq := filepath.Join(dir, "z.qcow2") // a's data, with zero clusters where a has holes' neighbours
+	run(t, "cp", aq, zq)
+	run(t, "qemu-io", "-f", "qcow2", "-c", "write -z 0 64k", zq)
+	pairs := [][]string{
+		{a, aq}, {aq, acomp}, {a, b}, {aq, bq}, {bq, a}, {a, big}, {big, a}, {a, bigDirty}, {bigDirty, aq},
+		{"-s", a, aq}, {"-s", aq, aq}, {"-s", a, big}, {"-s", aq, zq}, {"-s", a, b}, {"-s", aq, acomp},
+	}
+	for _, p := range pairs {
+		qout, qerr := exec.Command("qemu-img", append([]string{"compare"}, p...)...).CombinedOutput()
+		qcode := 0
+		if ee, ok := qerr.(*exec.ExitError); ok {
+			qcode = ee.ExitCode()
+		}
+		code, out := runBlockexport(t, append([]string{"compare"}, p...)...)
+		if code != qcode || out != string(qout) {
+			t.Errorf("compare %v: exit %d\n%s\nqemu-img compare: exit %d\n%s", p, code, out, qcode, qout)
+		}
+	}
+	if code, out := runBlockexport(t, "compare", a, filepath.Join(dir, "missing")); code != 2 {
+		t.Errorf("compare with a missing image: exit %d, want 2\n%s", code, out)
+	}
+}
+
+// -p without a terminal prints one JSON object per step on stdout,
+// ending at 100 percent, with the done bytes never going back.
+func TestCvConvertProgressJSON(t *testing.T) {
+	dir := t.TempDir()
+	src := cvSource(t, dir, "src.raw", 4<<20, 6)
+	cmd := exec.Command(bin, "convert", "-p", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("convert -p: %v\n%s", err, stderr.String())
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	var last struct {
+		Done, Total int64
+		Percent     int
+		Rate        float64
+	}
+	prev := int64(-1)
+	for _, l := range lines {
+		if err := json.Unmarshal([]byte(l), &last); err != nil {
+			t.Fatalf("progress line %q: %v", l, err)
+		}
+		if last.Done < prev || last.Total != 4<<20 {
+			t.Fatalf("progress went back or lost its total: %q after %d", l, prev)
+		}
+		prev = last.Done
+	}
+	if last.Percent != 100 || last.Done != last.Total || len(lines) < 2 {
+		t.Fatalf("progress ends at %+v after %d lines, want 100%%", last, len(lines))
+	}
+}
