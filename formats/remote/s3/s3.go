@@ -39,6 +39,10 @@ import (
 // Scheme is the URL scheme this backend serves.
 const Scheme = "s3"
 
+// MaxSize is the largest object served (as for http sources): offsets
+// and lengths stay far from int64's end whatever a format adds to them.
+const MaxSize = 1 << 62
+
 // defaultRegion is used when no region is configured anywhere: S3-compatible
 // stores mostly ignore it, but SigV4 needs one to sign with.
 const defaultRegion = "us-east-1"
@@ -271,6 +275,9 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	}
 	if out.ContentLength == nil || *out.ContentLength < 0 {
 		return remote.Object{}, fmt.Errorf("%s: the server gave no object size", b.name)
+	}
+	if *out.ContentLength > MaxSize {
+		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(MaxSize))
 	}
 	obj := remote.Object{Size: *out.ContentLength}
 	if out.ETag != nil {

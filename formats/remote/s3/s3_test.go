@@ -23,6 +23,7 @@ type fakeS3 struct {
 	data   []byte
 	etag   string
 	mode   atomic.Value // string: how GET lies
+	head   atomic.Value // string: how HEAD lies
 	gets   atomic.Int64
 	lastIf atomic.Value // string: the If-Match of the last GET
 }
@@ -42,7 +43,20 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("ETag", f.etag)
 	if r.Method == http.MethodHead {
-		w.Header().Set("Content-Length", strconv.Itoa(len(f.data)))
+		size := strconv.Itoa(len(f.data))
+		switch h, _ := f.head.Load().(string); h {
+		case "huge":
+			size = "9223372036854775807"
+		case "over":
+			size = "9223372036854775808"
+		case "negative":
+			size = "-5"
+		case "anonymous":
+			w.Header().Del("ETag")
+			w.Header().Set("Content-Length", size)
+			return
+		}
+		w.Header().Set("Content-Length", size)
 		w.Header().Set("Last-Modified", time.Unix(1e9, 0).UTC().Format(http.TimeFormat))
 		return
 	}
@@ -251,6 +265,21 @@ func TestOpenErrorsAreOneClearLine(t *testing.T) {
 	}
 }
 
+func TestStatRefusesALyingHead(t *testing.T) {
+	f, b, _ := newFake(t)
+	for _, mode := range []string{"huge", "over", "negative", "anonymous"} {
+		f.head.Store(mode)
+		obj, err := b.Stat(context.Background())
+		if err == nil {
+			t.Errorf("HEAD %s: taken as %+v", mode, obj)
+		} else if !strings.HasPrefix(err.Error(), "s3://bucket/disk.img: ") {
+			t.Errorf("HEAD %s: %v", mode, err)
+		} else {
+			t.Logf("HEAD %s: %v", mode, err)
+		}
+	}
+}
+
 func TestParseURL(t *testing.T) {
 	for _, c := range []struct {
 		in, bucket, key string
@@ -321,6 +350,23 @@ func FuzzParseContentRange(f *testing.F) {
 		a, z, n, err := parseContentRange(s)
 		if err == nil && (a < 0 || z < a || n <= z) {
 			t.Fatalf("%q gave %d-%d/%d", s, a, z, n)
+		}
+	})
+}
+
+// FuzzParseURL: no panic; what is taken round-trips and has a bucket that
+// cannot pass for a host, a port or user information.
+func FuzzParseURL(f *testing.F) {
+	for _, s := range []string{"s3://bkt/key", "s3://u:p@h/k", "s3://bkt/a/../b?c", "s3://a.b-c_d/\x00", "s3:///"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		b, k, err := ParseURL(s)
+		if err != nil {
+			return
+		}
+		if "s3://"+b+"/"+k != s || strings.ContainsAny(b, ":@/?#[]") || k == "" {
+			t.Fatalf("%q taken as bucket %q key %q", s, b, k)
 		}
 	})
 }
