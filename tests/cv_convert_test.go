@@ -338,7 +338,14 @@ func TestCvCompareAgreesWithQemu(t *testing.T) {
 	zq := filepath.Join(dir, "z.qcow2") // a's data, with zero clusters where a has holes' neighbours
 	run(t, "cp", aq, zq)
 	run(t, "qemu-io", "-f", "qcow2", "-c", "write -z 0 64k", zq)
+	odd := filepath.Join(dir, "odd.raw") // 1000 bytes: QEMU counts whole sectors
+	if err := os.WriteFile(odd, bytes.Repeat([]byte{9}, 1000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	oddq := filepath.Join(dir, "odd.qcow2")
+	run(t, "qemu-img", "convert", "-O", "qcow2", odd, oddq)
 	pairs := [][]string{
+		{odd, oddq}, {"-s", odd, oddq},
 		{a, aq}, {aq, acomp}, {a, b}, {aq, bq}, {bq, a}, {a, big}, {big, a}, {a, bigDirty}, {bigDirty, aq},
 		{"-s", a, aq}, {"-s", aq, aq}, {"-s", a, big}, {"-s", aq, zq}, {"-s", a, b}, {"-s", aq, acomp},
 	}
@@ -389,4 +396,29 @@ func TestCvConvertProgressJSON(t *testing.T) {
 	if last.Percent != 100 || last.Done != last.Total || len(lines) < 2 {
 		t.Fatalf("progress ends at %+v after %d lines, want 100%%", last, len(lines))
 	}
+}
+
+// A TARGET that is a file the conversion reads (the source itself, under
+// another name, or its backing file) is refused before anything is
+// created: creating it would truncate what is being read.
+func TestCvConvertRefusesItsSource(t *testing.T) {
+	dir := t.TempDir()
+	src := cvSource(t, dir, "src.raw", 2<<20, 7)
+	want := readAll(t, src)
+	link := filepath.Join(dir, "link.raw")
+	if err := os.Symlink(src, link); err != nil {
+		t.Fatal(err)
+	}
+	base := filepath.Join(dir, "base.qcow2")
+	run(t, "qemu-img", "convert", "-O", "qcow2", src, base)
+	ov := filepath.Join(dir, "ov.qcow2")
+	run(t, "qemu-img", "create", "-f", "qcow2", "-b", base, "-F", "qcow2", ov)
+	for _, args := range [][]string{{src, src}, {link, src}, {"-n", link, src}, {"-O", "qcow2", ov, base}} {
+		code, out := runBlockexport(t, append([]string{"convert"}, args...)...)
+		if code == 0 || !strings.Contains(out, "refusing to overwrite") {
+			t.Fatalf("convert %v: exit %d, want a refusal\n%s", args, code, out)
+		}
+	}
+	mustEqualBytes(t, "the source after refused converts", readAll(t, src), want)
+	cvCheckClean(t, "the backing file", base)
 }

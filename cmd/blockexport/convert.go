@@ -223,6 +223,9 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	defer src.Image.Close()
 	size := src.Image.Size()
 
+	if err := notBeingRead(dstSpec, src.Image, f.backing); err != nil {
+		return err
+	}
 	// The target: made here (and removed again if it cannot be opened),
 	// or an existing one with -n.
 	created := false
@@ -303,6 +306,39 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		return fmt.Errorf("convert: %s: %w", dstSpec, ferr)
 	case clerr != nil:
 		return fmt.Errorf("convert: %s: %w", dstSpec, clerr)
+	}
+	return nil
+}
+
+// notBeingRead refuses a TARGET that is a file the conversion reads: the
+// source, a file of its backing chain, or the -B file (creating it would
+// truncate what is about to be read; qemu-img refuses it by its image
+// locks).
+func notBeingRead(dst string, src formats.Image, backing string) error {
+	dfi, err := os.Stat(dst)
+	if err != nil {
+		return nil // a new file, or an NBD export
+	}
+	var files []string
+	for layer := src; layer != nil; {
+		in := layer.Info()
+		files = append(files, in.Filename)
+		l, ok := layer.(formats.Layered)
+		if !ok {
+			break
+		}
+		layer = l.Backing()
+	}
+	if backing != "" {
+		if !filepath.IsAbs(backing) {
+			backing = filepath.Join(filepath.Dir(dst), backing)
+		}
+		files = append(files, backing)
+	}
+	for _, name := range files {
+		if fi, err := os.Stat(name); err == nil && os.SameFile(fi, dfi) {
+			return usagef("convert: TARGET %s is %s, which the conversion reads; refusing to overwrite it", dst, name)
+		}
 	}
 	return nil
 }

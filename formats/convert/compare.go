@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math"
 	"sync"
 
 	"github.com/blockexport/blockexport/formats"
@@ -69,10 +70,22 @@ func (r CompareResult) Lines() []string {
 func zeroKnown(e formats.Extent) bool { return e.Zero || !e.Present }
 
 // status is the part of an extent qemu-img compare -s compares: QEMU's
-// DATA, ZERO, ALLOCATED and OFFSET_VALID flags.
-type status struct{ data, zero, present, offset bool }
+// DATA, ZERO, ALLOCATED, OFFSET_VALID and EOF flags. EOF: the run reaches
+// the end of the image, in whole sectors as QEMU sees it (a 1000-byte
+// raw file's data ends before its EOF, a qcow2 cluster's at it).
+type status struct{ data, zero, present, offset, eof bool }
 
-func statusOf(e formats.Extent) status { return status{e.Data, e.Zero, e.Present, e.HasOffset} }
+func statusOf(e formats.Extent, size int64) status {
+	return status{e.Data, e.Zero, e.Present, e.HasOffset, e.Length > 0 && end(e) >= sectorsUp(size)}
+}
+
+// sectorsUp is n rounded up to whole 512-byte sectors.
+func sectorsUp(n int64) int64 {
+	if n > math.MaxInt64-511 {
+		return math.MaxInt64
+	}
+	return n + (512-n%512)%512
+}
 
 // extentWalker hands out an image's extents in order, cut where asked.
 type extentWalker struct {
@@ -123,8 +136,11 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 		chunk = 4 << 20
 	}
 	sa, sb := a.Size(), b.Size()
-	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sa != sb}
-	if o.Strict && sa != sb {
+	// QEMU sees sizes in whole sectors: a 1000-byte raw file and a
+	// 1024-byte image are the same size to qemu-img compare.
+	sectors := func(n int64) int64 { return n/512 + min(n%512, 1) }
+	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sectors(sa) != sectors(sb)}
+	if o.Strict && r.SizeMismatch {
 		r.Identical, r.Mismatch = false, MismatchSize
 		return r, nil
 	}
@@ -215,7 +231,7 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 		if off < common {
 			next = min(next, common)
 		}
-		if o.Strict && statusOf(ea) != statusOf(eb) {
+		if o.Strict && statusOf(ea, sa) != statusOf(eb, sb) {
 			// A content difference before it is reported first, as
 			// qemu-img's in-order walk would: wait for the reads.
 			wg.Wait()
