@@ -17,6 +17,10 @@ type createFlags struct {
 	format, clusterSize    string
 	backing, backingFormat string
 	force                  bool
+	// s3Endpoint and s3PathStyle reach an s3:// backing file, whose
+	// size and format are read.
+	s3Endpoint  string
+	s3PathStyle bool
 }
 
 func createCommand() *cobra.Command {
@@ -37,6 +41,8 @@ func createCommand() *cobra.Command {
 	fs.StringVarP(&f.backing, "backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: raw or qcow2 (default: detected)")
 	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
+	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "an s3:// backing file's S3-compatible endpoint (see fuse --s3-endpoint)")
+	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "an s3:// backing file: path-style addressing (see fuse --s3-path-style)")
 	completeWords(c, "format", "raw", "qcow2")
 	completeWords(c, "backing-format", "raw", "qcow2")
 	return c
@@ -89,7 +95,8 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
 			return usagef("create: --backing-format %q (want a format blockexport reads: raw, qcow2, vmdk...)", bf)
 		}
-		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
+		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads",
+			Remote: probe.RemoteOptions{S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}})
 		if err != nil {
 			if errors.Is(err, probe.ErrBadSpec) {
 				return usageError{err}
