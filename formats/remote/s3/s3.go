@@ -400,6 +400,12 @@ func classify(err error) error {
 	if errors.Is(err, context.Canceled) {
 		return err
 	}
+	if credentialsError(err) {
+		// No credentials anywhere (the EC2 metadata service, tried
+		// last, may time out): the user's configuration, not the
+		// network; retrying only delays the line that says so.
+		return err
+	}
 	if httpStatus(err) == http.StatusPreconditionFailed || apiCode(err) == "PreconditionFailed" {
 		return remote.ErrChanged
 	}

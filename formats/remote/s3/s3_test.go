@@ -280,6 +280,26 @@ func TestStatRefusesALyingHead(t *testing.T) {
 	}
 }
 
+func TestNoCredentialsIsOneLine(t *testing.T) {
+	s3tEnv(t)
+	t.Setenv("AWS_ACCESS_KEY_ID", "")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
+	// The metadata service, tried last, refuses the connection: a
+	// network error, and still not one worth retrying.
+	t.Setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:1")
+	f := &fakeS3{data: []byte("x"), etag: `"e"`}
+	srv := httptest.NewServer(f)
+	t.Cleanup(srv.Close)
+	b, err := New(context.Background(), "s3://bucket/disk.img", Options{Endpoint: srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = b.Stat(context.Background())
+	if err == nil || errors.Is(err, remote.ErrTemporary) || !strings.HasPrefix(err.Error(), "s3://bucket/disk.img: no usable credentials") {
+		t.Fatalf("no credentials: %v", err)
+	}
+}
+
 func TestParseURL(t *testing.T) {
 	for _, c := range []struct {
 		in, bucket, key string
