@@ -17,7 +17,9 @@ run: build
 	./bin/blockexport fuse $(FLAGS) $(IMAGE) $(MOUNT)
 
 # The whole suite: unit tests and end-to-end tests with real mounts and
-# clients. Installs missing client tools first (as root). -count=1: the
+# clients. Installs missing client tools first (as root), and the S3
+# server the s3:// tests run (.ci/s3server: a pinned go install, cached
+# after the first run). -count=1: the
 # end-to-end tests run a binary they build themselves and outside tools,
 # which Go's test cache does not see, so a cached pass proves nothing.
 # The export tests run a second time over FUSE over io_uring (the module
@@ -29,6 +31,7 @@ run: build
 URING_TESTS = ^(TestReadOnlyExportServesImageAndRefusesWrites|TestWritesAreClampedUnlessGrowable|TestGrowableExportGrowsAndShrinks|TestFallocateModes|TestSeekDataHoleAndBlocksFollowAllocation|TestSetattrRules|TestSetattrWithAllowOther|TestStatfsDescribesTheImage|TestSharedMmapOfTheExport|TestExportOntoTheImageItself|TestLookupIsENOENT|TestHostErrorsReachTheClient|TestPassthroughReads|TestExternalUnmountEndsTheExport|TestSigtermLosesNoAcknowledgedWrite|TestDaemonizeReturnsOnceServing|TestStatsCountRequests|TestFileNameInDirectory|TestNullDevice|TestFioVerify|TestFioVerifyQueueDepthOne|TestLoopMountMkfsFsck|TestQcow2WritesThroughTheExport|TestQcow2LoopMountReadWrite|TestQcow2SurvivesKill9)$$
 test:
 	.ci/deps
+	.ci/s3server
 	$(GO) vet ./...
 	.ci/keep-fuse-param $(GO) test -race -count=1 -timeout 20m ./...
 	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
