@@ -84,3 +84,14 @@ func (c *lru[V]) putIfGen(key int64, val V, g uint64) {
 		c.putLocked(key, val)
 	}
 }
+
+// remove drops key: what was cached under it no longer lies there (a
+// compressed cluster written where a freed one was).
+func (c *lru[V]) remove(key int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, ok := c.items[key]; ok {
+		c.order.Remove(e)
+		delete(c.items, key)
+	}
+}

@@ -153,6 +153,9 @@ func (q *Image) writeCompressed(ctx context.Context, comp []byte, off int64) err
 	if err != nil {
 		return err
 	}
+	// A compressed cluster freed from these very bytes may still be in
+	// the decompressed cache, keyed by where it lay.
+	q.dcache.remove(host)
 	err = q.checkWrite(ctx, host, n, metaNone, "compressed cluster write")
 	if err == nil {
 		if _, err = q.f.WriteAt(ctx, comp, host); err != nil {
