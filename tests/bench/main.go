@@ -178,7 +178,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm; only when named), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm; only when named), convert (blockexport convert and compare against qemu-img's on 4 GiB images; only when named), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
@@ -278,6 +278,9 @@ func main() {
 		// page-cache rows' O_DIRECT matrix again with it, to show they
 		// are no worse than with the default (the raw rows above).
 		rows = append(rows, benchTarget("raw", dir, with("raw", ours("--kernel-cache", "on")), " (--kernel-cache on)", nil)...)
+	}
+	if targets["convert"] {
+		rows = append(rows, cvBenchConvert(dir, bin)...)
 	}
 	for _, target := range foreignTargets {
 		if targets["formats"] || targets[target] || *only == defaultOnly {
