@@ -79,7 +79,9 @@ func cvBenchConvert(dir, bin string) []row {
 	// compare: the raw source against its qcow2 copy, both 4 GiB.
 	r := row{target: "compare", name: "compare raw vs qcow2 4 GiB (s)", unit: "s"}
 	r.add(system{name: "qemu-img compare", config: "default"},
-		cvBest(func() (float64, error) { return cvTime("", "qemu-img", "compare", "-f", "raw", "-F", "qcow2", src, qsrc) }))
+		cvBest(func() (float64, error) {
+			return cvTime("", "qemu-img", "compare", "-f", "raw", "-F", "qcow2", src, qsrc)
+		}))
 	r.add(system{name: "blockexport", ours: true},
 		cvBest(func() (float64, error) { return cvTime("", bin, "compare", "-f", "raw", "-F", "qcow2", src, qsrc) }))
 	logRow(r)
