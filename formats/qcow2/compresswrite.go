@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"sync"
 
 	"github.com/klauspost/compress/flate"
 	"github.com/klauspost/compress/zstd"
@@ -32,24 +31,53 @@ import (
 // zlibWindow is QEMU's deflate window (windowBits 12).
 const zlibWindow = 4096
 
-// Encoders are reused: each holds tables of some size. A flate writer at
-// a custom window is at its single compression level.
+// Encoders are reused: each holds tables of some size, built on first
+// use. They are kept on free lists that a garbage collection does not
+// empty (a sync.Pool does: every collection then built a dozen zstd
+// encoders again, each allocating megabytes, which brought on the next
+// collection; zstd ran 30 times slower than zlib). At most one per
+// goroutine compressing at once stays listed.
 var (
-	deflaters = sync.Pool{New: func() any {
-		w, err := flate.NewWriterWindow(nil, zlibWindow)
-		if err != nil {
-			return err
-		}
-		return w
-	}}
-	zstdEncoders = sync.Pool{New: func() any {
-		e, err := zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault))
-		if err != nil {
-			return err
-		}
-		return e
-	}}
+	freeDeflaters = make(chan *flate.Writer, 256)
+	freeZstd      = make(chan *zstd.Encoder, 256)
 )
+
+// zstdWindow bounds the encoder's window (and memory): a cluster is at
+// most 2 MiB, and matches further back than this gain little.
+const zstdWindow = 1 << 17
+
+func getDeflater() (*flate.Writer, error) {
+	select {
+	case w := <-freeDeflaters:
+		return w, nil
+	default:
+		return flate.NewWriterWindow(nil, zlibWindow)
+	}
+}
+
+func putDeflater(w *flate.Writer) {
+	select {
+	case freeDeflaters <- w:
+	default:
+	}
+}
+
+func getZstd() (*zstd.Encoder, error) {
+	select {
+	case e := <-freeZstd:
+		return e, nil
+	default:
+		return zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault),
+			zstd.WithWindowSize(zstdWindow), zstd.WithLowerEncoderMem(true))
+	}
+}
+
+func putZstd(e *zstd.Encoder) {
+	select {
+	case freeZstd <- e:
+	default:
+	}
+}
 
 // ClusterSize is the image's cluster size.
 func (q *Image) ClusterSize() int64 { return q.h.clusterSize }
@@ -70,12 +98,9 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 	}
 	switch q.h.compressionType {
 	case compressionZlib:
-		var w *flate.Writer
-		switch v := deflaters.Get().(type) {
-		case *flate.Writer:
-			w = v
-		case error:
-			return nil, false, fmt.Errorf("qcow2: deflate: %w", v)
+		w, err := getDeflater()
+		if err != nil {
+			return nil, false, fmt.Errorf("qcow2: deflate: %w", err)
 		}
 		var out bytes.Buffer
 		out.Grow(int(cs))
@@ -84,23 +109,20 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 		if err == nil {
 			err = w.Close()
 		}
-		deflaters.Put(w)
+		putDeflater(w)
+		if err != nil {
+			return nil, false, fmt.Errorf("qcow2: deflate: %w", err)
+		}
 		comp = out.Bytes()
 	case compressionZstd:
-		var e *zstd.Encoder
-		switch v := zstdEncoders.Get().(type) {
-		case *zstd.Encoder:
-			e = v
-		case error:
-			return nil, false, fmt.Errorf("qcow2: zstd: %w", v)
+		e, err := getZstd()
+		if err != nil {
+			return nil, false, fmt.Errorf("qcow2: zstd: %w", err)
 		}
 		comp = e.EncodeAll(src, make([]byte, 0, cs))
-		zstdEncoders.Put(e)
+		putZstd(e)
 	default:
 		return nil, false, fmt.Errorf("qcow2: compression type %d: %w", q.h.compressionType, formats.ErrNotSupported)
-	}
-	if err != nil {
-		return nil, false, fmt.Errorf("qcow2: compress: %w", err)
 	}
 	if int64(len(comp)) > cs-1 {
 		return nil, false, nil
