@@ -69,7 +69,7 @@ func convertCommand() *cobra.Command {
 	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, qemu-img's: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off, preallocation=off, compat=v3, refcount_bits=16, backing_file, backing_fmt")
 	fs.BoolVarP(&f.compress, "compress", "c", false, "store TARGET's data clusters compressed (qcow2), on all cores")
 	fs.BoolVarP(&f.showProgress, "show-progress", "p", false, "show progress: a bar with rate and ETA on a terminal, JSON lines otherwise")
-	fs.StringVar(&f.progressFmt, "progress", "", "progress format: bar or json (one JSON object per percent on stdout)")
+	fs.StringVar(&f.progressFmt, "progress", "", "progress: auto (as -p), bar, json (one JSON object per percent on stdout) or none")
 	fs.IntVarP(&f.parallel, "parallel", "m", 8, "requests in flight (qemu-img's -m; 1 to 64)")
 	fs.BoolVarP(&f.outOfOrder, "out-of-order", "W", false, "let writes complete out of order")
 	fs.BoolVarP(&f.noCreate, "no-create", "n", false, "write into an existing TARGET (a file or nbd://...) instead of creating it")
@@ -79,8 +79,11 @@ func convertCommand() *cobra.Command {
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
 	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT)")
 	f.register(c)
+	// inspectFlags' --output and --json say nothing to convert.
+	fs.MarkHidden("output")
+	fs.MarkHidden("json")
 	completeWords(c, "output-format", "raw", "qcow2")
-	completeWords(c, "progress", "bar", "json")
+	completeWords(c, "progress", "auto", "bar", "json", "none")
 	completeWords(c, "target-cache", "writeback", "none")
 	c.RunE = func(c *cobra.Command, args []string) error {
 		return convertCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
@@ -387,15 +390,16 @@ func (f *convertFlags) create(path string, size int64, t targetOptions) error {
 // progressMode is what -p and --progress ask for: "", "bar" or "json".
 func (f *convertFlags) progressMode(stderr io.Writer) (string, error) {
 	switch f.progressFmt {
-	case "", "bar", "json":
-	default:
-		return "", usagef("--progress %q: want bar or json", f.progressFmt)
-	}
-	if f.progressFmt != "" {
-		return f.progressFmt, nil
-	}
-	if !f.showProgress {
+	case "", "auto":
+		if !f.showProgress && f.progressFmt == "" {
+			return "", nil
+		}
+	case "none":
 		return "", nil
+	case "bar", "json":
+		return f.progressFmt, nil
+	default:
+		return "", usagef("--progress %q: want auto, bar, json or none", f.progressFmt)
 	}
 	if isTerminal(stderr) {
 		return "bar", nil
