@@ -207,6 +207,12 @@ type Features struct {
 	// offsets, through the page cache (a buffered raw image): a front end
 	// may let the kernel serve them from it (FUSE passthrough). -1: none.
 	HostFd int
+	// MayStall: a request may wait on a network peer that can stall for
+	// as long as the reconnect timeout (an object in HTTP(S) or S3
+	// storage, in this image or its backing chain). A front end then
+	// never waits for one on the thread that reads its protocol, so that
+	// other clients' requests (an open, a stat) are answered meanwhile.
+	MayStall bool
 }
 
 // NoFastPath is what a format embeds when it has no way to finish a read

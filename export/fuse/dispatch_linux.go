@@ -35,6 +35,7 @@ type op struct {
 	// INTERRUPT for it. Nil: inline always answers.
 	wait func(s *server, ctx context.Context, to replyTo, req []byte)
 	// mayBlockLoop: when nothing else is in flight or queued, the loop
+	// (unless the image may stall: server.stalls)
 	// runs wait itself (see coroutines.Lone). Only reads and writes:
 	// others (fsync above all) may take long.
 	mayBlockLoop bool
@@ -117,7 +118,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 			path = coroutines.AfterMiss
 		}
 	}
-	if o.mayBlockLoop && !s.handOffOnly(req) && s.hand.Lone(q.queued) {
+	if o.mayBlockLoop && !s.stalls && !s.handOffOnly(req) && s.hand.Lone(q.queued) {
 		o.wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
 		return true
 	}

@@ -102,6 +102,12 @@ type server struct {
 
 	stats *Stats // nil: not counting
 
+	// stalls: the image's requests may wait on a network peer for up to
+	// its reconnect timeout (formats.Features.MayStall), so none runs on
+	// a loop's own thread, even alone: another process's open or close
+	// of the export would wait behind it.
+	stalls bool
+
 	// fileName is not empty when the root is a directory holding the
 	// export as its one file, named so (--file-name; dir_linux.go).
 	fileName string
@@ -128,7 +134,7 @@ type server struct {
 }
 
 func newServer(exp *Export, fd int) *server {
-	return &server{exp: exp, fds: []int{fd},
+	return &server{exp: exp, fds: []int{fd}, stalls: exp.img.Features().MayStall,
 		hand:    coroutines.NewHandoff(context.Background()),
 		pending: pending{m: map[uint64]*reqCtx{}, grace: interruptGrace},
 		bulk:    bulkHelper{fd: -1},

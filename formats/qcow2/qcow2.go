@@ -576,7 +576,8 @@ type Detail struct {
 // Features: zeroing whole clusters is metadata only in version 3 (zero
 // flags); the host file's layout is not the image's.
 func (q *Image) Features() formats.Features {
-	return formats.Features{FastZero: q.h.version >= 3, HostFd: -1}
+	stall := !aio.HasFd(q.f) || q.backing != nil && q.backing.Features().MayStall
+	return formats.Features{FastZero: q.h.version >= 3, HostFd: -1, MayStall: stall}
 }
 
 // Backing returns the backing image, or nil.

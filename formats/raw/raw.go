@@ -348,7 +348,7 @@ func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 // its bytes are the image's, so FUSE may pass reads through to it (not
 // with O_DIRECT: the kernel would pass unaligned reads straight on).
 func (r *Image) Features() formats.Features {
-	f := formats.Features{HostFd: -1}
+	f := formats.Features{HostFd: -1, MayStall: !aio.HasFd(r.f)}
 	if r.align == 1 && !r.blockDev && aio.HasFd(r.f) {
 		f.FastZero, f.HostFd = true, r.f.Fd()
 	}
