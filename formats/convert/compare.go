@@ -11,6 +11,7 @@ import (
 	"math"
 	"sync"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -174,7 +175,7 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 	getBuf := func(n int64) []byte {
 		p := <-bufs
 		if int64(cap(p)) < chunk {
-			p = make([]byte, chunk)
+			p = coroutines.AlignedBuf(int(chunk), 4096) // for O_DIRECT hosts
 		}
 		return p[:n]
 	}

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"sync"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -156,7 +157,8 @@ func Convert(ctx context.Context, src formats.Image, dst Target, o Options) (Sta
 func (e *engine) getBuf() []byte {
 	p := <-e.bufs
 	if int64(cap(p)) < e.o.Chunk {
-		p = make([]byte, e.o.Chunk)
+		// Aligned, so that an O_DIRECT target (-t none) takes it as it is.
+		p = coroutines.AlignedBuf(int(e.o.Chunk), 4096)
 	}
 	return p[:e.o.Chunk]
 }
