@@ -264,7 +264,8 @@ func rhCanon(t *testing.T, s string) string {
 }
 
 // TestRhHTTPInfoAndMapEqualQemuImg: info and map of the http URLs of a
-// raw and a qcow2 image say what qemu-img (its curl driver) says.
+// raw and a qcow2 image, and check of the qcow2, say what qemu-img (its
+// curl driver) says.
 func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 	if _, err := os.Stat("/usr/lib/x86_64-linux-gnu/qemu/block-curl.so"); err != nil {
 		t.Fatal("qemu-img reads http URLs with its curl driver: apt-get install -y qemu-block-extra")
@@ -280,6 +281,12 @@ func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 				t.Errorf("%s %s:\n got %s\nwant %s", cmd, name, g, want)
 			}
 		}
+	}
+	// check reads the remote qcow2's metadata as qemu-img check does.
+	u := n.url("http", "disk.qcow2")
+	want := rhJSON(t, "qemu-img", "check", "--output=json", u)
+	if _, got := runBlockexport(t, "check", "--output", "json", u); rhCanon(t, got) != want {
+		t.Errorf("check:\n got %s\nwant %s", got, want)
 	}
 	// The human info says what qemu-img's says of the size it cannot know.
 	if _, out := runBlockexport(t, "info", n.url("http", "disk.qcow2")); !strings.Contains(out, "disk size: unavailable") {
@@ -385,4 +392,28 @@ func TestRhServerWithoutRangesRefused(t *testing.T) {
 	if code == 0 || !strings.Contains(out, "does not serve byte ranges") {
 		t.Fatalf("exit %d\n%s", code, out)
 	}
+}
+
+// TestRhMemoryBoundedByCacheSize: a 128 MiB image read whole through the
+// export, sequentially (readahead at its widest) and then at random with
+// fio at queue depth 16, by a daemon with --cache-size 8M: its peak RSS
+// stays within the cache plus a constant (80 MiB: the Go runtime, 8
+// connections' 1 MiB bounce buffers, the readahead window), where a cache
+// that kept what it fetched would hold the whole object.
+func TestRhMemoryBoundedByCacheSize(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	img := randomImage(t, dir, 128<<20, 2716)
+	n.put(t, "big.img", img)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, n.url("http", "big.img"), mnt, "--cache-size", "8M")
+	mustEqualBytes(t, "the image through the export", readAll(t, mnt), readAll(t, img))
+	run(t, "fio", "--name=rhmem", "--filename="+mnt, "--rw=randread", "--bs=4k", "--ioengine=libaio", "--iodepth=16",
+		"--direct=1", "--io_size=32M", "--size=128M", "--minimal", "--readonly")
+	hwm := procField(t, d.cmd.Process.Pid, "status", "VmHWM:") // kB
+	d.stopClean()
+	if limit := int64(8+80) << 10; hwm > limit {
+		t.Fatalf("peak RSS %d KiB with --cache-size 8M over a 128 MiB object (limit %d KiB)", hwm, limit)
+	}
+	t.Logf("peak RSS %d KiB", hwm)
 }
