@@ -384,7 +384,13 @@ func (e *engine) do(ctx context.Context, j job) error {
 	}
 	buf := e.getBuf()[:j.n]
 	defer func() { e.bufs <- buf }()
-	clear(buf)
+	// Only what the source's data runs leave is cleared: the rest is read.
+	gap := j.off
+	for _, s := range j.src {
+		clear(buf[gap-j.off : s.start-j.off])
+		gap = s.end
+	}
+	clear(buf[gap-j.off:])
 	var read int64
 	for _, s := range j.src {
 		if _, err := e.src.ReadAt(ctx, buf[s.start-j.off:s.end-j.off], s.start); err != nil {
