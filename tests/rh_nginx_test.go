@@ -282,6 +282,22 @@ func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 			}
 		}
 	}
+	// A remote overlay whose backing string is relative: resolved against
+	// its URL, as QEMU does; one that names a local file is refused.
+	ov := filepath.Join(n.root, "ov.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "disk.img", "-F", "raw", ov, "64M")
+	run(t, "qemu-io", "-c", "write -P 0x5a 1M 192k", ov)
+	for _, args := range [][]string{{"info", "--backing-chain"}, {"map"}} {
+		u := n.url("http", "ov.qcow2")
+		want := rhJSON(t, "qemu-img", append(args, "--output=json", u)...)
+		if _, got := runBlockexport(t, append(args, "--output", "json", u)...); rhCanon(t, got) != want {
+			t.Errorf("%v of a remote overlay:\n got %s\nwant %s", args, got, want)
+		}
+	}
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "/etc/hostname", "-F", "raw", filepath.Join(n.root, "evil.qcow2"), "64M")
+	if code, out := runBlockexport(t, "map", n.url("http", "evil.qcow2")); code == 0 || !strings.Contains(out, "may not name a local file") {
+		t.Errorf("a remote image naming a local backing file: exit %d\n%s", code, out)
+	}
 	// check reads the remote qcow2's metadata as qemu-img check does.
 	u := n.url("http", "disk.qcow2")
 	want := rhJSON(t, "qemu-img", "check", "--output=json", u)

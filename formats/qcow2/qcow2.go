@@ -27,8 +27,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -553,10 +551,7 @@ func (q *Image) Info() formats.Info {
 	}
 	info.FormatSpecific = &formats.FormatSpecific{Type: "qcow2", Data: d, Lines: lines}
 	if h.backingFile != "" {
-		info.FullBackingFilename = h.backingFile
-		if !filepath.IsAbs(h.backingFile) && !strings.Contains(h.backingFile, "://") { // a URI is no path (as in openBacking)
-			info.FullBackingFilename = filepath.Join(filepath.Dir(q.path), h.backingFile)
-		}
+		info.FullBackingFilename = backingPath(q.path, h.backingFile) // as openBacking resolves it
 	}
 	info.Snapshots = q.snapshotList()
 	return info
