@@ -352,6 +352,26 @@ func (e *engine) turn(ctx context.Context, seq int64) (func(), error) {
 	}, nil
 }
 
+// clearGap clears what plan and the writes will look at of the gap
+// [a, b) between data runs of job j's buffer.
+func (e *engine) clearGap(buf []byte, j job, a, b int64) {
+	g := e.granule
+	switch {
+	case a >= b:
+		return
+	case j.backing:
+		clear(buf[a-j.off : b-j.off])
+		return
+	case g == 0:
+		return
+	}
+	// The granule a lies in, and the one b-1 lies in, may hold data.
+	head := min(b, a+(g-a%g)%g)
+	clear(buf[a-j.off : head-j.off])
+	tail := max(head, b-b%g)
+	clear(buf[tail-j.off : b-j.off])
+}
+
 // action is what a granule of a chunk needs.
 type action uint8
 
@@ -384,13 +404,23 @@ func (e *engine) do(ctx context.Context, j job) error {
 	}
 	buf := e.getBuf()[:j.n]
 	defer func() { e.bufs <- buf }()
-	// Only what the source's data runs leave is cleared: the rest is read.
+	// The bytes between the source's data runs read as zeroes. Only
+	// those that plan or a write looks at are cleared: all of them when
+	// they are compared with the backing file, else the ends of a gap
+	// that share a granule with data (a granule wholly in a gap is
+	// judged without its bytes, and without granules only data runs
+	// are written).
 	gap := j.off
-	for _, s := range j.src {
-		clear(buf[gap-j.off : s.start-j.off])
-		gap = s.end
+	for i := 0; i <= len(j.src); i++ {
+		end := j.off + j.n
+		if i < len(j.src) {
+			end = j.src[i].start
+		}
+		e.clearGap(buf, j, gap, end)
+		if i < len(j.src) {
+			gap = j.src[i].end
+		}
 	}
-	clear(buf[gap-j.off:])
 	var read int64
 	for _, s := range j.src {
 		if _, err := e.src.ReadAt(ctx, buf[s.start-j.off:s.end-j.off], s.start); err != nil {

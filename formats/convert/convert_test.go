@@ -286,3 +286,29 @@ func FuzzConvertRanges(f *testing.F) {
 		checkConvert(t, size, data, Options{Chunk: 1 << 16})
 	})
 }
+
+// Buffers are reused: the gaps between a chunk's data runs that share a
+// granule with data must read as zeroes, not as the chunk before.
+func TestConvertGapsReadZero(t *testing.T) {
+	for _, o := range []Options{{MinSparse: 4096, Parallel: 1}, {MinSparse: 512, Parallel: 1}, {MinSparse: 65536, Parallel: 1, OutOfOrder: true}} {
+		src := &fakeImage{size: 6 << 20, data: []span{{0, 2 << 20, true}, {2<<20 + 100, 2<<20 + 5000, true},
+			{2<<20 + 6000, 2<<20 + 9000, true}, {4<<20 - 700, 4<<20 + 300, true}}}
+		dst := &fakeImage{size: src.size}
+		o.TargetZero = true
+		if _, err := Convert(context.Background(), src, dst, o); err != nil {
+			t.Fatal(err)
+		}
+		for x, b := range dst.content {
+			if b != src.at(x) {
+				t.Fatalf("-S %d: byte %d written as %#x, want %#x", o.MinSparse, x, b, src.at(x))
+			}
+		}
+		for _, d := range src.data {
+			for x := d.start; x < d.end; x++ {
+				if dst.content[x] != pat(x) {
+					t.Fatalf("-S %d: data byte %d not written", o.MinSparse, x)
+				}
+			}
+		}
+	}
+}
