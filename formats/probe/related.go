@@ -50,6 +50,12 @@ func (c *chain) relatedPath(image, name string) (real, shown string, err error) 
 	if name == "" || strings.IndexByte(name, 0) >= 0 {
 		return "", "", fmt.Errorf("%s names a file %q: %w (empty or not a path)", image, name, ErrRelatedRefused)
 	}
+	if strings.Contains(image, "://") {
+		// A remote image (http://…): the files it names are not looked
+		// for, on the server or here (a local file is not for a server's
+		// image to name: an export would show it).
+		return "", name, fmt.Errorf("%s is remote and names the file %s: %w (extents and parents of remote images are not opened)", image, name, ErrRelatedRefused)
+	}
 	dir := filepath.Dir(image)
 	shown = qemuPath(image, name)
 	allowed := make([]string, 0, 1+len(c.o.RelatedDirs))

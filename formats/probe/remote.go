@@ -141,12 +141,6 @@ func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (fo
 		f.Close()
 		return nil, "", unsupported(f.Name(), ff.name)
 	}
-	if ff.name != Raw && ff.name != QCOW2 {
-		// Their readers stat and seek a host file, and name other files
-		// relative to it.
-		f.Close()
-		return nil, "", fmt.Errorf("%s: %s images are not read from remote storage (raw and qcow2 are): %w", f.Name(), ff.name, ErrUnsupportedFormat)
-	}
 	img, err := ff.open(f, c, false)
 	if err != nil {
 		return nil, "", err

@@ -151,7 +151,14 @@ func New(f aio.File) (*Image, error) {
 func open(f aio.File) (*Image, error) {
 	ctx := context.Background()
 	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
+	if !aio.HasFd(f) {
+		// A remote object: its size is all there is to stat.
+		n, err := aio.FileSize(f)
+		if err != nil {
+			return nil, fmt.Errorf("vdi: %w", err)
+		}
+		st.Size, st.Mode = n, unix.S_IFREG
+	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
 		return nil, fmt.Errorf("vdi: stat: %w", err)
 	}
 	fileSize := st.Size

@@ -184,15 +184,17 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 		return nil, fmt.Errorf("%s: VHDX images are opened read-only here, and -w is refused; write over it through a qcow2 overlay: qemu-img create -f qcow2 -b %s -F vhdx overlay.qcow2, then export the overlay with -w", name, name)
 	}
 	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
+	if !aio.HasFd(f) {
+		st.Mode = unix.S_IFREG // a remote object: FileSize below is all there is
+	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
 		return nil, fmt.Errorf("vhdx: stat %s: %w", name, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG && st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		return nil, fmt.Errorf("vhdx: %s: not a regular file or block device", name)
 	}
-	fileSize, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
+	fileSize, err := aio.FileSize(f)
 	if err != nil {
-		return nil, fmt.Errorf("vhdx: size of %s: %w", name, err)
+		return nil, fmt.Errorf("vhdx: %w", err)
 	}
 	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize), found: found}
 

@@ -355,6 +355,9 @@ func depth(img formats.Image) int {
 }
 
 func fileSize(f aio.File) (int64, error) {
+	if !aio.HasFd(f) {
+		return aio.FileSize(f) // a remote object
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(f.Fd(), &st); err != nil {
 		return 0, fmt.Errorf("stat %s: %w", f.Name(), err)

@@ -182,6 +182,9 @@ func New(f aio.File, o Options) (*Image, error) {
 }
 
 func fileSize(f aio.File) (int64, error) {
+	if !aio.HasFd(f) {
+		return aio.FileSize(f) // a remote object
+	}
 	n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
 	if err != nil {
 		return 0, fmt.Errorf("vpc: size: %w", err)
