@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/schollz/progressbar/v3"
@@ -59,7 +60,7 @@ func convertCommand() *cobra.Command {
 			"Progress: -p draws a bar with rate and ETA on a terminal; --progress=json (or -p\n" +
 			"when stderr is not a terminal) prints one JSON object per percent on stdout:\n" +
 			"{\"done\":B,\"total\":B,\"percent\":P,\"rate\":B/s,\"eta-seconds\":S}.\n" +
-			"SIGINT stops it: a new raw TARGET is truncated to what was converted, a qcow2 one\n" +
+			"SIGINT (or SIGTERM) stops it: a new raw TARGET is truncated to what was converted, a qcow2 one\n" +
 			"is left consistent; exit 130. " + imageHelp,
 		Example: "  blockexport convert -O qcow2 -c -o compression_type=zstd disk.raw disk.qcow2\n" +
 			"  blockexport convert -p -m 16 -W disk.vmdk disk.raw",
@@ -274,7 +275,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	prog := newProgress(progressMode, stdout, stderr, size)
 	co.Progress = prog.update
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	st, cerr := convert.Convert(ctx, src.Image, dst.Image, co)
 	interrupted := cerr != nil && ctx.Err() != nil
