@@ -255,6 +255,7 @@ func TestCvConvertInterrupted(t *testing.T) {
 	}{
 		{"raw-sigint", syscall.SIGINT, []string{"-O", "raw", "-m", "2"}},
 		{"qcow2-sigint", syscall.SIGINT, []string{"-O", "qcow2", "-m", "2", "-W"}},
+		{"qcow2-sigterm", syscall.SIGTERM, []string{"-O", "qcow2", "-m", "2"}},
 		{"qcow2-c-sigint", syscall.SIGINT, []string{"-O", "qcow2", "-c", "-m", "2"}},
 		{"qcow2-sigkill", syscall.SIGKILL, []string{"-O", "qcow2", "-m", "2", "-W"}},
 		{"qcow2-c-sigkill", syscall.SIGKILL, []string{"-O", "qcow2", "-c", "-m", "2"}},
@@ -276,7 +277,7 @@ func TestCvConvertInterrupted(t *testing.T) {
 				return
 			}
 			if code != 130 || !strings.Contains(out.String(), "interrupted") {
-				t.Fatalf("SIGINT: exit %d (%v), want 130 and a message\n%s", code, err, out)
+				t.Fatalf("%v: exit %d (%v), want 130 and a message\n%s", c.sig, code, err, out)
 			}
 			if strings.Count(strings.TrimSpace(out.String()), "\n") != 0 {
 				t.Fatalf("SIGINT: want one line, got\n%s", out)
