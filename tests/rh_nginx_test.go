@@ -31,6 +31,10 @@ type rhNginx struct {
 	ca        string // the CA's PEM, for --tls-ca
 	errorLog  string
 	accessLog string
+	argv      []string // how to start it again
+	addr      string   // the http port's address
+	cmd       *exec.Cmd
+	exited    chan struct{}
 }
 
 func (n *rhNginx) url(scheme, name string) string {
@@ -140,7 +144,18 @@ http {
 	if err := os.WriteFile(confFile, []byte(conf), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "-c", confFile, "-p", dir, "-e", n.errorLog)
+	n.argv = []string{bin, "-c", confFile, "-p", dir, "-e", n.errorLog}
+	n.addr = fmt.Sprintf("127.0.0.1:%d", hp)
+	t.Cleanup(n.kill)
+	n.start(t)
+	return n
+}
+
+// start runs nginx (again: the same ports, config and directory) and
+// waits until it listens.
+func (n *rhNginx) start(t *testing.T) {
+	t.Helper()
+	cmd := exec.Command(n.argv[0], n.argv[1:]...)
 	out := &strings.Builder{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
@@ -148,12 +163,9 @@ http {
 	}
 	exited := make(chan struct{})
 	go func() { cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		<-exited
-	})
+	n.cmd, n.exited = cmd, exited
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", hp)); err == nil {
+		if c, err := net.Dial("tcp", n.addr); err == nil {
 			c.Close()
 			break
 		}
@@ -168,7 +180,15 @@ http {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	return n
+}
+
+// kill stops nginx at once (SIGKILL: connections reset mid-reply).
+func (n *rhNginx) kill() {
+	if n.cmd != nil {
+		n.cmd.Process.Kill()
+		<-n.exited
+		n.cmd = nil
+	}
 }
 
 // put places a copy of the file src as name in the served directory,
@@ -487,4 +507,57 @@ func TestRhForeignFormatsOverHTTP(t *testing.T) {
 	if code, out := runBlockexport(t, "map", n.url("http", "flat.vmdk")); code == 0 || !strings.Contains(out, "not opened") {
 		t.Fatalf("a remote vmdk descriptor naming an extent: exit %d\n%s", code, out)
 	}
+}
+
+// TestRhServerKilledAndRestarted: nginx SIGKILLed while fio reads through
+// the export and started again within --reconnect-timeout: the reads
+// complete with the right bytes (fio's crc32c headers); killed for good,
+// a read of what was not fetched fails with EIO within the timeout, not
+// a hang.
+func TestRhServerKilledAndRestarted(t *testing.T) {
+	n := rhStartNginx(t)
+	raw, job := rhImages(t, n)
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	d := startExport(t, n.url("http", "disk.img"), mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
+	// Paced (about 6 s) so that the kill lands mid-run.
+	verify := append(append([]string(nil), job...), "--rw=randread", "--readonly", "--rate_iops=2000", "--filename="+mnt)
+	fio := exec.Command("fio", verify...)
+	out := &strings.Builder{}
+	fio.Stdout, fio.Stderr = out, out
+	if err := fio.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- fio.Wait() }()
+	t.Cleanup(func() { fio.Process.Kill() })
+	time.Sleep(time.Second)
+	select {
+	case err := <-done:
+		t.Fatalf("fio ended before the server was killed: %v\n%s", err, out)
+	default:
+	}
+	n.kill()
+	time.Sleep(1500 * time.Millisecond)
+	n.start(t)
+	if err := <-done; err != nil {
+		t.Fatalf("fio across a server restart: %v\n%s\n%s", err, out, d.log())
+	}
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+
+	n.kill()
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	// The cache (4M) no longer holds the start: it must be fetched.
+	start := time.Now()
+	_, err = f.ReadAt(make([]byte, 4096), 0)
+	if errnoOf(err) != 5 {
+		t.Fatalf("read with the server gone: %v, want EIO", err)
+	}
+	if took := time.Since(start); took > 20*time.Second {
+		t.Fatalf("EIO after %v, reconnect timeout 10s", took)
+	}
+	d.stopClean()
 }
