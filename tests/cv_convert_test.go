@@ -188,6 +188,13 @@ func TestCvConvertNoCreate(t *testing.T) {
 	cvConvert(t, "-n", "--target-is-zero", "-O", "qcow2", src, q)
 	cvQemuCompare(t, "-n --target-is-zero", src, q)
 	cvCheckClean(t, "-n qcow2", q)
+	// Without -O the existing TARGET's format is probed (qemu-img would
+	// write raw bytes over the qcow2 metadata).
+	q2 := filepath.Join(dir, "t2.qcow2")
+	run(t, "qemu-img", "create", "-f", "qcow2", q2, fmt.Sprint(size))
+	cvConvert(t, "-n", src, q2)
+	cvQemuCompare(t, "-n onto qcow2 without -O", src, q2)
+	cvCheckClean(t, "-n qcow2 without -O", q2)
 
 	nb := filepath.Join(dir, "nbd.raw")
 	if err := os.WriteFile(nb, bytes.Repeat([]byte{0xee}, size), 0o644); err != nil {

@@ -33,6 +33,7 @@ const exitInterrupted = 130
 type convertFlags struct {
 	inspectFlags
 	outFormat     string
+	outFormatSet  bool // -O given: with -n, TARGET is opened as that
 	options       []string
 	compress      bool
 	showProgress  bool
@@ -87,6 +88,7 @@ func convertCommand() *cobra.Command {
 	completeWords(c, "progress", "auto", "bar", "json", "none")
 	completeWords(c, "target-cache", "writeback", "none")
 	c.RunE = func(c *cobra.Command, args []string) error {
+		f.outFormatSet = c.Flags().Changed("output-format")
 		return convertCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
 	}
 	return c
@@ -244,6 +246,11 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	}
 	to := probe.Options{Format: f.outFormat, Writable: true, Lock: true, Backend: o.Backend, Direct: direct && !f.compress,
 		NBD: o.NBD, RelatedDirs: o.RelatedDirs}
+	if f.noCreate && !f.outFormatSet {
+		// qemu-img would open it as raw and write raw bytes over a qcow2
+		// image's metadata; without -O the format is probed instead.
+		to.Format = probe.Auto
+	}
 	if f.noCreate && nbd.IsURI(dstSpec) {
 		to.Format = probe.Auto // an export is raw bytes
 	}
