@@ -9,13 +9,17 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	"io"
 	"math/big"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -560,4 +564,72 @@ func TestRhServerKilledAndRestarted(t *testing.T) {
 		t.Fatalf("EIO after %v, reconnect timeout 10s", took)
 	}
 	d.stopClean()
+}
+
+// rhCuttingProxy forwards TCP connections to addr and cuts each one (a
+// reset, both ways) after it has passed a random number of reply bytes,
+// up to max: bodies truncated mid-range, kept-alive connections lost
+// between requests. It counts the connections it cut.
+func rhCuttingProxy(t *testing.T, addr string, max int64) (string, *atomic.Int64) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cuts := &atomic.Int64{}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { l.Close(); wg.Wait() })
+	rng := mrand.New(mrand.NewPCG(27, 17))
+	var mu sync.Mutex
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", addr)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			mu.Lock()
+			budget := 1 + rng.Int64N(max)
+			mu.Unlock()
+			wg.Add(2)
+			go func() { defer wg.Done(); io.Copy(s, c); s.Close() }()
+			go func() {
+				defer wg.Done()
+				n, _ := io.CopyN(c, s, budget)
+				if n == budget {
+					cuts.Add(1)
+				}
+				c.(*net.TCPConn).SetLinger(0)
+				c.Close()
+				s.Close()
+			}()
+		}
+	}()
+	return l.Addr().String(), cuts
+}
+
+// TestRhCuttingProxy: the export reads through a proxy that resets every
+// connection after up to 2 MiB of replies (so range bodies end short and
+// kept-alive connections die): fio's crc32c headers all verify and
+// qemu-img compare finds the disk, after many cut connections.
+func TestRhCuttingProxy(t *testing.T) {
+	n := rhStartNginx(t)
+	raw, job := rhImages(t, n)
+	addr, cuts := rhCuttingProxy(t, n.addr, 2<<20)
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	d := startExport(t, "http://"+addr+"/disk.qcow2", mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
+	verify := append(append([]string(nil), job...), "--rw=randread", "--readonly", "--filename="+mnt)
+	run(t, "fio", verify...)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+	d.stopClean()
+	if c := cuts.Load(); c < 20 {
+		t.Fatalf("only %d connections cut: the proxy did not get in the way", c)
+	}
+	t.Logf("%d connections cut", cuts.Load())
 }
