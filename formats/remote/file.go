@@ -382,7 +382,9 @@ func (f *File) unlink(b *block) {
 func (f *File) follow(off, end int64) [][2]int64 {
 	f.tick++
 	var s *stream
-	slack := 4 * f.bs // concurrent requests of one stream arrive out of order
+	// Concurrent requests of one stream arrive out of order: a reader
+	// with 16 requests in flight is still one stream.
+	slack := max(4*f.bs, 16*(end-off))
 	for i := range f.streams {
 		c := &f.streams[i]
 		if c.used != 0 && off >= c.next-slack && off <= c.next+slack {
