@@ -287,16 +287,30 @@ func compareChunk(ctx context.Context, j compareJob, getBuf func(int64) []byte, 
 	if j.a != nil {
 		pa = getBuf(j.n)
 		defer func() { bufs <- pa }()
-		if _, err := j.a.ReadAt(ctx, pa, j.off); err != nil {
-			return 0, false, fmt.Errorf("error while reading offset %d of the first image: %w", j.off, err)
-		}
 	}
 	if j.b != nil {
 		pb = getBuf(j.n)
 		defer func() { bufs <- pb }()
-		if _, err := j.b.ReadAt(ctx, pb, j.off); err != nil {
-			return 0, false, fmt.Errorf("error while reading offset %d of the second image: %w", j.off, err)
-		}
+	}
+	// Both sides at once: a piece costs one read's time, not two.
+	errB := make(chan error, 1)
+	if pb != nil {
+		go func() {
+			_, err := j.b.ReadAt(ctx, pb, j.off)
+			errB <- err
+		}()
+	} else {
+		errB <- nil
+	}
+	var errA error
+	if pa != nil {
+		_, errA = j.a.ReadAt(ctx, pa, j.off)
+	}
+	if err := <-errB; err != nil {
+		return 0, false, fmt.Errorf("error while reading offset %d of the second image: %w", j.off, err)
+	}
+	if errA != nil {
+		return 0, false, fmt.Errorf("error while reading offset %d of the first image: %w", j.off, errA)
 	}
 	var idx int64
 	switch {
