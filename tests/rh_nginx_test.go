@@ -633,3 +633,39 @@ func TestRhCuttingProxy(t *testing.T) {
 	}
 	t.Logf("%d connections cut", cuts.Load())
 }
+
+// TestRhCredentialsNeverShown: a URL with a user, a password and a
+// signed query (nginx ignores them) is exported, inspected and checked:
+// neither the password nor the signature shows in the daemon's log, the
+// mount table, info, map or check's output, or an error.
+func TestRhCredentialsNeverShown(t *testing.T) {
+	n := rhStartNginx(t)
+	rhImages(t, n)
+	const pw, sig = "pw-rh-0b7e", "sig-rh-5d21"
+	u := strings.Replace(n.url("http", "disk.qcow2"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
+	shown := func(what, text string) {
+		t.Helper()
+		if strings.Contains(text, pw) || strings.Contains(text, sig) {
+			t.Fatalf("%s shows a credential:\n%s", what, text)
+		}
+	}
+	mnt := filepath.Join(t.TempDir(), "mnt")
+	d := startExport(t, u, mnt)
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	shown("the mount table", string(mounts))
+	d.stopClean()
+	shown("the export's log", d.log())
+	for _, cmd := range []string{"info", "map", "check"} {
+		_, out := runBlockexport(t, cmd, u)
+		shown(cmd, out)
+	}
+	missing := strings.Replace(u, "disk.qcow2", "missing.qcow2", 1)
+	code, out := runBlockexport(t, "info", missing)
+	if code == 0 || !strings.Contains(out, "404") {
+		t.Fatalf("info of a missing object: exit %d\n%s", code, out)
+	}
+	shown("a 404's error", out)
+}

@@ -185,7 +185,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.stats > 0 {
 		stats = fuseexport.NewStats()
 	}
-	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: image, Queues: f.queues,
+	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: probe.Shown(image), Queues: f.queues,
 		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
 		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
 	if err != nil {
@@ -220,7 +220,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		go func() { stats.Run(logger, f.stats, stopStats); close(statsDone) }()
 		defer func() { close(stopStats); <-statsDone }()
 	}
-	logger.Info("exporting", "image", image, "format", img.Format, "size", img.Image.Size(),
+	logger.Info("exporting", "image", probe.Shown(image), "format", img.Format, "size", img.Image.Size(),
 		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable,
 		"kernel_cache", kernelCache)
 	notifyReady()

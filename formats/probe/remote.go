@@ -47,6 +47,15 @@ func IsRemote(spec string) bool {
 	return remotehttp.IsURL(spec) || remotes3.IsURL(spec)
 }
 
+// Shown is spec as logs, mount tables and messages may show it: a remote
+// URL without its user, password or query (a signature).
+func Shown(spec string) string {
+	if IsRemote(spec) {
+		return remotehttp.Redact(spec)
+	}
+	return spec
+}
+
 // remoteOpenTimeout bounds what opening one remote object may take
 // beyond its retries (a server that accepts and never answers).
 const remoteOpenTimeout = time.Minute
