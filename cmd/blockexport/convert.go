@@ -79,7 +79,7 @@ func convertCommand() *cobra.Command {
 	fs.StringVarP(&f.backing, "backing", "B", "", "TARGET's backing file (qcow2): only what differs from it is written")
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file (default: detected)")
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
-	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT)")
+	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT; not with -c, whose clusters lie at any byte)")
 	f.register(c)
 	// inspectFlags' --output and --json say nothing to convert.
 	fs.MarkHidden("output")
