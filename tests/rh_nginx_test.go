@@ -668,4 +668,9 @@ func TestRhCredentialsNeverShown(t *testing.T) {
 		t.Fatalf("info of a missing object: exit %d\n%s", code, out)
 	}
 	shown("a 404's error", out)
+	code, out = runBlockexport(t, "check", missing)
+	if code == 0 {
+		t.Fatalf("check of a missing object: exit 0\n%s", out)
+	}
+	shown("check's error", out)
 }

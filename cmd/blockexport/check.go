@@ -103,7 +103,7 @@ func check(stdout, stderr io.Writer, args []string, f *inspectFlags, repair stri
 		if errors.Is(err, probe.ErrBadSpec) {
 			return usageError{err}
 		}
-		return fmt.Errorf("check %s: %w", args[0], err)
+		return fmt.Errorf("check %s: %w", probe.Shown(args[0]), err)
 	}
 	if asJSON {
 		enc := json.NewEncoder(stdout)
