@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -63,6 +64,16 @@ func corDepthOf(t *testing.T, img string) []int {
 		}
 	}
 	return depth
+}
+
+// corMapEntryFull is a qemu-img map entry without its host offset.
+type corMapEntryFull struct {
+	Start   int64 `json:"start"`
+	Length  int64 `json:"length"`
+	Depth   int   `json:"depth"`
+	Present bool  `json:"present"`
+	Zero    bool  `json:"zero"`
+	Data    bool  `json:"data"`
 }
 
 // corCheckClean runs qemu-img check, which exits non-zero on leaks and on
@@ -710,4 +721,126 @@ func TestCorMapEqualsQemuCopyOnRead(t *testing.T) {
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("qemu-img map after the same reads:\nours   %v\nqemu's %v", got, want)
 	}
+}
+
+// corQemuStream runs qemu-storage-daemon with img as node "top" and a QMP
+// socket, and runs QEMU's block-stream on it to completion.
+func corQemuStream(t *testing.T, img string) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "qmp.sock")
+	node := fmt.Sprintf(`{"driver":"qcow2","node-name":"top","file":{"driver":"file","filename":%q}}`, img)
+	cmd := exec.Command("qemu-storage-daemon", "--blockdev", node,
+		"--chardev", "socket,id=m,path="+sock+",server=on,wait=off", "--monitor", "chardev=m")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	defer func() {
+		select {
+		case <-exited:
+		default:
+			cmd.Process.Kill()
+			<-exited
+		}
+	}()
+	var c net.Conn
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var err error
+		if c, err = net.Dial("unix", sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("qemu-storage-daemon's QMP socket: %v\n%s", err, stderr.String())
+		}
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(60 * time.Second))
+	dec := json.NewDecoder(c)
+	// wait reads QMP messages until one satisfies ok.
+	wait := func(ok func(map[string]any) bool) {
+		for {
+			var m map[string]any
+			if err := dec.Decode(&m); err != nil {
+				t.Fatalf("QMP: %v\n%s", err, stderr.String())
+			}
+			if e, bad := m["error"]; bad {
+				t.Fatalf("QMP error: %v", e)
+			}
+			if ok(m) {
+				return
+			}
+		}
+	}
+	send := func(s string) {
+		if _, err := c.Write([]byte(s + "\n")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wait(func(m map[string]any) bool { return m["QMP"] != nil })
+	send(`{"execute":"qmp_capabilities"}`)
+	wait(func(m map[string]any) bool { return m["return"] != nil })
+	send(`{"execute":"block-stream","arguments":{"job-id":"s","device":"top"}}`)
+	wait(func(m map[string]any) bool { return m["event"] == "BLOCK_JOB_COMPLETED" })
+	send(`{"execute":"quit"}`)
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("qemu-storage-daemon did not quit")
+	}
+}
+
+// TestCorStreamEqualsQemuBlockStream: the same overlay (writes of its
+// own, zeroes, a raw backing file with holes, shorter than the overlay)
+// streamed by QEMU's block-stream job (qemu-storage-daemon over QMP) and
+// by blockexport stream: the same qemu-img map and info (no backing file
+// either way) and the same bytes.
+func TestCorStreamEqualsQemuBlockStream(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 20<<20+7000, 12)
+	var imgs []string
+	for _, name := range []string{"theirs.qcow2", "ours.qcow2"} {
+		img := filepath.Join(dir, name)
+		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", img, "24M")
+		run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 6M 1M", "-c", "write -P 1 23M 4k", img)
+		imgs = append(imgs, img)
+	}
+	corQemuStream(t, imgs[0])
+	corStreamToEnd(t, imgs[1])
+	// The maps, with where the data lies in each file left out (and the
+	// runs that only the host offsets split merged).
+	mapOf := func(img string) []corMapEntryFull {
+		var m, merged []corMapEntryFull
+		if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range m {
+			if k := len(merged) - 1; k >= 0 && merged[k].Start+merged[k].Length == e.Start &&
+				merged[k].Depth == e.Depth && merged[k].Present == e.Present && merged[k].Zero == e.Zero && merged[k].Data == e.Data {
+				merged[k].Length += e.Length
+				continue
+			}
+			merged = append(merged, e)
+		}
+		return merged
+	}
+	if theirs, ours := mapOf(imgs[0]), mapOf(imgs[1]); fmt.Sprint(theirs) != fmt.Sprint(ours) {
+		t.Errorf("qemu-img map after block-stream and after ours:\n%v\n%v", theirs, ours)
+	}
+	infoOf := func(img string) string {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", img)), &m); err != nil {
+			t.Fatal(err)
+		}
+		delete(m, "actual-size")
+		delete(m, "filename")
+		return fmt.Sprint(m)
+	}
+	if theirs, ours := infoOf(imgs[0]), infoOf(imgs[1]); theirs != ours {
+		t.Errorf("qemu-img info after block-stream and after ours:\n%s\n%s", theirs, ours)
+	}
+	corCheckClean(t, imgs[1])
+	run(t, "qemu-img", "compare", imgs[0], imgs[1])
 }
