@@ -125,7 +125,7 @@ func TestCorReadsCopyIntoTheOverlay(t *testing.T) {
 		}
 	}
 
-	// Everything, by fio's verify-free sequential read, then cut loose.
+	// Everything, read in one go (as cat would), then cut loose.
 	d = startExport(t, over, mnt, "-w", "--copy-on-read")
 	mustEqualBytes(t, "the overlay through copy-on-read", readAll(t, mnt), want)
 	d.stopClean()
