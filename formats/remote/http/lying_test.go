@@ -514,3 +514,34 @@ func TestEmptyObjectAndRefusedHead(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A weak ETag cannot be matched with If-Match (RFC 9110 compares
+// strongly): the GETs are conditional on Last-Modified instead, and the
+// ETag each reply carries is compared, so a replacement with the same
+// modification time is still caught.
+func TestWeakETag(t *testing.T) {
+	const size = 1 << 20
+	var sawIfMatch atomic.Bool
+	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
+		if r.Header.Get("If-Match") != "" {
+			sawIfMatch.Store(true)
+		}
+		return false
+	})
+	l.replace(l.data, `W/"v1"`)
+	f, err := open(t, srv.URL+"/disk.img", Options{}, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, 4096)
+	if _, err := f.ReadAt(context.Background(), p, 0); err != nil || !bytes.Equal(p, l.data[:4096]) {
+		t.Fatalf("read: %v", err)
+	}
+	if sawIfMatch.Load() {
+		t.Fatal("If-Match sent with a weak ETag (every GET would fail 412)")
+	}
+	l.replace(bytes.Repeat([]byte{7}, size), `W/"v2"`)
+	if _, err := f.ReadAt(context.Background(), p, 512<<10); !isEIO(err) || !errors.Is(err, remote.ErrChanged) {
+		t.Fatalf("read after a replacement with the same Last-Modified: %v, want EIO (changed)", err)
+	}
+}
