@@ -674,3 +674,17 @@ func TestRhCredentialsNeverShown(t *testing.T) {
 	}
 	shown("check's error", out)
 }
+
+// TestRhNBDServesAnHTTPSImage: `blockexport nbd` serves a qcow2 image on
+// nginx over https (--image-tls-ca: the nbd command's own --tls-* flags
+// are its server's): QEMU reads the disk through it, and its log names
+// the URL.
+func TestRhNBDServesAnHTTPSImage(t *testing.T) {
+	n := rhStartNginx(t)
+	raw, _ := rhImages(t, n)
+	s := startNBD(t, n.url("https", "disk.qcow2"), false, "--image-tls-ca", n.ca)
+	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, raw)
+	if !strings.Contains(s.log(), n.url("https", "disk.qcow2")) {
+		t.Fatalf("the log does not name the image:\n%s", s.log())
+	}
+}
