@@ -300,3 +300,16 @@ func TestWritesRefusedAndNoFd(t *testing.T) {
 		t.Fatalf("fd %d size %d", f.Fd(), f.Size())
 	}
 }
+
+// A server failing for good is retried with backoff, not hammered: a
+// read that fails after 1.5 s made a handful of requests.
+func TestRetriesBackOff(t *testing.T) {
+	m := &memBackend{data: rhData(1 << 20), fail: func(int64, context.Context) error { return Temporary(errors.New("503")) }}
+	f := openMem(t, m, Options{ReconnectTimeout: 1500 * time.Millisecond})
+	if _, err := f.ReadAt(context.Background(), make([]byte, 10), 0); !errors.Is(err, unix.EIO) {
+		t.Fatalf("err %v", err)
+	}
+	if g := m.gets.Load(); g < 3 || g > 15 {
+		t.Fatalf("%d requests in 1.5 s of failures: want a few, backing off", g)
+	}
+}
