@@ -68,6 +68,7 @@ unit:
 BENCHFLAGS ?=
 bench: build
 	.ci/deps
+	.ci/s3server
 	$(GO) run ./tests/bench $(BENCHFLAGS)
 
 # The man pages in docs/man, generated from the commands' flags (a test
