@@ -96,6 +96,10 @@ type Export struct {
 	// writebackFailed, set with the writeback cache, mends the kernel's
 	// cache after a write-back WRITE that failed for [off, off+length).
 	writebackFailed func(off, length int64)
+	// kernelSize, set with the writeback cache, is the file's size as the
+	// kernel has it: larger than the image's while a buffered write that
+	// grew the file waits in the page cache (see readEnd).
+	kernelSize func() (int64, bool)
 }
 
 // New makes an export of img. The image must stay open until the export is
@@ -226,16 +230,20 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 	if err != nil {
 		return errno(err)
 	}
-	old := e.img.Size()
 	err = e.img.Resize(ctx, size)
-	// The cache is dropped after the drain: invalidating waits on pages
-	// locked by reads in flight, which the drain would hold back.
 	release()
 	if err != nil {
 		e.log.Debug("resize failed", "size", size, "err", err)
 		return errno(err)
 	}
-	e.invalidate(min(old, size), 0)
+	// No FUSE_NOTIFY_INVAL_INODE here: a resize only comes from a
+	// SETATTR, and a cached file's SETATTR of the size holds the inode's
+	// write-back (fuse_set_nowrite) until its reply, so invalidating a
+	// dirty page from here waits for a write-back that waits for this
+	// reply (fsx seed 1796185334523830635 hung in ftruncate). The kernel
+	// drops its own pages after the reply instead (truncate_pagecache
+	// and invalidate_inode_pages2 on a size change, writeback cache or
+	// not), from the size the reply carries.
 	return fuse.OK
 }
 
@@ -319,19 +327,54 @@ func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int
 	e.inflight.Begin()
 	defer e.inflight.End()
 	off, n := e.clampRead(in, len(buf))
-	if n == 0 {
-		return 0, fuse.OK
+	zeroes := e.readPastImage(in, len(buf), off+n)
+	if n > 0 {
+		if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
+			e.log.Debug("read failed", "off", off, "len", n, "err", err)
+			return 0, errno(err)
+		}
 	}
-	if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
-		e.log.Debug("read failed", "off", off, "len", n, "err", err)
-		return 0, errno(err)
+	clear(buf[n : n+zeroes])
+	return int(n + zeroes), fuse.OK
+}
+
+// readPastImage is how many zero bytes a read gets past imageEnd, the
+// image's end, under the writeback cache: up to the kernel's size. A
+// buffered write past the end grows the file in the kernel at once and
+// the image only when its pages are written back, so between the two
+// an O_DIRECT read of the hole the write left before its pages (those
+// in the read's range the kernel writes back before the READ) must read
+// zeroes, not end early (fsx seed 1796186140117775601: an O_DIRECT read
+// between the old end and a buffered write past it returned 0 bytes).
+func (e *Export) readPastImage(in *fuse.ReadIn, bufLen int, dataEnd int64) int64 {
+	off := int64(in.Offset)
+	if e.kernelSize == nil || off < 0 {
+		return 0
 	}
-	return int(n), fuse.OK
+	want := off + min(int64(bufLen), int64(in.Size))
+	if want <= dataEnd || dataEnd < e.img.Size() {
+		return 0 // the image's bytes fill the read, or it ends before the image does
+	}
+	ks, ok := e.kernelSize()
+	if !ok || ks <= dataEnd {
+		return 0
+	}
+	return min(want, ks) - dataEnd
+}
+
+// readCrossesEnd says whether a READ reaches past the image's end while
+// the kernel may know a larger size: such a read asks the kernel its
+// size, which may send a request, so it never runs in a serve loop.
+func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
+	return e.kernelSize != nil && int64(in.Offset)+int64(in.Size) > e.img.Size()
 }
 
 // TryRead is ReadInto for a serve loop that must not block: ok false
 // means the read would wait, and the loop hands it to ReadInto elsewhere.
 func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
+	if e.readCrossesEnd(in) {
+		return 0, fuse.OK, false
+	}
 	e.inflight.Begin()
 	defer e.inflight.End()
 	off, n := e.clampRead(in, len(buf))
@@ -346,7 +389,7 @@ func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
 
 func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
 	off, size := int64(in.Offset), e.img.Size()
-	if off >= size {
+	if off >= size || off < 0 {
 		return off, 0
 	}
 	return off, min(int64(bufLen), int64(in.Size), size-off)

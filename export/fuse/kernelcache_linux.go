@@ -58,10 +58,27 @@ func (s *server) notifyInval(off, length int64) error {
 // handOffOnly says whether req must run outside the serve loop even when
 // the loop is alone: a write whose reply waits for an invalidation.
 func (s *server) handOffOnly(req []byte) bool {
-	if !s.exp.opts.KernelCache || header(req).Opcode != opWrite {
+	if !s.exp.opts.KernelCache {
 		return false
 	}
-	return s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
+	switch header(req).Opcode {
+	case opWrite:
+		return s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
+	case opRead:
+		return s.exp.readCrossesEnd(decode[fuse.ReadIn](req))
+	}
+	return false
+}
+
+// kernelSize is the export file's size as the kernel caches it (under
+// the writeback cache, its own i_size), asked without a GETATTR
+// (AT_STATX_DONT_SYNC); ok false when it cannot be had.
+func kernelSize(file string) (int64, bool) {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, file, unix.AT_STATX_DONT_SYNC, unix.STATX_SIZE, &stx); err != nil || stx.Mask&unix.STATX_SIZE == 0 {
+		return 0, false
+	}
+	return int64(stx.Size), true
 }
 
 // kernelCacheReadAheadKB is the read-ahead window of a kernel-cached

@@ -368,6 +368,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
 	if srv.writebackCache() {
 		exp.writebackFailed = func(off, length int64) { srv.mendFailedWriteback(file, off, length) }
+		exp.kernelSize = func() (int64, bool) { return kernelSize(file) }
 		m.flushCache = func() error { return srv.flushKernelCache(file) }
 	}
 	go func() {
