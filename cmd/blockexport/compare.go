@@ -27,7 +27,8 @@ type compareFlags struct {
 	strict   bool
 	quiet    bool
 	progress bool
-	parallel int
+	parallel   int
+	cpuprofile string
 }
 
 func compareCommand() *cobra.Command {
@@ -49,6 +50,8 @@ func compareCommand() *cobra.Command {
 	fs.BoolVarP(&f.quiet, "quiet", "q", false, "print nothing; the exit status says it")
 	fs.BoolVarP(&f.progress, "progress", "p", false, "show progress on stderr")
 	fs.IntVarP(&f.parallel, "parallel", "m", 8, "reads in flight")
+	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
+	fs.MarkHidden("cpuprofile")
 	f.register(c)
 	completeWords(c, "second-format", "auto", "raw", "qcow2", "vmdk", "vhdx", "vpc", "vdi")
 	c.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
@@ -77,6 +80,13 @@ func compareCmd(stdout, stderr io.Writer, args []string, f *compareFlags) error 
 	}
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("-m %d: want 1 to 64", f.parallel)
+	}
+	if f.cpuprofile != "" {
+		stopProfile, err := startCPUProfile(f.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer stopProfile()
 	}
 	o, err := f.options()
 	if err != nil {

@@ -46,6 +46,7 @@ type convertFlags struct {
 	backingFormat string
 	targetIsZero  bool
 	cache         string
+	cpuprofile    string
 }
 
 func convertCommand() *cobra.Command {
@@ -80,6 +81,8 @@ func convertCommand() *cobra.Command {
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file (default: detected)")
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
 	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT; not with -c, whose clusters lie at any byte)")
+	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
+	fs.MarkHidden("cpuprofile")
 	f.register(c)
 	// inspectFlags' --output and --json say nothing to convert.
 	fs.MarkHidden("output")
@@ -173,6 +176,13 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		return usagef("convert: want SOURCE TARGET, got %d argument(s)", len(args))
 	}
 	srcSpec, dstSpec := args[0], args[1]
+	if f.cpuprofile != "" {
+		stopProfile, err := startCPUProfile(f.cpuprofile)
+		if err != nil {
+			return err
+		}
+		defer stopProfile()
+	}
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("Invalid number of coroutines. Allowed number of coroutines is between 1 and 64")
 	}

@@ -91,6 +91,10 @@ type engine struct {
 	granule int64
 
 	bufs chan []byte
+	// csem admits one compressing worker per CPU: more would only take
+	// turns on the cores, each with its own encoder's tables, and evict
+	// one another's from the caches (zstd ran at half speed).
+	csem chan struct{}
 
 	mu       sync.Mutex
 	cond     *sync.Cond
@@ -137,6 +141,9 @@ func Convert(ctx context.Context, src formats.Image, dst Target, o Options) (Sta
 		o.Chunk = (max(o.Chunk, e.granule) + e.granule - 1) / e.granule * e.granule
 	}
 	e.o = o
+	if o.Compressed != nil {
+		e.csem = make(chan struct{}, runtime.GOMAXPROCS(0))
+	}
 	nbufs := o.Parallel
 	if o.Backing != nil {
 		nbufs *= 2
@@ -440,28 +447,19 @@ func (e *engine) do(ctx context.Context, j job) error {
 	runs := e.plan(j, buf, bbuf)
 
 	// Compress before taking the turn: compression runs in parallel.
-	type comp struct {
-		off  int64
-		data []byte
-	}
 	var comps []comp
 	ct := e.o.Compressed
 	if ct != nil {
-		for _, r := range runs {
-			if r.act != writeData {
-				continue
-			}
-			for p := r.start; p < r.end; {
-				q := p + min(e.granule, r.end-p) // no overflow near 2^63
-				c, ok, err := ct.CompressCluster(buf[p-j.off : q-j.off])
-				if err != nil {
-					return fmt.Errorf("convert: compress the cluster at %d: %w", p, err)
-				}
-				if ok {
-					comps = append(comps, comp{p, c})
-				}
-				p = q
-			}
+		select {
+		case e.csem <- struct{}{}:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		var err error
+		comps, err = e.compress(j, buf, runs)
+		<-e.csem
+		if err != nil {
+			return err
 		}
 	}
 	next, err := e.turn(ctx, j.seq)
@@ -509,6 +507,35 @@ func (e *engine) do(ctx context.Context, j job) error {
 	e.count(read, written, zeroed, compressed)
 	e.finish(j.off, j.n)
 	return nil
+}
+
+// comp is a cluster at off, compressed.
+type comp struct {
+	off  int64
+	data []byte
+}
+
+// compress compresses the clusters of job j's runs to be written as data;
+// those that do not shrink are left out (and written as they are).
+func (e *engine) compress(j job, buf []byte, runs []run) ([]comp, error) {
+	var comps []comp
+	for _, r := range runs {
+		if r.act != writeData {
+			continue
+		}
+		for p := r.start; p < r.end; {
+			q := p + min(e.granule, r.end-p) // no overflow near 2^63
+			c, ok, err := e.o.Compressed.CompressCluster(buf[p-j.off : q-j.off])
+			if err != nil {
+				return nil, fmt.Errorf("convert: compress the cluster at %d: %w", p, err)
+			}
+			if ok {
+				comps = append(comps, comp{p, c})
+			}
+			p = q
+		}
+	}
+	return comps, nil
 }
 
 func (e *engine) count(read, written, zeroed, compressed int64) {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"sync"
 
 	"github.com/klauspost/compress/flate"
 	"github.com/klauspost/compress/zstd"
@@ -36,48 +37,66 @@ const zlibWindow = 4096
 // empty (a sync.Pool does: every collection then built a dozen zstd
 // encoders again, each allocating megabytes, which brought on the next
 // collection; zstd ran 30 times slower than zlib). At most one per
-// goroutine compressing at once stays listed.
+// goroutine compressing at once stays listed. The lists are stacks: the
+// encoder used last, whose tables are still in the CPU's cache, is the
+// one handed out next (16 zstd encoders taken in turn from a queue
+// compressed at 135 MB/s a core where one reused ran at 310).
 var (
-	freeDeflaters = make(chan *flate.Writer, 256)
-	freeZstd      = make(chan *zstd.Encoder, 256)
+	freeDeflaters freeList[*flate.Writer]
+	freeZstd      freeList[*zstd.Encoder]
+	freeScratch   freeList[[]byte]
 )
+
+// freeList is a bounded LIFO of reusable encoders.
+type freeList[T any] struct {
+	mu   sync.Mutex
+	list []T
+}
+
+func (l *freeList[T]) get() (T, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var x T
+	n := len(l.list)
+	if n == 0 {
+		return x, false
+	}
+	x = l.list[n-1]
+	l.list[n-1] = *new(T)
+	l.list = l.list[:n-1]
+	return x, true
+}
+
+func (l *freeList[T]) put(x T) {
+	l.mu.Lock()
+	if len(l.list) < 256 {
+		l.list = append(l.list, x)
+	}
+	l.mu.Unlock()
+}
 
 // zstdWindow bounds the encoder's window (and memory): a cluster is at
 // most 2 MiB, and matches further back than this gain little.
 const zstdWindow = 1 << 17
 
 func getDeflater() (*flate.Writer, error) {
-	select {
-	case w := <-freeDeflaters:
+	if w, ok := freeDeflaters.get(); ok {
 		return w, nil
-	default:
-		return flate.NewWriterWindow(nil, zlibWindow)
 	}
+	return flate.NewWriterWindow(nil, zlibWindow)
 }
 
-func putDeflater(w *flate.Writer) {
-	select {
-	case freeDeflaters <- w:
-	default:
-	}
-}
+func putDeflater(w *flate.Writer) { freeDeflaters.put(w) }
 
 func getZstd() (*zstd.Encoder, error) {
-	select {
-	case e := <-freeZstd:
+	if e, ok := freeZstd.get(); ok {
 		return e, nil
-	default:
-		return zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault),
-			zstd.WithWindowSize(zstdWindow), zstd.WithLowerEncoderMem(true))
 	}
+	return zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault),
+		zstd.WithWindowSize(zstdWindow), zstd.WithLowerEncoderMem(true))
 }
 
-func putZstd(e *zstd.Encoder) {
-	select {
-	case freeZstd <- e:
-	default:
-	}
-}
+func putZstd(e *zstd.Encoder) { freeZstd.put(e) }
 
 // ClusterSize is the image's cluster size.
 func (q *Image) ClusterSize() int64 { return q.h.clusterSize }
@@ -96,15 +115,22 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 		src = make([]byte, cs) // the last cluster, padded as QEMU pads it
 		copy(src, p)
 	}
+	// The encoder writes into a reused scratch buffer; only a result
+	// that is kept is copied out, at its own size (a new cluster-sized
+	// buffer each time cost a tenth of zstd's CPU in clearing it).
+	scratch, _ := freeScratch.get()
+	if int64(cap(scratch)) < cs {
+		scratch = make([]byte, 0, cs)
+	}
+	defer func() { freeScratch.put(scratch[:0]) }()
 	switch q.h.compressionType {
 	case compressionZlib:
 		w, err := getDeflater()
 		if err != nil {
 			return nil, false, fmt.Errorf("qcow2: deflate: %w", err)
 		}
-		var out bytes.Buffer
-		out.Grow(int(cs))
-		w.Reset(&out)
+		out := bytes.NewBuffer(scratch[:0])
+		w.Reset(out)
 		_, err = w.Write(src)
 		if err == nil {
 			err = w.Close()
@@ -119,7 +145,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 		if err != nil {
 			return nil, false, fmt.Errorf("qcow2: zstd: %w", err)
 		}
-		comp = e.EncodeAll(src, make([]byte, 0, cs))
+		comp = e.EncodeAll(src, scratch[:0])
 		putZstd(e)
 	default:
 		return nil, false, fmt.Errorf("qcow2: compression type %d: %w", q.h.compressionType, formats.ErrNotSupported)
@@ -127,6 +153,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 	if int64(len(comp)) > cs-1 {
 		return nil, false, nil
 	}
+	comp = append([]byte(nil), comp...) // scratch goes back to the list
 	return comp, true, nil
 }
 
