@@ -204,7 +204,7 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 		img.Image.Close()
 		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
 	case "vdi": // never handed to the qcow2 check below
-		return formats.CheckResult{}, fmt.Errorf("%s: vdi images are not checked here yet (qemu-img check -f vdi %s does)", spec, spec)
+		return checkVDI(ctx, spec, o, repair)
 	}
 	if format == "vhdx" {
 		return checkVHDX(ctx, spec, o)
