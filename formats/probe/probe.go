@@ -207,7 +207,7 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 		return checkVDI(ctx, spec, o, repair)
 	}
 	if format == "vhdx" {
-		return checkVHDX(ctx, spec, o)
+		return checkVHDX(ctx, spec, o, repair)
 	}
 	writable := repair != qcow2.RepairNone
 	if format == Raw {

@@ -6,15 +6,35 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/vhdx"
 )
 
-// checkVHDX checks a vhdx image as qemu-img check does (vhdx.Check). It
-// opens the file read-only whatever the repair mode: QEMU's vhdx check
-// repairs nothing itself (its one repair, replaying a log, happens at a
-// writable open, which this reader does not make). The parent of a
-// differencing image is not opened: the check is of this file.
-func checkVHDX(ctx context.Context, spec string, o Options) (formats.CheckResult, error) {
+// checkVHDX checks a vhdx image as qemu-img check does (vhdx.Check).
+// QEMU's vhdx check repairs nothing itself; its one repair is replaying a
+// dirty log, which it does at any writable open, so -r (leaks or all)
+// opens the image writable (the writer's lock: an image in use is
+// refused) and replays the log first (vhdx.Replay), counted as one
+// corruption fixed, as qemu-img counts it. The parent of a differencing
+// image is not opened: the check is of this file.
+func checkVHDX(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
+	replayed := false
+	if repair != qcow2.RepairNone {
+		var lock *aio.Lock
+		if o.Lock {
+			l := vhdx.Lock(true)
+			lock = &l
+		}
+		f, err := aio.Open(spec, aio.Options{Backend: o.Backend, Logger: o.Logger, Lock: lock, Writable: true})
+		if err != nil {
+			return formats.CheckResult{}, fmt.Errorf("vhdx: %w", err)
+		}
+		replayed, err = vhdx.Replay(ctx, f)
+		f.Close()
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+	}
 	var lock *aio.Lock
 	if o.Lock {
 		l := vhdx.Lock(false)
@@ -24,5 +44,9 @@ func checkVHDX(ctx context.Context, spec string, o Options) (formats.CheckResult
 	if err != nil {
 		return formats.CheckResult{}, fmt.Errorf("vhdx: %w", err)
 	}
-	return vhdx.Check(ctx, f)
+	res, err := vhdx.Check(ctx, f)
+	if replayed {
+		res.CorruptionsFixed++
+	}
+	return res, err
 }

@@ -43,7 +43,7 @@ func (r *reader) checkLog(h header) error {
 		return fmt.Errorf("%s: %w", r.name, err)
 	}
 	if dirty {
-		return fmt.Errorf("%w: %s: VHDX image opened read-only, but its log has entries that need to be replayed; replay them once with: qemu-img check -r all %s", ErrDirtyLog, r.name, r.name)
+		return fmt.Errorf("%w: %s: VHDX image opened read-only, but its log has entries that need to be replayed; replay them once with: blockexport check -r all %s (or qemu-img check -r all %s)", ErrDirtyLog, r.name, r.name, r.name)
 	}
 	return nil
 }

@@ -648,6 +648,7 @@ func FuzzOpen(f *testing.F) {
 		// A differencing image's parent is not opened (its sectors read
 		// as zeroes), so that its locator, BAT and bitmaps are exercised.
 		noParent := func(name string) (formats.Image, string, error) { return nil, name, nil }
+		replayBytes(t, img)
 		im, err := openBytesWith(t, img, Options{OpenParent: noParent})
 		if err != nil {
 			if strings.Contains(err.Error(), "\n") {
@@ -667,4 +668,117 @@ func FuzzOpen(f *testing.F) {
 			}
 		}
 	})
+}
+
+// replayBytes replays the log of a copy of b: a refusal or nothing to
+// replay leaves the file as it was; after a replay the log is clean (an
+// open is never refused for its log).
+func replayBytes(t *testing.T, b []byte) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "r.vhdx")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	replayed, err := Replay(context.Background(), f)
+	f.Close()
+	after, rerr := os.ReadFile(path)
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	if !replayed {
+		if !bytes.Equal(after, b) {
+			t.Fatalf("no replay (%v), but the file changed", err)
+		}
+		if err != nil && strings.Contains(err.Error(), "\n") {
+			t.Fatalf("refusal of more than one line: %v", err)
+		}
+		return
+	}
+	if _, err := openBytesWith(t, after, Options{OpenParent: func(n string) (formats.Image, string, error) { return nil, n, nil }}); errors.Is(err, ErrDirtyLog) {
+		t.Fatalf("replayed, but the log is still dirty: %v", err)
+	}
+}
+
+// TestVhdxReplay: a crafted log of a data and a zero descriptor is
+// replayed into the file, both headers get a zero log GUID and higher
+// sequence numbers, and the image opens; a replay of a clean log or of
+// an entry whose data sector is not its own changes nothing.
+func TestVhdxReplay(t *testing.T) {
+	s := goodSpec()
+	s.logGUID = [16]byte{0xde, 0xad}
+	b := s.bytes()
+	target := uint64(len(b)) - 2*logSector
+	e := b[logOff : logOff+3*logSector]
+	copy(e, "loge")
+	le := binary.LittleEndian
+	le.PutUint32(e[8:], 2*logSector)
+	le.PutUint64(e[16:], 1)
+	le.PutUint32(e[24:], 2)
+	copy(e[32:], s.logGUID[:])
+	d := e[64:]
+	copy(d, "desc")
+	copy(d[4:8], "TAIL")
+	copy(d[8:16], "LEADING!")
+	le.PutUint64(d[16:], target)
+	le.PutUint64(d[24:], 1)
+	z := e[96:]
+	copy(z, "zero")
+	le.PutUint64(z[8:], logSector)
+	le.PutUint64(z[16:], target+logSector)
+	le.PutUint64(z[24:], 1)
+	ds := e[logSector:]
+	copy(ds, "data")
+	le.PutUint32(ds[4092:], 1)
+	for i := 8; i < 4092; i++ {
+		ds[i] = byte(i)
+	}
+	putCRC(e[:2*logSector])
+	for i := target + logSector; i < target+2*logSector; i++ {
+		b[i] = 0xee
+	}
+	path := filepath.Join(t.TempDir(), "r.vhdx")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	replayed, err := Replay(context.Background(), f)
+	if err != nil || !replayed {
+		t.Fatalf("replay: %v %v", replayed, err)
+	}
+	got, _ := os.ReadFile(path)
+	want := append(append([]byte("LEADING!"), ds[8:4092]...), "TAIL"...)
+	if !bytes.Equal(got[target:target+logSector], want) || !bytes.Equal(got[target+logSector:target+2*logSector], make([]byte, logSector)) {
+		t.Fatal("the data and zero descriptors were not written as logged")
+	}
+	for i, off := range []int{header1Offset, header2Offset} {
+		h := got[off : off+headerSize]
+		if !checksumOK(h) || !bytes.Equal(h[48:64], make([]byte, 16)) || le.Uint64(h[8:]) <= 1 {
+			t.Fatalf("header %d after the replay: checksum %v, log GUID %x, sequence %d", i+1, checksumOK(h), h[48:64], le.Uint64(h[8:]))
+		}
+	}
+	if _, err := openBytes(t, got); err != nil {
+		t.Fatalf("open after the replay: %v", err)
+	}
+	// Nothing left to replay.
+	if replayed, err := Replay(context.Background(), f); err != nil || replayed {
+		t.Fatalf("second replay: %v %v", replayed, err)
+	}
+	// A data sector of another entry: refused, untouched.
+	le.PutUint32(ds[4092:], 2)
+	putCRC(e[:2*logSector])
+	replayBytes(t, b)
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if replayed, err := Replay(context.Background(), f); replayed || !errors.Is(err, ErrBadLog) {
+		t.Fatalf("a data sector of sequence 2 in entry 1: %v %v, want ErrBadLog", replayed, err)
+	}
 }
