@@ -23,10 +23,10 @@ const (
 
 type compareFlags struct {
 	inspectFlags
-	formatB  string
-	strict   bool
-	quiet    bool
-	progress bool
+	formatB    string
+	strict     bool
+	quiet      bool
+	progress   bool
 	parallel   int
 	cpuprofile string
 }

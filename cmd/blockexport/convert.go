@@ -80,7 +80,7 @@ func convertCommand() *cobra.Command {
 	fs.StringVarP(&f.backing, "backing", "B", "", "TARGET's backing file (qcow2): only what differs from it is written")
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file (default: detected)")
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
-	fs.StringVarP(&f.cache, "target-cache", "t", "writeback", "TARGET's cache mode: writeback or none (O_DIRECT; not with -c, whose clusters lie at any byte)")
+	fs.StringVarP(&f.cache, "target-cache", "t", "unsafe", "TARGET's cache mode, qemu-img's: unsafe (no flush at the end, qemu-img convert's default), writeback (flushed at the end) or none (O_DIRECT, flushed; not with -c, whose clusters lie at any byte)")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
 	fs.MarkHidden("cpuprofile")
 	f.register(c)
@@ -89,7 +89,7 @@ func convertCommand() *cobra.Command {
 	fs.MarkHidden("json")
 	completeWords(c, "output-format", "raw", "qcow2")
 	completeWords(c, "progress", "auto", "bar", "json", "none")
-	completeWords(c, "target-cache", "writeback", "none")
+	completeWords(c, "target-cache", "unsafe", "writeback", "none")
 	c.RunE = func(c *cobra.Command, args []string) error {
 		f.outFormatSet = c.Flags().Changed("output-format")
 		return convertCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
@@ -190,13 +190,18 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	if err != nil || minSparse%512 != 0 || minSparse > 16<<20 {
 		return usagef("Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to 16777216.")
 	}
-	var direct bool
+	var direct, noFlush bool
 	switch f.cache {
+	case "unsafe":
+		// qemu-img convert's default: the target is written through the
+		// page cache and not flushed at the end (the kernel writes it
+		// back later).
+		noFlush = true
 	case "writeback":
 	case "none":
 		direct = true
 	default:
-		return usagef("Invalid cache option: %s (want writeback or none)", f.cache)
+		return usagef("Invalid cache option: %s (want unsafe, writeback or none)", f.cache)
 	}
 	switch f.outFormat {
 	case probe.Raw, probe.QCOW2:
@@ -275,6 +280,9 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		dst.Image.Close()
 		return fmt.Errorf("convert: %s: the target (%d bytes) is smaller than the source (%d bytes)", dstSpec, dst.Image.Size(), size)
 	}
+	if nf, ok := dst.Image.(interface{ SetNoFlush(bool) }); ok && noFlush {
+		nf.SetNoFlush(true)
+	}
 	co := convert.Options{Parallel: f.parallel, OutOfOrder: f.outOfOrder, MinSparse: minSparse,
 		TargetZero: created || f.targetIsZero}
 	if l, ok := dst.Image.(formats.Layered); ok && f.backing != "" {
@@ -296,8 +304,9 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	defer stop()
 	st, cerr := convert.Convert(ctx, src.Image, dst.Image, co)
 	interrupted := cerr != nil && ctx.Err() != nil
-	// Whatever happened, what was written is made durable: a qcow2
-	// target's metadata is consistent after its flush.
+	// Whatever happened, what was written is written back (and made
+	// durable, but with -t unsafe): a qcow2 target's metadata is
+	// consistent after its flush.
 	ferr := dst.Image.Flush(context.Background())
 	if interrupted && created && f.outFormat == probe.Raw {
 		// A new raw target keeps exactly what was converted.

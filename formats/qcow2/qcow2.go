@@ -79,6 +79,7 @@ func Detect(head []byte) bool { return len(head) >= len(magic) && [4]byte(head[:
 // Image is an open qcow2 image.
 type Image struct {
 	f       aio.File
+	noFlush atomic.Bool // SetNoFlush: write-backs issue no fdatasync
 	path    string
 	h       *header
 	size    atomic.Int64 // virtual size; h.size is the value at open
