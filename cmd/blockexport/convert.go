@@ -239,7 +239,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	}
 	src, err := openImage(srcSpec, o)
 	if err != nil {
-		return fmt.Errorf("convert: %s: %w", srcSpec, err)
+		return fmt.Errorf("convert: %s: %w", probe.Shown(srcSpec), err)
 	}
 	defer src.Image.Close()
 	size := src.Image.Size()
@@ -318,7 +318,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	prog.finish(cerr == nil)
 	switch {
 	case interrupted:
-		what := fmt.Sprintf("%s holds %d of %d bytes of %s", dstSpec, st.Done, size, srcSpec)
+		what := fmt.Sprintf("%s holds %d of %d bytes of %s", dstSpec, st.Done, size, probe.Shown(srcSpec))
 		switch {
 		case created && f.outFormat == probe.Raw:
 			what = fmt.Sprintf("%s is truncated to the %d bytes converted (of %d)", dstSpec, st.Done, size)

@@ -147,7 +147,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	}
 	defer img.Image.Close()
 	if img.Probed && img.Format == probe.Raw && f.writable {
-		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", image)
+		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", probe.Shown(image))
 	}
 
 	served, parts, err := f.parts.apply(context.Background(), img.Image, image, f.fileName+"-", logger)

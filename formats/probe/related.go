@@ -54,7 +54,7 @@ func (c *chain) relatedPath(image, name string) (real, shown string, err error) 
 		// A remote image (http://…): the files it names are not looked
 		// for, on the server or here (a local file is not for a server's
 		// image to name: an export would show it).
-		return "", name, fmt.Errorf("%s is remote and names the file %s: %w (extents and parents of remote images are not opened)", image, name, ErrRelatedRefused)
+		return "", name, fmt.Errorf("%s is remote and names the file %s: %w (extents and parents of remote images are not opened)", image, Shown(name), ErrRelatedRefused)
 	}
 	dir := filepath.Dir(image)
 	shown = qemuPath(image, name)

@@ -6,7 +6,18 @@ import (
 	"strings"
 
 	"github.com/blockexport/blockexport/formats"
+	remotehttp "github.com/blockexport/blockexport/formats/remote/http"
 )
+
+// shownBacking is a backing string as an error may show it: a URL
+// without its user, password or query (a signature). An NBD URI names
+// no secret and is shown whole.
+func shownBacking(backing string) string {
+	if strings.Contains(backing, "://") && !strings.HasPrefix(backing, "nbd") {
+		return remotehttp.Redact(backing)
+	}
+	return backing
+}
 
 // backingPath is what the backing string backing of the image named
 // image resolves to: a URI (nbd://, http://) or an absolute path as it
@@ -30,12 +41,12 @@ func (q *Image) openBacking(open formats.BackingOpener) error {
 		return nil
 	}
 	if open == nil {
-		return fmt.Errorf("qcow2: %s has a backing file (%s) and nothing to open it with", q.path, q.h.backingFile)
+		return fmt.Errorf("qcow2: %s has a backing file (%s) and nothing to open it with", q.path, shownBacking(q.h.backingFile))
 	}
 	if strings.Contains(q.path, "://") && filepath.IsAbs(q.h.backingFile) {
 		// A local file is not for an image from a server (http://…) to
 		// name: an export would show it.
-		return fmt.Errorf("qcow2: %s: backing file %s: a remote image may not name a local file", q.path, q.h.backingFile)
+		return fmt.Errorf("qcow2: %s: backing file %s: a remote image may not name a local file", q.path, shownBacking(q.h.backingFile))
 	}
 	bpath := backingPath(q.path, q.h.backingFile)
 	// The backing format is whatever the header names: the opener is the
@@ -43,7 +54,7 @@ func (q *Image) openBacking(open formats.BackingOpener) error {
 	// not read.
 	b, err := open(bpath, q.h.backingFormat)
 	if err != nil {
-		return fmt.Errorf("qcow2: %s: backing file %s: %w", q.path, q.h.backingFile, err)
+		return fmt.Errorf("qcow2: %s: backing file %s: %w", q.path, shownBacking(q.h.backingFile), err)
 	}
 	q.backing = b
 	return nil
