@@ -244,6 +244,10 @@ type chain struct {
 	depth int
 	// related counts the files opened by name (openRelated).
 	related int
+	// remoteParent is the remote image whose format is being opened (and
+	// so whose backing file openBacking is asked for), "" while a local
+	// image's is: a remote image's backing string is held to its origin.
+	remoteParent string
 }
 
 // openNBD opens an image on an NBD server. What the server exports is
@@ -295,6 +299,11 @@ func (c *chain) openBacking(path, format string) (formats.Image, error) {
 	if format == "" {
 		format = Auto
 	}
+	if c.remoteParent != "" {
+		if err := c.o.Remote.backingAllowed(c.remoteParent, path); err != nil {
+			return nil, err
+		}
+	}
 	if nbd.IsURI(path) {
 		c.depth++ // a loop through a server cannot be seen; depth still bounds it
 		if c.depth > maxChainDepth {
@@ -345,7 +354,10 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 		// compressed clusters); O_DIRECT wants whole blocks.
 		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
+	parent := c.remoteParent
+	c.remoteParent = ""
 	img, err := ff.open(f, c, writable)
+	c.remoteParent = parent
 	if err != nil {
 		return nil, "", err
 	}

@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"io"
 	"net/url"
+	"strings"
 	"time"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/nbd"
 	"github.com/blockexport/blockexport/formats/qcow2"
 	"github.com/blockexport/blockexport/formats/remote"
 	remotehttp "github.com/blockexport/blockexport/formats/remote/http"
@@ -54,6 +56,53 @@ func Shown(spec string) string {
 		return remotehttp.Redact(spec)
 	}
 	return spec
+}
+
+// ErrBackingRefused: a remote image's backing string names something it
+// may not (a local file, an NBD export, another origin).
+var ErrBackingRefused = errors.New("backing file refused")
+
+// backingAllowed says whether the remote image parent may name backing
+// as its backing file. Its author is not the user: what it names is read
+// with the user's network position, so it may name only objects of its
+// own origin (scheme, host and port for http(s), the bucket for s3://;
+// a relative backing string resolves to one), and another origin only
+// when the user allowed leaving the origin (--allow-redirects). A local
+// file and an NBD export (a unix socket, a loopback or any TCP server)
+// are never its to name: an export would show what they hold.
+func (o RemoteOptions) backingAllowed(parent, backing string) error {
+	switch {
+	case nbd.IsURI(backing):
+		return fmt.Errorf("%s: backing file %s: %w: a remote image may not name an NBD export", Shown(parent), Shown(backing), ErrBackingRefused)
+	case !IsRemote(backing):
+		return fmt.Errorf("%s: backing file %s: %w: a remote image may not name a local file", Shown(parent), Shown(backing), ErrBackingRefused)
+	case sameOrigin(parent, backing) || o.AllowRedirects:
+		return nil
+	}
+	return fmt.Errorf("%s: backing file %s: %w: a remote image may name only objects of its own origin (allow others with --allow-redirects)", Shown(parent), Shown(backing), ErrBackingRefused)
+}
+
+// sameOrigin: a and b are URLs of the same scheme, host and port (an
+// s3:// URL's host is its bucket).
+func sameOrigin(a, b string) bool {
+	ua, err1 := url.Parse(a)
+	ub, err2 := url.Parse(b)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	port := func(u *url.URL) string {
+		if p := u.Port(); p != "" {
+			return p
+		}
+		switch strings.ToLower(u.Scheme) {
+		case "http":
+			return "80"
+		case "https":
+			return "443"
+		}
+		return ""
+	}
+	return strings.EqualFold(ua.Scheme, ub.Scheme) && strings.EqualFold(ua.Hostname(), ub.Hostname()) && port(ua) == port(ub)
 }
 
 // remoteOpenTimeout bounds what opening one remote object may take
@@ -150,7 +199,10 @@ func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (fo
 		f.Close()
 		return nil, "", unsupported(f.Name(), ff.name)
 	}
+	parent := c.remoteParent
+	c.remoteParent = spec
 	img, err := ff.open(f, c, false)
+	c.remoteParent = parent
 	if err != nil {
 		return nil, "", err
 	}

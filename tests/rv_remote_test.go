@@ -1,0 +1,108 @@
+package tests
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestRvCredentialsInBackingAndCommandErrors: a URL with a user, a
+// password and a signed query, as an overlay's backing string that fails
+// to open and as convert's and compare's source that fails: no error shows
+// the password or the signature.
+func TestRvCredentialsInBackingAndCommandErrors(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	const pw, sig = "pw-rv-71c3", "sig-rv-0a9e"
+	missing := strings.Replace(n.url("http", "missing.raw"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
+	shown := func(what string, code int, text string) {
+		t.Helper()
+		if code == 0 {
+			t.Fatalf("%s: exit 0\n%s", what, text)
+		}
+		if strings.Contains(text, pw) || strings.Contains(text, sig) {
+			t.Fatalf("%s shows a credential:\n%s", what, text)
+		}
+	}
+	ov := filepath.Join(dir, "ov.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", missing, ov, "1M")
+	for _, args := range [][]string{{"map", ov}, {"info", "--backing-chain", ov}, {"convert", "-O", "raw", ov, filepath.Join(dir, "ov.raw")}} {
+		code, out := runBlockexport(t, args...)
+		shown(args[0]+" of an overlay whose backing URL fails", code, out)
+	}
+	local := sparseImage(t, dir, "local.raw", 1<<20)
+	code, out := runBlockexport(t, "convert", "-O", "raw", missing, filepath.Join(dir, "out.raw"))
+	shown("convert's error", code, out)
+	code, out = runBlockexport(t, "compare", missing, local)
+	shown("compare's error", code, out)
+	code, out = runBlockexport(t, "compare", local, missing)
+	shown("compare's error (second image)", code, out)
+}
+
+// TestRvRemoteImageMayNotNameLocalNBD: a qcow2 image on an http server
+// whose backing string names a local NBD export (a unix socket, a
+// loopback TCP port) is refused: an export would show what that local
+// server serves. Another origin's URL is refused too; the same origin's
+// is followed.
+func TestRvRemoteImageMayNotNameLocalNBD(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret.raw")
+	if err := os.WriteFile(secret, append([]byte("RV-TOPSECRET-LOCAL"), make([]byte, 1<<20-18)...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "nbd.sock")
+	port := rhFreePort(t)
+	for _, args := range [][]string{{"-k", sock}, {"-b", "127.0.0.1", "-p", strconv.Itoa(port)}} {
+		cmd := exec.Command("qemu-nbd", append(append([]string{"-r", "-f", "raw", "-t"}, args...), secret)...)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	}
+	for i := 0; i < 100; i++ {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	other := strings.Replace(n.url("http", "base.raw"), "127.0.0.1", "localhost", 1)
+	base := filepath.Join(dir, "base.raw")
+	if err := os.WriteFile(base, append([]byte("RV-BASE-ON-SERVER"), make([]byte, 1<<20-17)...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	n.put(t, "base.raw", base)
+	for name, backing := range map[string]string{
+		"unix.qcow2":   "nbd+unix:///?socket=" + sock,
+		"tcp.qcow2":    "nbd://127.0.0.1:" + strconv.Itoa(port),
+		"origin.qcow2": other,
+		"same.qcow2":   n.url("http", "base.raw"),
+		"rel.qcow2":    "base.raw",
+	} {
+		f := filepath.Join(dir, name)
+		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", backing, f, "1M")
+		n.put(t, name, f)
+		out := filepath.Join(dir, name+".out")
+		code, msg := runBlockexport(t, "convert", "-O", "raw", n.url("http", name), out)
+		got, _ := os.ReadFile(out)
+		switch name {
+		case "same.qcow2", "rel.qcow2":
+			if code != 0 || !strings.HasPrefix(string(got), "RV-BASE-ON-SERVER") {
+				t.Fatalf("%s (backing %s): exit %d, %q\n%s", name, backing, code, got[:min(len(got), 20)], msg)
+			}
+		default:
+			if code == 0 || strings.Contains(string(got), "RV-TOPSECRET") {
+				t.Fatalf("%s (backing %s) followed: exit %d\n%s", name, backing, code, msg)
+			}
+		}
+	}
+	// The opt-in that lets redirects leave the origin lets a backing string do so too.
+	code, msg := runBlockexport(t, "convert", "--allow-redirects", "-O", "raw", n.url("http", "origin.qcow2"), filepath.Join(dir, "o2.out"))
+	if code != 0 {
+		t.Fatalf("another origin with --allow-redirects: exit %d\n%s", code, msg)
+	}
+}
