@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -703,11 +704,10 @@ func replayBytes(t *testing.T, b []byte) {
 	}
 }
 
-// TestVhdxReplay: a crafted log of a data and a zero descriptor is
-// replayed into the file, both headers get a zero log GUID and higher
-// sequence numbers, and the image opens; a replay of a clean log or of
-// an entry whose data sector is not its own changes nothing.
-func TestVhdxReplay(t *testing.T) {
+// dirtyImage is a small image whose log holds one entry: a data
+// descriptor for the sector at target and a zero descriptor for the one
+// after it (which holds 0xee bytes); ds is the entry's data sector.
+func dirtyImage() ([]byte, uint64, []byte, []byte) {
 	s := goodSpec()
 	s.logGUID = [16]byte{0xde, 0xad}
 	b := s.bytes()
@@ -740,6 +740,16 @@ func TestVhdxReplay(t *testing.T) {
 	for i := target + logSector; i < target+2*logSector; i++ {
 		b[i] = 0xee
 	}
+	return b, target, ds, e
+}
+
+// TestVhdxReplay: a crafted log of a data and a zero descriptor is
+// replayed into the file, both headers get a zero log GUID and higher
+// sequence numbers, and the image opens; a replay of a clean log or of
+// an entry whose data sector is not its own changes nothing.
+func TestVhdxReplay(t *testing.T) {
+	b, target, ds, e := dirtyImage()
+	le := binary.LittleEndian
 	path := filepath.Join(t.TempDir(), "r.vhdx")
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
@@ -780,5 +790,65 @@ func TestVhdxReplay(t *testing.T) {
 	}
 	if replayed, err := Replay(context.Background(), f); replayed || !errors.Is(err, ErrBadLog) {
 		t.Fatalf("a data sector of sequence 2 in entry 1: %v %v, want ErrBadLog", replayed, err)
+	}
+}
+
+// failingFile fails every write after the first left ones, as a crash
+// would cut the replay there.
+type failingFile struct {
+	aio.File
+	left int
+}
+
+func (f *failingFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if f.left == 0 {
+		return 0, errors.New("crash")
+	}
+	f.left--
+	return f.File.WriteAt(ctx, p, off)
+}
+
+// TestVhdxReplayInterrupted: a replay cut after each of its writes (the
+// data, the zeroes, the first header, the second), then replayed again,
+// ends with the bytes an uncut replay leaves past the headers, and a
+// clean log: the log stays dirty until a header without it is durable,
+// and replaying it again writes the same bytes.
+func TestVhdxReplayInterrupted(t *testing.T) {
+	b, _, _, _ := dirtyImage()
+	replay := func(path string, left int) (bool, error) {
+		f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var file aio.File = f
+		if left >= 0 {
+			file = &failingFile{File: f, left: left}
+		}
+		return Replay(context.Background(), file)
+	}
+	dir := t.TempDir()
+	ref := filepath.Join(dir, "ref.vhdx")
+	os.WriteFile(ref, b, 0o644)
+	if ok, err := replay(ref, -1); !ok || err != nil {
+		t.Fatalf("uncut replay: %v %v", ok, err)
+	}
+	want, _ := os.ReadFile(ref)
+	for left := 0; left < 4; left++ {
+		p := filepath.Join(dir, "cut"+strconv.Itoa(left)+".vhdx")
+		os.WriteFile(p, b, 0o644)
+		if _, err := replay(p, left); err == nil {
+			t.Fatalf("cut after %d writes: no error", left)
+		}
+		if _, err := replay(p, -1); err != nil {
+			t.Fatalf("replay after a cut after %d writes: %v", left, err)
+		}
+		got, _ := os.ReadFile(p)
+		if !bytes.Equal(got[headerSection:], want[headerSection:]) {
+			t.Fatalf("cut after %d writes, then replayed: differs from an uncut replay", left)
+		}
+		if _, err := openBytes(t, got); err != nil {
+			t.Fatalf("cut after %d writes, then replayed: %v", left, err)
+		}
 	}
 }
