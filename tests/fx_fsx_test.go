@@ -358,10 +358,13 @@ func fxOps(t *testing.T) int {
 }
 
 // TestFxFsx runs the exerciser on a growable writable export of a raw
-// and a qcow2 image, with the kernel cache on and off; at the end the
-// image itself (qcow2: as qemu-img reads it) holds the model.
+// image, a qcow2 image and a qcow2 overlay over a raw base of random
+// data (its clusters allocated as the run writes, the rest read through
+// from the base, growth over the base's end zeroed), with the kernel
+// cache on and off; at the end the image itself (qcow2: as qemu-img
+// reads it) holds the model.
 func TestFxFsx(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
+	for _, format := range []string{"raw", "qcow2", "qcow2-overlay"} {
 		for _, kc := range []string{"on", "off"} {
 			t.Run(format+"/kernel-cache="+kc, func(t *testing.T) {
 				seed := fxSeed(t)
@@ -375,7 +378,15 @@ func TestFxFsx(t *testing.T) {
 func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
-	createImage(t, "-f", format, img, "4M")
+	var base []byte
+	if format == "qcow2-overlay" {
+		b := randomImage(t, dir, 4<<20, seed)
+		base = readAll(t, b)
+		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", b, "-F", "raw", img)
+		format = "qcow2"
+	} else {
+		createImage(t, "-f", format, img, "4M")
+	}
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, img, mnt, "-f", format, "-w", "--growable", "--kernel-cache", kc)
 
@@ -393,12 +404,17 @@ func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 		t.Fatal(err)
 	}
 	defer unix.Close(r.dfd)
-	// Start from data, not zeroes, so that a stale zero shows.
-	first := r.randomBytes(4 << 20)
-	if _, err := unix.Pwrite(r.fd, first, 0); err != nil {
-		t.Fatal(err)
+	// Start from data, not zeroes, so that a stale zero shows: the
+	// base's, or written now.
+	if base != nil {
+		copy(r.model, base)
+	} else {
+		first := r.randomBytes(4 << 20)
+		if _, err := unix.Pwrite(r.fd, first, 0); err != nil {
+			t.Fatal(err)
+		}
+		copy(r.model, first)
 	}
-	copy(r.model, first)
 
 	var st unix.Stat_t
 	if err := unix.Fstat(r.fd, &st); err != nil {
