@@ -58,7 +58,8 @@ func convertCommand() *cobra.Command {
 			"a new raw or qcow2 file (-O), or an existing image or NBD export with -n, with\n" +
 			"qemu-img convert's flags. The source's block status drives the copy: holes and\n" +
 			"zero runs are neither read nor written; -S finds zeroes inside data.\n" +
-			"Memory: at most (-m or, with -c, the CPU count) x 2 MiB buffers, twice that with -B.\n" +
+			"Memory: at most (-m or, with -c, the CPU count) x 256 KiB buffers (or a cluster, or -S, if larger),\n" +
+			"twice that with -B.\n" +
 			"Progress: -p draws a bar with rate and ETA on a terminal; --progress=json (or -p\n" +
 			"when stderr is not a terminal) prints one JSON object per percent on stdout:\n" +
 			"{\"done\":B,\"total\":B,\"percent\":P,\"rate\":B/s,\"eta-seconds\":S}.\n" +
