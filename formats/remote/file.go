@@ -39,8 +39,6 @@ const (
 	// nstreams sequential readers are followed at once (a guest reading
 	// two files, the kernel's readahead beside a reader's own requests).
 	nstreams = 8
-	// maxFree bounds the recycled block buffers kept aside.
-	maxFree = 64
 )
 
 // Options say how a File reads its object.
@@ -87,6 +85,10 @@ type File struct {
 	bounce  sync.Pool
 	changed atomic.Bool // ErrChanged logged
 	gets    atomic.Int64
+	// lastOK is when a request last succeeded (Unix nanoseconds): a fetch
+	// waiting for a connection keeps waiting while others make progress,
+	// and fails once none has for the reconnect timeout.
+	lastOK atomic.Int64
 
 	mu       sync.Mutex
 	blocks   map[int64]*block
@@ -156,6 +158,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 		return nil, fmt.Errorf("%s: size %d: %w", f.name, obj.Size, errBadReply)
 	}
 	f.obj = obj
+	f.lastOK.Store(time.Now().UnixNano())
 	return f, nil
 }
 
@@ -164,7 +167,7 @@ var errBadReply = errors.New("server's reply makes no sense")
 // stat is Backend.Stat with the retries a read gets.
 func (f *File) stat(ctx context.Context) (Object, error) {
 	var obj Object
-	err := f.retry(ctx, func(ctx context.Context) error {
+	err := f.retry(ctx, time.Now().Add(f.timeout()), func(ctx context.Context) error {
 		var err error
 		obj, err = f.b.Stat(ctx)
 		return err
@@ -275,9 +278,8 @@ func (f *File) TryReadAt(p []byte, off int64) bool {
 		b.refs++
 		f.touch(b)
 	}
-	runs := f.follow(off, off+int64(len(p)))
+	f.start(f.follow(off, off+int64(len(p))))
 	f.mu.Unlock()
-	f.start(runs)
 	f.copyOut(want, p, off)
 	f.release(want)
 	return true
@@ -318,8 +320,10 @@ func (f *File) acquire(off, n int64) ([]*block, error) {
 		want = append(want, b)
 	}
 	runs = append(runs, f.follow(off, off+n)...)
-	f.mu.Unlock()
+	// Started under mu: Close sets closed under it, so no fetch is added
+	// to wg once Close waits on it.
 	f.start(runs)
+	f.mu.Unlock()
 	return want, nil
 }
 
@@ -339,9 +343,19 @@ func (f *File) release(want []*block) {
 
 // insert makes a loading entry for block i, evicting the least recently
 // used loaded blocks beyond the capacity. Loading blocks are never
-// evicted: when all are loading, the cache overshoots by what is in
-// flight (bounded by the readahead window and the readers' own requests).
+// evicted: when all are loading, the cache overshoots by what readers
+// asked for themselves (readahead is cut instead: see room).
 func (f *File) insert(i int64) *block {
+	f.room()
+	b := &block{idx: i, done: make(chan struct{})}
+	f.blocks[i] = b
+	return b
+}
+
+// room evicts the least recently used loaded blocks until an entry more
+// fits in the capacity, and says whether it does (loading entries count:
+// they are memory once loaded).
+func (f *File) room() bool {
 	for len(f.blocks) >= f.capacity && f.lru.prev != &f.lru {
 		v := f.lru.prev
 		f.unlink(v)
@@ -351,13 +365,15 @@ func (f *File) insert(i int64) *block {
 			f.recycle(v)
 		}
 	}
-	b := &block{idx: i, done: make(chan struct{})}
-	f.blocks[i] = b
-	return b
+	return len(f.blocks) < f.capacity
 }
 
 func (f *File) recycle(b *block) {
-	if len(f.free) < maxFree && int64(cap(b.data)) == f.bs {
+	// Every evicted buffer is kept for the next block (buffers in blocks
+	// and aside together stay within the capacity and what readers hold):
+	// dropped, they would be garbage the collector lets the heap grow to
+	// twice the cache before reclaiming.
+	if len(f.free) < f.capacity && int64(cap(b.data)) == f.bs {
 		f.free = append(f.free, b.data[:cap(b.data)])
 	}
 	b.data = nil
@@ -426,6 +442,12 @@ func (f *File) follow(off, end int64) [][2]int64 {
 		if f.blocks[i] != nil {
 			continue
 		}
+		if !f.room() {
+			// The cache is all loading: readahead waits for room rather
+			// than growing memory past the cache size.
+			s.ahead = i * f.bs
+			break
+		}
 		f.insert(i)
 		if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
 			runs[k][1]++
@@ -437,48 +459,96 @@ func (f *File) follow(off, end int64) [][2]int64 {
 }
 
 // start fetches runs of loading blocks, each in GETs of up to maxGet.
+// Called with mu held, the file open.
 func (f *File) start(runs [][2]int64) {
 	per := maxGet / f.bs
+	asked := time.Now()
 	for _, r := range runs {
 		for i := r[0]; i < r[1]; i += per {
 			j := min(i+per, r[1])
+			bl := make([]*block, 0, j-i)
+			for k := i; k < j; k++ {
+				bl = append(bl, f.blocks[k])
+			}
 			f.wg.Add(1)
-			go f.load(i, j)
+			go f.load(bl, i, j, asked)
 		}
 	}
 }
 
-// load fetches blocks [i, j) with one range GET (retried) and completes
-// their entries.
-func (f *File) load(i, j int64) {
+func (f *File) timeout() time.Duration { return max(f.o.ReconnectTimeout, minAttempt) }
+
+// deadline is when a fetch asked for at asked fails: the reconnect
+// timeout after it was asked for or after the last request that
+// succeeded, whichever is later. Waiting for a connection counts: behind
+// a server that hangs, a queued fetch fails when the one in flight does,
+// not one timeout after another; behind a busy but working one it waits
+// its turn.
+func (f *File) deadline(asked time.Time) time.Time {
+	last := time.Unix(0, f.lastOK.Load())
+	if last.After(asked) {
+		asked = last
+	}
+	return asked.Add(f.timeout())
+}
+
+// slot takes a connection, or fails at the fetch's deadline or Close.
+func (f *File) slot(asked time.Time) error {
+	for {
+		d := time.Until(f.deadline(asked))
+		if d <= 0 {
+			return &timeoutError{after: f.timeout(), last: errors.New("waited for a connection while none succeeded")}
+		}
+		t := time.NewTimer(d)
+		select {
+		case f.sem <- struct{}{}:
+			t.Stop()
+			return nil
+		case <-f.ctx.Done():
+			t.Stop()
+			return fmt.Errorf("%s: %w", f.name, errClosed)
+		case <-t.C:
+			// Fail unless a request succeeded meanwhile (deadline moved).
+		}
+	}
+}
+
+// load fetches blocks bl ([i, j)) with one range GET (retried) and
+// completes their entries, whatever happens.
+func (f *File) load(bl []*block, i, j int64, asked time.Time) {
 	defer f.wg.Done()
 	off := i * f.bs
 	end := min(j*f.bs, f.obj.Size)
-	var err error
 	var bp *[]byte
-	select {
-	case f.sem <- struct{}{}:
+	err := f.slot(asked)
+	if err == nil {
 		bp = f.bounce.Get().(*[]byte)
 		buf := (*bp)[:end-off]
 		f.gets.Add(1)
-		err = f.retry(f.ctx, func(ctx context.Context) error {
+		err = f.retry(f.ctx, f.deadline(asked), func(ctx context.Context) error {
 			return f.b.ReadRange(ctx, f.obj, buf, off)
 		})
-		<-f.sem
-		if err != nil {
-			err = f.ioError(err, off, end-off)
+		if err == nil {
+			f.lastOK.Store(time.Now().UnixNano())
 		}
-	case <-f.ctx.Done():
-		err = fmt.Errorf("%s: %w", f.name, errClosed)
+		<-f.sem
+	}
+	if err != nil {
+		err = f.ioError(err, off, end-off)
 	}
 	f.mu.Lock()
-	for k := i; k < j; k++ {
-		b := f.blocks[k]
-		if b == nil || b.loaded || b.err != nil {
-			continue // cannot be: loading entries stay until completed here
+	for n, b := range bl {
+		k := i + int64(n)
+		if b.loaded || b.err != nil {
+			continue // cannot be: loading entries are completed here only
 		}
-		if err != nil {
-			delete(f.blocks, k)
+		if err != nil || f.blocks == nil {
+			if err == nil {
+				err = fmt.Errorf("%s: %w", f.name, errClosed)
+			}
+			if f.blocks[k] == b {
+				delete(f.blocks, k)
+			}
 			b.evicted = true
 			b.err = err
 			close(b.done)
@@ -504,12 +574,11 @@ func (f *File) load(i, j int64) {
 	}
 }
 
-// retry runs op until it succeeds, fails for good, or the reconnect
-// timeout has passed since the first try; each try's context ends at that
-// deadline too, so that a server that hangs or trickles cannot hold a read
-// past it.
-func (f *File) retry(ctx context.Context, op func(context.Context) error) error {
-	deadline := time.Now().Add(max(f.o.ReconnectTimeout, minAttempt))
+// retry runs op until it succeeds, fails for good, or the deadline (the
+// reconnect timeout after the fetch was asked for) has passed; each try's
+// context ends at that deadline too, so that a server that hangs or
+// trickles cannot hold a read past it.
+func (f *File) retry(ctx context.Context, deadline time.Time, op func(context.Context) error) error {
 	actx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	backoff := 10 * time.Millisecond

@@ -1,0 +1,81 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+)
+
+// TestRvQueuedReadsKeepTheReconnectTimeout: a server that accepts and
+// never answers, one connection, four reads at once: each fails within
+// the reconnect timeout (plus slack), counted from when it was asked,
+// not one timeout after another as they take turns on the connection.
+func TestRvQueuedReadsKeepTheReconnectTimeout(t *testing.T) {
+	m := &memBackend{data: rhData(16 << 20)}
+	m.fail = func(n int64, ctx context.Context) error {
+		<-ctx.Done()
+		return Temporary(ctx.Err())
+	}
+	f := openMem(t, m, Options{Connections: 1, ReconnectTimeout: time.Second})
+	var wg sync.WaitGroup
+	took := make([]time.Duration, 4)
+	errs := make([]error, 4)
+	for r := range took {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t0 := time.Now()
+			_, errs[r] = f.ReadAt(context.Background(), make([]byte, 4096), int64(r+1)*(3<<20))
+			took[r] = time.Since(t0)
+		}()
+	}
+	wg.Wait()
+	for r, d := range took {
+		if errs[r] == nil || d > 1700*time.Millisecond {
+			t.Errorf("read %d: %v after %v with a reconnect timeout of 1s", r, errs[r], d)
+		}
+	}
+}
+
+// TestRvCloseWhileReading: Close racing readers that start fetches: no
+// reader waits past Close for a fetch nobody will complete (run with
+// -race: the fetches' WaitGroup is not added to while Close waits).
+func TestRvCloseWhileReading(t *testing.T) {
+	for round := 0; round < 150; round++ {
+		m := &memBackend{data: rhData(8 << 20)}
+		f, err := Open(context.Background(), m, Options{Connections: 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		hung := make(chan int, 8)
+		for r := 0; r < 8; r++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+				defer cancel()
+				buf := make([]byte, 4096)
+				for i := 0; i < 40; i++ {
+					_, err := f.ReadAt(ctx, buf, int64((r*40+i)*65536*3)%(8<<20))
+					if errors.Is(err, context.DeadlineExceeded) {
+						hung <- r
+						return
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Duration(round%20) * 50 * time.Microsecond)
+		f.Close()
+		wg.Wait()
+		close(hung)
+		for r := range hung {
+			t.Fatalf("round %d: reader %d waited until its own deadline after Close", round, r)
+		}
+	}
+}
