@@ -256,13 +256,14 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 		if err != nil || first != 0 || last != 0 || total < 1 {
 			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: Content-Range %q", b.name, errLie, resp.Header.Get("Content-Range"))
 		}
-		var one [2]byte
-		n, err := io.ReadFull(resp.Body, one[:])
-		if n == 0 {
-			return remote.Object{}, remote.Temporary(fmt.Errorf("%s: GET bytes=0-0: body cut short: %v", b.name, err))
-		}
-		if n != 1 || !errors.Is(err, io.ErrUnexpectedEOF) {
+		if resp.ContentLength >= 0 && resp.ContentLength != 1 {
 			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: the body is not one byte", b.name, errLie)
+		}
+		// One byte and no more: a chunked body's end is not waited for
+		// (a server may never send it; the connection is dropped at Close).
+		var one [1]byte
+		if _, err := io.ReadFull(resp.Body, one[:]); err != nil {
+			return remote.Object{}, remote.Temporary(fmt.Errorf("%s: GET bytes=0-0: body cut short: %v", b.name, err))
 		}
 		obj.Size = total
 	case nethttp.StatusRequestedRangeNotSatisfiable:
@@ -297,6 +298,10 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	return obj, nil
 }
 
+// chunkEndWait is how long a chunked range body's end (or a byte too
+// many) is waited for once the range's bytes are in.
+const chunkEndWait = 50 * time.Millisecond
+
 // errLie marks a reply that contradicts itself or the request.
 var errLie = errors.New("the server's reply does not match the request")
 
@@ -310,6 +315,8 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 	}
 	last := off + int64(len(p)) - 1
 	what := fmt.Sprintf("GET bytes=%d-%d", off, last)
+	ctx, cancel := context.WithCancel(ctx) // ends a chunked body's wait for its end
+	defer cancel()
 	req, err := b.request(ctx, nethttp.MethodGet)
 	if err != nil {
 		return err
@@ -320,7 +327,11 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 	case obj.ETag != "" && !weak:
 		req.Header.Set("If-Match", obj.ETag)
 	case !obj.LastModified.IsZero():
-		req.Header.Set("If-Unmodified-Since", obj.LastModified.UTC().Format(nethttp.TimeFormat))
+		// A second past the pinned time: HTTP dates have a second's
+		// resolution and some servers refuse a time equal to the object's
+		// (versitygw 1.8.0 compares strictly); the reply's Last-Modified is
+		// compared with the pinned one below.
+		req.Header.Set("If-Unmodified-Since", obj.LastModified.Add(time.Second).UTC().Format(nethttp.TimeFormat))
 	}
 	resp, err := b.do(req, what)
 	if err != nil {
@@ -342,6 +353,12 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 	if tag := resp.Header.Get("ETag"); tag != "" && obj.ETag != "" && strings.TrimPrefix(tag, "W/") != strings.TrimPrefix(obj.ETag, "W/") {
 		return fmt.Errorf("%s: %s: ETag %s, opened as %s: %w", b.name, what, tag, obj.ETag, remote.ErrChanged)
 	}
+	if (obj.ETag == "" || weak) && !obj.LastModified.IsZero() {
+		if lm, err := nethttp.ParseTime(resp.Header.Get("Last-Modified")); err == nil && !lm.Equal(obj.LastModified) {
+			return fmt.Errorf("%s: %s: Last-Modified %s, opened as %s: %w", b.name, what, lm.UTC().Format(nethttp.TimeFormat),
+				obj.LastModified.UTC().Format(nethttp.TimeFormat), remote.ErrChanged)
+		}
+	}
 	if ce := resp.Header.Get("Content-Encoding"); ce != "" && ce != "identity" {
 		return fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
 	}
@@ -350,6 +367,14 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 		return remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, n, err))
 	}
 	var extra [1]byte
+	if resp.ContentLength < 0 {
+		// Chunked: the range is complete with its bytes. A byte more or
+		// the end is looked for a moment only (a server that never sends
+		// the last chunk would hold every read for the whole timeout); past
+		// it the request is cancelled and its connection dropped.
+		t := time.AfterFunc(chunkEndWait, cancel)
+		defer t.Stop()
+	}
 	if n, _ := resp.Body.Read(extra[:]); n != 0 {
 		return fmt.Errorf("%s: %s: %w: the body is longer than the range", b.name, what, errLie)
 	}

@@ -445,7 +445,12 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 		etag := obj.ETag
 		in.IfMatch = &etag
 	} else {
-		lm := obj.LastModified
+		// A second past the pinned time: HTTP dates have a second's
+		// resolution and some servers (versitygw 1.8.0) refuse a time
+		// equal to the object's; the reply's own Last-Modified is compared
+		// with the pinned one (checkReply), so a replacement in that second
+		// is still caught.
+		lm := obj.LastModified.Add(time.Second)
 		in.IfUnmodifiedSince = &lm
 	}
 	out, err := b.client.GetObject(ctx, in)
@@ -503,6 +508,13 @@ func (b *Backend) checkReply(out *s3.GetObjectOutput, obj remote.Object, off int
 	}
 	if obj.ETag != "" && out.ETag != nil && *out.ETag != obj.ETag {
 		return fmt.Errorf("%s: %w (ETag %s at open, %s now)", b.name, remote.ErrChanged, obj.ETag, *out.ETag)
+	}
+	if obj.ETag == "" && (out.LastModified == nil || !out.LastModified.Equal(obj.LastModified)) {
+		got := "none"
+		if out.LastModified != nil {
+			got = out.LastModified.UTC().Format(http.TimeFormat)
+		}
+		return fmt.Errorf("%s: %w (Last-Modified %s at open, %s now)", b.name, remote.ErrChanged, obj.LastModified.UTC().Format(http.TimeFormat), got)
 	}
 	return nil
 }

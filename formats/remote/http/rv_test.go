@@ -1,0 +1,106 @@
+package http
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	nethttp "net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/blockexport/blockexport/formats/remote"
+)
+
+// TestRvChunkedRangeWithoutTerminator: a 206 sent chunked that carries
+// the whole range but never its last chunk (the connection left open):
+// the read completes when the asked bytes are in, not at the timeout.
+func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
+	const size = 1 << 20
+	var mu sync.Mutex
+	var held []func()
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c()
+		}
+	})
+	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
+		if r.Method != nethttp.MethodGet || r.Header.Get("Range") == "" {
+			return false
+		}
+		off, last := rangeOf(r)
+		c, buf, err := w.(nethttp.Hijacker).Hijack()
+		if err != nil {
+			panic(err)
+		}
+		fmt.Fprintf(buf, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\nETag: \"v1\"\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n", off, last, size, last-off+1)
+		buf.Write(l.data[off : last+1])
+		buf.WriteString("\r\n")
+		buf.Flush()
+		mu.Lock()
+		held = append(held, func() { c.Close() })
+		mu.Unlock()
+		return true
+	})
+	f, err := open(t, srv.URL+"/disk.img", Options{}, 5*time.Second)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	t0 := time.Now()
+	got, err := readAll(f, size)
+	if err != nil || !bytes.Equal(got, l.data) {
+		t.Fatalf("read: %v", err)
+	}
+	if d := time.Since(t0); d > 2*time.Second {
+		t.Fatalf("reading 1 MiB took %v: each range waited for a terminator", d)
+	}
+}
+
+// TestRvStrictIfUnmodifiedSince: a server without ETags that refuses an
+// If-Unmodified-Since equal to the object's time (as versitygw 1.8.0
+// does) still serves it; a reply with another Last-Modified is ErrChanged.
+func TestRvStrictIfUnmodifiedSince(t *testing.T) {
+	const size = 256 << 10
+	mtime := time.Unix(1700000000, 0)
+	var other bool
+	var from int64 // requests up to from (and the open's two) see mtime
+	var mu sync.Mutex
+	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
+		mu.Lock()
+		m := mtime
+		if other && n > from+2 {
+			m = mtime.Add(-time.Hour)
+		}
+		mu.Unlock()
+		if s := r.Header.Get("If-Unmodified-Since"); s != "" {
+			since, err := nethttp.ParseTime(s)
+			if err != nil || !since.After(m) {
+				w.WriteHeader(nethttp.StatusPreconditionFailed)
+				return true
+			}
+			r.Header.Del("If-Unmodified-Since")
+		}
+		nethttp.ServeContent(w, r, "", m, bytes.NewReader(l.data))
+		return true
+	})
+	f, err := open(t, srv.URL+"/disk.img", Options{}, 2*time.Second)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	got, err := readAll(f, size)
+	if err != nil || !bytes.Equal(got, l.data) {
+		t.Fatalf("read from a strict server: %v", err)
+	}
+	mu.Lock()
+	other, from = true, l.n.Load()
+	mu.Unlock()
+	f2, err := open(t, srv.URL+"/disk.img", Options{}, 2*time.Second)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	if _, err := readAll(f2, size); !errors.Is(err, remote.ErrChanged) {
+		t.Fatalf("a reply with an earlier Last-Modified: %v, want ErrChanged", err)
+	}
+}
