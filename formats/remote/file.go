@@ -74,8 +74,8 @@ type File struct {
 	o    Options
 	log  *slog.Logger
 	bs   int64 // block size
-	// sem holds a token per request in flight.
-	sem chan struct{}
+	// conns hands out the connections, readers' own fetches first.
+	conns slots
 	// ctx is the fetches' context: a fetch outlives the reader that
 	// started it (others may wait on it), not the file.
 	ctx    context.Context
@@ -140,7 +140,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 		o.Logger = slog.Default()
 	}
 	f := &File{b: b, name: b.String(), o: o, log: o.Logger, bs: int64(o.BlockSize),
-		sem: make(chan struct{}, o.Connections), blocks: map[int64]*block{}}
+		conns: slots{free: o.Connections}, blocks: map[int64]*block{}}
 	f.lru.next, f.lru.prev = &f.lru, &f.lru
 	f.capacity = int(max(o.CacheSize/f.bs, 16))
 	f.window = min(maxWindow, max(o.CacheSize/4, initWindow))
@@ -278,7 +278,7 @@ func (f *File) TryReadAt(p []byte, off int64) bool {
 		b.refs++
 		f.touch(b)
 	}
-	f.start(f.follow(off, off+int64(len(p))))
+	f.start(f.follow(off, off+int64(len(p))), false)
 	f.mu.Unlock()
 	f.copyOut(want, p, off)
 	f.release(want)
@@ -319,10 +319,10 @@ func (f *File) acquire(off, n int64) ([]*block, error) {
 		b.refs++
 		want = append(want, b)
 	}
-	runs = append(runs, f.follow(off, off+n)...)
 	// Started under mu: Close sets closed under it, so no fetch is added
 	// to wg once Close waits on it.
-	f.start(runs)
+	f.start(runs, true)
+	f.start(f.follow(off, off+n), false)
 	f.mu.Unlock()
 	return want, nil
 }
@@ -459,8 +459,9 @@ func (f *File) follow(off, end int64) [][2]int64 {
 }
 
 // start fetches runs of loading blocks, each in GETs of up to maxGet.
-// Called with mu held, the file open.
-func (f *File) start(runs [][2]int64) {
+// Called with mu held, the file open. own: a reader waits on them
+// (readahead waits for connections behind them).
+func (f *File) start(runs [][2]int64, own bool) {
 	per := maxGet / f.bs
 	asked := time.Now()
 	for _, r := range runs {
@@ -471,7 +472,7 @@ func (f *File) start(runs [][2]int64) {
 				bl = append(bl, f.blocks[k])
 			}
 			f.wg.Add(1)
-			go f.load(bl, i, j, asked)
+			go f.load(bl, i, j, asked, own)
 		}
 	}
 }
@@ -492,35 +493,103 @@ func (f *File) deadline(asked time.Time) time.Time {
 	return asked.Add(f.timeout())
 }
 
+// slots is a semaphore of connections whose waiters are served in
+// two queues, readers' own fetches before readahead.
+type slots struct {
+	mu     sync.Mutex
+	free   int
+	own, a []chan struct{}
+}
+
+// get takes a connection (nil) or queues for one: the channel is closed
+// when it is handed over.
+func (s *slots) get(own bool) chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.free > 0 && len(s.own) == 0 && (own || len(s.a) == 0) {
+		s.free--
+		return nil
+	}
+	ch := make(chan struct{})
+	if own {
+		s.own = append(s.own, ch)
+	} else {
+		s.a = append(s.a, ch)
+	}
+	return ch
+}
+
+// drop leaves the queue; false: the connection was handed over already
+// (the caller holds it).
+func (s *slots) drop(ch chan struct{}, own bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := &s.a
+	if own {
+		q = &s.own
+	}
+	for i, c := range *q {
+		if c == ch {
+			*q = append((*q)[:i], (*q)[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// put gives a connection back, to the first waiter if any.
+func (s *slots) put() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, q := range []*[]chan struct{}{&s.own, &s.a} {
+		if len(*q) > 0 {
+			close((*q)[0])
+			*q = (*q)[1:]
+			return
+		}
+	}
+	s.free++
+}
+
 // slot takes a connection, or fails at the fetch's deadline or Close.
-func (f *File) slot(asked time.Time) error {
+func (f *File) slot(asked time.Time, own bool) error {
+	ch := f.conns.get(own)
+	if ch == nil {
+		return nil
+	}
 	for {
+		var err error
 		d := time.Until(f.deadline(asked))
 		if d <= 0 {
-			return &timeoutError{after: f.timeout(), last: errors.New("waited for a connection while none succeeded")}
+			err = &timeoutError{after: f.timeout(), last: errors.New("waited for a connection while none succeeded")}
+		} else {
+			t := time.NewTimer(d)
+			select {
+			case <-ch:
+				t.Stop()
+				return nil
+			case <-f.ctx.Done():
+				t.Stop()
+				err = fmt.Errorf("%s: %w", f.name, errClosed)
+			case <-t.C:
+				continue // fails unless a request succeeded meanwhile (deadline moved)
+			}
 		}
-		t := time.NewTimer(d)
-		select {
-		case f.sem <- struct{}{}:
-			t.Stop()
-			return nil
-		case <-f.ctx.Done():
-			t.Stop()
-			return fmt.Errorf("%s: %w", f.name, errClosed)
-		case <-t.C:
-			// Fail unless a request succeeded meanwhile (deadline moved).
+		if !f.conns.drop(ch, own) {
+			f.conns.put() // handed over as it gave up
 		}
+		return err
 	}
 }
 
 // load fetches blocks bl ([i, j)) with one range GET (retried) and
 // completes their entries, whatever happens.
-func (f *File) load(bl []*block, i, j int64, asked time.Time) {
+func (f *File) load(bl []*block, i, j int64, asked time.Time, own bool) {
 	defer f.wg.Done()
 	off := i * f.bs
 	end := min(j*f.bs, f.obj.Size)
 	var bp *[]byte
-	err := f.slot(asked)
+	err := f.slot(asked, own)
 	if err == nil {
 		bp = f.bounce.Get().(*[]byte)
 		buf := (*bp)[:end-off]
@@ -531,7 +600,7 @@ func (f *File) load(bl []*block, i, j int64, asked time.Time) {
 		if err == nil {
 			f.lastOK.Store(time.Now().UnixNano())
 		}
-		<-f.sem
+		f.conns.put()
 	}
 	if err != nil {
 		err = f.ioError(err, off, end-off)

@@ -79,3 +79,28 @@ func TestRvCloseWhileReading(t *testing.T) {
 		}
 	}
 }
+
+// TestRvReadersGoBeforeReadahead: a reader's own block is fetched before
+// readahead queued earlier: with one connection, 100 ms a GET and
+// megabytes of readahead queued for a sequential reader, a random read
+// waits for the GET in flight and its own, not for the queue.
+func TestRvReadersGoBeforeReadahead(t *testing.T) {
+	m := &memBackend{data: rhData(64 << 20), delay: 100 * time.Millisecond}
+	f := openMem(t, m, Options{Connections: 1, CacheSize: 64 << 20})
+	ctx := context.Background()
+	buf := make([]byte, 64<<10)
+	var off int64
+	for off < 8<<20 {
+		if _, err := f.ReadAt(ctx, buf, off); err != nil {
+			t.Fatal(err)
+		}
+		off += int64(len(buf))
+	}
+	t0 := time.Now()
+	if _, err := f.ReadAt(ctx, buf, 60<<20); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(t0); d > 250*time.Millisecond {
+		t.Fatalf("a random read took %v behind queued readahead (%d GETs so far, 100 ms each)", d, m.gets.Load())
+	}
+}
