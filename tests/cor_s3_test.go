@@ -38,14 +38,18 @@ func TestCorS3Backing(t *testing.T) {
 	streamed := filepath.Join(dir, "streamed.qcow2")
 	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", s.url("fs.img"), "-F", "raw", streamed, "64M")
 
-	// Stream, killed at step 20 of 64 (past the first flush), resumed.
+	// Stream, killed at step 20 of 64 or later, once a flush made
+	// copies durable, resumed.
 	cmd, lines, _ := corStream(t, "--s3-endpoint", s.endpoint, streamed)
 	var full int64
-	for i := 0; i < 20 && lines.Scan(); i++ {
+	for i := 0; lines.Scan(); i++ {
 		var st corStep
 		json.Unmarshal(lines.Bytes(), &st)
 		if st.Event == "planned" {
 			full = st.Total
+		}
+		if i >= 20 && st.Durable > 0 {
+			break
 		}
 	}
 	cmd.Process.Signal(syscall.SIGKILL)

@@ -318,9 +318,10 @@ func corStream(t *testing.T, args ...string) (*exec.Cmd, *bufio.Scanner, *string
 
 // corStep is a progress line of stream --progress json.
 type corStep struct {
-	Event string `json:"event"`
-	Done  int64  `json:"done"`
-	Total int64  `json:"total"`
+	Event   string `json:"event"`
+	Done    int64  `json:"done"`
+	Durable int64  `json:"durable"`
+	Total   int64  `json:"total"`
 }
 
 // corStreamToEnd runs a stream to completion and returns its planned
@@ -419,15 +420,21 @@ func TestCorStreamInterrupted(t *testing.T) {
 			over := filepath.Join(t.TempDir(), "over.qcow2")
 			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", over)
 			// The stream waits on its stdout: stop reading at step k (of
-			// 128, past the first flush at 16 MiB) and signal it there.
+			// 128), or later, once a flush has made some copies durable
+			// (other workers report steps while a flush runs: under load
+			// step 20 could come before the first flush returned), and
+			// signal it there.
 			k := 20 + r.IntN(80)
 			cmd, lines, stderr := corStream(t, "--parallel", "4", over)
 			var full int64
-			for i := 0; i < k && lines.Scan(); i++ {
+			for i := 0; lines.Scan(); i++ {
 				var s corStep
 				json.Unmarshal(lines.Bytes(), &s)
 				if s.Event == "planned" {
 					full = s.Total
+				}
+				if i >= k && s.Durable > 0 {
+					break
 				}
 			}
 			cmd.Process.Signal(sig)

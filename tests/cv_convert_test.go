@@ -270,7 +270,18 @@ func TestCvConvertInterrupted(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			dst := filepath.Join(t.TempDir(), "dst")
 			cmd, out := cvStartConvert(t, append(c.args, uri, dst)...)
-			time.Sleep(1500 * time.Millisecond)
+			// Signal it mid-way: once the target exists and has grown
+			// (under load, 1.5 s was once before the target was made),
+			// then a little later.
+			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+				if st, err := os.Stat(dst); err == nil && st.Size() > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("no target after 30 s")
+				}
+			}
+			time.Sleep(500 * time.Millisecond)
 			cmd.Process.Signal(c.sig)
 			err := cmd.Wait()
 			code := cmd.ProcessState.ExitCode()

@@ -156,13 +156,16 @@ func newStreamProgress(mode string, out io.Writer) *streamProgress {
 
 // streamStep is a JSON progress line.
 type streamStep struct {
-	Event  string  `json:"event"`
-	Offset int64   `json:"offset,omitempty"`
-	Length int64   `json:"length,omitempty"`
-	Done   int64   `json:"done"`
-	Total  int64   `json:"total"`
-	Rate   float64 `json:"bytes-per-second"`
-	ETA    float64 `json:"eta-seconds"`
+	Event  string `json:"event"`
+	Offset int64  `json:"offset,omitempty"`
+	Length int64  `json:"length,omitempty"`
+	Done   int64  `json:"done"`
+	// Durable: of done, the bytes a flush has made durable, which a
+	// rerun after a kill will not copy again.
+	Durable int64   `json:"durable"`
+	Total   int64   `json:"total"`
+	Rate    float64 `json:"bytes-per-second"`
+	ETA     float64 `json:"eta-seconds"`
 }
 
 func (p *streamProgress) planned(total int64) {
@@ -178,13 +181,13 @@ func (p *streamProgress) planned(total int64) {
 	}
 }
 
-func (p *streamProgress) step(off, n, done, total int64) {
+func (p *streamProgress) step(off, n, done, durable, total int64) {
 	p.done = done
 	switch p.mode {
 	case "bar":
 		p.bar.Set64(done)
 	case "json":
-		s := streamStep{Event: "step", Offset: off, Length: n, Done: done, Total: total}
+		s := streamStep{Event: "step", Offset: off, Length: n, Done: done, Durable: durable, Total: total}
 		if el := time.Since(p.start).Seconds(); el > 0 && done > 0 {
 			s.Rate = float64(done) / el
 			s.ETA = float64(total-done) / s.Rate

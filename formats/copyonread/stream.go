@@ -47,10 +47,12 @@ type StreamOptions struct {
 	// first, so that a killed stream loses little of its work.
 	FlushEvery    int64
 	FlushInterval time.Duration
-	// Progress, when set, hears of every step done: its range, and the
-	// bytes done and to do in all (done counts planned bytes, so a rerun
-	// starts from what is left). Called from one goroutine at a time.
-	Progress func(off, n, done, total int64)
+	// Progress, when set, hears of every step done: its range, the
+	// bytes done, made durable (flushed: what a rerun after a kill need
+	// not copy again) and to do in all (done counts planned bytes, so a
+	// rerun starts from what is left). Called from one goroutine at a
+	// time.
+	Progress func(off, n, done, durable, total int64)
 	// Planned, when set, hears the total before the first step.
 	Planned func(total int64)
 }
@@ -96,6 +98,8 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 		done      int64
 		firstErr  error
 		sinceSync atomic.Int64
+		copied    atomic.Int64 // bytes whose copy returned
+		durable   int64        // bytes copied before a flush that returned (under mu)
 		lastSync  atomic.Int64 // UnixNano
 	)
 	lastSync.Store(time.Now().UnixNano())
@@ -118,19 +122,26 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 					fail(fmt.Errorf("copy [%d, +%d) from the backing file: %w", st.off, st.n, err))
 					continue
 				}
+				mark := copied.Add(st.n)
 				now := time.Now().UnixNano()
 				if sinceSync.Add(st.n) >= o.FlushEvery || now-lastSync.Load() >= int64(o.FlushInterval) {
 					sinceSync.Store(0)
 					lastSync.Store(now)
+					// Other workers go on copying (and reporting) while
+					// this flush runs: what it makes durable is what had
+					// been copied when it began.
 					if err := s.Flush(wctx); err != nil {
 						fail(err)
 						continue
 					}
+					mu.Lock()
+					durable = max(durable, mark)
+					mu.Unlock()
 				}
 				mu.Lock()
 				done += st.n
 				if o.Progress != nil {
-					o.Progress(st.off, st.n, done, total)
+					o.Progress(st.off, st.n, done, durable, total)
 				}
 				mu.Unlock()
 			}

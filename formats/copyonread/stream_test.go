@@ -87,7 +87,7 @@ func TestStreamStopsAtABackingError(t *testing.T) {
 	const size = 8 << 20
 	q, d, path := overlay(t, size, 5<<20)
 	var last int64
-	err := Stream(context.Background(), q, StreamOptions{Parallel: 2, Progress: func(_, _, done, _ int64) { last = done }})
+	err := Stream(context.Background(), q, StreamOptions{Parallel: 2, Progress: func(_, _, done, _, _ int64) { last = done }})
 	if !errors.Is(err, errBacking) {
 		t.Fatalf("stream over a failing backing file: %v", err)
 	}
@@ -142,7 +142,7 @@ func TestStreamStopsAtABackingError(t *testing.T) {
 func TestStreamCancelled(t *testing.T) {
 	q, _, path := overlay(t, 16<<20, 1<<62)
 	ctx, cancel := context.WithCancel(context.Background())
-	err := Stream(ctx, q, StreamOptions{Parallel: 3, Progress: func(_, _, done, _ int64) {
+	err := Stream(ctx, q, StreamOptions{Parallel: 3, Progress: func(_, _, done, _, _ int64) {
 		if done >= 4<<20 {
 			cancel()
 		}
