@@ -19,7 +19,7 @@ const (
 	checkIncomplete = 1 // the check could not finish (or hit internal errors), or a usage error
 	checkCorrupt    = 2
 	checkLeaks      = 3  // leaked clusters, and nothing worse
-	checkNoChecks   = 63 // the format has no checks (raw, null, NBD)
+	checkNoChecks   = 63 // the format has no checks (raw, vpc, null, NBD) or repairs (vdi)
 )
 
 // exitStatus ends a command with a status and no message: check has
@@ -35,10 +35,12 @@ func checkCommand() *cobra.Command {
 		Use:   "check [flags] IMAGE",
 		Short: "check (and repair) an image's metadata, as qemu-img check does",
 		Long: "Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n" +
-			"references). Exit status, as qemu-img check's: 0 clean, 2 corruptions, 3 leaked\n" +
-			"clusters only, 1 the check could not finish or a usage error, 63 a format without\n" +
-			"checks (raw, null, NBD). -r leaks refuses an image whose refcount structures must be\n" +
-			"rebuilt (exit 1, image untouched); -r all rebuilds them in fresh clusters at the end.",
+			"references; vmdk, vhdx and vdi as QEMU checks them). Exit status, as qemu-img check's:\n" +
+			"0 clean, 2 corruptions, 3 leaked clusters only, 1 the check could not finish or a usage\n" +
+			"error, 63 a format without checks (raw, vpc, null, NBD) or repairs (vdi with -r).\n" +
+			"-r leaks refuses a qcow2 image whose refcount structures must be rebuilt (exit 1, image\n" +
+			"untouched); -r all rebuilds them in fresh clusters at the end. On a vhdx with a dirty\n" +
+			"log, -r leaks or -r all replays the log, as QEMU's read-write open does.",
 		Example: "  blockexport check disk.qcow2\n" +
 			"  blockexport check -r all --output=json disk.qcow2",
 	}
