@@ -63,13 +63,14 @@ func benchHTTP(dir, bin string) []row {
 		},
 		mount: func(mnt string) string { return mnt },
 	}}
-	for _, ra := range []string{"", "1M", "4M"} {
-		config := "curl node, readahead " + ra
+	// readahead takes bytes, as an integer (7.2 refuses "1M").
+	for _, ra := range []struct{ name, bytes string }{{"", ""}, {"1 MiB", "1048576"}, {"4 MiB", "4194304"}} {
+		config := "curl node, readahead " + ra.name
 		opt := ""
-		if ra == "" {
+		if ra.bytes == "" {
 			config = "curl node, default readahead (256 KiB)"
 		} else {
-			opt = ",readahead=" + ra
+			opt = ",readahead=" + ra.bytes
 		}
 		exporters = append(exporters, httpExporter{
 			s: system{name: "qemu-storage-daemon", config: config},
@@ -87,6 +88,7 @@ func benchHTTP(dir, bin string) []row {
 			s: system{name: "nbdkit curl + nbdfuse", config: "nbdfuse -C " + conns},
 			start: func(url, mnt string) ([]*exec.Cmd, string, error) {
 				sock := mnt + ".sock"
+				os.Remove(sock) // a killed nbdkit leaves its socket behind
 				server := exec.Command("nbdkit", "-f", "--exit-with-parent", "-U", sock, "curl", "url="+url)
 				server.Stderr = os.Stderr
 				if err := server.Start(); err != nil {
