@@ -8,23 +8,8 @@ import (
 	"testing"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/aio/aiotest"
 )
-
-// syncCounter counts the fdatasyncs and fsyncs asked of a file.
-type syncCounter struct {
-	aio.File
-	n *atomic.Int64
-}
-
-func (c syncCounter) Fdatasync(ctx context.Context) error {
-	c.n.Add(1)
-	return c.File.Fdatasync(ctx)
-}
-
-func (c syncCounter) Fsync(ctx context.Context) error {
-	c.n.Add(1)
-	return c.File.Fsync(ctx)
-}
 
 // SetNoFlush (convert's -t unsafe, qemu-img convert's default): a Flush
 // writes the metadata back without one fdatasync, and the image is then
@@ -43,7 +28,7 @@ func TestNoFlushWritesMetadataWithoutSync(t *testing.T) {
 			t.Fatal(err)
 		}
 		var syncs atomic.Int64
-		q, err := New(syncCounter{f, &syncs}, Options{Writable: true})
+		q, err := New(aiotest.SyncCounter{File: f, N: &syncs}, Options{Writable: true})
 		if err != nil {
 			t.Fatal(err)
 		}
