@@ -494,42 +494,35 @@ func fxGuard(t *testing.T, file string, fn func()) {
 // kernel holds the inode's write-back until the SETATTR's reply; fsx seed
 // 1796185334523830635).
 func TestFxTruncateOverDirtyPages(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, "4M")
-			mnt := filepath.Join(dir, "mnt")
-			d := kcStart(t, img, mnt, "-f", format, "--growable")
-			f, err := os.OpenFile(mnt, os.O_RDWR, 0)
-			if err != nil {
-				t.Fatal(err)
+	kcEachFormat(t, "4M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		data := kcRandom(1<<20, 11)
+		if _, err := f.WriteAt(data, 1<<20); err != nil {
+			t.Fatal(err)
+		}
+		fxGuard(t, mnt, func() {
+			if err := f.Truncate(1<<20 + 4096 + 512); err != nil {
+				t.Fatalf("ftruncate over dirty pages: %v\n%s", err, d.log())
 			}
-			defer f.Close()
-			data := kcRandom(1<<20, 11)
-			if _, err := f.WriteAt(data, 1<<20); err != nil {
-				t.Fatal(err)
-			}
-			fxGuard(t, mnt, func() {
-				if err := f.Truncate(1<<20 + 4096 + 512); err != nil {
-					t.Fatalf("ftruncate over dirty pages: %v\n%s", err, d.log())
-				}
-			})
-			mustEqualBytes(t, "kept part", kcPread(t, mnt, 1<<20, 4096+512), data[:4096+512])
-			if err := f.Sync(); err != nil {
-				t.Fatal(err)
-			}
-			d.stopClean()
-			got := readAll(t, img)
-			if format == "qcow2" {
-				got = readAll(t, toRaw(t, img, dir))
-			}
-			if len(got) != 1<<20+4096+512 {
-				t.Fatalf("image size %d, want %d", len(got), 1<<20+4096+512)
-			}
-			mustEqualBytes(t, "image", got[1<<20:], data[:4096+512])
 		})
-	}
+		mustEqualBytes(t, "kept part", kcPread(t, mnt, 1<<20, 4096+512), data[:4096+512])
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		d.stopClean()
+		got := readAll(t, img)
+		if format == "qcow2" {
+			got = readAll(t, toRaw(t, img, dir))
+		}
+		if len(got) != 1<<20+4096+512 {
+			t.Fatalf("image size %d, want %d", len(got), 1<<20+4096+512)
+		}
+		mustEqualBytes(t, "image", got[1<<20:], data[:4096+512])
+	})
 }
 
 // TestFxDirectReadOfHoleBeforeCachedWrite: a buffered write past the
@@ -539,50 +532,43 @@ func TestFxTruncateOverDirtyPages(t *testing.T) {
 // nothing before: the daemon ended the read at the image's end; fsx seed
 // 1796186140117775601).
 func TestFxDirectReadOfHoleBeforeCachedWrite(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, "1M")
-			mnt := filepath.Join(dir, "mnt")
-			kcStart(t, img, mnt, "-f", format, "--growable")
-			f, err := os.OpenFile(mnt, os.O_RDWR, 0)
-			if err != nil {
+	kcEachFormat(t, "1M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		dfd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECT, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(dfd)
+		buf := kcAlignedBuf(64 << 10)
+		// Each round grows the file by a write 64 KiB past its end and
+		// reads the hole at once (the kernel writes the page back
+		// soon, which would close the window), then across the write.
+		end := int64(1 << 20)
+		for round := range 32 {
+			tail := kcRandom(4096, uint64(round))
+			at := end + int64(len(buf))
+			if _, err := f.WriteAt(tail, at); err != nil {
 				t.Fatal(err)
 			}
-			defer f.Close()
-			dfd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECT, 0)
-			if err != nil {
-				t.Fatal(err)
+			for i := range buf {
+				buf[i] = 0xa5
 			}
-			defer unix.Close(dfd)
-			buf := kcAlignedBuf(64 << 10)
-			// Each round grows the file by a write 64 KiB past its end and
-			// reads the hole at once (the kernel writes the page back
-			// soon, which would close the window), then across the write.
-			end := int64(1 << 20)
-			for round := range 32 {
-				tail := kcRandom(4096, uint64(round))
-				at := end + int64(len(buf))
-				if _, err := f.WriteAt(tail, at); err != nil {
-					t.Fatal(err)
-				}
-				for i := range buf {
-					buf[i] = 0xa5
-				}
-				n, err := unix.Pread(dfd, buf, end)
-				if err != nil || n != len(buf) {
-					t.Fatalf("round %d: O_DIRECT read of the hole at %d: %d, %v; want %d zero bytes", round, end, n, err, len(buf))
-				}
-				mustEqualBytes(t, "hole", buf, make([]byte, len(buf)))
-				n, err = unix.Pread(dfd, buf[:8192], at-4096)
-				if err != nil || n != 8192 {
-					t.Fatalf("round %d: O_DIRECT read across the write: %d, %v", round, n, err)
-				}
-				mustEqualBytes(t, "before the write", buf[:4096], make([]byte, 4096))
-				mustEqualBytes(t, "the write", buf[4096:8192], tail)
-				end = at + 4096
+			n, err := unix.Pread(dfd, buf, end)
+			if err != nil || n != len(buf) {
+				t.Fatalf("round %d: O_DIRECT read of the hole at %d: %d, %v; want %d zero bytes", round, end, n, err, len(buf))
 			}
-		})
-	}
+			mustEqualBytes(t, "hole", buf, make([]byte, len(buf)))
+			n, err = unix.Pread(dfd, buf[:8192], at-4096)
+			if err != nil || n != 8192 {
+				t.Fatalf("round %d: O_DIRECT read across the write: %d, %v", round, n, err)
+			}
+			mustEqualBytes(t, "before the write", buf[:4096], make([]byte, 4096))
+			mustEqualBytes(t, "the write", buf[4096:8192], tail)
+			end = at + 4096
+		}
+	})
 }

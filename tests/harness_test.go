@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // bin is the blockexport binary built for this test run.
@@ -463,4 +465,32 @@ func tryRun(t *testing.T, mnt, prog string, argv ...string) (int, string) {
 		t.Fatalf("running %s %v: %v", prog, argv, err)
 	}
 	return 0, string(out)
+}
+
+// waitUnlocked waits (up to 10 s) until nobody holds a lock on the bytes
+// QEMU's image locking uses (100-299) of path. A killed exporter's locks
+// go with its last reference to the file, and io_uring drops the
+// references of its requests in a kernel worker after the process is
+// reaped: qemu-img run at once may still find the image locked.
+func waitUnlocked(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: 0, Start: 100, Len: 200}
+		if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_GETLK, &lk); err != nil {
+			t.Fatalf("F_OFD_GETLK on %s: %v", path, err)
+		}
+		if lk.Type == unix.F_UNLCK {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s is still locked 10 s after its exporter exited", path)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

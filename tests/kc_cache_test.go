@@ -136,63 +136,56 @@ func kcStatCount(t *testing.T, log, kind string) int {
 // overwritten through an O_DIRECT open, reads back new through a
 // buffered open and through a shared mapping made before the write.
 func TestKcDirectWriteInvalidatesCache(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, "4M")
-			mnt := filepath.Join(dir, "mnt")
-			kcStart(t, img, mnt, "-f", format)
+	kcEachFormat(t, "4M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 
-			fd, err := unix.Open(mnt, unix.O_RDWR, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Close(fd)
-			m, err := unix.Mmap(fd, 0, 4<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Munmap(m)
-			// Cache it all (zeroes), through the mapping and a read.
-			if !bytes.Equal(m[1<<20:1<<20+8192], make([]byte, 8192)) {
-				t.Fatal("fresh image not zero")
-			}
-			kcPread(t, mnt, 0, 4<<20)
+		fd, err := unix.Open(mnt, unix.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		m, err := unix.Mmap(fd, 0, 4<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Munmap(m)
+		// Cache it all (zeroes), through the mapping and a read.
+		if !bytes.Equal(m[1<<20:1<<20+8192], make([]byte, 8192)) {
+			t.Fatal("fresh image not zero")
+		}
+		kcPread(t, mnt, 0, 4<<20)
 
-			data := kcRandom(8192, 1)
-			kcDirectWrite(t, mnt, 1<<20, data)
-			mustEqualBytes(t, "buffered read after an O_DIRECT write", kcPread(t, mnt, 1<<20, 8192), data)
-			mustEqualBytes(t, "shared mapping after an O_DIRECT write", m[1<<20:1<<20+8192], data)
+		data := kcRandom(8192, 1)
+		kcDirectWrite(t, mnt, 1<<20, data)
+		mustEqualBytes(t, "buffered read after an O_DIRECT write", kcPread(t, mnt, 1<<20, 8192), data)
+		mustEqualBytes(t, "shared mapping after an O_DIRECT write", m[1<<20:1<<20+8192], data)
 
-			// The other way: a store through the mapping, msync'd, is
-			// what an O_DIRECT read sees.
-			copy(m[2<<20:], kcRandom(4096, 2))
-			if err := unix.Msync(m, unix.MS_SYNC); err != nil {
-				t.Fatal(err)
-			}
-			dfd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECT, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Close(dfd)
-			buf := kcAlignedBuf(4096)
-			if _, err := unix.Pread(dfd, buf, 2<<20); err != nil {
-				t.Fatal(err)
-			}
-			mustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, kcRandom(4096, 2))
+		// The other way: a store through the mapping, msync'd, is
+		// what an O_DIRECT read sees.
+		copy(m[2<<20:], kcRandom(4096, 2))
+		if err := unix.Msync(m, unix.MS_SYNC); err != nil {
+			t.Fatal(err)
+		}
+		dfd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECT, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(dfd)
+		buf := kcAlignedBuf(4096)
+		if _, err := unix.Pread(dfd, buf, 2<<20); err != nil {
+			t.Fatal(err)
+		}
+		mustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, kcRandom(4096, 2))
 
-			// A buffered write still dirty in the cache (its file open,
-			// not synced) is what an O_DIRECT read sees.
-			if _, err := unix.Pwrite(fd, kcRandom(4096, 3), 3<<20); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := unix.Pread(dfd, buf, 3<<20); err != nil {
-				t.Fatal(err)
-			}
-			mustEqualBytes(t, "O_DIRECT read after a buffered write", buf, kcRandom(4096, 3))
-		})
-	}
+		// A buffered write still dirty in the cache (its file open,
+		// not synced) is what an O_DIRECT read sees.
+		if _, err := unix.Pwrite(fd, kcRandom(4096, 3), 3<<20); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := unix.Pread(dfd, buf, 3<<20); err != nil {
+			t.Fatal(err)
+		}
+		mustEqualBytes(t, "O_DIRECT read after a buffered write", buf, kcRandom(4096, 3))
+	})
 }
 
 // TestKcPunchAndZeroInvalidate: cached data, punched or zeroed through
@@ -268,36 +261,29 @@ func TestKcPunchAndZeroInvalidate(t *testing.T) {
 // reader: the direct job's writes through the buffered cache (stale
 // without invalidation), the buffered job's through O_DIRECT.
 func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, "32M")
-			mnt := filepath.Join(dir, "mnt")
-			d := kcStart(t, img, mnt, "-f", format)
-			readAll(t, mnt) // cache the whole export
-			job := func(name string, direct int, off string, extra ...string) []string {
-				return append([]string{"--name=" + name, "--filename=" + mnt, "--rw=randwrite", "--bs=4k",
-					"--offset=" + off, "--size=16M", "--ioengine=psync", "--direct=" + strconv.Itoa(direct),
-					"--verify=crc32c", "--verify_fatal=1", "--randseed=29", "--end_fsync=1"}, extra...)
-			}
-			var both []string
-			both = append(both, "--verify_state_save=0", "--minimal")
-			both = append(both, job("buffered", 0, "0")...)
-			both = append(both, job("direct", 1, "16M")...)
-			run(t, "fio", both...)
-			// Swap the readers: verify_only replays each job's writes.
-			var swapped []string
-			swapped = append(swapped, "--verify_state_save=0", "--minimal")
-			swapped = append(swapped, job("buffered", 1, "0", "--verify_only=1")...)
-			swapped = append(swapped, job("direct", 0, "16M", "--verify_only=1")...)
-			run(t, "fio", swapped...)
-			d.stopClean()
-			if format == "qcow2" {
-				qemuImgCheck(t, img)
-			}
-		})
-	}
+	kcEachFormat(t, "32M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+		readAll(t, mnt) // cache the whole export
+		job := func(name string, direct int, off string, extra ...string) []string {
+			return append([]string{"--name=" + name, "--filename=" + mnt, "--rw=randwrite", "--bs=4k",
+				"--offset=" + off, "--size=16M", "--ioengine=psync", "--direct=" + strconv.Itoa(direct),
+				"--verify=crc32c", "--verify_fatal=1", "--randseed=29", "--end_fsync=1"}, extra...)
+		}
+		var both []string
+		both = append(both, "--verify_state_save=0", "--minimal")
+		both = append(both, job("buffered", 0, "0")...)
+		both = append(both, job("direct", 1, "16M")...)
+		run(t, "fio", both...)
+		// Swap the readers: verify_only replays each job's writes.
+		var swapped []string
+		swapped = append(swapped, "--verify_state_save=0", "--minimal")
+		swapped = append(swapped, job("buffered", 1, "0", "--verify_only=1")...)
+		swapped = append(swapped, job("direct", 0, "16M", "--verify_only=1")...)
+		run(t, "fio", swapped...)
+		d.stopClean()
+		if format == "qcow2" {
+			qemuImgCheck(t, img)
+		}
+	})
 }
 
 // TestKcFsyncedBytesSurviveSigkill: buffered writes, fsync, more buffered
@@ -306,43 +292,37 @@ func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
 // promises nothing here: the kernel starts the write-back to a FUSE server
 // without waiting for it (a check of the synced range failed under load).
 func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, "16M")
-			mnt := filepath.Join(dir, "mnt")
-			d := kcStart(t, img, mnt, "-f", format)
-			f, err := os.OpenFile(mnt, os.O_RDWR, 0)
-			if err != nil {
+	kcEachFormat(t, "16M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, b := kcRandom(6<<20, 5), kcRandom(6<<20, 6)
+		for off := 0; off < len(a); off += 4096 {
+			if _, err := f.WriteAt(a[off:off+4096], int64(off)); err != nil {
 				t.Fatal(err)
 			}
-			a, b := kcRandom(6<<20, 5), kcRandom(6<<20, 6)
-			for off := 0; off < len(a); off += 4096 {
-				if _, err := f.WriteAt(a[off:off+4096], int64(off)); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if err := f.Sync(); err != nil {
+		}
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		for off := 0; off < len(b); off += 4096 {
+			if _, err := f.WriteAt(b[off:off+4096], int64(8<<20+off)); err != nil {
 				t.Fatal(err)
 			}
-			for off := 0; off < len(b); off += 4096 {
-				if _, err := f.WriteAt(b[off:off+4096], int64(8<<20+off)); err != nil {
-					t.Fatal(err)
-				}
-			}
-			syscall.Sync()
-			d.cmd.Process.Kill()
-			<-d.exited
-			f.Close()
-			content := img
-			if format == "qcow2" {
-				content = toRaw(t, img, dir)
-			}
-			got := readAll(t, content)
-			mustEqualBytes(t, "fsynced range", got[:6<<20], a)
-		})
-	}
+		}
+		syscall.Sync()
+		d.cmd.Process.Kill()
+		<-d.exited
+		f.Close()
+		waitUnlocked(t, img)
+		content := img
+		if format == "qcow2" {
+			content = toRaw(t, img, dir)
+		}
+		got := readAll(t, content)
+		mustEqualBytes(t, "fsynced range", got[:6<<20], a)
+	})
 }
 
 // TestKcSigtermKeepsWrittenPages: buffered writes that returned, on a file
@@ -438,4 +418,20 @@ func TestKcRawImageRevalidatesOnOpen(t *testing.T) {
 	mustEqualBytes(t, "before", kcPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
 	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x6b 1M 4k", img)
 	mustEqualBytes(t, "after qemu-io wrote the image", kcPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x6b}, 4096))
+}
+
+// kcEachFormat runs fn as a subtest for a raw and a qcow2 image of size,
+// each exported writable with the kernel cache on (and args).
+func kcEachFormat(t *testing.T, size string, args []string, fn func(t *testing.T, format, dir, img, mnt string, d *daemon)) {
+	t.Helper()
+	for _, format := range []string{"raw", "qcow2"} {
+		t.Run(format, func(t *testing.T) {
+			dir := t.TempDir()
+			img := filepath.Join(dir, "img")
+			createImage(t, "-f", format, img, size)
+			mnt := filepath.Join(dir, "mnt")
+			d := kcStart(t, img, mnt, append([]string{"-f", format}, args...)...)
+			fn(t, format, dir, img, mnt, d)
+		})
+	}
 }
