@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 
 	"github.com/klauspost/compress/zlib"
 
@@ -289,76 +290,179 @@ func (e *extent) lookupGrain(ctx context.Context, off int64, try bool) (state in
 	return grainData, v, true, nil
 }
 
-// decoded returns the decompressed grain at sector, from the cache or,
-// unless try, the file. The marker's length is checked against the file
-// and two grains (QEMU's bound), its LBA against the grain asked for, and
-// the output against one grain.
-func (e *extent) decoded(ctx context.Context, sector uint32, grainIndex int64, try bool) ([]byte, error) {
-	if b, ok := e.grainCache.get(e.key(sector)); ok {
-		return b, nil
+// readCompressed fills b with the bytes of the compressed grain at
+// sector (grain grainIndex) from inG on: in place when the grain is
+// stored blocks (see stored.go), else from its inflated copy. try: from
+// the caches and the page cache only; false when it would wait.
+func (e *extent) readCompressed(ctx context.Context, sector uint32, grainIndex int64, b []byte, inG int64, try bool) (bool, error) {
+	key := e.key(sector)
+	if g, ok := e.storedCache.get(key); ok {
+		return e.readStored(ctx, g, b, inG, try)
 	}
-	if try {
-		return nil, nil
+	d, ok := e.grainCache.get(key)
+	if !ok {
+		if try {
+			return false, nil
+		}
+		var g *storedGrain
+		var err error
+		if g, d, err = e.load(ctx, sector, grainIndex); err != nil {
+			return false, err
+		}
+		if g != nil {
+			return e.readStored(ctx, g, b, inG, false)
+		}
 	}
+	if inG+int64(len(b)) > int64(len(d)) {
+		return false, fmt.Errorf("%w: %s: compressed grain %d holds %d bytes, %d read", ErrCorrupt, e.name, grainIndex, len(d), inG+int64(len(b)))
+	}
+	copy(b, d[inG:])
+	return true, nil
+}
+
+// flight is the loads of compressed grains under way (an image's), so
+// that readers of a grain being loaded wait for that load rather than
+// read and inflate it again: 16 sequential 4 KiB reads in flight all
+// fall in one 64 KiB grain.
+type flight struct {
+	mu    sync.Mutex
+	calls map[int64]*flightCall
+}
+
+type flightCall struct {
+	done chan struct{}
+	g    *storedGrain
+	d    []byte
+	err  error
+}
+
+// load reads the compressed grain at sector, once however many readers
+// ask for it at a time, and caches it: its stored runs, or else its
+// inflated bytes.
+func (e *extent) load(ctx context.Context, sector uint32, grainIndex int64) (*storedGrain, []byte, error) {
+	key := e.key(sector)
+	e.flight.mu.Lock()
+	if c, ok := e.flight.calls[key]; ok {
+		e.flight.mu.Unlock()
+		select {
+		case <-c.done:
+			return c.g, c.d, c.err
+		case <-ctx.Done():
+			return nil, nil, fmt.Errorf("vmdk: %s: wait for grain at sector %d: %w", e.name, sector, context.Cause(ctx))
+		}
+	}
+	c := &flightCall{done: make(chan struct{})}
+	if e.flight.calls == nil {
+		e.flight.calls = map[int64]*flightCall{}
+	}
+	e.flight.calls[key] = c
+	e.flight.mu.Unlock()
+	c.g, c.d, c.err = e.loadOnce(ctx, sector, grainIndex)
+	e.flight.mu.Lock()
+	delete(e.flight.calls, key)
+	e.flight.mu.Unlock()
+	close(c.done)
+	return c.g, c.d, c.err
+}
+
+// loadOnce is load's work. The marker's length is checked against the
+// file and two grains (QEMU's bound), its LBA against the grain asked
+// for, and the output against one grain.
+func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) (*storedGrain, []byte, error) {
 	off := int64(sector) * sectorSize
-	// One read of the marker and the most a grain may take (two grains,
-	// QEMU's bound), as QEMU reads it: not a read for the marker and
-	// another for the data. The scratch buffer is the extent's, reused.
-	hdr := 0
+	hdr := int64(0)
 	if e.marker {
 		hdr = 12
 	}
 	if off >= e.fileSize {
-		return nil, fmt.Errorf("%w: %s: compressed grain at %d past the end of the file (%d bytes)", ErrCorrupt, e.name, off, e.fileSize)
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d past the end of the file (%d bytes)", ErrCorrupt, e.name, off, e.fileSize)
 	}
-	span := min(int64(hdr)+2*e.grain, e.fileSize-off)
-	scratch, _ := e.scratch.Get().(*[]byte)
-	if scratch == nil || int64(cap(*scratch)) < span {
-		b := make([]byte, int64(hdr)+2*e.grain)
-		scratch = &b
-	}
-	defer e.scratch.Put(scratch)
-	raw := (*scratch)[:span]
-	if _, err := e.f.ReadAt(ctx, raw, off); err != nil && !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("vmdk: %s: read compressed grain at %d: %w", e.name, off, err)
-	}
-	var length int64
+	// One read of the marker and what a grain of incompressible data
+	// takes (the grain, a zlib header and checksum, 5 bytes a block),
+	// rather than a read for the marker and another for the data, nor
+	// QEMU's two grains each time. The scratch buffer is reused.
+	span := min(hdr+2*e.grain, e.fileSize-off)
+	first := span
 	if e.marker {
-		if span < int64(hdr) {
-			return nil, fmt.Errorf("%w: %s: grain marker at %d past the end of the file", ErrCorrupt, e.name, off)
+		first = min(span, hdr+e.grain+e.grain/64+64)
+	}
+	scratch := e.scratchBuf()
+	defer e.scratch.Put(scratch)
+	raw := (*scratch)[:first]
+	if _, err := e.f.ReadAt(ctx, raw, off); err != nil && !errors.Is(err, io.EOF) {
+		return nil, nil, fmt.Errorf("vmdk: %s: read compressed grain at %d: %w", e.name, off, err)
+	}
+	length := span
+	if e.marker {
+		if span < hdr {
+			return nil, nil, fmt.Errorf("%w: %s: grain marker at %d past the end of the file", ErrCorrupt, e.name, off)
 		}
-		lba := binary.LittleEndian.Uint64(raw[:])
+		lba := binary.LittleEndian.Uint64(raw)
 		length = int64(binary.LittleEndian.Uint32(raw[8:]))
 		if lba != uint64(grainIndex*e.grain/sectorSize) {
-			return nil, fmt.Errorf("%w: %s: grain marker at %d says sector %d, the table says %d", ErrCorrupt, e.name, off, lba, grainIndex*e.grain/sectorSize)
+			return nil, nil, fmt.Errorf("%w: %s: grain marker at %d says sector %d, the table says %d", ErrCorrupt, e.name, off, lba, grainIndex*e.grain/sectorSize)
 		}
-	} else {
-		length = span
 	}
-	if length == 0 || length > 2*e.grain || off+int64(hdr)+length > e.fileSize {
-		return nil, fmt.Errorf("%w: %s: compressed grain at %d of %d bytes (file %d bytes, grain %d)", ErrCorrupt, e.name, off, length, e.fileSize, e.grain)
+	if length == 0 || length > 2*e.grain || off+hdr+length > e.fileSize {
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d of %d bytes (file %d bytes, grain %d)", ErrCorrupt, e.name, off, length, e.fileSize, e.grain)
 	}
-	buf := raw[hdr : int64(hdr)+length]
+	if hdr+length > first {
+		raw = (*scratch)[:hdr+length]
+		if _, err := e.f.ReadAt(ctx, raw[first:], off+first); err != nil {
+			return nil, nil, fmt.Errorf("vmdk: %s: read compressed grain at %d: %w", e.name, off, err)
+		}
+	}
+	buf := raw[hdr : hdr+length]
+	if g := parseStored(buf, off+hdr, e.grain, storedRunsMax(e.grain)); g != nil {
+		e.storedCache.put(e.key(sector), g)
+		return g, nil, nil
+	}
 	zr, err := e.inflater(buf)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
 	}
 	defer e.inflaters.Put(zr)
 	out := make([]byte, e.grain)
-	n, err := io.ReadFull(zr, out)
-	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) {
-		return nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
-	}
-	// More output than a grain is a lie too: QEMU's uncompress fails on it.
-	if n == len(out) {
-		var one [1]byte
-		if m, _ := zr.Read(one[:]); m > 0 {
-			return nil, fmt.Errorf("%w: %s: compressed grain at %d inflates past one grain", ErrCorrupt, e.name, off)
+	n, idle := 0, 0
+	// Inflate to the stream's end, which checks its Adler-32 (as QEMU's
+	// uncompress does): a stream cut short, or a wrong checksum, is an
+	// error, and so is more output than a grain.
+	for {
+		var m int
+		if n < len(out) {
+			m, err = zr.Read(out[n:])
+		} else {
+			var one [1]byte
+			if m, err = zr.Read(one[:]); m > 0 {
+				return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d inflates past one grain", ErrCorrupt, e.name, off)
+			}
+		}
+		n += m
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if idle++; m > 0 {
+			idle = 0
+		} else if err == nil && idle > 100 {
+			err = io.ErrNoProgress
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
 		}
 	}
 	out = out[:n]
 	e.grainCache.put(e.key(sector), out)
-	return out, nil
+	return nil, out, nil
+}
+
+// scratchBuf is a buffer of a marker and two grains from the extent's
+// pool (put it back with e.scratch.Put).
+func (e *extent) scratchBuf() *[]byte {
+	if s, _ := e.scratch.Get().(*[]byte); s != nil && int64(cap(*s)) >= 12+2*e.grain {
+		return s
+	}
+	b := make([]byte, 12+2*e.grain)
+	return &b
 }
 
 // inflater is a zlib reader of buf, reused from the extent's pool when

@@ -49,6 +49,11 @@ const DefaultGTCacheSize = 8 << 20
 // misses inflates a whole grain (64 KiB for one 4 KiB read).
 const decodedCacheBytes = 32 << 20
 
+// storedCacheBytes bounds the cache of where stored-only grains lie
+// (about 300 bytes a 64 KiB grain: 7 GiB of such grains mapped), which
+// reads them in place, as a monolithicSparse grain is read.
+const storedCacheBytes = 32 << 20
+
 // maxParentDepth bounds a chain of delta disks.
 const maxParentDepth = 64
 
@@ -110,12 +115,17 @@ type extent struct {
 	id         int64 // index in the image: cache keys are id<<40 | sector
 	gtCache    *lru[[]uint32]
 	grainCache *lru[[]byte]
+	// storedCache holds where stored-only compressed grains lie
+	// (stored.go); flight the loads under way. Both are the image's.
+	storedCache *lru[*storedGrain]
+	flight      *flight
 	// inflaters are zlib readers reused across compressed grains: a new
 	// one allocates its decoding tables, a cost per grain at random
 	// reads of a streamOptimized disk.
 	inflaters sync.Pool
-	// scratch holds the compressed bytes of a grain while it inflates
-	// (*[]byte of a marker and two grains), reused for the same reason.
+	// scratch holds the compressed bytes of a grain while it inflates,
+	// or a stored grain's bytes across its blocks (*[]byte of a marker
+	// and two grains), reused for the same reason.
 	scratch sync.Pool
 }
 
@@ -249,11 +259,14 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 	if maxGT > 0 {
 		gts := newLRU[[]uint32](int(max(gtCache/maxGT, 1)))
 		var grains *lru[[]byte]
+		var stored *lru[*storedGrain]
 		if maxGrain > 0 {
 			grains = newLRU[[]byte](int(max(decodedCacheBytes/maxGrain, 2)))
+			stored = newLRU[*storedGrain](int(max(storedCacheBytes/storedEntryBytes(maxGrain), 2)))
 		}
+		fl := &flight{}
 		for _, e := range im.extents {
-			e.gtCache, e.grainCache = gts, grains
+			e.gtCache, e.grainCache, e.storedCache, e.flight = gts, grains, stored, fl
 		}
 	}
 	im.size = start
@@ -476,15 +489,8 @@ func (im *Image) readPiece(ctx context.Context, pc piece, b []byte, off int64) e
 		clear(b[n:])
 	case grainData:
 		if pc.e.compressed {
-			g, err := pc.e.decoded(ctx, pc.sector, pc.gidx, false)
-			if err != nil {
-				return err
-			}
-			if pc.inG+int64(len(b)) > int64(len(g)) {
-				return fmt.Errorf("%w: %s: compressed grain %d holds %d bytes, %d read", ErrCorrupt, pc.e.name, pc.gidx, len(g), pc.inG+int64(len(b)))
-			}
-			copy(b, g[pc.inG:])
-			return nil
+			_, err := pc.e.readCompressed(ctx, pc.sector, pc.gidx, b, pc.inG, false)
+			return err
 		}
 		n, err := pc.e.f.ReadAt(ctx, b, pc.host)
 		if errors.Is(err, io.EOF) {
@@ -532,11 +538,9 @@ func (im *Image) TryReadAt(p []byte, off int64) bool {
 			clear(b[n:])
 		case grainData:
 			if pc.e.compressed {
-				g, err := pc.e.decoded(ctx, pc.sector, pc.gidx, true)
-				if err != nil || g == nil || pc.inG+int64(len(b)) > int64(len(g)) {
+				if ok, err := pc.e.readCompressed(ctx, pc.sector, pc.gidx, b, pc.inG, true); !ok || err != nil {
 					return false
 				}
-				copy(b, g[pc.inG:])
 			} else if !pc.e.f.TryReadAt(b, pc.host) {
 				return false
 			}

@@ -44,6 +44,22 @@ func le64(b []byte, off int, v uint64) { binary.LittleEndian.PutUint64(b[off:], 
 // grain 600 (second table) data, the rest unallocated. compressed makes
 // the grains deflate streams behind markers (streamOptimized's layout).
 func craft(compressed bool) crafted {
+	if compressed {
+		return craftWith(func(_ int, data []byte) []byte {
+			var z bytes.Buffer
+			w := zlib.NewWriter(&z)
+			w.Write(data)
+			w.Close()
+			return z.Bytes()
+		})
+	}
+	return craftWith(nil)
+}
+
+// craftWith is craft with the grains compressed by enc (nil: not
+// compressed); enc gets the grain's index and data.
+func craftWith(enc func(gi int, data []byte) []byte) crafted {
+	compressed := enc != nil
 	rng := rand.New(rand.NewSource(1))
 	want := make([]byte, tCapacity*512)
 	b := make([]byte, tGrainOff*512)
@@ -76,22 +92,19 @@ func craft(compressed bool) crafted {
 	put := func(gi int) {
 		data := make([]byte, tGrain*512)
 		rng.Read(data)
-		copy(want[gi*tGrain*512:], data)
 		sector := uint32(len(b) / 512)
 		if compressed {
-			var z bytes.Buffer
-			w := zlib.NewWriter(&z)
-			w.Write(data)
-			w.Close()
+			z := enc(gi, data) // which may change data: want has the change
 			m := make([]byte, 12)
 			le64(m, 0, uint64(gi*tGrain))
-			le32(m, 8, uint32(z.Len()))
-			rec := append(m, z.Bytes()...)
+			le32(m, 8, uint32(len(z)))
+			rec := append(m, z...)
 			rec = append(rec, make([]byte, (512-len(rec)%512)%512)...)
 			b = append(b, rec...)
 		} else {
 			b = append(b, data...)
 		}
+		copy(want[gi*tGrain*512:], data)
 		for _, gt := range [][2]int{{tGT0, tGT1}, {31, 35}} {
 			t := gt[0]
 			if gi >= tGTEs {

@@ -1,0 +1,218 @@
+package vmdk
+
+import (
+	"bytes"
+	"compress/flate"
+	"context"
+	"encoding/binary"
+	"errors"
+	"hash/adler32"
+	"math/rand"
+	"sync"
+	"testing"
+)
+
+// storedZlib is data as a zlib stream of stored blocks of the given sizes
+// (which add up to len(data); 0 is an empty block).
+func storedZlib(data []byte, sizes ...int) []byte {
+	z := []byte{0x78, 0x9c}
+	for i, n := range sizes {
+		h := byte(0)
+		if i == len(sizes)-1 {
+			h = 1
+		}
+		z = append(z, h, byte(n), byte(n>>8), ^byte(n), ^byte(n>>8))
+		z = append(z, data[:n]...)
+		data = data[n:]
+	}
+	return binary.BigEndian.AppendUint32(z, adler32.Checksum(dataOf(z)))
+}
+
+// dataOf is the payload of the stored blocks in z (a storedZlib stream
+// without its checksum).
+func dataOf(z []byte) []byte {
+	var d []byte
+	for pos := 2; pos < len(z); {
+		n := int(binary.LittleEndian.Uint16(z[pos+1:]))
+		d = append(d, z[pos+5:pos+5+n]...)
+		pos += 5 + n
+	}
+	return d
+}
+
+// mixedZlib is data as a stored block (its first half, flushed) and a
+// Huffman-coded block (the rest).
+func mixedZlib(data []byte) []byte {
+	var f bytes.Buffer
+	w, _ := flate.NewWriter(&f, flate.BestSpeed)
+	w.Write(data[:len(data)/2])
+	w.Flush()
+	w.Write(data[len(data)/2:])
+	w.Close()
+	z := append([]byte{0x78, 0x01}, f.Bytes()...)
+	return binary.BigEndian.AppendUint32(z, adler32.Checksum(data))
+}
+
+// Grains of stored blocks are read in place: every byte range, within a
+// block and across blocks (an empty one among them), through ReadAt and
+// TryReadAt, as the grain's data; grains that are not only stored blocks
+// (a Huffman block after a stored one, more blocks than are kept) are
+// inflated.
+func TestVmdkStoredGrainsReadInPlace(t *testing.T) {
+	const g = tGrain * 512
+	c := craftWith(func(gi int, data []byte) []byte {
+		switch gi {
+		case 0:
+			return storedZlib(data, 1000, 0, 2000, g-3000)
+		case 1:
+			for i := range data[g/2:] {
+				data[g/2+i] = byte(i / 64) // compressible: a Huffman block
+			}
+			return mixedZlib(data)
+		case 2:
+			return storedZlib(data, 400, 400, 400, 400, 400, 400, 400, 400, 400, g-3600) // more than storedRunsMax
+		}
+		return storedZlib(data, g)
+	})
+	// craftWith hands enc the data it keeps, so grain 1's edit is in want.
+	img, err := open(t, writeTemp(t, t.TempDir(), "x.vmdk", c.b), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	ctx := context.Background()
+	rng := rand.New(rand.NewSource(3))
+	for i := range 3000 {
+		off := rng.Int63n(3 * g)
+		if i < 200 {
+			off = []int64{0, 999, 1000, 2999, 3000, g - 1, g + g/2 - 1, 2*g + 399, 2*g + 3599}[i%9] - int64(i/9%5)
+			off = max(off, 0)
+		}
+		n := 1 + rng.Int63n(min(3*g-off, 5000))
+		b := make([]byte, n)
+		if _, err := img.ReadAt(ctx, b, off); err != nil || !bytes.Equal(b, c.want[off:off+n]) {
+			t.Fatalf("read %d bytes at %d: %v, data equal %v", n, off, err, bytes.Equal(b, c.want[off:off+n]))
+		}
+		clear(b)
+		if img.TryReadAt(b, off) && !bytes.Equal(b, c.want[off:off+n]) {
+			t.Fatalf("try read %d bytes at %d: wrong data", n, off)
+		}
+	}
+	e := img.extents[0]
+	if e.storedCache.order.Len() != 1 || e.grainCache.order.Len() != 2 {
+		t.Fatalf("%d stored grains and %d inflated ones cached, want 1 and 2", e.storedCache.order.Len(), e.grainCache.order.Len())
+	}
+	if b := make([]byte, 4096); !img.TryReadAt(b, 0) || !bytes.Equal(b, c.want[:4096]) {
+		t.Fatal("a cached stored grain is not read on the fast path")
+	}
+}
+
+// Stored blocks that lie are read as inflate reads them: refused.
+func TestVmdkStoredGrainLies(t *testing.T) {
+	const g = tGrain * 512
+	for _, tc := range []struct {
+		name string
+		mut  func(z []byte) []byte
+	}{
+		{"checksum", func(z []byte) []byte { z[len(z)-1] ^= 1; return z }},
+		{"data under the checksum", func(z []byte) []byte { z[100] ^= 1; return z }},
+		{"NLEN", func(z []byte) []byte { z[5] ^= 1; return z }},
+		{"LEN past the stream", func(z []byte) []byte {
+			binary.LittleEndian.PutUint16(z[3:], 9000)
+			binary.LittleEndian.PutUint16(z[5:], ^uint16(9000))
+			return z
+		}},
+		{"no final block", func(z []byte) []byte { z[2+5+2000] = 0; return z }},
+		{"no checksum", func(z []byte) []byte { return z[:len(z)-4] }},
+		{"past a grain", func(z []byte) []byte {
+			return storedZlib(append(dataOf(z[:len(z)-4]), make([]byte, 100)...), 2000, g-2000+100)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := craftWith(func(gi int, data []byte) []byte {
+				z := storedZlib(data, 2000, g-2000)
+				if gi == 0 {
+					z = tc.mut(z)
+				}
+				return z
+			})
+			img, err := open(t, writeTemp(t, t.TempDir(), "x.vmdk", c.b), Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer img.Close()
+			b := make([]byte, 512)
+			if _, err := img.ReadAt(context.Background(), b, 3000); !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("read: %v, want ErrCorrupt", err)
+			}
+			if img.TryReadAt(b, 3000) {
+				t.Fatal("fast path read a grain that lies")
+			}
+			if _, err := img.ReadAt(context.Background(), b, g+100); err != nil || !bytes.Equal(b, c.want[g+100:g+100+512]) {
+				t.Fatalf("the next grain: %v", err)
+			}
+		})
+	}
+}
+
+// A short stored grain (fewer bytes than a grain) reads what it holds,
+// and reads past it are refused, as an inflated short grain's are.
+func TestVmdkStoredGrainShort(t *testing.T) {
+	c := craftWith(func(gi int, data []byte) []byte {
+		if gi == 0 {
+			return storedZlib(data[:3000], 1000, 2000)
+		}
+		return storedZlib(data, len(data))
+	})
+	img, err := open(t, writeTemp(t, t.TempDir(), "x.vmdk", c.b), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	b := make([]byte, 1000)
+	if _, err := img.ReadAt(context.Background(), b, 1500); err != nil || !bytes.Equal(b, c.want[1500:2500]) {
+		t.Fatalf("read inside: %v", err)
+	}
+	if _, err := img.ReadAt(context.Background(), b, 2500); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("read past: %v, want ErrCorrupt", err)
+	}
+}
+
+// Readers of one grain at a time load it once and all read its data
+// (run with -race).
+func TestVmdkConcurrentGrainReaders(t *testing.T) {
+	for _, stored := range []bool{true, false} {
+		c := craftWith(func(gi int, data []byte) []byte {
+			if stored {
+				return storedZlib(data, 1000, len(data)-1000)
+			}
+			return mixedZlib(data)
+		})
+		img, err := open(t, writeTemp(t, t.TempDir(), "x.vmdk", c.b), Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, 16)
+		for i := range 16 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				b := make([]byte, 256)
+				off := int64(i * 256)
+				if _, err := img.ReadAt(context.Background(), b, off); err != nil || !bytes.Equal(b, c.want[off:off+256]) {
+					errs <- errors.Join(err, errors.New("wrong data"))
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+		if len(img.extents[0].flight.calls) != 0 {
+			t.Fatal("loads left in flight")
+		}
+		img.Close()
+	}
+}
