@@ -54,6 +54,16 @@ type Backend interface {
 	Close() error
 }
 
+// VectorBackend is a Backend that fills several buffers, in order, from
+// one range request: the shared layer then reads a GET straight into its
+// cache's blocks, with no copy through a buffer of the GET's size.
+// ReadRangev is ReadRange of the concatenation of bufs, with the same
+// checks and errors.
+type VectorBackend interface {
+	Backend
+	ReadRangev(ctx context.Context, obj Object, bufs [][]byte, off int64) error
+}
+
 var (
 	// ErrChanged: the object was replaced or modified after it was opened.
 	ErrChanged = errors.New("remote object changed since it was opened")

@@ -81,7 +81,8 @@ type File struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
-	// bounce buffers for one GET each, maxGet bytes.
+	// bounce buffers for one GET each, maxGet bytes, for a backend that
+	// does not read vectors.
 	bounce  sync.Pool
 	changed atomic.Bool // ErrChanged logged
 	gets    atomic.Int64
@@ -583,19 +584,26 @@ func (f *File) slot(asked time.Time, own bool) error {
 }
 
 // load fetches blocks bl ([i, j)) with one range GET (retried) and
-// completes their entries, whatever happens.
+// completes their entries, whatever happens. The GET reads straight into
+// the blocks' buffers, taken before it starts (the blocks count against
+// the cache from their insertion, loading or not).
 func (f *File) load(bl []*block, i, j int64, asked time.Time, own bool) {
 	defer f.wg.Done()
 	off := i * f.bs
 	end := min(j*f.bs, f.obj.Size)
-	var bp *[]byte
+	var bufs [][]byte
 	err := f.slot(asked, own)
 	if err == nil {
-		bp = f.bounce.Get().(*[]byte)
-		buf := (*bp)[:end-off]
+		bufs = make([][]byte, len(bl))
+		f.mu.Lock()
+		for n := range bufs {
+			lo := off + int64(n)*f.bs
+			bufs[n] = f.newBuf()[:min(f.bs, end-lo)]
+		}
+		f.mu.Unlock()
 		f.gets.Add(1)
 		err = f.retry(f.ctx, f.deadline(asked), func(ctx context.Context) error {
-			return f.b.ReadRange(ctx, f.obj, buf, off)
+			return f.readv(ctx, bufs, off)
 		})
 		if err == nil {
 			f.lastOK.Store(time.Now().UnixNano())
@@ -623,24 +631,57 @@ func (f *File) load(bl []*block, i, j int64, asked time.Time, own bool) {
 			close(b.done)
 			continue
 		}
-		lo := k*f.bs - off
-		hi := min(lo+f.bs, end-off)
-		var data []byte
-		if n := len(f.free); n > 0 {
-			data, f.free = f.free[n-1], f.free[:n-1]
-		} else {
-			data = make([]byte, f.bs)
-		}
-		data = data[:hi-lo]
-		copy(data, (*bp)[lo:hi])
-		b.data, b.loaded = data, true
+		b.data, b.loaded = bufs[n], true
+		bufs[n] = nil
 		f.touch(b)
 		close(b.done)
 	}
-	f.mu.Unlock()
-	if bp != nil {
-		f.bounce.Put(bp)
+	if f.blocks != nil {
+		for _, d := range bufs {
+			if d != nil && len(f.free) < f.capacity {
+				f.free = append(f.free, d[:cap(d)])
+			}
+		}
 	}
+	f.mu.Unlock()
+}
+
+// newBuf is a block's buffer: a recycled one, else a new one. Called
+// with mu held. (Huge pages for a growing cache were tried: clearing a
+// 2 MiB page at a time cost more CPU than the 4 KiB faults it saved,
+// 1.6-2.5 ms a cold MiB through FUSE against 1.2-1.3.)
+func (f *File) newBuf() []byte {
+	if n := len(f.free); n > 0 {
+		d := f.free[n-1]
+		f.free = f.free[:n-1]
+		return d
+	}
+	return make([]byte, f.bs)
+}
+
+// readv fills bufs, in order, from the object at off: straight into them
+// when the backend reads vectors, else through a bounce buffer.
+func (f *File) readv(ctx context.Context, bufs [][]byte, off int64) error {
+	if vb, ok := f.b.(VectorBackend); ok {
+		return vb.ReadRangev(ctx, f.obj, bufs, off)
+	}
+	if len(bufs) == 1 {
+		return f.b.ReadRange(ctx, f.obj, bufs[0], off)
+	}
+	n := 0
+	for _, d := range bufs {
+		n += len(d)
+	}
+	bp := f.bounce.Get().(*[]byte)
+	defer f.bounce.Put(bp)
+	buf := (*bp)[:n]
+	if err := f.b.ReadRange(ctx, f.obj, buf, off); err != nil {
+		return err
+	}
+	for _, d := range bufs {
+		buf = buf[copy(d, buf):]
+	}
+	return nil
 }
 
 // retry runs op until it succeeds, fails for good, or the deadline (the

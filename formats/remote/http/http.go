@@ -307,13 +307,23 @@ var errLie = errors.New("the server's reply does not match the request")
 
 // ReadRange GETs [off, off+len(p)) of the version obj names.
 func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, off int64) error {
-	if len(p) == 0 {
+	return b.ReadRangev(ctx, obj, [][]byte{p}, off)
+}
+
+// ReadRangev is ReadRange of bufs' concatenation: one GET, its body read
+// straight into each of bufs in turn.
+func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]byte, off int64) error {
+	n := int64(0)
+	for _, d := range bufs {
+		n += int64(len(d))
+	}
+	if n == 0 {
 		return nil
 	}
-	if off < 0 || int64(len(p)) > obj.Size || off > obj.Size-int64(len(p)) {
-		return fmt.Errorf("%s: range %d+%d past the end (%d)", b.name, off, len(p), obj.Size)
+	if off < 0 || n > obj.Size || off > obj.Size-n {
+		return fmt.Errorf("%s: range %d+%d past the end (%d)", b.name, off, n, obj.Size)
 	}
-	last := off + int64(len(p)) - 1
+	last := off + n - 1
 	what := fmt.Sprintf("GET bytes=%d-%d", off, last)
 	ctx, cancel := context.WithCancel(ctx) // ends a chunked body's wait for its end
 	defer cancel()
@@ -347,7 +357,7 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 	default:
 		return b.statusError(resp, what)
 	}
-	if err := CheckPartial(resp.Header.Get("Content-Range"), resp.ContentLength, off, int64(len(p)), obj.Size); err != nil {
+	if err := CheckPartial(resp.Header.Get("Content-Range"), resp.ContentLength, off, n, obj.Size); err != nil {
 		return fmt.Errorf("%s: %s: %w", b.name, what, err)
 	}
 	if tag := resp.Header.Get("ETag"); tag != "" && obj.ETag != "" && strings.TrimPrefix(tag, "W/") != strings.TrimPrefix(obj.ETag, "W/") {
@@ -362,9 +372,14 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 	if ce := resp.Header.Get("Content-Encoding"); ce != "" && ce != "identity" {
 		return fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
 	}
-	if n, err := io.ReadFull(resp.Body, p); err != nil {
-		// Cut short: a reset or a truncating proxy; a retry may get it all.
-		return remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, n, err))
+	got := 0
+	for _, d := range bufs {
+		k, err := io.ReadFull(resp.Body, d)
+		got += k
+		if err != nil {
+			// Cut short: a reset or a truncating proxy; a retry may get it all.
+			return remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, got, err))
+		}
 	}
 	var extra [1]byte
 	if resp.ContentLength < 0 {
@@ -440,4 +455,4 @@ func ParseContentRange(s string) (first, last, total int64, err error) {
 	return first, last, total, nil
 }
 
-var _ remote.Backend = (*Backend)(nil)
+var _ remote.VectorBackend = (*Backend)(nil)

@@ -432,12 +432,22 @@ func classify(err error) error {
 // GetObject with Range and If-Match (If-Unmodified-Since where there is no
 // ETag), and every claim of the reply is checked before a byte is trusted.
 func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, off int64) error {
-	if len(p) == 0 {
+	return b.ReadRangev(ctx, obj, [][]byte{p}, off)
+}
+
+// ReadRangev is ReadRange of bufs' concatenation: one GET, its body read
+// straight into each of bufs in turn.
+func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]byte, off int64) error {
+	total := 0
+	for _, d := range bufs {
+		total += len(d)
+	}
+	if total == 0 {
 		return nil
 	}
-	end := off + int64(len(p)) - 1
+	end := off + int64(total) - 1
 	if off < 0 || end < off || end >= obj.Size {
-		return fmt.Errorf("%s: range %d+%d outside the object's %d bytes", b.name, off, len(p), obj.Size)
+		return fmt.Errorf("%s: range %d+%d outside the object's %d bytes", b.name, off, total, obj.Size)
 	}
 	rng := "bytes=" + strconv.FormatInt(off, 10) + "-" + strconv.FormatInt(end, 10)
 	in := &s3.GetObjectInput{Bucket: &b.bucket, Key: &b.key, Range: &rng}
@@ -458,20 +468,22 @@ func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, of
 		if e := classify(err); errors.Is(e, remote.ErrChanged) {
 			return fmt.Errorf("%s: %w", b.name, e)
 		} else {
-			return fmt.Errorf("%s: reading %d bytes at %d: %w", b.name, len(p), off, e)
+			return fmt.Errorf("%s: reading %d bytes at %d: %w", b.name, total, off, e)
 		}
 	}
 	defer out.Body.Close()
-	if err := b.checkReply(out, obj, off, len(p)); err != nil {
+	if err := b.checkReply(out, obj, off, total); err != nil {
 		return err
 	}
-	if _, err := io.ReadFull(out.Body, p); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
+	for _, d := range bufs {
+		if _, err := io.ReadFull(out.Body, d); err != nil {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			// A body cut short is a dropped connection more often than a
+			// lie; the length was checked above, so a retry is worth it.
+			return fmt.Errorf("%s: reading %d bytes at %d: body ended early: %w", b.name, total, off, remote.Temporary(err))
 		}
-		// A body cut short is a dropped connection more often than a
-		// lie; the length was checked above, so a retry is worth it.
-		return fmt.Errorf("%s: reading %d bytes at %d: body ended early: %w", b.name, len(p), off, remote.Temporary(err))
 	}
 	return nil
 }
@@ -545,3 +557,5 @@ func parseContentRange(s string) (first, last, total int64, err error) {
 	}
 	return first, last, total, nil
 }
+
+var _ remote.VectorBackend = (*Backend)(nil)
