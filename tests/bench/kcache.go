@@ -1,13 +1,37 @@
 package main
 
 import (
+	"flag"
 	"fmt"
 	"log"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 )
+
+// kcacheReps is how many times each system runs each kernel-cache row.
+var kcacheReps = flag.Int("kcache-reps", 3, "kcache rows: runs per system and row (the median counts)")
+
+// median is the middle of vs (the mean of the two middle ones for an
+// even count), leaving out zeroes (failed runs); 0 for none.
+func median(vs []float64) float64 {
+	var s []float64
+	for _, v := range vs {
+		if v != 0 {
+			s = append(s, v)
+		}
+	}
+	if len(s) == 0 {
+		return 0
+	}
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
 
 // benchKernelCache runs issue 29's table: buffered (no O_DIRECT) fio psync
 // over 1 GiB, caches dropped before each row and system, against the raw
@@ -52,10 +76,31 @@ func benchKernelCache(dir string, ours func(extra ...string) system) []row {
 		r1 := row{target: "raw kcache --cache none", name: j.job.name, unit: "MiB/s", higherBetter: true}
 		mem := row{target: "raw kcache", name: j.job.name + " page cache (MiB)", unit: "MiB"}
 		mem1 := row{target: "raw kcache --cache none", name: j.job.name + " page cache (MiB)", unit: "MiB"}
-		for _, s := range rotate(systems, i) {
-			v, grown, err := kcRun(s, j.job, j.args, img, ceiling)
-			if err != nil {
-				log.Printf("%s: %v", s.key(), err)
+		// Each system runs the job kcacheReps times, the order rotating
+		// from round to round, and its median counts: the host disk under
+		// the file row swung between 481 and 2120 MiB/s from one minute
+		// to the next here.
+		type sample struct{ v, grown []float64 }
+		samples := map[string]*sample{}
+		for rep := range *kcacheReps {
+			for _, s := range rotate(systems, i+rep) {
+				v, grown, err := kcRun(s, j.job, j.args, img, ceiling)
+				if err != nil {
+					log.Printf("%s: %v", s.key(), err)
+				}
+				sm := samples[s.key()]
+				if sm == nil {
+					sm = &sample{}
+					samples[s.key()] = sm
+				}
+				sm.v, sm.grown = append(sm.v, v), append(sm.grown, grown)
+			}
+		}
+		for _, s := range systems {
+			sm := samples[s.key()]
+			v, grown := median(sm.v), median(sm.grown)
+			if len(sm.v) > 1 {
+				log.Printf("  %-44s %s: %v -> median %.1f", j.job.name, s.key(), sm.v, v)
 			}
 			switch {
 			case s.name == "file":

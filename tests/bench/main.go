@@ -181,6 +181,7 @@ var (
 	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm; only when named), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node; only when named), convert (blockexport convert and compare against qemu-img's on 4 GiB images; only when named), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), http (an image behind nginx, against qemu-storage-daemon's curl node and nbdkit-curl + nbdfuse), s3 (an object in versitygw), convert (convert and compare against qemu-img); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
+	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
 )
 
@@ -1021,32 +1022,56 @@ func benchLoop(target, dir string, systems []system) []row {
 			rows[s.config] = append(rows[s.config], row{target: target + " loop" + suffix, name: n, unit: "s"})
 		}
 	}
-	for _, s := range systems {
-		img := filepath.Join(dir, "loop."+target)
-		mnt := img + ".mnt"
-		if target == "raw" || s.name == "file" {
-			err = run("truncate", "-s", "2G", img)
-		} else {
-			err = run("qemu-img", "create", "-q", "-f", "qcow2", img, "2G")
-		}
-		if err != nil {
-			log.Fatal(err)
-		}
-		export, cmd := img, (*exec.Cmd)(nil)
-		if s.name != "file" {
-			if cmd, err = s.start(target, img, mnt, true); err != nil {
+	// Each system runs the steps loopReps times, the order rotating from
+	// round to round, and each step's median counts (one run of the file
+	// itself read the tree back in 0.51 s, the next in 2.19 s).
+	samples := map[string]*[3][]float64{}
+	for rep := range *loopReps {
+		for _, s := range rotate(systems, rep) {
+			img := filepath.Join(dir, "loop."+target)
+			mnt := img + ".mnt"
+			if target == "raw" || s.name == "file" {
+				err = run("truncate", "-s", "2G", img)
+			} else {
+				err = run("qemu-img", "create", "-q", "-f", "qcow2", img, "2G")
+			}
+			if err != nil {
 				log.Fatal(err)
 			}
-			export = mnt
+			export, cmd := img, (*exec.Cmd)(nil)
+			if s.name != "file" {
+				if cmd, err = s.start(target, img, mnt, true); err != nil {
+					log.Fatal(err)
+				}
+				export = mnt
+			}
+			times, err := loopSteps(export, src, dir)
+			if cmd != nil {
+				stop(cmd, mnt)
+			}
+			os.Remove(img)
+			if err != nil {
+				log.Printf("%s: %v", s.key(), err)
+				times = [3]float64{} // a failed run counts for nothing
+			}
+			sm := samples[s.key()]
+			if sm == nil {
+				sm = &[3][]float64{}
+				samples[s.key()] = sm
+			}
+			for k := range times {
+				sm[k] = append(sm[k], times[k])
+			}
 		}
-		times, err := loopSteps(export, src, dir)
-		if cmd != nil {
-			stop(cmd, mnt)
-		}
-		os.Remove(img)
-		if err != nil {
-			log.Printf("%s: %v", s.key(), err)
-			times = [3]float64{} // a failed run counts for nothing
+	}
+	for _, s := range systems {
+		sm := samples[s.key()]
+		var times [3]float64
+		for k := range times {
+			times[k] = median(sm[k])
+			if len(sm[k]) > 1 {
+				log.Printf("  %-34s %s: %v -> median %.2f", names[k], s.key(), sm[k], times[k])
+			}
 		}
 		for _, c := range configs {
 			for k := range rows[c] {
