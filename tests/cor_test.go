@@ -180,12 +180,15 @@ func TestCorRefused(t *testing.T) {
 	}
 }
 
-// corTree is a tree of files of random sizes and contents.
-func corTree(t *testing.T, dir string, files int, seed uint64) {
+// corTree writes a tree of files of random sizes and contents under dir
+// and returns each file's SHA-256 by its path relative to dir.
+func corTree(t *testing.T, dir string, files int, seed uint64) map[string][32]byte {
 	t.Helper()
 	r := rand.New(rand.NewPCG(seed, 3))
+	sums := map[string][32]byte{}
 	for i := range files {
-		p := filepath.Join(dir, fmt.Sprintf("d%d", i%7), fmt.Sprintf("f%d", i))
+		rel := filepath.Join(fmt.Sprintf("d%d", i%7), fmt.Sprintf("f%d", i))
+		p := filepath.Join(dir, rel)
 		os.MkdirAll(filepath.Dir(p), 0o755)
 		data := make([]byte, r.IntN(1<<20))
 		for j := range data {
@@ -194,7 +197,9 @@ func corTree(t *testing.T, dir string, files int, seed uint64) {
 		if err := os.WriteFile(p, data, 0o644); err != nil {
 			t.Fatal(err)
 		}
+		sums[rel] = sha256.Sum256(data)
 	}
+	return sums
 }
 
 // corTreeHashes loop-mounts file read-only, hashes every file under it,
@@ -247,18 +252,9 @@ func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 func TestCorLoopMountSurvivesTheBackingServer(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
-	corTree(t, src, 60, 5)
+	want := corTree(t, src, 60, 5)
 	base := filepath.Join(dir, "fs.raw")
 	run(t, "mkfs.ext4", "-q", "-d", src, base, "96M")
-	want := map[string][32]byte{}
-	filepath.WalkDir(src, func(p string, e fs.DirEntry, err error) error {
-		if err == nil && e.Type().IsRegular() {
-			b, _ := os.ReadFile(p)
-			rel, _ := filepath.Rel(src, p)
-			want[rel] = sha256.Sum256(b)
-		}
-		return err
-	})
 	sock := filepath.Join(dir, "nbd.sock")
 	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
 	over := filepath.Join(dir, "over.qcow2")
