@@ -18,6 +18,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/blockexport/blockexport/formats/remote"
@@ -49,6 +50,10 @@ type Backend struct {
 	client *nethttp.Client
 	tr     *nethttp.Transport
 	log    *slog.Logger
+	// fast sends the range GETs (nil: net/http does, through a proxy);
+	// slow: the URL redirected, net/http sends them from then on.
+	fast *fastClient
+	slow atomic.Bool
 }
 
 // IsURL says whether spec names an http or https object.
@@ -102,7 +107,7 @@ func New(rawURL string, o Options) (*Backend, error) {
 		// range of the object.
 		DisableCompression: true,
 	}
-	b := &Backend{u: u, name: Redact(rawURL), tr: tr, log: o.Logger}
+	b := &Backend{u: u, name: Redact(rawURL), tr: tr, log: o.Logger, fast: newFastClient(u, tlsConf, o.Connections)}
 	origin := u.Scheme + "://" + canonicalHost(u)
 	b.client = &nethttp.Client{Transport: tr, CheckRedirect: func(req *nethttp.Request, via []*nethttp.Request) error {
 		if len(via) >= 10 {
@@ -156,6 +161,9 @@ func Redact(rawURL string) string {
 func (b *Backend) String() string { return b.name }
 
 func (b *Backend) Close() error {
+	if b.fast != nil {
+		b.fast.close()
+	}
 	b.tr.CloseIdleConnections()
 	return nil
 }
@@ -185,7 +193,13 @@ func (b *Backend) do(req *nethttp.Request, what string) (*nethttp.Response, erro
 	if errors.As(err, &ue) {
 		err = ue.Err
 	}
-	err = fmt.Errorf("%s: %s: %w", b.name, what, err)
+	return nil, b.netError(fmt.Errorf("%s: %s: %w", b.name, what, err))
+}
+
+// netError classifies a failure to get a reply: temporary (a reset, a
+// timeout, a refused connection) except what no retry cures (a refused
+// redirect, a certificate that does not verify).
+func (b *Backend) netError(err error) error {
 	var (
 		unknownCA *x509.UnknownAuthorityError
 		badCert   x509.CertificateInvalidError
@@ -196,9 +210,9 @@ func (b *Backend) do(req *nethttp.Request, what string) (*nethttp.Response, erro
 	switch {
 	case errors.Is(err, errRefused), errors.As(err, &unknownCA), errors.As(err, &badCert),
 		errors.As(err, &badHost), errors.As(err, &tlsRecord), errors.As(err, &verify):
-		return nil, err
+		return err
 	}
-	return nil, remote.Temporary(err)
+	return remote.Temporary(err)
 }
 
 // statusError is a reply's status as an error: temporary for the ones a
@@ -323,54 +337,87 @@ func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]by
 	if off < 0 || n > obj.Size || off > obj.Size-n {
 		return fmt.Errorf("%s: range %d+%d past the end (%d)", b.name, off, n, obj.Size)
 	}
-	last := off + n - 1
-	what := fmt.Sprintf("GET bytes=%d-%d", off, last)
+	if b.fast != nil && !b.slow.Load() && validValue(obj.ETag) {
+		if err := b.fast.readRange(ctx, b, obj, bufs, off, n); err != errUseStd {
+			return err
+		}
+	}
+	return b.readStd(ctx, obj, bufs, off, n)
+}
+
+// rangeWhat names a range GET in errors.
+func rangeWhat(off, n int64) string {
+	return "GET bytes=" + strconv.FormatInt(off, 10) + "-" + strconv.FormatInt(off+n-1, 10)
+}
+
+// readStd is ReadRangev through net/http's client: what follows
+// redirects and goes through proxies.
+func (b *Backend) readStd(ctx context.Context, obj remote.Object, bufs [][]byte, off, n int64) error {
+	what := rangeWhat(off, n)
 	ctx, cancel := context.WithCancel(ctx) // ends a chunked body's wait for its end
 	defer cancel()
 	req, err := b.request(ctx, nethttp.MethodGet)
 	if err != nil {
 		return err
 	}
-	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, last))
-	weak := strings.HasPrefix(obj.ETag, "W/")
-	switch {
-	case obj.ETag != "" && !weak:
-		req.Header.Set("If-Match", obj.ETag)
-	case !obj.LastModified.IsZero():
-		// A second past the pinned time: HTTP dates have a second's
-		// resolution and some servers refuse a time equal to the object's
-		// (versitygw 1.8.0 compares strictly); the reply's Last-Modified is
-		// compared with the pinned one below.
-		req.Header.Set("If-Unmodified-Since", obj.LastModified.Add(time.Second).UTC().Format(nethttp.TimeFormat))
+	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+n-1))
+	if k, v := condition(obj); k != "" {
+		req.Header.Set(k, v)
 	}
 	resp, err := b.do(req, what)
 	if err != nil {
 		return err
 	}
 	defer resp.Body.Close()
+	_, err = b.readReply(resp, obj, bufs, off, n, what, func() { time.AfterFunc(chunkEndWait, cancel) })
+	return err
+}
+
+// condition is the header that makes a range GET conditional on obj's
+// version: If-Match on a strong ETag, else If-Unmodified-Since.
+func condition(obj remote.Object) (key, value string) {
+	switch {
+	case obj.ETag != "" && !strings.HasPrefix(obj.ETag, "W/"):
+		return "If-Match", obj.ETag
+	case !obj.LastModified.IsZero():
+		// A second past the pinned time: HTTP dates have a second's
+		// resolution and some servers refuse a time equal to the object's
+		// (versitygw 1.8.0 compares strictly); the reply's Last-Modified is
+		// compared with the pinned one (readReply).
+		return "If-Unmodified-Since", obj.LastModified.Add(time.Second).UTC().Format(nethttp.TimeFormat)
+	}
+	return "", ""
+}
+
+// readReply checks a range GET's reply against the request and obj and
+// reads its body into bufs. waitEnd arms the bound on the wait for a
+// chunked body's end. clean: the body was read to its end, nothing more
+// (its connection may serve another request).
+func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]byte, off, n int64, what string, waitEnd func()) (clean bool, err error) {
 	switch resp.StatusCode {
 	case nethttp.StatusPartialContent:
 	case nethttp.StatusPreconditionFailed, nethttp.StatusRequestedRangeNotSatisfiable:
-		return fmt.Errorf("%s: %s: %s: %w", b.name, what, resp.Status, remote.ErrChanged)
+		return false, fmt.Errorf("%s: %s: %s: %w", b.name, what, resp.Status, remote.ErrChanged)
 	case nethttp.StatusOK:
-		return fmt.Errorf("%s: %s: %w: 200 with the whole object to a range request", b.name, what, errLie)
+		return false, fmt.Errorf("%s: %s: %w: 200 with the whole object to a range request", b.name, what, errLie)
 	default:
-		return b.statusError(resp, what)
+		return false, b.statusError(resp, what)
 	}
 	if err := CheckPartial(resp.Header.Get("Content-Range"), resp.ContentLength, off, n, obj.Size); err != nil {
-		return fmt.Errorf("%s: %s: %w", b.name, what, err)
+		return false, fmt.Errorf("%s: %s: %w", b.name, what, err)
 	}
+	weak := strings.HasPrefix(obj.ETag, "W/")
 	if tag := resp.Header.Get("ETag"); tag != "" && obj.ETag != "" && strings.TrimPrefix(tag, "W/") != strings.TrimPrefix(obj.ETag, "W/") {
-		return fmt.Errorf("%s: %s: ETag %s, opened as %s: %w", b.name, what, tag, obj.ETag, remote.ErrChanged)
+		return false, fmt.Errorf("%s: %s: ETag %s, opened as %s: %w", b.name, what, tag, obj.ETag, remote.ErrChanged)
 	}
 	if (obj.ETag == "" || weak) && !obj.LastModified.IsZero() {
 		if lm, err := nethttp.ParseTime(resp.Header.Get("Last-Modified")); err == nil && !lm.Equal(obj.LastModified) {
-			return fmt.Errorf("%s: %s: Last-Modified %s, opened as %s: %w", b.name, what, lm.UTC().Format(nethttp.TimeFormat),
+			return false, fmt.Errorf("%s: %s: Last-Modified %s, opened as %s: %w", b.name, what, lm.UTC().Format(nethttp.TimeFormat),
 				obj.LastModified.UTC().Format(nethttp.TimeFormat), remote.ErrChanged)
 		}
 	}
 	if ce := resp.Header.Get("Content-Encoding"); ce != "" && ce != "identity" {
-		return fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
+		return false, fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
 	}
 	got := 0
 	for _, d := range bufs {
@@ -378,22 +425,22 @@ func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]by
 		got += k
 		if err != nil {
 			// Cut short: a reset or a truncating proxy; a retry may get it all.
-			return remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, got, err))
+			return false, remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, got, err))
 		}
 	}
-	var extra [1]byte
 	if resp.ContentLength < 0 {
 		// Chunked: the range is complete with its bytes. A byte more or
 		// the end is looked for a moment only (a server that never sends
 		// the last chunk would hold every read for the whole timeout); past
-		// it the request is cancelled and its connection dropped.
-		t := time.AfterFunc(chunkEndWait, cancel)
-		defer t.Stop()
+		// it the request is cut and its connection dropped.
+		waitEnd()
 	}
-	if n, _ := resp.Body.Read(extra[:]); n != 0 {
-		return fmt.Errorf("%s: %s: %w: the body is longer than the range", b.name, what, errLie)
+	var extra [1]byte
+	k, err := resp.Body.Read(extra[:])
+	if k != 0 {
+		return false, fmt.Errorf("%s: %s: %w: the body is longer than the range", b.name, what, errLie)
 	}
-	return nil
+	return err == io.EOF, nil
 }
 
 // CheckPartial checks a 206's Content-Range and Content-Length (-1:

@@ -1,0 +1,233 @@
+package http
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"net"
+	nethttp "net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/blockexport/blockexport/formats/remote"
+)
+
+// fastClient sends the range GETs itself over a pool of kept-alive
+// HTTP/1.1 connections: the request written in one write, the reply
+// parsed by net/http's ReadResponse in the calling goroutine, the body
+// read straight into the caller's buffers. net/http's Transport hands
+// each request to a connection's writer goroutine and its reply over
+// from a reader goroutine, and clones headers and contexts on the way:
+// on loopback, a 4 KiB range GET cost 62-108 µs of CPU through it and
+// 33-69 µs here. net/http's client still does what this one does not:
+// the HEAD and GET of Stat, proxies (a URL that goes through one never
+// comes here), and redirects and 1xx replies (handed back to it).
+type fastClient struct {
+	dialer  *net.Dialer
+	addr    string      // host:port dialed
+	tlsConf *tls.Config // nil: plain http
+	// head is the request's fixed part: the request line, Host,
+	// User-Agent, Accept-Encoding and any basic authentication, with
+	// the Range and condition headers to follow.
+	head []byte
+
+	mu      sync.Mutex
+	idle    []*pconn // most recently used last
+	maxIdle int
+	closed  bool
+}
+
+// pconn is one connection of the pool.
+type pconn struct {
+	nc  net.Conn
+	br  *bufio.Reader
+	req []byte // the request being written
+}
+
+// errUseStd: this request is net/http's to send (a redirect, a 1xx).
+var errUseStd = errors.New("use net/http")
+
+// aLongTimeAgo is a deadline that has passed: it ends a connection's I/O.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// newFastClient is the client of u, or nil when u's requests must go
+// through net/http (a proxy from the environment, a host name that is
+// not plain ASCII).
+func newFastClient(u *url.URL, tlsConf *tls.Config, conns int) *fastClient {
+	if p, err := nethttp.ProxyFromEnvironment(&nethttp.Request{URL: u}); err != nil || p != nil {
+		return nil
+	}
+	target := u.RequestURI()
+	if !validValue(u.Host) || !validValue(target) || u.Hostname() == "" {
+		return nil
+	}
+	c := &fastClient{
+		dialer:  &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second},
+		addr:    canonicalHost(u),
+		maxIdle: conns + 1,
+	}
+	if u.Scheme == "https" {
+		c.tlsConf = tlsConf.Clone()
+		c.tlsConf.ServerName = u.Hostname()
+		c.tlsConf.NextProtos = nil // HTTP/1.1
+	}
+	h := []byte("GET " + target + " HTTP/1.1\r\nHost: " + u.Host + "\r\nUser-Agent: blockexport\r\nAccept-Encoding: identity\r\n")
+	if u.User != nil {
+		// What net/http's client makes of a URL's user and password.
+		pw, _ := u.User.Password()
+		auth := "Basic " + base64.StdEncoding.EncodeToString([]byte(u.User.Username()+":"+pw))
+		if !validValue(auth) {
+			return nil
+		}
+		h = append(h, "Authorization: "+auth+"\r\n"...)
+	}
+	c.head = h
+	return c
+}
+
+// validValue says whether s may be written into a request line or header
+// as it is: visible ASCII and spaces, no line breaks.
+func validValue(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < ' ' || c >= 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// get is an idle connection (reused) or a new one.
+func (c *fastClient) get(ctx context.Context) (pc *pconn, reused bool, err error) {
+	c.mu.Lock()
+	if n := len(c.idle); n > 0 {
+		pc = c.idle[n-1]
+		c.idle = c.idle[:n-1]
+		c.mu.Unlock()
+		return pc, true, nil
+	}
+	c.mu.Unlock()
+	nc, err := c.dialer.DialContext(ctx, "tcp", c.addr)
+	if err != nil {
+		return nil, false, err
+	}
+	if c.tlsConf != nil {
+		tc := tls.Client(nc, c.tlsConf)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			nc.Close()
+			return nil, false, err
+		}
+		nc = tc
+	}
+	return &pconn{nc: nc, br: bufio.NewReaderSize(nc, 16<<10)}, false, nil
+}
+
+// put keeps pc for the next request, or closes it.
+func (c *fastClient) put(pc *pconn) {
+	pc.nc.SetDeadline(time.Time{})
+	c.mu.Lock()
+	if !c.closed && len(c.idle) < c.maxIdle {
+		c.idle = append(c.idle, pc)
+		pc = nil
+	}
+	c.mu.Unlock()
+	if pc != nil {
+		pc.nc.Close()
+	}
+}
+
+// close closes the idle connections; those in use are closed as they
+// come back.
+func (c *fastClient) close() {
+	c.mu.Lock()
+	idle := c.idle
+	c.idle, c.closed = nil, true
+	c.mu.Unlock()
+	for _, pc := range idle {
+		pc.nc.Close()
+	}
+}
+
+// readRange is Backend.ReadRangev's GET of n bytes at off by this client;
+// errUseStd when net/http must send it instead.
+func (c *fastClient) readRange(ctx context.Context, b *Backend, obj remote.Object, bufs [][]byte, off, n int64) error {
+	for attempt := 0; ; attempt++ {
+		if err := ctx.Err(); err != nil {
+			return remote.Temporary(fmt.Errorf("%s: %s: %w", b.name, rangeWhat(off, n), err))
+		}
+		pc, reused, err := c.get(ctx)
+		if err != nil {
+			return b.netError(fmt.Errorf("%s: %s: %w", b.name, rangeWhat(off, n), err))
+		}
+		// The context bounds the connection's I/O: its deadline, and
+		// its end (Close, a reader giving up) cuts the I/O short.
+		d, _ := ctx.Deadline()
+		pc.nc.SetDeadline(d)
+		stop := context.AfterFunc(ctx, func() { pc.nc.SetDeadline(aLongTimeAgo) })
+		resp, err := c.roundTrip(pc, obj, off, n)
+		if err != nil {
+			stop()
+			pc.nc.Close()
+			if reused && attempt == 0 && ctx.Err() == nil {
+				// A kept-alive connection the server had closed (or one
+				// left in a bad state): once more on a new one, as
+				// net/http does for an idempotent request.
+				continue
+			}
+			if ctx.Err() != nil {
+				err = ctx.Err()
+			}
+			return b.netError(fmt.Errorf("%s: %s: %w", b.name, rangeWhat(off, n), err))
+		}
+		if resp.StatusCode < 200 || resp.StatusCode/100 == 3 {
+			stop()
+			pc.nc.Close()
+			if resp.StatusCode/100 == 3 {
+				b.slow.Store(true) // the URL redirects: net/http checks where to
+			}
+			return errUseStd
+		}
+		what := rangeWhat(off, n)
+		clean, err := b.readReply(resp, obj, bufs, off, n, what, func() {
+			pc.nc.SetReadDeadline(time.Now().Add(chunkEndWait))
+		})
+		if !stop() || err != nil || !clean || resp.Close {
+			pc.nc.Close()
+		} else {
+			c.put(pc)
+		}
+		if err != nil && ctx.Err() != nil && errors.Is(err, remote.ErrTemporary) {
+			// The connection's I/O was cut by the context, not the server:
+			// say so, as net/http's client does.
+			return remote.Temporary(fmt.Errorf("%s: %s: %w", b.name, what, ctx.Err()))
+		}
+		return err
+	}
+}
+
+// roundTrip writes the GET of n bytes at off on pc and reads the reply's
+// head.
+func (c *fastClient) roundTrip(pc *pconn, obj remote.Object, off, n int64) (*nethttp.Response, error) {
+	q := append(pc.req[:0], c.head...)
+	q = append(q, "Range: bytes="...)
+	q = strconv.AppendInt(q, off, 10)
+	q = append(q, '-')
+	q = strconv.AppendInt(q, off+n-1, 10)
+	q = append(q, "\r\n"...)
+	if k, v := condition(obj); k != "" {
+		q = append(q, k...)
+		q = append(q, ": "...)
+		q = append(q, v...)
+		q = append(q, "\r\n"...)
+	}
+	q = append(q, "\r\n"...)
+	pc.req = q
+	if _, err := pc.nc.Write(q); err != nil {
+		return nil, err
+	}
+	return nethttp.ReadResponse(pc.br, &nethttp.Request{Method: nethttp.MethodGet})
+}
