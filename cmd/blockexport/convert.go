@@ -47,6 +47,7 @@ type convertFlags struct {
 	targetIsZero  bool
 	cache         string
 	cpuprofile    string
+	chunk         string
 }
 
 func convertCommand() *cobra.Command {
@@ -58,7 +59,8 @@ func convertCommand() *cobra.Command {
 			"a new raw or qcow2 file (-O), or an existing image or NBD export with -n, with\n" +
 			"qemu-img convert's flags. The source's block status drives the copy: holes and\n" +
 			"zero runs are neither read nor written; -S finds zeroes inside data.\n" +
-			"Memory: at most (-m or, with -c, the CPU count) x 256 KiB buffers (or a cluster, or -S, if larger),\n" +
+			"Memory: at most (-m or, with -c, the CPU count) x 256 KiB buffers (2 MiB with -t none; or a cluster,\n" +
+			"or -S, if larger),\n" +
 			"twice that with -B.\n" +
 			"Progress: -p draws a bar with rate and ETA on a terminal; --progress=json (or -p\n" +
 			"when stderr is not a terminal) prints one JSON object per percent on stdout:\n" +
@@ -84,6 +86,8 @@ func convertCommand() *cobra.Command {
 	fs.StringVarP(&f.cache, "target-cache", "t", "unsafe", "TARGET's cache mode, qemu-img's: unsafe (no flush at the end, qemu-img convert's default), writeback (flushed at the end) or none (O_DIRECT, flushed; not with -c, whose clusters lie at any byte)")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
 	fs.MarkHidden("cpuprofile")
+	fs.StringVar(&f.chunk, "buffer-size", "", "the largest read and write (default: 256 KiB, 2 MiB with -t none)")
+	fs.MarkHidden("buffer-size")
 	f.register(c)
 	// inspectFlags' --output and --json say nothing to convert.
 	fs.MarkHidden("output")
@@ -284,6 +288,11 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	if nf, ok := dst.Image.(interface{ SetNoFlush(bool) }); ok && noFlush {
 		nf.SetNoFlush(true)
 	}
+	if g, ok := dst.Image.(interface{ SetGrowAhead(int64) }); ok && created {
+		// A new qcow2 file grows in steps rather than write by write
+		// (cut back at the end).
+		g.SetGrowAhead(64 << 20)
+	}
 	co := convert.Options{Parallel: f.parallel, OutOfOrder: f.outOfOrder, MinSparse: minSparse,
 		TargetZero: created || f.targetIsZero}
 	if l, ok := dst.Image.(formats.Layered); ok && f.backing != "" {
@@ -297,6 +306,22 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 			return usagef("Compression not supported for this file format")
 		}
 		co.Compressed = ct
+	}
+	if direct && !f.compress {
+		// O_DIRECT writes go to the device as they are, with no copy
+		// through the CPU's caches for small buffers to help: the larger
+		// the request, the closer to the device's bandwidth (4 GiB with
+		// 2 GiB of 1 MiB data runs, qcow2 to raw, -m 16 -W -t none:
+		// 1.98-2.03 s with 256 KiB, 1.34-1.47 s with 2 MiB; qemu-img's
+		// requests are of up to 2 MiB too).
+		co.Chunk = 2 << 20
+	}
+	if f.chunk != "" {
+		n, err := probe.ParseSize(f.chunk)
+		if err != nil || n <= 0 || n%4096 != 0 || n > 64<<20 {
+			return usagef("--buffer-size %q: want a multiple of 4 KiB up to 64 MiB", f.chunk)
+		}
+		co.Chunk = n
 	}
 	prog := newProgress(progressMode, stdout, stderr, size)
 	co.Progress = prog.update

@@ -29,6 +29,58 @@ func (q *Image) growFile(end int64) {
 	q.meta.Lock()
 	q.fileSize = max(q.fileSize, end)
 	q.meta.Unlock()
+	w := q.w
+	if w.growAhead > 0 && end > w.physEnd {
+		// The file is made longer ahead of the writes, in steps: a write
+		// past the end of an ext4 file updates its size, through the
+		// journal, page by page (a 2 GiB write took 0.4 s of system
+		// time into a file of that length, 0.7-4.1 s as appends, on a
+		// shared disk). Best effort: on failure the writes extend it.
+		n := (end + w.growAhead - 1) / w.growAhead * w.growAhead
+		if err := unix.Ftruncate(q.f.Fd(), n); err != nil {
+			w.growAhead = 0
+			return
+		}
+		w.physEnd = n
+	}
+}
+
+// SetGrowAhead makes the file grow ahead of allocation in steps of n
+// bytes (0: off), for a writer that fills a new image from start to end
+// (convert). Close cuts the file back to the clusters in use; an image
+// left longer (the process killed) is still consistent: past the last
+// cluster it has only free space, which qemu-img check passes.
+func (q *Image) SetGrowAhead(n int64) {
+	if q.w == nil || n < 0 {
+		return
+	}
+	q.w.alloc.Lock()
+	defer q.w.alloc.Unlock()
+	q.w.growAhead = n
+	if q.w.physEnd == 0 {
+		q.meta.RLock()
+		q.w.physEnd = q.fileSize
+		q.meta.RUnlock()
+	}
+}
+
+// trimGrowAhead cuts the file back to the end of the clusters in use,
+// when it was grown ahead.
+func (q *Image) trimGrowAhead() error {
+	w := q.w
+	w.alloc.Lock()
+	defer w.alloc.Unlock()
+	q.meta.RLock()
+	end := q.fileSize
+	q.meta.RUnlock()
+	if w.physEnd <= end {
+		return nil
+	}
+	if err := unix.Ftruncate(q.f.Fd(), end); err != nil {
+		return fmt.Errorf("qcow2: cut the file back to %d bytes: %w", end, err)
+	}
+	w.physEnd = end
+	return nil
 }
 
 // allocClusters finds n contiguous free host clusters, sets their refcounts

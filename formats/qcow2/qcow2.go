@@ -585,6 +585,9 @@ func (q *Image) Close() error {
 	var err error
 	if q.w != nil {
 		err = q.Flush(context.Background())
+		if terr := q.trimGrowAhead(); err == nil {
+			err = terr
+		}
 	}
 	if cerr := q.f.Close(); err == nil {
 		err = cerr

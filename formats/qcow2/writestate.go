@@ -37,6 +37,8 @@ type writeState struct {
 	sizeDirty   bool // the header's size must be written
 	pendingFree []int64
 	freeHint    int64 // no cluster below it is free
+	growAhead   int64 // SetGrowAhead's step; 0: the writes extend the file
+	physEnd     int64 // the file's length as grown ahead (0: not grown)
 	// Dirty pinned tables, to bound what waits for write-back; atomic so
 	// that writers check them without alloc.
 	dirtyL2, dirtyRB atomic.Int64
