@@ -7,8 +7,10 @@ package tests
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -433,5 +435,55 @@ func kcEachFormat(t *testing.T, size string, args []string, fn func(t *testing.T
 			d := kcStart(t, img, mnt, append([]string{"-f", format}, args...)...)
 			fn(t, format, dir, img, mnt, d)
 		})
+	}
+}
+
+// TestKcReadAheadWindow: the export's bdi reads ahead as far as asked
+// (--read-ahead 4M), and by default as far as the disk under the image
+// does, never less than 1 MiB; the export reads right through it; a
+// window under 4 KiB is refused.
+func TestKcReadAheadWindow(t *testing.T) {
+	dir := t.TempDir()
+	img := randomImage(t, dir, 32<<20, 3)
+	var st unix.Stat_t
+	if err := unix.Stat(img, &st); err != nil {
+		t.Fatal(err)
+	}
+	// The disk's window, read here from the disk's own sysfs entry (a
+	// partition's is its disk's).
+	disk := 0
+	devDir := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+	for _, p := range []string{devDir + "/bdi/read_ahead_kb", devDir + "/../bdi/read_ahead_kb"} {
+		if b, err := os.ReadFile(p); err == nil {
+			disk, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+			break
+		}
+	}
+	for _, tc := range []struct {
+		arg    string
+		wantKB int
+	}{
+		{"4M", 4096},
+		{"auto", max(1024, disk)},
+	} {
+		t.Run(tc.arg, func(t *testing.T) {
+			mnt := filepath.Join(t.TempDir(), "mnt")
+			d := kcStart(t, img, mnt, "-f", "raw", "--read-ahead", tc.arg)
+			var mst unix.Stat_t
+			if err := unix.Stat(mnt, &mst); err != nil {
+				t.Fatal(err)
+			}
+			b, err := os.ReadFile(fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(mst.Dev), unix.Minor(mst.Dev)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, _ := strconv.Atoi(strings.TrimSpace(string(b))); got != tc.wantKB {
+				t.Fatalf("--read-ahead %s: the export's bdi reads ahead %d KiB, want %d\n%s", tc.arg, got, tc.wantKB, d.log())
+			}
+			mustEqualBytes(t, "first 8 MiB", kcPread(t, mnt, 0, 8<<20), readAll(t, img)[:8<<20])
+		})
+	}
+	if out, err := exec.Command(bin, "fuse", "--read-ahead", "1K", img, filepath.Join(dir, "x")).CombinedOutput(); err == nil || !strings.Contains(string(out), "--read-ahead") {
+		t.Fatalf("--read-ahead 1K: %v, %s; want a usage error naming the flag", err, out)
 	}
 }

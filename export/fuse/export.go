@@ -57,7 +57,10 @@ type Options struct {
 	// set only where nobody but this export can change the image (we
 	// hold its image locks), so a new open has nothing to revalidate.
 	KeepCache bool
-	Logger    *slog.Logger
+	// ReadAheadKB is the export's read-ahead window under the kernel
+	// cache (0: MinReadAheadKB).
+	ReadAheadKB int
+	Logger      *slog.Logger
 }
 
 // attrTimeout is how long the kernel may cache attributes (QEMU: 1 s).

@@ -11,8 +11,9 @@ package fuse
 //     with FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify
 //     may make the kernel write dirty pages of the range back to us first,
 //     so it never runs in a serve loop (dispatch hands such requests off).
-//   - The FUSE bdi gets a 1 MiB read-ahead window (INIT can only lower
-//     the kernel's 128 KiB default) and a strict dirty limit: a loop
+//   - The FUSE bdi gets the read-ahead window of the disk under the
+//     image, at least 1 MiB (INIT can only lower the kernel's 128 KiB
+//     default), and a strict dirty limit: a loop
 //     device over a writeback-cached export must not let the kernel hold
 //     more dirty pages of it than we can take without memory to spare.
 
@@ -22,6 +23,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -81,20 +83,50 @@ func kernelSize(file string) (int64, bool) {
 	return int64(stx.Size), true
 }
 
-// kernelCacheReadAheadKB is the read-ahead window of a kernel-cached
+// MinReadAheadKB is the least read-ahead window of a kernel-cached
 // export: 1 MiB, one maximal READ ahead of a sequential reader.
-const kernelCacheReadAheadKB = maxWrite / 1024
+const MinReadAheadKB = maxWrite / 1024
+
+// DeviceReadAheadKB is the read-ahead window of the block device that
+// holds path's file system (sysfs, by the file's st_dev: the disk's own
+// bdi, or a partition's disk's); ok false where there is none (a URL, a
+// file system without a block device).
+func DeviceReadAheadKB(path string) (int, bool) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return 0, false
+	}
+	dev := fmt.Sprintf("%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+	for _, p := range []string{
+		filepath.Join("/sys/dev/block", dev, "bdi", "read_ahead_kb"),
+		filepath.Join("/sys/dev/block", dev, "..", "bdi", "read_ahead_kb"), // a partition
+		filepath.Join("/sys/class/bdi", dev, "read_ahead_kb"),
+	} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		if kb, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && kb > 0 {
+			return kb, true
+		}
+	}
+	return 0, false
+}
 
 // tuneBDI sets the export's bdi (named by the mount's st_dev) for the
-// kernel cache: read_ahead_kb to 1 MiB, and the dirty bounds: the kernel
+// kernel cache: read_ahead_kb to raKB (0: MinReadAheadKB; INIT can only
+// lower the kernel's 128 KiB default), and the dirty bounds: the kernel
 // gives FUSE a 1% max_ratio with strictlimit; we make sure of both (a
 // distribution may loosen the default) so that its dirty pages stay
 // bounded per bdi, not only by the global limits. Without the rights
 // (not root) the kernel's defaults stay, which is logged.
-func tuneBDI(dev uint64) error {
+func tuneBDI(dev uint64, raKB int) error {
+	if raKB <= 0 {
+		raKB = MinReadAheadKB
+	}
 	dir := filepath.Join("/sys/class/bdi", fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev)))
 	set := []struct{ name, val string }{
-		{"read_ahead_kb", strconv.Itoa(kernelCacheReadAheadKB)},
+		{"read_ahead_kb", strconv.Itoa(raKB)},
 		{"strict_limit", "1"},
 		{"max_ratio", "1"},
 	}

@@ -387,7 +387,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err := unix.Stat(abs, &st); err == nil {
 		m.conn = uint64(unix.Major(st.Dev))<<20 | uint64(unix.Minor(st.Dev))
 		if exp.opts.KernelCache {
-			if err := tuneBDI(st.Dev); err != nil {
+			if err := tuneBDI(st.Dev, exp.opts.ReadAheadKB); err != nil {
 				exp.log.Info("kernel cache: the export's bdi keeps the kernel's defaults", "why", err)
 			}
 		}
