@@ -7,12 +7,18 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	nethttp "net/http"
 	"net/url"
+	"runtime"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats/remote"
 )
@@ -47,6 +53,91 @@ type pconn struct {
 	nc  net.Conn
 	br  *bufio.Reader
 	req []byte // the request being written
+	// raw reads a plain TCP connection with readv (nil for TLS).
+	raw  syscall.RawConn
+	iovs []unix.Iovec
+	rest [][]byte
+}
+
+// fill reads a body of exactly the bytes of bufs that follows the reply's
+// head on pc: what the reader holds first, then, on plain TCP, readv
+// straight into bufs (a GET of several blocks in a few system calls, not
+// one or more a block). It returns how many bytes it read.
+func (pc *pconn) fill(bufs [][]byte) (int, error) {
+	// Cut down as they fill: a copy, the caller's are the blocks'.
+	bufs = append(pc.rest[:0], bufs...)
+	defer func() { clear(pc.rest); clear(pc.iovs) }()
+	pc.rest = bufs
+	got := 0
+	for len(bufs) > 0 && pc.br.Buffered() > 0 {
+		k, _ := pc.br.Read(bufs[0][:min(len(bufs[0]), pc.br.Buffered())])
+		got += k
+		if bufs[0] = bufs[0][k:]; len(bufs[0]) == 0 {
+			bufs = bufs[1:]
+		}
+	}
+	if pc.raw == nil {
+		for _, d := range bufs {
+			k, err := io.ReadFull(pc.br, d)
+			got += k
+			if err != nil {
+				return got, err
+			}
+		}
+		return got, nil
+	}
+	for len(bufs) > 0 {
+		iovs := pc.iovs[:0]
+		for _, d := range bufs[:min(len(bufs), 64)] {
+			if len(d) > 0 {
+				iovs = append(iovs, unix.Iovec{Base: unsafe.SliceData(d)})
+				iovs[len(iovs)-1].SetLen(len(d))
+			}
+		}
+		pc.iovs = iovs
+		var k int
+		var rerr error
+		err := pc.raw.Read(func(fd uintptr) bool {
+			k, rerr = readv(int(fd), iovs)
+			return rerr != unix.EAGAIN
+		})
+		runtime.KeepAlive(bufs)
+		if err == nil {
+			err = rerr
+		}
+		if err == nil && k == 0 {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil {
+			return got, err
+		}
+		got += k
+		for k > 0 {
+			c := min(k, len(bufs[0]))
+			k -= c
+			if bufs[0] = bufs[0][c:]; len(bufs[0]) == 0 {
+				bufs = bufs[1:]
+			}
+		}
+		for len(bufs) > 0 && len(bufs[0]) == 0 {
+			bufs = bufs[1:]
+		}
+	}
+	return got, nil
+}
+
+// readv is readv(2) on fd, EINTR retried.
+func readv(fd int, iovs []unix.Iovec) (int, error) {
+	for {
+		n, _, e := unix.Syscall(unix.SYS_READV, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(iovs))), uintptr(len(iovs)))
+		if e == unix.EINTR {
+			continue
+		}
+		if e != 0 {
+			return 0, e
+		}
+		return int(n), nil
+	}
 }
 
 // errUseStd: this request is net/http's to send (a redirect, a 1xx).
@@ -123,7 +214,13 @@ func (c *fastClient) get(ctx context.Context) (pc *pconn, reused bool, err error
 		}
 		nc = tc
 	}
-	return &pconn{nc: nc, br: bufio.NewReaderSize(nc, 16<<10)}, false, nil
+	pc = &pconn{nc: nc, br: bufio.NewReaderSize(nc, 16<<10)}
+	if tc, ok := nc.(*net.TCPConn); ok {
+		if raw, err := tc.SyscallConn(); err == nil {
+			pc.raw = raw
+		}
+	}
+	return pc, false, nil
 }
 
 // put keeps pc for the next request, or closes it.
@@ -194,7 +291,7 @@ func (c *fastClient) readRange(ctx context.Context, b *Backend, obj remote.Objec
 		what := rangeWhat(off, n)
 		clean, err := b.readReply(resp, obj, bufs, off, n, what, func() {
 			pc.nc.SetReadDeadline(time.Now().Add(chunkEndWait))
-		})
+		}, pc.fill)
 		if !stop() || err != nil || !clean || resp.Close {
 			pc.nc.Close()
 		} else {

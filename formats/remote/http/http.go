@@ -369,7 +369,7 @@ func (b *Backend) readStd(ctx context.Context, obj remote.Object, bufs [][]byte,
 		return err
 	}
 	defer resp.Body.Close()
-	_, err = b.readReply(resp, obj, bufs, off, n, what, func() { time.AfterFunc(chunkEndWait, cancel) })
+	_, err = b.readReply(resp, obj, bufs, off, n, what, func() { time.AfterFunc(chunkEndWait, cancel) }, nil)
 	return err
 }
 
@@ -391,9 +391,12 @@ func condition(obj remote.Object) (key, value string) {
 
 // readReply checks a range GET's reply against the request and obj and
 // reads its body into bufs. waitEnd arms the bound on the wait for a
-// chunked body's end. clean: the body was read to its end, nothing more
-// (its connection may serve another request).
-func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]byte, off, n int64, what string, waitEnd func()) (clean bool, err error) {
+// chunked body's end; fill, when not nil, reads a body of n bytes by
+// Content-Length (it fills bufs from the connection itself). clean: the
+// body was read to its end, nothing more (its connection may serve
+// another request).
+func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]byte, off, n int64, what string,
+	waitEnd func(), fill func([][]byte) (int, error)) (clean bool, err error) {
 	switch resp.StatusCode {
 	case nethttp.StatusPartialContent:
 	case nethttp.StatusPreconditionFailed, nethttp.StatusRequestedRangeNotSatisfiable:
@@ -418,6 +421,13 @@ func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]
 	}
 	if ce := resp.Header.Get("Content-Encoding"); ce != "" && ce != "identity" {
 		return false, fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
+	}
+	if fill != nil && resp.ContentLength == n {
+		// The body is exactly the range: read by fill, to its end.
+		if got, err := fill(bufs); err != nil {
+			return false, remote.Temporary(fmt.Errorf("%s: %s: body cut short after %d bytes: %v", b.name, what, got, err))
+		}
+		return true, nil
 	}
 	got := 0
 	for _, d := range bufs {

@@ -2,9 +2,11 @@ package http
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	nethttp "net/http"
+	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
@@ -102,5 +104,48 @@ func TestRvStrictIfUnmodifiedSince(t *testing.T) {
 	}
 	if _, err := readAll(f2, size); !errors.Is(err, remote.ErrChanged) {
 		t.Fatalf("a reply with an earlier Last-Modified: %v, want ErrChanged", err)
+	}
+}
+
+// TestRvKeptAliveConnectionsClosedByTheServer: the range GETs' own client
+// keeps connections between requests; one the server closed meanwhile
+// (its idle timeout) is replaced at once, not reported as a failure, and
+// the bytes are right whether the body came in one read or many.
+func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
+	const size = 3 << 20
+	l := &liar{data: make([]byte, size), etag: `"v1"`}
+	for i := range l.data {
+		l.data[i] = byte(i * 7 / 5)
+	}
+	srv := httptest.NewUnstartedServer(l)
+	srv.Config.IdleTimeout = 50 * time.Millisecond
+	srv.Start()
+	t.Cleanup(srv.Close)
+	b, err := New(srv.URL+"/disk.img", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if b.fast == nil {
+		t.Fatal("no proxy, plain http: the range GETs should not go through net/http")
+	}
+	ctx := context.Background()
+	obj, err := b.Stat(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, off := range []int64{0, 12345, 1 << 20, size - 70000} {
+		if i > 0 {
+			time.Sleep(150 * time.Millisecond) // the server drops the idle connection
+		}
+		// Blocks of uneven sizes, as the last block of an object is.
+		bufs := [][]byte{make([]byte, 16384), make([]byte, 100), make([]byte, 65536-16484), make([]byte, 4000)}
+		if err := b.ReadRangev(ctx, obj, bufs, off); err != nil {
+			t.Fatalf("read at %d after the server closed the idle connection: %v", off, err)
+		}
+		got := bytes.Join(bufs, nil)
+		if !bytes.Equal(got, l.data[off:off+int64(len(got))]) {
+			t.Fatalf("read at %d: wrong bytes", off)
+		}
 	}
 }
