@@ -342,14 +342,23 @@ type flightCall struct {
 func (e *extent) load(ctx context.Context, sector uint32, grainIndex int64) (*storedGrain, []byte, error) {
 	key := e.key(sector)
 	e.flight.mu.Lock()
-	if c, ok := e.flight.calls[key]; ok {
+	for {
+		c, ok := e.flight.calls[key]
+		if !ok {
+			break
+		}
 		e.flight.mu.Unlock()
 		select {
 		case <-c.done:
-			return c.g, c.d, c.err
 		case <-ctx.Done():
 			return nil, nil, fmt.Errorf("vmdk: %s: wait for grain at sector %d: %w", e.name, sector, context.Cause(ctx))
 		}
+		// A load given up by its own reader (its request interrupted)
+		// is not this reader's failure: it loads the grain itself.
+		if c.err == nil || !errors.Is(c.err, context.Canceled) && !errors.Is(c.err, context.DeadlineExceeded) {
+			return c.g, c.d, c.err
+		}
+		e.flight.mu.Lock()
 	}
 	c := &flightCall{done: make(chan struct{})}
 	if e.flight.calls == nil {

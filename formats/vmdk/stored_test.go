@@ -10,6 +10,7 @@ import (
 	"math/rand"
 	"sync"
 	"testing"
+	"time"
 )
 
 // storedZlib is data as a zlib stream of stored blocks of the given sizes
@@ -104,6 +105,47 @@ func TestVmdkStoredGrainsReadInPlace(t *testing.T) {
 	}
 	if b := make([]byte, 4096); !img.TryReadAt(b, 0) || !bytes.Equal(b, c.want[:4096]) {
 		t.Fatal("a cached stored grain is not read on the fast path")
+	}
+	// A read across blocks allocates nothing either (its scratch buffer
+	// is pooled).
+	b := make([]byte, 3000)
+	if n := testing.AllocsPerRun(100, func() { img.ReadAt(ctx, b, 500) }); n != 0 {
+		t.Errorf("ReadAt across stored blocks: %v allocations", n)
+	}
+	if n := testing.AllocsPerRun(100, func() { img.TryReadAt(b, 500) }); n != 0 {
+		t.Errorf("TryReadAt across stored blocks: %v allocations", n)
+	}
+}
+
+// A reader waiting for a grain another reader loads, whose request is
+// given up, loads it itself rather than fail with the other's error.
+func TestVmdkLoadGivenUpByItsReader(t *testing.T) {
+	c := craft(true)
+	img, err := open(t, writeTemp(t, t.TempDir(), "x.vmdk", c.b), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	e := img.extents[0]
+	gt, _ := e.gt(context.Background(), e.gd[0], false)
+	key := e.key(gt[0])
+	// A load in flight, as another reader's would be.
+	call := &flightCall{done: make(chan struct{})}
+	e.flight.calls = map[int64]*flightCall{key: call}
+	got := make(chan error, 1)
+	b := make([]byte, 512)
+	go func() {
+		_, err := img.ReadAt(context.Background(), b, 100)
+		got <- err
+	}()
+	time.Sleep(20 * time.Millisecond) // the reader waits on the call (or, slower, finds none: the same outcome)
+	e.flight.mu.Lock()
+	delete(e.flight.calls, key)
+	e.flight.mu.Unlock()
+	call.err = context.Canceled
+	close(call.done)
+	if err := <-got; err != nil || !bytes.Equal(b, c.want[100:612]) {
+		t.Fatalf("read after another reader's load was given up: %v", err)
 	}
 }
 
