@@ -115,6 +115,10 @@ func TestCvConvertMatrix(t *testing.T) {
 	}{
 		{"raw", []string{"-O", "raw"}, false},
 		{"qcow2", []string{"-O", "qcow2", "-W", "-m", "4"}, true},
+		// -t none: O_DIRECT and chunks of 2 MiB (a 6 MiB image of 4 KiB
+		// to 1 MiB pieces: chunks with several data runs and holes).
+		{"raw-direct", []string{"-O", "raw", "-t", "none", "-W", "-m", "16"}, false},
+		{"qcow2-direct", []string{"-O", "qcow2", "-t", "none"}, true},
 		{"qcow2-zlib", []string{"-O", "qcow2", "-c"}, true},
 		{"qcow2-zstd", []string{"-O", "qcow2", "-c", "-o", "compression_type=zstd,cluster_size=16k"}, true},
 		{"backing", []string{"-O", "qcow2", "-B", base, "-F", "qcow2"}, true},
@@ -134,6 +138,51 @@ func TestCvConvertMatrix(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// An image past the 64 MiB of progress after which the target's write-back
+// is started (and past the qcow2 target's 64 MiB steps of growing ahead)
+// converts as a small one does, in every cache mode.
+func TestCvConvertLargeWithWriteBehind(t *testing.T) {
+	dir := t.TempDir()
+	const size = 200 << 20
+	src := filepath.Join(dir, "big.raw")
+	f, err := os.Create(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	r := rand.New(rand.NewPCG(7, 7))
+	buf := make([]byte, 640<<10)
+	for off := int64(0); off < size; off += 1 << 20 {
+		for i := range buf {
+			buf[i] = byte(r.Uint32())
+		}
+		if _, err := f.WriteAt(buf, off+int64(r.IntN(256))*512); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.Close()
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"raw", []string{"-O", "raw", "-m", "16", "-W"}},
+		{"raw-writeback", []string{"-O", "raw", "-t", "writeback"}},
+		{"qcow2", []string{"-O", "qcow2", "-m", "16", "-W"}},
+		{"qcow2-direct", []string{"-O", "qcow2", "-t", "none", "-W"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dst := filepath.Join(t.TempDir(), "dst")
+			cvConvert(t, append(append([]string{"-f", "raw"}, tc.args...), src, dst)...)
+			cvQemuCompare(t, tc.name, "-f", "raw", src, dst)
+			if tc.args[1] == "qcow2" {
+				cvCheckClean(t, tc.name, dst)
+			}
+		})
 	}
 }
 
