@@ -500,7 +500,12 @@ func (e *engine) do(ctx context.Context, j job) error {
 					p = q
 					continue
 				}
-				// Not smaller compressed: stored as it is, as QEMU does.
+				// Not smaller compressed: stored as it is, as QEMU does,
+				// with the clusters after it that are not either, in one
+				// write (one allocation).
+				for q < r.end && (ci >= len(comps) || comps[ci].off != q) {
+					q += min(e.granule, r.end-q)
+				}
 				if _, err := e.dst.WriteAt(ctx, buf[p-j.off:q-j.off], p); err != nil {
 					return fmt.Errorf("convert: write at %d (+%d): %w", p, q-p, err)
 				}
