@@ -485,6 +485,14 @@ func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]by
 			return fmt.Errorf("%s: reading %d bytes at %d: body ended early: %w", b.name, total, off, remote.Temporary(err))
 		}
 	}
+	// Read on to the body's end (the length was checked: it is there
+	// already): a body closed before its end is seen may close its
+	// connection rather than keep it for the next GET, and a byte more
+	// is a reply that lies.
+	var extra [1]byte
+	if k, _ := out.Body.Read(extra[:]); k != 0 {
+		return fmt.Errorf("%s: reading %d bytes at %d: the body is longer than its Content-Length", b.name, total, off)
+	}
 	return nil
 }
 
