@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"hash/adler32"
 )
 
 // A stream-optimized grain of incompressible data is, as zlib writes it,
@@ -49,7 +48,7 @@ func parseStored(buf []byte, host, maxOut int64, maxRuns int) *storedGrain {
 		return nil
 	}
 	g := &storedGrain{}
-	sum := adler32.New()
+	sum := uint32(1)
 	pos := 2
 	for {
 		if len(buf)-pos < 5 {
@@ -69,7 +68,7 @@ func parseStored(buf []byte, host, maxOut int64, maxRuns int) *storedGrain {
 				return nil
 			}
 			g.runs = append(g.runs, storedRun{out: g.n, host: host + int64(pos)})
-			sum.Write(buf[pos : pos+n])
+			sum = adler32Update(sum, buf[pos:pos+n])
 			g.n += int64(n)
 		}
 		pos += n
@@ -77,7 +76,7 @@ func parseStored(buf []byte, host, maxOut int64, maxRuns int) *storedGrain {
 			break
 		}
 	}
-	if len(buf)-pos < 4 || binary.BigEndian.Uint32(buf[pos:]) != sum.Sum32() {
+	if len(buf)-pos < 4 || binary.BigEndian.Uint32(buf[pos:]) != sum {
 		return nil
 	}
 	return g
