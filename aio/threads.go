@@ -17,6 +17,29 @@ type threadFile struct {
 	// closed guards against using a descriptor number that Close released
 	// and the kernel may have handed to another file.
 	closed atomic.Bool
+	// readFlags are preadv2 flags for every read (RWF_DONTCACHE once
+	// drop-behind is set).
+	readFlags atomic.Int32
+}
+
+func (t *threadFile) setDropBehind() bool {
+	if t.direct || !dropBehindSupported(t.fd) {
+		return false
+	}
+	t.readFlags.Store(unix.RWF_DONTCACHE)
+	return true
+}
+
+// readFlagsOf is f's preadv2 flags for reads (0 for files of no backend
+// here).
+func readFlagsOf(f File) int {
+	switch f := f.(type) {
+	case *threadFile:
+		return int(f.readFlags.Load())
+	case *uringFile:
+		return int(f.readFlags.Load())
+	}
+	return 0
 }
 
 func newThreadFile(f *os.File, direct bool) *threadFile {
@@ -51,7 +74,7 @@ func preadAll(ctx context.Context, f File, p []byte, off int64, check func(conte
 }
 
 func (t *threadFile) TryReadAt(p []byte, off int64) bool {
-	return !t.closed.Load() && tryRead(t.fd, t.direct, p, off)
+	return !t.closed.Load() && tryRead(t.fd, t.direct, int(t.readFlags.Load()), p, off)
 }
 
 func (t *threadFile) TryWriteAt(p []byte, off int64) (bool, error) {
@@ -73,6 +96,8 @@ func transfer(ctx context.Context, f File, write bool, p []byte, off int64, chec
 	op, call := "pread", unix.Pread
 	if write {
 		op, call = "pwrite", unix.Pwrite
+	} else if flags := readFlagsOf(f); flags != 0 {
+		call = func(fd int, p []byte, off int64) (int, error) { return preadFlags(fd, p, off, flags) }
 	}
 	done := 0
 	for done < len(p) {
@@ -126,6 +151,8 @@ func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 	op, call := "preadv", unix.Preadv
 	if write {
 		op, call = "pwritev", unix.Pwritev
+	} else if flags := readFlagsOf(f); flags != 0 {
+		call = func(fd int, iov [][]byte, off int64) (int, error) { return unix.Preadv2(fd, iov, off, flags) }
 	}
 	iov = append([][]byte(nil), iov...)
 	total := 0

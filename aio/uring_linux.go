@@ -412,6 +412,17 @@ type uringFile struct {
 	fd     int
 	ring   *uring
 	direct bool
+	// readFlags are the rw_flags of every read (RWF_DONTCACHE once
+	// drop-behind is set).
+	readFlags atomic.Int32
+}
+
+func (u *uringFile) setDropBehind() bool {
+	if u.direct || !dropBehindSupported(u.fd) {
+		return false
+	}
+	u.readFlags.Store(unix.RWF_DONTCACHE)
+	return true
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {
@@ -454,7 +465,7 @@ func (u *uringFile) Close() error {
 
 // TryReadAt: see File.
 func (u *uringFile) TryReadAt(p []byte, off int64) bool {
-	return !u.closed() && tryRead(u.fd, u.direct, p, off)
+	return !u.closed() && tryRead(u.fd, u.direct, int(u.readFlags.Load()), p, off)
 }
 
 // TryWriteAt: see File.
@@ -476,7 +487,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 	}
 	done := 0
 	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && !coroutines.HasMissed(ctx) {
-		n, err := preadNoWait(u.fd, p, off)
+		n, err := preadNoWait(u.fd, p, off, int(u.readFlags.Load()))
 		if err == nil {
 			if n == 0 {
 				return 0, io.EOF
@@ -498,6 +509,9 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			e.off = uint64(off) + uint64(done)
 			e.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
 			e.len = uint32(min(len(buf), 1<<30))
+			if op == opRead {
+				e.opFlags = uint32(u.readFlags.Load())
+			}
 			e.userData = tag
 		})
 		runtime.KeepAlive(buf)
@@ -536,6 +550,9 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 			e.off = uint64(off) + uint64(total)
 			e.addr = uint64(uintptr(unsafe.Pointer(&s.iov[0])))
 			e.len = uint32(len(s.iov))
+			if op == opReadv {
+				e.opFlags = uint32(u.readFlags.Load())
+			}
 			e.userData = tag
 		})
 		runtime.KeepAlive(iov)

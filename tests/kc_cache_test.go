@@ -487,3 +487,68 @@ func TestKcReadAheadWindow(t *testing.T) {
 		t.Fatalf("--read-ahead 1K: %v, %s; want a usage error naming the flag", err, out)
 	}
 }
+
+// kcResident is how many of the first n bytes' pages of path the page
+// cache holds (mincore over a mapping, which reads nothing in).
+func kcResident(t *testing.T, path string, n int) int {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, n, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, n/4096)
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(n), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+		t.Fatal(errno)
+	}
+	k := 0
+	for _, v := range vec {
+		k += int(v & 1)
+	}
+	return k
+}
+
+// TestKcOneCache: with the kernel caching the export (and the host file
+// read through the page cache, --cache writeback), reading the export
+// cold leaves the image file's pages out of the page cache (drop-behind
+// reads): one cache, the export's. Uncached, the export leaves them in
+// (the host's cache is its only one). Both read the right bytes.
+func TestKcOneCache(t *testing.T) {
+	const size = 16 << 20
+	for _, kc := range []string{"on", "off"} {
+		t.Run(kc, func(t *testing.T) {
+			dir := t.TempDir()
+			img := randomImage(t, dir, size, 9)
+			want := readAll(t, img)
+			fd, err := unix.Open(img, unix.O_RDONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := unix.Preadv2(fd, [][]byte{make([]byte, 1)}, 0, unix.RWF_DONTCACHE); err != nil {
+				unix.Close(fd)
+				t.Skipf("the file system here has no drop-behind reads (RWF_DONTCACHE): %v", err)
+			}
+			unix.Fdatasync(fd) // dirty pages are not dropped
+			unix.Fadvise(fd, 0, size, unix.FADV_DONTNEED)
+			unix.Close(fd)
+			if k := kcResident(t, img, size); k > 0 {
+				t.Fatalf("%d pages of the image still cached after FADV_DONTNEED", k)
+			}
+			mnt := filepath.Join(dir, "mnt")
+			startExport(t, img, mnt, "-f", "raw", "--kernel-cache", kc, "--cache", "writeback")
+			mustEqualBytes(t, "export", readAll(t, mnt), want)
+			k := kcResident(t, img, size)
+			switch {
+			case kc == "on" && k > size/4096/10:
+				t.Fatalf("kernel cache on: %d of %d pages of the image file cached after reading the export: two caches", k, size/4096)
+			case kc == "off" && k < size/4096/2:
+				t.Fatalf("kernel cache off: only %d of %d pages of the image file cached (the test cannot tell one cache from two)", k, size/4096)
+			}
+		})
+	}
+}

@@ -81,7 +81,7 @@ func TestKcLoopMountUnderMemoryLimit(t *testing.T) {
 	mnt := filepath.Join(dir, "mnt")
 	kcStart(t, img, mnt, "-f", "raw")
 	dev := strings.TrimSpace(run(t, "stat", "-c", "%Hd:%Ld", mnt))
-	for file, want := range map[string]string{"strict_limit": "1", "max_ratio": "1", "read_ahead_kb": "1024"} {
+	for file, want := range map[string]string{"strict_limit": "1", "max_ratio": "1"} {
 		b, err := os.ReadFile(filepath.Join("/sys/class/bdi", dev, file))
 		if err != nil || strings.TrimSpace(string(b)) != want {
 			t.Fatalf("bdi %s %s: %q %v, want %s", dev, file, b, err, want)

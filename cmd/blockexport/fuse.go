@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/blockexport/blockexport/aio"
 	"os"
 	"runtime"
 	"time"
@@ -177,6 +178,20 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	}
 	if f.parts.all {
 		kernelCache = false // several files over the same bytes (checked against "on" above)
+	}
+	if kernelCache && f.cache == "writeback" {
+		// One cache, not two: the kernel caches the export, so the
+		// image's host files drop what they read (keeping their
+		// read-ahead, which --cache none gives up).
+		n := 0
+		for _, h := range img.Hosts {
+			if aio.SetDropBehind(h) {
+				n++
+			}
+		}
+		if n < len(img.Hosts) {
+			logger.Info("kernel cache: some host files keep what they read in the page cache too (their file system has no drop-behind reads, RWF_DONTCACHE)", "files", len(img.Hosts), "drop-behind", n)
+		}
 	}
 	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
 		KernelCache: kernelCache, KeepCache: kernelCache && img.Format == probe.QCOW2 && !nbd.IsURI(image),

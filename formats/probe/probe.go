@@ -117,6 +117,10 @@ type Opened struct {
 	// Format is the format in use; Probed says it was detected, not given.
 	Format string
 	Probed bool
+	// Hosts are the local files the image reads (the image file, its
+	// backing files and extents), closed with the image: a front end may
+	// tune how they are read (aio.SetDropBehind) before it serves.
+	Hosts []aio.File
 }
 
 // Open opens spec: a path, or "null:SIZE".
@@ -154,7 +158,7 @@ func Open(spec string, o Options) (*Opened, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Opened{Image: img, Format: name, Probed: format == Auto}, nil
+	return &Opened{Image: img, Format: name, Probed: format == Auto, Hosts: c.hosts}, nil
 }
 
 // ErrNoChecks is Check on a format that has no checks (qemu-img check's
@@ -248,6 +252,9 @@ type chain struct {
 	// so whose backing file openBacking is asked for), "" while a local
 	// image's is: a remote image's backing string is held to its origin.
 	remoteParent string
+	// hosts are the local files opened for the image (itself, backing
+	// files, extents), for Opened.Hosts.
+	hosts []aio.File
 }
 
 // openNBD opens an image on an NBD server. What the server exports is
@@ -349,6 +356,7 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 		f.Close()
 		return nil, "", err
 	}
+	c.hosts = append(c.hosts, f)
 	if c.o.Direct {
 		// Formats keep byte-granular metadata (qcow2's header fields,
 		// compressed clusters); O_DIRECT wants whole blocks.

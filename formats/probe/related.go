@@ -131,6 +131,7 @@ func (c *chain) openRelated(image, name string) (aio.File, string, error) {
 		return nil, shown, fmt.Errorf("%s names %s, which is %s again: %w (a loop)", image, shown, prev, ErrRelatedRefused)
 	}
 	c.seen[id] = shown
+	c.hosts = append(c.hosts, f)
 	if c.o.Direct {
 		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
