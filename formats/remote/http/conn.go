@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -53,10 +54,35 @@ type pconn struct {
 	nc  net.Conn
 	br  *bufio.Reader
 	req []byte // the request being written
-	// raw reads a plain TCP connection with readv (nil for TLS).
-	raw  syscall.RawConn
-	iovs []unix.Iovec
-	rest [][]byte
+	// raw reads a plain TCP connection with readv (nil for TLS); sock
+	// is the TCP socket under either.
+	raw, sock syscall.RawConn
+	iovs      []unix.Iovec
+	rest      [][]byte
+}
+
+// stale says whether an idle connection has something to read before a
+// request is sent on it: the server closed it, or sent what no request
+// asked for (a reply read later as the next request's answer would be
+// checked against that request only). Either way it is not reused.
+func (pc *pconn) stale() bool {
+	if pc.br.Buffered() > 0 {
+		return true
+	}
+	if pc.sock == nil {
+		return false
+	}
+	var b [1]byte
+	var rerr error
+	if err := pc.sock.Read(func(fd uintptr) bool {
+		_, _, rerr = unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		return true
+	}); err != nil {
+		return true
+	}
+	// Nothing to read (EAGAIN) is the one good answer: bytes, an end of
+	// stream (no error) or an error are not.
+	return rerr != unix.EAGAIN
 }
 
 // fill reads a body of exactly the bytes of bufs that follows the reply's
@@ -154,7 +180,7 @@ func newFastClient(u *url.URL, tlsConf *tls.Config, conns int) *fastClient {
 		return nil
 	}
 	target := u.RequestURI()
-	if !validValue(u.Host) || !validValue(target) || u.Hostname() == "" {
+	if !validValue(u.Host) || !validValue(target) || strings.ContainsRune(target, ' ') || u.Hostname() == "" {
 		return nil
 	}
 	c := &fastClient{
@@ -194,14 +220,21 @@ func validValue(s string) bool {
 
 // get is an idle connection (reused) or a new one.
 func (c *fastClient) get(ctx context.Context) (pc *pconn, reused bool, err error) {
-	c.mu.Lock()
-	if n := len(c.idle); n > 0 {
+	for {
+		c.mu.Lock()
+		n := len(c.idle)
+		if n == 0 {
+			c.mu.Unlock()
+			break
+		}
 		pc = c.idle[n-1]
 		c.idle = c.idle[:n-1]
 		c.mu.Unlock()
-		return pc, true, nil
+		if !pc.stale() {
+			return pc, true, nil
+		}
+		pc.nc.Close()
 	}
-	c.mu.Unlock()
 	nc, err := c.dialer.DialContext(ctx, "tcp", c.addr)
 	if err != nil {
 		return nil, false, err
@@ -215,19 +248,28 @@ func (c *fastClient) get(ctx context.Context) (pc *pconn, reused bool, err error
 		nc = tc
 	}
 	pc = &pconn{nc: nc, br: bufio.NewReaderSize(nc, 16<<10)}
-	if tc, ok := nc.(*net.TCPConn); ok {
+	tcp := nc
+	if tc, ok := nc.(*tls.Conn); ok {
+		tcp = tc.NetConn()
+	}
+	if tc, ok := tcp.(*net.TCPConn); ok {
 		if raw, err := tc.SyscallConn(); err == nil {
-			pc.raw = raw
+			pc.sock = raw
+			if tcp == nc {
+				pc.raw = raw
+			}
 		}
 	}
 	return pc, false, nil
 }
 
-// put keeps pc for the next request, or closes it.
+// put keeps pc for the next request, or closes it: also when the server
+// sent more than the reply (what follows is no answer to the next
+// request).
 func (c *fastClient) put(pc *pconn) {
 	pc.nc.SetDeadline(time.Time{})
 	c.mu.Lock()
-	if !c.closed && len(c.idle) < c.maxIdle {
+	if !c.closed && len(c.idle) < c.maxIdle && pc.br.Buffered() == 0 {
 		c.idle = append(c.idle, pc)
 		pc = nil
 	}

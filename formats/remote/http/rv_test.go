@@ -8,6 +8,7 @@ import (
 	nethttp "net/http"
 	"net/http/httptest"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -147,5 +148,65 @@ func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 		if !bytes.Equal(got, l.data[off:off+int64(len(got))]) {
 			t.Fatalf("read at %d: wrong bytes", off)
 		}
+	}
+}
+
+// TestRvUnaskedReplyOnAKeptConnection: a server that sends, after a
+// range's reply, a second reply no request asked for (a 206 for the
+// range read next, of zeroes) on the connection it keeps open: the
+// connection is not used again, and the next range has the object's
+// bytes, not the unasked reply's.
+func TestRvUnaskedReplyOnAKeptConnection(t *testing.T) {
+	const size = 1 << 20
+	var mu sync.Mutex
+	var held []func()
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c()
+		}
+	})
+	var gets atomic.Int64
+	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
+		if r.Method != nethttp.MethodGet || r.Header.Get("Range") != "bytes=0-99" || gets.Add(1) > 1 {
+			return false
+		}
+		c, buf, err := w.(nethttp.Hijacker).Hijack()
+		if err != nil {
+			panic(err)
+		}
+		fmt.Fprintf(buf, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/%d\r\nETag: \"v1\"\r\nContent-Length: 100\r\n\r\n", size)
+		buf.Write(l.data[:100])
+		buf.Flush()
+		time.Sleep(20 * time.Millisecond)
+		fmt.Fprintf(buf, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/%d\r\nETag: \"v1\"\r\nContent-Length: 100\r\n\r\n", size)
+		buf.Write(make([]byte, 100))
+		buf.Flush()
+		mu.Lock()
+		held = append(held, func() { c.Close() })
+		mu.Unlock()
+		return true
+	})
+	b, err := New(srv.URL+"/disk.img", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	ctx := context.Background()
+	obj, err := b.Stat(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, 100)
+	if err := b.ReadRange(ctx, obj, p, 0); err != nil || !bytes.Equal(p, l.data[:100]) {
+		t.Fatalf("first range: %v", err)
+	}
+	time.Sleep(100 * time.Millisecond) // the unasked reply is in
+	if err := b.ReadRange(ctx, obj, p, 100); err != nil {
+		t.Fatalf("second range: %v", err)
+	}
+	if !bytes.Equal(p, l.data[100:200]) {
+		t.Fatal("second range: the bytes of a reply nobody asked for")
 	}
 }
