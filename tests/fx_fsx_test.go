@@ -45,14 +45,14 @@ type fxRun struct {
 	d      *daemon
 	mu     sync.Mutex // log, read by the watchdog too
 	hung   atomic.Bool
-	// syncBeforeDirectRead: with the kernel cache on, an O_DIRECT open
-	// is direct_io, and the kernel does not write another descriptor's
-	// dirty pages back before its reads: one of a buffered write past the
-	// image's end read zeroes once under make test (seed
-	// 1796192451046201100, not reproducible alone). Until the export
-	// writes them back itself (a sync_file_range from the READ deadlocked
-	// against a truncate), the exerciser fsyncs first, as the README
-	// tells users to.
+	// syncBeforeDirectRead: with the kernel cache on, the exerciser
+	// fsyncs the buffered descriptor before each O_DIRECT read. The
+	// kernel writes the range's dirty pages back before a direct_io read
+	// itself (TestKcDirectWriteInvalidatesCache sees a dirty write), yet
+	// once under make test (seed 1796192451046201100) an O_DIRECT read
+	// past the image's end read zeroes where a buffered write lay; that
+	// never came back alone, nor in 24 runs of 20,000 operations without
+	// the fsync (BLOCKEXPORT_FSX_NOSYNC=1 drops it, to hunt it).
 	syncBeforeDirectRead bool
 }
 
@@ -406,7 +406,7 @@ func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 	d := startExport(t, img, mnt, "-f", format, "-w", "--growable", "--kernel-cache", kc)
 
 	r := &fxRun{t: t, d: d, seed: seed, rnd: rand.New(rand.NewPCG(seed, 0xf5)), align: 1,
-		model: make([]byte, 4<<20), dbuf: kcAlignedBuf(fxMaxSize), counts: map[string]int{}, syncBeforeDirectRead: kc == "on"}
+		model: make([]byte, 4<<20), dbuf: kcAlignedBuf(fxMaxSize), counts: map[string]int{}, syncBeforeDirectRead: kc == "on" && os.Getenv("BLOCKEXPORT_FSX_NOSYNC") == ""}
 	if format == "qcow2" {
 		r.align = 512
 	}
