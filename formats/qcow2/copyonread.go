@@ -240,12 +240,23 @@ func (q *Image) DropBacking(ctx context.Context) error {
 	if err := q.checkWritable("drop the backing file"); err != nil {
 		return err
 	}
+	if q.h.backingOffset != 0 && q.h.nbSnapshots > 0 {
+		// A snapshot reads its unallocated clusters from the backing
+		// file too, and only the active layer was copied: without the
+		// backing file they would read as zeroes. (QEMU's block-stream
+		// drops it all the same.)
+		return fmt.Errorf("%w: the image has %d internal snapshots, which would lose what they read from the backing file (delete them first: qemu-img snapshot -d)", ErrUnsupported, q.h.nbSnapshots)
+	}
 	if err := q.Flush(ctx); err != nil {
 		return err
 	}
 	if q.h.backingOffset == 0 {
 		return nil
 	}
+	// From here on the header changes in steps that must all happen: a
+	// cancellation (SIGINT) between them would leave the backing file
+	// named without its format, probed at every later open.
+	ctx = context.WithoutCancel(ctx)
 	hlen := int64(q.h.headerLength)
 	if q.h.version < 3 {
 		hlen = 72
