@@ -124,7 +124,7 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	case errors.Is(err, copyonread.ErrNoBackingFile):
 		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s has no backing file: nothing to stream\n", overlay)
 		return nil
-	case ctx.Err() != nil && err != nil:
+	case ctx.Err() != nil && errors.Is(err, context.Canceled):
 		return fmt.Errorf("stream %s interrupted: %d of %d bytes copied and flushed; run it again to copy the rest", overlay, p.done, p.total)
 	case err != nil:
 		return fmt.Errorf("stream %s: %w", overlay, err)
@@ -208,7 +208,8 @@ func (p *streamProgress) finish(ok bool) {
 		}
 	case "json":
 		if ok {
-			p.enc.Encode(streamStep{Event: "completed", Done: p.done, Total: p.total})
+			// Everything copied is durable once the header has changed.
+			p.enc.Encode(streamStep{Event: "completed", Done: p.done, Durable: p.done, Total: p.total})
 		}
 	}
 }

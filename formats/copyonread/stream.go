@@ -1,6 +1,7 @@
 package copyonread
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -70,6 +71,11 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 	if s.Backing() == nil {
 		return ErrNoBackingFile
 	}
+	// Said before anything is copied: the top layer would refuse to drop
+	// its backing file at the end (its snapshots read from it too).
+	if n := len(s.Info().Snapshots); n > 0 {
+		return fmt.Errorf("the image has %d internal snapshots, which would lose what they read from the backing file: delete them first (qemu-img snapshot -d)", n)
+	}
 	if o.Parallel <= 0 {
 		o.Parallel = 4
 	}
@@ -94,12 +100,11 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 	steps := make(chan step)
 	var (
 		wg        sync.WaitGroup
-		mu        sync.Mutex // Progress, done, firstErr
-		done      int64
+		mu        sync.Mutex // Progress, done, durable, firstErr
+		done      int64      // bytes whose copy returned
+		durable   int64      // of done, bytes counted before a flush that returned
 		firstErr  error
 		sinceSync atomic.Int64
-		copied    atomic.Int64 // bytes whose copy returned
-		durable   int64        // bytes copied before a flush that returned (under mu)
 		lastSync  atomic.Int64 // UnixNano
 	)
 	lastSync.Store(time.Now().UnixNano())
@@ -122,7 +127,13 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 					fail(fmt.Errorf("copy [%d, +%d) from the backing file: %w", st.off, st.n, err))
 					continue
 				}
-				mark := copied.Add(st.n)
+				// Counted as done before any flush: a flush that begins
+				// after this makes it durable, and durable (a mark of
+				// done) can never run ahead of done in a report.
+				mu.Lock()
+				done += st.n
+				mark := done
+				mu.Unlock()
 				now := time.Now().UnixNano()
 				if sinceSync.Add(st.n) >= o.FlushEvery || now-lastSync.Load() >= int64(o.FlushInterval) {
 					sinceSync.Store(0)
@@ -139,7 +150,6 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 					mu.Unlock()
 				}
 				mu.Lock()
-				done += st.n
 				if o.Progress != nil {
 					o.Progress(st.off, st.n, done, durable, total)
 				}
@@ -166,6 +176,11 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 	// What was copied is made durable, whatever happened.
 	ferr := s.Flush(context.WithoutCancel(ctx))
 	switch {
+	case ferr != nil && (firstErr != nil || ctx.Err() != nil || werr != nil):
+		// Said first: the copies since the last flush are not durable,
+		// whatever stopped the stream (a caller would otherwise report
+		// an interruption as "copied and flushed").
+		return fmt.Errorf("flush the copies: %w (the stream stopped on: %v)", ferr, cmp.Or(firstErr, ctx.Err(), werr))
 	case firstErr != nil:
 		return firstErr
 	case ctx.Err() != nil:

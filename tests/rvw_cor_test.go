@@ -1,0 +1,170 @@
+package tests
+
+import (
+	"encoding/json"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// Attacks on copy-on-read and `blockexport stream`, as an outsider would
+// try them: qemu-img is the oracle throughout.
+
+// rvwStreamLines runs a stream to its end and returns its JSON lines and
+// exit error.
+func rvwStreamLines(t *testing.T, over string) ([]corStep, error, string) {
+	t.Helper()
+	cmd, lines, stderr := corStream(t, over)
+	var steps []corStep
+	for lines.Scan() {
+		var s corStep
+		if err := json.Unmarshal(lines.Bytes(), &s); err != nil {
+			t.Fatalf("a progress line that is no JSON: %q", lines.Text())
+		}
+		steps = append(steps, s)
+	}
+	err := cmd.Wait()
+	return steps, err, stderr.String()
+}
+
+// rvwCopy copies the raw file path next to it and returns the copy's path
+// (corStandalone renames the backing file away to compare without it).
+func rvwCopy(t *testing.T, path string) string {
+	t.Helper()
+	want := path + ".want"
+	run(t, "cp", "--sparse=always", path, want)
+	return want
+}
+
+// TestRvwStreamProgressIsTruthful: no step says more is durable than is
+// done, and the completed line says all of it is durable (it said 0).
+func TestRvwStreamProgressIsTruthful(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 48<<20, 21)
+	over := corOverlay(t, dir, base)
+	steps, err, stderr := rvwStreamLines(t, over)
+	if err != nil {
+		t.Fatalf("stream: %v\n%s", err, stderr)
+	}
+	last := steps[len(steps)-1]
+	if last.Event != "completed" || last.Done != last.Total || last.Durable != last.Done {
+		t.Fatalf("the completed line: %+v", last)
+	}
+	for _, s := range steps {
+		if s.Durable > s.Done || s.Done > s.Total {
+			t.Fatalf("a step says more durable than done: %+v", s)
+		}
+	}
+	corStandalone(t, over, rvwCopy(t, base), base)
+}
+
+// TestRvwStreamRefusesInternalSnapshots: the overlay's internal snapshot
+// reads the backing file through its unallocated clusters too; a stream
+// that dropped the backing file (QEMU's block-stream does) would make
+// the snapshot read zeroes there. Refused in one line before copying.
+func TestRvwStreamRefusesInternalSnapshots(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 8<<20, 22)
+	over := corOverlay(t, dir, base)
+	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x44 0 64k", over)
+	run(t, "qemu-img", "snapshot", "-c", "s1", over)
+	snap := filepath.Join(dir, "snap.raw")
+	run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, snap)
+	code, out := runBlockexport(t, "stream", "--progress", "none", over)
+	if code == 0 || !strings.Contains(out, "snapshot") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+		t.Fatalf("stream of an overlay with a snapshot: exit %d\n%s", code, out)
+	}
+	var info map[string]any
+	json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+	if info["backing-filename"] == nil {
+		t.Fatal("the refused stream dropped the backing file")
+	}
+	got := filepath.Join(dir, "snap-after.raw")
+	run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, got)
+	run(t, "qemu-img", "compare", "-q", "-f", "raw", "-F", "raw", snap, got)
+	corCheckClean(t, over)
+}
+
+// TestRvwStreamKilledAgainAndAgain: one overlay, its stream killed
+// (SIGKILL and SIGINT in turn) at steps early and late, and resumed each
+// time: after every interruption the overlay reads as its backing file
+// (qemu-img compare), qemu-img finds no corruption, and the backing file
+// is still named; the last run completes standalone.
+func TestRvwStreamKilledAgainAndAgain(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 64<<20, 23)
+	over := corOverlay(t, dir, base)
+	sigs := []syscall.Signal{syscall.SIGKILL, syscall.SIGINT}
+	for round, at := range []int{1, 3, 0, 7, 2, 12, 5} {
+		sig := sigs[round%2]
+		cmd, lines, stderr := corStream(t, over)
+		n := 0
+		for lines.Scan() {
+			if n >= at {
+				break
+			}
+			n++
+		}
+		cmd.Process.Signal(sig)
+		go func() {
+			for lines.Scan() {
+			}
+		}()
+		err := cmd.Wait()
+		if err == nil {
+			break // it finished before the signal: the rest is checked below
+		}
+		out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
+		var check struct {
+			Corruptions int `json:"corruptions"`
+			Leaks       int `json:"leaks"`
+		}
+		if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 || sig == syscall.SIGINT && check.Leaks != 0 {
+			t.Fatalf("round %d (%v at line %d): qemu-img check: %v\n%s\n%s", round, sig, at, jerr, out, stderr)
+		}
+		var info map[string]any
+		json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+		if info["backing-filename"] == nil {
+			t.Fatalf("round %d: an interrupted stream dropped the backing file", round)
+		}
+		run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+	}
+	corStreamToEnd(t, over)
+	corStandalone(t, over, rvwCopy(t, base), base)
+}
+
+// TestRvwStreamOutOfSpace: the overlay's file system fills up mid-stream:
+// the stream fails (exit 1, one line), the overlay still reads as its
+// backing file with no corruption, and once there is room a rerun
+// completes standalone and clean.
+func TestRvwStreamOutOfSpace(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 32<<20, 24)
+	small := smallHost(t, dir, "12m")
+	over := corOverlay(t, small, base)
+	steps, err, stderr := rvwStreamLines(t, over)
+	if err == nil {
+		t.Fatal("a 32 MiB stream into a 12 MiB file system succeeded")
+	}
+	if !strings.Contains(stderr, "no space left") {
+		t.Fatalf("stream out of space said: %q", stderr)
+	}
+	for _, s := range steps {
+		if s.Event == "completed" {
+			t.Fatal("an out-of-space stream said it completed")
+		}
+	}
+	out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
+	var check struct {
+		Corruptions int `json:"corruptions"`
+	}
+	if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 {
+		t.Fatalf("qemu-img check after ENOSPC: %v\n%s", jerr, out)
+	}
+	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+	run(t, "mount", "-o", "remount,size=64m", small)
+	corStreamToEnd(t, over)
+	corStandalone(t, over, rvwCopy(t, base), base)
+}
