@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // Attacks on copy-on-read and `blockexport stream`, as an outsider would
@@ -167,4 +168,54 @@ func TestRvwStreamOutOfSpace(t *testing.T) {
 	run(t, "mount", "-o", "remount,size=64m", small)
 	corStreamToEnd(t, over)
 	corStandalone(t, over, rvwCopy(t, base), base)
+}
+
+// TestRvwStreamHTTPObjectReplacedMidStream: the backing object on nginx
+// is replaced (same size, new bytes) while a stream pulls it in: the
+// stream fails (If-Match), or completes from what it had cached; either
+// way every cluster the overlay holds has the old object's bytes (the
+// overlay rebased unsafely onto a local copy of the old object equals
+// it), no corruption, and a failed stream leaves the backing file named.
+func TestRvwStreamHTTPObjectReplacedMidStream(t *testing.T) {
+	n := rhStartNginx(t)
+	dir := t.TempDir()
+	v1 := randomImage(t, dir, 64<<20, 2501)
+	n.put(t, "disk.img", v1)
+	over := filepath.Join(dir, "over.qcow2")
+	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("http", "disk.img"), "-F", "raw", over, "64M")
+	cmd, lines, stderr := corStream(t, "--parallel", "1", "--cache-size", "1M", over)
+	for i := 0; i < 3 && lines.Scan(); i++ {
+	}
+	time.Sleep(1100 * time.Millisecond) // a new Last-Modified second too
+	v2 := randomImage(t, t.TempDir(), 64<<20, 2502)
+	n.put(t, "disk.img", v2)
+	completed := false
+	for lines.Scan() {
+		completed = completed || strings.Contains(lines.Text(), `"completed"`)
+	}
+	err := cmd.Wait()
+	if err == nil != completed {
+		t.Fatalf("stream: exit %v, completed line %v\n%s", err, completed, stderr)
+	}
+	t.Logf("stream: exit %v: %s", err, stderr)
+	if err != nil && !strings.Contains(stderr.String(), "changed") {
+		t.Fatalf("stream over a replaced object said: %s", stderr)
+	}
+	out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
+	var check struct {
+		Corruptions int `json:"corruptions"`
+		Leaks       int `json:"leaks"`
+	}
+	if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 || check.Leaks != 0 {
+		t.Fatalf("qemu-img check after the stream: %v\n%s", jerr, out)
+	}
+	if err != nil {
+		var info map[string]any
+		json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+		if info["backing-filename"] == nil {
+			t.Fatal("a failed stream dropped the backing file")
+		}
+	}
+	run(t, "qemu-img", "rebase", "-u", "-b", v1, "-F", "raw", over)
+	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, v1)
 }
