@@ -219,3 +219,29 @@ func TestRvwStreamHTTPObjectReplacedMidStream(t *testing.T) {
 	run(t, "qemu-img", "rebase", "-u", "-b", v1, "-F", "raw", over)
 	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, v1)
 }
+
+// TestRvwStreamWhileExported: a stream of an overlay exported with
+// copy-on-read, exported read-only, or whose backing file is exported
+// writable is refused (exit 1, "in use"), as QEMU's locks refuse it, and
+// leaves the overlay as it was.
+func TestRvwStreamWhileExported(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 8<<20, 25)
+	over := corOverlay(t, dir, base)
+	mnt := filepath.Join(dir, "mnt")
+	for _, c := range []struct {
+		img  string
+		args []string
+	}{{over, []string{"-w", "--copy-on-read"}}, {over, nil}, {base, []string{"-w"}}} {
+		d := startExport(t, c.img, mnt, c.args...)
+		code, out := runBlockexport(t, "stream", "--progress", "none", over)
+		d.stopClean()
+		if code != 1 || !strings.Contains(out, "in use") {
+			t.Fatalf("stream while %s is exported %v: exit %d\n%s", filepath.Base(c.img), c.args, code, out)
+		}
+		if depth := corDepthOf(t, over); len(depth) == 0 || depth[len(depth)-1] == 0 {
+			t.Fatalf("the refused stream copied: %v", depth)
+		}
+	}
+	corCheckClean(t, over)
+}

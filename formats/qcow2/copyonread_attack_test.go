@@ -1,6 +1,7 @@
 package qcow2
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"path/filepath"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // errAfterCtx is a context that says it is cancelled from its k-th Err()
@@ -104,5 +106,70 @@ func TestRvwDropBackingRefusesSnapshots(t *testing.T) {
 	}
 	if b, _ := qemuBacking(t, over); b == "" {
 		t.Fatal("the refused DropBacking dropped the backing file")
+	}
+}
+
+// TestRvwCopyOfThePartialLastClusterRacesGuestOps: the image ends 4.5 KiB
+// into its last cluster; a copy-on-read of that cluster is caught reading
+// the backing file while a guest write, a write of zeroes or a discard
+// of it comes: each waits and wins, and the image checks clean.
+func TestRvwCopyOfThePartialLastClusterRacesGuestOps(t *testing.T) {
+	const size = 1<<20 + 4608
+	ops := map[string]func(q *Image, want []byte) error{
+		"write": func(q *Image, want []byte) error {
+			p := bytes.Repeat([]byte{0xcd}, 3000)
+			copy(want[1<<20+1000:], p)
+			_, err := q.WriteAt(context.Background(), p, 1<<20+1000)
+			return err
+		},
+		"zeroes": func(q *Image, want []byte) error {
+			clear(want[1<<20+512:])
+			return q.WriteZeroes(context.Background(), 1<<20+512, 4096, true)
+		},
+		"discard": func(q *Image, want []byte) error {
+			clear(want[1<<20:]) // v3 with a backing file: a zero cluster
+			return q.Discard(context.Background(), 1<<20, 4608)
+		},
+	}
+	for name, op := range ops {
+		t.Run(name, func(t *testing.T) {
+			over, data := corOverlay(t, size, "1.1")
+			q := openRW(t, over)
+			g := &gatedImage{Image: q.backing, entered: make(chan struct{}), release: make(chan struct{})}
+			q.backing = g
+			got := make([]byte, 2048)
+			readDone := make(chan error, 1)
+			go func() {
+				_, err := q.ReadCopy(context.Background(), got, size-2048)
+				readDone <- err
+			}()
+			<-g.entered
+			want := bytes.Clone(data)
+			opDone := make(chan error, 1)
+			go func() { opDone <- op(q, want) }()
+			time.Sleep(100 * time.Millisecond)
+			close(g.release)
+			if err := <-readDone; err != nil {
+				t.Fatal(err)
+			}
+			if err := <-opDone; err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, data[size-2048:]) {
+				t.Fatal("the copy-on-read returned other bytes than the backing file's")
+			}
+			buf := make([]byte, size)
+			if _, err := q.ReadCopy(context.Background(), buf, 0); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(buf, want) {
+				t.Fatal("the image does not read as the backing file with the guest's operation applied")
+			}
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			checkClean(t, over)
+			compareRaw(t, over, want)
+		})
 	}
 }
