@@ -1,11 +1,13 @@
 package main
 
 import (
+	"flag"
 	"fmt"
 	"log"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -23,6 +25,23 @@ const cvBenchSize = 4 << 30
 // cvQemuConverts are the qemu-img convert configurations tried; the row
 // quotes the fastest and names it. -t none is only for targets QEMU can
 // open with O_DIRECT (all here).
+// cvRows picks convert rows by name (a comma-separated list of words, one
+// of which a row's name must contain; empty: all).
+var cvRows = flag.String("convert-rows", "", "convert rows to run: words one of which a row's name contains (e.g. \"zstd,-> raw\"); default all")
+
+// cvPicked says whether the convert row name is to run.
+func cvPicked(name string) bool {
+	if *cvRows == "" {
+		return true
+	}
+	for _, w := range strings.Split(*cvRows, ",") {
+		if w != "" && strings.Contains(name, w) {
+			return true
+		}
+	}
+	return false
+}
+
 var cvQemuConverts = [][]string{{"-m", "8"}, {"-m", "16", "-W"}, {"-m", "16", "-W", "-t", "none"}}
 
 // cvOurConverts are ours; the row keeps the fastest.
@@ -58,6 +77,9 @@ func cvBenchConvert(dir, bin string) []row {
 	}
 	var rows []row
 	for _, c := range cases {
+		if !cvPicked(c.name) {
+			continue
+		}
 		r := row{target: "convert", name: c.name + " (s)", unit: "s"}
 		for _, q := range cvQemuConverts {
 			args := append(append([]string{"convert", "-f", c.srcFmt, "-O", c.outFmt}, c.extra...), q...)
