@@ -283,9 +283,13 @@ func main() {
 	if targets["kcache"] || *only == defaultOnly {
 		rows = append(rows, benchKernelCache(dir, ours)...)
 		// O_DIRECT opens keep direct_io under --kernel-cache on: the
-		// page-cache rows' O_DIRECT matrix again with it, to show they
-		// are no worse than with the default (the raw rows above).
-		rows = append(rows, benchTarget("raw", dir, with("raw", ours("--kernel-cache", "on")), " (--kernel-cache on)", nil)...)
+		// page-cache rows' O_DIRECT matrix with it, against the same
+		// export without it in the same minutes (the compared-with
+		// column is then ours, kernel cache off: the issue asks for no
+		// worse than that).
+		off := ours()
+		off.ours, off.config = false, "--kernel-cache off"
+		rows = append(rows, benchTarget("raw", dir, []system{ours("--kernel-cache", "on"), off}, " (--kernel-cache on vs off)", nil)...)
 	}
 	if targets["convert"] {
 		rows = append(rows, cvBenchConvert(dir, bin)...)
