@@ -25,21 +25,27 @@ const cvBenchSize = 4 << 30
 // cvQemuConverts are the qemu-img convert configurations tried; the row
 // quotes the fastest and names it. -t none is only for targets QEMU can
 // open with O_DIRECT (all here).
-// cvRows picks convert rows by name (a comma-separated list of words, one
-// of which a row's name must contain; empty: all).
-var cvRows = flag.String("convert-rows", "", "convert rows to run: words one of which a row's name contains (e.g. \"zstd,-> raw\"); default all")
+// cvRows picks convert rows by name: comma-separated words, one of which
+// a row's name must contain, or, starting with "!", none of which it
+// may; empty: all.
+var cvRows = flag.String("convert-rows", "", "convert rows to run: words one of which a row's name contains, !word for rows without it (e.g. \"!zlib\"); default all")
 
 // cvPicked says whether the convert row name is to run.
 func cvPicked(name string) bool {
-	if *cvRows == "" {
-		return true
-	}
+	picked, wanted := false, false
 	for _, w := range strings.Split(*cvRows, ",") {
-		if w != "" && strings.Contains(name, w) {
-			return true
+		switch {
+		case w == "":
+		case strings.HasPrefix(w, "!"):
+			if strings.Contains(name, w[1:]) {
+				return false
+			}
+		default:
+			wanted = true
+			picked = picked || strings.Contains(name, w)
 		}
 	}
-	return false
+	return picked || !wanted
 }
 
 var cvQemuConverts = [][]string{{"-m", "8"}, {"-m", "16", "-W"}, {"-m", "16", "-W", "-t", "none"}}
