@@ -340,3 +340,28 @@ func TestRvwStreamTwoLevelEqualsQemuBlockStream(t *testing.T) {
 		})
 	}
 }
+
+// TestRvwCopyOnReadOnAFullDisk: the overlay's file system (2 MiB) fills
+// up while copy-on-read reads a 16 MiB backing file through the export:
+// every read still returns the backing file's bytes (the copies are
+// given up, not the reads: they failed with ENOSPC), and the overlay
+// has no corruption and reads as its backing file afterwards.
+func TestRvwCopyOnReadOnAFullDisk(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 16<<20, 28)
+	small := smallHost(t, dir, "2m")
+	over := corOverlay(t, small, base)
+	mnt := filepath.Join(dir, "mnt")
+	d := startExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
+	got := readAll(t, mnt)
+	d.stop()
+	mustEqualBytes(t, "the export over a full overlay", got, readAll(t, base))
+	out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
+	var check struct {
+		Corruptions int `json:"corruptions"`
+	}
+	if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 {
+		t.Fatalf("qemu-img check after the full disk: %v\n%s", jerr, out)
+	}
+	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+}

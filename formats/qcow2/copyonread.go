@@ -3,7 +3,10 @@ package qcow2
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
 )
@@ -40,10 +43,17 @@ func (q *Image) ReadCopy(ctx context.Context, p []byte, off int64) (int, error) 
 	a := off / cs * cs
 	b := min((off+int64(len(p))+cs-1)/cs*cs, q.Size())
 	_, all, err := q.populate(ctx, a, b, p, off)
-	if err != nil {
-		return 0, err
+	if err == nil {
+		err = q.boundWriteBack(ctx)
 	}
-	if err := q.boundWriteBack(ctx); err != nil {
+	if isNoSpace(err) {
+		// The overlay's disk is full: the copy is given up, not the
+		// read, which the backing file still answers where the copy
+		// failed (a failed copy leaves its clusters unallocated).
+		// Guest writes fail as they must; reads go on.
+		return q.ReadAt(ctx, p, off)
+	}
+	if err != nil {
 		return 0, err
 	}
 	if all {
@@ -52,6 +62,11 @@ func (q *Image) ReadCopy(ctx context.Context, p []byte, off int64) (int, error) 
 	// Some clusters were allocated already (or became so): read them
 	// where they are, with the copies.
 	return q.ReadAt(ctx, p, off)
+}
+
+// isNoSpace says the host file system had no room (or quota) for a copy.
+func isNoSpace(err error) bool {
+	return errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT)
 }
 
 // TryReadHere is TryReadAt for clusters this image allocates: an
