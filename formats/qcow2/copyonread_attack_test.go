@@ -173,3 +173,63 @@ func TestRvwCopyOfThePartialLastClusterRacesGuestOps(t *testing.T) {
 		})
 	}
 }
+
+// TestRvwTailPastTheEndStaysZero: an overlay 1 MiB + 512 bytes long over
+// a 2 MiB backing file. A copy-on-read of its last (partial) cluster, and
+// a guest write into it, must not fill the cluster's part past the image
+// end with the backing file's bytes: once the backing file is dropped
+// (stream), a grown image reads zeroes there (Resize: "a grown tail reads
+// as zeroes"), not the old backing file.
+func TestRvwTailPastTheEndStaysZero(t *testing.T) {
+	for _, how := range []string{"copy", "write", "write-without-zero-range"} {
+		t.Run(how, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			data := make([]byte, 2<<20)
+			for i := range data {
+				data[i] = byte(i*7) | 1
+			}
+			base := filepath.Join(dir, "base.raw")
+			if err := os.WriteFile(base, data, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			over := filepath.Join(dir, "over.qcow2")
+			const size = 1<<20 + 512
+			tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", over, "1049088")
+			q := openRW(t, over)
+			// A host file system without FALLOC_FL_ZERO_RANGE (tmpfs):
+			// the tail is read and written as bytes.
+			q.w.noZeroRange.Store(how == "write-without-zero-range")
+			if how == "copy" {
+				if _, err := q.ReadCopy(ctx, make([]byte, 512), size-512); err != nil {
+					t.Fatal(err)
+				}
+			} else if _, err := q.WriteAt(ctx, []byte{0xee}, 1<<20+100); err != nil {
+				t.Fatal(err)
+			}
+			// The rest of the overlay, as a stream would, then drop.
+			if _, err := q.Populate(ctx, 0, size); err != nil {
+				t.Fatal(err)
+			}
+			if err := q.DropBacking(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := q.Resize(ctx, 2<<20); err != nil {
+				t.Fatal(err)
+			}
+			tail := make([]byte, 2<<20-size)
+			if _, err := q.ReadAt(ctx, tail, size); err != nil {
+				t.Fatal(err)
+			}
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			for i, b := range tail {
+				if b != 0 {
+					t.Fatalf("the grown tail reads %#x at %d (the old backing file's byte is %#x)", b, size+int64(i), data[size+int64(i)])
+				}
+			}
+			checkClean(t, over)
+		})
+	}
+}

@@ -293,7 +293,10 @@ func (q *Image) readsZero(m mapping, voff int64) bool {
 	case zero:
 		return true
 	case unallocated:
-		return q.backing == nil || voff >= q.backing.Size()
+		// Past the image end too: that part of a last, partial cluster
+		// must read as zeroes should the image grow (after the backing
+		// file is dropped, say), not as the backing file beyond our end.
+		return q.backing == nil || voff >= q.backing.Size() || voff >= q.Size()
 	}
 	return false
 }
@@ -315,7 +318,13 @@ func (q *Image) readOld(ctx context.Context, buf []byte, voff int64, m mapping) 
 	case data:
 		return q.doRun(ctx, ioRun{buf: buf, off: m.host + voff%q.h.clusterSize})
 	}
-	return q.doRun(ctx, ioRun{buf: buf, off: voff, backing: true})
+	// The backing file up to the image end, zeroes past it (see readsZero).
+	n := max(0, min(int64(len(buf)), q.Size()-voff))
+	clear(buf[n:])
+	if n == 0 {
+		return nil
+	}
+	return q.doRun(ctx, ioRun{buf: buf[:n], off: voff, backing: true})
 }
 
 // boundWriteBack writes the metadata back once the changed tables would
