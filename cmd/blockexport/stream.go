@@ -98,6 +98,9 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		if errors.Is(err, probe.ErrBadSpec) {
 			return usageError{err}
 		}
+		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+			return fmt.Errorf("stream %s interrupted before copying anything (while checking for leaked clusters); run it again", overlay)
+		}
 		return fmt.Errorf("stream %s: %w", overlay, err)
 	}
 	if res.Corruptions > 0 || res.CheckErrors > 0 {
@@ -124,6 +127,8 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	case errors.Is(err, copyonread.ErrNoBackingFile):
 		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s has no backing file: nothing to stream\n", overlay)
 		return nil
+	case ctx.Err() != nil && errors.Is(err, context.Canceled) && !p.wasPlanned:
+		return fmt.Errorf("stream %s interrupted before copying anything (while planning); run it again", overlay)
 	case ctx.Err() != nil && errors.Is(err, context.Canceled):
 		return fmt.Errorf("stream %s interrupted: %d of %d bytes copied and flushed; run it again to copy the rest", overlay, p.done, p.total)
 	case err != nil:
@@ -148,6 +153,7 @@ type streamProgress struct {
 	enc         *json.Encoder
 	start       time.Time
 	done, total int64
+	wasPlanned  bool // planned was called: total is known
 }
 
 func newStreamProgress(mode string, out io.Writer) *streamProgress {
@@ -169,7 +175,7 @@ type streamStep struct {
 }
 
 func (p *streamProgress) planned(total int64) {
-	p.total = total
+	p.total, p.wasPlanned = total, true
 	switch p.mode {
 	case "bar":
 		p.bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(p.out), progressbar.OptionShowBytes(true),
