@@ -365,3 +365,61 @@ func TestRvwCopyOnReadOnAFullDisk(t *testing.T) {
 	}
 	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
 }
+
+// TestRvwStreamDurableHolds: what a progress line calls durable is not
+// planned again by the run after a SIGKILL right after that line.
+func TestRvwStreamDurableHolds(t *testing.T) {
+	dir := t.TempDir()
+	base := corBase(t, dir, 96<<20, 29)
+	over := corOverlay(t, dir, base)
+	for round := range 3 {
+		cmd, lines, stderr := corStream(t, "--parallel", "4", over)
+		var total, durable int64
+		for i := 0; lines.Scan(); i++ {
+			var s corStep
+			json.Unmarshal(lines.Bytes(), &s)
+			if s.Event == "planned" {
+				total = s.Total
+			}
+			durable = max(durable, s.Durable)
+			if durable > 0 && i > 10*(round+1) {
+				break
+			}
+		}
+		cmd.Process.Kill()
+		go func() {
+			for lines.Scan() {
+			}
+		}()
+		if cmd.Wait() == nil {
+			t.Skipf("round %d: the stream ended before the kill\n%s", round, stderr)
+		}
+		rest := rvwStreamPlan(t, over)
+		if rest > total-durable {
+			t.Fatalf("round %d: %d of %d bytes said durable, and the next run plans %d", round, durable, total, rest)
+		}
+	}
+	corStreamToEnd(t, over)
+	corStandalone(t, over, rvwCopy(t, base), base)
+}
+
+// rvwStreamPlan starts a stream, reads its planned total and kills it
+// (after at most a step or two: its stdout is a pipe nobody reads on).
+func rvwStreamPlan(t *testing.T, over string) int64 {
+	t.Helper()
+	cmd, lines, _ := corStream(t, over)
+	var planned corStep
+	for lines.Scan() {
+		json.Unmarshal(lines.Bytes(), &planned)
+		if planned.Event == "planned" {
+			break
+		}
+	}
+	cmd.Process.Kill()
+	go func() {
+		for lines.Scan() {
+		}
+	}()
+	cmd.Wait()
+	return planned.Total
+}
