@@ -1,6 +1,7 @@
 package main
 
 import (
+	"flag"
 	"fmt"
 	"log"
 	"net"
@@ -31,7 +32,7 @@ type httpExporter struct {
 // seen with gdb, a stack of blk_pread frames over a ppoll of two fds).
 // Past the bound the exporter is killed, so that fio's requests fail, and
 // the run counts as failed (0).
-const httpNoProgress = 90 * time.Second
+var httpNoProgress = flag.Duration("http-stall", 90*time.Second, "http rows: how long one fio run may take before its exporter counts as making no progress and is killed")
 
 // benchHTTP measures FUSE exports of a 1 GiB raw image served by nginx
 // on loopback (the file in the page cache): 1 MiB sequential reads and
@@ -199,8 +200,8 @@ func httpFio(job fioJob, file, size string, ios int, cmds []*exec.Cmd, mnt, what
 			return 0
 		}
 		return r.v
-	case <-time.After(httpNoProgress):
-		log.Printf("%s: no progress in %v: killed", what, httpNoProgress)
+	case <-time.After(*httpNoProgress):
+		log.Printf("%s: no progress in %v: killed", what, *httpNoProgress)
 		for _, c := range cmds {
 			c.Process.Kill()
 		}
