@@ -280,7 +280,8 @@ func TestNBDSourceReconnect(t *testing.T) {
 	mnt := filepath.Join(dir, "mnt")
 	d := startExport(t, nbdURI("disk", sock), mnt, "-w", "--reconnect-timeout", "15s")
 	fio := exec.Command("fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=24M",
-		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
+		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal",
+		"--rate_iops=4000") // 6144 writes: 1.5 s at least, so the server's kill at 0.7 s lands in them on a fast machine too
 	fioOut, err := fio.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
