@@ -96,8 +96,8 @@ func (s *server) loop(fd int, helper bool) {
 			continue
 		case errors.Is(err, unix.EINTR), errors.Is(err, unix.ENOENT):
 			continue // interrupted, or a request the kernel already dropped
-		case errors.Is(err, unix.ENODEV):
-			return // unmounted or aborted
+		case errors.Is(err, unix.ENODEV), errors.Is(err, unix.ECONNABORTED):
+			return // unmounted, or aborted (the kernel says ECONNABORTED once fusectl's abort ran: ours, at a stop with the file still open, or someone's)
 		default:
 			s.exp.log.Error("reading /dev/fuse failed; stopping this queue", "err", err)
 			return
