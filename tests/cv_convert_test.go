@@ -260,12 +260,11 @@ func TestCvConvertNoCreate(t *testing.T) {
 	}
 }
 
-// cvSlowSource serves a 48 MiB random image over NBD with every read
-// delayed, so that a convert runs for seconds without using the CPU.
-func cvSlowSource(t *testing.T, dir string) (uri, file string) {
+// cvSlowServe serves file read-only through nbdkit with 150 ms a read,
+// on a socket of its own, until the test ends.
+func cvSlowServe(t *testing.T, file string) (uri string) {
 	t.Helper()
-	file = randomImage(t, dir, 48<<20, 9)
-	sock := filepath.Join(dir, "slow.sock")
+	sock := filepath.Join(t.TempDir(), "slow.sock")
 	cmd := exec.Command("nbdkit", "--exit-with-parent", "-f", "-U", sock, "--filter=delay", "file", file, "rdelay=150ms")
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("nbdkit (apt-get install nbdkit): %v", err)
@@ -280,7 +279,7 @@ func cvSlowSource(t *testing.T, dir string) (uri, file string) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return "nbd+unix:///?socket=" + sock, file
+	return "nbd+unix:///?socket=" + sock
 }
 
 // cvStartConvert starts a convert and returns it with its output buffer.
@@ -302,7 +301,7 @@ func cvStartConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 // leaves a qcow2 target qemu-img check calls at worst leaky, never corrupt.
 func TestCvConvertInterrupted(t *testing.T) {
 	dir := t.TempDir()
-	uri, file := cvSlowSource(t, dir)
+	file := randomImage(t, dir, 48<<20, 9)
 	want := readAll(t, file)
 	for _, c := range []struct {
 		name string
@@ -317,6 +316,9 @@ func TestCvConvertInterrupted(t *testing.T) {
 		{"qcow2-c-sigkill", syscall.SIGKILL, []string{"-O", "qcow2", "-c", "-m", "2"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			// A server of its own: one a killed convert left busy with
+			// its queued delayed reads once held the next for 30 s.
+			uri := cvSlowServe(t, file)
 			dst := filepath.Join(t.TempDir(), "dst")
 			cmd, out := cvStartConvert(t, append(c.args, uri, dst)...)
 			// Signal it mid-way: once the target exists and has grown
@@ -327,7 +329,7 @@ func TestCvConvertInterrupted(t *testing.T) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatal("no target after 30 s")
+					t.Fatalf("no target after 30 s; convert says:\n%s", out)
 				}
 			}
 			time.Sleep(500 * time.Millisecond)
