@@ -31,7 +31,19 @@ func prbForeignImages(t *testing.T, dir string) map[string]string {
 	} {
 		p := filepath.Join(dir, c.file)
 		args := append([]string{"create", "-q", "-f", c.format}, c.opts...)
-		run(t, "qemu-img", append(args, p, "4M")...)
+		// qemu-img times its LUKS key derivation by the thread's CPU
+		// time, which this machine's clock counts too coarsely: 9 tries
+		// of 20 ended "Unable to get accurate CPU usage", whatever the
+		// iter-time. Tried again, up to 20 times.
+		for try := 1; ; try++ {
+			out, err := exec.Command("qemu-img", append(args, p, "4M")...).CombinedOutput()
+			if err == nil {
+				break
+			}
+			if try == 20 || !strings.Contains(string(out), "accurate CPU usage") {
+				t.Fatalf("qemu-img %v: %v\n%s", append(args, p, "4M"), err, out)
+			}
+		}
 		imgs[p] = c.format
 	}
 	write := func(name string, head []byte, size int64) string {
