@@ -1,4 +1,4 @@
-package aio
+package aio_test
 
 import (
 	"bytes"
@@ -7,32 +7,18 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"unsafe"
 
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/aio/aiotest"
 	"golang.org/x/sys/unix"
 )
 
-// residentPages is how many pages of [0, n) of path the page cache holds
-// (mincore over a mapping, which reads nothing in).
+// residentPages is how many pages of [0, n) of path the page cache holds.
 func residentPages(t *testing.T, path string, n int) int {
 	t.Helper()
-	f, err := os.Open(path)
+	k, err := aiotest.Resident(path, n)
 	if err != nil {
 		t.Fatal(err)
-	}
-	defer f.Close()
-	m, err := unix.Mmap(int(f.Fd()), 0, n, unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(m)
-	vec := make([]byte, (n+os.Getpagesize()-1)/os.Getpagesize())
-	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(n), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
-		t.Fatal(errno)
-	}
-	k := 0
-	for _, v := range vec {
-		k += int(v & 1)
 	}
 	return k
 }
@@ -52,13 +38,13 @@ func TestDropBehindReadsLeaveNothingCached(t *testing.T) {
 	if err := os.WriteFile(path, data, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	for _, backend := range []Backend{IOUring, Threads} {
+	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		for _, drop := range []bool{false, true} {
-			f, err := Open(path, Options{Backend: backend})
+			f, err := aio.Open(path, aio.Options{Backend: backend})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if drop && !SetDropBehind(f) {
+			if drop && !aio.SetDropBehind(f) {
 				f.Close()
 				t.Skipf("the file system of %s refuses RWF_DONTCACHE", path)
 			}
@@ -100,12 +86,12 @@ func TestDropBehindRefusedForDirect(t *testing.T) {
 	if err := os.WriteFile(path, make([]byte, 1<<20), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	f, err := Open(path, Options{Direct: true})
+	f, err := aio.Open(path, aio.Options{Direct: true})
 	if err != nil {
 		t.Skipf("O_DIRECT: %v", err)
 	}
 	defer f.Close()
-	if SetDropBehind(f) {
+	if aio.SetDropBehind(f) {
 		t.Fatal("SetDropBehind on an O_DIRECT file said yes")
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/blockexport/blockexport/aio/aiotest"
 	"golang.org/x/sys/unix"
 )
 
@@ -489,26 +490,12 @@ func TestKcReadAheadWindow(t *testing.T) {
 }
 
 // kcResident is how many of the first n bytes' pages of path the page
-// cache holds (mincore over a mapping, which reads nothing in).
+// cache holds.
 func kcResident(t *testing.T, path string, n int) int {
 	t.Helper()
-	f, err := os.Open(path)
+	k, err := aiotest.Resident(path, n)
 	if err != nil {
 		t.Fatal(err)
-	}
-	defer f.Close()
-	m, err := unix.Mmap(int(f.Fd()), 0, n, unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(m)
-	vec := make([]byte, n/4096)
-	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(n), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
-		t.Fatal(errno)
-	}
-	k := 0
-	for _, v := range vec {
-		k += int(v & 1)
 	}
 	return k
 }
