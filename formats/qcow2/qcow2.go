@@ -83,6 +83,13 @@ type Image struct {
 	path    string
 	h       *header
 	size    atomic.Int64 // virtual size; h.size is the value at open
+	// end is where this layer's clusters stop counting as inside the
+	// image, for the bookkeeping that decides what a cluster reads as
+	// past the end (readsZero, readOld, wholeClusters). It is size, except
+	// while a grow zeroes the new part: then it is already the new size,
+	// which size only becomes once that part reads as zeroes, so that no
+	// writer can reach the new part before the zeroing is done.
+	end     atomic.Int64
 	l2cache *lru[[]uint64]
 	dcache  *lru[[]byte]  // decompressed clusters
 	rcache  *lru[[]byte]  // clean refcount blocks
@@ -184,6 +191,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	}
 	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct, log: o.Logger}
 	q.size.Store(int64(h.size))
+	q.end.Store(int64(h.size))
 	if h.l1Size > 0 {
 		raw := make([]byte, int64(h.l1Size)*8)
 		if _, err := f.ReadAt(ctx, raw, int64(h.l1Offset)); err != nil {

@@ -47,20 +47,30 @@ func (q *Image) grow(ctx context.Context, old, size int64) error {
 	w.alloc.Lock()
 	err := q.ensureL1(ctx, size)
 	if err == nil {
-		q.size.Store(size)
-		w.sizeDirty = true
+		q.end.Store(size)
 	}
 	w.alloc.Unlock()
 	if err != nil {
 		return err
 	}
-	if q.backing == nil || q.backing.Size() <= old {
-		return nil
+	if q.backing != nil && q.backing.Size() > old {
+		// The new part must read as zeroes, not as the backing file, and
+		// must before anyone sees the new size: a writer that found the
+		// image long enough would otherwise have its data zeroed after
+		// its write returned.
+		w.users.RLock()
+		err = q.zeroRange(ctx, old, min(size, q.backing.Size())-old, opZeroUnmap)
+		w.users.RUnlock()
+		if err != nil {
+			q.end.Store(old) // what was zeroed lies past the end; a later grow zeroes it again
+			return err
+		}
 	}
-	// The new part must read as zeroes, not as the backing file.
-	w.users.RLock()
-	defer w.users.RUnlock()
-	return q.zeroRange(ctx, old, min(size, q.backing.Size())-old, opZeroUnmap)
+	w.alloc.Lock()
+	q.size.Store(size)
+	w.sizeDirty = true
+	w.alloc.Unlock()
+	return nil
 }
 
 func (q *Image) shrink(ctx context.Context, old, size int64) error {
@@ -86,6 +96,7 @@ func (q *Image) shrink(ctx context.Context, old, size int64) error {
 	}
 	w.alloc.Lock()
 	q.size.Store(size)
+	q.end.Store(size)
 	w.sizeDirty = true
 	w.alloc.Unlock()
 	return nil

@@ -296,7 +296,7 @@ func (q *Image) readsZero(m mapping, voff int64) bool {
 		// Past the image end too: that part of a last, partial cluster
 		// must read as zeroes should the image grow (after the backing
 		// file is dropped, say), not as the backing file beyond our end.
-		return q.backing == nil || voff >= q.backing.Size() || voff >= q.Size()
+		return q.backing == nil || voff >= q.backing.Size() || voff >= q.end.Load()
 	}
 	return false
 }
@@ -319,7 +319,7 @@ func (q *Image) readOld(ctx context.Context, buf []byte, voff int64, m mapping) 
 		return q.doRun(ctx, ioRun{buf: buf, off: m.host + voff%q.h.clusterSize})
 	}
 	// The backing file up to the image end, zeroes past it (see readsZero).
-	n := max(0, min(int64(len(buf)), q.Size()-voff))
+	n := max(0, min(int64(len(buf)), q.end.Load()-voff))
 	clear(buf[n:])
 	if n == 0 {
 		return nil

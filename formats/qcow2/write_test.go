@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -443,4 +445,61 @@ func TestMissingCopiedFlags(t *testing.T) {
 	copy(mirror, bytes.Repeat([]byte{0x31}, 128<<10))
 	copy(mirror[100:], "hello")
 	compareRaw(t, img, mirror)
+}
+
+// TestGrowKeepsWritesThatRaceIt: growing an overlay whose backing file is
+// longer zeroes the new part; a writer that sees the new size before that
+// zeroing is done (the FUSE export grows on a write past the end while
+// other writes run) must not have its data zeroed after it returned. The
+// export's fsx found this: the tail of a kernel write-back WRITE read as
+// zeroes after a second write-back WRITE grew the image past it.
+func TestGrowKeepsWritesThatRaceIt(t *testing.T) {
+	for _, compat := range []string{"0.10", "1.1"} {
+		t.Run("compat="+compat, func(t *testing.T) {
+			dir := t.TempDir()
+			ctx := context.Background()
+			base := filepath.Join(dir, "base.raw")
+			if err := os.WriteFile(base, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Truncate(base, 8<<20); err != nil {
+				t.Fatal(err)
+			}
+			for round := range 4 {
+				img := filepath.Join(dir, fmt.Sprintf("t%d.qcow2", round))
+				// 512-byte clusters: zeroing the new part takes many steps.
+				tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw",
+					"-o", "cluster_size=512,compat="+compat, img, "1M")
+				q := openRW(t, img)
+				want := bytes.Repeat([]byte{0x5c}, 4096)
+				off := int64(8<<20 - 8192)
+				errc := make(chan error, 1)
+				go func() {
+					// As a write that finds the image already long enough.
+					for q.Size() < off+int64(len(want)) {
+						runtime.Gosched()
+					}
+					_, err := q.WriteAt(ctx, want, off)
+					errc <- err
+				}()
+				if err := q.Resize(ctx, 8<<20); err != nil {
+					t.Fatal(err)
+				}
+				if err := <-errc; err != nil {
+					t.Fatal(err)
+				}
+				got := make([]byte, len(want))
+				if _, err := q.ReadAt(ctx, got, off); err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(got, want) {
+					t.Fatalf("round %d: a write made once the image had grown reads back as %#x... (the grow's zeroing overwrote it)", round, got[:8])
+				}
+				if err := q.Close(); err != nil {
+					t.Fatal(err)
+				}
+				checkClean(t, img)
+			}
+		})
+	}
 }

@@ -71,7 +71,7 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 func (q *Image) wholeClusters(off, n int64) (a, b int64) {
 	cs := q.h.clusterSize
 	a, b = (off+cs-1)/cs, (off+n)/cs
-	if off+n == q.Size() {
+	if off+n == q.end.Load() {
 		b = (off + n + cs - 1) / cs
 	}
 	return a, b
