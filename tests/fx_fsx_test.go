@@ -45,15 +45,6 @@ type fxRun struct {
 	d      *daemon
 	mu     sync.Mutex // log, read by the watchdog too
 	hung   atomic.Bool
-	// syncBeforeDirectRead: with the kernel cache on, the exerciser
-	// fsyncs the buffered descriptor before each O_DIRECT read. The
-	// kernel writes the range's dirty pages back before a direct_io read
-	// itself (TestKcDirectWriteInvalidatesCache sees a dirty write), yet
-	// once under make test (seed 1796192451046201100) an O_DIRECT read
-	// past the image's end read zeroes where a buffered write lay; that
-	// never came back alone, nor in 24 runs of 20,000 operations without
-	// the fsync (BLOCKEXPORT_FSX_NOSYNC=1 drops it, to hunt it).
-	syncBeforeDirectRead bool
 }
 
 func (r *fxRun) logf(format string, args ...any) {
@@ -271,12 +262,8 @@ func (r *fxRun) op() {
 			return
 		}
 		buf := r.dbuf[:n]
-		if r.syncBeforeDirectRead {
-			r.logf("fsync (before the O_DIRECT read)")
-			if err := unix.Fsync(r.fd); err != nil {
-				r.fail("fsync: %v", err)
-			}
-		}
+		// No fsync first: before a direct_io read the kernel writes the
+		// range's dirty pages back to us itself, which this checks.
 		r.logf("dread    %d+%d (size %d)", off, n, size)
 		got, err := unix.Pread(r.dfd, buf, off)
 		if err != nil {
@@ -406,7 +393,7 @@ func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 	d := startExport(t, img, mnt, "-f", format, "-w", "--growable", "--kernel-cache", kc)
 
 	r := &fxRun{t: t, d: d, seed: seed, rnd: rand.New(rand.NewPCG(seed, 0xf5)), align: 1,
-		model: make([]byte, 4<<20), dbuf: kcAlignedBuf(fxMaxSize), counts: map[string]int{}, syncBeforeDirectRead: kc == "on" && os.Getenv("BLOCKEXPORT_FSX_NOSYNC") == ""}
+		model: make([]byte, 4<<20), dbuf: kcAlignedBuf(fxMaxSize), counts: map[string]int{}}
 	if format == "qcow2" {
 		r.align = 512
 	}
