@@ -50,8 +50,19 @@ test:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vpc
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vmdk
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vhdx
+	$(GO) test -run XXX -fuzz '^FuzzKernelCacheRequests$$' -fuzztime 3000x -fuzzminimizetime 2s ./export/fuse
+	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/probe
+	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime 2000x -fuzzminimizetime 2s ./formats/convert
+	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime 20000x -fuzzminimizetime 2s ./formats/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/remote/s3
 
-# Fuzz the qcow2 parser, the NBD server and the NBD client for longer (FUZZTIME=10m make fuzz).
+# Every fuzzer for longer (FUZZTIME=10m make fuzz): the image parsers, the NBD
+# server and client, the kernel-cache request rules, format probing, the
+# convert planner, qcow2 check and drop-backing, the HTTP and S3 reply checks.
 FUZZTIME ?= 2m
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
@@ -62,6 +73,15 @@ fuzz:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vpc
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vhdx
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vmdk
+	$(GO) test -run XXX -fuzz '^FuzzKernelCacheRequests$$' -fuzztime $(FUZZTIME) ./export/fuse
+	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime $(FUZZTIME) ./formats/probe
+	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime $(FUZZTIME) ./formats/convert
+	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime $(FUZZTIME) ./formats/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime $(FUZZTIME) ./formats/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime $(FUZZTIME) ./formats/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime $(FUZZTIME) ./formats/remote/s3
 
 # Unit tests only (no mounts, no root needed for most).
 unit:
