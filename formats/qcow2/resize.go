@@ -87,7 +87,7 @@ func (q *Image) shrink(ctx context.Context, old, size int64) error {
 	if err == nil {
 		a, b := (size+cs-1)/cs, (old+cs-1)/cs
 		if a < b {
-			err = q.setClusters(ctx, a, b, opDiscardAll)
+			_, err = q.setClusters(ctx, a, b, old, opDiscardAll)
 		}
 	}
 	w.users.RUnlock()

@@ -58,7 +58,7 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 		return nil
 	}
 	q.w.users.RLock()
-	err := q.setClusters(ctx, a, b, opDiscard)
+	_, err := q.setClusters(ctx, a, b, off+n, opDiscard)
 	q.w.users.RUnlock()
 	if err != nil {
 		return err
@@ -106,7 +106,12 @@ func (q *Image) zeroRange(ctx context.Context, off, n int64, op clusterOp) error
 		}
 		return nil
 	}
-	return q.setClusters(ctx, ca, cb, op)
+	short, err := q.setClusters(ctx, ca, cb, end, op)
+	if err != nil || !short {
+		return err
+	}
+	// The image grew meanwhile: the last cluster is partial now.
+	return q.zeroPartial(ctx, b-cs, end-(b-cs))
 }
 
 // zeroPartial zeroes [off, off+n), which covers no cluster whole, by
@@ -133,8 +138,13 @@ func (q *Image) zeroPartial(ctx context.Context, off, n int64) error {
 }
 
 // setClusters applies op to virtual clusters [a, b), one L2 table's span
-// at a time under the range lock.
-func (q *Image) setClusters(ctx context.Context, a, b int64, op clusterOp) error {
+// at a time under the range lock. limit is where the request ends: a last
+// cluster reaching past it was taken whole because the request reached
+// the image end (wholeClusters). Should the image have grown since, that
+// cluster is left alone and short says so: its part past limit belongs to
+// the image now, and a writer that saw the new size may have written
+// there already, without the range lock (in place).
+func (q *Image) setClusters(ctx context.Context, a, b, limit int64, op clusterOp) (short bool, err error) {
 	w := q.w
 	cs := q.h.clusterSize
 	span := q.h.l2Entries
@@ -142,18 +152,27 @@ func (q *Image) setClusters(ctx context.Context, a, b int64, op clusterOp) error
 		end := min(b, (vc/span+1)*span)
 		unlock, err := w.clusters.Lock(ctx, vc*cs, (end-vc)*cs)
 		if err != nil {
-			return err
+			return false, err
 		}
 		w.alloc.Lock()
-		err = q.setClustersInTable(ctx, vc, end, op)
+		stop := end
+		// Under alloc, which a grow holds to move end: while end is
+		// still limit, no grow has begun, and none publishes its size
+		// before it has moved end, so no writer is past limit yet.
+		if end == b && b*cs > limit && q.end.Load() != limit {
+			stop, short = b-1, true
+		}
+		if vc < stop {
+			err = q.setClustersInTable(ctx, vc, stop, op)
+		}
 		w.alloc.Unlock()
 		unlock()
 		if err != nil {
-			return err
+			return false, err
 		}
 		vc = end
 	}
-	return nil
+	return short, nil
 }
 
 // setClustersInTable applies op to [a, b), all mapped by one L2 table.
