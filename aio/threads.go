@@ -30,6 +30,25 @@ func (t *threadFile) setDropBehind() bool {
 	return true
 }
 
+// directEOF says whether err, from the read that continues one that
+// came back short after done bytes, is the end of an O_DIRECT file: a
+// short direct read stopped at the end of the file as it was then, maybe
+// off a block boundary, and if a write has grown the file since, the
+// continuation at that unaligned offset fails with EINVAL instead of
+// reading nothing. (An I/O error partway is not EINVAL, and still fails.)
+func directEOF(f File, done int, err error) bool {
+	if done == 0 || err != unix.EINVAL {
+		return false
+	}
+	switch f := f.(type) {
+	case *threadFile:
+		return f.direct
+	case *uringFile:
+		return f.direct
+	}
+	return false
+}
+
 // readFlagsOf is f's preadv2 flags for reads (0 for files of no backend
 // here).
 func readFlagsOf(f File) int {
@@ -108,6 +127,9 @@ func transfer(ctx context.Context, f File, write bool, p []byte, off int64, chec
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
+		if !write && directEOF(f, done, err) {
+			return done, io.EOF
+		}
 		if err != nil {
 			return done, pathErr(op, f, err)
 		}
@@ -163,6 +185,9 @@ func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 		n, err := call(f.Fd(), iov, off+int64(total))
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
+		}
+		if !write && directEOF(f, total, err) {
+			return total, io.EOF
 		}
 		if err != nil {
 			return total, pathErr(op, f, err)

@@ -515,6 +515,9 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			e.userData = tag
 		})
 		runtime.KeepAlive(buf)
+		if op == opRead && err == nil && res == -int32(unix.EINVAL) && directEOF(u, done, unix.EINVAL) {
+			return done, io.EOF
+		}
 		n, err := u.result(ctx, op, res, err)
 		if err != nil {
 			return done, err
@@ -556,6 +559,9 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 			e.userData = tag
 		})
 		runtime.KeepAlive(iov)
+		if op == opReadv && err == nil && res == -int32(unix.EINVAL) && directEOF(u, total, unix.EINVAL) {
+			return total, io.EOF
+		}
 		n, err := u.result(ctx, op, res, err)
 		if err != nil {
 			return total, err
