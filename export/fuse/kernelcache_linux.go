@@ -38,6 +38,18 @@ const notifyInvalInode = 2
 // export's file (length 0: to the end) and its cached attributes. The
 // kernel answers ENOENT when it does not know the inode (nothing cached).
 func (s *server) notifyInval(off, length int64) error {
+	if s.calls == nil {
+		return s.writeNotifyInval(off, length)
+	}
+	var err error
+	if !s.calls.run(s.calls.notify, func() { err = s.writeNotifyInval(off, length) }) {
+		return nil // the export is gone, and its cache with it
+	}
+	return err
+}
+
+// writeNotifyInval is notifyInval on the calling thread.
+func (s *server) writeNotifyInval(off, length int64) error {
 	msg := struct {
 		h fuse.OutHeader
 		n fuse.NotifyInvalInodeOut
@@ -167,6 +179,18 @@ func (s *server) learnSize(file string) error {
 // that one back too. Whatever write returned before the fsync is in the
 // image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
+	if s.calls == nil {
+		return s.flushKernelCacheHere(file)
+	}
+	var err error
+	if !s.calls.run(s.calls.other, func() { err = s.flushKernelCacheHere(file) }) {
+		return nil
+	}
+	return err
+}
+
+// flushKernelCacheHere is flushKernelCache on the calling thread.
+func (s *server) flushKernelCacheHere(file string) error {
 	// Open first: with the attributes invalid, the permission check of
 	// an open would need the GETATTR that closing refuses.
 	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
@@ -199,7 +223,14 @@ func (s *server) mendFailedWriteback(file string, off, length int64) {
 	if err := s.notifyInval(off, length); err != nil {
 		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)
 	}
-	if err := unix.Truncate(file, s.exp.img.Size()); err != nil && !errors.Is(err, unix.ENOTCONN) {
+	var err error
+	truncate := func() { err = unix.Truncate(file, s.exp.img.Size()) }
+	if s.calls == nil {
+		truncate()
+	} else if !s.calls.run(s.calls.other, truncate) {
+		return
+	}
+	if err != nil && !errors.Is(err, unix.ENOTCONN) {
 		s.exp.log.Warn("cannot give the kernel the image's size back after a failed write-back", "err", err)
 	}
 }

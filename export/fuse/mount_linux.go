@@ -359,6 +359,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 	}
 	if exp.opts.KernelCache {
+		srv.calls = startKernelCalls()
 		exp.inval = func(off, length int64) {
 			if err := srv.notifyInval(off, length); err != nil {
 				exp.log.Warn("cannot invalidate the kernel's cache of the export", "err", err)
@@ -373,6 +374,9 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	}
 	go func() {
 		srv.serve()
+		if srv.calls != nil {
+			srv.calls.close()
+		}
 		// The loops end when the kernel ends the connection (unmount,
 		// abort) or on a protocol error; in the latter case a dead mount
 		// (ENOTCONN) would stay behind, so detach it.

@@ -121,6 +121,9 @@ type server struct {
 
 	passthrough bool   // ask for FUSE passthrough at INIT
 	negotiated  uint64 // INIT flags both sides agreed on
+	// calls, with the kernel cache on, runs the notifies and the other
+	// calls into the kernel that may wait for our own I/O (kernelcalls_linux.go).
+	calls *kernelCalls
 
 	// hand runs what may wait: in the loop when it is alone, else in a
 	// goroutine (see coroutines.Handoff); pending lets an INTERRUPT
