@@ -346,11 +346,24 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 	if !ok {
 		return wouldWait // write answers EINVAL
 	}
-	n, st, ok := s.expOf(req).TryWrite(in, data)
+	exp := s.expOf(req)
+	n, st, ok, dropFrom, dropLen := exp.TryWrite(in, data)
 	if !ok {
 		return wouldWait
 	}
 	o := fuse.WriteOut{Size: n}
+	if dropLen > 0 {
+		// The kernel's pages of the range go before the reply, from
+		// outside the loop (the notify may wait for a write-back).
+		unique, to := in.Unique, q.to.handedOff()
+		s.hand.Start()
+		go func() {
+			defer s.hand.Done()
+			exp.invalidate(dropFrom, dropLen)
+			replyOut(s, to, unique, st, &o)
+		}()
+		return answered
+	}
 	replyOut(s, q.to, in.Unique, st, &o)
 	return answered
 }

@@ -103,6 +103,9 @@ type Export struct {
 	// kernel has it: larger than the image's while a buffered write that
 	// grew the file waits in the page cache (see readEnd).
 	kernelSize func() (int64, bool)
+	// marks, with the kernel cache on, says where READs may have put the
+	// image's bytes in the kernel's cache (readmarks.go).
+	marks *readMarks
 }
 
 // New makes an export of img. The image must stay open until the export is
@@ -116,6 +119,9 @@ func New(img formats.Image, o Options) *Export {
 		opts: o,
 		log:  o.Logger,
 		ino:  rootIno,
+	}
+	if o.KernelCache {
+		e.marks = new(readMarks)
 	}
 	e.mtimeNs.Store(time.Now().UnixNano())
 	mode := uint32(0o400)
@@ -269,8 +275,9 @@ func (e *Export) invalidate(off, length int64) {
 
 // WriteBypassesCache says whether a WRITE changes the image behind the
 // kernel's cache: with the kernel cache on, a write that did not come
-// from the page cache (an O_DIRECT open's) must drop the pages it
-// overwrote, and so must not be answered from a serve loop.
+// from the page cache (an O_DIRECT open's) must drop the pages a READ may
+// have cached of what it overwrote (readMarks), and so is answered in a
+// serve loop only when it finds there are none.
 func (e *Export) WriteBypassesCache(in *fuse.WriteIn) bool {
 	return e.opts.KernelCache && in.WriteFlags&fuse.WRITE_CACHE == 0
 }
@@ -331,6 +338,9 @@ func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int
 	defer e.inflight.End()
 	off, n := e.clampRead(in, len(buf))
 	zeroes := e.readPastImage(in, len(buf), off+n)
+	if e.marks != nil {
+		e.marks.mark(off, n+zeroes) // before the image is read
+	}
 	if n > 0 {
 		if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
 			e.log.Debug("read failed", "off", off, "len", n, "err", err)
@@ -384,6 +394,9 @@ func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
 	if n == 0 {
 		return 0, fuse.OK, true
 	}
+	if e.marks != nil {
+		e.marks.mark(off, n) // before the image is read
+	}
 	if !e.img.TryReadAt(buf[:n], off) {
 		return 0, fuse.OK, false
 	}
@@ -404,12 +417,25 @@ func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	n, st := e.write(ctx, in, data)
 	switch {
-	case n > 0 && e.WriteBypassesCache(in):
-		e.invalidate(int64(in.Offset), int64(n))
+	case e.WriteBypassesCache(in):
+		if from, length, ok := e.dropAfterBypass(in, len(data), n, st); ok {
+			e.invalidate(from, length)
+		}
 	default:
 		e.checkWriteback(in, n, st, len(data))
 	}
 	return n, st
+}
+
+// dropAfterBypass says which of the kernel's pages a write that bypassed
+// the page cache must drop before its reply, once it has landed: the
+// granules around it where a READ may have cached the old bytes (ok
+// false: none; see readMarks). A failed write may have landed in part.
+func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) (from, length int64, ok bool) {
+	if n == 0 && st.Ok() {
+		return 0, 0, false
+	}
+	return e.marks.take(int64(in.Offset), int64(size))
 }
 
 // checkWriteback: when the kernel's write-back of pages it had accepted
@@ -454,26 +480,36 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 
 // TryWrite is Write for a serve loop that must not block: only writes
 // that need neither clamping nor growth, and that the image can do at
-// once; ok false means nothing happened.
-func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (uint32, fuse.Status, bool) {
-	if !e.opts.Writable || len(data) == 0 || e.WriteBypassesCache(in) {
-		return 0, fuse.OK, false
+// once; ok false means nothing happened. A write that bypassed the page
+// cache may need the kernel's pages of [dropFrom, +dropLen) dropped
+// before its reply (dropLen > 0), which the loop must not do itself: the
+// notify may wait for a write-back only the loop can answer.
+func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, dropFrom, dropLen int64) {
+	if !e.opts.Writable || len(data) == 0 {
+		return 0, fuse.OK, false, 0, 0
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
 	if int64(in.Offset)+int64(len(data)) > e.img.Size() {
-		return 0, fuse.OK, false
+		return 0, fuse.OK, false, 0, 0
 	}
 	done, err := e.img.TryWriteAt(data, int64(in.Offset))
 	if !done {
-		return 0, fuse.OK, false
+		return 0, fuse.OK, false, 0, 0
 	}
+	n, st = uint32(len(data)), fuse.OK
 	if err != nil {
 		e.log.Debug("write failed", "off", in.Offset, "len", len(data), "err", err)
-		e.checkWriteback(in, 0, errno(err), len(data))
-		return 0, errno(err), true
+		n, st = 0, errno(err)
 	}
-	return uint32(len(data)), fuse.OK, true
+	if e.WriteBypassesCache(in) {
+		if from, length, drop := e.dropAfterBypass(in, len(data), n, st); drop {
+			dropFrom, dropLen = from, length
+		}
+	} else if err != nil {
+		e.checkWriteback(in, 0, st, len(data))
+	}
+	return n, st, true, dropFrom, dropLen
 }
 
 // Fallocate follows QEMU: mode 0 only at or past the end (it grows the

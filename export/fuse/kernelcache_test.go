@@ -92,17 +92,47 @@ func TestKernelCacheSetattrTimes(t *testing.T) {
 	}
 }
 
-// TestKernelCacheInvalidates: writes that bypassed the cache, punched and
-// zeroed ranges (not resizes) ask for the pages they changed to be dropped;
-// write-backs from the cache do not; a write-back past the end of a
-// non-growable image is reported failed for what did not fit.
+// TestKernelCacheInvalidates: writes that bypassed the cache where a READ
+// was answered before (the kernel may hold its pages) and punched and
+// zeroed ranges (not resizes) ask for the pages they changed to be
+// dropped, whole 64 KiB granules for the writes; write-backs from the
+// cache and bypassing writes no READ reached before do not; a write-back
+// past the end of a non-growable image is reported failed for what did
+// not fit.
 func TestKernelCacheInvalidates(t *testing.T) {
-	e, r := kcExport(t, 10000, Options{Writable: true})
+	e, r := kcExport(t, 200000, Options{Writable: true})
 	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096}, make([]byte, 512)); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if got := r.take(); len(got) != 1 || got[0] != (kcRange{4096, 512}) {
-		t.Fatalf("direct write: invalidated %v, want [4096 +512]", got)
+	if got := r.take(); len(got) != 0 {
+		t.Fatalf("direct write where no READ was: invalidated %v, want nothing", got)
+	}
+	buf := make([]byte, 4096)
+	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 70000, Size: 4096}, buf); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096}, make([]byte, 512)); st != fuse.OK || len(r.take()) != 0 {
+		t.Fatalf("direct write in another granule than the READ's: %v, or invalidated", st)
+	}
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 60000}, make([]byte, 8192)); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if got := r.take(); len(got) != 1 || got[0] != (kcRange{0, 128 << 10}) {
+		t.Fatalf("direct write over the READ's granule: invalidated %v, want [0 +131072]", got)
+	}
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 70000}, make([]byte, 512)); st != fuse.OK || len(r.take()) != 0 {
+		t.Fatalf("a second direct write with no READ since: %v, or invalidated", st)
+	}
+	// TryWrite: the loop is told to drop them, not to do it itself.
+	if _, st, ok := e.TryRead(&fuse.ReadIn{Offset: 150000, Size: 4096}, buf); !ok || st != fuse.OK {
+		t.Fatalf("try read: %v %v", ok, st)
+	}
+	n, st, ok, from, length := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096))
+	if !ok || st != fuse.OK || n != 4096 || from != 128<<10 || length != 64<<10 || len(r.take()) != 0 {
+		t.Fatalf("try write over a READ's granule: %v %v %d, drop [%d +%d]", ok, st, n, from, length)
+	}
+	if _, _, ok, _, length := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096)); !ok || length != 0 {
+		t.Fatalf("try write again: %v, drop %d", ok, length)
 	}
 	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096)); st != fuse.OK {
 		t.Fatal(st)
@@ -133,7 +163,7 @@ func TestKernelCacheInvalidates(t *testing.T) {
 		t.Fatalf("same size: %v", st)
 	}
 	// A write-back across the end: short, and the rest reported failed.
-	n, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096))
+	n, st = e.Write(ctx, &fuse.WriteIn{Offset: 4096, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096))
 	if st != fuse.OK || n != 6000-4096 {
 		t.Fatalf("write-back across the end: %d %v", n, st)
 	}

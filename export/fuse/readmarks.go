@@ -1,0 +1,128 @@
+package fuse
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// readMarks says where the kernel may hold pages of the export read from
+// the image, so that a write the page cache did not see (an O_DIRECT
+// open's) drops the kernel's pages only where there can be some.
+//
+// Under the kernel cache the page cache gets the image's bytes only
+// through READs we answer (read-ahead, page faults of a mapping, and
+// O_DIRECT reads, which we cannot tell from the others); pages the kernel
+// makes for buffered writes hold the writer's bytes, not the image's.
+// Before it sends an O_DIRECT WRITE the kernel writes back and drops its
+// own pages of the range, but a READ sent after that and answered before
+// the write lands caches the old bytes, which FUSE_NOTIFY_INVAL_INODE must
+// then drop. So: every READ marks the granules it reaches before it reads
+// the image; a bypassing write, once it has landed, takes the marks of
+// its granules, and only if one was set drops the kernel's pages of those
+// whole granules. A READ that read old bytes marked its granule before
+// the write landed, so the write sees the mark: the notify then drops that
+// page, waiting for it if its READ is still being answered (the kernel
+// locks a page from before its READ is sent until the reply is in). A
+// READ that marks after the take read the new bytes, or marks again for
+// the next write. Marks are cleared only with a notify of their whole
+// granule.
+//
+// Memory: one bit per granule a READ reached, in chunks of 256 MiB of the
+// export; past maxChunks chunks (a client reading an image of exabytes
+// all over) every granule counts as marked and none is cleared again.
+type readMarks struct {
+	chunks sync.Map // chunk index (off >> chunkShift) -> *markChunk
+	n      atomic.Int64
+	all    atomic.Bool // too many chunks: every granule counts as marked
+}
+
+const (
+	granuleShift = 16 // 64 KiB granules: what a notify drops around a write
+	chunkShift   = 28 // 256 MiB per chunk: 4096 granules, 64 words
+	maxChunks    = 1 << 16
+)
+
+type markChunk [1 << (chunkShift - granuleShift - 6)]atomic.Uint64
+
+// granules is the range of granules [g0, g1] that [off, off+n) reaches;
+// ok false for an empty or negative range.
+func granules(off, n int64) (g0, g1 int64, ok bool) {
+	if off < 0 || n <= 0 || off > 1<<63-1-n {
+		return 0, 0, false
+	}
+	return off >> granuleShift, (off + n - 1) >> granuleShift, true
+}
+
+// mark records that a READ of [off, off+n) may put the image's bytes in
+// the kernel's cache. It must come before the READ reads the image.
+func (m *readMarks) mark(off, n int64) {
+	g0, g1, ok := granules(off, n)
+	if !ok || m.all.Load() {
+		return
+	}
+	var c *markChunk
+	ci := int64(-1)
+	for g := g0; g <= g1; g++ {
+		if gi := g >> (chunkShift - granuleShift); gi != ci {
+			if c, ci = m.chunk(gi, true), gi; c == nil {
+				return // m.all is set
+			}
+		}
+		w, bit := &c[(g>>6)&(int64(len(c))-1)], uint64(1)<<(g&63)
+		if w.Load()&bit == 0 {
+			w.Or(bit)
+		}
+	}
+}
+
+// take reports whether a READ marked any granule [off, off+n) reaches,
+// clearing those marks: the caller then drops the kernel's pages of the
+// whole granules, [from, from+length). It must come after the write has
+// landed in the image.
+func (m *readMarks) take(off, n int64) (from, length int64, marked bool) {
+	g0, g1, ok := granules(off, n)
+	if !ok {
+		return 0, 0, false
+	}
+	from, length = g0<<granuleShift, (g1-g0+1)<<granuleShift
+	if m.all.Load() {
+		return from, length, true
+	}
+	var c *markChunk
+	ci := int64(-1)
+	for g := g0; g <= g1; g++ {
+		if gi := g >> (chunkShift - granuleShift); gi != ci {
+			c, ci = m.chunk(gi, false), gi
+		}
+		if c == nil {
+			continue
+		}
+		w, bit := &c[(g>>6)&(int64(len(c))-1)], uint64(1)<<(g&63)
+		if w.Load()&bit != 0 {
+			w.And(^bit)
+			marked = true
+		}
+	}
+	// A chunk made after the first look (m.all set meanwhile) counts too.
+	return from, length, marked || m.all.Load()
+}
+
+// chunk is chunk i, made if create and there is none; nil if there is
+// none, or too many (m.all is then set).
+func (m *readMarks) chunk(i int64, create bool) *markChunk {
+	if c, ok := m.chunks.Load(i); ok {
+		return c.(*markChunk)
+	}
+	if !create {
+		return nil
+	}
+	if m.n.Add(1) > maxChunks {
+		m.all.Store(true)
+		return nil
+	}
+	c, loaded := m.chunks.LoadOrStore(i, new(markChunk))
+	if loaded {
+		m.n.Add(-1)
+	}
+	return c.(*markChunk)
+}
