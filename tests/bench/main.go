@@ -178,7 +178,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm; only when named), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node; only when named), convert (blockexport convert and compare against qemu-img's on 4 GiB images; only when named), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), http (an image behind nginx, against qemu-storage-daemon's curl node and nbdkit-curl + nbdfuse), s3 (an object in versitygw), convert (convert and compare against qemu-img); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm; only when named), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node; only when named), convert (blockexport convert and compare against qemu-img's on 4 GiB images; only when named), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), http (an image behind nginx, against qemu-storage-daemon's curl node and nbdkit-curl + nbdfuse), s3 (an object in versitygw), convert (convert and compare against qemu-img); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
@@ -282,6 +282,8 @@ func main() {
 	}
 	if targets["kcache"] || *only == defaultOnly {
 		rows = append(rows, benchKernelCache(dir, ours)...)
+	}
+	if targets["kcache"] || targets["kcdirect"] || *only == defaultOnly {
 		// O_DIRECT opens keep direct_io under --kernel-cache on: the
 		// page-cache rows' O_DIRECT matrix with it, against the same
 		// export without it in the same minutes (the compared-with
