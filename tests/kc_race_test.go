@@ -36,24 +36,43 @@ func TestKcDirectWritesRacingCachedReads(t *testing.T) {
 	createImage(t, "-f", "raw", img, "4M")
 	mnt := filepath.Join(dir, "mnt")
 	kcStart(t, img, mnt, "-f", "raw", "--cache", "none")
-	fxGuard(t, mnt, func() { kcRaceDirectWritesAndReads(t, mnt) })
+	// Two writers on alternate blocks, so that one's write lands in a
+	// granule while the other's drop of it is still under way (a write
+	// that took the other's cleared mark as "nothing cached here" replied
+	// while its page still held the old bytes; found in review).
+	fxGuard(t, mnt, func() {
+		var wg sync.WaitGroup
+		for wr := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				kcRaceDirectWritesAndReads(t, mnt, wr, 2)
+			}()
+		}
+		wg.Wait()
+	})
 }
 
-func kcRaceDirectWritesAndReads(t *testing.T, mnt string) {
-
+// kcRaceDirectWritesAndReads is writer wr of writers: it writes every
+// writers-th block from wr on, with two buffered readers of its own.
+func kcRaceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
 	w, err := aio.Open(mnt, aio.Options{Backend: aio.IOUring, Writable: true, Direct: true})
 	if err != nil {
-		t.Fatal(err)
+		t.Error(err)
+		return
 	}
 	defer w.Close()
 	const blocks = 32
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	var reads atomic.Int64
+	stopReaders := sync.OnceFunc(func() { close(stop); wg.Wait() })
+	defer stopReaders()
 	for r := range 2 {
 		fd, err := unix.Open(mnt, unix.O_RDONLY, 0)
 		if err != nil {
-			t.Fatal(err)
+			t.Error(err)
+			return
 		}
 		wg.Add(1)
 		go func() {
@@ -74,7 +93,8 @@ func kcRaceDirectWritesAndReads(t *testing.T, mnt string) {
 	}
 	check, err := unix.Open(mnt, unix.O_RDONLY, 0)
 	if err != nil {
-		t.Fatal(err)
+		t.Error(err)
+		return
 	}
 	defer unix.Close(check)
 	buf := kcAlignedBuf(4096)
@@ -84,26 +104,28 @@ func kcRaceDirectWritesAndReads(t *testing.T, mnt string) {
 	deadline := time.Now().Add(4 * time.Second)
 	n := 0
 	for ; time.Now().Before(deadline) && stale < 5; n++ {
-		blk := int64(n % blocks)
+		blk := int64(n%(blocks/writers)*writers + wr)
 		v := byte(n%251 + 1)
 		for i := range buf {
 			buf[i] = v
 		}
 		if _, err := w.WriteAt(ctx, buf, blk*4096); err != nil {
-			t.Fatalf("O_DIRECT write %d: %v", n, err)
+			t.Errorf("O_DIRECT write %d: %v", n, err)
+			return
 		}
 		if _, err := unix.Pread(check, got, blk*4096); err != nil {
-			t.Fatal(err)
+			t.Error(err)
+			return
 		}
 		if !bytes.Equal(got, buf) {
 			stale++
 			t.Errorf("write %d (block %d, byte %#x) returned, then a buffered read got %#x...: stale", n, blk, v, got[:4])
 		}
 	}
-	close(stop)
-	wg.Wait()
+	stopReaders()
 	t.Logf("%d O_DIRECT writes, %d buffered reads racing them, %d stale", n, reads.Load(), stale)
 	if n < 1000 || reads.Load() < 1000 {
-		t.Fatalf("too few operations to race: %d writes, %d reads", n, reads.Load())
+		t.Errorf("too few operations to race: %d writes, %d reads", n, reads.Load())
+		return
 	}
 }

@@ -106,6 +106,10 @@ type Export struct {
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
 	marks *readMarks
+	// dropping holds the ranges whose drop (invalidate) has cleared
+	// their marks and not yet returned.
+	dropMu   sync.Mutex
+	dropping [][2]int64
 }
 
 // New makes an export of img. The image must stay open until the export is
@@ -268,9 +272,33 @@ func (e *Export) invalidate(off, length int64) {
 	if length < 0 {
 		length = 0 // a length past 2^63: to the end
 	}
-	if e.inval != nil {
-		e.inval(off, length)
+	if e.inval == nil {
+		return
 	}
+	if e.marks == nil {
+		e.inval(off, length)
+		return
+	}
+	// Until this drop returns, a write into its granules must drop its
+	// own: the marks are cleared now, the pages go only when it is done.
+	end := int64(1<<63 - 1)
+	if length > 0 && off <= end-length {
+		end = off + length
+	}
+	r := [2]int64{off, end}
+	e.dropMu.Lock()
+	e.dropping = append(e.dropping, r)
+	e.marks.clear(off, end-off)
+	e.dropMu.Unlock()
+	e.inval(off, length)
+	e.dropMu.Lock()
+	for i, d := range e.dropping {
+		if d == r {
+			e.dropping = append(e.dropping[:i], e.dropping[i+1:]...)
+			break
+		}
+	}
+	e.dropMu.Unlock()
 }
 
 // WriteBypassesCache says whether a WRITE changes the image behind the
@@ -435,7 +463,19 @@ func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.S
 	if n == 0 && st.Ok() {
 		return 0, 0, false
 	}
-	return e.marks.take(int64(in.Offset), int64(size))
+	from, length, ok = e.marks.marked(int64(in.Offset), int64(size))
+	if ok || length == 0 {
+		return from, length, ok
+	}
+	end := from + min(length, 1<<63-1-from)
+	e.dropMu.Lock()
+	defer e.dropMu.Unlock()
+	for _, d := range e.dropping {
+		if d[0] < end && from < d[1] {
+			return from, length, true // a drop that cleared a mark here is not done yet
+		}
+	}
+	return from, length, false
 }
 
 // checkWriteback: when the kernel's write-back of pages it had accepted

@@ -17,15 +17,15 @@ import (
 // own pages of the range, but a READ sent after that and answered before
 // the write lands caches the old bytes, which FUSE_NOTIFY_INVAL_INODE must
 // then drop. So: every READ marks the granules it reaches before it reads
-// the image; a bypassing write, once it has landed, takes the marks of
-// its granules, and only if one was set drops the kernel's pages of those
-// whole granules. A READ that read old bytes marked its granule before
-// the write landed, so the write sees the mark: the notify then drops that
-// page, waiting for it if its READ is still being answered (the kernel
-// locks a page from before its READ is sent until the reply is in). A
-// READ that marks after the take read the new bytes, or marks again for
-// the next write. Marks are cleared only with a notify of their whole
-// granule.
+// the image; a bypassing write, once it has landed, looks at the marks
+// of its granules, and only if one is set (or a drop that cleared one is
+// still under way, see Export.invalidate) drops the kernel's pages of
+// those whole granules itself. A READ that read old bytes marked its
+// granule before the write landed, so the write sees the mark, or the
+// drop under way that cleared it: its own notify then drops that page,
+// waiting for it if its READ is still being answered (the kernel locks a
+// page from before its READ is sent until the reply is in). Marks are
+// cleared only as a drop of their whole granule starts.
 //
 // Memory: one bit per granule a READ reached, in chunks of 256 MiB of the
 // export; past maxChunks chunks (a client reading an image of exabytes
@@ -75,11 +75,13 @@ func (m *readMarks) mark(off, n int64) {
 	}
 }
 
-// take reports whether a READ marked any granule [off, off+n) reaches,
-// clearing those marks: the caller then drops the kernel's pages of the
-// whole granules, [from, from+length). It must come after the write has
-// landed in the image.
-func (m *readMarks) take(off, n int64) (from, length int64, marked bool) {
+// marked reports whether a READ marked any granule [off, off+n)
+// reaches: the caller then drops the kernel's pages of those whole
+// granules, [from, from+length). It must come after the write has landed
+// in the image. It clears nothing: a drop clears the marks it covers
+// when it starts (clear), so that a mark stays until a drop that began
+// after its READ's page existed.
+func (m *readMarks) marked(off, n int64) (from, length int64, marked bool) {
 	g0, g1, ok := granules(off, n)
 	if !ok {
 		return 0, 0, false
@@ -94,17 +96,56 @@ func (m *readMarks) take(off, n int64) (from, length int64, marked bool) {
 		if gi := g >> (chunkShift - granuleShift); gi != ci {
 			c, ci = m.chunk(gi, false), gi
 		}
-		if c == nil {
-			continue
-		}
-		w, bit := &c[(g>>6)&(int64(len(c))-1)], uint64(1)<<(g&63)
-		if w.Load()&bit != 0 {
-			w.And(^bit)
-			marked = true
+		if c != nil && c[(g>>6)&(int64(len(c))-1)].Load()&(uint64(1)<<(g&63)) != 0 {
+			return from, length, true
 		}
 	}
 	// A chunk made after the first look (m.all set meanwhile) counts too.
-	return from, length, marked || m.all.Load()
+	return from, length, m.all.Load()
+}
+
+// clear clears the marks of the granules [off, off+n) covers whole: a
+// drop of that range is about to start, and will drop every page a READ
+// that marked them before now may have cached (the kernel makes a READ's
+// page before it sends the READ, and a drop waits for a page whose READ
+// is still being answered).
+func (m *readMarks) clear(off, n int64) {
+	if off < 0 || n <= 0 || off > 1<<63-1-n || m.all.Load() {
+		return
+	}
+	g0, g1 := (off+1<<granuleShift-1)>>granuleShift, (off+n)>>granuleShift // [g0, g1)
+	if g0 >= g1 {
+		return
+	}
+	const perChunk = 1 << (chunkShift - granuleShift)
+	clearChunk := func(ci int64, c *markChunk) {
+		for g := max(g0, ci*perChunk); g < min(g1, (ci+1)*perChunk); {
+			w := &c[(g>>6)&(int64(len(c))-1)]
+			if g&63 == 0 && g+64 <= g1 {
+				w.Store(0)
+				g += 64
+				continue
+			}
+			if bit := uint64(1) << (g & 63); w.Load()&bit != 0 {
+				w.And(^bit)
+			}
+			g++
+		}
+	}
+	if (g1-g0)/perChunk < 4 {
+		for ci := g0 / perChunk; ci <= (g1-1)/perChunk; ci++ {
+			if c := m.chunk(ci, false); c != nil {
+				clearChunk(ci, c)
+			}
+		}
+		return
+	}
+	// A drop of a large range: only the chunks there are, not every
+	// granule of it (a punch may reach 2^63).
+	m.chunks.Range(func(k, v any) bool {
+		clearChunk(k.(int64), v.(*markChunk))
+		return true
+	})
 }
 
 // chunk is chunk i, made if create and there is none; nil if there is
