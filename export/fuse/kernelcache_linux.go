@@ -6,11 +6,13 @@ package fuse
 //
 //   - INIT asks for FUSE_WRITEBACK_CACHE; opens for buffered I/O get no
 //     direct I/O (Export.Open), O_DIRECT opens still do.
-//   - A write that bypassed the cache (an O_DIRECT open's), a punched or
-//     zeroed range and a resize drop the kernel's pages of what changed
-//     with FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify
-//     may make the kernel write dirty pages of the range back to us first,
-//     so it never runs in a serve loop (dispatch hands such requests off).
+//   - A punched or zeroed range, and a write that bypassed the cache (an
+//     O_DIRECT open's) where a READ may have cached the old bytes
+//     (readmarks.go), drop the kernel's pages of what changed with
+//     FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify may
+//     make the kernel write dirty pages of the range back to us first, so
+//     it never runs in a serve loop, and it runs on a thread of its own
+//     (kernelcalls_linux.go). A resize sends none (see Export.resize).
 //   - The FUSE bdi gets the read-ahead window of the disk under the
 //     image, at least 1 MiB (INIT can only lower the kernel's 128 KiB
 //     default), and a strict dirty limit: a loop
@@ -38,13 +40,8 @@ const notifyInvalInode = 2
 // export's file (length 0: to the end) and its cached attributes. The
 // kernel answers ENOENT when it does not know the inode (nothing cached).
 func (s *server) notifyInval(off, length int64) error {
-	if s.calls == nil {
-		return s.writeNotifyInval(off, length)
-	}
 	var err error
-	if !s.calls.run(s.calls.notify, func() { err = s.writeNotifyInval(off, length) }) {
-		return nil // the export is gone, and its cache with it
-	}
+	s.calls.onNotify(func() { err = s.writeNotifyInval(off, length) }) // not run: the export is gone, and its cache with it
 	return err
 }
 
@@ -179,13 +176,8 @@ func (s *server) learnSize(file string) error {
 // that one back too. Whatever write returned before the fsync is in the
 // image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
-	if s.calls == nil {
-		return s.flushKernelCacheHere(file)
-	}
 	var err error
-	if !s.calls.run(s.calls.other, func() { err = s.flushKernelCacheHere(file) }) {
-		return nil
-	}
+	s.calls.onOther(func() { err = s.flushKernelCacheHere(file) })
 	return err
 }
 
@@ -224,12 +216,7 @@ func (s *server) mendFailedWriteback(file string, off, length int64) {
 		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)
 	}
 	var err error
-	truncate := func() { err = unix.Truncate(file, s.exp.img.Size()) }
-	if s.calls == nil {
-		truncate()
-	} else if !s.calls.run(s.calls.other, truncate) {
-		return
-	}
+	s.calls.onOther(func() { err = unix.Truncate(file, s.exp.img.Size()) })
 	if err != nil && !errors.Is(err, unix.ENOTCONN) {
 		s.exp.log.Warn("cannot give the kernel the image's size back after a failed write-back", "err", err)
 	}

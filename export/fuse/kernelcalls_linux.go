@@ -48,8 +48,26 @@ func startKernelCalls() *kernelCalls {
 	return k
 }
 
-// run runs f on ch's thread and returns once it has; false: the threads
-// have stopped (the export is gone) and f did not run.
+// onNotify runs f on the notify thread, onOther on the other one, and
+// returns once it has; false: the threads have stopped (the export is
+// gone) and f did not run. Without threads (k nil) f runs on the calling
+// thread.
+func (k *kernelCalls) onNotify(f func()) bool {
+	if k == nil {
+		f()
+		return true
+	}
+	return k.run(k.notify, f)
+}
+
+func (k *kernelCalls) onOther(f func()) bool {
+	if k == nil {
+		f()
+		return true
+	}
+	return k.run(k.other, f)
+}
+
 func (k *kernelCalls) run(ch chan func(), f func()) bool {
 	done := make(chan struct{})
 	select {

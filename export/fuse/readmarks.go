@@ -25,7 +25,8 @@ import (
 // drop under way that cleared it: its own notify then drops that page,
 // waiting for it if its READ is still being answered (the kernel locks a
 // page from before its READ is sent until the reply is in). Marks are
-// cleared only as a drop of their whole granule starts.
+// cleared only as a drop of their whole granule is asked for; the drop
+// counts as under way from then until it returns.
 //
 // Memory: one bit per granule a READ reached, in chunks of 256 MiB of the
 // export; past maxChunks chunks (a client reading an image of exabytes
@@ -43,6 +44,14 @@ const (
 )
 
 type markChunk [1 << (chunkShift - granuleShift - 6)]atomic.Uint64
+
+// chunkOf is the index of the chunk holding granule g.
+func chunkOf(g int64) int64 { return g >> (chunkShift - granuleShift) }
+
+// bitOf is the word of c and the bit in it that stand for granule g.
+func (c *markChunk) bitOf(g int64) (*atomic.Uint64, uint64) {
+	return &c[(g>>6)&(int64(len(c))-1)], uint64(1) << (g & 63)
+}
 
 // granules is the range of granules [g0, g1] that [off, off+n) reaches;
 // ok false for an empty or negative range.
@@ -63,13 +72,12 @@ func (m *readMarks) mark(off, n int64) {
 	var c *markChunk
 	ci := int64(-1)
 	for g := g0; g <= g1; g++ {
-		if gi := g >> (chunkShift - granuleShift); gi != ci {
+		if gi := chunkOf(g); gi != ci {
 			if c, ci = m.chunk(gi, true), gi; c == nil {
 				return // m.all is set
 			}
 		}
-		w, bit := &c[(g>>6)&(int64(len(c))-1)], uint64(1)<<(g&63)
-		if w.Load()&bit == 0 {
+		if w, bit := c.bitOf(g); w.Load()&bit == 0 {
 			w.Or(bit)
 		}
 	}
@@ -79,8 +87,8 @@ func (m *readMarks) mark(off, n int64) {
 // reaches: the caller then drops the kernel's pages of those whole
 // granules, [from, from+length). It must come after the write has landed
 // in the image. It clears nothing: a drop clears the marks it covers
-// when it starts (clear), so that a mark stays until a drop that began
-// after its READ's page existed.
+// when it is asked for (clear), so that a mark stays until a drop asked
+// for after its READ's page existed.
 func (m *readMarks) marked(off, n int64) (from, length int64, marked bool) {
 	g0, g1, ok := granules(off, n)
 	if !ok {
@@ -93,10 +101,13 @@ func (m *readMarks) marked(off, n int64) (from, length int64, marked bool) {
 	var c *markChunk
 	ci := int64(-1)
 	for g := g0; g <= g1; g++ {
-		if gi := g >> (chunkShift - granuleShift); gi != ci {
+		if gi := chunkOf(g); gi != ci {
 			c, ci = m.chunk(gi, false), gi
 		}
-		if c != nil && c[(g>>6)&(int64(len(c))-1)].Load()&(uint64(1)<<(g&63)) != 0 {
+		if c == nil {
+			continue
+		}
+		if w, bit := c.bitOf(g); w.Load()&bit != 0 {
 			return from, length, true
 		}
 	}
@@ -120,20 +131,20 @@ func (m *readMarks) clear(off, n int64) {
 	const perChunk = 1 << (chunkShift - granuleShift)
 	clearChunk := func(ci int64, c *markChunk) {
 		for g := max(g0, ci*perChunk); g < min(g1, (ci+1)*perChunk); {
-			w := &c[(g>>6)&(int64(len(c))-1)]
+			w, bit := c.bitOf(g)
 			if g&63 == 0 && g+64 <= g1 {
 				w.Store(0)
 				g += 64
 				continue
 			}
-			if bit := uint64(1) << (g & 63); w.Load()&bit != 0 {
+			if w.Load()&bit != 0 {
 				w.And(^bit)
 			}
 			g++
 		}
 	}
 	if (g1-g0)/perChunk < 4 {
-		for ci := g0 / perChunk; ci <= (g1-1)/perChunk; ci++ {
+		for ci := chunkOf(g0); ci <= chunkOf(g1-1); ci++ {
 			if c := m.chunk(ci, false); c != nil {
 				clearChunk(ci, c)
 			}
