@@ -381,6 +381,15 @@ func (s *server) read(ctx context.Context, to replyTo, req []byte) {
 		s.replyData(to, in.Unique, st, ob[:n])
 		return
 	}
+	if bufs, release, st, ok := s.expOf(req).LendRead(ctx, in, size); ok {
+		// The image lent its bytes where they lie: the reply is written
+		// from there, and the loan ends once it is.
+		s.replyVec(to, in.Unique, st, bufs)
+		if release != nil {
+			release()
+		}
+		return
+	}
 	pool := s.pool(size)
 	ob, bp := pool.Buffer(size)
 	defer pool.Release(bp)

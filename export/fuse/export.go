@@ -379,6 +379,38 @@ func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int
 	return int(n + zeroes), fuse.OK
 }
 
+// maxLent bounds the slices one lent read is answered from (a writev's
+// vector: the header and these), past which it is read into a buffer.
+const maxLent = 128
+
+// LendRead is ReadInto for an image that lends its bytes in place
+// (formats.Lender: a remote object's cache blocks): the reply is written
+// from them, not from a copy. ok false: the read is not lendable (a read
+// past the image's end that the kernel's size pads with zeroes, an image
+// that does not lend), and ReadInto serves it. release, when not nil,
+// ends the loan once the reply is written.
+func (e *Export) LendRead(ctx context.Context, in *fuse.ReadIn, limit int) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
+	l, lends := e.img.(formats.Lender)
+	if !lends {
+		return nil, nil, fuse.OK, false
+	}
+	e.inflight.Begin()
+	defer e.inflight.End()
+	off, n := e.clampRead(in, limit)
+	if n == 0 || e.readPastImage(in, limit, off+n) > 0 {
+		return nil, nil, fuse.OK, false
+	}
+	if e.marks != nil {
+		e.marks.mark(off, n) // before the image is read, as ReadInto
+	}
+	bufs, release, ok, err := l.LendAt(ctx, off, n, maxLent)
+	if err != nil {
+		e.log.Debug("read failed", "off", off, "len", n, "err", err)
+		return nil, nil, errno(err), true
+	}
+	return bufs, release, fuse.OK, ok
+}
+
 // readPastImage is how many zero bytes a read gets past imageEnd, the
 // image's end, under the writeback cache: up to the kernel's size. A
 // buffered write past the end grows the file in the kernel at once and

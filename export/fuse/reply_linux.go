@@ -3,6 +3,7 @@ package fuse
 // Replies: one writev per reply, header and payload gathered in place.
 
 import (
+	"runtime"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -72,8 +73,32 @@ func (s *server) replyData(to replyTo, unique uint64, st fuse.Status, data []byt
 	s.reply(to, unique, 0, nil, data)
 }
 
-// reply writes header + a + b with one writev. A reply to a request the
-// kernel has dropped meanwhile (ENOENT) is not an error.
+// replyVec answers a read with the bytes of bufs, in order, written from
+// where they lie by one writev (at most maxLent of them).
+func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]byte) {
+	if st != fuse.OK {
+		s.replyErr(to, unique, unix.Errno(st))
+		return
+	}
+	var iov [1 + maxLent]unix.Iovec
+	n := 0
+	cnt := 1
+	for _, p := range bufs[:min(len(bufs), maxLent)] {
+		if len(p) > 0 {
+			iov[cnt] = unix.Iovec{Base: &p[0]}
+			iov[cnt].SetLen(len(p))
+			cnt++
+			n += len(p)
+		}
+	}
+	oh := fuse.OutHeader{Length: uint32(outHeaderSize + n), Unique: unique}
+	iov[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&oh))}
+	iov[0].SetLen(outHeaderSize)
+	s.writeReply(to.fd, unique, iov[:cnt])
+	runtime.KeepAlive(bufs)
+}
+
+// reply writes header + a + b with one writev.
 //
 // A request that came through FUSE over io_uring is answered in its ring
 // entry instead (uring_linux.go).
@@ -94,8 +119,14 @@ func (s *server) reply(to replyTo, unique uint64, errno int32, a, b []byte) {
 			cnt++
 		}
 	}
+	s.writeReply(to.fd, unique, iov[:cnt])
+}
+
+// writeReply writes one reply's vector to fd. A reply to a request the
+// kernel has dropped meanwhile (ENOENT) is not an error.
+func (s *server) writeReply(fd int, unique uint64, iov []unix.Iovec) {
 	for {
-		_, _, e := unix.Syscall(unix.SYS_WRITEV, uintptr(to.fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(cnt))
+		_, _, e := unix.Syscall(unix.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
 		switch e {
 		case 0, unix.ENOENT, unix.ENODEV:
 			return

@@ -115,6 +115,20 @@ func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	return n, nil
 }
 
+// LendAt lends the file's bytes where the file can (a remote object's
+// cache: formats.Lender); ok false otherwise.
+func (r *Image) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
+	l, ok := r.f.(formats.Lender)
+	if !ok {
+		return nil, nil, false, nil
+	}
+	bufs, release, ok, err := l.LendAt(ctx, off, n, maxBufs)
+	if err != nil {
+		return nil, nil, true, fmt.Errorf("raw: read %d bytes at %d: %w", n, off, err)
+	}
+	return bufs, release, ok, nil
+}
+
 func (r *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if !r.writable {
 		return 0, formats.ErrReadOnly

@@ -237,26 +237,61 @@ func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 		return 0, io.EOF
 	}
 	n := int(min(int64(len(p)), f.obj.Size-off))
-	want, err := f.acquire(off, int64(n))
+	want, err := f.loaded(ctx, off, int64(n))
 	if err != nil {
 		return 0, err
 	}
-	defer f.release(want)
-	for _, b := range want {
-		select {
-		case <-b.done:
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
-		if b.err != nil {
-			return 0, b.err
-		}
-	}
 	f.copyOut(want, p[:n], off)
+	f.release(want)
 	if n < len(p) {
 		return n, io.EOF
 	}
 	return n, nil
+}
+
+// loaded returns the blocks of [off, off+n), referenced and loaded, once
+// they are (fetching those missing); on an error none stays referenced.
+func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
+	want, err := f.acquire(off, n)
+	if err != nil {
+		return nil, err
+	}
+	for _, b := range want {
+		select {
+		case <-b.done:
+		case <-ctx.Done():
+			f.release(want)
+			return nil, ctx.Err()
+		}
+		if b.err != nil {
+			f.release(want)
+			return nil, b.err
+		}
+	}
+	return want, nil
+}
+
+// LendAt lends [off, off+n) out of the cache blocks that hold it
+// (formats.Lender): a FUSE reply is written from them, and the copy into
+// a reply buffer that ReadAt makes is saved (cold 1 MiB reads at qd16
+// from nginx on loopback, through FUSE: 1100-1230 MiB/s with the copy,
+// 1710-1870 without). The blocks stay referenced, so neither evicted nor
+// reused, until release.
+func (f *File) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
+	if off < 0 || n <= 0 || off > f.obj.Size-n || (off+n-1)/f.bs-off/f.bs >= int64(maxBufs) {
+		return nil, nil, false, nil
+	}
+	want, err := f.loaded(ctx, off, n)
+	if err != nil {
+		return nil, nil, true, err
+	}
+	bufs := make([][]byte, len(want))
+	for k, b := range want {
+		start := b.idx * f.bs
+		lo, hi := max(off, start), min(off+n, start+int64(len(b.data)))
+		bufs[k] = b.data[lo-start : hi-start]
+	}
+	return bufs, func() { f.release(want) }, true, nil
 }
 
 // TryReadAt serves p from the cache when every block of it is there.
@@ -833,4 +868,5 @@ func (f *File) Close() error {
 }
 
 var _ aio.File = (*File)(nil)
+var _ formats.Lender = (*File)(nil)
 var _ aio.Sized = (*File)(nil)
