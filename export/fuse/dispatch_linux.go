@@ -347,19 +347,19 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 		return wouldWait // write answers EINVAL
 	}
 	exp := s.expOf(req)
-	n, st, ok, dropFrom, dropLen := exp.TryWrite(in, data)
+	n, st, ok, d := exp.TryWrite(in, data)
 	if !ok {
 		return wouldWait
 	}
 	o := fuse.WriteOut{Size: n}
-	if dropLen > 0 {
+	if d.needed() {
 		// The kernel's pages of the range go before the reply, from
 		// outside the loop (the notify may wait for a write-back).
 		unique, to := in.Unique, q.to.handedOff()
 		s.hand.Start()
 		go func() {
 			defer s.hand.Done()
-			exp.invalidate(dropFrom, dropLen)
+			exp.finishBypass(d)
 			replyOut(s, to, unique, st, &o)
 		}()
 		return answered

@@ -127,14 +127,14 @@ func TestKernelCacheInvalidates(t *testing.T) {
 	if _, st, ok := e.TryRead(&fuse.ReadIn{Offset: 150000, Size: 4096}, buf); !ok || st != fuse.OK {
 		t.Fatalf("try read: %v %v", ok, st)
 	}
-	n, st, ok, from, length := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096))
-	if !ok || st != fuse.OK || n != 4096 || from != 128<<10 || length != 64<<10 || len(r.take()) != 0 {
-		t.Fatalf("try write over a READ's granule: %v %v %d, drop [%d +%d]", ok, st, n, from, length)
+	n, st, ok, d := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096))
+	if !ok || st != fuse.OK || n != 4096 || !d.own || d.from != 128<<10 || d.length != 64<<10 || len(r.take()) != 0 {
+		t.Fatalf("try write over a READ's granule: %v %v %d, drop %+v", ok, st, n, d)
 	}
-	e.invalidate(from, length) // as the loop has it done
+	e.finishBypass(d) // as the loop has it done
 	r.take()
-	if _, _, ok, _, length := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096)); !ok || length != 0 {
-		t.Fatalf("try write again: %v, drop %d", ok, length)
+	if _, _, ok, d := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096)); !ok || d.needed() {
+		t.Fatalf("try write again: %v, drop %+v", ok, d)
 	}
 	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0, WriteFlags: fuse.WRITE_CACHE}, make([]byte, 4096)); st != fuse.OK {
 		t.Fatal(st)
@@ -267,5 +267,46 @@ func TestReadPastImageUnderWritebackCache(t *testing.T) {
 	e.kernelSize = func() (int64, bool) { return 0, false }
 	if n, _ := read(8192, 8192); n != 10000-8192 {
 		t.Fatalf("kernel size unknown: %d bytes, want %d", n, 10000-8192)
+	}
+}
+
+// TestDirectReadsLeaveNoMark: a direct read (FUSE_READ_LOCKOWNER: an
+// O_DIRECT open's read(2)) puts nothing in the kernel's cache, so an
+// O_DIRECT write over it drops nothing; a READ without the flag (read-
+// ahead, a page fault of a mapping, of an O_DIRECT open too) marks, and
+// the write over it drops its granule. Through every read path: the one
+// a goroutine runs, the loop's try, and a lending image's.
+func TestDirectReadsLeaveNoMark(t *testing.T) {
+	e, r := kcExport(t, 1<<20, Options{Writable: true})
+	buf := make([]byte, 4096)
+	reads := map[string]func(in *fuse.ReadIn){
+		"ReadInto": func(in *fuse.ReadIn) { e.ReadInto(ctx, in, buf) },
+		"TryRead":  func(in *fuse.ReadIn) { e.TryRead(in, buf) },
+	}
+	lend := &lender{Image: newNull(t, 1<<20), data: make([]byte, 1<<20)}
+	le, lr := kcExport(t, 1<<20, Options{Writable: true})
+	le.img = lend
+	for name, read := range reads {
+		read(&fuse.ReadIn{Offset: 0, Size: 4096, ReadFlags: fuse.READ_LOCKOWNER})
+		if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096)); st != fuse.OK || len(r.take()) != 0 {
+			t.Fatalf("%s: a write over a direct read dropped pages (%v)", name, st)
+		}
+		read(&fuse.ReadIn{Offset: 0, Size: 4096})
+		if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096)); st != fuse.OK || len(r.take()) != 1 {
+			t.Fatalf("%s: a write over a page-cache READ did not drop its granule (%v)", name, st)
+		}
+	}
+	for _, c := range []struct {
+		flags uint32
+		drops int
+	}{{fuse.READ_LOCKOWNER, 0}, {0, 1}} {
+		if _, release, _, ok := le.LendRead(ctx, &fuse.ReadIn{Offset: 0, Size: 4096, ReadFlags: c.flags}, 4096); !ok {
+			t.Fatal("not lent")
+		} else {
+			release()
+		}
+		if _, st := le.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096)); st != fuse.OK || len(lr.take()) != c.drops {
+			t.Fatalf("lent read flags %#x: the write over it dropped other than %d granules (%v)", c.flags, c.drops, st)
+		}
 	}
 }

@@ -57,3 +57,62 @@ func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
 		// W2 waits for the pending drop: coherent.
 	}
 }
+
+// TestBypassWritesWaitForTheDropUnderWay: writes into a granule whose
+// drop is under way (W1's, slow) wait for that drop and send no notify of
+// their own (sixteen sequential 4 KiB writes at queue depth 16 into a
+// granule a READ had cached each sent one, serialized on the notify
+// thread: 0.13x the IOPS of the export without the kernel cache); a write
+// into another granule no READ reached neither waits nor drops.
+func TestBypassWritesWaitForTheDropUnderWay(t *testing.T) {
+	e, _ := kcExport(t, 1<<20, Options{Writable: true})
+	started, release := make(chan struct{}), make(chan struct{})
+	var mu sync.Mutex
+	calls := 0
+	e.inval = func(off, length int64) {
+		mu.Lock()
+		calls++
+		first := calls == 1
+		mu.Unlock()
+		if first {
+			close(started)
+			<-release
+		}
+	}
+	buf := make([]byte, 4096)
+	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
+		t.Fatal(st)
+	}
+	w1 := make(chan struct{})
+	go func() {
+		e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096))
+		close(w1)
+	}()
+	<-started
+	var wg sync.WaitGroup
+	waiting := make(chan struct{}, 15)
+	for k := int64(1); k < 16; k++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			e.Write(ctx, &fuse.WriteIn{Offset: uint64(k * 4096)}, make([]byte, 4096))
+			waiting <- struct{}{}
+		}()
+	}
+	// Another granule, never read: answered at once, no drop.
+	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 5 << 16}, make([]byte, 4096)); st != fuse.OK {
+		t.Fatal(st)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n := len(waiting); n != 0 {
+		t.Fatalf("%d writes into the granule replied while its drop was still under way", n)
+	}
+	close(release)
+	<-w1
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	if calls != 1 {
+		t.Fatalf("%d notifies for one granule's writes, want W1's alone", calls)
+	}
+}
