@@ -205,9 +205,28 @@ func FuzzKernelCacheRequests(f *testing.F) {
 	f.Add(uint8(1), uint64(9000), uint64(1<<64-1), uint32(0), uint32(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE))
 	f.Add(uint8(2), uint64(1<<62), uint64(0), uint32(fuse.FATTR_SIZE|fuse.FATTR_MTIME), uint32(0))
 	f.Add(uint8(2), uint64(0), uint64(1<<64-1), uint32(fuse.FATTR_MTIME_NOW|fuse.FATTR_CTIME), uint32(0))
+	f.Add(uint8(3), uint64(4096), uint64(4096), uint32(0), uint32(0))
+	f.Add(uint8(3), uint64(9000), uint64(4096), uint32(fuse.READ_LOCKOWNER), uint32(0))
 	f.Fuzz(func(t *testing.T, op uint8, off, length uint64, flags, mode uint32) {
 		e, r := kcExport(t, 10000, Options{Writable: true})
-		switch op % 3 {
+		switch op % 4 {
+		case 3:
+			// A READ (page-filling, or direct with READ_LOCKOWNER in
+			// flags), then an O_DIRECT write over it: the write drops
+			// the kernel's pages if and only if the READ may have
+			// cached some.
+			size := min(length, 1<<16)
+			n, _ := e.ReadInto(ctx, &fuse.ReadIn{Offset: off, Size: uint32(size), ReadFlags: flags}, make([]byte, size))
+			r.take()
+			wn, st := e.Write(ctx, &fuse.WriteIn{Offset: off}, make([]byte, size))
+			drops := r.take()
+			switch {
+			case n > 0 && wn > 0 && st.Ok() && flags&fuse.READ_LOCKOWNER == 0 && len(drops) == 0:
+				t.Fatalf("a write of %d at %d over a page-filling READ dropped nothing", wn, off)
+			case flags&fuse.READ_LOCKOWNER != 0 && len(drops) != 0:
+				t.Fatalf("a write over a direct read dropped %v", drops)
+			}
+			return
 		case 0:
 			e.Write(ctx, &fuse.WriteIn{Offset: off, WriteFlags: flags}, make([]byte, min(length, 1<<16)))
 		case 1:
