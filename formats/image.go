@@ -204,6 +204,9 @@ type Layered interface {
 // blocks), so that a front end replies from them instead of copying
 // them into a buffer of its own first.
 type Lender interface {
+	// CanLend says whether LendAt may lend anything at all (a raw image
+	// lends only when its file does), so that front ends ask only then.
+	CanLend() bool
 	// LendAt returns [off, off+n) as slices in order, readable until
 	// release is called (and only until then); max bounds how many
 	// slices. ok false: nothing is lent (the range is not lendable,

@@ -106,6 +106,9 @@ type Export struct {
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
 	marks *readMarks
+	// lender is the image when it lends its bytes in place (LendRead);
+	// nil for every other (a local raw file's reads never try).
+	lender formats.Lender
 	// dropping holds the drops (invalidate) that have cleared their
 	// ranges' marks and not yet returned.
 	dropMu   sync.Mutex
@@ -146,6 +149,9 @@ func New(img formats.Image, o Options) *Export {
 	}
 	if o.KernelCache {
 		e.marks = new(readMarks)
+	}
+	if l, ok := img.(formats.Lender); ok && l.CanLend() {
+		e.lender = l
 	}
 	e.mtimeNs.Store(time.Now().UnixNano())
 	mode := uint32(0o400)
@@ -438,8 +444,8 @@ const maxLent = 128
 // that does not lend), and ReadInto serves it. release, when not nil,
 // ends the loan once the reply is written.
 func (e *Export) LendRead(ctx context.Context, in *fuse.ReadIn, limit int) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
-	l, lends := e.img.(formats.Lender)
-	if !lends {
+	l := e.lender
+	if l == nil {
 		return nil, nil, fuse.OK, false
 	}
 	e.inflight.Begin()

@@ -304,7 +304,7 @@ func TestDirectReadsLeaveNoMark(t *testing.T) {
 	}
 	lend := &lender{Image: newNull(t, 1<<20), data: make([]byte, 1<<20)}
 	le, lr := kcExport(t, 1<<20, Options{Writable: true})
-	le.img = lend
+	le.img, le.lender = lend, lend
 	for name, read := range reads {
 		read(&fuse.ReadIn{Offset: 0, Size: 4096, ReadFlags: fuse.READ_LOCKOWNER})
 		if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096)); st != fuse.OK || len(r.take()) != 0 {

@@ -20,6 +20,8 @@ type lender struct {
 	lastMax         int
 }
 
+func (l *lender) CanLend() bool { return true }
+
 func (l *lender) LendAt(_ context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
 	l.lastOff, l.lastN, l.lastMax = off, n, maxBufs
 	if off < 0 || off+n > int64(len(l.data)) {
