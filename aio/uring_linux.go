@@ -515,7 +515,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			e.userData = tag
 		})
 		runtime.KeepAlive(buf)
-		if op == opRead && u.directEOFRes(done, res, err) {
+		if op == opRead && err == nil && res < 0 && directEOF(u, done, unix.Errno(-res)) {
 			return done, io.EOF
 		}
 		n, err := u.result(ctx, op, res, err)
@@ -559,7 +559,7 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 			e.userData = tag
 		})
 		runtime.KeepAlive(iov)
-		if op == opReadv && u.directEOFRes(total, res, err) {
+		if op == opReadv && err == nil && res < 0 && directEOF(u, total, unix.Errno(-res)) {
 			return total, io.EOF
 		}
 		n, err := u.result(ctx, op, res, err)
@@ -664,9 +664,4 @@ func (u *uringFile) Fdatasync(ctx context.Context) error {
 // allocating 4 KiB writes at queue depth one went from 4.7k to 11.7k IOPS.
 func (u *uringFile) Fallocate(ctx context.Context, mode uint32, off, n int64) error {
 	return retryEINTR(ctx, "fallocate", u, u.check, func() error { return unix.Fallocate(u.fd, mode, off, n) })
-}
-
-// directEOFRes is directEOF for an io_uring read's result.
-func (u *uringFile) directEOFRes(done int, res int32, err error) bool {
-	return err == nil && res == -int32(unix.EINVAL) && u.direct && done > 0
 }

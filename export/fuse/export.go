@@ -403,11 +403,7 @@ func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
 	e.inflight.Begin()
 	defer e.inflight.End()
-	off, n := e.clampRead(in, len(buf))
-	zeroes := e.readPastImage(in, len(buf), off+n)
-	if e.cachesRead(in) {
-		e.marks.mark(off, n+zeroes) // before the image is read
-	}
+	off, n, zeroes := e.readRange(in, len(buf))
 	if n > 0 {
 		if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
 			e.log.Debug("read failed", "off", off, "len", n, "err", err)
@@ -450,12 +446,9 @@ func (e *Export) LendRead(ctx context.Context, in *fuse.ReadIn, limit int) (bufs
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
-	off, n := e.clampRead(in, limit)
-	if n == 0 || e.readPastImage(in, limit, off+n) > 0 {
+	off, n, zeroes := e.readRange(in, limit)
+	if n == 0 || zeroes > 0 {
 		return nil, nil, fuse.OK, false
-	}
-	if e.cachesRead(in) {
-		e.marks.mark(off, n) // before the image is read, as ReadInto
 	}
 	bufs, release, ok, err := l.LendAt(ctx, off, n, maxLent)
 	if err != nil {
@@ -504,17 +497,27 @@ func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
 	}
 	e.inflight.Begin()
 	defer e.inflight.End()
-	off, n := e.clampRead(in, len(buf))
+	off, n, _ := e.readRange(in, len(buf)) // no zeroes: it ends inside the image
 	if n == 0 {
 		return 0, fuse.OK, true
-	}
-	if e.cachesRead(in) {
-		e.marks.mark(off, n) // before the image is read
 	}
 	if !e.img.TryReadAt(buf[:n], off) {
 		return 0, fuse.OK, false
 	}
 	return int(n), fuse.OK, true
+}
+
+// readRange is what a READ of at most bufLen bytes reads: n bytes of the
+// image at off, then zeroes up to the kernel's size (readPastImage). The
+// granules it reaches are marked first when the kernel may cache what it
+// reads (cachesRead): the mark must come before the image is read.
+func (e *Export) readRange(in *fuse.ReadIn, bufLen int) (off, n, zeroes int64) {
+	off, n = e.clampRead(in, bufLen)
+	zeroes = e.readPastImage(in, bufLen, off+n)
+	if e.cachesRead(in) {
+		e.marks.mark(off, n+zeroes)
+	}
+	return off, n, zeroes
 }
 
 func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {

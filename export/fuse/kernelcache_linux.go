@@ -41,7 +41,7 @@ const notifyInvalInode = 2
 // kernel answers ENOENT when it does not know the inode (nothing cached).
 func (s *server) notifyInval(off, length int64) error {
 	var err error
-	s.calls.onNotify(func() { err = s.writeNotifyInval(off, length) }) // not run: the export is gone, and its cache with it
+	s.calls.onNotify(func() { err = s.writeNotifyInval(off, length) })
 	return err
 }
 

@@ -24,14 +24,19 @@ import "runtime"
 // writer holds until its reply (which may wait for a notify) get a second
 // thread.
 type kernelCalls struct {
-	notify, other chan func()
-	stop          chan struct{}
+	ch   [2]chan func() // notifyThread, otherThread
+	stop chan struct{}
 }
+
+const (
+	notifyThread = iota
+	otherThread
+)
 
 // startKernelCalls starts the threads; stop ends them.
 func startKernelCalls() *kernelCalls {
-	k := &kernelCalls{notify: make(chan func()), other: make(chan func()), stop: make(chan struct{})}
-	for _, ch := range []chan func(){k.notify, k.other} {
+	k := &kernelCalls{ch: [2]chan func(){make(chan func()), make(chan func())}, stop: make(chan struct{})}
+	for _, ch := range k.ch {
 		go func() {
 			// Never unlocked: the thread ends with the goroutine.
 			runtime.LockOSThread()
@@ -49,34 +54,24 @@ func startKernelCalls() *kernelCalls {
 }
 
 // onNotify runs f on the notify thread, onOther on the other one, and
-// returns once it has; false: the threads have stopped (the export is
-// gone) and f did not run. Without threads (k nil) f runs on the calling
-// thread.
-func (k *kernelCalls) onNotify(f func()) bool {
+// returns once it has, or at once without running it when the threads
+// have stopped (the export is gone, and its cache with it). Without
+// threads (k nil) f runs on the calling thread.
+func (k *kernelCalls) onNotify(f func()) { k.run(notifyThread, f) }
+func (k *kernelCalls) onOther(f func())  { k.run(otherThread, f) }
+
+func (k *kernelCalls) run(thread int, f func()) {
 	if k == nil {
 		f()
-		return true
+		return
 	}
-	return k.run(k.notify, f)
-}
-
-func (k *kernelCalls) onOther(f func()) bool {
-	if k == nil {
-		f()
-		return true
-	}
-	return k.run(k.other, f)
-}
-
-func (k *kernelCalls) run(ch chan func(), f func()) bool {
 	done := make(chan struct{})
 	select {
-	case ch <- func() { f(); close(done) }:
+	case k.ch[thread] <- func() { f(); close(done) }:
 	case <-k.stop:
-		return false
+		return
 	}
 	<-done
-	return true
 }
 
 func (k *kernelCalls) close() { close(k.stop) }

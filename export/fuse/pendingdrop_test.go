@@ -15,9 +15,10 @@ import (
 // finds no mark and replies at once, while the kernel's page 8192 still
 // holds the bytes from before W2 (W1's notify has not run yet). A
 // buffered read after W2's reply returns the old bytes.
-func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
-	e, _ := kcExport(t, 1<<20, Options{Writable: true})
-	started, release := make(chan struct{}), make(chan struct{})
+// heldDrop makes e's first drop wait, once started is closed, until
+// release is; counts reports the drops asked for and those returned.
+func heldDrop(e *Export) (started, release chan struct{}, counts func() (calls, done int)) {
+	started, release = make(chan struct{}), make(chan struct{})
 	var mu sync.Mutex
 	calls, done := 0, 0
 	e.inval = func(off, length int64) {
@@ -33,6 +34,16 @@ func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
 		done++
 		mu.Unlock()
 	}
+	return started, release, func() (int, int) {
+		mu.Lock()
+		defer mu.Unlock()
+		return calls, done
+	}
+}
+
+func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
+	e, _ := kcExport(t, 1<<20, Options{Writable: true})
+	started, release, counts := heldDrop(e)
 	defer close(release)
 	buf := make([]byte, 4096)
 	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
@@ -47,10 +58,7 @@ func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
 	}()
 	select {
 	case <-w2:
-		mu.Lock()
-		d := done
-		mu.Unlock()
-		if d == 0 {
+		if _, d := counts(); d == 0 {
 			t.Fatal("W2 over the READ's page replied while the only drop of that page (W1's) was still pending: the kernel still caches the bytes from before W2")
 		}
 	case <-time.After(time.Second):
@@ -66,19 +74,7 @@ func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
 // into another granule no READ reached neither waits nor drops.
 func TestBypassWritesWaitForTheDropUnderWay(t *testing.T) {
 	e, _ := kcExport(t, 1<<20, Options{Writable: true})
-	started, release := make(chan struct{}), make(chan struct{})
-	var mu sync.Mutex
-	calls := 0
-	e.inval = func(off, length int64) {
-		mu.Lock()
-		calls++
-		first := calls == 1
-		mu.Unlock()
-		if first {
-			close(started)
-			<-release
-		}
-	}
+	started, release, counts := heldDrop(e)
 	buf := make([]byte, 4096)
 	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
@@ -110,9 +106,7 @@ func TestBypassWritesWaitForTheDropUnderWay(t *testing.T) {
 	close(release)
 	<-w1
 	wg.Wait()
-	mu.Lock()
-	defer mu.Unlock()
-	if calls != 1 {
+	if calls, _ := counts(); calls != 1 {
 		t.Fatalf("%d notifies for one granule's writes, want W1's alone", calls)
 	}
 }

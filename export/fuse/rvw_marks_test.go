@@ -15,15 +15,7 @@ import (
 // write took the overlapping drop for its own.
 func TestRvwPartialDropUnderWayDoesNotStandInForTheWritesOwn(t *testing.T) {
 	e, _ := kcExport(t, 1<<20, Options{Writable: true})
-	started, release := make(chan struct{}), make(chan struct{})
-	first := true
-	e.inval = func(off, length int64) {
-		if first {
-			first = false
-			close(started)
-			<-release
-		}
-	}
+	started, release, _ := heldDrop(e)
 	buf := make([]byte, 4096)
 	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
