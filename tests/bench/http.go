@@ -105,13 +105,25 @@ func benchHTTP(dir, bin string) []row {
 			mount: func(mnt string) string { return mnt },
 		})
 	}
-	for _, conns := range []string{"1", "4"} {
+	// nbdkit as its users may run it: plain, or with its readahead
+	// filter (which prefetches ahead of sequential reads), behind one or
+	// four nbdfuse connections.
+	for _, nc := range []struct{ conns, filter string }{{"1", ""}, {"4", ""}, {"1", "readahead"}, {"4", "readahead"}} {
+		config := "nbdfuse -C " + nc.conns
+		args := []string{"-f", "--exit-with-parent", "-U", "SOCK"}
+		if nc.filter != "" {
+			config = "--filter=" + nc.filter + ", " + config
+			args = append(args, "--filter="+nc.filter)
+		}
+		conns := nc.conns
 		exporters = append(exporters, httpExporter{
-			s: system{name: "nbdkit curl + nbdfuse", config: "nbdfuse -C " + conns},
+			s: system{name: "nbdkit curl + nbdfuse", config: config},
 			start: func(url, mnt string) ([]*exec.Cmd, string, error) {
 				sock := mnt + ".sock"
 				os.Remove(sock) // a killed nbdkit leaves its socket behind
-				server := exec.Command("nbdkit", "-f", "--exit-with-parent", "-U", sock, "curl", "url="+url)
+				a := append([]string(nil), args...)
+				a[3] = sock
+				server := exec.Command("nbdkit", append(a, "curl", "url="+url)...)
 				server.Stderr = os.Stderr
 				if err := server.Start(); err != nil {
 					return nil, "", err
