@@ -226,8 +226,10 @@ type Features struct {
 	// MayStall: a request may wait on a network peer that can stall for
 	// as long as the reconnect timeout (an object in HTTP(S) or S3
 	// storage, in this image or its backing chain). A front end then
-	// never waits for one on the thread that reads its protocol, so that
-	// other clients' requests (an open, a stat) are answered meanwhile.
+	// never lets one hold the thread that reads its protocol for more
+	// than a moment (the FUSE loop runs a lone one itself and hands its
+	// queue to a stand-in loop after a millisecond), so that other
+	// clients' requests (an open, a stat) are answered meanwhile.
 	MayStall bool
 }
 

@@ -62,7 +62,7 @@ func (s *server) sawBulkWrite() {
 		b.fd, b.wake = fd, make(chan struct{}, 1)
 		b.reading = true
 		s.loops.Add(1)
-		go s.loop(fd, true)
+		go s.loop(fd, true, nil)
 		return
 	}
 	b.reading = true

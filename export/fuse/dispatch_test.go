@@ -82,7 +82,7 @@ func (k kernelSide) replyBody(ms int) (fuse.OutHeader, []byte, bool) {
 func serveFake(t *testing.T, s *server, fd int) {
 	s.loops.Add(1)
 	loopDone := make(chan struct{})
-	go func() { s.loop(fd, false); close(loopDone) }()
+	go s.loop(fd, false, func() { close(loopDone) })
 	t.Cleanup(func() { <-loopDone; s.hand.Wait(); unix.Close(fd) })
 }
 
@@ -107,7 +107,7 @@ func TestInterruptCancelsItsRequest(t *testing.T) {
 	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 11, NodeId: 1}, Size: 4096})
 	s.loops.Add(1)
 	loopDone := make(chan struct{})
-	go func() { s.loop(fds[0], false); close(loopDone) }()
+	go s.loop(fds[0], false, func() { close(loopDone) })
 	t.Cleanup(func() {
 		unix.Close(fds[1]) // the loop reads end-of-file and stops
 		<-loopDone

@@ -30,6 +30,11 @@ type queue struct {
 	// ring is set for a FUSE-over-io_uring queue (uring_linux.go): its
 	// requests live in their ring entries, not in bp.
 	ring *uringQueue
+	// end is called when the queue's loop ends (serve waits for every
+	// queue); over is set once a stand-in loop took the queue over (see
+	// runStalling), and this one ends without calling end.
+	end  func()
+	over bool
 }
 
 // req is the request buffer as requests are read into it.
@@ -50,15 +55,28 @@ func (q *queue) queued() bool {
 // (helper true) also parks between bursts of large writes, and never sleeps
 // in read(2), so that it can see the connection end even when its own fd
 // gets no ENODEV (a main queue that stopped on a protocol error).
-func (s *server) loop(fd int, helper bool) {
-	defer s.loops.Done()
+//
+// end, if set, is called when the queue's loop has ended (that may be a
+// stand-in's: see runStalling).
+func (s *server) loop(fd int, helper bool, end func()) {
 	// No goroutine hand-off between reading a request and answering it.
 	// The goroutine is deliberately not locked to its thread: measured here,
 	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
 	// wake-ups on other threads) on every request, and sync (queue depth 1)
 	// rows lost 10-20%.
-	q := &queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
-	defer func() { s.bufs.Put(q.bp) }()
+	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096), end: end})
+}
+
+// run is the loop of queue q (s.loops counts it).
+func (s *server) run(q *queue) {
+	defer s.loops.Done()
+	defer func() {
+		s.bufs.Put(q.bp)
+		if !q.over && q.end != nil {
+			q.end()
+		}
+	}()
+	fd, helper := q.fd, q.helper
 	comp := s.comp
 	if helper {
 		comp = nil
@@ -116,6 +134,9 @@ func (s *server) loop(fd int, helper bool) {
 			s.sawBulkWrite()
 		}
 		s.serveRequest(q, buf[:n])
+		if q.over {
+			return // a stand-in serves the queue from here on
+		}
 		if served++; comp != nil && served%completionsEvery == 0 {
 			comp.ServeCompletions() // while requests keep coming
 		}

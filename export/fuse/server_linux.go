@@ -292,10 +292,7 @@ func (s *server) serve() {
 	for _, fd := range s.fds {
 		s.loops.Add(1)
 		queues.Add(1)
-		go func() {
-			defer queues.Done()
-			s.loop(fd, false)
-		}()
+		go s.loop(fd, false, queues.Done)
 	}
 	queues.Wait()
 	close(s.bulk.stop) // the connection is gone: a parked helper exits

@@ -252,9 +252,21 @@ func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 // loaded returns the blocks of [off, off+n), referenced and loaded, once
 // they are (fetching those missing); on an error none stays referenced.
 func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
-	want, err := f.acquire(off, n)
+	// A reader that cannot give up (its context has no Done: a serve
+	// loop's lone request) makes the first GET it needs itself, on its
+	// own goroutine, with the connection acquire took for it. Handed to
+	// a fetching goroutine, the GET readied that goroutine and then the
+	// reader again, and the runtime wakes an idle thread for each: on
+	// this VM a sleeping vCPU's wake-up each, about a third of a cold
+	// random read at queue depth 1 (see the FUSE loop's runStalling). A
+	// reader that may give up leaves the GET to a fetching goroutine,
+	// which goes on for whoever else waits.
+	want, mine, err := f.acquire(off, n, ctx.Done() == nil)
 	if err != nil {
 		return nil, err
+	}
+	if mine != nil {
+		f.load(*mine, true)
 	}
 	for _, b := range want {
 		select {
@@ -319,7 +331,7 @@ func (f *File) TryReadAt(p []byte, off int64) bool {
 		b.refs++
 		f.touch(b)
 	}
-	f.start(f.follow(off, off+int64(len(p))), false)
+	f.start(f.follow(off, off+int64(len(p))), false, false)
 	f.mu.Unlock()
 	f.copyOut(want, p, off)
 	f.release(want)
@@ -342,14 +354,17 @@ func (f *File) part(b *block, off, n int64) (lo int64, d []byte) {
 
 // acquire returns the blocks of [off, off+n), referenced, starting the
 // fetches of those missing and the readahead the read earns.
-func (f *File) acquire(off, n int64) ([]*block, error) {
+// With inline, the first of the reader's own GETs comes back unstarted
+// (mine) when a connection was free for it: the caller runs it (load,
+// with that connection) and then waits for the rest.
+func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, err error) {
 	first, last := off/f.bs, (off+n-1)/f.bs
 	f.mu.Lock()
 	if f.closed {
 		f.mu.Unlock()
-		return nil, fmt.Errorf("%s: %w", f.name, errClosed)
+		return nil, nil, fmt.Errorf("%s: %w", f.name, errClosed)
 	}
-	want := make([]*block, 0, last-first+1)
+	want = make([]*block, 0, last-first+1)
 	var runs [][2]int64
 	for i := first; i <= last; i++ {
 		b := f.blocks[i]
@@ -368,10 +383,10 @@ func (f *File) acquire(off, n int64) ([]*block, error) {
 	}
 	// Started under mu: Close sets closed under it, so no fetch is added
 	// to wg once Close waits on it.
-	f.start(runs, true)
-	f.start(f.follow(off, off+n), false)
+	mine = f.start(runs, true, inline)
+	f.start(f.follow(off, off+n), false, false)
 	f.mu.Unlock()
-	return want, nil
+	return want, mine, nil
 }
 
 var errClosed = errors.New("remote file closed")
@@ -513,8 +528,10 @@ func (f *File) follow(off, end int64) [][2]int64 {
 
 // start fetches runs of loading blocks, each in GETs of up to maxGet.
 // Called with mu held, the file open. own: a reader waits on them
-// (readahead waits for connections behind them).
-func (f *File) start(runs [][2]int64, own bool) {
+// (readahead waits for connections behind them). inline: the first GET
+// is returned unstarted instead, holding a connection, if one is free
+// and no other reader queues for one: the reader makes it itself.
+func (f *File) start(runs [][2]int64, own, inline bool) (mine *fetch) {
 	per := maxGet / f.bs
 	asked := time.Now()
 	for _, r := range runs {
@@ -528,9 +545,15 @@ func (f *File) start(runs [][2]int64, own bool) {
 				bl = append(bl, b)
 			}
 			f.wg.Add(1)
-			f.spawn(fetch{bl, i, j, asked, own})
+			x := fetch{bl, i, j, asked, own}
+			if inline && mine == nil && f.conns.tryGet() {
+				mine = &x
+				continue
+			}
+			f.spawn(x)
 		}
 	}
+	return mine
 }
 
 // fetch is one GET for load: blocks bl, [i, j).
@@ -561,7 +584,7 @@ func (f *File) worker(x fetch) {
 	t := time.NewTimer(workerIdle)
 	defer t.Stop()
 	for {
-		f.load(x.bl, x.i, x.j, x.asked, x.own)
+		f.load(x, false)
 		t.Reset(workerIdle)
 		select {
 		case x = <-f.jobs:
@@ -633,6 +656,18 @@ func (s *slots) drop(ch chan struct{}, own bool) bool {
 	return false
 }
 
+// tryGet takes a connection if one is free and no reader's fetch
+// queues for one (readahead waiting does not count: readers go first).
+func (s *slots) tryGet() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.free > 0 && len(s.own) == 0 {
+		s.free--
+		return true
+	}
+	return false
+}
+
 // put gives a connection back, to the first waiter if any.
 func (s *slots) put() {
 	s.mu.Lock()
@@ -678,16 +713,21 @@ func (f *File) slot(asked time.Time, own bool) error {
 	}
 }
 
-// load fetches blocks bl ([i, j)) with one range GET (retried) and
-// completes their entries, whatever happens. The GET reads straight into
-// the blocks' buffers, taken before it starts (the blocks count against
-// the cache from their insertion, loading or not).
-func (f *File) load(bl []*block, i, j int64, asked time.Time, own bool) {
+// load makes fetch x: it fetches blocks x.bl ([x.i, x.j)) with one range
+// GET (retried) and completes their entries, whatever happens. The GET
+// reads straight into the blocks' buffers, taken before it starts (the
+// blocks count against the cache from their insertion, loading or not).
+// held: the caller took the connection already (start).
+func (f *File) load(x fetch, held bool) {
 	defer f.wg.Done()
+	bl, i, j, asked := x.bl, x.i, x.j, x.asked
 	off := i * f.bs
 	end := min(j*f.bs, f.obj.Size)
 	var bufs [][]byte
-	err := f.slot(asked, own)
+	var err error
+	if !held {
+		err = f.slot(asked, x.own)
+	}
 	if err == nil {
 		bufs = make([][]byte, len(bl))
 		f.mu.Lock()

@@ -1,0 +1,160 @@
+package fuse
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/null"
+)
+
+// stallImage is a null device of an image that may stall (a network
+// peer's): reads at offset 0 wait for release, whatever their context
+// says, as a hung peer's GET does until its timeout; reads elsewhere take
+// delay.
+type stallImage struct {
+	*null.Image
+	release chan struct{}
+	delay   func() time.Duration
+}
+
+func (stallImage) TryReadAt([]byte, int64) bool { return false }
+
+func (i stallImage) Features() formats.Features {
+	f := i.Image.Features()
+	f.MayStall = true
+	return f
+}
+
+func (i stallImage) ReadAt(_ context.Context, p []byte, off int64) (int, error) {
+	if off == 0 {
+		<-i.release
+	} else if i.delay != nil {
+		time.Sleep(i.delay())
+	}
+	clear(p)
+	return len(p), nil
+}
+
+// serveStall runs a server for img on a fake /dev/fuse; the returned
+// function closes the kernel's end and waits until the queue's loop has
+// ended (its end called, once) and every loop and request with it.
+func serveStall(t *testing.T, img formats.Image) (kernelSide, *server, func()) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newServer(New(img, Options{}), fds[0])
+	if !s.stalls {
+		t.Fatal("the server does not know the image may stall")
+	}
+	var ends atomic.Int32
+	ended := make(chan struct{})
+	s.loops.Add(1)
+	go s.loop(fds[0], false, func() {
+		if ends.Add(1) == 1 {
+			close(ended)
+		}
+	})
+	stopped := false
+	stop := func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		unix.Close(fds[1]) // the loop reads end-of-file and stops
+		select {
+		case <-ended:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the queue's end was never called")
+		}
+		done := make(chan struct{})
+		go func() { s.loops.Wait(); s.hand.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatal("a loop or a request still runs after the queue ended")
+		}
+		if n := ends.Load(); n != 1 {
+			t.Fatalf("the queue's end was called %d times, want once", n)
+		}
+		unix.Close(fds[0])
+	}
+	t.Cleanup(stop)
+	return kernelSide{t, fds[1]}, s, stop
+}
+
+// A lone read of an image that may stall runs on the loop's goroutine;
+// when its peer hangs, a stand-in takes the queue over after
+// standInAfter and answers the requests that come meanwhile, and the
+// hung read is still answered once its peer is. Without the stand-in the
+// second read waits for the first (its reply comes only after release).
+func TestStandInServesWhileALoneReadStalls(t *testing.T) {
+	img, _ := null.New("stall", 1<<20, true)
+	release := make(chan struct{})
+	k, _, stop := serveStall(t, stallImage{Image: img, release: release})
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
+	time.Sleep(20 * time.Millisecond) // the first read is lone, and stuck
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 11, NodeId: 1}, Offset: 8192, Size: 4096})
+	h, ok := k.reply(2000)
+	if !ok || h.Unique != 11 || h.Status != 0 {
+		t.Fatalf("while a lone read stalls, the next read got reply %+v (%v), want unique 11 answered", h, ok)
+	}
+	send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: 12, NodeId: 1}})
+	if h, ok := k.reply(2000); !ok || h.Unique != 12 || h.Status != 0 {
+		t.Fatalf("GETATTR beside the stalled read: reply %+v (%v)", h, ok)
+	}
+
+	close(release)
+	released = true
+	h, body, ok := k.replyBody(2000)
+	if !ok || h.Unique != 10 || h.Status != 0 || len(body) != 4096 {
+		t.Fatalf("the stalled read, released: reply %+v with %d bytes (%v), want unique 10 with 4096", h, len(body), ok)
+	}
+	// The stand-in serves on, lone reads included.
+	for u := uint64(13); u < 16; u++ {
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * u, Size: 4096})
+		if h, ok := k.reply(2000); !ok || h.Unique != u || h.Status != 0 {
+			t.Fatalf("read %d after the stall: reply %+v (%v)", u, h, ok)
+		}
+	}
+	stop()
+}
+
+// Lone reads that end around standInAfter, some before the stand-in is
+// started and some after: each is answered exactly once, in order (one
+// at a time), and when the connection ends exactly one loop calls the
+// queue's end and every loop has stopped. Run under -race, this is the
+// hand-over's race of the request's end against the stand-in's timer.
+func TestStandInHandOverRace(t *testing.T) {
+	img, _ := null.New("stall", 64<<20, true)
+	var n atomic.Int64
+	delay := func() time.Duration {
+		// 0.5 to 1.5 times standInAfter, spread over the reads.
+		return standInAfter/2 + time.Duration(n.Add(1)%11)*standInAfter/10
+	}
+	k, _, stop := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: delay})
+	for u := uint64(1); u <= 200; u++ {
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * u, Size: 4096})
+		h, ok := k.reply(2000)
+		if !ok || h.Unique != u || h.Status != 0 {
+			t.Fatalf("read %d: reply %+v (%v)", u, h, ok)
+		}
+	}
+	if _, ok := k.reply(50); ok {
+		t.Fatal("a read was answered twice")
+	}
+	stop()
+}
