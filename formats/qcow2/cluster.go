@@ -116,6 +116,16 @@ func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bo
 	}
 	e = t[vc%q.h.l2Entries]
 	q.l2cache.putIfGen(l2off, t, gen)
+	// The entry is decoded against the file's end as it is now, not as
+	// it was before the read: a write may have allocated a cluster past
+	// that end and written the table back meanwhile, and the table read
+	// then holds an entry the older end calls corrupt (TestRaceAttack,
+	// 512-byte clusters: "data cluster 217 at 0xb0400 ... beyond the end
+	// of the file" on a write). The end only grows, and a cluster is
+	// allocated (the end moved past it) before any table names it.
+	q.meta.RLock()
+	fileSize = q.fileSize
+	q.meta.RUnlock()
 	m, err = q.decode(vc, e, fileSize)
 	return m, false, err
 }
