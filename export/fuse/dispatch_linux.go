@@ -153,12 +153,23 @@ const standInAfter = time.Millisecond
 // (remote.File.loaded). Cold random 4 KiB reads from nginx on loopback
 // at queue depth 1: 7.6-7.9k IOPS handed off, 10.8-12.1k so.
 //
-// What it costs: an INTERRUPT for the request finds nothing to cancel
-// (the stand-in reads it), so the request runs until its peer answers
-// or its reconnect timeout fails it, as a lone request of a local image
-// runs until its disk answers. It is counted as handed-off requests are
-// (Lone sees it in flight, Wait waits for it).
+// Its I/O cannot be cancelled (the context has no Done), so an
+// INTERRUPT that the stand-in reads for it, once the grace period has
+// passed with the request still running, answers it EINTR on its behalf
+// (the caller, killed, waits in the kernel for an answer), and the
+// request's own reply, when its peer answers or its reconnect timeout
+// fails it, is dropped (replyTo.once). It is counted as handed-off
+// requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte)) {
+	unique := header(req).Unique
+	to := q.to
+	to.once = new(atomic.Bool)
+	plain := q.to
+	r := s.pending.addAbandonable(unique, s.hand.Context(coroutines.InLoop), func() {
+		if to.once.CompareAndSwap(false, true) {
+			s.replyErr(plain, unique, unix.EINTR)
+		}
+	})
 	s.hand.Start()
 	var state atomic.Int32 // 0: running, 1: done in time, 2: stand-in started
 	t := time.AfterFunc(standInAfter, func() {
@@ -166,7 +177,8 @@ func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Co
 			s.standIn(q)
 		}
 	})
-	wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
+	wait(s, s.hand.Context(coroutines.InLoop), to, req)
+	s.pending.finish(unique, r)
 	s.hand.Done()
 	if state.CompareAndSwap(0, 1) {
 		t.Stop()
@@ -272,6 +284,10 @@ type reqCtx struct {
 	done   chan struct{}
 	closed atomic.Bool // done is closed: the request was cancelled
 	timer  *time.Timer // the cancel an INTERRUPT scheduled, if any
+	// abandon, if set, is what a cancel does besides closing done: for
+	// a request whose I/O cannot be cancelled, answer it EINTR now
+	// (runStalling).
+	abandon func()
 }
 
 func (r *reqCtx) Done() <-chan struct{} { return r.done }
@@ -288,11 +304,17 @@ const interruptGrace = 2 * time.Second
 
 // add makes the context of request unique; finish gives it back.
 func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
+	return p.addAbandonable(unique, parent, nil)
+}
+
+// addAbandonable is add for a request that a cancel abandons: abandon
+// runs (under p.mu) instead of the request's I/O ending.
+func (p *pending) addAbandonable(unique uint64, parent context.Context, abandon func()) *reqCtx {
 	r, _ := p.pool.Get().(*reqCtx)
 	if r == nil || r.closed.Load() {
 		r = &reqCtx{done: make(chan struct{})}
 	}
-	r.Context, r.timer = parent, nil
+	r.Context, r.timer, r.abandon = parent, nil, abandon
 	p.mu.Lock()
 	p.m[unique] = r
 	p.mu.Unlock()
@@ -306,7 +328,7 @@ func (p *pending) finish(unique uint64, r *reqCtx) {
 		r.timer.Stop()
 	}
 	p.mu.Unlock()
-	r.Context = nil
+	r.Context, r.abandon = nil, nil
 	p.pool.Put(r)
 }
 
@@ -332,6 +354,9 @@ func (p *pending) cancel(unique uint64, r *reqCtx) {
 	if p.m[unique] == r && !r.closed.Load() {
 		r.closed.Store(true)
 		close(r.done)
+		if r.abandon != nil {
+			r.abandon()
+		}
 	}
 }
 

@@ -4,6 +4,7 @@ package fuse
 
 import (
 	"runtime"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -19,6 +20,11 @@ type replyTo struct {
 	// request), and queues the commit itself; other goroutines hand it
 	// the reply.
 	direct bool
+	// once, if set, is taken by whoever replies first: the request, or
+	// the EINTR answered on its behalf when it outlives an INTERRUPT
+	// (runStalling). The other's reply is dropped: after the first, the
+	// kernel may have given the unique to a new request.
+	once *atomic.Bool
 }
 
 // handedOff is where a request handed to a goroutine replies.
@@ -80,6 +86,9 @@ func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]by
 		s.replyErr(to, unique, unix.Errno(st))
 		return
 	}
+	if to.once != nil && !to.once.CompareAndSwap(false, true) {
+		return
+	}
 	var iov [1 + maxLent]unix.Iovec
 	n := 0
 	cnt := 1
@@ -103,6 +112,9 @@ func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]by
 // A request that came through FUSE over io_uring is answered in its ring
 // entry instead (uring_linux.go).
 func (s *server) reply(to replyTo, unique uint64, errno int32, a, b []byte) {
+	if to.once != nil && !to.once.CompareAndSwap(false, true) {
+		return
+	}
 	if to.ent != nil {
 		to.ent.commit(unique, errno, a, b, to.direct)
 		return

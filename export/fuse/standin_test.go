@@ -158,3 +158,68 @@ func TestStandInHandOverRace(t *testing.T) {
 	}
 	stop()
 }
+
+// A lone read of an image that may stall cannot have its I/O cancelled
+// (it runs with the loop's context), so an INTERRUPT that finds it still
+// running after the grace period answers it EINTR on its behalf: the
+// caller, killed, waits in the kernel for that answer. The read's own
+// reply, once its peer answers, is dropped (the kernel may have given
+// the unique to another request by then), and the queue serves on.
+func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
+	img, _ := null.New("stall", 1<<20, true)
+	release := make(chan struct{})
+	k, s, stop := serveStall(t, stallImage{Image: img, release: release})
+	const grace = 200 * time.Millisecond
+	s.pending.grace = grace
+	released := false
+	defer func() {
+		if !released {
+			close(release)
+		}
+	}()
+
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
+	time.Sleep(20 * time.Millisecond) // lone, stuck, and a stand-in serves
+	began := time.Now()
+	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
+	h, ok := k.reply(3000)
+	if !ok || h.Unique != 10 || h.Status != -int32(unix.EINTR) {
+		t.Fatalf("after an INTERRUPT, the stalled read got reply %+v (%v), want unique 10 -EINTR", h, ok)
+	}
+	if waited := time.Since(began); waited < grace/2 {
+		t.Fatalf("answered EINTR after %v, inside the %v grace period", waited, grace)
+	}
+	close(release)
+	released = true
+	// The read's own answer is dropped; the queue answers what comes.
+	send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: 12, NodeId: 1}})
+	if h, ok := k.reply(2000); !ok || h.Unique != 12 {
+		t.Fatalf("after the released read, reply %+v (%v), want the GETATTR's (unique 12): the read was answered twice", h, ok)
+	}
+	if h, ok := k.reply(200); ok {
+		t.Fatalf("a further reply %+v", h)
+	}
+	stop()
+}
+
+// An INTERRUPT for a stalled lone read that ends within the grace period
+// changes nothing: the read's own reply is the one answer.
+func TestInterruptWithinGraceLeavesAStalledLoneRead(t *testing.T) {
+	img, _ := null.New("stall", 1<<20, true)
+	release := make(chan struct{})
+	k, s, stop := serveStall(t, stallImage{Image: img, release: release})
+	s.pending.grace = 2 * time.Second
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
+	time.Sleep(20 * time.Millisecond)
+	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
+	time.Sleep(50 * time.Millisecond)
+	close(release)
+	h, body, ok := k.replyBody(2000)
+	if !ok || h.Unique != 10 || h.Status != 0 || len(body) != 4096 {
+		t.Fatalf("the read released within the grace period: reply %+v with %d bytes (%v)", h, len(body), ok)
+	}
+	if h, ok := k.reply(2500); ok {
+		t.Fatalf("a second reply %+v after the grace period", h)
+	}
+	stop()
+}
