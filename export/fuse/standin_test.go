@@ -14,9 +14,9 @@ import (
 )
 
 // stallImage is a null device of an image that may stall (a network
-// peer's): reads at offset 0 wait for release, whatever their context
-// says, as a hung peer's GET does until its timeout; reads elsewhere take
-// delay.
+// peer's): each read at offset 0 waits for release (a token sent on it,
+// or its close), whatever its context says, as a hung peer's GET does
+// until its timeout; reads elsewhere take delay.
 type stallImage struct {
 	*null.Image
 	release chan struct{}
@@ -41,10 +41,22 @@ func (i stallImage) ReadAt(_ context.Context, p []byte, off int64) (int, error) 
 	return len(p), nil
 }
 
-// serveStall runs a server for img on a fake /dev/fuse; the returned
-// function closes the kernel's end and waits until the queue's loop has
-// ended (its end called, once) and every loop and request with it.
-func serveStall(t *testing.T, img formats.Image) (kernelSide, *server, func()) {
+// stallServer is one queue of a server for an image that may stall, on
+// a fake /dev/fuse: k is the kernel's side (kfd its fd), ended is closed
+// when the queue's end is first called, ends counts those calls.
+type stallServer struct {
+	k     kernelSide
+	kfd   int
+	s     *server
+	ended chan struct{}
+	ends  atomic.Int32
+	// closeKernel closes the kernel's side (once).
+	closeKernel func()
+}
+
+// serveStall starts a stallServer for img; the test's cleanup stops it
+// (stop).
+func serveStall(t *testing.T, img formats.Image) *stallServer {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -53,40 +65,54 @@ func serveStall(t *testing.T, img formats.Image) (kernelSide, *server, func()) {
 	if !s.stalls {
 		t.Fatal("the server does not know the image may stall")
 	}
-	var ends atomic.Int32
-	ended := make(chan struct{})
+	st := &stallServer{k: kernelSide{t, fds[1]}, kfd: fds[1], s: s, ended: make(chan struct{})}
 	s.loops.Add(1)
 	go s.loop(fds[0], false, func() {
-		if ends.Add(1) == 1 {
-			close(ended)
+		if st.ends.Add(1) == 1 {
+			close(st.ended)
 		}
 	})
-	stopped := false
-	stop := func() {
-		if stopped {
-			return
+	closed := false
+	st.closeKernel = func() {
+		if !closed {
+			closed = true
+			unix.Close(fds[1]) // the loop reads end-of-file and stops
 		}
-		stopped = true
-		unix.Close(fds[1]) // the loop reads end-of-file and stops
-		select {
-		case <-ended:
-		case <-time.After(5 * time.Second):
-			t.Fatal("the queue's end was never called")
-		}
-		done := make(chan struct{})
-		go func() { s.loops.Wait(); s.hand.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			t.Fatal("a loop or a request still runs after the queue ended")
-		}
-		if n := ends.Load(); n != 1 {
-			t.Fatalf("the queue's end was called %d times, want once", n)
-		}
-		unix.Close(fds[0])
 	}
-	t.Cleanup(stop)
-	return kernelSide{t, fds[1]}, s, stop
+	t.Cleanup(func() {
+		st.stop(t)
+		unix.Close(fds[0])
+	})
+	return st
+}
+
+// allStopped says whether every loop and request has ended within 5 s.
+func (st *stallServer) allStopped() bool {
+	done := make(chan struct{})
+	go func() { st.s.loops.Wait(); st.s.hand.Wait(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(5 * time.Second):
+		return false
+	}
+}
+
+// stop closes the kernel's side and checks that the queue's end was
+// called, once, and that every loop and request has ended.
+func (st *stallServer) stop(t *testing.T) {
+	st.closeKernel()
+	select {
+	case <-st.ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the queue's end was never called")
+	}
+	if !st.allStopped() {
+		t.Fatal("a loop or a request still runs after the queue ended")
+	}
+	if n := st.ends.Load(); n != 1 {
+		t.Fatalf("the queue's end was called %d times, want once", n)
+	}
 }
 
 // A lone read of an image that may stall runs on the loop's goroutine;
@@ -97,7 +123,8 @@ func serveStall(t *testing.T, img formats.Image) (kernelSide, *server, func()) {
 func TestStandInServesWhileALoneReadStalls(t *testing.T) {
 	img, _ := null.New("stall", 1<<20, true)
 	release := make(chan struct{})
-	k, _, stop := serveStall(t, stallImage{Image: img, release: release})
+	st := serveStall(t, stallImage{Image: img, release: release})
+	k := st.k
 	released := false
 	defer func() {
 		if !released {
@@ -130,7 +157,7 @@ func TestStandInServesWhileALoneReadStalls(t *testing.T) {
 			t.Fatalf("read %d after the stall: reply %+v (%v)", u, h, ok)
 		}
 	}
-	stop()
+	st.stop(t)
 }
 
 // Lone reads that end around standInAfter, some before the stand-in is
@@ -145,7 +172,8 @@ func TestStandInHandOverRace(t *testing.T) {
 		// 0.5 to 1.5 times standInAfter, spread over the reads.
 		return standInAfter/2 + time.Duration(n.Add(1)%11)*standInAfter/10
 	}
-	k, _, stop := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: delay})
+	st := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: delay})
+	k := st.k
 	for u := uint64(1); u <= 200; u++ {
 		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * u, Size: 4096})
 		h, ok := k.reply(2000)
@@ -156,7 +184,7 @@ func TestStandInHandOverRace(t *testing.T) {
 	if _, ok := k.reply(50); ok {
 		t.Fatal("a read was answered twice")
 	}
-	stop()
+	st.stop(t)
 }
 
 // A lone read of an image that may stall cannot have its I/O cancelled
@@ -168,7 +196,8 @@ func TestStandInHandOverRace(t *testing.T) {
 func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
 	img, _ := null.New("stall", 1<<20, true)
 	release := make(chan struct{})
-	k, s, stop := serveStall(t, stallImage{Image: img, release: release})
+	st := serveStall(t, stallImage{Image: img, release: release})
+	k, s := st.k, st.s
 	const grace = 200 * time.Millisecond
 	s.pending.grace = grace
 	released := false
@@ -199,7 +228,7 @@ func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
 	if h, ok := k.reply(200); ok {
 		t.Fatalf("a further reply %+v", h)
 	}
-	stop()
+	st.stop(t)
 }
 
 // An INTERRUPT for a stalled lone read that ends within the grace period
@@ -207,7 +236,8 @@ func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
 func TestInterruptWithinGraceLeavesAStalledLoneRead(t *testing.T) {
 	img, _ := null.New("stall", 1<<20, true)
 	release := make(chan struct{})
-	k, s, stop := serveStall(t, stallImage{Image: img, release: release})
+	st := serveStall(t, stallImage{Image: img, release: release})
+	k, s := st.k, st.s
 	s.pending.grace = 2 * time.Second
 	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
 	time.Sleep(20 * time.Millisecond)
@@ -221,5 +251,5 @@ func TestInterruptWithinGraceLeavesAStalledLoneRead(t *testing.T) {
 	if h, ok := k.reply(2500); ok {
 		t.Fatalf("a second reply %+v after the grace period", h)
 	}
-	stop()
+	st.stop(t)
 }
