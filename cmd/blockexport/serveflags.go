@@ -26,6 +26,7 @@ type serveFlags struct {
 	aio            string
 	cache          string
 	l2CacheSize    string
+	decodedCache   string
 	daemonize      bool
 	pidfile        string
 	logLevel       string
@@ -42,6 +43,7 @@ func (f *serveFlags) register(c *cobra.Command) {
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
 	fs.StringVar(&f.cache, "cache", "writeback", "host cache mode: writeback (page cache) or none (O_DIRECT)")
 	fs.StringVar(&f.l2CacheSize, "l2-cache-size", "8M", "qcow2 L2 table cache size (8M maps 64 GiB at 64 KiB clusters)")
+	fs.StringVar(&f.decodedCache, "decompressed-cache-size", "", "memory for decompressed qcow2 clusters and vmdk streamOptimized grains, per image (default: qcow2 4M, vmdk 32M); a read of a compressed cluster or grain not held decompresses it whole")
 	fs.BoolVar(&f.daemonize, "daemonize", false, "run in the background; return once the image is served")
 	fs.StringVar(&f.pidfile, "pidfile", "", "write the serving process's PID to this file")
 	fs.StringVar(&f.logLevel, "log-level", "info", "log level: debug, info, warn or error")
@@ -89,6 +91,12 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 	if err != nil {
 		return nil, probe.Options{}, usagef("--l2-cache-size: %v", err)
 	}
+	var decoded int64
+	if f.decodedCache != "" {
+		if decoded, err = probe.ParseSize(f.decodedCache); err != nil {
+			return nil, probe.Options{}, usagef("--decompressed-cache-size: %v", err)
+		}
+	}
 	nbdOpts, err := f.sourceFlags.options()
 	if err != nil {
 		return nil, probe.Options{}, err
@@ -98,7 +106,7 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 		return nil, probe.Options{}, err
 	}
 	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, NBD: nbdOpts, RelatedDirs: f.allowDirs,
+		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, DecodedCacheSize: decoded, NBD: nbdOpts, RelatedDirs: f.allowDirs,
 		Remote: remoteOpts}, nil
 }
 

@@ -74,10 +74,14 @@ type Options struct {
 	// NullReadZeroes makes null-device reads return zeroes (default in the
 	// CLI); off leaves read buffers untouched.
 	NullReadZeroes bool
-	Direct         bool        // O_DIRECT on the host file (--cache none)
-	L2CacheSize    int64       // qcow2 L2 table cache in bytes; 0: default
-	Backend        aio.Backend // aio engine for host files
-	Logger         *slog.Logger
+	Direct         bool  // O_DIRECT on the host file (--cache none)
+	L2CacheSize    int64 // qcow2 L2 table cache in bytes; 0: default
+	// DecodedCacheSize is the cache of decompressed qcow2 clusters and
+	// vmdk streamOptimized grains, in bytes per image; 0: the format's
+	// default.
+	DecodedCacheSize int64
+	Backend          aio.Backend // aio engine for host files
+	Logger           *slog.Logger
 	// Lock takes QEMU's image locks, so that a VM, a qemu tool or another
 	// export and this one cannot write one image at once (exports set it;
 	// inspection does not, like qemu-img's --force-share).

@@ -51,7 +51,7 @@ func fileFormats() []fileFormat {
 		{name: QCOW2, probe: probeQCOW2,
 			lock: func(w, _ bool) aio.Lock { return qcow2.Lock(w) },
 			open: func(f aio.File, c *chain, w bool) (formats.Image, error) {
-				img, err := qcow2.New(f, qcow2.Options{L2CacheSize: c.o.L2CacheSize, Direct: c.o.Direct, Writable: w,
+				img, err := qcow2.New(f, qcow2.Options{L2CacheSize: c.o.L2CacheSize, DecodedCacheSize: c.o.DecodedCacheSize, Direct: c.o.Direct, Writable: w,
 					Logger: c.o.Logger, OpenBacking: c.openBacking})
 				if err != nil {
 					return nil, err // not a nil *qcow2.Image in an interface
@@ -76,9 +76,9 @@ func fileFormats() []fileFormat {
 				}
 				name := f.Name()
 				img, err := vmdk.New(context.Background(), f, vmdk.Options{Name: name, Direct: c.o.Direct,
-					GTCacheSize: c.o.L2CacheSize,
-					OpenExtent:  func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
-					OpenParent:  func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, "vmdk") }})
+					GTCacheSize: c.o.L2CacheSize, DecodedCacheSize: c.o.DecodedCacheSize,
+					OpenExtent: func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
+					OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, "vmdk") }})
 				if err != nil {
 					return nil, err
 				}

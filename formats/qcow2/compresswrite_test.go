@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+
+	"github.com/blockexport/blockexport/aio"
 )
 
 // Compressed clusters written from several goroutines at once, packed
@@ -109,4 +111,57 @@ func TestCompressedWriteRefusals(t *testing.T) {
 		t.Error("CompressCluster of more than a cluster succeeded")
 	}
 	checkClean(t, img)
+}
+
+// Options.DecodedCacheSize (--decompressed-cache-size) bounds the cache
+// of decompressed clusters: reading six compressed clusters leaves the
+// last two held with a cache of two clusters' bytes, all six with the
+// default (4 MiB), and the reads are right either way.
+func TestDecodedCacheSize(t *testing.T) {
+	ctx := context.Background()
+	const cs = 4096
+	img := filepath.Join(t.TempDir(), "c.qcow2")
+	if err := Create(img, CreateOptions{Size: 6 * cs, ClusterSize: cs, CompressionType: "zlib"}); err != nil {
+		t.Fatal(err)
+	}
+	q := openRW(t, img)
+	mirror := make([]byte, 6*cs)
+	for i := range mirror {
+		mirror[i] = byte('a' + i/7%5)
+	}
+	for vc := int64(0); vc < 6; vc++ {
+		comp, ok, err := q.CompressCluster(mirror[vc*cs : (vc+1)*cs])
+		if err != nil || !ok {
+			t.Fatalf("compress cluster %d: %v %v", vc, ok, err)
+		}
+		if err := q.WriteCompressed(ctx, comp, vc*cs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ size, held int64 }{{2 * cs, 2}, {0, 6}, {1, 2}} {
+		f, err := openTestFile(img, testOpts{Backend: aio.Threads})
+		if err != nil {
+			t.Fatal(err)
+		}
+		q, err := New(f, Options{DecodedCacheSize: c.size})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(mirror))
+		for vc := int64(0); vc < 6; vc++ {
+			if _, err := q.ReadAt(ctx, got[vc*cs:(vc+1)*cs], vc*cs); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !bytes.Equal(got, mirror) {
+			t.Fatalf("DecodedCacheSize %d: reads back wrong", c.size)
+		}
+		if n := int64(q.dcache.order.Len()); n != c.held {
+			t.Errorf("DecodedCacheSize %d: %d clusters held decompressed, want %d", c.size, n, c.held)
+		}
+		q.Close()
+	}
 }

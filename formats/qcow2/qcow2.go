@@ -50,6 +50,9 @@ const decodedCacheBytes = 4 << 20
 type Options struct {
 	// L2CacheSize is the L2 table cache in bytes; 0 means the default.
 	L2CacheSize int64
+	// DecodedCacheSize is the cache of decompressed clusters in bytes;
+	// 0 means the default (decodedCacheBytes).
+	DecodedCacheSize int64
 	// Direct: the file is O_DIRECT (behind aio.Aligned), so no page cache
 	// is there to hit.
 	Direct bool
@@ -207,7 +210,11 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 		cacheBytes = DefaultL2CacheSize
 	}
 	q.l2cache = newLRU[[]uint64](int(cacheBytes / h.clusterSize))
-	q.dcache = newLRU[[]byte](max(2, int(decodedCacheBytes/h.clusterSize)))
+	decoded := o.DecodedCacheSize
+	if decoded <= 0 {
+		decoded = decodedCacheBytes
+	}
+	q.dcache = newLRU[[]byte](int(max(2, decoded/h.clusterSize)))
 	q.rcache = newLRU[[]byte](4)
 	if q.snaps, q.snapTableBytes, err = q.readSnapshots(ctx); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)

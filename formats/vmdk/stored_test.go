@@ -317,3 +317,55 @@ func TestVmdkParseStoredAgreesWithInflate(t *testing.T) {
 		t.Fatalf("only %d of 20000 streams parsed", accepted)
 	}
 }
+
+// Options.DecodedCacheSize (--decompressed-cache-size) sizes the cache of
+// inflated grains: a cache of two grains holds the last two of the four
+// read, one of four holds them all, and a grain held inflated is read on
+// the fast path without the file.
+func TestVmdkDecodedCacheSize(t *testing.T) {
+	const g = tGrain * 512
+	c := craftWith(func(_ int, data []byte) []byte {
+		for i := range data[g/2:] {
+			data[g/2+i] = byte(i / 64) // a Huffman block: inflated, not read in place
+		}
+		return mixedZlib(data)
+	})
+	p := writeTemp(t, t.TempDir(), "x.vmdk", c.b)
+	grains := []int64{0, 1, 2, 600}
+	for _, tc := range []struct {
+		size int64
+		held []bool // after reading the grains in order, which TryReadAt serves
+	}{
+		{2 * g, []bool{false, false, true, true}},
+		{4 * g, []bool{true, true, true, true}},
+		{0, []bool{true, true, true, true}}, // the default: 32 MiB
+	} {
+		img, err := open(t, p, Options{DecodedCacheSize: tc.size})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := tc.size / g
+		if tc.size == 0 {
+			want = decodedCacheBytes / g
+		}
+		if got := int64(img.extents[0].grainCache.cap); got != want {
+			t.Errorf("DecodedCacheSize %d: a cache of %d grains, want %d", tc.size, got, want)
+		}
+		b := make([]byte, 4096)
+		for _, gi := range grains {
+			off := gi*g + g - 4096
+			if _, err := img.ReadAt(context.Background(), b, off); err != nil || !bytes.Equal(b, c.want[off:off+4096]) {
+				t.Fatalf("grain %d: %v", gi, err)
+			}
+		}
+		for i, gi := range grains {
+			off := gi*g + g/2
+			clear(b)
+			ok := img.TryReadAt(b, off)
+			if ok != tc.held[i] || ok && !bytes.Equal(b, c.want[off:off+4096]) {
+				t.Errorf("DecodedCacheSize %d: grain %d served from the cache %v, want %v", tc.size, gi, ok, tc.held[i])
+			}
+		}
+		img.Close()
+	}
+}

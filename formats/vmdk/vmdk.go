@@ -72,6 +72,9 @@ type Options struct {
 	OpenParent func(name string) (formats.Image, string, error)
 	// GTCacheSize is the grain table cache in bytes; 0: the default.
 	GTCacheSize int64
+	// DecodedCacheSize is the cache of decompressed grains in bytes (the
+	// image's, whatever its extents); 0: the default (decodedCacheBytes).
+	DecodedCacheSize int64
 	// Direct: the files are O_DIRECT (no page cache for the fast path).
 	Direct bool
 }
@@ -181,6 +184,10 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 	if gtCache <= 0 {
 		gtCache = DefaultGTCacheSize
 	}
+	decoded := o.DecodedCacheSize
+	if decoded <= 0 {
+		decoded = decodedCacheBytes
+	}
 	if [4]byte(head[:4]) == magic {
 		if size < 512 {
 			return nil, fmt.Errorf("%w: sparse header cut short (%d bytes)", ErrCorrupt, size)
@@ -261,7 +268,7 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 		var grains *lru[[]byte]
 		var stored *lru[*storedGrain]
 		if maxGrain > 0 {
-			grains = newLRU[[]byte](int(max(decodedCacheBytes/maxGrain, 2)))
+			grains = newLRU[[]byte](int(max(decoded/maxGrain, 2)))
 			stored = newLRU[*storedGrain](int(max(storedCacheBytes/storedEntryBytes(maxGrain), 2)))
 		}
 		fl := &flight{}
