@@ -1,14 +1,17 @@
 package tests
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -368,5 +371,73 @@ func TestVmdkCheckAsQemuImg(t *testing.T) {
 		if code != 1 || !strings.Contains(out, "ERROR: cluster offset for sector") || !strings.Contains(out, "points after EOF") {
 			t.Errorf("check %s: exit %d, want 1 and qemu-img's ERROR line:\n%s", filepath.Base(img), code, out)
 		}
+	}
+}
+
+// TestVmdkDecompressedCacheSize: a streamOptimized disk of compressible
+// data (its grains Huffman-coded, so each is inflated and held, not read
+// in place) exported with --decompressed-cache-size of one grain and of
+// the whole disk reads back as qemu-img reads it, from several readers at
+// once at random (a cache of one grain evicts on nearly every read); a
+// size that is not one is refused in one line, exit 2.
+func TestVmdkDecompressedCacheSize(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "letters.raw")
+	r := rand.New(rand.NewPCG(7, 9))
+	b := make([]byte, 16<<20)
+	for i := range b {
+		b[i] = "acgt"[r.IntN(4)]
+	}
+	if err := os.WriteFile(src, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "s.vmdk")
+	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat=streamOptimized", src, img)
+	if st, err := os.Stat(img); err != nil || st.Size() > int64(len(b))/2 {
+		t.Fatalf("the streamOptimized image is not compressed: %v %v", st.Size(), err)
+	}
+	for _, size := range []string{"64K", "32M"} {
+		t.Run(size, func(t *testing.T) {
+			mnt := filepath.Join(t.TempDir(), "mnt")
+			d := startExport(t, img, mnt, "--decompressed-cache-size", size)
+			var wg sync.WaitGroup
+			errs := make(chan error, 4)
+			for w := range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					f, err := os.Open(mnt)
+					if err != nil {
+						errs <- err
+						return
+					}
+					defer f.Close()
+					rr := rand.New(rand.NewPCG(uint64(w), 1))
+					got := make([]byte, 12<<10)
+					for range 300 {
+						off := rr.Int64N(int64(len(b)-len(got))) &^ 511
+						if _, err := f.ReadAt(got, off); err != nil {
+							errs <- err
+							return
+						}
+						if !bytes.Equal(got, b[off:off+int64(len(got))]) {
+							errs <- fmt.Errorf("wrong bytes at %d", off)
+							return
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Fatal(err)
+			}
+			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			d.stopClean()
+		})
+	}
+	code, out := tryExport(t, filepath.Join(dir, "bad"), "--decompressed-cache-size", "lots", img)
+	if code != 2 || !strings.Contains(out, "--decompressed-cache-size") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+		t.Fatalf("--decompressed-cache-size lots: exit %d, want 2 and one line naming the flag:\n%s", code, out)
 	}
 }
