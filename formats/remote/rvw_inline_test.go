@@ -18,10 +18,11 @@ func TestRvwCloseEndsAnInlineGet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	me := make(chan string, 1)
+	// Closed on an early failure too, so that the reader's minute-long
+	// GET ends with the test (a second Close returns at once).
+	t.Cleanup(func() { f.Close() })
 	read := make(chan error, 1)
 	go func() {
-		me <- goid()
 		_, err := f.ReadAt(context.Background(), make([]byte, 4096), 0)
 		read <- err
 	}()
