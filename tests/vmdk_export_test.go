@@ -436,8 +436,10 @@ func TestVmdkDecompressedCacheSize(t *testing.T) {
 			d.stopClean()
 		})
 	}
-	code, out := tryExport(t, filepath.Join(dir, "bad"), "--decompressed-cache-size", "lots", img)
-	if code != 2 || !strings.Contains(out, "--decompressed-cache-size") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
-		t.Fatalf("--decompressed-cache-size lots: exit %d, want 2 and one line naming the flag:\n%s", code, out)
+	for _, bad := range []string{"lots", "-5", "1e3", "8E", "9E"} {
+		code, out := tryExport(t, filepath.Join(dir, "bad"), "--decompressed-cache-size", bad, img)
+		if code != 2 || !strings.Contains(out, "--decompressed-cache-size") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+			t.Fatalf("--decompressed-cache-size %s: exit %d, want 2 and one line naming the flag:\n%s", bad, code, out)
+		}
 	}
 }

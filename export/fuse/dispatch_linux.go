@@ -162,14 +162,9 @@ const standInAfter = time.Millisecond
 // requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte)) {
 	unique := header(req).Unique
+	r := s.pending.addStalled(unique, s.hand.Context(coroutines.InLoop), s, q.to)
 	to := q.to
-	to.once = new(atomic.Bool)
-	plain := q.to
-	r := s.pending.addAbandonable(unique, s.hand.Context(coroutines.InLoop), func() {
-		if to.once.CompareAndSwap(false, true) {
-			s.replyErr(plain, unique, unix.EINTR)
-		}
-	})
+	to.once = &r.once // r is the request's until finish, after its reply
 	s.hand.Start()
 	var state atomic.Int32 // 0: running, 1: done in time, 2: stand-in started
 	t := time.AfterFunc(standInAfter, func() {
@@ -284,10 +279,14 @@ type reqCtx struct {
 	done   chan struct{}
 	closed atomic.Bool // done is closed: the request was cancelled
 	timer  *time.Timer // the cancel an INTERRUPT scheduled, if any
-	// abandon, if set, is what a cancel does besides closing done: for
-	// a request whose I/O cannot be cancelled, answer it EINTR now
-	// (runStalling).
-	abandon func()
+	// stalled, if set, is the server of a request whose I/O cannot be
+	// cancelled (runStalling): a cancel answers it EINTR now, to eintr,
+	// and once is taken by whichever reply comes first (replyTo.once).
+	// Kept here, in the pooled context, so that a lone request
+	// allocates no closure or flag of its own.
+	stalled *server
+	eintr   replyTo
+	once    atomic.Bool
 }
 
 func (r *reqCtx) Done() <-chan struct{} { return r.done }
@@ -304,17 +303,18 @@ const interruptGrace = 2 * time.Second
 
 // add makes the context of request unique; finish gives it back.
 func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
-	return p.addAbandonable(unique, parent, nil)
+	return p.addStalled(unique, parent, nil, replyTo{})
 }
 
-// addAbandonable is add for a request that a cancel abandons: abandon
-// runs (under p.mu) instead of the request's I/O ending.
-func (p *pending) addAbandonable(unique uint64, parent context.Context, abandon func()) *reqCtx {
+// addStalled is add for a request whose I/O a cancel cannot end (s not
+// nil): the cancel answers it EINTR to eintr instead (under p.mu).
+func (p *pending) addStalled(unique uint64, parent context.Context, s *server, eintr replyTo) *reqCtx {
 	r, _ := p.pool.Get().(*reqCtx)
 	if r == nil || r.closed.Load() {
 		r = &reqCtx{done: make(chan struct{})}
 	}
-	r.Context, r.timer, r.abandon = parent, nil, abandon
+	r.Context, r.timer, r.stalled, r.eintr = parent, nil, s, eintr
+	r.once.Store(false)
 	p.mu.Lock()
 	p.m[unique] = r
 	p.mu.Unlock()
@@ -328,7 +328,7 @@ func (p *pending) finish(unique uint64, r *reqCtx) {
 		r.timer.Stop()
 	}
 	p.mu.Unlock()
-	r.Context, r.abandon = nil, nil
+	r.Context, r.stalled, r.eintr = nil, nil, replyTo{}
 	p.pool.Put(r)
 }
 
@@ -354,8 +354,8 @@ func (p *pending) cancel(unique uint64, r *reqCtx) {
 	if p.m[unique] == r && !r.closed.Load() {
 		r.closed.Store(true)
 		close(r.done)
-		if r.abandon != nil {
-			r.abandon()
+		if r.stalled != nil && r.once.CompareAndSwap(false, true) {
+			r.stalled.replyErr(r.eintr, unique, unix.EINTR)
 		}
 	}
 }

@@ -194,23 +194,15 @@ func TestStandInHandOverRace(t *testing.T) {
 // reply, once its peer answers, is dropped (the kernel may have given
 // the unique to another request by then), and the queue serves on.
 func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
-	img, _ := null.New("stall", 1<<20, true)
-	release := make(chan struct{})
-	st := serveStall(t, stallImage{Image: img, release: release})
-	k, s := st.k, st.s
 	const grace = 200 * time.Millisecond
-	s.pending.grace = grace
+	st, release, began := interruptStalledRead(t, grace)
+	k := st.k
 	released := false
 	defer func() {
 		if !released {
 			close(release)
 		}
 	}()
-
-	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
-	time.Sleep(20 * time.Millisecond) // lone, stuck, and a stand-in serves
-	began := time.Now()
-	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
 	h, ok := k.reply(3000)
 	if !ok || h.Unique != 10 || h.Status != -int32(unix.EINTR) {
 		t.Fatalf("after an INTERRUPT, the stalled read got reply %+v (%v), want unique 10 -EINTR", h, ok)
@@ -234,14 +226,8 @@ func TestInterruptAnswersAStalledLoneRead(t *testing.T) {
 // An INTERRUPT for a stalled lone read that ends within the grace period
 // changes nothing: the read's own reply is the one answer.
 func TestInterruptWithinGraceLeavesAStalledLoneRead(t *testing.T) {
-	img, _ := null.New("stall", 1<<20, true)
-	release := make(chan struct{})
-	st := serveStall(t, stallImage{Image: img, release: release})
-	k, s := st.k, st.s
-	s.pending.grace = 2 * time.Second
-	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
-	time.Sleep(20 * time.Millisecond)
-	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
+	st, release, _ := interruptStalledRead(t, 2*time.Second)
+	k := st.k
 	time.Sleep(50 * time.Millisecond)
 	close(release)
 	h, body, ok := k.replyBody(2000)
@@ -252,4 +238,21 @@ func TestInterruptWithinGraceLeavesAStalledLoneRead(t *testing.T) {
 		t.Fatalf("a second reply %+v after the grace period", h)
 	}
 	st.stop(t)
+}
+
+// interruptStalledRead serves a stall image with the given INTERRUPT
+// grace period, sends a lone read (unique 10) that stalls until release
+// is closed, lets a stand-in take the queue over, and sends an INTERRUPT
+// for the read; began is when it was sent.
+func interruptStalledRead(t *testing.T, grace time.Duration) (st *stallServer, release chan struct{}, began time.Time) {
+	t.Helper()
+	img, _ := null.New("stall", 1<<20, true)
+	release = make(chan struct{})
+	st = serveStall(t, stallImage{Image: img, release: release})
+	st.s.pending.grace = grace
+	send(st.k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 10, NodeId: 1}, Offset: 0, Size: 4096})
+	time.Sleep(20 * time.Millisecond) // lone, stuck, and a stand-in serves
+	began = time.Now()
+	send(st.k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
+	return st, release, began
 }

@@ -150,6 +150,7 @@ func TestDecodedCacheSize(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { q.Close() })
 		got := make([]byte, len(mirror))
 		for vc := int64(0); vc < 6; vc++ {
 			if _, err := q.ReadAt(ctx, got[vc*cs:(vc+1)*cs], vc*cs); err != nil {
@@ -162,6 +163,5 @@ func TestDecodedCacheSize(t *testing.T) {
 		if n := int64(q.dcache.order.Len()); n != c.held {
 			t.Errorf("DecodedCacheSize %d: %d clusters held decompressed, want %d", c.size, n, c.held)
 		}
-		q.Close()
 	}
 }

@@ -344,6 +344,7 @@ func TestVmdkDecodedCacheSize(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { img.Close() })
 		want := tc.size / g
 		if tc.size == 0 {
 			want = decodedCacheBytes / g
@@ -366,6 +367,5 @@ func TestVmdkDecodedCacheSize(t *testing.T) {
 				t.Errorf("DecodedCacheSize %d: grain %d served from the cache %v, want %v", tc.size, gi, ok, tc.held[i])
 			}
 		}
-		img.Close()
 	}
 }
