@@ -540,3 +540,61 @@ func TestKcOneCache(t *testing.T) {
 		})
 	}
 }
+
+// TestKcSizeAtFirstSight: a client that starts the moment the mount shows
+// in the mount table (as scripts, and the bench, poll for it) finds the
+// image's size, not the empty file the kernel makes the mount's root
+// with, which a writeback-cached kernel would otherwise keep until the
+// daemon told it (a loop device attached then is 0 bytes: mkfs fails);
+// and the image's last page, which carries the size to the kernel, reads
+// back as the image's. The size is not a whole number of pages.
+func TestKcSizeAtFirstSight(t *testing.T) {
+	dir := t.TempDir()
+	const size = 8<<20 + 1000
+	img := filepath.Join(dir, "odd.raw")
+	data := kcRandom(size, 31)
+	if err := os.WriteFile(img, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		mnt := filepath.Join(dir, fmt.Sprintf("mnt%d", i))
+		seen := make(chan error, 1)
+		quit := make(chan struct{})
+		go func() {
+			for !isFuseMount(mnt) {
+				select {
+				case <-quit:
+					seen <- fmt.Errorf("the mount never showed")
+					return
+				default:
+				}
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(mnt, &st); err != nil {
+				seen <- fmt.Errorf("stat at first sight: %w", err)
+				return
+			}
+			if st.Size != size {
+				seen <- fmt.Errorf("size %d at first sight of the mount, want %d", st.Size, size)
+				return
+			}
+			seen <- nil
+		}()
+		d := kcStart(t, img, mnt, "-f", "raw")
+		var err error
+		select {
+		case err = <-seen:
+		case <-time.After(20 * time.Second):
+			err = fmt.Errorf("the poller did not finish")
+		}
+		close(quit)
+		if err != nil {
+			t.Fatalf("round %d: %v", i, err)
+		}
+		mustEqualBytes(t, "the last 5000 bytes", kcPread(t, mnt, size-5000, 5000), data[size-5000:])
+		if fi, err := os.Stat(mnt); err != nil || fi.Size() != size {
+			t.Fatalf("round %d: size once serving %v, %v", i, fi, err)
+		}
+		d.stopClean()
+	}
+}

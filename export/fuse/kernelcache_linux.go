@@ -20,6 +20,7 @@ package fuse
 //     more dirty pages of it than we can take without memory to spare.
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -148,14 +149,64 @@ func tuneBDI(dev uint64, raKB int) error {
 	return errors.Join(errs...)
 }
 
-// learnSize tells a writeback-cached kernel the file's size. Under the
-// writeback cache the kernel keeps i_size itself and ignores the size in
-// GETATTR replies; the root inode (the exported file without
-// --file-name) is made at mount, before INIT, with size 0, so the kernel
-// would see an empty file for good. A SETATTR of the size is the one
-// reply it takes i_size from: truncating the file to its own size (which
-// SetAttr answers without a resize) does it, before Mount returns and
-// the daemon says it serves.
+// notifyStore is FUSE_NOTIFY_STORE's code: data for the kernel's page
+// cache of an inode, which also extends its i_size to the data's end.
+const notifyStore = 4
+
+// presetSize gives a writeback-cached kernel the file's size before any
+// client can look at it. Under the writeback cache the kernel keeps
+// i_size itself and ignores the size in GETATTR replies; the root inode
+// (the exported file without --file-name) is made at mount, before INIT,
+// with size 0, so the kernel would see an empty file for good. Nothing
+// but INIT has been answered when this runs (the serve loops have not
+// started), and every client request waits for INIT, so a client's first
+// stat, open or LOOP_CONFIGURE finds the size right, even one that polls
+// the mount table and starts the moment the mount shows there. The
+// message stores the image's last page in the page cache: the kernel
+// grows i_size to a stored range's end only when the range holds at
+// least one byte, and a whole page (up to the end) lands up to date.
+// ok false: the caller falls back to learnSize.
+func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
+	if !s.writebackCache() {
+		return true, nil
+	}
+	size := s.exp.img.Size()
+	if size <= 0 {
+		return true, nil
+	}
+	page := int64(unix.Getpagesize())
+	start := (size - 1) &^ (page - 1)
+	data := make([]byte, size-start)
+	if _, err := s.exp.img.ReadAt(ctx, data, start); err != nil {
+		return false, fmt.Errorf("kernel cache: reading the last page for the kernel's size: %w", err)
+	}
+	msg := make([]byte, int(unsafe.Sizeof(fuse.OutHeader{}))+int(unsafe.Sizeof(fuse.NotifyStoreOut{}))+len(data))
+	h := (*fuse.OutHeader)(unsafe.Pointer(&msg[0]))
+	*h = fuse.OutHeader{Length: uint32(len(msg)), Status: notifyStore}
+	n := (*fuse.NotifyStoreOut)(unsafe.Pointer(&msg[unsafe.Sizeof(fuse.OutHeader{})]))
+	*n = fuse.NotifyStoreOut{Nodeid: s.exp.ino, Offset: uint64(start), Size: uint32(len(data))}
+	copy(msg[unsafe.Sizeof(fuse.OutHeader{})+unsafe.Sizeof(fuse.NotifyStoreOut{}):], data)
+	for {
+		_, err := unix.Write(s.fds[0], msg)
+		switch {
+		case err == nil:
+			return true, nil
+		case errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.ENOENT):
+			// The kernel has no such inode yet (the file in a
+			// --file-name directory): its LOOKUP will carry the size.
+			return true, nil
+		}
+		return false, fmt.Errorf("kernel cache: FUSE_NOTIFY_STORE of the last page: %w", err)
+	}
+}
+
+// learnSize is presetSize's fallback, once the serve loops run: a SETATTR
+// of the size is the one reply the kernel takes i_size from, so
+// truncating the file to its own size (which SetAttr answers without a
+// resize) does it, before Mount returns and the daemon says it serves;
+// a client quicker than that saw an empty file.
 func (s *server) learnSize(file string) error {
 	if s.negotiated&fuse.CAP_WRITEBACK_CACHE == 0 {
 		return nil

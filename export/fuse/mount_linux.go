@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -325,6 +326,14 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err := srv.handshake(); err != nil {
 		return fail(err)
 	}
+	// Before anything but INIT is answered (see presetSize); a failure
+	// leaves it to learnSize, once the loops run.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	sizeKnown, err := srv.presetSize(ctx)
+	cancel()
+	if err != nil {
+		exp.log.Info("kernel cache: the size reaches the kernel once serving", "why", err)
+	}
 	if err := srv.addQueues(max(o.Queues, 1)); err != nil {
 		return fail(err)
 	}
@@ -395,6 +404,9 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 				exp.log.Info("kernel cache: the export's bdi keeps the kernel's defaults", "why", err)
 			}
 		}
+	}
+	if sizeKnown {
+		return m, nil
 	}
 	if err := srv.learnSize(file); err != nil {
 		m.Unmount()
