@@ -406,7 +406,8 @@ func (f *File) release(want []*block) {
 // insert makes a loading entry for block i, evicting the least recently
 // used loaded blocks beyond the capacity. Loading blocks are never
 // evicted: when all are loading, the cache overshoots by what readers
-// asked for themselves (readahead is cut instead: see room).
+// asked for themselves (readahead is cut instead: see room) until their
+// loads complete (load trims it).
 func (f *File) insert(i int64) *block {
 	f.room()
 	b := &block{idx: i} // done: start's, under the same hold of mu
@@ -419,15 +420,28 @@ func (f *File) insert(i int64) *block {
 // they are memory once loaded).
 func (f *File) room() bool {
 	for len(f.blocks) >= f.capacity && f.lru.prev != &f.lru {
-		v := f.lru.prev
-		f.unlink(v)
-		delete(f.blocks, v.idx)
-		v.evicted = true
-		if v.refs == 0 {
-			f.recycle(v)
-		}
+		f.evict(f.lru.prev)
 	}
 	return len(f.blocks) < f.capacity
+}
+
+// trim evicts the least recently used loaded blocks while the cache
+// holds more than its capacity.
+func (f *File) trim() {
+	for len(f.blocks) > f.capacity && f.lru.prev != &f.lru {
+		f.evict(f.lru.prev)
+	}
+}
+
+// evict takes loaded block v out of the cache; its buffer is recycled
+// once no reader holds it.
+func (f *File) evict(v *block) {
+	f.unlink(v)
+	delete(f.blocks, v.idx)
+	v.evicted = true
+	if v.refs == 0 {
+		f.recycle(v)
+	}
 }
 
 func (f *File) recycle(b *block) {
@@ -773,6 +787,10 @@ func (f *File) load(x fetch, held bool) {
 		close(bl[0].done)
 	}
 	if f.blocks != nil {
+		// A reader that found the cache all loading overshot it (insert);
+		// now that blocks are loaded, the cache goes back to its size
+		// rather than keeping the overshoot until the next insert.
+		f.trim()
 		for _, d := range bufs {
 			if d != nil && len(f.free) < f.capacity {
 				f.free = append(f.free, d[:cap(d)])

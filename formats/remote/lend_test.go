@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand"
+	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -97,6 +100,57 @@ func TestLentBlocksOutliveEviction(t *testing.T) {
 	}
 	if len(f.blocks) > f.capacity {
 		t.Fatalf("cache holds %d blocks, capacity %d", len(f.blocks), f.capacity)
+	}
+}
+
+// Readers that find the cache all loading overshoot it (their own blocks
+// are never refused), and once their loads complete the cache is back
+// within its capacity: the overshoot is not kept until the next insert.
+func TestOvershootEndsWithTheLoads(t *testing.T) {
+	const readers = 24
+	bs := int64(DefaultBlockSize)
+	m := &memBackend{data: rhData(int(5 * readers * bs)), delay: 100 * time.Millisecond}
+	f := openMem(t, m, Options{CacheSize: 16 * DefaultBlockSize})
+	var wg sync.WaitGroup
+	errs := make(chan error, readers)
+	for k := range readers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Five blocks apart: each read is a stream of its own, so
+			// none earns readahead.
+			off := int64(k) * 5 * bs
+			p := make([]byte, 4096)
+			if _, err := f.ReadAt(context.Background(), p, off); err != nil {
+				errs <- err
+			} else if !bytes.Equal(p, m.data[off:off+4096]) {
+				errs <- fmt.Errorf("read at %d: wrong bytes", off)
+			}
+		}()
+	}
+	// Every reader's block is in before the first load ends.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		f.mu.Lock()
+		n := len(f.blocks)
+		f.mu.Unlock()
+		if n > f.capacity {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the cache never overshot (%d blocks, capacity %d): the test shows nothing", n, f.capacity)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.blocks) > f.capacity {
+		t.Fatalf("cache holds %d blocks after every load ended, capacity %d", len(f.blocks), f.capacity)
 	}
 }
 
