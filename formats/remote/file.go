@@ -97,10 +97,14 @@ type File struct {
 	lru      block // sentinel of the loaded blocks, most recent first
 	capacity int
 	free     [][]byte
-	streams  [nstreams]stream
-	tick     uint64
-	window   int64 // readahead limit
-	closed   bool
+	// made counts the block buffers made so far; growing says a grow
+	// (fresh buffers, faulted in ahead of need) is under way.
+	made    int
+	growing bool
+	streams [nstreams]stream
+	tick    uint64
+	window  int64 // readahead limit
+	closed  bool
 }
 
 // block is one cache entry: loading until done is closed, then loaded
@@ -804,13 +808,52 @@ func (f *File) load(x fetch, held bool) {
 // with mu held. (Huge pages for a growing cache were tried: clearing a
 // 2 MiB page at a time cost more CPU than the 4 KiB faults it saved,
 // 1.6-2.5 ms a cold MiB through FUSE against 1.2-1.3.)
+//
+// While the cache is still growing, fresh buffers are made ahead of need
+// (grow): a buffer made here is faulted in page by page by the GET that
+// fills it, and on this VM a first touch costs about 12 µs a page, so a
+// cold random 4 KiB read into a fresh 16 KiB block took 3.7-3.9k IOPS at
+// queue depth 1 against 5.5-5.7k once buffers were recycled.
 func (f *File) newBuf() []byte {
+	if len(f.free) < growLow && !f.growing && !f.closed && f.made < f.capacity {
+		f.growing = true
+		go f.grow(min(max(growBytes/f.bs, 1), int64(f.capacity-f.made)))
+	}
 	if n := len(f.free); n > 0 {
 		d := f.free[n-1]
 		f.free = f.free[:n-1]
 		return d
 	}
+	f.made++
 	return make([]byte, f.bs)
+}
+
+const (
+	// growBytes is how much fresh buffer memory one grow makes, and
+	// growLow how few spare buffers start the next.
+	growBytes = 1 << 20
+	growLow   = 16
+)
+
+// grow makes n fresh block buffers in one allocation, faults them in with
+// one madvise(MADV_POPULATE_WRITE) (7 µs a page here against 12 µs for
+// page-by-page faults; where the kernel lacks it, the GETs fault them as
+// before) and adds them to the spare buffers. It runs on its own
+// goroutine, off the readers' path. The buffers count against the
+// capacity (made), so a cache never makes more than it can hold.
+func (f *File) grow(n int64) {
+	slab := make([]byte, n*f.bs)
+	_ = unix.Madvise(slab, unix.MADV_POPULATE_WRITE)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.growing = false
+	if f.closed {
+		return
+	}
+	for i := range n {
+		f.free = append(f.free, slab[i*f.bs:(i+1)*f.bs:(i+1)*f.bs])
+	}
+	f.made += int(n)
 }
 
 // readv fills bufs, in order, from the object at off: straight into them
