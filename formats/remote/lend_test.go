@@ -109,7 +109,16 @@ func TestLentBlocksOutliveEviction(t *testing.T) {
 func TestOvershootEndsWithTheLoads(t *testing.T) {
 	const readers = 24
 	bs := int64(DefaultBlockSize)
-	m := &memBackend{data: rhData(int(5 * readers * bs)), delay: 100 * time.Millisecond}
+	// Every GET waits at the gate until every reader's block is in.
+	gate := make(chan struct{})
+	m := &memBackend{data: rhData(int(5 * readers * bs)), fail: func(_ int64, ctx context.Context) error {
+		select {
+		case <-gate:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}}
 	f := openMem(t, m, Options{CacheSize: 16 * DefaultBlockSize})
 	var wg sync.WaitGroup
 	errs := make(chan error, readers)
@@ -128,20 +137,21 @@ func TestOvershootEndsWithTheLoads(t *testing.T) {
 			}
 		}()
 	}
-	// Every reader's block is in before the first load ends.
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		f.mu.Lock()
 		n := len(f.blocks)
 		f.mu.Unlock()
-		if n > f.capacity {
-			break
+		if n == readers {
+			break // the cache overshot: every reader's block is in
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the cache never overshot (%d blocks, capacity %d): the test shows nothing", n, f.capacity)
+			close(gate)
+			t.Fatalf("%d of %d readers' blocks in the cache (capacity %d)", n, readers, f.capacity)
 		}
 		time.Sleep(time.Millisecond)
 	}
+	close(gate)
 	wg.Wait()
 	close(errs)
 	for err := range errs {
