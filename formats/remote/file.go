@@ -411,7 +411,7 @@ func (f *File) release(want []*block) {
 // used loaded blocks beyond the capacity. Loading blocks are never
 // evicted: when all are loading, the cache overshoots by what readers
 // asked for themselves (readahead is cut instead: see room) until their
-// loads complete (load trims it).
+// loads complete (load shrinks it back).
 func (f *File) insert(i int64) *block {
 	f.room()
 	b := &block{idx: i} // done: start's, under the same hold of mu
@@ -423,28 +423,22 @@ func (f *File) insert(i int64) *block {
 // fits in the capacity, and says whether it does (loading entries count:
 // they are memory once loaded).
 func (f *File) room() bool {
-	for len(f.blocks) >= f.capacity && f.lru.prev != &f.lru {
-		f.evict(f.lru.prev)
-	}
+	f.shrink(f.capacity - 1)
 	return len(f.blocks) < f.capacity
 }
 
-// trim evicts the least recently used loaded blocks while the cache
-// holds more than its capacity.
-func (f *File) trim() {
-	for len(f.blocks) > f.capacity && f.lru.prev != &f.lru {
-		f.evict(f.lru.prev)
-	}
-}
-
-// evict takes loaded block v out of the cache; its buffer is recycled
-// once no reader holds it.
-func (f *File) evict(v *block) {
-	f.unlink(v)
-	delete(f.blocks, v.idx)
-	v.evicted = true
-	if v.refs == 0 {
-		f.recycle(v)
+// shrink evicts the least recently used loaded blocks while the cache
+// holds more than limit (loading blocks stay); a block's buffer is
+// recycled once no reader holds it.
+func (f *File) shrink(limit int) {
+	for len(f.blocks) > limit && f.lru.prev != &f.lru {
+		v := f.lru.prev
+		f.unlink(v)
+		delete(f.blocks, v.idx)
+		v.evicted = true
+		if v.refs == 0 {
+			f.recycle(v)
+		}
 	}
 }
 
@@ -794,7 +788,7 @@ func (f *File) load(x fetch, held bool) {
 		// A reader that found the cache all loading overshot it (insert);
 		// now that blocks are loaded, the cache goes back to its size
 		// rather than keeping the overshoot until the next insert.
-		f.trim()
+		f.shrink(f.capacity)
 		for _, d := range bufs {
 			if d != nil && len(f.free) < f.capacity {
 				f.free = append(f.free, d[:cap(d)])
