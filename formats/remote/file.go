@@ -98,9 +98,12 @@ type File struct {
 	capacity int
 	free     [][]byte
 	// made counts the block buffers made so far; growing says a grow
-	// (fresh buffers, faulted in ahead of need) is under way.
+	// (fresh buffers, faulted in ahead of need) is under way; grows stop
+	// at growTo (the capacity, or the object's blocks if fewer: a 1 KiB
+	// object is not given a MiB).
 	made    int
 	growing bool
+	growTo  int
 	streams [nstreams]stream
 	tick    uint64
 	window  int64 // readahead limit
@@ -167,6 +170,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 		return nil, fmt.Errorf("%s: size %d: %w", f.name, obj.Size, errBadReply)
 	}
 	f.obj = obj
+	f.growTo = int(min(int64(f.capacity), obj.Size/f.bs+1))
 	f.lastOK.Store(time.Now().UnixNano())
 	return f, nil
 }
@@ -809,9 +813,10 @@ func (f *File) load(x fetch, held bool) {
 // cold random 4 KiB read into a fresh 16 KiB block took 3.7-3.9k IOPS at
 // queue depth 1 against 5.5-5.7k once buffers were recycled.
 func (f *File) newBuf() []byte {
-	if len(f.free) < growLow && !f.growing && !f.closed && f.made < f.capacity {
-		f.growing = true
-		go f.grow(min(max(growBytes/f.bs, 1), int64(f.capacity-f.made)))
+	if len(f.free) < growLow && !f.growing && !f.closed && f.made < f.growTo {
+		n := min(max(growBytes/f.bs, 1), int64(f.growTo-f.made))
+		f.growing, f.made = true, f.made+int(n) // counted now: no second grow overlaps it
+		go f.grow(n)
 	}
 	if n := len(f.free); n > 0 {
 		d := f.free[n-1]
@@ -834,7 +839,8 @@ const (
 // page-by-page faults; where the kernel lacks it, the GETs fault them as
 // before) and adds them to the spare buffers. It runs on its own
 // goroutine, off the readers' path. The buffers count against the
-// capacity (made), so a cache never makes more than it can hold.
+// capacity (made, from when newBuf starts the grow), so a cache never
+// makes more than it can hold.
 func (f *File) grow(n int64) {
 	slab := make([]byte, n*f.bs)
 	_ = unix.Madvise(slab, unix.MADV_POPULATE_WRITE)
@@ -847,7 +853,6 @@ func (f *File) grow(n int64) {
 	for i := range n {
 		f.free = append(f.free, slab[i*f.bs:(i+1)*f.bs:(i+1)*f.bs])
 	}
-	f.made += int(n)
 }
 
 // readv fills bufs, in order, from the object at off: straight into them

@@ -91,3 +91,22 @@ func TestGrowAfterCloseAddsNothing(t *testing.T) {
 		t.Fatalf("closed file: %d spare buffers, growing %v", len(f.free), f.growing)
 	}
 }
+
+// A small object is not given buffers it has no blocks for: reading a
+// 40 KiB object (three blocks) whole makes a grow of four (the object's
+// blocks, rounded up) and the GET's own three while it runs, not a
+// MiB's worth.
+func TestGrowStopsAtTheObjectsBlocks(t *testing.T) {
+	m := &memBackend{data: rhData(40 << 10)}
+	f := openMem(t, m, Options{})
+	p := make([]byte, len(m.data))
+	if _, err := f.ReadAt(context.Background(), p, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p, m.data) {
+		t.Fatal("wrong bytes")
+	}
+	if _, made := settled(t, f); made > 7 {
+		t.Fatalf("%d buffers made for an object of 3 blocks", made)
+	}
+}
