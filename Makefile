@@ -49,6 +49,7 @@ test:
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vdi
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vpc
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vmdk
+	$(GO) test -run XXX -fuzz '^FuzzInflate$$' -fuzztime 50000x -fuzzminimizetime 2s ./formats/internal/inflate
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vhdx
 	$(GO) test -run XXX -fuzz '^FuzzKernelCacheRequests$$' -fuzztime 3000x -fuzzminimizetime 2s ./export/fuse
 	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/probe

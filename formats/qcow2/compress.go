@@ -2,13 +2,14 @@ package qcow2
 
 import (
 	"bytes"
-	"compress/flate"
 	"context"
 	"fmt"
 	"io"
 	"sync"
 
 	"github.com/klauspost/compress/zstd"
+
+	"github.com/blockexport/blockexport/formats/internal/inflate"
 )
 
 // Compressed clusters are decoded whole and kept in a small LRU, so that
@@ -41,10 +42,10 @@ func (q *Image) compressedCluster(ctx context.Context, m mapping) ([]byte, error
 	out := make([]byte, q.h.clusterSize)
 	switch q.h.compressionType {
 	case compressionZlib:
-		// QEMU writes raw deflate (no zlib header).
-		r := flate.NewReader(bytes.NewReader(comp))
-		_, err = io.ReadFull(r, out)
-		r.Close()
+		// QEMU writes raw deflate (no zlib header) and reads a cluster
+		// as inflate with Z_FINISH that fills the output: the stream may
+		// go on past the cluster, but may not end before it.
+		err = inflate.Fill(out, comp)
 	case compressionZstd:
 		var d *zstd.Decoder
 		switch v := zstdDecoders.Get().(type) {

@@ -1,7 +1,6 @@
 package vmdk
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -10,9 +9,8 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/klauspost/compress/zlib"
-
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats/internal/inflate"
 )
 
 // Hosted sparse extent (VMware's "VMDK4" header, magic KDMV), as QEMU's
@@ -426,38 +424,16 @@ func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) 
 		e.storedCache.put(e.key(sector), g)
 		return g, nil, nil
 	}
-	zr, err := e.inflater(buf)
-	if err != nil {
-		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
-	}
-	defer e.inflaters.Put(zr)
 	out := make([]byte, e.grain)
-	n, idle := 0, 0
 	// Inflate to the stream's end, which checks its Adler-32 (as QEMU's
 	// uncompress does): a stream cut short, or a wrong checksum, is an
 	// error, and so is more output than a grain.
-	for {
-		var m int
-		if n < len(out) {
-			m, err = zr.Read(out[n:])
-		} else {
-			var one [1]byte
-			if m, err = zr.Read(one[:]); m > 0 {
-				return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d inflates past one grain", ErrCorrupt, e.name, off)
-			}
-		}
-		n += m
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if idle++; m > 0 {
-			idle = 0
-		} else if err == nil && idle > 100 {
-			err = io.ErrNoProgress
-		}
-		if err != nil {
-			return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
-		}
+	n, err := inflate.Zlib(out, buf)
+	if errors.Is(err, inflate.ErrTooLong) {
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d inflates past one grain", ErrCorrupt, e.name, off)
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
 	}
 	out = out[:n]
 	e.grainCache.put(e.key(sector), out)
@@ -472,19 +448,6 @@ func (e *extent) scratchBuf() *[]byte {
 	}
 	b := make([]byte, 12+2*e.grain)
 	return &b
-}
-
-// inflater is a zlib reader of buf, reused from the extent's pool when
-// one is there (klauspost's inflate: about twice the standard library's
-// speed, and resettable).
-func (e *extent) inflater(buf []byte) (io.ReadCloser, error) {
-	if zr, ok := e.inflaters.Get().(io.ReadCloser); ok {
-		if err := zr.(zlib.Resetter).Reset(bytes.NewReader(buf), nil); err != nil {
-			return nil, err
-		}
-		return zr, nil
-	}
-	return zlib.NewReader(bytes.NewReader(buf))
 }
 
 // key is the cache key of a table or grain at sector of this extent.

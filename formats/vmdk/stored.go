@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+
+	"github.com/blockexport/blockexport/formats/internal/inflate"
 )
 
 // A stream-optimized grain of incompressible data is, as zlib writes it,
@@ -68,7 +70,7 @@ func parseStored(buf []byte, host, maxOut int64, maxRuns int) *storedGrain {
 				return nil
 			}
 			g.runs = append(g.runs, storedRun{out: g.n, host: host + int64(pos)})
-			sum = adler32Update(sum, buf[pos:pos+n])
+			sum = inflate.Adler32Update(sum, buf[pos:pos+n])
 			g.n += int64(n)
 		}
 		pos += n

@@ -122,10 +122,6 @@ type extent struct {
 	// (stored.go); flight the loads under way. Both are the image's.
 	storedCache *lru[*storedGrain]
 	flight      *flight
-	// inflaters are zlib readers reused across compressed grains: a new
-	// one allocates its decoding tables, a cost per grain at random
-	// reads of a streamOptimized disk.
-	inflaters sync.Pool
 	// scratch holds the compressed bytes of a grain while it inflates,
 	// or a stored grain's bytes across its blocks (*[]byte of a marker
 	// and two grains), reused for the same reason.

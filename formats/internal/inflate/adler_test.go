@@ -1,4 +1,4 @@
-package vmdk
+package inflate
 
 import (
 	"hash/adler32"
@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-// adler32Update is the standard library's Adler-32 at every length around
+// Adler32Update is the standard library's Adler-32 at every length around
 // its steps and blocks, at every alignment, and on bytes that make the
 // sums largest.
 func TestAdler32(t *testing.T) {
@@ -32,10 +32,10 @@ func TestAdler32(t *testing.T) {
 					continue
 				}
 				p := b[at : at+n]
-				if got, want := adler32Update(1, p), adler32.Checksum(p); got != want {
+				if got, want := Adler32Update(1, p), adler32.Checksum(p); got != want {
 					t.Fatalf("%s, %d bytes at %d: %#x, want %#x", fill, n, at, got, want)
 				}
-				if h := n / 3; adler32Update(adler32Update(1, p[:h]), p[h:]) != adler32.Checksum(p) {
+				if h := n / 3; Adler32Update(Adler32Update(1, p[:h]), p[h:]) != adler32.Checksum(p) {
 					t.Fatalf("%s, %d bytes at %d in two parts: wrong checksum", fill, n, at)
 				}
 			}
@@ -49,7 +49,7 @@ func BenchmarkAdler32(b *testing.B) {
 	b.SetBytes(int64(len(p)))
 	b.Run("ours", func(b *testing.B) {
 		for b.Loop() {
-			adler32Update(1, p)
+			Adler32Update(1, p)
 		}
 	})
 	b.Run("stdlib", func(b *testing.B) {

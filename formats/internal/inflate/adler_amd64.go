@@ -1,17 +1,17 @@
-package vmdk
+package inflate
 
 // adlerChunks is in adler_amd64.s.
 //
 //go:noescape
 func adlerChunks(p []byte) (sum, psum, wsum uint64)
 
-// adler32Update is the Adler-32 (RFC 1950) of the bytes whose checksum
+// Adler32Update is the Adler-32 (RFC 1950) of the bytes whose checksum
 // is adler (1 for none) followed by p, 16 bytes a step with SSE2:
 // the standard library's adds byte by byte, each add waiting on the one
 // before (3 GB/s here), and was a third of the CPU of random reads of a
 // stream-optimized disk, whose grains' checksums are checked as each is
 // first read.
-func adler32Update(adler uint32, p []byte) uint32 {
+func Adler32Update(adler uint32, p []byte) uint32 {
 	const mod = 65521
 	s1, s2 := uint64(adler&0xffff), uint64(adler>>16)
 	for len(p) >= 16 {

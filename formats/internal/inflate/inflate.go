@@ -1,0 +1,651 @@
+// Package inflate decodes a deflate (RFC 1951) or zlib (RFC 1950) stream
+// that lies whole in memory into a buffer the caller gives: a vmdk
+// streamOptimized grain or a qcow2 compressed cluster, decoded once and
+// then cached.
+//
+// Why not a library: compress/flate and klauspost's flate are streaming
+// decoders. They decode into a 32 KiB window of their own and copy out of
+// it, pull input a byte at a time through an io.ByteReader, and decode a
+// symbol per call of their state machine. Random reads of a
+// streamOptimized disk inflate a 64 KiB grain per read, so that speed is
+// the row's speed: klauspost's inflate ran a Huffman-coded grain at about
+// half zlib's speed, and QEMU's reads (zlib) were faster than ours. Here the
+// output buffer is the window, the input is read 8 bytes at a time into a
+// 64-bit bit buffer, and a symbol is one table load. Every length, distance
+// and code is checked against the stream's rules as zlib checks them; the
+// package's fuzzer compares it with compress/flate on the same input.
+package inflate
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// Errors a caller may branch on; the messages wrapping them say where.
+var (
+	// ErrCorrupt: the stream breaks deflate's or zlib's rules (or ends
+	// before its last block does).
+	ErrCorrupt = errors.New("corrupt deflate stream")
+	// ErrTooLong: the stream holds more bytes than the output buffer.
+	ErrTooLong = errors.New("deflate stream inflates past the buffer")
+	// ErrChecksum: a zlib stream's Adler-32 does not match its bytes.
+	ErrChecksum = errors.New("zlib checksum mismatch")
+)
+
+// decoders are reused: a decoder's tables take about 10 KiB.
+var decoders = sync.Pool{New: func() any { return new(decoder) }}
+
+// Zlib inflates the zlib stream at the start of in into out and returns
+// how many bytes it held. The stream must end (its last block, then an
+// Adler-32 that matches) within in; bytes after it are ignored. A stream
+// with a preset dictionary is refused (as zlib's uncompress refuses it),
+// and so is one that holds more than len(out) bytes.
+func Zlib(out, in []byte) (int, error) {
+	if len(in) < 2 {
+		return 0, fmt.Errorf("%w: zlib header cut short", ErrCorrupt)
+	}
+	cmf, flg := in[0], in[1]
+	switch {
+	case cmf&0x0f != 8 || cmf>>4 > 7:
+		return 0, fmt.Errorf("%w: zlib header %#02x%02x: not deflate with a window of at most 32 KiB", ErrCorrupt, cmf, flg)
+	case (uint16(cmf)<<8|uint16(flg))%31 != 0:
+		return 0, fmt.Errorf("%w: zlib header %#02x%02x: bad check bits", ErrCorrupt, cmf, flg)
+	case flg&0x20 != 0:
+		return 0, fmt.Errorf("%w: zlib stream asks for a preset dictionary", ErrCorrupt)
+	}
+	d := decoders.Get().(*decoder)
+	defer decoders.Put(d)
+	n, used, err := d.inflate(out, in[2:], false)
+	if err != nil {
+		return n, err
+	}
+	rest := in[2+used:]
+	if len(rest) < 4 {
+		return n, fmt.Errorf("%w: zlib checksum cut short", ErrCorrupt)
+	}
+	if want, got := binary.BigEndian.Uint32(rest), Adler32Update(1, out[:n]); want != got {
+		return n, fmt.Errorf("%w: stream says %#08x, its %d bytes sum to %#08x", ErrChecksum, want, n, got)
+	}
+	return n, nil
+}
+
+// Fill inflates the raw deflate stream in into out until out is full, as
+// QEMU reads a qcow2 compressed cluster (inflate with Z_FINISH, taken as
+// read once the output is full): the stream may go on past that point,
+// unread; a stream that ends first is an error, and so is one whose
+// input runs out first.
+func Fill(out, in []byte) error {
+	d := decoders.Get().(*decoder)
+	defer decoders.Put(d)
+	n, _, err := d.inflate(out, in, true)
+	if err != nil {
+		return err
+	}
+	if n < len(out) {
+		return fmt.Errorf("%w: stream ends after %d bytes of %d", ErrCorrupt, n, len(out))
+	}
+	return nil
+}
+
+// The tables. An entry is a uint32:
+//
+//	bits 0-5   the code's length in bits (for a subtable link: the
+//	           primary table's bits); six bits, so that a shift by the
+//	           entry itself (bits >>= e & 63) is one instruction on amd64,
+//	           which masks a shift count to six bits
+//	bits 6-8   its kind
+//	bits 9-12  extra bits that follow the code (lengths and distances);
+//	           for a link, the subtable's index bits
+//	bits 16-31 the literal byte, the base length or distance, or for a
+//	           link the subtable's start
+//
+// A code no longer than the primary table's bits fills every primary
+// entry whose low bits are the code (bit-reversed, as deflate sends codes
+// most significant bit first into a stream read from the least); a longer
+// one lives in the subtable its low bits link to, indexed by the bits
+// after them.
+const (
+	kindInvalid = 0 << 6 // no code has these bits (an incomplete code)
+	kindLiteral = 1 << 6
+	kindLength  = 2 << 6
+	kindEnd     = 3 << 6 // end of block
+	kindLink    = 4 << 6
+	kindDist    = 5 << 6
+	kindMask    = 7 << 6
+
+	litBits  = 10 // primary index bits of the literal/length table
+	distBits = 8
+	preBits  = 7 // the code-length code: at most 7 bits, no subtables
+
+	maxCodeLen = 15
+	numLit     = 286 // literal/length codes a stream may use (of 288)
+	numDist    = 30
+)
+
+// Base values and extra bits of the length codes 257..285 and of the
+// distance codes 0..29 (RFC 1951 3.2.5).
+var (
+	lengthBase = [29]uint16{3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31,
+		35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258}
+	lengthExtra = [29]uint8{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+		3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0}
+	distBase = [30]uint16{1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 97, 129, 193,
+		257, 385, 513, 769, 1025, 1537, 2049, 3073, 4097, 6145, 8193, 12289, 16385, 24577}
+	distExtra = [30]uint8{0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6,
+		7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13}
+	// preOrder is the order of the code-length code's lengths in a
+	// dynamic block's header.
+	preOrder = [19]uint8{16, 17, 18, 0, 8, 7, 9, 6, 10, 5, 11, 4, 12, 3, 13, 2, 14, 1, 15}
+)
+
+// decoder holds the tables of the block being decoded.
+type decoder struct {
+	lit, dist []uint32
+	pre       [1 << preBits]uint32
+	lens      [numLit + 2 + 32]uint8 // the 288 literal/length and 32 distance lengths
+	// fixedLit and fixedDist are the fixed code's tables, made the first
+	// time a fixed block is decoded.
+	fixedLit, fixedDist []uint32
+}
+
+// bitReader reads the stream least significant bit first. bits holds
+// nbits unread bits, and above them (as libdeflate keeps them) the first
+// bits of in[pos:], which the next refill ORs in again. Past the end of
+// in it reads zero bits, counting the bytes it made up in pos: a caller
+// checks overrun before it trusts what it decoded.
+type bitReader struct {
+	in    []byte
+	pos   int
+	bits  uint64
+	nbits uint
+}
+
+// refill makes nbits at least 56.
+func (br *bitReader) refill() {
+	if br.pos+8 <= len(br.in) {
+		br.bits |= binary.LittleEndian.Uint64(br.in[br.pos:]) << br.nbits
+		br.pos += int(63-br.nbits) >> 3
+		br.nbits |= 56
+		return
+	}
+	for br.nbits <= 56 {
+		if br.pos < len(br.in) {
+			br.bits |= uint64(br.in[br.pos]) << br.nbits
+		}
+		br.pos++
+		br.nbits += 8
+	}
+}
+
+// take removes and returns the next n (at most 32) bits; nbits must be at
+// least n.
+func (br *bitReader) take(n uint) uint32 {
+	v := uint32(br.bits & (1<<n - 1))
+	br.bits >>= n
+	br.nbits -= n
+	return v
+}
+
+// need refills when fewer than n bits are held.
+func (br *bitReader) need(n uint) {
+	if br.nbits < n {
+		br.refill()
+	}
+}
+
+// used is how many bytes of in the bits taken so far reach into.
+func (br *bitReader) used() int { return br.pos - int(br.nbits>>3) }
+
+// inflate decodes the raw deflate stream in into out: to the end of its
+// last block, or with fill set only until out is full. It returns the
+// bytes written and how many bytes of in the stream took.
+func (d *decoder) inflate(out, in []byte, fill bool) (int, int, error) {
+	br := bitReader{in: in}
+	o := 0
+	for {
+		br.need(3)
+		final := br.take(1)
+		var err error
+		switch br.take(2) {
+		case 0:
+			o, err = d.stored(&br, out, o, fill)
+		case 1:
+			if d.fixedLit == nil {
+				d.makeFixed()
+			}
+			o, err = d.huffman(&br, out, o, d.fixedLit, d.fixedDist, fill)
+		case 2:
+			if err = d.dynamicTables(&br); err == nil {
+				o, err = d.huffman(&br, out, o, d.lit, d.dist, fill)
+			}
+		default:
+			err = fmt.Errorf("%w: block type 3 at byte %d", ErrCorrupt, br.used())
+		}
+		// Made-up bits past the end of in decode as something: whatever
+		// they decoded to is not the stream's.
+		if br.used() > len(in) {
+			return o, 0, fmt.Errorf("%w: stream cut short after %d bytes", ErrCorrupt, len(in))
+		}
+		if err != nil {
+			return o, 0, err
+		}
+		if fill && o == len(out) {
+			return o, br.used(), nil
+		}
+		if final == 1 {
+			// The stream ends at the byte its last bit lies in.
+			return o, br.used(), nil
+		}
+	}
+}
+
+// stored copies a stored block.
+func (d *decoder) stored(br *bitReader, out []byte, o int, fill bool) (int, error) {
+	// Skip to the byte boundary, then give back the whole bytes held.
+	br.take(br.nbits & 7)
+	br.pos = br.used()
+	br.bits, br.nbits = 0, 0
+	if br.pos+4 > len(br.in) {
+		br.pos = len(br.in) + 1 // an overrun
+		return o, nil
+	}
+	n := int(binary.LittleEndian.Uint16(br.in[br.pos:]))
+	if binary.LittleEndian.Uint16(br.in[br.pos+2:]) != ^uint16(n) {
+		return o, fmt.Errorf("%w: stored block at byte %d: length %d does not match its complement", ErrCorrupt, br.pos, n)
+	}
+	br.pos += 4
+	if n > len(br.in)-br.pos {
+		// Copy what is there only to report it as cut short.
+		br.pos = len(br.in) + 1
+		return o, nil
+	}
+	if n > len(out)-o {
+		if !fill {
+			return o, fmt.Errorf("%w: a stored block of %d bytes at %d, %d bytes of room", ErrTooLong, n, o, len(out)-o)
+		}
+		n = len(out) - o
+	}
+	copy(out[o:], br.in[br.pos:br.pos+n])
+	br.pos += n
+	return o + n, nil
+}
+
+// huffman decodes a block coded with the tables lit and dist.
+//
+// The bit reader's state is held in locals for the loop (a literal costs
+// a few instructions, and through br every store to out would make the
+// compiler load them again), and put back in br when the block ends.
+func (d *decoder) huffman(br *bitReader, out []byte, o int, lit, dist []uint32, fill bool) (int, error) {
+	in, pos, bits, nbits := br.in, br.pos, br.bits, br.nbits
+	// The primary tables as arrays: their lookups need no bounds check.
+	litTab := (*[1 << litBits]uint32)(lit)
+	distTab := (*[1 << distBits]uint32)(dist)
+	var err error
+loop:
+	for {
+		// The most one symbol takes: a 15-bit length code, 5 extra bits,
+		// a 15-bit distance code, 13 extra bits.
+		if nbits < 48 {
+			if pos+8 <= len(in) {
+				// br.refill's fast path, inline.
+				bits |= binary.LittleEndian.Uint64(in[pos:]) << nbits
+				pos += int(63-nbits) >> 3
+				nbits |= 56
+			} else {
+				br.pos, br.bits, br.nbits = pos, bits, nbits
+				br.refill()
+				pos, bits, nbits = br.pos, br.bits, br.nbits
+			}
+		}
+		e := litTab[bits&(1<<litBits-1)]
+		if e&kindMask == kindLiteral {
+			// At least 48 bits are held: a second literal (codes of at
+			// most 15 bits) is decoded without refilling.
+			bits >>= e & 63
+			nbits -= uint(e & 63)
+			if o >= len(out) {
+				err = fmt.Errorf("%w: %d bytes", ErrTooLong, len(out))
+				break loop
+			}
+			out[o] = byte(e >> 16)
+			o++
+			if fill && o == len(out) {
+				break loop
+			}
+			e = litTab[bits&(1<<litBits-1)]
+			if e&kindMask != kindLiteral {
+				continue
+			}
+			bits >>= e & 63
+			nbits -= uint(e & 63)
+			if o >= len(out) {
+				err = fmt.Errorf("%w: %d bytes", ErrTooLong, len(out))
+				break loop
+			}
+			out[o] = byte(e >> 16)
+			o++
+			if fill && o == len(out) {
+				break loop
+			}
+			continue
+		}
+		if e&kindMask == kindLink {
+			e = lit[e>>16+uint32(bits>>litBits)&(1<<(e>>9&15)-1)]
+		}
+		bits >>= e & 63
+		nbits -= uint(e & 63)
+		switch e & kindMask {
+		case kindLiteral:
+			if o >= len(out) {
+				err = fmt.Errorf("%w: %d bytes", ErrTooLong, len(out))
+				break loop
+			}
+			out[o] = byte(e >> 16)
+			o++
+			if fill && o == len(out) {
+				break loop
+			}
+			continue
+		case kindEnd:
+			break loop
+		case kindLength:
+		default:
+			err = fmt.Errorf("%w: invalid literal/length code at byte %d", ErrCorrupt, pos-int(nbits>>3))
+			break loop
+		}
+		n := uint(e >> 9 & 15)
+		length := int(e>>16) + int(uint32(bits)&(1<<n-1))
+		bits >>= n
+		nbits -= n
+		e = distTab[bits&(1<<distBits-1)]
+		if e&kindMask == kindLink {
+			e = dist[e>>16+uint32(bits>>distBits)&(1<<(e>>9&15)-1)]
+		}
+		bits >>= e & 63
+		nbits -= uint(e & 63)
+		if e&kindMask != kindDist {
+			err = fmt.Errorf("%w: invalid distance code at byte %d", ErrCorrupt, pos-int(nbits>>3))
+			break loop
+		}
+		n = uint(e >> 9 & 15)
+		distance := int(e>>16) + int(uint32(bits)&(1<<n-1))
+		bits >>= n
+		nbits -= n
+		if distance > o {
+			err = fmt.Errorf("%w: distance %d at output byte %d reaches before the start", ErrCorrupt, distance, o)
+			break loop
+		}
+		if length > len(out)-o {
+			if !fill {
+				err = fmt.Errorf("%w: %d bytes", ErrTooLong, len(out))
+				break loop
+			}
+			length = len(out) - o
+		}
+		// A copy may overlap its source (distance < length): the source
+		// is then periodic, and each copy doubles the run it reads from.
+		from, end := o-distance, o+length
+		for o < end {
+			o += copy(out[o:end], out[from:o])
+		}
+		if fill && o == len(out) {
+			break loop
+		}
+	}
+	br.pos, br.bits, br.nbits = pos, bits, nbits
+	return o, err
+}
+
+// dynamicTables reads a dynamic block's header and builds its tables.
+func (d *decoder) dynamicTables(br *bitReader) error {
+	br.need(14)
+	nlit := int(br.take(5)) + 257
+	ndist := int(br.take(5)) + 1
+	npre := int(br.take(4)) + 4
+	if nlit > numLit || ndist > numDist {
+		return fmt.Errorf("%w: dynamic block with %d literal/length and %d distance codes", ErrCorrupt, nlit, ndist)
+	}
+	var preLens [19]uint8
+	for i := 0; i < npre; i++ {
+		br.need(3)
+		preLens[preOrder[i]] = uint8(br.take(3))
+	}
+	if _, ok := tableSize(preLens[:], preBits); !ok {
+		return fmt.Errorf("%w: bad code-length code at byte %d", ErrCorrupt, br.used())
+	}
+	build(d.pre[:], preLens[:], preBits, preEntry)
+	lens := d.lens[:nlit+ndist]
+	for i := 0; i < len(lens); {
+		br.need(16)
+		e := d.pre[br.bits&(1<<preBits-1)]
+		if e&kindMask != kindLiteral {
+			return fmt.Errorf("%w: invalid code-length code at byte %d", ErrCorrupt, br.used())
+		}
+		br.take(uint(e & 63))
+		sym := e >> 16
+		if sym < 16 {
+			lens[i] = uint8(sym)
+			i++
+			continue
+		}
+		var rep int
+		var v uint8
+		switch sym {
+		case 16:
+			if i == 0 {
+				return fmt.Errorf("%w: a repeat of no code length at byte %d", ErrCorrupt, br.used())
+			}
+			v, rep = lens[i-1], 3+int(br.take(2))
+		case 17:
+			rep = 3 + int(br.take(3))
+		default:
+			rep = 11 + int(br.take(7))
+		}
+		if rep > len(lens)-i {
+			return fmt.Errorf("%w: code lengths repeat past the %d codes at byte %d", ErrCorrupt, len(lens), br.used())
+		}
+		for end := i + rep; i < end; i++ {
+			lens[i] = v
+		}
+	}
+	if lens[256] == 0 {
+		return fmt.Errorf("%w: dynamic block without an end-of-block code", ErrCorrupt)
+	}
+	var ok bool
+	if d.lit, ok = buildTable(d.lit, lens[:nlit], litBits, litEntry); !ok {
+		return fmt.Errorf("%w: bad literal/length code at byte %d", ErrCorrupt, br.used())
+	}
+	if d.dist, ok = buildTable(d.dist, lens[nlit:], distBits, distEntry); !ok {
+		return fmt.Errorf("%w: bad distance code at byte %d", ErrCorrupt, br.used())
+	}
+	return nil
+}
+
+// makeFixed builds the fixed code's tables (RFC 1951 3.2.6). Its
+// literal/length code has 288 codes, 286 and 287 never valid in a
+// stream, and its distance code 32, 30 and 31 never valid.
+func (d *decoder) makeFixed() {
+	var lens [288 + 32]uint8
+	for i := range 288 {
+		switch {
+		case i < 144:
+			lens[i] = 8
+		case i < 256:
+			lens[i] = 9
+		case i < 280:
+			lens[i] = 7
+		default:
+			lens[i] = 8
+		}
+	}
+	for i := 288; i < len(lens); i++ {
+		lens[i] = 5
+	}
+	d.fixedLit, _ = buildTable(nil, lens[:288], litBits, litEntry)
+	d.fixedDist, _ = buildTable(nil, lens[288:], distBits, distEntry)
+}
+
+// litEntry, distEntry and preEntry give the table entry of a code's
+// symbol, its length n in the low bits.
+func litEntry(sym int, n uint32) uint32 {
+	switch {
+	case sym < 256:
+		return uint32(sym)<<16 | kindLiteral | n
+	case sym == 256:
+		return kindEnd | n
+	case sym < 286:
+		return uint32(lengthBase[sym-257])<<16 | uint32(lengthExtra[sym-257])<<9 | kindLength | n
+	}
+	return kindInvalid | n // 286, 287: codes a stream may not use
+}
+
+func distEntry(sym int, n uint32) uint32 {
+	if sym < numDist {
+		return uint32(distBase[sym])<<16 | uint32(distExtra[sym])<<9 | kindDist | n
+	}
+	return kindInvalid | n
+}
+
+func preEntry(sym int, n uint32) uint32 { return uint32(sym)<<16 | kindLiteral | n }
+
+// buildTable builds a code's table into t (grown when it has too little
+// room) and returns it; false when the lengths make no valid code.
+func buildTable(t []uint32, lens []uint8, bits uint, entry func(int, uint32) uint32) ([]uint32, bool) {
+	size, ok := tableSize(lens, bits)
+	if !ok {
+		return t, false
+	}
+	if cap(t) < size {
+		t = make([]uint32, size)
+	}
+	t = t[:size]
+	build(t, lens, bits, entry)
+	return t, true
+}
+
+// tableSize checks the code lengths and says how many entries their table
+// takes: the primary table and a subtable per primary entry that longer
+// codes share, as long as the longest of them needs. Lengths that
+// over-subscribe the code, or leave it incomplete, make no code, but for
+// one code of one bit (zlib and compress/flate take that degenerate code).
+func tableSize(lens []uint8, bits uint) (int, bool) {
+	var count [maxCodeLen + 1]int
+	for _, l := range lens {
+		count[l]++
+	}
+	count[0] = 0
+	left := 1
+	maxLen := 0
+	for l := 1; l <= maxCodeLen; l++ {
+		left <<= 1
+		left -= count[l]
+		if left < 0 {
+			return 0, false // over-subscribed
+		}
+		if count[l] > 0 {
+			maxLen = l
+		}
+	}
+	// No code at all is taken too, as both take it: a table whose every
+	// entry is invalid (a block that uses no distance is all literals).
+	if left > 0 && maxLen != 0 && !(maxLen == 1 && count[1] == 1) {
+		return 0, false // incomplete
+	}
+	size := 1 << bits
+	if maxLen <= int(bits) {
+		return size, true
+	}
+	// The subtables: walk the codes in canonical order; each primary
+	// prefix (the code's first bits) gets one subtable, sized for the
+	// longest code under it, which is its last.
+	var sub [1 << litBits]uint8 // bits of the subtable under each prefix
+	code := 0
+	var next [maxCodeLen + 1]int
+	for l := 1; l <= maxCodeLen; l++ {
+		code = (code + count[l-1]) << 1
+		next[l] = code
+	}
+	for l := int(bits) + 1; l <= maxLen; l++ {
+		for c := next[l]; c < next[l]+count[l]; c++ {
+			p := reverse(uint32(c>>(l-int(bits))), bits)
+			sub[p] = uint8(l - int(bits))
+		}
+	}
+	for _, s := range sub[:1<<bits] {
+		if s > 0 {
+			size += 1 << s
+		}
+	}
+	return size, true
+}
+
+// build fills t with the code the lengths make, checked by tableSize
+// and t sized by it.
+func build(t []uint32, lens []uint8, bits uint, entry func(int, uint32) uint32) {
+	var count [maxCodeLen + 1]int
+	maxLen := 0
+	for _, l := range lens {
+		count[l]++
+		maxLen = max(maxLen, int(l))
+	}
+	count[0] = 0
+	clear(t)
+	var next [maxCodeLen + 1]int
+	code := 0
+	for l := 1; l <= maxCodeLen; l++ {
+		code = (code + count[l-1]) << 1
+		next[l] = code
+	}
+	// Subtables in the order of their prefixes' first long code.
+	var subStart [1 << litBits]uint32
+	var subBits [1 << litBits]uint8
+	end := uint32(1 << bits)
+	if maxLen > int(bits) {
+		for l := int(bits) + 1; l <= maxLen; l++ {
+			for c := next[l]; c < next[l]+count[l]; c++ {
+				p := reverse(uint32(c>>(l-int(bits))), bits)
+				subBits[p] = uint8(l - int(bits))
+			}
+		}
+		for p := uint32(0); p < 1<<bits; p++ {
+			if s := subBits[p]; s > 0 {
+				subStart[p] = end
+				t[p] = end<<16 | uint32(s)<<9 | kindLink | uint32(bits)
+				end += 1 << s
+			}
+		}
+	}
+	for sym, l := range lens {
+		if l == 0 {
+			continue
+		}
+		c := next[l]
+		next[l]++
+		r := reverse(uint32(c), uint(l))
+		e := entry(sym, uint32(l))
+		if int(l) <= int(bits) {
+			for i := r; i < 1<<bits; i += 1 << l {
+				t[i] = e
+			}
+			continue
+		}
+		p := r & (1<<bits - 1)
+		s := uint(subBits[p])
+		base := subStart[p]
+		for i := r >> bits; i < 1<<s; i += 1 << (uint(l) - bits) {
+			t[base+i] = e
+		}
+	}
+}
+
+// reverse returns the low n bits of c in reverse order.
+func reverse(c uint32, n uint) uint32 {
+	var r uint32
+	for range n {
+		r = r<<1 | c&1
+		c >>= 1
+	}
+	return r
+}
