@@ -256,16 +256,17 @@ func (d *decoder) stored(br *bitReader, out []byte, o int, fill bool) (int, erro
 		return o, fmt.Errorf("%w: stored block at byte %d: length %d does not match its complement", ErrCorrupt, br.pos, n)
 	}
 	br.pos += 4
-	if n > len(br.in)-br.pos {
-		// Copy what is there only to report it as cut short.
-		br.pos = len(br.in) + 1
-		return o, nil
-	}
 	if n > len(out)-o {
 		if !fill {
 			return o, fmt.Errorf("%w: a stored block of %d bytes at %d, %d bytes of room", ErrTooLong, n, o, len(out)-o)
 		}
+		// zlib copies what fits and stops there: the rest of the
+		// block need not be in the input.
 		n = len(out) - o
+	}
+	if n > len(br.in)-br.pos {
+		br.pos = len(br.in) + 1 // an overrun
+		return o, nil
 	}
 	copy(out[o:], br.in[br.pos:br.pos+n])
 	br.pos += n
