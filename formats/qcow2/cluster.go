@@ -162,7 +162,10 @@ func (q *Image) decode(vc int64, e uint64, fileSize int64) (mapping, error) {
 		if host <= 0 || host >= fileSize {
 			return mapping{}, fmt.Errorf("%w: compressed cluster %d at %#x beyond the end of the file", ErrCorrupt, vc, host)
 		}
-		size = min(size, 2*q.h.clusterSize, fileSize-host)
+		// The compressed bytes may run past the end of the file: QEMU's
+		// block layer reads zeroes there and inflates them, and so do we
+		// (compressedCluster). The format bounds size by two clusters.
+		size = min(size, 2*q.h.clusterSize)
 		return mapping{kind: compressed, host: host, compSize: size, entry: e}, nil
 	}
 	host := int64(e & l2OffsetMask)

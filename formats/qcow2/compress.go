@@ -34,11 +34,15 @@ func (q *Image) compressedCluster(ctx context.Context, m mapping) ([]byte, error
 		return c, nil
 	}
 	comp := make([]byte, m.compSize)
+	// Past the end of the file comp stays zeroes, as QEMU's block layer
+	// pads a read there: a stream cut by a truncated file inflates on
+	// through zero bits, and the cluster reads as in QEMU or fails as
+	// in QEMU.
 	n, err := q.f.ReadAt(ctx, comp, m.host)
 	if err != nil && err != io.EOF {
 		return nil, fmt.Errorf("qcow2: compressed cluster at %#x: %w", m.host, err)
 	}
-	comp = comp[:n]
+	clear(comp[n:])
 	out := make([]byte, q.h.clusterSize)
 	switch q.h.compressionType {
 	case compressionZlib:

@@ -148,6 +148,10 @@ type decoder struct {
 	// fixedLit and fixedDist are the fixed code's tables, made the first
 	// time a fixed block is decoded.
 	fixedLit, fixedDist []uint32
+	// cut says the output filled inside a copy or a stored block (zlib
+	// stops there), not at a symbol's end; final, in drain, that the
+	// block read is the stream's last.
+	cut, final bool
 }
 
 // bitReader reads the stream least significant bit first. bits holds
@@ -204,10 +208,15 @@ func (br *bitReader) used() int { return br.pos - int(br.nbits>>3) }
 func (d *decoder) inflate(out, in []byte, fill bool) (int, int, error) {
 	br := bitReader{in: in}
 	o := 0
+	d.cut = false
+	if fill && len(out) == 0 {
+		return 0, 0, d.drain(&br, nil, nil, false)
+	}
 	for {
 		br.need(3)
 		final := br.take(1)
 		var err error
+		var lit, dist []uint32
 		switch br.take(2) {
 		case 0:
 			o, err = d.stored(&br, out, o, fill)
@@ -215,10 +224,12 @@ func (d *decoder) inflate(out, in []byte, fill bool) (int, int, error) {
 			if d.fixedLit == nil {
 				d.makeFixed()
 			}
-			o, err = d.huffman(&br, out, o, d.fixedLit, d.fixedDist, fill)
+			lit, dist = d.fixedLit, d.fixedDist
+			o, err = d.huffman(&br, out, o, lit, dist, fill)
 		case 2:
 			if err = d.dynamicTables(&br); err == nil {
-				o, err = d.huffman(&br, out, o, d.lit, d.dist, fill)
+				lit, dist = d.lit, d.dist
+				o, err = d.huffman(&br, out, o, lit, dist, fill)
 			}
 		default:
 			err = fmt.Errorf("%w: block type 3 at byte %d", ErrCorrupt, br.used())
@@ -232,11 +243,111 @@ func (d *decoder) inflate(out, in []byte, fill bool) (int, int, error) {
 			return o, 0, err
 		}
 		if fill && o == len(out) {
-			return o, br.used(), nil
+			// Full in the middle of a copy or a stored block, zlib
+			// stops there; full at a symbol's or a block's end, it
+			// reads on first (drain).
+			d.final = final == 1
+			switch {
+			case d.cut:
+			case lit != nil:
+				err = d.drain(&br, lit, dist, true)
+			case final == 0:
+				err = d.drain(&br, nil, nil, false)
+			}
+			return o, 0, err
 		}
 		if final == 1 {
 			// The stream ends at the byte its last bit lies in.
 			return o, br.used(), nil
+		}
+	}
+}
+
+// drain reads on past a full output as zlib's inflate does before it
+// returns, which is how QEMU reads a qcow2 compressed cluster (one
+// inflate with Z_FINISH that must fill the output): the block's next
+// symbol when the output filled at a symbol's end (inBlock, with the
+// block's tables), and past an end of block the headers of the blocks
+// that follow, until something would need room in the output (a literal,
+// a copy once its distance is read, a stored block with bytes), the
+// stream's end, or the input's end, each of which leaves the cluster
+// good; anything invalid on the way fails it, as it fails QEMU's read.
+// Bits past the input's end are not the stream's: zlib would stop and
+// wait for them, so an error they lead to is no error.
+func (d *decoder) drain(br *bitReader, lit, dist []uint32, inBlock bool) error {
+	fail := func(err error) error {
+		if br.used() > len(br.in) {
+			return nil
+		}
+		return err
+	}
+	for {
+		if inBlock {
+			br.need(48)
+			e := lit[br.bits&(1<<litBits-1)]
+			if e&kindMask == kindLink {
+				e = lit[e>>16+uint32(br.bits>>litBits)&(1<<(e>>9&15)-1)]
+			}
+			br.take(uint(e & 63))
+			switch e & kindMask {
+			case kindLiteral:
+				return nil
+			case kindEnd:
+				inBlock = false
+				if d.final {
+					return nil
+				}
+			case kindLength:
+				br.take(uint(e >> 9 & 15))
+				e = dist[br.bits&(1<<distBits-1)]
+				if e&kindMask == kindLink {
+					e = dist[e>>16+uint32(br.bits>>distBits)&(1<<(e>>9&15)-1)]
+				}
+				br.take(uint(e & 63))
+				if e&kindMask != kindDist {
+					return fail(fmt.Errorf("%w: invalid distance code at byte %d, past the output's end", ErrCorrupt, br.used()))
+				}
+				// zlib reads the extra bits, then stops before the copy
+				// (no check of the distance: the copy never happens).
+				return nil
+			default:
+				return fail(fmt.Errorf("%w: invalid literal/length code at byte %d, past the output's end", ErrCorrupt, br.used()))
+			}
+			continue
+		}
+		br.need(3)
+		d.final = br.take(1) == 1
+		switch br.take(2) {
+		case 0:
+			br.take(br.nbits & 7)
+			br.pos = br.used()
+			br.bits, br.nbits = 0, 0
+			if br.pos+4 > len(br.in) {
+				return nil
+			}
+			n := binary.LittleEndian.Uint16(br.in[br.pos:])
+			if binary.LittleEndian.Uint16(br.in[br.pos+2:]) != ^n {
+				return fmt.Errorf("%w: stored block at byte %d, past the output's end: length %d does not match its complement", ErrCorrupt, br.pos, n)
+			}
+			br.pos += 4
+			if n > 0 || d.final {
+				return nil
+			}
+		case 1:
+			if d.fixedLit == nil {
+				d.makeFixed()
+			}
+			lit, dist, inBlock = d.fixedLit, d.fixedDist, true
+		case 2:
+			if err := d.dynamicTables(br); err != nil {
+				return fail(err)
+			}
+			lit, dist, inBlock = d.lit, d.dist, true
+		default:
+			return fail(fmt.Errorf("%w: block type 3 at byte %d, past the output's end", ErrCorrupt, br.used()))
+		}
+		if br.used() > len(br.in) {
+			return nil
 		}
 	}
 }
@@ -263,6 +374,7 @@ func (d *decoder) stored(br *bitReader, out []byte, o int, fill bool) (int, erro
 		// zlib copies what fits and stops there: the rest of the
 		// block need not be in the input.
 		n = len(out) - o
+		d.cut = true
 	}
 	if n > len(br.in)-br.pos {
 		br.pos = len(br.in) + 1 // an overrun
@@ -384,6 +496,7 @@ loop:
 				break loop
 			}
 			length = len(out) - o
+			d.cut = true
 		}
 		// A copy may overlap its source (distance < length): the source
 		// is then periodic, and each copy doubles the run it reads from.
@@ -413,8 +526,28 @@ func (d *decoder) dynamicTables(br *bitReader) error {
 		br.need(3)
 		preLens[preOrder[i]] = uint8(br.take(3))
 	}
-	if _, ok := tableSize(preLens[:], preBits); !ok {
+	// zlib takes no incomplete code-length code, not even the one code
+	// of one bit it takes for the other two codes.
+	used := 0
+	for _, l := range preLens {
+		if l > 0 {
+			used++
+		}
+	}
+	if _, ok := tableSize(preLens[:], preBits); !ok || used == 1 {
 		return fmt.Errorf("%w: bad code-length code at byte %d", ErrCorrupt, br.used())
+	}
+	if used == 0 {
+		// No code-length code at all: zlib decodes every length as 0
+		// from one bit each, then fails on the missing end-of-block
+		// code. The bits are read as it reads them, so that a stream
+		// that ends first is cut short (or, past a full cluster, no
+		// error), as with zlib.
+		for range nlit + ndist {
+			br.need(1)
+			br.take(1)
+		}
+		return fmt.Errorf("%w: dynamic block without an end-of-block code", ErrCorrupt)
 	}
 	build(d.pre[:], preLens[:], preBits, preEntry)
 	lens := d.lens[:nlit+ndist]
@@ -592,7 +725,12 @@ func build(t []uint32, lens []uint8, bits uint, entry func(int, uint32) uint32) 
 		maxLen = max(maxLen, int(l))
 	}
 	count[0] = 0
-	clear(t)
+	// Entries no code reaches (an incomplete code: one code of one bit,
+	// or none) are invalid and take one bit, as zlib's are: past the
+	// input's end zlib would wait for that bit, not fail.
+	for i := range t {
+		t[i] = kindInvalid | 1
+	}
 	var next [maxCodeLen + 1]int
 	code := 0
 	for l := 1; l <= maxCodeLen; l++ {
