@@ -413,9 +413,9 @@ loop:
 			}
 		}
 		e := litTab[bits&(1<<litBits-1)]
-		if e&kindMask == kindLiteral {
-			// At least 48 bits are held: a second literal (codes of at
-			// most 15 bits) is decoded without refilling.
+		// Literals run on without a refill while the bits held cover a
+		// literal's code (at most 15 bits; longer ones are links).
+		for e&kindMask == kindLiteral {
 			bits >>= e & 63
 			nbits -= uint(e & 63)
 			if o >= len(out) {
@@ -426,23 +426,14 @@ loop:
 			o++
 			if fill && o == len(out) {
 				break loop
+			}
+			if nbits < maxCodeLen {
+				continue loop
 			}
 			e = litTab[bits&(1<<litBits-1)]
-			if e&kindMask != kindLiteral {
-				continue
-			}
-			bits >>= e & 63
-			nbits -= uint(e & 63)
-			if o >= len(out) {
-				err = fmt.Errorf("%w: %d bytes", ErrTooLong, len(out))
-				break loop
-			}
-			out[o] = byte(e >> 16)
-			o++
-			if fill && o == len(out) {
-				break loop
-			}
-			continue
+		}
+		if nbits < 48 {
+			continue // what follows may take 48 bits: refill, look up again
 		}
 		if e&kindMask == kindLink {
 			e = lit[e>>16+uint32(bits>>litBits)&(1<<(e>>9&15)-1)]
