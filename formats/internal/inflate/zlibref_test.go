@@ -119,13 +119,7 @@ func TestFillStopsAsZlibDoes(t *testing.T) {
 		ok   bool
 	}{
 		{"then a block of type 3", then(func(w *bitWriter) { w.bits(1, 1); w.bits(3, 2) }), false},
-		{"then a stored block, LEN != ^NLEN", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(0, 2)
-			w.bits(0, (8-w.nbits%8)%8)
-			w.bits(5, 16)
-			w.bits(5, 16)
-		}), false},
+		{"then a stored block, LEN != ^NLEN", then(func(w *bitWriter) { stored(w, 1, 5, 5) }), false},
 		{"then a dynamic block with 287 lengths", then(func(w *bitWriter) { w.bits(1, 1); w.bits(2, 2); w.bits(30, 5); w.bits(0, 9) }), false},
 		{"then fixed, length code 286", then(func(w *bitWriter) { fixed(w); w.code(fixedLitCode(286)) }), false},
 		{"then fixed, distance code 30", then(func(w *bitWriter) { fixed(w); w.code(fixedLitCode(257)); w.code(30, 5) }), false},
@@ -134,64 +128,30 @@ func TestFillStopsAsZlibDoes(t *testing.T) {
 		{"then fixed, cut", then(func(w *bitWriter) { fixed(w) }), true},
 		{"then nothing", then(func(w *bitWriter) {}), true},
 		{"then a dynamic block whose code-length code is one code of one bit, cut", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(2, 2)
-			w.bits(0, 5)
-			w.bits(0, 5)
-			w.bits(0, 4) // four code-length code lengths: 16 17 18 0
+			dynamicHeader(w)
 			w.bits(0, 3)
 			w.bits(0, 3)
 			w.bits(1, 3) // 18: one bit
 			w.bits(0, 3)
 		}), false},
 		{"then a dynamic block with no code-length code, cut", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(2, 2)
-			w.bits(0, 5)
-			w.bits(0, 5)
-			w.bits(0, 4)
-			w.bits(0, 12)
+			dynamicHeader(w)
+			w.bits(0, 12) // no code-length code
 			w.bits(0, 20) // 20 of the 258 one-bit lengths zlib reads
 		}), true},
 		{"then a dynamic block with no code-length code, whole", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(2, 2)
-			w.bits(0, 5)
-			w.bits(0, 5)
-			w.bits(0, 4)
+			dynamicHeader(w)
 			w.bits(0, 12)
-			for range 300 {
-				w.bits(0, 1)
-			}
+			w.bits(0, 60) // 300 zero bits: past the 258 lengths
+			w.bits(0, 60)
+			w.bits(0, 60)
+			w.bits(0, 60)
+			w.bits(0, 60)
 		}), false},
 		{"then fixed, a copy whose distance code is cut", then(func(w *bitWriter) { fixed(w); w.code(fixedLitCode(257)); w.bits(0, 2) }), true},
-		{"then a stored block of 0, then type 3", then(func(w *bitWriter) {
-			w.bits(0, 1)
-			w.bits(0, 2)
-			w.bits(0, (8-w.nbits%8)%8)
-			w.bits(0, 16)
-			w.bits(0xffff, 16)
-			w.bits(1, 1)
-			w.bits(3, 2)
-		}), false},
-		{"then a final stored block of 0, then type 3", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(0, 2)
-			w.bits(0, (8-w.nbits%8)%8)
-			w.bits(0, 16)
-			w.bits(0xffff, 16)
-			w.bits(1, 1)
-			w.bits(3, 2)
-		}), true},
-		{"then a stored block of 5, 2 bytes of it there", then(func(w *bitWriter) {
-			w.bits(1, 1)
-			w.bits(0, 2)
-			w.bits(0, (8-w.nbits%8)%8)
-			w.bits(5, 16)
-			w.bits(0xfffa, 16)
-			w.bits('x', 8)
-			w.bits('y', 8)
-		}), true},
+		{"then a stored block of 0, then type 3", then(func(w *bitWriter) { stored(w, 0, 0, 0xffff); w.bits(1, 1); w.bits(3, 2) }), false},
+		{"then a final stored block of 0, then type 3", then(func(w *bitWriter) { stored(w, 1, 0, 0xffff); w.bits(1, 1); w.bits(3, 2) }), true},
+		{"then a stored block of 5, 2 bytes of it there", then(func(w *bitWriter) { stored(w, 1, 5, 0xfffa); w.bits('x', 8); w.bits('y', 8) }), true},
 	} {
 		out := make([]byte, 4)
 		err := Fill(out, c.in)
@@ -204,6 +164,27 @@ func TestFillStopsAsZlibDoes(t *testing.T) {
 	if err := Fill(out, []byte{0x00, 0x64, 0x00, 0x9b, 0xff, 'R', 'S', 'T', 'U'}); err != nil || string(out) != "RST" {
 		t.Errorf("stored block of 100, 4 bytes there, 3 wanted: %q, %v; zlib gives RST", out, err)
 	}
+}
+
+// stored writes a stored block's header: final, its type, the byte
+// boundary, then its length and what stands for the length's complement.
+func stored(w *bitWriter, final uint64, n, nlen uint64) {
+	w.bits(final, 1)
+	w.bits(0, 2)
+	w.bits(0, (8-w.nbits%8)%8)
+	w.bits(n, 16)
+	w.bits(nlen, 16)
+}
+
+// dynamicHeader writes the start of a final dynamic block of 257
+// literal/length codes, one distance code and four code-length code
+// lengths (for 16, 17, 18 and 0), which the caller writes next.
+func dynamicHeader(w *bitWriter) {
+	w.bits(1, 1)
+	w.bits(2, 2)
+	w.bits(0, 5)
+	w.bits(0, 5)
+	w.bits(0, 4)
 }
 
 func head(b []byte) []byte {
