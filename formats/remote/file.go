@@ -39,6 +39,9 @@ const (
 	// nstreams sequential readers are followed at once (a guest reading
 	// two files, the kernel's readahead beside a reader's own requests).
 	nstreams = 8
+	// page is the unit of a partial fetch (see block): a random read
+	// fetches the pages of its block that it covers, not the block.
+	page = 4 << 10
 )
 
 // Options say how a File reads its object.
@@ -114,9 +117,17 @@ type File struct {
 // (data valid) or failed (err; already out of the map). The blocks of one
 // GET share its done (start makes it, load closes it once they are all
 // complete).
+//
+// A block holds (or is fetching) the bytes [lo, hi) of its range; that is
+// all of it but where a random read fetched only the pages it covers (a
+// partial block: a cold random 4 KiB read at queue depth 1 through FUSE
+// from nginx on loopback ran 24-28% faster fetching 4 KiB than 16 KiB,
+// and 13-17% at qd16; 4 KiB blocks for everything cost sequential reads
+// 30%). A read that needs bytes a block lacks replaces it (orphan).
 type block struct {
 	idx        int64
 	data       []byte
+	lo, hi     int64 // the bytes held, from the block's start; set by start
 	done       chan struct{}
 	err        error
 	loaded     bool
@@ -329,7 +340,7 @@ func (f *File) TryReadAt(p []byte, off int64) bool {
 	want := make([]*block, 0, last-first+1)
 	for i := first; i <= last; i++ {
 		b := f.blocks[i]
-		if b == nil || !b.loaded {
+		if b == nil || !b.loaded || !f.covers(b, off, int64(len(p))) {
 			f.mu.Unlock()
 			return false
 		}
@@ -339,7 +350,8 @@ func (f *File) TryReadAt(p []byte, off int64) bool {
 		b.refs++
 		f.touch(b)
 	}
-	f.start(f.follow(off, off+int64(len(p))), false, false)
+	ahead, _ := f.follow(off, off+int64(len(p)))
+	f.start(ahead, false, false)
 	f.mu.Unlock()
 	f.copyOut(want, p, off)
 	f.release(want)
@@ -376,6 +388,10 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 	var runs [][2]int64
 	for i := first; i <= last; i++ {
 		b := f.blocks[i]
+		if b != nil && !f.covers(b, off, n) {
+			f.orphan(b) // a partial block lacking bytes of this read
+			b = nil
+		}
 		if b == nil {
 			b = f.insert(i)
 			if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
@@ -389,12 +405,52 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 		b.refs++
 		want = append(want, b)
 	}
+	ahead, random := f.follow(off, off+n)
+	if random && len(runs) == 1 && runs[0][1] == runs[0][0]+1 {
+		f.partial(f.blocks[runs[0][0]], off, n)
+	}
 	// Started under mu: Close sets closed under it, so no fetch is added
 	// to wg once Close waits on it.
 	mine = f.start(runs, true, inline)
-	f.start(f.follow(off, off+n), false, false)
+	f.start(ahead, false, false)
 	f.mu.Unlock()
 	return want, mine, nil
+}
+
+// size is the length of block i's range (the last one may be short).
+func (f *File) size(i int64) int64 { return min(f.bs, f.obj.Size-i*f.bs) }
+
+// covers says whether block b holds (or is fetching) the bytes of
+// [off, off+n) in its range.
+func (f *File) covers(b *block, off, n int64) bool {
+	start := b.idx * f.bs
+	return b.lo <= max(off, start)-start && min(off+n, start+f.bs)-start <= b.hi
+}
+
+// partial makes loading block b (not started) fetch only the pages of
+// [off, off+n) in it: a random read's, which would otherwise bring the
+// rest of the block across for nothing.
+func (f *File) partial(b *block, off, n int64) {
+	start := b.idx * f.bs
+	lo := (max(off, start) - start) &^ (page - 1)
+	hi := min((min(off+n, start+f.bs)-start+page-1)&^(page-1), f.size(b.idx))
+	if lo > 0 || hi < f.size(b.idx) {
+		b.lo, b.hi = lo, hi
+	}
+}
+
+// orphan takes block b out of the map (a read needs bytes it does not
+// hold): readers holding it keep it until they release it, a load in
+// flight completes it for them, and its buffer is recycled after.
+func (f *File) orphan(b *block) {
+	if f.blocks[b.idx] == b {
+		delete(f.blocks, b.idx)
+	}
+	f.unlink(b)
+	b.evicted = true
+	if b.loaded && b.refs == 0 {
+		f.recycle(b)
+	}
 }
 
 var errClosed = errors.New("remote file closed")
@@ -472,8 +528,9 @@ func (f *File) unlink(b *block) {
 }
 
 // follow records a read of [off, end) against the sequential streams and
-// returns the runs of blocks to read ahead (entries made, loading).
-func (f *File) follow(off, end int64) [][2]int64 {
+// returns the runs of blocks to read ahead (entries made, loading), and
+// whether the read went on from no stream (random, or a stream's first).
+func (f *File) follow(off, end int64) (ahead [][2]int64, random bool) {
 	f.tick++
 	var s *stream
 	// Concurrent requests of one stream arrive out of order: a reader
@@ -495,36 +552,41 @@ func (f *File) follow(off, end int64) [][2]int64 {
 			}
 		}
 		*s = stream{next: end, ahead: end, used: f.tick}
-		return nil
+		return nil, true
 	}
 	s.used = f.tick
 	if end <= s.next {
-		return nil // a request of the stream that arrived late, or a reread
+		return nil, false // a request of the stream that arrived late, or a reread
 	}
 	s.next = end
 	if s.seen++; s.seen < 2 {
 		// Twice on before readahead: two random reads that happen to
 		// fall within the slack of each other are not a stream (200
 		// random 4 KiB reads of a 32 MiB object read 0.8 MiB ahead).
-		return nil
+		return nil, false
 	}
 	if s.ahead-s.next > s.window/2 {
 		// Enough is on its way: the next batch goes out once the reader
 		// has eaten into half of it, so each batch is a large request
 		// rather than one small one per read.
-		return nil
+		return nil, false
 	}
 	s.window = min(max(2*s.window, initWindow), f.window)
 	target := min(s.next+s.window, f.obj.Size)
 	from := max(s.ahead, s.next)
 	if target <= from {
-		return nil
+		return nil, false
 	}
 	s.ahead = target
 	var runs [][2]int64
 	for i := from / f.bs; i <= (target-1)/f.bs; i++ {
-		if f.blocks[i] != nil {
-			continue
+		if b := f.blocks[i]; b != nil {
+			// Partial: the stream will want all of it. (Not started,
+			// hi 0: the reader's own, which start makes whole.)
+			if b.hi == 0 || b.lo == 0 && b.hi == f.size(i) {
+				continue
+			}
+			f.orphan(b)
 		}
 		if !f.room() {
 			// The cache is all loading: readahead waits for room rather
@@ -539,7 +601,7 @@ func (f *File) follow(off, end int64) [][2]int64 {
 			runs = append(runs, [2]int64{i, i + 1})
 		}
 	}
-	return runs
+	return runs, false
 }
 
 // start fetches runs of loading blocks, each in GETs of up to maxGet.
@@ -558,6 +620,9 @@ func (f *File) start(runs [][2]int64, own, inline bool) (mine *fetch) {
 			for k := i; k < j; k++ {
 				b := f.blocks[k]
 				b.done = done
+				if b.hi == 0 {
+					b.lo, b.hi = 0, f.size(k) // all of it, unless partial
+				}
 				bl = append(bl, b)
 			}
 			f.wg.Add(1)
@@ -739,6 +804,11 @@ func (f *File) load(x fetch, held bool) {
 	bl, i, j, asked := x.bl, x.i, x.j, x.asked
 	off := i * f.bs
 	end := min(j*f.bs, f.obj.Size)
+	// A partial block (one, alone in its GET) asks for its pages only.
+	roff, rend := off, end
+	if b := bl[0]; len(bl) == 1 {
+		roff, rend = off+b.lo, off+b.hi
+	}
 	var bufs [][]byte
 	var err error
 	if !held {
@@ -752,9 +822,13 @@ func (f *File) load(x fetch, held bool) {
 			bufs[n] = f.newBuf()[:min(f.bs, end-lo)]
 		}
 		f.mu.Unlock()
+		vec := bufs
+		if roff > off || rend < end {
+			vec = [][]byte{bufs[0][roff-off : rend-off]}
+		}
 		f.gets.Add(1)
 		err = f.retry(f.ctx, f.deadline(asked), func(ctx context.Context) error {
-			return f.readv(ctx, bufs, off)
+			return f.readv(ctx, vec, roff)
 		})
 		if err == nil {
 			f.lastOK.Store(time.Now().UnixNano())
@@ -762,7 +836,7 @@ func (f *File) load(x fetch, held bool) {
 		f.conns.put()
 	}
 	if err != nil {
-		err = f.ioError(err, off, end-off)
+		err = f.ioError(err, roff, rend-roff)
 	}
 	f.mu.Lock()
 	for n, b := range bl {
@@ -783,6 +857,13 @@ func (f *File) load(x fetch, held bool) {
 		}
 		b.data, b.loaded = bufs[n], true
 		bufs[n] = nil
+		if b.evicted {
+			// Orphaned while loading: its readers get it, then it goes.
+			if b.refs == 0 {
+				f.recycle(b)
+			}
+			continue
+		}
 		f.touch(b)
 	}
 	if len(bl) > 0 {

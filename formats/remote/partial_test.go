@@ -1,0 +1,177 @@
+package remote
+
+import (
+	"bytes"
+	"context"
+	"math/rand"
+	"sync"
+	"testing"
+	"time"
+)
+
+// A random read fetches the pages of its block that it covers, not the
+// block; a later read that needs more of the block fetches the block
+// whole, and every read gets the object's bytes.
+func TestRandomReadsFetchOnlyTheirPages(t *testing.T) {
+	m := &memBackend{data: rhData(32<<20 + 1000)}
+	f := openMem(t, m, Options{})
+	rng := rand.New(rand.NewSource(3))
+	ctx := context.Background()
+	// One read in every other 256 KiB region, in random order: no read
+	// lands near another (a read within 64 KiB of one before may be a
+	// stream going on, and gets its block).
+	const region = 256 << 10
+	regions := int64(len(m.data)) / region
+	var want int64
+	held := map[int64]bool{} // pages fetched
+	for i, r := range rng.Perm(int(regions+1) / 2) {
+		n := int64(4096)
+		off := int64(r)*2*region + rng.Int63n(region/4096)*4096
+		switch {
+		case int64(r)*2 == regions: // the last, short block
+			off, n = int64(len(m.data))-10, 10
+		case i%3 == 0: // small, anywhere (across a page edge too)
+			n = 1 + rng.Int63n(300)
+			off = int64(r)*2*region + rng.Int63n(region-n)
+		}
+		p := make([]byte, n)
+		if _, err := f.ReadAt(ctx, p, off); err != nil || !bytes.Equal(p, m.data[off:off+n]) {
+			t.Fatalf("read %d at %d: %v, or wrong bytes", n, off, err)
+		}
+		lo, hi := off&^(page-1), min((off+n+page-1)&^(page-1), int64(len(m.data)))
+		want += hi - lo
+		for q := lo; q < hi; q += page {
+			held[q] = true
+		}
+	}
+	f.wg.Wait()
+	m.mu.Lock()
+	asked := append([][2]int64(nil), m.asked...)
+	m.mu.Unlock()
+	for _, a := range asked {
+		if a[0]%page != 0 || a[1] > 2*page || a[1]%page != 0 && a[0]+a[1] != int64(len(m.data)) {
+			t.Fatalf("a random read asked for %d bytes at %d: want its pages", a[1], a[0])
+		}
+	}
+	if got := m.bytes.Load(); got != want {
+		t.Fatalf("%d random reads fetched %d bytes, their pages %d", len(asked), got, want)
+	}
+	// A page held is served without a request; its neighbour in the
+	// block, not fetched, is not.
+	q := make([]byte, 100)
+	first := asked[0][0]
+	if !f.TryReadAt(q, first) || !bytes.Equal(q, m.data[first:first+100]) {
+		t.Fatalf("the page fetched at %d is not served from the cache", first)
+	}
+	other := first ^ page
+	if held[other] {
+		other = first ^ 2*page
+	}
+	if f.TryReadAt(q, other) {
+		t.Fatalf("the page at %d was never fetched, yet read from the cache", other)
+	}
+
+	// The rest of a partly held block: fetched whole, once, then held.
+	blk := first / DefaultBlockSize * DefaultBlockSize
+	before := m.gets.Load()
+	p := make([]byte, DefaultBlockSize)
+	if _, err := f.ReadAt(ctx, p, blk); err != nil || !bytes.Equal(p, m.data[blk:blk+DefaultBlockSize]) {
+		t.Fatalf("the block at %d whole: %v, or wrong bytes", blk, err)
+	}
+	if got := m.gets.Load() - before; got != 1 {
+		t.Fatalf("the rest of a partly fetched block took %d requests, want 1", got)
+	}
+	if !f.TryReadAt(p, blk) || !bytes.Equal(p, m.data[blk:blk+DefaultBlockSize]) {
+		t.Fatal("the block just read whole is not served from the cache")
+	}
+}
+
+// Sequential readers still fetch whole blocks (and read ahead): only a
+// read that starts no stream is partial.
+func TestStreamsFetchWholeBlocks(t *testing.T) {
+	m := &memBackend{data: rhData(8 << 20)}
+	f := openMem(t, m, Options{})
+	p := make([]byte, 4096)
+	for off := int64(0); off < 4<<20; off += 4096 {
+		if _, err := f.ReadAt(context.Background(), p, off); err != nil || !bytes.Equal(p, m.data[off:off+4096]) {
+			t.Fatalf("read at %d: %v, or wrong bytes", off, err)
+		}
+	}
+	f.wg.Wait()
+	if g := m.gets.Load(); g > 30 {
+		t.Fatalf("4 MiB read in 4 KiB pieces took %d requests", g)
+	}
+	// The first read is a page; the second, going on from it, its block.
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.asked[0] != [2]int64{0, 4096} || m.asked[1] != [2]int64{0, DefaultBlockSize} {
+		t.Fatalf("first requests %v, want a page then its block", m.asked[:2])
+	}
+}
+
+// Readers racing over a few blocks (a cache of 16), with requests in
+// flight: random pages, reads across blocks, loans and cache hits, so
+// that partial blocks are replaced while loading, while lent and while
+// evicted. Every read gets the object's bytes; nothing stays referenced.
+func TestPartialBlocksRacingWholeReads(t *testing.T) {
+	m := &memBackend{data: rhData(40*DefaultBlockSize + 777), delay: time.Millisecond}
+	f := openMem(t, m, Options{CacheSize: 1})
+	size := int64(len(m.data))
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	for g := 0; g < 12; g++ {
+		wg.Add(1)
+		go func(seed int64) {
+			defer wg.Done()
+			rng := rand.New(rand.NewSource(seed))
+			for i := 0; i < 150; i++ {
+				n := 1 + rng.Int63n(2*page)
+				if rng.Intn(4) == 0 {
+					n = 1 + rng.Int63n(3*DefaultBlockSize)
+				}
+				n = min(n, size)
+				off := rng.Int63n(size - n + 1)
+				p := make([]byte, n)
+				switch rng.Intn(3) {
+				case 0:
+					bufs, release, ok, err := f.LendAt(ctx, off, n, 128)
+					if !ok || err != nil {
+						t.Errorf("lend %d at %d: %v %v", n, off, ok, err)
+						return
+					}
+					time.Sleep(time.Duration(rng.Intn(200)) * time.Microsecond)
+					if got := bytes.Join(bufs, nil); !bytes.Equal(got, m.data[off:off+n]) {
+						t.Errorf("lend %d at %d: wrong bytes", n, off)
+					}
+					release()
+					continue
+				case 1:
+					if f.TryReadAt(p, off) {
+						break
+					}
+					fallthrough
+				default:
+					if _, err := f.ReadAt(ctx, p, off); err != nil {
+						t.Errorf("read %d at %d: %v", n, off, err)
+						return
+					}
+				}
+				if !bytes.Equal(p, m.data[off:off+n]) {
+					t.Errorf("read %d at %d: wrong bytes", n, off)
+				}
+			}
+		}(int64(g))
+	}
+	wg.Wait()
+	f.wg.Wait()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for i, b := range f.blocks {
+		if b.refs != 0 || !b.loaded {
+			t.Fatalf("block %d left with %d references, loaded %v", i, b.refs, b.loaded)
+		}
+	}
+	if len(f.blocks) > f.capacity {
+		t.Fatalf("cache holds %d blocks, capacity %d", len(f.blocks), f.capacity)
+	}
+}
