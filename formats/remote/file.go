@@ -386,11 +386,12 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 	}
 	want = make([]*block, 0, last-first+1)
 	var runs [][2]int64
+	replaced := false
 	for i := first; i <= last; i++ {
 		b := f.blocks[i]
 		if b != nil && !f.covers(b, off, n) {
 			f.orphan(b) // a partial block lacking bytes of this read
-			b = nil
+			b, replaced = nil, true
 		}
 		if b == nil {
 			b = f.insert(i)
@@ -406,7 +407,10 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 		want = append(want, b)
 	}
 	ahead, random := f.follow(off, off+n)
-	if random && len(runs) == 1 && runs[0][1] == runs[0][0]+1 {
+	// A block that replaces a partial one is fetched whole: partial again,
+	// it would drop the pages the old one held (a second pass of the same
+	// random reads missed on a fifth of them).
+	if random && !replaced && len(runs) == 1 && runs[0][1] == runs[0][0]+1 {
 		f.partial(f.blocks[runs[0][0]], off, n)
 	}
 	// Started under mu: Close sets closed under it, so no fetch is added
