@@ -249,10 +249,12 @@ func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("%s: read at %d: %w", f.name, off, unix.EINVAL)
 	}
+	if len(p) == 0 {
+		// Nothing to fetch: an empty read must not make (or replace) a
+		// block, a partial one of no pages least of all.
+		return 0, nil
+	}
 	if off >= f.obj.Size {
-		if len(p) == 0 {
-			return 0, nil
-		}
 		return 0, io.EOF
 	}
 	n := int(min(int64(len(p)), f.obj.Size-off))
@@ -584,19 +586,19 @@ func (f *File) follow(off, end int64) (ahead [][2]int64, random bool) {
 	s.ahead = target
 	var runs [][2]int64
 	for i := from / f.bs; i <= (target-1)/f.bs; i++ {
-		if b := f.blocks[i]; b != nil {
-			// Partial: the stream will want all of it. (Not started,
-			// hi 0: the reader's own, which start makes whole.)
-			if b.hi == 0 || b.lo == 0 && b.hi == f.size(i) {
-				continue
-			}
-			f.orphan(b)
+		b := f.blocks[i]
+		// Not started (hi 0): the reader's own, which start makes whole.
+		if b != nil && (b.hi == 0 || b.lo == 0 && b.hi == f.size(i)) {
+			continue
 		}
 		if !f.room() {
 			// The cache is all loading: readahead waits for room rather
 			// than growing memory past the cache size.
 			s.ahead = i * f.bs
 			break
+		}
+		if b != nil {
+			f.orphan(b) // partial: the stream will want all of it
 		}
 		f.insert(i)
 		if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
@@ -810,8 +812,8 @@ func (f *File) load(x fetch, held bool) {
 	end := min(j*f.bs, f.obj.Size)
 	// A partial block (one, alone in its GET) asks for its pages only.
 	roff, rend := off, end
-	if b := bl[0]; len(bl) == 1 {
-		roff, rend = off+b.lo, off+b.hi
+	if len(bl) == 1 {
+		roff, rend = off+bl[0].lo, off+bl[0].hi
 	}
 	var bufs [][]byte
 	var err error
