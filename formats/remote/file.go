@@ -632,10 +632,17 @@ func (f *File) start(runs [][2]int64, own, inline bool) (mine *fetch) {
 				bl = append(bl, b)
 			}
 			f.wg.Add(1)
-			x := fetch{bl, i, j, asked, own}
+			x := fetch{bl: bl, i: i, j: j, asked: asked, own: own}
 			if inline && mine == nil && f.conns.tryGet() {
 				mine = &x
 				continue
+			}
+			if own {
+				// A reader's fetch takes its place in the queue now, in
+				// the reader's order, not when its goroutine first runs:
+				// on a loaded machine readahead queued meanwhile went
+				// first (CI: a random read behind four readahead GETs).
+				x.queued, x.ch = true, f.conns.get(true)
 			}
 			f.spawn(x)
 		}
@@ -649,6 +656,10 @@ type fetch struct {
 	i, j  int64
 	asked time.Time
 	own   bool
+	// queued: start asked for the connection already (a reader's own
+	// fetch), and ch is where it is handed over (nil: it was free).
+	queued bool
+	ch     chan struct{}
 }
 
 // workerIdle is how long a fetching goroutine waits for the next fetch
@@ -770,8 +781,11 @@ func (s *slots) put() {
 }
 
 // slot takes a connection, or fails at the fetch's deadline or Close.
-func (f *File) slot(asked time.Time, own bool) error {
-	ch := f.conns.get(own)
+func (f *File) slot(x fetch) error {
+	asked, own, ch := x.asked, x.own, x.ch
+	if !x.queued {
+		ch = f.conns.get(own)
+	}
 	if ch == nil {
 		return nil
 	}
@@ -818,7 +832,7 @@ func (f *File) load(x fetch, held bool) {
 	var bufs [][]byte
 	var err error
 	if !held {
-		err = f.slot(asked, x.own)
+		err = f.slot(x)
 	}
 	if err == nil {
 		bufs = make([][]byte, len(bl))
