@@ -104,8 +104,9 @@ func TestRvReadersGoBeforeReadahead(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := time.Since(t0)
-	// Counted in GETs, not time (CI, loaded, once took 477 ms for the
-	// two GETs): the read's own is the next one asked once the GET in
+	// Counted in GETs, not time (in a loaded test run the read once took
+	// 477 ms, behind four readahead GETs, when a reader's fetch queued only
+	// once its goroutine ran): the read's own is the next one asked once the GET in
 	// flight ends (one more if readahead took the connection before the
 	// read queued); behind the queue it was the 17th.
 	m.mu.Lock()
