@@ -123,7 +123,7 @@ type File struct {
 // partial block: a cold random 4 KiB read at queue depth 1 through FUSE
 // from nginx on loopback ran 24-28% faster fetching 4 KiB than 16 KiB,
 // and 13-17% at qd16; 4 KiB blocks for everything cost sequential reads
-// 30%). A read that needs bytes a block lacks replaces it (orphan).
+// 30%). A read that needs bytes a block lacks replaces it (evict).
 type block struct {
 	idx        int64
 	data       []byte
@@ -392,7 +392,7 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 	for i := first; i <= last; i++ {
 		b := f.blocks[i]
 		if b != nil && !f.covers(b, off, n) {
-			f.orphan(b) // a partial block lacking bytes of this read
+			f.evict(b) // a partial block lacking bytes of this read
 			b, replaced = nil, true
 		}
 		if b == nil {
@@ -438,17 +438,15 @@ func (f *File) covers(b *block, off, n int64) bool {
 // rest of the block across for nothing.
 func (f *File) partial(b *block, off, n int64) {
 	start := b.idx * f.bs
-	lo := (max(off, start) - start) &^ (page - 1)
-	hi := min((min(off+n, start+f.bs)-start+page-1)&^(page-1), f.size(b.idx))
-	if lo > 0 || hi < f.size(b.idx) {
-		b.lo, b.hi = lo, hi
-	}
+	b.lo = (max(off, start) - start) &^ (page - 1)
+	b.hi = min((min(off+n, start+f.bs)-start+page-1)&^(page-1), f.size(b.idx))
 }
 
-// orphan takes block b out of the map (a read needs bytes it does not
-// hold): readers holding it keep it until they release it, a load in
-// flight completes it for them, and its buffer is recycled after.
-func (f *File) orphan(b *block) {
+// evict takes block b out of the cache: the least recently used (shrink),
+// or a partial block that lacks bytes a read needs. Readers holding it
+// keep it until they release it, a load in flight completes it for them,
+// and its buffer is recycled after.
+func (f *File) evict(b *block) {
 	if f.blocks[b.idx] == b {
 		delete(f.blocks, b.idx)
 	}
@@ -498,13 +496,7 @@ func (f *File) room() bool {
 // recycled once no reader holds it.
 func (f *File) shrink(limit int) {
 	for len(f.blocks) > limit && f.lru.prev != &f.lru {
-		v := f.lru.prev
-		f.unlink(v)
-		delete(f.blocks, v.idx)
-		v.evicted = true
-		if v.refs == 0 {
-			f.recycle(v)
-		}
+		f.evict(f.lru.prev)
 	}
 }
 
@@ -588,7 +580,7 @@ func (f *File) follow(off, end int64) (ahead [][2]int64, random bool) {
 	for i := from / f.bs; i <= (target-1)/f.bs; i++ {
 		b := f.blocks[i]
 		// Not started (hi 0): the reader's own, which start makes whole.
-		if b != nil && (b.hi == 0 || b.lo == 0 && b.hi == f.size(i)) {
+		if b != nil && (b.hi == 0 || f.covers(b, i*f.bs, f.size(i))) {
 			continue
 		}
 		if !f.room() {
@@ -598,7 +590,7 @@ func (f *File) follow(off, end int64) (ahead [][2]int64, random bool) {
 			break
 		}
 		if b != nil {
-			f.orphan(b) // partial: the stream will want all of it
+			f.evict(b) // partial: the stream will want all of it
 		}
 		f.insert(i)
 		if k := len(runs) - 1; k >= 0 && runs[k][1] == i {
@@ -879,7 +871,7 @@ func (f *File) load(x fetch, held bool) {
 		b.data, b.loaded = bufs[n], true
 		bufs[n] = nil
 		if b.evicted {
-			// Orphaned while loading: its readers get it, then it goes.
+			// Evicted while loading: its readers get it, then it goes.
 			if b.refs == 0 {
 				f.recycle(b)
 			}

@@ -3,6 +3,7 @@ package remote
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand"
 	"sync"
 	"testing"
@@ -163,17 +164,7 @@ func TestPartialBlocksRacingWholeReads(t *testing.T) {
 		}(int64(g))
 	}
 	wg.Wait()
-	f.wg.Wait()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	for i, b := range f.blocks {
-		if b.refs != 0 || !b.loaded {
-			t.Fatalf("block %d left with %d references, loaded %v", i, b.refs, b.loaded)
-		}
-	}
-	if len(f.blocks) > f.capacity {
-		t.Fatalf("cache holds %d blocks, capacity %d", len(f.blocks), f.capacity)
-	}
+	rvwCheckCache(t, f, m.data)
 }
 
 // The same random reads again are all served from the cache (the warm
@@ -209,5 +200,45 @@ func TestSecondPassOfRandomReadsHitsTheCache(t *testing.T) {
 		if got := m.gets.Load() - before; pass == 1 && got != 0 {
 			t.Fatalf("second pass: %d requests", got)
 		}
+	}
+}
+
+// A partial block evicted while its GET is in flight (a read of another
+// page of the block replaces it) completes for its reader, stays out of
+// the cache, and its buffer goes back once: the cache then holds the
+// replacement alone, in the map and the LRU.
+func TestPartialBlockEvictedWhileLoading(t *testing.T) {
+	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 30 * time.Millisecond}
+	f := openMem(t, m, Options{})
+	base := int64(5 * DefaultBlockSize)
+	first := make(chan error, 1)
+	go func() {
+		p := make([]byte, 100)
+		_, err := f.ReadAt(context.Background(), p, base)
+		if err == nil && !bytes.Equal(p, m.data[base:base+100]) {
+			err = errors.New("wrong bytes")
+		}
+		first <- err
+	}()
+	time.Sleep(10 * time.Millisecond)
+	p := make([]byte, 100)
+	if _, err := f.ReadAt(context.Background(), p, base+2*page); err != nil || !bytes.Equal(p, m.data[base+2*page:base+2*page+100]) {
+		t.Fatalf("the read that replaced the loading block: %v, or wrong bytes", err)
+	}
+	if err := <-first; err != nil {
+		t.Fatalf("the evicted block's reader: %v", err)
+	}
+	rvwCheckCache(t, f, m.data)
+	m.mu.Lock()
+	asked := append([][2]int64(nil), m.asked...)
+	m.mu.Unlock()
+	if len(asked) != 2 || asked[0] != [2]int64{base, page} || asked[1] != [2]int64{base, DefaultBlockSize} {
+		t.Fatalf("requests %v, want the page, then the block", asked)
+	}
+	f.mu.Lock()
+	held := len(f.blocks)
+	f.mu.Unlock()
+	if held != 1 {
+		t.Fatalf("the cache holds %d blocks, want the replacement alone", held)
 	}
 }

@@ -21,10 +21,12 @@ import (
 )
 
 // rvwCheckCache checks the cache's invariants once no loan or read is
-// out: no block referenced, the map within the capacity, every loaded
-// block holding the object's bytes, and no buffer in two places (two
-// blocks, or a block and the free list: a buffer recycled twice, or
-// recycled while a block still used it).
+// out: every entry loaded, unreferenced and in the LRU (and the LRU's
+// blocks those of the map), the map within the capacity, every block
+// holding the object's bytes in the range it holds (all of it but for a
+// partial block), and no buffer in two places (two blocks, or a block
+// and the free list: a buffer recycled twice, or recycled while a block
+// still used it).
 func rvwCheckCache(t *testing.T, f *File, data []byte) {
 	t.Helper()
 	// The readahead in flight first: the callers start no fetch
@@ -32,21 +34,27 @@ func rvwCheckCache(t *testing.T, f *File, data []byte) {
 	f.wg.Wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	inLRU := map[*block]bool{}
+	for v := f.lru.next; v != &f.lru; v = v.next {
+		if inLRU[v] || f.blocks[v.idx] != v {
+			t.Errorf("block %d in the LRU twice, or not (this one) in the map (evicted %v)", v.idx, v.evicted)
+		}
+		inLRU[v] = true
+	}
+	if len(inLRU) != len(f.blocks) {
+		t.Errorf("the LRU holds %d blocks, the map %d", len(inLRU), len(f.blocks))
+	}
 	owner := map[*byte]int64{}
 	for i, b := range f.blocks {
-		if b.refs != 0 {
-			t.Errorf("block %d still referenced (%d) with no loan or read out", i, b.refs)
-		}
-		if b.evicted {
-			t.Errorf("block %d in the map is marked evicted", i)
-		}
-		if !b.loaded {
+		if b.refs != 0 || !b.loaded || b.evicted || b.idx != i {
+			t.Errorf("block %d: %d references, loaded %v, evicted %v, index %d, with nothing in flight", i, b.refs, b.loaded, b.evicted, b.idx)
 			continue
 		}
 		start := i * f.bs
-		end := min(start+f.bs, int64(len(data)))
-		if !bytes.Equal(b.data, data[start:end]) {
-			t.Errorf("block %d (%d bytes) does not hold the object's bytes [%d, %d)", i, len(b.data), start, end)
+		if b.lo < 0 || b.lo > b.hi || b.hi > f.size(i) || int64(len(b.data)) != f.size(i) {
+			t.Errorf("block %d holds [%d, %d) of %d bytes (%d)", i, b.lo, b.hi, f.size(i), len(b.data))
+		} else if !bytes.Equal(b.data[b.lo:b.hi], data[start+b.lo:start+b.hi]) {
+			t.Errorf("block %d does not hold the object's bytes [%d, %d)", i, start+b.lo, start+b.hi)
 		}
 		p := unsafe.SliceData(b.data[:cap(b.data)])
 		if j, dup := owner[p]; dup {
