@@ -177,6 +177,7 @@ func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Co
 	s.hand.Done()
 	if state.CompareAndSwap(0, 1) {
 		t.Stop()
+		q.awaitNext = true
 		return
 	}
 	q.over = true

@@ -256,3 +256,56 @@ func interruptStalledRead(t *testing.T, grace time.Duration) (st *stallServer, r
 	send(st.k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 11}, Unique: 10})
 	return st, release, began
 }
+
+// After a lone read of an image that may stall, the loop spins up to
+// awaitNextSpin for the next request before it sleeps in read(2): a
+// request there already is seen at once, none is given up on after the
+// spin, and --poll-us (whose read polls itself) skips it.
+func TestAwaitNextRequest(t *testing.T) {
+	img, _ := null.New("stall", 1<<20, true)
+	st := serveStall(t, stallImage{Image: img, release: make(chan struct{})})
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	q := &queue{fd: fds[0]}
+	start := time.Now()
+	if st.s.awaitNextRequest(q) {
+		t.Fatal("nothing sent, yet a request was seen")
+	}
+	if d := time.Since(start); d < awaitNextSpin {
+		t.Fatalf("gave up after %v, before the %v spin", d, awaitNextSpin)
+	}
+	if _, err := unix.Write(fds[1], []byte("request")); err != nil {
+		t.Fatal(err)
+	}
+	if !st.s.awaitNextRequest(q) {
+		t.Fatal("a request waiting was not seen")
+	}
+	s := &server{pollFor: time.Millisecond}
+	if s.awaitNextRequest(q) {
+		t.Fatal("with --poll-us the loop's read polls; the spin should not run")
+	}
+}
+
+// Lone reads one after another, each sent as the last is answered (what
+// a reader at queue depth 1 does) or after the loop's spin for it has
+// ended: each is answered once, in order, with its bytes.
+func TestLoneReadsInARowWithTheLoopSpinning(t *testing.T) {
+	img, _ := null.New("stall", 1<<20, true)
+	st := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: func() time.Duration { return 50 * time.Microsecond }})
+	k := st.k
+	for u := uint64(1); u <= 300; u++ {
+		if u%10 == 0 {
+			time.Sleep(2 * time.Millisecond) // past the spin: the loop sleeps in read(2)
+		}
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * (u%200 + 1), Size: 4096})
+		h, body, ok := k.replyBody(2000)
+		if !ok || h.Unique != u || h.Status != 0 || len(body) != 4096 {
+			t.Fatalf("read %d: reply %+v with %d bytes (%v)", u, h, len(body), ok)
+		}
+	}
+	st.stop(t)
+}

@@ -83,8 +83,11 @@ type File struct {
 	// started it (others may wait on it), not the file.
 	ctx    context.Context
 	cancel context.CancelFunc
-	wg     sync.WaitGroup // fetches started and not complete
-	jobs   chan fetch     // to an idle fetching goroutine (spawn)
+	// loneCtx is ctx marked Lone: the context of a lone reader's own GET
+	// (load with held), made once rather than a value a GET.
+	loneCtx context.Context
+	wg      sync.WaitGroup // fetches started and not complete
+	jobs    chan fetch     // to an idle fetching goroutine (spawn)
 	// bounce buffers for one GET each, maxGet bytes, for a backend that
 	// does not read vectors.
 	bounce  sync.Pool
@@ -169,6 +172,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 	f.window = min(maxWindow, max(o.CacheSize/4, initWindow))
 	f.bounce.New = func() any { b := make([]byte, maxGet); return &b }
 	f.ctx, f.cancel = context.WithCancel(context.Background())
+	f.loneCtx = Lone(f.ctx)
 	obj, err := f.stat(ctx)
 	if err != nil {
 		f.cancel()
@@ -840,7 +844,13 @@ func (f *File) load(x fetch, held bool) {
 			vec = [][]byte{bufs[0][roff-off : rend-off]}
 		}
 		f.gets.Add(1)
-		err = f.retry(f.ctx, f.deadline(asked), func(ctx context.Context) error {
+		// held: the reader's own GET, made on its goroutine because nothing
+		// else is in flight (loaded); the backend may spin on its reply.
+		base := f.ctx
+		if held {
+			base = f.loneCtx
+		}
+		err = f.retry(base, f.deadline(asked), func(ctx context.Context) error {
 			return f.readv(ctx, vec, roff)
 		})
 		if err == nil {
