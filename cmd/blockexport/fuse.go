@@ -327,7 +327,8 @@ func (f *fuseFlags) kernelCacheFor(image, format string) bool {
 // three sets of 6-8 alternating runs: random 4 KiB at queue depth 16
 // 1.03-1.14×, at queue depth 1 1.00-1.06×, sequential 1 MiB within the
 // noise (0.95-0.99×); 3 Ps gave 1.06× at queue depth 16. NBD sources,
-// whose loop waits on their sockets itself, keep the default.
+// whose loop waits on their sockets itself, keep the default. (Set so,
+// the Ps no longer follow a container's CPU limit as it changes.)
 func moreProcsForRemote(logger *slog.Logger) {
 	if os.Getenv("GOMAXPROCS") != "" {
 		return

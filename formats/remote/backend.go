@@ -67,9 +67,11 @@ type VectorBackend interface {
 // loneKey marks a context as a lone reader's (Lone).
 type loneKey struct{}
 
-// Lone marks ctx as the context of a lone reader's GET: nothing else is
-// in flight, and the reader waits for this reply alone. A backend may then
-// spin briefly on the reply instead of sleeping in the poller.
+// Lone marks ctx as the context of a reader's own GET, made on the
+// reader's goroutine: a reader that cannot give up (a FUSE loop's lone
+// request; readahead GETs it started may run beside it) and waits for
+// this reply before anything else. A backend may then spin briefly on the
+// reply instead of sleeping in the poller.
 func Lone(ctx context.Context) context.Context { return context.WithValue(ctx, loneKey{}, true) }
 
 // IsLone says whether ctx came from Lone.
