@@ -34,9 +34,11 @@ func TestSpinrevConnectionEndsDuringTheSpin(t *testing.T) {
 	}
 }
 
-// The next request arrives at every point of the spin (and past it),
-// lone reads alternating with GETATTR (answered inline, no runStalling)
-// and reads that a stand-in takes over: each answered once, in order.
+// The next request arrives at every point of the spin and past it (one
+// in ten 2 ms later, the loop asleep in read(2)), as a reader at queue
+// depth 1 sends it; lone reads alternating with GETATTR (answered
+// inline, no runStalling) and reads that a stand-in takes over: each
+// answered once, in order, with its bytes.
 func TestSpinrevRequestsAcrossTheSpin(t *testing.T) {
 	img, _ := null.New("stall", 64<<20, true)
 	var n atomic.Int64
@@ -59,7 +61,9 @@ func TestSpinrevRequestsAcrossTheSpin(t *testing.T) {
 		}
 	}()
 	for u := uint64(1); u <= 300; u++ {
-		if gap := time.Duration(u%12) * 4 * time.Microsecond; gap > 0 {
+		if u%10 == 0 {
+			time.Sleep(2 * time.Millisecond)
+		} else if gap := time.Duration(u%12) * 4 * time.Microsecond; gap > 0 {
 			for start := time.Now(); time.Since(start) < gap; {
 			}
 		}

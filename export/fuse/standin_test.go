@@ -289,23 +289,3 @@ func TestAwaitNextRequest(t *testing.T) {
 		t.Fatal("with --poll-us the loop's read polls; the spin should not run")
 	}
 }
-
-// Lone reads one after another, each sent as the last is answered (what
-// a reader at queue depth 1 does) or after the loop's spin for it has
-// ended: each is answered once, in order, with its bytes.
-func TestLoneReadsInARowWithTheLoopSpinning(t *testing.T) {
-	img, _ := null.New("stall", 1<<20, true)
-	st := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: func() time.Duration { return 50 * time.Microsecond }})
-	k := st.k
-	for u := uint64(1); u <= 300; u++ {
-		if u%10 == 0 {
-			time.Sleep(2 * time.Millisecond) // past the spin: the loop sleeps in read(2)
-		}
-		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * (u%200 + 1), Size: 4096})
-		h, body, ok := k.replyBody(2000)
-		if !ok || h.Unique != u || h.Status != 0 || len(body) != 4096 {
-			t.Fatalf("read %d: reply %+v with %d bytes (%v)", u, h, len(body), ok)
-		}
-	}
-	st.stop(t)
-}

@@ -639,7 +639,7 @@ func (f *File) start(runs [][2]int64, own, inline bool) (mine *fetch) {
 				// on a loaded machine readahead queued meanwhile went
 				// first (a random read behind four readahead GETs, 477 ms, in a
 				// full test run beside other -race tests).
-				x.queued, x.ch = true, f.conns.get(true)
+				x.ch = f.conns.get(true)
 			}
 			f.spawn(x)
 		}
@@ -653,10 +653,9 @@ type fetch struct {
 	i, j  int64
 	asked time.Time
 	own   bool
-	// queued: start asked for the connection already (a reader's own
-	// fetch), and ch is where it is handed over (nil: it was free).
-	queued bool
-	ch     chan struct{}
+	// ch is where a reader's own fetch (own) gets its connection: start
+	// asked for it already (nil: it was free). Readahead asks in slot.
+	ch chan struct{}
 }
 
 // workerIdle is how long a fetching goroutine waits for the next fetch
@@ -779,9 +778,9 @@ func (s *slots) put() {
 
 // slot takes a connection, or fails at the fetch's deadline or Close.
 func (f *File) slot(x fetch) error {
-	asked, own, ch := x.asked, x.own, x.ch
-	if !x.queued {
-		ch = f.conns.get(own)
+	asked, ch := x.asked, x.ch
+	if !x.own {
+		ch = f.conns.get(false)
 	}
 	if ch == nil {
 		return nil
@@ -804,7 +803,7 @@ func (f *File) slot(x fetch) error {
 				continue // fails unless a request succeeded meanwhile (deadline moved)
 			}
 		}
-		if !f.conns.drop(ch, own) {
+		if !f.conns.drop(ch, x.own) {
 			f.conns.put() // handed over as it gave up
 		}
 		return err

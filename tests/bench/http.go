@@ -199,9 +199,14 @@ func benchHTTP(dir, bin string) []row {
 			}
 			// The same I/Os twice (fio repeats its random offsets): the
 			// first pass is cold, the second finds what a cache kept.
-			c = httpFio(j.job, file, j.size, j.ios, 1, cmds, e.mount(mnt), e.s.key()+" cold")
+			once := []string{"--size=" + j.size, "--number_ios=" + strconv.Itoa(j.ios)}
+			again := once
+			if j.warmLoops > 1 {
+				again = []string{"--size=" + j.size, "--loops=" + strconv.Itoa(j.warmLoops)}
+			}
+			c = httpFio(j.job, file, cmds, e.mount(mnt), e.s.key()+" cold", once...)
 			if c != 0 && e.only != "cold" {
-				w = httpFio(j.job, file, j.size, j.ios, j.warmLoops, cmds, e.mount(mnt), e.s.key()+" warm")
+				w = httpFio(j.job, file, cmds, e.mount(mnt), e.s.key()+" warm", again...)
 			}
 			for k := len(cmds) - 1; k >= 0; k-- {
 				stop(cmds[k], e.mount(mnt))
@@ -389,23 +394,17 @@ func rotateHTTP(e []httpExporter, i int) []httpExporter {
 	return append(append([]httpExporter(nil), e[k:]...), e[:k]...)
 }
 
-// httpFio runs one counted fio job; when it makes no progress within
+// httpFio runs one fio job (fioArgs: how much it reads); when it makes no progress within
 // httpNoProgress the exporter's processes are killed (fio's requests then
 // fail) and the run counts as failed.
-func httpFio(job fioJob, file, size string, ios, loops int, cmds []*exec.Cmd, mnt, what string) float64 {
+func httpFio(job fioJob, file string, cmds []*exec.Cmd, mnt, what string, fioArgs ...string) float64 {
 	type result struct {
 		v   float64
 		err error
 	}
 	done := make(chan result, 1)
 	go func() {
-		var v float64
-		var err error
-		if loops > 1 {
-			v, err = fioRun(job, file, "--size="+size, "--loops="+strconv.Itoa(loops))
-		} else {
-			v, err = fioCount(job, file, size, ios)
-		}
+		v, err := fioRun(job, file, fioArgs...)
 		done <- result{v, err}
 	}()
 	select {

@@ -54,11 +54,12 @@ type pconn struct {
 	nc  net.Conn
 	br  *bufio.Reader
 	req []byte // the request being written
-	// raw reads a plain TCP connection with readv (nil for TLS); sock
-	// is the TCP socket under either.
-	raw, sock syscall.RawConn
-	iovs      []unix.Iovec
-	rest      [][]byte
+	// sock is the TCP socket under the connection; plain: no TLS over
+	// it, so fill reads a body straight from it with readv.
+	sock  syscall.RawConn
+	plain bool
+	iovs  []unix.Iovec
+	rest  [][]byte
 	// spin is how long a read of the reply tries again, on finding
 	// nothing yet, before it sleeps in the poller: replySpin for a lone
 	// reader's GET, else 0.
@@ -83,7 +84,7 @@ type spinConn struct {
 }
 
 func (c spinConn) Read(p []byte) (int, error) {
-	if c.pc.spin <= 0 || c.pc.sock == nil || len(p) == 0 {
+	if c.pc.spin <= 0 || len(p) == 0 {
 		return c.TCPConn.Read(p)
 	}
 	var n int
@@ -173,7 +174,7 @@ func (pc *pconn) fill(bufs [][]byte) (int, error) {
 			bufs = bufs[1:]
 		}
 	}
-	if pc.raw == nil {
+	if !pc.plain {
 		for _, d := range bufs {
 			k, err := io.ReadFull(pc.br, d)
 			got += k
@@ -316,7 +317,7 @@ func (c *fastClient) get(ctx context.Context) (pc *pconn, reused bool, err error
 		}
 		nc = tc
 	} else {
-		pc.raw = pc.sock
+		pc.plain = pc.sock != nil
 	}
 	pc.nc, pc.br = nc, bufio.NewReaderSize(nc, 16<<10)
 	return pc, false, nil

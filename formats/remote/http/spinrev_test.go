@@ -52,20 +52,30 @@ func spinrevGuard(t *testing.T, d time.Duration) {
 }
 
 // spinrevServer answers range GETs on hijacked connections, keeping them
-// alive, as mode says for each request's offset.
+// alive, as mode says for each request's offset; a nil mode looks the
+// offset up in modes (a string each), "whole" where it is not there.
 type spinrevServer struct {
-	data []byte
-	srv  *httptest.Server
-	b    *Backend
-	obj  remote.Object
-	mode func(off int64) string
-	stop chan struct{}
-	reqs atomic.Int64
+	data  []byte
+	srv   *httptest.Server
+	b     *Backend
+	obj   remote.Object
+	mode  func(off int64) string
+	modes sync.Map
+	stop  chan struct{}
+	reqs  atomic.Int64
 }
 
 func newSpinrevServer(t *testing.T, tlsOn bool, size int, mode func(off int64) string) *spinrevServer {
 	t.Helper()
 	s := &spinrevServer{data: make([]byte, size), mode: mode, stop: make(chan struct{})}
+	if mode == nil {
+		s.mode = func(off int64) string {
+			if m, ok := s.modes.Load(off); ok {
+				return m.(string)
+			}
+			return "whole"
+		}
+	}
 	rand.New(rand.NewSource(int64(size))).Read(s.data)
 	h := nethttp.HandlerFunc(func(w nethttp.ResponseWriter, r *nethttp.Request) {
 		c, buf, err := w.(nethttp.Hijacker).Hijack()
@@ -194,6 +204,25 @@ func (s *spinrevServer) answer(c net.Conn, buf *bufio.ReadWriter, r *nethttp.Req
 		}
 		buf.WriteString("0\r\n\r\n")
 		return buf.Flush() == nil
+	case "trickle": // the head after any spin, the body in three pieces 2 ms apart
+		time.Sleep(3 * time.Millisecond)
+		buf.WriteString(head + "Content-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n")
+		if buf.Flush() != nil {
+			return false
+		}
+		for k := 0; k < 3; k++ {
+			time.Sleep(2 * time.Millisecond)
+			buf.Write(body[k*len(body)/3 : (k+1)*len(body)/3])
+			if buf.Flush() != nil {
+				return false
+			}
+		}
+		return true
+	case "cut": // half the body, then the end of the stream
+		buf.WriteString(head + "Content-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n")
+		buf.Write(body[:len(body)/2])
+		buf.Flush()
+		return false
 	case "silent": // nothing at all
 		return hang()
 	case "half-head":
@@ -274,14 +303,7 @@ func TestSpinrevPiecewiseReplies(t *testing.T) {
 	spinrevGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		var modes sync.Map
-		s := newSpinrevServer(t, tlsOn, size, func(off int64) string {
-			m, _ := modes.Load(off)
-			if m == nil {
-				return "whole"
-			}
-			return m.(string)
-		})
+		s := newSpinrevServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		plain := context.Background()
 		sizes := []int64{1, 2, 4095, 4096, 16<<10 - 1, 16 << 10, 16<<10 + 1, 70001, 300000}
@@ -294,7 +316,7 @@ func TestSpinrevPiecewiseReplies(t *testing.T) {
 					continue
 				}
 				off := int64(k*40961+len(mode)*13) % (size - n)
-				modes.Store(off, mode)
+				s.modes.Store(off, mode)
 				for i, ctx := range []context.Context{lone, plain, lone} {
 					ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 					err := s.read(ctx, off, n)
@@ -303,7 +325,7 @@ func TestSpinrevPiecewiseReplies(t *testing.T) {
 						t.Fatalf("%s %d bytes at %d (read %d, lone %v): %v", mode, n, off, i, remote.IsLone(ctx), err)
 					}
 				}
-				modes.Delete(off)
+				s.modes.Delete(off)
 				s.checkIdle(t)
 			}
 		}
@@ -321,20 +343,13 @@ func TestSpinrevCancelEveryPhase(t *testing.T) {
 	spinrevGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		var modes sync.Map
-		s := newSpinrevServer(t, tlsOn, size, func(off int64) string {
-			m, _ := modes.Load(off)
-			if m == nil {
-				return "whole"
-			}
-			return m.(string)
-		})
+		s := newSpinrevServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		for k, mode := range []string{"silent", "half-head", "half-body", "half-chunked"} {
 			for _, how := range []string{"deadline", "cancel"} {
 				for _, n := range []int64{4096, 200000} {
 					off := int64(k*100000+len(how)*1000) + n%7
-					modes.Store(off, mode)
+					s.modes.Store(off, mode)
 					var ctx context.Context
 					var cancel context.CancelFunc
 					if how == "deadline" {
@@ -347,7 +362,7 @@ func TestSpinrevCancelEveryPhase(t *testing.T) {
 					err := s.read(ctx, off, n)
 					took := time.Since(start)
 					cancel()
-					modes.Delete(off)
+					s.modes.Delete(off)
 					if err == nil {
 						t.Fatalf("%s, %s, %d bytes: no error", mode, how, n)
 					}
@@ -380,23 +395,16 @@ func TestSpinrevResetAndEOF(t *testing.T) {
 	spinrevGuard(t, 30*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		var modes sync.Map
-		s := newSpinrevServer(t, tlsOn, size, func(off int64) string {
-			m, _ := modes.Load(off)
-			if m == nil {
-				return "whole"
-			}
-			return m.(string)
-		})
+		s := newSpinrevServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		for k, mode := range []string{"reset-body", "eof-head"} {
 			for _, n := range []int64{4096, 100000} {
 				off := int64(k*300000) + n
-				modes.Store(off, mode)
+				s.modes.Store(off, mode)
 				ctx, cancel := context.WithTimeout(lone, 5*time.Second)
 				err := s.read(ctx, off, n)
 				cancel()
-				modes.Delete(off)
+				s.modes.Delete(off)
 				if err == nil || !errors.Is(err, remote.ErrTemporary) || strings.Contains(err.Error(), "wrong bytes") {
 					t.Fatalf("%s, %d bytes: %v; want a temporary error", mode, n, err)
 				}
@@ -491,24 +499,28 @@ func TestSpinrevSpinConnRead(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pc := &pconn{sock: raw, raw: raw, spin: replySpin}
+		pc := &pconn{sock: raw, plain: true, spin: replySpin}
 		pc.nc = spinConn{tc, pc}
 		t.Cleanup(func() { tc.Close(); peer.Close() })
 		return spinConn{tc, pc}, peer
 	}
 
+	// trickle writes want to peer a byte at a time, pausing after every
+	// every-th byte for up to maxUs µs: some reads find bytes within the
+	// spin, some sleep in the poller.
+	trickle := func(peer net.Conn, want []byte, every, maxUs int) {
+		for i := range want {
+			peer.Write(want[i : i+1])
+			if i%every == 0 {
+				time.Sleep(time.Duration(i%maxUs) * time.Microsecond)
+			}
+		}
+	}
 	t.Run("pieces", func(t *testing.T) {
 		c, peer := pair()
 		want := make([]byte, 3000)
 		rand.Read(want)
-		go func() {
-			for i := range want {
-				peer.Write(want[i : i+1])
-				if i%3 == 0 {
-					time.Sleep(time.Duration(i%90) * time.Microsecond)
-				}
-			}
-		}()
+		go trickle(peer, want, 3, 90)
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		got := make([]byte, 0, len(want))
 		p := make([]byte, 700)
@@ -530,14 +542,7 @@ func TestSpinrevSpinConnRead(t *testing.T) {
 		c, peer := pair()
 		want := make([]byte, 5000)
 		rand.Read(want)
-		go func() {
-			for i := range want {
-				peer.Write(want[i : i+1])
-				if i%5 == 0 {
-					time.Sleep(time.Duration(i%70) * time.Microsecond)
-				}
-			}
-		}()
+		go trickle(peer, want, 5, 70)
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		c.pc.br = bufio.NewReaderSize(c, 16<<10)
 		bufs := [][]byte{make([]byte, 1), make([]byte, 0), make([]byte, 999), make([]byte, 4000)}
