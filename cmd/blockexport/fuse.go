@@ -23,6 +23,7 @@ type fuseFlags struct {
 	allowOther  string
 	queues      int
 	pollUs      int
+	adaptPoll   bool
 	stats       time.Duration
 	passthrough string
 	fileName    string
@@ -56,6 +57,7 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.fileName, "file-name", "", "MOUNTPOINT is a directory: export the image as the one file NAME in it (without: MOUNTPOINT is the file)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
+	fs.BoolVar(&f.adaptPoll, "adaptive-poll", true, "with --poll-us 0: spin up to 20 microseconds for the next request while the reader seems to wait on each reply (queue depth 1), as QEMU's adaptive polling; false: always sleep")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
 	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
@@ -216,7 +218,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		stats = fuseexport.NewStats()
 	}
 	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: probe.Shown(image), Queues: f.queues,
-		PollFor: pollFor, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
+		PollFor: pollFor, NoPace: !f.adaptPoll, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
 		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
 	if err != nil {
 		return err

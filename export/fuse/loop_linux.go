@@ -39,6 +39,9 @@ type queue struct {
 	// its peer (runStalling); the loop spins a little for the next one
 	// before it sleeps (awaitNextRequest).
 	awaitNext bool
+	// pace guesses whether the queue's reader waits on each reply before
+	// it asks again (queue depth 1): see depthGuess.
+	pace depthGuess
 }
 
 // req is the request buffer as requests are read into it.
@@ -58,17 +61,22 @@ const awaitNextSpin = 20 * time.Microsecond
 
 // awaitNextRequest spins up to awaitNextSpin for a request on q's fd and
 // says whether one came.
-func (s *server) awaitNextRequest(q *queue) bool {
+func (s *server) awaitNextRequest(q *queue) bool { return s.spinForRequest(q) >= 0 }
+
+// spinForRequest spins up to awaitNextSpin for a request on q's fd: how
+// many looks found none before one came (0: one was already queued), or
+// -1 when none came.
+func (s *server) spinForRequest(q *queue) int {
 	if s.pollFor > 0 {
-		return false // the loop's read polls already (--poll-us)
+		return -1 // the loop's read polls already (--poll-us)
 	}
 	until := time.Now().Add(awaitNextSpin)
-	for {
+	for looks := 0; ; looks++ {
 		if q.queued() {
-			return true
+			return looks
 		}
 		if !time.Now().Before(until) {
-			return false
+			return -1
 		}
 	}
 }
@@ -173,6 +181,9 @@ func (s *server) run(q *queue) {
 		s.serveRequest(q, buf[:n])
 		if q.over {
 			return // a stand-in serves the queue from here on
+		}
+		if !q.awaitNext && s.paced(q) {
+			q.pace.spun(s.spinForRequest(q))
 		}
 		if served++; comp != nil && served%completionsEvery == 0 {
 			comp.ServeCompletions() // while requests keep coming

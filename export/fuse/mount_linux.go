@@ -46,6 +46,10 @@ type MountOptions struct {
 	// PollFor > 0 busy-polls each queue that long after a request before
 	// sleeping: lower latency at queue depth 1, one core kept busy.
 	PollFor time.Duration
+	// NoPace turns off the short spin for the next request of a reader
+	// that waits on each reply (see depthGuess): the loop then always
+	// sleeps in read(2) when /dev/fuse is empty.
+	NoPace bool
 	// Stats, when set, counts every request (--stats).
 	Stats *Stats
 	// Passthrough: "on" requires FUSE passthrough for read-only opens of
@@ -341,6 +345,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err := srv.setPoll(o.PollFor); err != nil {
 		return fail(err)
 	}
+	srv.pace = !o.NoPace
 	if srv.passthrough {
 		id, err := srv.registerBacking(ptFd)
 		switch {

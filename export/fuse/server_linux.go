@@ -91,6 +91,9 @@ type server struct {
 	// pollFor > 0: the queues spin on non-blocking reads that long after
 	// each request before sleeping (trading CPU for latency).
 	pollFor time.Duration
+	// pace: a queue whose reader seems to wait on each reply spins a
+	// little for its next request (depthGuess).
+	pace bool
 
 	// comp is set when the one queue reads the image's completions
 	// itself (an NBD client's replies), waiting on their sockets beside

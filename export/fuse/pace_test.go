@@ -1,0 +1,224 @@
+package fuse
+
+import (
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats/null"
+)
+
+// A queue found empty at paceEmptyToSpin samples in a row (one every
+// paceSampleEvery requests) starts the spins; the queue is asked only
+// at the samples.
+func TestDepthGuessSpinsAfterEmptySamples(t *testing.T) {
+	var g depthGuess
+	asked := 0
+	empty := func() bool { asked++; return false }
+	for i := 1; i < paceSampleEvery*paceEmptyToSpin; i++ {
+		if g.next(empty) {
+			t.Fatalf("spin after request %d, before %d empty samples", i, paceEmptyToSpin)
+		}
+	}
+	if g.next(empty) {
+		t.Fatal("the sample that starts the spins spun itself")
+	}
+	if asked != paceEmptyToSpin {
+		t.Fatalf("queue asked %d times in %d requests, want %d", asked, paceSampleEvery*paceEmptyToSpin, paceEmptyToSpin)
+	}
+	if !g.next(empty) || !g.next(empty) {
+		t.Fatal("no spin after the empty samples")
+	}
+	if asked != paceEmptyToSpin {
+		t.Fatal("a spinning queue was sampled")
+	}
+}
+
+// A queue that has a request waiting at a sample (a reader deeper than
+// one) never spins, and one such sample starts the count again.
+func TestDepthGuessNotForADeeperReader(t *testing.T) {
+	var g depthGuess
+	busy := func() bool { return true }
+	for i := 0; i < 100*paceSampleEvery; i++ {
+		if g.next(busy) {
+			t.Fatalf("spin at request %d with requests always queued", i)
+		}
+	}
+	samples := 0
+	sometimes := func() bool { samples++; return samples%paceEmptyToSpin == 0 }
+	for i := 0; i < 100*paceSampleEvery; i++ {
+		if g.next(sometimes) {
+			t.Fatalf("spin at request %d: every %dth sample found a request", i, paceEmptyToSpin)
+		}
+	}
+}
+
+func spinning(t *testing.T) depthGuess {
+	t.Helper()
+	var g depthGuess
+	for i := 0; i < paceSampleEvery*paceEmptyToSpin; i++ {
+		g.next(func() bool { return false })
+	}
+	if !g.spinning {
+		t.Fatal("not spinning after the empty samples")
+	}
+	return g
+}
+
+// Spins stop after paceBusyToStop in a row found a request already
+// there, or paceIdleToStop in a row found none; a spin that caught a
+// request between them starts both counts again.
+func TestDepthGuessStops(t *testing.T) {
+	g := spinning(t)
+	for i := 0; i < 1000; i++ {
+		g.spun(0)
+		g.spun(3) // alternating: never two at once in a row
+	}
+	if !g.spinning {
+		t.Fatal("stopped though spins kept catching requests")
+	}
+	for i := 0; i < paceBusyToStop; i++ {
+		g.spun(0)
+	}
+	if g.spinning {
+		t.Fatalf("still spinning after %d spins found a request at once", paceBusyToStop)
+	}
+
+	g = spinning(t)
+	for i := 0; i < 100; i++ {
+		for j := 0; j < paceIdleToStop-1; j++ {
+			g.spun(-1)
+		}
+		g.spun(1)
+	}
+	if !g.spinning {
+		t.Fatal("stopped though a spin in every few caught a request")
+	}
+	for i := 0; i < paceIdleToStop; i++ {
+		g.spun(-1)
+	}
+	if g.spinning {
+		t.Fatalf("still spinning after %d spins found nothing", paceIdleToStop)
+	}
+	// Stopped, it samples afresh: no spin before paceEmptyToSpin samples.
+	for i := 1; i < paceSampleEvery*paceEmptyToSpin; i++ {
+		if g.next(func() bool { return false }) {
+			t.Fatalf("spin %d requests after stopping", i)
+		}
+	}
+}
+
+// Only a /dev/fuse loop that sleeps in read(2) paces itself: not with
+// --poll-us (its read polls), not the bulk-write helper, not a queue
+// over io_uring or one that reads completions, not with pacing off.
+func TestPacedOnlyWhereTheLoopSleeps(t *testing.T) {
+	started := func(s *server, q *queue) bool {
+		for i := 0; i < 2*paceSampleEvery*paceEmptyToSpin; i++ {
+			if s.paced(q) {
+				return true
+			}
+		}
+		return false
+	}
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	if !started(&server{pace: true}, &queue{fd: fds[0]}) {
+		t.Fatal("an empty queue's loop never paced itself")
+	}
+	for name, c := range map[string]struct {
+		s *server
+		q *queue
+	}{
+		"pace off": {&server{}, &queue{fd: fds[0]}},
+		"poll-us":  {&server{pace: true, pollFor: time.Millisecond}, &queue{fd: fds[0]}},
+		"helper":   {&server{pace: true}, &queue{fd: fds[0], helper: true}},
+		"io_uring": {&server{pace: true}, &queue{fd: fds[0], ring: &uringQueue{}}},
+	} {
+		if started(c.s, c.q) {
+			t.Errorf("%s: the loop paced itself", name)
+		}
+	}
+}
+
+// spinForRequest counts the looks before a request: 0 for one already
+// there, -1 after awaitNextSpin with none.
+func TestSpinForRequestLooks(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	s, q := &server{pace: true}, &queue{fd: fds[0]}
+	start := time.Now()
+	if n := s.spinForRequest(q); n != -1 {
+		t.Fatalf("nothing sent, yet found after %d looks", n)
+	}
+	if d := time.Since(start); d < awaitNextSpin {
+		t.Fatalf("gave up after %v, before the %v spin", d, awaitNextSpin)
+	}
+	unix.Write(fds[1], []byte("request"))
+	if n := s.spinForRequest(q); n != 0 {
+		t.Fatalf("a request already there found after %d looks, want 0", n)
+	}
+}
+
+// The loop with pacing on, end to end on a fake /dev/fuse: a reader at
+// depth 1 (its next request right after each reply) and one at depth 16
+// get every reply right, and the loop ends when the kernel's side goes
+// away, even mid-spin. At depth 16 every sample finds requests queued,
+// so the loop never starts spinning.
+func TestPacedLoopAnswersEveryDepth(t *testing.T) {
+	for _, depth := range []int{1, 16} {
+		img, _ := null.New("null", 1<<20, true)
+		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := newServer(New(img, Options{}), fds[0])
+		s.pace = true
+		q := &queue{fd: fds[0], to: replyTo{fd: fds[0]}, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+		ended := make(chan struct{})
+		s.loops.Add(1)
+		go func() { s.run(q); close(ended) }()
+		k := kernelSide{t, fds[1]}
+		next := uint64(1)
+		ask := func() {
+			send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: next, NodeId: 1}, Offset: (next % 256) * 4096, Size: 4096})
+			next++
+		}
+		for i := 0; i < depth; i++ {
+			ask()
+		}
+		const requests = 2000
+		for got := 0; got < requests; got++ {
+			h, body, ok := k.replyBody(5000)
+			if !ok {
+				t.Fatalf("depth %d: no reply %d within 5 s", depth, got+1)
+			}
+			if h.Status != 0 || len(body) != 4096 {
+				t.Fatalf("depth %d: reply %d: error %d, %d bytes", depth, h.Unique, h.Status, len(body))
+			}
+			if next <= requests {
+				ask()
+			}
+		}
+		unix.Close(fds[1]) // mid-spin or asleep, the loop reads the end
+		select {
+		case <-ended:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("depth %d: the loop did not end after the kernel's side closed", depth)
+		}
+		if depth == 16 && q.pace.spinning {
+			t.Error("depth 16: the loop spins though its samples found requests queued")
+		}
+		unix.Close(fds[0])
+	}
+}
