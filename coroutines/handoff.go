@@ -57,6 +57,9 @@ func (h *Handoff) Lone(queued func() bool) bool {
 	return h.n.Load() == 0 && !queued()
 }
 
+// Busy says whether a request is in flight in a goroutine.
+func (h *Handoff) Busy() bool { return h.n.Load() != 0 }
+
 // Start counts a request that a goroutine is about to finish; the
 // goroutine calls Done when it has. The caller has given the request a
 // buffer of its own. (Start and Done rather than a Go(fn): that would cost

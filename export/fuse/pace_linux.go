@@ -1,9 +1,11 @@
 package fuse
 
 // paced says whether the loop of q, having answered a request, asks
-// /dev/fuse a while for the next one before it sleeps in read(2).
+// /dev/fuse a while for the next one before it sleeps in read(2). Not
+// while a request is in flight in a goroutine: that one needs the CPU
+// (its peer's reply, its I/O's completion) more than the loop does.
 func (s *server) paced(q *queue) bool {
-	if !s.pace || s.pollFor > 0 || s.comp != nil || q.helper || q.ring != nil {
+	if !s.pace || s.pollFor > 0 || s.comp != nil || q.helper || q.ring != nil || s.hand.Busy() {
 		return false
 	}
 	return q.pace.next(q.queued)

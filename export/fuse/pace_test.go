@@ -1,6 +1,7 @@
 package fuse
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -113,7 +114,8 @@ func TestDepthGuessStops(t *testing.T) {
 
 // Only a /dev/fuse loop that sleeps in read(2) paces itself: not with
 // --poll-us (its read polls), not the bulk-write helper, not a queue
-// over io_uring or one that reads completions, not with pacing off.
+// over io_uring, not with pacing off, and not while a request is in
+// flight in a goroutine.
 func TestPacedOnlyWhereTheLoopSleeps(t *testing.T) {
 	started := func(s *server, q *queue) bool {
 		for i := 0; i < 2*paceSampleEvery*paceEmptyToSpin; i++ {
@@ -129,17 +131,22 @@ func TestPacedOnlyWhereTheLoopSleeps(t *testing.T) {
 	}
 	defer unix.Close(fds[0])
 	defer unix.Close(fds[1])
-	if !started(&server{pace: true}, &queue{fd: fds[0]}) {
+	hand := coroutines.NewHandoff(context.Background())
+	if !started(&server{pace: true, hand: hand}, &queue{fd: fds[0]}) {
 		t.Fatal("an empty queue's loop never paced itself")
 	}
+	busy := coroutines.NewHandoff(context.Background())
+	busy.Start()
+	defer busy.Done()
 	for name, c := range map[string]struct {
 		s *server
 		q *queue
 	}{
-		"pace off": {&server{}, &queue{fd: fds[0]}},
-		"poll-us":  {&server{pace: true, pollFor: time.Millisecond}, &queue{fd: fds[0]}},
-		"helper":   {&server{pace: true}, &queue{fd: fds[0], helper: true}},
-		"io_uring": {&server{pace: true}, &queue{fd: fds[0], ring: &uringQueue{}}},
+		"pace off":            {&server{hand: hand}, &queue{fd: fds[0]}},
+		"poll-us":             {&server{pace: true, hand: hand, pollFor: time.Millisecond}, &queue{fd: fds[0]}},
+		"helper":              {&server{pace: true, hand: hand}, &queue{fd: fds[0], helper: true}},
+		"io_uring":            {&server{pace: true, hand: hand}, &queue{fd: fds[0], ring: &uringQueue{}}},
+		"a request in flight": {&server{pace: true, hand: busy}, &queue{fd: fds[0]}},
 	} {
 		if started(c.s, c.q) {
 			t.Errorf("%s: the loop paced itself", name)
