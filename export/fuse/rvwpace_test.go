@@ -1,0 +1,299 @@
+package fuse
+
+// Review attacks on the loop's pacing (depthGuess, paced, the spin after
+// each request in run): several loops on one input queue, the connection
+// ending at every point of a spin, idle CPU once the requests stop, the
+// stand-in loop of an image that may stall with pacing on, INTERRUPTs and
+// FORGETs (no reply) between requests, and a real /dev/fuse mount.
+
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/coroutines"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/null"
+)
+
+// rvwpaceLoop runs a paced loop of s on fd, already spinning when spin
+// is set; ended is closed when it returns.
+func rvwpaceLoop(s *server, fd int, spin bool) (q *queue, ended chan struct{}) {
+	q = &queue{fd: fd, to: replyTo{fd: fd}, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+	if spin {
+		q.pace = depthGuess{spinning: true}
+	}
+	ended = make(chan struct{})
+	s.loops.Add(1)
+	go func() { s.run(q); close(ended) }()
+	return q, ended
+}
+
+func rvwpaceBusyWait(d time.Duration) {
+	for start := time.Now(); time.Since(start) < d; {
+	}
+}
+
+func rvwpaceCPU(t *testing.T) time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// Two paced loops read one fake /dev/fuse (as cloned queues share the
+// connection's input queue: a request one loop's spin saw may be read by
+// the other). A reader at depth 1 with think times across the spin, and
+// beyond it, mixing reads, GETATTRs, FORGETs and INTERRUPTs for requests
+// that are not running (neither answered): every answerable request is
+// answered exactly once; closing the kernel's side ends both loops.
+func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
+	img, _ := null.New("null", 1<<20, true)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	s := newServer(New(img, Options{}), fds[0])
+	s.pace = true
+	_, end1 := rvwpaceLoop(s, fds[0], true)
+	_, end2 := rvwpaceLoop(s, fds[0], false)
+	k := kernelSide{t, fds[1]}
+	thinks := []time.Duration{0, 0, 3 * time.Microsecond, 10 * time.Microsecond, 18 * time.Microsecond, 25 * time.Microsecond, 60 * time.Microsecond}
+	for u := uint64(1); u <= 3000; u++ {
+		if u%500 == 0 {
+			time.Sleep(2 * time.Millisecond) // both asleep in read(2)
+		} else {
+			rvwpaceBusyWait(thinks[u%uint64(len(thinks))])
+		}
+		switch u % 5 {
+		case 0:
+			send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+		case 1:
+			// No reply to either: the next reply must be the read's.
+			send(k, &fuse.ForgetIn{InHeader: fuse.InHeader{Opcode: opForget, Unique: u + 1e6, NodeId: 1}, Nlookup: 1})
+			send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: u + 2e6}, Unique: u - 1})
+			fallthrough
+		default:
+			send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * (u % 200), Size: 4096})
+		}
+		h, ok := k.reply(5000)
+		if !ok || h.Unique != u || h.Status != 0 {
+			unix.Close(fds[1])
+			t.Fatalf("request %d: reply %+v (%v)", u, h, ok)
+		}
+	}
+	if h, ok := k.reply(50); ok {
+		t.Fatalf("an extra reply %+v", h)
+	}
+	unix.Close(fds[1])
+	for i, e := range []chan struct{}{end1, end2} {
+		select {
+		case <-e:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("loop %d did not end after the kernel's side closed", i+1)
+		}
+	}
+	s.hand.Wait()
+}
+
+// The kernel's side closes at every point of a spin (the loop spinning
+// from the start): right after a reply, a few µs into the spin, at its
+// end and after it. The loop ends every time.
+func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
+	for i := 0; i < 60; i++ {
+		img, _ := null.New("null", 1<<20, true)
+		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := newServer(New(img, Options{}), fds[0])
+		s.pace = true
+		_, ended := rvwpaceLoop(s, fds[0], true)
+		k := kernelSide{t, fds[1]}
+		for u := uint64(1); u <= 3; u++ {
+			send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+			if h, ok := k.reply(2000); !ok || h.Unique != u {
+				t.Fatalf("round %d: reply %+v (%v)", i, h, ok)
+			}
+		}
+		rvwpaceBusyWait(time.Duration(i%12) * 3 * time.Microsecond)
+		if i%2 == 0 {
+			unix.Shutdown(fds[1], unix.SHUT_RDWR)
+		}
+		unix.Close(fds[1])
+		select {
+		case <-ended:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: the loop did not end", i)
+		}
+		s.hand.Wait()
+		unix.Close(fds[0])
+	}
+}
+
+// Once the requests stop, a loop that was spinning sleeps in read(2): the
+// process uses next to no CPU over 300 ms of idle (a loop that kept
+// spinning would use all of it).
+func TestRvwpaceIdleSpinsNot(t *testing.T) {
+	img, _ := null.New("null", 1<<20, true)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	s := newServer(New(img, Options{}), fds[0])
+	s.pace = true
+	q, ended := rvwpaceLoop(s, fds[0], false)
+	k := kernelSide{t, fds[1]}
+	// Depth 1 with no think time: the samples find the queue empty, so
+	// the loop starts spinning (checked below, after it ended).
+	for u := uint64(1); u <= 500; u++ {
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * (u % 200), Size: 4096})
+		if h, ok := k.reply(2000); !ok || h.Unique != u {
+			t.Fatalf("read %d: reply %+v (%v)", u, h, ok)
+		}
+	}
+	time.Sleep(10 * time.Millisecond)
+	before, wall := rvwpaceCPU(t), time.Now()
+	time.Sleep(300 * time.Millisecond)
+	used, took := rvwpaceCPU(t)-before, time.Since(wall)
+	unix.Close(fds[1])
+	select {
+	case <-ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the loop did not end")
+	}
+	if used > took/10 {
+		t.Fatalf("idle for %v, the process used %v of CPU: something spins", took, used)
+	}
+	if !q.pace.spinning {
+		t.Log("note: the loop was not spinning at the end (the guess never started)")
+	}
+	t.Logf("idle %v, CPU %v, spinning %v", took, used, q.pace.spinning)
+}
+
+// A reader that thinks longer than the spin between requests: the loop
+// stops spinning (paceIdleToStop timeouts), so over many requests its
+// spins cost far less than a spin after each.
+func TestRvwpaceThinkingReaderStopsSpins(t *testing.T) {
+	img, _ := null.New("null", 1<<20, true)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	s := newServer(New(img, Options{}), fds[0])
+	s.pace = true
+	_, ended := rvwpaceLoop(s, fds[0], true)
+	k := kernelSide{t, fds[1]}
+	const n = 720
+	before := rvwpaceCPU(t)
+	for u := uint64(1); u <= n; u++ {
+		time.Sleep(200 * time.Microsecond)
+		send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+		if h, ok := k.reply(2000); !ok || h.Unique != u {
+			t.Fatalf("request %d: reply %+v (%v)", u, h, ok)
+		}
+	}
+	used := rvwpaceCPU(t) - before
+	unix.Close(fds[1])
+	<-ended
+	// Informational: a spin after every request would add n*20 µs.
+	t.Logf("%d requests 200 µs apart: CPU %v (a spin after each would add %v)", n, used, n*awaitNextSpin)
+}
+
+// serveStallPaced is serveStall with pacing on from the loop's start.
+func serveStallPaced(t *testing.T, img formats.Image) *stallServer {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newServer(New(img, Options{}), fds[0])
+	s.pace = true
+	st := &stallServer{k: kernelSide{t, fds[1]}, kfd: fds[1], s: s, ended: make(chan struct{})}
+	s.loops.Add(1)
+	go s.loop(fds[0], false, func() {
+		if st.ends.Add(1) == 1 {
+			close(st.ended)
+		}
+	})
+	closed := false
+	st.closeKernel = func() {
+		if !closed {
+			closed = true
+			unix.Close(fds[1])
+		}
+	}
+	t.Cleanup(func() {
+		st.stop(t)
+		unix.Close(fds[0])
+	})
+	return st
+}
+
+// An image that may stall, pacing on: runs of inline GETATTRs at depth 1
+// (which start the loop's spins) between lone reads, some of which a
+// stand-in takes over (a fresh queue, its own guess), some that end in
+// time (awaitNext), and a stalled one that an INTERRUPT answers EINTR
+// while the stand-in serves paced GETATTRs beside it. Each request is
+// answered exactly once and the queue ends once. Under -race this is
+// pacing's state against the stand-in's hand-over.
+func TestRvwpaceStandInWithPacing(t *testing.T) {
+	img, _ := null.New("stall", 64<<20, true)
+	var n atomic.Int64
+	delay := func() time.Duration {
+		return standInAfter/2 + time.Duration(n.Add(1)%11)*standInAfter/10
+	}
+	release := make(chan struct{}, 1)
+	st := serveStallPaced(t, stallImage{Image: img, release: release, delay: delay})
+	st.s.pending.grace = 50 * time.Millisecond
+	k := st.k
+	u := uint64(0)
+	expect := func(what string, status int32) {
+		t.Helper()
+		h, ok := k.reply(3000)
+		if !ok || h.Unique != u || h.Status != status {
+			t.Fatalf("%s %d: reply %+v (%v), want status %d", what, u, h, ok, status)
+		}
+	}
+	for round := 0; round < 40; round++ {
+		for i := 0; i < 70; i++ {
+			u++
+			send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+			expect("GETATTR", 0)
+		}
+		u++
+		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * uint64(round+1), Size: 4096})
+		expect("read", 0)
+	}
+	// A stalled lone read, interrupted, with paced GETATTRs beside it.
+	u++
+	stalled := u
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: stalled, NodeId: 1}, Offset: 0, Size: 4096})
+	time.Sleep(10 * time.Millisecond)
+	for i := 0; i < 100; i++ {
+		u++
+		send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+		expect("GETATTR beside the stall", 0)
+	}
+	send(k, &fuse.InterruptIn{InHeader: fuse.InHeader{Opcode: opInterrupt, Unique: 1 << 40}, Unique: stalled})
+	if h, ok := k.reply(3000); !ok || h.Unique != stalled || h.Status != -int32(unix.EINTR) {
+		release <- struct{}{}
+		t.Fatalf("interrupted stalled read: reply %+v (%v)", h, ok)
+	}
+	release <- struct{}{}
+	for i := 0; i < 100; i++ {
+		u++
+		send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+		expect("GETATTR after the stall", 0)
+	}
+	if h, ok := k.reply(100); ok {
+		t.Fatalf("an extra reply %+v (the stalled read answered twice?)", h)
+	}
+	st.stop(t)
+}
