@@ -132,10 +132,6 @@ func (s *server) run(q *queue) {
 	var yield coroutines.Yielder // see there
 	for {
 		buf := q.req()
-		if q.awaitNext {
-			q.awaitNext = false
-			s.awaitNextRequest(q)
-		}
 		n, err := unix.Read(fd, buf)
 		switch {
 		case err == nil:
@@ -182,7 +178,14 @@ func (s *server) run(q *queue) {
 		if q.over {
 			return // a stand-in serves the queue from here on
 		}
-		if !q.awaitNext && s.paced(q) {
+		// Before the loop may sleep in read(2): a lone request of an
+		// image that may stall spins for the next one once; any other,
+		// while the reader seems to wait on each reply (depthGuess).
+		switch {
+		case q.awaitNext:
+			q.awaitNext = false
+			s.awaitNextRequest(q)
+		case s.paced(q):
 			q.pace.spun(s.spinForRequest(q))
 		}
 		if served++; comp != nil && served%completionsEvery == 0 {

@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -177,6 +178,63 @@ func TestSpinForRequestLooks(t *testing.T) {
 	}
 }
 
+// pacedFake is a server of a null image with pacing on, on a fake
+// /dev/fuse (kernelSide); loops start on it with loop. Closing the
+// kernel's side ends them; the test's cleanup does so too (on a failure
+// as well) and waits for every loop before closing the server's end.
+type pacedFake struct {
+	s     *server
+	k     kernelSide
+	fd    int // the server's end
+	close func()
+}
+
+func newPacedFake(t *testing.T) *pacedFake {
+	img, _ := null.New("null", 1<<20, true)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newServer(New(img, Options{}), fds[0])
+	s.pace = true
+	var once sync.Once
+	f := &pacedFake{s: s, k: kernelSide{t, fds[1]}, fd: fds[0], close: func() { once.Do(func() { unix.Close(fds[1]) }) }}
+	t.Cleanup(func() {
+		f.close()
+		s.loops.Wait()
+		s.hand.Wait()
+		unix.Close(fds[0])
+	})
+	return f
+}
+
+// loop starts a loop of the fake's server, its guess already spinning
+// when spin is set; ended is closed when the loop has returned.
+func (f *pacedFake) loop(spin bool) (q *queue, ended chan struct{}) {
+	q = &queue{fd: f.fd, to: replyTo{fd: f.fd}, bp: f.s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+	if spin {
+		q.pace = depthGuess{spinning: true}
+	}
+	ended = make(chan struct{})
+	f.s.loops.Add(1)
+	go func() { f.s.run(q); close(ended) }()
+	return q, ended
+}
+
+// end closes the kernel's side and fails unless each loop of ended
+// returns within 5 s.
+func (f *pacedFake) end(t *testing.T, ended ...chan struct{}) {
+	t.Helper()
+	f.close()
+	for i, e := range ended {
+		select {
+		case <-e:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("loop %d did not end after the kernel's side closed", i+1)
+		}
+	}
+}
+
 // The loop with pacing on, end to end on a fake /dev/fuse: a reader at
 // depth 1 (its next request right after each reply) and one at depth 16
 // get every reply right, and the loop ends when the kernel's side goes
@@ -184,18 +242,9 @@ func TestSpinForRequestLooks(t *testing.T) {
 // so the loop never starts spinning.
 func TestPacedLoopAnswersEveryDepth(t *testing.T) {
 	for _, depth := range []int{1, 16} {
-		img, _ := null.New("null", 1<<20, true)
-		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s := newServer(New(img, Options{}), fds[0])
-		s.pace = true
-		q := &queue{fd: fds[0], to: replyTo{fd: fds[0]}, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
-		ended := make(chan struct{})
-		s.loops.Add(1)
-		go func() { s.run(q); close(ended) }()
-		k := kernelSide{t, fds[1]}
+		f := newPacedFake(t)
+		q, ended := f.loop(false)
+		k := f.k
 		next := uint64(1)
 		ask := func() {
 			send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: next, NodeId: 1}, Offset: (next % 256) * 4096, Size: 4096})
@@ -217,15 +266,9 @@ func TestPacedLoopAnswersEveryDepth(t *testing.T) {
 				ask()
 			}
 		}
-		unix.Close(fds[1]) // mid-spin or asleep, the loop reads the end
-		select {
-		case <-ended:
-		case <-time.After(5 * time.Second):
-			t.Fatalf("depth %d: the loop did not end after the kernel's side closed", depth)
-		}
+		f.end(t, ended) // mid-spin or asleep, the loop reads the end
 		if depth == 16 && q.pace.spinning {
 			t.Error("depth 16: the loop spins though its samples found requests queued")
 		}
-		unix.Close(fds[0])
 	}
 }

@@ -4,7 +4,7 @@ package fuse
 // each request in run): several loops on one input queue, the connection
 // ending at every point of a spin, idle CPU once the requests stop, the
 // stand-in loop of an image that may stall with pacing on, INTERRUPTs and
-// FORGETs (no reply) between requests, and a real /dev/fuse mount.
+// FORGETs (no reply) between requests.
 
 import (
 	"sync/atomic"
@@ -14,23 +14,8 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/coroutines"
-	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/null"
 )
-
-// rvwpaceLoop runs a paced loop of s on fd, already spinning when spin
-// is set; ended is closed when it returns.
-func rvwpaceLoop(s *server, fd int, spin bool) (q *queue, ended chan struct{}) {
-	q = &queue{fd: fd, to: replyTo{fd: fd}, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
-	if spin {
-		q.pace = depthGuess{spinning: true}
-	}
-	ended = make(chan struct{})
-	s.loops.Add(1)
-	go func() { s.run(q); close(ended) }()
-	return q, ended
-}
 
 func rvwpaceBusyWait(d time.Duration) {
 	for start := time.Now(); time.Since(start) < d; {
@@ -52,17 +37,10 @@ func rvwpaceCPU(t *testing.T) time.Duration {
 // that are not running (neither answered): every answerable request is
 // answered exactly once; closing the kernel's side ends both loops.
 func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
-	img, _ := null.New("null", 1<<20, true)
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fds[0])
-	s := newServer(New(img, Options{}), fds[0])
-	s.pace = true
-	_, end1 := rvwpaceLoop(s, fds[0], true)
-	_, end2 := rvwpaceLoop(s, fds[0], false)
-	k := kernelSide{t, fds[1]}
+	f := newPacedFake(t)
+	_, end1 := f.loop(true)
+	_, end2 := f.loop(false)
+	k := f.k
 	thinks := []time.Duration{0, 0, 3 * time.Microsecond, 10 * time.Microsecond, 18 * time.Microsecond, 25 * time.Microsecond, 60 * time.Microsecond}
 	for u := uint64(1); u <= 3000; u++ {
 		if u%500 == 0 {
@@ -83,22 +61,13 @@ func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
 		}
 		h, ok := k.reply(5000)
 		if !ok || h.Unique != u || h.Status != 0 {
-			unix.Close(fds[1])
 			t.Fatalf("request %d: reply %+v (%v)", u, h, ok)
 		}
 	}
 	if h, ok := k.reply(50); ok {
 		t.Fatalf("an extra reply %+v", h)
 	}
-	unix.Close(fds[1])
-	for i, e := range []chan struct{}{end1, end2} {
-		select {
-		case <-e:
-		case <-time.After(5 * time.Second):
-			t.Fatalf("loop %d did not end after the kernel's side closed", i+1)
-		}
-	}
-	s.hand.Wait()
+	f.end(t, end1, end2)
 }
 
 // The kernel's side closes at every point of a spin (the loop spinning
@@ -106,33 +75,19 @@ func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
 // end and after it. The loop ends every time.
 func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
 	for i := 0; i < 60; i++ {
-		img, _ := null.New("null", 1<<20, true)
-		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s := newServer(New(img, Options{}), fds[0])
-		s.pace = true
-		_, ended := rvwpaceLoop(s, fds[0], true)
-		k := kernelSide{t, fds[1]}
+		f := newPacedFake(t)
+		_, ended := f.loop(true)
 		for u := uint64(1); u <= 3; u++ {
-			send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
-			if h, ok := k.reply(2000); !ok || h.Unique != u {
+			send(f.k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+			if h, ok := f.k.reply(2000); !ok || h.Unique != u {
 				t.Fatalf("round %d: reply %+v (%v)", i, h, ok)
 			}
 		}
 		rvwpaceBusyWait(time.Duration(i%12) * 3 * time.Microsecond)
 		if i%2 == 0 {
-			unix.Shutdown(fds[1], unix.SHUT_RDWR)
+			unix.Shutdown(f.k.fd, unix.SHUT_RDWR)
 		}
-		unix.Close(fds[1])
-		select {
-		case <-ended:
-		case <-time.After(5 * time.Second):
-			t.Fatalf("round %d: the loop did not end", i)
-		}
-		s.hand.Wait()
-		unix.Close(fds[0])
+		f.end(t, ended)
 	}
 }
 
@@ -140,18 +95,11 @@ func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
 // process uses next to no CPU over 300 ms of idle (a loop that kept
 // spinning would use all of it).
 func TestRvwpaceIdleSpinsNot(t *testing.T) {
-	img, _ := null.New("null", 1<<20, true)
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fds[0])
-	s := newServer(New(img, Options{}), fds[0])
-	s.pace = true
-	q, ended := rvwpaceLoop(s, fds[0], false)
-	k := kernelSide{t, fds[1]}
+	f := newPacedFake(t)
+	q, ended := f.loop(false)
+	k := f.k
 	// Depth 1 with no think time: the samples find the queue empty, so
-	// the loop starts spinning (checked below, after it ended).
+	// the loop starts spinning (logged below, after it ended).
 	for u := uint64(1); u <= 500; u++ {
 		send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: 4096 * (u % 200), Size: 4096})
 		if h, ok := k.reply(2000); !ok || h.Unique != u {
@@ -162,78 +110,32 @@ func TestRvwpaceIdleSpinsNot(t *testing.T) {
 	before, wall := rvwpaceCPU(t), time.Now()
 	time.Sleep(300 * time.Millisecond)
 	used, took := rvwpaceCPU(t)-before, time.Since(wall)
-	unix.Close(fds[1])
-	select {
-	case <-ended:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the loop did not end")
-	}
+	f.end(t, ended)
 	if used > took/10 {
 		t.Fatalf("idle for %v, the process used %v of CPU: something spins", took, used)
 	}
-	if !q.pace.spinning {
-		t.Log("note: the loop was not spinning at the end (the guess never started)")
-	}
-	t.Logf("idle %v, CPU %v, spinning %v", took, used, q.pace.spinning)
+	t.Logf("idle %v, CPU %v, spinning at the end %v", took, used, q.pace.spinning)
 }
 
-// A reader that thinks longer than the spin between requests: the loop
-// stops spinning (paceIdleToStop timeouts), so over many requests its
-// spins cost far less than a spin after each.
-func TestRvwpaceThinkingReaderStopsSpins(t *testing.T) {
-	img, _ := null.New("null", 1<<20, true)
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fds[0])
-	s := newServer(New(img, Options{}), fds[0])
-	s.pace = true
-	_, ended := rvwpaceLoop(s, fds[0], true)
-	k := kernelSide{t, fds[1]}
+// A reader that thinks longer than the spin between requests (each spin
+// times out, so the loop stops spinning after paceIdleToStop of them and
+// samples again): every request answered, in order. Its CPU is logged
+// against what a spin after every request would cost.
+func TestRvwpaceThinkingReader(t *testing.T) {
+	f := newPacedFake(t)
+	_, ended := f.loop(true)
 	const n = 720
 	before := rvwpaceCPU(t)
 	for u := uint64(1); u <= n; u++ {
 		time.Sleep(200 * time.Microsecond)
-		send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
-		if h, ok := k.reply(2000); !ok || h.Unique != u {
+		send(f.k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
+		if h, ok := f.k.reply(2000); !ok || h.Unique != u {
 			t.Fatalf("request %d: reply %+v (%v)", u, h, ok)
 		}
 	}
 	used := rvwpaceCPU(t) - before
-	unix.Close(fds[1])
-	<-ended
-	// Informational: a spin after every request would add n*20 µs.
+	f.end(t, ended)
 	t.Logf("%d requests 200 µs apart: CPU %v (a spin after each would add %v)", n, used, n*awaitNextSpin)
-}
-
-// serveStallPaced is serveStall with pacing on from the loop's start.
-func serveStallPaced(t *testing.T, img formats.Image) *stallServer {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := newServer(New(img, Options{}), fds[0])
-	s.pace = true
-	st := &stallServer{k: kernelSide{t, fds[1]}, kfd: fds[1], s: s, ended: make(chan struct{})}
-	s.loops.Add(1)
-	go s.loop(fds[0], false, func() {
-		if st.ends.Add(1) == 1 {
-			close(st.ended)
-		}
-	})
-	closed := false
-	st.closeKernel = func() {
-		if !closed {
-			closed = true
-			unix.Close(fds[1])
-		}
-	}
-	t.Cleanup(func() {
-		st.stop(t)
-		unix.Close(fds[0])
-	})
-	return st
 }
 
 // An image that may stall, pacing on: runs of inline GETATTRs at depth 1
@@ -250,7 +152,7 @@ func TestRvwpaceStandInWithPacing(t *testing.T) {
 		return standInAfter/2 + time.Duration(n.Add(1)%11)*standInAfter/10
 	}
 	release := make(chan struct{}, 1)
-	st := serveStallPaced(t, stallImage{Image: img, release: release, delay: delay})
+	st := serveStall(t, stallImage{Image: img, release: release, delay: delay}, func(s *server) { s.pace = true })
 	st.s.pending.grace = 50 * time.Millisecond
 	k := st.k
 	u := uint64(0)

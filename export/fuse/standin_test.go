@@ -54,9 +54,9 @@ type stallServer struct {
 	closeKernel func()
 }
 
-// serveStall starts a stallServer for img; the test's cleanup stops it
-// (stop).
-func serveStall(t *testing.T, img formats.Image) *stallServer {
+// serveStall starts a stallServer for img, setup run on its server
+// before the loop starts; the test's cleanup stops it (stop).
+func serveStall(t *testing.T, img formats.Image, setup ...func(*server)) *stallServer {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -64,6 +64,9 @@ func serveStall(t *testing.T, img formats.Image) *stallServer {
 	s := newServer(New(img, Options{}), fds[0])
 	if !s.stalls {
 		t.Fatal("the server does not know the image may stall")
+	}
+	for _, f := range setup {
+		f(s) // before the loop starts
 	}
 	st := &stallServer{k: kernelSide{t, fds[1]}, kfd: fds[1], s: s, ended: make(chan struct{})}
 	s.loops.Add(1)
