@@ -174,6 +174,16 @@ func TestRvwpaceStandInWithPacing(t *testing.T) {
 		expect("read", 0)
 	}
 	// A stalled lone read, interrupted, with paced GETATTRs beside it.
+	// The last read's loop, if a stand-in took its queue over, counts
+	// the read done only after its reply: until then the next read is
+	// not lone and goes to a goroutine (whose context an INTERRUPT
+	// cancels, which this image ignores), so wait for that first.
+	for deadline := time.Now().Add(2 * time.Second); st.s.hand.Busy(); {
+		if time.Now().After(deadline) {
+			t.Fatal("a read still in flight 2 s after its reply")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	u++
 	stalled := u
 	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: stalled, NodeId: 1}, Offset: 0, Size: 4096})
