@@ -20,6 +20,7 @@ type threadFile struct {
 	// readFlags are preadv2 flags for every read (RWF_DONTCACHE once
 	// drop-behind is set).
 	readFlags atomic.Int32
+	lend      pageMap // see Lender
 }
 
 func (t *threadFile) setDropBehind() bool {
@@ -70,6 +71,7 @@ func (t *threadFile) Name() string     { return t.f.Name() }
 func (t *threadFile) Backend() Backend { return Threads }
 func (t *threadFile) Close() error {
 	t.closed.Store(true)
+	t.lend.close()
 	return t.f.Close()
 }
 

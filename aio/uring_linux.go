@@ -415,6 +415,7 @@ type uringFile struct {
 	// readFlags are the rw_flags of every read (RWF_DONTCACHE once
 	// drop-behind is set).
 	readFlags atomic.Int32
+	lend      pageMap // see Lender
 }
 
 func (u *uringFile) setDropBehind() bool {
@@ -459,6 +460,7 @@ func (u *uringFile) Name() string     { return u.f.Name() }
 func (u *uringFile) Backend() Backend { return IOUring }
 
 func (u *uringFile) Close() error {
+	u.lend.close()
 	u.ring.close()
 	return u.f.Close()
 }

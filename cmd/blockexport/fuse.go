@@ -24,6 +24,7 @@ type fuseFlags struct {
 	queues      int
 	pollUs      int
 	adaptPoll   bool
+	mappedReads bool
 	stats       time.Duration
 	passthrough string
 	fileName    string
@@ -57,6 +58,7 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.fileName, "file-name", "", "MOUNTPOINT is a directory: export the image as the one file NAME in it (without: MOUNTPOINT is the file)")
 	fs.IntVar(&f.queues, "queues", 1, "/dev/fuse queues, each served by its own thread (more only helps with more cores)")
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
+	fs.BoolVar(&f.mappedReads, "mapped-reads", true, "reads of an image's pages that are in the host's page cache are replied straight from a read-only mapping of the image file (one writev instead of a pread and a writev); false: always read into a buffer first")
 	fs.BoolVar(&f.adaptPoll, "adaptive-poll", true, "with --poll-us 0: spin up to 20 microseconds for the next request while the reader seems to wait on each reply (queue depth 1), as QEMU's adaptive polling; false: always sleep")
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
@@ -200,7 +202,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		moreProcsForRemote(logger)
 	}
 	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
-		KernelCache: kernelCache, KeepCache: kernelCache && img.Format == probe.QCOW2 && !nbd.IsURI(image),
+		NoPageLend: !f.mappedReads, KernelCache: kernelCache, KeepCache: kernelCache && img.Format == probe.QCOW2 && !nbd.IsURI(image),
 		ReadAheadKB: f.readAheadKB(readAheadKB, image)})
 	sigs := stopSignals()
 	// The pidfile before the mount: a second instance given the same one

@@ -60,7 +60,11 @@ type Options struct {
 	// ReadAheadKB is the export's read-ahead window under the kernel
 	// cache (0: MinReadAheadKB).
 	ReadAheadKB int
-	Logger      *slog.Logger
+	// NoPageLend: reads are always copied into a buffer before the
+	// reply, never replied straight from the image file's mapping
+	// (--mapped-reads=false; see formats.PageLender).
+	NoPageLend bool
+	Logger     *slog.Logger
 }
 
 // attrTimeout is how long the kernel may cache attributes (QEMU: 1 s).
@@ -109,6 +113,9 @@ type Export struct {
 	// lender is the image when it lends its bytes in place (LendRead);
 	// nil for every other (a local raw file's reads never try).
 	lender formats.Lender
+	// pager is the image when it lends the pages of its files
+	// (tryLend); nil when it cannot, or Options.NoPageLend.
+	pager formats.PageLender
 	// dropping holds the drops (invalidate) that have cleared their
 	// ranges' marks and not yet returned.
 	dropMu   sync.Mutex
@@ -152,6 +159,9 @@ func New(img formats.Image, o Options) *Export {
 	}
 	if l, ok := img.(formats.Lender); ok && l.CanLend() {
 		e.lender = l
+	}
+	if l, ok := img.(formats.PageLender); ok && !o.NoPageLend {
+		e.pager = l
 	}
 	e.mtimeNs.Store(time.Now().UnixNano())
 	mode := uint32(0o400)
@@ -488,6 +498,30 @@ func (e *Export) readPastImage(in *fuse.ReadIn, bufLen int, dataEnd int64) int64
 func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 	return e.kernelSize != nil && int64(in.Offset)+int64(in.Size) > e.img.Size()
 }
+
+// tryLend is TryRead lending the image's pages (formats.PageLender):
+// the reply's payload as slices of its files' mappings, appended to v.
+// ok true: the caller writes the reply from them and then calls
+// endLend (a resize waits for that: the slices are read by the writev).
+// ok false: nothing is held, and TryRead or ReadInto serves the read.
+func (e *Export) tryLend(in *fuse.ReadIn, v [][]byte) ([][]byte, bool) {
+	if e.pager == nil || e.readCrossesEnd(in) {
+		return v, false
+	}
+	e.inflight.Begin()
+	off, n, _ := e.readRange(in, maxWrite) // no zeroes: it ends inside the image
+	if n > 0 {
+		var ok bool
+		if v, ok = e.pager.TryLendAt(off, n, v); ok && len(v) <= maxLent {
+			return v, true
+		}
+	}
+	e.inflight.End()
+	return v, false
+}
+
+// endLend ends what a tryLend that lent began.
+func (e *Export) endLend() { e.inflight.End() }
 
 // TryRead is ReadInto for a serve loop that must not block: ok false
 // means the read would wait, and the loop hands it to ReadInto elsewhere.

@@ -39,6 +39,9 @@ type queue struct {
 	// its peer (runStalling); the loop spins a little for the next one
 	// before it sleeps (awaitNextRequest).
 	awaitNext bool
+	// lent holds the slices of a read replied from the image's pages
+	// (Export.tryLend), reused.
+	lent [][]byte
 	// pace guesses whether the queue's reader waits on each reply before
 	// it asks again (queue depth 1): see depthGuess.
 	pace depthGuess

@@ -113,6 +113,14 @@ func (r *Range) TryReadAt(p []byte, off int64) bool {
 	return r.img.TryReadAt(p, r.start+off)
 }
 
+// TryLendAt lends the disk's bytes of the partition (formats.PageLender).
+func (r *Range) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if r.check("read", off, n) != nil {
+		return v, false
+	}
+	return formats.TryLend(r.img, r.start+off, n, v)
+}
+
 func (r *Range) TryWriteAt(p []byte, off int64) (bool, error) {
 	if err := r.check("write", off, int64(len(p))); err != nil {
 		return true, err

@@ -479,6 +479,35 @@ func (q *Image) TryReadAt(p []byte, off int64) bool {
 	return false // compressed: decompressing is not instant
 }
 
+// TryLendAt is TryReadAt lending the file's pages (formats.PageLender),
+// for an image opened read-only: a writable one may free a cluster and
+// reuse it for another between the lend and the reply's writev.
+func (q *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	cs := q.h.clusterSize
+	if q.w != nil || n <= 0 || off < 0 || off+n > q.Size() || off/cs != (off+n-1)/cs {
+		return v, false
+	}
+	m, ok := q.tryLookup(off / cs)
+	if !ok {
+		return v, false
+	}
+	switch m.kind {
+	case zero:
+		return formats.LendZeroes(q.f, v, n)
+	case unallocated:
+		if q.backing == nil {
+			return formats.LendZeroes(q.f, v, n)
+		}
+		if off+n > q.backing.Size() {
+			return v, false
+		}
+		return formats.TryLend(q.backing, off, n, v)
+	case data:
+		return formats.LendFile(q.f, v, m.host+off%cs, n)
+	}
+	return v, false // compressed
+}
+
 // hostZero says whether [host, host+n) of the file is a hole (reads as
 // zeroes), and for how long that answer holds.
 func (q *Image) hostZero(host, n int64) (int64, bool) {

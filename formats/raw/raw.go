@@ -357,6 +357,14 @@ func (r *Image) Close() error { return r.f.Close() }
 // to hit, and aio says so without a system call.
 func (r *Image) TryReadAt(p []byte, off int64) bool { return r.f.TryReadAt(p, off) }
 
+// TryLendAt lends the file's own pages (formats.PageLender).
+func (r *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if off < 0 || n <= 0 || off+n > r.Size() {
+		return v, false
+	}
+	return formats.LendFile(r.f, v, off, n)
+}
+
 // TryWriteAt: a buffered write lands in the page cache; an O_DIRECT one, or
 // one to a block device, waits for the device.
 func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {

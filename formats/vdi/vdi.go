@@ -303,6 +303,25 @@ func (img *Image) TryReadAt(p []byte, off int64) bool {
 	return true
 }
 
+// TryLendAt is TryReadAt lending the file's pages (formats.PageLender).
+func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if off < 0 || n <= 0 || off+n > img.size {
+		return v, false
+	}
+	ok := true
+	for done := int64(0); done < n && ok; {
+		host, run, mapped := img.locate(off + done)
+		k := min(n-done, run)
+		if mapped {
+			v, ok = formats.LendFile(img.f, v, host, k)
+		} else {
+			v, ok = formats.LendZeroes(img.f, v, k)
+		}
+		done += k
+	}
+	return v, ok
+}
+
 // Extent: an unallocated or discarded block reads as zeroes (QEMU's
 // BDRV_BLOCK_ZERO); an allocated one is data at its file offset. For a
 // static image QEMU asks the file too (BDRV_BLOCK_RECURSE), so a hole in

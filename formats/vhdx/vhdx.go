@@ -683,6 +683,35 @@ func (img *Image) TryReadAt(p []byte, off int64) bool {
 	return true
 }
 
+// TryLendAt is TryReadAt lending the file's pages (formats.PageLender),
+// and the parent's where it lends.
+func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if n <= 0 || n > 1<<30 || img.inRange(off, int(n)) != nil {
+		return v, false
+	}
+	ok := true
+	for done := int64(0); done < n && ok; {
+		at := off + done
+		host, take, state := img.piece(at, int(n-done))
+		k := int64(take)
+		switch {
+		case state == blockFullyPresent:
+			v, ok = formats.LendFile(img.f, v, host, k)
+		case state == blockPartiallyPresent:
+			return v, false
+		case img.fromParent(state):
+			if img.parent == nil || at+k > img.parent.Size() {
+				return v, false
+			}
+			v, ok = formats.TryLend(img.parent, at, k, v)
+		default:
+			v, ok = formats.LendZeroes(img.f, v, k)
+		}
+		done += k
+	}
+	return v, ok
+}
+
 // Extent merges blocks of one status from off: present blocks are data
 // at their file offset; ZERO blocks are allocated zeroes; the other
 // states read as zeroes from nowhere (a hole), or, in a differencing

@@ -553,6 +553,42 @@ func (im *Image) TryReadAt(p []byte, off int64) bool {
 	return true
 }
 
+// TryLendAt is TryReadAt lending the extents' pages (formats.PageLender):
+// not for compressed grains, which are decompressed into a buffer.
+func (im *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if off < 0 || n <= 0 || off+n > im.size || im.direct {
+		return v, false
+	}
+	ctx := context.Background()
+	ok := true
+	for done := int64(0); done < n && ok; {
+		at := off + done
+		pc, found, err := im.at(ctx, at, n-done, true)
+		if err != nil || !found {
+			return v, false
+		}
+		switch pc.kind {
+		case grainZero:
+			v, ok = formats.LendZeroes(im.f, v, pc.n)
+		case grainUnalloc:
+			k := int64(im.fromParent(at, int(pc.n)))
+			if k > 0 {
+				v, ok = formats.TryLend(im.parent, at, k, v)
+			}
+			if ok && k < pc.n {
+				v, ok = formats.LendZeroes(im.f, v, pc.n-k)
+			}
+		case grainData:
+			if pc.e.compressed {
+				return v, false
+			}
+			v, ok = formats.LendFile(pc.e.f, v, pc.host, pc.n)
+		}
+		done += pc.n
+	}
+	return v, ok
+}
+
 // Extent describes the run at off as qemu-img map shows it.
 func (im *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
 	if off < 0 || off >= im.size {

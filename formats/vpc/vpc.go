@@ -539,6 +539,25 @@ func (img *Image) TryReadAt(p []byte, off int64) bool {
 	return true
 }
 
+// TryLendAt is TryReadAt lending the file's pages (formats.PageLender).
+func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
+	if img.diff || off < 0 || n <= 0 || off+n > img.size {
+		return v, false
+	}
+	ok := true
+	for done := int64(0); done < n && ok; {
+		host, run, mapped := img.locate(off + done)
+		k := min(n-done, run)
+		if mapped {
+			v, ok = formats.LendFile(img.f, v, host, k)
+		} else {
+			v, ok = formats.LendZeroes(img.f, v, k)
+		}
+		done += k
+	}
+	return v, ok
+}
+
 // Extent: an unallocated block reads as zeroes; an allocated one is data
 // at its file offset. A fixed disk is the file's bytes, and QEMU asks the
 // file (BDRV_BLOCK_RAW): a hole in it is data that reads as zeroes.
