@@ -55,13 +55,15 @@ const (
 	recheckAfter = 5 * time.Millisecond
 	// LendZeroes is the most Zeroes lends at once.
 	LendZeroes = 1 << 20
-	// zapEvery is how often the mapping's page-table entries are dropped
-	// (MADV_DONTNEED, which leaves the page cache as it is): a page
-	// mapped in a process is one that drop_caches, POSIX_FADV_DONTNEED
-	// and, less readily, reclaim leave alone, and the page tables (and,
-	// where the kernel reclaims empty ones, their memory) grow with the
-	// span read. A lend in flight meanwhile faults its pages back in.
-	zapEvery = 100 * time.Millisecond
+	// zapAfter is how long after a lend the mapping's page-table entries
+	// are dropped (MADV_DONTNEED, which leaves the page cache as it is):
+	// a page mapped in a process is one that drop_caches,
+	// POSIX_FADV_DONTNEED and, less readily, reclaim leave alone, and the
+	// page tables (and, where the kernel reclaims empty ones, their
+	// memory) grow with the span read. So no page stays mapped for
+	// longer than this after the last lend, busy or idle. A lend in
+	// flight meanwhile faults its pages back in.
+	zapAfter = 100 * time.Millisecond
 )
 
 // pageMap is a file's lending state: its mapping (made on the first
@@ -73,7 +75,7 @@ type pageMap struct {
 	zeroes []byte // LendZeroes of a private anonymous read-only mapping
 	chunks []atomic.Pointer[chunkRes]
 	closed atomic.Bool
-	zapped atomic.Int64 // when the entries were last dropped (UnixNano)
+	zapping atomic.Bool // a zap is due (zapAfter)
 }
 
 // chunkRes is one chunk's residency: a bit per page, and when it was
@@ -117,8 +119,11 @@ func (m *pageMap) lend(fd int, off, n int64) ([]byte, bool) {
 		return nil, false
 	}
 	now := time.Now().UnixNano()
-	if z := m.zapped.Load(); now-z > int64(zapEvery) && m.zapped.CompareAndSwap(z, now) {
-		m.zap()
+	if !m.zapping.Load() && m.zapping.CompareAndSwap(false, true) {
+		time.AfterFunc(zapAfter, func() {
+			m.zapping.Store(false) // before: a lend after the zap schedules the next
+			m.zap()
+		})
 	}
 	for p := off &^ 4095; p < off+n; {
 		c := p / lendChunk
@@ -178,7 +183,8 @@ func (r *chunkRes) has(from, end int64) bool {
 	return true
 }
 
-// zap drops the mapping's page-table entries (see zapEvery).
+// zap drops the mapping's page-table entries (see zapAfter); after
+// close, the inaccessible mapping's, which are none.
 func (m *pageMap) zap() {
 	if m.mem != nil {
 		unix.Madvise(m.mem, unix.MADV_DONTNEED)

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -146,4 +148,42 @@ func lendState(f File) *pageMap {
 		return &f.lend
 	}
 	panic("no lending state")
+}
+
+// Pages a lend mapped into the process are unmapped zapAfter later, so
+// that POSIX_FADV_DONTNEED (and drop_caches, and reclaim) can drop them
+// again once the reader is gone.
+func TestLentPagesAreUnmappedAfterwards(t *testing.T) {
+	_, files := lendFile(t, 1<<20, false)
+	for b, f := range files {
+		got, ok := f.(Lender).TryLend(0, 1<<20)
+		if !ok {
+			t.Fatalf("%s: not lent", b)
+		}
+		var sum byte
+		for i := 0; i < len(got); i += 4096 { // maps the pages, as a writev's copy does
+			sum += got[i]
+		}
+		t.Logf("%s: lent, sum of first bytes %d", b, sum)
+	}
+	time.Sleep(3 * zapAfter)
+	for b, f := range files {
+		unix.Fdatasync(f.Fd()) // FADV_DONTNEED leaves dirty pages
+		if err := unix.Fadvise(f.Fd(), 0, 0, unix.FADV_DONTNEED); err != nil {
+			t.Fatal(err)
+		}
+		m, err := unix.Mmap(f.Fd(), 0, 1<<20, unix.PROT_READ, unix.MAP_SHARED)
+		if err != nil {
+			t.Fatal(err)
+		}
+		vec := make([]byte, 256)
+		_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), 1<<20, uintptr(unsafe.Pointer(&vec[0])))
+		unix.Munmap(m)
+		if errno != 0 {
+			t.Fatal(errno)
+		}
+		if n := bytes.Count(vec, []byte{0}); n < 200 {
+			t.Fatalf("%s: %d of 256 pages dropped by FADV_DONTNEED %v after the lend", b, n, 3*zapAfter)
+		}
+	}
 }

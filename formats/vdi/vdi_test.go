@@ -243,6 +243,9 @@ func readAll(t testing.TB, img *Image) {
 		if _, err := img.ReadAt(ctx, p[:n], off); err != nil {
 			t.Fatalf("read at %d: %v", off, err)
 		}
+		if v, ok := img.TryLendAt(off, n, nil); ok && !bytes.Equal(bytes.Join(v, nil), p[:n]) {
+			t.Fatalf("lent at %d: not what was read", off)
+		}
 		img.TryReadAt(p[:n], off)
 		if _, err := img.Extent(ctx, off, n); err != nil {
 			t.Fatalf("extent at %d: %v", off, err)

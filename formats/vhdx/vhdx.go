@@ -694,6 +694,9 @@ func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 		at := off + done
 		host, take, state := img.piece(at, int(n-done))
 		k := int64(take)
+		if k <= 0 {
+			return v, false
+		}
 		switch {
 		case state == blockFullyPresent:
 			v, ok = formats.LendFile(img.f, v, host, k)

@@ -663,6 +663,9 @@ func FuzzOpen(f *testing.F) {
 			if _, err := im.ReadAt(context.Background(), p[:n], off); err != nil {
 				t.Fatalf("read at %d: %v", off, err)
 			}
+			if v, ok := im.TryLendAt(off, n, nil); ok && !bytes.Equal(bytes.Join(v, nil), p[:n]) {
+				t.Fatalf("lent at %d: not what was read", off)
+			}
 			im.TryReadAt(p[:n], off)
 			if _, err := im.Extent(context.Background(), off, im.Size()-off); err != nil {
 				t.Fatal(err)

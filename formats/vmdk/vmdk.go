@@ -564,7 +564,7 @@ func (im *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	for done := int64(0); done < n && ok; {
 		at := off + done
 		pc, found, err := im.at(ctx, at, n-done, true)
-		if err != nil || !found {
+		if err != nil || !found || pc.n <= 0 {
 			return v, false
 		}
 		switch pc.kind {

@@ -548,6 +548,9 @@ func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	for done := int64(0); done < n && ok; {
 		host, run, mapped := img.locate(off + done)
 		k := min(n-done, run)
+		if k <= 0 {
+			return v, false
+		}
 		if mapped {
 			v, ok = formats.LendFile(img.f, v, host, k)
 		} else {

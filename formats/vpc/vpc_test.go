@@ -276,6 +276,9 @@ func readAllVHD(t testing.TB, img *Image) {
 		if _, err := img.ReadAt(ctx, p[:n], off); err != nil {
 			t.Fatalf("read at %d: %v", off, err)
 		}
+		if v, ok := img.TryLendAt(off, n, nil); ok && !bytes.Equal(bytes.Join(v, nil), p[:n]) {
+			t.Fatalf("lent at %d: not what was read", off)
+		}
 		img.TryReadAt(p[:n], off)
 		for o := off; o < off+n; {
 			e, err := img.Extent(ctx, o, off+n-o)
