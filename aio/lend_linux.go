@@ -27,7 +27,7 @@ type Lender interface {
 	// writev), never read in Go: a page the kernel evicted meanwhile
 	// is read back in by the writev's fault, and a page cut off by a
 	// truncate fails the writev with EFAULT. false: it may not be
-	// resident, or the file cannot lend (O_DIRECT, drop-behind, closed,
+	// resident, or the file cannot lend (O_DIRECT, closed,
 	// past the mapping); read it instead. Callers keep to the file's
 	// size: the rest of its last page is lent too, as zeroes.
 	TryLend(off, n int64) ([]byte, bool)
@@ -232,10 +232,13 @@ func (m *pageMap) close() {
 	}
 }
 
-// TryLend: see Lender. Never for O_DIRECT (no page cache) or under
-// drop-behind (the pages are to leave the cache behind each read).
+// TryLend: see Lender. Never for O_DIRECT (no page cache). Under
+// drop-behind too (the kernel-cached export's image, RWF_DONTCACHE): a
+// lend only ever takes pages already in the cache, as a drop-behind
+// read of them does, which leaves them there; the pages such reads
+// bring in are the ones they drop.
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
-	if u.direct || u.readFlags.Load() != 0 || u.closed() {
+	if u.direct || u.closed() {
 		return nil, false
 	}
 	return u.lend.lend(u.fd, off, n)
@@ -246,7 +249,7 @@ func (u *uringFile) Zeroes(n int) ([]byte, bool) { return u.lend.zero(u.fd, n) }
 
 // TryLend: see Lender.
 func (t *threadFile) TryLend(off, n int64) ([]byte, bool) {
-	if t.direct || t.readFlags.Load() != 0 || t.closed.Load() {
+	if t.direct || t.closed.Load() {
 		return nil, false
 	}
 	return t.lend.lend(t.fd, off, n)
