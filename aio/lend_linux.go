@@ -235,8 +235,10 @@ func (m *pageMap) close() {
 // TryLend: see Lender. Never for O_DIRECT (no page cache). Under
 // drop-behind too (the kernel-cached export's image, RWF_DONTCACHE): a
 // lend only ever takes pages already in the cache, as a drop-behind
-// read of them does, which leaves them there; the pages such reads
-// bring in are the ones they drop.
+// read of them does, which leaves them there. But a page that a
+// drop-behind read brought in and a lend mapped before that read ended
+// is not dropped: a caller that reads drop-behind to keep one cache
+// does not lend those ranges (fuse's Export.tryLend).
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	if u.direct || u.closed() {
 		return nil, false
