@@ -72,7 +72,6 @@ const (
 // TryLend), and what each chunk's last mincore said.
 type pageMap struct {
 	once     sync.Once
-	fd       int
 	mem      []byte // nil: the file cannot be mapped
 	zeroes   []byte // LendZeroes of a private anonymous read-only mapping
 	chunks   []atomic.Pointer[chunkRes]
@@ -90,10 +89,9 @@ type chunkRes struct {
 
 func (m *pageMap) init(fd int) {
 	m.once.Do(func() {
-		m.fd = fd
 		var st unix.Stat_t
 		if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
-			return // block devices have no mincore of their page cache through a mapping that stays true across BLKFLSBUF; keep them on pread
+			return // regular files only: a block device's size is not its file size, and nothing here was measured on one
 		}
 		// The whole cap, not the file's size: a growing image's new
 		// blocks lie past the size at open. Pages past the end are never
@@ -161,9 +159,7 @@ func (m *pageMap) resident(c, from, end, now int64) bool {
 // learn asks the kernel which pages of chunk c are in the page cache.
 func (m *pageMap) learn(c, now int64) *chunkRes {
 	var vec [lendChunk / 4096]byte
-	base := c * lendChunk
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m.mem[base])), lendChunk, uintptr(unsafe.Pointer(&vec[0])))
-	if errno != 0 {
+	if mincore(m.mem[c*lendChunk:(c+1)*lendChunk], vec[:]) != nil {
 		return nil
 	}
 	r := &chunkRes{at: now}
@@ -173,6 +169,16 @@ func (m *pageMap) learn(c, now int64) *chunkRes {
 		}
 	}
 	return r
+}
+
+// mincore is mincore(2) of mapping b (page-aligned, non-empty): a byte
+// per page in vec, bit 0 set where the page is in the page cache. It
+// reads nothing in.
+func mincore(b, vec []byte) error {
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+		return errno
+	}
+	return nil
 }
 
 // has says whether every page of [from, end) (offsets in the chunk) is
@@ -233,12 +239,12 @@ func (m *pageMap) close() {
 }
 
 // TryLend: see Lender. Never for O_DIRECT (no page cache). Under
-// drop-behind too (the kernel-cached export's image, RWF_DONTCACHE): a
-// lend only ever takes pages already in the cache, as a drop-behind
-// read of them does, which leaves them there. But a page that a
-// drop-behind read brought in and a lend mapped before that read ended
-// is not dropped: a caller that reads drop-behind to keep one cache
-// does not lend those ranges (fuse's Export.tryLend).
+// drop-behind (RWF_DONTCACHE) too: a lend itself brings nothing in, but
+// it is no drop-behind read, so the pages it takes stay cached (those
+// the file's own read-ahead brought in for a drop-behind read included,
+// which the next drop-behind read of them would have dropped). A caller
+// that reads drop-behind to keep a single cache does not lend the
+// ranges it wants out of the cache (fuse's Export.tryLend).
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	if u.direct || u.closed() {
 		return nil, false

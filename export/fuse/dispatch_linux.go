@@ -408,16 +408,16 @@ func (s *server) statfs(q *queue, req []byte) inlineResult {
 	return answered
 }
 
-// tryRead answers a read the image serves without waiting, into the
-// loop's out buffer, while the miss tracker says tries pay.
+// tryRead answers a read the image serves without waiting, from its
+// pages where it lends them (tryLend), else read into the loop's out
+// buffer, while the miss tracker says tries pay.
 func (s *server) tryRead(q *queue, req []byte) inlineResult {
 	if !s.hand.Reads.ShouldTry() {
 		return wouldWait
 	}
-	e := s.expOf(req)
+	e, in := s.expOf(req), decode[fuse.ReadIn](req)
 	if q.ring == nil {
 		// Over io_uring the reply is copied into its ring entry anyway.
-		in := decode[fuse.ReadIn](req)
 		v, ok := e.tryLend(in, q.lent[:0])
 		q.lent = v[:0]
 		if ok {
@@ -427,7 +427,7 @@ func (s *server) tryRead(q *queue, req []byte) inlineResult {
 			return answered
 		}
 	}
-	n, st, ok := e.TryRead(decode[fuse.ReadIn](req), q.out)
+	n, st, ok := e.TryRead(in, q.out)
 	s.hand.Reads.Note(ok)
 	if !ok {
 		return missed

@@ -506,12 +506,12 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 // ok false: nothing is held, and TryRead or ReadInto serves the read.
 //
 // Not for a READ that fills the kernel's cache of the export: the image
-// file is read drop-behind then (one cache, the export's), and a page a
-// drop-behind read brings in is dropped only if nothing maps it when
-// that read ends; lent meanwhile, it stayed (TestKcOneCache: 3572 of
-// 4096 pages of the image left cached, 0-19% so without lending). Those
-// READs fill pages the kernel then keeps; the O_DIRECT reads of a
-// kernel-cached export, which come every time, lend.
+// is read drop-behind for those (one cache, the export's), and a lend is
+// no drop-behind read: the pages it takes stay in the image's cache,
+// those its read-ahead brought in for the READ before included
+// (TestKcOneCache: 3572 of 4096 pages of the image left cached, 0-19%
+// without lending). The O_DIRECT reads of a kernel-cached export, which
+// come every time and have no other cache, lend.
 func (e *Export) tryLend(in *fuse.ReadIn, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || e.readCrossesEnd(in) || e.cachesRead(in) {
 		return v, false

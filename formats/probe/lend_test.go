@@ -59,7 +59,7 @@ func TestTryLendAtMatchesReadAt(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			o, err := Open(filepath.Join(dir, c.name), Options{Format: c.format, Backend: "threads", NoBacking: false})
+			o, err := Open(filepath.Join(dir, c.name), Options{Format: c.format, Backend: "threads"})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -1,6 +1,7 @@
 package qcow2
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -130,7 +131,20 @@ func FuzzOpen(f *testing.F) {
 		buf := make([]byte, 64<<10)
 		for off, i := int64(0), 0; off < q.Size() && i < 64; i++ {
 			n := min(int64(len(buf)), q.Size()-off)
-			if _, err := q.ReadAt(ctx, buf[:n], off); err != nil {
+			_, err := q.ReadAt(ctx, buf[:n], off)
+			// What is lent (a cluster at a time) is what a read of that
+			// cluster reads, and nothing such a read refuses.
+			for c := off; c < off+n; {
+				k := min(off+n, (c/q.h.clusterSize+1)*q.h.clusterSize) - c
+				if v, ok := q.TryLendAt(c, k, nil); ok {
+					cb := make([]byte, k)
+					if _, cerr := q.ReadAt(ctx, cb, c); cerr != nil || !bytes.Equal(bytes.Join(v, nil), cb) {
+						t.Fatalf("lent [%d, +%d) where a read says %v, or other bytes", c, k, cerr)
+					}
+				}
+				c += k
+			}
+			if err != nil {
 				break
 			}
 			off += n

@@ -308,21 +308,7 @@ func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	if off < 0 || n <= 0 || off+n > img.size {
 		return v, false
 	}
-	ok := true
-	for done := int64(0); done < n && ok; {
-		host, run, mapped := img.locate(off + done)
-		k := min(n-done, run)
-		if k <= 0 {
-			return v, false
-		}
-		if mapped {
-			v, ok = formats.LendFile(img.f, v, host, k)
-		} else {
-			v, ok = formats.LendZeroes(img.f, v, k)
-		}
-		done += k
-	}
-	return v, ok
+	return formats.LendRuns(img.f, v, off, n, img.locate)
 }
 
 // Extent: an unallocated or discarded block reads as zeroes (QEMU's

@@ -170,6 +170,10 @@ func TestVmdkCraftedReads(t *testing.T) {
 				if img.TryReadAt(b, r[0]) && !bytes.Equal(b, c.want[r[0]:r[0]+r[1]]) {
 					t.Fatalf("try read %v: wrong data", r)
 				}
+				v, ok := img.TryLendAt(r[0], r[1], nil)
+				if ok == compressed || ok && !bytes.Equal(bytes.Join(v, nil), c.want[r[0]:r[0]+r[1]]) {
+					t.Fatalf("lend %v: lent %v (compressed %v), or wrong data", r, ok, compressed)
+				}
 			}
 			ext, err := img.Extent(context.Background(), 5*4096, 1<<20)
 			if err != nil || !ext.Zero || ext.Data || !ext.Present || ext.Length != 4096 {
@@ -304,7 +308,13 @@ func checkMutation(t *testing.T, p string, m mutation) {
 	buf := make([]byte, 1<<20)
 	for off := int64(0); off < img.Size() && off < 64<<20; off += int64(len(buf)) {
 		n := min(int64(len(buf)), img.Size()-off)
-		if _, err := img.ReadAt(context.Background(), buf[:n], off); err != nil {
+		_, err := img.ReadAt(context.Background(), buf[:n], off)
+		// What the fast path lends (the file's pages in the cache now)
+		// is what a read reads, and nothing a read refuses.
+		if v, ok := img.TryLendAt(off, n, nil); ok && (err != nil || !bytes.Equal(bytes.Join(v, nil), buf[:n])) {
+			t.Fatalf("lent [%d, +%d) where a read says %v, or other bytes", off, n, err)
+		}
+		if err != nil {
 			rerr = err
 			break
 		}
