@@ -30,6 +30,7 @@ type depthGuess struct {
 	spinning bool
 	busy     uint8 // spins in a row that found a request at once
 	idle     uint8 // spins in a row that timed out
+	began    int   // times spinning started, which a deeper reader keeps rare
 }
 
 const (
@@ -54,7 +55,7 @@ func (g *depthGuess) next(queued func() bool) bool {
 		return false
 	}
 	if g.empty++; g.empty >= paceEmptyToSpin {
-		*g = depthGuess{spinning: true}
+		*g = depthGuess{spinning: true, began: g.began + 1}
 	}
 	return false
 }
@@ -67,14 +68,14 @@ func (g *depthGuess) spun(looks int) {
 	case looks == 0:
 		g.idle = 0
 		if g.busy++; g.busy >= paceBusyToStop {
-			*g = depthGuess{}
+			*g = depthGuess{began: g.began}
 		}
 	case looks > 0:
 		g.busy, g.idle = 0, 0
 	default:
 		g.busy = 0
 		if g.idle++; g.idle >= paceIdleToStop {
-			*g = depthGuess{}
+			*g = depthGuess{began: g.began}
 		}
 	}
 }

@@ -2,9 +2,11 @@ package fuse
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
@@ -236,39 +238,69 @@ func (f *pacedFake) end(t *testing.T, ended ...chan struct{}) {
 }
 
 // The loop with pacing on, end to end on a fake /dev/fuse: a reader at
-// depth 1 (its next request right after each reply) and one at depth 16
-// get every reply right, and the loop ends when the kernel's side goes
-// away, even mid-spin. At depth 16 every sample finds requests queued,
-// so the loop never starts spinning.
+// depth 1 (its next request right after each reply) and a deep one (its
+// requests written ahead of the replies, as many as the socket holds) get
+// every reply right, and the loop ends when the kernel's side goes away,
+// even mid-spin. The reader at depth 1 makes the loop spin; the deep one
+// rarely does: its samples find requests queued, and spinning starts only
+// after paceEmptyToSpin empty samples in a row (when this test's writer
+// was descheduled long enough for the loop to drain the socket). With the
+// sample's answer inverted, the deep reader made it start 30 times in
+// 2000 requests and the reader at depth 1 none. (CI caught an
+// earlier version of this test that wanted no spinning at the end: the
+// loop drains the tail with no asks behind it, a race either way.)
 func TestPacedLoopAnswersEveryDepth(t *testing.T) {
-	for _, depth := range []int{1, 16} {
+	const requests = 2000
+	for _, deep := range []bool{false, true} {
 		f := newPacedFake(t)
 		q, ended := f.loop(false)
 		k := f.k
-		next := uint64(1)
-		ask := func() {
-			send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: next, NodeId: 1}, Offset: (next % 256) * 4096, Size: 4096})
-			next++
+		ask := func(u uint64) error {
+			in := &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: (u % 256) * 4096, Size: 4096}
+			in.Length = uint32(unsafe.Sizeof(*in))
+			_, err := unix.Write(k.fd, unsafe.Slice((*byte)(unsafe.Pointer(in)), unsafe.Sizeof(*in)))
+			return err
 		}
-		for i := 0; i < depth; i++ {
-			ask()
+		written := make(chan error, 1)
+		if deep {
+			go func() {
+				for u := uint64(1); u <= requests; u++ {
+					if err := ask(u); err != nil {
+						written <- fmt.Errorf("writing request %d: %w", u, err)
+						return
+					}
+				}
+				written <- nil
+			}()
+		} else if err := ask(1); err != nil {
+			t.Fatal(err)
 		}
-		const requests = 2000
-		for got := 0; got < requests; got++ {
+		for got := 1; got <= requests; got++ {
 			h, body, ok := k.replyBody(5000)
 			if !ok {
-				t.Fatalf("depth %d: no reply %d within 5 s", depth, got+1)
+				t.Fatalf("deep %v: no reply %d within 5 s", deep, got)
 			}
 			if h.Status != 0 || len(body) != 4096 {
-				t.Fatalf("depth %d: reply %d: error %d, %d bytes", depth, h.Unique, h.Status, len(body))
+				t.Fatalf("deep %v: reply %d: error %d, %d bytes", deep, h.Unique, h.Status, len(body))
 			}
-			if next <= requests {
-				ask()
+			if !deep && got < requests {
+				if err := ask(uint64(got + 1)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		if deep {
+			if err := <-written; err != nil {
+				t.Fatal(err)
 			}
 		}
 		f.end(t, ended) // mid-spin or asleep, the loop reads the end
-		if depth == 16 && q.pace.spinning {
-			t.Error("depth 16: the loop spins though its samples found requests queued")
+		switch {
+		case deep && q.pace.began > 3:
+			t.Errorf("deep reader: spinning started %d times, its requests queued ahead", q.pace.began)
+		case !deep && q.pace.began == 0:
+			t.Error("reader at depth 1: the loop never spun, though each request comes after its reply")
 		}
+		t.Logf("deep %v: spinning started %d times", deep, q.pace.began)
 	}
 }
