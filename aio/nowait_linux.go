@@ -7,33 +7,18 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// preadNoWait is preadv2(fd, {p}, off, RWF_NOWAIT|flags): it reads from
-// the page cache and fails with EAGAIN instead of waiting for a device.
-// flags adds RWF_DONTCACHE for a drop-behind file. It builds its single
-// iovec on the stack, so the hot path does not allocate.
-func preadNoWait(fd int, p []byte, off int64, flags int) (int, error) {
+// preadNoWait is preadv2(fd, {p}, off, RWF_NOWAIT): it reads from the
+// page cache and fails with EAGAIN instead of waiting for a device. It
+// builds its single iovec on the stack, so the hot path does not
+// allocate.
+func preadNoWait(fd int, p []byte, off int64) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
 	iov := unix.Iovec{Base: &p[0]}
 	iov.SetLen(len(p))
 	n, _, errno := unix.Syscall6(unix.SYS_PREADV2, uintptr(fd), uintptr(unsafe.Pointer(&iov)), 1,
-		uintptr(off), uintptr(uint64(off)>>32>>32), uintptr(unix.RWF_NOWAIT|flags))
-	if errno != 0 {
-		return int(n), errno
-	}
-	return int(n), nil
-}
-
-// preadFlags is preadv2(fd, {p}, off, flags), its iovec on the stack.
-func preadFlags(fd int, p []byte, off int64, flags int) (int, error) {
-	if len(p) == 0 {
-		return 0, nil
-	}
-	iov := unix.Iovec{Base: &p[0]}
-	iov.SetLen(len(p))
-	n, _, errno := unix.Syscall6(unix.SYS_PREADV2, uintptr(fd), uintptr(unsafe.Pointer(&iov)), 1,
-		uintptr(off), uintptr(uint64(off)>>32>>32), uintptr(flags))
+		uintptr(off), uintptr(uint64(off)>>32>>32), uintptr(unix.RWF_NOWAIT))
 	if errno != 0 {
 		return int(n), errno
 	}
@@ -43,11 +28,11 @@ func preadFlags(fd int, p []byte, off int64, flags int) (int, error) {
 // tryRead is TryReadAt for a file that is not closed: the whole of p from
 // the page cache, or nothing. A short read (the end of the file, or only
 // part cached) counts as a miss: ReadAt sorts that out.
-func tryRead(fd int, direct bool, flags int, p []byte, off int64) bool {
+func tryRead(fd int, direct bool, p []byte, off int64) bool {
 	if direct || len(p) == 0 {
 		return false
 	}
-	n, err := preadNoWait(fd, p, off, flags)
+	n, err := preadNoWait(fd, p, off)
 	return err == nil && n == len(p)
 }
 

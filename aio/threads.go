@@ -17,17 +17,15 @@ type threadFile struct {
 	// closed guards against using a descriptor number that Close released
 	// and the kernel may have handed to another file.
 	closed atomic.Bool
-	// readFlags are preadv2 flags for every read (RWF_DONTCACHE once
-	// drop-behind is set).
-	readFlags atomic.Int32
-	lend      pageMap // see Lender
+	behind atomic.Pointer[dropper] // set by SetDropBehind
+	lend   pageMap                 // see Lender
 }
 
 func (t *threadFile) setDropBehind() bool {
-	if t.direct || !dropBehindSupported(t.fd) {
+	if t.direct {
 		return false
 	}
-	t.readFlags.Store(unix.RWF_DONTCACHE)
+	t.behind.CompareAndSwap(nil, newDropper(t.fd))
 	return true
 }
 
@@ -50,18 +48,6 @@ func directEOF(f File, done int, err error) bool {
 	return false
 }
 
-// readFlagsOf is f's preadv2 flags for reads (0 for files of no backend
-// here).
-func readFlagsOf(f File) int {
-	switch f := f.(type) {
-	case *threadFile:
-		return int(f.readFlags.Load())
-	case *uringFile:
-		return int(f.readFlags.Load())
-	}
-	return 0
-}
-
 func newThreadFile(f *os.File, direct bool) *threadFile {
 	return &threadFile{f: f, fd: int(f.Fd()), direct: direct}
 }
@@ -71,6 +57,7 @@ func (t *threadFile) Name() string     { return t.f.Name() }
 func (t *threadFile) Backend() Backend { return Threads }
 func (t *threadFile) Close() error {
 	t.closed.Store(true)
+	t.behind.Load().close()
 	t.lend.close()
 	return t.f.Close()
 }
@@ -84,7 +71,9 @@ func (t *threadFile) check(ctx context.Context, op string) error {
 }
 
 func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	return preadAll(ctx, t, p, off, t.check)
+	n, err := preadAll(ctx, t, p, off, t.check)
+	t.behind.Load().done(off, n)
+	return n, err
 }
 
 // preadAll fills p from off with pread(2) from the calling goroutine,
@@ -95,7 +84,11 @@ func preadAll(ctx context.Context, f File, p []byte, off int64, check func(conte
 }
 
 func (t *threadFile) TryReadAt(p []byte, off int64) bool {
-	return !t.closed.Load() && tryRead(t.fd, t.direct, int(t.readFlags.Load()), p, off)
+	if t.closed.Load() || !tryRead(t.fd, t.direct, p, off) {
+		return false
+	}
+	t.behind.Load().done(off, len(p))
+	return true
 }
 
 func (t *threadFile) TryWriteAt(p []byte, off int64) (bool, error) {
@@ -117,8 +110,6 @@ func transfer(ctx context.Context, f File, write bool, p []byte, off int64, chec
 	op, call := "pread", unix.Pread
 	if write {
 		op, call = "pwrite", unix.Pwrite
-	} else if flags := readFlagsOf(f); flags != 0 {
-		call = func(fd int, p []byte, off int64) (int, error) { return preadFlags(fd, p, off, flags) }
 	}
 	done := 0
 	for done < len(p) {
@@ -153,7 +144,9 @@ func nothingMoved(op string, f File, write bool) error {
 }
 
 func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	return preadvAll(ctx, t, iov, off, t.check)
+	n, err := preadvAll(ctx, t, iov, off, t.check)
+	t.behind.Load().done(off, n)
+	return n, err
 }
 
 func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
@@ -175,8 +168,6 @@ func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 	op, call := "preadv", unix.Preadv
 	if write {
 		op, call = "pwritev", unix.Pwritev
-	} else if flags := readFlagsOf(f); flags != 0 {
-		call = func(fd int, iov [][]byte, off int64) (int, error) { return unix.Preadv2(fd, iov, off, flags) }
 	}
 	iov = append([][]byte(nil), iov...)
 	total := 0

@@ -412,17 +412,15 @@ type uringFile struct {
 	fd     int
 	ring   *uring
 	direct bool
-	// readFlags are the rw_flags of every read (RWF_DONTCACHE once
-	// drop-behind is set).
-	readFlags atomic.Int32
-	lend      pageMap // see Lender
+	behind atomic.Pointer[dropper] // set by SetDropBehind
+	lend   pageMap                 // see Lender
 }
 
 func (u *uringFile) setDropBehind() bool {
-	if u.direct || !dropBehindSupported(u.fd) {
+	if u.direct {
 		return false
 	}
-	u.readFlags.Store(unix.RWF_DONTCACHE)
+	u.behind.CompareAndSwap(nil, newDropper(u.fd))
 	return true
 }
 
@@ -460,6 +458,7 @@ func (u *uringFile) Name() string     { return u.f.Name() }
 func (u *uringFile) Backend() Backend { return IOUring }
 
 func (u *uringFile) Close() error {
+	u.behind.Load().close()
 	u.lend.close()
 	u.ring.close()
 	return u.f.Close()
@@ -467,7 +466,11 @@ func (u *uringFile) Close() error {
 
 // TryReadAt: see File.
 func (u *uringFile) TryReadAt(p []byte, off int64) bool {
-	return !u.closed() && tryRead(u.fd, u.direct, int(u.readFlags.Load()), p, off)
+	if u.closed() || !tryRead(u.fd, u.direct, p, off) {
+		return false
+	}
+	u.behind.Load().done(off, len(p))
+	return true
 }
 
 // TryWriteAt: see File.
@@ -489,7 +492,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 	}
 	done := 0
 	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && !coroutines.HasMissed(ctx) {
-		n, err := preadNoWait(u.fd, p, off, int(u.readFlags.Load()))
+		n, err := preadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {
 				return 0, io.EOF
@@ -511,9 +514,6 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 			e.off = uint64(off) + uint64(done)
 			e.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
 			e.len = uint32(min(len(buf), 1<<30))
-			if op == opRead {
-				e.opFlags = uint32(u.readFlags.Load())
-			}
 			e.userData = tag
 		})
 		runtime.KeepAlive(buf)
@@ -555,9 +555,6 @@ func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) 
 			e.off = uint64(off) + uint64(total)
 			e.addr = uint64(uintptr(unsafe.Pointer(&s.iov[0])))
 			e.len = uint32(len(s.iov))
-			if op == opReadv {
-				e.opFlags = uint32(u.readFlags.Load())
-			}
 			e.userData = tag
 		})
 		runtime.KeepAlive(iov)
@@ -609,7 +606,9 @@ func opName(op uint8) string {
 }
 
 func (u *uringFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	return u.rw(ctx, opRead, p, off)
+	n, err := u.rw(ctx, opRead, p, off)
+	u.behind.Load().done(off, n)
+	return n, err
 }
 
 func (u *uringFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
@@ -617,7 +616,9 @@ func (u *uringFile) WriteAt(ctx context.Context, p []byte, off int64) (int, erro
 }
 
 func (u *uringFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	return u.rwv(ctx, opReadv, iov, off)
+	n, err := u.rwv(ctx, opReadv, iov, off)
+	u.behind.Load().done(off, n)
+	return n, err
 }
 
 func (u *uringFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {

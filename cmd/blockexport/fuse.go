@@ -195,7 +195,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 			}
 		}
 		if n < len(img.Hosts) {
-			logger.Info("kernel cache: some host files keep what they read in the page cache too (their file system has no drop-behind reads, RWF_DONTCACHE)", "files", len(img.Hosts), "drop-behind", n)
+			logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(img.Hosts), "drop-behind", n)
 		}
 	}
 	if served.Features().MayStall && !nbd.IsURI(image) {
