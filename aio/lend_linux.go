@@ -239,12 +239,12 @@ func (m *pageMap) close() {
 }
 
 // TryLend: see Lender. Never for O_DIRECT (no page cache). Under
-// drop-behind (RWF_DONTCACHE) too: a lend itself brings nothing in, but
-// it is no drop-behind read, so the pages it takes stay cached (those
-// the file's own read-ahead brought in for a drop-behind read included,
-// which the next drop-behind read of them would have dropped). A caller
-// that reads drop-behind to keep a single cache does not lend the
-// ranges it wants out of the cache (fuse's Export.tryLend).
+// drop-behind too: a lend itself brings nothing in, but it is no read
+// that drop-behind counts, and a mapped page is one FADV_DONTNEED leaves,
+// so the pages it takes stay cached (read-ahead that drop-behind would
+// have dropped once read included). A caller that reads drop-behind to
+// keep a single cache does not lend the ranges it wants out of the cache
+// (fuse's Export.tryLend).
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	if u.direct || u.closed() {
 		return nil, false

@@ -507,10 +507,10 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 //
 // Not for a READ that fills the kernel's cache of the export: the image
 // is read drop-behind for those (one cache, the export's), and a lend is
-// no drop-behind read: the pages it takes stay in the image's cache,
-// those its read-ahead brought in for the READ before included
-// (TestKcOneCache: 3572 of 4096 pages of the image left cached, 0-19%
-// without lending). The O_DIRECT reads of a kernel-cached export, which
+// no read that drop-behind counts, and what it maps drop-behind cannot
+// drop: the pages it takes stay in the image's cache, those read ahead
+// for the READ before included (TestKcOneCache, when READs that fill the
+// cache lent: 3572 of 4096 pages of the image left cached). The O_DIRECT reads of a kernel-cached export, which
 // come every time and have no other cache, lend.
 func (e *Export) tryLend(in *fuse.ReadIn, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || e.readCrossesEnd(in) || e.cachesRead(in) {
