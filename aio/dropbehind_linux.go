@@ -17,18 +17,28 @@ import (
 //
 // The pages are dropped a granule at a time (FADV_DONTNEED), not per
 // read: once every block of a granule has been read, or when no read has
-// reached it for a sweep's interval. Per read, as RWF_DONTCACHE drops
-// them, the file's read-ahead is lost: the page cache holds a file in
-// folios of up to 2 MiB, such a read drops every folio it touched, whole,
-// and the rest of a folio that a READ of the export reached only the
-// start of is read from the disk again for the next READ. A loop-mounted
-// ext4 read back cold (the bench's loop row) read 370-440 MiB from the
-// disk for 273 MiB, against 270 for a loop on the image file, and took
-// 0.78× of its speed (medians of five alternating runs); with granules,
-// 0.9-1.0×. (It still reads about 375 MiB from the disk, though the
-// daemon reads no dropped granule again; with nothing dropped, 270.)
-// Unlike RWF_DONTCACHE, FADV_DONTNEED also drops pages that were cached
-// before the read: the image is the export's (its lock says so).
+// reached it for a sweep's interval; and where reads stop, the file's
+// read-ahead past them (dropAhead) once no read has come there for an
+// interval. Per read, as RWF_DONTCACHE drops them, the file's read-ahead
+// suffers: the page cache holds a file in folios of up to 2 MiB, and
+// such a read drops every folio it touched, whole, the rest of it that a
+// later READ would have used included. Measured by hand, alternating:
+// fio's 4 KiB buffered sequential reads of a kernel-cached export,
+// 1003-1310 MiB/s with RWF_DONTCACHE, 1225-1465 with granules (four
+// pairs); the bench's loop row (ext4 on a loop device, a tree read back
+// cold) 1.34 s against 1.28 s, the loop on the image file 1.11 s (medians
+// of eight triples; the pairs alone do not tell the two apart). Both
+// read 370-440 MiB from the disk for the 273 the loop device reads (the
+// loop on the file, and the export with nothing dropped: 270); the
+// daemon reads no dropped granule again, and where the rest comes from is
+// not known yet.
+//
+// Unlike RWF_DONTCACHE, FADV_DONTNEED drops the clean pages of its range
+// that were cached before the daemon read them too (another reader of a
+// backing file that many images share loses its cached pages as the
+// export reads through them: a cost in speed, never in data), and starts
+// the writeback of dirty ones; it leaves mapped pages, someone else's
+// mappings and mapped-read lends alike.
 
 // dropGranule is the unit dropped: a power of two no smaller than the
 // largest folio of the page cache (PMD order on x86-64 and arm64 with 4
@@ -45,35 +55,52 @@ const dropBlock = 4096
 // after one to two intervals.
 const dropIdle = 500 * time.Millisecond
 
+// dropAhead is how far past a granule where reads stopped the file's own
+// read-ahead may have brought pages in that no read reached: when no read
+// comes after it for a sweep's interval, that much is dropped too. Twice
+// the largest read-ahead window this project sets up (8 MiB, the disk's),
+// as the kernel doubles a window for FADV_SEQUENTIAL.
+const dropAhead = 16 << 20
+
 // dropMaxTracked bounds the granules tracked between sweeps (random reads
 // over a large image touch a new one each); past it, all are dropped at
 // once.
 const dropMaxTracked = 1 << 16
 
 // dropper tracks what the reads of one file have covered since its
-// granules were last dropped.
+// granules were last dropped, and drops them from a goroutine of its own:
+// FADV_DONTNEED also starts the writeback of dirty pages in its range, so
+// a read (TryReadAt in the FUSE serve loop among them) only marks, and
+// never waits for a drop.
 type dropper struct {
-	mu     sync.Mutex
-	fd     int
-	read   map[int64]granuleReads // by granule index
-	sweep  *time.Timer            // armed while read is not empty
-	gen    uint32                 // sweeps so far
-	closed bool
+	fd   int
+	idle time.Duration // dropIdle, shorter in tests
+
+	mu      sync.Mutex
+	read    map[int64]granuleReads // by granule index
+	ends    map[int64]uint32       // granules after which reads stopped, by the sweep that saw it
+	pending []int64                // granules read whole, to drop
+	gen     uint32                 // sweeps so far
+	closed  bool
+
+	kick chan struct{} // pending has granules (buffered, 1)
+	quit chan struct{} // closed by close
+	gone chan struct{} // closed when the goroutine has returned
 }
 
 // granuleReads marks the blocks of a granule that reads have reached (a
 // block read in part counts: its page was read).
 type granuleReads struct {
-	pages [dropGranule / dropBlock / 64]uint64
-	gen   uint32 // the sweep generation of the last read
+	blocks [dropGranule / dropBlock / 64]uint64
+	gen    uint32 // the sweep generation of the last read
 }
 
 // mark sets the bits of blocks [from, to) and says whether all are set.
 func (r *granuleReads) mark(from, to int64) bool {
-	for p := from; p < to; p++ {
-		r.pages[p/64] |= 1 << (p % 64)
+	for b := from; b < to; b++ {
+		r.blocks[b/64] |= 1 << (b % 64)
 	}
-	for _, w := range r.pages {
+	for _, w := range r.blocks {
 		if w != ^uint64(0) {
 			return false
 		}
@@ -81,14 +108,17 @@ func (r *granuleReads) mark(from, to int64) bool {
 	return true
 }
 
-func newDropper(fd int) *dropper {
-	return &dropper{fd: fd, read: make(map[int64]granuleReads)}
+func newDropper(fd int, idle time.Duration) *dropper {
+	d := &dropper{fd: fd, idle: idle, read: make(map[int64]granuleReads), ends: make(map[int64]uint32),
+		kick: make(chan struct{}, 1), quit: make(chan struct{}), gone: make(chan struct{})}
+	go d.run()
+	return d
 }
 
-// done records a read of n bytes at off that has completed, dropping the
-// granules it completed. Nil-safe: a file without drop-behind has none.
-// Reads no file has (past 2^62, or of more than 2 GiB: the export's are
-// of 1 MiB at most) are not tracked.
+// done records a read of n bytes at off that has completed; the granules
+// it completed are dropped soon after. Nil-safe: a file without
+// drop-behind has none. Reads no file has (past 2^62, or of more than 2
+// GiB: the export's are of 1 MiB at most) are not tracked.
 func (d *dropper) done(off int64, n int) {
 	if d == nil || n <= 0 || n > 1<<31 || off < 0 || off > 1<<62 {
 		return
@@ -99,78 +129,145 @@ func (d *dropper) done(off int64, n int) {
 	if d.closed {
 		return
 	}
+	idle := len(d.read)+len(d.ends) == 0
+	kick := false
 	for g := off / dropGranule; g*dropGranule < end; g++ {
 		base := g * dropGranule
 		lo, hi := max(off, base), min(end, base+dropGranule)
+		delete(d.ends, g) // reads go on here
 		r := d.read[g]
 		r.gen = d.gen
 		if r.mark((lo-base)/dropBlock, (hi-base+dropBlock-1)/dropBlock) {
 			delete(d.read, g)
-			d.drop(g)
+			d.pending = append(d.pending, g)
+			d.ends[g+1] = d.gen
+			kick = true
 			continue
 		}
 		d.read[g] = r
 	}
-	switch {
-	case len(d.read) >= dropMaxTracked:
-		d.dropAll()
-	case len(d.read) > 0 && d.sweep == nil:
-		d.sweep = time.AfterFunc(dropIdle, d.sweepIdle)
-	}
-}
-
-// sweepIdle drops the granules no read has reached since the last sweep,
-// and comes back while some remain.
-func (d *dropper) sweepIdle() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return
-	}
-	for g, r := range d.read {
-		if r.gen != d.gen {
-			delete(d.read, g)
-			d.drop(g)
+	// The goroutine sweeps only while something is tracked, and sees the
+	// bound.
+	tracked := len(d.read) + len(d.ends)
+	if kick || (idle && tracked > 0) || tracked >= dropMaxTracked {
+		select {
+		case d.kick <- struct{}{}:
+		default:
 		}
 	}
+}
+
+// run drops what done hands it, and sweeps every d.idle while anything
+// is tracked: the granules no read has reached since the sweep before,
+// and past each place where reads stopped (a granule read whole or
+// swept, and nothing read after it since), dropAhead more that no read
+// has reached.
+func (d *dropper) run() {
+	defer close(d.gone)
+	var timer *time.Timer
+	var tick <-chan time.Time // nil while no sweep is due
+	var work []dropRange
+	for {
+		sweep := false
+		select {
+		case <-d.quit:
+			if timer != nil {
+				timer.Stop()
+			}
+			return
+		case <-d.kick:
+		case <-tick:
+			sweep, tick = true, nil
+		}
+		d.mu.Lock()
+		work = d.take(work[:0], sweep, false)
+		busy := len(d.read)+len(d.ends) > 0
+		d.mu.Unlock()
+		for _, r := range work {
+			unix.Fadvise(d.fd, r.off, r.n, unix.FADV_DONTNEED)
+		}
+		if busy && tick == nil {
+			if timer == nil {
+				timer = time.NewTimer(d.idle)
+			} else {
+				timer.Reset(d.idle)
+			}
+			tick = timer.C
+		}
+	}
+}
+
+// dropRange is a byte range to drop.
+type dropRange struct{ off, n int64 }
+
+// take appends what is to be dropped now to work, and forgets it: the
+// granules read whole, on a sweep the idle ones, and with all (or more
+// tracked than dropMaxTracked) everything. Under d.mu.
+func (d *dropper) take(work []dropRange, sweep, all bool) []dropRange {
+	for _, g := range d.pending {
+		work = append(work, dropRange{g * dropGranule, dropGranule})
+	}
+	d.pending = d.pending[:0]
+	all = all || len(d.read)+len(d.ends) >= dropMaxTracked
+	if !sweep && !all {
+		return work
+	}
+	for g, r := range d.read {
+		if all || r.gen != d.gen {
+			delete(d.read, g)
+			work = append(work, dropRange{g * dropGranule, dropGranule})
+			d.ends[g+1] = d.gen
+		}
+	}
+	for g, gen := range d.ends {
+		if !all && gen == d.gen {
+			continue // reads may come yet
+		}
+		delete(d.ends, g)
+		// Up to dropAhead, short of granules reads are working through.
+		from := g
+		for g < from+dropAhead/dropGranule {
+			if _, ok := d.read[g]; ok {
+				break
+			}
+			g++
+		}
+		if g > from {
+			work = append(work, dropRange{from * dropGranule, (g - from) * dropGranule})
+		}
+	}
+	if all || len(d.read)+len(d.ends) == 0 {
+		// Maps keep their buckets; a tracker of a burst of random reads
+		// should not.
+		d.read = make(map[int64]granuleReads)
+		d.ends = make(map[int64]uint32)
+	}
 	d.gen++
-	if len(d.read) > 0 {
-		d.sweep.Reset(dropIdle)
-	} else {
-		d.sweep = nil
-	}
+	return work
 }
 
-// dropAll drops every tracked granule.
-func (d *dropper) dropAll() {
-	for g := range d.read {
-		delete(d.read, g)
-		d.drop(g)
-	}
-}
-
-// drop asks the kernel to drop granule g's clean, unmapped pages (pages
-// another process maps, or that a lend maps, stay). Under d.mu, so that
-// close never frees the descriptor while a drop is using it.
-func (d *dropper) drop(g int64) {
-	unix.Fadvise(d.fd, g*dropGranule, dropGranule, unix.FADV_DONTNEED)
-}
-
-// close drops what is still tracked and stops the sweeps; it runs before
-// the file's descriptor is closed.
+// close stops the goroutine, then drops what is still tracked (and what
+// may have been read ahead past it); it runs before the file's
+// descriptor is closed, and no drop runs after it returns.
 func (d *dropper) close() {
 	if d == nil {
 		return
 	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
+		d.mu.Unlock()
 		return
 	}
-	d.dropAll()
 	d.closed = true
-	if d.sweep != nil {
-		d.sweep.Stop()
+	d.mu.Unlock()
+	close(d.quit)
+	<-d.gone
+	d.mu.Lock()
+	work := d.take(nil, true, true)
+	d.read, d.ends = nil, nil
+	d.mu.Unlock()
+	for _, r := range work {
+		unix.Fadvise(d.fd, r.off, r.n, unix.FADV_DONTNEED)
 	}
 }
 

@@ -14,6 +14,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// cachedAfter waits up to 5 s for the page cache to hold no page of
+// [from, to) of path, and returns how many it holds at the end.
+func cachedAfter(t *testing.T, path string, from, to int) int {
+	t.Helper()
+	k := 0
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		k = residentPages(t, path, to)
+		if from > 0 {
+			k -= residentPages(t, path, from)
+		}
+		if k == 0 || time.Now().After(deadline) {
+			return k
+		}
+	}
+}
+
 // residentPages is how many pages of [0, n) of path the page cache holds.
 func residentPages(t *testing.T, path string, n int) int {
 	t.Helper()
@@ -26,8 +42,8 @@ func residentPages(t *testing.T, path string, n int) int {
 
 // TestDropBehindReadsLeaveNothingCached: with drop-behind on, a file read
 // whole (ReadAt, ReadvAt) returns its bytes and leaves none of the pages
-// it brought in cached, at once (every granule was read whole); without
-// it, the same reads leave them.
+// it brought in cached, its file still open (every granule was read
+// whole); without it, the same reads leave them.
 func TestDropBehindReadsLeaveNothingCached(t *testing.T) {
 	const size = 4 << 20
 	data := make([]byte, size)
@@ -70,6 +86,9 @@ func TestDropBehindReadsLeaveNothingCached(t *testing.T) {
 				t.Fatalf("%s drop-behind %v: reads back wrong", backend, drop)
 			}
 			k := residentPages(t, path, size)
+			if drop {
+				k = cachedAfter(t, path, 0, size)
+			}
 			f.Close()
 			switch {
 			case drop && k > 0:
@@ -165,7 +184,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 		if !bytes.Equal(got, data[:granule]) {
 			t.Fatalf("%s: the granule reads back wrong", backend)
 		}
-		if k := residentPages(t, path, granule); k != 0 {
+		if k := cachedAfter(t, path, 0, granule); k != 0 {
 			t.Fatalf("%s: %d pages of a granule read whole still cached", backend, k)
 		}
 	}
@@ -197,6 +216,81 @@ func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 		}
 		if k := residentPages(t, path, size); k > 0 {
 			t.Fatalf("%s: %d pages read in part still cached after 5 s", backend, k)
+		}
+	}
+}
+
+// TestDropBehindDropsReadAheadPastWhereReadsStop: a reader that stops
+// partway leaves the pages the file's read-ahead brought in past it,
+// granules no read reached; they leave the cache too, within seconds,
+// and so do they when the file is closed right after the reads (close
+// drops what is tracked, without waiting for a sweep; read-ahead still
+// on its way from the disk then is not dropped, a locked page). A review found
+// 1408 such pages left after a 2 MiB sequential read of a 16 MiB file,
+// for good.
+func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
+	const size = 16 << 20
+	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
+		for _, closeAtOnce := range []bool{false, true} {
+			f, path, _ := dropBehindFile(t, backend, size)
+			if err := unix.Fadvise(f.Fd(), 0, size, unix.FADV_SEQUENTIAL); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 128<<10)
+			for off := 0; off < 3<<20; off += len(buf) { // a granule and a half
+				if _, err := f.ReadAt(context.Background(), buf, int64(off)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if k := residentPages(t, path, size) - residentPages(t, path, 3<<20); k == 0 && !closeAtOnce {
+				t.Logf("%s: no read-ahead past the reads to drop", backend)
+			}
+			if closeAtOnce {
+				// Read-ahead still under way when close drops is not
+				// dropped (a page under I/O is locked): let it land.
+				for prev, same := -1, 0; same < 3; time.Sleep(50 * time.Millisecond) {
+					k := residentPages(t, path, size)
+					if k == prev {
+						same++
+					} else {
+						prev, same = k, 0
+					}
+				}
+				f.Close()
+				if k := residentPages(t, path, size); k != 0 {
+					t.Fatalf("%s: %d pages cached right after close", backend, k)
+				}
+				continue
+			}
+			if k := cachedAfter(t, path, 0, size); k != 0 {
+				t.Fatalf("%s: %d pages cached 5 s after the reads stopped", backend, k)
+			}
+		}
+	}
+}
+
+// TestDropBehindCountsTryReadAt: reads from the page cache (TryReadAt,
+// what the FUSE serve loop tries first) count as reads: a granule read
+// whole through it leaves the cache.
+func TestDropBehindCountsTryReadAt(t *testing.T) {
+	const granule = 2 << 20
+	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
+		f, path, data := dropBehindFile(t, backend, 2*granule)
+		// Cached by another open of the file, so TryReadAt hits.
+		if _, err := os.ReadFile(path); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, granule)
+		for off := 0; off < granule; off += 64 << 10 {
+			if !f.TryReadAt(got[off:off+64<<10], int64(off)) {
+				t.Fatalf("%s: TryReadAt missed at %d, the file read whole just before", backend, off)
+			}
+		}
+		if !bytes.Equal(got, data[:granule]) {
+			t.Fatalf("%s: TryReadAt read back wrong", backend)
+		}
+		if k := cachedAfter(t, path, 0, granule); k != 0 {
+			t.Fatalf("%s: %d pages of a granule read whole by TryReadAt still cached", backend, k)
 		}
 	}
 }

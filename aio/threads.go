@@ -25,7 +25,12 @@ func (t *threadFile) setDropBehind() bool {
 	if t.direct {
 		return false
 	}
-	t.behind.CompareAndSwap(nil, newDropper(t.fd))
+	if t.behind.Load() == nil {
+		d := newDropper(t.fd, dropIdle)
+		if !t.behind.CompareAndSwap(nil, d) {
+			d.close() // set meanwhile
+		}
+	}
 	return true
 }
 

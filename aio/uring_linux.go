@@ -420,7 +420,12 @@ func (u *uringFile) setDropBehind() bool {
 	if u.direct {
 		return false
 	}
-	u.behind.CompareAndSwap(nil, newDropper(u.fd))
+	if u.behind.Load() == nil {
+		d := newDropper(u.fd, dropIdle)
+		if !u.behind.CompareAndSwap(nil, d) {
+			d.close() // set meanwhile
+		}
+	}
 	return true
 }
 
