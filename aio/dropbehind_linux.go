@@ -273,13 +273,15 @@ func (d *dropper) close() {
 
 // dropBehinder is what files that can read drop-behind implement.
 type dropBehinder interface {
-	setDropBehind() bool
+	setDropBehind(idle time.Duration) bool
 }
 
 // SetDropBehind makes the pages that f's reads bring into the page cache
 // leave it again (see dropGranule for when), where f is a buffered host
 // file; it says whether it did. Set it before f serves reads.
-func SetDropBehind(f File) bool {
+func SetDropBehind(f File) bool { return setDropBehind(f, dropIdle) }
+
+func setDropBehind(f File, idle time.Duration) bool {
 	d, ok := f.(dropBehinder)
-	return ok && d.setDropBehind()
+	return ok && d.setDropBehind(idle)
 }

@@ -116,9 +116,9 @@ func TestDropBehindRefusedForDirect(t *testing.T) {
 	}
 }
 
-// dropBehindFile writes size random bytes to a new file, drops it from the page
-// cache, and opens it with drop-behind on.
-func dropBehindFile(t *testing.T, backend aio.Backend, size int) (aio.File, string, []byte) {
+// dropBehindFile writes size random bytes to a new file, drops it from
+// the page cache, and opens it with drop-behind on, sweeping every idle.
+func dropBehindFile(t *testing.T, backend aio.Backend, size int, idle time.Duration) (aio.File, string, []byte) {
 	t.Helper()
 	data := make([]byte, size)
 	r := rand.New(rand.NewPCG(3, 4))
@@ -134,7 +134,7 @@ func dropBehindFile(t *testing.T, backend aio.Backend, size int) (aio.File, stri
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
-	if !aio.SetDropBehind(f) {
+	if !aio.SetDropBehindIdle(f, idle) {
 		t.Fatal("SetDropBehind refused a buffered file")
 	}
 	unix.Fdatasync(f.Fd())
@@ -149,11 +149,12 @@ func dropBehindFile(t *testing.T, backend aio.Backend, size int) (aio.File, stri
 // file's read-ahead brings them) stay cached while reads work through
 // the granule, and leave with its last block: a drop per read (as
 // RWF_DONTCACHE's, of whole folios) loses read-ahead a reader is about to
-// use. Random and unaligned read sizes, so the marks cross pages.
+// use. Random and unaligned read sizes, so the marks cross pages; sweeps
+// held off, so that a slow machine cannot sweep the granule midway.
 func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 	const granule = 2 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
-		f, path, data := dropBehindFile(t, backend, 2*granule)
+		f, path, data := dropBehindFile(t, backend, 2*granule, time.Hour)
 		if err := unix.Fadvise(f.Fd(), 0, granule, unix.FADV_WILLNEED); err != nil {
 			t.Fatal(err)
 		}
@@ -197,7 +198,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 	const size = 8 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
-		f, path, data := dropBehindFile(t, backend, size)
+		f, path, data := dropBehindFile(t, backend, size, 500*time.Millisecond)
 		got := make([]byte, 4096)
 		for _, off := range []int64{0, 3 << 20, size - 4096} {
 			if _, err := f.ReadvAt(context.Background(), [][]byte{got[:100], got[100:]}, off); err != nil {
@@ -232,7 +233,7 @@ func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
 	const size = 16 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		for _, closeAtOnce := range []bool{false, true} {
-			f, path, _ := dropBehindFile(t, backend, size)
+			f, path, _ := dropBehindFile(t, backend, size, 500*time.Millisecond)
 			if err := unix.Fadvise(f.Fd(), 0, size, unix.FADV_SEQUENTIAL); err != nil {
 				t.Fatal(err)
 			}
@@ -275,7 +276,7 @@ func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
 func TestDropBehindCountsTryReadAt(t *testing.T) {
 	const granule = 2 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
-		f, path, data := dropBehindFile(t, backend, 2*granule)
+		f, path, data := dropBehindFile(t, backend, 2*granule, time.Hour)
 		// Cached by another open of the file, so TryReadAt hits.
 		if _, err := os.ReadFile(path); err != nil {
 			t.Fatal(err)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -21,12 +22,12 @@ type threadFile struct {
 	lend   pageMap                 // see Lender
 }
 
-func (t *threadFile) setDropBehind() bool {
+func (t *threadFile) setDropBehind(idle time.Duration) bool {
 	if t.direct {
 		return false
 	}
 	if t.behind.Load() == nil {
-		d := newDropper(t.fd, dropIdle)
+		d := newDropper(t.fd, idle)
 		if !t.behind.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}

@@ -21,6 +21,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -416,12 +417,12 @@ type uringFile struct {
 	lend   pageMap                 // see Lender
 }
 
-func (u *uringFile) setDropBehind() bool {
+func (u *uringFile) setDropBehind(idle time.Duration) bool {
 	if u.direct {
 		return false
 	}
 	if u.behind.Load() == nil {
-		d := newDropper(u.fd, dropIdle)
+		d := newDropper(u.fd, idle)
 		if !u.behind.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}
