@@ -2,6 +2,7 @@ package aio
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -287,4 +288,16 @@ func SetDropBehind(f File) bool { return setDropBehind(f, dropIdle) }
 func setDropBehind(f File, idle time.Duration) bool {
 	d, ok := f.(dropBehinder)
 	return ok && d.setDropBehind(idle)
+}
+
+// startDropper gives a file (its descriptor fd) the dropper in slot,
+// unless it has one; true.
+func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration) bool {
+	if slot.Load() == nil {
+		d := newDropper(fd, idle)
+		if !slot.CompareAndSwap(nil, d) {
+			d.close() // set meanwhile
+		}
+	}
+	return true
 }

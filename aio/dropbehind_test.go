@@ -46,15 +46,7 @@ func residentPages(t *testing.T, path string, n int) int {
 // whole); without it, the same reads leave them.
 func TestDropBehindReadsLeaveNothingCached(t *testing.T) {
 	const size = 4 << 20
-	data := make([]byte, size)
-	r := rand.New(rand.NewPCG(1, 2))
-	for i := range data {
-		data[i] = byte(r.Uint32())
-	}
-	path := filepath.Join(t.TempDir(), "f")
-	if err := os.WriteFile(path, data, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	path, data := randomFile(t, size)
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		for _, drop := range []bool{false, true} {
 			f, err := aio.Open(path, aio.Options{Backend: backend})
@@ -116,9 +108,8 @@ func TestDropBehindRefusedForDirect(t *testing.T) {
 	}
 }
 
-// dropBehindFile writes size random bytes to a new file, drops it from
-// the page cache, and opens it with drop-behind on, sweeping every idle.
-func dropBehindFile(t *testing.T, backend aio.Backend, size int, idle time.Duration) (aio.File, string, []byte) {
+// randomFile writes size random bytes to a new file.
+func randomFile(t *testing.T, size int) (string, []byte) {
 	t.Helper()
 	data := make([]byte, size)
 	r := rand.New(rand.NewPCG(3, 4))
@@ -129,6 +120,14 @@ func dropBehindFile(t *testing.T, backend aio.Backend, size int, idle time.Durat
 	if err := os.WriteFile(path, data, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	return path, data
+}
+
+// dropBehindFile writes size random bytes to a new file, drops it from
+// the page cache, and opens it with drop-behind on, sweeping every idle.
+func dropBehindFile(t *testing.T, backend aio.Backend, size int, idle time.Duration) (aio.File, string, []byte) {
+	t.Helper()
+	path, data := randomFile(t, size)
 	f, err := aio.Open(path, aio.Options{Backend: backend})
 	if err != nil {
 		t.Fatal(err)
@@ -144,6 +143,36 @@ func dropBehindFile(t *testing.T, backend aio.Backend, size int, idle time.Durat
 	return f, path, data
 }
 
+// willNeed brings [off, off+n) of path into the page cache, as
+// read-ahead would (from an open of its own: FADV_RANDOM on the file
+// under test stops FADV_WILLNEED there), and waits until it is all there.
+func willNeed(t *testing.T, path string, off, n int) {
+	t.Helper()
+	g, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	for c := off; c < off+n; c += 2 << 20 { // one call reads in one read-ahead window at most
+		if err := unix.Fadvise(int(g.Fd()), int64(c), int64(min(2<<20, off+n-c)), unix.FADV_WILLNEED); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := 0
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		k = residentPages(t, path, off+n)
+		if off > 0 {
+			k -= residentPages(t, path, off)
+		}
+		if k == n/4096 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if k != n/4096 {
+		t.Fatalf("FADV_WILLNEED brought in %d of %d pages", k, n/4096)
+	}
+}
+
 // TestDropBehindKeepsAGranuleUntilRead: the pages of a granule that a
 // read has not reached yet (here brought in by FADV_WILLNEED, as the
 // file's read-ahead brings them) stay cached while reads work through
@@ -155,16 +184,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 	const granule = 2 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		f, path, data := dropBehindFile(t, backend, 2*granule, time.Hour)
-		if err := unix.Fadvise(f.Fd(), 0, granule, unix.FADV_WILLNEED); err != nil {
-			t.Fatal(err)
-		}
-		deadline := time.Now().Add(5 * time.Second)
-		for residentPages(t, path, granule) < granule/4096 && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-		}
-		if k := residentPages(t, path, granule); k < granule/4096 {
-			t.Fatalf("FADV_WILLNEED brought in %d of %d pages", k, granule/4096)
-		}
+		willNeed(t, path, 0, granule)
 		r := rand.New(rand.NewPCG(5, 6))
 		got := make([]byte, granule)
 		for off := 0; off < granule; {
@@ -211,52 +231,36 @@ func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 		if k := residentPages(t, path, size); k < 3 {
 			t.Fatalf("%s: only %d pages cached right after three reads (the test cannot tell a sweep from none)", backend, k)
 		}
-		deadline := time.Now().Add(5 * time.Second)
-		for residentPages(t, path, size) > 0 && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if k := residentPages(t, path, size); k > 0 {
+		if k := cachedAfter(t, path, 0, size); k > 0 {
 			t.Fatalf("%s: %d pages read in part still cached after 5 s", backend, k)
 		}
 	}
 }
 
 // TestDropBehindDropsReadAheadPastWhereReadsStop: a reader that stops
-// partway leaves the pages the file's read-ahead brought in past it,
-// granules no read reached; they leave the cache too, within seconds,
-// and so do they when the file is closed right after the reads (close
-// drops what is tracked, without waiting for a sweep; read-ahead still
-// on its way from the disk then is not dropped, a locked page). A review found
-// 1408 such pages left after a 2 MiB sequential read of a 16 MiB file,
-// for good.
+// partway leaves the pages the file's read-ahead brought in past it
+// (here FADV_WILLNEED brings them, reads themselves read nothing ahead:
+// FADV_RANDOM), granules no read reached; they leave the cache too,
+// within seconds, and so do they when the file is closed right after the
+// reads (close drops what is tracked, without waiting for a sweep). A
+// review found 1408 such pages left after a 2 MiB sequential read of a
+// 16 MiB file, for good.
 func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
-	const size = 16 << 20
+	const size, stop = 16 << 20, 3 << 20 // a granule and a half read
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		for _, closeAtOnce := range []bool{false, true} {
 			f, path, _ := dropBehindFile(t, backend, size, 500*time.Millisecond)
-			if err := unix.Fadvise(f.Fd(), 0, size, unix.FADV_SEQUENTIAL); err != nil {
+			if err := unix.Fadvise(f.Fd(), 0, size, unix.FADV_RANDOM); err != nil {
 				t.Fatal(err)
 			}
 			buf := make([]byte, 128<<10)
-			for off := 0; off < 3<<20; off += len(buf) { // a granule and a half
+			for off := 0; off < stop; off += len(buf) {
 				if _, err := f.ReadAt(context.Background(), buf, int64(off)); err != nil {
 					t.Fatal(err)
 				}
 			}
-			if k := residentPages(t, path, size) - residentPages(t, path, 3<<20); k == 0 && !closeAtOnce {
-				t.Logf("%s: no read-ahead past the reads to drop", backend)
-			}
+			willNeed(t, path, stop, size-stop)
 			if closeAtOnce {
-				// Read-ahead still under way when close drops is not
-				// dropped (a page under I/O is locked): let it land.
-				for prev, same := -1, 0; same < 3; time.Sleep(50 * time.Millisecond) {
-					k := residentPages(t, path, size)
-					if k == prev {
-						same++
-					} else {
-						prev, same = k, 0
-					}
-				}
 				f.Close()
 				if k := residentPages(t, path, size); k != 0 {
 					t.Fatalf("%s: %d pages cached right after close", backend, k)

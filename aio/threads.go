@@ -23,16 +23,7 @@ type threadFile struct {
 }
 
 func (t *threadFile) setDropBehind(idle time.Duration) bool {
-	if t.direct {
-		return false
-	}
-	if t.behind.Load() == nil {
-		d := newDropper(t.fd, idle)
-		if !t.behind.CompareAndSwap(nil, d) {
-			d.close() // set meanwhile
-		}
-	}
-	return true
+	return !t.direct && startDropper(&t.behind, t.fd, idle)
 }
 
 // directEOF says whether err, from the read that continues one that

@@ -418,16 +418,7 @@ type uringFile struct {
 }
 
 func (u *uringFile) setDropBehind(idle time.Duration) bool {
-	if u.direct {
-		return false
-	}
-	if u.behind.Load() == nil {
-		d := newDropper(u.fd, idle)
-		if !u.behind.CompareAndSwap(nil, d) {
-			d.close() // set meanwhile
-		}
-	}
-	return true
+	return !u.direct && startDropper(&u.behind, u.fd, idle)
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {

@@ -34,11 +34,18 @@ type kernelSide struct {
 }
 
 func send[T any](k kernelSide, v *T) {
-	b := unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v))
-	(*fuse.InHeader)(unsafe.Pointer(v)).Length = uint32(len(b))
-	if _, err := unix.Write(k.fd, b); err != nil {
+	if err := write(k.fd, v); err != nil {
 		k.t.Fatal(err)
 	}
+}
+
+// write sends request v (its header's length set here) on fd; safe from
+// any goroutine, unlike send.
+func write[T any](fd int, v *T) error {
+	b := unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v))
+	(*fuse.InHeader)(unsafe.Pointer(v)).Length = uint32(len(b))
+	_, err := unix.Write(fd, b)
+	return err
 }
 
 // reply waits up to ms milliseconds for the next reply and returns its

@@ -6,7 +6,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
@@ -256,10 +255,7 @@ func TestPacedLoopAnswersEveryDepth(t *testing.T) {
 		q, ended := f.loop(false)
 		k := f.k
 		ask := func(u uint64) error {
-			in := &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: (u % 256) * 4096, Size: 4096}
-			in.Length = uint32(unsafe.Sizeof(*in))
-			_, err := unix.Write(k.fd, unsafe.Slice((*byte)(unsafe.Pointer(in)), unsafe.Sizeof(*in)))
-			return err
+			return write(k.fd, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: u, NodeId: 1}, Offset: (u % 256) * 4096, Size: 4096})
 		}
 		written := make(chan error, 1)
 		if deep {

@@ -273,7 +273,10 @@ func main() {
 			// file system's small reads lose the host's read-ahead.
 			direct := ours("--kernel-cache", "on", "--cache", "none")
 			direct.config = "--kernel-cache on --cache none"
-			systems := append([]system{ours(), cached, shortRA, direct, {name: "file"}}, qsdSystems(target)...)
+			// QEMU in every configuration its users can pick, O_DIRECT on
+			// the image (cache.direct=on) among them, as the kernel-cache
+			// rows run it.
+			systems := append([]system{ours(), cached, shortRA, direct, {name: "file"}}, append(qsdSystems(target), qsdDirectSystems()...)...)
 			rows = append(rows, benchLoop(target, dir, systems)...)
 		}
 	}
@@ -835,7 +838,7 @@ func report(rows []row) error {
 	fmt.Fprintf(&b, "# blockexport vs qemu-storage-daemon — %s\n\n", stamp)
 	fmt.Fprintf(&b, "%s\n\n", machine())
 	fmt.Fprintf(&b, "fio: 4 KiB, direct=1, numjobs=1, time_based, runtime %v (+1 s ramp) per row and system; aio = libaio iodepth 16, sync = pvsync2 iodepth 1. 1 GiB images, page cache warmed before each row (read through once; the pages left by making an image are dropped first, so both daemons read the page cache as reading the image from disk fills it); the order of the systems rotates from row to row. Ratio > 1 means blockexport is better (for time and RSS rows: smaller).\n\n", *runtimeFlag)
-	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only to the --cache none rows, where QEMU runs with cache.direct=on and aio=native or aio=io_uring, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse; the uring rows compare FUSE over io_uring with our own /dev/fuse loop. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
+	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only where QEMU runs with cache.direct=on: the --cache none rows, the kernel-cache rows and the loop rows, with aio=native, io_uring or threads, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse; the uring rows compare FUSE over io_uring with our own /dev/fuse loop. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
 	fmt.Fprintf(&b, "| target | row | compared with: the best of its configurations | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
 	for _, r := range rows {
