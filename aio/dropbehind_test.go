@@ -14,12 +14,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// cachedAfter waits up to 5 s for the page cache to hold no page of
+// cachedAfter waits up to 10 s for the page cache to hold no page of
 // [from, to) of path, and returns how many it holds at the end.
 func cachedAfter(t *testing.T, path string, from, to int) int {
 	t.Helper()
 	k := 0
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		k = residentPages(t, path, to)
 		if from > 0 {
 			k -= residentPages(t, path, from)
@@ -218,7 +218,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 	const size = 8 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
-		f, path, data := dropBehindFile(t, backend, size, 500*time.Millisecond)
+		f, path, data := dropBehindFile(t, backend, size, time.Second)
 		got := make([]byte, 4096)
 		for _, off := range []int64{0, 3 << 20, size - 4096} {
 			if _, err := f.ReadvAt(context.Background(), [][]byte{got[:100], got[100:]}, off); err != nil {
@@ -232,7 +232,7 @@ func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 			t.Fatalf("%s: only %d pages cached right after three reads (the test cannot tell a sweep from none)", backend, k)
 		}
 		if k := cachedAfter(t, path, 0, size); k > 0 {
-			t.Fatalf("%s: %d pages read in part still cached after 5 s", backend, k)
+			t.Fatalf("%s: %d pages read in part still cached after 10 s", backend, k)
 		}
 	}
 }
@@ -249,7 +249,7 @@ func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
 	const size, stop = 16 << 20, 3 << 20 // a granule and a half read
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
 		for _, closeAtOnce := range []bool{false, true} {
-			f, path, _ := dropBehindFile(t, backend, size, 500*time.Millisecond)
+			f, path, _ := dropBehindFile(t, backend, size, time.Second)
 			if err := unix.Fadvise(f.Fd(), 0, size, unix.FADV_RANDOM); err != nil {
 				t.Fatal(err)
 			}
@@ -268,7 +268,7 @@ func TestDropBehindDropsReadAheadPastWhereReadsStop(t *testing.T) {
 				continue
 			}
 			if k := cachedAfter(t, path, 0, size); k != 0 {
-				t.Fatalf("%s: %d pages cached 5 s after the reads stopped", backend, k)
+				t.Fatalf("%s: %d pages cached 10 s after the reads stopped", backend, k)
 			}
 		}
 	}

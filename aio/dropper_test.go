@@ -54,7 +54,14 @@ func TestDropperBounds(t *testing.T) {
 	if _, ok := d.tracked(0); ok {
 		t.Fatal("granule 0, read whole in overlapping pieces, still tracked as read in part")
 	}
-	for g := int64(2); g < dropMaxTracked+2; g++ {
+	// Exactly up to the bound: the read that reaches it is the last, so
+	// none comes after the goroutine dropped them all (the sweep is an
+	// hour away, so nothing else empties the maps before).
+	n0, _ := d.tracked(0)
+	for g := int64(2); int64(n0)+g-2 < dropMaxTracked; g++ {
+		if n, _ := d.tracked(0); n != n0+int(g)-2 {
+			t.Fatalf("%d granules tracked before the bound, want %d", n, n0+int(g)-2)
+		}
 		d.done(g*dropGranule, 1)
 	}
 	deadline := time.Now().Add(5 * time.Second)
