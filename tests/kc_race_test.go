@@ -101,14 +101,14 @@ func kcRaceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
 	got := make([]byte, 4096)
 	ctx := context.Background()
 	stale := 0
-	// At least 4 s and at least minWrites writes: a slow or loaded machine
-	// (CI's did 996 in 4 s) runs longer rather than failing the floor
+	// At least 4 s, minWrites writes and as many racing reads: a slow or
+	// loaded machine (CI's did 996 writes in 4 s) runs longer rather than failing the floor
 	// below; the hard limit keeps a stalled export from running forever.
 	const minWrites = 1500
 	start := time.Now()
 	deadline, hardDeadline := start.Add(4*time.Second), start.Add(40*time.Second)
 	n := 0
-	for ; (time.Now().Before(deadline) || n < minWrites) && time.Now().Before(hardDeadline) && stale < 5; n++ {
+	for ; (time.Now().Before(deadline) || n < minWrites || reads.Load() < minWrites) && time.Now().Before(hardDeadline) && stale < 5; n++ {
 		blk := int64(n%(blocks/writers)*writers + wr)
 		v := byte(n%251 + 1)
 		for i := range buf {

@@ -143,8 +143,8 @@ func TestReadsMatchTheObject(t *testing.T) {
 		}
 	}
 	// What the cache holds stays within its size (plus what was in flight,
-	// none now).
-	time.Sleep(50 * time.Millisecond)
+	// none once the readahead's fetches are done).
+	f.wg.Wait()
 	f.mu.Lock()
 	held := len(f.blocks)
 	f.mu.Unlock()
@@ -276,15 +276,18 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 // A reader that gives up gets its context's error at once; the fetch it
 // started goes on for whoever else waits.
 func TestReaderCancelDoesNotWait(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), delay: 300 * time.Millisecond}
-	f := openMem(t, m, Options{})
+	// The fetch takes 2 s and the reader may take 1 s to give up: a
+	// stalled machine neither lets the fetch finish first nor fails the
+	// bound.
+	m := &memBackend{data: rhData(1 << 20), delay: 2 * time.Second}
+	f := openMem(t, m, Options{ReconnectTimeout: 10 * time.Second})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
 	start := time.Now()
 	if _, err := f.ReadAt(ctx, make([]byte, 10), 0); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("err %v", err)
 	}
-	if time.Since(start) > 200*time.Millisecond {
+	if time.Since(start) > time.Second {
 		t.Fatal("the cancelled reader waited for the fetch")
 	}
 	p := make([]byte, 10)

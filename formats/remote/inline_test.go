@@ -84,6 +84,7 @@ func TestInlineFetchGivesItsConnectionBack(t *testing.T) {
 			t.Fatalf("read %d at %d: %v", i, off, err)
 		}
 	}
+	f.wg.Wait() // no readahead of the reads above still reads delay
 	m.delay = 20 * time.Millisecond
 	var wg sync.WaitGroup
 	errs := make(chan error, 16)

@@ -223,7 +223,7 @@ func TestPartialAttackFailedGet(t *testing.T) {
 // A partial page that failed to load, orphaned while loading by a read of
 // its neighbour: the waiter of the first gets an error, not bytes.
 func TestPartialAttackOrphanedThenFailed(t *testing.T) {
-	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 30 * time.Millisecond}
+	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
 	m.fail = func(n int64, _ context.Context) error {
 		if n == 1 {
 			return errors.New("403 first")
@@ -238,7 +238,7 @@ func TestPartialAttackOrphanedThenFailed(t *testing.T) {
 		_, err := f.ReadAt(context.Background(), p, base)
 		errc <- err
 	}()
-	time.Sleep(10 * time.Millisecond)
+	awaitGets(t, m, 1) // the first read's GET is in flight
 	p := make([]byte, 100)
 	if _, err := f.ReadAt(context.Background(), p, base+2*page); err != nil || !bytes.Equal(p, m.data[base+2*page:base+2*page+100]) {
 		t.Fatalf("neighbour: %v", err)

@@ -208,7 +208,7 @@ func TestSecondPassOfRandomReadsHitsTheCache(t *testing.T) {
 // the cache, and its buffer goes back once: the cache then holds the
 // replacement alone, in the map and the LRU.
 func TestPartialBlockEvictedWhileLoading(t *testing.T) {
-	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 30 * time.Millisecond}
+	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
 	f := openMem(t, m, Options{})
 	base := int64(5 * DefaultBlockSize)
 	first := make(chan error, 1)
@@ -220,7 +220,7 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 		}
 		first <- err
 	}()
-	time.Sleep(10 * time.Millisecond)
+	awaitGets(t, m, 1) // the first read's GET is in flight
 	p := make([]byte, 100)
 	if _, err := f.ReadAt(context.Background(), p, base+2*page); err != nil || !bytes.Equal(p, m.data[base+2*page:base+2*page+100]) {
 		t.Fatalf("the read that replaced the loading block: %v, or wrong bytes", err)
@@ -240,5 +240,16 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 	f.mu.Unlock()
 	if held != 1 {
 		t.Fatalf("the cache holds %d blocks, want the replacement alone", held)
+	}
+}
+
+// awaitGets waits until m has been asked n requests (they count as they
+// start), up to 5 s.
+func awaitGets(t *testing.T, m *memBackend, n int64) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); m.gets.Load() < n; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests after 5 s, want %d", m.gets.Load(), n)
+		}
 	}
 }

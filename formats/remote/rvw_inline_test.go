@@ -123,7 +123,7 @@ func TestRvwInlineReadOfSeveralGetsOnOneConnection(t *testing.T) {
 		t.Fatal("wrong bytes")
 	}
 
-	m.delay = 300 * time.Millisecond
+	m.delay = 2 * time.Second // and 1 s to give up: see TestReaderCancelDoesNotWait
 	off := int64(6 << 20)
 	inl := make(chan error, 1)
 	q := make([]byte, 4096)
@@ -145,7 +145,7 @@ func TestRvwInlineReadOfSeveralGetsOnOneConnection(t *testing.T) {
 		if !errors.Is(err, context.Canceled) {
 			t.Fatalf("the reader that gave up: %v, want context.Canceled", err)
 		}
-	case <-time.After(200 * time.Millisecond):
+	case <-time.After(time.Second):
 		t.Fatal("a reader that gave up waited for another reader's own GET")
 	}
 	if err := <-inl; err != nil || !bytes.Equal(q, m.data[off:off+4096]) {

@@ -184,8 +184,10 @@ func rvwDiff(a, b []byte) int {
 // recycled, memory past the cache size).
 func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
 	const bs = 4096
-	m := &memBackend{data: rhData(256 * bs), delay: 300 * time.Millisecond}
-	f := openMem(t, m, Options{BlockSize: bs, CacheSize: 16 * bs})
+	// A 2 s fetch, and 1 s for a borrower to give up: see
+	// TestReaderCancelDoesNotWait.
+	m := &memBackend{data: rhData(256 * bs), delay: 2 * time.Second}
+	f := openMem(t, m, Options{BlockSize: bs, CacheSize: 16 * bs, ReconnectTimeout: 10 * time.Second})
 	off, n := int64(bs/2), int64(6*bs)
 
 	type res struct {
@@ -214,7 +216,7 @@ func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
 			t.Fatalf("borrower %d gave up: ok %v, err %v, %d slices, release %v: want its context's error and nothing lent",
 				i, q.ok, q.err, len(q.bufs), q.release != nil)
 		}
-		if q.took > 200*time.Millisecond {
+		if q.took > time.Second {
 			t.Fatalf("borrower %d gave up after %v: it waited for the fetch", i, q.took)
 		}
 	}
