@@ -437,8 +437,8 @@ func TestRhServerWithoutRangesRefused(t *testing.T) {
 // TestRhMemoryBoundedByCacheSize: a 128 MiB image read whole through the
 // export, sequentially (readahead at its widest) and then at random with
 // fio at queue depth 16, by a daemon with --cache-size 8M: its peak RSS
-// stays within the cache plus a constant (80 MiB: the Go runtime, 8
-// connections' 1 MiB bounce buffers, the readahead window), where a cache
+// stays within the cache plus a constant (80 MiB: the Go runtime, the
+// 16 connections' buffers, the readahead window), where a cache
 // that kept what it fetched would hold the whole object.
 func TestRhMemoryBoundedByCacheSize(t *testing.T) {
 	n := rhStartNginx(t)

@@ -129,7 +129,7 @@ type sourceFlags struct {
 
 func (f *sourceFlags) register(c *cobra.Command) {
 	fs := c.Flags()
-	fs.IntVar(&f.connections, "connections", 0, "connections to the server of an NBD source, where it allows several (CAN_MULTI_CONN; default 1), or range requests in flight at once per http(s) object (default 8)")
+	fs.IntVar(&f.connections, "connections", 0, "connections to the server of an NBD source, where it allows several (CAN_MULTI_CONN; default 1), or range requests in flight at once per http(s) or s3 object (default 16)")
 	fs.DurationVar(&f.reconnectTimeout, "reconnect-timeout", 5*time.Second, "NBD sources: how long requests wait for a lost connection to come back before they fail (0: at once); http(s) sources: how long a read retries resets, timeouts, 5xx and 429 (and what one request may take) before it fails with EIO (at least 1s)")
 	fs.StringVar(&f.cacheSize, "cache-size", "64M", "http(s) sources: memory for the blocks fetched, per remote object")
 	fs.BoolVar(&f.allowRedirects, "allow-redirects", false, "http(s) sources: follow redirects to another origin (scheme, host, port); by default only within the URL's own")

@@ -18,7 +18,13 @@ import (
 
 // Defaults for Options' zero values.
 const (
-	DefaultConnections = 8
+	// DefaultConnections is 16, a connection for each request of a
+	// reader at queue depth 16: with 8, half of them waited for one.
+	// Cold random 4 KiB reads at qd16 from nginx on loopback, six
+	// alternating pairs: 12.2-15.0k IOPS against 10.4-14.1k (medians
+	// 12.9k and 11.5k), the daemon's CPU 77-95 µs a read against 82-116;
+	// sequential 1 MiB reads and qd1 the same within the noise.
+	DefaultConnections = 16
 	DefaultCacheSize   = 64 << 20
 	DefaultBlockSize   = 16 << 10
 )
