@@ -291,13 +291,12 @@ func setDropBehind(f File, idle time.Duration) bool {
 }
 
 // startDropper gives a file (its descriptor fd) the dropper in slot,
-// unless it has one; true.
-func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration) bool {
+// unless it has one.
+func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration) {
 	if slot.Load() == nil {
 		d := newDropper(fd, idle)
 		if !slot.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}
 	}
-	return true
 }

@@ -20,14 +20,22 @@ func cachedAfter(t *testing.T, path string, from, to int) int {
 	t.Helper()
 	k := 0
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		k = residentPages(t, path, to)
-		if from > 0 {
-			k -= residentPages(t, path, from)
-		}
+		k = residentIn(t, path, from, to)
 		if k == 0 || time.Now().After(deadline) {
 			return k
 		}
 	}
+}
+
+// residentIn is how many pages of [from, to) of path the page cache
+// holds.
+func residentIn(t *testing.T, path string, from, to int) int {
+	t.Helper()
+	k := residentPages(t, path, to)
+	if from > 0 {
+		k -= residentPages(t, path, from)
+	}
+	return k
 }
 
 // residentPages is how many pages of [0, n) of path the page cache holds.
@@ -160,10 +168,7 @@ func willNeed(t *testing.T, path string, off, n int) {
 	}
 	k := 0
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		k = residentPages(t, path, off+n)
-		if off > 0 {
-			k -= residentPages(t, path, off)
-		}
+		k = residentIn(t, path, off, off+n)
 		if k == n/4096 || time.Now().After(deadline) {
 			break
 		}
@@ -195,7 +200,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 			// The pages after the one this read ended in, not read
 			// yet, are all still cached.
 			if from := (off + n + 4095) / 4096; from < granule/4096 {
-				k := residentPages(t, path, granule) - residentPages(t, path, from*4096)
+				k := residentIn(t, path, from*4096, granule)
 				if k != granule/4096-from {
 					t.Fatalf("%s: after reading to %d, %d of the %d pages not yet read are cached", backend, off+n, k, granule/4096-from)
 				}

@@ -23,7 +23,11 @@ type threadFile struct {
 }
 
 func (t *threadFile) setDropBehind(idle time.Duration) bool {
-	return !t.direct && startDropper(&t.behind, t.fd, idle)
+	if t.direct {
+		return false
+	}
+	startDropper(&t.behind, t.fd, idle)
+	return true
 }
 
 // directEOF says whether err, from the read that continues one that

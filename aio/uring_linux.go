@@ -418,7 +418,11 @@ type uringFile struct {
 }
 
 func (u *uringFile) setDropBehind(idle time.Duration) bool {
-	return !u.direct && startDropper(&u.behind, u.fd, idle)
+	if u.direct {
+		return false
+	}
+	startDropper(&u.behind, u.fd, idle)
+	return true
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {

@@ -102,8 +102,9 @@ func kcRaceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
 	ctx := context.Background()
 	stale := 0
 	// At least 4 s, minWrites writes and as many racing reads: a slow or
-	// loaded machine (CI's did 996 writes in 4 s) runs longer rather than failing the floor
-	// below; the hard limit keeps a stalled export from running forever.
+	// loaded machine (CI's did 996 writes in 4 s) runs longer rather than
+	// failing the floor below; the hard limit keeps a stalled export from
+	// running forever.
 	const minWrites = 1500
 	start := time.Now()
 	deadline, hardDeadline := start.Add(4*time.Second), start.Add(40*time.Second)

@@ -242,14 +242,3 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 		t.Fatalf("the cache holds %d blocks, want the replacement alone", held)
 	}
 }
-
-// awaitGets waits until m has been asked n requests (they count as they
-// start), up to 5 s.
-func awaitGets(t *testing.T, m *memBackend, n int64) {
-	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); m.gets.Load() < n; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests after 5 s, want %d", m.gets.Load(), n)
-		}
-	}
-}
