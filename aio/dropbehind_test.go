@@ -223,7 +223,7 @@ func TestDropBehindKeepsAGranuleUntilRead(t *testing.T) {
 func TestDropBehindSweepsWhatIsReadInPart(t *testing.T) {
 	const size = 8 << 20
 	for _, backend := range []aio.Backend{aio.IOUring, aio.Threads} {
-		f, path, data := dropBehindFile(t, backend, size, time.Second)
+		f, path, data := dropBehindFile(t, backend, size, 2*time.Second)
 		got := make([]byte, 4096)
 		for _, off := range []int64{0, 3 << 20, size - 4096} {
 			if _, err := f.ReadvAt(context.Background(), [][]byte{got[:100], got[100:]}, off); err != nil {

@@ -238,12 +238,13 @@ func TestBudget(t *testing.T) {
 		t.Fatal("acquired past the budget")
 	case <-time.After(50 * time.Millisecond):
 	}
-	// First come, first served: a small request behind it waits too.
+	// First come, first served: a small request behind it waits too
+	// (started once the first is queued: on a loaded machine the first
+	// goroutine may not have run yet).
+	awaitWaiters(t, b, 1)
 	small := make(chan error, 1)
-	go func() {
-		time.Sleep(10 * time.Millisecond)
-		small <- b.Acquire(ctx, 10)
-	}()
+	go func() { small <- b.Acquire(ctx, 10) }()
+	awaitWaiters(t, b, 2)
 	select {
 	case <-small:
 		t.Fatal("a later request overtook a waiting one")
@@ -269,7 +270,7 @@ func TestBudget(t *testing.T) {
 	cctx, cancel := context.WithCancel(ctx)
 	cancelled := make(chan error, 1)
 	go func() { cancelled <- b.Acquire(cctx, 80) }()
-	time.Sleep(20 * time.Millisecond)
+	awaitWaiters(t, b, 1)
 	cancel()
 	if err := <-cancelled; err == nil {
 		t.Fatal("a cancelled wait acquired")
@@ -277,6 +278,22 @@ func TestBudget(t *testing.T) {
 	b.Release(1000)
 	if n := b.InUse(); n != 0 {
 		t.Fatalf("in use %d after everything came back", n)
+	}
+}
+
+// awaitWaiters waits until n requests wait on b.
+func awaitWaiters(t *testing.T, b *Budget, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		b.mu.Lock()
+		k := len(b.waiters)
+		b.mu.Unlock()
+		if k >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests wait on the budget, not %d", k, n)
+		}
 	}
 }
 

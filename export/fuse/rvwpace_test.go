@@ -92,8 +92,9 @@ func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
 }
 
 // Once the requests stop, a loop that was spinning sleeps in read(2): the
-// process uses next to no CPU over 300 ms of idle (a loop that kept
-// spinning would use all of it).
+// process uses next to no CPU over a second of idle (a loop that kept
+// spinning would use all of it; a quarter leaves room for the runtime's
+// and the race detector's own work on a loaded machine).
 func TestRvwpaceIdleSpinsNot(t *testing.T) {
 	f := newPacedFake(t)
 	q, ended := f.loop(false)
@@ -108,10 +109,10 @@ func TestRvwpaceIdleSpinsNot(t *testing.T) {
 	}
 	time.Sleep(10 * time.Millisecond)
 	before, wall := rvwpaceCPU(t), time.Now()
-	time.Sleep(300 * time.Millisecond)
+	time.Sleep(time.Second)
 	used, took := rvwpaceCPU(t)-before, time.Since(wall)
 	f.end(t, ended)
-	if used > took/10 {
+	if used > took/4 {
 		t.Fatalf("idle for %v, the process used %v of CPU: something spins", took, used)
 	}
 	t.Logf("idle %v, CPU %v, spinning at the end %v", took, used, q.pace.spinning)
