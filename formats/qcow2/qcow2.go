@@ -34,6 +34,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // DefaultL2CacheSize holds every L2 table of a 64 GiB image with 64 KiB
@@ -520,21 +521,7 @@ func (q *Image) hostZero(host, n int64) (int64, bool) {
 	if !aio.HasFd(q.f) {
 		return n, false // a remote object: no holes to ask about
 	}
-	fd := q.f.Fd()
-	d, err := unix.Seek(fd, host, unix.SEEK_DATA)
-	switch {
-	case err == unix.ENXIO:
-		return n, true
-	case err != nil:
-		return n, false
-	case d > host:
-		return min(n, d-host), true
-	}
-	h, err := unix.Seek(fd, host, unix.SEEK_HOLE)
-	if err != nil || h <= host {
-		return n, false
-	}
-	return min(n, h-host), false
+	return hostfile.Run(q.f.Fd(), host, n)
 }
 
 // AllocatedSize is the host allocation of this file (not the chain), as
@@ -543,11 +530,11 @@ func (q *Image) AllocatedSize(context.Context) (int64, error) {
 	if !aio.HasFd(q.f) {
 		return 0, errNoAllocation
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(q.f.Fd(), &st); err != nil {
+	a, err := hostfile.Allocated(q.f.Fd())
+	if err != nil {
 		return 0, fmt.Errorf("qcow2: stat: %w", err)
 	}
-	return st.Blocks * 512, nil
+	return a, nil
 }
 
 // errNoAllocation: a file without a descriptor (a remote object) has no

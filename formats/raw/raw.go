@@ -23,6 +23,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // Options say how to use a raw image file.
@@ -295,23 +296,11 @@ func (r *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) 
 	if !aio.HasFd(r.f) {
 		return r.dataExtent(off, n), nil // a remote object: all data, as qemu-img maps one
 	}
-	fd := r.f.Fd()
-	data, err := unix.Seek(fd, off, unix.SEEK_DATA)
-	switch {
-	case errors.Is(err, unix.ENXIO):
-		// No data from off to the host file's end: one hole.
-		return r.hole(off, n), nil
-	case err != nil:
-		// Host without SEEK_DATA: everything is data.
-		return r.dataExtent(off, n), nil
-	case data > off:
-		return r.hole(off, min(n, data-off)), nil
+	k, zero := hostfile.Run(r.f.Fd(), off, n)
+	if zero {
+		return r.hole(off, k), nil
 	}
-	end, err := unix.Seek(fd, off, unix.SEEK_HOLE)
-	if err != nil || end <= off {
-		end = off + n
-	}
-	return r.dataExtent(off, min(n, end-off)), nil
+	return r.dataExtent(off, k), nil
 }
 
 // Raw bytes always lie at their own offset in the file; a hole is present
@@ -331,11 +320,11 @@ func (r *Image) AllocatedSize(context.Context) (int64, error) {
 	if r.blockDev {
 		return r.size.Load(), nil
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(r.f.Fd(), &st); err != nil {
+	a, err := hostfile.Allocated(r.f.Fd())
+	if err != nil {
 		return 0, fmt.Errorf("raw: stat: %w", err)
 	}
-	return st.Blocks * 512, nil
+	return a, nil
 }
 
 // errNoAllocation: a file without a descriptor (a remote object) has no

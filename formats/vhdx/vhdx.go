@@ -24,6 +24,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // ErrCorrupt marks an image whose metadata is inconsistent or hostile.
@@ -774,11 +775,11 @@ func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, err
 
 // AllocatedSize is the host allocation of the file.
 func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
+	a, err := hostfile.Allocated(img.f.Fd())
+	if err != nil {
 		return 0, fmt.Errorf("vhdx: stat: %w", err)
 	}
-	return st.Blocks * 512, nil
+	return a, nil
 }
 
 // Info is what qemu-img 7.2 prints for a VHDX image: its block size as

@@ -31,6 +31,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 var (
@@ -621,29 +622,10 @@ func (im *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, erro
 		if !pc.e.sparse {
 			// QEMU asks the flat file itself (BDRV_BLOCK_RECURSE): its
 			// holes are data that reads as zeroes.
-			x.Length, x.Zero = flatRun(pc.e.f.Fd(), pc.host, pc.n)
+			x.Length, x.Zero = hostfile.Run(pc.e.f.Fd(), pc.host, pc.n)
 		}
 	}
 	return x, nil
-}
-
-// flatRun is the length of the run of n bytes at host in a flat file
-// that is all hole (zero true) or all data.
-func flatRun(fd int, host, n int64) (int64, bool) {
-	data, err := unix.Seek(fd, host, unix.SEEK_DATA)
-	switch {
-	case errors.Is(err, unix.ENXIO):
-		return n, true
-	case err != nil:
-		return n, false
-	case data > host:
-		return min(n, data-host), true
-	}
-	end, err := unix.Seek(fd, host, unix.SEEK_HOLE)
-	if err != nil || end <= host {
-		return n, false
-	}
-	return min(n, end-host), false
 }
 
 // AllocatedSize is the host allocation of the image's files (the
@@ -656,11 +638,11 @@ func (im *Image) AllocatedSize(ctx context.Context) (int64, error) {
 			return nil
 		}
 		seen[f.Fd()] = true
-		var st unix.Stat_t
-		if err := unix.Fstat(f.Fd(), &st); err != nil {
+		a, err := hostfile.Allocated(f.Fd())
+		if err != nil {
 			return fmt.Errorf("vmdk: stat %s: %w", f.Name(), err)
 		}
-		total += st.Blocks * 512
+		total += a
 		return nil
 	}
 	if err := add(im.f); err != nil {

@@ -37,6 +37,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // Errors callers branch on.
@@ -566,20 +567,7 @@ func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, err
 	}
 	e.Data, e.Offset, e.HasOffset = true, host, true
 	if img.fixed {
-		fd := img.f.Fd()
-		data, err := unix.Seek(fd, host, unix.SEEK_DATA)
-		switch {
-		case errors.Is(err, unix.ENXIO):
-			e.Zero = true
-		case err != nil:
-		case data > host:
-			e.Zero = true
-			e.Length = min(n, data-host)
-		default:
-			if end, err := unix.Seek(fd, host, unix.SEEK_HOLE); err == nil && end > host {
-				e.Length = min(n, end-host)
-			}
-		}
+		e.Length, e.Zero = hostfile.Run(img.f.Fd(), host, n)
 	}
 	return e, nil
 }
@@ -608,11 +596,11 @@ func (img *Image) diffExtent(ctx context.Context, off, n int64) (formats.Extent,
 }
 
 func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(img.f.Fd(), &st); err != nil {
+	a, err := hostfile.Allocated(img.f.Fd())
+	if err != nil {
 		return 0, fmt.Errorf("vpc: stat: %w", err)
 	}
-	return st.Blocks * 512, nil
+	return a, nil
 }
 
 // Info is qemu-img info's: a dynamic disk's block size as cluster size,
