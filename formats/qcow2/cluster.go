@@ -45,7 +45,7 @@ func (q *Image) cachedL2(off int64) ([]uint64, bool) {
 			return p.t, true
 		}
 	}
-	return q.l2cache.get(off)
+	return q.l2cache.Get(off)
 }
 
 // loadL2 reads and decodes the L2 table at host offset off from the file.
@@ -108,14 +108,14 @@ func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bo
 	// The generation tells whether a table was written back while we
 	// read: then what we read may be older than the write-back, and must
 	// not be cached.
-	gen := q.l2cache.gen()
+	gen := q.l2cache.Gen()
 	q.meta.RUnlock()
 	t, err := q.loadL2(ctx, l2off, fileSize)
 	if err != nil {
 		return mapping{}, false, err
 	}
 	e = t[vc%q.h.l2Entries]
-	q.l2cache.putIfGen(l2off, t, gen)
+	q.l2cache.PutIfGen(l2off, t, gen)
 	// The entry is decoded against the file's end as it is now, not as
 	// it was before the read: a write may have allocated a cluster past
 	// that end and written the table back meanwhile, and the table read
@@ -213,7 +213,7 @@ func (q *Image) l2ForAlloc(ctx context.Context, off int64) ([]uint64, error) {
 	if p, ok := q.w.l2pin[off]; ok {
 		return p.t, nil
 	}
-	if t, ok := q.l2cache.get(off); ok {
+	if t, ok := q.l2cache.Get(off); ok {
 		return t, nil
 	}
 	return q.loadL2(ctx, off, q.fileSize)

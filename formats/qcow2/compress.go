@@ -30,7 +30,7 @@ var zstdDecoders = sync.Pool{New: func() any {
 
 // compressedCluster returns the decompressed cluster described by m.
 func (q *Image) compressedCluster(ctx context.Context, m mapping) ([]byte, error) {
-	if c, ok := q.dcache.get(m.host); ok {
+	if c, ok := q.dcache.Get(m.host); ok {
 		return c, nil
 	}
 	comp := make([]byte, m.compSize)
@@ -66,6 +66,6 @@ func (q *Image) compressedCluster(ctx context.Context, m mapping) ([]byte, error
 	if err != nil {
 		return nil, fmt.Errorf("%w: compressed cluster at %#x does not decompress: %v", ErrCorrupt, m.host, err)
 	}
-	q.dcache.put(m.host, out)
+	q.dcache.Put(m.host, out)
 	return out, nil
 }

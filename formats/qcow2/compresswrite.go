@@ -207,7 +207,7 @@ func (q *Image) writeCompressed(ctx context.Context, comp []byte, off int64) err
 	}
 	// A compressed cluster freed from these very bytes may still be in
 	// the decompressed cache, keyed by where it lay.
-	q.dcache.remove(host)
+	q.dcache.Remove(host)
 	err = q.checkWrite(ctx, host, n, metaNone, "compressed cluster write")
 	if err == nil {
 		if _, err = q.f.WriteAt(ctx, comp, host); err != nil {

@@ -160,7 +160,7 @@ func TestDecodedCacheSize(t *testing.T) {
 		if !bytes.Equal(got, mirror) {
 			t.Fatalf("DecodedCacheSize %d: reads back wrong", c.size)
 		}
-		if n := int64(q.dcache.order.Len()); n != c.held {
+		if n := int64(q.dcache.Len()); n != c.held {
 			t.Errorf("DecodedCacheSize %d: %d clusters held decompressed, want %d", c.size, n, c.held)
 		}
 	}

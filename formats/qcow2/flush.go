@@ -245,7 +245,7 @@ func (q *Image) unpinClean() {
 	defer w.alloc.Unlock()
 	for off, p := range w.rbpin {
 		if !p.dirty {
-			q.rcache.put(off, p.b)
+			q.rcache.Put(off, p.b)
 			delete(w.rbpin, off)
 		}
 	}
@@ -254,7 +254,7 @@ func (q *Image) unpinClean() {
 	unpinned := false
 	for off, p := range w.l2pin {
 		if !p.dirty {
-			q.l2cache.put(off, p.t)
+			q.l2cache.Put(off, p.t)
 			delete(w.l2pin, off)
 			unpinned = true
 		}
@@ -262,7 +262,7 @@ func (q *Image) unpinClean() {
 	if unpinned {
 		// Lookups that read a table from the file before it was written
 		// must not cache what they read.
-		q.l2cache.bump()
+		q.l2cache.Bump()
 	}
 }
 

@@ -35,6 +35,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
+	"github.com/blockexport/blockexport/formats/internal/lru"
 )
 
 // DefaultL2CacheSize holds every L2 table of a 64 GiB image with 64 KiB
@@ -94,11 +95,11 @@ type Image struct {
 	// which size only becomes once that part reads as zeroes, so that no
 	// writer can reach the new part before the zeroing is done.
 	end     atomic.Int64
-	l2cache *lru[[]uint64]
-	dcache  *lru[[]byte]  // decompressed clusters
-	rcache  *lru[[]byte]  // clean refcount blocks
-	backing formats.Image // nil: unallocated clusters read as zeroes
-	direct  bool          // O_DIRECT host file: no page cache to hit
+	l2cache *lru.Cache[[]uint64]
+	dcache  *lru.Cache[[]byte] // decompressed clusters
+	rcache  *lru.Cache[[]byte] // clean refcount blocks
+	backing formats.Image      // nil: unallocated clusters read as zeroes
+	direct  bool               // O_DIRECT host file: no page cache to hit
 	// preallocated: metadata preallocation detected, so block status asks
 	// the host file which data clusters are holes (as QEMU does). Found out
 	// on the first block status that needs it, never at open: the scan
@@ -210,13 +211,13 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	if cacheBytes <= 0 {
 		cacheBytes = DefaultL2CacheSize
 	}
-	q.l2cache = newLRU[[]uint64](int(cacheBytes / h.clusterSize))
+	q.l2cache = lru.New[[]uint64](int(cacheBytes / h.clusterSize))
 	decoded := o.DecodedCacheSize
 	if decoded <= 0 {
 		decoded = decodedCacheBytes
 	}
-	q.dcache = newLRU[[]byte](int(max(2, decoded/h.clusterSize)))
-	q.rcache = newLRU[[]byte](4)
+	q.dcache = lru.New[[]byte](int(max(2, decoded/h.clusterSize)))
+	q.rcache = lru.New[[]byte](4)
 	if q.snaps, q.snapTableBytes, err = q.readSnapshots(ctx); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}

@@ -63,14 +63,14 @@ func (q *Image) refcountBlock(ctx context.Context, off int64) ([]byte, error) {
 	if off%q.h.clusterSize != 0 || off+q.h.clusterSize > q.fileSize {
 		return nil, fmt.Errorf("%w: refcount block at %#x is misaligned or beyond the end of the file", ErrCorrupt, off)
 	}
-	if b, ok := q.rcache.get(off); ok {
+	if b, ok := q.rcache.Get(off); ok {
 		return b, nil
 	}
 	b := make([]byte, q.h.clusterSize)
 	if _, err := q.f.ReadAt(ctx, b, off); err != nil && err != io.EOF {
 		return nil, fmt.Errorf("qcow2: refcount block at %#x: %w", off, err)
 	}
-	q.rcache.put(off, b)
+	q.rcache.Put(off, b)
 	return b, nil
 }
 

@@ -333,7 +333,7 @@ func (q *Image) boundWriteBack(ctx context.Context) error {
 	w := q.w
 	// Changed tables are pinned outside the LRU; allow as many as QEMU's
 	// default L2 cache holds (32 MiB) before writing them back unasked.
-	limit := int64(max(q.l2cache.cap, int(maxDirtyMetadata/q.h.clusterSize)))
+	limit := int64(max(q.l2cache.Cap(), int(maxDirtyMetadata/q.h.clusterSize)))
 	if w.dirtyL2.Load() < limit && w.dirtyRB.Load() < limit {
 		return nil
 	}

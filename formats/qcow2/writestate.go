@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 
 	"github.com/blockexport/blockexport/coroutines"
+
+	"github.com/blockexport/blockexport/formats/internal/lru"
 )
 
 // The write state of a writable image: what it keeps beside a read-only
@@ -111,7 +113,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 	}
 	// Allocation reads refcounts cluster by cluster: keep more clean
 	// blocks than a read-only open needs (4 MiB of them).
-	q.rcache = newLRU[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
+	q.rcache = lru.New[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
 	q.w = w
 	q.buildMetaMap()
 	return nil

@@ -219,7 +219,7 @@ func readGD(ctx context.Context, e *extent, off, n uint64, fileSize int64) ([]ui
 // gt returns grain table i of the extent (its GD entry gdEntry), from the
 // cache or, unless try, the file. nil, nil: try and not cached.
 func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, error) {
-	if t, ok := e.gtCache.get(e.key(gdEntry)); ok {
+	if t, ok := e.gtCache.Get(e.key(gdEntry)); ok {
 		return t, nil
 	}
 	if try {
@@ -233,7 +233,7 @@ func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, er
 	for i := range t {
 		t[i] = binary.LittleEndian.Uint32(raw[4*i:])
 	}
-	e.gtCache.put(e.key(gdEntry), t)
+	e.gtCache.Put(e.key(gdEntry), t)
 	return t, nil
 }
 
@@ -294,10 +294,10 @@ func (e *extent) lookupGrain(ctx context.Context, off int64, try bool) (state in
 // the caches and the page cache only; false when it would wait.
 func (e *extent) readCompressed(ctx context.Context, sector uint32, grainIndex int64, b []byte, inG int64, try bool) (bool, error) {
 	key := e.key(sector)
-	if g, ok := e.storedCache.get(key); ok {
+	if g, ok := e.storedCache.Get(key); ok {
 		return e.readStored(ctx, g, b, inG, try)
 	}
-	d, ok := e.grainCache.get(key)
+	d, ok := e.grainCache.Get(key)
 	if !ok {
 		if try {
 			return false, nil
@@ -421,7 +421,7 @@ func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) 
 	}
 	buf := raw[hdr : hdr+length]
 	if g := parseStored(buf, off+hdr, e.grain, storedRunsMax(e.grain)); g != nil {
-		e.storedCache.put(e.key(sector), g)
+		e.storedCache.Put(e.key(sector), g)
 		return g, nil, nil
 	}
 	out := make([]byte, e.grain)
@@ -436,7 +436,7 @@ func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) 
 		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d: %v", ErrCorrupt, e.name, off, err)
 	}
 	out = out[:n]
-	e.grainCache.put(e.key(sector), out)
+	e.grainCache.Put(e.key(sector), out)
 	return nil, out, nil
 }
 

@@ -102,8 +102,8 @@ func TestVmdkStoredGrainsReadInPlace(t *testing.T) {
 		}
 	}
 	e := img.extents[0]
-	if e.storedCache.order.Len() != 1 || e.grainCache.order.Len() != 2 {
-		t.Fatalf("%d stored grains and %d inflated ones cached, want 1 and 2", e.storedCache.order.Len(), e.grainCache.order.Len())
+	if e.storedCache.Len() != 1 || e.grainCache.Len() != 2 {
+		t.Fatalf("%d stored grains and %d inflated ones cached, want 1 and 2", e.storedCache.Len(), e.grainCache.Len())
 	}
 	if b := make([]byte, 4096); !img.TryReadAt(b, 0) || !bytes.Equal(b, c.want[:4096]) {
 		t.Fatal("a cached stored grain is not read on the fast path")
@@ -349,7 +349,7 @@ func TestVmdkDecodedCacheSize(t *testing.T) {
 		if tc.size == 0 {
 			want = decodedCacheBytes / g
 		}
-		if got := int64(img.extents[0].grainCache.cap); got != want {
+		if got := int64(img.extents[0].grainCache.Cap()); got != want {
 			t.Errorf("DecodedCacheSize %d: a cache of %d grains, want %d", tc.size, got, want)
 		}
 		b := make([]byte, 4096)

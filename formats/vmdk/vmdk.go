@@ -32,6 +32,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
+	"github.com/blockexport/blockexport/formats/internal/lru"
 )
 
 var (
@@ -117,11 +118,11 @@ type extent struct {
 	headerEnd  int64 // bytes of header no table or grain may lie in
 	grainStart int64
 	id         int64 // index in the image: cache keys are id<<40 | sector
-	gtCache    *lru[[]uint32]
-	grainCache *lru[[]byte]
+	gtCache    *lru.Cache[[]uint32]
+	grainCache *lru.Cache[[]byte]
 	// storedCache holds where stored-only compressed grains lie
 	// (stored.go); flight the loads under way. Both are the image's.
-	storedCache *lru[*storedGrain]
+	storedCache *lru.Cache[*storedGrain]
 	flight      *flight
 	// scratch holds the compressed bytes of a grain while it inflates,
 	// or a stored grain's bytes across its blocks (*[]byte of a marker
@@ -261,12 +262,12 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 		}
 	}
 	if maxGT > 0 {
-		gts := newLRU[[]uint32](int(max(gtCache/maxGT, 1)))
-		var grains *lru[[]byte]
-		var stored *lru[*storedGrain]
+		gts := lru.New[[]uint32](int(max(gtCache/maxGT, 1)))
+		var grains *lru.Cache[[]byte]
+		var stored *lru.Cache[*storedGrain]
 		if maxGrain > 0 {
-			grains = newLRU[[]byte](int(max(decoded/maxGrain, 2)))
-			stored = newLRU[*storedGrain](int(max(storedCacheBytes/storedEntryBytes(maxGrain), 2)))
+			grains = lru.New[[]byte](int(max(decoded/maxGrain, 2)))
+			stored = lru.New[*storedGrain](int(max(storedCacheBytes/storedEntryBytes(maxGrain), 2)))
 		}
 		fl := &flight{}
 		for _, e := range im.extents {

@@ -516,11 +516,11 @@ func TestVmdkCachesBoundedPerImage(t *testing.T) {
 			t.Fatal("extents have caches of their own")
 		}
 	}
-	if want := DefaultGTCacheSize / (tGTEs*4 + 64); first.gtCache.cap != want {
-		t.Fatalf("grain-table cache of %d tables, want %d", first.gtCache.cap, want)
+	if want := DefaultGTCacheSize / (tGTEs*4 + 64); first.gtCache.Cap() != want {
+		t.Fatalf("grain-table cache of %d tables, want %d", first.gtCache.Cap(), want)
 	}
-	if want := decodedCacheBytes / (tGrain * 512); first.grainCache.cap != want {
-		t.Fatalf("grain cache of %d grains, want %d", first.grainCache.cap, want)
+	if want := decodedCacheBytes / (tGrain * 512); first.grainCache.Cap() != want {
+		t.Fatalf("grain cache of %d grains, want %d", first.grainCache.Cap(), want)
 	}
 	got := make([]byte, len(c.want))
 	for i := range 50 {
