@@ -32,7 +32,7 @@ func OpenHostFile(path string, flag int) (*os.File, error) {
 	case unix.S_IFREG, unix.S_IFBLK:
 	default:
 		f.Close()
-		return nil, fmt.Errorf("%s is a %s: %w", path, fileType(st.Mode), ErrNotImage)
+		return nil, fmt.Errorf("%s is a %s: %w", path, FileType(st.Mode), ErrNotImage)
 	}
 	// Regular files and block devices ignore O_NONBLOCK for I/O, but clear
 	// it anyway so that nothing depends on that.
@@ -47,14 +47,22 @@ func OpenHostFile(path string, flag int) (*os.File, error) {
 	return f, nil
 }
 
-func fileType(mode uint32) string {
+// FileType names the type of a file of stat mode mode for an error
+// ("a FIFO", "a directory"...).
+func FileType(mode uint32) string {
 	switch mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		return "regular file"
 	case unix.S_IFIFO:
 		return "FIFO"
 	case unix.S_IFDIR:
 		return "directory"
 	case unix.S_IFCHR:
 		return "character device"
+	case unix.S_IFBLK:
+		return "block device"
+	case unix.S_IFLNK:
+		return "symbolic link"
 	case unix.S_IFSOCK:
 		return "socket"
 	}

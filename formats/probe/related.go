@@ -90,7 +90,7 @@ func (c *chain) relatedPath(image, name string) (real, shown string, err error) 
 		return "", shown, fmt.Errorf("%s: file %s it names: %w", image, shown, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return "", shown, fmt.Errorf("%s names %s, a %s: %w (only regular files)", image, shown, kindOf(st.Mode), ErrRelatedRefused)
+		return "", shown, fmt.Errorf("%s names %s, a %s: %w (only regular files)", image, shown, aio.FileType(st.Mode), ErrRelatedRefused)
 	}
 	if prev, ok := c.seen[[2]uint64{st.Dev, st.Ino}]; ok {
 		return "", shown, fmt.Errorf("%s names %s, which is %s again: %w (a loop)", image, shown, prev, ErrRelatedRefused)
@@ -178,20 +178,4 @@ func qemuPath(image, name string) string {
 		return name
 	}
 	return image[:i+1] + name
-}
-
-func kindOf(mode uint32) string {
-	switch mode & unix.S_IFMT {
-	case unix.S_IFIFO:
-		return "FIFO"
-	case unix.S_IFDIR:
-		return "directory"
-	case unix.S_IFCHR:
-		return "character device"
-	case unix.S_IFBLK:
-		return "block device"
-	case unix.S_IFSOCK:
-		return "socket"
-	}
-	return fmt.Sprintf("file of type %#o", mode&unix.S_IFMT)
 }
