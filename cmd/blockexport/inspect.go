@@ -27,7 +27,7 @@ type inspectFlags struct {
 
 func (f *inspectFlags) register(c *cobra.Command) {
 	f.out.register(c, c.Name())
-	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null")
+	formatFlag(c, &f.format, formatUsage)
 	f.src.register(c)
 	f.src.registerTLS(c, "")
 }
@@ -98,9 +98,11 @@ func (o *outputFlag) json() (bool, error) {
 }
 
 // imageHelp says what IMAGE may be, for the inspecting commands' help.
-const imageHelp = "IMAGE is a raw or qcow2 file, null:SIZE, or an export on an NBD server:\n" +
-	"nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, and nbds://... or\n" +
-	"nbds+unix://... for TLS (the client's files: --tls-ca, --tls-cert, --tls-key)."
+const imageHelp = "IMAGE is an image file (raw, qcow2, or read-only vmdk, vhdx, vpc, vdi), null:SIZE,\n" +
+	"an object in HTTP(S) or S3 storage (http://..., https://..., s3://BUCKET/KEY,\n" +
+	"read-only), or an export on an NBD server: nbd://HOST[:PORT]/EXPORT,\n" +
+	"nbd+unix:///EXPORT?socket=PATH, and nbds://... or nbds+unix://... for TLS (the\n" +
+	"client's files: --tls-ca, --tls-cert, --tls-key)."
 
 func infoCommand() *cobra.Command {
 	var f inspectFlags

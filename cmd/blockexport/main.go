@@ -1,6 +1,7 @@
-// Command blockexport presents a disk image (raw, qcow2 or a null device) as
-// one regular file through FUSE, the way `qemu-storage-daemon --export
-// type=fuse` does.
+// Command blockexport presents a disk image (raw, qcow2, the read-only
+// foreign formats, or a null device; a local file, an NBD export or an
+// HTTP(S) or S3 object) as one regular file through FUSE, the way
+// `qemu-storage-daemon --export type=fuse` does, and serves it over NBD.
 //
 // Exit status: 0 success, 1 runtime error (unreadable image, mount refused),
 // 2 usage error (bad flag, bad size, unknown format); check has qemu-img
@@ -65,8 +66,9 @@ func rootCommand() *cobra.Command {
 	var showVersion bool
 	root := &cobra.Command{
 		Use:   "blockexport",
-		Short: "export disk images (raw, qcow2, null) as a regular file through FUSE, or over NBD",
-		Long: "blockexport presents a disk image (raw, qcow2, or a null device) as one regular file\n" +
+		Short: "export disk images (raw, qcow2, vmdk, vhdx, vpc, vdi, null) as a regular file through FUSE, or over NBD",
+		Long: "blockexport presents a disk image (raw, qcow2, vmdk, vhdx, vpc, vdi, or a null device;\n" +
+			"a local file, an NBD export, or an object in HTTP(S) or S3 storage) as one regular file\n" +
 			"through FUSE, as qemu-storage-daemon --export type=fuse does, and serves the same\n" +
 			"images over NBD. It also inspects (info, map), creates and checks images.\n\n" +
 			"Exit status: 0 success, 1 runtime error (an unreadable image, a refused mount),\n" +

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -36,7 +37,7 @@ type serveFlags struct {
 
 func (f *serveFlags) register(c *cobra.Command) {
 	fs := c.Flags()
-	formatFlag(c, &f.format, "image format: auto, raw, qcow2 or null (auto: probed as qemu-img probes; a format not read here, qed say, is refused by name)")
+	formatFlag(c, &f.format, formatUsage+" (auto: probed as qemu-img probes; a format not read here, qed say, is refused by name)")
 	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
 	fs.BoolVar(&f.copyOnRead, "copy-on-read", false, "reads of what a qcow2 overlay does not hold copy it, whole clusters, from the backing chain into the overlay (QEMU's copy-on-read filter): each block crosses from the backing file once; needs --writable and a backing file")
 	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
@@ -58,8 +59,12 @@ func (f *serveFlags) register(c *cobra.Command) {
 // formatFlag declares -f/--format for a command that opens images.
 func formatFlag(c *cobra.Command, p *string, usage string) {
 	c.Flags().StringVarP(p, "format", "f", "auto", usage)
-	completeWords(c, "format", "auto", "raw", "qcow2", "null")
+	completeWords(c, "format", probe.Formats()...)
 }
+
+// formatUsage is the --format flag's help: the formats read here, from
+// the probe's registry.
+var formatUsage = "image format: " + strings.Join(probe.Formats(), ", ") + " (vmdk, vhdx, vpc and vdi read-only)"
 
 // check validates the shared flags and returns the logger and how to open
 // the image (with QEMU's image locks: a served image is in use).

@@ -62,14 +62,14 @@ func ParseFormat(s string) (string, error) {
 		return s, nil // a format read beyond the four above (vmdk...)
 	}
 	if ff, ok := lookupFormat(s); ok && ff.open == nil {
-		return "", badSpec("--format %s: %s images are not supported yet (want auto, raw, qcow2 or null; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, s)
+		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, formatList(), s)
 	}
-	return "", badSpec("unknown format %q (want auto, raw, qcow2 or null)", s)
+	return "", badSpec("unknown format %q (want %s)", s, formatList())
 }
 
 // Options say how to open an image.
 type Options struct {
-	Format   string // auto (default), raw, qcow2, null
+	Format   string // auto (default), null or a format read here (Formats)
 	Writable bool
 	// NullReadZeroes makes null-device reads return zeroes (default in the
 	// CLI); off leaves read buffers untouched.

@@ -156,3 +156,25 @@ func TestBackingChainOfBothFormats(t *testing.T) {
 		t.Fatal("a raw backing file in use opened for writing")
 	}
 }
+
+// TestFormatsAreWhatParseFormatTakes: --format's list (help, completion,
+// the errors' "want ...") is every format read here, each accepted; a
+// format QEMU reads and we do not, and a misspelt one, are refused with
+// that list.
+func TestFormatsAreWhatParseFormatTakes(t *testing.T) {
+	got := strings.Join(Formats(), " ")
+	if want := "auto null qcow2 raw vmdk vhdx vpc vdi"; got != want {
+		t.Fatalf("Formats() = %s; want %s", got, want)
+	}
+	for _, f := range Formats() {
+		if p, err := ParseFormat(f); err != nil || p != f {
+			t.Errorf("ParseFormat(%s) = %q, %v", f, p, err)
+		}
+	}
+	for _, f := range []string{"qed", "vmdx"} {
+		_, err := ParseFormat(f)
+		if err == nil || !strings.Contains(err.Error(), "want auto, null, qcow2, raw, vmdk, vhdx, vpc or vdi") {
+			t.Errorf("ParseFormat(%s): %v; want the readable formats listed", f, err)
+		}
+	}
+}

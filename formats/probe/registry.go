@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -135,6 +136,24 @@ func fileFormats() []fileFormat {
 }
 
 // lookupFormat finds a format by name.
+// Formats names what --format may say: auto, null, and every format read
+// here, in the registry's order (qcow2, raw, then the read-only ones).
+func Formats() []string {
+	names := []string{Auto, Null}
+	for _, ff := range fileFormats() {
+		if ff.open != nil {
+			names = append(names, ff.name)
+		}
+	}
+	return names
+}
+
+// formatList is Formats as a message says it: "a, b or c".
+func formatList() string {
+	names := Formats()
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
+
 func lookupFormat(name string) (fileFormat, bool) {
 	for _, ff := range fileFormats() {
 		if ff.name == name {
