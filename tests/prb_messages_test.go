@@ -97,6 +97,10 @@ func TestPrbPlainUsageMessages(t *testing.T) {
 		{[]string{"info", "-f", "null", rawImg}, "a null device is given as null:SIZE"},
 		{[]string{"info", "-f", "qcow2", "nbd://localhost/disk"}, "is an NBD export, which is raw bytes"},
 		{[]string{"info", "nbd://localhost/disk?bogus=1"}, `unknown query parameter "bogus"`},
+		// The formats a message asks for are the ones read here.
+		{[]string{"info", "-f", "vmdx", rawImg}, "want auto, null, qcow2, raw, vmdk, vhdx, vpc or vdi"},
+		{[]string{"create", "-f", "qcow2", "-b", rawImg, "-F", "null", filepath.Join(dir, "o.qcow2"), "1M"}, "want qcow2, raw, vmdk, vhdx, vpc or vdi"},
+		{[]string{"convert", "-O", "qcow2", "-B", rawImg, "-F", "null", rawImg, filepath.Join(dir, "c.qcow2")}, "want qcow2, raw, vmdk, vhdx, vpc or vdi"},
 	} {
 		code, out := runBlockexport(t, c.args...)
 		if code != 2 || !strings.Contains(out, c.want) || strings.Contains(out, "spec") {
