@@ -290,13 +290,18 @@ func setDropBehind(f File, idle time.Duration) bool {
 	return ok && d.setDropBehind(idle)
 }
 
-// startDropper gives a file (its descriptor fd) the dropper in slot,
-// unless it has one.
-func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration) {
+// startDropper gives a buffered file (its descriptor fd) the dropper in
+// slot, unless it has one; false for an O_DIRECT file, which leaves
+// nothing in the page cache to drop.
+func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration, direct bool) bool {
+	if direct {
+		return false
+	}
 	if slot.Load() == nil {
 		d := newDropper(fd, idle)
 		if !slot.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}
 	}
+	return true
 }

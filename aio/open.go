@@ -47,12 +47,10 @@ func OpenHostFile(path string, flag int) (*os.File, error) {
 	return f, nil
 }
 
-// FileType names the type of a file of stat mode mode for an error
-// ("a FIFO", "a directory"...).
+// FileType names the type of a file that is not a regular one, by its
+// stat mode, for an error ("FIFO", "directory"...).
 func FileType(mode uint32) string {
 	switch mode & unix.S_IFMT {
-	case unix.S_IFREG:
-		return "regular file"
 	case unix.S_IFIFO:
 		return "FIFO"
 	case unix.S_IFDIR:

@@ -23,11 +23,7 @@ type threadFile struct {
 }
 
 func (t *threadFile) setDropBehind(idle time.Duration) bool {
-	if t.direct {
-		return false
-	}
-	startDropper(&t.behind, t.fd, idle)
-	return true
+	return startDropper(&t.behind, t.fd, idle, t.direct)
 }
 
 // directEOF says whether err, from the read that continues one that

@@ -418,11 +418,7 @@ type uringFile struct {
 }
 
 func (u *uringFile) setDropBehind(idle time.Duration) bool {
-	if u.direct {
-		return false
-	}
-	startDropper(&u.behind, u.fd, idle)
-	return true
+	return startDropper(&u.behind, u.fd, idle, u.direct)
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {

@@ -81,7 +81,7 @@ func convertCommand() *cobra.Command {
 	fs.BoolVarP(&f.noCreate, "no-create", "n", false, "write into an existing TARGET (a file or nbd://...) instead of creating it")
 	fs.StringVarP(&f.sparse, "sparse-size", "S", "4k", "zero runs inside data at least this long (a multiple of 512) are not written; 0 writes all data")
 	fs.StringVarP(&f.backing, "backing", "B", "", "TARGET's backing file (qcow2): only what differs from it is written")
-	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+fileFormats()+" (default: detected)")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+probe.OrList(probe.FileFormats())+" (default: detected)")
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
 	fs.StringVarP(&f.cache, "target-cache", "t", "unsafe", "TARGET's cache mode, qemu-img's: unsafe (no flush at the end, qemu-img convert's default), writeback (flushed at the end) or none (O_DIRECT, flushed; not with -c, whose clusters lie at any byte)")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
@@ -431,7 +431,7 @@ func (f *convertFlags) create(path string, size int64, t targetOptions) error {
 		}
 		bf := cmp(f.backingFormat, probe.Auto)
 		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
-			return usagef("convert: -F %q (want %s)", bf, fileFormats())
+			return usagef("convert: -F %q (want %s)", bf, probe.OrList(probe.FileFormats()))
 		}
 		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
 		if err != nil {

@@ -39,7 +39,7 @@ func createCommand() *cobra.Command {
 	fs.StringVarP(&f.format, "format", "f", "raw", "image format: raw or qcow2")
 	fs.StringVar(&f.clusterSize, "cluster-size", "64k", "qcow2 cluster size, a power of two from 512 to 2M")
 	fs.StringVarP(&f.backing, "backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
-	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+fileFormats()+" (default: detected)")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+probe.OrList(probe.FileFormats())+" (default: detected)")
 	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
 	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "an s3:// backing file's S3-compatible endpoint (see fuse --s3-endpoint)")
 	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "an s3:// backing file: path-style addressing (see fuse --s3-path-style)")
@@ -93,7 +93,7 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		// Any image format read here may be a backing file (vmdk...); a
 		// null device may not.
 		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
-			return usagef("create: --backing-format %q (want %s)", bf, fileFormats())
+			return usagef("create: --backing-format %q (want %s)", bf, probe.OrList(probe.FileFormats()))
 		}
 		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads",
 			Remote: probe.RemoteOptions{S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}})

@@ -62,18 +62,6 @@ func formatFlag(c *cobra.Command, p *string, usage string) {
 	completeWords(c, "format", probe.Formats()...)
 }
 
-// fileFormats are the formats an image file (a backing file, say) may
-// be in: every format read here but null and auto, as "a, b or c".
-func fileFormats() string {
-	var names []string
-	for _, n := range probe.Formats() {
-		if n != probe.Auto && n != probe.Null {
-			names = append(names, n)
-		}
-	}
-	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
-}
-
 // formatUsage is the --format flag's help: the formats read here, from
 // the probe's registry.
 var formatUsage = "image format: " + strings.Join(probe.Formats(), ", ") + " (vmdk, vhdx, vpc and vdi read-only)"

@@ -62,9 +62,9 @@ func ParseFormat(s string) (string, error) {
 		return s, nil // a format read beyond the four above (vmdk...)
 	}
 	if ff, ok := lookupFormat(s); ok && ff.open == nil {
-		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, formatList(), s)
+		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, OrList(Formats()), s)
 	}
-	return "", badSpec("unknown format %q (want %s)", s, formatList())
+	return "", badSpec("unknown format %q (want %s)", s, OrList(Formats()))
 }
 
 // Options say how to open an image.

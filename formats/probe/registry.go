@@ -135,11 +135,11 @@ func fileFormats() []fileFormat {
 	}
 }
 
-// lookupFormat finds a format by name.
-// Formats names what --format may say: auto, null, and every format read
-// here, in the registry's order (qcow2, raw, then the read-only ones).
-func Formats() []string {
-	names := []string{Auto, Null}
+// FileFormats names the formats of image files read here, in the
+// registry's order (qcow2, raw, then the read-only ones): what a backing
+// file may be in.
+func FileFormats() []string {
+	var names []string
 	for _, ff := range fileFormats() {
 		if ff.open != nil {
 			names = append(names, ff.name)
@@ -148,12 +148,18 @@ func Formats() []string {
 	return names
 }
 
-// formatList is Formats as a message says it: "a, b or c".
-func formatList() string {
-	names := Formats()
+// Formats names what --format may say: auto, null and FileFormats.
+func Formats() []string { return append([]string{Auto, Null}, FileFormats()...) }
+
+// OrList says names as a message does: "a, b or c".
+func OrList(names []string) string {
+	if len(names) < 2 {
+		return strings.Join(names, "")
+	}
 	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
 }
 
+// lookupFormat finds a format by name.
 func lookupFormat(name string) (fileFormat, bool) {
 	for _, ff := range fileFormats() {
 		if ff.name == name {

@@ -94,7 +94,11 @@ type Image struct {
 	// while a grow zeroes the new part: then it is already the new size,
 	// which size only becomes once that part reads as zeroes, so that no
 	// writer can reach the new part before the zeroing is done.
-	end     atomic.Int64
+	end atomic.Int64
+	// l2cache holds clean L2 tables: lookups insert with PutIfGen, so a
+	// table read from the file while a write-back replaced it never lands
+	// over the newer one; changed tables live outside it (writeState's
+	// pinned maps) until they are written.
 	l2cache *lru.Cache[[]uint64]
 	dcache  *lru.Cache[[]byte] // decompressed clusters
 	rcache  *lru.Cache[[]byte] // clean refcount blocks

@@ -58,17 +58,6 @@ func (m *memBackend) ReadRange(ctx context.Context, obj Object, p []byte, off in
 	return nil
 }
 
-// awaitGets waits until m has been asked n requests (they count as they
-// start), up to 5 s.
-func awaitGets(t *testing.T, m *memBackend, n int64) {
-	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); m.gets.Load() < n; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests after 5 s, want %d", m.gets.Load(), n)
-		}
-	}
-}
-
 // ReadRangev: the shared layer's reads go straight into its blocks.
 func (m *memBackend) ReadRangev(ctx context.Context, obj Object, bufs [][]byte, off int64) error {
 	n := 0
@@ -117,6 +106,17 @@ func TestReadsThroughABackendWithoutVectors(t *testing.T) {
 
 func (m *memBackend) String() string { return "mem://object" }
 func (m *memBackend) Close() error   { return nil }
+
+// awaitGets waits until m has been asked n requests (they count as they
+// start), up to 5 s.
+func awaitGets(t *testing.T, m *memBackend, n int64) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); m.gets.Load() < n; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d requests after 5 s, want %d", m.gets.Load(), n)
+		}
+	}
+}
 
 func rhData(n int) []byte {
 	d := make([]byte, n)
