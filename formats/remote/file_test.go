@@ -375,3 +375,40 @@ func TestRetriesBackOff(t *testing.T) {
 		t.Fatalf("%d requests in 1.5 s of failures: want a few, backing off", g)
 	}
 }
+
+// A read near an earlier one, earning no readahead, brings the missing
+// blocks of its neighbourhood along in its own GET; the random read
+// before it fetched its page only.
+func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
+	m := &memBackend{data: rhData(4 << 20)}
+	f := openMem(t, m, Options{})
+	ctx := context.Background()
+	p := make([]byte, 4096)
+	first := int64(1<<20 + 40<<10) // in block 66 of 16 KiB, 8 KiB in
+	if _, err := f.ReadAt(ctx, p, first); err != nil {
+		t.Fatal(err)
+	}
+	next := first + 8<<10 // block 67, within the first read's slack
+	if _, err := f.ReadAt(ctx, p, next); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p, m.data[next:next+4096]) {
+		t.Fatal("the nearby read's bytes differ from the object's")
+	}
+	m.mu.Lock()
+	asked := append([][2]int64(nil), m.asked...)
+	m.mu.Unlock()
+	// The neighbourhood of 128 KiB is blocks 64-71: 66 is held (its
+	// page), so the second GET is blocks 67-71.
+	want := [][2]int64{{first, 4096}, {1<<20 + 48<<10, 80 << 10}}
+	if len(asked) != 2 || asked[0] != want[0] || asked[1] != want[1] {
+		t.Fatalf("requests %v, want %v", asked, want)
+	}
+	q := make([]byte, 16<<10)
+	if !f.TryReadAt(q, 1<<20+112<<10) || !bytes.Equal(q, m.data[1<<20+112<<10:1<<20+128<<10]) {
+		t.Fatal("the neighbourhood's last block is not served from the cache")
+	}
+	if f.TryReadAt(q, 1<<20+128<<10) {
+		t.Fatal("a block past the neighbourhood was fetched")
+	}
+}

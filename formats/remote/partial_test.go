@@ -102,11 +102,12 @@ func TestStreamsFetchWholeBlocks(t *testing.T) {
 	if g := m.gets.Load(); g > 30 {
 		t.Fatalf("4 MiB read in 4 KiB pieces took %d requests", g)
 	}
-	// The first read is a page; the second, going on from it, its block.
+	// The first read is a page; the second, going on from it, its block
+	// and the rest of its neighbourhood (no readahead yet: see follow).
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.asked[0] != [2]int64{0, 4096} || m.asked[1] != [2]int64{0, DefaultBlockSize} {
-		t.Fatalf("first requests %v, want a page then its block", m.asked[:2])
+	if m.asked[0] != [2]int64{0, 4096} || m.asked[1] != [2]int64{0, neighbourhood} {
+		t.Fatalf("first requests %v, want a page then its neighbourhood", m.asked[:2])
 	}
 }
 
@@ -206,7 +207,8 @@ func TestSecondPassOfRandomReadsHitsTheCache(t *testing.T) {
 // A partial block evicted while its GET is in flight (a read of another
 // page of the block replaces it) completes for its reader, stays out of
 // the cache, and its buffer goes back once: the cache then holds the
-// replacement alone, in the map and the LRU.
+// replacement and the neighbours it brought (the object is one
+// neighbourhood), in the map and the LRU.
 func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
 	f := openMem(t, m, Options{})
@@ -232,13 +234,13 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 	m.mu.Lock()
 	asked := append([][2]int64(nil), m.asked...)
 	m.mu.Unlock()
-	if len(asked) != 2 || asked[0] != [2]int64{base, page} || asked[1] != [2]int64{base, DefaultBlockSize} {
-		t.Fatalf("requests %v, want the page, then the block", asked)
+	if len(asked) != 2 || asked[0] != [2]int64{base, page} || asked[1] != [2]int64{0, 8 * DefaultBlockSize} {
+		t.Fatalf("requests %v, want the page, then the neighbourhood", asked)
 	}
 	f.mu.Lock()
 	held := len(f.blocks)
 	f.mu.Unlock()
-	if held != 1 {
-		t.Fatalf("the cache holds %d blocks, want the replacement alone", held)
+	if held != 8 {
+		t.Fatalf("the cache holds %d blocks, want the replacement and its 7 neighbours", held)
 	}
 }
