@@ -47,7 +47,7 @@ var httpNoProgress = flag.Duration("http-stall", 90*time.Second, "http rows: how
 // export) and warm (the same I/Os again on that export). The compared-
 // with column quotes the faster of nbdkit's curl plugin behind nbdfuse
 // and qemu-storage-daemon's curl node (its default readahead, 256 KiB,
-// and larger ones), named. Ours runs with its defaults (8 connections,
+// and larger ones), named. Ours runs with its defaults (16 connections,
 // a 64 MiB cache) in the cold rows, and with a cache that holds the
 // object in the warm rows.
 // httpReps is how many times ours and the fastest anchor run each http row.
