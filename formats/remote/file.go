@@ -49,10 +49,10 @@ const (
 	// fetches the pages of its block that it covers, not the block.
 	page = 4 << 10
 	// neighbourhood: a read that lands near earlier ones (within a
-	// stream's slack, see follow) but earns no readahead fetches, beside
-	// the blocks it misses, the missing ones around them in its aligned
-	// neighbourhood (widen): the other small files of a directory, the
-	// next entries of an inode table. An ext4 tree of 15,000 files read
+	// stream's slack, see follow) and starts no readahead fetches, beside
+	// the blocks it misses, the missing blocks next to them up to the
+	// edges of its aligned neighbourhood (widen): the other small files
+	// of a directory, the next entries of an inode table. An ext4 tree of 15,000 files read
 	// back with tar through a loop device on an export of nginx on
 	// loopback took 2.29-2.55 s with 128 KiB against 2.58-3.02 s without
 	// (four alternating sets; 64 KiB: 2.13-2.80 s in three), where
@@ -438,8 +438,8 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 	if random && !replaced && len(runs) == 1 && runs[0][1] == runs[0][0]+1 {
 		f.partial(f.blocks[runs[0][0]], off, n)
 	}
-	// A read near others that earns no readahead brings its neighbours
-	// (see neighbourhood); a stream's readahead fetches ahead already.
+	// A read near others that starts no readahead brings its neighbours
+	// (see neighbourhood); one that starts readahead leaves it to that.
 	if !random && ahead == nil && len(runs) == 1 {
 		runs[0] = f.widen(runs[0])
 	}
@@ -452,18 +452,31 @@ func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, e
 }
 
 // widen extends run r of missing blocks (a reader's own, entries made)
-// over the missing blocks beside it in its aligned neighbourhood, making
-// their entries, while the cache has room for them: they come in the
-// reader's GET. Called with mu held.
+// over the missing blocks next to it, up to the edges of its aligned
+// neighbourhood, making their entries while the cache has room for them:
+// they come in the reader's one GET. Called with mu held.
 func (f *File) widen(r [2]int64) [2]int64 {
-	group := max(neighbourhood/f.bs, 1)
+	group, per := max(neighbourhood/f.bs, 1), maxGet/f.bs
 	lo := r[0] / group * group
 	hi := min((r[1]+group-1)/group*group, (f.obj.Size+f.bs-1)/f.bs)
-	for r[0] > lo && f.blocks[r[0]-1] == nil && f.room() {
+	// How far the missing blocks reach is found before room() evicts
+	// anything here: an eviction would make a neighbour held when
+	// widening began look missing, and fetch it again.
+	down, up := r[0], r[1]
+	for down > lo && f.blocks[down-1] == nil {
+		down--
+	}
+	for up < hi && f.blocks[up] == nil {
+		up++
+	}
+	// One GET (see start): a run of maxGet or more stays as it is.
+	up = min(up, r[0]+per)
+	down = max(down, up-per)
+	for r[0] > down && f.room() {
 		r[0]--
 		f.insert(r[0])
 	}
-	for r[1] < hi && f.blocks[r[1]] == nil && f.room() {
+	for r[1] < up && f.room() {
 		f.insert(r[1])
 		r[1]++
 	}

@@ -412,3 +412,156 @@ func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
 		t.Fatal("a block past the neighbourhood was fetched")
 	}
 }
+
+// nbAsked is what m was asked, in order.
+func nbAsked(m *memBackend) [][2]int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return append([][2]int64(nil), m.asked...)
+}
+
+// nbRead reads n bytes at off and checks them against the object.
+func nbRead(t *testing.T, f *File, m *memBackend, off, n int64) {
+	t.Helper()
+	p := make([]byte, n)
+	k, err := f.ReadAt(context.Background(), p, off)
+	if int64(k) != min(n, int64(len(m.data))-off) || !bytes.Equal(p[:k], m.data[off:off+int64(k)]) {
+		t.Fatalf("read %d at %d: %d bytes, %v, or wrong bytes", n, off, k, err)
+	}
+}
+
+// The neighbourhood ends with the object: widened up onto a short last
+// block, and down from it, never past the object's end.
+func TestNeighbourhoodEndsWithTheObject(t *testing.T) {
+	bs := int64(DefaultBlockSize)
+	size := 66*bs + 5000 // blocks 64 and 65 whole, 66 of 5000 bytes
+	for _, c := range []struct {
+		name string
+		near int64
+	}{{"up", 65*bs + 10}, {"down", 66*bs + 10}} {
+		t.Run(c.name, func(t *testing.T) {
+			m := &memBackend{data: rhData(int(size))}
+			f := openMem(t, m, Options{})
+			nbRead(t, f, m, 64*bs, 100) // random: a page of block 64
+			nbRead(t, f, m, c.near, 100)
+			f.wg.Wait()
+			a := nbAsked(m)
+			want := [2]int64{65 * bs, bs + 5000}
+			if len(a) != 2 || a[0] != [2]int64{64 * bs, page} || a[1] != want {
+				t.Fatalf("requests %v, want a page of block 64, then %v", a, want)
+			}
+			q := make([]byte, 5000)
+			if !f.TryReadAt(q, 66*bs) || !bytes.Equal(q, m.data[66*bs:]) {
+				t.Fatal("the short last block is not held whole")
+			}
+			rvwCheckCache(t, f, m.data)
+		})
+	}
+}
+
+// Making room for neighbours evicts the least recently used blocks; a
+// neighbour held when widening began is not fetched again for the read
+// (the reader's own entry evicts the least recently used, block 200;
+// room for block 9 then evicts block 8, the next).
+func TestNeighbourhoodRefetchesNothingHeld(t *testing.T) {
+	bs := int64(DefaultBlockSize)
+	m := &memBackend{data: rhData(16 << 20)}
+	f := openMem(t, m, Options{CacheSize: 16 * bs})
+	nbRead(t, f, m, 200*bs, bs) // the least recently used
+	nbRead(t, f, m, 8*bs, bs)   // the next
+	for k := int64(0); k < 13; k++ {
+		nbRead(t, f, m, (300+20*k)*bs, bs) // far apart: random
+	}
+	nbRead(t, f, m, 11*bs, 100) // a page of block 11: the cache is full
+	f.wg.Wait()
+	f.mu.Lock()
+	held := f.blocks[8] != nil && f.blocks[8].loaded && len(f.blocks) == 16
+	f.mu.Unlock()
+	if !held {
+		t.Fatal("block 8 is not in a full cache before the nearby read")
+	}
+	before := len(nbAsked(m))
+	nbRead(t, f, m, 10*bs, 100) // near block 11's read: widened down to 9
+	f.wg.Wait()
+	a := nbAsked(m)[before:]
+	if len(a) != 1 || a[0] != [2]int64{9 * bs, 2 * bs} {
+		t.Fatalf("the nearby read's requests %v, want blocks 9 and 10 (8 was held)", a)
+	}
+	rvwCheckCache(t, f, m.data)
+}
+
+// A widened run stays one GET: a run of maxGet is not widened, and a
+// shorter one only up to maxGet (the reader would wait for a second GET).
+func TestNeighbourhoodKeepsOneGet(t *testing.T) {
+	bs := int64(DefaultBlockSize)
+	for _, n := range []int64{maxGet, maxGet - bs} {
+		m := &memBackend{data: rhData(16 << 20)}
+		f := openMem(t, m, Options{})
+		nbRead(t, f, m, 1<<20+6*bs, maxGet)
+		nbRead(t, f, m, 2<<20+6*bs, n) // goes on from it, no readahead yet
+		f.wg.Wait()
+		a := nbAsked(m)
+		want := [][2]int64{{1<<20 + 6*bs, maxGet}, {2<<20 + 6*bs, maxGet}}
+		if len(a) != 2 || a[0] != want[0] || a[1] != want[1] {
+			t.Fatalf("a read of %d: requests %v, want %v", n, a, want)
+		}
+	}
+}
+
+// With the cache all loading, a nearby read brings no neighbours: the
+// cache overshoots by readers' own blocks only.
+func TestNeighbourhoodWithinTheCache(t *testing.T) {
+	bs := int64(DefaultBlockSize)
+	gate := make(chan struct{})
+	m := &memBackend{data: rhData(8 << 20), fail: func(_ int64, ctx context.Context) error {
+		select {
+		case <-gate:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}}
+	f := openMem(t, m, Options{CacheSize: 16 * bs})
+	opened := true
+	defer func() {
+		if opened {
+			close(gate)
+		}
+	}()
+	done := make(chan struct{}, 32)
+	read := func(off int64) {
+		go func() {
+			p := make([]byte, 100)
+			f.ReadAt(context.Background(), p, off)
+			done <- struct{}{}
+		}()
+	}
+	held := func(n int) int {
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			f.mu.Lock()
+			k := len(f.blocks)
+			f.mu.Unlock()
+			if k >= n || time.Now().After(deadline) {
+				return k
+			}
+		}
+	}
+	for k := int64(0); k < 15; k++ {
+		read((100 + 10*k) * bs) // far apart, all loading
+		held(int(k) + 1)
+	}
+	read(11*bs + 2*page) // a 16th stream's first read: the cache is full
+	held(16)
+	read(13 * bs) // near it: not random, but no room for 12, 14 or 15
+	// The reader's own entry and any neighbours are made under one hold
+	// of mu: once its entry shows, widening is over.
+	n := held(17)
+	opened = false
+	close(gate)
+	for range 17 {
+		<-done
+	}
+	if n != 17 {
+		t.Fatalf("%d blocks with a capacity of 16 and 17 readers' own", n)
+	}
+}
