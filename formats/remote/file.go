@@ -52,11 +52,12 @@ const (
 	// stream's slack, see follow) and starts no readahead fetches, beside
 	// the blocks it misses, the missing blocks next to them up to the
 	// edges of its aligned neighbourhood (widen): the other small files
-	// of a directory, the next entries of an inode table. An ext4 tree of 15,000 files read
-	// back with tar through a loop device on an export of nginx on
-	// loopback took 2.29-2.55 s with 128 KiB against 2.58-3.02 s without
-	// (four alternating sets; 64 KiB: 2.13-2.80 s in three), where
-	// nbdkit's cache filter, which fetches 64 KiB blocks, took 2.68-3.26 s.
+	// of a directory, the next entries of an inode table. An ext4 tree of
+	// 15,000 files read back with tar through a loop device on an export
+	// of nginx on loopback took 2.29-2.55 s with 128 KiB against
+	// 2.58-3.02 s without (four alternating sets; 64 KiB: 2.13-2.80 s in
+	// three), where nbdkit's cache filter, which fetches 64 KiB blocks,
+	// took 2.68-3.26 s.
 	// Random reads are not widened (their partial fetch stays; 40 GETs
 	// of 39,894 in 40,000 at qd16 were): 4 KiB reads at qd16 and qd1 and
 	// 1 MiB reads ran as before (three pairs).

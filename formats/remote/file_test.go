@@ -118,6 +118,26 @@ func awaitGets(t *testing.T, m *memBackend, n int64) {
 	}
 }
 
+// requests is what m was asked, in order.
+func (m *memBackend) requests() [][2]int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return append([][2]int64(nil), m.asked...)
+}
+
+// gated makes a memBackend's requests wait until gate is closed (or their
+// context ends).
+func gated(gate chan struct{}) func(int64, context.Context) error {
+	return func(_ int64, ctx context.Context) error {
+		select {
+		case <-gate:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
 func rhData(n int) []byte {
 	d := make([]byte, n)
 	rand.New(rand.NewSource(int64(n))).Read(d)
@@ -395,9 +415,7 @@ func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
 	if !bytes.Equal(p, m.data[next:next+4096]) {
 		t.Fatal("the nearby read's bytes differ from the object's")
 	}
-	m.mu.Lock()
-	asked := append([][2]int64(nil), m.asked...)
-	m.mu.Unlock()
+	asked := m.requests()
 	// The neighbourhood of 128 KiB is blocks 64-71: 66 is held (its
 	// page), so the second GET is blocks 67-71.
 	want := [][2]int64{{first, 4096}, {1<<20 + 48<<10, 80 << 10}}
@@ -411,13 +429,6 @@ func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
 	if f.TryReadAt(q, 1<<20+128<<10) {
 		t.Fatal("a block past the neighbourhood was fetched")
 	}
-}
-
-// nbAsked is what m was asked, in order.
-func nbAsked(m *memBackend) [][2]int64 {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return append([][2]int64(nil), m.asked...)
 }
 
 // nbRead reads n bytes at off and checks them against the object.
@@ -445,7 +456,7 @@ func TestNeighbourhoodEndsWithTheObject(t *testing.T) {
 			nbRead(t, f, m, 64*bs, 100) // random: a page of block 64
 			nbRead(t, f, m, c.near, 100)
 			f.wg.Wait()
-			a := nbAsked(m)
+			a := m.requests()
 			want := [2]int64{65 * bs, bs + 5000}
 			if len(a) != 2 || a[0] != [2]int64{64 * bs, page} || a[1] != want {
 				t.Fatalf("requests %v, want a page of block 64, then %v", a, want)
@@ -480,10 +491,10 @@ func TestNeighbourhoodRefetchesNothingHeld(t *testing.T) {
 	if !held {
 		t.Fatal("block 8 is not in a full cache before the nearby read")
 	}
-	before := len(nbAsked(m))
+	before := len(m.requests())
 	nbRead(t, f, m, 10*bs, 100) // near block 11's read: widened down to 9
 	f.wg.Wait()
-	a := nbAsked(m)[before:]
+	a := m.requests()[before:]
 	if len(a) != 1 || a[0] != [2]int64{9 * bs, 2 * bs} {
 		t.Fatalf("the nearby read's requests %v, want blocks 9 and 10 (8 was held)", a)
 	}
@@ -500,7 +511,7 @@ func TestNeighbourhoodKeepsOneGet(t *testing.T) {
 		nbRead(t, f, m, 1<<20+6*bs, maxGet)
 		nbRead(t, f, m, 2<<20+6*bs, n) // goes on from it, no readahead yet
 		f.wg.Wait()
-		a := nbAsked(m)
+		a := m.requests()
 		want := [][2]int64{{1<<20 + 6*bs, maxGet}, {2<<20 + 6*bs, maxGet}}
 		if len(a) != 2 || a[0] != want[0] || a[1] != want[1] {
 			t.Fatalf("a read of %d: requests %v, want %v", n, a, want)
@@ -513,21 +524,8 @@ func TestNeighbourhoodKeepsOneGet(t *testing.T) {
 func TestNeighbourhoodWithinTheCache(t *testing.T) {
 	bs := int64(DefaultBlockSize)
 	gate := make(chan struct{})
-	m := &memBackend{data: rhData(8 << 20), fail: func(_ int64, ctx context.Context) error {
-		select {
-		case <-gate:
-			return nil
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}}
+	m := &memBackend{data: rhData(8 << 20), fail: gated(gate)}
 	f := openMem(t, m, Options{CacheSize: 16 * bs})
-	opened := true
-	defer func() {
-		if opened {
-			close(gate)
-		}
-	}()
 	done := make(chan struct{}, 32)
 	read := func(off int64) {
 		go func() {
@@ -556,7 +554,6 @@ func TestNeighbourhoodWithinTheCache(t *testing.T) {
 	// The reader's own entry and any neighbours are made under one hold
 	// of mu: once its entry shows, widening is over.
 	n := held(17)
-	opened = false
 	close(gate)
 	for range 17 {
 		<-done

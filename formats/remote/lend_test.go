@@ -111,14 +111,7 @@ func TestOvershootEndsWithTheLoads(t *testing.T) {
 	bs := int64(DefaultBlockSize)
 	// Every GET waits at the gate until every reader's block is in.
 	gate := make(chan struct{})
-	m := &memBackend{data: rhData(int(5 * readers * bs)), fail: func(_ int64, ctx context.Context) error {
-		select {
-		case <-gate:
-			return nil
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}}
+	m := &memBackend{data: rhData(int(5 * readers * bs)), fail: gated(gate)}
 	f := openMem(t, m, Options{CacheSize: 16 * DefaultBlockSize})
 	var wg sync.WaitGroup
 	errs := make(chan error, readers)

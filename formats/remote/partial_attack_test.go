@@ -407,9 +407,7 @@ func TestPartialAttackZeroLengthReadAbsentBlock(t *testing.T) {
 	f.mu.Lock()
 	b := f.blocks[9]
 	f.mu.Unlock()
-	m.mu.Lock()
-	asked := append([][2]int64(nil), m.asked...)
-	m.mu.Unlock()
+	asked := m.requests()
 	if b != nil {
 		t.Errorf("a zero-length read cached block 9 holding [%d,%d)", b.lo, b.hi)
 	}

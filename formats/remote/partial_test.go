@@ -46,9 +46,7 @@ func TestRandomReadsFetchOnlyTheirPages(t *testing.T) {
 		}
 	}
 	f.wg.Wait()
-	m.mu.Lock()
-	asked := append([][2]int64(nil), m.asked...)
-	m.mu.Unlock()
+	asked := m.requests()
 	for _, a := range asked {
 		if a[0]%page != 0 || a[1] > 2*page || a[1]%page != 0 && a[0]+a[1] != int64(len(m.data)) {
 			t.Fatalf("a random read asked for %d bytes at %d: want its pages", a[1], a[0])
@@ -231,9 +229,7 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 		t.Fatalf("the evicted block's reader: %v", err)
 	}
 	rvwCheckCache(t, f, m.data)
-	m.mu.Lock()
-	asked := append([][2]int64(nil), m.asked...)
-	m.mu.Unlock()
+	asked := m.requests()
 	if len(asked) != 2 || asked[0] != [2]int64{base, page} || asked[1] != [2]int64{0, 8 * DefaultBlockSize} {
 		t.Fatalf("requests %v, want the page, then the neighbourhood", asked)
 	}

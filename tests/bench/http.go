@@ -118,21 +118,23 @@ func benchHTTP(dir, bin string) []row {
 	// filter ran cold random 4 KiB reads at qd16 at 9.8k against 7.9k
 	// plain (it fetches 64 KiB blocks, which a second read of a block
 	// then finds), and the warm 1 MiB row at 2060 MiB/s against 789.
-	for _, nc := range []struct{ conns, filters string }{{"1", ""}, {"4", ""}, {"1", "readahead"}, {"4", "readahead"},
-		{"1", "cache"}, {"4", "cache"}, {"1", "readahead cache"}} {
-		config := "nbdfuse -C " + nc.conns
-		args := []string{"-f", "--exit-with-parent", "-U", "SOCK"}
-		if nc.filters != "" {
-			fl := strings.Fields(nc.filters)
-			config = "--filter=" + strings.Join(fl, " --filter=") + ", " + config
-			for _, f := range fl {
-				args = append(args, "--filter="+f)
+	for _, nc := range []struct {
+		conns   string
+		filters []string
+	}{{"1", nil}, {"4", nil}, {"1", []string{"readahead"}}, {"4", []string{"readahead"}},
+		{"1", []string{"cache"}}, {"4", []string{"cache"}}, {"1", []string{"readahead", "cache"}}} {
+		var flags, params, words []string
+		for _, f := range nc.filters {
+			flags = append(flags, "--filter="+f)
+			words = append(words, "--filter="+f)
+			if f == "cache" {
+				params = append(params, "cache-on-read=true")
+				words = append(words, "cache-on-read=true")
 			}
 		}
-		plugin := []string{"curl", "url=URL"}
-		if strings.Contains(nc.filters, "cache") {
-			config = strings.Replace(config, "--filter=cache", "--filter=cache cache-on-read=true", 1)
-			plugin = append(plugin, "cache-on-read=true")
+		config := "nbdfuse -C " + nc.conns
+		if len(words) > 0 {
+			config = strings.Join(words, " ") + ", " + config
 		}
 		conns := nc.conns
 		exporters = append(exporters, httpExporter{
@@ -140,11 +142,9 @@ func benchHTTP(dir, bin string) []row {
 			start: func(url, mnt string) ([]*exec.Cmd, string, error) {
 				sock := mnt + ".sock"
 				os.Remove(sock) // a killed nbdkit leaves its socket behind
-				a := append([]string(nil), args...)
-				a[3] = sock
-				p := append([]string(nil), plugin...)
-				p[1] = "url=" + url
-				server := exec.Command("nbdkit", append(a, p...)...)
+				args := append([]string{"-f", "--exit-with-parent", "-U", sock}, flags...)
+				args = append(append(args, "curl", "url="+url), params...)
+				server := exec.Command("nbdkit", args...)
 				server.Stderr = os.Stderr
 				if err := server.Start(); err != nil {
 					return nil, "", err
