@@ -42,47 +42,47 @@ test:
 	.ci/keep-fuse-param $(GO) test -count=1 -timeout 20m ./tests
 	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
 	BLOCKEXPORT_KERNEL_CACHE=on $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/qcow2
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd
-	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/nbd
-	$(GO) test -run XXX -fuzz FuzzParse -fuzztime 20000x -fuzzminimizetime 2s ./formats/partition
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vdi
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/vpc
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vmdk
+	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/protocols/nbd
+	$(GO) test -run XXX -fuzz FuzzParse -fuzztime 20000x -fuzzminimizetime 2s ./formats/filters/partition
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/drivers/vdi
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 2000x -fuzzminimizetime 2s ./formats/drivers/vpc
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/drivers/vmdk
 	$(GO) test -run XXX -fuzz '^FuzzInflate$$' -fuzztime 50000x -fuzzminimizetime 2s ./formats/internal/inflate
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/vhdx
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/drivers/vhdx
 	$(GO) test -run XXX -fuzz '^FuzzKernelCacheRequests$$' -fuzztime 3000x -fuzzminimizetime 2s ./export/fuse
-	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/probe
-	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime 2000x -fuzzminimizetime 2s ./formats/convert
-	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/qcow2
-	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/qcow2
-	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/remote/http
-	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime 20000x -fuzzminimizetime 2s ./formats/remote/http
-	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/remote/s3
-	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/registry
+	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime 2000x -fuzzminimizetime 2s ./formats/jobs/convert
+	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/protocols/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime 20000x -fuzzminimizetime 2s ./formats/protocols/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/protocols/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/protocols/remote/s3
 
 # Every fuzzer for longer (FUZZTIME=10m make fuzz): the image parsers, the NBD
 # server and client, the kernel-cache request rules, format probing, the
 # convert planner, qcow2 check and drop-backing, the HTTP and S3 reply checks.
 FUZZTIME ?= 2m
 fuzz:
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/qcow2
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime $(FUZZTIME) ./export/nbd
-	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime $(FUZZTIME) ./formats/nbd
-	$(GO) test -run XXX -fuzz FuzzParse -fuzztime $(FUZZTIME) ./formats/partition
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vdi
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vpc
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vhdx
-	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/vmdk
+	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime $(FUZZTIME) ./formats/protocols/nbd
+	$(GO) test -run XXX -fuzz FuzzParse -fuzztime $(FUZZTIME) ./formats/filters/partition
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/drivers/vdi
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/drivers/vpc
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/drivers/vhdx
+	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime $(FUZZTIME) ./formats/drivers/vmdk
 	$(GO) test -run XXX -fuzz '^FuzzKernelCacheRequests$$' -fuzztime $(FUZZTIME) ./export/fuse
-	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime $(FUZZTIME) ./formats/probe
-	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime $(FUZZTIME) ./formats/convert
-	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime $(FUZZTIME) ./formats/qcow2
-	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime $(FUZZTIME) ./formats/qcow2
-	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime $(FUZZTIME) ./formats/remote/http
-	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/remote/http
-	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/remote/s3
-	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime $(FUZZTIME) ./formats/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzProbeFormat$$' -fuzztime $(FUZZTIME) ./formats/registry
+	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime $(FUZZTIME) ./formats/jobs/convert
+	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
+	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
 
 # Unit tests only (no mounts, no root needed for most).
 unit:

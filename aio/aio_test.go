@@ -304,7 +304,7 @@ func TestTryReadAndWrite(t *testing.T) {
 		}
 	}
 	for b, f := range openBoth(t, path, Options{Writable: true, Direct: true}) {
-		p := coroutines.AlignedBuf(4096, 4096)
+		p := AlignedBuf(4096, 4096)
 		if f.TryReadAt(p, 0) {
 			t.Errorf("%s: O_DIRECT TryReadAt said it hit a cache", b)
 		}

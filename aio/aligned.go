@@ -26,7 +26,7 @@ func Aligned(f File, align int) File {
 		return f
 	}
 	return &alignedFile{File: f, align: int64(align),
-		bounce: coroutines.NewBufPool(maxPooledBounce+2*align, align)}
+		bounce: NewBufPool(maxPooledBounce+2*align, align)}
 }
 
 // maxPooledBounce is the largest request whose bounce buffer comes from the
@@ -38,7 +38,7 @@ type alignedFile struct {
 	File
 	align  int64
 	rmw    coroutines.RangeLock
-	bounce *coroutines.BufPool
+	bounce *BufPool
 }
 
 // buf returns an aligned buffer of n bytes and the function that gives it
@@ -48,7 +48,7 @@ func (a *alignedFile) buf(n int64) ([]byte, func()) {
 		b := a.bounce.Get()
 		return (*b)[:n], func() { a.bounce.Put(b) }
 	}
-	return coroutines.AlignedBuf(int(n), int(a.align)), func() {}
+	return AlignedBuf(int(n), int(a.align)), func() {}
 }
 
 func (a *alignedFile) ok(p []byte, off int64) bool {

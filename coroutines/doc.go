@@ -12,6 +12,4 @@
 //   - [InFlight]: Begin/End around every request, Drain to wait for all of
 //     them (resize, flush-all, shutdown) while holding new ones back.
 //   - [RangeLock]: overlapping byte ranges serialize, disjoint ones never do.
-//   - [BufPool]: aligned buffers reused across requests, so the hot path does
-//     not allocate.
 package coroutines

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/blockexport/blockexport/formats/remote"
-	s3backend "github.com/blockexport/blockexport/formats/remote/s3"
+	"github.com/blockexport/blockexport/formats/protocols/remote"
+	s3backend "github.com/blockexport/blockexport/formats/protocols/remote/s3"
 )
 
 // TestS3tBackendOnARealServer: the s3 backend against versitygw, below the

@@ -10,8 +10,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/probe"
-	"github.com/blockexport/blockexport/formats/qcow2"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // Exit statuses of check, qemu-img check's: 0 is a clean image.
@@ -64,7 +64,7 @@ func checkStatus(stderr io.Writer, err error) error {
 	case errors.As(err, &u):
 		fmt.Fprintf(stderr, "blockexport: %v\n", err)
 		return exitStatus(checkIncomplete)
-	case errors.Is(err, probe.ErrNoChecks):
+	case errors.Is(err, registry.ErrNoChecks):
 		fmt.Fprintf(stderr, "blockexport: %v\n", err)
 		return exitStatus(checkNoChecks)
 	}
@@ -95,17 +95,17 @@ func check(stdout, stderr io.Writer, args []string, f *inspectFlags, repair stri
 		return err
 	}
 	o.Lock = true // a check refuses an image someone writes, a repair one anybody uses
-	res, err := probe.Check(context.Background(), args[0], o, mode)
+	res, err := registry.Check(context.Background(), args[0], o, mode)
 	// What the check found before it failed is said too, as qemu-img
 	// says it before "Check failed".
 	for _, m := range res.Messages {
 		fmt.Fprintln(stderr, m)
 	}
 	if err != nil {
-		if errors.Is(err, probe.ErrBadSpec) {
+		if errors.Is(err, registry.ErrBadSpec) {
 			return usageError{err}
 		}
-		return fmt.Errorf("check %s: %w", probe.Shown(args[0]), err)
+		return fmt.Errorf("check %s: %w", registry.Shown(args[0]), err)
 	}
 	if asJSON {
 		enc := json.NewEncoder(stdout)

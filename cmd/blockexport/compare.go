@@ -10,8 +10,8 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/blockexport/blockexport/formats/convert"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/jobs/convert"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // Exit statuses of compare, qemu-img compare's.
@@ -94,16 +94,16 @@ func compareCmd(stdout, stderr io.Writer, args []string, f *compareFlags) error 
 	}
 	a, err := openImage(args[0], o)
 	if err != nil {
-		return fmt.Errorf("%s: %w", probe.Shown(args[0]), err)
+		return fmt.Errorf("%s: %w", registry.Shown(args[0]), err)
 	}
 	defer a.Image.Close()
-	if _, err := probe.ParseFormat(f.formatB); err != nil {
+	if _, err := registry.ParseFormat(f.formatB); err != nil {
 		return usageError{err}
 	}
 	o.Format = f.formatB
 	b, err := openImage(args[1], o)
 	if err != nil {
-		return fmt.Errorf("%s: %w", probe.Shown(args[1]), err)
+		return fmt.Errorf("%s: %w", registry.Shown(args[1]), err)
 	}
 	defer b.Image.Close()
 

@@ -19,11 +19,11 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/convert"
-	"github.com/blockexport/blockexport/formats/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
-	"github.com/blockexport/blockexport/formats/qcow2"
-	"github.com/blockexport/blockexport/formats/raw"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/drivers/raw"
+	"github.com/blockexport/blockexport/formats/jobs/convert"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // exitInterrupted is convert's status after SIGINT (128 + SIGINT, as a
@@ -81,7 +81,7 @@ func convertCommand() *cobra.Command {
 	fs.BoolVarP(&f.noCreate, "no-create", "n", false, "write into an existing TARGET (a file or nbd://...) instead of creating it")
 	fs.StringVarP(&f.sparse, "sparse-size", "S", "4k", "zero runs inside data at least this long (a multiple of 512) are not written; 0 writes all data")
 	fs.StringVarP(&f.backing, "backing", "B", "", "TARGET's backing file (qcow2): only what differs from it is written")
-	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+probe.OrList(probe.FileFormats())+" (default: detected)")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+registry.OrList(registry.FileFormats())+" (default: detected)")
 	fs.BoolVar(&f.targetIsZero, "target-is-zero", false, "with -n: TARGET reads as zeroes already, so zeroes need not be written")
 	fs.StringVarP(&f.cache, "target-cache", "t", "unsafe", "TARGET's cache mode, qemu-img's: unsafe (no flush at the end, qemu-img convert's default), writeback (flushed at the end) or none (O_DIRECT, flushed; not with -c, whose clusters lie at any byte)")
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
@@ -123,13 +123,13 @@ func parseTargetOptions(opts []string, format string) (targetOptions, error) {
 			}
 			k, v, _ := strings.Cut(kv, "=")
 			bad := func() error { return usagef("Parameter '%s' does not accept value '%s'", k, v) }
-			known := format == probe.QCOW2 || k == "preallocation" || k == "size"
+			known := format == registry.QCOW2 || k == "preallocation" || k == "size"
 			if !known {
 				return t, usagef("Invalid parameter '%s' (a %s target takes preallocation=off only)", k, format)
 			}
 			switch k {
 			case "cluster_size":
-				n, err := probe.ParseSize(v)
+				n, err := registry.ParseSize(v)
 				if err != nil {
 					return t, bad()
 				}
@@ -191,7 +191,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("Invalid number of coroutines. Allowed number of coroutines is between 1 and 64")
 	}
-	minSparse, err := probe.ParseSize(f.sparse)
+	minSparse, err := registry.ParseSize(f.sparse)
 	if err != nil || minSparse%512 != 0 || minSparse > 16<<20 {
 		return usagef("Invalid buffer size for sparse output specified. Valid sizes are multiples of 512 up to 16777216.")
 	}
@@ -209,7 +209,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		return usagef("Invalid cache option: %s (want unsafe, writeback or none)", f.cache)
 	}
 	switch f.outFormat {
-	case probe.Raw, probe.QCOW2:
+	case registry.Raw, registry.QCOW2:
 	default:
 		return usagef("convert: -O %s: want raw or qcow2", f.outFormat)
 	}
@@ -221,9 +221,9 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		f.backing, f.backingFormat = topts.backing, cmp(f.backingFormat, topts.backingFormat)
 	}
 	switch {
-	case f.compress && f.outFormat != probe.QCOW2:
+	case f.compress && f.outFormat != registry.QCOW2:
 		return usagef("Compression not supported for this file format")
-	case f.backing != "" && f.outFormat != probe.QCOW2:
+	case f.backing != "" && f.outFormat != registry.QCOW2:
 		return usagef("Backing file not supported for file format '%s'", f.outFormat)
 	case f.backing != "" && f.noCreate:
 		return usagef("-B makes a new TARGET; it cannot be used with -n")
@@ -244,7 +244,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	}
 	src, err := openImage(srcSpec, o)
 	if err != nil {
-		return fmt.Errorf("convert: %s: %w", probe.Shown(srcSpec), err)
+		return fmt.Errorf("convert: %s: %w", registry.Shown(srcSpec), err)
 	}
 	defer src.Image.Close()
 	size := src.Image.Size()
@@ -264,15 +264,15 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		}
 		created = true
 	}
-	to := probe.Options{Format: f.outFormat, Writable: true, Lock: true, Backend: o.Backend, Direct: direct && !f.compress,
+	to := registry.Options{Format: f.outFormat, Writable: true, Lock: true, Backend: o.Backend, Direct: direct && !f.compress,
 		NBD: o.NBD, RelatedDirs: o.RelatedDirs}
 	if f.noCreate && !f.outFormatSet {
 		// qemu-img would open it as raw and write raw bytes over a qcow2
 		// image's metadata; without -O the format is probed instead.
-		to.Format = probe.Auto
+		to.Format = registry.Auto
 	}
 	if f.noCreate && nbd.IsURI(dstSpec) {
-		to.Format = probe.Auto // an export is raw bytes
+		to.Format = registry.Auto // an export is raw bytes
 	}
 	dst, err := openImage(dstSpec, to)
 	if err != nil {
@@ -317,7 +317,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		co.Chunk = 2 << 20
 	}
 	if f.chunk != "" {
-		n, err := probe.ParseSize(f.chunk)
+		n, err := registry.ParseSize(f.chunk)
 		if err != nil || n <= 0 || n%4096 != 0 || n > 64<<20 {
 			return usagef("--buffer-size %q: want a multiple of 4 KiB up to 64 MiB", f.chunk)
 		}
@@ -343,7 +343,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	// durable, but with -t unsafe): a qcow2 target's metadata is
 	// consistent after its flush.
 	ferr := dst.Image.Flush(context.Background())
-	if interrupted && created && f.outFormat == probe.Raw {
+	if interrupted && created && f.outFormat == registry.Raw {
 		// A new raw target keeps exactly what was converted.
 		if err := dst.Image.Resize(context.Background(), st.Done); err != nil && ferr == nil {
 			ferr = err
@@ -353,11 +353,11 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	prog.finish(cerr == nil)
 	switch {
 	case interrupted:
-		what := fmt.Sprintf("%s holds %d of %d bytes of %s", dstSpec, st.Done, size, probe.Shown(srcSpec))
+		what := fmt.Sprintf("%s holds %d of %d bytes of %s", dstSpec, st.Done, size, registry.Shown(srcSpec))
 		switch {
-		case created && f.outFormat == probe.Raw:
+		case created && f.outFormat == registry.Raw:
 			what = fmt.Sprintf("%s is truncated to the %d bytes converted (of %d)", dstSpec, st.Done, size)
-		case f.outFormat == probe.QCOW2:
+		case f.outFormat == registry.QCOW2:
 			what += "; it is consistent (qemu-img check finds it clean), the rest reads as zeroes or as its backing file"
 		}
 		if ferr != nil {
@@ -419,7 +419,7 @@ func cmp(a, b string) string {
 // create makes a new TARGET of size bytes, replacing one that exists (as
 // qemu-img convert does).
 func (f *convertFlags) create(path string, size int64, t targetOptions) error {
-	if f.outFormat == probe.Raw {
+	if f.outFormat == registry.Raw {
 		return raw.Create(path, size, true)
 	}
 	co := qcow2.CreateOptions{Size: (size + 511) &^ 511, ClusterSize: t.clusterSize, Force: true,
@@ -429,13 +429,13 @@ func (f *convertFlags) create(path string, size int64, t targetOptions) error {
 		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) {
 			bpath = filepath.Join(filepath.Dir(path), bpath)
 		}
-		bf := cmp(f.backingFormat, probe.Auto)
-		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
-			return usagef("convert: -F %q (want %s)", bf, probe.OrList(probe.FileFormats()))
+		bf := cmp(f.backingFormat, registry.Auto)
+		if _, err := registry.ParseFormat(bf); err != nil || bf == registry.Null {
+			return usagef("convert: -F %q (want %s)", bf, registry.OrList(registry.FileFormats()))
 		}
-		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads"})
+		b, err := registry.Open(bpath, registry.Options{Format: bf, Backend: "threads"})
 		if err != nil {
-			if errors.Is(err, probe.ErrBadSpec) {
+			if errors.Is(err, registry.ErrBadSpec) {
 				return usageError{err}
 			}
 			return fmt.Errorf("convert: backing file %s: %w", f.backing, err)

@@ -7,10 +7,10 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/blockexport/blockexport/formats/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
-	"github.com/blockexport/blockexport/formats/qcow2"
-	"github.com/blockexport/blockexport/formats/raw"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/drivers/raw"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 type createFlags struct {
@@ -39,7 +39,7 @@ func createCommand() *cobra.Command {
 	fs.StringVarP(&f.format, "format", "f", "raw", "image format: raw or qcow2")
 	fs.StringVar(&f.clusterSize, "cluster-size", "64k", "qcow2 cluster size, a power of two from 512 to 2M")
 	fs.StringVarP(&f.backing, "backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
-	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+probe.OrList(probe.FileFormats())+" (default: detected)")
+	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+registry.OrList(registry.FileFormats())+" (default: detected)")
 	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
 	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "an s3:// backing file's S3-compatible endpoint (see fuse --s3-endpoint)")
 	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "an s3:// backing file: path-style addressing (see fuse --s3-path-style)")
@@ -55,14 +55,14 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 	path := args[0]
 	size := int64(-1)
 	if len(args) == 2 {
-		n, err := probe.ParseSize(args[1])
+		n, err := registry.ParseSize(args[1])
 		if err != nil {
 			return usagef("create: %v", err)
 		}
 		size = n
 	}
 	switch f.format {
-	case probe.Raw:
+	case registry.Raw:
 		if f.backing != "" || c.Flags().Changed("cluster-size") {
 			return usagef("create: --backing and --cluster-size are qcow2 options")
 		}
@@ -70,11 +70,11 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 			return usagef("create: a raw image needs a SIZE")
 		}
 		return raw.Create(path, size, f.force)
-	case probe.QCOW2:
+	case registry.QCOW2:
 	default:
 		return usagef("create: unknown format %q (want raw or qcow2)", f.format)
 	}
-	cs, err := probe.ParseSize(f.clusterSize)
+	cs, err := registry.ParseSize(f.clusterSize)
 	if err != nil {
 		return usagef("create: --cluster-size: %v", err)
 	}
@@ -83,22 +83,22 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		// Open the backing file as a later open will (relative to the
 		// image), for its format and size.
 		bpath := f.backing
-		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) && !probe.IsRemote(bpath) {
+		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) && !registry.IsRemote(bpath) {
 			bpath = filepath.Join(filepath.Dir(path), bpath)
 		}
 		bf := f.backingFormat
 		if bf == "" {
-			bf = probe.Auto
+			bf = registry.Auto
 		}
 		// Any image format read here may be a backing file (vmdk...); a
 		// null device may not.
-		if _, err := probe.ParseFormat(bf); err != nil || bf == probe.Null {
-			return usagef("create: --backing-format %q (want %s)", bf, probe.OrList(probe.FileFormats()))
+		if _, err := registry.ParseFormat(bf); err != nil || bf == registry.Null {
+			return usagef("create: --backing-format %q (want %s)", bf, registry.OrList(registry.FileFormats()))
 		}
-		b, err := probe.Open(bpath, probe.Options{Format: bf, Backend: "threads",
-			Remote: probe.RemoteOptions{S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}})
+		b, err := registry.Open(bpath, registry.Options{Format: bf, Backend: "threads",
+			Remote: registry.RemoteOptions{S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}})
 		if err != nil {
-			if errors.Is(err, probe.ErrBadSpec) {
+			if errors.Is(err, registry.ErrBadSpec) {
 				return usageError{err}
 			}
 			return fmt.Errorf("create: backing file: %w", err)

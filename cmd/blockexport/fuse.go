@@ -13,8 +13,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
-	"github.com/blockexport/blockexport/formats/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 type fuseFlags struct {
@@ -142,7 +142,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	}
 	readAheadKB := 0 // auto
 	if f.readAhead != "auto" {
-		n, err := probe.ParseSize(f.readAhead)
+		n, err := registry.ParseSize(f.readAhead)
 		if err != nil || n < 4096 || n > 1<<30 {
 			return usagef("--read-ahead %q: want auto or a size from 4K to 1G", f.readAhead)
 		}
@@ -164,8 +164,8 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		return err
 	}
 	defer img.Image.Close()
-	if img.Probed && img.Format == probe.Raw && f.writable {
-		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", probe.Shown(image))
+	if img.Probed && img.Format == registry.Raw && f.writable {
+		logger.Warn("image format was not given and probing guessed raw; a guest could write a qcow2 header into it. Pass --format raw to make this explicit", "image", registry.Shown(image))
 	}
 
 	served, parts, err := f.parts.apply(context.Background(), img.Image, image, f.fileName+"-", logger)
@@ -177,7 +177,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		extra[i] = fuseexport.ExtraFile{Name: p.name, Image: p.img}
 	}
 	kernelCache := f.kernelCacheFor(image, img.Format)
-	if kernelCache && img.Format == probe.Null {
+	if kernelCache && img.Format == registry.Null {
 		// Its writes are dropped: a cache would hand back what was
 		// written, where the device reads zeroes.
 		logger.Info("--kernel-cache on: the null device keeps no data, so it is served uncached")
@@ -204,7 +204,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		moreProcsForRemote(logger)
 	}
 	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
-		NoPageLend: !f.mappedReads, KernelCache: kernelCache, KeepCache: kernelCache && img.Format == probe.QCOW2 && !nbd.IsURI(image),
+		NoPageLend: !f.mappedReads, KernelCache: kernelCache, KeepCache: kernelCache && img.Format == registry.QCOW2 && !nbd.IsURI(image),
 		ReadAheadKB: f.readAheadKB(readAheadKB, image)})
 	sigs := stopSignals()
 	// The pidfile before the mount: a second instance given the same one
@@ -221,7 +221,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if f.stats > 0 {
 		stats = fuseexport.NewStats()
 	}
-	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: probe.Shown(image), Queues: f.queues,
+	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: registry.Shown(image), Queues: f.queues,
 		PollFor: pollFor, NoPace: !f.adaptPoll, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
 		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
 	if err != nil {
@@ -256,7 +256,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		go func() { stats.Run(logger, f.stats, stopStats); close(statsDone) }()
 		defer func() { close(stopStats); <-statsDone }()
 	}
-	logger.Info("exporting", "image", probe.Shown(image), "format", img.Format, "size", img.Image.Size(),
+	logger.Info("exporting", "image", registry.Shown(image), "format", img.Format, "size", img.Image.Size(),
 		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable,
 		"kernel_cache", kernelCache)
 	notifyReady()
@@ -316,7 +316,7 @@ func (f *fuseFlags) kernelCacheFor(image, format string) bool {
 	case "off":
 		return false
 	}
-	return (format == probe.Raw || format == probe.QCOW2) && !nbd.IsURI(image) &&
+	return (format == registry.Raw || format == registry.QCOW2) && !nbd.IsURI(image) &&
 		f.cache == "writeback" && f.passthrough == "off"
 }
 

@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // inspectFlags are the flags of the commands that read an image and
@@ -34,19 +34,19 @@ func (f *inspectFlags) register(c *cobra.Command) {
 
 // options are how to open the image: read-only, without locks (as
 // qemu-img's --force-share), through threads.
-func (f *inspectFlags) options() (probe.Options, error) {
-	if _, err := probe.ParseFormat(f.format); err != nil {
-		return probe.Options{}, usageError{err}
+func (f *inspectFlags) options() (registry.Options, error) {
+	if _, err := registry.ParseFormat(f.format); err != nil {
+		return registry.Options{}, usageError{err}
 	}
 	nbdOpts, err := f.src.options()
 	if err != nil {
-		return probe.Options{}, err
+		return registry.Options{}, err
 	}
 	remoteOpts, err := f.src.remote()
 	if err != nil {
-		return probe.Options{}, err
+		return registry.Options{}, err
 	}
-	return probe.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
+	return registry.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
 		RelatedDirs: f.src.allowDirs, Remote: remoteOpts}, nil
 }
 
@@ -64,7 +64,7 @@ func warnLogger(w io.Writer) *slog.Logger {
 }
 
 // openForInspection opens IMAGE read-only for info and map.
-func openForInspection(spec string, f *inspectFlags) (*probe.Opened, error) {
+func openForInspection(spec string, f *inspectFlags) (*registry.Opened, error) {
 	o, err := f.options()
 	if err != nil {
 		return nil, err

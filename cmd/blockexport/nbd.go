@@ -14,7 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/export/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 type nbdFlags struct {
@@ -145,7 +145,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 		TLS: tlsConf, TLSMode: tlsMode})
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
-	logger.Info("serving NBD", "image", probe.Shown(args[0]), "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)
+	logger.Info("serving NBD", "image", registry.Shown(args[0]), "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)
 	notifyReady()
 	select {
 	case s := <-sigs:

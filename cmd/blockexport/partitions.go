@@ -8,8 +8,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/partition"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/filters/partition"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // partitionFlags choose the disk's partitions to serve: --partitions adds
@@ -54,15 +54,15 @@ func (p *partitionFlags) apply(ctx context.Context, disk formats.Image, spec, pr
 	}
 	tab, err := partition.Parse(ctx, disk)
 	if err != nil {
-		return nil, nil, fmt.Errorf("%s: %w", probe.Shown(spec), err)
+		return nil, nil, fmt.Errorf("%s: %w", registry.Shown(spec), err)
 	}
 	if tab.BackupUsed {
-		log.Warn("the primary GPT is damaged; the partitions are those of the backup GPT at the end of the disk, as the kernel and parted read them", "image", probe.Shown(spec))
+		log.Warn("the primary GPT is damaged; the partitions are those of the backup GPT at the end of the disk, as the kernel and parted read them", "image", registry.Shown(spec))
 	}
 	if p.one > 0 {
 		part, err := tab.Find(p.one)
 		if err != nil {
-			return nil, nil, fmt.Errorf("%s: %w", probe.Shown(spec), err)
+			return nil, nil, fmt.Errorf("%s: %w", registry.Shown(spec), err)
 		}
 		r, err := partition.Open(disk, part, fmt.Sprintf("%d", part.Number))
 		if err != nil {

@@ -10,9 +10,9 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/aio"
-	"github.com/blockexport/blockexport/formats/copyonread"
-	"github.com/blockexport/blockexport/formats/nbd"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/filters/copyonread"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // serveFlags are the flags the serving commands (fuse, nbd) share: which
@@ -59,30 +59,30 @@ func (f *serveFlags) register(c *cobra.Command) {
 // formatFlag declares -f/--format for a command that opens images.
 func formatFlag(c *cobra.Command, p *string, usage string) {
 	c.Flags().StringVarP(p, "format", "f", "auto", usage)
-	completeWords(c, "format", probe.Formats()...)
+	completeWords(c, "format", registry.Formats()...)
 }
 
 // formatUsage is the --format flag's help: the formats read here, from
 // the probe's registry.
-var formatUsage = "image format: " + strings.Join(probe.Formats(), ", ") + " (vmdk, vhdx, vpc and vdi read-only)"
+var formatUsage = "image format: " + strings.Join(registry.Formats(), ", ") + " (vmdk, vhdx, vpc and vdi read-only)"
 
 // check validates the shared flags and returns the logger and how to open
 // the image (with QEMU's image locks: a served image is in use).
-func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
+func (f *serveFlags) check() (*slog.Logger, registry.Options, error) {
 	logger, err := serveLogger(f.logLevel, f.logFile, f.daemonize && isDaemonChild())
 	if err != nil {
-		return nil, probe.Options{}, err
+		return nil, registry.Options{}, err
 	}
-	format, err := probe.ParseFormat(f.format)
+	format, err := registry.ParseFormat(f.format)
 	if err != nil {
-		return nil, probe.Options{}, usageError{err}
+		return nil, registry.Options{}, usageError{err}
 	}
 	if f.copyOnRead && !f.writable {
-		return nil, probe.Options{}, usagef("--copy-on-read writes what it reads into the image: it needs --writable")
+		return nil, registry.Options{}, usagef("--copy-on-read writes what it reads into the image: it needs --writable")
 	}
 	backend, err := aio.ParseBackend(f.aio)
 	if err != nil {
-		return nil, probe.Options{}, usageError{err}
+		return nil, registry.Options{}, usageError{err}
 	}
 	var direct bool
 	switch f.cache {
@@ -90,27 +90,27 @@ func (f *serveFlags) check() (*slog.Logger, probe.Options, error) {
 	case "none":
 		direct = true
 	default:
-		return nil, probe.Options{}, usagef("unknown --cache mode %q (want writeback or none)", f.cache)
+		return nil, registry.Options{}, usagef("unknown --cache mode %q (want writeback or none)", f.cache)
 	}
-	l2Cache, err := probe.ParseSize(f.l2CacheSize)
+	l2Cache, err := registry.ParseSize(f.l2CacheSize)
 	if err != nil {
-		return nil, probe.Options{}, usagef("--l2-cache-size: %v", err)
+		return nil, registry.Options{}, usagef("--l2-cache-size: %v", err)
 	}
 	var decoded int64
 	if f.decodedCache != "" {
-		if decoded, err = probe.ParseSize(f.decodedCache); err != nil {
-			return nil, probe.Options{}, usagef("--decompressed-cache-size: %v", err)
+		if decoded, err = registry.ParseSize(f.decodedCache); err != nil {
+			return nil, registry.Options{}, usagef("--decompressed-cache-size: %v", err)
 		}
 	}
 	nbdOpts, err := f.sourceFlags.options()
 	if err != nil {
-		return nil, probe.Options{}, err
+		return nil, registry.Options{}, err
 	}
 	remoteOpts, err := f.sourceFlags.remote()
 	if err != nil {
-		return nil, probe.Options{}, err
+		return nil, registry.Options{}, err
 	}
-	return logger, probe.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
+	return logger, registry.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
 		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, DecodedCacheSize: decoded, NBD: nbdOpts, RelatedDirs: f.allowDirs,
 		Remote: remoteOpts}, nil
 }
@@ -153,32 +153,32 @@ func (f *sourceFlags) registerTLS(c *cobra.Command, prefix string) {
 	fs.StringVar(&f.tls.Key, prefix+"tls-key", "", "nbds sources: the client certificate's key (PEM)")
 }
 
-func (f *sourceFlags) options() (probe.NBDOptions, error) {
+func (f *sourceFlags) options() (registry.NBDOptions, error) {
 	if f.connections < 0 || f.connections > 64 {
-		return probe.NBDOptions{}, usagef("--connections %d: want 1 to 64", f.connections)
+		return registry.NBDOptions{}, usagef("--connections %d: want 1 to 64", f.connections)
 	}
 	if f.reconnectTimeout < 0 {
-		return probe.NBDOptions{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
+		return registry.NBDOptions{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
 	}
-	return probe.NBDOptions{Connections: max(f.connections, 1), ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
+	return registry.NBDOptions{Connections: max(f.connections, 1), ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
 }
 
 // remote is how to read http(s) sources (0 connections: the remote
 // layer's default).
-func (f *sourceFlags) remote() (probe.RemoteOptions, error) {
-	cache, err := probe.ParseSize(f.cacheSize)
+func (f *sourceFlags) remote() (registry.RemoteOptions, error) {
+	cache, err := registry.ParseSize(f.cacheSize)
 	if err != nil || cache < 1<<20 {
-		return probe.RemoteOptions{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
+		return registry.RemoteOptions{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
 	}
-	return probe.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
+	return registry.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
 		TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects, S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}, nil
 }
 
 // openImage opens spec; a spec that cannot be right is a usage error.
-func openImage(spec string, o probe.Options) (*probe.Opened, error) {
-	img, err := probe.Open(spec, o)
+func openImage(spec string, o registry.Options) (*registry.Opened, error) {
+	img, err := registry.Open(spec, o)
 	if err != nil {
-		if errors.Is(err, probe.ErrBadSpec) {
+		if errors.Is(err, registry.ErrBadSpec) {
 			return nil, usageError{err}
 		}
 		return nil, err
@@ -187,7 +187,7 @@ func openImage(spec string, o probe.Options) (*probe.Opened, error) {
 }
 
 // open opens the image to serve, behind the copy-on-read filter if asked.
-func (f *serveFlags) open(spec string, o probe.Options) (*probe.Opened, error) {
+func (f *serveFlags) open(spec string, o registry.Options) (*registry.Opened, error) {
 	img, err := openImage(spec, o)
 	if err != nil || !f.copyOnRead {
 		return img, err

@@ -15,9 +15,9 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
-	"github.com/blockexport/blockexport/formats/copyonread"
-	"github.com/blockexport/blockexport/formats/probe"
-	"github.com/blockexport/blockexport/formats/qcow2"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/jobs/stream"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 type streamFlags struct {
@@ -86,16 +86,16 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	if err != nil {
 		return err
 	}
-	o := probe.Options{Lock: true, Format: probe.QCOW2, Writable: true, Backend: "threads", NBD: nbdOpts,
+	o := registry.Options{Lock: true, Format: registry.QCOW2, Writable: true, Backend: "threads", NBD: nbdOpts,
 		Logger: warnLogger(c.ErrOrStderr()), RelatedDirs: f.src.allowDirs, Remote: remoteOpts}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 
 	// A run killed before may have leaked clusters (allocated, not yet
 	// linked): give them back, so that the image checks clean once done.
-	res, err := probe.Check(ctx, overlay, probe.Options{Lock: true, Format: probe.QCOW2, Backend: "threads"}, qcow2.RepairLeaks)
+	res, err := registry.Check(ctx, overlay, registry.Options{Lock: true, Format: registry.QCOW2, Backend: "threads"}, qcow2.RepairLeaks)
 	if err != nil {
-		if errors.Is(err, probe.ErrBadSpec) {
+		if errors.Is(err, registry.ErrBadSpec) {
 			return usageError{err}
 		}
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
@@ -121,10 +121,10 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		}
 	}()
 	p := newStreamProgress(mode, out)
-	err = copyonread.Stream(ctx, img.Image, copyonread.StreamOptions{Parallel: f.parallel, Planned: p.planned, Progress: p.step})
+	err = stream.Stream(ctx, img.Image, stream.StreamOptions{Parallel: f.parallel, Planned: p.planned, Progress: p.step})
 	p.finish(err == nil)
 	switch {
-	case errors.Is(err, copyonread.ErrNoBackingFile):
+	case errors.Is(err, stream.ErrNoBackingFile):
 		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s has no backing file: nothing to stream\n", overlay)
 		return nil
 	case ctx.Err() != nil && errors.Is(err, context.Canceled) && !p.wasPlanned:

@@ -9,7 +9,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
 // lookupIn is a LOOKUP request: the header, then the name and its NUL.

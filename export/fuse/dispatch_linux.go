@@ -15,6 +15,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 )
 
@@ -242,7 +243,7 @@ func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait
 }
 
 // pool is the buffer pool for n bytes: the small one where it will do.
-func (s *server) pool(n int) *coroutines.BufPool {
+func (s *server) pool(n int) *aio.BufPool {
 	if n <= s.small.Size() {
 		return s.small
 	}

@@ -10,7 +10,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
 // stuckImage is a null device whose reads wait until their context ends,

@@ -13,8 +13,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/null"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 var ctx = context.Background()
@@ -148,7 +148,7 @@ func TestErrnoMapping(t *testing.T) {
 func TestClosedImageIsEIO(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "img")
 	os.WriteFile(path, make([]byte, 8192), 0o644)
-	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Writable: true, Backend: "threads"})
+	opened, err := registry.Open(path, registry.Options{Format: registry.Raw, Writable: true, Backend: "threads"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -108,7 +109,7 @@ func (s *server) loop(fd int, helper bool, end func()) {
 	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
 	// wake-ups on other threads) on every request, and sync (queue depth 1)
 	// rows lost 10-20%.
-	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096), end: end})
+	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
 }
 
 // run is the loop of queue q (s.loops counts it).

@@ -10,8 +10,9 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
 // A queue found empty at paceEmptyToSpin samples in a row (one every
@@ -212,7 +213,7 @@ func newPacedFake(t *testing.T) *pacedFake {
 // loop starts a loop of the fake's server, its guess already spinning
 // when spin is set; ended is closed when the loop has returned.
 func (f *pacedFake) loop(spin bool) (q *queue, ended chan struct{}) {
-	q = &queue{fd: f.fd, to: replyTo{fd: f.fd}, bp: f.s.bufs.Get(), out: coroutines.AlignedBuf(maxWrite, 4096)}
+	q = &queue{fd: f.fd, to: replyTo{fd: f.fd}, bp: f.s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096)}
 	if spin {
 		q.pace = depthGuess{spinning: true}
 	}

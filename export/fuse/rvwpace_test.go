@@ -14,7 +14,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
 func rvwpaceBusyWait(d time.Duration) {

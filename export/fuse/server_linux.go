@@ -23,6 +23,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -133,9 +134,9 @@ type server struct {
 	// cancel those goroutines' requests.
 	hand    *coroutines.Handoff
 	pending pending
-	bufs    *coroutines.BufPool // request buffers and read buffers, up to 1 MiB
-	small   *coroutines.BufPool // the same for requests up to 8 KiB
-	loops   sync.WaitGroup      // the queue loops
+	bufs    *aio.BufPool   // request buffers and read buffers, up to 1 MiB
+	small   *aio.BufPool   // the same for requests up to 8 KiB
+	loops   sync.WaitGroup // the queue loops
 	bulk    bulkHelper
 }
 
@@ -144,8 +145,8 @@ func newServer(exp *Export, fd int) *server {
 		hand:    coroutines.NewHandoff(context.Background()),
 		pending: pending{m: map[uint64]*reqCtx{}, grace: interruptGrace},
 		bulk:    bulkHelper{fd: -1},
-		bufs:    coroutines.NewBufPool(reqPad+bufSize, 4096),
-		small:   coroutines.NewBufPool(reqPad+8192, 4096)}
+		bufs:    aio.NewBufPool(reqPad+bufSize, 4096),
+		small:   aio.NewBufPool(reqPad+8192, 4096)}
 }
 
 // handshake answers INIT on the first fd: the kernel sends nothing else

@@ -13,7 +13,7 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
 // The kernel's side closes at points in and after the loop's spin that

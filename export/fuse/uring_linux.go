@@ -33,7 +33,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
-	"github.com/blockexport/blockexport/coroutines"
 )
 
 const (
@@ -234,7 +233,7 @@ func (s *server) newURingQueue(qid, depth int, pin bool) (*uringQueue, error) {
 	for i := range u.ents {
 		e := &u.ents[i]
 		e.q, e.idx = u, i
-		e.buf = coroutines.AlignedBuf(uringArgsAt+maxWrite, 4096)
+		e.buf = aio.AlignedBuf(uringArgsAt+maxWrite, 4096)
 		e.iov[0] = unix.Iovec{Base: &e.buf[0]}
 		e.iov[0].SetLen(uringHeaderSize)
 		e.iov[1] = unix.Iovec{Base: &e.buf[uringArgsAt]}

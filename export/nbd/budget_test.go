@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/nbd/wire"
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // gatedImage holds every read until the gate opens, and records how many

@@ -17,10 +17,11 @@ import (
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/nbd/wire"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // request is one transmission-phase request, compact (28-byte header,
@@ -172,7 +173,7 @@ func (c *conn) serve() {
 	defer c.cancel()
 	r := bufio.NewReaderSize(c.sock, 256<<10)
 	c.bw = bufio.NewWriterSize(c.sock, 256<<10)
-	c.scratch = coroutines.AlignedBuf(1<<20, 4096)
+	c.scratch = aio.AlignedBuf(1<<20, 4096)
 	var limit *time.Timer
 	if d := c.srv.opts.HandshakeLimit; d > 0 {
 		// A client that never finishes the handshake would hold its
@@ -265,7 +266,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				}
 				// Page-aligned, so that an O_DIRECT image writes it as
 				// it is, without a bounce copy.
-				payload = coroutines.AlignedBuf(int(req.length), 4096)
+				payload = aio.AlignedBuf(int(req.length), 4096)
 			}
 			if err := readFull(r, payload); err != nil {
 				if cost > 0 {
@@ -280,7 +281,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				if cost = requestCost(req); c.acquire(cost) != nil {
 					return c.ctx.Err()
 				}
-				p := coroutines.AlignedBuf(len(payload), 4096)
+				p := aio.AlignedBuf(len(payload), 4096)
 				copy(p, payload)
 				payload = p
 			}

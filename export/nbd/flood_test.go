@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/blockexport/blockexport/formats/nbd/wire"
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // floodOptions connects to sock and sends LIST options in a loop without

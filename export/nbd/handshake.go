@@ -9,7 +9,7 @@ import (
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
-	"github.com/blockexport/blockexport/formats/nbd/wire"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // negotiated is what the handshake settled.

@@ -15,9 +15,9 @@ import (
 
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/nbd/wire"
-	"github.com/blockexport/blockexport/formats/null"
-	"github.com/blockexport/blockexport/formats/probe"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // client is a minimal NBD client for protocol tests: it speaks the wire
@@ -63,7 +63,7 @@ func newPairWith(t *testing.T, img formats.Image, writable bool) (*client, *Serv
 // openRaw opens a raw file for a test server, closed when the test ends.
 func openRaw(t *testing.T, path string, writable bool) formats.Image {
 	t.Helper()
-	opened, err := probe.Open(path, probe.Options{Format: probe.Raw, Writable: writable, Backend: "threads"})
+	opened, err := registry.Open(path, registry.Options{Format: registry.Raw, Writable: writable, Backend: "threads"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/blockexport/blockexport/formats/nbd/wire"
-	"github.com/blockexport/blockexport/formats/partition"
+	"github.com/blockexport/blockexport/formats/filters/partition"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // TestPartitionExports: a disk's partitions as extra export names. LIST

@@ -11,10 +11,11 @@ import (
 	"sync"
 	"time"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/aio/sock"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/nbd/wire"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // Options describe the export.
@@ -91,10 +92,10 @@ type Server struct {
 	mu     sync.Mutex
 	conns  map[*conn]struct{}
 	closed bool
-	wg     sync.WaitGroup      // connections
-	slots  chan struct{}       // MaxClients
-	bufs   *coroutines.BufPool // slow-path read buffers
-	budget *coroutines.Budget  // request buffers of all connections
+	wg     sync.WaitGroup     // connections
+	slots  chan struct{}      // MaxClients
+	bufs   *aio.BufPool       // slow-path read buffers
+	budget *coroutines.Budget // request buffers of all connections
 }
 
 // New makes a server for img.
@@ -105,7 +106,7 @@ func New(img formats.Image, o Options) *Server {
 	o.ConnBytes = cmp.Or(o.ConnBytes, DefaultConnBytes)
 	o.ServerBytes = cmp.Or(o.ServerBytes, DefaultServerBytes)
 	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{},
-		bufs: coroutines.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes)}
+		bufs: aio.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes)}
 	if o.MaxClients > 0 {
 		s.slots = make(chan struct{}, o.MaxClients)
 	}

@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/blockexport/blockexport/formats/nbd/wire"
-	"github.com/blockexport/blockexport/formats/null"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // selfSigned is a server certificate for "localhost" and a pool that

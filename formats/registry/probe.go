@@ -1,0 +1,475 @@
+// Package probe opens an image by spec: it opens the host file (through
+// aio, O_DIRECT behind aio.Aligned for --cache none, with the format's
+// image locks), detects the format from magic bytes (or takes the one
+// asked for), and hands the file to that format's package with an opener
+// for backing files, which comes back here. It is the only place that
+// knows every format: a format package knows its own.
+package registry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+)
+
+// Format names accepted by --format.
+const (
+	Auto  = "auto"
+	Raw   = "raw"
+	QCOW2 = "qcow2"
+	Null  = "null"
+)
+
+// NullPrefix starts an image spec that names a null device: "null:1G".
+const NullPrefix = "null:"
+
+// ErrBadSpec marks an IMAGE argument or format name that cannot be right
+// whatever the files hold (a front end reports it as a usage error).
+// Messages made here say what is wrong in plain words (badSpec) and do
+// not repeat its text.
+var ErrBadSpec = errors.New("refused")
+
+// specError is a usage mistake about IMAGE or --format: errors.Is finds
+// ErrBadSpec in it, and its text is the message alone.
+type specError struct{ msg string }
+
+func (e *specError) Error() string        { return e.msg }
+func (e *specError) Is(target error) bool { return target == ErrBadSpec }
+
+func badSpec(format string, a ...any) error { return &specError{fmt.Sprintf(format, a...)} }
+
+// ParseFormat checks a --format value.
+func ParseFormat(s string) (string, error) {
+	switch s {
+	case Auto, Raw, QCOW2, Null:
+		return s, nil
+	}
+	if ff, ok := lookupFormat(s); ok && ff.open != nil {
+		return s, nil // a format read beyond the four above (vmdk...)
+	}
+	if ff, ok := lookupFormat(s); ok && ff.open == nil {
+		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, OrList(Formats()), s)
+	}
+	return "", badSpec("unknown format %q (want %s)", s, OrList(Formats()))
+}
+
+// Options say how to open an image.
+type Options struct {
+	Format   string // auto (default), null or a format read here (Formats)
+	Writable bool
+	// NullReadZeroes makes null-device reads return zeroes (default in the
+	// CLI); off leaves read buffers untouched.
+	NullReadZeroes bool
+	Direct         bool  // O_DIRECT on the host file (--cache none)
+	L2CacheSize    int64 // qcow2 L2 table cache in bytes; 0: default
+	// DecodedCacheSize is the cache of decompressed qcow2 clusters and
+	// vmdk streamOptimized grains, in bytes per image; 0: the format's
+	// default.
+	DecodedCacheSize int64
+	Backend          aio.Backend // aio engine for host files
+	Logger           *slog.Logger
+	// Lock takes QEMU's image locks, so that a VM, a qemu tool or another
+	// export and this one cannot write one image at once (exports set it;
+	// inspection does not, like qemu-img's --force-share).
+	Lock bool
+	// NBD says how to reach images named by NBD URIs (the image itself or
+	// a backing file).
+	NBD NBDOptions
+	// Remote says how to read images named by http(s):// URLs (the image
+	// itself or a backing file).
+	Remote RemoteOptions
+	// NoBacking opens no backing file (QEMU's BDRV_O_NO_BACKING, as
+	// qemu-img info without --backing-chain): the image describes itself
+	// from its own metadata, and a missing or unreachable backing file is
+	// no error. Its reads of what the backing file holds would be zeroes,
+	// so only a command that reads no data sets it.
+	NoBacking bool
+	// RelatedDirs are directories, besides an image's own, that files an
+	// image names (VMDK extents and parents, VHD/VHDX parents) may lie in
+	// (see related.go); by default only the image's directory.
+	RelatedDirs []string
+}
+
+// NBDOptions are the client settings for NBD URIs.
+type NBDOptions struct {
+	// Connections to open where the server allows several.
+	Connections int
+	// ReconnectTimeout: how long requests wait for a lost connection to
+	// come back (0: they fail at once).
+	ReconnectTimeout time.Duration
+	// TLS files for nbds URIs (see nbd.TLSFiles).
+	TLS nbd.TLSFiles
+}
+
+// Opened is an image with what the opener found out about it.
+type Opened struct {
+	Image formats.Image
+	// Format is the format in use; Probed says it was detected, not given.
+	Format string
+	Probed bool
+	// Hosts are the local files the image reads (the image file, its
+	// backing files and extents), closed with the image: a front end may
+	// tune how they are read (aio.SetDropBehind) before it serves.
+	Hosts []aio.File
+}
+
+// Open opens spec: a path, or "null:SIZE".
+func Open(spec string, o Options) (*Opened, error) {
+	format := o.Format
+	if format == "" {
+		format = Auto
+	}
+	if _, err := ParseFormat(format); err != nil {
+		return nil, err
+	}
+	if sizeSpec, ok := strings.CutPrefix(spec, NullPrefix); ok && (format == Auto || format == Null) {
+		size, err := ParseSize(sizeSpec)
+		if err != nil {
+			return nil, badSpec("null device %q: %v", spec, err)
+		}
+		img, err := null.New(spec, size, o.NullReadZeroes)
+		if err != nil {
+			return nil, err
+		}
+		return &Opened{Image: img, Format: Null}, nil
+	}
+	if format == Null {
+		return nil, badSpec("a null device is given as null:SIZE (e.g. null:1G), not %q", spec)
+	}
+	if nbd.IsURI(spec) {
+		img, err := openNBD(spec, format, o, o.Writable, false)
+		if err != nil {
+			return nil, err
+		}
+		return &Opened{Image: img, Format: Raw}, nil // nothing probed: an export is raw bytes
+	}
+	c := &chain{o: o, seen: map[[2]uint64]string{}}
+	img, name, err := c.open(spec, format, o.Writable, false)
+	if err != nil {
+		return nil, err
+	}
+	return &Opened{Image: img, Format: name, Probed: format == Auto, Hosts: c.hosts}, nil
+}
+
+// ErrNoChecks is Check on a format that has no checks (qemu-img check's
+// "This image format does not support checks", exit 63).
+var ErrNoChecks = errors.New("this image format does not support checks")
+
+// Check checks the image spec as `qemu-img check` does: a qcow2 image
+// through its refcounts, repairing what repair allows (qcow2.RepairLeaks,
+// qcow2.RepairAll), under the image locks a writer would conflict with (a
+// check refuses an image someone writes, a repair one anybody uses). A raw
+// file, a null device or an NBD export has no checks: once it opens,
+// ErrNoChecks, as qemu-img check says it (exit 63) with or without -r.
+func Check(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
+	format := o.Format
+	if format == "" {
+		format = Auto
+	}
+	if _, err := ParseFormat(format); err != nil {
+		return formats.CheckResult{}, err
+	}
+	if nbd.IsURI(spec) || strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
+		img, err := Open(spec, o)
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
+	}
+	if IsRemote(spec) {
+		return checkRemote(ctx, spec, o, repair)
+	}
+	if format == Auto {
+		var err error
+		if format, err = detect(spec); err != nil {
+			return formats.CheckResult{}, err
+		}
+	}
+	if format == "vmdk" {
+		return checkVMDK(ctx, spec, o)
+	}
+	switch format {
+	case "vpc": // no checks in QEMU's vpc driver either: once it opens, exit 63
+		img, err := Open(spec, Options{Format: format, Backend: o.Backend, Lock: o.Lock, NoBacking: true})
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
+	case "vdi": // never handed to the qcow2 check below
+		return checkVDI(ctx, spec, o, repair)
+	}
+	if format == "vhdx" {
+		return checkVHDX(ctx, spec, o, repair)
+	}
+	writable := repair != qcow2.RepairNone
+	if format == Raw {
+		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		img.Image.Close()
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
+	}
+	var lock *aio.Lock
+	if o.Lock {
+		l := qcow2.Lock(writable)
+		lock = &l
+	}
+	f, err := aio.Open(spec, aio.Options{Backend: o.Backend, Writable: writable, Logger: o.Logger, Lock: lock})
+	if err != nil {
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", format, err)
+	}
+	defer f.Close()
+	return qcow2.Check(ctx, f, repair)
+}
+
+// maxChainDepth bounds backing chains; QEMU has no fixed limit, but a chain
+// this deep is a loop we failed to see or an attack.
+const maxChainDepth = 256
+
+// chain opens an image and its backing files, refusing a chain that loops
+// (the same file twice, by device and inode, whatever the names) or grows
+// absurdly deep.
+type chain struct {
+	o     Options
+	seen  map[[2]uint64]string
+	depth int
+	// related counts the files opened by name (openRelated).
+	related int
+	// remoteParent is the remote image whose format is being opened (and
+	// so whose backing file openBacking is asked for), "" while a local
+	// image's is: a remote image's backing string is held to its origin.
+	remoteParent string
+	// hosts are the local files opened for the image (itself, backing
+	// files, extents), for Opened.Hosts.
+	hosts []aio.File
+}
+
+// openNBD opens an image on an NBD server. What the server exports is
+// the disk's bytes, raw: a qcow2 file is served as qcow2 by the server
+// (qemu-nbd -f qcow2), not read as qcow2 through it.
+//
+// fromImage says the URI is a backing file an image names: untrusted, so
+// it is parsed by nbd.ParseImageURI (no certificate files of its choosing)
+// and its faults are the image's, not the command line's.
+func openNBD(uri, format string, o Options, writable, fromImage bool) (formats.Image, error) {
+	var addr nbd.Address
+	var err error
+	if fromImage {
+		if format != Auto && format != Raw {
+			return nil, fmt.Errorf("backing file %s is an NBD export, which is raw bytes; the image says its format is %q", uri, format)
+		}
+		if addr, err = nbd.ParseImageURI(uri); err != nil {
+			return nil, err
+		}
+	} else {
+		if format != Auto && format != Raw {
+			return nil, badSpec("%s is an NBD export, which is raw bytes; format %q is not read over NBD (let the server open it: qemu-nbd -f %s)", uri, format, format)
+		}
+		if addr, err = nbd.ParseURI(uri); err != nil {
+			return nil, badSpec("%v", err)
+		}
+	}
+	no := nbd.Options{Writable: writable, Connections: o.NBD.Connections, ReconnectTimeout: o.NBD.ReconnectTimeout, Logger: o.Logger}
+	if addr.TLS {
+		if no.TLS, err = nbd.TLSConfig(addr, o.NBD.TLS); err != nil {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	img, err := nbd.Open(ctx, addr, no)
+	if err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+// openBacking is the formats.BackingOpener the chain's images get:
+// backing files are read-only.
+func (c *chain) openBacking(path, format string) (formats.Image, error) {
+	if c.o.NoBacking {
+		return nil, nil // no backing image: nil interface, not a nil pointer in one
+	}
+	if format == "" {
+		format = Auto
+	}
+	if c.remoteParent != "" {
+		if err := c.o.Remote.backingAllowed(c.remoteParent, path); err != nil {
+			return nil, err
+		}
+	}
+	if nbd.IsURI(path) {
+		c.depth++ // a loop through a server cannot be seen; depth still bounds it
+		if c.depth > maxChainDepth {
+			return nil, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+		}
+		return openNBD(path, format, c.o, false, true)
+	}
+	img, _, err := c.open(path, format, false, true)
+	return img, err
+}
+
+// open opens path in format (Auto: detected) and returns the image and the
+// format's name.
+func (c *chain) open(path, format string, writable, backing bool) (formats.Image, string, error) {
+	if IsRemote(path) {
+		return c.openRemoteImage(path, format, writable, backing)
+	}
+	if format == Auto {
+		var err error
+		if format, err = detect(path); err != nil {
+			return nil, "", err
+		}
+	} else if format == Raw {
+		c.warnForcedRaw(path)
+	}
+	ff, ok := lookupFormat(format)
+	if !ok {
+		return nil, "", fmt.Errorf("%s: %w %q", path, formats.ErrUnknownFormat, format)
+	}
+	if ff.open == nil {
+		return nil, "", unsupported(path, ff.name) // a backing format the image names
+	}
+	var lock *aio.Lock
+	if c.o.Lock {
+		l := ff.lock(writable, backing)
+		lock = &l
+	}
+	f, err := aio.Open(path, aio.Options{Backend: c.o.Backend, Writable: writable, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %w", format, err)
+	}
+	if err := c.enter(f.Fd(), path); err != nil {
+		f.Close()
+		return nil, "", err
+	}
+	c.hosts = append(c.hosts, f)
+	if c.o.Direct {
+		// Formats keep byte-granular metadata (qcow2's header fields,
+		// compressed clusters); O_DIRECT wants whole blocks.
+		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
+	}
+	parent := c.remoteParent
+	c.remoteParent = ""
+	img, err := ff.open(f, c, writable)
+	c.remoteParent = parent
+	if err != nil {
+		return nil, "", err
+	}
+	return img, ff.name, nil
+}
+
+// enter records a file of the chain.
+func (c *chain) enter(fd int, path string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("stat %s: %w", path, err)
+	}
+	id := [2]uint64{st.Dev, st.Ino}
+	if prev, ok := c.seen[id]; ok {
+		return fmt.Errorf("%w: backing chain loops: %s is %s again", qcow2.ErrCorrupt, path, prev)
+	}
+	c.seen[id] = path
+	c.depth++
+	if c.depth > maxChainDepth {
+		return fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+	}
+	return nil
+}
+
+// detect names the format of the file at path as QEMU would probe it,
+// and refuses a format this program does not read.
+func detect(path string) (string, error) {
+	head, err := readHead(path)
+	if err != nil {
+		return "", err
+	}
+	ff := probeFormat(head, path)
+	if ff.open == nil {
+		return "", unsupported(path, ff.name)
+	}
+	return ff.name, nil
+}
+
+// readHead reads the first probeHead bytes of the file at path, zero past
+// its end.
+func readHead(path string) ([]byte, error) {
+	f, err := aio.OpenHostFile(path, os.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	head := make([]byte, probeHead)
+	if _, err := f.ReadAt(head, 0); err != nil && !errors.Is(err, io.EOF) {
+		return nil, fmt.Errorf("%s: read header: %w", path, err)
+	}
+	return head, nil
+}
+
+// warnForcedRaw warns when a file given as raw has another format's
+// magic: its metadata is then disk bytes to the guest (and with -w
+// writable). QEMU opens it as asked, silently; the warning is ours. A
+// file that cannot be read is left for the open to report.
+func (c *chain) warnForcedRaw(path string) {
+	if c.o.Logger == nil {
+		return
+	}
+	head, err := readHead(path)
+	if err != nil {
+		return
+	}
+	if ff := probeFormat(head, path); ff.name != Raw {
+		c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", path, ff.name, ff.name))
+	}
+}
+
+// ParseSize parses a size the way qemu-img does: a number of bytes with an
+// optional binary suffix (k/K, M, G, T, P, E, optionally followed by "iB"
+// or "B"); a decimal fraction is allowed with a suffix ("1.5G").
+func ParseSize(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	if t == "" {
+		return 0, errors.New("empty size")
+	}
+	t = strings.TrimSuffix(strings.TrimSuffix(t, "B"), "i")
+	shift := 0
+	if len(t) > 0 {
+		if i := strings.IndexByte("kmgtpe", t[len(t)-1]|0x20); i >= 0 {
+			shift = 10 * (i + 1)
+			t = t[:len(t)-1]
+		}
+	}
+	if shift == 0 {
+		n, err := strconv.ParseInt(t, 10, 64)
+		if err != nil || n < 0 {
+			return 0, fmt.Errorf("bad size %q", s)
+		}
+		return n, nil
+	}
+	f, err := strconv.ParseFloat(t, 64)
+	if err != nil || f < 0 || strings.ContainsAny(t, "eEnN") {
+		return 0, fmt.Errorf("bad size %q", s)
+	}
+	v := f * float64(int64(1)<<shift)
+	if v >= 1<<63 {
+		return 0, fmt.Errorf("size %q too large", s)
+	}
+	return int64(v), nil
+}

@@ -1,0 +1,244 @@
+package registry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
+	"github.com/blockexport/blockexport/formats/protocols/remote"
+	remotehttp "github.com/blockexport/blockexport/formats/protocols/remote/http"
+	remotes3 "github.com/blockexport/blockexport/formats/protocols/remote/s3"
+)
+
+// RemoteOptions say how to read images in remote storage (http://,
+// https://), the image itself or a backing file. One cache of CacheSize
+// per remote object of the chain.
+type RemoteOptions struct {
+	// Connections: range requests in flight at once per object (0: the
+	// default, remote.DefaultConnections).
+	Connections int
+	// CacheSize: bytes of fetched blocks kept per object (0: default).
+	CacheSize int64
+	// ReconnectTimeout: how long a read retries resets, timeouts, 5xx
+	// and 429 before it fails with EIO (at least a second).
+	ReconnectTimeout time.Duration
+	// TLSCA: the CA file that signs https servers' certificates ("": the
+	// system's roots). The command line's: a backing string names none.
+	TLSCA string
+	// AllowRedirects: follow redirects to another origin.
+	AllowRedirects bool
+	// S3Endpoint (--s3-endpoint) overrides the endpoint the AWS
+	// configuration gives s3:// objects; S3PathStyle asks for path-style
+	// addressing (chosen by itself for an IP or localhost endpoint).
+	// Region and credentials come from the AWS environment and shared
+	// files only: an s3:// backing string names a bucket and a key.
+	S3Endpoint  string
+	S3PathStyle bool
+}
+
+// IsRemote says whether spec names an object in remote storage.
+func IsRemote(spec string) bool {
+	return remotehttp.IsURL(spec) || remotes3.IsURL(spec)
+}
+
+// Shown is spec as logs, mount tables and messages may show it: a remote
+// URL without its user, password or query (a signature).
+func Shown(spec string) string {
+	if IsRemote(spec) {
+		return remotehttp.Redact(spec)
+	}
+	return spec
+}
+
+// ErrBackingRefused: a remote image's backing string names something it
+// may not (a local file, an NBD export, another origin).
+var ErrBackingRefused = errors.New("backing file refused")
+
+// backingAllowed says whether the remote image parent may name backing
+// as its backing file. Its author is not the user: what it names is read
+// with the user's network position, so it may name only objects of its
+// own origin (scheme, host and port for http(s), the bucket for s3://;
+// a relative backing string resolves to one), and another origin only
+// when the user allowed leaving the origin (--allow-redirects). A local
+// file and an NBD export (a unix socket, a loopback or any TCP server)
+// are never its to name: an export would show what they hold.
+func (o RemoteOptions) backingAllowed(parent, backing string) error {
+	switch {
+	case nbd.IsURI(backing):
+		return fmt.Errorf("%s: backing file %s: %w: a remote image may not name an NBD export", Shown(parent), Shown(backing), ErrBackingRefused)
+	case !IsRemote(backing):
+		return fmt.Errorf("%s: backing file %s: %w: a remote image may not name a local file", Shown(parent), Shown(backing), ErrBackingRefused)
+	case sameOrigin(parent, backing) || o.AllowRedirects:
+		return nil
+	}
+	return fmt.Errorf("%s: backing file %s: %w: a remote image may name only objects of its own origin (allow others with --allow-redirects)", Shown(parent), Shown(backing), ErrBackingRefused)
+}
+
+// sameOrigin: a and b are URLs of the same scheme, host and port (an
+// s3:// URL's host is its bucket).
+func sameOrigin(a, b string) bool {
+	ua, err1 := url.Parse(a)
+	ub, err2 := url.Parse(b)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	port := func(u *url.URL) string {
+		if p := u.Port(); p != "" {
+			return p
+		}
+		switch strings.ToLower(u.Scheme) {
+		case "http":
+			return "80"
+		case "https":
+			return "443"
+		}
+		return ""
+	}
+	return strings.EqualFold(ua.Scheme, ub.Scheme) && strings.EqualFold(ua.Hostname(), ub.Hostname()) && port(ua) == port(ub)
+}
+
+// remoteOpenTimeout bounds what opening one remote object may take
+// beyond its retries (a server that accepts and never answers).
+const remoteOpenTimeout = time.Minute
+
+// openRemote opens the object spec names as a read-only file, by URL
+// scheme. fromImage: spec is a backing string an image gave: untrusted,
+// it chooses nothing but the object (no certificates, no credentials of
+// ours); its faults are the image's, not the command line's.
+func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (aio.File, error) {
+	var b remote.Backend
+	switch {
+	case remotehttp.IsURL(spec):
+		hb, err := remotehttp.New(spec, remotehttp.Options{Connections: o.Remote.Connections, TLSCA: o.Remote.TLSCA,
+			AllowRedirects: o.Remote.AllowRedirects, Logger: o.Logger})
+		if err != nil {
+			if errors.Is(err, remotehttp.ErrBadURL) && !fromImage {
+				return nil, badSpec("%v", err)
+			}
+			return nil, err
+		}
+		b = hb
+	case remotes3.IsURL(spec):
+		conns := o.Remote.Connections
+		if conns <= 0 {
+			conns = remote.DefaultConnections
+		}
+		sb, err := remotes3.New(ctx, spec, remotes3.Options{Endpoint: o.Remote.S3Endpoint, PathStyle: o.Remote.S3PathStyle,
+			Connections: conns, CAFile: o.Remote.TLSCA})
+		if err != nil {
+			if errors.Is(err, remotes3.ErrBadURL) && !fromImage {
+				return nil, badSpec("%v", err)
+			}
+			return nil, err
+		}
+		b = sb
+	default:
+		return nil, fmt.Errorf("%s: %w: not a remote URL", spec, ErrBadSpec)
+	}
+	f, err := remote.Open(ctx, b, remote.Options{Connections: o.Remote.Connections, CacheSize: o.Remote.CacheSize,
+		ReconnectTimeout: o.Remote.ReconnectTimeout, Logger: o.Logger})
+	if err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+// openRemoteImage opens the remote object spec as an image of format
+// (Auto: probed from its first bytes, as a local file's): read-only, a
+// link of the chain like any other (depth bounded; a loop through servers
+// cannot be seen by identity).
+func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (formats.Image, string, error) {
+	if writable {
+		return nil, "", badSpec("%s is remote and read-only: export a qcow2 overlay on it instead (qemu-img create -f qcow2 -b %s -F raw overlay.qcow2)", remotehttp.Redact(spec), remotehttp.Redact(spec))
+	}
+	c.depth++
+	if c.depth > maxChainDepth {
+		return nil, "", fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), remoteOpenTimeout)
+	defer cancel()
+	f, err := openRemote(ctx, spec, c.o, backing)
+	if err != nil {
+		return nil, "", err
+	}
+	if format == Auto || format == Raw {
+		head := make([]byte, probeHead)
+		if _, err := f.ReadAt(ctx, head, 0); err != nil && !errors.Is(err, io.EOF) {
+			f.Close()
+			return nil, "", fmt.Errorf("%s: read header: %w", f.Name(), err)
+		}
+		name := spec
+		if u, err := url.Parse(spec); err == nil {
+			name = u.Path // dmg goes by its suffix
+		}
+		ff := probeFormat(head, name)
+		switch {
+		case format == Auto && ff.open == nil:
+			f.Close()
+			return nil, "", unsupported(f.Name(), ff.name)
+		case format == Auto:
+			format = ff.name
+		case ff.name != Raw && c.o.Logger != nil:
+			c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", f.Name(), ff.name, ff.name))
+		}
+	}
+	ff, ok := lookupFormat(format)
+	if !ok {
+		f.Close()
+		return nil, "", fmt.Errorf("%s: %w %q", f.Name(), formats.ErrUnknownFormat, format)
+	}
+	if ff.open == nil {
+		f.Close()
+		return nil, "", unsupported(f.Name(), ff.name)
+	}
+	parent := c.remoteParent
+	c.remoteParent = spec
+	img, err := ff.open(f, c, false)
+	c.remoteParent = parent
+	if err != nil {
+		return nil, "", err
+	}
+	return img, ff.name, nil
+}
+
+// checkRemote checks a remote image (read-only: no repair) as Check
+// checks a local one.
+func checkRemote(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
+	if repair != qcow2.RepairNone {
+		return formats.CheckResult{}, badSpec("%s is remote and read-only: it cannot be repaired", remotehttp.Redact(spec))
+	}
+	c := &chain{o: o, seen: map[[2]uint64]string{}}
+	format := o.Format
+	if format == "" || format == Auto || format == QCOW2 {
+		octx, cancel := context.WithTimeout(ctx, remoteOpenTimeout)
+		defer cancel()
+		f, err := openRemote(octx, spec, o, false)
+		if err != nil {
+			return formats.CheckResult{}, err
+		}
+		head := make([]byte, probeHead)
+		if _, err := f.ReadAt(octx, head, 0); err != nil && !errors.Is(err, io.EOF) {
+			f.Close()
+			return formats.CheckResult{}, fmt.Errorf("%s: read header: %w", f.Name(), err)
+		}
+		if format == QCOW2 || probeFormat(head, spec).name == QCOW2 {
+			defer f.Close()
+			return qcow2.Check(ctx, f, repair)
+		}
+		f.Close()
+	}
+	img, _, err := c.openRemoteImage(spec, format, false, false)
+	if err != nil {
+		return formats.CheckResult{}, err
+	}
+	img.Close()
+	return formats.CheckResult{}, fmt.Errorf("%s: %w", remotehttp.Redact(spec), ErrNoChecks)
+}
