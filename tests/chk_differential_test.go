@@ -269,8 +269,8 @@ func chkKeptLess(orig, want, got []byte) int64 {
 	return -1
 }
 
-// TestChkDifferentialAgainstQemuImg is the differential run.
-func TestChkDifferentialAgainstQemuImg(t *testing.T) {
+// TestQcow2CheckAndRepairMatchQemuImgOnCorruptions is the differential run.
+func TestQcow2CheckAndRepairMatchQemuImgOnCorruptions(t *testing.T) {
 	dir := t.TempDir()
 	base := chkBaseImage(t, dir)
 	l := chkLayoutOf(t, base)

@@ -41,9 +41,9 @@ func chkExit(t *testing.T, name string, args ...string) (int, string, int64) {
 	return cmd.ProcessState.ExitCode(), string(out), kib
 }
 
-// TestChkExitStatusesAsQemuImg: usage errors exit 1, and a format without
+// TestCheckExitStatusesMatchQemuImg: usage errors exit 1, and a format without
 // checks (raw, with or without -r) exits 63 saying so, as in qemu-img.
-func TestChkExitStatusesAsQemuImg(t *testing.T) {
+func TestCheckExitStatusesMatchQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	raw := sparseImage(t, dir, "r.raw", 1<<20)
 	img := filepath.Join(dir, "i.qcow2")
@@ -78,12 +78,12 @@ func TestChkExitStatusesAsQemuImg(t *testing.T) {
 	}
 }
 
-// TestChkHugeSparseFiles: the memory of a check is bounded by what the
+// TestCheckMemoryBoundedOnHugeSparseFiles: the memory of a check is bounded by what the
 // image references, not by the file's size (a 64 GiB sparse file of
 // 512-byte clusters is 2^27 clusters: qemu-img holds 256 MiB for it), and
 // a file of more clusters than QEMU checks (2^31) is refused as qemu-img
 // refuses it, up to a file of 2^63-512 bytes, without a panic.
-func TestChkHugeSparseFiles(t *testing.T) {
+func TestCheckMemoryBoundedOnHugeSparseFiles(t *testing.T) {
 	dir := t.TempDir()
 	small := filepath.Join(dir, "small.qcow2")
 	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", small, "1M")

@@ -78,7 +78,7 @@ func chkSetRef(t *testing.T, img string, l chkVarLayout, off int64, v uint64) {
 	}
 }
 
-func TestChkDifferentialVariants(t *testing.T) {
+func TestQcow2CheckAndRepairMatchQemuImgOnLayoutVariants(t *testing.T) {
 	const bit63 = uint64(1) << 63
 	type varCase struct {
 		name    string

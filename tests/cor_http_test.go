@@ -6,13 +6,13 @@ import (
 	"testing"
 )
 
-// TestCorHTTPBacking: a qcow2 overlay whose backing file is on nginx
+// TestCopyOnReadAndStreamOverHTTPSBackingFile: a qcow2 overlay whose backing file is on nginx
 // (https, the test's CA). Copy-on-read: everything read once through the
 // export reads again, the same, once the object on the server is replaced
 // by another (zeroes). Stream: a second overlay over plain http streams to
 // completion and then has no backing file, checks clean and reads the
 // same with the object replaced.
-func TestCorHTTPBacking(t *testing.T) {
+func TestCopyOnReadAndStreamOverHTTPSBackingFile(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	base := corBase(t, dir, 16<<20, 9)

@@ -7,13 +7,13 @@ import (
 	"testing"
 )
 
-// TestCorS3Backing: an ext4 image in S3 (versitygw) is the backing file
+// TestCopyOnReadAndStreamOverS3BackingFile: an ext4 image in S3 (versitygw) is the backing file
 // of local qcow2 overlays. Copy-on-read: a tree read through a loop mount
 // of the --copy-on-read export reads again, the same, with the S3 server
 // killed. Stream: a second overlay's stream is killed (SIGKILL) midway,
 // resumed to completion, and the overlay then opens with the server gone:
 // no backing file, check clean, the image's bytes.
-func TestCorS3Backing(t *testing.T) {
+func TestCopyOnReadAndStreamOverS3BackingFile(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")

@@ -83,12 +83,12 @@ func corCheckClean(t *testing.T, img string) {
 	run(t, "qemu-img", "check", "-f", "qcow2", img)
 }
 
-// TestCorReadsCopyIntoTheOverlay: through `fuse -w --copy-on-read`, the
+// TestCopyOnReadCopiesReadsIntoTheOverlay: through `fuse -w --copy-on-read`, the
 // MiBs read become the overlay's own (depth 0 in qemu-img map; the
 // holes too, as zero clusters) and the rest stays the backing file's;
 // once all is read, the overlay cut from its backing file (an unsafe
 // rebase onto nothing) reads as the backing file did.
-func TestCorReadsCopyIntoTheOverlay(t *testing.T) {
+func TestCopyOnReadCopiesReadsIntoTheOverlay(t *testing.T) {
 	dir := t.TempDir()
 	const size = 24 << 20
 	base := corBase(t, dir, size, 1)
@@ -143,9 +143,9 @@ func TestCorReadsCopyIntoTheOverlay(t *testing.T) {
 	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, gone)
 }
 
-// TestCorRefused: --copy-on-read without --writable, on an image with no
+// TestCopyOnReadRefusedWhereItCannotApply: --copy-on-read without --writable, on an image with no
 // backing file, or on a raw image is refused with one line, exit 2.
-func TestCorRefused(t *testing.T) {
+func TestCopyOnReadRefusedWhereItCannotApply(t *testing.T) {
 	dir := t.TempDir()
 	base := sparseImage(t, dir, "base.raw", 1<<20)
 	over := corOverlay(t, dir, base)
@@ -244,12 +244,12 @@ func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 	return sums
 }
 
-// TestCorLoopMountSurvivesTheBackingServer: an ext4 image served by
+// TestCopyOnReadLoopMountSurvivesTheBackingServer: an ext4 image served by
 // qemu-nbd is the backing file of a local overlay exported with
 // --copy-on-read; a tree read through a loop mount is read again, the
 // same, after the NBD server is gone: every block read crossed once and
 // stayed in the overlay.
-func TestCorLoopMountSurvivesTheBackingServer(t *testing.T) {
+func TestCopyOnReadLoopMountSurvivesTheBackingServer(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
 	want := corTree(t, src, 60, 5)
@@ -365,11 +365,11 @@ func corStandalone(t *testing.T, over, want, oldBacking string) {
 	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, want)
 }
 
-// TestCorStream: the overlay (with writes of its own) of a raw backing
+// TestStreamMakesTheOverlayStandalone: the overlay (with writes of its own) of a raw backing
 // file with holes streams to completion: no backing file in qemu-img
 // info, the same bytes with the backing file gone, check clean; a second
 // stream has nothing to do.
-func TestCorStream(t *testing.T) {
+func TestStreamMakesTheOverlayStandalone(t *testing.T) {
 	dir := t.TempDir()
 	const size = 40<<20 + 12345 // not a whole number of clusters
 	base := corBase(t, dir, size, 2)
@@ -388,9 +388,9 @@ func TestCorStream(t *testing.T) {
 	}
 }
 
-// TestCorStreamFromNBD: the backing file is on an NBD server; once the
+// TestStreamFromAnNBDBackingFile: the backing file is on an NBD server; once the
 // stream is done the server is gone and the overlay reads the same.
-func TestCorStreamFromNBD(t *testing.T) {
+func TestStreamFromAnNBDBackingFile(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 16<<20, 3)
 	sock := filepath.Join(dir, "nbd.sock")
@@ -402,11 +402,11 @@ func TestCorStreamFromNBD(t *testing.T) {
 	corStandalone(t, over, base, "")
 }
 
-// TestCorStreamInterrupted: a stream killed (SIGKILL) or interrupted
+// TestStreamInterruptedLeavesConsistentImageAndResumes: a stream killed (SIGKILL) or interrupted
 // (SIGINT) at a random step leaves an image qemu-img finds no corruption
 // in (SIGINT: none at all, leaks included), still over its backing file;
 // the next run plans only what is missing and completes.
-func TestCorStreamInterrupted(t *testing.T) {
+func TestStreamInterruptedLeavesConsistentImageAndResumes(t *testing.T) {
 	dir := t.TempDir()
 	const size = 128 << 20
 	base := corBase(t, dir, size, 4)
@@ -470,9 +470,9 @@ func TestCorStreamInterrupted(t *testing.T) {
 	}
 }
 
-// TestCorStreamProgressBar: on a terminal the stream shows a bar with a
+// TestStreamShowsProgressBarOnATerminal: on a terminal the stream shows a bar with a
 // rate and an ETA (script(1) gives it one).
-func TestCorStreamProgressBar(t *testing.T) {
+func TestStreamShowsProgressBarOnATerminal(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 8<<20, 6)
 	over := corOverlay(t, dir, base)
@@ -486,11 +486,11 @@ func TestCorStreamProgressBar(t *testing.T) {
 	corStandalone(t, over, base, "")
 }
 
-// TestCorNBDExport: `nbd -w --copy-on-read` copies what a client reads
+// TestCopyOnReadOverNBDExport: `nbd -w --copy-on-read` copies what a client reads
 // (qemu-io, every byte) into the overlay; stopped cleanly,
 // the overlay holds it all (depth 0, check clean) and compares equal to
 // the backing file.
-func TestCorNBDExport(t *testing.T) {
+func TestCopyOnReadOverNBDExport(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 12<<20, 7)
 	over := corOverlay(t, dir, base)
@@ -518,11 +518,11 @@ func TestCorNBDExport(t *testing.T) {
 	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, base)
 }
 
-// TestCorSurvivesKill9: the export is killed (SIGKILL) while clients
+// TestCopyOnReadSurvivesKill9: the export is killed (SIGKILL) while clients
 // copy-on-read and write; qemu-img check finds no corruption (leaks
 // allowed: copies not yet flushed), and the overlay still reads as the
 // backing file with the writes acknowledged by fsync.
-func TestCorSurvivesKill9(t *testing.T) {
+func TestCopyOnReadSurvivesKill9(t *testing.T) {
 	dir := t.TempDir()
 	const size = 32 << 20
 	base := corBase(t, dir, size, 8)
@@ -591,14 +591,14 @@ func TestCorSurvivesKill9(t *testing.T) {
 	}
 }
 
-// TestCorGuestWritesRaceCopies: through the FUSE export with
+// TestCopyOnReadNeverCopiesOverGuestWrites: through the FUSE export with
 // --copy-on-read, readers read random ranges (each a copy-on-read of
 // what the overlay lacks) while writers write random 4 KiB blocks, each
 // block one writer's, with O_DIRECT (so every read and write reaches the
 // daemon at once, several in flight). The image ends as the backing
 // data with every write over it: no copy of stale backing bytes landed
 // over a write.
-func TestCorGuestWritesRaceCopies(t *testing.T) {
+func TestCopyOnReadNeverCopiesOverGuestWrites(t *testing.T) {
 	dir := t.TempDir()
 	const size, blk, writers = 16 << 20, 4096, 3
 	base := corBase(t, dir, size, 10)
@@ -681,13 +681,13 @@ func TestCorGuestWritesRaceCopies(t *testing.T) {
 	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, wantFile)
 }
 
-// TestCorMapEqualsQemuCopyOnRead: the same reads (random offsets and
+// TestCopyOnReadMapEqualsQemuCopyOnRead: the same reads (random offsets and
 // lengths, some in holes, some across and past the end of the shorter
 // backing file) done by qemu-io -C (QEMU's copy-on-read) on one
 // overlay and through our --copy-on-read export on another leave the same
 // qemu-img map: the same clusters copied, zero clusters where QEMU makes
 // them.
-func TestCorMapEqualsQemuCopyOnRead(t *testing.T) {
+func TestCopyOnReadMapEqualsQemuCopyOnRead(t *testing.T) {
 	dir := t.TempDir()
 	// The overlay is larger than its backing file, which ends inside a
 	// cluster: reads there and past it too.
@@ -795,12 +795,12 @@ func corQemuStream(t *testing.T, img string) {
 	}
 }
 
-// TestCorStreamEqualsQemuBlockStream: the same overlay (writes of its
+// TestStreamEqualsQemuBlockStream: the same overlay (writes of its
 // own, zeroes, a raw backing file with holes, shorter than the overlay)
 // streamed by QEMU's block-stream job (qemu-storage-daemon over QMP) and
 // by blockexport stream: the same qemu-img map and info (no backing file
 // either way) and the same bytes.
-func TestCorStreamEqualsQemuBlockStream(t *testing.T) {
+func TestStreamEqualsQemuBlockStream(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 20<<20+7000, 12)
 	var imgs []string

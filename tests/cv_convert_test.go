@@ -81,7 +81,7 @@ func cvConvert(t *testing.T, args ...string) {
 // holes and zero runs, converts into every kind of target so that
 // qemu-img compare finds the target identical to the source and qemu-img
 // check finds every qcow2 target clean.
-func TestCvConvertMatrix(t *testing.T) {
+func TestConvertEveryFormatToEveryTargetEqualsSource(t *testing.T) {
 	dir := t.TempDir()
 	const size = 6 << 20
 	orig := cvSource(t, dir, "orig.raw", size, 1)
@@ -144,7 +144,7 @@ func TestCvConvertMatrix(t *testing.T) {
 // An image past the 64 MiB of progress after which the target's write-back
 // is started (and past the qcow2 target's 64 MiB steps of growing ahead)
 // converts as a small one does, in every cache mode.
-func TestCvConvertLargeWithWriteBehind(t *testing.T) {
+func TestConvertPastWriteBehindStartInEveryCacheMode(t *testing.T) {
 	dir := t.TempDir()
 	const size = 200 << 20
 	src := filepath.Join(dir, "big.raw")
@@ -188,7 +188,7 @@ func TestCvConvertLargeWithWriteBehind(t *testing.T) {
 
 // A -B target holds only what differs from its backing file: where the
 // source equals the backing file, nothing is allocated.
-func TestCvConvertBackingWritesOnlyDifferences(t *testing.T) {
+func TestConvertWithBackingWritesOnlyDifferences(t *testing.T) {
 	dir := t.TempDir()
 	src := cvSource(t, dir, "src.raw", 4<<20, 2)
 	base := filepath.Join(dir, "base.qcow2")
@@ -221,7 +221,7 @@ func TestCvConvertBackingWritesOnlyDifferences(t *testing.T) {
 // -n writes into an existing target: zero runs are written as zeroes over
 // what was there (a raw file of 0xff, an NBD export), unless
 // --target-is-zero says the target reads as zeroes.
-func TestCvConvertNoCreate(t *testing.T) {
+func TestConvertIntoExistingTargetWritesZeroRuns(t *testing.T) {
 	dir := t.TempDir()
 	const size = 4 << 20
 	src := cvSource(t, dir, "src.raw", size, 3)
@@ -299,7 +299,7 @@ func cvStartConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 // converted, and holds exactly the source's bytes there; a qcow2 target
 // is consistent (qemu-img check clean); both say so and exit 130. SIGKILL
 // leaves a qcow2 target qemu-img check calls at worst leaky, never corrupt.
-func TestCvConvertInterrupted(t *testing.T) {
+func TestConvertInterruptedLeavesConsistentTarget(t *testing.T) {
 	dir := t.TempDir()
 	file := randomImage(t, dir, 48<<20, 9)
 	want := readAll(t, file)
@@ -367,7 +367,7 @@ func TestCvConvertInterrupted(t *testing.T) {
 }
 
 // A full disk ends the convert with one line naming ENOSPC.
-func TestCvConvertENOSPC(t *testing.T) {
+func TestConvertOnFullDiskFailsInOneLine(t *testing.T) {
 	dir := t.TempDir()
 	src := randomImage(t, dir, 8<<20, 4)
 	small := smallHost(t, dir, "2m")
@@ -384,7 +384,7 @@ func TestCvConvertENOSPC(t *testing.T) {
 // compare agrees with qemu-img compare: the exit status and the whole
 // output (the first differing offset included) on identical images,
 // one byte apart, different sizes, and different allocation with -s.
-func TestCvCompareAgreesWithQemu(t *testing.T) {
+func TestCompareAgreesWithQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	const size = 4 << 20
 	a := cvSource(t, dir, "a.raw", size, 5)
@@ -437,7 +437,7 @@ func TestCvCompareAgreesWithQemu(t *testing.T) {
 
 // -p without a terminal prints one JSON object per step on stdout,
 // ending at 100 percent, with the done bytes never going back.
-func TestCvConvertProgressJSON(t *testing.T) {
+func TestConvertProgressIsJSONWithoutTerminal(t *testing.T) {
 	dir := t.TempDir()
 	src := cvSource(t, dir, "src.raw", 4<<20, 6)
 	cmd := exec.Command(bin, "convert", "-p", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
@@ -471,7 +471,7 @@ func TestCvConvertProgressJSON(t *testing.T) {
 // A TARGET that is a file the conversion reads (the source itself, under
 // another name, or its backing file) is refused before anything is
 // created: creating it would truncate what is being read.
-func TestCvConvertRefusesItsSource(t *testing.T) {
+func TestConvertRefusesTargetItReads(t *testing.T) {
 	dir := t.TempDir()
 	src := cvSource(t, dir, "src.raw", 2<<20, 7)
 	want := readAll(t, src)

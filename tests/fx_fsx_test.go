@@ -359,13 +359,13 @@ func fxOps(t *testing.T) int {
 	return 3000
 }
 
-// TestFxFsx runs the exerciser on a growable writable export of a raw
+// TestFsxOnGrowableExportsMatchesModel runs the exerciser on a growable writable export of a raw
 // image, a qcow2 image and a qcow2 overlay over a raw base of random
 // data (its clusters allocated as the run writes, the rest read through
 // from the base, growth over the base's end zeroed), with the kernel
 // cache on and off; at the end the image itself (qcow2: as qemu-img
 // reads it) holds the model.
-func TestFxFsx(t *testing.T) {
+func TestFsxOnGrowableExportsMatchesModel(t *testing.T) {
 	for _, format := range []string{"raw", "qcow2", "qcow2-overlay"} {
 		for _, kc := range []string{"on", "off"} {
 			t.Run(format+"/kernel-cache="+kc, func(t *testing.T) {
@@ -474,13 +474,13 @@ func fxGuard(t *testing.T, file string, fn func()) {
 	fn()
 }
 
-// TestFxTruncateOverDirtyPages: a shrinking ftruncate whose new end lies
+// TestTruncateOverDirtyPagesReturns: a shrinking ftruncate whose new end lies
 // in a page still dirty in the writeback cache returns, and the export
 // and the image both end there with the data before it. It hung before
 // (the daemon invalidated the page from inside the SETATTR, while the
 // kernel holds the inode's write-back until the SETATTR's reply; fsx seed
 // 1796185334523830635).
-func TestFxTruncateOverDirtyPages(t *testing.T) {
+func TestTruncateOverDirtyPagesReturns(t *testing.T) {
 	kcEachFormat(t, "4M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
@@ -512,13 +512,13 @@ func TestFxTruncateOverDirtyPages(t *testing.T) {
 	})
 }
 
-// TestFxDirectReadOfHoleBeforeCachedWrite: a buffered write past the
+// TestDirectReadOfHoleBeforeCachedWriteReadsZeroes: a buffered write past the
 // end of a growable export grows the file in the kernel at once and the
 // image only at write-back; an O_DIRECT read of the hole between the old
 // end and that write reads zeroes, as the file's size says (it read
 // nothing before: the daemon ended the read at the image's end; fsx seed
 // 1796186140117775601).
-func TestFxDirectReadOfHoleBeforeCachedWrite(t *testing.T) {
+func TestDirectReadOfHoleBeforeCachedWriteReadsZeroes(t *testing.T) {
 	kcEachFormat(t, "1M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {

@@ -80,11 +80,11 @@ func kcRandom(n int, seed uint64) []byte {
 	return b
 }
 
-// TestKcOptionDropsDirectIO: with the kernel cache on, a second buffered
+// TestKernelCacheServesRepeatedReadsFromPageCache: with the kernel cache on, a second buffered
 // read of the same range is served by the kernel (no READ reaches the
 // daemon), and the kernel reads ahead in 1 MiB READs; off, every read is
 // a READ. (--stats counts the requests.)
-func TestKcOptionDropsDirectIO(t *testing.T) {
+func TestKernelCacheServesRepeatedReadsFromPageCache(t *testing.T) {
 	for _, mode := range []string{"on", "off"} {
 		t.Run(mode, func(t *testing.T) {
 			dir := t.TempDir()
@@ -135,10 +135,10 @@ func kcStatCount(t *testing.T, log, kind string) int {
 	return 0
 }
 
-// TestKcDirectWriteInvalidatesCache: a range cached by a buffered read,
+// TestKernelCacheInvalidatedByDirectWrite: a range cached by a buffered read,
 // overwritten through an O_DIRECT open, reads back new through a
 // buffered open and through a shared mapping made before the write.
-func TestKcDirectWriteInvalidatesCache(t *testing.T) {
+func TestKernelCacheInvalidatedByDirectWrite(t *testing.T) {
 	kcEachFormat(t, "4M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 
 		fd, err := unix.Open(mnt, unix.O_RDWR, 0)
@@ -191,11 +191,11 @@ func TestKcDirectWriteInvalidatesCache(t *testing.T) {
 	})
 }
 
-// TestKcPunchAndZeroInvalidate: cached data, punched or zeroed through
+// TestKernelCacheInvalidatedByPunchZeroAndShrink: cached data, punched or zeroed through
 // the export, reads back as zeroes through a buffered open; so does a
 // range shrunk away and grown back on a growable export, and the sizes
 // the kernel reports follow the image.
-func TestKcPunchAndZeroInvalidate(t *testing.T) {
+func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
 	createImage(t, "-f", "raw", img, "4M")
@@ -258,12 +258,12 @@ func TestKcPunchAndZeroInvalidate(t *testing.T) {
 	mustEqualBytes(t, "image tail", got[5<<20:], tail)
 }
 
-// TestKcFioBufferedAndDirectAtOnce: a buffered and an O_DIRECT fio job
+// TestKernelCacheFioBufferedAndDirectJobsAtOnce: a buffered and an O_DIRECT fio job
 // write and verify (crc32c) at the same time on one export, on halves of
 // it cached beforehand; then each half is verified by the other kind of
 // reader: the direct job's writes through the buffered cache (stale
 // without invalidation), the buffered job's through O_DIRECT.
-func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
+func TestKernelCacheFioBufferedAndDirectJobsAtOnce(t *testing.T) {
 	kcEachFormat(t, "32M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 		readAll(t, mnt) // cache the whole export
 		job := func(name string, direct int, off string, extra ...string) []string {
@@ -289,12 +289,12 @@ func TestKcFioBufferedAndDirectAtOnce(t *testing.T) {
 	})
 }
 
-// TestKcFsyncedBytesSurviveSigkill: buffered writes, fsync, more buffered
+// TestKernelCacheFsyncedBytesSurviveSigkill: buffered writes, fsync, more buffered
 // writes and sync(2), then SIGKILL of the daemon: every fsynced byte is in
 // the image file, whatever happened to the writes after the fsync. sync(2)
 // promises nothing here: the kernel starts the write-back to a FUSE server
 // without waiting for it (a check of the synced range failed under load).
-func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
+func TestKernelCacheFsyncedBytesSurviveSigkill(t *testing.T) {
 	kcEachFormat(t, "16M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
@@ -328,11 +328,11 @@ func TestKcFsyncedBytesSurviveSigkill(t *testing.T) {
 	})
 }
 
-// TestKcSigtermKeepsWrittenPages: buffered writes that returned, on a file
+// TestKernelCacheSigtermWritesBackDirtyPages: buffered writes that returned, on a file
 // still open when the daemon gets SIGTERM, are in the image after it exits
 // (it writes the kernel's dirty pages back before it lets go of the
 // connection), and a write after that fails rather than vanishing.
-func TestKcSigtermKeepsWrittenPages(t *testing.T) {
+func TestKernelCacheSigtermWritesBackDirtyPages(t *testing.T) {
 	dir := t.TempDir()
 	const blocks = 2048
 	img := filepath.Join(dir, "img")
@@ -380,13 +380,13 @@ func TestKcSigtermKeepsWrittenPages(t *testing.T) {
 	}
 }
 
-// TestKcNBDSourceRevalidatesOnOpen: an NBD source may change behind the
+// TestKernelCacheOfNBDSourceRevalidatedOnOpen: an NBD source may change behind the
 // export (another client of the server), so even with the kernel cache
 // on its cache is not kept across opens: data read and cached, then
 // overwritten by another NBD client, reads back new through a new open.
 // (With the cache kept, the old bytes came back.) auto leaves the cache
 // off for it altogether.
-func TestKcNBDSourceRevalidatesOnOpen(t *testing.T) {
+func TestKernelCacheOfNBDSourceRevalidatedOnOpen(t *testing.T) {
 	dir := t.TempDir()
 	img := sparseImage(t, dir, "src.img", 4<<20)
 	sock := filepath.Join(dir, "nbd.sock")
@@ -405,12 +405,12 @@ func TestKcNBDSourceRevalidatesOnOpen(t *testing.T) {
 	}
 }
 
-// TestKcRawImageRevalidatesOnOpen: a raw image's locks deny nobody write
+// TestKernelCacheOfRawImageRevalidatedOnOpen: a raw image's locks deny nobody write
 // access (a read-only export's image may be written beside it), so its
 // cache is not kept across opens: bytes written into the image by
 // qemu-io after a cached read come back through the next open. (Kept,
 // the old bytes came back.)
-func TestKcRawImageRevalidatesOnOpen(t *testing.T) {
+func TestKernelCacheOfRawImageRevalidatedOnOpen(t *testing.T) {
 	dir := t.TempDir()
 	img := sparseImage(t, dir, "ro.img", 4<<20)
 	mnt := filepath.Join(dir, "mnt")
@@ -439,11 +439,11 @@ func kcEachFormat(t *testing.T, size string, args []string, fn func(t *testing.T
 	}
 }
 
-// TestKcReadAheadWindow: the export's bdi reads ahead as far as asked
+// TestReadAheadWindowFollowsFlagAndDisk: the export's bdi reads ahead as far as asked
 // (--read-ahead 4M), and by default as far as the disk under the image
 // does, never less than 1 MiB; the export reads right through it; a
 // window under 4 KiB is refused.
-func TestKcReadAheadWindow(t *testing.T) {
+func TestReadAheadWindowFollowsFlagAndDisk(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 32<<20, 3)
 	var st unix.Stat_t
@@ -500,14 +500,14 @@ func kcResident(t *testing.T, path string, n int) int {
 	return k
 }
 
-// TestKcOneCache: with the kernel caching the export (and the host file
+// TestKernelCacheDropsHostPagesBehindReads: with the kernel caching the export (and the host file
 // read through the page cache, --cache writeback), reading the export
 // cold leaves none of the image file's pages in the page cache once the
 // reads are over (drop-behind, aio.SetDropBehind: granules read whole
 // leave at once, the rest within a second or two): one cache, the
 // export's. Uncached, the export leaves them in (the host's cache is its
 // only one). Both read the right bytes.
-func TestKcOneCache(t *testing.T) {
+func TestKernelCacheDropsHostPagesBehindReads(t *testing.T) {
 	const size = 16 << 20
 	for _, kc := range []string{"on", "off"} {
 		t.Run(kc, func(t *testing.T) {
@@ -541,14 +541,14 @@ func TestKcOneCache(t *testing.T) {
 	}
 }
 
-// TestKcSizeAtFirstSight: a client that starts the moment the mount shows
+// TestKernelCacheShowsImageSizeAtFirstSight: a client that starts the moment the mount shows
 // in the mount table (as scripts, and the bench, poll for it) finds the
 // image's size, not the empty file the kernel makes the mount's root
 // with, which a writeback-cached kernel would otherwise keep until the
 // daemon told it (a loop device attached then is 0 bytes: mkfs fails);
 // and the image's last page, which carries the size to the kernel, reads
 // back as the image's. The size is not a whole number of pages.
-func TestKcSizeAtFirstSight(t *testing.T) {
+func TestKernelCacheShowsImageSizeAtFirstSight(t *testing.T) {
 	dir := t.TempDir()
 	const size = 8<<20 + 1000
 	img := filepath.Join(dir, "odd.raw")

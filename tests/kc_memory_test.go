@@ -69,13 +69,13 @@ func kcMemCgroup(t *testing.T, limit int64) string {
 	return filepath.Join(dir, "cgroup.procs")
 }
 
-// TestKcLoopMountUnderMemoryLimit: ext4 on a loop device over a
+// TestKernelCacheLoopMountUnderMemoryLimitDoesNotDeadlock: ext4 on a loop device over a
 // writeback-cached export, written hard (400 MiB, fsynced) by a shell in a
 // memory cgroup of 64 MiB: the classic deadlock (reclaim waits on
 // writeback through the loop and the FUSE daemon) must not happen, the
 // job finishes, and the file system checks clean. The export's bdi keeps
 // its dirty pages bounded (strict_limit, max_ratio 1).
-func TestKcLoopMountUnderMemoryLimit(t *testing.T) {
+func TestKernelCacheLoopMountUnderMemoryLimitDoesNotDeadlock(t *testing.T) {
 	dir := t.TempDir()
 	img := sparseImage(t, dir, "img", 1<<30)
 	mnt := filepath.Join(dir, "mnt")

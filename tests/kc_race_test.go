@@ -14,7 +14,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 )
 
-// TestKcDirectWritesRacingCachedReads: O_DIRECT writes through io_uring
+// TestKernelCacheBufferedReadSeesDirectWriteRacingIt: O_DIRECT writes through io_uring
 // (asynchronous direct I/O, which the kernel does not follow with an
 // invalidation of its own) while other threads read the same blocks
 // buffered, over and over, so that READs of the old bytes land between
@@ -30,7 +30,7 @@ import (
 // kernel; see kernelCalls). The export drops the kernel's pages after a
 // bypassing write only where a READ may have cached them (readMarks): a
 // miss of that bookkeeping shows as a stale read.
-func TestKcDirectWritesRacingCachedReads(t *testing.T) {
+func TestKernelCacheBufferedReadSeesDirectWriteRacingIt(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
 	createImage(t, "-f", "raw", img, "4M")

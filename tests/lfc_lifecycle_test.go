@@ -10,14 +10,14 @@ import (
 	"time"
 )
 
-// TestLfcSecondSigtermCleansUp: timeout(1) sends SIGTERM to the process
+// TestSecondSigtermIsAnOrderlyStop: timeout(1) sends SIGTERM to the process
 // and to its group, so the process gets it twice, microseconds apart; the
 // second once took the "exiting at once" path, which skipped the final
 // flush and left the mount dead and the mountpoint file behind. The same
 // signal again at once is now the same request (an orderly stop, exit 0,
 // nothing left behind), with nothing in use and with the file held open
 // (the unmount retrying when the second comes).
-func TestLfcSecondSigtermCleansUp(t *testing.T) {
+func TestSecondSigtermIsAnOrderlyStop(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 25)
 	for _, busy := range []bool{false, true} {
@@ -53,10 +53,10 @@ func TestLfcSecondSigtermCleansUp(t *testing.T) {
 	}
 }
 
-// TestLfcFastExitCleansUp: a second signal while a stop hangs (here the
+// TestSignalDuringHungStopExitsAndCleansUp: a second signal while a stop hangs (here the
 // final flush, to an NBD server that was stopped) exits at once, status 1,
 // and still leaves no mount, no mountpoint file and no pidfile of ours.
-func TestLfcFastExitCleansUp(t *testing.T) {
+func TestSignalDuringHungStopExitsAndCleansUp(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src.raw")
 	run(t, "qemu-img", "create", "-q", "-f", "raw", src, "4M")
@@ -100,12 +100,12 @@ func TestLfcFastExitCleansUp(t *testing.T) {
 	}
 }
 
-// TestLfcMountpointRemovedOnlyIfOurs: the mountpoint file we created is
+// TestMountpointFileRemovedOnlyIfOurs: the mountpoint file we created is
 // removed at exit only if it is still the inode we created. Here the
 // export is detached from outside while a reader holds it open, and
 // another file is renamed into its place; when the reader lets go the
 // export ends, and the file put there must survive (it was removed).
-func TestLfcMountpointRemovedOnlyIfOurs(t *testing.T) {
+func TestMountpointFileRemovedOnlyIfOurs(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 26)
 	mnt := filepath.Join(dir, "mnt")
@@ -135,12 +135,12 @@ func TestLfcMountpointRemovedOnlyIfOurs(t *testing.T) {
 	}
 }
 
-// TestLfcPidfile: the pidfile is 0600 (a file that was there with another
+// TestPidfileLockedPrivateAndRemovedOnlyIfOurs: the pidfile is 0600 (a file that was there with another
 // mode too) and locked while the export runs; a second instance given the
 // same pidfile is refused with one line before it mounts anything; the
 // file is removed at exit only if it is still ours; a stale pidfile (no
 // holder) is taken over.
-func TestLfcPidfile(t *testing.T) {
+func TestPidfileLockedPrivateAndRemovedOnlyIfOurs(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 27)
 	pidfile := filepath.Join(dir, "pid")

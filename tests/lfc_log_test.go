@@ -39,13 +39,13 @@ func lfcStopPid(pid int) bool {
 	return false
 }
 
-// TestLfcDaemonLogFile: after --daemonize, stderr is /dev/null, so every
+// TestDaemonLogFileKeepsLinesAfterDaemonize: after --daemonize, stderr is /dev/null, so every
 // line the daemon logged once up (corruption reports too) was lost. With
 // --log-file the lines before and after it is up (serving, stopping) are
 // appended to the file, which is created 0600 and keeps what it had. A
 // log file that cannot be opened is one line and exit 1, before anything
 // starts.
-func TestLfcDaemonLogFile(t *testing.T) {
+func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 28)
 	mnt := filepath.Join(dir, "mnt")
@@ -172,11 +172,11 @@ func lfcWithDevLog(t *testing.T, target string, mk func(path string), argv ...st
 	return append([]string{"unshare", "--mount", "--propagation", "private", "sh", "-c", script, target}, argv...)
 }
 
-// TestLfcDaemonLogsToSyslog: a daemon without --log-file logs to syslog
+// TestDaemonLogsToSyslogOrSaysItCannot: a daemon without --log-file logs to syslog
 // where /dev/log takes messages (journald reads it), lines after it is up
 // included, at the priority of their level; where nothing takes them, it
 // says at start, on the caller's terminal, that its log will go nowhere.
-func TestLfcDaemonLogsToSyslog(t *testing.T) {
+func TestDaemonLogsToSyslogOrSaysItCannot(t *testing.T) {
 	dir := t.TempDir()
 	img := randomImage(t, dir, 1<<20, 29)
 	sock := filepath.Join(dir, "nbd.sock")

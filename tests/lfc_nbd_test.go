@@ -12,13 +12,13 @@ import (
 	"time"
 )
 
-// TestLfcHandshakeFloodFreesItsSlot: a client that sends options in a loop
+// TestNBDHandshakeFloodFreesItsClientSlot: a client that sends options in a loop
 // and never reads its replies fills the socket; the server's option reply
 // then blocks in write. The handshake limit once shut down only the read
 // side, so the blocked writer never returned and the client kept its
 // --max-clients slot for ever. Now the limit ends both directions: the
 // slot is free again, and a second client is served, within a bound.
-func TestLfcHandshakeFloodFreesItsSlot(t *testing.T) {
+func TestNBDHandshakeFloodFreesItsClientSlot(t *testing.T) {
 	s := startNBD(t, "null:1M", false, "--max-clients", "1", "--handshake-limit", "1")
 	// startNBD's own probe connection may hold the slot for a moment.
 	time.Sleep(100 * time.Millisecond)
@@ -70,11 +70,11 @@ func TestLfcHandshakeFloodFreesItsSlot(t *testing.T) {
 	}
 }
 
-// TestLfcNBDFastExitCleansUp: a client that sends reads and never reads
+// TestNBDSecondSigtermExitsAndRemovesSocketAndPidfile: a client that sends reads and never reads
 // the replies holds the server's stop (its replies block in write) until
 // the stop's minute runs out; a second SIGTERM then exits at once, status
 // 1, and still removes the socket and the pidfile (it left both).
-func TestLfcNBDFastExitCleansUp(t *testing.T) {
+func TestNBDSecondSigtermExitsAndRemovesSocketAndPidfile(t *testing.T) {
 	pidfile := filepath.Join(t.TempDir(), "pid")
 	s := startNBD(t, "null:1G", false, "--pidfile", pidfile)
 	c := rawNBDClient(t, s.socket())

@@ -56,12 +56,12 @@ func lfcRunAs(t *testing.T, u *asUser, mnt string, args ...string) (int, string)
 	return 0, string(out)
 }
 
-// TestLfcUnprivilegedSetupFailureUnmounts: an ordinary user's export whose
+// TestUnprivilegedSetupFailureUnmounts: an ordinary user's export whose
 // setup fails after fusermount3 has mounted it (--passthrough on, which
 // needs CAP_SYS_ADMIN or a raw image) once left a dead mount (ENOTCONN)
 // and the mountpoint file behind: umount2 as a user fails with EPERM. It
 // is undone with fusermount3 -u now.
-func TestLfcUnprivilegedSetupFailureUnmounts(t *testing.T) {
+func TestUnprivilegedSetupFailureUnmounts(t *testing.T) {
 	u := unprivileged(t)
 	img := u.image(t, "pt.img", 1<<20, 30)
 	qcow := filepath.Join(u.dir, "pt.qcow2")
@@ -89,11 +89,11 @@ func TestLfcUnprivilegedSetupFailureUnmounts(t *testing.T) {
 	}
 }
 
-// TestLfcUnprivilegedNameKeepsReadOnly: fusermount3 reads a backslash in
+// TestUnprivilegedImageNameKeepsReadOnly: fusermount3 reads a backslash in
 // fsname= as escaping the next character, so an IMAGE named "x\" turned
 // "fsname=x\,ro" into one option and mounted a read-only export writable.
 // Names with backslashes and commas keep "ro" now.
-func TestLfcUnprivilegedNameKeepsReadOnly(t *testing.T) {
+func TestUnprivilegedImageNameKeepsReadOnly(t *testing.T) {
 	u := unprivileged(t)
 	for i, name := range []string{`back\`, `two\\`, `a\,b`} {
 		t.Run(name, func(t *testing.T) {

@@ -163,13 +163,13 @@ func nbdcReadDirect(t *testing.T, path string, off int64, n int) (int, []byte, e
 	return k, buf, err
 }
 
-// TestNbdcLyingServerBehindFUSE: a FUSE export of an NBD server whose
+// TestNBDSourceLyingRepliesAreEIOThroughFUSE: a FUSE export of an NBD server whose
 // READ replies lie: an OFFSET_DATA chunk 2^63-1 past the request (it
 // killed the export: the mount went ENOTCONN), a hole of one byte as far, a read
 // answered with NONE only or with half its data (the reader got stale
 // bytes, FUSE request headers among them). Each read fails with EIO, the
 // export lives on, and an honest read after it reads right.
-func TestNbdcLyingServerBehindFUSE(t *testing.T) {
+func TestNBDSourceLyingRepliesAreEIOThroughFUSE(t *testing.T) {
 	be := binary.BigEndian
 	const lieAt = 64 << 10 // reads here get the lie; elsewhere the truth
 	lies := map[string]func(cookie, off, length uint64) []byte{
@@ -212,13 +212,13 @@ func TestNbdcLyingServerBehindFUSE(t *testing.T) {
 	}
 }
 
-// TestNbdcReconnectStormThroughFUSE: a server that completes every
+// TestNBDSourceReconnectStormEndsInEIO: a server that completes every
 // handshake and hangs up on every WRITE, behind `fuse -w
 // --reconnect-timeout 1s`: a 4 KiB write fails with EIO in about that
 // second, after a bounded number of reconnects, and the daemon logs the
 // storm in a few lines (it retried 12,000 times in 20 s, never
 // returning, and logged every reconnect).
-func TestNbdcReconnectStormThroughFUSE(t *testing.T) {
+func TestNBDSourceReconnectStormEndsInEIO(t *testing.T) {
 	uri, accepted := nbdcServer(t, func(uint64, uint64, uint64) []byte { return nil })
 	mnt := filepath.Join(t.TempDir(), "mnt")
 	d := startExport(t, uri, mnt, "-w", "--reconnect-timeout", "1s")

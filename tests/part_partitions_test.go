@@ -117,7 +117,7 @@ func partContent(t *testing.T) string {
 	return dir
 }
 
-// TestPartFilesEqualTheKernelsPartitions: for an MBR disk with logical
+// TestPartitionFilesEqualTheKernelsPartitions: for an MBR disk with logical
 // partitions and a GPT disk, raw and qcow2, --partitions puts NAME-pN
 // beside NAME for exactly the partitions partx finds, each of its
 // partition's size; file systems made through them (ext4 and vfat) land
@@ -125,7 +125,7 @@ func partContent(t *testing.T) string {
 // unchanged after each); and once the export is stopped, each file of a
 // read-only export equals the kernel's block device for the partition
 // byte for byte (cmp), and fsck passes on that device.
-func TestPartFilesEqualTheKernelsPartitions(t *testing.T) {
+func TestPartitionFilesEqualTheKernelsPartitions(t *testing.T) {
 	for _, c := range []struct{ kind, format string }{{"mbr", "raw"}, {"gpt", "raw"}, {"mbr", "qcow2"}, {"gpt", "qcow2"}} {
 		kind := c.kind
 		t.Run(kind+"-"+c.format, func(t *testing.T) {
@@ -198,11 +198,11 @@ func TestPartFilesEqualTheKernelsPartitions(t *testing.T) {
 	}
 }
 
-// TestPartOneAndNBD: --partition N serves partition N alone (fuse
+// TestPartitionServedAloneAndAsNBDExports: --partition N serves partition N alone (fuse
 // without a directory, and nbd), and nbd --partitions lists every
 // partition as an export name (nbdinfo --list) whose bytes are the
 // partition's (qemu-img convert from it, compared with the disk's range).
-func TestPartOneAndNBD(t *testing.T) {
+func TestPartitionServedAloneAndAsNBDExports(t *testing.T) {
 	dir := t.TempDir()
 	disk := partDisk(t, dir, "mbr")
 	parts := partRanges(t, disk)
@@ -240,12 +240,12 @@ func TestPartOneAndNBD(t *testing.T) {
 	}
 }
 
-// TestPartRefusals: what is not a sound table is refused with one line
+// TestPartitionTablesNotSoundAreRefused: what is not a sound table is refused with one line
 // and no mount: no table at all, overlapping partitions, a GPT whose
 // primary and backup headers are both damaged, a partition number the
 // table lacks, and --partitions without a directory. A GPT whose primary
 // alone is damaged is read from the backup, with a warning.
-func TestPartRefusals(t *testing.T) {
+func TestPartitionTablesNotSoundAreRefused(t *testing.T) {
 	dir := t.TempDir()
 	noTable := randomImage(t, dir, 1<<20, 1)
 	overlap := sparseImage(t, dir, "overlap.raw", 8<<20)
@@ -323,12 +323,12 @@ func TestPartRefusals(t *testing.T) {
 	}
 }
 
-// TestPartUnprivilegedFuse2fs: no root anywhere on the way from a disk
+// TestPartitionFilesMountedByFuse2fsWithoutRoot: no root anywhere on the way from a disk
 // image to its files. As the unprivileged test user, a VMDK and a qcow2
 // disk (an MBR disk whose logical partition 5 holds ext4) are exported
 // with --partitions, and fuse2fs -o fakeroot on NAME-p5 lists and reads
 // the file system's files.
-func TestPartUnprivilegedFuse2fs(t *testing.T) {
+func TestPartitionFilesMountedByFuse2fsWithoutRoot(t *testing.T) {
 	u := unprivileged(t)
 	dir := t.TempDir()
 	disk := partDisk(t, dir, "mbr")
@@ -391,11 +391,11 @@ func TestPartUnprivilegedFuse2fs(t *testing.T) {
 	}
 }
 
-// TestPartDiskSizeFixed: beside its partitions' files the disk's size is
+// TestPartitionedDiskSizeIsFixed: beside its partitions' files the disk's size is
 // fixed (the files are ranges read from the table at that size):
 // truncating the disk's file, shorter or longer, fails and changes
 // nothing, where without --partitions it resizes the image.
-func TestPartDiskSizeFixed(t *testing.T) {
+func TestPartitionedDiskSizeIsFixed(t *testing.T) {
 	dir := t.TempDir()
 	disk := partDisk(t, dir, "gpt")
 	mnt := filepath.Join(dir, "mnt")

@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// TestPrbBackingTLSFromHeader: a qcow2 image whose backing file is an
+// TestBackingNBDSURIInHeaderNeverPicksClientCertificate: a qcow2 image whose backing file is an
 // nbds URI with tls-certificates=DIR must not make blockexport read DIR's
 // client certificate and present it to the server the image names. The
 // image is untrusted input; certificates come only from the user's flags.
@@ -19,7 +19,7 @@ import (
 // may be made: the open is refused first); and the user's own files
 // (--tls-ca/--tls-cert/--tls-key) for a backing URI without the
 // parameter, which still work.
-func TestPrbBackingTLSFromHeader(t *testing.T) {
+func TestBackingNBDSURIInHeaderNeverPicksClientCertificate(t *testing.T) {
 	p := makePKI(t)
 	dir := t.TempDir()
 	img := sourceImage(t, dir, "16M")

@@ -71,14 +71,14 @@ func prbForeignImages(t *testing.T, dir string) map[string]string {
 // first refused.
 var prbRead = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
 
-// TestPrbForeignFormats: a file in a format QEMU reads and blockexport
+// TestForeignFormatsRefusedNamingTheFormat: a file in a format QEMU reads and blockexport
 // does not (vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
 // cloop, dmg) was reported by info as raw and exported writable as raw
 // bytes: a guest write landed in the container's metadata. Each is now
 // refused in one line naming the format qemu-img names (info, map, fuse
 // -w), and `-f raw` opens it as asked with a warning that names it. A
 // fixed VHD (footer at the end only) and a raw file stay raw, as in QEMU.
-func TestPrbForeignFormats(t *testing.T) {
+func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 	dir := t.TempDir()
 	imgs := prbForeignImages(t, dir)
 	for img, format := range imgs {

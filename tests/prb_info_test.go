@@ -9,12 +9,12 @@ import (
 	"testing"
 )
 
-// TestPrbInfoMissingBacking: info on a qcow2 image whose backing file is
+// TestInfoWithMissingBackingFileAsQemuImg: info on a qcow2 image whose backing file is
 // missing failed; qemu-img info describes the image from its own header
 // (it opens no backing file) and names the missing file. Ours prints what
 // qemu-img prints, human and JSON, with its exit status (0); with
 // --backing-chain both fail (1), naming the missing file, as map does.
-func TestPrbInfoMissingBacking(t *testing.T) {
+func TestInfoWithMissingBackingFileAsQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	cases := map[string][]string{
 		"absolute raw":   {"-b", filepath.Join(dir, "gone.raw"), "-F", "raw"},

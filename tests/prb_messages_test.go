@@ -14,12 +14,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestPrbNotQCOW2: `-f qcow2` on a file that is no qcow2 image said
+// TestNotQcow2SaysSoWithQemuImgExitStatus: `-f qcow2` on a file that is no qcow2 image said
 // "corrupt image", which sends a user looking for damage (and `check -r`)
 // in a healthy raw file. It says "not a qcow2 image", with qemu-img's exit
 // status (1; qemu-img: "Image is not in qcow2 format"), for a raw image
 // and for a file too short to hold a header.
-func TestPrbNotQCOW2(t *testing.T) {
+func TestNotQcow2SaysSoWithQemuImgExitStatus(t *testing.T) {
 	dir := t.TempDir()
 	rawImg := filepath.Join(dir, "disk.raw")
 	run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
@@ -41,11 +41,11 @@ func TestPrbNotQCOW2(t *testing.T) {
 	}
 }
 
-// TestPrbHelpText: nbd --help (and info's, map's) says that IMAGE may be an
+// TestHelpTextNamesNBDImagesAndBooleanFlags: nbd --help (and info's, map's) says that IMAGE may be an
 // NBD URI; every boolean flag reads [=true|false] in --help and in the man
 // pages alike (the pages said --writable[=false], as if the flag's value
 // were false, and --null-read-zeroes[=true]).
-func TestPrbHelpText(t *testing.T) {
+func TestHelpTextNamesNBDImagesAndBooleanFlags(t *testing.T) {
 	for _, name := range []string{"nbd", "fuse", "info", "map"} {
 		_, out := runBlockexport(t, name, "--help")
 		for _, form := range []string{"nbd://", "nbds://", "nbd+unix://"} {
@@ -80,10 +80,10 @@ func TestPrbHelpText(t *testing.T) {
 	}
 }
 
-// TestPrbPlainUsageMessages: the usage errors about IMAGE and --format
+// TestUsageErrorsInPlainWords: the usage errors about IMAGE and --format
 // said "bad image spec: ..."; they say what is wrong in plain words, and
 // still exit 2.
-func TestPrbPlainUsageMessages(t *testing.T) {
+func TestUsageErrorsInPlainWords(t *testing.T) {
 	dir := t.TempDir()
 	rawImg := filepath.Join(dir, "disk.raw")
 	run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
@@ -167,12 +167,12 @@ func prbUserExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan
 	return cmd, lines
 }
 
-// TestPrbDevFuseAccess: a user who may not open /dev/fuse (mode 0600, as
+// TestDevFuseDeniedSaysWhatToDo: a user who may not open /dev/fuse (mode 0600, as
 // this machine has it) was told "fusermount3: exit status 1: fusermount3:
 // failed to open /dev/fuse: Permission denied"; the refusal says what to
 // do. And the PR_SET_IO_FLUSHER line, which an unprivileged export printed
 // on every start, is a debug line.
-func TestPrbDevFuseAccess(t *testing.T) {
+func TestDevFuseDeniedSaysWhatToDo(t *testing.T) {
 	t.Run("permission denied", func(t *testing.T) {
 		cmd, lines := prbUserExport(t, 0o600)
 		var out []string

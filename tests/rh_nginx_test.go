@@ -223,12 +223,12 @@ func rhImages(t *testing.T, n *rhNginx) (raw string, job []string) {
 	return raw, job
 }
 
-// TestRhHTTPObjectsThroughTheExport: a raw and a qcow2 image on nginx,
+// TestHTTPObjectsThroughTheExport: a raw and a qcow2 image on nginx,
 // over http and https (verified against the test's CA), exported
 // read-only over FUSE: fio's crc32c records verify, qemu-img compare finds
 // each export identical to the local disk, and every request nginx saw
 // was a conditional range GET (If-Match), besides the HEAD at open.
-func TestRhHTTPObjectsThroughTheExport(t *testing.T) {
+func TestHTTPObjectsThroughTheExport(t *testing.T) {
 	n := rhStartNginx(t)
 	raw, job := rhImages(t, n)
 	for _, scheme := range []string{"http", "https"} {
@@ -287,10 +287,10 @@ func rhCanon(t *testing.T, s string) string {
 	return string(b)
 }
 
-// TestRhHTTPInfoAndMapEqualQemuImg: info and map of the http URLs of a
+// TestHTTPInfoAndMapEqualQemuImg: info and map of the http URLs of a
 // raw and a qcow2 image, and check of the qcow2, say what qemu-img (its
 // curl driver) says.
-func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
+func TestHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 	if _, err := os.Stat("/usr/lib/x86_64-linux-gnu/qemu/block-curl.so"); err != nil {
 		t.Fatal("qemu-img reads http URLs with its curl driver: apt-get install -y qemu-block-extra")
 	}
@@ -334,12 +334,12 @@ func TestRhHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 	}
 }
 
-// TestRhOverlayOnAnHTTPSBackingFile: a local qcow2 overlay whose backing
+// TestHTTPSBackingFileUnderLocalOverlay: a local qcow2 overlay whose backing
 // file is an https:// URL, exported writable: fio writes and verifies
 // through it, what it did not write reads as the remote image, and
 // qemu-img check finds the overlay clean. `create -b URL` sizes an overlay
 // from the remote image.
-func TestRhOverlayOnAnHTTPSBackingFile(t *testing.T) {
+func TestHTTPSBackingFileUnderLocalOverlay(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	base := randomImage(t, dir, 32<<20, 2712)
@@ -373,11 +373,11 @@ func TestRhOverlayOnAnHTTPSBackingFile(t *testing.T) {
 	}
 }
 
-// TestRhObjectReplacedWhileExported: an image replaced on the server while
+// TestHTTPObjectReplacedWhileExportedIsEIO: an image replaced on the server while
 // it is exported: reads of blocks not yet fetched fail with EIO (nginx
 // answers 412 to If-Match), never the new version's bytes, and the log
 // says so once.
-func TestRhObjectReplacedWhileExported(t *testing.T) {
+func TestHTTPObjectReplacedWhileExportedIsEIO(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	v1 := randomImage(t, dir, 16<<20, 2714)
@@ -416,9 +416,9 @@ func TestRhObjectReplacedWhileExported(t *testing.T) {
 	}
 }
 
-// TestRhServerWithoutRangesRefused: not nginx, a server that answers every GET with the
+// TestHTTPServerWithoutRangesRefused: not nginx, a server that answers every GET with the
 // whole object (no ranges): the export refuses it at open with one line.
-func TestRhServerWithoutRangesRefused(t *testing.T) {
+func TestHTTPServerWithoutRangesRefused(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -434,13 +434,13 @@ func TestRhServerWithoutRangesRefused(t *testing.T) {
 	}
 }
 
-// TestRhMemoryBoundedByCacheSize: a 128 MiB image read whole through the
+// TestHTTPMemoryBoundedByCacheSize: a 128 MiB image read whole through the
 // export, sequentially (readahead at its widest) and then at random with
 // fio at queue depth 16, by a daemon with --cache-size 8M: its peak RSS
 // stays within the cache plus a constant (80 MiB: the Go runtime, the
 // 16 connections' buffers, the readahead window), where a cache
 // that kept what it fetched would hold the whole object.
-func TestRhMemoryBoundedByCacheSize(t *testing.T) {
+func TestHTTPMemoryBoundedByCacheSize(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	img := randomImage(t, dir, 128<<20, 2716)
@@ -458,14 +458,14 @@ func TestRhMemoryBoundedByCacheSize(t *testing.T) {
 	t.Logf("peak RSS %d KiB", hwm)
 }
 
-// TestRhForeignFormatsOverHTTP: vmdk (sparse and stream-optimized), vhdx,
+// TestHTTPForeignFormatsEqualQemuImg: vmdk (sparse and stream-optimized), vhdx,
 // vpc (dynamic and fixed) and vdi (dynamic and static) images on nginx:
 // info equals qemu-img's for the URL, map too (vhdx's map is left out: it
 // differs from qemu-img's for a local file as well, by design), and the
 // FUSE export reads as the local disk (qemu-img compare). A remote vmdk
 // descriptor naming an extent file is refused: the files a remote image
 // names are not opened.
-func TestRhForeignFormatsOverHTTP(t *testing.T) {
+func TestHTTPForeignFormatsEqualQemuImg(t *testing.T) {
 	n := rhStartNginx(t)
 	raw, _ := rhImages(t, n)
 	for _, c := range []struct{ format, opts string }{
@@ -513,12 +513,12 @@ func TestRhForeignFormatsOverHTTP(t *testing.T) {
 	}
 }
 
-// TestRhServerKilledAndRestarted: nginx SIGKILLed while fio reads through
+// TestHTTPServerKilledAndRestarted: nginx SIGKILLed while fio reads through
 // the export and started again within --reconnect-timeout: the reads
 // complete with the right bytes (fio's crc32c headers); killed for good,
 // a read of what was not fetched fails with EIO within the timeout, not
 // a hang.
-func TestRhServerKilledAndRestarted(t *testing.T) {
+func TestHTTPServerKilledAndRestarted(t *testing.T) {
 	n := rhStartNginx(t)
 	raw, job := rhImages(t, n)
 	mnt := filepath.Join(t.TempDir(), "mnt")
@@ -614,11 +614,11 @@ func rhCuttingProxy(t *testing.T, addr string, max int64) (string, *atomic.Int64
 	return l.Addr().String(), cuts
 }
 
-// TestRhCuttingProxy: the export reads through a proxy that resets every
+// TestHTTPThroughConnectionCuttingProxy: the export reads through a proxy that resets every
 // connection after up to 2 MiB of replies (so range bodies end short and
 // kept-alive connections die): fio's crc32c headers all verify and
 // qemu-img compare finds the disk, after many cut connections.
-func TestRhCuttingProxy(t *testing.T) {
+func TestHTTPThroughConnectionCuttingProxy(t *testing.T) {
 	n := rhStartNginx(t)
 	raw, job := rhImages(t, n)
 	addr, cuts := rhCuttingProxy(t, n.addr, 2<<20)
@@ -634,11 +634,11 @@ func TestRhCuttingProxy(t *testing.T) {
 	t.Logf("%d connections cut", cuts.Load())
 }
 
-// TestRhCredentialsNeverShown: a URL with a user, a password and a
+// TestHTTPCredentialsNeverShown: a URL with a user, a password and a
 // signed query (nginx ignores them) is exported, inspected and checked:
 // neither the password nor the signature shows in the daemon's log, the
 // mount table, info, map or check's output, or an error.
-func TestRhCredentialsNeverShown(t *testing.T) {
+func TestHTTPCredentialsNeverShown(t *testing.T) {
 	n := rhStartNginx(t)
 	rhImages(t, n)
 	const pw, sig = "pw-rh-0b7e", "sig-rh-5d21"
@@ -675,11 +675,11 @@ func TestRhCredentialsNeverShown(t *testing.T) {
 	shown("check's error", out)
 }
 
-// TestRhNBDServesAnHTTPSImage: `blockexport nbd` serves a qcow2 image on
+// TestNBDServesAnHTTPSImage: `blockexport nbd` serves a qcow2 image on
 // nginx over https (--image-tls-ca: the nbd command's own --tls-* flags
 // are its server's): QEMU reads the disk through it, and its log names
 // the URL.
-func TestRhNBDServesAnHTTPSImage(t *testing.T) {
+func TestNBDServesAnHTTPSImage(t *testing.T) {
 	n := rhStartNginx(t)
 	raw, _ := rhImages(t, n)
 	s := startNBD(t, n.url("https", "disk.qcow2"), false, "--image-tls-ca", n.ca)

@@ -10,11 +10,11 @@ import (
 	"time"
 )
 
-// TestRvCredentialsInBackingAndCommandErrors: a URL with a user, a
+// TestHTTPCredentialsNeverShownInErrors: a URL with a user, a
 // password and a signed query, as an overlay's backing string that fails
 // to open and as convert's and compare's source that fails: no error shows
 // the password or the signature.
-func TestRvCredentialsInBackingAndCommandErrors(t *testing.T) {
+func TestHTTPCredentialsNeverShownInErrors(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	const pw, sig = "pw-rv-71c3", "sig-rv-0a9e"
@@ -43,12 +43,12 @@ func TestRvCredentialsInBackingAndCommandErrors(t *testing.T) {
 	shown("compare's error (second image)", code, out)
 }
 
-// TestRvRemoteImageMayNotNameLocalNBD: a qcow2 image on an http server
+// TestRemoteImageBackingMayNotNameLocalNBD: a qcow2 image on an http server
 // whose backing string names a local NBD export (a unix socket, a
 // loopback TCP port) is refused: an export would show what that local
 // server serves. Another origin's URL is refused too; the same origin's
 // is followed.
-func TestRvRemoteImageMayNotNameLocalNBD(t *testing.T) {
+func TestRemoteImageBackingMayNotNameLocalNBD(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	secret := filepath.Join(dir, "secret.raw")
@@ -107,12 +107,12 @@ func TestRvRemoteImageMayNotNameLocalNBD(t *testing.T) {
 	}
 }
 
-// TestRvMemoryBoundedWithParallelSequentialReaders: eight sequential
+// TestHTTPMemoryBoundedWithParallelSequentialReaders: eight sequential
 // readers of one http object, each earning readahead: the export's peak
 // RSS stays within --cache-size plus a constant (readahead counts against
 // the cache; eight streams' windows each beside it peaked at 335-422 MiB
 // with --cache-size 128M).
-func TestRvMemoryBoundedWithParallelSequentialReaders(t *testing.T) {
+func TestHTTPMemoryBoundedWithParallelSequentialReaders(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	img := sparseImage(t, dir, "big.raw", 384<<20)

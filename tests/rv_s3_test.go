@@ -7,11 +7,11 @@ import (
 	"testing"
 )
 
-// TestRvS3ObjectWithoutETag: a file put straight into versitygw's bucket
+// TestS3ObjectWithoutETagReadsConditionalOnLastModified: a file put straight into versitygw's bucket
 // directory has no ETag; reads are conditional on its Last-Modified
 // (versitygw 1.8.0 answers If-Unmodified-Since equal to the object's time
 // with 412, comparing strictly): the object converts to its own bytes.
-func TestRvS3ObjectWithoutETag(t *testing.T) {
+func TestS3ObjectWithoutETagReadsConditionalOnLastModified(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	img := randomImage(t, dir, 3<<20+517, 2731)

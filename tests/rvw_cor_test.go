@@ -41,9 +41,9 @@ func rvwCopy(t *testing.T, path string) string {
 	return want
 }
 
-// TestRvwStreamProgressIsTruthful: no step says more is durable than is
+// TestStreamProgressNeverOverstatesDurable: no step says more is durable than is
 // done, and the completed line says all of it is durable (it said 0).
-func TestRvwStreamProgressIsTruthful(t *testing.T) {
+func TestStreamProgressNeverOverstatesDurable(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 48<<20, 21)
 	over := corOverlay(t, dir, base)
@@ -63,11 +63,11 @@ func TestRvwStreamProgressIsTruthful(t *testing.T) {
 	corStandalone(t, over, rvwCopy(t, base), base)
 }
 
-// TestRvwStreamRefusesInternalSnapshots: the overlay's internal snapshot
+// TestStreamRefusesOverlayWithInternalSnapshots: the overlay's internal snapshot
 // reads the backing file through its unallocated clusters too; a stream
 // that dropped the backing file (QEMU's block-stream does) would make
 // the snapshot read zeroes there. Refused in one line before copying.
-func TestRvwStreamRefusesInternalSnapshots(t *testing.T) {
+func TestStreamRefusesOverlayWithInternalSnapshots(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 8<<20, 22)
 	over := corOverlay(t, dir, base)
@@ -90,12 +90,12 @@ func TestRvwStreamRefusesInternalSnapshots(t *testing.T) {
 	corCheckClean(t, over)
 }
 
-// TestRvwStreamKilledAgainAndAgain: one overlay, its stream killed
+// TestStreamKilledRepeatedlyResumesConsistently: one overlay, its stream killed
 // (SIGKILL and SIGINT in turn) at steps early and late, and resumed each
 // time: after every interruption the overlay reads as its backing file
 // (qemu-img compare), qemu-img finds no corruption, and the backing file
 // is still named; the last run completes standalone.
-func TestRvwStreamKilledAgainAndAgain(t *testing.T) {
+func TestStreamKilledRepeatedlyResumesConsistently(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 64<<20, 23)
 	over := corOverlay(t, dir, base)
@@ -142,11 +142,11 @@ func TestRvwStreamKilledAgainAndAgain(t *testing.T) {
 	corStandalone(t, over, rvwCopy(t, base), base)
 }
 
-// TestRvwStreamOutOfSpace: the overlay's file system fills up mid-stream:
+// TestStreamOutOfSpaceFailsAndResumes: the overlay's file system fills up mid-stream:
 // the stream fails (exit 1, one line), the overlay still reads as its
 // backing file with no corruption, and once there is room a rerun
 // completes standalone and clean.
-func TestRvwStreamOutOfSpace(t *testing.T) {
+func TestStreamOutOfSpaceFailsAndResumes(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 32<<20, 24)
 	small := smallHost(t, dir, "12m")
@@ -176,13 +176,13 @@ func TestRvwStreamOutOfSpace(t *testing.T) {
 	corStandalone(t, over, rvwCopy(t, base), base)
 }
 
-// TestRvwStreamHTTPObjectReplacedMidStream: the backing object on nginx
+// TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes: the backing object on nginx
 // is replaced (same size, new bytes) while a stream pulls it in: the
 // stream fails (If-Match), or completes from what it had cached; either
 // way every cluster the overlay holds has the old object's bytes (the
 // overlay rebased unsafely onto a local copy of the old object equals
 // it), no corruption, and a failed stream leaves the backing file named.
-func TestRvwStreamHTTPObjectReplacedMidStream(t *testing.T) {
+func TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes(t *testing.T) {
 	n := rhStartNginx(t)
 	dir := t.TempDir()
 	v1 := randomImage(t, dir, 64<<20, 2501)
@@ -226,11 +226,11 @@ func TestRvwStreamHTTPObjectReplacedMidStream(t *testing.T) {
 	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, v1)
 }
 
-// TestRvwStreamWhileExported: a stream of an overlay exported with
+// TestStreamRefusedWhileImageInUse: a stream of an overlay exported with
 // copy-on-read, exported read-only, or whose backing file is exported
 // writable is refused (exit 1, "in use"), as QEMU's locks refuse it, and
 // leaves the overlay as it was.
-func TestRvwStreamWhileExported(t *testing.T) {
+func TestStreamRefusedWhileImageInUse(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 8<<20, 25)
 	over := corOverlay(t, dir, base)
@@ -252,12 +252,12 @@ func TestRvwStreamWhileExported(t *testing.T) {
 	corCheckClean(t, over)
 }
 
-// TestRvwCopyOnReadTwoLevelChainEqualsQemu: copy-on-read over a chain of
+// TestCopyOnReadTwoLevelChainEqualsQemu: copy-on-read over a chain of
 // two backing levels (a qcow2 of its own writes, zeroes and discards,
 // shorter than the raw file under it; the top longer than both): the same
 // random reads by qemu-io -C on one top and through our export on
 // another leave the same qemu-img map and bytes, for v3 and v2 tops.
-func TestRvwCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
+func TestCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 	dir := t.TempDir()
 	const size, midSize, baseSize = 28 << 20, 20<<20 + 1536, 24<<20 + 5000
 	base := corBase(t, dir, baseSize, 26)
@@ -311,11 +311,11 @@ func TestRvwCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 	}
 }
 
-// TestRvwStreamTwoLevelEqualsQemuBlockStream: the two-level chain above,
+// TestStreamTwoLevelChainEqualsQemuBlockStream: the two-level chain above,
 // with writes of the top's own, streamed by QEMU's block-stream and by
 // ours: the same bytes, no backing file either way, check clean; and the
 // result reads as the chain did.
-func TestRvwStreamTwoLevelEqualsQemuBlockStream(t *testing.T) {
+func TestStreamTwoLevelChainEqualsQemuBlockStream(t *testing.T) {
 	dir := t.TempDir()
 	const size, midSize, baseSize = 28 << 20, 20<<20 + 1536, 24<<20 + 5000
 	base := corBase(t, dir, baseSize, 27)
@@ -345,12 +345,12 @@ func TestRvwStreamTwoLevelEqualsQemuBlockStream(t *testing.T) {
 	}
 }
 
-// TestRvwCopyOnReadOnAFullDisk: the overlay's file system (2 MiB) fills
+// TestCopyOnReadOnAFullDiskStillReads: the overlay's file system (2 MiB) fills
 // up while copy-on-read reads a 16 MiB backing file through the export:
 // every read still returns the backing file's bytes (the copies are
 // given up, not the reads: they failed with ENOSPC), and the overlay
 // has no corruption and reads as its backing file afterwards.
-func TestRvwCopyOnReadOnAFullDisk(t *testing.T) {
+func TestCopyOnReadOnAFullDiskStillReads(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 16<<20, 28)
 	small := smallHost(t, dir, "2m")
@@ -370,9 +370,9 @@ func TestRvwCopyOnReadOnAFullDisk(t *testing.T) {
 	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
 }
 
-// TestRvwStreamDurableHolds: what a progress line calls durable is not
+// TestStreamDurableStepsNotPlannedAgainAfterKill: what a progress line calls durable is not
 // planned again by the run after a SIGKILL right after that line.
-func TestRvwStreamDurableHolds(t *testing.T) {
+func TestStreamDurableStepsNotPlannedAgainAfterKill(t *testing.T) {
 	dir := t.TempDir()
 	base := corBase(t, dir, 96<<20, 29)
 	over := corOverlay(t, dir, base)

@@ -48,13 +48,13 @@ func rvwRange(r *http.Request) (lo, hi int64, ok bool) {
 	return lo, hi, true
 }
 
-// TestRvwLentReadsMatchTheObject: sixteen readers of an export of a
+// TestHTTPLentReadsMatchTheObject: sixteen readers of an export of a
 // 6 MiB + 1234 object through the least cache (1M: 64 blocks of 16 KiB)
 // read at random offsets and sizes up to 1 MiB (a MiB at qd16 is a
 // quarter of the cache each: lent blocks are evicted under every loan),
 // reads across the end (short), at and past it (empty), and of nothing.
 // Every byte must be the object's.
-func TestRvwLentReadsMatchTheObject(t *testing.T) {
+func TestHTTPLentReadsMatchTheObject(t *testing.T) {
 	const size = 6<<20 + 1234
 	data := make([]byte, size)
 	rand.New(rand.NewSource(41)).Read(data)
@@ -127,13 +127,13 @@ func TestRvwLentReadsMatchTheObject(t *testing.T) {
 	d.stopClean()
 }
 
-// TestRvwLyingServerIsEIOThroughTheExport: a server that lies about the
+// TestHTTPLyingServerIsEIOThroughTheExport: a server that lies about the
 // ranges that touch [2 MiB, 2 MiB + 64 KiB) (a body cut short, the
 // bytes of another range, the whole object with 200): a read there
 // fails with EIO, again on a second try (nothing of the lie was cached
 // and lent), never with the lie's bytes; reads elsewhere, before and
 // after, are the object's.
-func TestRvwLyingServerIsEIOThroughTheExport(t *testing.T) {
+func TestHTTPLyingServerIsEIOThroughTheExport(t *testing.T) {
 	const size = 6 << 20
 	const bad, badEnd = 2 << 20, 2<<20 + 64<<10
 	data := make([]byte, size)

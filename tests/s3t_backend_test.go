@@ -13,11 +13,11 @@ import (
 	s3backend "github.com/blockexport/blockexport/formats/protocols/remote/s3"
 )
 
-// TestS3tBackendOnARealServer: the s3 backend against versitygw, below the
+// TestS3BackendAgainstVersitygw: the s3 backend against versitygw, below the
 // export: the pinned size and ETag, exact ranges, If-Match honoured (an
 // overwritten object is ErrChanged, never the new bytes), and each open
 // failure in its own words with the secret nowhere.
-func TestS3tBackendOnARealServer(t *testing.T) {
+func TestS3BackendAgainstVersitygw(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	img := randomImage(t, dir, 3<<20, 271)

@@ -34,12 +34,12 @@ func s3tExport(t *testing.T, s *s3tServer, key, mnt string, args ...string) *dae
 	return startExport(t, s.url(key), mnt, append([]string{"--s3-endpoint", s.endpoint}, args...)...)
 }
 
-// TestS3tRawAndQcow2ObjectsThroughTheExport: a raw object and a qcow2
+// TestS3RawAndQcow2ObjectsThroughTheExport: a raw object and a qcow2
 // object (the same disk converted by qemu-img) in versitygw, exported
 // read-only over FUSE: fio's crc32c records written into the local disk
 // verify through both exports, and qemu-img compare finds each export
 // identical to the local copy.
-func TestS3tRawAndQcow2ObjectsThroughTheExport(t *testing.T) {
+func TestS3RawAndQcow2ObjectsThroughTheExport(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	raw := sparseImage(t, dir, "disk.img", 64<<20)
@@ -64,11 +64,11 @@ func TestS3tRawAndQcow2ObjectsThroughTheExport(t *testing.T) {
 	}
 }
 
-// TestS3tOverlayOverAnS3BackingFile: a local qcow2 overlay whose backing
+// TestS3BackingFileUnderLocalOverlay: a local qcow2 overlay whose backing
 // file is s3://…, exported writable: fio writes and verifies through it,
 // what it did not write reads as the object, and QEMU then finds the
 // overlay clean (its backing file left unopened: qemu-img has no s3).
-func TestS3tOverlayOverAnS3BackingFile(t *testing.T) {
+func TestS3BackingFileUnderLocalOverlay(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	base := randomImage(t, dir, 32<<20, 2702)
@@ -100,10 +100,10 @@ func TestS3tOverlayOverAnS3BackingFile(t *testing.T) {
 	d.stopClean()
 }
 
-// TestS3tOpenFailuresAreOneLine: wrong credentials, a missing bucket, a
+// TestS3OpenFailuresAreOneLine: wrong credentials, a missing bucket, a
 // missing key each end the export at open with exit 1 and one line that
 // says which, with the secret nowhere.
-func TestS3tOpenFailuresAreOneLine(t *testing.T) {
+func TestS3OpenFailuresAreOneLine(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	s.put("disk.img", randomImage(t, dir, 1<<20, 2704))
@@ -134,10 +134,10 @@ func TestS3tOpenFailuresAreOneLine(t *testing.T) {
 	}
 }
 
-// TestS3tObjectOverwrittenDuringTheExport: once the object is replaced
+// TestS3ObjectOverwrittenWhileExportedIsEIO: once the object is replaced
 // (same size, new bytes), a read of what was not yet fetched is EIO and the
 // log says why in a line; no byte of the new version is served.
-func TestS3tObjectOverwrittenDuringTheExport(t *testing.T) {
+func TestS3ObjectOverwrittenWhileExportedIsEIO(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	img := randomImage(t, dir, 64<<20, 2705)
@@ -169,13 +169,13 @@ func TestS3tObjectOverwrittenDuringTheExport(t *testing.T) {
 	}
 }
 
-// TestS3tServerKilledMidRead: the server is killed while the export
+// TestS3ServerKilledMidRead: the server is killed while the export
 // serves; a read waits, and once the server is back (within
 // --reconnect-timeout) it returns the right bytes. Killed for good, a read
 // is EIO after the timeout, not a hang. The reads are dd processes, so
 // that the test holds no descriptor of the export while the server is
 // restarted (see below).
-func TestS3tServerKilledMidRead(t *testing.T) {
+func TestS3ServerKilledMidRead(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	img := randomImage(t, dir, 64<<20, 2707)

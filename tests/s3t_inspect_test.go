@@ -7,11 +7,11 @@ import (
 	"testing"
 )
 
-// TestS3tInfoMapAndCreate: info and map of a qcow2 object read its
+// TestS3InfoMapAndCreate: info and map of a qcow2 object read its
 // metadata over S3 and say what qemu-img says of the local copy (the
 // same bytes: the same mapping, offsets included); create -b s3://…
 // writes an overlay whose backing string is the URL, exported then.
-func TestS3tInfoMapAndCreate(t *testing.T) {
+func TestS3InfoMapAndCreate(t *testing.T) {
 	s := s3tStartServer(t)
 	dir := t.TempDir()
 	raw := randomImage(t, dir, 8<<20, 2708)

@@ -111,7 +111,7 @@ func fxVdiCraft(t *testing.T, base, dst string, fields map[int]uint64, entries m
 	}
 }
 
-// TestFxVdiCheckAsQemu: `check` of VDI images, clean and damaged
+// TestVdiCheckAsQemuImg: `check` of VDI images, clean and damaged
 // (duplicate block-map entries, entries past the header's block count,
 // allocated counts wrong, a block map past the end of the file, header
 // fields at 0, their maximum and one past it), exits as qemu-img check
@@ -119,7 +119,7 @@ func fxVdiCraft(t *testing.T, base, dst string, fields map[int]uint64, entries m
 // the file is unchanged. Where QEMU finds nothing but reads wrong data
 // (a data block past the end of the file), ours finds a corruption,
 // stated. -r is refused as QEMU refuses it (exit 63).
-func TestFxVdiCheckAsQemu(t *testing.T) {
+func TestVdiCheckAsQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	src := randomImage(t, dir, 8<<20, 41)
 	// Holes: blocks 2, 5 unallocated once converted.
@@ -220,12 +220,12 @@ func TestFxVdiCheckAsQemu(t *testing.T) {
 	}
 }
 
-// TestFxVdiCheckHugeBlockMapBounded: a 1 MiB file whose header claims
+// TestVdiCheckOfHugeBlockMapIsBounded: a 1 MiB file whose header claims
 // the most blocks QEMU allows (2^29-128, a 2 GiB block map, nearly all past
 // the end of the file, each read as data block 0): every duplicate is
 // counted, the ERROR lines are bounded, and the check takes little
 // memory (QEMU would hold the whole map, and a second one as large).
-func TestFxVdiCheckHugeBlockMapBounded(t *testing.T) {
+func TestVdiCheckOfHugeBlockMapIsBounded(t *testing.T) {
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.vdi")
 	run(t, "qemu-img", "create", "-f", "vdi", base, "4M")

@@ -84,7 +84,7 @@ func fxVhdxDirty(b, guid []byte, entries ...[]byte) []byte {
 	return b
 }
 
-// TestFxVhdxReplayAsQemu: `check -r all` replays a dirty VHDX log as
+// TestVhdxLogReplayAsQemu: `check -r all` replays a dirty VHDX log as
 // QEMU 7.2 does at a writable open (qemu-img check -r all on a copy):
 // the two files agree byte for byte past the header section, and as
 // disks; the log GUID is cleared, so the image opens read-only after
@@ -97,7 +97,7 @@ func fxVhdxDirty(b, guid []byte, entries ...[]byte) []byte {
 // or into the header section, a data sector of another sequence number
 // (QEMU writes the descriptors before it first), a descriptor of an
 // unknown kind (QEMU fails the open too).
-func TestFxVhdxReplayAsQemu(t *testing.T) {
+func TestVhdxLogReplayAsQemu(t *testing.T) {
 	dir := t.TempDir()
 	src := randomImage(t, dir, 8<<20, 51)
 	img := filepath.Join(dir, "good.vhdx")

@@ -9,7 +9,7 @@ import (
 
 // TestVpcCheckHasNoChecksAsInQemu: `check` on a dynamic or fixed VHD
 // exits 63 like qemu-img check (QEMU's vpc driver has no checks), with
-// and without -r. (VDI check: TestFxVdiCheckAsQemu.)
+// and without -r. (VDI check: TestVdiCheckAsQemuImg.)
 func TestVpcCheckHasNoChecksAsInQemu(t *testing.T) {
 	dir := t.TempDir()
 	src := randomImage(t, dir, 4<<20, 30)
