@@ -2,10 +2,7 @@ package tests
 
 import (
 	"encoding/binary"
-	"encoding/json"
-	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -14,42 +11,6 @@ import (
 // The check command against qemu-img check: the same findings (as JSON
 // counts) and exit status on clean and broken images, and repairs that
 // qemu-img check then finds clean, with the data unchanged.
-
-// checkJSON runs a checker's --output=json and returns its exit status and
-// the counts it printed.
-func checkJSON(t *testing.T, name string, args ...string) (int, map[string]any) {
-	t.Helper()
-	cmd := exec.Command(name, args...)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	code := 0
-	var ee *exec.ExitError
-	if errors.As(err, &ee) {
-		code = ee.ExitCode()
-	} else if err != nil {
-		t.Fatalf("%s %v: %v", name, args, err)
-	}
-	m := map[string]any{}
-	if err := json.Unmarshal(out, &m); err != nil {
-		t.Fatalf("%s %v: exit %d, not JSON: %v\n%s\n%s", name, args, code, err, out, stderr.String())
-	}
-	delete(m, "filename") // the same file, named as each was told
-	return code, m
-}
-
-// compareChecks runs both checkers on img and fails unless they agree.
-func compareChecks(t *testing.T, img string) map[string]any {
-	t.Helper()
-	qcode, q := checkJSON(t, "qemu-img", "check", "-f", "qcow2", "--output=json", img)
-	ocode, o := checkJSON(t, bin, "check", "-f", "qcow2", "--output=json", img)
-	qj, _ := json.Marshal(q)
-	oj, _ := json.Marshal(o)
-	if qcode != ocode || string(qj) != string(oj) {
-		t.Fatalf("qemu-img check: exit %d %s\nblockexport check: exit %d %s", qcode, qj, ocode, oj)
-	}
-	return q
-}
 
 // qcowLayout is what the tests need of a qcow2 file to break it: cluster
 // size, the first refcount block and the first L2 table.
@@ -123,18 +84,18 @@ func copyFile(t *testing.T, from, to string) {
 func TestCheckAgreesWithQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", base, "8M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 256k", "-c", "write -P 0x33 1M 64k", "-c", "write -P 0x11 4M 128k", base)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", base, "8M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 256k", "-c", "write -P 0x33 1M 64k", "-c", "write -P 0x11 4M 128k", base)
 
 	compressed := filepath.Join(dir, "compressed.qcow2")
-	run(t, "qemu-img", "convert", "-c", "-f", "qcow2", "-O", "qcow2", base, compressed)
+	Run(t, "qemu-img", "convert", "-c", "-f", "qcow2", "-O", "qcow2", base, compressed)
 	snap := filepath.Join(dir, "snap.qcow2")
 	copyFile(t, base, snap)
-	run(t, "qemu-img", "snapshot", "-c", "s1", snap)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 64k 64k", snap)
+	Run(t, "qemu-img", "snapshot", "-c", "s1", snap)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 64k 64k", snap)
 	for _, img := range []string{base, compressed, snap} {
 		t.Run("clean/"+filepath.Base(img), func(t *testing.T) {
-			if got := compareChecks(t, img); got["corruptions"] != nil || got["leaks"] != nil {
+			if got := CompareChecks(t, img); got["corruptions"] != nil || got["leaks"] != nil {
 				t.Fatalf("a clean image has findings: %v", got)
 			}
 		})
@@ -165,7 +126,7 @@ func TestCheckAgreesWithQemuImg(t *testing.T) {
 			img := filepath.Join(t.TempDir(), "broken.qcow2")
 			copyFile(t, base, img)
 			b.break_(t, img)
-			got := compareChecks(t, img)
+			got := CompareChecks(t, img)
 			if got["corruptions"] == nil && got["leaks"] == nil {
 				t.Fatalf("the broken image checks clean: %v", got)
 			}
@@ -176,17 +137,17 @@ func TestCheckAgreesWithQemuImg(t *testing.T) {
 			for _, mode := range modes {
 				fixed := filepath.Join(t.TempDir(), "fixed.qcow2")
 				copyFile(t, img, fixed)
-				code, res := checkJSON(t, bin, "check", "-r", mode, "--output=json", fixed)
+				code, res := CheckJSON(t, Bin, "check", "-r", mode, "--output=json", fixed)
 				if code != 0 || res["corruptions"] != nil || res["leaks"] != nil {
 					t.Fatalf("check -r %s: exit %d %v", mode, code, res)
 				}
 				if res["leaks-fixed"] == nil && res["corruptions-fixed"] == nil {
 					t.Fatalf("check -r %s repaired nothing it reports: %v", mode, res)
 				}
-				if code, q := checkJSON(t, "qemu-img", "check", "-f", "qcow2", "--output=json", fixed); code != 0 {
+				if code, q := CheckJSON(t, "qemu-img", "check", "-f", "qcow2", "--output=json", fixed); code != 0 {
 					t.Fatalf("after check -r %s, qemu-img check: exit %d %v", mode, code, q)
 				}
-				run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", base, fixed)
+				Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "qcow2", base, fixed)
 			}
 		})
 	}
@@ -198,24 +159,24 @@ func TestCheckAgreesWithQemuImg(t *testing.T) {
 // as qemu-img check refuses it.
 func TestCheckRawAndRefusals(t *testing.T) {
 	dir := t.TempDir()
-	raw := sparseImage(t, dir, "r.raw", 3<<20)
+	raw := SparseImage(t, dir, "r.raw", 3<<20)
 	for _, args := range [][]string{{"check", "--output=json", raw}, {"check", "-r", "all", raw}} {
-		if code, out := runBlockexport(t, args...); code != 63 || !strings.Contains(out, "does not support checks") {
+		if code, out := RunBlockexport(t, args...); code != 63 || !strings.Contains(out, "does not support checks") {
 			t.Fatalf("%v: exit %d\n%s", args, code, out)
 		}
 	}
 
 	img := filepath.Join(dir, "busy.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
-	d := startExport(t, img, filepath.Join(dir, "busy.mnt"), "-w")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
+	d := StartExport(t, img, filepath.Join(dir, "busy.mnt"), "-w")
 	for _, args := range [][]string{{"check", img}, {"check", "-r", "leaks", img}} {
-		code, out := runBlockexport(t, args...)
+		code, out := RunBlockexport(t, args...)
 		if code != 1 || !strings.Contains(out, "in use") {
 			t.Fatalf("%v on an image exported writable: exit %d\n%s", args, code, out)
 		}
 	}
-	d.stopClean()
-	if code, out := runBlockexport(t, "check", img); code != 0 {
+	d.StopClean()
+	if code, out := RunBlockexport(t, "check", img); code != 0 {
 		t.Fatalf("check after the export ended: exit %d\n%s", code, out)
 	}
 }

@@ -23,29 +23,29 @@ import (
 // must be at least what qemu-img's left, and where qemu-img left the file
 // untouched (a refused repair) ours must be untouched too.
 
-// chkCounts are the fields of qemu-img check's JSON that the run compares.
+// checkCounts are the fields of qemu-img check's JSON that the run compares.
 // The allocation figures are compared too; image-end-offset is compared
 // except after -r all, whose rebuilt structures go to fresh clusters at
 // the end of the file where qemu-img reuses free ones inside it (so that
 // a kill leaves the old structures intact).
-var chkCounts = []string{"corruptions", "leaks", "check-errors", "corruptions-fixed", "leaks-fixed",
+var checkCounts = []string{"corruptions", "leaks", "check-errors", "corruptions-fixed", "leaks-fixed",
 	"allocated-clusters", "fragmented-clusters", "compressed-clusters", "total-clusters", "image-end-offset"}
 
-// chkResult is one checker's run: exit status, the counts (nil when it
+// checkRun is one checker's run: exit status, the counts (nil when it
 // printed no JSON, as when the check failed), and its stderr.
-type chkResult struct {
+type checkRun struct {
 	code   int
 	counts map[string]int64
 	stderr string
 }
 
-func (r chkResult) String() string {
+func (r checkRun) String() string {
 	if r.counts == nil {
 		return fmt.Sprintf("exit %d, no JSON", r.code)
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "exit %d", r.code)
-	for _, k := range chkCounts {
+	for _, k := range checkCounts {
 		if r.counts[k] != 0 {
 			fmt.Fprintf(&b, " %s=%d", k, r.counts[k])
 		}
@@ -53,8 +53,8 @@ func (r chkResult) String() string {
 	return b.String()
 }
 
-// chkRun runs name check [-r mode] --output=json img.
-func chkRun(t *testing.T, name, mode, img string) chkResult {
+// runCheck runs name check [-r mode] --output=json img.
+func runCheck(t *testing.T, name, mode, img string) checkRun {
 	t.Helper()
 	args := []string{"check", "-f", "qcow2", "--output=json"}
 	if mode != "" {
@@ -67,7 +67,7 @@ func chkRun(t *testing.T, name, mode, img string) chkResult {
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
-	r := chkResult{stderr: stderr.String()}
+	r := checkRun{stderr: stderr.String()}
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
 		r.code = ee.ExitCode()
@@ -83,7 +83,7 @@ func chkRun(t *testing.T, name, mode, img string) chkResult {
 			t.Fatalf("%s %v: exit %d, not JSON: %v\n%s", name, args, r.code, err, out)
 		}
 		r.counts = map[string]int64{}
-		for _, k := range chkCounts {
+		for _, k := range checkCounts {
 			if v, ok := m[k].(float64); ok {
 				r.counts[k] = int64(v)
 			}
@@ -92,22 +92,22 @@ func chkRun(t *testing.T, name, mode, img string) chkResult {
 	return r
 }
 
-// chkLayout is where the base image keeps what the cases corrupt.
-type chkLayout struct {
+// corruptionLayout is where the base image keeps what the cases corrupt.
+type corruptionLayout struct {
 	cs, size                     int64
 	l1, rt, snapTable, snapL1    int64
 	rb0, l2, data0, dataPrivate  int64 // data0 is shared with the snapshot
 	l1Entry0, l2Entry0, l2Entry1 uint64
 }
 
-func chkLayoutOf(t *testing.T, img string) chkLayout {
+func corruptionLayoutOf(t *testing.T, img string) corruptionLayout {
 	t.Helper()
 	b, err := os.ReadFile(img)
 	if err != nil {
 		t.Fatal(err)
 	}
 	be := binary.BigEndian
-	l := chkLayout{cs: 1 << be.Uint32(b[20:]), size: int64(len(b))}
+	l := corruptionLayout{cs: 1 << be.Uint32(b[20:]), size: int64(len(b))}
 	l.l1 = int64(be.Uint64(b[40:]))
 	l.rt = int64(be.Uint64(b[48:]))
 	l.snapTable = int64(be.Uint64(b[64:]))
@@ -125,137 +125,141 @@ func chkLayoutOf(t *testing.T, img string) chkLayout {
 	return l
 }
 
-func chkPatch64(t *testing.T, img string, off int64, v uint64) {
+func patch64(t *testing.T, img string, off int64, v uint64) {
 	t.Helper()
 	patchFile(t, img, off, binary.BigEndian.AppendUint64(nil, v))
 }
 
-func chkPatch32(t *testing.T, img string, off int64, v uint32) {
+func patch32(t *testing.T, img string, off int64, v uint32) {
 	t.Helper()
 	patchFile(t, img, off, binary.BigEndian.AppendUint32(nil, v))
 }
 
-// chkRefcount sets the 16-bit refcount of the cluster at host offset off.
-func chkRefcount(t *testing.T, img string, l chkLayout, off int64, v uint16) {
+// setCorruptionRefcount sets the 16-bit refcount of the cluster at host offset off.
+func setCorruptionRefcount(t *testing.T, img string, l corruptionLayout, off int64, v uint16) {
 	t.Helper()
 	patchFile(t, img, l.rb0+2*(off/l.cs), binary.BigEndian.AppendUint16(nil, v))
 }
 
-// chkCase is one corruption. differ names, by mode ("", "leaks", "all"),
+// corruptionCase is one corruption. differ names, by mode ("", "leaks", "all"),
 // the runs whose status or counts may differ from qemu-img's, and why; the
 // safety checks hold for them all the same.
-type chkCase struct {
+type corruptionCase struct {
 	name    string
-	corrupt func(t *testing.T, img string, l chkLayout)
+	corrupt func(t *testing.T, img string, l corruptionLayout)
 	differ  map[string]string
 }
 
-func chkCases() []chkCase {
+func corruptionCases() []corruptionCase {
 	const bit63 = uint64(1) << 63
-	return []chkCase{
+	return []corruptionCase{
 		// The refcount table.
-		{name: "reftable entry to a data cluster", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.data0)) }},
-		{name: "reftable entry to the L1 table", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.l1)) }},
-		{name: "reftable entry to an L2 table", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.l2)) }},
-		{name: "reftable entry to the reftable", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.rt)) }},
-		{name: "reftable entry to the snapshot L1", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.snapL1)) }},
-		{name: "two reftable entries, one block", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt+8, uint64(l.rb0)) }},
-		{name: "reftable entry misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.rb0+512)) },
+		{name: "reftable entry to a data cluster", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.data0)) }},
+		{name: "reftable entry to the L1 table", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.l1)) }},
+		{name: "reftable entry to an L2 table", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.l2)) }},
+		{name: "reftable entry to the reftable", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.rt)) }},
+		{name: "reftable entry to the snapshot L1", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.snapL1)) }},
+		{name: "two reftable entries, one block", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt+8, uint64(l.rb0)) }},
+		{name: "reftable entry misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.rb0+512)) },
 			differ: map[string]string{"all": "qemu-img marks the image corrupt when it reads the misaligned block, and its rebuild then fails (exit 1, image left marked corrupt); ours rebuilds in fresh clusters and the image checks clean with all data"}},
-		{name: "reftable entry reserved bits", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.rb0)|1) },
+		{name: "reftable entry reserved bits", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.rb0)|1) },
 			differ: map[string]string{"all": "qemu-img's rebuild puts a refcount block in a cluster its IMRT thinks free, the old block the bad entry still names; its own overlap check stops it (exit 1, image marked corrupt); ours rebuilds past the end and the image checks clean with all data"}},
-		{name: "reftable entry past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.size+16*l.cs)) }},
-		{name: "second reftable entry past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt+8, uint64(l.size+16*l.cs)) }},
-		{name: "reftable entry bit 63", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, uint64(l.rb0)|bit63) }},
-		{name: "reftable entry missing", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.rt, 0) }},
+		{name: "reftable entry past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.size+16*l.cs)) }},
+		{name: "second reftable entry past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt+8, uint64(l.size+16*l.cs)) }},
+		{name: "reftable entry bit 63", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, uint64(l.rb0)|bit63) }},
+		{name: "reftable entry missing", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.rt, 0) }},
 		// Refcount block entries.
-		{name: "leaked cluster", corrupt: func(t *testing.T, img string, l chkLayout) {
+		{name: "leaked cluster", corrupt: func(t *testing.T, img string, l corruptionLayout) {
 			if err := os.Truncate(img, l.size+l.cs); err != nil {
 				t.Fatal(err)
 			}
-			chkRefcount(t, img, l, l.size, 1)
+			setCorruptionRefcount(t, img, l, l.size, 1)
 		}},
-		{name: "refcount too high", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.dataPrivate, 2) }},
-		{name: "refcount zero for data", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.dataPrivate, 0) }},
-		{name: "refcount too low for shared data", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.data0, 1) }},
-		{name: "refcount zero for the L1 table", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.l1, 0) }},
-		{name: "refcount zero for the refcount block", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.rb0, 0) }},
-		{name: "refcount two for the refcount block", corrupt: func(t *testing.T, img string, l chkLayout) { chkRefcount(t, img, l, l.rb0, 2) }},
+		{name: "refcount too high", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.dataPrivate, 2) }},
+		{name: "refcount zero for data", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.dataPrivate, 0) }},
+		{name: "refcount too low for shared data", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.data0, 1) }},
+		{name: "refcount zero for the L1 table", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.l1, 0) }},
+		{name: "refcount zero for the refcount block", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.rb0, 0) }},
+		{name: "refcount two for the refcount block", corrupt: func(t *testing.T, img string, l corruptionLayout) { setCorruptionRefcount(t, img, l, l.rb0, 2) }},
 		// L1 entries.
-		{name: "L1 entry misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l1, l.l1Entry0+512) }},
-		{name: "L1 entry past EOF", corrupt: func(t *testing.T, img string, l chkLayout) {
-			chkPatch64(t, img, l.l1, bit63|uint64(l.size+16*l.cs))
+		{name: "L1 entry misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l1, l.l1Entry0+512) }},
+		{name: "L1 entry past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) {
+			patch64(t, img, l.l1, bit63|uint64(l.size+16*l.cs))
 		}},
-		{name: "L1 entry reserved bits", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l1, l.l1Entry0|1<<56) }},
-		{name: "L1 entry COPIED missing", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l1, l.l1Entry0&^bit63) }},
-		{name: "L1 entry to the reftable", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l1, bit63|uint64(l.rt)) }},
-		{name: "L1 entry to the refcount block", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l1, bit63|uint64(l.rb0)) }},
+		{name: "L1 entry reserved bits", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l1, l.l1Entry0|1<<56) }},
+		{name: "L1 entry COPIED missing", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l1, l.l1Entry0&^bit63) }},
+		{name: "L1 entry to the reftable", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l1, bit63|uint64(l.rt)) }},
+		{name: "L1 entry to the refcount block", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l1, bit63|uint64(l.rb0)) }},
 		// L2 entries.
-		{name: "L2 entry misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, l.l2Entry1+512) }},
-		{name: "L2 zero entry misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, l.l2Entry1+512|1) }},
-		{name: "L2 entry past EOF", corrupt: func(t *testing.T, img string, l chkLayout) {
-			chkPatch64(t, img, l.l2+8, bit63|uint64(l.size+16*l.cs))
+		{name: "L2 entry misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, l.l2Entry1+512) }},
+		{name: "L2 zero entry misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, l.l2Entry1+512|1) }},
+		{name: "L2 entry past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) {
+			patch64(t, img, l.l2+8, bit63|uint64(l.size+16*l.cs))
 		}},
-		{name: "L2 entry reserved bits", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, l.l2Entry1|2) }},
-		{name: "L2 entry to the L1 table", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, bit63|uint64(l.l1)) }},
-		{name: "L2 entry to the refcount block", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, bit63|uint64(l.rb0)) }},
-		{name: "L2 entry to the header", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, bit63|512) }},
-		{name: "L2 entry COPIED missing", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8, l.l2Entry1&^bit63) }},
-		{name: "L2 entry COPIED on shared data", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2, l.l2Entry0|bit63) }},
-		{name: "two L2 entries, one cluster", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.l2+8*8, l.l2Entry1) }},
+		{name: "L2 entry reserved bits", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, l.l2Entry1|2) }},
+		{name: "L2 entry to the L1 table", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, bit63|uint64(l.l1)) }},
+		{name: "L2 entry to the refcount block", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, bit63|uint64(l.rb0)) }},
+		{name: "L2 entry to the header", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, bit63|512) }},
+		{name: "L2 entry COPIED missing", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8, l.l2Entry1&^bit63) }},
+		{name: "L2 entry COPIED on shared data", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2, l.l2Entry0|bit63) }},
+		{name: "two L2 entries, one cluster", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.l2+8*8, l.l2Entry1) }},
 		// Header fields and tables.
-		{name: "L1 table misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 40, uint64(l.l1+512)) }},
-		{name: "L1 table past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 40, uint64(l.size+16*l.cs)) }},
-		{name: "L1 table bit 63", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 40, uint64(l.l1)|bit63) }},
-		{name: "reftable past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 48, uint64(l.size+16*l.cs)) }},
-		{name: "snapshot table past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 64, uint64(l.size+16*l.cs)) }},
-		{name: "snapshot table misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 64, uint64(l.snapTable+8)) }},
-		{name: "snapshot table bit 63", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 64, uint64(l.snapTable)|bit63) }},
-		{name: "snapshot L1 past EOF", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.snapTable, uint64(l.size+16*l.cs)) }},
-		{name: "snapshot L1 bit 63", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.snapTable, uint64(l.snapL1)|bit63) }},
-		{name: "snapshot L1 misaligned", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, l.snapTable, uint64(l.snapL1+512)) }},
-		{name: "snapshot L1 too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, l.snapTable+8, 1<<23) }},
-		{name: "snapshot extra data too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, l.snapTable+36, 2000) }},
-		{name: "snapshot count too large", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch32(t, img, 60, 70000) }},
-		{name: "dirty bit and a leak", corrupt: func(t *testing.T, img string, l chkLayout) {
-			chkPatch64(t, img, 72, 1)
+		{name: "L1 table misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 40, uint64(l.l1+512)) }},
+		{name: "L1 table past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 40, uint64(l.size+16*l.cs)) }},
+		{name: "L1 table bit 63", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 40, uint64(l.l1)|bit63) }},
+		{name: "reftable past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 48, uint64(l.size+16*l.cs)) }},
+		{name: "snapshot table past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 64, uint64(l.size+16*l.cs)) }},
+		{name: "snapshot table misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 64, uint64(l.snapTable+8)) }},
+		{name: "snapshot table bit 63", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 64, uint64(l.snapTable)|bit63) }},
+		{name: "snapshot L1 past EOF", corrupt: func(t *testing.T, img string, l corruptionLayout) {
+			patch64(t, img, l.snapTable, uint64(l.size+16*l.cs))
+		}},
+		{name: "snapshot L1 bit 63", corrupt: func(t *testing.T, img string, l corruptionLayout) {
+			patch64(t, img, l.snapTable, uint64(l.snapL1)|bit63)
+		}},
+		{name: "snapshot L1 misaligned", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, l.snapTable, uint64(l.snapL1+512)) }},
+		{name: "snapshot L1 too large", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch32(t, img, l.snapTable+8, 1<<23) }},
+		{name: "snapshot extra data too large", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch32(t, img, l.snapTable+36, 2000) }},
+		{name: "snapshot count too large", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch32(t, img, 60, 70000) }},
+		{name: "dirty bit and a leak", corrupt: func(t *testing.T, img string, l corruptionLayout) {
+			patch64(t, img, 72, 1)
 			if err := os.Truncate(img, l.size+l.cs); err != nil {
 				t.Fatal(err)
 			}
-			chkRefcount(t, img, l, l.size, 1)
+			setCorruptionRefcount(t, img, l, l.size, 1)
 		}},
-		{name: "corrupt bit", corrupt: func(t *testing.T, img string, l chkLayout) { chkPatch64(t, img, 72, 2) }},
+		{name: "corrupt bit", corrupt: func(t *testing.T, img string, l corruptionLayout) { patch64(t, img, 72, 2) }},
 	}
 }
 
-// chkBaseImage makes the image the cases start from: 64 KiB clusters,
+// corruptionBaseImage makes the image the cases start from: 64 KiB clusters,
 // data before and after an internal snapshot (so some clusters are shared
 // and some are the active layer's alone).
-func chkBaseImage(t *testing.T, dir string) string {
+func corruptionBaseImage(t *testing.T, dir string) string {
 	t.Helper()
 	img := filepath.Join(dir, "base.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "8M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 256k", "-c", "write -P 0x33 1M 64k", img)
-	run(t, "qemu-img", "snapshot", "-c", "s1", img)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 64k 64k", "-c", "write -P 0x11 4M 128k", img)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "8M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 256k", "-c", "write -P 0x33 1M 64k", img)
+	Run(t, "qemu-img", "snapshot", "-c", "s1", img)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 64k 64k", "-c", "write -P 0x11 4M 128k", img)
 	return img
 }
 
-// chkGuest returns the guest data of img as qemu-img reads it, or nil when
+// guestBytes returns the guest data of img as qemu-img reads it, or nil when
 // qemu-img cannot read it.
-func chkGuest(t *testing.T, img string) []byte {
+func guestBytes(t *testing.T, img string) []byte {
 	t.Helper()
 	raw := img + ".raw"
 	if err := exec.Command("qemu-img", "convert", "-f", "qcow2", "-O", "raw", img, raw).Run(); err != nil {
 		return nil
 	}
 	defer os.Remove(raw)
-	return readAll(t, raw)
+	return ReadAll(t, raw)
 }
 
-// chkKeptLess returns the first 4 KiB block (as a guest offset) where
+// keptLess returns the first 4 KiB block (as a guest offset) where
 // want agrees with orig and got does not, or -1.
-func chkKeptLess(orig, want, got []byte) int64 {
+func keptLess(orig, want, got []byte) int64 {
 	const blk = 4096
 	for off := 0; off < len(orig); off += blk {
 		end := min(off+blk, len(orig))
@@ -272,13 +276,13 @@ func chkKeptLess(orig, want, got []byte) int64 {
 // TestQcow2CheckAndRepairMatchQemuImgOnCorruptions is the differential run.
 func TestQcow2CheckAndRepairMatchQemuImgOnCorruptions(t *testing.T) {
 	dir := t.TempDir()
-	base := chkBaseImage(t, dir)
-	l := chkLayoutOf(t, base)
-	orig := chkGuest(t, base)
+	base := corruptionBaseImage(t, dir)
+	l := corruptionLayoutOf(t, base)
+	orig := guestBytes(t, base)
 	if orig == nil {
 		t.Fatal("qemu-img cannot read the base image")
 	}
-	cases := chkCases()
+	cases := corruptionCases()
 	if len(cases) < 34 {
 		t.Fatalf("%d cases; the issue's run had 34", len(cases))
 	}
@@ -288,32 +292,32 @@ func TestQcow2CheckAndRepairMatchQemuImgOnCorruptions(t *testing.T) {
 			broken := filepath.Join(cdir, "broken.qcow2")
 			copyFile(t, base, broken)
 			c.corrupt(t, broken, l)
-			chkDiffRuns(t, broken, orig, c.differ)
+			compareCheckRuns(t, broken, orig, c.differ)
 		})
 	}
 }
 
-// chkDiffRuns runs both checkers on copies of broken with no repair, -r
+// compareCheckRuns runs both checkers on copies of broken with no repair, -r
 // leaks and -r all, and compares them; orig is the guest data before the
 // corruption. differ names the runs allowed to differ, and why.
-func chkDiffRuns(t *testing.T, broken string, orig []byte, differ map[string]string) {
+func compareCheckRuns(t *testing.T, broken string, orig []byte, differ map[string]string) {
 	t.Helper()
 	cdir := filepath.Dir(broken)
-	brokenBytes := readAll(t, broken)
+	brokenBytes := ReadAll(t, broken)
 	for _, mode := range []string{"", "leaks", "all"} {
 		qImg := filepath.Join(cdir, "q"+mode+".qcow2")
 		oImg := filepath.Join(cdir, "o"+mode+".qcow2")
 		copyFile(t, broken, qImg)
 		copyFile(t, broken, oImg)
-		q := chkRun(t, "qemu-img", mode, qImg)
-		o := chkRun(t, bin, mode, oImg)
+		q := runCheck(t, "qemu-img", mode, qImg)
+		o := runCheck(t, Bin, mode, oImg)
 		label := "check"
 		if mode != "" {
 			label += " -r " + mode
 		}
 		same := q.code == o.code && (q.counts == nil) == (o.counts == nil)
 		if same && q.counts != nil {
-			for _, k := range chkCounts {
+			for _, k := range checkCounts {
 				same = same && (q.counts[k] == o.counts[k] || k == "image-end-offset" && mode == "all")
 			}
 		}
@@ -329,27 +333,27 @@ func chkDiffRuns(t *testing.T, broken string, orig []byte, differ map[string]str
 			t.Errorf("%s: blockexport panicked:\n%s", label, o.stderr)
 		}
 		if mode == "" {
-			if !bytes.Equal(readAll(t, oImg), brokenBytes) {
+			if !bytes.Equal(ReadAll(t, oImg), brokenBytes) {
 				t.Errorf("check without -r changed the image")
 			}
 			continue
 		}
 		// Safety after a repair.
-		if bytes.Equal(readAll(t, qImg), brokenBytes) && !bytes.Equal(readAll(t, oImg), brokenBytes) {
+		if bytes.Equal(ReadAll(t, qImg), brokenBytes) && !bytes.Equal(ReadAll(t, oImg), brokenBytes) {
 			t.Errorf("%s: qemu-img left the image untouched, blockexport changed it", label)
 		}
-		qData, oData := chkGuest(t, qImg), chkGuest(t, oImg)
+		qData, oData := guestBytes(t, qImg), guestBytes(t, oImg)
 		switch {
 		case qData == nil:
 		case oData == nil:
 			t.Errorf("%s: qemu-img reads its repaired image, not ours", label)
 		default:
-			if off := chkKeptLess(orig, qData, oData); off >= 0 {
+			if off := keptLess(orig, qData, oData); off >= 0 {
 				t.Errorf("%s: our repair lost guest data at %#x that qemu-img's kept", label, off)
 			}
 		}
 		// What qemu-img check makes of each repaired image.
-		qq, qo := chkRun(t, "qemu-img", "", qImg), chkRun(t, "qemu-img", "", oImg)
+		qq, qo := runCheck(t, "qemu-img", "", qImg), runCheck(t, "qemu-img", "", oImg)
 		if qo.code > qq.code && qq.code != 1 {
 			t.Errorf("%s: qemu-img check finds qemu-img's repair %v, ours %v\n%s", label, qq, qo, qo.stderr)
 		}

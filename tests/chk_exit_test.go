@@ -13,13 +13,13 @@ import (
 // qcow2 (usage errors, formats without checks, files too large), and the
 // memory a check of a huge sparse image takes.
 
-// chkExit runs name with args and returns its exit status, its output and
+// checkExit runs name with args and returns its exit status, its output and
 // its peak memory in KiB. The peak is GNU time's: Go starts a child with
 // vfork, whose exec carries the parent's high-water mark into the child's
 // ru_maxrss, so a child of a large (say race-built) test binary would
 // report the test's memory, not its own; time(1) forks, so its child's
 // figure is the child's.
-func chkExit(t *testing.T, name string, args ...string) (int, string, int64) {
+func checkExit(t *testing.T, name string, args ...string) (int, string, int64) {
 	t.Helper()
 	peak := filepath.Join(t.TempDir(), "peak")
 	cmd := exec.Command("/usr/bin/time", append([]string{"-f", "%M", "-o", peak, name}, args...)...)
@@ -45,9 +45,9 @@ func chkExit(t *testing.T, name string, args ...string) (int, string, int64) {
 // checks (raw, with or without -r) exits 63 saying so, as in qemu-img.
 func TestCheckExitStatusesMatchQemuImg(t *testing.T) {
 	dir := t.TempDir()
-	raw := sparseImage(t, dir, "r.raw", 1<<20)
+	raw := SparseImage(t, dir, "r.raw", 1<<20)
 	img := filepath.Join(dir, "i.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "1M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "1M")
 	for _, args := range [][]string{
 		{"check", "-f", "raw", raw},
 		{"check", "-f", "raw", "-r", "leaks", raw},
@@ -60,8 +60,8 @@ func TestCheckExitStatusesMatchQemuImg(t *testing.T) {
 		{"check", "--output=bogus", img},
 		{"check", "--no-such-flag", img},
 	} {
-		qcode, qout, _ := chkExit(t, "qemu-img", args...)
-		ocode, oout, _ := chkExit(t, bin, args...)
+		qcode, qout, _ := checkExit(t, "qemu-img", args...)
+		ocode, oout, _ := checkExit(t, Bin, args...)
 		if qcode != ocode {
 			t.Errorf("%v: qemu-img exits %d, blockexport %d\nqemu-img: %sblockexport: %s", args, qcode, ocode, qout, oout)
 		}
@@ -70,9 +70,9 @@ func TestCheckExitStatusesMatchQemuImg(t *testing.T) {
 		}
 	}
 	// The null device has no checks either (qemu-img: null-co, 63).
-	qcode, qout, _ := chkExit(t, "qemu-img", "check", "null-co://")
+	qcode, qout, _ := checkExit(t, "qemu-img", "check", "null-co://")
 	for _, args := range [][]string{{"check", "null:1M"}, {"check", "-r", "all", "null:1M"}} {
-		if ocode, oout, _ := chkExit(t, bin, args...); ocode != qcode || !strings.Contains(oout, "does not support checks") {
+		if ocode, oout, _ := checkExit(t, Bin, args...); ocode != qcode || !strings.Contains(oout, "does not support checks") {
 			t.Errorf("%v: exit %d (qemu-img on null-co: %d %s)\n%s", args, ocode, qcode, qout, oout)
 		}
 	}
@@ -86,19 +86,19 @@ func TestCheckExitStatusesMatchQemuImg(t *testing.T) {
 func TestCheckMemoryBoundedOnHugeSparseFiles(t *testing.T) {
 	dir := t.TempDir()
 	small := filepath.Join(dir, "small.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", small, "1M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 7 0 64k", small)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", small, "1M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 7 0 64k", small)
 	img := filepath.Join(dir, "h.qcow2")
 	copyFile(t, small, img)
 	if err := os.Truncate(img, 64<<30); err != nil {
 		t.Fatal(err)
 	}
-	q := chkRun(t, "qemu-img", "", img)
-	o := chkRun(t, bin, "", img)
+	q := runCheck(t, "qemu-img", "", img)
+	o := runCheck(t, Bin, "", img)
 	if q.String() != o.String() {
 		t.Fatalf("64 GiB sparse: qemu-img %v, blockexport %v\n%s", q, o, o.stderr)
 	}
-	if _, _, rss := chkExit(t, bin, "check", img); rss > 64<<10 {
+	if _, _, rss := checkExit(t, Bin, "check", img); rss > 64<<10 {
 		t.Errorf("checking a 64 GiB sparse file took %d MiB", rss>>10)
 	}
 
@@ -130,8 +130,8 @@ func TestCheckMemoryBoundedOnHugeSparseFiles(t *testing.T) {
 				args = append(args, "-r", mode)
 			}
 			args = append(args, big)
-			qcode, qout, _ := chkExit(t, "qemu-img", args...)
-			ocode, oout, rss := chkExit(t, bin, args...)
+			qcode, qout, _ := checkExit(t, "qemu-img", args...)
+			ocode, oout, rss := checkExit(t, Bin, args...)
 			if qcode != 1 || ocode != 1 || !strings.Contains(oout, "file too large") || strings.Contains(oout, "panic") {
 				t.Errorf("%d bytes, %v: qemu-img exit %d, blockexport exit %d\nqemu-img: %sblockexport: %s", h.size, args, qcode, ocode, qout, oout)
 			}

@@ -12,19 +12,19 @@ import (
 // and 64 bits, persistent dirty bitmaps, 512-byte clusters. Each gets the corruptions that mean
 // something there, through a layout read from the image itself.
 
-// chkVarLayout is what the variant cases corrupt.
-type chkVarLayout struct {
+// variantLayout is what the variant cases corrupt.
+type variantLayout struct {
 	cs, size, order int64
 	rt, rb0, l1, l2 int64
 	e0              uint64 // the first L2 entry (data or compressed)
 	host0           int64  // the host cluster it points into
 }
 
-func chkVarLayoutOf(t *testing.T, img string) chkVarLayout {
+func variantLayoutOf(t *testing.T, img string) variantLayout {
 	t.Helper()
-	b := readAll(t, img)
+	b := ReadAll(t, img)
 	be := binary.BigEndian
-	l := chkVarLayout{cs: 1 << be.Uint32(b[20:]), size: int64(len(b)), order: 4}
+	l := variantLayout{cs: 1 << be.Uint32(b[20:]), size: int64(len(b)), order: 4}
 	if be.Uint32(b[4:]) >= 3 {
 		l.order = int64(be.Uint32(b[96:]))
 	}
@@ -45,9 +45,9 @@ func chkVarLayoutOf(t *testing.T, img string) chkVarLayout {
 	return l
 }
 
-// chkSetRef sets the refcount of the cluster at host offset off, whatever
+// setVariantRefcount sets the refcount of the cluster at host offset off, whatever
 // the refcount width.
-func chkSetRef(t *testing.T, img string, l chkVarLayout, off int64, v uint64) {
+func setVariantRefcount(t *testing.T, img string, l variantLayout, off int64, v uint64) {
 	t.Helper()
 	k := off / l.cs
 	bits := int64(1) << l.order
@@ -82,23 +82,23 @@ func TestQcow2CheckAndRepairMatchQemuImgOnLayoutVariants(t *testing.T) {
 	const bit63 = uint64(1) << 63
 	type varCase struct {
 		name    string
-		corrupt func(t *testing.T, img string, l chkVarLayout)
+		corrupt func(t *testing.T, img string, l variantLayout)
 	}
 	common := []varCase{
-		{"clean", func(t *testing.T, img string, l chkVarLayout) {}},
-		{"leaked cluster", func(t *testing.T, img string, l chkVarLayout) {
+		{"clean", func(t *testing.T, img string, l variantLayout) {}},
+		{"leaked cluster", func(t *testing.T, img string, l variantLayout) {
 			if err := os.Truncate(img, l.size+l.cs); err != nil {
 				t.Fatal(err)
 			}
-			chkSetRef(t, img, l, l.size, 1)
+			setVariantRefcount(t, img, l, l.size, 1)
 		}},
-		{"refcount zero for data", func(t *testing.T, img string, l chkVarLayout) { chkSetRef(t, img, l, l.host0, 0) }},
-		{"reftable entry to data", func(t *testing.T, img string, l chkVarLayout) { chkPatch64(t, img, l.rt, uint64(l.host0)) }},
-		{"L2 entry COPIED flipped", func(t *testing.T, img string, l chkVarLayout) { chkPatch64(t, img, l.l2, l.e0^bit63) }},
-		{"two L2 entries, one cluster", func(t *testing.T, img string, l chkVarLayout) { chkPatch64(t, img, l.l2+8*3, l.e0) }},
-		{"L1 entry past EOF", func(t *testing.T, img string, l chkVarLayout) { chkPatch64(t, img, l.l1, bit63|uint64(l.size+16*l.cs)) }},
+		{"refcount zero for data", func(t *testing.T, img string, l variantLayout) { setVariantRefcount(t, img, l, l.host0, 0) }},
+		{"reftable entry to data", func(t *testing.T, img string, l variantLayout) { patch64(t, img, l.rt, uint64(l.host0)) }},
+		{"L2 entry COPIED flipped", func(t *testing.T, img string, l variantLayout) { patch64(t, img, l.l2, l.e0^bit63) }},
+		{"two L2 entries, one cluster", func(t *testing.T, img string, l variantLayout) { patch64(t, img, l.l2+8*3, l.e0) }},
+		{"L1 entry past EOF", func(t *testing.T, img string, l variantLayout) { patch64(t, img, l.l1, bit63|uint64(l.size+16*l.cs)) }},
 	}
-	tooHigh := varCase{"refcount too high", func(t *testing.T, img string, l chkVarLayout) { chkSetRef(t, img, l, l.host0, 3) }}
+	tooHigh := varCase{"refcount too high", func(t *testing.T, img string, l variantLayout) { setVariantRefcount(t, img, l, l.host0, 3) }}
 	variants := []struct {
 		name  string
 		make  func(t *testing.T, img string)
@@ -106,50 +106,50 @@ func TestQcow2CheckAndRepairMatchQemuImgOnLayoutVariants(t *testing.T) {
 	}{
 		{"compressed", func(t *testing.T, img string) {
 			src := img + ".src"
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", src, "4M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 192k", "-c", "write -P 0x33 1M 64k", src)
-			run(t, "qemu-img", "convert", "-c", "-f", "qcow2", "-O", "qcow2", src, img)
-		}, []varCase{tooHigh, {"compressed entry past EOF", func(t *testing.T, img string, l chkVarLayout) {
-			chkPatch64(t, img, l.l2, l.e0&^(uint64(1)<<54-1)|uint64(l.size+16*l.cs))
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", src, "4M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 192k", "-c", "write -P 0x33 1M 64k", src)
+			Run(t, "qemu-img", "convert", "-c", "-f", "qcow2", "-O", "qcow2", src, img)
+		}, []varCase{tooHigh, {"compressed entry past EOF", func(t *testing.T, img string, l variantLayout) {
+			patch64(t, img, l.l2, l.e0&^(uint64(1)<<54-1)|uint64(l.size+16*l.cs))
 		}}}},
 		{"v2 with a snapshot", func(t *testing.T, img string) {
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat=0.10", img, "4M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
-			run(t, "qemu-img", "snapshot", "-c", "s1", img)
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 0 64k", img)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat=0.10", img, "4M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
+			Run(t, "qemu-img", "snapshot", "-c", "s1", img)
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x77 0 64k", img)
 		}, []varCase{tooHigh}},
 		{"1-bit refcounts", func(t *testing.T, img string) {
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "refcount_bits=1", img, "4M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "refcount_bits=1", img, "4M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
 		}, nil},
 		{"64-bit refcounts", func(t *testing.T, img string) {
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "refcount_bits=64", img, "4M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "refcount_bits=64", img, "4M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 128k", img)
 		}, []varCase{tooHigh}},
 		{"persistent bitmaps", func(t *testing.T, img string) {
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "8M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 1M", img)
-			run(t, "qemu-img", "bitmap", "--add", img, "b0")
-			run(t, "qemu-img", "bitmap", "--add", "-g", "512", img, "b1")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x33 2M 64k", img)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "8M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 1M", img)
+			Run(t, "qemu-img", "bitmap", "--add", img, "b0")
+			Run(t, "qemu-img", "bitmap", "--add", "-g", "512", img, "b1")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x33 2M 64k", img)
 		}, []varCase{tooHigh}},
 		{"512-byte clusters", func(t *testing.T, img string) {
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", img, "1M")
-			run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 8k", "-c", "write -P 0x33 512k 4k", img)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", img, "1M")
+			Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 8k", "-c", "write -P 0x33 512k 4k", img)
 		}, []varCase{tooHigh}},
 	}
 	for _, v := range variants {
 		t.Run(v.name, func(t *testing.T) {
 			base := filepath.Join(t.TempDir(), "base.qcow2")
 			v.make(t, base)
-			l := chkVarLayoutOf(t, base)
-			orig := chkGuest(t, base)
+			l := variantLayoutOf(t, base)
+			orig := guestBytes(t, base)
 			for _, c := range append(append([]varCase{}, common...), v.extra...) {
 				t.Run(c.name, func(t *testing.T) {
 					broken := filepath.Join(t.TempDir(), "broken.qcow2")
 					copyFile(t, base, broken)
 					c.corrupt(t, broken, l)
-					chkDiffRuns(t, broken, orig, nil)
+					compareCheckRuns(t, broken, orig, nil)
 				})
 			}
 		})

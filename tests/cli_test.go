@@ -17,7 +17,7 @@ var commandNames = []string{"fuse", "nbd", "info", "map", "create", "check", "ve
 // TestUsageAndExitStatus: the exit statuses of the command line itself
 // (the commands' own are tested with them).
 func TestUsageAndExitStatus(t *testing.T) {
-	cmd := exec.Command(bin)
+	cmd := exec.Command(Bin)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
@@ -25,7 +25,7 @@ func TestUsageAndExitStatus(t *testing.T) {
 		t.Errorf("no command: %v, stdout %q, stderr %q; want exit 2 and the usage on stderr", err, stdout.String(), stderr.String())
 	}
 	for _, args := range [][]string{{"--help"}, {"help"}, {"-h"}} {
-		code, out := runBlockexport(t, args...)
+		code, out := RunBlockexport(t, args...)
 		if code != 0 || !strings.Contains(out, "Usage:") {
 			t.Errorf("%v: exit %d, %q", args, code, out)
 		}
@@ -35,12 +35,12 @@ func TestUsageAndExitStatus(t *testing.T) {
 			}
 		}
 	}
-	code, out := runBlockexport(t, "fuze", "x", "y")
+	code, out := RunBlockexport(t, "fuze", "x", "y")
 	if code != 2 || !strings.Contains(out, `unknown command "fuze"`) || !strings.Contains(out, "did you mean fuse?") || strings.Count(out, "\n") != 1 {
 		t.Errorf("fuze: exit %d, %q; want 2, one line and a suggestion", code, out)
 	}
 	for _, name := range commandNames {
-		code, out := runBlockexport(t, name, "--help")
+		code, out := RunBlockexport(t, name, "--help")
 		if code != 0 || !strings.Contains(out, "blockexport "+name) || !strings.Contains(out, "-h, --help") {
 			t.Errorf("%s --help: exit %d, %q", name, code, out)
 		}
@@ -50,7 +50,7 @@ func TestUsageAndExitStatus(t *testing.T) {
 // flagsOf lists the long flags a command's --help shows.
 func flagsOf(t *testing.T, name string) []string {
 	t.Helper()
-	code, out := runBlockexport(t, name, "--help")
+	code, out := RunBlockexport(t, name, "--help")
 	if code != 0 {
 		t.Fatalf("%s --help: exit %d, %s", name, code, out)
 	}
@@ -69,7 +69,7 @@ func flagsOf(t *testing.T, name string) []string {
 // current commands generate.
 func TestManPages(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "man1")
-	if code, out := runBlockexport(t, "man", dir); code != 0 {
+	if code, out := RunBlockexport(t, "man", dir); code != 0 {
 		t.Fatalf("man: exit %d, %s", code, out)
 	}
 	for _, name := range append([]string{""}, commandNames...) {
@@ -183,7 +183,7 @@ func TestBashCompletion(t *testing.T) {
 	}
 	cmd := exec.Command("bash", "--norc", "--noprofile", "-c", script.String())
 	cmd.Dir = work
-	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(bin)+":"+os.Getenv("PATH"))
+	cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(Bin)+":"+os.Getenv("PATH"))
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("bash: %v\n%s", err, out)
@@ -207,12 +207,12 @@ func TestBashCompletion(t *testing.T) {
 // ask the binary itself (__complete), which answers from the same flags.
 func TestCompletionScripts(t *testing.T) {
 	for _, shell := range []string{"bash", "zsh", "fish", "powershell"} {
-		code, out := runBlockexport(t, "completion", shell)
+		code, out := RunBlockexport(t, "completion", shell)
 		if code != 0 || !strings.Contains(out, "__complete") || len(out) < 1000 {
 			t.Errorf("completion %s: exit %d, %d bytes", shell, code, len(out))
 		}
 	}
-	code, out := runBlockexport(t, "__complete", "fuse", "--passthrough", "")
+	code, out := RunBlockexport(t, "__complete", "fuse", "--passthrough", "")
 	if code != 0 || !strings.HasPrefix(out, "auto\non\noff\n:4\n") {
 		t.Errorf("__complete fuse --passthrough: exit %d, %q", code, out)
 	}
@@ -227,7 +227,7 @@ func TestCompletionScripts(t *testing.T) {
 		{[]string{"man", ""}, ":16\n"}, // directories only
 		{[]string{"check", "-f", ""}, ":4\n"},
 	} {
-		code, out := runBlockexport(t, append([]string{"__complete"}, c.args...)...)
+		code, out := RunBlockexport(t, append([]string{"__complete"}, c.args...)...)
 		if code != 0 || !strings.Contains(out, c.directive) {
 			t.Errorf("__complete %q: exit %d, %q; want directive %q", c.args, code, out, c.directive)
 		}

@@ -13,33 +13,33 @@ import (
 // completion and then has no backing file, checks clean and reads the
 // same with the object replaced.
 func TestCopyOnReadAndStreamOverHTTPSBackingFile(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	base := corBase(t, dir, 16<<20, 9)
-	want := readAll(t, base)
-	n.put(t, "base.img", base)
+	base := backingBase(t, dir, 16<<20, 9)
+	want := ReadAll(t, base)
+	n.Put(t, "base.img", base)
 
 	cor := filepath.Join(dir, "cor.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("https", "base.img"), "-F", "raw", cor, "16M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.URL("https", "base.img"), "-F", "raw", cor, "16M")
 	streamed := filepath.Join(dir, "streamed.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("http", "base.img"), "-F", "raw", streamed, "16M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.URL("http", "base.img"), "-F", "raw", streamed, "16M")
 
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.ca, "--kernel-cache", "off")
-	mustEqualBytes(t, "the overlay over https, first read", readAll(t, mnt), want)
-	d.stopClean()
+	d := StartExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.CA, "--kernel-cache", "off")
+	MustEqualBytes(t, "the overlay over https, first read", ReadAll(t, mnt), want)
+	d.StopClean()
 
-	corStreamToEnd(t, streamed)
+	streamToEnd(t, streamed)
 
-	if err := os.Remove(filepath.Join(n.root, "base.img")); err != nil {
+	if err := os.Remove(filepath.Join(n.Root, "base.img")); err != nil {
 		t.Fatal(err)
 	}
 	// The backing file still opens (its name stays in the header), but
 	// holds other bytes now: every read must come from the overlay.
-	n.put(t, "base.img", sparseImage(t, dir, "other.raw", 16<<20))
-	d = startExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.ca, "--kernel-cache", "off")
-	mustEqualBytes(t, "the overlay over https once the object is replaced", readAll(t, mnt), want)
-	d.stopClean()
+	n.Put(t, "base.img", SparseImage(t, dir, "other.raw", 16<<20))
+	d = StartExport(t, cor, mnt, "-w", "--copy-on-read", "--tls-ca", n.CA, "--kernel-cache", "off")
+	MustEqualBytes(t, "the overlay over https once the object is replaced", ReadAll(t, mnt), want)
+	d.StopClean()
 
-	corStandalone(t, streamed, base, "")
+	mustBeStandalone(t, streamed, base, "")
 }

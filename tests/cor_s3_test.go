@@ -14,24 +14,24 @@ import (
 // resumed to completion, and the overlay then opens with the server gone:
 // no backing file, check clean, the image's bytes.
 func TestCopyOnReadAndStreamOverS3BackingFile(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
-	want := corTree(t, src, 50, 13)
+	want := fileTree(t, src, 50, 13)
 	base := filepath.Join(dir, "fs.raw")
-	run(t, "mkfs.ext4", "-q", "-d", src, base, "64M")
-	s.put("fs.img", base)
+	Run(t, "mkfs.ext4", "-q", "-d", src, base, "64M")
+	s.Put("fs.img", base)
 	cor := filepath.Join(dir, "cor.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", s.url("fs.img"), "-F", "raw", cor, "64M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", s.URL("fs.img"), "-F", "raw", cor, "64M")
 	streamed := filepath.Join(dir, "streamed.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", s.url("fs.img"), "-F", "raw", streamed, "64M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", s.URL("fs.img"), "-F", "raw", streamed, "64M")
 
 	// Stream, killed at step 20 of 64 or later, once a flush made
 	// copies durable, resumed.
-	cmd, lines, _ := corStream(t, "--s3-endpoint", s.endpoint, streamed)
+	cmd, lines, _ := startStream(t, "--s3-endpoint", s.Endpoint, streamed)
 	var full int64
 	for i := 0; lines.Scan(); i++ {
-		var st corStep
+		var st streamStep
 		json.Unmarshal(lines.Bytes(), &st)
 		if st.Event == "planned" {
 			full = st.Total
@@ -46,26 +46,26 @@ func TestCopyOnReadAndStreamOverS3BackingFile(t *testing.T) {
 		}
 	}()
 	cmd.Wait()
-	if rest := corStreamToEnd(t, streamed, "--s3-endpoint", s.endpoint); full <= 0 || rest >= full {
+	if rest := streamToEnd(t, streamed, "--s3-endpoint", s.Endpoint); full <= 0 || rest >= full {
 		t.Fatalf("the resumed stream planned %d bytes of %d", rest, full)
 	}
 
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, cor, mnt, "-w", "--copy-on-read", "--s3-endpoint", s.endpoint, "--kernel-cache", "off", "--reconnect-timeout", "1s")
-	first := corTreeHashes(t, mnt, filepath.Join(dir, "fs1"))
+	d := StartExport(t, cor, mnt, "-w", "--copy-on-read", "--s3-endpoint", s.Endpoint, "--kernel-cache", "off", "--reconnect-timeout", "1s")
+	first := fileTreeHashes(t, mnt, filepath.Join(dir, "fs1"))
 	for name, sum := range want {
 		if first[name] != sum {
 			t.Fatalf("%s differs through the export", name)
 		}
 	}
-	s.kill()
-	second := corTreeHashes(t, mnt, filepath.Join(dir, "fs2"))
+	s.Kill()
+	second := fileTreeHashes(t, mnt, filepath.Join(dir, "fs2"))
 	for name, sum := range first {
 		if second[name] != sum {
 			t.Fatalf("%s differs with the S3 server gone", name)
 		}
 	}
-	d.stopClean()
+	d.StopClean()
 
-	corStandalone(t, streamed, base, "")
+	mustBeStandalone(t, streamed, base, "")
 }

@@ -21,40 +21,40 @@ import (
 
 // Copy-on-read (fuse/nbd --copy-on-read) and `blockexport stream`.
 
-// corBase makes a raw image of size random bytes with holes punched in
+// backingBase makes a raw image of size random bytes with holes punched in
 // it (every fifth MiB), and returns its path.
-func corBase(t *testing.T, dir string, size int64, seed uint64) string {
+func backingBase(t *testing.T, dir string, size int64, seed uint64) string {
 	t.Helper()
 	sub := filepath.Join(dir, fmt.Sprintf("base%d", seed))
 	os.MkdirAll(sub, 0o755)
-	base := randomImage(t, sub, size, seed)
+	base := RandomImage(t, sub, size, seed)
 	for off := int64(2 << 20); off+(1<<20) <= size; off += 5 << 20 {
-		run(t, "fallocate", "-p", "-o", fmt.Sprint(off), "-l", fmt.Sprint(1<<20), base)
+		Run(t, "fallocate", "-p", "-o", fmt.Sprint(off), "-l", fmt.Sprint(1<<20), base)
 	}
 	return base
 }
 
-// corOverlay makes a qcow2 overlay of backing (format raw) in dir.
-func corOverlay(t *testing.T, dir, backing string) string {
+// overlayOf makes a qcow2 overlay of backing (format raw) in dir.
+func overlayOf(t *testing.T, dir, backing string) string {
 	t.Helper()
 	over := filepath.Join(dir, "over.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "raw", over)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", "raw", over)
 	return over
 }
 
-// corMapEntry is one entry of qemu-img map --output=json.
-type corMapEntry struct {
+// mapEntry is one entry of qemu-img map --output=json.
+type mapEntry struct {
 	Start   int64 `json:"start"`
 	Length  int64 `json:"length"`
 	Depth   int   `json:"depth"`
 	Present bool  `json:"present"`
 }
 
-// corDepthOf returns qemu-img's map of img as the depth at each MiB.
-func corDepthOf(t *testing.T, img string) []int {
+// depthOf returns qemu-img's map of img as the depth at each MiB.
+func depthOf(t *testing.T, img string) []int {
 	t.Helper()
-	var m []corMapEntry
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+	var m []mapEntry
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
 		t.Fatal(err)
 	}
 	var depth []int
@@ -66,8 +66,8 @@ func corDepthOf(t *testing.T, img string) []int {
 	return depth
 }
 
-// corMapEntryFull is a qemu-img map entry without its host offset.
-type corMapEntryFull struct {
+// mapEntryFull is a qemu-img map entry without its host offset.
+type mapEntryFull struct {
 	Start   int64 `json:"start"`
 	Length  int64 `json:"length"`
 	Depth   int   `json:"depth"`
@@ -76,11 +76,11 @@ type corMapEntryFull struct {
 	Data    bool  `json:"data"`
 }
 
-// corCheckClean runs qemu-img check, which exits non-zero on leaks and on
+// checkClean runs qemu-img check, which exits non-zero on leaks and on
 // corruption alike.
-func corCheckClean(t *testing.T, img string) {
+func checkClean(t *testing.T, img string) {
 	t.Helper()
-	run(t, "qemu-img", "check", "-f", "qcow2", img)
+	Run(t, "qemu-img", "check", "-f", "qcow2", img)
 }
 
 // TestCopyOnReadCopiesReadsIntoTheOverlay: through `fuse -w --copy-on-read`, the
@@ -91,12 +91,12 @@ func corCheckClean(t *testing.T, img string) {
 func TestCopyOnReadCopiesReadsIntoTheOverlay(t *testing.T) {
 	dir := t.TempDir()
 	const size = 24 << 20
-	base := corBase(t, dir, size, 1)
-	want := readAll(t, base)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, size, 1)
+	want := ReadAll(t, base)
+	over := overlayOf(t, dir, base)
 	mnt := filepath.Join(dir, "mnt")
 
-	d := startExport(t, over, mnt, "-w", "--copy-on-read")
+	d := StartExport(t, over, mnt, "-w", "--copy-on-read")
 	f, err := os.Open(mnt)
 	if err != nil {
 		t.Fatal(err)
@@ -110,14 +110,14 @@ func TestCopyOnReadCopiesReadsIntoTheOverlay(t *testing.T) {
 			if _, err := f.ReadAt(buf, off); err != nil {
 				t.Fatal(err)
 			}
-			mustEqualBytes(t, fmt.Sprintf("read at %d", off), buf, want[off:off+n])
+			MustEqualBytes(t, fmt.Sprintf("read at %d", off), buf, want[off:off+n])
 			off += n
 		}
 	}
 	f.Close()
-	d.stopClean()
-	corCheckClean(t, over)
-	depth := corDepthOf(t, over)
+	d.StopClean()
+	checkClean(t, over)
+	depth := depthOf(t, over)
 	for mib, dep := range depth {
 		read := mib < 4 || mib >= 10 && mib < 14
 		if read && dep != 0 || !read && dep != 1 {
@@ -126,31 +126,31 @@ func TestCopyOnReadCopiesReadsIntoTheOverlay(t *testing.T) {
 	}
 
 	// Everything, read in one go (as cat would), then cut loose.
-	d = startExport(t, over, mnt, "-w", "--copy-on-read")
-	mustEqualBytes(t, "the overlay through copy-on-read", readAll(t, mnt), want)
-	d.stopClean()
-	corCheckClean(t, over)
-	for mib, dep := range corDepthOf(t, over) {
+	d = StartExport(t, over, mnt, "-w", "--copy-on-read")
+	MustEqualBytes(t, "the overlay through copy-on-read", ReadAll(t, mnt), want)
+	d.StopClean()
+	checkClean(t, over)
+	for mib, dep := range depthOf(t, over) {
 		if dep != 0 {
 			t.Fatalf("MiB %d still at depth %d after reading everything", mib, dep)
 		}
 	}
-	run(t, "qemu-img", "rebase", "-u", "-b", "", over)
+	Run(t, "qemu-img", "rebase", "-u", "-b", "", over)
 	gone := base + ".gone"
 	if err := os.Rename(base, gone); err != nil {
 		t.Fatal(err)
 	}
-	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, gone)
+	Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, gone)
 }
 
 // TestCopyOnReadRefusedWhereItCannotApply: --copy-on-read without --writable, on an image with no
 // backing file, or on a raw image is refused with one line, exit 2.
 func TestCopyOnReadRefusedWhereItCannotApply(t *testing.T) {
 	dir := t.TempDir()
-	base := sparseImage(t, dir, "base.raw", 1<<20)
-	over := corOverlay(t, dir, base)
+	base := SparseImage(t, dir, "base.raw", 1<<20)
+	over := overlayOf(t, dir, base)
 	plain := filepath.Join(dir, "plain.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", plain, "1M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", plain, "1M")
 	for _, c := range []struct {
 		args []string
 		want string
@@ -169,20 +169,20 @@ func TestCopyOnReadRefusedWhereItCannotApply(t *testing.T) {
 		} else {
 			args = append(args, "--listen", "unix:"+filepath.Join(dir, "s.sock"))
 		}
-		code, out := runBlockexport(t, args...)
+		code, out := RunBlockexport(t, args...)
 		if code != 2 || !strings.Contains(out, c.want) || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 			t.Errorf("blockexport %v: exit %d, want 2 and one line with %q:\n%s", args, code, c.want, out)
 		}
-		if isFuseMount(mnt) {
+		if IsFuseMount(mnt) {
 			syscall.Unmount(mnt, syscall.MNT_DETACH)
 			t.Fatal("a refused export mounted")
 		}
 	}
 }
 
-// corTree writes a tree of files of random sizes and contents under dir
+// fileTree writes a tree of files of random sizes and contents under dir
 // and returns each file's SHA-256 by its path relative to dir.
-func corTree(t *testing.T, dir string, files int, seed uint64) map[string][32]byte {
+func fileTree(t *testing.T, dir string, files int, seed uint64) map[string][32]byte {
 	t.Helper()
 	r := rand.New(rand.NewPCG(seed, 3))
 	sums := map[string][32]byte{}
@@ -202,11 +202,11 @@ func corTree(t *testing.T, dir string, files int, seed uint64) map[string][32]by
 	return sums
 }
 
-// corTreeHashes loop-mounts file read-only, hashes every file under it,
+// fileTreeHashes loop-mounts file read-only, hashes every file under it,
 // and unmounts it and detaches the loop device again.
-func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
+func fileTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 	t.Helper()
-	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", file))
+	loop := strings.TrimSpace(Run(t, "losetup", "--find", "--show", "--read-only", file))
 	attached := true
 	t.Cleanup(func() {
 		if attached {
@@ -214,7 +214,7 @@ func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 		}
 	})
 	os.MkdirAll(at, 0o755)
-	run(t, "mount", "-o", "ro,noload", loop, at)
+	Run(t, "mount", "-o", "ro,noload", loop, at)
 	mounted := true
 	t.Cleanup(func() {
 		if mounted {
@@ -237,9 +237,9 @@ func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run(t, "umount", at)
+	Run(t, "umount", at)
 	mounted = false
-	run(t, "losetup", "-d", loop)
+	Run(t, "losetup", "-d", loop)
 	attached = false
 	return sums
 }
@@ -252,17 +252,17 @@ func corTreeHashes(t *testing.T, file, at string) map[string][32]byte {
 func TestCopyOnReadLoopMountSurvivesTheBackingServer(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
-	want := corTree(t, src, 60, 5)
+	want := fileTree(t, src, 60, 5)
 	base := filepath.Join(dir, "fs.raw")
-	run(t, "mkfs.ext4", "-q", "-d", src, base, "96M")
+	Run(t, "mkfs.ext4", "-q", "-d", src, base, "96M")
 	sock := filepath.Join(dir, "nbd.sock")
-	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
+	srv := StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
 	over := filepath.Join(dir, "over.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", nbdURI("base", sock), "-F", "raw", over)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", NBDURI("base", sock), "-F", "raw", over)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off", "--reconnect-timeout", "1s")
+	d := StartExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off", "--reconnect-timeout", "1s")
 
-	first := corTreeHashes(t, mnt, filepath.Join(dir, "fs1"))
+	first := fileTreeHashes(t, mnt, filepath.Join(dir, "fs1"))
 	for name, sum := range want {
 		if first[name] != sum {
 			t.Fatalf("%s differs through the export (first read)", name)
@@ -271,22 +271,22 @@ func TestCopyOnReadLoopMountSurvivesTheBackingServer(t *testing.T) {
 	if len(first) < len(want) {
 		t.Fatalf("%d files through the export, %d made", len(first), len(want))
 	}
-	srv.kill()
-	second := corTreeHashes(t, mnt, filepath.Join(dir, "fs2"))
+	srv.Kill()
+	second := fileTreeHashes(t, mnt, filepath.Join(dir, "fs2"))
 	for name, sum := range first {
 		if second[name] != sum {
 			t.Fatalf("%s differs once the backing server is gone", name)
 		}
 	}
-	d.stopClean()
+	d.StopClean()
 }
 
-// corStream runs `blockexport stream --progress json ARGS...` and returns
+// startStream runs `blockexport stream --progress json ARGS...` and returns
 // its command, with its JSON lines coming on lines. Its stdout is a pipe
 // of one page, so that the stream waits for the reader a few lines ahead.
-func corStream(t *testing.T, args ...string) (*exec.Cmd, *bufio.Scanner, *strings.Builder) {
+func startStream(t *testing.T, args ...string) (*exec.Cmd, *bufio.Scanner, *strings.Builder) {
 	t.Helper()
-	cmd := exec.Command(bin, append([]string{"stream", "--progress", "json"}, args...)...)
+	cmd := exec.Command(Bin, append([]string{"stream", "--progress", "json"}, args...)...)
 	stdout, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
@@ -312,21 +312,21 @@ func corStream(t *testing.T, args ...string) (*exec.Cmd, *bufio.Scanner, *string
 	return cmd, bufio.NewScanner(stdout), &stderr
 }
 
-// corStep is a progress line of stream --progress json.
-type corStep struct {
+// streamStep is a progress line of stream --progress json.
+type streamStep struct {
 	Event   string `json:"event"`
 	Done    int64  `json:"done"`
 	Durable int64  `json:"durable"`
 	Total   int64  `json:"total"`
 }
 
-// corStreamToEnd runs a stream to completion and returns its planned
+// streamToEnd runs a stream to completion and returns its planned
 // total.
-func corStreamToEnd(t *testing.T, over string, args ...string) int64 {
+func streamToEnd(t *testing.T, over string, args ...string) int64 {
 	t.Helper()
-	cmd, lines, stderr := corStream(t, append(args, over)...)
+	cmd, lines, stderr := startStream(t, append(args, over)...)
 	var planned int64 = -1
-	var last corStep
+	var last streamStep
 	for lines.Scan() {
 		if err := json.Unmarshal(lines.Bytes(), &last); err != nil {
 			t.Fatalf("stream: a progress line that is no JSON: %q", lines.Text())
@@ -344,25 +344,25 @@ func corStreamToEnd(t *testing.T, over string, args ...string) int64 {
 	return planned
 }
 
-// corStandalone checks that over has no backing file and reads as want
+// mustBeStandalone checks that over has no backing file and reads as want
 // (a raw file), even with the old backing file renamed away.
-func corStandalone(t *testing.T, over, want, oldBacking string) {
+func mustBeStandalone(t *testing.T, over, want, oldBacking string) {
 	t.Helper()
 	var info map[string]any
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", over)), &info); err != nil {
 		t.Fatal(err)
 	}
 	if b, ok := info["backing-filename"]; ok {
 		t.Fatalf("qemu-img info still shows a backing file: %v", b)
 	}
-	corCheckClean(t, over)
+	checkClean(t, over)
 	if oldBacking != "" {
 		if err := os.Rename(oldBacking, oldBacking+".away"); err != nil {
 			t.Fatal(err)
 		}
 		defer os.Rename(oldBacking+".away", oldBacking)
 	}
-	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, want)
+	Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, want)
 }
 
 // TestStreamMakesTheOverlayStandalone: the overlay (with writes of its own) of a raw backing
@@ -372,18 +372,18 @@ func corStandalone(t *testing.T, over, want, oldBacking string) {
 func TestStreamMakesTheOverlayStandalone(t *testing.T) {
 	dir := t.TempDir()
 	const size = 40<<20 + 12345 // not a whole number of clusters
-	base := corBase(t, dir, size, 2)
-	over := corOverlay(t, dir, base)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 20M 2M", over)
+	base := backingBase(t, dir, size, 2)
+	over := overlayOf(t, dir, base)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 20M 2M", over)
 	want := filepath.Join(dir, "want.raw")
-	run(t, "qemu-img", "convert", "-O", "raw", over, want)
+	Run(t, "qemu-img", "convert", "-O", "raw", over, want)
 
-	planned := corStreamToEnd(t, over)
+	planned := streamToEnd(t, over)
 	if planned <= 0 || planned > size {
 		t.Fatalf("stream planned %d bytes of %d", planned, size)
 	}
-	corStandalone(t, over, want, base)
-	if code, out := runBlockexport(t, "stream", over); code != 0 || !strings.Contains(out, "nothing to stream") {
+	mustBeStandalone(t, over, want, base)
+	if code, out := RunBlockexport(t, "stream", over); code != 0 || !strings.Contains(out, "nothing to stream") {
 		t.Fatalf("a second stream: exit %d\n%s", code, out)
 	}
 }
@@ -392,14 +392,14 @@ func TestStreamMakesTheOverlayStandalone(t *testing.T) {
 // stream is done the server is gone and the overlay reads the same.
 func TestStreamFromAnNBDBackingFile(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 16<<20, 3)
+	base := backingBase(t, dir, 16<<20, 3)
 	sock := filepath.Join(dir, "nbd.sock")
-	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
+	srv := StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
 	over := filepath.Join(dir, "over.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", nbdURI("base", sock), "-F", "raw", over)
-	corStreamToEnd(t, over)
-	srv.kill()
-	corStandalone(t, over, base, "")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", NBDURI("base", sock), "-F", "raw", over)
+	streamToEnd(t, over)
+	srv.Kill()
+	mustBeStandalone(t, over, base, "")
 }
 
 // TestStreamInterruptedLeavesConsistentImageAndResumes: a stream killed (SIGKILL) or interrupted
@@ -409,22 +409,22 @@ func TestStreamFromAnNBDBackingFile(t *testing.T) {
 func TestStreamInterruptedLeavesConsistentImageAndResumes(t *testing.T) {
 	dir := t.TempDir()
 	const size = 128 << 20
-	base := corBase(t, dir, size, 4)
+	base := backingBase(t, dir, size, 4)
 	r := rand.New(rand.NewPCG(4, 4))
 	for _, sig := range []syscall.Signal{syscall.SIGKILL, syscall.SIGINT} {
 		t.Run(sig.String(), func(t *testing.T) {
 			over := filepath.Join(t.TempDir(), "over.qcow2")
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", over)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", over)
 			// The stream waits on its stdout: stop reading at step k (of
 			// 128), or later, once a flush has made some copies durable
 			// (other workers report steps while a flush runs: under load
 			// step 20 could come before the first flush returned), and
 			// signal it there.
 			k := 20 + r.IntN(80)
-			cmd, lines, stderr := corStream(t, "--parallel", "4", over)
+			cmd, lines, stderr := startStream(t, "--parallel", "4", over)
 			var full int64
 			for i := 0; lines.Scan(); i++ {
-				var s corStep
+				var s streamStep
 				json.Unmarshal(lines.Bytes(), &s)
 				if s.Event == "planned" {
 					full = s.Total
@@ -446,7 +446,7 @@ func TestStreamInterruptedLeavesConsistentImageAndResumes(t *testing.T) {
 				if !strings.Contains(stderr.String(), "interrupted") || strings.Count(strings.TrimSpace(stderr.String()), "\n") != 0 {
 					t.Fatalf("stream's message on SIGINT: %q", stderr.String())
 				}
-				corCheckClean(t, over)
+				checkClean(t, over)
 			} else {
 				var check struct {
 					Corruptions int `json:"corruptions"`
@@ -457,15 +457,15 @@ func TestStreamInterruptedLeavesConsistentImageAndResumes(t *testing.T) {
 				}
 			}
 			var info map[string]any
-			json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+			json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", over)), &info)
 			if info["backing-filename"] == nil {
 				t.Fatal("an interrupted stream dropped the backing file")
 			}
-			rest := corStreamToEnd(t, over)
+			rest := streamToEnd(t, over)
 			if full <= 0 || rest >= full {
 				t.Fatalf("the resumed stream planned %d bytes of %d: it copies again what was copied", rest, full)
 			}
-			corStandalone(t, over, base, "")
+			mustBeStandalone(t, over, base, "")
 		})
 	}
 }
@@ -474,16 +474,16 @@ func TestStreamInterruptedLeavesConsistentImageAndResumes(t *testing.T) {
 // rate and an ETA (script(1) gives it one).
 func TestStreamShowsProgressBarOnATerminal(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 8<<20, 6)
-	over := corOverlay(t, dir, base)
-	out, err := exec.Command("script", "-qec", bin+" stream -p "+over, "/dev/null").CombinedOutput()
+	base := backingBase(t, dir, 8<<20, 6)
+	over := overlayOf(t, dir, base)
+	out, err := exec.Command("script", "-qec", Bin+" stream -p "+over, "/dev/null").CombinedOutput()
 	if err != nil {
 		t.Fatalf("stream under script: %v\n%s", err, out)
 	}
 	if !strings.Contains(string(out), "stream") || !strings.Contains(string(out), "100%") || !strings.Contains(string(out), "/s") {
 		t.Fatalf("no progress bar with a rate:\n%q", out)
 	}
-	corStandalone(t, over, base, "")
+	mustBeStandalone(t, over, base, "")
 }
 
 // TestCopyOnReadOverNBDExport: `nbd -w --copy-on-read` copies what a client reads
@@ -492,30 +492,30 @@ func TestStreamShowsProgressBarOnATerminal(t *testing.T) {
 // the backing file.
 func TestCopyOnReadOverNBDExport(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 12<<20, 7)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, 12<<20, 7)
+	over := overlayOf(t, dir, base)
 	sock := filepath.Join(dir, "export.sock")
-	srv := startServerProc(t, sock, bin, "nbd", "-w", "--copy-on-read", "--listen", "unix:"+sock, over)
+	srv := StartServerProc(t, sock, Bin, "nbd", "-w", "--copy-on-read", "--listen", "unix:"+sock, over)
 	// qemu-io reads every byte (qemu-img convert would skip the holes
 	// block status shows, and copy-on-read copies only what is read).
-	run(t, "qemu-io", "-f", "raw", "-c", "read 0 12M", nbdURI("", sock))
+	Run(t, "qemu-io", "-f", "raw", "-c", "read 0 12M", NBDURI("", sock))
 	got := filepath.Join(dir, "got.raw")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", nbdURI("", sock), got)
-	mustEqualBytes(t, "read over NBD", readAll(t, got), readAll(t, base))
-	srv.cmd.Process.Signal(syscall.SIGTERM)
-	<-srv.done
-	if code := srv.cmd.ProcessState.ExitCode(); code != 0 {
-		b, _ := os.ReadFile(srv.log)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", NBDURI("", sock), got)
+	MustEqualBytes(t, "read over NBD", ReadAll(t, got), ReadAll(t, base))
+	srv.Cmd.Process.Signal(syscall.SIGTERM)
+	<-srv.Done
+	if code := srv.Cmd.ProcessState.ExitCode(); code != 0 {
+		b, _ := os.ReadFile(srv.LogFile)
 		t.Fatalf("nbd export exit %d\n%s", code, b)
 	}
-	corCheckClean(t, over)
-	for mib, dep := range corDepthOf(t, over) {
+	checkClean(t, over)
+	for mib, dep := range depthOf(t, over) {
 		if dep != 0 {
 			t.Fatalf("MiB %d at depth %d after a full read over NBD", mib, dep)
 		}
 	}
-	run(t, "qemu-img", "rebase", "-u", "-b", "", over)
-	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, base)
+	Run(t, "qemu-img", "rebase", "-u", "-b", "", over)
+	Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, base)
 }
 
 // TestCopyOnReadSurvivesKill9: the export is killed (SIGKILL) while clients
@@ -525,13 +525,13 @@ func TestCopyOnReadOverNBDExport(t *testing.T) {
 func TestCopyOnReadSurvivesKill9(t *testing.T) {
 	dir := t.TempDir()
 	const size = 32 << 20
-	base := corBase(t, dir, size, 8)
-	want := readAll(t, base)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, size, 8)
+	want := ReadAll(t, base)
+	over := overlayOf(t, dir, base)
 	r := rand.New(rand.NewPCG(8, 8))
 	for round := range 3 {
 		mnt := filepath.Join(dir, fmt.Sprintf("mnt%d", round))
-		d := startExport(t, over, mnt, "-w", "--copy-on-read")
+		d := StartExport(t, over, mnt, "-w", "--copy-on-read")
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
@@ -563,12 +563,12 @@ func TestCopyOnReadSurvivesKill9(t *testing.T) {
 			}()
 		}
 		time.Sleep(time.Duration(30+r.IntN(300)) * time.Millisecond)
-		d.cmd.Process.Signal(syscall.SIGKILL)
+		d.Cmd.Process.Signal(syscall.SIGKILL)
 		for range 3 {
 			<-done
 		}
 		f.Close()
-		d.wait(10 * time.Second)
+		d.Wait(10 * time.Second)
 		syscall.Unmount(mnt, syscall.MNT_DETACH)
 		var check struct {
 			Corruptions int `json:"corruptions"`
@@ -587,7 +587,7 @@ func TestCopyOnReadSurvivesKill9(t *testing.T) {
 		if err := os.WriteFile(wantFile, want, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, wantFile)
+		Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, wantFile)
 	}
 }
 
@@ -601,11 +601,11 @@ func TestCopyOnReadSurvivesKill9(t *testing.T) {
 func TestCopyOnReadNeverCopiesOverGuestWrites(t *testing.T) {
 	dir := t.TempDir()
 	const size, blk, writers = 16 << 20, 4096, 3
-	base := corBase(t, dir, size, 10)
-	want := readAll(t, base)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, size, 10)
+	want := ReadAll(t, base)
+	over := overlayOf(t, dir, base)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
+	d := StartExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
 	fd, err := syscall.Open(mnt, syscall.O_RDWR|syscall.O_DIRECT, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -672,13 +672,13 @@ func TestCopyOnReadNeverCopiesOverGuestWrites(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	d.stopClean()
-	corCheckClean(t, over)
+	d.StopClean()
+	checkClean(t, over)
 	wantFile := filepath.Join(dir, "want.raw")
 	if err := os.WriteFile(wantFile, want, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, wantFile)
+	Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", over, wantFile)
 }
 
 // TestCopyOnReadMapEqualsQemuCopyOnRead: the same reads (random offsets and
@@ -692,7 +692,7 @@ func TestCopyOnReadMapEqualsQemuCopyOnRead(t *testing.T) {
 	// The overlay is larger than its backing file, which ends inside a
 	// cluster: reads there and past it too.
 	const size, baseSize = 28 << 20, 24<<20 + 5000
-	base := corBase(t, dir, baseSize, 11)
+	base := backingBase(t, dir, baseSize, 11)
 	r := rand.New(rand.NewPCG(11, 11))
 	var cmds []string
 	for range 25 {
@@ -701,18 +701,18 @@ func TestCopyOnReadMapEqualsQemuCopyOnRead(t *testing.T) {
 	}
 	cmds = append(cmds, "-c", fmt.Sprintf("read %d 70000", baseSize-4000), "-c", "read 27M 4096")
 	theirs := filepath.Join(dir, "theirs.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", theirs, fmt.Sprint(size))
-	run(t, "qemu-io", append(append([]string{"-C", "-f", "qcow2"}, cmds...), theirs)...)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", theirs, fmt.Sprint(size))
+	Run(t, "qemu-io", append(append([]string{"-C", "-f", "qcow2"}, cmds...), theirs)...)
 	ours := filepath.Join(dir, "ours.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", ours, fmt.Sprint(size))
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", ours, fmt.Sprint(size))
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, ours, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
-	run(t, "qemu-io", append(append([]string{"-f", "raw"}, cmds...), mnt)...)
-	d.stopClean()
-	corCheckClean(t, ours)
+	d := StartExport(t, ours, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
+	Run(t, "qemu-io", append(append([]string{"-f", "raw"}, cmds...), mnt)...)
+	d.StopClean()
+	checkClean(t, ours)
 	mapOf := func(img string) []map[string]any {
 		var m []map[string]any
-		if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+		if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
 			t.Fatal(err)
 		}
 		for _, e := range m {
@@ -726,9 +726,9 @@ func TestCopyOnReadMapEqualsQemuCopyOnRead(t *testing.T) {
 	}
 }
 
-// corQemuStream runs qemu-storage-daemon with img as node "top" and a QMP
+// qemuBlockStream runs qemu-storage-daemon with img as node "top" and a QMP
 // socket, and runs QEMU's block-stream on it to completion.
-func corQemuStream(t *testing.T, img string) {
+func qemuBlockStream(t *testing.T, img string) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "qmp.sock")
 	node := fmt.Sprintf(`{"driver":"qcow2","node-name":"top","file":{"driver":"file","filename":%q}}`, img)
@@ -802,21 +802,21 @@ func corQemuStream(t *testing.T, img string) {
 // either way) and the same bytes.
 func TestStreamEqualsQemuBlockStream(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 20<<20+7000, 12)
+	base := backingBase(t, dir, 20<<20+7000, 12)
 	var imgs []string
 	for _, name := range []string{"theirs.qcow2", "ours.qcow2"} {
 		img := filepath.Join(dir, name)
-		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", img, "24M")
-		run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 6M 1M", "-c", "write -P 1 23M 4k", img)
+		Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", img, "24M")
+		Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 6M 1M", "-c", "write -P 1 23M 4k", img)
 		imgs = append(imgs, img)
 	}
-	corQemuStream(t, imgs[0])
-	corStreamToEnd(t, imgs[1])
+	qemuBlockStream(t, imgs[0])
+	streamToEnd(t, imgs[1])
 	// The maps, with where the data lies in each file left out (and the
 	// runs that only the host offsets split merged).
-	mapOf := func(img string) []corMapEntryFull {
-		var m, merged []corMapEntryFull
-		if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+	mapOf := func(img string) []mapEntryFull {
+		var m, merged []mapEntryFull
+		if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
 			t.Fatal(err)
 		}
 		for _, e := range m {
@@ -834,7 +834,7 @@ func TestStreamEqualsQemuBlockStream(t *testing.T) {
 	}
 	infoOf := func(img string) string {
 		var m map[string]any
-		if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", img)), &m); err != nil {
+		if err := json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", img)), &m); err != nil {
 			t.Fatal(err)
 		}
 		delete(m, "actual-size")
@@ -844,6 +844,6 @@ func TestStreamEqualsQemuBlockStream(t *testing.T) {
 	if theirs, ours := infoOf(imgs[0]), infoOf(imgs[1]); theirs != ours {
 		t.Errorf("qemu-img info after block-stream and after ours:\n%s\n%s", theirs, ours)
 	}
-	corCheckClean(t, imgs[1])
-	run(t, "qemu-img", "compare", imgs[0], imgs[1])
+	checkClean(t, imgs[1])
+	Run(t, "qemu-img", "compare", imgs[0], imgs[1])
 }

@@ -14,10 +14,10 @@ import (
 	"time"
 )
 
-// cvSource writes a raw image of size bytes with holes, runs of zero
+// convertSource writes a raw image of size bytes with holes, runs of zero
 // bytes stored as data, runs of one repeated byte (compressible) and
 // random data, in 4 KiB to 1 MiB pieces at sector-aligned offsets.
-func cvSource(t *testing.T, dir, name string, size int64, seed uint64) string {
+func convertSource(t *testing.T, dir, name string, size int64, seed uint64) string {
 	t.Helper()
 	path := filepath.Join(dir, name)
 	f, err := os.Create(path)
@@ -51,9 +51,9 @@ func cvSource(t *testing.T, dir, name string, size int64, seed uint64) string {
 	return path
 }
 
-// cvQemuCompare runs qemu-img compare and fails the test unless the
+// qemuCompare runs qemu-img compare and fails the test unless the
 // images are identical.
-func cvQemuCompare(t *testing.T, what string, args ...string) {
+func qemuCompare(t *testing.T, what string, args ...string) {
 	t.Helper()
 	out, err := exec.Command("qemu-img", append([]string{"compare"}, args...)...).CombinedOutput()
 	if err != nil {
@@ -61,8 +61,8 @@ func cvQemuCompare(t *testing.T, what string, args ...string) {
 	}
 }
 
-// cvCheckClean fails the test unless qemu-img check finds img clean.
-func cvCheckClean(t *testing.T, what, img string) {
+// qemuCheckClean fails the test unless qemu-img check finds img clean.
+func qemuCheckClean(t *testing.T, what, img string) {
 	t.Helper()
 	out, err := exec.Command("qemu-img", "check", img).CombinedOutput()
 	if err != nil {
@@ -70,9 +70,9 @@ func cvCheckClean(t *testing.T, what, img string) {
 	}
 }
 
-func cvConvert(t *testing.T, args ...string) {
+func convert(t *testing.T, args ...string) {
 	t.Helper()
-	if code, out := runBlockexport(t, append([]string{"convert"}, args...)...); code != 0 {
+	if code, out := RunBlockexport(t, append([]string{"convert"}, args...)...); code != 0 {
 		t.Fatalf("blockexport convert %v: exit %d\n%s", args, code, out)
 	}
 }
@@ -84,7 +84,7 @@ func cvConvert(t *testing.T, args ...string) {
 func TestConvertEveryFormatToEveryTargetEqualsSource(t *testing.T) {
 	dir := t.TempDir()
 	const size = 6 << 20
-	orig := cvSource(t, dir, "orig.raw", size, 1)
+	orig := convertSource(t, dir, "orig.raw", size, 1)
 	type src struct{ name, path, format string }
 	srcs := []src{{"raw", orig, "raw"}}
 	for _, s := range []struct{ name, fmt string }{
@@ -99,14 +99,14 @@ func TestConvertEveryFormatToEveryTargetEqualsSource(t *testing.T) {
 		case "vmdk-stream":
 			args = append(args, "-o", "subformat=streamOptimized")
 		}
-		run(t, "qemu-img", append(args, orig, p)...)
+		Run(t, "qemu-img", append(args, orig, p)...)
 		srcs = append(srcs, src{s.name, p, s.fmt})
 	}
 	// The backing file for -B: the original with a few changes, so that
 	// some ranges equal it and some do not.
 	base := filepath.Join(dir, "base.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", cvSource(t, dir, "base.raw", size, 1), base)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x55 1M 64k", "-c", "write -z 3M 128k", base)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", convertSource(t, dir, "base.raw", size, 1), base)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x55 1M 64k", "-c", "write -z 3M 128k", base)
 
 	targets := []struct {
 		name string
@@ -127,14 +127,14 @@ func TestConvertEveryFormatToEveryTargetEqualsSource(t *testing.T) {
 		for _, tg := range targets {
 			t.Run(s.name+"/"+tg.name, func(t *testing.T) {
 				dst := filepath.Join(t.TempDir(), "dst")
-				cvConvert(t, append(append([]string{"-f", s.format}, tg.args...), s.path, dst)...)
+				convert(t, append(append([]string{"-f", s.format}, tg.args...), s.path, dst)...)
 				what := s.name + " -> " + tg.name
 				// Against the original raw: a vpc source may be larger (CHS
 				// geometry), its tail zeroes, which compare accepts.
-				cvQemuCompare(t, what, "-f", s.format, s.path, dst)
-				cvQemuCompare(t, what, "-f", "raw", orig, dst)
+				qemuCompare(t, what, "-f", s.format, s.path, dst)
+				qemuCompare(t, what, "-f", "raw", orig, dst)
 				if tg.qcow {
-					cvCheckClean(t, what, dst)
+					qemuCheckClean(t, what, dst)
 				}
 			})
 		}
@@ -177,10 +177,10 @@ func TestConvertPastWriteBehindStartInEveryCacheMode(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dst := filepath.Join(t.TempDir(), "dst")
-			cvConvert(t, append(append([]string{"-f", "raw"}, tc.args...), src, dst)...)
-			cvQemuCompare(t, tc.name, "-f", "raw", src, dst)
+			convert(t, append(append([]string{"-f", "raw"}, tc.args...), src, dst)...)
+			qemuCompare(t, tc.name, "-f", "raw", src, dst)
 			if tc.args[1] == "qcow2" {
-				cvCheckClean(t, tc.name, dst)
+				qemuCheckClean(t, tc.name, dst)
 			}
 		})
 	}
@@ -190,20 +190,20 @@ func TestConvertPastWriteBehindStartInEveryCacheMode(t *testing.T) {
 // source equals the backing file, nothing is allocated.
 func TestConvertWithBackingWritesOnlyDifferences(t *testing.T) {
 	dir := t.TempDir()
-	src := cvSource(t, dir, "src.raw", 4<<20, 2)
+	src := convertSource(t, dir, "src.raw", 4<<20, 2)
 	base := filepath.Join(dir, "base.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", src, base)
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x77 2M 64k", src)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", src, base)
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x77 2M 64k", src)
 	dst := filepath.Join(dir, "dst.qcow2")
-	cvConvert(t, "-O", "qcow2", "-B", base, "-F", "qcow2", src, dst)
-	cvQemuCompare(t, "-B", src, dst)
-	cvCheckClean(t, "-B", dst)
+	convert(t, "-O", "qcow2", "-B", base, "-F", "qcow2", src, dst)
+	qemuCompare(t, "-B", src, dst)
+	qemuCheckClean(t, "-B", dst)
 	var m []struct {
 		Start, Length int64
 		Depth         int
 		Data          bool
 	}
-	out := run(t, "qemu-img", "map", "--output=json", dst)
+	out := Run(t, "qemu-img", "map", "--output=json", dst)
 	if err := json.Unmarshal([]byte(out), &m); err != nil {
 		t.Fatal(err)
 	}
@@ -224,45 +224,45 @@ func TestConvertWithBackingWritesOnlyDifferences(t *testing.T) {
 func TestConvertIntoExistingTargetWritesZeroRuns(t *testing.T) {
 	dir := t.TempDir()
 	const size = 4 << 20
-	src := cvSource(t, dir, "src.raw", size, 3)
+	src := convertSource(t, dir, "src.raw", size, 3)
 	ff := filepath.Join(dir, "ff.raw")
 	if err := os.WriteFile(ff, bytes.Repeat([]byte{0xff}, size), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	cvConvert(t, "-n", "-O", "raw", src, ff)
-	cvQemuCompare(t, "-n onto 0xff", src, ff)
+	convert(t, "-n", "-O", "raw", src, ff)
+	qemuCompare(t, "-n onto 0xff", src, ff)
 
 	q := filepath.Join(dir, "t.qcow2")
-	run(t, "qemu-img", "create", "-f", "qcow2", q, fmt.Sprint(size))
-	cvConvert(t, "-n", "--target-is-zero", "-O", "qcow2", src, q)
-	cvQemuCompare(t, "-n --target-is-zero", src, q)
-	cvCheckClean(t, "-n qcow2", q)
+	Run(t, "qemu-img", "create", "-f", "qcow2", q, fmt.Sprint(size))
+	convert(t, "-n", "--target-is-zero", "-O", "qcow2", src, q)
+	qemuCompare(t, "-n --target-is-zero", src, q)
+	qemuCheckClean(t, "-n qcow2", q)
 	// Without -O the existing TARGET's format is probed (qemu-img would
 	// write raw bytes over the qcow2 metadata).
 	q2 := filepath.Join(dir, "t2.qcow2")
-	run(t, "qemu-img", "create", "-f", "qcow2", q2, fmt.Sprint(size))
-	cvConvert(t, "-n", src, q2)
-	cvQemuCompare(t, "-n onto qcow2 without -O", src, q2)
-	cvCheckClean(t, "-n qcow2 without -O", q2)
+	Run(t, "qemu-img", "create", "-f", "qcow2", q2, fmt.Sprint(size))
+	convert(t, "-n", src, q2)
+	qemuCompare(t, "-n onto qcow2 without -O", src, q2)
+	qemuCheckClean(t, "-n qcow2 without -O", q2)
 
 	nb := filepath.Join(dir, "nbd.raw")
 	if err := os.WriteFile(nb, bytes.Repeat([]byte{0xee}, size), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	srv := startNBD(t, nb, false, "-w")
-	cvConvert(t, "-n", src, srv.uri)
-	cvQemuCompare(t, "-n onto NBD", src, srv.uri)
+	srv := StartNBD(t, nb, false, "-w")
+	convert(t, "-n", src, srv.URI)
+	qemuCompare(t, "-n onto NBD", src, srv.URI)
 
 	small := filepath.Join(dir, "small.raw")
-	sparseImage(t, dir, "small.raw", size/2)
-	if code, out := runBlockexport(t, "convert", "-n", src, small); code == 0 || !strings.Contains(out, "smaller than the source") {
+	SparseImage(t, dir, "small.raw", size/2)
+	if code, out := RunBlockexport(t, "convert", "-n", src, small); code == 0 || !strings.Contains(out, "smaller than the source") {
 		t.Fatalf("-n onto a smaller target: exit %d\n%s", code, out)
 	}
 }
 
-// cvSlowServe serves file read-only through nbdkit with 150 ms a read,
+// slowNBDServe serves file read-only through nbdkit with 150 ms a read,
 // on a socket of its own, until the test ends.
-func cvSlowServe(t *testing.T, file string) (uri string) {
+func slowNBDServe(t *testing.T, file string) (uri string) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "slow.sock")
 	cmd := exec.Command("nbdkit", "--exit-with-parent", "-f", "-U", sock, "--filter=delay", "file", file, "rdelay=150ms")
@@ -282,11 +282,11 @@ func cvSlowServe(t *testing.T, file string) (uri string) {
 	return "nbd+unix:///?socket=" + sock
 }
 
-// cvStartConvert starts a convert and returns it with its output buffer.
-func cvStartConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+// startConvert starts a convert and returns it with its output buffer.
+func startConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 	t.Helper()
 	var out bytes.Buffer
-	cmd := exec.Command(bin, append([]string{"convert"}, args...)...)
+	cmd := exec.Command(Bin, append([]string{"convert"}, args...)...)
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -301,8 +301,8 @@ func cvStartConvert(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 // leaves a qcow2 target qemu-img check calls at worst leaky, never corrupt.
 func TestConvertInterruptedLeavesConsistentTarget(t *testing.T) {
 	dir := t.TempDir()
-	file := randomImage(t, dir, 48<<20, 9)
-	want := readAll(t, file)
+	file := RandomImage(t, dir, 48<<20, 9)
+	want := ReadAll(t, file)
 	for _, c := range []struct {
 		name string
 		sig  syscall.Signal
@@ -318,9 +318,9 @@ func TestConvertInterruptedLeavesConsistentTarget(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			// A server of its own: one a killed convert left busy with
 			// its queued delayed reads once held the next for 30 s.
-			uri := cvSlowServe(t, file)
+			uri := slowNBDServe(t, file)
 			dst := filepath.Join(t.TempDir(), "dst")
-			cmd, out := cvStartConvert(t, append(c.args, uri, dst)...)
+			cmd, out := startConvert(t, append(c.args, uri, dst)...)
 			// Signal it mid-way: once the target exists and has grown
 			// (under load, 1.5 s was once before the target was made),
 			// then a little later.
@@ -352,16 +352,16 @@ func TestConvertInterruptedLeavesConsistentTarget(t *testing.T) {
 				t.Fatalf("SIGINT: want one line, got\n%s", out)
 			}
 			if c.args[1] == "raw" {
-				got := readAll(t, dst)
+				got := ReadAll(t, dst)
 				if len(got) == 0 || len(got) >= len(want) {
 					t.Fatalf("raw target is %d bytes after SIGINT, want part of %d\n%s", len(got), len(want), out)
 				}
-				mustEqualBytes(t, "the converted prefix", got, want[:len(got)])
+				MustEqualBytes(t, "the converted prefix", got, want[:len(got)])
 				return
 			}
-			cvCheckClean(t, c.name, dst)
+			qemuCheckClean(t, c.name, dst)
 			// What it holds is the source's, where it holds anything.
-			run(t, "qemu-img", "info", dst)
+			Run(t, "qemu-img", "info", dst)
 		})
 	}
 }
@@ -369,10 +369,10 @@ func TestConvertInterruptedLeavesConsistentTarget(t *testing.T) {
 // A full disk ends the convert with one line naming ENOSPC.
 func TestConvertOnFullDiskFailsInOneLine(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 4)
-	small := smallHost(t, dir, "2m")
+	src := RandomImage(t, dir, 8<<20, 4)
+	small := SmallHost(t, dir, "2m")
 	for _, f := range []string{"raw", "qcow2"} {
-		code, out := runBlockexport(t, "convert", "-O", f, src, filepath.Join(small, "dst."+f))
+		code, out := RunBlockexport(t, "convert", "-O", f, src, filepath.Join(small, "dst."+f))
 		lines := strings.Split(strings.TrimSpace(out), "\n")
 		if code == 0 || len(lines) != 1 || !strings.Contains(out, "no space left on device") {
 			t.Fatalf("-O %s onto a 2 MiB tmpfs: exit %d, want one line naming ENOSPC:\n%s", f, code, out)
@@ -387,33 +387,33 @@ func TestConvertOnFullDiskFailsInOneLine(t *testing.T) {
 func TestCompareAgreesWithQemuImg(t *testing.T) {
 	dir := t.TempDir()
 	const size = 4 << 20
-	a := cvSource(t, dir, "a.raw", size, 5)
+	a := convertSource(t, dir, "a.raw", size, 5)
 	aq := filepath.Join(dir, "a.qcow2")
-	run(t, "qemu-img", "convert", "-O", "qcow2", a, aq)
+	Run(t, "qemu-img", "convert", "-O", "qcow2", a, aq)
 	acomp := filepath.Join(dir, "ac.qcow2")
-	run(t, "qemu-img", "convert", "-c", "-O", "qcow2", a, acomp)
+	Run(t, "qemu-img", "convert", "-c", "-O", "qcow2", a, acomp)
 	b := filepath.Join(dir, "b.raw")
-	run(t, "cp", "--sparse=always", a, b)
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 3000001 1", b)
+	Run(t, "cp", "--sparse=always", a, b)
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 3000001 1", b)
 	bq := filepath.Join(dir, "b.qcow2")
-	run(t, "qemu-img", "convert", "-O", "qcow2", b, bq)
+	Run(t, "qemu-img", "convert", "-O", "qcow2", b, bq)
 	big := filepath.Join(dir, "big.raw")
-	run(t, "cp", "--sparse=always", a, big)
+	Run(t, "cp", "--sparse=always", a, big)
 	if err := os.Truncate(big, size+1<<20); err != nil {
 		t.Fatal(err)
 	}
 	bigDirty := filepath.Join(dir, "bigdirty.raw")
-	run(t, "cp", "--sparse=always", big, bigDirty)
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 1 4500000 10", bigDirty)
+	Run(t, "cp", "--sparse=always", big, bigDirty)
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 1 4500000 10", bigDirty)
 	zq := filepath.Join(dir, "z.qcow2") // a's data, with zero clusters where a has holes' neighbours
-	run(t, "cp", aq, zq)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -z 0 64k", zq)
+	Run(t, "cp", aq, zq)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -z 0 64k", zq)
 	odd := filepath.Join(dir, "odd.raw") // 1000 bytes: QEMU counts whole sectors
 	if err := os.WriteFile(odd, bytes.Repeat([]byte{9}, 1000), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	oddq := filepath.Join(dir, "odd.qcow2")
-	run(t, "qemu-img", "convert", "-O", "qcow2", odd, oddq)
+	Run(t, "qemu-img", "convert", "-O", "qcow2", odd, oddq)
 	pairs := [][]string{
 		{odd, oddq}, {"-s", odd, oddq},
 		{a, aq}, {aq, acomp}, {a, b}, {aq, bq}, {bq, a}, {a, big}, {big, a}, {a, bigDirty}, {bigDirty, aq},
@@ -425,12 +425,12 @@ func TestCompareAgreesWithQemuImg(t *testing.T) {
 		if ee, ok := qerr.(*exec.ExitError); ok {
 			qcode = ee.ExitCode()
 		}
-		code, out := runBlockexport(t, append([]string{"compare"}, p...)...)
+		code, out := RunBlockexport(t, append([]string{"compare"}, p...)...)
 		if code != qcode || out != string(qout) {
 			t.Errorf("compare %v: exit %d\n%s\nqemu-img compare: exit %d\n%s", p, code, out, qcode, qout)
 		}
 	}
-	if code, out := runBlockexport(t, "compare", a, filepath.Join(dir, "missing")); code != 2 {
+	if code, out := RunBlockexport(t, "compare", a, filepath.Join(dir, "missing")); code != 2 {
 		t.Errorf("compare with a missing image: exit %d, want 2\n%s", code, out)
 	}
 }
@@ -439,8 +439,8 @@ func TestCompareAgreesWithQemuImg(t *testing.T) {
 // ending at 100 percent, with the done bytes never going back.
 func TestConvertProgressIsJSONWithoutTerminal(t *testing.T) {
 	dir := t.TempDir()
-	src := cvSource(t, dir, "src.raw", 4<<20, 6)
-	cmd := exec.Command(bin, "convert", "-p", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
+	src := convertSource(t, dir, "src.raw", 4<<20, 6)
+	cmd := exec.Command(Bin, "convert", "-p", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -473,22 +473,22 @@ func TestConvertProgressIsJSONWithoutTerminal(t *testing.T) {
 // created: creating it would truncate what is being read.
 func TestConvertRefusesTargetItReads(t *testing.T) {
 	dir := t.TempDir()
-	src := cvSource(t, dir, "src.raw", 2<<20, 7)
-	want := readAll(t, src)
+	src := convertSource(t, dir, "src.raw", 2<<20, 7)
+	want := ReadAll(t, src)
 	link := filepath.Join(dir, "link.raw")
 	if err := os.Symlink(src, link); err != nil {
 		t.Fatal(err)
 	}
 	base := filepath.Join(dir, "base.qcow2")
-	run(t, "qemu-img", "convert", "-O", "qcow2", src, base)
+	Run(t, "qemu-img", "convert", "-O", "qcow2", src, base)
 	ov := filepath.Join(dir, "ov.qcow2")
-	run(t, "qemu-img", "create", "-f", "qcow2", "-b", base, "-F", "qcow2", ov)
+	Run(t, "qemu-img", "create", "-f", "qcow2", "-b", base, "-F", "qcow2", ov)
 	for _, args := range [][]string{{src, src}, {link, src}, {"-n", link, src}, {"-O", "qcow2", ov, base}} {
-		code, out := runBlockexport(t, append([]string{"convert"}, args...)...)
+		code, out := RunBlockexport(t, append([]string{"convert"}, args...)...)
 		if code == 0 || !strings.Contains(out, "refusing to overwrite") {
 			t.Fatalf("convert %v: exit %d, want a refusal\n%s", args, code, out)
 		}
 	}
-	mustEqualBytes(t, "the source after refused converts", readAll(t, src), want)
-	cvCheckClean(t, "the backing file", base)
+	MustEqualBytes(t, "the source after refused converts", ReadAll(t, src), want)
+	qemuCheckClean(t, "the backing file", base)
 }

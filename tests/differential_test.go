@@ -22,7 +22,7 @@ func probeBehaviour(t *testing.T, path string, size int64) map[string]string {
 	res := map[string]string{}
 	outcome := func(n int64, err error) string {
 		if err != nil {
-			return "errno " + unix.ErrnoName(errnoOf(err))
+			return "errno " + unix.ErrnoName(ErrnoOf(err))
 		}
 		return strconv.FormatInt(n, 10)
 	}
@@ -105,7 +105,7 @@ func TestDifferentialAgainstQemuStorageDaemon(t *testing.T) {
 func differential(t *testing.T, format string) {
 	const size = 4 << 20
 	setup := func(dir string) string {
-		img := sparseImage(t, dir, "d.img", size)
+		img := SparseImage(t, dir, "d.img", size)
 		f, _ := os.OpenFile(img, os.O_RDWR, 0)
 		f.WriteAt(bytes.Repeat([]byte{1}, 64<<10), 0)
 		f.WriteAt(bytes.Repeat([]byte{2}, 512<<10), 3<<20)
@@ -114,7 +114,7 @@ func differential(t *testing.T, format string) {
 			return img
 		}
 		q := filepath.Join(dir, "d.qcow2")
-		run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", img, q)
+		Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", img, q)
 		return q
 	}
 
@@ -128,17 +128,17 @@ func differential(t *testing.T, format string) {
 		blockdev = append(blockdev, "--blockdev", "qcow2,node-name=q,file=f")
 		node = "q"
 	}
-	q := startDaemon(t, qmnt, "qemu-storage-daemon", append(blockdev,
+	q := StartDaemon(t, qmnt, "qemu-storage-daemon", append(blockdev,
 		"--export", "fuse,id=e,node-name="+node+",mountpoint="+qmnt+",writable=on")...)
 	want := probeBehaviour(t, qmnt, size)
-	q.stop()
+	q.Stop()
 
 	bdir := t.TempDir()
 	bimg := setup(bdir)
 	bmnt := filepath.Join(bdir, "mnt")
-	d := startExport(t, bimg, bmnt, "-f", format, "-w")
+	d := StartExport(t, bimg, bmnt, "-f", format, "-w")
 	got := probeBehaviour(t, bmnt, size)
-	d.stopClean()
+	d.StopClean()
 
 	t.Logf("qemu: %v", want)
 	t.Logf("ours: %v", got)
@@ -153,17 +153,17 @@ func differential(t *testing.T, format string) {
 	}
 	ours, theirs := bimg, qimg
 	if format == "qcow2" {
-		qemuImgCheck(t, bimg)
-		qemuImgCheck(t, qimg)
-		ours, theirs = toRaw(t, bimg, bdir), toRaw(t, qimg, qdir)
+		QemuImgCheck(t, bimg)
+		QemuImgCheck(t, qimg)
+		ours, theirs = ToRaw(t, bimg, bdir), ToRaw(t, qimg, qdir)
 	}
-	b, qb := readAll(t, ours), readAll(t, theirs)
+	b, qb := ReadAll(t, ours), ReadAll(t, theirs)
 	// QEMU 7.2 turns PUNCH_HOLE into a discard, which its default
 	// discard=ignore drops: the data stays. A punched hole must read as
 	// zeroes (QEMU's 2026 export writes zeroes with MAY_UNMAP, as we do),
 	// so that range is checked on our side only.
 	punched := b[punchOff : punchOff+punchLen]
-	mustEqualBytes(t, "the punched range", punched, make([]byte, punchLen))
+	MustEqualBytes(t, "the punched range", punched, make([]byte, punchLen))
 	copy(qb[punchOff:], punched)
-	mustEqualBytes(t, "image contents after the same ops", b, qb)
+	MustEqualBytes(t, "image contents after the same ops", b, qb)
 }

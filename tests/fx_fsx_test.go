@@ -26,11 +26,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// fxMaxSize bounds the file; writes and truncates stay under it.
-const fxMaxSize = 6 << 20
+// fsxMaxSize bounds the file; writes and truncates stay under it.
+const fsxMaxSize = 6 << 20
 
-// fxRun is one exerciser run on one export.
-type fxRun struct {
+// fsxRun is one exerciser run on one export.
+type fsxRun struct {
 	t      *testing.T
 	seed   uint64
 	rnd    *rand.Rand
@@ -40,14 +40,14 @@ type fxRun struct {
 	dfd    int // O_DIRECT open
 	log    []string
 	nops   int
-	dbuf   []byte // aligned O_DIRECT buffer of fxMaxSize
+	dbuf   []byte // aligned O_DIRECT buffer of fsxMaxSize
 	counts map[string]int
-	d      *daemon
+	d      *Daemon
 	mu     sync.Mutex // log, read by the watchdog too
 	hung   atomic.Bool
 }
 
-func (r *fxRun) logf(format string, args ...any) {
+func (r *fsxRun) logf(format string, args ...any) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.log = append(r.log, fmt.Sprintf("%5d ", r.nops)+fmt.Sprintf(format, args...))
@@ -56,27 +56,23 @@ func (r *fxRun) logf(format string, args ...any) {
 	}
 }
 
-func (r *fxRun) fail(format string, args ...any) {
+func (r *fsxRun) fail(format string, args ...any) {
 	r.t.Helper()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	hung := ""
 	if r.hung.Load() {
-		hung = fmt.Sprintf(" (the operation hung for %v: the watchdog aborted the FUSE connection; kernel stacks above)", fxHang)
+		hung = fmt.Sprintf(" (the operation hung for %v: the watchdog aborted the FUSE connection; kernel stacks above)", hangLimit)
 	}
 	r.t.Fatalf("fsx: seed %d (BLOCKEXPORT_FSX_SEED=%d replays it), op %d: %s%s\nlast operations:\n%s\ndaemon log:\n%s",
-		r.seed, r.seed, r.nops, fmt.Sprintf(format, args...), hung, strings.Join(r.log, "\n"), r.d.log())
+		r.seed, r.seed, r.nops, fmt.Sprintf(format, args...), hung, strings.Join(r.log, "\n"), r.d.Log())
 }
 
-// fxHang is how long one operation may take before the run counts as
-// hung (a deadlock between the kernel and the daemon).
-const fxHang = 60 * time.Second
-
 // watchdog turns a hang into a failure with a log: when no operation has
-// finished for fxHang, it prints the kernel stacks of this process and of
+// finished for hangLimit, it prints the kernel stacks of this process and of
 // the daemon, and aborts the FUSE connection (conn is its number in
 // /sys/fs/fuse/connections), which fails the stuck system call.
-func (r *fxRun) watchdog(conn uint32, done *atomic.Int64) (stop func()) {
+func (r *fsxRun) watchdog(conn uint32, done *atomic.Int64) (stop func()) {
 	quit := make(chan struct{})
 	go func() {
 		last, since := done.Load(), time.Now()
@@ -90,12 +86,12 @@ func (r *fxRun) watchdog(conn uint32, done *atomic.Int64) (stop func()) {
 				last, since = n, time.Now()
 				continue
 			}
-			if time.Since(since) < fxHang {
+			if time.Since(since) < hangLimit {
 				continue
 			}
 			r.hung.Store(true)
 			var b strings.Builder
-			for _, pid := range []int{os.Getpid(), r.d.cmd.Process.Pid} {
+			for _, pid := range []int{os.Getpid(), r.d.Cmd.Process.Pid} {
 				tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stack", pid))
 				for _, task := range tasks {
 					if st, err := os.ReadFile(task); err == nil && bytes.Contains(st, []byte("fuse")) {
@@ -103,7 +99,7 @@ func (r *fxRun) watchdog(conn uint32, done *atomic.Int64) (stop func()) {
 					}
 				}
 			}
-			fmt.Fprintf(os.Stderr, "fsx watchdog: seed %d, op %d hung for %v; kernel stacks:\n%s", r.seed, last+1, fxHang, b.String())
+			fmt.Fprintf(os.Stderr, "fsx watchdog: seed %d, op %d hung for %v; kernel stacks:\n%s", r.seed, last+1, hangLimit, b.String())
 			os.WriteFile(fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", conn), []byte("1"), 0)
 			return
 		}
@@ -112,7 +108,7 @@ func (r *fxRun) watchdog(conn uint32, done *atomic.Int64) (stop func()) {
 }
 
 // check compares what a read returned at off with the model.
-func (r *fxRun) check(what string, got []byte, off int64) {
+func (r *fsxRun) check(what string, got []byte, off int64) {
 	r.t.Helper()
 	want := r.model[off : off+int64(len(got))]
 	if bytes.Equal(got, want) {
@@ -130,7 +126,7 @@ func (r *fxRun) check(what string, got []byte, off int64) {
 }
 
 // resize sets the model's size: new bytes are zero.
-func (r *fxRun) resize(n int64) {
+func (r *fsxRun) resize(n int64) {
 	if n <= int64(len(r.model)) {
 		r.model = r.model[:n]
 		return
@@ -138,10 +134,10 @@ func (r *fxRun) resize(n int64) {
 	r.model = append(r.model, make([]byte, n-int64(len(r.model)))...)
 }
 
-func (r *fxRun) roundUp(n int64) int64 { return (n + r.align - 1) / r.align * r.align }
+func (r *fsxRun) roundUp(n int64) int64 { return (n + r.align - 1) / r.align * r.align }
 
 // span picks a range: lengths mostly small and unaligned, some large.
-func (r *fxRun) span(limit int64, aligned bool) (off, n int64) {
+func (r *fsxRun) span(limit int64, aligned bool) (off, n int64) {
 	var max int64 = 64 << 10
 	if r.rnd.IntN(8) == 0 {
 		max = 1 << 20
@@ -153,8 +149,8 @@ func (r *fxRun) span(limit int64, aligned bool) (off, n int64) {
 		off = r.rnd.Int64N(limit + 1)
 		n = r.rnd.Int64N(max) + 1
 	}
-	if off+n > fxMaxSize {
-		n = fxMaxSize - off
+	if off+n > fsxMaxSize {
+		n = fsxMaxSize - off
 	}
 	if aligned {
 		n &^= 4095
@@ -164,19 +160,19 @@ func (r *fxRun) span(limit int64, aligned bool) (off, n int64) {
 
 // writeSpan is span for a write: a write that grows the file ends on the
 // image's granularity.
-func (r *fxRun) writeSpan(aligned bool) (off, n int64) {
+func (r *fsxRun) writeSpan(aligned bool) (off, n int64) {
 	size := int64(len(r.model))
 	off, n = r.span(size+size/8, aligned)
 	if end := off + n; end > size && r.roundUp(end) != end {
 		n = r.roundUp(end) - off
-		if off+n > fxMaxSize {
+		if off+n > fsxMaxSize {
 			n = size - off
 		}
 	}
 	return off, n
 }
 
-func (r *fxRun) randomBytes(n int64) []byte {
+func (r *fsxRun) randomBytes(n int64) []byte {
 	b := make([]byte, n)
 	for i := range b {
 		b[i] = byte(r.rnd.Uint32())
@@ -189,7 +185,7 @@ func (r *fxRun) randomBytes(n int64) []byte {
 	return b
 }
 
-func (r *fxRun) op() {
+func (r *fsxRun) op() {
 	r.t.Helper()
 	size := int64(len(r.model))
 	switch k := r.rnd.IntN(20); {
@@ -291,7 +287,7 @@ func (r *fxRun) op() {
 		copy(r.model[off:], buf)
 		r.counts["dwrite"]++
 	case k < 17: // truncate, down or up
-		n := r.roundUp(r.rnd.Int64N(fxMaxSize - r.align))
+		n := r.roundUp(r.rnd.Int64N(fsxMaxSize - r.align))
 		if r.rnd.IntN(2) == 0 && size > 0 {
 			n = r.roundUp(size - r.rnd.Int64N(min(size, 256<<10)))
 		}
@@ -336,8 +332,8 @@ func (r *fxRun) op() {
 	}
 }
 
-// fxSeed is BLOCKEXPORT_FSX_SEED, else a new seed (logged).
-func fxSeed(t *testing.T) uint64 {
+// fsxSeed is BLOCKEXPORT_FSX_SEED, else a new seed (logged).
+func fsxSeed(t *testing.T) uint64 {
 	if s := os.Getenv("BLOCKEXPORT_FSX_SEED"); s != "" {
 		v, err := strconv.ParseUint(s, 10, 64)
 		if err != nil {
@@ -348,7 +344,7 @@ func fxSeed(t *testing.T) uint64 {
 	return uint64(time.Now().UnixNano())
 }
 
-func fxOps(t *testing.T) int {
+func fsxOps(t *testing.T) int {
 	if s := os.Getenv("BLOCKEXPORT_FSX_OPS"); s != "" {
 		v, err := strconv.Atoi(s)
 		if err != nil || v <= 0 {
@@ -369,31 +365,31 @@ func TestFsxOnGrowableExportsMatchesModel(t *testing.T) {
 	for _, format := range []string{"raw", "qcow2", "qcow2-overlay"} {
 		for _, kc := range []string{"on", "off"} {
 			t.Run(format+"/kernel-cache="+kc, func(t *testing.T) {
-				seed := fxSeed(t)
+				seed := fsxSeed(t)
 				t.Logf("fsx seed %d", seed)
-				fxExercise(t, format, kc, seed, fxOps(t))
+				fsxExercise(t, format, kc, seed, fsxOps(t))
 			})
 		}
 	}
 }
 
-func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
+func fsxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
 	var base []byte
 	if format == "qcow2-overlay" {
-		b := randomImage(t, dir, 4<<20, seed)
-		base = readAll(t, b)
-		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", b, "-F", "raw", img)
+		b := RandomImage(t, dir, 4<<20, seed)
+		base = ReadAll(t, b)
+		Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", b, "-F", "raw", img)
 		format = "qcow2"
 	} else {
-		createImage(t, "-f", format, img, "4M")
+		CreateImage(t, "-f", format, img, "4M")
 	}
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", format, "-w", "--growable", "--kernel-cache", kc)
+	d := StartExport(t, img, mnt, "-f", format, "-w", "--growable", "--kernel-cache", kc)
 
-	r := &fxRun{t: t, d: d, seed: seed, rnd: rand.New(rand.NewPCG(seed, 0xf5)), align: 1,
-		model: make([]byte, 4<<20), dbuf: kcAlignedBuf(fxMaxSize), counts: map[string]int{}}
+	r := &fsxRun{t: t, d: d, seed: seed, rnd: rand.New(rand.NewPCG(seed, 0xf5)), align: 1,
+		model: make([]byte, 4<<20), dbuf: AlignedBuf(fsxMaxSize), counts: map[string]int{}}
 	if format == "qcow2" {
 		r.align = 512
 	}
@@ -441,37 +437,16 @@ func fxExercise(t *testing.T, format, kc string, seed uint64, ops int) {
 	unix.Close(r.dfd)
 	unix.Close(r.fd)
 	t.Logf("fsx: %d operations %v, final size %d", ops, r.counts, len(r.model))
-	d.stopClean()
-	got := readAll(t, img)
+	d.StopClean()
+	got := ReadAll(t, img)
 	if format == "qcow2" {
-		qemuImgCheck(t, img)
-		got = readAll(t, toRaw(t, img, dir))
+		QemuImgCheck(t, img)
+		got = ReadAll(t, ToRaw(t, img, dir))
 	}
 	if len(got) != len(r.model) {
 		r.fail("image size %d after the run, want %d", len(got), len(r.model))
 	}
 	r.check("the image after the run", got, 0)
-}
-
-// fxGuard aborts the export's FUSE connection when fn has not returned
-// within fxHang (a deadlock between the kernel and the daemon), so that
-// the stuck system call fails and the test says so instead of hanging.
-func fxGuard(t *testing.T, file string, fn func()) {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(file, &st); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		select {
-		case <-done:
-		case <-time.After(fxHang):
-			os.WriteFile(fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", unix.Minor(st.Dev)), []byte("1"), 0)
-		}
-	}()
-	defer close(done)
-	fn()
 }
 
 // TestTruncateOverDirtyPagesReturns: a shrinking ftruncate whose new end lies
@@ -481,34 +456,34 @@ func fxGuard(t *testing.T, file string, fn func()) {
 // kernel holds the inode's write-back until the SETATTR's reply; fsx seed
 // 1796185334523830635).
 func TestTruncateOverDirtyPagesReturns(t *testing.T) {
-	kcEachFormat(t, "4M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+	EachCachedFormat(t, "4M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *Daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		data := kcRandom(1<<20, 11)
+		data := RandomBytes(1<<20, 11)
 		if _, err := f.WriteAt(data, 1<<20); err != nil {
 			t.Fatal(err)
 		}
-		fxGuard(t, mnt, func() {
+		GuardAgainstHang(t, mnt, func() {
 			if err := f.Truncate(1<<20 + 4096 + 512); err != nil {
-				t.Fatalf("ftruncate over dirty pages: %v\n%s", err, d.log())
+				t.Fatalf("ftruncate over dirty pages: %v\n%s", err, d.Log())
 			}
 		})
-		mustEqualBytes(t, "kept part", kcPread(t, mnt, 1<<20, 4096+512), data[:4096+512])
+		MustEqualBytes(t, "kept part", CachedPread(t, mnt, 1<<20, 4096+512), data[:4096+512])
 		if err := f.Sync(); err != nil {
 			t.Fatal(err)
 		}
-		d.stopClean()
-		got := readAll(t, img)
+		d.StopClean()
+		got := ReadAll(t, img)
 		if format == "qcow2" {
-			got = readAll(t, toRaw(t, img, dir))
+			got = ReadAll(t, ToRaw(t, img, dir))
 		}
 		if len(got) != 1<<20+4096+512 {
 			t.Fatalf("image size %d, want %d", len(got), 1<<20+4096+512)
 		}
-		mustEqualBytes(t, "image", got[1<<20:], data[:4096+512])
+		MustEqualBytes(t, "image", got[1<<20:], data[:4096+512])
 	})
 }
 
@@ -519,7 +494,7 @@ func TestTruncateOverDirtyPagesReturns(t *testing.T) {
 // nothing before: the daemon ended the read at the image's end; fsx seed
 // 1796186140117775601).
 func TestDirectReadOfHoleBeforeCachedWriteReadsZeroes(t *testing.T) {
-	kcEachFormat(t, "1M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+	EachCachedFormat(t, "1M", []string{"--growable"}, func(t *testing.T, format, dir, img, mnt string, d *Daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
@@ -530,13 +505,13 @@ func TestDirectReadOfHoleBeforeCachedWriteReadsZeroes(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer unix.Close(dfd)
-		buf := kcAlignedBuf(64 << 10)
+		buf := AlignedBuf(64 << 10)
 		// Each round grows the file by a write 64 KiB past its end and
 		// reads the hole at once (the kernel writes the page back
 		// soon, which would close the window), then across the write.
 		end := int64(1 << 20)
 		for round := range 32 {
-			tail := kcRandom(4096, uint64(round))
+			tail := RandomBytes(4096, uint64(round))
 			at := end + int64(len(buf))
 			if _, err := f.WriteAt(tail, at); err != nil {
 				t.Fatal(err)
@@ -548,13 +523,13 @@ func TestDirectReadOfHoleBeforeCachedWriteReadsZeroes(t *testing.T) {
 			if err != nil || n != len(buf) {
 				t.Fatalf("round %d: O_DIRECT read of the hole at %d: %d, %v; want %d zero bytes", round, end, n, err, len(buf))
 			}
-			mustEqualBytes(t, "hole", buf, make([]byte, len(buf)))
+			MustEqualBytes(t, "hole", buf, make([]byte, len(buf)))
 			n, err = unix.Pread(dfd, buf[:8192], at-4096)
 			if err != nil || n != 8192 {
 				t.Fatalf("round %d: O_DIRECT read across the write: %d, %v", round, n, err)
 			}
-			mustEqualBytes(t, "before the write", buf[:4096], make([]byte, 4096))
-			mustEqualBytes(t, "the write", buf[4096:8192], tail)
+			MustEqualBytes(t, "before the write", buf[:4096], make([]byte, 4096))
+			MustEqualBytes(t, "the write", buf[4096:8192], tail)
 			end = at + 4096
 		}
 	})

@@ -15,28 +15,28 @@ import (
 func inspectImages(t *testing.T, dir string) map[string]string {
 	t.Helper()
 	imgs := map[string]string{}
-	sparse := sparseImage(t, dir, "sparse.raw", 16<<20)
+	sparse := SparseImage(t, dir, "sparse.raw", 16<<20)
 	f, _ := os.OpenFile(sparse, os.O_RDWR, 0)
 	f.WriteAt([]byte(strings.Repeat("x", 1<<20)), 4<<20)
 	f.Close()
 	imgs["raw sparse"] = sparse
 
 	v3 := filepath.Join(dir, "v3.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", v3, "64M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 1 0 1M", "-c", "write -z 8M 1M", "-c", "write -P 2 63M 1M", v3)
-	run(t, "qemu-img", "snapshot", "-c", "before", v3)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", v3, "64M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 1 0 1M", "-c", "write -z 8M 1M", "-c", "write -P 2 63M 1M", v3)
+	Run(t, "qemu-img", "snapshot", "-c", "before", v3)
 	imgs["qcow2 v3 with zero clusters and a snapshot"] = v3
 
 	v2 := filepath.Join(dir, "v2.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat=0.10,cluster_size=4096", v2, "8M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 3 4096 100k", v2)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat=0.10,cluster_size=4096", v2, "8M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 3 4096 100k", v2)
 	imgs["qcow2 v2, 4 KiB clusters"] = v2
 
 	comp := filepath.Join(dir, "comp.qcow2")
-	run(t, "qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", "compression_type=zstd", sparse, comp)
+	Run(t, "qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", "-o", "compression_type=zstd", sparse, comp)
 	imgs["qcow2 zstd-compressed"] = comp
 
-	imgs["qcow2 chain"] = qcowChain(t, dir)
+	imgs["qcow2 chain"] = QcowChain(t, dir)
 	return imgs
 }
 
@@ -69,10 +69,10 @@ func TestInfoJSONMatchesQemuImg(t *testing.T) {
 					ours = []string{"info", "--output=json", "--backing-chain", img}
 				}
 				var want, got any
-				if err := json.Unmarshal([]byte(run(t, "qemu-img", args...)), &want); err != nil {
+				if err := json.Unmarshal([]byte(Run(t, "qemu-img", args...)), &want); err != nil {
 					t.Fatal(err)
 				}
-				code, out := runBlockexport(t, ours...)
+				code, out := RunBlockexport(t, ours...)
 				if code != 0 {
 					t.Fatalf("blockexport info: exit %d: %s", code, out)
 				}
@@ -120,10 +120,10 @@ func TestMapJSONMatchesQemuImg(t *testing.T) {
 	for name, img := range inspectImages(t, dir) {
 		t.Run(name, func(t *testing.T) {
 			var want, got []map[string]any
-			if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &want); err != nil {
+			if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &want); err != nil {
 				t.Fatal(err)
 			}
-			code, out := runBlockexport(t, "map", "--output=json", img)
+			code, out := RunBlockexport(t, "map", "--output=json", img)
 			if code != 0 {
 				t.Fatalf("blockexport map: exit %d: %s", code, out)
 			}
@@ -140,19 +140,19 @@ func TestMapJSONMatchesQemuImg(t *testing.T) {
 // TestOutputFlag: --output human is the default text, --output json is
 // --json, and anything else is a usage error (exit 2, one line).
 func TestOutputFlag(t *testing.T) {
-	img := randomImage(t, t.TempDir(), 1<<20, 31)
+	img := RandomImage(t, t.TempDir(), 1<<20, 31)
 	for _, cmd := range []string{"info", "map"} {
-		_, plain := runBlockexport(t, cmd, "-f", "raw", img)
-		code, human := runBlockexport(t, cmd, "-f", "raw", "--output", "human", img)
+		_, plain := RunBlockexport(t, cmd, "-f", "raw", img)
+		code, human := RunBlockexport(t, cmd, "-f", "raw", "--output", "human", img)
 		if code != 0 || human != plain {
 			t.Errorf("%s --output human: exit %d, %q; want the default text %q", cmd, code, human, plain)
 		}
-		_, viaJSON := runBlockexport(t, cmd, "-f", "raw", "--json", img)
-		code, out := runBlockexport(t, cmd, "-f", "raw", "--output=json", img)
+		_, viaJSON := RunBlockexport(t, cmd, "-f", "raw", "--json", img)
+		code, out := RunBlockexport(t, cmd, "-f", "raw", "--output=json", img)
 		if code != 0 || out != viaJSON || !strings.HasPrefix(strings.TrimSpace(out), "{") && !strings.HasPrefix(strings.TrimSpace(out), "[") {
 			t.Errorf("%s --output=json: exit %d, %q; want %q", cmd, code, out, viaJSON)
 		}
-		code, out = runBlockexport(t, cmd, "--output", "xml", img)
+		code, out = RunBlockexport(t, cmd, "--output", "xml", img)
 		if code != 2 || !strings.Contains(out, `unknown --output "xml"`) || strings.Count(out, "\n") != 1 {
 			t.Errorf("%s --output xml: exit %d, %q; want 2 and one line", cmd, code, out)
 		}
@@ -164,7 +164,7 @@ func TestOutputFlag(t *testing.T) {
 // checkout, so the revision is HEAD's when git can tell).
 func TestVersion(t *testing.T) {
 	for _, arg := range []string{"--version", "version"} {
-		code, out := runBlockexport(t, arg)
+		code, out := RunBlockexport(t, arg)
 		if code != 0 || !strings.HasPrefix(out, "blockexport ") || strings.Count(out, "\n") != 1 {
 			t.Fatalf("%s: exit %d, %q", arg, code, out)
 		}
@@ -181,20 +181,20 @@ func TestInspectRefusesWhatItCannotRead(t *testing.T) {
 	bad := filepath.Join(dir, "bad.qcow2")
 	os.WriteFile(bad, []byte("QFI\xfb\x00\x00\x00\x03garbage"), 0o644)
 	for _, cmd := range []string{"info", "map"} {
-		code, out := runBlockexport(t, cmd, bad)
+		code, out := RunBlockexport(t, cmd, bad)
 		if code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "qcow2") {
 			t.Errorf("%s of a corrupt image: exit %d, %q; want 1 and one line", cmd, code, out)
 		}
-		code, out = runBlockexport(t, cmd, "--bogus", bad)
+		code, out = RunBlockexport(t, cmd, "--bogus", bad)
 		if code != 2 {
 			t.Errorf("%s with a bad flag: exit %d, %q; want 2", cmd, code, out)
 		}
-		code, _ = runBlockexport(t, cmd, filepath.Join(dir, "missing"))
+		code, _ = RunBlockexport(t, cmd, filepath.Join(dir, "missing"))
 		if code != 1 {
 			t.Errorf("%s of a missing file: exit %d, want 1", cmd, code)
 		}
 	}
-	code, out := runBlockexport(t, "info", "--json", "null:1G")
+	code, out := RunBlockexport(t, "info", "--json", "null:1G")
 	var info struct {
 		Format      string `json:"format"`
 		VirtualSize int64  `json:"virtual-size"`

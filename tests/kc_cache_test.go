@@ -8,7 +8,6 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,67 +16,34 @@ import (
 	"syscall"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/blockexport/blockexport/aio/aiotest"
 	"golang.org/x/sys/unix"
 )
 
-// kcStart exports image writable with the kernel cache on.
-func kcStart(t *testing.T, img, mnt string, args ...string) *daemon {
+// startCached exports image writable with the kernel cache on.
+func startCached(t *testing.T, img, mnt string, args ...string) *Daemon {
 	t.Helper()
-	d := startExport(t, img, mnt, append([]string{"-w", "--kernel-cache", "on"}, args...)...)
-	if !strings.Contains(d.log(), "kernel_cache=true") {
-		t.Fatalf("the export did not turn the kernel cache on\n%s", d.log())
+	d := StartExport(t, img, mnt, append([]string{"-w", "--kernel-cache", "on"}, args...)...)
+	if !strings.Contains(d.Log(), "kernel_cache=true") {
+		t.Fatalf("the export did not turn the kernel cache on\n%s", d.Log())
 	}
 	return d
 }
 
-// kcAlignedBuf is an O_DIRECT-ready buffer of n bytes.
-func kcAlignedBuf(n int) []byte {
-	b := make([]byte, n+4096)
-	off := int(4096 - uintptr(unsafe.Pointer(&b[0]))%4096)
-	return b[off%4096 : off%4096+n]
-}
-
-// kcPread reads n bytes at off through a fresh buffered open (the
-// kernel's cache, kept across opens).
-func kcPread(t *testing.T, path string, off int64, n int) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b := make([]byte, n)
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatalf("buffered read at %d: %v", off, err)
-	}
-	return b
-}
-
-// kcDirectWrite writes data at off through an O_DIRECT open.
-func kcDirectWrite(t *testing.T, path string, off int64, data []byte) {
+// directWrite writes data at off through an O_DIRECT open.
+func directWrite(t *testing.T, path string, off int64, data []byte) {
 	t.Helper()
 	fd, err := unix.Open(path, unix.O_WRONLY|unix.O_DIRECT, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Close(fd)
-	buf := kcAlignedBuf(len(data))
+	buf := AlignedBuf(len(data))
 	copy(buf, data)
 	if n, err := unix.Pwrite(fd, buf, off); err != nil || n != len(buf) {
 		t.Fatalf("O_DIRECT write at %d: %d, %v", off, n, err)
 	}
-}
-
-func kcRandom(n int, seed uint64) []byte {
-	r := rand.New(rand.NewPCG(seed, 29))
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
-	return b
 }
 
 // TestKernelCacheServesRepeatedReadsFromPageCache: with the kernel cache on, a second buffered
@@ -88,15 +54,15 @@ func TestKernelCacheServesRepeatedReadsFromPageCache(t *testing.T) {
 	for _, mode := range []string{"on", "off"} {
 		t.Run(mode, func(t *testing.T) {
 			dir := t.TempDir()
-			img := randomImage(t, dir, 16<<20, 7)
+			img := RandomImage(t, dir, 16<<20, 7)
 			mnt := filepath.Join(dir, "mnt")
-			d := startExport(t, img, mnt, "-f", "raw", "-w", "--kernel-cache", mode, "--stats", "1h")
-			want := readAll(t, img)
+			d := StartExport(t, img, mnt, "-f", "raw", "-w", "--kernel-cache", mode, "--stats", "1h")
+			want := ReadAll(t, img)
 			for range 2 {
-				mustEqualBytes(t, "export", readAll(t, mnt), want)
+				MustEqualBytes(t, "export", ReadAll(t, mnt), want)
 			}
-			d.stopClean()
-			reads := kcStatCount(t, d.log(), "read")
+			d.StopClean()
+			reads := statCount(t, d.Log(), "read")
 			if mode == "off" {
 				if reads < 2*16*1024*1024/(1<<20) {
 					t.Fatalf("off: %d READs for two 16 MiB reads, want every read to reach the daemon", reads)
@@ -106,14 +72,14 @@ func TestKernelCacheServesRepeatedReadsFromPageCache(t *testing.T) {
 			// 16 MiB once, in 1 MiB READs (a few smaller at the start of
 			// read-ahead): well under 64; the second pass none.
 			if reads == 0 || reads > 40 {
-				t.Fatalf("on: %d READs for two 16 MiB reads, want the first in about 16 large READs and the second from the cache\n%s", reads, d.log())
+				t.Fatalf("on: %d READs for two 16 MiB reads, want the first in about 16 large READs and the second from the cache\n%s", reads, d.Log())
 			}
 		})
 	}
 }
 
-// kcStatCount is the summary's request count of kind in the log.
-func kcStatCount(t *testing.T, log, kind string) int {
+// statCount is the summary's request count of kind in the log.
+func statCount(t *testing.T, log, kind string) int {
 	t.Helper()
 	lines := strings.Split(log, "\n")
 	for i := len(lines) - 1; i >= 0; i-- {
@@ -139,7 +105,7 @@ func kcStatCount(t *testing.T, log, kind string) int {
 // overwritten through an O_DIRECT open, reads back new through a
 // buffered open and through a shared mapping made before the write.
 func TestKernelCacheInvalidatedByDirectWrite(t *testing.T) {
-	kcEachFormat(t, "4M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+	EachCachedFormat(t, "4M", nil, func(t *testing.T, format, dir, img, mnt string, d *Daemon) {
 
 		fd, err := unix.Open(mnt, unix.O_RDWR, 0)
 		if err != nil {
@@ -155,16 +121,16 @@ func TestKernelCacheInvalidatedByDirectWrite(t *testing.T) {
 		if !bytes.Equal(m[1<<20:1<<20+8192], make([]byte, 8192)) {
 			t.Fatal("fresh image not zero")
 		}
-		kcPread(t, mnt, 0, 4<<20)
+		CachedPread(t, mnt, 0, 4<<20)
 
-		data := kcRandom(8192, 1)
-		kcDirectWrite(t, mnt, 1<<20, data)
-		mustEqualBytes(t, "buffered read after an O_DIRECT write", kcPread(t, mnt, 1<<20, 8192), data)
-		mustEqualBytes(t, "shared mapping after an O_DIRECT write", m[1<<20:1<<20+8192], data)
+		data := RandomBytes(8192, 1)
+		directWrite(t, mnt, 1<<20, data)
+		MustEqualBytes(t, "buffered read after an O_DIRECT write", CachedPread(t, mnt, 1<<20, 8192), data)
+		MustEqualBytes(t, "shared mapping after an O_DIRECT write", m[1<<20:1<<20+8192], data)
 
 		// The other way: a store through the mapping, msync'd, is
 		// what an O_DIRECT read sees.
-		copy(m[2<<20:], kcRandom(4096, 2))
+		copy(m[2<<20:], RandomBytes(4096, 2))
 		if err := unix.Msync(m, unix.MS_SYNC); err != nil {
 			t.Fatal(err)
 		}
@@ -173,21 +139,21 @@ func TestKernelCacheInvalidatedByDirectWrite(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer unix.Close(dfd)
-		buf := kcAlignedBuf(4096)
+		buf := AlignedBuf(4096)
 		if _, err := unix.Pread(dfd, buf, 2<<20); err != nil {
 			t.Fatal(err)
 		}
-		mustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, kcRandom(4096, 2))
+		MustEqualBytes(t, "O_DIRECT read after an msync'd store", buf, RandomBytes(4096, 2))
 
 		// A buffered write still dirty in the cache (its file open,
 		// not synced) is what an O_DIRECT read sees.
-		if _, err := unix.Pwrite(fd, kcRandom(4096, 3), 3<<20); err != nil {
+		if _, err := unix.Pwrite(fd, RandomBytes(4096, 3), 3<<20); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := unix.Pread(dfd, buf, 3<<20); err != nil {
 			t.Fatal(err)
 		}
-		mustEqualBytes(t, "O_DIRECT read after a buffered write", buf, kcRandom(4096, 3))
+		MustEqualBytes(t, "O_DIRECT read after a buffered write", buf, RandomBytes(4096, 3))
 	})
 }
 
@@ -198,15 +164,15 @@ func TestKernelCacheInvalidatedByDirectWrite(t *testing.T) {
 func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
-	createImage(t, "-f", "raw", img, "4M")
+	CreateImage(t, "-f", "raw", img, "4M")
 	mnt := filepath.Join(dir, "mnt")
-	kcStart(t, img, mnt, "-f", "raw", "--growable")
+	startCached(t, img, mnt, "-f", "raw", "--growable")
 
-	data := kcRandom(4<<20, 3)
+	data := RandomBytes(4<<20, 3)
 	if err := os.WriteFile(mnt, data, 0); err != nil {
 		t.Fatal(err)
 	}
-	mustEqualBytes(t, "written", kcPread(t, mnt, 0, 4<<20), data)
+	MustEqualBytes(t, "written", CachedPread(t, mnt, 0, 4<<20), data)
 	f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -220,9 +186,9 @@ func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 		t.Fatal(err)
 	}
 	zero := make([]byte, 64<<10)
-	mustEqualBytes(t, "punched range", kcPread(t, mnt, 1<<20, 64<<10), zero)
-	mustEqualBytes(t, "zeroed range", kcPread(t, mnt, 2<<20, 64<<10), zero)
-	mustEqualBytes(t, "after the punched range", kcPread(t, mnt, 1<<20+64<<10, 4096), data[1<<20+64<<10:1<<20+68<<10])
+	MustEqualBytes(t, "punched range", CachedPread(t, mnt, 1<<20, 64<<10), zero)
+	MustEqualBytes(t, "zeroed range", CachedPread(t, mnt, 2<<20, 64<<10), zero)
+	MustEqualBytes(t, "after the punched range", CachedPread(t, mnt, 1<<20+64<<10, 4096), data[1<<20+64<<10:1<<20+68<<10])
 
 	// Shrink to 1 MiB, grow back to 4 MiB: the tail is zeroes, in the
 	// image and through the cache.
@@ -238,10 +204,10 @@ func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 	if st, _ := os.Stat(mnt); st.Size() != 4<<20 {
 		t.Fatalf("export size %d after growing to 4 MiB", st.Size())
 	}
-	mustEqualBytes(t, "grown tail", kcPread(t, mnt, 3<<20, 4096), make([]byte, 4096))
+	MustEqualBytes(t, "grown tail", CachedPread(t, mnt, 3<<20, 4096), make([]byte, 4096))
 
 	// A buffered write past the end grows the image once written back.
-	tail := kcRandom(4096, 4)
+	tail := RandomBytes(4096, 4)
 	if _, err := f.WriteAt(tail, 5<<20); err != nil {
 		t.Fatal(err)
 	}
@@ -251,11 +217,11 @@ func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 	if err := f.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	got := readAll(t, img)
+	got := ReadAll(t, img)
 	if len(got) != 5<<20+4096 {
 		t.Fatalf("image size %d after fsync, want %d", len(got), 5<<20+4096)
 	}
-	mustEqualBytes(t, "image tail", got[5<<20:], tail)
+	MustEqualBytes(t, "image tail", got[5<<20:], tail)
 }
 
 // TestKernelCacheFioBufferedAndDirectJobsAtOnce: a buffered and an O_DIRECT fio job
@@ -264,8 +230,8 @@ func TestKernelCacheInvalidatedByPunchZeroAndShrink(t *testing.T) {
 // reader: the direct job's writes through the buffered cache (stale
 // without invalidation), the buffered job's through O_DIRECT.
 func TestKernelCacheFioBufferedAndDirectJobsAtOnce(t *testing.T) {
-	kcEachFormat(t, "32M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
-		readAll(t, mnt) // cache the whole export
+	EachCachedFormat(t, "32M", nil, func(t *testing.T, format, dir, img, mnt string, d *Daemon) {
+		ReadAll(t, mnt) // cache the whole export
 		job := func(name string, direct int, off string, extra ...string) []string {
 			return append([]string{"--name=" + name, "--filename=" + mnt, "--rw=randwrite", "--bs=4k",
 				"--offset=" + off, "--size=16M", "--ioengine=psync", "--direct=" + strconv.Itoa(direct),
@@ -275,16 +241,16 @@ func TestKernelCacheFioBufferedAndDirectJobsAtOnce(t *testing.T) {
 		both = append(both, "--verify_state_save=0", "--minimal")
 		both = append(both, job("buffered", 0, "0")...)
 		both = append(both, job("direct", 1, "16M")...)
-		run(t, "fio", both...)
+		Run(t, "fio", both...)
 		// Swap the readers: verify_only replays each job's writes.
 		var swapped []string
 		swapped = append(swapped, "--verify_state_save=0", "--minimal")
 		swapped = append(swapped, job("buffered", 1, "0", "--verify_only=1")...)
 		swapped = append(swapped, job("direct", 0, "16M", "--verify_only=1")...)
-		run(t, "fio", swapped...)
-		d.stopClean()
+		Run(t, "fio", swapped...)
+		d.StopClean()
 		if format == "qcow2" {
-			qemuImgCheck(t, img)
+			QemuImgCheck(t, img)
 		}
 	})
 }
@@ -295,12 +261,12 @@ func TestKernelCacheFioBufferedAndDirectJobsAtOnce(t *testing.T) {
 // promises nothing here: the kernel starts the write-back to a FUSE server
 // without waiting for it (a check of the synced range failed under load).
 func TestKernelCacheFsyncedBytesSurviveSigkill(t *testing.T) {
-	kcEachFormat(t, "16M", nil, func(t *testing.T, format, dir, img, mnt string, d *daemon) {
+	EachCachedFormat(t, "16M", nil, func(t *testing.T, format, dir, img, mnt string, d *Daemon) {
 		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		a, b := kcRandom(6<<20, 5), kcRandom(6<<20, 6)
+		a, b := RandomBytes(6<<20, 5), RandomBytes(6<<20, 6)
 		for off := 0; off < len(a); off += 4096 {
 			if _, err := f.WriteAt(a[off:off+4096], int64(off)); err != nil {
 				t.Fatal(err)
@@ -315,16 +281,16 @@ func TestKernelCacheFsyncedBytesSurviveSigkill(t *testing.T) {
 			}
 		}
 		syscall.Sync()
-		d.cmd.Process.Kill()
-		<-d.exited
+		d.Cmd.Process.Kill()
+		<-d.Exited
 		f.Close()
-		waitUnlocked(t, img)
+		WaitUnlocked(t, img)
 		content := img
 		if format == "qcow2" {
-			content = toRaw(t, img, dir)
+			content = ToRaw(t, img, dir)
 		}
-		got := readAll(t, content)
-		mustEqualBytes(t, "fsynced range", got[:6<<20], a)
+		got := ReadAll(t, content)
+		MustEqualBytes(t, "fsynced range", got[:6<<20], a)
 	})
 }
 
@@ -336,9 +302,9 @@ func TestKernelCacheSigtermWritesBackDirtyPages(t *testing.T) {
 	dir := t.TempDir()
 	const blocks = 2048
 	img := filepath.Join(dir, "img")
-	createImage(t, "-f", "raw", img, strconv.Itoa(blocks*4096))
+	CreateImage(t, "-f", "raw", img, strconv.Itoa(blocks*4096))
 	mnt := filepath.Join(dir, "mnt")
-	d := kcStart(t, img, mnt, "-f", "raw")
+	d := startCached(t, img, mnt, "-f", "raw")
 	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -364,18 +330,18 @@ func TestKernelCacheSigtermWritesBackDirtyPages(t *testing.T) {
 	for range 300 {
 		<-acked
 	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
+	d.Cmd.Process.Signal(syscall.SIGTERM)
 	n := 300
 	for range acked {
 		n++
 	}
-	if code := d.wait(30 * time.Second); code != 0 {
-		t.Fatalf("exit %d after SIGTERM\n%s", code, d.log())
+	if code := d.Wait(30 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, d.Log())
 	}
-	got := readAll(t, img)
+	got := ReadAll(t, img)
 	for i := 0; i < n; i++ {
 		if binary.LittleEndian.Uint64(got[i*4096:]) != uint64(i)+1 {
-			t.Fatalf("block %d of %d written before SIGTERM is not in the image\n%s", i, n, d.log())
+			t.Fatalf("block %d of %d written before SIGTERM is not in the image\n%s", i, n, d.Log())
 		}
 	}
 }
@@ -388,20 +354,20 @@ func TestKernelCacheSigtermWritesBackDirtyPages(t *testing.T) {
 // off for it altogether.
 func TestKernelCacheOfNBDSourceRevalidatedOnOpen(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "src.img", 4<<20)
+	img := SparseImage(t, dir, "src.img", 4<<20)
 	sock := filepath.Join(dir, "nbd.sock")
-	startServerProc(t, sock, "qemu-nbd", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
-	uri := nbdURI("disk", sock)
+	StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+	uri := NBDURI("disk", sock)
 	mnt := filepath.Join(dir, "mnt")
-	kcStart(t, uri, mnt)
-	mustEqualBytes(t, "before", kcPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 4k", uri)
-	mustEqualBytes(t, "after another client's write", kcPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x5a}, 4096))
+	startCached(t, uri, mnt)
+	MustEqualBytes(t, "before", CachedPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 1M 4k", uri)
+	MustEqualBytes(t, "after another client's write", CachedPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x5a}, 4096))
 
 	mnt2 := filepath.Join(dir, "mnt2")
-	d := startExport(t, uri, mnt2, "--kernel-cache", "auto")
-	if !strings.Contains(d.log(), "kernel_cache=false") {
-		t.Fatalf("auto turned the kernel cache on for an NBD source\n%s", d.log())
+	d := StartExport(t, uri, mnt2, "--kernel-cache", "auto")
+	if !strings.Contains(d.Log(), "kernel_cache=false") {
+		t.Fatalf("auto turned the kernel cache on for an NBD source\n%s", d.Log())
 	}
 }
 
@@ -412,31 +378,15 @@ func TestKernelCacheOfNBDSourceRevalidatedOnOpen(t *testing.T) {
 // the old bytes came back.)
 func TestKernelCacheOfRawImageRevalidatedOnOpen(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "ro.img", 4<<20)
+	img := SparseImage(t, dir, "ro.img", 4<<20)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "--kernel-cache", "on")
-	if !strings.Contains(d.log(), "kernel_cache=true") {
-		t.Fatalf("the export did not turn the kernel cache on\n%s", d.log())
+	d := StartExport(t, img, mnt, "-f", "raw", "--kernel-cache", "on")
+	if !strings.Contains(d.Log(), "kernel_cache=true") {
+		t.Fatalf("the export did not turn the kernel cache on\n%s", d.Log())
 	}
-	mustEqualBytes(t, "before", kcPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x6b 1M 4k", img)
-	mustEqualBytes(t, "after qemu-io wrote the image", kcPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x6b}, 4096))
-}
-
-// kcEachFormat runs fn as a subtest for a raw and a qcow2 image of size,
-// each exported writable with the kernel cache on (and args).
-func kcEachFormat(t *testing.T, size string, args []string, fn func(t *testing.T, format, dir, img, mnt string, d *daemon)) {
-	t.Helper()
-	for _, format := range []string{"raw", "qcow2"} {
-		t.Run(format, func(t *testing.T) {
-			dir := t.TempDir()
-			img := filepath.Join(dir, "img")
-			createImage(t, "-f", format, img, size)
-			mnt := filepath.Join(dir, "mnt")
-			d := kcStart(t, img, mnt, append([]string{"-f", format}, args...)...)
-			fn(t, format, dir, img, mnt, d)
-		})
-	}
+	MustEqualBytes(t, "before", CachedPread(t, mnt, 1<<20, 4096), make([]byte, 4096))
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x6b 1M 4k", img)
+	MustEqualBytes(t, "after qemu-io wrote the image", CachedPread(t, mnt, 1<<20, 4096), bytes.Repeat([]byte{0x6b}, 4096))
 }
 
 // TestReadAheadWindowFollowsFlagAndDisk: the export's bdi reads ahead as far as asked
@@ -445,7 +395,7 @@ func kcEachFormat(t *testing.T, size string, args []string, fn func(t *testing.T
 // window under 4 KiB is refused.
 func TestReadAheadWindowFollowsFlagAndDisk(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 32<<20, 3)
+	img := RandomImage(t, dir, 32<<20, 3)
 	var st unix.Stat_t
 	if err := unix.Stat(img, &st); err != nil {
 		t.Fatal(err)
@@ -469,7 +419,7 @@ func TestReadAheadWindowFollowsFlagAndDisk(t *testing.T) {
 	} {
 		t.Run(tc.arg, func(t *testing.T) {
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := kcStart(t, img, mnt, "-f", "raw", "--read-ahead", tc.arg)
+			d := startCached(t, img, mnt, "-f", "raw", "--read-ahead", tc.arg)
 			var mst unix.Stat_t
 			if err := unix.Stat(mnt, &mst); err != nil {
 				t.Fatal(err)
@@ -479,19 +429,19 @@ func TestReadAheadWindowFollowsFlagAndDisk(t *testing.T) {
 				t.Fatal(err)
 			}
 			if got, _ := strconv.Atoi(strings.TrimSpace(string(b))); got != tc.wantKB {
-				t.Fatalf("--read-ahead %s: the export's bdi reads ahead %d KiB, want %d\n%s", tc.arg, got, tc.wantKB, d.log())
+				t.Fatalf("--read-ahead %s: the export's bdi reads ahead %d KiB, want %d\n%s", tc.arg, got, tc.wantKB, d.Log())
 			}
-			mustEqualBytes(t, "first 8 MiB", kcPread(t, mnt, 0, 8<<20), readAll(t, img)[:8<<20])
+			MustEqualBytes(t, "first 8 MiB", CachedPread(t, mnt, 0, 8<<20), ReadAll(t, img)[:8<<20])
 		})
 	}
-	if out, err := exec.Command(bin, "fuse", "--read-ahead", "1K", img, filepath.Join(dir, "x")).CombinedOutput(); err == nil || !strings.Contains(string(out), "--read-ahead") {
+	if out, err := exec.Command(Bin, "fuse", "--read-ahead", "1K", img, filepath.Join(dir, "x")).CombinedOutput(); err == nil || !strings.Contains(string(out), "--read-ahead") {
 		t.Fatalf("--read-ahead 1K: %v, %s; want a usage error naming the flag", err, out)
 	}
 }
 
-// kcResident is how many of the first n bytes' pages of path the page
+// residentPages is how many of the first n bytes' pages of path the page
 // cache holds.
-func kcResident(t *testing.T, path string, n int) int {
+func residentPages(t *testing.T, path string, n int) int {
 	t.Helper()
 	k, err := aiotest.Resident(path, n)
 	if err != nil {
@@ -512,8 +462,8 @@ func TestKernelCacheDropsHostPagesBehindReads(t *testing.T) {
 	for _, kc := range []string{"on", "off"} {
 		t.Run(kc, func(t *testing.T) {
 			dir := t.TempDir()
-			img := randomImage(t, dir, size, 9)
-			want := readAll(t, img)
+			img := RandomImage(t, dir, size, 9)
+			want := ReadAll(t, img)
 			fd, err := unix.Open(img, unix.O_RDONLY, 0)
 			if err != nil {
 				t.Fatal(err)
@@ -521,14 +471,14 @@ func TestKernelCacheDropsHostPagesBehindReads(t *testing.T) {
 			unix.Fdatasync(fd) // dirty pages are not dropped
 			unix.Fadvise(fd, 0, size, unix.FADV_DONTNEED)
 			unix.Close(fd)
-			if k := kcResident(t, img, size); k > 0 {
+			if k := residentPages(t, img, size); k > 0 {
 				t.Fatalf("%d pages of the image still cached after FADV_DONTNEED", k)
 			}
 			mnt := filepath.Join(dir, "mnt")
-			startExport(t, img, mnt, "-f", "raw", "--kernel-cache", kc, "--cache", "writeback")
-			mustEqualBytes(t, "export", readAll(t, mnt), want)
-			k := kcResident(t, img, size)
-			for deadline := time.Now().Add(5 * time.Second); kc == "on" && k > 0 && time.Now().Before(deadline); k = kcResident(t, img, size) {
+			StartExport(t, img, mnt, "-f", "raw", "--kernel-cache", kc, "--cache", "writeback")
+			MustEqualBytes(t, "export", ReadAll(t, mnt), want)
+			k := residentPages(t, img, size)
+			for deadline := time.Now().Add(5 * time.Second); kc == "on" && k > 0 && time.Now().Before(deadline); k = residentPages(t, img, size) {
 				time.Sleep(50 * time.Millisecond)
 			}
 			switch {
@@ -552,7 +502,7 @@ func TestKernelCacheShowsImageSizeAtFirstSight(t *testing.T) {
 	dir := t.TempDir()
 	const size = 8<<20 + 1000
 	img := filepath.Join(dir, "odd.raw")
-	data := kcRandom(size, 31)
+	data := RandomBytes(size, 31)
 	if err := os.WriteFile(img, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -561,7 +511,7 @@ func TestKernelCacheShowsImageSizeAtFirstSight(t *testing.T) {
 		seen := make(chan error, 1)
 		quit := make(chan struct{})
 		go func() {
-			for !isFuseMount(mnt) {
+			for !IsFuseMount(mnt) {
 				select {
 				case <-quit:
 					seen <- fmt.Errorf("the mount never showed")
@@ -580,7 +530,7 @@ func TestKernelCacheShowsImageSizeAtFirstSight(t *testing.T) {
 			}
 			seen <- nil
 		}()
-		d := kcStart(t, img, mnt, "-f", "raw")
+		d := startCached(t, img, mnt, "-f", "raw")
 		var err error
 		select {
 		case err = <-seen:
@@ -591,10 +541,10 @@ func TestKernelCacheShowsImageSizeAtFirstSight(t *testing.T) {
 		if err != nil {
 			t.Fatalf("round %d: %v", i, err)
 		}
-		mustEqualBytes(t, "the last 5000 bytes", kcPread(t, mnt, size-5000, 5000), data[size-5000:])
+		MustEqualBytes(t, "the last 5000 bytes", CachedPread(t, mnt, size-5000, 5000), data[size-5000:])
 		if fi, err := os.Stat(mnt); err != nil || fi.Size() != size {
 			t.Fatalf("round %d: size once serving %v, %v", i, fi, err)
 		}
-		d.stopClean()
+		d.StopClean()
 	}
 }

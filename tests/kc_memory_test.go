@@ -11,11 +11,11 @@ import (
 	"time"
 )
 
-// kcMemCgroup makes a memory cgroup limited to limit bytes, below this
+// memoryCgroup makes a memory cgroup limited to limit bytes, below this
 // process's own (cgroup v2 where the memory controller is there, else
 // v1's memory hierarchy), and returns its cgroup.procs file. Cleanup
 // moves anything left in it out and removes it.
-func kcMemCgroup(t *testing.T, limit int64) string {
+func memoryCgroup(t *testing.T, limit int64) string {
 	t.Helper()
 	self, err := os.ReadFile("/proc/self/cgroup")
 	if err != nil {
@@ -77,31 +77,31 @@ func kcMemCgroup(t *testing.T, limit int64) string {
 // its dirty pages bounded (strict_limit, max_ratio 1).
 func TestKernelCacheLoopMountUnderMemoryLimitDoesNotDeadlock(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "img", 1<<30)
+	img := SparseImage(t, dir, "img", 1<<30)
 	mnt := filepath.Join(dir, "mnt")
-	kcStart(t, img, mnt, "-f", "raw")
-	dev := strings.TrimSpace(run(t, "stat", "-c", "%Hd:%Ld", mnt))
+	startCached(t, img, mnt, "-f", "raw")
+	dev := strings.TrimSpace(Run(t, "stat", "-c", "%Hd:%Ld", mnt))
 	for file, want := range map[string]string{"strict_limit": "1", "max_ratio": "1"} {
 		b, err := os.ReadFile(filepath.Join("/sys/class/bdi", dev, file))
 		if err != nil || strings.TrimSpace(string(b)) != want {
 			t.Fatalf("bdi %s %s: %q %v, want %s", dev, file, b, err, want)
 		}
 	}
-	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", mnt))
+	loop := strings.TrimSpace(Run(t, "losetup", "--find", "--show", mnt))
 	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
-	run(t, "mkfs.ext4", "-q", "-F", loop)
+	Run(t, "mkfs.ext4", "-q", "-F", loop)
 	fsdir := filepath.Join(dir, "fs")
 	if err := os.Mkdir(fsdir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	run(t, "mount", loop, fsdir)
+	Run(t, "mount", loop, fsdir)
 	mounted := true
 	t.Cleanup(func() {
 		if mounted {
 			exec.Command("umount", fsdir).Run()
 		}
 	})
-	procs := kcMemCgroup(t, 64<<20)
+	procs := memoryCgroup(t, 64<<20)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	job := exec.CommandContext(ctx, "bash", "-c",
@@ -110,7 +110,7 @@ func TestKernelCacheLoopMountUnderMemoryLimitDoesNotDeadlock(t *testing.T) {
 	if out, err := job.CombinedOutput(); err != nil {
 		t.Fatalf("write job under a 64 MiB memory limit: %v %s", err, out)
 	}
-	run(t, "umount", fsdir)
+	Run(t, "umount", fsdir)
 	mounted = false
-	run(t, "e2fsck", "-fn", loop)
+	Run(t, "e2fsck", "-fn", loop)
 }

@@ -33,29 +33,29 @@ import (
 func TestKernelCacheBufferedReadSeesDirectWriteRacingIt(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "img")
-	createImage(t, "-f", "raw", img, "4M")
+	CreateImage(t, "-f", "raw", img, "4M")
 	mnt := filepath.Join(dir, "mnt")
-	kcStart(t, img, mnt, "-f", "raw", "--cache", "none")
+	startCached(t, img, mnt, "-f", "raw", "--cache", "none")
 	// Two writers on alternate blocks, so that one's write lands in a
 	// granule while the other's drop of it is still under way (a write
 	// that took the other's cleared mark as "nothing cached here" replied
 	// while its page still held the old bytes; found in review).
-	fxGuard(t, mnt, func() {
+	GuardAgainstHang(t, mnt, func() {
 		var wg sync.WaitGroup
 		for wr := range 2 {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				kcRaceDirectWritesAndReads(t, mnt, wr, 2)
+				raceDirectWritesAndReads(t, mnt, wr, 2)
 			}()
 		}
 		wg.Wait()
 	})
 }
 
-// kcRaceDirectWritesAndReads is writer wr of writers: it writes every
+// raceDirectWritesAndReads is writer wr of writers: it writes every
 // writers-th block from wr on, with two buffered readers of its own.
-func kcRaceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
+func raceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
 	w, err := aio.Open(mnt, aio.Options{Backend: aio.IOUring, Writable: true, Direct: true})
 	if err != nil {
 		t.Error(err)
@@ -97,7 +97,7 @@ func kcRaceDirectWritesAndReads(t *testing.T, mnt string, wr, writers int) {
 		return
 	}
 	defer unix.Close(check)
-	buf := kcAlignedBuf(4096)
+	buf := AlignedBuf(4096)
 	got := make([]byte, 4096)
 	ctx := context.Background()
 	stale := 0

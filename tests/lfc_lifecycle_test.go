@@ -19,7 +19,7 @@ import (
 // (the unmount retrying when the second comes).
 func TestSecondSigtermIsAnOrderlyStop(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 25)
+	img := RandomImage(t, dir, 1<<20, 25)
 	for _, busy := range []bool{false, true} {
 		name := "idle"
 		if busy {
@@ -27,7 +27,7 @@ func TestSecondSigtermIsAnOrderlyStop(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			mnt := filepath.Join(dir, "mnt-"+name)
-			d := startExport(t, img, mnt, "-f", "raw")
+			d := StartExport(t, img, mnt, "-f", "raw")
 			if busy {
 				f, err := os.Open(mnt)
 				if err != nil {
@@ -35,19 +35,19 @@ func TestSecondSigtermIsAnOrderlyStop(t *testing.T) {
 				}
 				t.Cleanup(func() { f.Close() })
 			}
-			d.cmd.Process.Signal(syscall.SIGTERM)
+			d.Cmd.Process.Signal(syscall.SIGTERM)
 			if busy {
 				time.Sleep(50 * time.Millisecond) // the unmount is retrying (EBUSY)
 			}
-			d.cmd.Process.Signal(syscall.SIGTERM)
-			if code := d.wait(20 * time.Second); code != 0 {
-				t.Fatalf("exit %d after SIGTERM twice at once; want an orderly stop (0)\n%s", code, d.log())
+			d.Cmd.Process.Signal(syscall.SIGTERM)
+			if code := d.Wait(20 * time.Second); code != 0 {
+				t.Fatalf("exit %d after SIGTERM twice at once; want an orderly stop (0)\n%s", code, d.Log())
 			}
-			if isFuseMount(mnt) {
-				t.Fatalf("still mounted after two SIGTERMs\n%s", d.log())
+			if IsFuseMount(mnt) {
+				t.Fatalf("still mounted after two SIGTERMs\n%s", d.Log())
 			}
 			if _, err := os.Lstat(mnt); !os.IsNotExist(err) {
-				t.Fatalf("the mountpoint file we created is left behind (%v)\n%s", err, d.log())
+				t.Fatalf("the mountpoint file we created is left behind (%v)\n%s", err, d.Log())
 			}
 		})
 	}
@@ -59,13 +59,13 @@ func TestSecondSigtermIsAnOrderlyStop(t *testing.T) {
 func TestSignalDuringHungStopExitsAndCleansUp(t *testing.T) {
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src.raw")
-	run(t, "qemu-img", "create", "-q", "-f", "raw", src, "4M")
+	Run(t, "qemu-img", "create", "-q", "-f", "raw", src, "4M")
 	sock := filepath.Join(dir, "s.sock")
-	srv := startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-t", "-k", sock, src)
-	t.Cleanup(func() { srv.cmd.Process.Signal(syscall.SIGCONT) })
+	srv := StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "-t", "-k", sock, src)
+	t.Cleanup(func() { srv.Cmd.Process.Signal(syscall.SIGCONT) })
 	mnt := filepath.Join(dir, "mnt")
 	pidfile := filepath.Join(dir, "pid")
-	d := startExport(t, nbdURI("", sock), mnt, "-w", "--reconnect-timeout", "60s", "--pidfile", pidfile)
+	d := StartExport(t, NBDURI("", sock), mnt, "-w", "--reconnect-timeout", "60s", "--pidfile", pidfile)
 	// A write, so that the final flush has something to send.
 	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
 	if err != nil {
@@ -75,27 +75,27 @@ func TestSignalDuringHungStopExitsAndCleansUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	srv.cmd.Process.Signal(syscall.SIGSTOP)
-	d.cmd.Process.Signal(syscall.SIGTERM)
+	srv.Cmd.Process.Signal(syscall.SIGSTOP)
+	d.Cmd.Process.Signal(syscall.SIGTERM)
 	time.Sleep(time.Second)
 	select {
-	case <-d.exited:
-		t.Fatalf("the stop did not hang on the stopped server; nothing to test\n%s", d.log())
+	case <-d.Exited:
+		t.Fatalf("the stop did not hang on the stopped server; nothing to test\n%s", d.Log())
 	default:
 	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
-	if code := d.wait(20 * time.Second); code != 1 {
-		t.Fatalf("exit %d after a second SIGTERM; want 1 (exited at once)\n%s", code, d.log())
+	d.Cmd.Process.Signal(syscall.SIGTERM)
+	if code := d.Wait(20 * time.Second); code != 1 {
+		t.Fatalf("exit %d after a second SIGTERM; want 1 (exited at once)\n%s", code, d.Log())
 	}
-	if !strings.Contains(d.log(), "exiting at once") {
-		t.Fatalf("no log line for the fast exit:\n%s", d.log())
+	if !strings.Contains(d.Log(), "exiting at once") {
+		t.Fatalf("no log line for the fast exit:\n%s", d.Log())
 	}
-	if isFuseMount(mnt) {
-		t.Fatalf("the fast exit left the mount\n%s", d.log())
+	if IsFuseMount(mnt) {
+		t.Fatalf("the fast exit left the mount\n%s", d.Log())
 	}
 	for _, p := range []string{mnt, pidfile} {
 		if _, err := os.Lstat(p); !os.IsNotExist(err) {
-			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, d.log())
+			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, d.Log())
 		}
 	}
 }
@@ -107,9 +107,9 @@ func TestSignalDuringHungStopExitsAndCleansUp(t *testing.T) {
 // export ends, and the file put there must survive (it was removed).
 func TestMountpointFileRemovedOnlyIfOurs(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 26)
+	img := RandomImage(t, dir, 1<<20, 26)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw")
+	d := StartExport(t, img, mnt, "-f", "raw")
 	held, err := os.Open(mnt)
 	if err != nil {
 		t.Fatal(err)
@@ -126,12 +126,12 @@ func TestMountpointFileRemovedOnlyIfOurs(t *testing.T) {
 		t.Fatal(err)
 	}
 	held.Close() // the last user: the FUSE connection ends, the export exits
-	if code := d.wait(20 * time.Second); code != 0 {
-		t.Fatalf("exit %d\n%s", code, d.log())
+	if code := d.Wait(20 * time.Second); code != 0 {
+		t.Fatalf("exit %d\n%s", code, d.Log())
 	}
 	b, err := os.ReadFile(mnt)
 	if err != nil || string(b) != "not the exporter's\n" {
-		t.Fatalf("the file renamed into the mountpoint's place was removed or changed at exit: %q %v\n%s", b, err, d.log())
+		t.Fatalf("the file renamed into the mountpoint's place was removed or changed at exit: %q %v\n%s", b, err, d.Log())
 	}
 }
 
@@ -142,13 +142,13 @@ func TestMountpointFileRemovedOnlyIfOurs(t *testing.T) {
 // holder) is taken over.
 func TestPidfileLockedPrivateAndRemovedOnlyIfOurs(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 27)
+	img := RandomImage(t, dir, 1<<20, 27)
 	pidfile := filepath.Join(dir, "pid")
 	// Stale: left by a process that is gone, world-readable.
 	if err := os.WriteFile(pidfile, []byte("999999999\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d := startExport(t, img, filepath.Join(dir, "mnt1"), "-f", "raw", "--pidfile", pidfile)
+	d := StartExport(t, img, filepath.Join(dir, "mnt1"), "-f", "raw", "--pidfile", pidfile)
 	st, err := os.Stat(pidfile)
 	if err != nil {
 		t.Fatal(err)
@@ -156,13 +156,13 @@ func TestPidfileLockedPrivateAndRemovedOnlyIfOurs(t *testing.T) {
 	if st.Mode().Perm() != 0o600 {
 		t.Fatalf("pidfile mode %v, want 0600", st.Mode().Perm())
 	}
-	want := strconv.Itoa(d.cmd.Process.Pid) + "\n"
+	want := strconv.Itoa(d.Cmd.Process.Pid) + "\n"
 	if b, _ := os.ReadFile(pidfile); string(b) != want {
 		t.Fatalf("pidfile holds %q, want %q", b, want)
 	}
 	mnt2 := filepath.Join(dir, "mnt2")
-	code, out := runBlockexport(t, "fuse", "-f", "raw", "--pidfile", pidfile, img, mnt2)
-	if code != 1 || strings.Count(out, "\n") != 1 || !strings.Contains(out, "pidfile") || !strings.Contains(out, strconv.Itoa(d.cmd.Process.Pid)) {
+	code, out := RunBlockexport(t, "fuse", "-f", "raw", "--pidfile", pidfile, img, mnt2)
+	if code != 1 || strings.Count(out, "\n") != 1 || !strings.Contains(out, "pidfile") || !strings.Contains(out, strconv.Itoa(d.Cmd.Process.Pid)) {
 		t.Fatalf("a second instance with the same pidfile: exit %d, %q; want 1 and one line naming the pidfile and its holder", code, out)
 	}
 	if _, err := os.Lstat(mnt2); !os.IsNotExist(err) {
@@ -177,14 +177,14 @@ func TestPidfileLockedPrivateAndRemovedOnlyIfOurs(t *testing.T) {
 	if err := os.Rename(theirs, pidfile); err != nil {
 		t.Fatal(err)
 	}
-	d.stopClean()
+	d.StopClean()
 	if b, err := os.ReadFile(pidfile); err != nil || string(b) != "1\n" {
 		t.Fatalf("a pidfile that was no longer ours was removed or changed at exit: %q %v", b, err)
 	}
 	os.Remove(pidfile)
 	// Ours is removed at exit.
-	d = startExport(t, img, filepath.Join(dir, "mnt3"), "-f", "raw", "--pidfile", pidfile)
-	d.stopClean()
+	d = StartExport(t, img, filepath.Join(dir, "mnt3"), "-f", "raw", "--pidfile", pidfile)
+	d.StopClean()
 	if _, err := os.Lstat(pidfile); !os.IsNotExist(err) {
 		t.Fatalf("pidfile left behind: %v", err)
 	}

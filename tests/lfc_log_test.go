@@ -13,22 +13,22 @@ import (
 	"time"
 )
 
-// lfcDaemonPid reads the PID a --daemonize run left in pidfile, and stops
+// daemonPid reads the PID a --daemonize run left in pidfile, and stops
 // that process at the end of the test.
-func lfcDaemonPid(t *testing.T, pidfile string) int {
+func daemonPid(t *testing.T, pidfile string) int {
 	t.Helper()
 	pid := 0
 	if b, err := os.ReadFile(pidfile); err == nil {
 		fmt.Sscanf(string(b), "%d", &pid)
 	}
 	if pid > 0 {
-		t.Cleanup(func() { lfcStopPid(pid) })
+		t.Cleanup(func() { stopPid(pid) })
 	}
 	return pid
 }
 
-// lfcStopPid sends SIGTERM to pid and waits (up to 10 s) for it to go.
-func lfcStopPid(pid int) bool {
+// stopPid sends SIGTERM to pid and waits (up to 10 s) for it to go.
+func stopPid(pid int) bool {
 	syscall.Kill(pid, syscall.SIGTERM)
 	for i := 0; i < 1000; i++ {
 		if syscall.Kill(pid, 0) != nil {
@@ -47,14 +47,14 @@ func lfcStopPid(pid int) bool {
 // starts.
 func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 28)
+	img := RandomImage(t, dir, 1<<20, 28)
 	mnt := filepath.Join(dir, "mnt")
 	pidfile := filepath.Join(dir, "pid")
 	logf := filepath.Join(dir, "export.log")
-	code, out := runBlockexport(t, "fuse", "-f", "raw", "--daemonize", "--pidfile", pidfile, "--log-file", logf, img, mnt)
-	pid := lfcDaemonPid(t, pidfile)
+	code, out := RunBlockexport(t, "fuse", "-f", "raw", "--daemonize", "--pidfile", pidfile, "--log-file", logf, img, mnt)
+	pid := daemonPid(t, pidfile)
 	t.Cleanup(func() {
-		if isFuseMount(mnt) {
+		if IsFuseMount(mnt) {
 			syscall.Unmount(mnt, syscall.MNT_DETACH)
 		}
 	})
@@ -72,7 +72,7 @@ func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 	if !strings.Contains(string(b), "msg=exporting") {
 		t.Fatalf("the log file has no serving line:\n%s", b)
 	}
-	if !lfcStopPid(pid) {
+	if !stopPid(pid) {
 		t.Fatal("the daemon did not exit on SIGTERM")
 	}
 	b, _ = os.ReadFile(logf)
@@ -83,19 +83,19 @@ func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 	// Appended to, never truncated.
 	before := string(b)
 	mnt2 := filepath.Join(dir, "mnt2")
-	d := startDaemon(t, mnt2, bin, "fuse", "-f", "raw", "--log-file", logf, img, mnt2)
+	d := StartDaemon(t, mnt2, Bin, "fuse", "-f", "raw", "--log-file", logf, img, mnt2)
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		if b, _ = os.ReadFile(logf); strings.Count(string(b), "msg=exporting") == 2 || time.Now().After(deadline) {
 			break
 		}
 	}
-	d.stopClean()
+	d.StopClean()
 	b, _ = os.ReadFile(logf)
 	if !strings.HasPrefix(string(b), before) || strings.Count(string(b), "msg=exporting") != 2 {
 		t.Fatalf("the second run did not append to the log file:\n%s", b)
 	}
-	if strings.Contains(d.log(), "msg=exporting") {
-		t.Fatalf("with --log-file the log still went to stderr:\n%s", d.log())
+	if strings.Contains(d.Log(), "msg=exporting") {
+		t.Fatalf("with --log-file the log still went to stderr:\n%s", d.Log())
 	}
 
 	// Errors at start: one line, exit 1, nothing mounted or created.
@@ -104,7 +104,7 @@ func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 		{"fuse", "-f", "raw", "--daemonize", "--log-file", dir, img, filepath.Join(dir, "mnt3")},
 		{"nbd", "-f", "raw", "--listen", "unix:" + filepath.Join(dir, "s.sock"), "--log-file", filepath.Join(dir, "absent", "log"), img},
 	} {
-		code, out := runBlockexport(t, args...)
+		code, out := RunBlockexport(t, args...)
 		if code != 1 || strings.Count(out, "\n") != 1 || !strings.Contains(out, "--log-file") {
 			t.Fatalf("%v: exit %d, %q; want 1 and one line naming --log-file", args, code, out)
 		}
@@ -116,27 +116,27 @@ func TestDaemonLogFileKeepsLinesAfterDaemonize(t *testing.T) {
 	}
 }
 
-// lfcSyslog is a fake syslog daemon: a datagram socket that collects the
+// syslogListener is a fake syslog daemon: a datagram socket that collects the
 // messages sent to it.
-type lfcSyslog struct {
+type syslogListener struct {
 	mu   sync.Mutex
 	msgs []string
 }
 
-func (s *lfcSyslog) text() string {
+func (s *syslogListener) text() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return strings.Join(s.msgs, "\n")
 }
 
-// lfcListenSyslog listens on a datagram socket at path until the test ends.
-func lfcListenSyslog(t *testing.T, path string) *lfcSyslog {
+// listenSyslog listens on a datagram socket at path until the test ends.
+func listenSyslog(t *testing.T, path string) *syslogListener {
 	t.Helper()
 	c, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &lfcSyslog{}
+	s := &syslogListener{}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -155,12 +155,12 @@ func lfcListenSyslog(t *testing.T, path string) *lfcSyslog {
 	return s
 }
 
-// lfcWithDevLog returns a command line that runs argv with target at
+// withDevLog returns a command line that runs argv with target at
 // /dev/log: when the machine has a /dev/log, in a private mount namespace
 // with target bound over it (the machine's logging is left alone); when it
 // has none, target is made there for the test's duration (mk is called to
 // make it) and removed after.
-func lfcWithDevLog(t *testing.T, target string, mk func(path string), argv ...string) []string {
+func withDevLog(t *testing.T, target string, mk func(path string), argv ...string) []string {
 	t.Helper()
 	if _, err := os.Lstat("/dev/log"); os.IsNotExist(err) {
 		mk("/dev/log")
@@ -178,21 +178,21 @@ func lfcWithDevLog(t *testing.T, target string, mk func(path string), argv ...st
 // says at start, on the caller's terminal, that its log will go nowhere.
 func TestDaemonLogsToSyslogOrSaysItCannot(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 29)
+	img := RandomImage(t, dir, 1<<20, 29)
 	sock := filepath.Join(dir, "nbd.sock")
 	pidfile := filepath.Join(dir, "pid")
-	var sl *lfcSyslog
-	argv := lfcWithDevLog(t, filepath.Join(dir, "log.sock"), func(p string) { sl = lfcListenSyslog(t, p) },
-		bin, "nbd", "--daemonize", "--pidfile", pidfile, "--listen", "unix:"+sock, "-f", "raw", img)
+	var sl *syslogListener
+	argv := withDevLog(t, filepath.Join(dir, "log.sock"), func(p string) { sl = listenSyslog(t, p) },
+		Bin, "nbd", "--daemonize", "--pidfile", pidfile, "--listen", "unix:"+sock, "-f", "raw", img)
 	out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput()
-	pid := lfcDaemonPid(t, pidfile)
+	pid := daemonPid(t, pidfile)
 	if err != nil || pid <= 0 {
 		t.Fatalf("--daemonize: %v, pid %d: %s", err, pid, out)
 	}
 	if !strings.Contains(string(out), "msg=\"serving NBD\"") {
 		t.Fatalf("the lines before the daemon is up no longer reach the caller's terminal: %q", out)
 	}
-	if !lfcStopPid(pid) {
+	if !stopPid(pid) {
 		t.Fatal("the daemon did not exit on SIGTERM")
 	}
 	deadline := time.Now().Add(5 * time.Second)
@@ -207,13 +207,13 @@ func TestDaemonLogsToSyslogOrSaysItCannot(t *testing.T) {
 
 	// Nothing takes syslog messages: a warning at start.
 	pidfile2 := filepath.Join(dir, "pid2")
-	argv = lfcWithDevLog(t, filepath.Join(dir, "not-a-socket"), func(p string) {
+	argv = withDevLog(t, filepath.Join(dir, "not-a-socket"), func(p string) {
 		if err := os.WriteFile(p, nil, 0o600); err != nil {
 			t.Fatal(err)
 		}
-	}, bin, "nbd", "--daemonize", "--pidfile", pidfile2, "--listen", "unix:"+filepath.Join(dir, "nbd2.sock"), "-f", "raw", img)
+	}, Bin, "nbd", "--daemonize", "--pidfile", pidfile2, "--listen", "unix:"+filepath.Join(dir, "nbd2.sock"), "-f", "raw", img)
 	out, err = exec.Command(argv[0], argv[1:]...).CombinedOutput()
-	pid = lfcDaemonPid(t, pidfile2)
+	pid = daemonPid(t, pidfile2)
 	if err != nil || pid <= 0 {
 		t.Fatalf("--daemonize: %v, pid %d: %s", err, pid, out)
 	}

@@ -19,10 +19,10 @@ import (
 // --max-clients slot for ever. Now the limit ends both directions: the
 // slot is free again, and a second client is served, within a bound.
 func TestNBDHandshakeFloodFreesItsClientSlot(t *testing.T) {
-	s := startNBD(t, "null:1M", false, "--max-clients", "1", "--handshake-limit", "1")
-	// startNBD's own probe connection may hold the slot for a moment.
+	s := StartNBD(t, "null:1M", false, "--max-clients", "1", "--handshake-limit", "1")
+	// StartNBD's own probe connection may hold the slot for a moment.
 	time.Sleep(100 * time.Millisecond)
-	c, err := net.Dial("unix", s.socket())
+	c, err := net.Dial("unix", s.Socket())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,12 +51,12 @@ func TestNBDHandshakeFloodFreesItsClientSlot(t *testing.T) {
 	}()
 	start := time.Now()
 	for {
-		out, err := exec.Command("nbdinfo", "--size", s.uri).CombinedOutput()
+		out, err := exec.Command("nbdinfo", "--size", s.URI).CombinedOutput()
 		if err == nil && strings.TrimSpace(string(out)) == "1048576" {
 			break
 		}
 		if time.Since(start) > 8*time.Second {
-			t.Fatalf("no client served %v after a flooding client took the only slot (--handshake-limit 1): %s\n%s", time.Since(start), out, s.log())
+			t.Fatalf("no client served %v after a flooding client took the only slot (--handshake-limit 1): %s\n%s", time.Since(start), out, s.Log())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -65,8 +65,8 @@ func TestNBDHandshakeFloodFreesItsClientSlot(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the flooding client's writes still go through: the server did not hang up on it")
 	}
-	if !strings.Contains(s.log(), "did not finish the handshake") {
-		t.Fatalf("no log line about the dropped client:\n%s", s.log())
+	if !strings.Contains(s.Log(), "did not finish the handshake") {
+		t.Fatalf("no log line about the dropped client:\n%s", s.Log())
 	}
 }
 
@@ -76,8 +76,8 @@ func TestNBDHandshakeFloodFreesItsClientSlot(t *testing.T) {
 // 1, and still removes the socket and the pidfile (it left both).
 func TestNBDSecondSigtermExitsAndRemovesSocketAndPidfile(t *testing.T) {
 	pidfile := filepath.Join(t.TempDir(), "pid")
-	s := startNBD(t, "null:1G", false, "--pidfile", pidfile)
-	c := rawNBDClient(t, s.socket())
+	s := StartNBD(t, "null:1G", false, "--pidfile", pidfile)
+	c := rawNBDClient(t, s.Socket())
 	t.Cleanup(func() { c.Close() })
 	be := binary.BigEndian
 	var reads []byte
@@ -93,20 +93,20 @@ func TestNBDSecondSigtermExitsAndRemovesSocketAndPidfile(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(300 * time.Millisecond) // the replies fill the socket
-	s.cmd.Process.Signal(syscall.SIGTERM)
+	s.Cmd.Process.Signal(syscall.SIGTERM)
 	time.Sleep(time.Second)
 	select {
-	case <-s.exited:
-		t.Fatalf("the stop did not wait for the client; nothing to test\n%s", s.log())
+	case <-s.Exited:
+		t.Fatalf("the stop did not wait for the client; nothing to test\n%s", s.Log())
 	default:
 	}
-	s.cmd.Process.Signal(syscall.SIGTERM)
-	if code := s.wait(20 * time.Second); code != 1 {
-		t.Fatalf("exit %d after a second SIGTERM; want 1\n%s", code, s.log())
+	s.Cmd.Process.Signal(syscall.SIGTERM)
+	if code := s.Wait(20 * time.Second); code != 1 {
+		t.Fatalf("exit %d after a second SIGTERM; want 1\n%s", code, s.Log())
 	}
-	for _, p := range []string{s.socket(), pidfile} {
+	for _, p := range []string{s.Socket(), pidfile} {
 		if _, err := os.Lstat(p); !os.IsNotExist(err) {
-			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, s.log())
+			t.Fatalf("the fast exit left %s behind (%v)\n%s", p, err, s.Log())
 		}
 	}
 }

@@ -12,9 +12,9 @@ import (
 	"time"
 )
 
-// lfcMountOptions returns the per-mount options of the FUSE mount on path
+// mountOptions returns the per-mount options of the FUSE mount on path
 // ("" if none).
-func lfcMountOptions(t *testing.T, path string) string {
+func mountOptions(t *testing.T, path string) string {
 	t.Helper()
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
@@ -24,26 +24,26 @@ func lfcMountOptions(t *testing.T, path string) string {
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		fields := strings.Fields(sc.Text())
-		if len(fields) >= 10 && fields[4] == path && isFuseMount(path) {
+		if len(fields) >= 10 && fields[4] == path && IsFuseMount(path) {
 			return fields[5]
 		}
 	}
 	return ""
 }
 
-// lfcRunAs runs the exporter as the user to completion (at most 10 s) and
+// runAs runs the exporter as the user to completion (at most 10 s) and
 // returns its exit code and output, leaving the mount, if any, for the
 // caller to see; t.Cleanup detaches it.
-func lfcRunAs(t *testing.T, u *asUser, mnt string, args ...string) (int, string) {
+func runAs(t *testing.T, u *User, mnt string, args ...string) (int, string) {
 	t.Helper()
 	t.Cleanup(func() {
-		if isFuseMount(mnt) {
+		if IsFuseMount(mnt) {
 			syscall.Unmount(mnt, syscall.MNT_DETACH)
 		}
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "setpriv", u.argv(append([]string{bin}, args...)...)...).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "setpriv", u.Argv(append([]string{Bin}, args...)...)...).CombinedOutput()
 	if ctx.Err() != nil {
 		return -1, string(out)
 	}
@@ -62,11 +62,11 @@ func lfcRunAs(t *testing.T, u *asUser, mnt string, args ...string) (int, string)
 // and the mountpoint file behind: umount2 as a user fails with EPERM. It
 // is undone with fusermount3 -u now.
 func TestUnprivilegedSetupFailureUnmounts(t *testing.T) {
-	u := unprivileged(t)
-	img := u.image(t, "pt.img", 1<<20, 30)
-	qcow := filepath.Join(u.dir, "pt.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
-	if err := os.Chown(qcow, u.uid, u.gid); err != nil {
+	u := Unprivileged(t)
+	img := u.Image(t, "pt.img", 1<<20, 30)
+	qcow := filepath.Join(u.Dir, "pt.qcow2")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
+	if err := os.Chown(qcow, u.UID, u.GID); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range []struct{ name, format, image string }{
@@ -74,12 +74,12 @@ func TestUnprivilegedSetupFailureUnmounts(t *testing.T) {
 		{"qcow2, passthrough impossible", "qcow2", qcow},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			mnt := filepath.Join(u.dir, "pt-"+c.format+".mnt")
-			code, out := lfcRunAs(t, u, mnt, "fuse", "-f", c.format, "--passthrough", "on", c.image, mnt)
+			mnt := filepath.Join(u.Dir, "pt-"+c.format+".mnt")
+			code, out := runAs(t, u, mnt, "fuse", "-f", c.format, "--passthrough", "on", c.image, mnt)
 			if code != 1 || !strings.Contains(out, "--passthrough on") {
 				t.Fatalf("exit %d, %q; want 1 and a line about --passthrough on", code, out)
 			}
-			if isFuseMount(mnt) {
+			if IsFuseMount(mnt) {
 				t.Fatalf("the failed export left its mount behind: %q", out)
 			}
 			if _, err := os.Lstat(mnt); !os.IsNotExist(err) {
@@ -94,17 +94,17 @@ func TestUnprivilegedSetupFailureUnmounts(t *testing.T) {
 // "fsname=x\,ro" into one option and mounted a read-only export writable.
 // Names with backslashes and commas keep "ro" now.
 func TestUnprivilegedImageNameKeepsReadOnly(t *testing.T) {
-	u := unprivileged(t)
+	u := Unprivileged(t)
 	for i, name := range []string{`back\`, `two\\`, `a\,b`} {
 		t.Run(name, func(t *testing.T) {
-			img := u.image(t, name, 1<<20, uint64(31+i))
-			mnt := filepath.Join(u.dir, "name.mnt")
-			d := u.export(t, img, mnt, "-f", "raw")
-			opts := lfcMountOptions(t, mnt)
+			img := u.Image(t, name, 1<<20, uint64(31+i))
+			mnt := filepath.Join(u.Dir, "name.mnt")
+			d := u.Export(t, img, mnt, "-f", "raw")
+			opts := mountOptions(t, mnt)
 			if !strings.Contains(","+opts+",", ",ro,") {
 				t.Fatalf("a read-only export of %q is mounted %q", img, opts)
 			}
-			d.stopClean()
+			d.StopClean()
 		})
 	}
 }

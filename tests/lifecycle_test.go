@@ -13,156 +13,27 @@ import (
 	"time"
 )
 
-func TestMountpointRules(t *testing.T) {
-	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 6)
-	before := fileHash(t, img)
-
-	t.Run("missing mountpoint is created and removed", func(t *testing.T) {
-		mnt := filepath.Join(dir, "created")
-		d := startExport(t, img, mnt, "-f", "raw")
-		if st, err := os.Stat(mnt); err != nil || st.Size() != 1<<20 {
-			t.Fatalf("stat of created mountpoint: %v", err)
-		}
-		d.stopClean()
-		if _, err := os.Stat(mnt); !os.IsNotExist(err) {
-			t.Fatalf("created mountpoint left behind: %v", err)
-		}
-	})
-	t.Run("directory mountpoint", func(t *testing.T) {
-		code, out := runBlockexport(t, "fuse", "-f", "raw", img, dir)
-		if code != 1 || !strings.Contains(out, "is a directory") || !strings.Contains(out, "--file-name") || strings.Count(out, "\n") != 1 {
-			t.Fatalf("exit %d, output %q; want 1 and one line saying it is a directory (and what to pass)", code, out)
-		}
-	})
-	t.Run("file-name needs a directory", func(t *testing.T) {
-		file := filepath.Join(dir, "plain")
-		os.WriteFile(file, nil, 0o600)
-		defer os.Remove(file)
-		for _, mnt := range []string{file, filepath.Join(dir, "absent")} {
-			code, out := runBlockexport(t, "fuse", "-f", "raw", "--file-name", "disk.img", img, mnt)
-			if code != 1 || !strings.Contains(out, "directory") || strings.Count(out, "\n") != 1 {
-				t.Fatalf("%s: exit %d, output %q; want 1 and one line asking for a directory", mnt, code, out)
-			}
-		}
-		if _, err := os.Stat(filepath.Join(dir, "absent")); !os.IsNotExist(err) {
-			t.Fatalf("a missing directory was created: %v", err)
-		}
-	})
-	t.Run("bad file-name", func(t *testing.T) {
-		for _, name := range []string{"", ".", "..", "a/b", strings.Repeat("x", 256)} {
-			code, out := runBlockexport(t, "fuse", "-f", "raw", "--file-name", name, img, dir)
-			if code != 2 || !strings.Contains(out, "--file-name") || strings.Count(out, "\n") != 1 {
-				t.Fatalf("--file-name %q: exit %d, output %q; want 2 and one line", name, code, out)
-			}
-		}
-	})
-	t.Run("missing parent directory", func(t *testing.T) {
-		code, out := runBlockexport(t, "fuse", "-f", "raw", img, filepath.Join(dir, "nope", "mnt"))
-		if code != 1 || !strings.Contains(out, "cannot create") {
-			t.Fatalf("exit %d, output %q", code, out)
-		}
-	})
-	t.Run("second export on the same path", func(t *testing.T) {
-		mnt := filepath.Join(dir, "dup")
-		startExport(t, img, mnt, "-f", "raw")
-		code, out := runBlockexport(t, "fuse", "-f", "raw", img, mnt)
-		if code != 1 || !strings.Contains(out, "already is a FUSE export") {
-			t.Fatalf("exit %d, output %q", code, out)
-		}
-		if !isFuseMount(mnt) {
-			t.Fatal("the first export was unmounted by the second attempt")
-		}
-	})
-	if fileHash(t, img) != before {
-		t.Fatal("the image changed")
-	}
-}
-
-func TestBadInputIsRefusedWithOneLine(t *testing.T) {
-	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 7)
-	before := fileHash(t, img)
-	qcow := filepath.Join(dir, "x.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", qcow, "1M")
-	markCorrupt(t, qcow)
-	mnt := filepath.Join(dir, "mnt")
-	cases := []struct {
-		name string
-		args []string
-		code int
-		say  string
-	}{
-		{"unknown flag", []string{"fuse", "--bogus", img, mnt}, 2, "unknown flag"},
-		{"unknown format", []string{"fuse", "-f", "vmdx", img, mnt}, 2, "unknown format"},
-		{"bad null size", []string{"fuse", "null:12Q", mnt}, 2, "bad size"},
-		{"missing arguments", []string{"fuse", img}, 2, "want IMAGE and MOUNTPOINT"},
-		{"growable without writable", []string{"fuse", "--growable", img, mnt}, 2, "--growable needs --writable"},
-		{"bad aio", []string{"fuse", "--aio", "posix", img, mnt}, 2, "unknown aio backend"},
-		{"unknown command", []string{"frobnicate"}, 2, "unknown command"},
-		{"missing image", []string{"fuse", filepath.Join(dir, "absent.img"), mnt}, 1, "no such file"},
-		{"writable qcow2 marked corrupt", []string{"fuse", "-w", qcow, mnt}, 1, "marked corrupt"},
-		{"null given as a path", []string{"fuse", "-f", "null", img, mnt}, 2, "null:SIZE"},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			code, out := runBlockexport(t, c.args...)
-			if code != c.code || !strings.Contains(strings.ToLower(out), strings.ToLower(c.say)) || strings.Count(strings.TrimSpace(out), "\n") != 0 {
-				t.Fatalf("exit %d, output %q; want exit %d and one line containing %q", code, out, c.code, c.say)
-			}
-			if isFuseMount(mnt) {
-				t.Fatal("something got mounted")
-			}
-		})
-	}
-	if fileHash(t, img) != before {
-		t.Fatal("the image changed")
-	}
-	if _, err := os.Stat(mnt); !os.IsNotExist(err) {
-		t.Fatalf("a failed export left its mountpoint behind: %v", err)
-	}
-}
-
-// markCorrupt sets a qcow2 image's corrupt bit (incompatible feature 1),
-// as QEMU does when it finds inconsistent metadata.
-func markCorrupt(t *testing.T, img string) {
-	t.Helper()
-	f, err := os.OpenFile(img, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var b [1]byte
-	if _, err := f.ReadAt(b[:], 79); err != nil { // low byte of the field at 72
-		t.Fatal(err)
-	}
-	b[0] |= 2
-	if _, err := f.WriteAt(b[:], 79); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestExternalUnmountEndsTheExport(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "u.img", 1<<20)
+	img := SparseImage(t, dir, "u.img", 1<<20)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "-w")
-	run(t, "fusermount3", "-u", mnt)
-	if code := d.wait(10 * time.Second); code != 0 {
-		t.Fatalf("exit %d after external unmount\n%s", code, d.log())
+	d := StartExport(t, img, mnt, "-f", "raw", "-w")
+	Run(t, "fusermount3", "-u", mnt)
+	if code := d.Wait(10 * time.Second); code != 0 {
+		t.Fatalf("exit %d after external unmount\n%s", code, d.Log())
 	}
 	// The process must have gone, not be spinning: wait returned.
-	if !strings.Contains(d.log(), "unmounted from outside") {
-		t.Fatalf("log does not say why it stopped:\n%s", d.log())
+	if !strings.Contains(d.Log(), "unmounted from outside") {
+		t.Fatalf("log does not say why it stopped:\n%s", d.Log())
 	}
 }
 
 func TestDaemonizeReturnsOnceServing(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 3<<20, 8)
+	img := RandomImage(t, dir, 3<<20, 8)
 	mnt := filepath.Join(dir, "mnt")
 	pidfile := filepath.Join(dir, "pid")
-	code, out := runBlockexport(t, "fuse", "-f", "raw", "--daemonize", "--pidfile", pidfile, img, mnt)
+	code, out := RunBlockexport(t, "fuse", "-f", "raw", "--daemonize", "--pidfile", pidfile, img, mnt)
 	pid := 0
 	if b, err := os.ReadFile(pidfile); err == nil {
 		pid, _ = strconv.Atoi(strings.TrimSpace(string(b)))
@@ -174,7 +45,7 @@ func TestDaemonizeReturnsOnceServing(t *testing.T) {
 				time.Sleep(20 * time.Millisecond)
 			}
 		}
-		if isFuseMount(mnt) {
+		if IsFuseMount(mnt) {
 			syscall.Unmount(mnt, syscall.MNT_DETACH)
 		}
 	})
@@ -189,7 +60,7 @@ func TestDaemonizeReturnsOnceServing(t *testing.T) {
 	if err != nil || st.Size() != 3<<20 {
 		t.Fatalf("stat right after --daemonize returned: %v", err)
 	}
-	mustEqualBytes(t, "daemonized export", readAll(t, mnt), readAll(t, img))
+	MustEqualBytes(t, "daemonized export", ReadAll(t, mnt), ReadAll(t, img))
 	syscall.Kill(pid, syscall.SIGTERM)
 	for i := 0; i < 500 && syscall.Kill(pid, 0) == nil; i++ {
 		time.Sleep(20 * time.Millisecond)
@@ -205,7 +76,7 @@ func TestDaemonizeReturnsOnceServing(t *testing.T) {
 	}
 
 	// A daemon that cannot come up says why and exits non-zero.
-	code, out = runBlockexport(t, "fuse", "--daemonize", filepath.Join(dir, "absent"), mnt)
+	code, out = RunBlockexport(t, "fuse", "--daemonize", filepath.Join(dir, "absent"), mnt)
 	if code != 1 || !strings.Contains(out, "no such file") {
 		t.Fatalf("--daemonize of a missing image: exit %d, %q", code, out)
 	}
@@ -225,9 +96,9 @@ func sigtermUnderLoad(t *testing.T, format string) {
 	dir := t.TempDir()
 	const blocks = 4096
 	img := filepath.Join(dir, "w."+format)
-	createImage(t, "-f", format, img, strconv.Itoa(blocks*4096))
+	CreateImage(t, "-f", format, img, strconv.Itoa(blocks*4096))
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", format, "-w")
+	d := StartExport(t, img, mnt, "-f", format, "-w")
 	f, err := os.OpenFile(mnt, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -250,21 +121,21 @@ func sigtermUnderLoad(t *testing.T, format string) {
 	for i := 0; i < 200; i++ {
 		<-acked
 	}
-	d.cmd.Process.Signal(syscall.SIGTERM)
+	d.Cmd.Process.Signal(syscall.SIGTERM)
 	var done []int
 	for i := range acked {
 		done = append(done, i)
 	}
 	f.Close()
-	if code := d.wait(20 * time.Second); code != 0 {
-		t.Fatalf("exit %d after SIGTERM\n%s", code, d.log())
+	if code := d.Wait(20 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, d.Log())
 	}
 	content := img
 	if format == "qcow2" {
-		qemuImgCheck(t, img)
-		content = toRaw(t, img, dir)
+		QemuImgCheck(t, img)
+		content = ToRaw(t, img, dir)
 	}
-	got := readAll(t, content)
+	got := ReadAll(t, content)
 	for i := 0; i < 200+len(done); i++ {
 		want := make([]byte, 8)
 		binary.LittleEndian.PutUint64(want, uint64(i)+1)
@@ -272,7 +143,7 @@ func sigtermUnderLoad(t *testing.T, format string) {
 			t.Fatalf("acknowledged block %d is not in the image", i)
 		}
 	}
-	if isFuseMount(mnt) {
+	if IsFuseMount(mnt) {
 		t.Fatal("still mounted")
 	}
 }
@@ -280,7 +151,7 @@ func sigtermUnderLoad(t *testing.T, format string) {
 func TestNullDevice(t *testing.T) {
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, "null:1G", mnt, "-w")
+	StartExport(t, "null:1G", mnt, "-w")
 	st, err := os.Stat(mnt)
 	if err != nil || st.Size() != 1<<30 {
 		t.Fatalf("null:1G: %v, size %d", err, st.Size())
@@ -297,8 +168,8 @@ func TestNullDevice(t *testing.T) {
 	if _, err := f.ReadAt(buf, 1<<20); err != nil {
 		t.Fatal(err)
 	}
-	mustEqualBytes(t, "null device read", buf, make([]byte, 65536))
-	out := run(t, "fio", "--name=null", "--filename="+mnt, "--rw=randrw", "--bs=4k", "--size=64M",
+	MustEqualBytes(t, "null device read", buf, make([]byte, 65536))
+	out := Run(t, "fio", "--name=null", "--filename="+mnt, "--rw=randrw", "--bs=4k", "--size=64M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--io_size=32M", "--minimal")
 	if !strings.Contains(out, "null;") {
 		t.Fatalf("fio output: %s", out)
@@ -309,13 +180,13 @@ func TestNullDevice(t *testing.T) {
 // count covers the reads a client made.
 func TestStatsCountRequests(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 4<<20, 31)
+	img := RandomImage(t, dir, 4<<20, 31)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "--stats", "100ms")
-	run(t, "dd", "if="+mnt, "of=/dev/null", "bs=4k", "count=300", "iflag=direct")
+	d := StartExport(t, img, mnt, "-f", "raw", "--stats", "100ms")
+	Run(t, "dd", "if="+mnt, "of=/dev/null", "bs=4k", "count=300", "iflag=direct")
 	time.Sleep(250 * time.Millisecond)
-	d.stopClean()
-	log := d.log()
+	d.StopClean()
+	log := d.Log()
 	if !strings.Contains(log, "msg=stats ") {
 		t.Fatalf("no interval line:\n%s", log)
 	}
@@ -336,11 +207,11 @@ func TestStatsCountRequests(t *testing.T) {
 func TestFileNameInDirectory(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "disk.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "32M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 1M 2M", img)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "32M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 1M 2M", img)
 	mnt := filepath.Join(dir, "mnt")
 	os.Mkdir(mnt, 0o755)
-	d := startExport(t, img, mnt, "-f", "qcow2", "-w", "--file-name", "disk.raw")
+	d := StartExport(t, img, mnt, "-f", "qcow2", "-w", "--file-name", "disk.raw")
 	file := filepath.Join(mnt, "disk.raw")
 
 	entries, err := os.ReadDir(mnt)
@@ -367,22 +238,22 @@ func TestFileNameInDirectory(t *testing.T) {
 		"chmod":   os.Chmod(mnt, 0o777),
 	}
 	for what, err := range refused {
-		if errnoOf(err) != syscall.EPERM {
+		if ErrnoOf(err) != syscall.EPERM {
 			t.Errorf("%s in the export's directory: %v; want EPERM", what, err)
 		}
 	}
 
 	// Real clients on the file: qemu-img sees the data written before,
 	// fio writes and verifies over it.
-	if out := run(t, "qemu-img", "compare", "-U", "-f", "raw", "-F", "qcow2", file, img); !strings.Contains(out, "identical") {
+	if out := Run(t, "qemu-img", "compare", "-U", "-f", "raw", "-F", "qcow2", file, img); !strings.Contains(out, "identical") {
 		t.Fatalf("qemu-img compare: %s", out)
 	}
-	run(t, "fio", "--name=verify", "--filename="+file, "--rw=randwrite", "--bs=4k", "--size=8M", "--offset=16M",
+	Run(t, "fio", "--name=verify", "--filename="+file, "--rw=randwrite", "--bs=4k", "--size=8M", "--offset=16M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
-	written := readAll(t, file)
-	d.stopClean()
+	written := ReadAll(t, file)
+	d.StopClean()
 
-	if isFuseMount(mnt) {
+	if IsFuseMount(mnt) {
 		t.Fatal("still mounted after SIGTERM")
 	}
 	if entries, err := os.ReadDir(mnt); err != nil || len(entries) != 0 {
@@ -390,7 +261,7 @@ func TestFileNameInDirectory(t *testing.T) {
 	}
 	// What fio wrote is in the image.
 	raw := filepath.Join(dir, "back.raw")
-	run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", img, raw)
-	mustEqualBytes(t, "the image after the export", readAll(t, raw), written)
-	run(t, "qemu-img", "check", img)
+	Run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", img, raw)
+	MustEqualBytes(t, "the image after the export", ReadAll(t, raw), written)
+	Run(t, "qemu-img", "check", img)
 }

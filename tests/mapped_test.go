@@ -22,10 +22,10 @@ func TestMappedReadsOfAnImageCutShort(t *testing.T) {
 		t.Run("mapped-reads="+mapped, func(t *testing.T) {
 			dir := t.TempDir()
 			const size = 8 << 20
-			img := randomImage(t, dir, size, 7)
-			want := readAll(t, img)
+			img := RandomImage(t, dir, size, 7)
+			want := ReadAll(t, img)
 			mnt := filepath.Join(dir, "mnt")
-			d := startExport(t, img, mnt, "--format", "raw", "--kernel-cache", "off", "--mapped-reads="+mapped)
+			d := StartExport(t, img, mnt, "--format", "raw", "--kernel-cache", "off", "--mapped-reads="+mapped)
 			fd, err := syscall.Open(mnt, syscall.O_RDONLY|syscall.O_DIRECT, 0)
 			if err != nil {
 				t.Fatal(err)
@@ -75,7 +75,7 @@ func TestMappedReadsOfAnImageCutShort(t *testing.T) {
 					t.Fatalf("read at %d after the cut: %d bytes, %v", off, len(got), err)
 				}
 			}
-			d.stopClean()
+			d.StopClean()
 		})
 	}
 }

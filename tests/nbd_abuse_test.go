@@ -12,9 +12,6 @@ import (
 	"time"
 )
 
-// socket is the unix socket path of a server startNBD started with tcp false.
-func (s *nbdServer) socket() string { return strings.TrimPrefix(s.uri, "nbd+unix:///?socket=") }
-
 // rawNBDClient connects and negotiates the default export with
 // NBD_OPT_EXPORT_NAME, leaving the connection ready for requests.
 func rawNBDClient(t *testing.T, sock string) net.Conn {
@@ -43,7 +40,7 @@ func rawNBDClient(t *testing.T, sock string) net.Conn {
 
 func vmHWM(t *testing.T, pid int) int64 {
 	t.Helper()
-	return procField(t, pid, "status", "VmHWM:") << 10
+	return ProcField(t, pid, "status", "VmHWM:") << 10
 }
 
 // TestNBDMemoryIsBoundedUnderAbuse: six clients each send a burst of 1000
@@ -52,10 +49,10 @@ func vmHWM(t *testing.T, pid int) int64 {
 // for six; qemu-nbd stays near 212 MiB). Now the bytes in flight are
 // bounded per connection and per server, and the server serves on.
 func TestNBDMemoryIsBoundedUnderAbuse(t *testing.T) {
-	s := startNBD(t, "null:64G", false)
+	s := StartNBD(t, "null:64G", false)
 	var wg sync.WaitGroup
 	for range 6 {
-		c := rawNBDClient(t, s.socket())
+		c := rawNBDClient(t, s.Socket())
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -78,11 +75,11 @@ func TestNBDMemoryIsBoundedUnderAbuse(t *testing.T) {
 	}
 	wg.Wait()
 	// The server is still there and serves a new client.
-	out, err := exec.Command("nbdinfo", "--size", s.uri).CombinedOutput()
+	out, err := exec.Command("nbdinfo", "--size", s.URI).CombinedOutput()
 	if err != nil || strings.TrimSpace(string(out)) != fmt.Sprint(int64(64)<<30) {
-		t.Fatalf("nbdinfo after the abuse: %v %s\n%s", err, out, s.log())
+		t.Fatalf("nbdinfo after the abuse: %v %s\n%s", err, out, s.Log())
 	}
-	hwm := vmHWM(t, s.cmd.Process.Pid)
+	hwm := vmHWM(t, s.Cmd.Process.Pid)
 	t.Logf("peak RSS under the abuse: %d MiB", hwm>>20)
 	if hwm > 768<<20 {
 		t.Fatalf("the server's peak RSS was %d MiB under the abuse; want it bounded (under 768 MiB)", hwm>>20)
@@ -95,12 +92,12 @@ func TestNBDMemoryIsBoundedUnderAbuse(t *testing.T) {
 func TestNBDHandshakeLimit(t *testing.T) {
 	// 3 s: a third client started on a loaded machine still comes while
 	// the idle ones hold both slots.
-	s := startNBD(t, "null:1M", false, "--max-clients", "2", "--handshake-limit", "3")
-	// startNBD's own probe connection may hold a slot for a moment.
+	s := StartNBD(t, "null:1M", false, "--max-clients", "2", "--handshake-limit", "3")
+	// StartNBD's own probe connection may hold a slot for a moment.
 	time.Sleep(100 * time.Millisecond)
 	var idle []net.Conn
 	for range 2 {
-		c, err := net.Dial("unix", s.socket())
+		c, err := net.Dial("unix", s.Socket())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -111,7 +108,7 @@ func TestNBDHandshakeLimit(t *testing.T) {
 		}
 	}
 	start := time.Now()
-	if out, err := exec.Command("nbdinfo", "--size", s.uri).CombinedOutput(); err == nil {
+	if out, err := exec.Command("nbdinfo", "--size", s.URI).CombinedOutput(); err == nil {
 		t.Fatalf("a third client was served past --max-clients 2: %s", out)
 	}
 	// The idle sockets are closed by the server once the limit passes...
@@ -127,20 +124,20 @@ func TestNBDHandshakeLimit(t *testing.T) {
 	// ...and a real client gets in.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		out, err := exec.Command("nbdinfo", "--size", s.uri).CombinedOutput()
+		out, err := exec.Command("nbdinfo", "--size", s.URI).CombinedOutput()
 		if err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no client served after the idle ones were dropped: %s\n%s", out, s.log())
+			t.Fatalf("no client served after the idle ones were dropped: %s\n%s", out, s.Log())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	if !strings.Contains(s.log(), "did not finish the handshake") {
-		t.Fatalf("no log line about the dropped clients:\n%s", s.log())
+	if !strings.Contains(s.Log(), "did not finish the handshake") {
+		t.Fatalf("no log line about the dropped clients:\n%s", s.Log())
 	}
 	// A bad value is a usage error.
-	if code, out := runBlockexport(t, "nbd", "--handshake-limit", "-1", "null:1M"); code != 2 || !strings.Contains(out, "--handshake-limit") {
+	if code, out := RunBlockexport(t, "nbd", "--handshake-limit", "-1", "null:1M"); code != 2 || !strings.Contains(out, "--handshake-limit") {
 		t.Fatalf("--handshake-limit -1: exit %d %q", code, out)
 	}
 }

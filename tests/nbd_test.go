@@ -15,78 +15,23 @@ import (
 	"time"
 )
 
-// nbdServer is a running `blockexport nbd`.
-type nbdServer struct {
-	*daemon
-	uri string // for qemu-img / qemu-io / nbdinfo / nbdcopy
-}
-
-// startNBD serves image on a unix socket (tcp=false) or a free loopback
-// port, and waits until it accepts connections.
-func startNBD(t *testing.T, image string, tcp bool, args ...string) *nbdServer {
-	t.Helper()
-	dir := t.TempDir()
-	var listen, uri, dial, network string
-	if tcp {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		dial = l.Addr().String()
-		l.Close()
-		network, listen, uri = "tcp", "tcp:"+dial, "nbd://"+dial
-	} else {
-		sock := filepath.Join(dir, "nbd.sock")
-		network, dial, listen, uri = "unix", sock, "unix:"+sock, "nbd+unix:///?socket="+sock
-	}
-	argv := append([]string{"nbd", "--listen", listen}, args...)
-	argv = append(argv, image)
-	d := &daemon{t: t, exited: make(chan struct{})}
-	d.logf = filepath.Join(dir, "nbd.log")
-	lf, _ := os.Create(d.logf)
-	d.cmd = exec.Command(bin, argv...)
-	d.cmd.Stdout, d.cmd.Stderr = lf, lf
-	if err := d.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lf.Close()
-	go func() { d.err = d.cmd.Wait(); close(d.exited) }()
-	t.Cleanup(d.cleanup)
-	for i := 0; ; i++ {
-		if c, err := net.Dial(network, dial); err == nil {
-			c.Close()
-			break
-		}
-		select {
-		case <-d.exited:
-			t.Fatalf("nbd server exited: %v\n%s", d.err, d.log())
-		default:
-		}
-		if i > 500 {
-			t.Fatalf("nbd server did not listen\n%s", d.log())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return &nbdServer{daemon: d, uri: uri}
-}
-
 func TestNBDWithQemuTools(t *testing.T) {
 	dir := t.TempDir()
-	raw := randomImage(t, dir, 16<<20, 21)
+	raw := RandomImage(t, dir, 16<<20, 21)
 	qcow := filepath.Join(dir, "img.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow)
 	for _, tcp := range []bool{false, true} {
 		for _, img := range []string{raw, qcow} {
 			t.Run(fmt.Sprintf("tcp=%v/%s", tcp, filepath.Base(img)), func(t *testing.T) {
-				s := startNBD(t, img, tcp)
-				info := run(t, "qemu-img", "info", "-f", "raw", s.uri)
+				s := StartNBD(t, img, tcp)
+				info := Run(t, "qemu-img", "info", "-f", "raw", s.URI)
 				if !strings.Contains(info, "16 MiB") {
 					t.Fatalf("qemu-img info over NBD:\n%s", info)
 				}
-				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, raw)
+				Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.URI, raw)
 				out := filepath.Join(t.TempDir(), "out.raw")
-				run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", s.uri, out)
-				mustEqualBytes(t, "convert out of NBD", readAll(t, out), readAll(t, raw))
+				Run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", s.URI, out)
+				MustEqualBytes(t, "convert out of NBD", ReadAll(t, out), ReadAll(t, raw))
 			})
 		}
 	}
@@ -94,9 +39,9 @@ func TestNBDWithQemuTools(t *testing.T) {
 
 func TestNBDWritesWithQemuIO(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "w.img", 8<<20)
-	s := startNBD(t, img, false, "-f", "raw", "-w")
-	run(t, "qemu-io", "-f", "raw",
+	img := SparseImage(t, dir, "w.img", 8<<20)
+	s := StartNBD(t, img, false, "-f", "raw", "-w")
+	Run(t, "qemu-io", "-f", "raw",
 		"-c", "write -P 0x5a 0 1M",
 		"-c", "write -P 0x6b 2M 64k",
 		"-c", "write -z 4096 4096",
@@ -105,19 +50,19 @@ func TestNBDWritesWithQemuIO(t *testing.T) {
 		"-c", "read -P 0x5a 8192 1040384",
 		"-c", "read -P 0 4096 4096",
 		"-c", "read -P 0 2M 64k",
-		s.uri)
-	s.stopClean()
-	b := readAll(t, img)
+		s.URI)
+	s.StopClean()
+	b := ReadAll(t, img)
 	if b[0] != 0x5a || b[4096] != 0 || b[8191] != 0 || b[8192] != 0x5a || b[2<<20] != 0 {
 		t.Fatal("image after qemu-io over NBD does not hold the writes")
 	}
 	// Read-only exports refuse writes with EPERM.
-	ro := startNBD(t, img, false, "-f", "raw")
-	out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write 0 512", ro.uri).CombinedOutput()
+	ro := StartNBD(t, img, false, "-f", "raw")
+	out, err := exec.Command("qemu-io", "-f", "raw", "-c", "write 0 512", ro.URI).CombinedOutput()
 	if err == nil && !strings.Contains(string(out), "Operation not permitted") && !strings.Contains(string(out), "read-only") && !strings.Contains(string(out), "Read-only") {
 		t.Fatalf("write to a read-only NBD export: %v %s", err, out)
 	}
-	if b2 := readAll(t, img); b2[0] != 0x5a {
+	if b2 := ReadAll(t, img); b2[0] != 0x5a {
 		t.Fatal("a read-only export changed the image")
 	}
 }
@@ -128,9 +73,9 @@ func TestNBDWritesWithQemuIO(t *testing.T) {
 func TestNBDWritesToQcow2(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "w.qcow2")
-	createImage(t, "-f", "qcow2", img, "8M")
-	s := startNBD(t, img, false, "-w")
-	run(t, "qemu-io", "-f", "raw",
+	CreateImage(t, "-f", "qcow2", img, "8M")
+	s := StartNBD(t, img, false, "-w")
+	Run(t, "qemu-io", "-f", "raw",
 		"-c", "write -P 0x5a 0 1M",
 		"-c", "write -P 0x6b 2M 128k",
 		"-c", "write -z 65536 65536",
@@ -142,10 +87,10 @@ func TestNBDWritesToQcow2(t *testing.T) {
 		"-c", "read -P 0 65536 65536",
 		"-c", "read -P 0 2M 64k",
 		"-c", "read -P 0x6b 2112k 64k",
-		s.uri)
-	s.stopClean()
-	qemuImgCheck(t, img)
-	run(t, "qemu-io", "-f", "qcow2",
+		s.URI)
+	s.StopClean()
+	QemuImgCheck(t, img)
+	Run(t, "qemu-io", "-f", "qcow2",
 		"-c", "read -P 0x5a 0 4096",
 		"-c", "read -P 0 4096 4096",
 		"-c", "read -P 0x5a 8192 57344",
@@ -158,10 +103,10 @@ func TestNBDWritesToQcow2(t *testing.T) {
 
 func TestNBDInfoFlagsAndMap(t *testing.T) {
 	dir := t.TempDir()
-	img := qcowChain(t, dir)
+	img := QcowChain(t, dir)
 	for _, writable := range []bool{false, true} {
 		if writable {
-			img = sparseImage(t, dir, "rw.img", 8<<20)
+			img = SparseImage(t, dir, "rw.img", 8<<20)
 			f, _ := os.OpenFile(img, os.O_RDWR, 0)
 			f.WriteAt([]byte(strings.Repeat("d", 1<<20)), 2<<20)
 			f.Close()
@@ -170,12 +115,12 @@ func TestNBDInfoFlagsAndMap(t *testing.T) {
 		if writable {
 			args = append(args, "-w")
 		}
-		s := startNBD(t, img, false, args...)
-		uri := strings.Replace(s.uri, "nbd+unix:///", "nbd+unix:///disk", 1)
+		s := StartNBD(t, img, false, args...)
+		uri := strings.Replace(s.URI, "nbd+unix:///", "nbd+unix:///disk", 1)
 		var info struct {
 			Exports []map[string]any `json:"exports"`
 		}
-		if err := json.Unmarshal([]byte(run(t, "nbdinfo", "--json", uri)), &info); err != nil || len(info.Exports) != 1 {
+		if err := json.Unmarshal([]byte(Run(t, "nbdinfo", "--json", uri)), &info); err != nil || len(info.Exports) != 1 {
 			t.Fatalf("nbdinfo --json: %v", err)
 		}
 		e := info.Exports[0]
@@ -193,7 +138,7 @@ func TestNBDInfoFlagsAndMap(t *testing.T) {
 			t.Errorf("contexts %s lack base:allocation", ctx)
 		}
 		// nbdinfo --map (base:allocation) equals blockexport map.
-		code, ours := runBlockexport(t, "map", "--json", img)
+		code, ours := RunBlockexport(t, "map", "--json", img)
 		if code != 0 {
 			t.Fatal(ours)
 		}
@@ -221,7 +166,7 @@ func TestNBDInfoFlagsAndMap(t *testing.T) {
 			wantLines = append(wantLines, fmt.Sprintf("%d %d %d", m.Start, m.Length, typ))
 		}
 		var gotLines []string
-		for _, l := range strings.Split(strings.TrimSpace(run(t, "nbdinfo", "--map", uri)), "\n") {
+		for _, l := range strings.Split(strings.TrimSpace(Run(t, "nbdinfo", "--map", uri)), "\n") {
 			f := strings.Fields(l)
 			if len(f) < 3 {
 				continue
@@ -236,16 +181,16 @@ func TestNBDInfoFlagsAndMap(t *testing.T) {
 
 func TestNBDCopyAndConcurrentClients(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 32<<20, 22)
-	dst := sparseImage(t, dir, "dst.img", 32<<20)
-	s := startNBD(t, dst, false, "-f", "raw", "-w")
-	run(t, "nbdcopy", src, s.uri)
+	src := RandomImage(t, dir, 32<<20, 22)
+	dst := SparseImage(t, dir, "dst.img", 32<<20)
+	s := StartNBD(t, dst, false, "-f", "raw", "-w")
+	Run(t, "nbdcopy", src, s.URI)
 	out := filepath.Join(t.TempDir(), "back.raw")
-	run(t, "nbdcopy", s.uri, out)
-	mustEqualBytes(t, "nbdcopy round trip", readAll(t, out), readAll(t, src))
+	Run(t, "nbdcopy", s.URI, out)
+	MustEqualBytes(t, "nbdcopy round trip", ReadAll(t, out), ReadAll(t, src))
 
 	// Three fio clients at once, each writing and verifying its own 8 MiB.
-	if !strings.Contains(run(t, "fio", "--enghelp"), "nbd") {
+	if !strings.Contains(Run(t, "fio", "--enghelp"), "nbd") {
 		t.Fatal("this fio has no nbd engine (Debian's fio links libnbd)")
 	}
 	var wg sync.WaitGroup
@@ -254,7 +199,7 @@ func TestNBDCopyAndConcurrentClients(t *testing.T) {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			o, err := exec.Command("fio", "--name=c", "--ioengine=nbd", "--uri="+s.uri, "--rw=randwrite",
+			o, err := exec.Command("fio", "--name=c", "--ioengine=nbd", "--uri="+s.URI, "--rw=randwrite",
 				"--bs=4k", "--iodepth=16", fmt.Sprintf("--offset=%d", i*8<<20), "--size=8M",
 				"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", fmt.Sprintf("--randseed=%d", i+1)).CombinedOutput()
 			if err != nil {
@@ -270,12 +215,12 @@ func TestNBDCopyAndConcurrentClients(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	s.stopClean()
+	s.StopClean()
 }
 
 func TestNBDBadInput(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "b.img", 1<<20)
+	img := SparseImage(t, dir, "b.img", 1<<20)
 	for _, c := range []struct {
 		args []string
 		code int
@@ -287,14 +232,14 @@ func TestNBDBadInput(t *testing.T) {
 		{[]string{"nbd", "--poll-us", "-1", img}, 2, "--poll-us"},
 		{[]string{"nbd", filepath.Join(dir, "missing")}, 1, "no such file"},
 	} {
-		code, out := runBlockexport(t, c.args...)
+		code, out := RunBlockexport(t, c.args...)
 		if code != c.code || !strings.Contains(out, c.say) {
 			t.Errorf("%v: exit %d %q", c.args, code, out)
 		}
 	}
 	// A client that sends garbage is dropped; the server keeps serving.
-	s := startNBD(t, img, false, "-f", "raw")
-	sock := s.socket()
+	s := StartNBD(t, img, false, "-f", "raw")
+	sock := s.Socket()
 	c, err := net.Dial("unix", sock)
 	if err != nil {
 		t.Fatal(err)
@@ -308,10 +253,10 @@ func TestNBDBadInput(t *testing.T) {
 		}
 	}
 	c.Close()
-	run(t, "qemu-img", "info", "-f", "raw", s.uri)
-	s.cmd.Process.Signal(syscall.SIGTERM)
-	if code := s.wait(20 * time.Second); code != 0 {
-		t.Fatalf("exit %d after SIGTERM\n%s", code, s.log())
+	Run(t, "qemu-img", "info", "-f", "raw", s.URI)
+	s.Cmd.Process.Signal(syscall.SIGTERM)
+	if code := s.Wait(20 * time.Second); code != 0 {
+		t.Fatalf("exit %d after SIGTERM\n%s", code, s.Log())
 	}
 	if _, err := os.Stat(sock); !os.IsNotExist(err) {
 		t.Fatal("socket file left behind")
@@ -320,10 +265,10 @@ func TestNBDBadInput(t *testing.T) {
 
 func TestNBDMaxClientsDaemonizeAndExportName(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 23)
+	img := RandomImage(t, dir, 1<<20, 23)
 	sock := filepath.Join(dir, "d.sock")
 	pidfile := filepath.Join(dir, "pid")
-	code, out := runBlockexport(t, "nbd", "--daemonize", "--pidfile", pidfile, "--listen", "unix:"+sock,
+	code, out := RunBlockexport(t, "nbd", "--daemonize", "--pidfile", pidfile, "--listen", "unix:"+sock,
 		"--export-name", "disk", "--max-clients", "1", "-f", "raw", img)
 	pid := 0
 	if b, err := os.ReadFile(pidfile); err == nil {
@@ -342,7 +287,7 @@ func TestNBDMaxClientsDaemonizeAndExportName(t *testing.T) {
 	}
 	uri := "nbd+unix:///disk?socket=" + sock
 	// Usable at once after --daemonize returned.
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", uri, img)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", uri, img)
 	// A wrong export name is refused.
 	if o, err := exec.Command("qemu-img", "info", "nbd+unix:///other?socket="+sock).CombinedOutput(); err == nil {
 		t.Fatalf("qemu-img info of a missing export succeeded: %s", o)
@@ -404,13 +349,13 @@ func TestNBDQueueDepthOne(t *testing.T) {
 	for _, cache := range []string{"writeback", "none"} {
 		t.Run(cache, func(t *testing.T) {
 			dir := t.TempDir()
-			img := sparseImage(t, dir, "qd1.img", 16<<20)
-			s := startNBD(t, img, false, "-f", "raw", "-w", "--cache", cache)
+			img := SparseImage(t, dir, "qd1.img", 16<<20)
+			s := StartNBD(t, img, false, "-f", "raw", "-w", "--cache", cache)
 			job := []string{"--name=qd1", "--rw=randwrite", "--bs=4k", "--iodepth=1", "--size=16M",
 				"--io_size=4M", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--randseed=9"}
-			run(t, "fio", append(job, "--ioengine=nbd", "--uri="+s.uri)...)
-			s.stopClean()
-			run(t, "fio", append(job, "--ioengine=psync", "--filename="+img, "--verify_only")...)
+			Run(t, "fio", append(job, "--ioengine=nbd", "--uri="+s.URI)...)
+			s.StopClean()
+			Run(t, "fio", append(job, "--ioengine=psync", "--filename="+img, "--verify_only")...)
 		})
 	}
 }

@@ -15,12 +15,12 @@ import (
 	"time"
 )
 
-// nbdcServer is an NBD server that lies: it serves a 1 MiB export of
+// lyingNBDServer is an NBD server that lies: it serves a 1 MiB export of
 // 0x5a bytes with structured replies, and answers each READ with what
 // reply returns (nil: the truth). It takes any number of connections (the
 // client reconnects after a reply it refused) and stops in t.Cleanup. It
 // hangs up on every WRITE. accepted counts its connections.
-func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) (uri string, accepted *atomic.Int64) {
+func lyingNBDServer(t *testing.T, reply func(cookie, off, length uint64) []byte) (uri string, accepted *atomic.Int64) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "liar.sock")
 	l, err := net.Listen("unix", sock)
@@ -50,17 +50,17 @@ func nbdcServer(t *testing.T, reply func(cookie, off, length uint64) []byte) (ur
 				defer wg.Done()
 				defer conns.Delete(c)
 				defer c.Close()
-				nbdcServe(c, reply)
+				serveLies(c, reply)
 			}()
 		}
 	}()
-	return nbdURI("", sock), accepted
+	return NBDURI("", sock), accepted
 }
 
-const nbdcSize = 1 << 20
+const lyingSize = 1 << 20
 
-// nbdcChunk is a structured reply chunk (the NBD spec's layout).
-func nbdcChunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
+// structuredChunk is a structured reply chunk (the NBD spec's layout).
+func structuredChunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
 	be := binary.BigEndian
 	b := be.AppendUint32(nil, 0x668e33ef)
 	b = be.AppendUint16(b, flags)
@@ -72,16 +72,16 @@ func nbdcChunk(cookie uint64, flags, typ uint16, payload []byte) []byte {
 
 // Chunk types and the DONE flag, from the spec.
 const (
-	nbdcDone   = 1
-	nbdcNone   = 0
-	nbdcData   = 1
-	nbdcHole   = 2
-	nbdcOptGo  = 7
-	nbdcOptSR  = 8
-	nbdcRepAck = 1
+	flagDone           = 1
+	chunkNone          = 0
+	chunkOffsetData    = 1
+	chunkOffsetHole    = 2
+	optGo              = 7
+	optStructuredReply = 8
+	repAck             = 1
 )
 
-func nbdcServe(c net.Conn, reply func(cookie, off, length uint64) []byte) {
+func serveLies(c net.Conn, reply func(cookie, off, length uint64) []byte) {
 	be := binary.BigEndian
 	g := be.AppendUint64(nil, 0x4e42444d41474943) // NBDMAGIC
 	g = be.AppendUint64(g, 0x49484156454f5054)    // IHAVEOPT
@@ -106,13 +106,13 @@ func nbdcServe(c net.Conn, reply func(cookie, off, length uint64) []byte) {
 			return
 		}
 		switch opt {
-		case nbdcOptSR:
-			optReply(opt, nbdcRepAck, nil)
-		case nbdcOptGo:
+		case optStructuredReply:
+			optReply(opt, repAck, nil)
+		case optGo:
 			info := be.AppendUint16(nil, 0) // INFO_EXPORT
-			info = be.AppendUint64(info, nbdcSize)
+			info = be.AppendUint64(info, lyingSize)
 			optReply(opt, 3, be.AppendUint16(info, 1|4)) // HAS_FLAGS, SEND_FLUSH
-			optReply(opt, nbdcRepAck, nil)
+			optReply(opt, repAck, nil)
 			done = true
 		default:
 			optReply(opt, 1<<31|1, nil) // unsupported
@@ -128,7 +128,7 @@ func nbdcServe(c net.Conn, reply func(cookie, off, length uint64) []byte) {
 		case 0: // READ
 			r := reply(cookie, off, length)
 			if r == nil {
-				r = nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length))...))
+				r = structuredChunk(cookie, flagDone, chunkOffsetData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length))...))
 			}
 			c.Write(r)
 		case 1: // WRITE: not offered
@@ -141,10 +141,10 @@ func nbdcServe(c net.Conn, reply func(cookie, off, length uint64) []byte) {
 	}
 }
 
-// nbdcReadDirect reads n bytes at off from path with O_DIRECT (the page
+// readDirect reads n bytes at off from path with O_DIRECT (the page
 // cache would hide what the export answers) into a buffer that held
 // 0xee: it returns what the read returned.
-func nbdcReadDirect(t *testing.T, path string, off int64, n int) (int, []byte, error) {
+func readDirect(t *testing.T, path string, off int64, n int) (int, []byte, error) {
 	t.Helper()
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_DIRECT, 0)
 	if err != nil {
@@ -174,40 +174,40 @@ func TestNBDSourceLyingRepliesAreEIOThroughFUSE(t *testing.T) {
 	const lieAt = 64 << 10 // reads here get the lie; elsewhere the truth
 	lies := map[string]func(cookie, off, length uint64) []byte{
 		"data 2 to the 63 past the request": func(cookie, off, length uint64) []byte {
-			return nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off+1<<63-1), make([]byte, length)...))
+			return structuredChunk(cookie, flagDone, chunkOffsetData, append(be.AppendUint64(nil, off+1<<63-1), make([]byte, length)...))
 		},
 		"a hole of one byte 2 to the 63 less 1 past the request": func(cookie, off, _ uint64) []byte {
-			return nbdcChunk(cookie, nbdcDone, nbdcHole, be.AppendUint32(be.AppendUint64(nil, off+1<<63-1), 1))
+			return structuredChunk(cookie, flagDone, chunkOffsetHole, be.AppendUint32(be.AppendUint64(nil, off+1<<63-1), 1))
 		},
 		"NONE and DONE only": func(cookie, _, _ uint64) []byte {
-			return nbdcChunk(cookie, nbdcDone, nbdcNone, nil)
+			return structuredChunk(cookie, flagDone, chunkNone, nil)
 		},
 		"half the data": func(cookie, off, length uint64) []byte {
-			return nbdcChunk(cookie, nbdcDone, nbdcData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length/2))...))
+			return structuredChunk(cookie, flagDone, chunkOffsetData, append(be.AppendUint64(nil, off), bytes.Repeat([]byte{0x5a}, int(length/2))...))
 		},
 	}
 	for name, lie := range lies {
 		t.Run(name, func(t *testing.T) {
-			uri, _ := nbdcServer(t, func(cookie, off, length uint64) []byte {
+			uri, _ := lyingNBDServer(t, func(cookie, off, length uint64) []byte {
 				if off <= lieAt && lieAt < off+length {
 					return lie(cookie, off, length)
 				}
 				return nil
 			})
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := startExport(t, uri, mnt)
+			d := StartExport(t, uri, mnt)
 			// An honest read first: its bytes would be the stale ones.
-			if n, got, err := nbdcReadDirect(t, mnt, 0, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
+			if n, got, err := readDirect(t, mnt, 0, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
 				t.Fatalf("an honest read: %d, %v", n, err)
 			}
-			n, got, err := nbdcReadDirect(t, mnt, lieAt, 4096)
-			if errnoOf(err) != syscall.EIO {
+			n, got, err := readDirect(t, mnt, lieAt, 4096)
+			if ErrnoOf(err) != syscall.EIO {
 				t.Fatalf("a read the server lied to: %d bytes (%x...), %v; want EIO", n, got[:16], err)
 			}
-			if n, got, err := nbdcReadDirect(t, mnt, 8192, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
-				t.Fatalf("a read after the lie: %d, %v (the export died?)\n%s", n, err, d.log())
+			if n, got, err := readDirect(t, mnt, 8192, 4096); err != nil || n != 4096 || !bytes.Equal(got, bytes.Repeat([]byte{0x5a}, 4096)) {
+				t.Fatalf("a read after the lie: %d, %v (the export died?)\n%s", n, err, d.Log())
 			}
-			d.stopClean()
+			d.StopClean()
 		})
 	}
 }
@@ -219,9 +219,9 @@ func TestNBDSourceLyingRepliesAreEIOThroughFUSE(t *testing.T) {
 // storm in a few lines (it retried 12,000 times in 20 s, never
 // returning, and logged every reconnect).
 func TestNBDSourceReconnectStormEndsInEIO(t *testing.T) {
-	uri, accepted := nbdcServer(t, func(uint64, uint64, uint64) []byte { return nil })
+	uri, accepted := lyingNBDServer(t, func(uint64, uint64, uint64) []byte { return nil })
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, uri, mnt, "-w", "--reconnect-timeout", "1s")
+	d := StartExport(t, uri, mnt, "-w", "--reconnect-timeout", "1s")
 	f, err := os.OpenFile(mnt, os.O_WRONLY|syscall.O_DIRECT, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -241,23 +241,23 @@ func TestNBDSourceReconnectStormEndsInEIO(t *testing.T) {
 	}()
 	select {
 	case err := <-done:
-		if took := time.Since(began); errnoOf(err) != syscall.EIO || took > 5*time.Second {
+		if took := time.Since(began); ErrnoOf(err) != syscall.EIO || took > 5*time.Second {
 			t.Fatalf("a write to a server that hangs up on writes: %v after %v; want EIO after about 1s", err, took)
 		}
 	case <-time.After(30 * time.Second):
-		t.Fatalf("the write never returned: %d connections so far\n%s", accepted.Load(), d.log())
+		t.Fatalf("the write never returned: %d connections so far\n%s", accepted.Load(), d.Log())
 	}
 	if n := accepted.Load() - before; n > 12 {
 		t.Fatalf("the write made %d connections in about a second", n)
 	}
 	lines := 0
-	for _, l := range strings.Split(d.log(), "\n") {
+	for _, l := range strings.Split(d.Log(), "\n") {
 		if strings.Contains(l, "NBD") {
 			lines++
 		}
 	}
 	if lines > 4 {
-		t.Fatalf("the storm logged %d lines about NBD:\n%s", lines, d.log())
+		t.Fatalf("the storm logged %d lines about NBD:\n%s", lines, d.Log())
 	}
-	d.stopClean()
+	d.StopClean()
 }

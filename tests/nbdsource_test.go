@@ -7,7 +7,6 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"encoding/json"
 	"encoding/pem"
 	"io"
 	"math/big"
@@ -23,114 +22,14 @@ import (
 	"time"
 )
 
-// serverProc is a server process serving on a unix socket.
-type serverProc struct {
-	cmd  *exec.Cmd
-	sock string
-	log  string
-	done chan struct{}
-}
-
-// startServerProc runs prog and waits until sock takes connections. It is
-// killed in t.Cleanup.
-func startServerProc(t *testing.T, sock, prog string, args ...string) *serverProc {
-	t.Helper()
-	s := &serverProc{sock: sock, log: filepath.Join(t.TempDir(), "server.log"), done: make(chan struct{})}
-	lf, err := os.Create(s.log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.cmd = exec.Command(prog, args...)
-	s.cmd.Stdout, s.cmd.Stderr = lf, lf
-	if err := s.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	lf.Close()
-	go func() { s.cmd.Wait(); close(s.done) }()
-	t.Cleanup(func() { s.kill() })
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		if c, err := net.Dial("unix", sock); err == nil {
-			c.Close()
-			return s
-		}
-		select {
-		case <-s.done:
-			b, _ := os.ReadFile(s.log)
-			t.Fatalf("%s exited before serving\n%s", prog, b)
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s did not serve %s in time", prog, sock)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-// kill ends the server at once (SIGKILL), as a crash would.
-func (s *serverProc) kill() {
-	select {
-	case <-s.done:
-	default:
-		s.cmd.Process.Kill()
-		<-s.done
-	}
-	os.Remove(s.sock)
-}
-
-// nbdURI names an export on a unix socket.
-func nbdURI(export, sock string) string {
-	return "nbd+unix:///" + export + "?socket=" + sock
-}
-
 // sourceImage makes a raw image with data at 1 MiB and 9 MiB and holes
 // around them.
 func sourceImage(t *testing.T, dir string, size string) string {
 	t.Helper()
 	img := filepath.Join(dir, "source.raw")
-	run(t, "qemu-img", "create", "-q", "-f", "raw", img, size)
-	run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x11 1M 1M", "-c", "write -P 0x22 9M 512k", img)
+	Run(t, "qemu-img", "create", "-q", "-f", "raw", img, size)
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x11 1M 1M", "-c", "write -P 0x22 9M 512k", img)
 	return img
-}
-
-// jsonOf runs a command printing JSON and decodes it.
-func jsonOf(t *testing.T, name string, args ...string) any {
-	t.Helper()
-	var v any
-	out := run(t, name, args...)
-	if err := json.Unmarshal([]byte(out), &v); err != nil {
-		t.Fatalf("%s %v: %v\n%s", name, args, err, out)
-	}
-	return v
-}
-
-// dataRanges lists a file's data as [start, end) pairs by SEEK_DATA and
-// SEEK_HOLE.
-func dataRanges(t *testing.T, path string) [][2]int64 {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	st, _ := f.Stat()
-	var r [][2]int64
-	for off := int64(0); off < st.Size(); {
-		d, err := f.Seek(off, 3) // SEEK_DATA
-		if errnoOf(err) == syscall.ENXIO {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		h, err := f.Seek(d, 4) // SEEK_HOLE
-		if err != nil {
-			t.Fatal(err)
-		}
-		r = append(r, [2]int64{d, h})
-		off = h
-	}
-	return r
 }
 
 // nbdinfoData lists an export's data as nbdinfo --map sees it: runs
@@ -138,7 +37,7 @@ func dataRanges(t *testing.T, path string) [][2]int64 {
 func nbdinfoData(t *testing.T, uri string) [][2]int64 {
 	t.Helper()
 	var r [][2]int64
-	sc := bufio.NewScanner(strings.NewReader(run(t, "nbdinfo", "--map", uri)))
+	sc := bufio.NewScanner(strings.NewReader(Run(t, "nbdinfo", "--map", uri)))
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
 		if len(f) < 3 {
@@ -166,29 +65,29 @@ func nbdinfoData(t *testing.T, uri string) [][2]int64 {
 // the export has gone.
 func exerciseNBDSource(t *testing.T, uri string, exportArgs ...string) {
 	t.Helper()
-	if got, want := jsonOf(t, bin, "info", "--output=json", uri), jsonOf(t, "qemu-img", "info", "--output=json", uri); !reflect.DeepEqual(got, want) {
+	if got, want := JSONOf(t, Bin, "info", "--output=json", uri), JSONOf(t, "qemu-img", "info", "--output=json", uri); !reflect.DeepEqual(got, want) {
 		t.Errorf("info: ours %v, qemu-img's %v", got, want)
 	}
-	if got, want := jsonOf(t, bin, "map", "--output=json", uri), jsonOf(t, "qemu-img", "map", "--output=json", uri); !reflect.DeepEqual(got, want) {
+	if got, want := JSONOf(t, Bin, "map", "--output=json", uri), JSONOf(t, "qemu-img", "map", "--output=json", uri); !reflect.DeepEqual(got, want) {
 		t.Errorf("map: ours %v, qemu-img's %v", got, want)
 	}
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, uri, mnt, append([]string{"-w"}, exportArgs...)...)
-	if len(transportArgs) == 0 && !strings.Contains(d.log(), "the /dev/fuse loop reads the NBD replies too") {
-		t.Errorf("one /dev/fuse queue, and its loop does not read the replies:\n%s", d.log())
+	d := StartExport(t, uri, mnt, append([]string{"-w"}, exportArgs...)...)
+	if len(TransportArgs) == 0 && !strings.Contains(d.Log(), "the /dev/fuse loop reads the NBD replies too") {
+		t.Errorf("one /dev/fuse queue, and its loop does not read the replies:\n%s", d.Log())
 	}
-	if got, want := dataRanges(t, mnt), nbdinfoData(t, uri); !reflect.DeepEqual(got, want) {
+	if got, want := DataRanges(t, mnt), nbdinfoData(t, uri); !reflect.DeepEqual(got, want) {
 		t.Errorf("SEEK_DATA/SEEK_HOLE through the export: %v; nbdinfo --map: %v", got, want)
 	}
-	run(t, "fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=16M", "--io_size=8M",
+	Run(t, "fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=16M", "--io_size=8M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
 	written := filepath.Join(dir, "written.raw")
-	if err := os.WriteFile(written, readAll(t, mnt), 0o644); err != nil {
+	if err := os.WriteFile(written, ReadAll(t, mnt), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d.stopClean()
-	if out := run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", written, uri); !strings.Contains(out, "identical") {
+	d.StopClean()
+	if out := Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", written, uri); !strings.Contains(out, "identical") {
 		t.Fatalf("the server does not hold what was written: %s", out)
 	}
 }
@@ -201,66 +100,66 @@ func TestNBDSourceServers(t *testing.T) {
 		dir := t.TempDir()
 		img := sourceImage(t, dir, "32M")
 		sock := filepath.Join(dir, "s.sock")
-		startServerProc(t, sock, "qemu-nbd", "-f", "raw", "--aio=io_uring", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+		StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "--aio=io_uring", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
 		// QEMU 7.2 has no extended headers: the client falls back.
-		wantInfoLine(t, nbdURI("disk", sock), "extended headers: no")
-		exerciseNBDSource(t, nbdURI("disk", sock))
+		wantInfoLine(t, NBDURI("disk", sock), "extended headers: no")
+		exerciseNBDSource(t, NBDURI("disk", sock))
 	})
 	t.Run("qemu-nbd qcow2", func(t *testing.T) {
 		dir := t.TempDir()
 		img := filepath.Join(dir, "source.qcow2")
-		run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "32M")
-		run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x33 2M 1M", img)
+		Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "32M")
+		Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x33 2M 1M", img)
 		sock := filepath.Join(dir, "s.sock")
-		startServerProc(t, sock, "qemu-nbd", "-f", "qcow2", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
-		exerciseNBDSource(t, nbdURI("disk", sock))
+		StartServerProc(t, sock, "qemu-nbd", "-f", "qcow2", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+		exerciseNBDSource(t, NBDURI("disk", sock))
 	})
 	t.Run("qemu-storage-daemon", func(t *testing.T) {
 		dir := t.TempDir()
 		img := sourceImage(t, dir, "32M")
 		sock := filepath.Join(dir, "s.sock")
-		startServerProc(t, sock, "qemu-storage-daemon", "--blockdev", "driver=file,filename="+img+",node-name=f0",
+		StartServerProc(t, sock, "qemu-storage-daemon", "--blockdev", "driver=file,filename="+img+",node-name=f0",
 			"--nbd-server", "addr.type=unix,addr.path="+sock, "--export", "type=nbd,id=e0,node-name=f0,name=disk,writable=on")
-		exerciseNBDSource(t, nbdURI("disk", sock))
+		exerciseNBDSource(t, NBDURI("disk", sock))
 	})
 	t.Run("nbdkit memory", func(t *testing.T) {
 		sock := filepath.Join(t.TempDir(), "s.sock")
-		startServerProc(t, sock, "nbdkit", "-f", "-U", sock, "memory", "32M")
-		exerciseNBDSource(t, nbdURI("", sock))
+		StartServerProc(t, sock, "nbdkit", "-f", "-U", sock, "memory", "32M")
+		exerciseNBDSource(t, NBDURI("", sock))
 	})
 	t.Run("nbdkit with strict block sizes", func(t *testing.T) {
 		// 4 KiB minimum, 64 KiB maximum, anything else an error: the
 		// client must align and split what its clients send.
 		sock := filepath.Join(t.TempDir(), "s.sock")
-		startServerProc(t, sock, "nbdkit", "-f", "-U", sock, "--filter=blocksize-policy", "memory", "32M",
+		StartServerProc(t, sock, "nbdkit", "-f", "-U", sock, "--filter=blocksize-policy", "memory", "32M",
 			"blocksize-minimum=4096", "blocksize-preferred=4096", "blocksize-maximum=65536", "blocksize-error-policy=error")
-		uri := nbdURI("", sock)
+		uri := NBDURI("", sock)
 		exerciseNBDSource(t, uri)
 		mnt := filepath.Join(t.TempDir(), "mnt")
-		d := startExport(t, uri, mnt, "-w")
-		out := run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x41 100 5000", "-c", "write -P 0x42 70000 200000",
+		d := StartExport(t, uri, mnt, "-w")
+		out := Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x41 100 5000", "-c", "write -P 0x42 70000 200000",
 			"-c", "read -P 0x41 100 5000", "-c", "read -P 0x42 70000 200000", "-c", "write -z 4000 300", "-c", "read -P 0 4000 300", mnt)
 		if strings.Contains(out, "fail") || strings.Contains(out, "error") {
 			t.Fatalf("unaligned I/O through a strict server: %s", out)
 		}
-		d.stopClean()
+		d.StopClean()
 	})
 	t.Run("blockexport nbd", func(t *testing.T) {
 		dir := t.TempDir()
 		img := sourceImage(t, dir, "32M")
 		sock := filepath.Join(dir, "s.sock")
-		startServerProc(t, sock, bin, "nbd", "-f", "raw", "-w", "--export-name", "disk", "--listen", "unix:"+sock, img)
+		StartServerProc(t, sock, Bin, "nbd", "-f", "raw", "-w", "--export-name", "disk", "--listen", "unix:"+sock, img)
 		// Both ends have extended headers: the export runs on them,
 		// while qemu-img and nbdinfo above spoke the compact form.
-		wantInfoLine(t, nbdURI("disk", sock), "extended headers: yes")
-		exerciseNBDSource(t, nbdURI("disk", sock), "--connections", "4")
+		wantInfoLine(t, NBDURI("disk", sock), "extended headers: yes")
+		exerciseNBDSource(t, NBDURI("disk", sock), "--connections", "4")
 	})
 }
 
 // wantInfoLine checks that `blockexport info URI` prints line.
 func wantInfoLine(t *testing.T, uri, line string) {
 	t.Helper()
-	if code, out := runBlockexport(t, "info", uri); code != 0 || !strings.Contains(out, "\n    "+line+"\n") {
+	if code, out := RunBlockexport(t, "info", uri); code != 0 || !strings.Contains(out, "\n    "+line+"\n") {
 		t.Fatalf("info %s (exit %d) lacks %q:\n%s", uri, code, line, out)
 	}
 }
@@ -273,12 +172,12 @@ func TestNBDSourceReconnect(t *testing.T) {
 	dir := t.TempDir()
 	img := sourceImage(t, dir, "64M")
 	sock := filepath.Join(dir, "s.sock")
-	server := func() *serverProc {
-		return startServerProc(t, sock, "qemu-nbd", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
+	server := func() *ServerProc {
+		return StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
 	}
 	s := server()
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, nbdURI("disk", sock), mnt, "-w", "--reconnect-timeout", "15s")
+	d := StartExport(t, NBDURI("disk", sock), mnt, "-w", "--reconnect-timeout", "15s")
 	fio := exec.Command("fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=24M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal",
 		"--rate_iops=4000") // 6144 writes: 1.5 s at least, so the server's kill at 0.7 s lands in them on a fast machine too
@@ -295,23 +194,23 @@ func TestNBDSourceReconnect(t *testing.T) {
 	go func() { out, _ = io.ReadAll(fioOut); fioDone <- fio.Wait() }()
 	t.Cleanup(func() { fio.Process.Kill() }) // a test that fails early leaves no fio behind
 	time.Sleep(700 * time.Millisecond)
-	s.kill()
+	s.Kill()
 	time.Sleep(500 * time.Millisecond)
 	s = server()
 	select {
 	case err := <-fioDone:
 		if err != nil {
-			t.Fatalf("fio through a reconnect: %v\n%s\n%s", err, out, d.log())
+			t.Fatalf("fio through a reconnect: %v\n%s\n%s", err, out, d.Log())
 		}
 	case <-time.After(2 * time.Minute):
 		fio.Process.Kill()
-		t.Fatalf("fio did not finish\n%s", d.log())
+		t.Fatalf("fio did not finish\n%s", d.Log())
 	}
-	if !strings.Contains(d.log(), "reconnecting") || !strings.Contains(d.log(), "made again") {
-		t.Errorf("the export's log does not show the reconnect:\n%s", d.log())
+	if !strings.Contains(d.Log(), "reconnecting") || !strings.Contains(d.Log(), "made again") {
+		t.Errorf("the export's log does not show the reconnect:\n%s", d.Log())
 	}
 
-	s.kill()
+	s.Kill()
 	began := time.Now()
 	f, err := os.Open(mnt)
 	if err != nil {
@@ -319,7 +218,7 @@ func TestNBDSourceReconnect(t *testing.T) {
 	}
 	defer f.Close()
 	_, err = f.ReadAt(make([]byte, 4096), 12<<20)
-	if errnoOf(err) != syscall.EIO || time.Since(began) < 10*time.Second {
+	if ErrnoOf(err) != syscall.EIO || time.Since(began) < 10*time.Second {
 		t.Fatalf("a read with the server gone for good: %v after %v; want EIO after the 15s reconnect timeout", err, time.Since(began))
 	}
 }
@@ -327,24 +226,24 @@ func TestNBDSourceReconnect(t *testing.T) {
 // TestNBDSourceRefused: what cannot work says so in one line.
 func TestNBDSourceRefused(t *testing.T) {
 	dir := t.TempDir()
-	gone := nbdURI("disk", filepath.Join(dir, "nobody.sock"))
-	if code, out := runBlockexport(t, "info", gone); code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "connect") {
+	gone := NBDURI("disk", filepath.Join(dir, "nobody.sock"))
+	if code, out := RunBlockexport(t, "info", gone); code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "connect") {
 		t.Errorf("info of a server nobody runs: exit %d, %q", code, out)
 	}
 	mnt := filepath.Join(dir, "mnt")
-	if code, out := tryExport(t, mnt, "-f", "qcow2", gone); code != 2 || !strings.Contains(out, "raw bytes") {
+	if code, out := TryExport(t, mnt, "-f", "qcow2", gone); code != 2 || !strings.Contains(out, "raw bytes") {
 		t.Errorf("-f qcow2 on an NBD URI: exit %d, %q", code, out)
 	}
-	if code, out := runBlockexport(t, "info", "nbd+unix:///disk"); code != 2 || !strings.Contains(out, "socket") {
+	if code, out := RunBlockexport(t, "info", "nbd+unix:///disk"); code != 2 || !strings.Contains(out, "socket") {
 		t.Errorf("a unix URI without socket=: exit %d, %q", code, out)
 	}
 	img := sourceImage(t, dir, "16M")
 	sock := filepath.Join(dir, "s.sock")
-	startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=4", "--persistent", "-x", "disk", "-k", sock, img)
-	if code, out := tryExport(t, mnt, "-w", nbdURI("disk", sock)); code != 1 || !strings.Contains(out, "read-only") {
+	StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=4", "--persistent", "-x", "disk", "-k", sock, img)
+	if code, out := TryExport(t, mnt, "-w", NBDURI("disk", sock)); code != 1 || !strings.Contains(out, "read-only") {
 		t.Errorf("a writable export of a read-only NBD export: exit %d, %q", code, out)
 	}
-	if code, out := runBlockexport(t, "info", nbdURI("other", sock)); code != 1 || !strings.Contains(out, `"other"`) {
+	if code, out := RunBlockexport(t, "info", NBDURI("other", sock)); code != 1 || !strings.Contains(out, `"other"`) {
 		t.Errorf("an export the server does not have: exit %d, %q", code, out)
 	}
 }
@@ -355,34 +254,34 @@ func TestNBDSourceRefused(t *testing.T) {
 func TestRemoteBackingFile(t *testing.T) {
 	dir := t.TempDir()
 	base := sourceImage(t, dir, "16M")
-	before := fileHash(t, base)
+	before := FileHash(t, base)
 	sock := filepath.Join(dir, "s.sock")
-	startServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
-	uri := nbdURI("base", sock)
+	StartServerProc(t, sock, "qemu-nbd", "-f", "raw", "-r", "--shared=8", "--persistent", "-x", "base", "-k", sock, base)
+	uri := NBDURI("base", sock)
 	byQemu := filepath.Join(dir, "qemu.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", uri, "-F", "raw", byQemu)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", uri, "-F", "raw", byQemu)
 	byUs := filepath.Join(dir, "ours.qcow2")
-	createImage(t, "-f", "qcow2", "-b", uri, "-F", "raw", byUs)
-	if got := jsonOf(t, bin, "info", "--output=json", byUs).(map[string]any); got["backing-filename"] != uri || got["virtual-size"] != float64(16<<20) {
+	CreateImage(t, "-f", "qcow2", "-b", uri, "-F", "raw", byUs)
+	if got := JSONOf(t, Bin, "info", "--output=json", byUs).(map[string]any); got["backing-filename"] != uri || got["virtual-size"] != float64(16<<20) {
 		t.Errorf("info of our overlay: %v", got)
 	}
 	for _, overlay := range []string{byQemu, byUs} {
 		mnt := filepath.Join(dir, "mnt")
-		d := startExport(t, overlay, mnt, "-w")
-		mustEqualBytes(t, "the overlay before writes", readAll(t, mnt), readAll(t, base))
-		run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x77 1536k 64k", mnt)
-		content := readAll(t, mnt)
-		d.stopClean()
-		if fileHash(t, base) != before {
+		d := StartExport(t, overlay, mnt, "-w")
+		MustEqualBytes(t, "the overlay before writes", ReadAll(t, mnt), ReadAll(t, base))
+		Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x77 1536k 64k", mnt)
+		content := ReadAll(t, mnt)
+		d.StopClean()
+		if FileHash(t, base) != before {
 			t.Fatal("a write through the overlay reached the base")
 		}
 		copyFile := filepath.Join(dir, "content.raw")
 		os.WriteFile(copyFile, content, 0o644)
 		// qemu-img reads the overlay, its backing file over NBD included.
-		if out := run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", overlay, copyFile); !strings.Contains(out, "identical") {
+		if out := Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "raw", overlay, copyFile); !strings.Contains(out, "identical") {
 			t.Fatalf("qemu-img compare: %s", out)
 		}
-		run(t, "qemu-img", "check", overlay)
+		Run(t, "qemu-img", "check", overlay)
 	}
 }
 
@@ -484,53 +383,53 @@ func TestNBDTLS(t *testing.T) {
 
 	t.Run("our server", func(t *testing.T) {
 		sock := filepath.Join(dir, "ours.sock")
-		startServerProc(t, sock, bin, "nbd", "-f", "raw", "--export-name", "disk", "--listen", "unix:"+sock,
+		StartServerProc(t, sock, Bin, "nbd", "-f", "raw", "--export-name", "disk", "--listen", "unix:"+sock,
 			"--tls-cert", p.serverCert, "--tls-key", p.serverKey, "--tls-ca", p.ca, img)
 		tlsURI := "nbds+unix:///disk?socket=" + sock
-		if out := run(t, "nbdinfo", tlsURI+certs(p.dir)); !strings.Contains(out, "with TLS") || !strings.Contains(out, "16777216") {
+		if out := Run(t, "nbdinfo", tlsURI+certs(p.dir)); !strings.Contains(out, "with TLS") || !strings.Contains(out, "16777216") {
 			t.Errorf("nbdinfo over TLS: %s", out)
 		}
-		out := run(t, "qemu-img", "info", "--output=json", "--object", "tls-creds-x509,id=tls0,dir="+p.dir+",endpoint=client",
+		out := Run(t, "qemu-img", "info", "--output=json", "--object", "tls-creds-x509,id=tls0,dir="+p.dir+",endpoint=client",
 			"--image-opts", "driver=nbd,path="+sock+",export=disk,tls-creds=tls0,tls-hostname=localhost")
 		if !strings.Contains(out, `"virtual-size": 16777216`) {
 			t.Errorf("qemu-img info over TLS: %s", out)
 		}
-		if got := readAllURI(t, tlsURI+certs(p.dir)); !reflect.DeepEqual(got, readAll(t, img)) {
+		if got := readAllURI(t, tlsURI+certs(p.dir)); !reflect.DeepEqual(got, ReadAll(t, img)) {
 			t.Error("our client over TLS to our server read other data")
 		}
 		for name, uri := range map[string]string{
-			"plain text":               nbdURI("disk", sock),
+			"plain text":               NBDURI("disk", sock),
 			"no client certificate":    tlsURI + certs(p.caOnly),
 			"a certificate not signed": tlsURI + certs(p.otherCA),
 		} {
 			if err := exec.Command("nbdinfo", uri).Run(); err == nil {
 				t.Errorf("nbdinfo with %s: served", name)
 			}
-			if code, out := runBlockexport(t, "info", uri); code != 1 {
+			if code, out := RunBlockexport(t, "info", uri); code != 1 {
 				t.Errorf("our client with %s: exit %d, %s", name, code, out)
 			}
 		}
-		if _, out := runBlockexport(t, "info", nbdURI("disk", sock)); !strings.Contains(out, "requires TLS") {
+		if _, out := RunBlockexport(t, "info", NBDURI("disk", sock)); !strings.Contains(out, "requires TLS") {
 			t.Errorf("a plain-text client is not told TLS is required: %s", out)
 		}
 	})
 
 	t.Run("qemu-nbd server", func(t *testing.T) {
 		sock := filepath.Join(dir, "qemu.sock")
-		startServerProc(t, sock, "qemu-nbd", "--object", "tls-creds-x509,id=tls0,dir="+p.dir+",endpoint=server",
+		StartServerProc(t, sock, "qemu-nbd", "--object", "tls-creds-x509,id=tls0,dir="+p.dir+",endpoint=server",
 			"--tls-creds", "tls0", "-f", "raw", "--shared=8", "--persistent", "-x", "disk", "-k", sock, img)
 		tlsURI := "nbds+unix:///disk?socket=" + sock
 		mnt := filepath.Join(dir, "mnt")
-		startExport(t, tlsURI+certs(p.dir), mnt)
-		mustEqualBytes(t, "a FUSE export of qemu-nbd over TLS", readAll(t, mnt), readAll(t, img))
+		StartExport(t, tlsURI+certs(p.dir), mnt)
+		MustEqualBytes(t, "a FUSE export of qemu-nbd over TLS", ReadAll(t, mnt), ReadAll(t, img))
 		// The same with the files named by flags, not the URI.
-		code, out := runBlockexport(t, "info", "--tls-ca", p.ca, "--tls-cert", filepath.Join(p.dir, "client-cert.pem"),
+		code, out := RunBlockexport(t, "info", "--tls-ca", p.ca, "--tls-cert", filepath.Join(p.dir, "client-cert.pem"),
 			"--tls-key", filepath.Join(p.dir, "client-key.pem"), tlsURI)
 		if code != 0 || !strings.Contains(out, "tls: yes") {
 			t.Errorf("info with --tls-ca/--tls-cert/--tls-key: exit %d, %s", code, out)
 		}
 		// A server certificate from a CA the client does not trust.
-		if code, out := runBlockexport(t, "info", "--tls-ca", filepath.Join(p.otherCA, "ca-cert.pem"), tlsURI+certs(p.dir)); code != 1 || !strings.Contains(out, "certificate") {
+		if code, out := RunBlockexport(t, "info", "--tls-ca", filepath.Join(p.otherCA, "ca-cert.pem"), tlsURI+certs(p.dir)); code != 1 || !strings.Contains(out, "certificate") {
 			t.Errorf("an untrusted server certificate: exit %d, %s", code, out)
 		}
 		// `nbd` re-serving it: its client files come from --image-tls-*
@@ -538,12 +437,12 @@ func TestNBDTLS(t *testing.T) {
 		// directory. qemu-nbd asks for a client certificate, so without
 		// them it cannot start.
 		relay := filepath.Join(dir, "relay.sock")
-		if code, out := runBlockexport(t, "nbd", "--listen", "unix:"+relay, "--image-tls-ca", p.ca, tlsURI); code != 1 || !strings.Contains(out, "TLS") {
+		if code, out := RunBlockexport(t, "nbd", "--listen", "unix:"+relay, "--image-tls-ca", p.ca, tlsURI); code != 1 || !strings.Contains(out, "TLS") {
 			t.Errorf("nbd re-serving without a client certificate: exit %d, %s", code, out)
 		}
-		startServerProc(t, relay, bin, "nbd", "--listen", "unix:"+relay, "--export-name", "disk", "--image-tls-ca", p.ca,
+		StartServerProc(t, relay, Bin, "nbd", "--listen", "unix:"+relay, "--export-name", "disk", "--image-tls-ca", p.ca,
 			"--image-tls-cert", filepath.Join(p.dir, "client-cert.pem"), "--image-tls-key", filepath.Join(p.dir, "client-key.pem"), tlsURI)
-		if got := readAllURI(t, nbdURI("disk", relay)); !reflect.DeepEqual(got, readAll(t, img)) {
+		if got := readAllURI(t, NBDURI("disk", relay)); !reflect.DeepEqual(got, ReadAll(t, img)) {
 			t.Error("nbd re-serving qemu-nbd over TLS served other data")
 		}
 	})
@@ -553,8 +452,8 @@ func TestNBDTLS(t *testing.T) {
 func readAllURI(t *testing.T, uri string) []byte {
 	t.Helper()
 	mnt := filepath.Join(t.TempDir(), "read")
-	d := startExport(t, uri, mnt)
-	b := readAll(t, mnt)
-	d.stopClean()
+	d := StartExport(t, uri, mnt)
+	b := ReadAll(t, mnt)
+	d.StopClean()
 	return b
 }

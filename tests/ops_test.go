@@ -18,10 +18,10 @@ const oddSize = 8<<20 + 1000
 
 func TestReadOnlyExportServesImageAndRefusesWrites(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, oddSize, 1)
+	img := RandomImage(t, dir, oddSize, 1)
 	mnt := filepath.Join(dir, "mnt")
-	before := fileHash(t, img)
-	startExport(t, img, mnt, "--format", "raw")
+	before := FileHash(t, img)
+	StartExport(t, img, mnt, "--format", "raw")
 
 	var st unix.Stat_t
 	if err := unix.Stat(mnt, &st); err != nil {
@@ -32,8 +32,8 @@ func TestReadOnlyExportServesImageAndRefusesWrites(t *testing.T) {
 	}
 
 	// cp of the export equals the image, and qemu-img agrees.
-	mustEqualBytes(t, "export vs image", readAll(t, mnt), readAll(t, img))
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, img)
+	MustEqualBytes(t, "export vs image", ReadAll(t, mnt), ReadAll(t, img))
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, img)
 
 	// Reads are clamped at the end: short at EOF, empty past it.
 	f, err := os.Open(mnt)
@@ -51,10 +51,10 @@ func TestReadOnlyExportServesImageAndRefusesWrites(t *testing.T) {
 	}
 
 	// Writes: the mount is read-only.
-	if _, err := os.OpenFile(mnt, os.O_WRONLY, 0); errnoOf(err) != unix.EROFS {
+	if _, err := os.OpenFile(mnt, os.O_WRONLY, 0); ErrnoOf(err) != unix.EROFS {
 		t.Fatalf("open for writing: %v, want EROFS", err)
 	}
-	if err := os.Chmod(mnt, 0o600); errnoOf(err) != unix.EROFS {
+	if err := os.Chmod(mnt, 0o600); ErrnoOf(err) != unix.EROFS {
 		t.Fatalf("chmod u+w: %v, want EROFS", err)
 	}
 	if err := os.Truncate(mnt, 4096); err == nil {
@@ -64,16 +64,16 @@ func TestReadOnlyExportServesImageAndRefusesWrites(t *testing.T) {
 	if err == nil || !strings.Contains(string(out), "Read-only file system") {
 		t.Fatalf("dd into a read-only export: %v\n%s", err, out)
 	}
-	if fileHash(t, img) != before {
+	if FileHash(t, img) != before {
 		t.Fatal("the image changed under a read-only export")
 	}
 }
 
 func TestWritesAreClampedUnlessGrowable(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, oddSize, 2)
+	img := RandomImage(t, dir, oddSize, 2)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "--writable")
+	StartExport(t, img, mnt, "-f", "raw", "--writable")
 
 	f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 	if err != nil {
@@ -81,8 +81,8 @@ func TestWritesAreClampedUnlessGrowable(t *testing.T) {
 	}
 	defer f.Close()
 	data := bytes.Repeat([]byte{0xab}, 4096)
-	if kcWriteback() {
-		kcClampedAtWriteback(t, f, img, mnt, data)
+	if writebackCached() {
+		clampedAtWriteback(t, f, img, mnt, data)
 		return
 	}
 	// A write across the end is cut at the end. (pwrite(2) itself: Go's
@@ -92,7 +92,7 @@ func TestWritesAreClampedUnlessGrowable(t *testing.T) {
 		t.Fatalf("write across EOF wrote %d (%v), want 1000", n, err)
 	}
 	// A write past the end fails with ENOSPC; dd says so.
-	if _, err := f.WriteAt(data, oddSize); errnoOf(err) != unix.ENOSPC {
+	if _, err := f.WriteAt(data, oddSize); ErrnoOf(err) != unix.ENOSPC {
 		t.Fatalf("write past EOF: %v, want ENOSPC", err)
 	}
 	out, err := exec.Command("dd", "if=/dev/zero", "of="+mnt, "bs=4k", "count=1", "seek=4096", "conv=notrunc").CombinedOutput()
@@ -106,25 +106,25 @@ func TestWritesAreClampedUnlessGrowable(t *testing.T) {
 	raw, _ := os.Open(img)
 	defer raw.Close()
 	raw.ReadAt(got, oddSize-1000)
-	mustEqualBytes(t, "tail written through the export", got, data[:1000])
+	MustEqualBytes(t, "tail written through the export", got, data[:1000])
 }
 
 func TestGrowableExportGrowsAndShrinks(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "g.img", 1<<20)
+	img := SparseImage(t, dir, "g.img", 1<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w", "--growable")
+	StartExport(t, img, mnt, "-f", "raw", "-w", "--growable")
 
-	run(t, "dd", "if=/dev/urandom", "of="+mnt, "bs=64k", "count=2", "seek=31", "conv=notrunc")
+	Run(t, "dd", "if=/dev/urandom", "of="+mnt, "bs=64k", "count=2", "seek=31", "conv=notrunc")
 	want := int64(33 * 64 << 10)
 	for _, p := range []string{mnt, img} {
 		if st, err := os.Stat(p); err != nil || st.Size() != want {
 			t.Fatalf("%s after growing write: %v, size %d; want %d", p, err, st.Size(), want)
 		}
 	}
-	mustEqualBytes(t, "grown export vs image", readAll(t, mnt), readAll(t, img))
+	MustEqualBytes(t, "grown export vs image", ReadAll(t, mnt), ReadAll(t, img))
 
-	run(t, "truncate", "-s", "100000", mnt)
+	Run(t, "truncate", "-s", "100000", mnt)
 	for _, p := range []string{mnt, img} {
 		if st, err := os.Stat(p); err != nil || st.Size() != 100000 {
 			t.Fatalf("%s after truncate: %v, size %d; want 100000", p, err, st.Size())
@@ -134,9 +134,9 @@ func TestGrowableExportGrowsAndShrinks(t *testing.T) {
 
 func TestFallocateModes(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 4<<20, 3)
+	img := RandomImage(t, dir, 4<<20, 3)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w")
+	StartExport(t, img, mnt, "-f", "raw", "-w")
 
 	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
 	if err != nil {
@@ -153,13 +153,13 @@ func TestFallocateModes(t *testing.T) {
 		t.Fatalf("punch hole without KEEP_SIZE: %v, want EINVAL", err)
 	}
 	// Punch hole: reads zeroes, the host file is deallocated there.
-	run(t, "fallocate", "--punch-hole", "--offset", "1048576", "--length", "1048576", mnt)
+	Run(t, "fallocate", "--punch-hole", "--offset", "1048576", "--length", "1048576", mnt)
 	// Zero range: reads zeroes.
-	run(t, "fallocate", "--zero-range", "--keep-size", "--offset", "2097152", "--length", "65536", mnt)
-	got := readAll(t, img)
+	Run(t, "fallocate", "--zero-range", "--keep-size", "--offset", "2097152", "--length", "65536", mnt)
+	got := ReadAll(t, img)
 	zero := make([]byte, 1<<20)
-	mustEqualBytes(t, "punched range", got[1<<20:2<<20], zero)
-	mustEqualBytes(t, "zeroed range", got[2<<20:2<<20+65536], zero[:65536])
+	MustEqualBytes(t, "punched range", got[1<<20:2<<20], zero)
+	MustEqualBytes(t, "zeroed range", got[2<<20:2<<20+65536], zero[:65536])
 	if got[2<<20+65536] == 0 && got[2<<20+65537] == 0 && got[2<<20+65538] == 0 {
 		t.Fatal("zero range spilled past its end")
 	}
@@ -168,12 +168,12 @@ func TestFallocateModes(t *testing.T) {
 		t.Fatalf("SEEK_HOLE after punching: %d, %v; want %d", hole, err, 1<<20)
 	}
 	// mode 0 at the end grows the image (iotest 308).
-	run(t, "fallocate", "--offset", "4194304", "--length", "65536", mnt)
+	Run(t, "fallocate", "--offset", "4194304", "--length", "65536", mnt)
 	if st, _ := os.Stat(img); st.Size() != 4<<20+65536 {
 		t.Fatalf("image size after fallocate at EOF: %d, want %d", st.Size(), 4<<20+65536)
 	}
 	// Zero range without KEEP_SIZE grows too.
-	run(t, "fallocate", "--zero-range", "--offset", "4259840", "--length", "4096", mnt)
+	Run(t, "fallocate", "--zero-range", "--offset", "4259840", "--length", "4096", mnt)
 	if st, _ := os.Stat(mnt); st.Size() != 4<<20+65536+4096 {
 		t.Fatalf("export size after zero-range past EOF: %d", st.Size())
 	}
@@ -181,7 +181,7 @@ func TestFallocateModes(t *testing.T) {
 
 func TestSeekDataHoleAndBlocksFollowAllocation(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "s.img", 16<<20)
+	img := SparseImage(t, dir, "s.img", 16<<20)
 	// Data at [1M, 1M+64K) and [8M, 9M); the rest holes.
 	f, err := os.OpenFile(img, os.O_RDWR, 0)
 	if err != nil {
@@ -191,7 +191,7 @@ func TestSeekDataHoleAndBlocksFollowAllocation(t *testing.T) {
 	f.WriteAt(bytes.Repeat([]byte{2}, 1<<20), 8<<20)
 	f.Close()
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw")
+	StartExport(t, img, mnt, "-f", "raw")
 
 	hostFd, _ := unix.Open(img, unix.O_RDONLY, 0)
 	defer unix.Close(hostFd)
@@ -229,9 +229,9 @@ func TestSeekDataHoleAndBlocksFollowAllocation(t *testing.T) {
 
 func TestSetattrRules(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "a.img", 1<<20)
+	img := SparseImage(t, dir, "a.img", 1<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w", "--allow-other", "off")
+	StartExport(t, img, mnt, "-f", "raw", "-w", "--allow-other", "off")
 
 	if err := os.Chmod(mnt, 0o400); err != nil {
 		t.Fatalf("chmod 0400: %v", err)
@@ -240,10 +240,10 @@ func TestSetattrRules(t *testing.T) {
 		t.Fatalf("mode after chmod: %o", st.Mode().Perm())
 	}
 	// Without allow_other, group/other bits are refused, as are owners.
-	if err := os.Chmod(mnt, 0o644); errnoOf(err) != unix.EPERM {
+	if err := os.Chmod(mnt, 0o644); ErrnoOf(err) != unix.EPERM {
 		t.Fatalf("chmod 0644 without allow_other: %v, want EPERM", err)
 	}
-	if err := os.Chown(mnt, 1000, 1000); errnoOf(err) != unix.ENOTSUP {
+	if err := os.Chown(mnt, 1000, 1000); ErrnoOf(err) != unix.ENOTSUP {
 		t.Fatalf("chown without allow_other: %v, want ENOTSUP", err)
 	}
 	// Times cannot be set (QEMU: ENOTSUP).
@@ -255,9 +255,9 @@ func TestSetattrRules(t *testing.T) {
 
 func TestSetattrWithAllowOther(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "a.img", 1<<20)
+	img := SparseImage(t, dir, "a.img", 1<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w", "--allow-other", "on")
+	StartExport(t, img, mnt, "-f", "raw", "-w", "--allow-other", "on")
 
 	if err := os.Chmod(mnt, 0o644); err != nil {
 		t.Fatalf("chmod 0644 with allow_other: %v", err)
@@ -274,11 +274,11 @@ func TestSetattrWithAllowOther(t *testing.T) {
 
 func TestStatfsDescribesTheImage(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "f.img", 64<<20)
+	img := SparseImage(t, dir, "f.img", 64<<20)
 	os.WriteFile(img, bytes.Repeat([]byte{7}, 4<<20), 0) // 4 MiB allocated, rest... truncated below
 	os.Truncate(img, 64<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw")
+	StartExport(t, img, mnt, "-f", "raw")
 	var s unix.Statfs_t
 	if err := unix.Statfs(mnt, &s); err != nil {
 		t.Fatalf("statfs: %v", err)
@@ -289,15 +289,15 @@ func TestStatfsDescribesTheImage(t *testing.T) {
 	if free := int64(s.Bfree) * s.Bsize; free != 60<<20 {
 		t.Errorf("statfs free %d, want %d (size minus allocated)", free, 60<<20)
 	}
-	run(t, "df", mnt)
+	Run(t, "df", mnt)
 }
 
 func TestSharedMmapOfTheExport(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 1<<20, 4)
-	want := readAll(t, img)
+	img := RandomImage(t, dir, 1<<20, 4)
+	want := ReadAll(t, img)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w")
+	StartExport(t, img, mnt, "-f", "raw", "-w")
 
 	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
 	if err != nil {
@@ -308,7 +308,7 @@ func TestSharedMmapOfTheExport(t *testing.T) {
 	if err != nil {
 		t.Fatalf("MAP_SHARED mmap of the export: %v", err)
 	}
-	mustEqualBytes(t, "mmap contents", m[:1<<20], want)
+	MustEqualBytes(t, "mmap contents", m[:1<<20], want)
 	copy(m[8192:], "written through a shared mapping")
 	if err := unix.Msync(m, unix.MS_SYNC); err != nil {
 		t.Fatalf("msync: %v", err)
@@ -325,13 +325,13 @@ func TestSharedMmapOfTheExport(t *testing.T) {
 
 func TestExportOntoTheImageItself(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 2<<20, 5)
-	orig := readAll(t, img)
-	d := startExport(t, img, img, "-f", "raw", "-w")
-	if !isFuseMount(img) {
+	img := RandomImage(t, dir, 2<<20, 5)
+	orig := ReadAll(t, img)
+	d := StartExport(t, img, img, "-f", "raw", "-w")
+	if !IsFuseMount(img) {
 		t.Fatal("image path is not a FUSE mount while exported")
 	}
-	mustEqualBytes(t, "export over its own image", readAll(t, img), orig)
+	MustEqualBytes(t, "export over its own image", ReadAll(t, img), orig)
 	f, err := os.OpenFile(img, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -340,21 +340,21 @@ func TestExportOntoTheImageItself(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	d.stopClean()
-	if isFuseMount(img) {
+	d.StopClean()
+	if IsFuseMount(img) {
 		t.Fatal("still mounted after stop")
 	}
-	got := readAll(t, img)
+	got := ReadAll(t, img)
 	copy(orig, "hello")
-	mustEqualBytes(t, "original file after unmount", got, orig)
+	MustEqualBytes(t, "original file after unmount", got, orig)
 }
 
 func TestLookupIsENOENT(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "l.img", 1<<20)
+	img := SparseImage(t, dir, "l.img", 1<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw")
-	if _, err := os.Stat(mnt + "/x"); errnoOf(err) != syscall.ENOTDIR && errnoOf(err) != syscall.ENOENT {
+	StartExport(t, img, mnt, "-f", "raw")
+	if _, err := os.Stat(mnt + "/x"); ErrnoOf(err) != syscall.ENOTDIR && ErrnoOf(err) != syscall.ENOENT {
 		t.Fatalf("stat below the file: %v", err)
 	}
 }
@@ -364,9 +364,9 @@ func TestLookupIsENOENT(t *testing.T) {
 // errno (not a hang, not success), and the export keeps serving.
 func TestHostErrorsReachTheClient(t *testing.T) {
 	dir := t.TempDir()
-	img := sparseImage(t, smallHost(t, dir, "256k"), "full.img", 8<<20)
+	img := SparseImage(t, SmallHost(t, dir, "256k"), "full.img", 8<<20)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "-f", "raw", "-w")
+	StartExport(t, img, mnt, "-f", "raw", "-w")
 
 	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
 	if err != nil {
@@ -374,8 +374,8 @@ func TestHostErrorsReachTheClient(t *testing.T) {
 	}
 	defer unix.Close(fd)
 	block := bytes.Repeat([]byte{1}, 64<<10)
-	if kcWriteback() {
-		kcHostErrorAtFsync(t, fd, img, block)
+	if writebackCached() {
+		hostErrorAtFsync(t, fd, img, block)
 		return
 	}
 	var werr error
@@ -397,10 +397,10 @@ func TestHostErrorsReachTheClient(t *testing.T) {
 // none), while opens for writing keep the export's rules.
 func TestPassthroughReads(t *testing.T) {
 	dir := t.TempDir()
-	img := randomImage(t, dir, 4<<20, 41)
+	img := RandomImage(t, dir, 4<<20, 41)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "-w", "--passthrough", "on", "--stats", "1h")
-	mustEqualBytes(t, "passthrough read", readAll(t, mnt), readAll(t, img))
+	d := StartExport(t, img, mnt, "-f", "raw", "-w", "--passthrough", "on", "--stats", "1h")
+	MustEqualBytes(t, "passthrough read", ReadAll(t, mnt), ReadAll(t, img))
 	// A writer opens while a reader holds a passthrough open (that open
 	// failed with EIO once), and the other way round.
 	ro, err := unix.Open(mnt, unix.O_RDONLY, 0)
@@ -434,8 +434,8 @@ func TestPassthroughReads(t *testing.T) {
 	unix.Close(ro2)
 	unix.Close(ro)
 	unix.Close(fd)
-	d.stopClean()
-	log := d.log()
+	d.StopClean()
+	log := d.Log()
 	i := strings.Index(log, "stats summary")
 	// The one READ that reached us is the writer's own.
 	if !strings.Contains(log, "FUSE passthrough on") || i < 0 || !strings.Contains(log[i:], "write ") ||
@@ -446,7 +446,7 @@ func TestPassthroughReads(t *testing.T) {
 		t.Fatalf("image grew to %d under passthrough", st.Size())
 	}
 	// Only raw images can be passed through.
-	code, out := runBlockexport(t, "fuse", "--passthrough", "on", "null:1M", filepath.Join(dir, "m2"))
+	code, out := RunBlockexport(t, "fuse", "--passthrough", "on", "null:1M", filepath.Join(dir, "m2"))
 	if code != 1 || !strings.Contains(out, "only buffered raw images") {
 		t.Fatalf("--passthrough on with a null device: exit %d %q", code, out)
 	}

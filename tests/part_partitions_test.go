@@ -12,11 +12,11 @@ import (
 	"testing"
 )
 
-// partScripts are sfdisk scripts for the two kinds of table: MBR with an
+// partitionScripts are sfdisk scripts for the two kinds of table: MBR with an
 // extended partition holding two logical ones (numbered 5 and 6, as the
 // kernel numbers them), and GPT. Each names the file system each
 // partition gets.
-var partScripts = map[string]struct {
+var partitionScripts = map[string]struct {
 	script string
 	fs     map[int]string // partition number: ext4 or vfat
 }{
@@ -24,31 +24,31 @@ var partScripts = map[string]struct {
 	"gpt": {"label: gpt\n,8M,L\n,12M,U\n,,L\n", map[int]string{1: "ext4", 2: "vfat", 3: "ext4"}},
 }
 
-// partRange is a partition as partx (libblkid, not our parser) reads it.
-type partRange struct {
+// partitionRange is a partition as partx (libblkid, not our parser) reads it.
+type partitionRange struct {
 	nr          int
 	start, size int64
 }
 
-// partDisk makes a 64 MiB disk of random bytes (so that a stray write
+// partitionedDisk makes a 64 MiB disk of random bytes (so that a stray write
 // shows) with the kind's table written by sfdisk.
-func partDisk(t *testing.T, dir, kind string) string {
+func partitionedDisk(t *testing.T, dir, kind string) string {
 	t.Helper()
-	disk := randomImage(t, dir, 64<<20, 26)
+	disk := RandomImage(t, dir, 64<<20, 26)
 	cmd := exec.Command("sfdisk", "-q", "--no-reread", "--no-tell-kernel", disk)
-	cmd.Stdin = strings.NewReader(partScripts[kind].script)
+	cmd.Stdin = strings.NewReader(partitionScripts[kind].script)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("sfdisk %s: %v\n%s", kind, err, out)
 	}
 	return disk
 }
 
-// partRanges lists the data partitions of disk as partx reads them (the
+// partitionRanges lists the data partitions of disk as partx reads them (the
 // MBR's extended container left out: we serve no file for it).
-func partRanges(t *testing.T, disk string) []partRange {
+func partitionRanges(t *testing.T, disk string) []partitionRange {
 	t.Helper()
-	var out []partRange
-	for _, line := range strings.Split(strings.TrimSpace(run(t, "partx", "-g", "-b", "-o", "NR,START,SECTORS,TYPE", disk)), "\n") {
+	var out []partitionRange
+	for _, line := range strings.Split(strings.TrimSpace(Run(t, "partx", "-g", "-b", "-o", "NR,START,SECTORS,TYPE", disk)), "\n") {
 		f := strings.Fields(line)
 		if len(f) != 4 || f[3] == "0x5" || f[3] == "0xf" || f[3] == "0x85" {
 			continue
@@ -56,7 +56,7 @@ func partRanges(t *testing.T, disk string) []partRange {
 		nr, _ := strconv.Atoi(f[0])
 		start, _ := strconv.ParseInt(f[1], 10, 64)
 		n, _ := strconv.ParseInt(f[2], 10, 64)
-		out = append(out, partRange{nr, start * 512, n * 512})
+		out = append(out, partitionRange{nr, start * 512, n * 512})
 	}
 	if len(out) == 0 {
 		t.Fatalf("partx found no partitions on %s", disk)
@@ -64,16 +64,16 @@ func partRanges(t *testing.T, disk string) []partRange {
 	return out
 }
 
-// partKernelDevice returns a block device holding the kernel's view of
+// kernelPartitionDevice returns a block device holding the kernel's view of
 // partition p of disk: /dev/loopNpK from `losetup -P` where the kernel
 // reads partition tables (a device node made for it when no udev does),
 // else a loop device over p's byte range as partx gives it (this
 // machine's kernel is built without MSDOS and EFI partition support, so
 // `losetup -P` finds no partitions here). Loop devices and nodes go in
 // t.Cleanup.
-func partKernelDevice(t *testing.T, disk string, p partRange) string {
+func kernelPartitionDevice(t *testing.T, disk string, p partitionRange) string {
 	t.Helper()
-	loop := strings.TrimSpace(run(t, "losetup", "-f", "--show", "-r", "-P", disk))
+	loop := strings.TrimSpace(Run(t, "losetup", "-f", "--show", "-r", "-P", disk))
 	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
 	name := filepath.Base(loop)
 	if dev, err := os.ReadFile(fmt.Sprintf("/sys/block/%s/%sp%d/dev", name, name, p.nr)); err == nil {
@@ -81,29 +81,29 @@ func partKernelDevice(t *testing.T, disk string, p partRange) string {
 		if _, err := os.Stat(node); err != nil {
 			node = filepath.Join(t.TempDir(), fmt.Sprintf("%sp%d", name, p.nr))
 			mm := strings.Split(strings.TrimSpace(string(dev)), ":")
-			run(t, "mknod", node, "b", mm[0], mm[1])
+			Run(t, "mknod", node, "b", mm[0], mm[1])
 		}
 		return node
 	}
 	t.Logf("the kernel made no %sp%d (no partition support for this table): a loop device over partx's range instead", name, p.nr)
-	part := strings.TrimSpace(run(t, "losetup", "-f", "--show", "-r", "-o", strconv.FormatInt(p.start, 10), "--sizelimit", strconv.FormatInt(p.size, 10), disk))
+	part := strings.TrimSpace(Run(t, "losetup", "-f", "--show", "-r", "-o", strconv.FormatInt(p.start, 10), "--sizelimit", strconv.FormatInt(p.size, 10), disk))
 	t.Cleanup(func() { exec.Command("losetup", "-d", part).Run() })
 	return part
 }
 
-// partMkfs makes the file system named on path (a partition file).
-func partMkfs(t *testing.T, fs, path, content string) {
+// mkfsOn makes the file system named on path (a partition file).
+func mkfsOn(t *testing.T, fs, path, content string) {
 	t.Helper()
 	switch fs {
 	case "ext4":
-		run(t, "mkfs.ext4", "-q", "-F", "-d", content, path)
+		Run(t, "mkfs.ext4", "-q", "-F", "-d", content, path)
 	case "vfat":
-		run(t, "mkfs.vfat", path)
+		Run(t, "mkfs.vfat", path)
 	}
 }
 
-// partContent is a directory of files for mkfs.ext4 -d.
-func partContent(t *testing.T) string {
+// partitionContent is a directory of files for mkfs.ext4 -d.
+func partitionContent(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
 	for _, name := range []string{"hello.txt", "partitions-as-files"} {
@@ -130,16 +130,16 @@ func TestPartitionFilesEqualTheKernelsPartitions(t *testing.T) {
 		kind := c.kind
 		t.Run(kind+"-"+c.format, func(t *testing.T) {
 			dir := t.TempDir()
-			disk := partDisk(t, dir, kind)
-			parts := partRanges(t, disk)
+			disk := partitionedDisk(t, dir, kind)
+			parts := partitionRanges(t, disk)
 			image := disk
 			if c.format == "qcow2" {
 				image = filepath.Join(dir, "disk.qcow2")
-				run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", disk, image)
+				Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", disk, image)
 			}
 			mnt := filepath.Join(dir, "mnt")
 			os.Mkdir(mnt, 0o755)
-			d := startExport(t, image, mnt, "-f", c.format, "-w", "--file-name", "disk", "--partitions")
+			d := StartExport(t, image, mnt, "-f", c.format, "-w", "--file-name", "disk", "--partitions")
 
 			entries, err := os.ReadDir(mnt)
 			if err != nil {
@@ -157,7 +157,7 @@ func TestPartitionFilesEqualTheKernelsPartitions(t *testing.T) {
 			if strings.Join(got, " ") != strings.Join(want, " ") {
 				t.Fatalf("the directory lists %q; partx finds %q", got, want)
 			}
-			content := partContent(t)
+			content := partitionContent(t)
 			for _, p := range parts {
 				file := filepath.Join(mnt, fmt.Sprintf("disk-p%d", p.nr))
 				st, err := os.Stat(file)
@@ -167,31 +167,31 @@ func TestPartitionFilesEqualTheKernelsPartitions(t *testing.T) {
 				if st.Size() != p.size || st.Mode().Perm() != 0o600 {
 					t.Errorf("%s: size %d mode %v; partx: %d bytes", file, st.Size(), st.Mode(), p.size)
 				}
-				before := readAll(t, filepath.Join(mnt, "disk"))
-				partMkfs(t, partScripts[kind].fs[p.nr], file, content)
-				after := readAll(t, filepath.Join(mnt, "disk"))
-				mustEqualBytes(t, fmt.Sprintf("the disk before partition %d", p.nr), after[:p.start], before[:p.start])
-				mustEqualBytes(t, fmt.Sprintf("the disk after partition %d", p.nr), after[p.start+p.size:], before[p.start+p.size:])
+				before := ReadAll(t, filepath.Join(mnt, "disk"))
+				mkfsOn(t, partitionScripts[kind].fs[p.nr], file, content)
+				after := ReadAll(t, filepath.Join(mnt, "disk"))
+				MustEqualBytes(t, fmt.Sprintf("the disk before partition %d", p.nr), after[:p.start], before[:p.start])
+				MustEqualBytes(t, fmt.Sprintf("the disk after partition %d", p.nr), after[p.start+p.size:], before[p.start+p.size:])
 				if bytes.Equal(after[p.start:p.start+p.size], before[p.start:p.start+p.size]) {
 					t.Fatalf("mkfs through %s changed nothing in its partition", file)
 				}
 			}
-			d.stopClean()
+			d.StopClean()
 			if c.format == "qcow2" {
-				run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", image, disk)
+				Run(t, "qemu-img", "convert", "-f", "qcow2", "-O", "raw", image, disk)
 			}
-			startExport(t, image, mnt, "-f", c.format, "--file-name", "disk", "--partitions")
+			StartExport(t, image, mnt, "-f", c.format, "--file-name", "disk", "--partitions")
 			for _, p := range parts {
-				dev := partKernelDevice(t, disk, p)
+				dev := kernelPartitionDevice(t, disk, p)
 				file := filepath.Join(mnt, fmt.Sprintf("disk-p%d", p.nr))
 				if out, err := exec.Command("cmp", file, dev).CombinedOutput(); err != nil {
 					t.Errorf("cmp %s %s: %v\n%s", file, dev, err, out)
 				}
-				switch partScripts[kind].fs[p.nr] {
+				switch partitionScripts[kind].fs[p.nr] {
 				case "ext4":
-					run(t, "e2fsck", "-fn", dev)
+					Run(t, "e2fsck", "-fn", dev)
 				case "vfat":
-					run(t, "fsck.vfat", "-n", dev)
+					Run(t, "fsck.vfat", "-n", dev)
 				}
 			}
 		})
@@ -204,21 +204,21 @@ func TestPartitionFilesEqualTheKernelsPartitions(t *testing.T) {
 // partition's (qemu-img convert from it, compared with the disk's range).
 func TestPartitionServedAloneAndAsNBDExports(t *testing.T) {
 	dir := t.TempDir()
-	disk := partDisk(t, dir, "mbr")
-	parts := partRanges(t, disk)
-	data := readAll(t, disk)
+	disk := partitionedDisk(t, dir, "mbr")
+	parts := partitionRanges(t, disk)
+	data := ReadAll(t, disk)
 	p5 := parts[len(parts)-2]
 	if p5.nr != 5 {
 		t.Fatalf("partx: %+v", parts)
 	}
 
 	file := filepath.Join(dir, "p5")
-	startExport(t, disk, file, "-f", "raw", "--partition", "5")
-	mustEqualBytes(t, "--partition 5's file", readAll(t, file), data[p5.start:p5.start+p5.size])
+	StartExport(t, disk, file, "-f", "raw", "--partition", "5")
+	MustEqualBytes(t, "--partition 5's file", ReadAll(t, file), data[p5.start:p5.start+p5.size])
 
-	s := startNBD(t, disk, false, "-f", "raw", "--export-name", "disk", "--partitions")
-	sock := strings.TrimPrefix(s.uri, "nbd+unix:///?socket=")
-	list := run(t, "nbdinfo", "--list", "--json", "nbd+unix:///?socket="+sock)
+	s := StartNBD(t, disk, false, "-f", "raw", "--export-name", "disk", "--partitions")
+	sock := strings.TrimPrefix(s.URI, "nbd+unix:///?socket=")
+	list := Run(t, "nbdinfo", "--list", "--json", "nbd+unix:///?socket="+sock)
 	for _, p := range parts {
 		name := fmt.Sprintf("disk-p%d", p.nr)
 		if !strings.Contains(list, `"`+name+`"`) {
@@ -226,16 +226,16 @@ func TestPartitionServedAloneAndAsNBDExports(t *testing.T) {
 			continue
 		}
 		out := filepath.Join(dir, name+".raw")
-		run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", fmt.Sprintf("nbd+unix:///%s?socket=%s", name, sock), out)
-		mustEqualBytes(t, "export "+name, readAll(t, out), data[p.start:p.start+p.size])
+		Run(t, "qemu-img", "convert", "-f", "raw", "-O", "raw", fmt.Sprintf("nbd+unix:///%s?socket=%s", name, sock), out)
+		MustEqualBytes(t, "export "+name, ReadAll(t, out), data[p.start:p.start+p.size])
 	}
 	if !strings.Contains(list, `"disk"`) {
 		t.Errorf("nbdinfo --list has no disk:\n%s", list)
 	}
 
-	one := startNBD(t, disk, false, "-f", "raw", "--partition", "6")
+	one := StartNBD(t, disk, false, "-f", "raw", "--partition", "6")
 	p6 := parts[len(parts)-1]
-	if size := strings.TrimSpace(run(t, "nbdinfo", "--size", one.uri)); size != strconv.FormatInt(p6.size, 10) {
+	if size := strings.TrimSpace(Run(t, "nbdinfo", "--size", one.URI)); size != strconv.FormatInt(p6.size, 10) {
 		t.Errorf("nbd --partition 6: size %s, partx %d", size, p6.size)
 	}
 }
@@ -247,8 +247,8 @@ func TestPartitionServedAloneAndAsNBDExports(t *testing.T) {
 // alone is damaged is read from the backup, with a warning.
 func TestPartitionTablesNotSoundAreRefused(t *testing.T) {
 	dir := t.TempDir()
-	noTable := randomImage(t, dir, 1<<20, 1)
-	overlap := sparseImage(t, dir, "overlap.raw", 8<<20)
+	noTable := RandomImage(t, dir, 1<<20, 1)
+	overlap := SparseImage(t, dir, "overlap.raw", 8<<20)
 	// sfdisk writes no overlaps: a sound table, then entry 2's start
 	// (LBA, little-endian at 446+16+8) moved from 8192 to 4000, into p1.
 	cmd := exec.Command("sfdisk", "-q", "--no-reread", "--no-tell-kernel", overlap)
@@ -265,7 +265,7 @@ func TestPartitionTablesNotSoundAreRefused(t *testing.T) {
 	}
 	f.Close()
 	gptDisk := func(name string, damage ...int64) string {
-		path := sparseImage(t, dir, name, 8<<20)
+		path := SparseImage(t, dir, name, 8<<20)
 		cmd := exec.Command("sfdisk", "-q", "--no-reread", "--no-tell-kernel", path)
 		cmd.Stdin = strings.NewReader("label: gpt\n,2M,L\n,,L\n")
 		if out, err := cmd.CombinedOutput(); err != nil {
@@ -302,20 +302,20 @@ func TestPartitionTablesNotSoundAreRefused(t *testing.T) {
 		{"no directory", primaryBad, "needs --file-name", []string{"--partitions"}},
 	} {
 		mnt := filepath.Join(dir, "mnt-"+strings.ReplaceAll(c.name, " ", "-"))
-		code, out := runBlockexport(t, append(append([]string{"fuse", "-f", "raw"}, c.args...), c.image, mnt)...)
+		code, out := RunBlockexport(t, append(append([]string{"fuse", "-f", "raw"}, c.args...), c.image, mnt)...)
 		lines := strings.Split(strings.TrimSpace(out), "\n")
-		if code == 0 || !strings.Contains(out, c.want) || len(lines) > 2 || isFuseMount(mnt) {
+		if code == 0 || !strings.Contains(out, c.want) || len(lines) > 2 || IsFuseMount(mnt) {
 			t.Errorf("%s: exit %d, want a refusal saying %q in one line:\n%s", c.name, code, c.want, out)
 		}
 	}
 
 	mnt := filepath.Join(dir, "mnt")
 	os.Mkdir(mnt, 0o755)
-	d := startExport(t, primaryBad, mnt, "-f", "raw", "--file-name", "d", "--partitions")
-	if !strings.Contains(d.log(), "backup GPT") {
-		t.Errorf("no warning that the backup GPT is used:\n%s", d.log())
+	d := StartExport(t, primaryBad, mnt, "-f", "raw", "--file-name", "d", "--partitions")
+	if !strings.Contains(d.Log(), "backup GPT") {
+		t.Errorf("no warning that the backup GPT is used:\n%s", d.Log())
 	}
-	for _, p := range partRanges(t, primaryBad) {
+	for _, p := range partitionRanges(t, primaryBad) {
 		st, err := os.Stat(filepath.Join(mnt, fmt.Sprintf("d-p%d", p.nr)))
 		if err != nil || st.Size() != p.size {
 			t.Errorf("d-p%d from the backup GPT: %v (partx: %d bytes)", p.nr, err, p.size)
@@ -329,11 +329,11 @@ func TestPartitionTablesNotSoundAreRefused(t *testing.T) {
 // with --partitions, and fuse2fs -o fakeroot on NAME-p5 lists and reads
 // the file system's files.
 func TestPartitionFilesMountedByFuse2fsWithoutRoot(t *testing.T) {
-	u := unprivileged(t)
+	u := Unprivileged(t)
 	dir := t.TempDir()
-	disk := partDisk(t, dir, "mbr")
-	var p5 partRange
-	for _, p := range partRanges(t, disk) {
+	disk := partitionedDisk(t, dir, "mbr")
+	var p5 partitionRange
+	for _, p := range partitionRanges(t, disk) {
 		if p.nr == 5 {
 			p5 = p
 		}
@@ -341,9 +341,9 @@ func TestPartitionFilesMountedByFuse2fsWithoutRoot(t *testing.T) {
 	// The file system is made apart and copied into place, so that
 	// nothing but the user's processes ever serves the disk.
 	fsImg := filepath.Join(dir, "p5.ext4")
-	run(t, "truncate", "-s", strconv.FormatInt(p5.size, 10), fsImg)
-	partMkfs(t, "ext4", fsImg, partContent(t))
-	fsData := readAll(t, fsImg)
+	Run(t, "truncate", "-s", strconv.FormatInt(p5.size, 10), fsImg)
+	mkfsOn(t, "ext4", fsImg, partitionContent(t))
+	fsData := ReadAll(t, fsImg)
 	f, err := os.OpenFile(disk, os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -354,39 +354,39 @@ func TestPartitionFilesMountedByFuse2fsWithoutRoot(t *testing.T) {
 	f.Close()
 	for _, format := range []string{"vmdk", "qcow2"} {
 		t.Run(format, func(t *testing.T) {
-			image := filepath.Join(u.dir, "disk."+format)
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", format, disk, image)
-			if err := os.Chown(image, u.uid, u.gid); err != nil {
+			image := filepath.Join(u.Dir, "disk."+format)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", format, disk, image)
+			if err := os.Chown(image, u.UID, u.GID); err != nil {
 				t.Fatal(err)
 			}
-			mnt := filepath.Join(u.dir, "export-"+format)
-			fsMnt := filepath.Join(u.dir, "fs-"+format)
-			u.run(t, "mkdir", mnt, fsMnt)
+			mnt := filepath.Join(u.Dir, "export-"+format)
+			fsMnt := filepath.Join(u.Dir, "fs-"+format)
+			u.Run(t, "mkdir", mnt, fsMnt)
 
-			d := u.export(t, image, mnt, "-f", format, "--file-name", "disk", "--partitions")
+			d := u.Export(t, image, mnt, "-f", format, "--file-name", "disk", "--partitions")
 			t.Cleanup(func() {
-				if isFuseMount(fsMnt) {
-					exec.Command("setpriv", u.argv("fusermount3", "-u", fsMnt)...).Run()
+				if IsFuseMount(fsMnt) {
+					exec.Command("setpriv", u.Argv("fusermount3", "-u", fsMnt)...).Run()
 				}
-				if isFuseMount(fsMnt) {
+				if IsFuseMount(fsMnt) {
 					exec.Command("umount", "-l", fsMnt).Run()
 				}
 			})
-			u.run(t, "fuse2fs", "-o", "fakeroot,ro", filepath.Join(mnt, "disk-p5"), fsMnt)
-			ls := u.run(t, "ls", fsMnt)
+			u.Run(t, "fuse2fs", "-o", "fakeroot,ro", filepath.Join(mnt, "disk-p5"), fsMnt)
+			ls := u.Run(t, "ls", fsMnt)
 			for _, name := range []string{"hello.txt", "partitions-as-files"} {
 				if !strings.Contains(ls, name) {
-					t.Errorf("fuse2fs on disk-p5 lists %q, no %s\n%s", ls, name, d.log())
+					t.Errorf("fuse2fs on disk-p5 lists %q, no %s\n%s", ls, name, d.Log())
 				}
 			}
-			if got := u.run(t, "cat", filepath.Join(fsMnt, "hello.txt")); got != "made through hello.txt\n" {
+			if got := u.Run(t, "cat", filepath.Join(fsMnt, "hello.txt")); got != "made through hello.txt\n" {
 				t.Errorf("hello.txt reads %q", got)
 			}
-			u.run(t, "fusermount3", "-u", fsMnt)
-			if ps := run(t, "ps", "-o", "user=", "-p", strconv.Itoa(d.cmd.Process.Pid)); strings.TrimSpace(ps) == "root" {
+			u.Run(t, "fusermount3", "-u", fsMnt)
+			if ps := Run(t, "ps", "-o", "user=", "-p", strconv.Itoa(d.Cmd.Process.Pid)); strings.TrimSpace(ps) == "root" {
 				t.Errorf("the export runs as root")
 			}
-			d.stopClean()
+			d.StopClean()
 		})
 	}
 }
@@ -397,10 +397,10 @@ func TestPartitionFilesMountedByFuse2fsWithoutRoot(t *testing.T) {
 // nothing, where without --partitions it resizes the image.
 func TestPartitionedDiskSizeIsFixed(t *testing.T) {
 	dir := t.TempDir()
-	disk := partDisk(t, dir, "gpt")
+	disk := partitionedDisk(t, dir, "gpt")
 	mnt := filepath.Join(dir, "mnt")
 	os.Mkdir(mnt, 0o755)
-	d := startExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk", "--partitions")
+	d := StartExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk", "--partitions")
 	for _, size := range []int64{32 << 20, 128 << 20} {
 		if err := os.Truncate(filepath.Join(mnt, "disk"), size); err == nil {
 			t.Errorf("truncating the disk to %d beside its partitions succeeded", size)
@@ -412,8 +412,8 @@ func TestPartitionedDiskSizeIsFixed(t *testing.T) {
 	if err := os.Truncate(filepath.Join(mnt, "disk-p1"), 1<<20); err == nil {
 		t.Error("truncating a partition's file succeeded")
 	}
-	d.stopClean()
-	startExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk")
+	d.StopClean()
+	StartExport(t, disk, mnt, "-f", "raw", "-w", "--file-name", "disk")
 	if err := os.Truncate(filepath.Join(mnt, "disk"), 128<<20); err != nil {
 		t.Fatalf("truncating the disk without --partitions: %v", err)
 	}

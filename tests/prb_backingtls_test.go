@@ -24,12 +24,12 @@ func TestBackingNBDSURIInHeaderNeverPicksClientCertificate(t *testing.T) {
 	dir := t.TempDir()
 	img := sourceImage(t, dir, "16M")
 	sock := filepath.Join(dir, "tls.sock")
-	startServerProc(t, sock, bin, "nbd", "-f", "raw", "--export-name", "disk", "--listen", "unix:"+sock,
+	StartServerProc(t, sock, Bin, "nbd", "-f", "raw", "--export-name", "disk", "--listen", "unix:"+sock,
 		"--tls-cert", p.serverCert, "--tls-key", p.serverKey, "--tls-ca", p.ca, img)
 	overlay := func(name, backing string) string {
 		t.Helper()
 		ov := filepath.Join(dir, name)
-		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", backing, "-F", "raw", ov, "16M")
+		Run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", backing, "-F", "raw", ov, "16M")
 		return ov
 	}
 
@@ -37,7 +37,7 @@ func TestBackingNBDSURIInHeaderNeverPicksClientCertificate(t *testing.T) {
 		ov := overlay("cert-server.qcow2", "nbds+unix:///disk?socket="+sock+"&tls-certificates="+p.dir)
 		// Plain info opens no backing file (qemu-img info does not either).
 		for _, cmd := range [][]string{{"info", "--backing-chain", ov}, {"map", ov}} {
-			code, out := runBlockexport(t, cmd...)
+			code, out := RunBlockexport(t, cmd...)
 			if code != 1 || !strings.Contains(out, "tls-certificates") || !strings.Contains(out, "untrusted") {
 				t.Errorf("%v: exit %d (want 1 and the refusal naming tls-certificates):\n%s", cmd, code, out)
 			}
@@ -65,7 +65,7 @@ func TestBackingNBDSURIInHeaderNeverPicksClientCertificate(t *testing.T) {
 			}
 		}()
 		ov := overlay("tcp.qcow2", "nbds://"+l.Addr().String()+"/disk?tls-certificates="+p.dir)
-		code, out := runBlockexport(t, "info", "--backing-chain", ov)
+		code, out := RunBlockexport(t, "info", "--backing-chain", ov)
 		if code != 1 || !strings.Contains(out, "tls-certificates") {
 			t.Errorf("info: exit %d, want 1 and the refusal:\n%s", code, out)
 		}
@@ -78,12 +78,12 @@ func TestBackingNBDSURIInHeaderNeverPicksClientCertificate(t *testing.T) {
 
 	t.Run("the user's files", func(t *testing.T) {
 		ov := overlay("user-files.qcow2", "nbds+unix:///disk?socket="+sock)
-		code, out := runBlockexport(t, "info", "--backing-chain", "--tls-ca", p.ca,
+		code, out := RunBlockexport(t, "info", "--backing-chain", "--tls-ca", p.ca,
 			"--tls-cert", filepath.Join(p.dir, "client-cert.pem"), "--tls-key", filepath.Join(p.dir, "client-key.pem"), ov)
 		if code != 0 || !strings.Contains(out, "virtual size: 16 MiB") {
 			t.Errorf("info with the user's TLS files: exit %d\n%s", code, out)
 		}
-		if code, out := runBlockexport(t, "info", "--backing-chain", "--tls-ca", p.ca, ov); code != 1 {
+		if code, out := RunBlockexport(t, "info", "--backing-chain", "--tls-ca", p.ca, ov); code != 1 {
 			t.Errorf("info without a client certificate went through a server that wants one: exit %d\n%s", code, out)
 		}
 	})

@@ -10,11 +10,11 @@ import (
 	"testing"
 )
 
-// prbForeignImages makes one image of every format QEMU probes and
+// foreignImages makes one image of every format QEMU probes and
 // blockexport does not read: by qemu-img where it creates the format, by
 // hand (the probe's magic in a header) where it does not. The map is file
 // -> the format qemu-img's probe names.
-func prbForeignImages(t *testing.T, dir string) map[string]string {
+func foreignImages(t *testing.T, dir string) map[string]string {
 	t.Helper()
 	imgs := map[string]string{}
 	for _, c := range []struct {
@@ -67,9 +67,9 @@ func prbForeignImages(t *testing.T, dir string) map[string]string {
 	return imgs
 }
 
-// prbRead are the foreign formats read here (read-only) since they were
+// qemuReadsAsRaw are the foreign formats read here (read-only) since they were
 // first refused.
-var prbRead = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
+var qemuReadsAsRaw = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
 
 // TestForeignFormatsRefusedNamingTheFormat: a file in a format QEMU reads and blockexport
 // does not (vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
@@ -80,7 +80,7 @@ var prbRead = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
 // fixed VHD (footer at the end only) and a raw file stay raw, as in QEMU.
 func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 	dir := t.TempDir()
-	imgs := prbForeignImages(t, dir)
+	imgs := foreignImages(t, dir)
 	for img, format := range imgs {
 		t.Run(filepath.Base(img), func(t *testing.T) {
 			// The expectation is qemu-img's own probe, where it can say.
@@ -91,25 +91,25 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 					t.Fatalf("qemu-img info says %q (%v), the test expects %q", info.Format, err, format)
 				}
 			}
-			before := readAll(t, img)
-			if prbRead[format] {
+			before := ReadAll(t, img)
+			if qemuReadsAsRaw[format] {
 				// Read here now (read-only): probed as qemu-img probes it,
 				// and -w refused, pointing at an overlay.
-				if code, out := runBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {
+				if code, out := RunBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {
 					t.Errorf("info: exit %d, want 0 and format %s:\n%s", code, format, out)
 				}
 				mnt := filepath.Join(t.TempDir(), "export")
-				if code, out := tryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, "qcow2") {
+				if code, out := TryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, "qcow2") {
 					t.Errorf("fuse -w: exit %d, want 1 and a refusal naming a qcow2 overlay:\n%s", code, out)
 				}
-				if code, out := runBlockexport(t, "info", "-f", "raw", img); code != 0 || !strings.Contains(out, "looks like a "+format+" image") {
+				if code, out := RunBlockexport(t, "info", "-f", "raw", img); code != 0 || !strings.Contains(out, "looks like a "+format+" image") {
 					t.Errorf("info -f raw: exit %d, want 0 and a warning naming %s:\n%s", code, format, out)
 				}
-				mustEqualBytes(t, "the image after the refusal", readAll(t, img), before)
+				MustEqualBytes(t, "the image after the refusal", ReadAll(t, img), before)
 				return
 			}
 			for _, cmd := range [][]string{{"info", img}, {"info", "--output=json", img}, {"map", img}, {"check", img}} {
-				code, out := runBlockexport(t, cmd...)
+				code, out := RunBlockexport(t, cmd...)
 				if code != 1 || !strings.Contains(out, format+" images are not supported") {
 					t.Errorf("%v: exit %d, want 1 and %q:\n%s", cmd, code, format+" images are not supported", out)
 				}
@@ -118,14 +118,14 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 				}
 			}
 			mnt := filepath.Join(t.TempDir(), "export")
-			if code, out := tryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, format+" images are not supported") {
+			if code, out := TryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, format+" images are not supported") {
 				t.Errorf("fuse -w: exit %d, want 1 and the refusal:\n%s", code, out)
 			}
-			code, out := runBlockexport(t, "info", "-f", "raw", img)
+			code, out := RunBlockexport(t, "info", "-f", "raw", img)
 			if code != 0 || !strings.Contains(out, "file format: raw") || !strings.Contains(out, "looks like a "+format+" image") {
 				t.Errorf("info -f raw: exit %d, want 0, raw, and a warning naming %s:\n%s", code, format, out)
 			}
-			mustEqualBytes(t, "the image after the refusals", readAll(t, img), before)
+			MustEqualBytes(t, "the image after the refusals", ReadAll(t, img), before)
 		})
 	}
 
@@ -143,14 +143,14 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 			}
 		}
 		probed := filepath.Join(dir, "over-hds.qcow2")
-		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", hds, "-F", "parallels", probed, "4M")
-		prbDropBackingFormat(t, probed)
+		Run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", hds, "-F", "parallels", probed, "4M")
+		dropBackingFormat(t, probed)
 		named := filepath.Join(dir, "over-qed.qcow2")
-		run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", qed, "-F", "qed", named, "4M")
+		Run(t, "qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", qed, "-F", "qed", named, "4M")
 		// The named one goes to the opener as the header names it, which
 		// refuses it by name as it refuses a probed one.
 		for img, want := range map[string]string{probed: "parallels images are not supported", named: "qed images are not supported"} {
-			if code, out := runBlockexport(t, "map", img); code != 1 || !strings.Contains(out, want) {
+			if code, out := RunBlockexport(t, "map", img); code != 1 || !strings.Contains(out, want) {
 				t.Errorf("map %s: exit %d, want 1 and %q:\n%s", filepath.Base(img), code, want, out)
 			}
 		}
@@ -158,30 +158,30 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 
 	t.Run("stays raw", func(t *testing.T) {
 		fixed := filepath.Join(dir, "fixed.vhd")
-		run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "subformat=fixed", fixed, "4M")
+		Run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "subformat=fixed", fixed, "4M")
 		plain := filepath.Join(dir, "plain.img")
-		run(t, "qemu-img", "create", "-q", "-f", "raw", plain, "4M")
+		Run(t, "qemu-img", "create", "-q", "-f", "raw", plain, "4M")
 		short := filepath.Join(dir, "short.img") // a prefix of cloop's magic: QEMU pads and says raw
 		if err := os.WriteFile(short, []byte("#!/bin/sh\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		for _, img := range []string{fixed, plain, short} {
-			code, out := runBlockexport(t, "info", img)
+			code, out := RunBlockexport(t, "info", img)
 			if code != 0 || !strings.Contains(out, "file format: raw") {
 				t.Errorf("info %s: exit %d, want raw as qemu-img says:\n%s", filepath.Base(img), code, out)
 			}
-			if _, out := runBlockexport(t, "info", "-f", "raw", img); strings.Contains(out, "looks like") {
+			if _, out := RunBlockexport(t, "info", "-f", "raw", img); strings.Contains(out, "looks like") {
 				t.Errorf("info -f raw %s warns of a format it is not:\n%s", filepath.Base(img), out)
 			}
 		}
 	})
 }
 
-// prbDropBackingFormat makes the qcow2 image at path name its backing file
+// dropBackingFormat makes the qcow2 image at path name its backing file
 // without a format (qemu-img 7.2 no longer creates such images; older ones
 // did), so that the backing file is probed: the backing-format header
 // extension becomes the end of the extensions.
-func prbDropBackingFormat(t *testing.T, path string) {
+func dropBackingFormat(t *testing.T, path string) {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	if err != nil {

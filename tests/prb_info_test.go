@@ -24,18 +24,18 @@ func TestInfoWithMissingBackingFileAsQemuImg(t *testing.T) {
 	for name, backing := range cases {
 		t.Run(name, func(t *testing.T) {
 			img := filepath.Join(dir, strings.ReplaceAll(name, " ", "-")+".qcow2")
-			run(t, "qemu-img", append(append([]string{"create", "-q", "-u", "-f", "qcow2"}, backing...), img, "16M")...)
+			Run(t, "qemu-img", append(append([]string{"create", "-q", "-u", "-f", "qcow2"}, backing...), img, "16M")...)
 
-			want := run(t, "qemu-img", "info", img)
-			code, got := runBlockexport(t, "info", img)
+			want := Run(t, "qemu-img", "info", img)
+			code, got := RunBlockexport(t, "info", img)
 			if code != 0 || got != want {
 				t.Errorf("info: exit %d, want 0 and qemu-img's output\n ours:\n%s\nqemu-img:\n%s", code, got, want)
 			}
 			var wantJ, gotJ any
-			if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", img)), &wantJ); err != nil {
+			if err := json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", img)), &wantJ); err != nil {
 				t.Fatal(err)
 			}
-			code, out := runBlockexport(t, "info", "--output=json", img)
+			code, out := RunBlockexport(t, "info", "--output=json", img)
 			if err := json.Unmarshal([]byte(out), &gotJ); code != 0 || err != nil {
 				t.Fatalf("info --output=json: exit %d, %v\n%s", code, err, out)
 			}
@@ -51,7 +51,7 @@ func TestInfoWithMissingBackingFileAsQemuImg(t *testing.T) {
 				t.Fatal("qemu-img info --backing-chain went through: the test proves nothing")
 			}
 			for _, cmd := range [][]string{{"info", "--backing-chain", img}, {"map", img}} {
-				code, out := runBlockexport(t, cmd...)
+				code, out := RunBlockexport(t, cmd...)
 				if code != 1 || !strings.Contains(out, missing) {
 					t.Errorf("%v: exit %d, want 1 naming %s:\n%s", cmd, code, missing, out)
 				}

@@ -22,20 +22,20 @@ import (
 func TestNotQcow2SaysSoWithQemuImgExitStatus(t *testing.T) {
 	dir := t.TempDir()
 	rawImg := filepath.Join(dir, "disk.raw")
-	run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
+	Run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
 	tiny := filepath.Join(dir, "tiny")
 	if err := os.WriteFile(tiny, []byte("hello"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	for _, img := range []string{rawImg, tiny} {
 		for _, cmd := range [][]string{{"info", "-f", "qcow2", img}, {"map", "-f", "qcow2", img}, {"check", "-f", "qcow2", img}} {
-			code, out := runBlockexport(t, cmd...)
+			code, out := RunBlockexport(t, cmd...)
 			if code != 1 || !strings.Contains(out, "not a qcow2 image") || strings.Contains(out, "corrupt") {
 				t.Errorf("%v: exit %d, want 1 and \"not a qcow2 image\" (not \"corrupt\"):\n%s", cmd, code, out)
 			}
 		}
 		mnt := filepath.Join(t.TempDir(), "export")
-		if code, out := tryExport(t, mnt, "-f", "qcow2", img); code != 1 || !strings.Contains(out, "not a qcow2 image") {
+		if code, out := TryExport(t, mnt, "-f", "qcow2", img); code != 1 || !strings.Contains(out, "not a qcow2 image") {
 			t.Errorf("fuse -f qcow2 %s: exit %d:\n%s", filepath.Base(img), code, out)
 		}
 	}
@@ -47,7 +47,7 @@ func TestNotQcow2SaysSoWithQemuImgExitStatus(t *testing.T) {
 // were false, and --null-read-zeroes[=true]).
 func TestHelpTextNamesNBDImagesAndBooleanFlags(t *testing.T) {
 	for _, name := range []string{"nbd", "fuse", "info", "map"} {
-		_, out := runBlockexport(t, name, "--help")
+		_, out := RunBlockexport(t, name, "--help")
 		for _, form := range []string{"nbd://", "nbds://", "nbd+unix://"} {
 			if !strings.Contains(out, form) {
 				t.Errorf("%s --help does not say IMAGE may be %s...:\n%s", name, form, out)
@@ -55,13 +55,13 @@ func TestHelpTextNamesNBDImagesAndBooleanFlags(t *testing.T) {
 		}
 	}
 	dir := filepath.Join(t.TempDir(), "man1")
-	if code, out := runBlockexport(t, "man", dir); code != 0 {
+	if code, out := RunBlockexport(t, "man", dir); code != 0 {
 		t.Fatalf("man: exit %d, %s", code, out)
 	}
 	pages, _ := filepath.Glob(filepath.Join(dir, "*.1"))
 	boolInHelp := regexp.MustCompile(`(?m)^\s+(?:-\w, )?--([a-z0-9-]+)\[=true\|false\]`)
 	for _, name := range commandNames {
-		_, help := runBlockexport(t, name, "--help")
+		_, help := RunBlockexport(t, name, "--help")
 		page, err := os.ReadFile(filepath.Join(dir, "blockexport-"+name+".1"))
 		if err != nil {
 			t.Fatal(err)
@@ -86,7 +86,7 @@ func TestHelpTextNamesNBDImagesAndBooleanFlags(t *testing.T) {
 func TestUsageErrorsInPlainWords(t *testing.T) {
 	dir := t.TempDir()
 	rawImg := filepath.Join(dir, "disk.raw")
-	run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
+	Run(t, "qemu-img", "create", "-q", "-f", "raw", rawImg, "1M")
 	for _, c := range []struct {
 		args []string
 		want string
@@ -102,18 +102,18 @@ func TestUsageErrorsInPlainWords(t *testing.T) {
 		{[]string{"create", "-f", "qcow2", "-b", rawImg, "-F", "null", filepath.Join(dir, "o.qcow2"), "1M"}, "want qcow2, raw, vmdk, vhdx, vpc or vdi"},
 		{[]string{"convert", "-O", "qcow2", "-B", rawImg, "-F", "null", rawImg, filepath.Join(dir, "c.qcow2")}, "want qcow2, raw, vmdk, vhdx, vpc or vdi"},
 	} {
-		code, out := runBlockexport(t, c.args...)
+		code, out := RunBlockexport(t, c.args...)
 		if code != 2 || !strings.Contains(out, c.want) || strings.Contains(out, "spec") {
 			t.Errorf("%v: exit %d, want 2 and %q in plain words:\n%s", c.args, code, c.want, out)
 		}
 	}
 }
 
-// prbUserExport runs `blockexport fuse ARGS null:64M MNT` as nobody in a
+// userExport runs `blockexport fuse ARGS null:64M MNT` as nobody in a
 // private mount namespace where /dev/fuse is a node of the given mode (so
 // that the machine's own /dev/fuse, which other tests change, is left
 // alone). It returns the process and a channel of its output lines.
-func prbUserExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan string) {
+func userExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan string) {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "prb-devfuse-")
 	if err != nil {
@@ -127,7 +127,7 @@ func prbUserExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan
 	if err := os.Chmod(node, os.FileMode(mode)); err != nil { // past the umask
 		t.Fatal(err)
 	}
-	for _, d := range []string{dir, filepath.Dir(bin)} {
+	for _, d := range []string{dir, filepath.Dir(Bin)} {
 		if err := os.Chmod(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -140,7 +140,7 @@ func prbUserExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan
 		t.Fatal(err)
 	}
 	script := `mount --bind "$1" /dev/fuse && shift && exec setpriv --reuid=65534 --regid=65534 --clear-groups "$@"`
-	argv := append([]string{"-m", "--propagation", "private", "sh", "-c", script, "sh", node, bin, "fuse"}, args...)
+	argv := append([]string{"-m", "--propagation", "private", "sh", "-c", script, "sh", node, Bin, "fuse"}, args...)
 	cmd := exec.Command("unshare", append(argv, "null:64M", filepath.Join(user, "mnt"))...)
 	pr, pw, err := os.Pipe()
 	if err != nil {
@@ -174,7 +174,7 @@ func prbUserExport(t *testing.T, mode uint32, args ...string) (*exec.Cmd, <-chan
 // on every start, is a debug line.
 func TestDevFuseDeniedSaysWhatToDo(t *testing.T) {
 	t.Run("permission denied", func(t *testing.T) {
-		cmd, lines := prbUserExport(t, 0o600)
+		cmd, lines := userExport(t, 0o600)
 		var out []string
 		timeout := time.After(15 * time.Second)
 	collect:
@@ -198,7 +198,7 @@ func TestDevFuseDeniedSaysWhatToDo(t *testing.T) {
 	})
 	for _, level := range []string{"info", "debug"} {
 		t.Run("io flusher at "+level, func(t *testing.T) {
-			cmd, lines := prbUserExport(t, 0o666, "--log-level", level)
+			cmd, lines := userExport(t, 0o666, "--log-level", level)
 			var out []string
 			timeout := time.After(15 * time.Second)
 			for up := false; !up; {

@@ -11,42 +11,28 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// qcowChain makes base (raw) <- mid.qcow2 <- top.qcow2 (compressed data in
-// mid, zero clusters and data in top) and returns top.
-func qcowChain(t *testing.T, dir string) string {
-	t.Helper()
-	base := randomImage(t, dir, 6<<20, 11)
-	mid := filepath.Join(dir, "mid.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", mid, "8M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x42 1M 512k", "-c", "write -c -P 0x43 4M 64k", mid)
-	top := filepath.Join(dir, "top.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", "mid.qcow2", "-F", "qcow2", top, "8M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x44 1200k 100k", "-c", "write -z 2M 128k", "-c", "write -P 0x45 7M 4k", top)
-	return top
-}
-
 func TestQcow2ExportMatchesQemu(t *testing.T) {
 	dir := t.TempDir()
-	top := qcowChain(t, dir)
+	top := QcowChain(t, dir)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, top, mnt) // format probed
+	StartExport(t, top, mnt) // format probed
 	st, err := os.Stat(mnt)
 	if err != nil || st.Size() != 8<<20 {
 		t.Fatalf("stat: %v", err)
 	}
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "qcow2", mnt, top)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "qcow2", mnt, top)
 	// The same with O_DIRECT on the chain's files (compressed clusters and
 	// byte-granular metadata go through aligned bounce buffers).
 	mntDirect := filepath.Join(dir, "mnt-direct")
-	startExport(t, top, mntDirect, "--cache", "none")
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "qcow2", mntDirect, top)
+	StartExport(t, top, mntDirect, "--cache", "none")
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "qcow2", mntDirect, top)
 
 	// SEEK_DATA/SEEK_HOLE agree with qemu-img map's data flag.
 	var entries []struct {
 		Start, Length int64
 		Data          bool
 	}
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", top)), &entries); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", top)), &entries); err != nil {
 		t.Fatal(err)
 	}
 	fd, err := unix.Open(mnt, unix.O_RDONLY, 0)
@@ -102,17 +88,17 @@ func TestQcow2LoopMountReadOnly(t *testing.T) {
 		os.WriteFile(filepath.Join(src, name), []byte(content), 0o644)
 	}
 	rawfs := filepath.Join(dir, "fs.raw")
-	run(t, "mkfs.ext4", "-q", "-d", src, rawfs, "32M")
+	Run(t, "mkfs.ext4", "-q", "-d", src, rawfs, "32M")
 	img := filepath.Join(dir, "fs.qcow2")
-	run(t, "qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", rawfs, img)
+	Run(t, "qemu-img", "convert", "-c", "-f", "raw", "-O", "qcow2", rawfs, img)
 	mnt := filepath.Join(dir, "export")
-	startExport(t, img, mnt, "--format", "qcow2")
+	StartExport(t, img, mnt, "--format", "qcow2")
 
-	loop := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--read-only", mnt))
+	loop := strings.TrimSpace(Run(t, "losetup", "--find", "--show", "--read-only", mnt))
 	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
 	fsdir := filepath.Join(dir, "fs")
 	os.Mkdir(fsdir, 0o755)
-	run(t, "mount", "-o", "ro", loop, fsdir)
+	Run(t, "mount", "-o", "ro", loop, fsdir)
 	t.Cleanup(func() { exec.Command("umount", fsdir).Run() })
 	for name, want := range files {
 		got, err := os.ReadFile(filepath.Join(fsdir, name))

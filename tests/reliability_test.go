@@ -24,18 +24,18 @@ func TestZeroingAcrossAClusterBoundary(t *testing.T) {
 	const off, n = 64536, 2000 // [63.0 KiB, 65.0 KiB): clusters 0 and 1
 	prepare := func(t *testing.T) string {
 		img := filepath.Join(t.TempDir(), "z.qcow2")
-		run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "1M")
-		run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 64k 64k", img)
+		Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "1M")
+		Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 64k 64k", img)
 		return img
 	}
 	// What QEMU reads there afterwards: all zeroes, and the rest intact.
 	verify := func(t *testing.T, img string) {
 		t.Helper()
-		out := run(t, "qemu-io", "-r", "-f", "qcow2", "-c", "read -P 0 64536 2000", "-c", "read -P 0x61 66536 64536", img)
+		out := Run(t, "qemu-io", "-r", "-f", "qcow2", "-c", "read -P 0 64536 2000", "-c", "read -P 0x61 66536 64536", img)
 		if strings.Contains(out, "verification failed") {
 			t.Fatalf("after zeroing:\n%s", out)
 		}
-		run(t, "qemu-img", "check", "-q", img)
+		Run(t, "qemu-img", "check", "-q", img)
 	}
 	for _, mode := range []struct {
 		name string
@@ -47,7 +47,7 @@ func TestZeroingAcrossAClusterBoundary(t *testing.T) {
 		t.Run("fuse/"+mode.name, func(t *testing.T) {
 			img := prepare(t)
 			mnt := filepath.Join(t.TempDir(), "z.raw")
-			d := startExport(t, img, mnt, "-w")
+			d := StartExport(t, img, mnt, "-w")
 			f, err := os.OpenFile(mnt, os.O_RDWR, 0)
 			if err != nil {
 				t.Fatal(err)
@@ -63,15 +63,15 @@ func TestZeroingAcrossAClusterBoundary(t *testing.T) {
 			if i := bytes.IndexFunc(got, func(r rune) bool { return r != 0 }); i >= 0 {
 				t.Fatalf("byte %d of the zeroed range reads %#x through the export", i, got[i])
 			}
-			d.stopClean()
+			d.StopClean()
 			verify(t, img)
 		})
 	}
 	t.Run("nbd/write-zeroes", func(t *testing.T) {
 		img := prepare(t)
-		s := startNBD(t, img, false, "-w", "-f", "qcow2")
-		run(t, "qemu-io", "-f", "raw", "-c", "write -z 64536 2000", s.uri)
-		s.stopClean()
+		s := StartNBD(t, img, false, "-w", "-f", "qcow2")
+		Run(t, "qemu-io", "-f", "raw", "-c", "write -z 64536 2000", s.URI)
+		s.StopClean()
 		verify(t, img)
 	})
 }
@@ -84,8 +84,8 @@ func TestZeroingAcrossAClusterBoundary(t *testing.T) {
 func TestWriteOntoMetadataIsRefused(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "m.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", img)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "4M")
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", img)
 	b, err := os.ReadFile(img)
 	if err != nil {
 		t.Fatal(err)
@@ -98,7 +98,7 @@ func TestWriteOntoMetadataIsRefused(t *testing.T) {
 	f.Close()
 
 	mnt := filepath.Join(dir, "m.raw")
-	d := startExport(t, img, mnt, "-w")
+	d := StartExport(t, img, mnt, "-w")
 	fd, err := unix.Open(mnt, unix.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -109,19 +109,19 @@ func TestWriteOntoMetadataIsRefused(t *testing.T) {
 	if werr != unix.EIO || werr2 != unix.EIO {
 		t.Fatalf("writes onto metadata: %v, then %v; want EIO both", werr, werr2)
 	}
-	d.stopClean()
-	log := d.log()
+	d.StopClean()
+	log := d.Log()
 	if strings.Count(log, "preventing invalid write on metadata") != 1 || !strings.Contains(log, "active L1 table") {
 		t.Fatalf("want one log line naming the L1 table:\n%s", log)
 	}
-	if out := run(t, "qemu-img", "info", "--output=json", img); !strings.Contains(out, `"corrupt": true`) {
+	if out := Run(t, "qemu-img", "info", "--output=json", img); !strings.Contains(out, `"corrupt": true`) {
 		t.Fatalf("not marked corrupt:\n%s", out)
 	}
-	out := run(t, "qemu-io", "-r", "-f", "qcow2", "-c", "read -P 0x5a 0 64k", img)
+	out := Run(t, "qemu-io", "-r", "-f", "qcow2", "-c", "read -P 0x5a 0 64k", img)
 	if strings.Contains(out, "verification failed") {
 		t.Fatalf("data lost:\n%s", out)
 	}
-	code, msg := runBlockexport(t, "fuse", "-w", img, filepath.Join(dir, "again.raw"))
+	code, msg := RunBlockexport(t, "fuse", "-w", img, filepath.Join(dir, "again.raw"))
 	if code != 1 || !strings.Contains(msg, "corrupt") {
 		t.Fatalf("a writable export of the corrupt image: exit %d %q", code, msg)
 	}
@@ -136,8 +136,8 @@ func TestFIFOsAreRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	over := filepath.Join(dir, "over.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", over, "1M")
-	run(t, "qemu-img", "rebase", "-u", "-f", "qcow2", "-b", "fifo", "-F", "raw", over)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", over, "1M")
+	Run(t, "qemu-img", "rebase", "-u", "-f", "qcow2", "-b", "fifo", "-F", "raw", over)
 	for _, args := range [][]string{
 		{"info", fifo},
 		{"map", fifo},
@@ -149,7 +149,7 @@ func TestFIFOsAreRefused(t *testing.T) {
 		{"create", "-f", "qcow2", "-b", fifo, filepath.Join(dir, "new.qcow2")},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+		out, err := exec.CommandContext(ctx, Bin, args...).CombinedOutput()
 		timedOut := ctx.Err() != nil
 		cancel()
 		if timedOut {

@@ -1,16 +1,9 @@
 package tests
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"io"
-	"math/big"
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
@@ -24,202 +17,20 @@ import (
 	"time"
 )
 
-// rhNginx is Debian's nginx serving a directory on two loopback ports,
-// plain http and https (a certificate for 127.0.0.1 signed by a CA the
-// test made), with its own config, logs and temp files in a temporary
-// directory.
-type rhNginx struct {
-	root      string // the served directory
-	http      string // http://127.0.0.1:PORT
-	https     string // https://127.0.0.1:PORT
-	ca        string // the CA's PEM, for --tls-ca
-	errorLog  string
-	accessLog string
-	argv      []string // how to start it again
-	addr      string   // the http port's address
-	cmd       *exec.Cmd
-	exited    chan struct{}
-}
-
-func (n *rhNginx) url(scheme, name string) string {
-	if scheme == "https" {
-		return n.https + "/" + name
-	}
-	return n.http + "/" + name
-}
-
-// rhFreePort is a loopback port nobody listens on (closed again: nginx
-// binds it a moment later).
-func rhFreePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
-// rhMakeCA writes a CA and a server certificate for 127.0.0.1 signed by it
-// into dir: ca.pem, server.pem, server.key.
-func rhMakeCA(t *testing.T, dir string) (ca, cert, key string) {
-	t.Helper()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "blockexport test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srvTmpl := &x509.Certificate{SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "127.0.0.1"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
-	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caTmpl, &srvKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, err := x509.MarshalECPrivateKey(srvKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	write := func(name, typ string, der []byte) string {
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return p
-	}
-	return write("ca.pem", "CERTIFICATE", caDER), write("server.pem", "CERTIFICATE", srvDER), write("server.key", "EC PRIVATE KEY", keyDER)
-}
-
-// rhStartNginx starts nginx over a new directory (stopped in t.Cleanup).
-func rhStartNginx(t *testing.T) *rhNginx {
-	t.Helper()
-	bin, err := exec.LookPath("nginx")
-	if err != nil {
-		if _, err2 := os.Stat("/usr/sbin/nginx"); err2 != nil {
-			t.Fatal("the http(s) source tests serve images with nginx: apt-get install -y nginx-light")
-		}
-		bin = "/usr/sbin/nginx"
-	}
-	dir := t.TempDir()
-	n := &rhNginx{root: filepath.Join(dir, "www"), errorLog: filepath.Join(dir, "error.log"), accessLog: filepath.Join(dir, "access.log")}
-	if err := os.MkdirAll(filepath.Join(dir, "tmp"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Mkdir(n.root, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	var cert, key string
-	n.ca, cert, key = rhMakeCA(t, dir)
-	hp, sp := rhFreePort(t), rhFreePort(t)
-	n.http, n.https = fmt.Sprintf("http://127.0.0.1:%d", hp), fmt.Sprintf("https://127.0.0.1:%d", sp)
-	tmp := filepath.Join(dir, "tmp")
-	conf := fmt.Sprintf(`daemon off;
-master_process off;
-pid %[1]s/nginx.pid;
-error_log %[2]s warn;
-worker_processes 1;
-events { worker_connections 512; }
-http {
-  access_log %[3]s;
-  client_body_temp_path %[4]s; proxy_temp_path %[4]s; fastcgi_temp_path %[4]s; uwsgi_temp_path %[4]s; scgi_temp_path %[4]s;
-  default_type application/octet-stream;
-  keepalive_requests 100000;
-  server {
-    listen 127.0.0.1:%[5]d;
-    listen 127.0.0.1:%[6]d ssl;
-    ssl_certificate %[7]s;
-    ssl_certificate_key %[8]s;
-    root %[9]s;
-  }
-}
-`, dir, n.errorLog, n.accessLog, tmp, hp, sp, cert, key, n.root)
-	confFile := filepath.Join(dir, "nginx.conf")
-	if err := os.WriteFile(confFile, []byte(conf), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	n.argv = []string{bin, "-c", confFile, "-p", dir, "-e", n.errorLog}
-	n.addr = fmt.Sprintf("127.0.0.1:%d", hp)
-	t.Cleanup(n.kill)
-	n.start(t)
-	return n
-}
-
-// start runs nginx (again: the same ports, config and directory) and
-// waits until it listens.
-func (n *rhNginx) start(t *testing.T) {
-	t.Helper()
-	cmd := exec.Command(n.argv[0], n.argv[1:]...)
-	out := &strings.Builder{}
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start nginx: %v", err)
-	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	n.cmd, n.exited = cmd, exited
-	for deadline := time.Now().Add(10 * time.Second); ; {
-		if c, err := net.Dial("tcp", n.addr); err == nil {
-			c.Close()
-			break
-		}
-		select {
-		case <-exited:
-			log, _ := os.ReadFile(n.errorLog)
-			t.Fatalf("nginx exited: %s\n%s", out, log)
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("nginx did not listen in time")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-// kill stops nginx at once (SIGKILL: connections reset mid-reply).
-func (n *rhNginx) kill() {
-	if n.cmd != nil {
-		n.cmd.Process.Kill()
-		<-n.exited
-		n.cmd = nil
-	}
-}
-
-// put places a copy of the file src as name in the served directory,
-// atomically (a new file renamed over any old one: a new ETag).
-func (n *rhNginx) put(t *testing.T, name, src string) {
-	t.Helper()
-	tmp := filepath.Join(n.root, "."+name+".tmp")
-	run(t, "cp", "--sparse=always", src, tmp)
-	if err := os.Rename(tmp, filepath.Join(n.root, name)); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// rhImages makes a 64 MiB raw disk whose first 48 MiB hold fio's
+// nginxImages makes a 64 MiB raw disk whose first 48 MiB hold fio's
 // crc32c-verified records, and the same disk as qcow2, both served.
-func rhImages(t *testing.T, n *rhNginx) (raw string, job []string) {
+func nginxImages(t *testing.T, n *Nginx) (raw string, job []string) {
 	t.Helper()
 	dir := t.TempDir()
-	raw = sparseImage(t, dir, "disk.img", 64<<20)
+	raw = SparseImage(t, dir, "disk.img", 64<<20)
 	job = []string{"--name=rh", "--rw=randwrite", "--bs=4k", "--size=48M", "--io_size=48M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
 		"--verify_state_save=0", "--randseed=2711", "--minimal"}
-	run(t, "fio", append(job, "--filename="+raw)...)
+	Run(t, "fio", append(job, "--filename="+raw)...)
 	qc := filepath.Join(dir, "disk.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
-	n.put(t, "disk.img", raw)
-	n.put(t, "disk.qcow2", qc)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
+	n.Put(t, "disk.img", raw)
+	n.Put(t, "disk.qcow2", qc)
 	return raw, job
 }
 
@@ -229,30 +40,30 @@ func rhImages(t *testing.T, n *rhNginx) (raw string, job []string) {
 // each export identical to the local disk, and every request nginx saw
 // was a conditional range GET (If-Match), besides the HEAD at open.
 func TestHTTPObjectsThroughTheExport(t *testing.T) {
-	n := rhStartNginx(t)
-	raw, job := rhImages(t, n)
+	n := StartNginx(t)
+	raw, job := nginxImages(t, n)
 	for _, scheme := range []string{"http", "https"} {
 		for _, name := range []string{"disk.img", "disk.qcow2"} {
 			t.Run(scheme+"/"+name, func(t *testing.T) {
 				mnt := filepath.Join(t.TempDir(), "mnt")
-				d := startExport(t, n.url(scheme, name), mnt, "--tls-ca", n.ca, "--connections", "4", "--cache-size", "8M")
+				d := StartExport(t, n.URL(scheme, name), mnt, "--tls-ca", n.CA, "--connections", "4", "--cache-size", "8M")
 				// fio checks each block's crc32c header as it reads:
 				// randomly at queue depth 16, then sequentially.
 				for _, rw := range []string{"--rw=randread", "--rw=read"} {
 					verify := append(append([]string(nil), job...), rw, "--readonly", "--filename="+mnt)
-					run(t, "fio", verify...)
+					Run(t, "fio", verify...)
 				}
-				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
-				d.stopClean()
-				if strings.Contains(d.log(), "level=ERROR") || strings.Contains(d.log(), "level=WARN") {
-					t.Fatalf("the export logged trouble:\n%s", d.log())
+				Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+				d.StopClean()
+				if strings.Contains(d.Log(), "level=ERROR") || strings.Contains(d.Log(), "level=WARN") {
+					t.Fatalf("the export logged trouble:\n%s", d.Log())
 				}
 			})
 		}
 	}
 	// nginx's access log (combined format): the range GETs were answered
 	// 206, none with the whole object.
-	log, err := os.ReadFile(n.accessLog)
+	log, err := os.ReadFile(n.AccessLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -266,15 +77,15 @@ func TestHTTPObjectsThroughTheExport(t *testing.T) {
 	}
 }
 
-// rhJSON runs a command and returns its stdout as canonical JSON (keys
+// qemuImgJSON runs a command and returns its stdout as canonical JSON (keys
 // sorted), to compare with another's.
-func rhJSON(t *testing.T, name string, args ...string) string {
+func qemuImgJSON(t *testing.T, name string, args ...string) string {
 	t.Helper()
-	return rhCanon(t, run(t, name, args...))
+	return canonicalJSON(t, Run(t, name, args...))
 }
 
-// rhCanon is JSON text with its keys sorted.
-func rhCanon(t *testing.T, s string) string {
+// canonicalJSON is JSON text with its keys sorted.
+func canonicalJSON(t *testing.T, s string) string {
 	t.Helper()
 	var v any
 	if err := json.Unmarshal([]byte(s), &v); err != nil {
@@ -294,42 +105,42 @@ func TestHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 	if _, err := os.Stat("/usr/lib/x86_64-linux-gnu/qemu/block-curl.so"); err != nil {
 		t.Fatal("qemu-img reads http URLs with its curl driver: apt-get install -y qemu-block-extra")
 	}
-	n := rhStartNginx(t)
-	rhImages(t, n)
+	n := StartNginx(t)
+	nginxImages(t, n)
 	for _, name := range []string{"disk.img", "disk.qcow2"} {
-		u := n.url("http", name)
+		u := n.URL("http", name)
 		for _, cmd := range []string{"info", "map"} {
-			want := rhJSON(t, "qemu-img", cmd, "--output=json", u)
-			_, got := runBlockexport(t, cmd, "--output", "json", u)
-			if g := rhCanon(t, got); g != want {
+			want := qemuImgJSON(t, "qemu-img", cmd, "--output=json", u)
+			_, got := RunBlockexport(t, cmd, "--output", "json", u)
+			if g := canonicalJSON(t, got); g != want {
 				t.Errorf("%s %s:\n got %s\nwant %s", cmd, name, g, want)
 			}
 		}
 	}
 	// A remote overlay whose backing string is relative: resolved against
 	// its URL, as QEMU does; one that names a local file is refused.
-	ov := filepath.Join(n.root, "ov.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "disk.img", "-F", "raw", ov, "64M")
-	run(t, "qemu-io", "-c", "write -P 0x5a 1M 192k", ov)
+	ov := filepath.Join(n.Root, "ov.qcow2")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "disk.img", "-F", "raw", ov, "64M")
+	Run(t, "qemu-io", "-c", "write -P 0x5a 1M 192k", ov)
 	for _, args := range [][]string{{"info", "--backing-chain"}, {"map"}} {
-		u := n.url("http", "ov.qcow2")
-		want := rhJSON(t, "qemu-img", append(args, "--output=json", u)...)
-		if _, got := runBlockexport(t, append(args, "--output", "json", u)...); rhCanon(t, got) != want {
+		u := n.URL("http", "ov.qcow2")
+		want := qemuImgJSON(t, "qemu-img", append(args, "--output=json", u)...)
+		if _, got := RunBlockexport(t, append(args, "--output", "json", u)...); canonicalJSON(t, got) != want {
 			t.Errorf("%v of a remote overlay:\n got %s\nwant %s", args, got, want)
 		}
 	}
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "/etc/hostname", "-F", "raw", filepath.Join(n.root, "evil.qcow2"), "64M")
-	if code, out := runBlockexport(t, "map", n.url("http", "evil.qcow2")); code == 0 || !strings.Contains(out, "may not name a local file") {
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", "/etc/hostname", "-F", "raw", filepath.Join(n.Root, "evil.qcow2"), "64M")
+	if code, out := RunBlockexport(t, "map", n.URL("http", "evil.qcow2")); code == 0 || !strings.Contains(out, "may not name a local file") {
 		t.Errorf("a remote image naming a local backing file: exit %d\n%s", code, out)
 	}
 	// check reads the remote qcow2's metadata as qemu-img check does.
-	u := n.url("http", "disk.qcow2")
-	want := rhJSON(t, "qemu-img", "check", "--output=json", u)
-	if _, got := runBlockexport(t, "check", "--output", "json", u); rhCanon(t, got) != want {
+	u := n.URL("http", "disk.qcow2")
+	want := qemuImgJSON(t, "qemu-img", "check", "--output=json", u)
+	if _, got := RunBlockexport(t, "check", "--output", "json", u); canonicalJSON(t, got) != want {
 		t.Errorf("check:\n got %s\nwant %s", got, want)
 	}
 	// The human info says what qemu-img's says of the size it cannot know.
-	if _, out := runBlockexport(t, "info", n.url("http", "disk.qcow2")); !strings.Contains(out, "disk size: unavailable") {
+	if _, out := RunBlockexport(t, "info", n.URL("http", "disk.qcow2")); !strings.Contains(out, "disk size: unavailable") {
 		t.Errorf("info:\n%s", out)
 	}
 }
@@ -340,35 +151,35 @@ func TestHTTPInfoAndMapEqualQemuImg(t *testing.T) {
 // qemu-img check finds the overlay clean. `create -b URL` sizes an overlay
 // from the remote image.
 func TestHTTPSBackingFileUnderLocalOverlay(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	base := randomImage(t, dir, 32<<20, 2712)
-	n.put(t, "base.img", base)
+	base := RandomImage(t, dir, 32<<20, 2712)
+	n.Put(t, "base.img", base)
 	ov := filepath.Join(dir, "ov.qcow2")
-	run(t, "qemu-img", "create", "-f", "qcow2", "-u", "-b", n.url("https", "base.img"), "-F", "raw", ov, "32M")
+	Run(t, "qemu-img", "create", "-f", "qcow2", "-u", "-b", n.URL("https", "base.img"), "-F", "raw", ov, "32M")
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, ov, mnt, "-w", "--tls-ca", n.ca)
+	d := StartExport(t, ov, mnt, "-w", "--tls-ca", n.CA)
 	job := []string{"--name=rhov", "--rw=randwrite", "--bs=4k", "--size=8M", "--io_size=8M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
 		"--verify_state_save=0", "--randseed=2713", "--minimal"}
-	run(t, "fio", append(job, "--filename="+mnt)...)
-	got := readAll(t, mnt)
-	mustEqualBytes(t, "the backing file's bytes past the writes", got[8<<20:], readAll(t, base)[8<<20:])
-	d.stopClean()
+	Run(t, "fio", append(job, "--filename="+mnt)...)
+	got := ReadAll(t, mnt)
+	MustEqualBytes(t, "the backing file's bytes past the writes", got[8<<20:], ReadAll(t, base)[8<<20:])
+	d.StopClean()
 	// qemu-img cannot be given our CA: it checks the overlay alone.
-	out := run(t, "qemu-img", "check", "--output=json", fmt.Sprintf(`json:{"driver":"qcow2","backing":null,"file":{"driver":"file","filename":%q}}`, ov))
+	out := Run(t, "qemu-img", "check", "--output=json", fmt.Sprintf(`json:{"driver":"qcow2","backing":null,"file":{"driver":"file","filename":%q}}`, ov))
 	if !strings.Contains(out, `"check-errors": 0`) || strings.Contains(out, "corruptions\"") && !strings.Contains(out, `"corruptions": 0`) {
 		t.Fatalf("qemu-img check:\n%s", out)
 	}
 	// create -b over http: the overlay takes the remote image's size.
 	ov2 := filepath.Join(dir, "ov2.qcow2")
-	createImage(t, "-f", "qcow2", "-b", n.url("http", "base.img"), "-F", "raw", ov2)
-	if out := run(t, "qemu-img", "info", "--output=json", ov2); !strings.Contains(out, `"virtual-size": 33554432`) {
+	CreateImage(t, "-f", "qcow2", "-b", n.URL("http", "base.img"), "-F", "raw", ov2)
+	if out := Run(t, "qemu-img", "info", "--output=json", ov2); !strings.Contains(out, `"virtual-size": 33554432`) {
 		t.Fatalf("create -b http://…: %s", out)
 	}
 	// Without our CA, the https backing file is refused at open: its
 	// certificate does not verify against the system's roots.
-	if code, out := tryExport(t, filepath.Join(dir, "mnt2"), ov); code == 0 || !strings.Contains(out, "certificate") {
+	if code, out := TryExport(t, filepath.Join(dir, "mnt2"), ov); code == 0 || !strings.Contains(out, "certificate") {
 		t.Fatalf("an https backing file with an unknown CA: exit %d\n%s", code, out)
 	}
 }
@@ -378,12 +189,12 @@ func TestHTTPSBackingFileUnderLocalOverlay(t *testing.T) {
 // answers 412 to If-Match), never the new version's bytes, and the log
 // says so once.
 func TestHTTPObjectReplacedWhileExportedIsEIO(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	v1 := randomImage(t, dir, 16<<20, 2714)
-	n.put(t, "disk.img", v1)
+	v1 := RandomImage(t, dir, 16<<20, 2714)
+	n.Put(t, "disk.img", v1)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, n.url("http", "disk.img"), mnt, "--cache-size", "1M")
+	d := StartExport(t, n.URL("http", "disk.img"), mnt, "--cache-size", "1M")
 	f, err := os.Open(mnt)
 	if err != nil {
 		t.Fatal(err)
@@ -393,11 +204,11 @@ func TestHTTPObjectReplacedWhileExportedIsEIO(t *testing.T) {
 	if _, err := f.ReadAt(head, 0); err != nil {
 		t.Fatal(err)
 	}
-	mustEqualBytes(t, "the first block", head, readAll(t, v1)[:4096])
+	MustEqualBytes(t, "the first block", head, ReadAll(t, v1)[:4096])
 	// Same size, new bytes: only the ETag tells.
 	time.Sleep(1100 * time.Millisecond) // a new Last-Modified second too
-	v2 := randomImage(t, t.TempDir(), 16<<20, 2715)
-	n.put(t, "disk.img", v2)
+	v2 := RandomImage(t, t.TempDir(), 16<<20, 2715)
+	n.Put(t, "disk.img", v2)
 	for _, off := range []int64{8 << 20, 12 << 20} {
 		buf := make([]byte, 4096)
 		g, err := os.Open(mnt)
@@ -406,13 +217,13 @@ func TestHTTPObjectReplacedWhileExportedIsEIO(t *testing.T) {
 		}
 		_, err = g.ReadAt(buf, off)
 		g.Close()
-		if errnoOf(err) != 5 {
-			t.Fatalf("read at %d after the object was replaced: %v (bytes from v2: %v)", off, err, string(buf[:8]) == string(readAll(t, v2)[off:off+8]))
+		if ErrnoOf(err) != 5 {
+			t.Fatalf("read at %d after the object was replaced: %v (bytes from v2: %v)", off, err, string(buf[:8]) == string(ReadAll(t, v2)[off:off+8]))
 		}
 	}
-	d.stopClean()
-	if c := strings.Count(d.log(), "changed while exported"); c != 1 {
-		t.Fatalf("%d log lines about the change, want 1:\n%s", c, d.log())
+	d.StopClean()
+	if c := strings.Count(d.Log(), "changed while exported"); c != 1 {
+		t.Fatalf("%d log lines about the change, want 1:\n%s", c, d.Log())
 	}
 }
 
@@ -428,7 +239,7 @@ func TestHTTPServerWithoutRangesRefused(t *testing.T) {
 	})}
 	go srv.Serve(l)
 	t.Cleanup(func() { srv.Close() })
-	code, out := runBlockexport(t, "info", "http://"+l.Addr().String()+"/disk.img")
+	code, out := RunBlockexport(t, "info", "http://"+l.Addr().String()+"/disk.img")
 	if code == 0 || !strings.Contains(out, "does not serve byte ranges") {
 		t.Fatalf("exit %d\n%s", code, out)
 	}
@@ -441,17 +252,17 @@ func TestHTTPServerWithoutRangesRefused(t *testing.T) {
 // 16 connections' buffers, the readahead window), where a cache
 // that kept what it fetched would hold the whole object.
 func TestHTTPMemoryBoundedByCacheSize(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	img := randomImage(t, dir, 128<<20, 2716)
-	n.put(t, "big.img", img)
+	img := RandomImage(t, dir, 128<<20, 2716)
+	n.Put(t, "big.img", img)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, n.url("http", "big.img"), mnt, "--cache-size", "8M")
-	mustEqualBytes(t, "the image through the export", readAll(t, mnt), readAll(t, img))
-	run(t, "fio", "--name=rhmem", "--filename="+mnt, "--rw=randread", "--bs=4k", "--ioengine=libaio", "--iodepth=16",
+	d := StartExport(t, n.URL("http", "big.img"), mnt, "--cache-size", "8M")
+	MustEqualBytes(t, "the image through the export", ReadAll(t, mnt), ReadAll(t, img))
+	Run(t, "fio", "--name=rhmem", "--filename="+mnt, "--rw=randread", "--bs=4k", "--ioengine=libaio", "--iodepth=16",
 		"--direct=1", "--io_size=32M", "--size=128M", "--minimal", "--readonly")
-	hwm := procField(t, d.cmd.Process.Pid, "status", "VmHWM:") // kB
-	d.stopClean()
+	hwm := ProcField(t, d.Cmd.Process.Pid, "status", "VmHWM:") // kB
+	d.StopClean()
 	if limit := int64(8+80) << 10; hwm > limit {
 		t.Fatalf("peak RSS %d KiB with --cache-size 8M over a 128 MiB object (limit %d KiB)", hwm, limit)
 	}
@@ -466,8 +277,8 @@ func TestHTTPMemoryBoundedByCacheSize(t *testing.T) {
 // descriptor naming an extent file is refused: the files a remote image
 // names are not opened.
 func TestHTTPForeignFormatsEqualQemuImg(t *testing.T) {
-	n := rhStartNginx(t)
-	raw, _ := rhImages(t, n)
+	n := StartNginx(t)
+	raw, _ := nginxImages(t, n)
 	for _, c := range []struct{ format, opts string }{
 		{"vmdk", "subformat=monolithicSparse"}, {"vmdk", "subformat=streamOptimized"}, {"vhdx", ""},
 		{"vpc", "subformat=dynamic"}, {"vpc", "subformat=fixed"}, {"vdi", ""}, {"vdi", "static=on"},
@@ -479,9 +290,9 @@ func TestHTTPForeignFormatsEqualQemuImg(t *testing.T) {
 			if c.opts != "" {
 				args = append(args, "-o", c.opts)
 			}
-			run(t, "qemu-img", append(args, raw, local)...)
-			n.put(t, name, local)
-			u := n.url("http", name)
+			Run(t, "qemu-img", append(args, raw, local)...)
+			n.Put(t, name, local)
+			u := n.URL("http", name)
 			cmds := []string{"info"}
 			if c.format != "vhdx" {
 				cmds = append(cmds, "map")
@@ -493,22 +304,22 @@ func TestHTTPForeignFormatsEqualQemuImg(t *testing.T) {
 				force = []string{"-f", c.format}
 			}
 			for _, cmd := range cmds {
-				want := rhJSON(t, "qemu-img", append(append([]string{cmd}, force...), "--output=json", u)...)
-				if _, got := runBlockexport(t, append(append([]string{cmd}, force...), "--output", "json", u)...); rhCanon(t, got) != want {
+				want := qemuImgJSON(t, "qemu-img", append(append([]string{cmd}, force...), "--output=json", u)...)
+				if _, got := RunBlockexport(t, append(append([]string{cmd}, force...), "--output", "json", u)...); canonicalJSON(t, got) != want {
 					t.Errorf("%s:\n got %s\nwant %s", cmd, got, want)
 				}
 			}
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := startExport(t, u, mnt, force...)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
-			d.stopClean()
+			d := StartExport(t, u, mnt, force...)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+			d.StopClean()
 		})
 	}
 	desc := "# Disk DescriptorFile\nversion=1\nCID=fffffffe\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\n\nRW 131072 FLAT \"disk.img\" 0\n\nddb.virtualHWVersion = \"4\"\n"
-	if err := os.WriteFile(filepath.Join(n.root, "flat.vmdk"), []byte(desc), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(n.Root, "flat.vmdk"), []byte(desc), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if code, out := runBlockexport(t, "map", n.url("http", "flat.vmdk")); code == 0 || !strings.Contains(out, "not opened") {
+	if code, out := RunBlockexport(t, "map", n.URL("http", "flat.vmdk")); code == 0 || !strings.Contains(out, "not opened") {
 		t.Fatalf("a remote vmdk descriptor naming an extent: exit %d\n%s", code, out)
 	}
 }
@@ -519,10 +330,10 @@ func TestHTTPForeignFormatsEqualQemuImg(t *testing.T) {
 // a read of what was not fetched fails with EIO within the timeout, not
 // a hang.
 func TestHTTPServerKilledAndRestarted(t *testing.T) {
-	n := rhStartNginx(t)
-	raw, job := rhImages(t, n)
+	n := StartNginx(t)
+	raw, job := nginxImages(t, n)
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, n.url("http", "disk.img"), mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
+	d := StartExport(t, n.URL("http", "disk.img"), mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
 	// Paced (about 6 s) so that the kill lands mid-run.
 	verify := append(append([]string(nil), job...), "--rw=randread", "--readonly", "--rate_iops=2000", "--filename="+mnt)
 	fio := exec.Command("fio", verify...)
@@ -540,15 +351,15 @@ func TestHTTPServerKilledAndRestarted(t *testing.T) {
 		t.Fatalf("fio ended before the server was killed: %v\n%s", err, out)
 	default:
 	}
-	n.kill()
+	n.Kill()
 	time.Sleep(1500 * time.Millisecond)
-	n.start(t)
+	n.Start(t)
 	if err := <-done; err != nil {
-		t.Fatalf("fio across a server restart: %v\n%s\n%s", err, out, d.log())
+		t.Fatalf("fio across a server restart: %v\n%s\n%s", err, out, d.Log())
 	}
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
 
-	n.kill()
+	n.Kill()
 	f, err := os.Open(mnt)
 	if err != nil {
 		t.Fatal(err)
@@ -557,20 +368,20 @@ func TestHTTPServerKilledAndRestarted(t *testing.T) {
 	// The cache (4M) no longer holds the start: it must be fetched.
 	start := time.Now()
 	_, err = f.ReadAt(make([]byte, 4096), 0)
-	if errnoOf(err) != 5 {
+	if ErrnoOf(err) != 5 {
 		t.Fatalf("read with the server gone: %v, want EIO", err)
 	}
 	if took := time.Since(start); took > 20*time.Second {
 		t.Fatalf("EIO after %v, reconnect timeout 10s", took)
 	}
-	d.stopClean()
+	d.StopClean()
 }
 
-// rhCuttingProxy forwards TCP connections to addr and cuts each one (a
+// cuttingProxy forwards TCP connections to addr and cuts each one (a
 // reset, both ways) after it has passed a random number of reply bytes,
 // up to max: bodies truncated mid-range, kept-alive connections lost
 // between requests. It counts the connections it cut.
-func rhCuttingProxy(t *testing.T, addr string, max int64) (string, *atomic.Int64) {
+func cuttingProxy(t *testing.T, addr string, max int64) (string, *atomic.Int64) {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -619,15 +430,15 @@ func rhCuttingProxy(t *testing.T, addr string, max int64) (string, *atomic.Int64
 // kept-alive connections die): fio's crc32c headers all verify and
 // qemu-img compare finds the disk, after many cut connections.
 func TestHTTPThroughConnectionCuttingProxy(t *testing.T) {
-	n := rhStartNginx(t)
-	raw, job := rhImages(t, n)
-	addr, cuts := rhCuttingProxy(t, n.addr, 2<<20)
+	n := StartNginx(t)
+	raw, job := nginxImages(t, n)
+	addr, cuts := cuttingProxy(t, n.Addr, 2<<20)
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, "http://"+addr+"/disk.qcow2", mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
+	d := StartExport(t, "http://"+addr+"/disk.qcow2", mnt, "--reconnect-timeout", "10s", "--cache-size", "4M")
 	verify := append(append([]string(nil), job...), "--rw=randread", "--readonly", "--filename="+mnt)
-	run(t, "fio", verify...)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
-	d.stopClean()
+	Run(t, "fio", verify...)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+	d.StopClean()
 	if c := cuts.Load(); c < 20 {
 		t.Fatalf("only %d connections cut: the proxy did not get in the way", c)
 	}
@@ -639,10 +450,10 @@ func TestHTTPThroughConnectionCuttingProxy(t *testing.T) {
 // neither the password nor the signature shows in the daemon's log, the
 // mount table, info, map or check's output, or an error.
 func TestHTTPCredentialsNeverShown(t *testing.T) {
-	n := rhStartNginx(t)
-	rhImages(t, n)
+	n := StartNginx(t)
+	nginxImages(t, n)
 	const pw, sig = "pw-rh-0b7e", "sig-rh-5d21"
-	u := strings.Replace(n.url("http", "disk.qcow2"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
+	u := strings.Replace(n.URL("http", "disk.qcow2"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
 	shown := func(what, text string) {
 		t.Helper()
 		if strings.Contains(text, pw) || strings.Contains(text, sig) {
@@ -650,25 +461,25 @@ func TestHTTPCredentialsNeverShown(t *testing.T) {
 		}
 	}
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, u, mnt)
+	d := StartExport(t, u, mnt)
 	mounts, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		t.Fatal(err)
 	}
 	shown("the mount table", string(mounts))
-	d.stopClean()
-	shown("the export's log", d.log())
+	d.StopClean()
+	shown("the export's log", d.Log())
 	for _, cmd := range []string{"info", "map", "check"} {
-		_, out := runBlockexport(t, cmd, u)
+		_, out := RunBlockexport(t, cmd, u)
 		shown(cmd, out)
 	}
 	missing := strings.Replace(u, "disk.qcow2", "missing.qcow2", 1)
-	code, out := runBlockexport(t, "info", missing)
+	code, out := RunBlockexport(t, "info", missing)
 	if code == 0 || !strings.Contains(out, "404") {
 		t.Fatalf("info of a missing object: exit %d\n%s", code, out)
 	}
 	shown("a 404's error", out)
-	code, out = runBlockexport(t, "check", missing)
+	code, out = RunBlockexport(t, "check", missing)
 	if code == 0 {
 		t.Fatalf("check of a missing object: exit 0\n%s", out)
 	}
@@ -680,11 +491,11 @@ func TestHTTPCredentialsNeverShown(t *testing.T) {
 // are its server's): QEMU reads the disk through it, and its log names
 // the URL.
 func TestNBDServesAnHTTPSImage(t *testing.T) {
-	n := rhStartNginx(t)
-	raw, _ := rhImages(t, n)
-	s := startNBD(t, n.url("https", "disk.qcow2"), false, "--image-tls-ca", n.ca)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, raw)
-	if !strings.Contains(s.log(), n.url("https", "disk.qcow2")) {
-		t.Fatalf("the log does not name the image:\n%s", s.log())
+	n := StartNginx(t)
+	raw, _ := nginxImages(t, n)
+	s := StartNBD(t, n.URL("https", "disk.qcow2"), false, "--image-tls-ca", n.CA)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.URI, raw)
+	if !strings.Contains(s.Log(), n.URL("https", "disk.qcow2")) {
+		t.Fatalf("the log does not name the image:\n%s", s.Log())
 	}
 }

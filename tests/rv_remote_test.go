@@ -15,10 +15,10 @@ import (
 // to open and as convert's and compare's source that fails: no error shows
 // the password or the signature.
 func TestHTTPCredentialsNeverShownInErrors(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
 	const pw, sig = "pw-rv-71c3", "sig-rv-0a9e"
-	missing := strings.Replace(n.url("http", "missing.raw"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
+	missing := strings.Replace(n.URL("http", "missing.raw"), "http://", "http://alice:"+pw+"@", 1) + "?X-Amz-Signature=" + sig
 	shown := func(what string, code int, text string) {
 		t.Helper()
 		if code == 0 {
@@ -29,17 +29,17 @@ func TestHTTPCredentialsNeverShownInErrors(t *testing.T) {
 		}
 	}
 	ov := filepath.Join(dir, "ov.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", missing, ov, "1M")
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", missing, ov, "1M")
 	for _, args := range [][]string{{"map", ov}, {"info", "--backing-chain", ov}, {"convert", "-O", "raw", ov, filepath.Join(dir, "ov.raw")}} {
-		code, out := runBlockexport(t, args...)
+		code, out := RunBlockexport(t, args...)
 		shown(args[0]+" of an overlay whose backing URL fails", code, out)
 	}
-	local := sparseImage(t, dir, "local.raw", 1<<20)
-	code, out := runBlockexport(t, "convert", "-O", "raw", missing, filepath.Join(dir, "out.raw"))
+	local := SparseImage(t, dir, "local.raw", 1<<20)
+	code, out := RunBlockexport(t, "convert", "-O", "raw", missing, filepath.Join(dir, "out.raw"))
 	shown("convert's error", code, out)
-	code, out = runBlockexport(t, "compare", missing, local)
+	code, out = RunBlockexport(t, "compare", missing, local)
 	shown("compare's error", code, out)
-	code, out = runBlockexport(t, "compare", local, missing)
+	code, out = RunBlockexport(t, "compare", local, missing)
 	shown("compare's error (second image)", code, out)
 }
 
@@ -49,14 +49,14 @@ func TestHTTPCredentialsNeverShownInErrors(t *testing.T) {
 // server serves. Another origin's URL is refused too; the same origin's
 // is followed.
 func TestRemoteImageBackingMayNotNameLocalNBD(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
 	secret := filepath.Join(dir, "secret.raw")
 	if err := os.WriteFile(secret, append([]byte("RV-TOPSECRET-LOCAL"), make([]byte, 1<<20-18)...), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(dir, "nbd.sock")
-	port := rhFreePort(t)
+	port := FreePort(t)
 	for _, args := range [][]string{{"-k", sock}, {"-b", "127.0.0.1", "-p", strconv.Itoa(port)}} {
 		cmd := exec.Command("qemu-nbd", append(append([]string{"-r", "-f", "raw", "-t"}, args...), secret)...)
 		if err := cmd.Start(); err != nil {
@@ -70,24 +70,24 @@ func TestRemoteImageBackingMayNotNameLocalNBD(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	other := strings.Replace(n.url("http", "base.raw"), "127.0.0.1", "localhost", 1)
+	other := strings.Replace(n.URL("http", "base.raw"), "127.0.0.1", "localhost", 1)
 	base := filepath.Join(dir, "base.raw")
 	if err := os.WriteFile(base, append([]byte("RV-BASE-ON-SERVER"), make([]byte, 1<<20-17)...), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	n.put(t, "base.raw", base)
+	n.Put(t, "base.raw", base)
 	for name, backing := range map[string]string{
 		"unix.qcow2":   "nbd+unix:///?socket=" + sock,
 		"tcp.qcow2":    "nbd://127.0.0.1:" + strconv.Itoa(port),
 		"origin.qcow2": other,
-		"same.qcow2":   n.url("http", "base.raw"),
+		"same.qcow2":   n.URL("http", "base.raw"),
 		"rel.qcow2":    "base.raw",
 	} {
 		f := filepath.Join(dir, name)
-		run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", backing, f, "1M")
-		n.put(t, name, f)
+		Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b", backing, f, "1M")
+		n.Put(t, name, f)
 		out := filepath.Join(dir, name+".out")
-		code, msg := runBlockexport(t, "convert", "-O", "raw", n.url("http", name), out)
+		code, msg := RunBlockexport(t, "convert", "-O", "raw", n.URL("http", name), out)
 		got, _ := os.ReadFile(out)
 		switch name {
 		case "same.qcow2", "rel.qcow2":
@@ -101,7 +101,7 @@ func TestRemoteImageBackingMayNotNameLocalNBD(t *testing.T) {
 		}
 	}
 	// The opt-in that lets redirects leave the origin lets a backing string do so too.
-	code, msg := runBlockexport(t, "convert", "--allow-redirects", "-O", "raw", n.url("http", "origin.qcow2"), filepath.Join(dir, "o2.out"))
+	code, msg := RunBlockexport(t, "convert", "--allow-redirects", "-O", "raw", n.URL("http", "origin.qcow2"), filepath.Join(dir, "o2.out"))
 	if code != 0 {
 		t.Fatalf("another origin with --allow-redirects: exit %d\n%s", code, msg)
 	}
@@ -113,12 +113,12 @@ func TestRemoteImageBackingMayNotNameLocalNBD(t *testing.T) {
 // the cache; eight streams' windows each beside it peaked at 335-422 MiB
 // with --cache-size 128M).
 func TestHTTPMemoryBoundedWithParallelSequentialReaders(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "big.raw", 384<<20)
-	n.put(t, "big.raw", img)
+	img := SparseImage(t, dir, "big.raw", 384<<20)
+	n.Put(t, "big.raw", img)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, n.url("http", "big.raw"), mnt, "--cache-size", "128M")
+	d := StartExport(t, n.URL("http", "big.raw"), mnt, "--cache-size", "128M")
 	var cmds []*exec.Cmd
 	for s := 0; s < 8; s++ {
 		c := exec.Command("dd", "if="+mnt, "of=/dev/null", "bs=128k", "skip="+strconv.Itoa(s*384), "count=320", "iflag=direct")
@@ -132,8 +132,8 @@ func TestHTTPMemoryBoundedWithParallelSequentialReaders(t *testing.T) {
 			t.Fatalf("dd: %v", err)
 		}
 	}
-	hwm := procField(t, d.cmd.Process.Pid, "status", "VmHWM:") // kB
-	d.stopClean()
+	hwm := ProcField(t, d.Cmd.Process.Pid, "status", "VmHWM:") // kB
+	d.StopClean()
 	if limit := int64(128+80) << 10; hwm > limit {
 		t.Fatalf("peak RSS %d KiB with --cache-size 128M, 8 sequential readers (limit %d KiB)", hwm, limit)
 	}

@@ -12,19 +12,19 @@ import (
 // (versitygw 1.8.0 answers If-Unmodified-Since equal to the object's time
 // with 412, comparing strictly): the object converts to its own bytes.
 func TestS3ObjectWithoutETagReadsConditionalOnLastModified(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	img := randomImage(t, dir, 3<<20+517, 2731)
-	want := readAll(t, img)
-	if err := os.WriteFile(filepath.Join(s.root, s3tBucket, "plain.raw"), want, 0o644); err != nil {
+	img := RandomImage(t, dir, 3<<20+517, 2731)
+	want := ReadAll(t, img)
+	if err := os.WriteFile(filepath.Join(s.Root, S3Bucket, "plain.raw"), want, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	out := filepath.Join(dir, "out.raw")
-	code, msg := runBlockexport(t, "convert", "--s3-endpoint", s.endpoint, "-f", "raw", "-O", "raw", s.url("plain.raw"), out)
+	code, msg := RunBlockexport(t, "convert", "--s3-endpoint", s.Endpoint, "-f", "raw", "-O", "raw", s.URL("plain.raw"), out)
 	if code != 0 {
 		t.Fatalf("convert of an object without an ETag: exit %d\n%s", code, msg)
 	}
-	if got := readAll(t, out); !bytes.Equal(got, want) {
+	if got := ReadAll(t, out); !bytes.Equal(got, want) {
 		t.Fatalf("converted %d bytes, not the object's %d", len(got), len(want))
 	}
 }

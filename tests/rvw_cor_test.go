@@ -15,14 +15,14 @@ import (
 // Attacks on copy-on-read and `blockexport stream`, as an outsider would
 // try them: qemu-img is the oracle throughout.
 
-// rvwStreamLines runs a stream to its end and returns its JSON lines and
+// streamLines runs a stream to its end and returns its JSON lines and
 // exit error.
-func rvwStreamLines(t *testing.T, over string) ([]corStep, error, string) {
+func streamLines(t *testing.T, over string) ([]streamStep, error, string) {
 	t.Helper()
-	cmd, lines, stderr := corStream(t, over)
-	var steps []corStep
+	cmd, lines, stderr := startStream(t, over)
+	var steps []streamStep
 	for lines.Scan() {
-		var s corStep
+		var s streamStep
 		if err := json.Unmarshal(lines.Bytes(), &s); err != nil {
 			t.Fatalf("a progress line that is no JSON: %q", lines.Text())
 		}
@@ -32,12 +32,12 @@ func rvwStreamLines(t *testing.T, over string) ([]corStep, error, string) {
 	return steps, err, stderr.String()
 }
 
-// rvwCopy copies the raw file path next to it and returns the copy's path
-// (corStandalone renames the backing file away to compare without it).
-func rvwCopy(t *testing.T, path string) string {
+// copyOf copies the raw file path next to it and returns the copy's path
+// (mustBeStandalone renames the backing file away to compare without it).
+func copyOf(t *testing.T, path string) string {
 	t.Helper()
 	want := path + ".want"
-	run(t, "cp", "--sparse=always", path, want)
+	Run(t, "cp", "--sparse=always", path, want)
 	return want
 }
 
@@ -45,9 +45,9 @@ func rvwCopy(t *testing.T, path string) string {
 // done, and the completed line says all of it is durable (it said 0).
 func TestStreamProgressNeverOverstatesDurable(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 48<<20, 21)
-	over := corOverlay(t, dir, base)
-	steps, err, stderr := rvwStreamLines(t, over)
+	base := backingBase(t, dir, 48<<20, 21)
+	over := overlayOf(t, dir, base)
+	steps, err, stderr := streamLines(t, over)
 	if err != nil {
 		t.Fatalf("stream: %v\n%s", err, stderr)
 	}
@@ -60,7 +60,7 @@ func TestStreamProgressNeverOverstatesDurable(t *testing.T) {
 			t.Fatalf("a step says more durable than done: %+v", s)
 		}
 	}
-	corStandalone(t, over, rvwCopy(t, base), base)
+	mustBeStandalone(t, over, copyOf(t, base), base)
 }
 
 // TestStreamRefusesOverlayWithInternalSnapshots: the overlay's internal snapshot
@@ -69,25 +69,25 @@ func TestStreamProgressNeverOverstatesDurable(t *testing.T) {
 // the snapshot read zeroes there. Refused in one line before copying.
 func TestStreamRefusesOverlayWithInternalSnapshots(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 8<<20, 22)
-	over := corOverlay(t, dir, base)
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x44 0 64k", over)
-	run(t, "qemu-img", "snapshot", "-c", "s1", over)
+	base := backingBase(t, dir, 8<<20, 22)
+	over := overlayOf(t, dir, base)
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x44 0 64k", over)
+	Run(t, "qemu-img", "snapshot", "-c", "s1", over)
 	snap := filepath.Join(dir, "snap.raw")
-	run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, snap)
-	code, out := runBlockexport(t, "stream", "--progress", "none", over)
+	Run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, snap)
+	code, out := RunBlockexport(t, "stream", "--progress", "none", over)
 	if code == 0 || !strings.Contains(out, "snapshot") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 		t.Fatalf("stream of an overlay with a snapshot: exit %d\n%s", code, out)
 	}
 	var info map[string]any
-	json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+	json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", over)), &info)
 	if info["backing-filename"] == nil {
 		t.Fatal("the refused stream dropped the backing file")
 	}
 	got := filepath.Join(dir, "snap-after.raw")
-	run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, got)
-	run(t, "qemu-img", "compare", "-q", "-f", "raw", "-F", "raw", snap, got)
-	corCheckClean(t, over)
+	Run(t, "qemu-img", "convert", "-l", "snapshot.name=s1", "-O", "raw", over, got)
+	Run(t, "qemu-img", "compare", "-q", "-f", "raw", "-F", "raw", snap, got)
+	checkClean(t, over)
 }
 
 // TestStreamKilledRepeatedlyResumesConsistently: one overlay, its stream killed
@@ -97,13 +97,13 @@ func TestStreamRefusesOverlayWithInternalSnapshots(t *testing.T) {
 // is still named; the last run completes standalone.
 func TestStreamKilledRepeatedlyResumesConsistently(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 64<<20, 23)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, 64<<20, 23)
+	over := overlayOf(t, dir, base)
 	sigs := []syscall.Signal{syscall.SIGKILL, syscall.SIGINT}
 	finished := false
 	for round, at := range []int{1, 3, 0, 7, 2, 12, 5} {
 		sig := sigs[round%2]
-		cmd, lines, stderr := corStream(t, over)
+		cmd, lines, stderr := startStream(t, over)
 		n := 0
 		for lines.Scan() {
 			if n >= at {
@@ -130,16 +130,16 @@ func TestStreamKilledRepeatedlyResumesConsistently(t *testing.T) {
 			t.Fatalf("round %d (%v at line %d): qemu-img check: %v\n%s\n%s", round, sig, at, jerr, out, stderr)
 		}
 		var info map[string]any
-		json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+		json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", over)), &info)
 		if info["backing-filename"] == nil {
 			t.Fatalf("round %d: an interrupted stream dropped the backing file", round)
 		}
-		run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+		Run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
 	}
 	if !finished {
-		corStreamToEnd(t, over)
+		streamToEnd(t, over)
 	}
-	corStandalone(t, over, rvwCopy(t, base), base)
+	mustBeStandalone(t, over, copyOf(t, base), base)
 }
 
 // TestStreamOutOfSpaceFailsAndResumes: the overlay's file system fills up mid-stream:
@@ -148,10 +148,10 @@ func TestStreamKilledRepeatedlyResumesConsistently(t *testing.T) {
 // completes standalone and clean.
 func TestStreamOutOfSpaceFailsAndResumes(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 32<<20, 24)
-	small := smallHost(t, dir, "12m")
-	over := corOverlay(t, small, base)
-	steps, err, stderr := rvwStreamLines(t, over)
+	base := backingBase(t, dir, 32<<20, 24)
+	small := SmallHost(t, dir, "12m")
+	over := overlayOf(t, small, base)
+	steps, err, stderr := streamLines(t, over)
 	if err == nil {
 		t.Fatal("a 32 MiB stream into a 12 MiB file system succeeded")
 	}
@@ -170,10 +170,10 @@ func TestStreamOutOfSpaceFailsAndResumes(t *testing.T) {
 	if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 {
 		t.Fatalf("qemu-img check after ENOSPC: %v\n%s", jerr, out)
 	}
-	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
-	run(t, "mount", "-o", "remount,size=64m", small)
-	corStreamToEnd(t, over)
-	corStandalone(t, over, rvwCopy(t, base), base)
+	Run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+	Run(t, "mount", "-o", "remount,size=64m", small)
+	streamToEnd(t, over)
+	mustBeStandalone(t, over, copyOf(t, base), base)
 }
 
 // TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes: the backing object on nginx
@@ -183,18 +183,18 @@ func TestStreamOutOfSpaceFailsAndResumes(t *testing.T) {
 // overlay rebased unsafely onto a local copy of the old object equals
 // it), no corruption, and a failed stream leaves the backing file named.
 func TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes(t *testing.T) {
-	n := rhStartNginx(t)
+	n := StartNginx(t)
 	dir := t.TempDir()
-	v1 := randomImage(t, dir, 64<<20, 2501)
-	n.put(t, "disk.img", v1)
+	v1 := RandomImage(t, dir, 64<<20, 2501)
+	n.Put(t, "disk.img", v1)
 	over := filepath.Join(dir, "over.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.url("http", "disk.img"), "-F", "raw", over, "64M")
-	cmd, lines, stderr := corStream(t, "--parallel", "1", "--cache-size", "1M", over)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", n.URL("http", "disk.img"), "-F", "raw", over, "64M")
+	cmd, lines, stderr := startStream(t, "--parallel", "1", "--cache-size", "1M", over)
 	for i := 0; i < 3 && lines.Scan(); i++ {
 	}
 	time.Sleep(1100 * time.Millisecond) // a new Last-Modified second too
-	v2 := randomImage(t, t.TempDir(), 64<<20, 2502)
-	n.put(t, "disk.img", v2)
+	v2 := RandomImage(t, t.TempDir(), 64<<20, 2502)
+	n.Put(t, "disk.img", v2)
 	completed := false
 	for lines.Scan() {
 		completed = completed || strings.Contains(lines.Text(), `"completed"`)
@@ -217,13 +217,13 @@ func TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes(t *testing.T) {
 	}
 	if err != nil {
 		var info map[string]any
-		json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", over)), &info)
+		json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", over)), &info)
 		if info["backing-filename"] == nil {
 			t.Fatal("a failed stream dropped the backing file")
 		}
 	}
-	run(t, "qemu-img", "rebase", "-u", "-b", v1, "-F", "raw", over)
-	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, v1)
+	Run(t, "qemu-img", "rebase", "-u", "-b", v1, "-F", "raw", over)
+	Run(t, "qemu-img", "compare", "-q", "-F", "raw", over, v1)
 }
 
 // TestStreamRefusedWhileImageInUse: a stream of an overlay exported with
@@ -232,24 +232,24 @@ func TestStreamOfHTTPObjectReplacedMidStreamKeepsOldBytes(t *testing.T) {
 // leaves the overlay as it was.
 func TestStreamRefusedWhileImageInUse(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 8<<20, 25)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, 8<<20, 25)
+	over := overlayOf(t, dir, base)
 	mnt := filepath.Join(dir, "mnt")
 	for _, c := range []struct {
 		img  string
 		args []string
 	}{{over, []string{"-w", "--copy-on-read"}}, {over, nil}, {base, []string{"-w"}}} {
-		d := startExport(t, c.img, mnt, c.args...)
-		code, out := runBlockexport(t, "stream", "--progress", "none", over)
-		d.stopClean()
+		d := StartExport(t, c.img, mnt, c.args...)
+		code, out := RunBlockexport(t, "stream", "--progress", "none", over)
+		d.StopClean()
 		if code != 1 || !strings.Contains(out, "in use") {
 			t.Fatalf("stream while %s is exported %v: exit %d\n%s", filepath.Base(c.img), c.args, code, out)
 		}
-		if depth := corDepthOf(t, over); len(depth) == 0 || depth[len(depth)-1] == 0 {
+		if depth := depthOf(t, over); len(depth) == 0 || depth[len(depth)-1] == 0 {
 			t.Fatalf("the refused stream copied: %v", depth)
 		}
 	}
-	corCheckClean(t, over)
+	checkClean(t, over)
 }
 
 // TestCopyOnReadTwoLevelChainEqualsQemu: copy-on-read over a chain of
@@ -260,10 +260,10 @@ func TestStreamRefusedWhileImageInUse(t *testing.T) {
 func TestCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 	dir := t.TempDir()
 	const size, midSize, baseSize = 28 << 20, 20<<20 + 1536, 24<<20 + 5000
-	base := corBase(t, dir, baseSize, 26)
+	base := backingBase(t, dir, baseSize, 26)
 	mid := filepath.Join(dir, "mid.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", mid, fmt.Sprint(midSize))
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 1M 200k", "-c", "write -z 4M 1M", "-c", "discard 8M 512k",
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", mid, fmt.Sprint(midSize))
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 1M 200k", "-c", "write -z 4M 1M", "-c", "discard 8M 512k",
 		"-c", "write -P 0x62 20M 1536", mid)
 	r := rand.New(rand.NewPCG(26, 26))
 	var cmds []string
@@ -278,19 +278,19 @@ func TestCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 			sub := t.TempDir()
 			mk := func(name string) string {
 				img := filepath.Join(sub, name)
-				run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat="+compat, "-b", mid, "-F", "qcow2", img, fmt.Sprint(size))
+				Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat="+compat, "-b", mid, "-F", "qcow2", img, fmt.Sprint(size))
 				return img
 			}
 			theirs, ours := mk("theirs.qcow2"), mk("ours.qcow2")
-			run(t, "qemu-io", append(append([]string{"-C", "-f", "qcow2"}, cmds...), theirs)...)
+			Run(t, "qemu-io", append(append([]string{"-C", "-f", "qcow2"}, cmds...), theirs)...)
 			mnt := filepath.Join(sub, "mnt")
-			d := startExport(t, ours, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
-			run(t, "qemu-io", append(append([]string{"-f", "raw"}, cmds...), mnt)...)
-			d.stopClean()
-			corCheckClean(t, ours)
+			d := StartExport(t, ours, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
+			Run(t, "qemu-io", append(append([]string{"-f", "raw"}, cmds...), mnt)...)
+			d.StopClean()
+			checkClean(t, ours)
 			mapOf := func(img string) string {
 				var m []map[string]any
-				if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
+				if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &m); err != nil {
 					t.Fatal(err)
 				}
 				for _, e := range m {
@@ -301,12 +301,12 @@ func TestCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 			if got, want := mapOf(ours), mapOf(theirs); got != want {
 				t.Errorf("qemu-img map after the same reads:\nours   %v\nqemu's %v", got, want)
 			}
-			run(t, "qemu-img", "compare", "-q", theirs, ours)
+			Run(t, "qemu-img", "compare", "-q", theirs, ours)
 			// And cut from the chain, what was copied is the same.
 			for _, img := range []string{theirs, ours} {
-				run(t, "qemu-img", "rebase", "-u", "-b", "", img)
+				Run(t, "qemu-img", "rebase", "-u", "-b", "", img)
 			}
-			run(t, "qemu-img", "compare", "-q", theirs, ours)
+			Run(t, "qemu-img", "compare", "-q", theirs, ours)
 		})
 	}
 }
@@ -318,29 +318,29 @@ func TestCopyOnReadTwoLevelChainEqualsQemu(t *testing.T) {
 func TestStreamTwoLevelChainEqualsQemuBlockStream(t *testing.T) {
 	dir := t.TempDir()
 	const size, midSize, baseSize = 28 << 20, 20<<20 + 1536, 24<<20 + 5000
-	base := corBase(t, dir, baseSize, 27)
+	base := backingBase(t, dir, baseSize, 27)
 	mid := filepath.Join(dir, "mid.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", mid, fmt.Sprint(midSize))
-	run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 1M 200k", "-c", "write -z 4M 1M", "-c", "discard 8M 512k", mid)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", mid, fmt.Sprint(midSize))
+	Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x61 1M 200k", "-c", "write -z 4M 1M", "-c", "discard 8M 512k", mid)
 	for _, compat := range []string{"1.1", "0.10"} {
 		t.Run(compat, func(t *testing.T) {
 			sub := t.TempDir()
 			var imgs []string
 			for _, name := range []string{"theirs.qcow2", "ours.qcow2"} {
 				img := filepath.Join(sub, name)
-				run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat="+compat, "-b", mid, "-F", "qcow2", img, fmt.Sprint(size))
-				run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 6M 1M", "-c", "write -P 1 23M 4k", img)
+				Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat="+compat, "-b", mid, "-F", "qcow2", img, fmt.Sprint(size))
+				Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 3M 100k", "-c", "write -z 6M 1M", "-c", "write -P 1 23M 4k", img)
 				imgs = append(imgs, img)
 			}
 			want := filepath.Join(sub, "want.raw")
-			run(t, "qemu-img", "convert", "-O", "raw", imgs[1], want)
-			corQemuStream(t, imgs[0])
-			corStreamToEnd(t, imgs[1])
+			Run(t, "qemu-img", "convert", "-O", "raw", imgs[1], want)
+			qemuBlockStream(t, imgs[0])
+			streamToEnd(t, imgs[1])
 			// Where each puts zero clusters differs (QEMU judges zeroes per
 			// 512 KiB chunk of its block-status runs, we per run of a
 			// step), not what reads back: bytes only.
-			corStandalone(t, imgs[1], want, "")
-			run(t, "qemu-img", "compare", "-q", imgs[0], imgs[1])
+			mustBeStandalone(t, imgs[1], want, "")
+			Run(t, "qemu-img", "compare", "-q", imgs[0], imgs[1])
 		})
 	}
 }
@@ -352,14 +352,14 @@ func TestStreamTwoLevelChainEqualsQemuBlockStream(t *testing.T) {
 // has no corruption and reads as its backing file afterwards.
 func TestCopyOnReadOnAFullDiskStillReads(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 16<<20, 28)
-	small := smallHost(t, dir, "2m")
-	over := corOverlay(t, small, base)
+	base := backingBase(t, dir, 16<<20, 28)
+	small := SmallHost(t, dir, "2m")
+	over := overlayOf(t, small, base)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
-	got := readAll(t, mnt)
-	d.stop()
-	mustEqualBytes(t, "the export over a full overlay", got, readAll(t, base))
+	d := StartExport(t, over, mnt, "-w", "--copy-on-read", "--kernel-cache", "off")
+	got := ReadAll(t, mnt)
+	d.Stop()
+	MustEqualBytes(t, "the export over a full overlay", got, ReadAll(t, base))
 	out, _ := exec.Command("qemu-img", "check", "--output=json", over).Output()
 	var check struct {
 		Corruptions int `json:"corruptions"`
@@ -367,20 +367,20 @@ func TestCopyOnReadOnAFullDiskStillReads(t *testing.T) {
 	if jerr := json.Unmarshal(out, &check); jerr != nil || check.Corruptions != 0 {
 		t.Fatalf("qemu-img check after the full disk: %v\n%s", jerr, out)
 	}
-	run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
+	Run(t, "qemu-img", "compare", "-q", "-F", "raw", over, base)
 }
 
 // TestStreamDurableStepsNotPlannedAgainAfterKill: what a progress line calls durable is not
 // planned again by the run after a SIGKILL right after that line.
 func TestStreamDurableStepsNotPlannedAgainAfterKill(t *testing.T) {
 	dir := t.TempDir()
-	base := corBase(t, dir, 96<<20, 29)
-	over := corOverlay(t, dir, base)
+	base := backingBase(t, dir, 96<<20, 29)
+	over := overlayOf(t, dir, base)
 	for round := range 3 {
-		cmd, lines, stderr := corStream(t, "--parallel", "4", over)
+		cmd, lines, stderr := startStream(t, "--parallel", "4", over)
 		var total, durable int64
 		for i := 0; lines.Scan(); i++ {
-			var s corStep
+			var s streamStep
 			json.Unmarshal(lines.Bytes(), &s)
 			if s.Event == "planned" {
 				total = s.Total
@@ -398,21 +398,21 @@ func TestStreamDurableStepsNotPlannedAgainAfterKill(t *testing.T) {
 		if cmd.Wait() == nil {
 			t.Skipf("round %d: the stream ended before the kill\n%s", round, stderr)
 		}
-		rest := rvwStreamPlan(t, over)
+		rest := streamPlan(t, over)
 		if rest > total-durable {
 			t.Fatalf("round %d: %d of %d bytes said durable, and the next run plans %d", round, durable, total, rest)
 		}
 	}
-	corStreamToEnd(t, over)
-	corStandalone(t, over, rvwCopy(t, base), base)
+	streamToEnd(t, over)
+	mustBeStandalone(t, over, copyOf(t, base), base)
 }
 
-// rvwStreamPlan starts a stream, reads its planned total and kills it
+// streamPlan starts a stream, reads its planned total and kills it
 // (after at most a step or two: its stdout is a pipe nobody reads on).
-func rvwStreamPlan(t *testing.T, over string) int64 {
+func streamPlan(t *testing.T, over string) int64 {
 	t.Helper()
-	cmd, lines, _ := corStream(t, over)
-	var planned corStep
+	cmd, lines, _ := startStream(t, over)
+	var planned streamStep
 	for lines.Scan() {
 		json.Unmarshal(lines.Bytes(), &planned)
 		if planned.Event == "planned" {

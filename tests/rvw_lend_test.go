@@ -20,9 +20,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// rvwServe serves data as an object with ETag "v1" and ranges; lie, when
+// lendingServer serves data as an object with ETag "v1" and ranges; lie, when
 // it says so, answers a request itself instead.
-func rvwServe(t *testing.T, data []byte, lie func(w http.ResponseWriter, r *http.Request) bool) string {
+func lendingServer(t *testing.T, data []byte, lie func(w http.ResponseWriter, r *http.Request) bool) string {
 	t.Helper()
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if lie != nil && lie(w, r) {
@@ -40,8 +40,8 @@ func rvwServe(t *testing.T, data []byte, lie func(w http.ResponseWriter, r *http
 	return "http://" + l.Addr().String() + "/disk.img"
 }
 
-// rvwRange is a request's Range, ok false without one.
-func rvwRange(r *http.Request) (lo, hi int64, ok bool) {
+// requestRange is a request's Range, ok false without one.
+func requestRange(r *http.Request) (lo, hi int64, ok bool) {
 	if _, err := fmt.Sscanf(r.Header.Get("Range"), "bytes=%d-%d", &lo, &hi); err != nil {
 		return 0, 0, false
 	}
@@ -58,10 +58,10 @@ func TestHTTPLentReadsMatchTheObject(t *testing.T) {
 	const size = 6<<20 + 1234
 	data := make([]byte, size)
 	rand.New(rand.NewSource(41)).Read(data)
-	url := rvwServe(t, data, nil)
+	url := lendingServer(t, data, nil)
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, url, mnt, "-f", "raw", "--cache-size", "1M", "--kernel-cache", "off")
-	mustEqualBytes(t, "the object read whole", readAll(t, mnt), data)
+	d := StartExport(t, url, mnt, "-f", "raw", "--cache-size", "1M", "--kernel-cache", "off")
+	MustEqualBytes(t, "the object read whole", ReadAll(t, mnt), data)
 
 	f, err := os.Open(mnt)
 	if err != nil {
@@ -121,10 +121,10 @@ func TestHTTPLentReadsMatchTheObject(t *testing.T) {
 	}
 	wg.Wait()
 	if len(fails) > 0 {
-		t.Fatalf("%d wrong reads (first ones):\n%v\n%s", len(fails), fails, d.log())
+		t.Fatalf("%d wrong reads (first ones):\n%v\n%s", len(fails), fails, d.Log())
 	}
-	mustEqualBytes(t, "the object read whole again", readAll(t, mnt), data)
-	d.stopClean()
+	MustEqualBytes(t, "the object read whole again", ReadAll(t, mnt), data)
+	d.StopClean()
 }
 
 // TestHTTPLyingServerIsEIOThroughTheExport: a server that lies about the
@@ -166,8 +166,8 @@ func TestHTTPLyingServerIsEIOThroughTheExport(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			url := rvwServe(t, data, func(w http.ResponseWriter, r *http.Request) bool {
-				lo, hi, ok := rvwRange(r)
+			url := lendingServer(t, data, func(w http.ResponseWriter, r *http.Request) bool {
+				lo, hi, ok := requestRange(r)
 				if !ok || r.Method != http.MethodGet || hi < bad || lo >= badEnd {
 					return false
 				}
@@ -175,7 +175,7 @@ func TestHTTPLyingServerIsEIOThroughTheExport(t *testing.T) {
 				return true
 			})
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := startExport(t, url, mnt, "-f", "raw", "--cache-size", "1M", "--kernel-cache", "off", "--reconnect-timeout", "1s")
+			d := StartExport(t, url, mnt, "-f", "raw", "--cache-size", "1M", "--kernel-cache", "off", "--reconnect-timeout", "1s")
 			f, err := os.Open(mnt)
 			if err != nil {
 				t.Fatal(err)
@@ -199,9 +199,9 @@ func TestHTTPLyingServerIsEIOThroughTheExport(t *testing.T) {
 					got, err := unix.Pread(int(f.Fd()), p, r[0])
 					if err == nil {
 						t.Fatalf("try %d: read %d at %d (the lies' range) gave %d bytes, no error; the object's %v\n%s",
-							try, r[1], r[0], got, bytes.Equal(p[:got], data[r[0]:r[0]+int64(got)]), d.log())
+							try, r[1], r[0], got, bytes.Equal(p[:got], data[r[0]:r[0]+int64(got)]), d.Log())
 					}
-					if errnoOf(err) != syscall.EIO {
+					if ErrnoOf(err) != syscall.EIO {
 						t.Fatalf("try %d: read %d at %d: %v, want EIO", try, r[1], r[0], err)
 					}
 					if took := time.Since(start); took > 5*time.Second {
@@ -211,7 +211,7 @@ func TestHTTPLyingServerIsEIOThroughTheExport(t *testing.T) {
 			}
 			good(0, 1<<20)
 			good(4<<20+1, 1<<20-2)
-			d.stopClean()
+			d.StopClean()
 		})
 	}
 }

@@ -18,15 +18,15 @@ import (
 // overwritten object is ErrChanged, never the new bytes), and each open
 // failure in its own words with the secret nowhere.
 func TestS3BackendAgainstVersitygw(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	img := randomImage(t, dir, 3<<20, 271)
-	s.put("a/b/disk.img", img)
-	want := readAll(t, img)
+	img := RandomImage(t, dir, 3<<20, 271)
+	s.Put("a/b/disk.img", img)
+	want := ReadAll(t, img)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
-	b, err := s3backend.New(ctx, s.url("a/b/disk.img"), s3backend.Options{Endpoint: s.endpoint})
+	b, err := s3backend.New(ctx, s.URL("a/b/disk.img"), s3backend.Options{Endpoint: s.Endpoint})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,18 +43,18 @@ func TestS3BackendAgainstVersitygw(t *testing.T) {
 		if err := b.ReadRange(ctx, obj, p, r[0]); err != nil {
 			t.Fatalf("%d+%d: %v", r[0], r[1], err)
 		}
-		mustEqualBytes(t, "range", p, want[r[0]:r[0]+r[1]])
+		MustEqualBytes(t, "range", p, want[r[0]:r[0]+r[1]])
 	}
 
 	// Replaced by an object of the same size: only the ETag tells.
-	other := randomImage(t, filepath.Join(dir), 3<<20, 272)
-	s.put("a/b/disk.img", other)
+	other := RandomImage(t, filepath.Join(dir), 3<<20, 272)
+	s.Put("a/b/disk.img", other)
 	p := make([]byte, 4096)
 	err = b.ReadRange(ctx, obj, p, 8192)
 	if !errors.Is(err, remote.ErrChanged) {
 		t.Fatalf("read of a replaced object: %v, want ErrChanged", err)
 	}
-	if bytes.Equal(p, readAll(t, other)[8192:8192+4096]) {
+	if bytes.Equal(p, ReadAll(t, other)[8192:8192+4096]) {
 		t.Fatal("the new version's bytes were handed out")
 	}
 
@@ -70,13 +70,13 @@ func TestS3BackendAgainstVersitygw(t *testing.T) {
 	for _, c := range []struct {
 		name, url, secret, want string
 	}{
-		{"missing key", s.url("nope.img"), s3tSecret, "s3://images/nope.img: no such object"},
-		{"missing bucket", "s3://nobucket/disk.img", s3tSecret, "s3://nobucket/disk.img: no such bucket"},
-		{"wrong secret", s.url("a/b/disk.img"), "wrong-secret", "s3://images/a/b/disk.img: the server refused the request signature (SignatureDoesNotMatch): check the secret key"},
+		{"missing key", s.URL("nope.img"), S3Secret, "s3://images/nope.img: no such object"},
+		{"missing bucket", "s3://nobucket/disk.img", S3Secret, "s3://nobucket/disk.img: no such bucket"},
+		{"wrong secret", s.URL("a/b/disk.img"), "wrong-secret", "s3://images/a/b/disk.img: the server refused the request signature (SignatureDoesNotMatch): check the secret key"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Setenv("AWS_SECRET_ACCESS_KEY", c.secret)
-			err := open(c.url, s3backend.Options{Endpoint: s.endpoint})
+			err := open(c.url, s3backend.Options{Endpoint: s.Endpoint})
 			if err == nil || err.Error() != c.want {
 				t.Fatalf("got %v\nwant %s", err, c.want)
 			}
@@ -84,7 +84,7 @@ func TestS3BackendAgainstVersitygw(t *testing.T) {
 	}
 	t.Run("unknown access key", func(t *testing.T) {
 		t.Setenv("AWS_ACCESS_KEY_ID", "AKIANOBODY")
-		err := open(s.url("a/b/disk.img"), s3backend.Options{Endpoint: s.endpoint})
+		err := open(s.URL("a/b/disk.img"), s3backend.Options{Endpoint: s.Endpoint})
 		// S3 says InvalidAccessKeyId (403), versitygw XAdminUserNotFound
 		// (404): the same line.
 		want := "s3://images/a/b/disk.img: the access key is not known to the server (InvalidAccessKeyId): check AWS_ACCESS_KEY_ID, AWS_PROFILE or the shared credentials file"
@@ -93,21 +93,21 @@ func TestS3BackendAgainstVersitygw(t *testing.T) {
 		}
 	})
 	t.Run("endpoint from AWS_ENDPOINT_URL_S3", func(t *testing.T) {
-		t.Setenv("AWS_ENDPOINT_URL_S3", s.endpoint)
-		if err := open(s.url("a/b/disk.img"), s3backend.Options{}); err != nil {
+		t.Setenv("AWS_ENDPOINT_URL_S3", s.Endpoint)
+		if err := open(s.URL("a/b/disk.img"), s3backend.Options{}); err != nil {
 			t.Fatal(err)
 		}
 	})
 	t.Run("credentials from the shared file", func(t *testing.T) {
 		creds := filepath.Join(t.TempDir(), "credentials")
-		if err := os.WriteFile(creds, []byte("[img]\naws_access_key_id = "+s3tAccess+"\naws_secret_access_key = "+s3tSecret+"\n"), 0o600); err != nil {
+		if err := os.WriteFile(creds, []byte("[img]\naws_access_key_id = "+S3Access+"\naws_secret_access_key = "+S3Secret+"\n"), 0o600); err != nil {
 			t.Fatal(err)
 		}
 		t.Setenv("AWS_ACCESS_KEY_ID", "")
 		t.Setenv("AWS_SECRET_ACCESS_KEY", "")
 		t.Setenv("AWS_SHARED_CREDENTIALS_FILE", creds)
 		t.Setenv("AWS_PROFILE", "img")
-		if err := open(s.url("a/b/disk.img"), s3backend.Options{Endpoint: s.endpoint}); err != nil {
+		if err := open(s.URL("a/b/disk.img"), s3backend.Options{Endpoint: s.Endpoint}); err != nil {
 			t.Fatal(err)
 		}
 	})

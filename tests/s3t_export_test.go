@@ -12,26 +12,26 @@ import (
 	"time"
 )
 
-// s3tFioJob is a crc32c-verified random-write job over the first size
+// s3FioJob is a crc32c-verified random-write job over the first size
 // bytes of a file, replayed with --verify_only to check them.
-func s3tFioJob(size string, seed int) []string {
+func s3FioJob(size string, seed int) []string {
 	return []string{"--name=s3t", "--rw=randwrite", "--bs=4k", "--size=" + size, "--io_size=" + size,
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1",
 		"--verify_state_save=0", fmt.Sprintf("--randseed=%d", seed), "--minimal"}
 }
 
-// s3tFioReadVerify reads the first size bytes that s3tFioJob wrote,
+// s3FioReadVerify reads the first size bytes that s3FioJob wrote,
 // randomly at queue depth 16, checking each block's crc32c record as it
 // comes (fio verifies what a read job reads); --readonly: the export is.
-func s3tFioReadVerify(size string) []string {
+func s3FioReadVerify(size string) []string {
 	return []string{"--name=s3t-read", "--rw=randread", "--bs=4k", "--size=" + size, "--ioengine=libaio", "--iodepth=16",
 		"--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--readonly", "--minimal"}
 }
 
-// s3tExport exports an s3:// object of the server (extra flags first).
-func s3tExport(t *testing.T, s *s3tServer, key, mnt string, args ...string) *daemon {
+// s3Export exports an s3:// object of the server (extra flags first).
+func s3Export(t *testing.T, s *S3Server, key, mnt string, args ...string) *Daemon {
 	t.Helper()
-	return startExport(t, s.url(key), mnt, append([]string{"--s3-endpoint", s.endpoint}, args...)...)
+	return StartExport(t, s.URL(key), mnt, append([]string{"--s3-endpoint", s.Endpoint}, args...)...)
 }
 
 // TestS3RawAndQcow2ObjectsThroughTheExport: a raw object and a qcow2
@@ -40,26 +40,26 @@ func s3tExport(t *testing.T, s *s3tServer, key, mnt string, args ...string) *dae
 // verify through both exports, and qemu-img compare finds each export
 // identical to the local copy.
 func TestS3RawAndQcow2ObjectsThroughTheExport(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	raw := sparseImage(t, dir, "disk.img", 64<<20)
-	job := s3tFioJob("48M", 2701)
-	run(t, "fio", append(job, "--filename="+raw)...)
+	raw := SparseImage(t, dir, "disk.img", 64<<20)
+	job := s3FioJob("48M", 2701)
+	Run(t, "fio", append(job, "--filename="+raw)...)
 	qc := filepath.Join(dir, "disk.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
-	s.put("disks/disk.img", raw)
-	s.put("disks/disk.qcow2", qc)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
+	s.Put("disks/disk.img", raw)
+	s.Put("disks/disk.qcow2", qc)
 	for _, c := range []struct{ key, format string }{{"disks/disk.img", "raw"}, {"disks/disk.qcow2", "qcow2"}} {
 		t.Run(c.format, func(t *testing.T) {
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := s3tExport(t, s, c.key, mnt)
-			if !strings.Contains(d.log(), "s3://images/"+c.key) {
-				t.Errorf("the log does not name the object:\n%s", d.log())
+			d := s3Export(t, s, c.key, mnt)
+			if !strings.Contains(d.Log(), "s3://images/"+c.key) {
+				t.Errorf("the log does not name the object:\n%s", d.Log())
 			}
-			run(t, "fio", append(s3tFioReadVerify("48M"), "--filename="+mnt)...)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
-			d.stopClean()
-			s3tNoSecret(t, "the export's log", d.log())
+			Run(t, "fio", append(s3FioReadVerify("48M"), "--filename="+mnt)...)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+			d.StopClean()
+			MustNotShowS3Secret(t, "the export's log", d.Log())
 		})
 	}
 }
@@ -69,23 +69,23 @@ func TestS3RawAndQcow2ObjectsThroughTheExport(t *testing.T) {
 // what it did not write reads as the object, and QEMU then finds the
 // overlay clean (its backing file left unopened: qemu-img has no s3).
 func TestS3BackingFileUnderLocalOverlay(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	base := randomImage(t, dir, 32<<20, 2702)
-	s.put("base.img", base)
+	base := RandomImage(t, dir, 32<<20, 2702)
+	s.Put("base.img", base)
 	ov := filepath.Join(dir, "ov.qcow2")
-	run(t, "qemu-img", "create", "-f", "qcow2", "-u", "-b", s.url("base.img"), "-F", "raw", ov, "32M")
+	Run(t, "qemu-img", "create", "-f", "qcow2", "-u", "-b", s.URL("base.img"), "-F", "raw", ov, "32M")
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, ov, mnt, "-w", "--s3-endpoint", s.endpoint)
-	job := s3tFioJob("8M", 2703)
-	run(t, "fio", append(job, "--filename="+mnt)...)
-	got := readAll(t, mnt)
-	mustEqualBytes(t, "the backing file's bytes past the writes", got[8<<20:], readAll(t, base)[8<<20:])
-	d.stopClean()
-	s3tNoSecret(t, "the export's log", d.log())
+	d := StartExport(t, ov, mnt, "-w", "--s3-endpoint", s.Endpoint)
+	job := s3FioJob("8M", 2703)
+	Run(t, "fio", append(job, "--filename="+mnt)...)
+	got := ReadAll(t, mnt)
+	MustEqualBytes(t, "the backing file's bytes past the writes", got[8<<20:], ReadAll(t, base)[8<<20:])
+	d.StopClean()
+	MustNotShowS3Secret(t, "the export's log", d.Log())
 	spec, _ := json.Marshal(map[string]any{"driver": "qcow2", "backing": nil,
 		"file": map[string]any{"driver": "file", "filename": ov}})
-	out := run(t, "qemu-img", "check", "--output=json", "json:"+string(spec))
+	out := Run(t, "qemu-img", "check", "--output=json", "json:"+string(spec))
 	var res struct {
 		Corruptions, Leaks int
 		CheckErrors        int `json:"check-errors"`
@@ -95,30 +95,30 @@ func TestS3BackingFileUnderLocalOverlay(t *testing.T) {
 	}
 	// The written clusters are the overlay's own: verified again with
 	// the export gone and started anew.
-	d = startExport(t, ov, mnt, "--s3-endpoint", s.endpoint)
-	run(t, "fio", append(s3tFioReadVerify("8M"), "--filename="+mnt)...)
-	d.stopClean()
+	d = StartExport(t, ov, mnt, "--s3-endpoint", s.Endpoint)
+	Run(t, "fio", append(s3FioReadVerify("8M"), "--filename="+mnt)...)
+	d.StopClean()
 }
 
 // TestS3OpenFailuresAreOneLine: wrong credentials, a missing bucket, a
 // missing key each end the export at open with exit 1 and one line that
 // says which, with the secret nowhere.
 func TestS3OpenFailuresAreOneLine(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	s.put("disk.img", randomImage(t, dir, 1<<20, 2704))
+	s.Put("disk.img", RandomImage(t, dir, 1<<20, 2704))
 	mnt := filepath.Join(dir, "mnt")
 	for _, c := range []struct {
 		name, spec, secret, want string
 	}{
-		{"wrong secret", s.url("disk.img"), "not-the-secret", "SignatureDoesNotMatch"},
-		{"missing bucket", "s3://nobucket/disk.img", s3tSecret, "s3://nobucket/disk.img: no such bucket"},
-		{"missing key", s.url("nothere.img"), s3tSecret, "s3://images/nothere.img: no such object"},
+		{"wrong secret", s.URL("disk.img"), "not-the-secret", "SignatureDoesNotMatch"},
+		{"missing bucket", "s3://nobucket/disk.img", S3Secret, "s3://nobucket/disk.img: no such bucket"},
+		{"missing key", s.URL("nothere.img"), S3Secret, "s3://images/nothere.img: no such object"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Setenv("AWS_SECRET_ACCESS_KEY", c.secret)
 			start := time.Now()
-			code, out := tryExport(t, mnt, "--s3-endpoint", s.endpoint, c.spec)
+			code, out := TryExport(t, mnt, "--s3-endpoint", s.Endpoint, c.spec)
 			lines := strings.Split(strings.TrimSpace(out), "\n")
 			if code != 1 || len(lines) != 1 || !strings.Contains(out, c.want) {
 				t.Fatalf("exit %d, want 1 and one line with %q:\n%s", code, c.want, out)
@@ -126,7 +126,7 @@ func TestS3OpenFailuresAreOneLine(t *testing.T) {
 			if time.Since(start) > 5*time.Second {
 				t.Errorf("the refusal took %v: a permanent error was retried", time.Since(start))
 			}
-			s3tNoSecret(t, "the error", out)
+			MustNotShowS3Secret(t, "the error", out)
 			if strings.Contains(out, "not-the-secret") {
 				t.Fatalf("the error shows the secret given:\n%s", out)
 			}
@@ -138,12 +138,12 @@ func TestS3OpenFailuresAreOneLine(t *testing.T) {
 // (same size, new bytes), a read of what was not yet fetched is EIO and the
 // log says why in a line; no byte of the new version is served.
 func TestS3ObjectOverwrittenWhileExportedIsEIO(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	img := randomImage(t, dir, 64<<20, 2705)
-	s.put("disk.img", img)
+	img := RandomImage(t, dir, 64<<20, 2705)
+	s.Put("disk.img", img)
 	mnt := filepath.Join(dir, "mnt")
-	d := s3tExport(t, s, "disk.img", mnt, "--reconnect-timeout", "5s")
+	d := s3Export(t, s, "disk.img", mnt, "--reconnect-timeout", "5s")
 	f, err := os.Open(mnt)
 	if err != nil {
 		t.Fatal(err)
@@ -153,17 +153,17 @@ func TestS3ObjectOverwrittenWhileExportedIsEIO(t *testing.T) {
 	if _, err := f.ReadAt(p, 0); err != nil {
 		t.Fatal(err)
 	}
-	mustEqualBytes(t, "first block", p, readAll(t, img)[:4096])
-	other := randomImage(t, filepath.Join(dir), 64<<20, 2706)
-	s.put("disk.img", other)
+	MustEqualBytes(t, "first block", p, ReadAll(t, img)[:4096])
+	other := RandomImage(t, filepath.Join(dir), 64<<20, 2706)
+	s.Put("disk.img", other)
 	_, err = f.ReadAt(p, 48<<20)
-	if errnoOf(err) != syscall.EIO {
+	if ErrnoOf(err) != syscall.EIO {
 		t.Fatalf("read after the overwrite: %v, want EIO", err)
 	}
-	if string(p) == string(readAll(t, other)[48<<20:48<<20+4096]) {
+	if string(p) == string(ReadAll(t, other)[48<<20:48<<20+4096]) {
 		t.Fatal("the new version's bytes were served")
 	}
-	log := d.log()
+	log := d.Log()
 	if !strings.Contains(log, "changed") || !strings.Contains(log, "s3://images/disk.img") {
 		t.Fatalf("no log line names the changed object:\n%s", log)
 	}
@@ -176,13 +176,13 @@ func TestS3ObjectOverwrittenWhileExportedIsEIO(t *testing.T) {
 // that the test holds no descriptor of the export while the server is
 // restarted (see below).
 func TestS3ServerKilledMidRead(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	img := randomImage(t, dir, 64<<20, 2707)
-	want := readAll(t, img)
-	s.put("disk.img", img)
+	img := RandomImage(t, dir, 64<<20, 2707)
+	want := ReadAll(t, img)
+	s.Put("disk.img", img)
 	mnt := filepath.Join(dir, "mnt")
-	d := s3tExport(t, s, "disk.img", mnt, "--reconnect-timeout", "8s")
+	d := s3Export(t, s, "disk.img", mnt, "--reconnect-timeout", "8s")
 	// Read once, and closed before the outage: a process that starts
 	// while this one holds the export open closes its inherited copy at
 	// exec, and that FLUSH would queue behind the pending read.
@@ -218,7 +218,7 @@ func TestS3ServerKilledMidRead(t *testing.T) {
 		return done
 	}
 
-	s.kill()
+	s.Kill()
 	out := filepath.Join(dir, "across")
 	done := dd(20<<20, out)
 	time.Sleep(2 * time.Second)
@@ -227,18 +227,18 @@ func TestS3ServerKilledMidRead(t *testing.T) {
 		t.Fatalf("a read with the server down returned at once: %v %s", r.err, r.out)
 	default:
 	}
-	s.start()
+	s.Start()
 	select {
 	case r := <-done:
 		if r.err != nil {
-			t.Fatalf("read across the restart: %v %s\n%s", r.err, r.out, d.log())
+			t.Fatalf("read across the restart: %v %s\n%s", r.err, r.out, d.Log())
 		}
-		mustEqualBytes(t, "read across the restart", readAll(t, out), want[20<<20:20<<20+len(p)])
+		MustEqualBytes(t, "read across the restart", ReadAll(t, out), want[20<<20:20<<20+len(p)])
 	case <-time.After(20 * time.Second):
 		t.Fatal("the read did not finish once the server was back")
 	}
 
-	s.kill()
+	s.Kill()
 	select {
 	case r := <-dd(40<<20, filepath.Join(dir, "gone")):
 		if r.err == nil || !strings.Contains(r.out, "Input/output error") {
@@ -250,5 +250,5 @@ func TestS3ServerKilledMidRead(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("a read with the server gone hung past the reconnect timeout")
 	}
-	d.stopClean()
+	d.StopClean()
 }

@@ -12,16 +12,16 @@ import (
 // same bytes: the same mapping, offsets included); create -b s3://…
 // writes an overlay whose backing string is the URL, exported then.
 func TestS3InfoMapAndCreate(t *testing.T) {
-	s := s3tStartServer(t)
+	s := StartS3Server(t)
 	dir := t.TempDir()
-	raw := randomImage(t, dir, 8<<20, 2708)
-	run(t, "qemu-io", "-f", "raw", "-c", "write -z 1M 2M", raw)
+	raw := RandomImage(t, dir, 8<<20, 2708)
+	Run(t, "qemu-io", "-f", "raw", "-c", "write -z 1M 2M", raw)
 	qc := filepath.Join(dir, "disk.qcow2")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
-	s.put("disk.qcow2", qc)
-	url := s.url("disk.qcow2")
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
+	s.Put("disk.qcow2", qc)
+	url := s.URL("disk.qcow2")
 
-	code, out := runBlockexport(t, "info", "--output=json", "--s3-endpoint", s.endpoint, url)
+	code, out := RunBlockexport(t, "info", "--output=json", "--s3-endpoint", s.Endpoint, url)
 	if code != 0 {
 		t.Fatalf("info: exit %d\n%s", code, out)
 	}
@@ -29,7 +29,7 @@ func TestS3InfoMapAndCreate(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatalf("info: %v\n%s", err, out)
 	}
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", qc)), &want); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", qc)), &want); err != nil {
 		t.Fatal(err)
 	}
 	for _, k := range []string{"format", "virtual-size", "cluster-size", "format-specific", "dirty-flag"} {
@@ -40,9 +40,9 @@ func TestS3InfoMapAndCreate(t *testing.T) {
 	if got["filename"] != url {
 		t.Errorf("info filename %v, want %s", got["filename"], url)
 	}
-	s3tNoSecret(t, "info", out)
+	MustNotShowS3Secret(t, "info", out)
 
-	code, out = runBlockexport(t, "map", "--output=json", "--s3-endpoint", s.endpoint, url)
+	code, out = RunBlockexport(t, "map", "--output=json", "--s3-endpoint", s.Endpoint, url)
 	if code != 0 {
 		t.Fatalf("map: exit %d\n%s", code, out)
 	}
@@ -50,7 +50,7 @@ func TestS3InfoMapAndCreate(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &gotMap); err != nil {
 		t.Fatalf("map: %v\n%s", err, out)
 	}
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", qc)), &wantMap); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", qc)), &wantMap); err != nil {
 		t.Fatal(err)
 	}
 	for _, m := range append(gotMap, wantMap...) {
@@ -61,19 +61,19 @@ func TestS3InfoMapAndCreate(t *testing.T) {
 	}
 
 	ov := filepath.Join(dir, "ov.qcow2")
-	code, out = runBlockexport(t, "create", "-f", "qcow2", "-b", url, "-F", "qcow2", "--s3-endpoint", s.endpoint, ov)
+	code, out = RunBlockexport(t, "create", "-f", "qcow2", "-b", url, "-F", "qcow2", "--s3-endpoint", s.Endpoint, ov)
 	if code != 0 {
 		t.Fatalf("create -b: exit %d\n%s", code, out)
 	}
 	var ovInfo map[string]any
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "info", "--output=json", "-U", "--force-share", ov)), &ovInfo); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "info", "--output=json", "-U", "--force-share", ov)), &ovInfo); err != nil {
 		t.Fatal(err)
 	}
 	if ovInfo["backing-filename"] != url || ovInfo["virtual-size"] != want["virtual-size"] {
 		t.Fatalf("the overlay: backing %v size %v", ovInfo["backing-filename"], ovInfo["virtual-size"])
 	}
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, ov, mnt, "--s3-endpoint", s.endpoint)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
-	d.stopClean()
+	d := StartExport(t, ov, mnt, "--s3-endpoint", s.Endpoint)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
+	d.StopClean()
 }

@@ -64,7 +64,7 @@ func TestStallRemoteReadDoesNotBlockOthers(t *testing.T) {
 		srv.Close()
 	})
 	mnt := filepath.Join(t.TempDir(), "mnt")
-	d := startExport(t, "http://"+l.Addr().String()+"/disk.img", mnt, "-f", "raw", "--reconnect-timeout", "6s", "--cache-size", "1M")
+	d := StartExport(t, "http://"+l.Addr().String()+"/disk.img", mnt, "-f", "raw", "--reconnect-timeout", "6s", "--cache-size", "1M")
 	mu.Lock()
 	hold = true
 	mu.Unlock()
@@ -98,7 +98,7 @@ func TestStallRemoteReadDoesNotBlockOthers(t *testing.T) {
 		f.Close()
 	}
 	if took := time.Since(began); took > 2*time.Second {
-		t.Fatalf("three open/stat/close of the export took %v while one read was held by the server\n%s", took, d.log())
+		t.Fatalf("three open/stat/close of the export took %v while one read was held by the server\n%s", took, d.Log())
 	}
 	select {
 	case err := <-readDone:
@@ -106,7 +106,7 @@ func TestStallRemoteReadDoesNotBlockOthers(t *testing.T) {
 			t.Fatalf("the held read: %v; want EIO after the reconnect timeout", err)
 		}
 	case <-time.After(30 * time.Second):
-		t.Fatalf("the held read never ended\n%s", d.log())
+		t.Fatalf("the held read never ended\n%s", d.Log())
 	}
-	d.stopClean()
+	d.StopClean()
 }

@@ -15,7 +15,7 @@ import (
 // puts the old value back when it ends, also on failure.
 func withUringParam(t *testing.T, on bool) {
 	t.Helper()
-	restore, err := setUringParam(on)
+	restore, err := SetUringParam(on)
 	if err != nil {
 		t.Skipf("FUSE over io_uring cannot be tested here: %v", err)
 	}
@@ -29,19 +29,19 @@ func TestIOURingUnavailable(t *testing.T) {
 	withUringParam(t, false)
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "mnt")
-	code, out := tryExport(t, mnt, "--io-uring", "on", "null:1G")
+	code, out := TryExport(t, mnt, "--io-uring", "on", "null:1G")
 	if code != 1 || !strings.Contains(out, "enable_uring") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 		t.Fatalf("--io-uring on with the module parameter off: exit %d, %q", code, out)
 	}
-	d := startExport(t, "null:1G", mnt, "--io-uring", "auto")
-	if got := readAll(t, mnt)[:4096]; strings.Count(string(got), "\x00") != 4096 {
+	d := StartExport(t, "null:1G", mnt, "--io-uring", "auto")
+	if got := ReadAll(t, mnt)[:4096]; strings.Count(string(got), "\x00") != 4096 {
 		t.Fatal("reading the null device through /dev/fuse failed")
 	}
-	d.stopClean()
-	if n := strings.Count(d.log(), "serving /dev/fuse"); n != 1 {
-		t.Fatalf("auto falling back logged it %d times:\n%s", n, d.log())
+	d.StopClean()
+	if n := strings.Count(d.Log(), "serving /dev/fuse"); n != 1 {
+		t.Fatalf("auto falling back logged it %d times:\n%s", n, d.Log())
 	}
-	if code, out := tryExport(t, mnt, "--io-uring", "on", "--poll-us", "10", "null:1G"); code != 2 {
+	if code, out := TryExport(t, mnt, "--io-uring", "on", "--poll-us", "10", "null:1G"); code != 2 {
 		t.Fatalf("--io-uring on with --poll-us: exit %d, %q; want a usage error", code, out)
 	}
 }
@@ -56,30 +56,30 @@ func TestIOURingServes(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := t.TempDir()
-	img := sparseImage(t, dir, "u.img", 64<<20)
+	img := SparseImage(t, dir, "u.img", 64<<20)
 	mnt := filepath.Join(dir, "mnt")
-	d := startExport(t, img, mnt, "-f", "raw", "-w", "--io-uring", "on", "--stats", "1s")
-	if !strings.Contains(d.log(), "FUSE over io_uring on") {
-		t.Fatalf("the export does not say it serves io_uring:\n%s", d.log())
+	d := StartExport(t, img, mnt, "-f", "raw", "-w", "--io-uring", "on", "--stats", "1s")
+	if !strings.Contains(d.Log(), "FUSE over io_uring on") {
+		t.Fatalf("the export does not say it serves io_uring:\n%s", d.Log())
 	}
-	run(t, "fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=16M",
+	Run(t, "fio", "--name=verify", "--filename="+mnt, "--rw=randwrite", "--bs=4k", "--size=64M", "--io_size=16M",
 		"--ioengine=libaio", "--iodepth=16", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
-	run(t, "fio", "--name=big", "--filename="+mnt, "--rw=write", "--bs=1M", "--size=64M",
+	Run(t, "fio", "--name=big", "--filename="+mnt, "--rw=write", "--bs=1M", "--size=64M",
 		"--ioengine=libaio", "--iodepth=4", "--direct=1", "--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--minimal")
-	d.stopClean()
+	d.StopClean()
 	// fio wrote 4096 4 KiB blocks and 64 of 1 MiB, and read them back.
-	m := regexp.MustCompile(`stats summary.*write (\d+) ops`).FindStringSubmatch(d.log())
+	m := regexp.MustCompile(`stats summary.*write (\d+) ops`).FindStringSubmatch(d.Log())
 	if n, _ := strconv.Atoi(m2(m)); n < 4096+64 {
-		t.Errorf("--stats counted %d writes through the rings, want at least %d:\n%s", n, 4096+64, d.log())
+		t.Errorf("--stats counted %d writes through the rings, want at least %d:\n%s", n, 4096+64, d.Log())
 	}
-	run(t, "fio", "--name=big", "--filename="+img, "--rw=write", "--bs=1M", "--size=64M", "--ioengine=psync",
+	Run(t, "fio", "--name=big", "--filename="+img, "--rw=write", "--bs=1M", "--size=64M", "--ioengine=psync",
 		"--verify=crc32c", "--verify_only", "--verify_state_save=0", "--minimal")
 
 	// A null device does no host I/O: its only rings are its queues,
 	// one per possible CPU. SIGKILL: the kernel aborts the connection;
 	// fio fails, it does not hang.
-	d = startExport(t, "null:1G", mnt, "-w", "--io-uring", "on")
-	if n, want := fdsTo(t, d.cmd.Process.Pid, "anon_inode:[io_uring]"), possibleCPUs(t, string(cpus)); n != want {
+	d = StartExport(t, "null:1G", mnt, "-w", "--io-uring", "on")
+	if n, want := fdsTo(t, d.Cmd.Process.Pid, "anon_inode:[io_uring]"), possibleCPUs(t, string(cpus)); n != want {
 		t.Fatalf("the daemon holds %d io_uring instances; want one per possible CPU (%s)", n, strings.TrimSpace(string(cpus)))
 	}
 	fio := exec.Command("fio", "--name=r", "--filename="+mnt, "--rw=randread", "--bs=4k", "--size=1G",
@@ -90,7 +90,7 @@ func TestIOURingServes(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- fio.Wait() }()
 	time.Sleep(500 * time.Millisecond)
-	d.cmd.Process.Kill()
+	d.Cmd.Process.Kill()
 	select {
 	case <-done:
 	case <-time.After(15 * time.Second):

@@ -17,32 +17,32 @@ import (
 
 // fxVdi* are offsets of the VDI header fields the crafted files change.
 const (
-	fxVdiOffBmap      = 0x154
-	fxVdiOffData      = 0x158
-	fxVdiDiskSize     = 0x170
-	fxVdiBlocksInImg  = 0x180
-	fxVdiBlocksAlloc  = 0x184
-	fxVdiUnallocated  = 0xffffffff
-	fxVdiDiscarded    = 0xfffffffe
-	fxVdiMaxBlocks    = (1<<31 - 512) / 4 // QEMU 7.2: a block map of at most BDRV_REQUEST_MAX_BYTES
-	fxVdiBlocksOneOff = fxVdiMaxBlocks + 1
+	vdiOffBmap      = 0x154
+	vdiOffData      = 0x158
+	vdiDiskSize     = 0x170
+	vdiBlocksInImg  = 0x180
+	vdiBlocksAlloc  = 0x184
+	vdiUnallocated  = 0xffffffff
+	vdiDiscarded    = 0xfffffffe
+	vdiMaxBlocks    = (1<<31 - 512) / 4 // QEMU 7.2: a block map of at most BDRV_REQUEST_MAX_BYTES
+	vdiBlocksOneOff = vdiMaxBlocks + 1
 )
 
-// fxCheckRun is one tool's check of a file: exit status, parsed JSON and
+// checkOutcome is one tool's check of a file: exit status, parsed JSON and
 // the ERROR lines it printed.
-type fxCheckRun struct {
+type checkOutcome struct {
 	code   int
 	json   map[string]any
 	errors []string
 	out    string
 }
 
-func fxQemuCheck(t *testing.T, args ...string) fxCheckRun {
+func qemuCheck(t *testing.T, args ...string) checkOutcome {
 	t.Helper()
 	cmd := exec.Command("qemu-img", append([]string{"check"}, args...)...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	r := fxCheckRun{}
+	r := checkOutcome{}
 	if err := cmd.Run(); err != nil {
 		var ee *exec.ExitError
 		if !errors.As(err, &ee) {
@@ -51,16 +51,16 @@ func fxQemuCheck(t *testing.T, args ...string) fxCheckRun {
 		r.code = ee.ExitCode()
 	}
 	r.out = stdout.String() + stderr.String()
-	fxParseCheck(&r, stdout.String(), stderr.String())
+	parseCheck(&r, stdout.String(), stderr.String())
 	return r
 }
 
-func fxOurCheck(t *testing.T, args ...string) fxCheckRun {
+func ourCheck(t *testing.T, args ...string) checkOutcome {
 	t.Helper()
-	cmd := exec.Command(bin, append([]string{"check"}, args...)...)
+	cmd := exec.Command(Bin, append([]string{"check"}, args...)...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	r := fxCheckRun{}
+	r := checkOutcome{}
 	if err := cmd.Run(); err != nil {
 		var ee *exec.ExitError
 		if !errors.As(err, &ee) {
@@ -69,11 +69,11 @@ func fxOurCheck(t *testing.T, args ...string) fxCheckRun {
 		r.code = ee.ExitCode()
 	}
 	r.out = stdout.String() + stderr.String()
-	fxParseCheck(&r, stdout.String(), stderr.String())
+	parseCheck(&r, stdout.String(), stderr.String())
 	return r
 }
 
-func fxParseCheck(r *fxCheckRun, stdout, stderr string) {
+func parseCheck(r *checkOutcome, stdout, stderr string) {
 	if strings.HasPrefix(strings.TrimSpace(stdout), "{") {
 		json.Unmarshal([]byte(stdout), &r.json)
 	}
@@ -84,20 +84,20 @@ func fxParseCheck(r *fxCheckRun, stdout, stderr string) {
 	}
 }
 
-// fxVdiCraft writes a copy of base with its header fields and block-map
+// craftVdi writes a copy of base with its header fields and block-map
 // entries changed.
-func fxVdiCraft(t *testing.T, base, dst string, fields map[int]uint64, entries map[int]uint32, truncate int64) {
+func craftVdi(t *testing.T, base, dst string, fields map[int]uint64, entries map[int]uint32, truncate int64) {
 	t.Helper()
 	b, err := os.ReadFile(base)
 	if err != nil {
 		t.Fatal(err)
 	}
-	bmap := int(binary.LittleEndian.Uint32(b[fxVdiOffBmap:]))
+	bmap := int(binary.LittleEndian.Uint32(b[vdiOffBmap:]))
 	for i, e := range entries {
 		binary.LittleEndian.PutUint32(b[bmap+4*i:], e)
 	}
 	for off, v := range fields {
-		if off == fxVdiDiskSize {
+		if off == vdiDiskSize {
 			binary.LittleEndian.PutUint64(b[off:], v)
 		} else {
 			binary.LittleEndian.PutUint32(b[off:], uint32(v))
@@ -121,7 +121,7 @@ func fxVdiCraft(t *testing.T, base, dst string, fields map[int]uint64, entries m
 // stated. -r is refused as QEMU refuses it (exit 63).
 func TestVdiCheckAsQemuImg(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 41)
+	src := RandomImage(t, dir, 8<<20, 41)
 	// Holes: blocks 2, 5 unallocated once converted.
 	f, err := os.OpenFile(src, os.O_RDWR, 0)
 	if err != nil {
@@ -132,13 +132,13 @@ func TestVdiCheckAsQemuImg(t *testing.T) {
 	}
 	f.Close()
 	dyn := filepath.Join(dir, "dyn.vdi")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", src, dyn)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", src, dyn)
 	static := filepath.Join(dir, "static.vdi")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", "-o", "static=on", src, static)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", "-o", "static=on", src, static)
 	empty := filepath.Join(dir, "empty.vdi")
-	run(t, "qemu-img", "create", "-f", "vdi", empty, "4M")
+	Run(t, "qemu-img", "create", "-f", "vdi", empty, "4M")
 	b, _ := os.ReadFile(dyn)
-	allocated := uint64(binary.LittleEndian.Uint32(b[fxVdiBlocksAlloc:]))
+	allocated := uint64(binary.LittleEndian.Uint32(b[vdiBlocksAlloc:]))
 	if allocated != 6 {
 		t.Fatalf("converted image has %d blocks allocated, want 6", allocated)
 	}
@@ -156,40 +156,40 @@ func TestVdiCheckAsQemuImg(t *testing.T) {
 		{name: "clean dynamic", base: dyn},
 		{name: "clean static", base: static},
 		{name: "clean empty", base: empty},
-		{name: "discarded entry", base: dyn, entries: map[int]uint32{2: fxVdiDiscarded}},
+		{name: "discarded entry", base: dyn, entries: map[int]uint32{2: vdiDiscarded}},
 		{name: "duplicate entry", base: dyn, entries: map[int]uint32{3: 1}},
 		{name: "three entries on one block", base: dyn, entries: map[int]uint32{0: 4, 1: 4, 3: 4}},
 		{name: "entry too large", base: dyn, entries: map[int]uint32{6: 8}},
 		{name: "entry 0xfffffffd", base: dyn, entries: map[int]uint32{7: 0xfffffffd}},
-		{name: "allocated count 0", base: dyn, fields: map[int]uint64{fxVdiBlocksAlloc: 0}},
-		{name: "allocated count one more", base: dyn, fields: map[int]uint64{fxVdiBlocksAlloc: allocated + 1}},
-		{name: "allocated count max", base: dyn, fields: map[int]uint64{fxVdiBlocksAlloc: 0xffffffff}},
-		{name: "block map past the end", base: dyn, fields: map[int]uint64{fxVdiOffBmap: 64 << 20}},
-		{name: "block map at the header", base: dyn, fields: map[int]uint64{fxVdiOffBmap: 0}},
+		{name: "allocated count 0", base: dyn, fields: map[int]uint64{vdiBlocksAlloc: 0}},
+		{name: "allocated count one more", base: dyn, fields: map[int]uint64{vdiBlocksAlloc: allocated + 1}},
+		{name: "allocated count max", base: dyn, fields: map[int]uint64{vdiBlocksAlloc: 0xffffffff}},
+		{name: "block map past the end", base: dyn, fields: map[int]uint64{vdiOffBmap: 64 << 20}},
+		{name: "block map at the header", base: dyn, fields: map[int]uint64{vdiOffBmap: 0}},
 		{name: "block map half past the end", base: dyn, truncate: 0},
-		{name: "blocks in image 0", base: dyn, fields: map[int]uint64{fxVdiBlocksInImg: 0}},
-		{name: "blocks in image 0, disk 0", base: empty, fields: map[int]uint64{fxVdiBlocksInImg: 0, fxVdiDiskSize: 0}},
-		{name: "blocks in image one more", base: dyn, fields: map[int]uint64{fxVdiBlocksInImg: 9}},
-		{name: "blocks in image max+1", base: dyn, fields: map[int]uint64{fxVdiBlocksInImg: fxVdiBlocksOneOff}},
-		{name: "disk size max+1", base: dyn, fields: map[int]uint64{fxVdiDiskSize: uint64(fxVdiMaxBlocks)<<20 + 1}},
-		{name: "disk size 2^64-1", base: dyn, fields: map[int]uint64{fxVdiDiskSize: 1<<64 - 1}},
-		{name: "disk size 0", base: dyn, fields: map[int]uint64{fxVdiDiskSize: 0}},
-		{name: "unaligned map", base: dyn, fields: map[int]uint64{fxVdiOffBmap: 513}},
+		{name: "blocks in image 0", base: dyn, fields: map[int]uint64{vdiBlocksInImg: 0}},
+		{name: "blocks in image 0, disk 0", base: empty, fields: map[int]uint64{vdiBlocksInImg: 0, vdiDiskSize: 0}},
+		{name: "blocks in image one more", base: dyn, fields: map[int]uint64{vdiBlocksInImg: 9}},
+		{name: "blocks in image max+1", base: dyn, fields: map[int]uint64{vdiBlocksInImg: vdiBlocksOneOff}},
+		{name: "disk size max+1", base: dyn, fields: map[int]uint64{vdiDiskSize: uint64(vdiMaxBlocks)<<20 + 1}},
+		{name: "disk size 2^64-1", base: dyn, fields: map[int]uint64{vdiDiskSize: 1<<64 - 1}},
+		{name: "disk size 0", base: dyn, fields: map[int]uint64{vdiDiskSize: 0}},
+		{name: "unaligned map", base: dyn, fields: map[int]uint64{vdiOffBmap: 513}},
 		// QEMU checks nothing of where data lies, and reads zeroes there.
-		{name: "data block past the end", base: dyn, fields: map[int]uint64{fxVdiOffData: 1 << 30}, ours: 2},
+		{name: "data block past the end", base: dyn, fields: map[int]uint64{vdiOffData: 1 << 30}, ours: 2},
 	}
 	// The map half past the end: cut the file inside the map, after entry 3.
-	bmap := int64(binary.LittleEndian.Uint32(b[fxVdiOffBmap:]))
+	bmap := int64(binary.LittleEndian.Uint32(b[vdiOffBmap:]))
 	cases[13].truncate = bmap + 4*4
 	cases[13].ours = 0 // the 4 lost entries read as data block 0: duplicates, as in QEMU
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			img := filepath.Join(t.TempDir(), "x.vdi")
-			fxVdiCraft(t, c.base, img, c.fields, c.entries, c.truncate)
-			before := fileHash(t, img)
+			craftVdi(t, c.base, img, c.fields, c.entries, c.truncate)
+			before := FileHash(t, img)
 			for _, out := range [][]string{nil, {"--output", "json"}} {
 				args := append(append([]string{}, out...), "-f", "vdi", img)
-				q, o := fxQemuCheck(t, args...), fxOurCheck(t, args...)
+				q, o := qemuCheck(t, args...), ourCheck(t, args...)
 				if c.ours != 0 {
 					if o.code != c.ours {
 						t.Fatalf("%v: exit %d, want %d (qemu-img: %d)\n%s", out, o.code, c.ours, q.code, o.out)
@@ -208,12 +208,12 @@ func TestVdiCheckAsQemuImg(t *testing.T) {
 				}
 			}
 			for _, r := range []string{"leaks", "all"} {
-				q, o := fxQemuCheck(t, "-r", r, "-f", "vdi", img), fxOurCheck(t, "-r", r, "-f", "vdi", img)
+				q, o := qemuCheck(t, "-r", r, "-f", "vdi", img), ourCheck(t, "-r", r, "-f", "vdi", img)
 				if o.code != q.code && c.ours == 0 {
 					t.Fatalf("-r %s: exit %d, qemu-img's %d\nours:\n%s\nqemu-img:\n%s", r, o.code, q.code, o.out, q.out)
 				}
 			}
-			if fileHash(t, img) != before {
+			if FileHash(t, img) != before {
 				t.Fatal("check changed the file")
 			}
 		})
@@ -228,14 +228,14 @@ func TestVdiCheckAsQemuImg(t *testing.T) {
 func TestVdiCheckOfHugeBlockMapIsBounded(t *testing.T) {
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.vdi")
-	run(t, "qemu-img", "create", "-f", "vdi", base, "4M")
+	Run(t, "qemu-img", "create", "-f", "vdi", base, "4M")
 	img := filepath.Join(dir, "huge.vdi")
-	fxVdiCraft(t, base, img, map[int]uint64{fxVdiBlocksInImg: fxVdiMaxBlocks}, nil, 0)
+	craftVdi(t, base, img, map[int]uint64{vdiBlocksInImg: vdiMaxBlocks}, nil, 0)
 	// Peak memory from time(1): Go starts children with vfork, so the
 	// child's own ru_maxrss carries the (race-built) test binary's (see
-	// chkExit).
+	// checkExit).
 	peak := filepath.Join(dir, "peak")
-	cmd := exec.Command("/usr/bin/time", "-f", "%M", "-o", peak, bin, "check", "--output", "json", img)
+	cmd := exec.Command("/usr/bin/time", "-f", "%M", "-o", peak, Bin, "check", "--output", "json", img)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
@@ -250,7 +250,7 @@ func TestVdiCheckOfHugeBlockMapIsBounded(t *testing.T) {
 	// 4 unallocated entries in the file; the rest are zero entries: the
 	// first takes block 0, each other is a duplicate; and the count of
 	// allocated entries is not the header's 0.
-	want := float64(fxVdiMaxBlocks - 4 - 1 + 1)
+	want := float64(vdiMaxBlocks - 4 - 1 + 1)
 	if res["corruptions"] != want {
 		t.Fatalf("corruptions %v, want %v", res["corruptions"], want)
 	}

@@ -21,7 +21,7 @@ func vdiSeekAndBlocksAsQemu(t *testing.T, mnt, img string, fmtArgs ...string) {
 		Start, Length int64
 		Data          bool
 	}
-	out := run(t, "qemu-img", append(append([]string{"map", "--output=json"}, fmtArgs...), img)...)
+	out := Run(t, "qemu-img", append(append([]string{"map", "--output=json"}, fmtArgs...), img)...)
 	if err := json.Unmarshal([]byte(out), &entries); err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +36,7 @@ func vdiSeekAndBlocksAsQemu(t *testing.T, mnt, img string, fmtArgs ...string) {
 			want = append(want, [2]int64{e.Start, e.Start + e.Length})
 		}
 	}
-	if got := dataRanges(t, mnt); !reflect.DeepEqual(got, want) {
+	if got := DataRanges(t, mnt); !reflect.DeepEqual(got, want) {
 		t.Errorf("SEEK_DATA/SEEK_HOLE through the export: %v, qemu-img map's data: %v", got, want)
 	}
 	var sm, si unix.Stat_t
@@ -56,7 +56,7 @@ func vdiSeekAndBlocksAsQemu(t *testing.T, mnt, img string, fmtArgs ...string) {
 // foreign-format test converts from.
 func vdiRawWithHoles(t *testing.T, dir string) string {
 	t.Helper()
-	img := randomImage(t, dir, 64<<20, 26)
+	img := RandomImage(t, dir, 64<<20, 26)
 	f, err := os.OpenFile(img, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -79,7 +79,7 @@ func vdiRawWithHoles(t *testing.T, dir string) string {
 func vdiSameInspection(t *testing.T, img string) {
 	t.Helper()
 	for _, cmd := range [][]string{{"info", "--output=json", img}, {"map", "--output=json", img}} {
-		if got, want := jsonOf(t, bin, cmd...), jsonOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
+		if got, want := JSONOf(t, Bin, cmd...), JSONOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
 			t.Errorf("%s differs from qemu-img's\n got %v\nwant %v", cmd[0], got, want)
 		}
 	}
@@ -98,37 +98,37 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 		t.Run("static="+static, func(t *testing.T) {
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vdi")
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", "-o", "static="+static, src, img)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", "-o", "static="+static, src, img)
 			// Written back now: the file system allocates its own metadata
 			// (extent tree blocks, counted in st_blocks) at write-back, which
 			// under load came between the export's stat and the test's.
-			run(t, "sync", img)
+			Run(t, "sync", img)
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, img, mnt)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			StartExport(t, img, mnt)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			dmnt := filepath.Join(d, "dmnt") // O_DIRECT: the map and data through aligned bounce buffers
-			startExport(t, img, dmnt, "--cache", "none")
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", dmnt, src)
-			srv := startNBD(t, img, false)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
+			StartExport(t, img, dmnt, "--cache", "none")
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", dmnt, src)
+			srv := StartNBD(t, img, false)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.URI, src)
 			vdiSameInspection(t, img)
 			vdiSeekAndBlocksAsQemu(t, mnt, img)
 
 			wmnt := filepath.Join(d, "wmnt")
 			os.Mkdir(wmnt, 0o755)
-			code, out := tryExport(t, wmnt, "-w", img)
+			code, out := TryExport(t, wmnt, "-w", img)
 			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 				t.Fatalf("-w on a vdi image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
 			}
 
 			ov := filepath.Join(d, "ov.qcow2")
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vdi", ov)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vdi", ov)
 			omnt := filepath.Join(d, "omnt")
-			e := startExport(t, ov, omnt, "-w")
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
-			run(t, "fio", append(fioJob("vdi", "4k", "0", "64M", 26), "--io_size=8M", "--filename="+omnt)...)
-			e.stopClean()
-			run(t, "qemu-img", "compare", "-f", "vdi", "-F", "raw", img, src)
+			e := StartExport(t, ov, omnt, "-w")
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
+			Run(t, "fio", append(FioJob("vdi", "4k", "0", "64M", 26), "--io_size=8M", "--filename="+omnt)...)
+			e.StopClean()
+			Run(t, "qemu-img", "compare", "-f", "vdi", "-F", "raw", img, src)
 		})
 	}
 }
@@ -139,9 +139,9 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // for every block); we refuse each with one line.
 func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 4<<20, 27)
+	src := RandomImage(t, dir, 4<<20, 27)
 	img := filepath.Join(dir, "d.vdi")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", src, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vdi", src, img)
 	good, err := os.ReadFile(img)
 	if err != nil {
 		t.Fatal(err)
@@ -166,8 +166,8 @@ func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 			if err := os.WriteFile(p, b, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			run(t, "qemu-img", "compare", "-q", "-f", "vdi", "-F", "vdi", p, p) // QEMU opens and reads it
-			code, out := runBlockexport(t, "info", p)
+			Run(t, "qemu-img", "compare", "-q", "-f", "vdi", "-F", "vdi", p, p) // QEMU opens and reads it
+			code, out := RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
 			}

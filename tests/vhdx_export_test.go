@@ -24,7 +24,7 @@ import (
 // holes (one unaligned) and runs of written zeroes.
 func vhdxRawWithHoles(t *testing.T, dir string) string {
 	t.Helper()
-	img := randomImage(t, dir, 64<<20, 29)
+	img := RandomImage(t, dir, 64<<20, 29)
 	f, err := os.OpenFile(img, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -55,14 +55,14 @@ func vhdxRawWithHoles(t *testing.T, dir string) string {
 func vhdxMapMatches(t *testing.T, img, src string, size int64, wantHoles bool) {
 	t.Helper()
 	want := []any{map[string]any{"start": 0.0, "length": float64(size), "depth": 0.0, "present": true, "zero": false, "data": true}}
-	if got := jsonOf(t, "qemu-img", "map", "--output=json", img); !reflect.DeepEqual(got, want) {
+	if got := JSONOf(t, "qemu-img", "map", "--output=json", img); !reflect.DeepEqual(got, want) {
 		t.Fatalf("qemu-img map is no longer one data extent (QEMU has block status for vhdx now: compare maps exactly):\n%v", got)
 	}
 	raw, err := os.ReadFile(src)
 	if err != nil {
 		t.Fatal(err)
 	}
-	exts, ok := jsonOf(t, bin, "map", "--output=json", img).([]any)
+	exts, ok := JSONOf(t, Bin, "map", "--output=json", img).([]any)
 	if !ok || len(exts) == 0 {
 		t.Fatalf("map: %v", exts)
 	}
@@ -129,36 +129,36 @@ func TestVhdxConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vhdx")
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", opts, src, img)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", opts, src, img)
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, img, mnt)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			StartExport(t, img, mnt)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			if name == "block_size=1M" {
 				vhdxSeeksFollowTheBAT(t, mnt)
 			}
-			srv := startNBD(t, img, false)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.uri, src)
+			srv := StartNBD(t, img, false)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", srv.URI, src)
 			cmd := []string{"info", "--output=json", img}
-			if got, want := jsonOf(t, bin, cmd...), jsonOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
+			if got, want := JSONOf(t, Bin, cmd...), JSONOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
 				t.Errorf("info differs from qemu-img's\n got %v\nwant %v", got, want)
 			}
 			// Fixed images may allocate every block, and 32 MiB blocks all hold data.
 			vhdxMapMatches(t, img, src, 64<<20, name != "fixed" && name != "block_size=32M")
 
 			wmnt := filepath.Join(d, "wmnt")
-			code, out := tryExport(t, wmnt, "-w", img)
+			code, out := TryExport(t, wmnt, "-w", img)
 			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 				t.Fatalf("-w on a vhdx image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
 			}
 
 			ov := filepath.Join(d, "ov.qcow2")
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vhdx", ov)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vhdx", ov)
 			omnt := filepath.Join(d, "omnt")
-			e := startExport(t, ov, omnt, "-w")
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
-			run(t, "fio", append(fioJob("vhdx", "4k", "0", "64M", 29), "--io_size=8M", "--filename="+omnt)...)
-			e.stopClean()
-			run(t, "qemu-img", "compare", "-f", "vhdx", "-F", "raw", img, src)
+			e := StartExport(t, ov, omnt, "-w")
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
+			Run(t, "fio", append(FioJob("vhdx", "4k", "0", "64M", 29), "--io_size=8M", "--filename="+omnt)...)
+			e.StopClean()
+			Run(t, "qemu-img", "compare", "-f", "vhdx", "-F", "raw", img, src)
 		})
 	}
 }
@@ -183,9 +183,9 @@ func vhdxPutCRC(b []byte) {
 // all, and after that replay both read the disk.
 func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 30)
+	src := RandomImage(t, dir, 8<<20, 30)
 	img := filepath.Join(dir, "d.vhdx")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", src, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", src, img)
 	good, err := os.ReadFile(img)
 	if err != nil {
 		t.Fatal(err)
@@ -217,11 +217,11 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 			t.Fatalf("found the BAT entry %d times in the region tables", moved)
 		}
 		p := write(t, b)
-		run(t, "qemu-img", "info", p) // QEMU opens it...
+		Run(t, "qemu-img", "info", p) // QEMU opens it...
 		if out, err := vhdxTry("qemu-img", "compare", "-f", "vhdx", "-F", "raw", p, src); err == nil {
 			t.Fatalf("qemu-img now reads the right data (or refuses quietly): %s", out)
 		}
-		code, out := runBlockexport(t, "info", p)
+		code, out := RunBlockexport(t, "info", p)
 		if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "BAT region") {
 			t.Fatalf("blockexport info: exit %d, want a one-line refusal naming the BAT region:\n%s", code, out)
 		}
@@ -248,17 +248,17 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		if out, err := vhdxTry("qemu-img", "info", p); err == nil || !strings.Contains(out, "log that needs to be replayed") {
 			t.Fatalf("qemu-img info on a dirty log: %v\n%s", err, out)
 		}
-		code, out := runBlockexport(t, "info", p)
+		code, out := RunBlockexport(t, "info", p)
 		if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "qemu-img check -r all") {
 			t.Fatalf("blockexport info: exit %d, want one line saying how to replay the log:\n%s", code, out)
 		}
 		mnt := filepath.Join(t.TempDir(), "mnt")
-		if code, out := tryExport(t, mnt, p); code == 0 || !strings.Contains(out, "replay") {
+		if code, out := TryExport(t, mnt, p); code == 0 || !strings.Contains(out, "replay") {
 			t.Fatalf("export of a dirty log: exit %d\n%s", code, out)
 		}
-		run(t, "qemu-img", "check", "-q", "-r", "all", p)
-		startExport(t, p, mnt)
-		run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+		Run(t, "qemu-img", "check", "-q", "-r", "all", p)
+		StartExport(t, p, mnt)
+		Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 	})
 }
 
@@ -351,7 +351,7 @@ func vhdxTryFor(t *testing.T, args ...string) (int, string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	out, err := exec.CommandContext(ctx, Bin, args...).CombinedOutput()
 	if ctx.Err() != nil {
 		t.Fatalf("blockexport %v did not return in 30 s (hung on what the image names?)\n%s", args, out)
 	}
@@ -376,13 +376,13 @@ func vhdxTryFor(t *testing.T, args ...string) (int, string) {
 func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 	dir := t.TempDir()
 	praw, craw := filepath.Join(dir, "parent.raw"), filepath.Join(dir, "child.raw")
-	for i, p := range []string{praw, craw} { // randomImage writes disk.img
-		if err := os.Rename(randomImage(t, dir, 8<<20, uint64(31+i)), p); err != nil {
+	for i, p := range []string{praw, craw} { // RandomImage writes disk.img
+		if err := os.Rename(RandomImage(t, dir, 8<<20, uint64(31+i)), p); err != nil {
 			t.Fatal(err)
 		}
 	}
 	parent := filepath.Join(dir, "parent.vhdx")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", praw, parent)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", praw, parent)
 	link := vhdxDataWriteGUID(t, parent)
 	pb, _ := os.ReadFile(praw)
 	want, _ := os.ReadFile(craw)
@@ -399,7 +399,7 @@ func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 	}
 	makeChild := func(t *testing.T, name string, kv [][2]string) string {
 		child := filepath.Join(dir, name)
-		run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", craw, child)
+		Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", craw, child)
 		vhdxMakeChild(t, child, kv, absent)
 		return child
 	}
@@ -409,18 +409,18 @@ func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 		t.Fatalf("qemu-img reads differencing VHDX now (compare with it):\n%s", out)
 	}
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, child, mnt)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, wantPath)
-	if inf, ok := jsonOf(t, bin, "info", "--output=json", child).(map[string]any); !ok || !strings.HasSuffix(fmt.Sprint(inf["backing-filename"]), "parent.vhdx") {
+	StartExport(t, child, mnt)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, wantPath)
+	if inf, ok := JSONOf(t, Bin, "info", "--output=json", child).(map[string]any); !ok || !strings.HasSuffix(fmt.Sprint(inf["backing-filename"]), "parent.vhdx") {
 		t.Fatalf("info names no parent: %v", inf)
 	}
 	ov := filepath.Join(dir, "ov.qcow2")
-	run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", child, "-F", "vhdx", "-o", "size=8M", ov)
+	Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", child, "-F", "vhdx", "-o", "size=8M", ov)
 	omnt := filepath.Join(dir, "omnt")
-	e := startExport(t, ov, omnt, "-w")
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, wantPath)
-	run(t, "fio", append(fioJob("vhdxdiff", "4k", "0", "8M", 31), "--io_size=4M", "--filename="+omnt)...)
-	e.stopClean()
+	e := StartExport(t, ov, omnt, "-w")
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, wantPath)
+	Run(t, "fio", append(FioJob("vhdxdiff", "4k", "0", "8M", 31), "--io_size=4M", "--filename="+omnt)...)
+	e.StopClean()
 
 	for name, kv := range map[string][][2]string{
 		"absolute /etc/passwd":     {{"parent_linkage", link}, {"relative_path", "/etc/passwd"}},
@@ -470,9 +470,9 @@ func vhdxCheckOf(t *testing.T, prog string, args ...string) (int, map[string]any
 // zeroes), fails the check here (exit 1).
 func TestVhdxCheckAsQemuImg(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 33)
+	src := RandomImage(t, dir, 8<<20, 33)
 	clean := filepath.Join(dir, "clean.vhdx")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", src, clean)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", src, clean)
 	b, err := os.ReadFile(clean)
 	if err != nil {
 		t.Fatal(err)
@@ -482,13 +482,13 @@ func TestVhdxCheckAsQemuImg(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, args := range [][]string{{clean}, {"-r", "leaks", clean}, {"-r", "all", clean}, {cut}} {
-		code, got := vhdxCheckOf(t, bin, args...)
+		code, got := vhdxCheckOf(t, Bin, args...)
 		qcode, want := vhdxCheckOf(t, "qemu-img", args...)
 		if code != qcode || !reflect.DeepEqual(got, want) {
 			t.Errorf("check %v: exit %d %v; qemu-img: exit %d %v", args, code, got, qcode, want)
 		}
 	}
-	if code, got := vhdxCheckOf(t, bin, cut); code != 2 || got["corruptions"] != 2.0 {
+	if code, got := vhdxCheckOf(t, Bin, cut); code != 2 || got["corruptions"] != 2.0 {
 		t.Fatalf("check of a cut image: exit %d %v, want 2 corruptions", code, got)
 	}
 	batPast := filepath.Join(dir, "batpast.vhdx")
@@ -507,7 +507,7 @@ func TestVhdxCheckAsQemuImg(t *testing.T) {
 	if code, _ := vhdxCheckOf(t, "qemu-img", batPast); code != 0 {
 		t.Fatalf("qemu-img check of a BAT region past the end: exit %d (now it sees it: compare exactly)", code)
 	}
-	if code, _ := vhdxCheckOf(t, bin, batPast); code != 1 {
+	if code, _ := vhdxCheckOf(t, Bin, batPast); code != 1 {
 		t.Fatalf("check of a BAT region past the end: exit %d, want 1", code)
 	}
 }
@@ -519,11 +519,11 @@ func TestVhdxCheckAsQemuImg(t *testing.T) {
 func TestVhdxBeyondTheFirstChunk(t *testing.T) {
 	dir := t.TempDir()
 	img := filepath.Join(dir, "big.vhdx")
-	run(t, "qemu-img", "create", "-q", "-f", "vhdx", "-o", "block_size=1M", img, "5G")
-	run(t, "qemu-io", "-f", "vhdx", "-c", "write -P 0x5a 4194240k 128k", "-c", "write -P 0xa5 4197376k 64k", img)
+	Run(t, "qemu-img", "create", "-q", "-f", "vhdx", "-o", "block_size=1M", img, "5G")
+	Run(t, "qemu-io", "-f", "vhdx", "-c", "write -P 0x5a 4194240k 128k", "-c", "write -P 0xa5 4197376k 64k", img)
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt)
-	out := run(t, "qemu-io", "-r", "-f", "raw", "-c", "read -P 0x5a 4194240k 128k", "-c", "read -P 0xa5 4197376k 64k",
+	StartExport(t, img, mnt)
+	out := Run(t, "qemu-io", "-r", "-f", "raw", "-c", "read -P 0x5a 4194240k 128k", "-c", "read -P 0xa5 4197376k 64k",
 		"-c", "read -P 0 4194176k 64k", "-c", "read -P 0 4194368k 3008k", "-c", "read -P 0 4197440k 64k", mnt)
 	if strings.Contains(out, "Pattern verification failed") || strings.Count(out, "read ") != 5 {
 		t.Fatalf("reads through the export:\n%s", out)

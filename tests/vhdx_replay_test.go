@@ -9,19 +9,19 @@ import (
 	"testing"
 )
 
-// fxLogDesc is one descriptor of a crafted VHDX log entry: a data
+// logDesc is one descriptor of a crafted VHDX log entry: a data
 // descriptor (data, 4096 bytes) or a zero descriptor (zero bytes).
-type fxLogDesc struct {
+type logDesc struct {
 	off  uint64
 	data []byte
 	zero uint64
 	sig  string // another signature, for a hostile descriptor
 }
 
-// fxLogEntry builds one log entry of sequence number seq under guid, as
+// logEntry builds one log entry of sequence number seq under guid, as
 // QEMU's vhdx_log_write lays it out; badData names a data sector to give
 // another sequence number.
-func fxLogEntry(guid []byte, seq, fileSize uint64, descs []fxLogDesc, badData bool) []byte {
+func logEntry(guid []byte, seq, fileSize uint64, descs []logDesc, badData bool) []byte {
 	le := binary.LittleEndian
 	descSectors := (len(descs) + 2 + 127) / 128
 	nData := 0
@@ -68,9 +68,9 @@ func fxLogEntry(guid []byte, seq, fileSize uint64, descs []fxLogDesc, badData bo
 	return e
 }
 
-// fxVhdxDirty returns b with guid as both headers' log GUID and the
+// dirtyVhdx returns b with guid as both headers' log GUID and the
 // entries written one after another from the log's start.
-func fxVhdxDirty(b, guid []byte, entries ...[]byte) []byte {
+func dirtyVhdx(b, guid []byte, entries ...[]byte) []byte {
 	b = bytes.Clone(b)
 	for _, h := range []int{64 << 10, 128 << 10} {
 		copy(b[h+48:], guid)
@@ -99,17 +99,17 @@ func fxVhdxDirty(b, guid []byte, entries ...[]byte) []byte {
 // unknown kind (QEMU fails the open too).
 func TestVhdxLogReplayAsQemu(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 51)
+	src := RandomImage(t, dir, 8<<20, 51)
 	img := filepath.Join(dir, "good.vhdx")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", src, img)
-	good := readAll(t, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vhdx", src, img)
+	good := ReadAll(t, img)
 	size := uint64(len(good))
 	guid := []byte("fx-dirty-log-gd1")
-	sector := func(seed uint64) []byte { return kcRandom(4096, seed) }
-	e1 := fxLogEntry(guid, 1, size, []fxLogDesc{
+	sector := func(seed uint64) []byte { return RandomBytes(4096, seed) }
+	e1 := logEntry(guid, 1, size, []logDesc{
 		{off: size - 16<<10, data: sector(1)}, {off: size - 12<<10, data: sector(2)}, {off: size - 64<<10, zero: 8 << 10}}, false)
-	e2 := fxLogEntry(guid, 2, size, []fxLogDesc{{off: size - 12<<10, data: sector(3)}, {off: size - 40<<10, zero: 4 << 10}}, false)
-	e7 := fxLogEntry(guid, 7, size, []fxLogDesc{{off: size - 4<<10, data: sector(7)}}, false)
+	e2 := logEntry(guid, 2, size, []logDesc{{off: size - 12<<10, data: sector(3)}, {off: size - 40<<10, zero: 4 << 10}}, false)
+	e7 := logEntry(guid, 7, size, []logDesc{{off: size - 4<<10, data: sector(7)}}, false)
 	badCRC := bytes.Clone(e1)
 	badCRC[200] ^= 1
 
@@ -118,20 +118,20 @@ func TestVhdxLogReplayAsQemu(t *testing.T) {
 		b       []byte
 		refused string // ours refuses, naming this; the file untouched
 	}{
-		{name: "two entries", b: fxVhdxDirty(good, guid, e1, e2)},
-		{name: "sequence gap after the first entry", b: fxVhdxDirty(good, guid, e1, e7)},
-		{name: "sequence gap after the second entry", b: fxVhdxDirty(good, guid, e1, e2, e7)},
-		{name: "bad checksum", b: fxVhdxDirty(good, guid, badCRC)},
-		{name: "write past the end", refused: "past the end", b: fxVhdxDirty(good, guid,
-			fxLogEntry(guid, 1, size, []fxLogDesc{{off: size, data: sector(4)}}, false))},
-		{name: "write into the headers", refused: "header section", b: fxVhdxDirty(good, guid,
-			fxLogEntry(guid, 1, size, []fxLogDesc{{off: 64 << 10, data: sector(5)}}, false))},
-		{name: "data sector of another sequence", refused: "data sector", b: fxVhdxDirty(good, guid,
-			fxLogEntry(guid, 1, size, []fxLogDesc{{off: size - 64<<10, zero: 4096}, {off: size - 8<<10, data: sector(6)}}, true))},
-		{name: "unknown descriptor", refused: "descriptor", b: fxVhdxDirty(good, guid,
-			fxLogEntry(guid, 1, size, []fxLogDesc{{off: size - 8<<10, data: sector(8), sig: "what"}}, false))},
-		{name: "flushed offset past the end", refused: "truncated", b: fxVhdxDirty(good, guid,
-			fxLogEntry(guid, 1, size+1<<20, []fxLogDesc{{off: size - 8<<10, data: sector(9)}}, false))},
+		{name: "two entries", b: dirtyVhdx(good, guid, e1, e2)},
+		{name: "sequence gap after the first entry", b: dirtyVhdx(good, guid, e1, e7)},
+		{name: "sequence gap after the second entry", b: dirtyVhdx(good, guid, e1, e2, e7)},
+		{name: "bad checksum", b: dirtyVhdx(good, guid, badCRC)},
+		{name: "write past the end", refused: "past the end", b: dirtyVhdx(good, guid,
+			logEntry(guid, 1, size, []logDesc{{off: size, data: sector(4)}}, false))},
+		{name: "write into the headers", refused: "header section", b: dirtyVhdx(good, guid,
+			logEntry(guid, 1, size, []logDesc{{off: 64 << 10, data: sector(5)}}, false))},
+		{name: "data sector of another sequence", refused: "data sector", b: dirtyVhdx(good, guid,
+			logEntry(guid, 1, size, []logDesc{{off: size - 64<<10, zero: 4096}, {off: size - 8<<10, data: sector(6)}}, true))},
+		{name: "unknown descriptor", refused: "descriptor", b: dirtyVhdx(good, guid,
+			logEntry(guid, 1, size, []logDesc{{off: size - 8<<10, data: sector(8), sig: "what"}}, false))},
+		{name: "flushed offset past the end", refused: "truncated", b: dirtyVhdx(good, guid,
+			logEntry(guid, 1, size+1<<20, []logDesc{{off: size - 8<<10, data: sector(9)}}, false))},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -142,20 +142,20 @@ func TestVhdxLogReplayAsQemu(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			dirty := !bytes.Equal(c.b, fxVhdxDirty(good, guid)) && c.name != "bad checksum"
+			dirty := !bytes.Equal(c.b, dirtyVhdx(good, guid)) && c.name != "bad checksum"
 			if dirty && c.refused == "" {
-				code, out := runBlockexport(t, "info", ours)
+				code, out := RunBlockexport(t, "info", ours)
 				if code == 0 || !strings.Contains(out, "blockexport check -r all "+ours) || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 					t.Fatalf("info on a dirty log: exit %d, want one line naming check -r all:\n%s", code, out)
 				}
 			}
-			o := fxOurCheck(t, "-r", "all", "--output", "json", ours)
-			q := fxQemuCheck(t, "-r", "all", "--output", "json", theirs)
+			o := ourCheck(t, "-r", "all", "--output", "json", ours)
+			q := qemuCheck(t, "-r", "all", "--output", "json", theirs)
 			if c.refused != "" {
 				if o.code != 1 || !strings.Contains(o.out, c.refused) {
 					t.Fatalf("check -r all: exit %d, want 1 naming %q\n%s", o.code, c.refused, o.out)
 				}
-				if !bytes.Equal(readAll(t, ours), c.b) {
+				if !bytes.Equal(ReadAll(t, ours), c.b) {
 					t.Fatal("a refused replay changed the file")
 				}
 				t.Logf("qemu-img check -r all: exit %d\n%s", q.code, q.out)
@@ -166,34 +166,34 @@ func TestVhdxLogReplayAsQemu(t *testing.T) {
 			}
 			delete(o.json, "filename")
 			delete(q.json, "filename")
-			if !fxEqualJSON(o.json, q.json) {
+			if !equalJSON(o.json, q.json) {
 				t.Fatalf("check -r all JSON %v, qemu-img's %v", o.json, q.json)
 			}
-			a, b := readAll(t, ours), readAll(t, theirs)
+			a, b := ReadAll(t, ours), ReadAll(t, theirs)
 			if len(a) != len(b) || !bytes.Equal(a[1<<20:], b[1<<20:]) {
 				t.Fatalf("replayed files differ past the header section (sizes %d, %d)", len(a), len(b))
 			}
 			if dirty && bytes.Equal(a, c.b) {
 				t.Fatal("nothing was replayed")
 			}
-			run(t, "qemu-img", "compare", "-f", "vhdx", "-F", "vhdx", ours, theirs)
+			Run(t, "qemu-img", "compare", "-f", "vhdx", "-F", "vhdx", ours, theirs)
 			// Ours opens it read-only now, and reads what QEMU reads.
-			if code, out := runBlockexport(t, "info", ours); code != 0 {
+			if code, out := RunBlockexport(t, "info", ours); code != 0 {
 				t.Fatalf("info after the replay: exit %d\n%s", code, out)
 			}
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, ours, mnt)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vhdx", mnt, theirs)
+			StartExport(t, ours, mnt)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vhdx", mnt, theirs)
 			// A second replay finds nothing to do.
-			if o := fxOurCheck(t, "-r", "all", theirs); o.code != 0 || strings.Contains(o.out, "repaired") {
+			if o := ourCheck(t, "-r", "all", theirs); o.code != 0 || strings.Contains(o.out, "repaired") {
 				t.Fatalf("second check -r all: exit %d\n%s", o.code, o.out)
 			}
 		})
 	}
 }
 
-// fxEqualJSON compares two decoded JSON objects.
-func fxEqualJSON(a, b map[string]any) bool {
+// equalJSON compares two decoded JSON objects.
+func equalJSON(a, b map[string]any) bool {
 	if len(a) != len(b) {
 		return false
 	}

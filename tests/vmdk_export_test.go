@@ -23,11 +23,11 @@ import (
 func vmdkSameInspection(t *testing.T, img string) {
 	t.Helper()
 	for _, cmd := range [][]string{{"info", "--output=json", img}, {"map", "--output=json", img}} {
-		if got, want := jsonOf(t, bin, cmd...), jsonOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
+		if got, want := JSONOf(t, Bin, cmd...), JSONOf(t, "qemu-img", cmd...); !reflect.DeepEqual(got, want) {
 			t.Errorf("%s differs from qemu-img's\n got %v\nwant %v", cmd[0], got, want)
 		}
 	}
-	if got, want := run(t, bin, "info", img), run(t, "qemu-img", "info", img); got != want {
+	if got, want := Run(t, Bin, "info", img), Run(t, "qemu-img", "info", img); got != want {
 		t.Errorf("info differs from qemu-img's\n got %s\nwant %s", got, want)
 	}
 }
@@ -40,7 +40,7 @@ func vmdkMapData(t *testing.T, img string) [][2]int64 {
 		Start, Length int64
 		Data          bool
 	}
-	if err := json.Unmarshal([]byte(run(t, "qemu-img", "map", "--output=json", img)), &entries); err != nil {
+	if err := json.Unmarshal([]byte(Run(t, "qemu-img", "map", "--output=json", img)), &entries); err != nil {
 		t.Fatal(err)
 	}
 	var r [][2]int64
@@ -63,9 +63,9 @@ func vmdkMapData(t *testing.T, img string) [][2]int64 {
 // through the export from the right extents.
 func TestVmdkManyExtents(t *testing.T) {
 	dir := t.TempDir()
-	src := sparseImage(t, dir, "big.raw", 5<<30)
-	data := randomImage(t, t.TempDir(), 3<<20, 30)
-	b := readAll(t, data)
+	src := SparseImage(t, dir, "big.raw", 5<<30)
+	data := RandomImage(t, t.TempDir(), 3<<20, 30)
+	b := ReadAll(t, data)
 	f, err := os.OpenFile(src, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -78,10 +78,10 @@ func TestVmdkManyExtents(t *testing.T) {
 		t.Run(sub, func(t *testing.T) {
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vmdk")
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
 			vmdkSameInspection(t, img)
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, img, mnt)
+			StartExport(t, img, mnt)
 			m, err := os.Open(mnt)
 			if err != nil {
 				t.Fatal(err)
@@ -93,7 +93,7 @@ func TestVmdkManyExtents(t *testing.T) {
 					t.Fatal(err)
 				}
 				want := append(append(make([]byte, 4096), b[[]int64{0, 2 << 20}[i]:][:r[1]]...), make([]byte, 4096)...)
-				mustEqualBytes(t, fmt.Sprintf("range %d", i), got, want)
+				MustEqualBytes(t, fmt.Sprintf("range %d", i), got, want)
 			}
 		})
 	}
@@ -113,36 +113,36 @@ func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 		t.Run(sub, func(t *testing.T) {
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vmdk")
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, img, mnt)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			StartExport(t, img, mnt)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			vmdkSameInspection(t, img)
-			if got, want := dataRanges(t, mnt), vmdkMapData(t, img); !reflect.DeepEqual(got, want) {
+			if got, want := DataRanges(t, mnt), vmdkMapData(t, img); !reflect.DeepEqual(got, want) {
 				t.Errorf("SEEK_DATA/SEEK_HOLE through the export find %v, qemu-img map's data is %v", got, want)
 			}
 			// Over NBD too: qemu-img and nbdcopy read what the raw holds.
-			s := startNBD(t, img, false)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.uri, src)
+			s := StartNBD(t, img, false)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", s.URI, src)
 			out := filepath.Join(d, "copy.raw")
-			run(t, "nbdcopy", s.uri, out)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", out, src)
+			Run(t, "nbdcopy", s.URI, out)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", out, src)
 			os.Remove(out)
 
 			wmnt := filepath.Join(d, "wmnt")
-			code, out := tryExport(t, wmnt, "-w", img)
+			code, out := TryExport(t, wmnt, "-w", img)
 			if code == 0 || !strings.Contains(out, "-F vmdk overlay.qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 				t.Fatalf("-w on a vmdk image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
 			}
 
 			ov := filepath.Join(d, "ov.qcow2")
-			createImage(t, "-f", "qcow2", "-b", img, "-F", "vmdk", ov)
+			CreateImage(t, "-f", "qcow2", "-b", img, "-F", "vmdk", ov)
 			omnt := filepath.Join(d, "omnt")
-			e := startExport(t, ov, omnt, "-w")
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
-			run(t, "fio", append(fioJob("vmdk", "4k", "0", "64M", 27), "--io_size=8M", "--filename="+omnt)...)
-			e.stopClean()
-			run(t, "qemu-img", "compare", "-f", "vmdk", "-F", "raw", img, src)
+			e := StartExport(t, ov, omnt, "-w")
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, src)
+			Run(t, "fio", append(FioJob("vmdk", "4k", "0", "64M", 27), "--io_size=8M", "--filename="+omnt)...)
+			e.StopClean()
+			Run(t, "qemu-img", "compare", "-f", "vmdk", "-F", "raw", img, src)
 		})
 	}
 }
@@ -153,17 +153,17 @@ func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 // qemu-img's; a base whose CID changed since is refused in one line.
 func TestVmdkDeltaChain(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 16<<20, 28)
+	src := RandomImage(t, dir, 16<<20, 28)
 	base := filepath.Join(dir, "base.vmdk")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, base)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, base)
 	delta := filepath.Join(dir, "delta.vmdk")
-	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", delta) // relative to the delta
-	run(t, "qemu-io", "-c", "write -P 0xa5 1M 192k", "-c", "write -z 5M 128k", "-c", "write -P 0x5a 15M 4k", delta)
+	Run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", delta) // relative to the delta
+	Run(t, "qemu-io", "-c", "write -P 0xa5 1M 192k", "-c", "write -z 5M 128k", "-c", "write -P 0x5a 15M 4k", delta)
 	want := filepath.Join(dir, "want.raw")
-	run(t, "qemu-img", "convert", "-O", "raw", delta, want)
+	Run(t, "qemu-img", "convert", "-O", "raw", delta, want)
 	mnt := filepath.Join(dir, "mnt")
-	e := startExport(t, delta, mnt)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, want)
+	e := StartExport(t, delta, mnt)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, want)
 	vmdkSameInspection(t, delta)
 	// Through a symlinked directory: the parent is named as QEMU names it
 	// (under the link), not by the path it resolves to.
@@ -172,28 +172,28 @@ func TestVmdkDeltaChain(t *testing.T) {
 		t.Fatal(err)
 	}
 	viaLink := filepath.Join(link, "delta.vmdk")
-	if got, want := jsonOf(t, bin, "info", "--output=json", "--backing-chain", viaLink), jsonOf(t, "qemu-img", "info", "--output=json", "--backing-chain", viaLink); !reflect.DeepEqual(got, want) {
+	if got, want := JSONOf(t, Bin, "info", "--output=json", "--backing-chain", viaLink), JSONOf(t, "qemu-img", "info", "--output=json", "--backing-chain", viaLink); !reflect.DeepEqual(got, want) {
 		t.Errorf("info --backing-chain differs from qemu-img's\n got %v\nwant %v", got, want)
 	}
-	e.stopClean()
+	e.StopClean()
 
 	// A delta larger than its base: past the base's end it reads zeroes
 	// (as QEMU reads a short backing file), with a write there too.
 	grow := filepath.Join(dir, "grow.vmdk")
-	run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", grow, "24M")
-	run(t, "qemu-io", "-c", "write -P 0x33 20M 64k", grow)
+	Run(t, "qemu-img", "create", "-q", "-f", "vmdk", "-b", "base.vmdk", "-F", "vmdk", grow, "24M")
+	Run(t, "qemu-io", "-c", "write -P 0x33 20M 64k", grow)
 	growRaw := filepath.Join(dir, "grow.raw")
-	run(t, "qemu-img", "convert", "-O", "raw", grow, growRaw)
+	Run(t, "qemu-img", "convert", "-O", "raw", grow, growRaw)
 	gmnt := filepath.Join(dir, "gmnt")
-	g := startExport(t, grow, gmnt)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", gmnt, growRaw)
+	g := StartExport(t, grow, gmnt)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", gmnt, growRaw)
 	vmdkSameInspection(t, grow)
-	g.stopClean()
+	g.StopClean()
 
 	// The base written after the delta was made: its CID changes, and the
 	// delta's data would be wrong.
-	run(t, "qemu-io", "-c", "write -P 1 0 4k", base)
-	code, out := runBlockexport(t, "map", delta)
+	Run(t, "qemu-io", "-c", "write -P 1 0 4k", base)
+	code, out := RunBlockexport(t, "map", delta)
 	if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "CID") {
 		t.Fatalf("delta on a changed base: exit %d, want a one-line refusal naming the CID:\n%s", code, out)
 	}
@@ -222,9 +222,9 @@ func TestVmdkHostileExtentsRefusedWhereQemuFollowsThem(t *testing.T) {
 			}
 			if name != "fifo" && name != "d.vmdk" {
 				// QEMU opens it: the attack works there.
-				run(t, "qemu-img", "info", "-U", img)
+				Run(t, "qemu-img", "info", "-U", img)
 			}
-			cmd := exec.Command(bin, "info", img)
+			cmd := exec.Command(Bin, "info", img)
 			done := make(chan struct{})
 			var out []byte
 			var err error
@@ -253,28 +253,28 @@ func TestVmdkAllowDir(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	flat := randomImage(t, filepath.Join(dir, "other"), 1<<20, 29)
+	flat := RandomImage(t, filepath.Join(dir, "other"), 1<<20, 29)
 	img := filepath.Join(dir, "sub", "d.vmdk")
 	desc := "# Disk DescriptorFile\nversion=1\nCID=1\nparentCID=ffffffff\ncreateType=\"monolithicFlat\"\nRW 2048 FLAT \"../other/disk.img\" 0\n"
 	if err := os.WriteFile(img, []byte(desc), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if code, out := runBlockexport(t, "info", img); code == 0 || !strings.Contains(out, "--allow-dir") {
+	if code, out := RunBlockexport(t, "info", img); code == 0 || !strings.Contains(out, "--allow-dir") {
 		t.Fatalf("extent outside the directory: exit %d, want a refusal naming --allow-dir:\n%s", code, out)
 	}
 	other := filepath.Join(dir, "other")
 	var got any
-	if code, out := runBlockexport(t, "info", "--output=json", "--allow-dir", other, img); code != 0 {
+	if code, out := RunBlockexport(t, "info", "--output=json", "--allow-dir", other, img); code != 0 {
 		t.Fatalf("info --allow-dir: exit %d\n%s", code, out)
 	} else if err := json.Unmarshal([]byte(out), &got); err != nil {
 		t.Fatal(err)
 	}
-	if want := jsonOf(t, "qemu-img", "info", "--output=json", img); !reflect.DeepEqual(got, want) {
+	if want := JSONOf(t, "qemu-img", "info", "--output=json", img); !reflect.DeepEqual(got, want) {
 		t.Errorf("info differs from qemu-img's\n got %v\nwant %v", got, want)
 	}
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, img, mnt, "--allow-dir", other)
-	run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, flat)
+	StartExport(t, img, mnt, "--allow-dir", other)
+	Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, flat)
 }
 
 // TestVmdkHostileTablesDifferential: a qemu-img monolithicSparse image
@@ -285,10 +285,10 @@ func TestVmdkAllowDir(t *testing.T) {
 // map that reaches the bad entry.
 func TestVmdkHostileTablesDifferential(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 40<<20, 31) // two grain tables of 32 MiB
+	src := RandomImage(t, dir, 40<<20, 31) // two grain tables of 32 MiB
 	img := filepath.Join(dir, "d.vmdk")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, img)
-	good := readAll(t, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, img)
+	good := ReadAll(t, img)
 	le32 := func(b []byte, off int64) uint32 {
 		return uint32(b[off]) | uint32(b[off+1])<<8 | uint32(b[off+2])<<16 | uint32(b[off+3])<<24
 	}
@@ -324,7 +324,7 @@ func TestVmdkHostileTablesDifferential(t *testing.T) {
 			if qerr != nil {
 				t.Fatalf("qemu-img 7.2 reads this file without an error, the differential assumes; now: %v %s", qerr, qemuOut)
 			}
-			code, out := runBlockexport(t, "map", p)
+			code, out := RunBlockexport(t, "map", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport map: exit %d, want a one-line refusal:\n%s", code, out)
 			}
@@ -338,11 +338,11 @@ func TestVmdkHostileTablesDifferential(t *testing.T) {
 // qemu-img prints) as in qemu-img.
 func TestVmdkCheckAsQemuImg(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 1<<20, 32)
+	src := RandomImage(t, dir, 1<<20, 32)
 	for _, sub := range []string{"monolithicSparse", "monolithicFlat", "streamOptimized", "twoGbMaxExtentSparse"} {
 		img := filepath.Join(dir, sub+".vmdk")
-		run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
-		if got, want := jsonOf(t, bin, "check", "--output=json", img), jsonOf(t, "qemu-img", "check", "--output=json", img); !reflect.DeepEqual(got, want) {
+		Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
+		if got, want := JSONOf(t, Bin, "check", "--output=json", img), JSONOf(t, "qemu-img", "check", "--output=json", img); !reflect.DeepEqual(got, want) {
 			t.Errorf("%s: check %v, qemu-img %v", sub, got, want)
 		}
 	}
@@ -352,7 +352,7 @@ func TestVmdkCheckAsQemuImg(t *testing.T) {
 		t.Fatal(err)
 	}
 	sparse := filepath.Join(dir, "monolithicSparse.vmdk")
-	b := readAll(t, sparse)
+	b := ReadAll(t, sparse)
 	le := func(off int) int { return int(b[off]) | int(b[off+1])<<8 | int(b[off+2])<<16 | int(b[off+3])<<24 }
 	gt := le(le(56)*512) * 512
 	past := len(b)/512 + 1000
@@ -367,7 +367,7 @@ func TestVmdkCheckAsQemuImg(t *testing.T) {
 		if !errors.As(qerr, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(qout), "points after EOF") {
 			t.Fatalf("qemu-img check %s: %v, the test expects exit 1 and an ERROR line:\n%s", img, qerr, qout)
 		}
-		code, out := runBlockexport(t, "check", img)
+		code, out := RunBlockexport(t, "check", img)
 		if code != 1 || !strings.Contains(out, "ERROR: cluster offset for sector") || !strings.Contains(out, "points after EOF") {
 			t.Errorf("check %s: exit %d, want 1 and qemu-img's ERROR line:\n%s", filepath.Base(img), code, out)
 		}
@@ -392,14 +392,14 @@ func TestVmdkDecompressedCacheSize(t *testing.T) {
 		t.Fatal(err)
 	}
 	img := filepath.Join(dir, "s.vmdk")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat=streamOptimized", src, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat=streamOptimized", src, img)
 	if st, err := os.Stat(img); err != nil || st.Size() > int64(len(b))/2 {
 		t.Fatalf("the streamOptimized image is not compressed: %v %v", st.Size(), err)
 	}
 	for _, size := range []string{"64K", "32M"} {
 		t.Run(size, func(t *testing.T) {
 			mnt := filepath.Join(t.TempDir(), "mnt")
-			d := startExport(t, img, mnt, "--decompressed-cache-size", size)
+			d := StartExport(t, img, mnt, "--decompressed-cache-size", size)
 			var wg sync.WaitGroup
 			errs := make(chan error, 4)
 			for w := range 4 {
@@ -432,12 +432,12 @@ func TestVmdkDecompressedCacheSize(t *testing.T) {
 			for err := range errs {
 				t.Fatal(err)
 			}
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
-			d.stopClean()
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+			d.StopClean()
 		})
 	}
 	for _, bad := range []string{"lots", "-5", "1e3", "8E", "9E"} {
-		code, out := tryExport(t, filepath.Join(dir, "bad"), "--decompressed-cache-size", bad, img)
+		code, out := TryExport(t, filepath.Join(dir, "bad"), "--decompressed-cache-size", bad, img)
 		if code != 2 || !strings.Contains(out, "--decompressed-cache-size") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 			t.Fatalf("--decompressed-cache-size %s: exit %d, want 2 and one line naming the flag:\n%s", bad, code, out)
 		}

@@ -12,7 +12,7 @@ import (
 // and without -r. (VDI check: TestVdiCheckAsQemuImg.)
 func TestVpcCheckHasNoChecksAsInQemu(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 4<<20, 30)
+	src := RandomImage(t, dir, 4<<20, 30)
 	for _, c := range []struct {
 		name, opts string
 		fmtArgs    []string
@@ -21,7 +21,7 @@ func TestVpcCheckHasNoChecksAsInQemu(t *testing.T) {
 		{"fixed", "subformat=fixed", []string{"-f", "vpc"}},
 	} {
 		img := filepath.Join(dir, c.name+".vhd")
-		run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", c.opts, src, img)
+		Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", c.opts, src, img)
 		for _, r := range [][]string{nil, {"-r", "all"}} {
 			args := append(append(append([]string{"check"}, r...), c.fmtArgs...), img)
 			qcode := 0
@@ -32,7 +32,7 @@ func TestVpcCheckHasNoChecksAsInQemu(t *testing.T) {
 				}
 				qcode = ee.ExitCode()
 			}
-			code, out := runBlockexport(t, args...)
+			code, out := RunBlockexport(t, args...)
 			if code != qcode || qcode != 63 {
 				t.Errorf("%s %v: exit %d, qemu-img's %d (want 63)\n%s", c.name, r, code, qcode, out)
 			}

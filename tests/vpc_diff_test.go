@@ -74,12 +74,12 @@ func vpcMakeDiff(t *testing.T, child []byte, parentFooter []byte, locator string
 // itself, or a parent of another unique id are refused in one line.
 func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 29)
+	src := RandomImage(t, dir, 8<<20, 29)
 	parent := filepath.Join(dir, "parent.vhd")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", "force_size=on", src, parent)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", "force_size=on", src, parent)
 	plain := filepath.Join(dir, "plain.vhd")
-	run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "force_size=on", plain, "8M")
-	run(t, "qemu-io", "-f", "vpc", "-c", "write -P 0x55 1M 64k", "-c", "write -P 0x66 5M 4k", plain)
+	Run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "force_size=on", plain, "8M")
+	Run(t, "qemu-io", "-f", "vpc", "-c", "write -P 0x55 1M 64k", "-c", "write -P 0x66 5M 4k", plain)
 	childBytes, err := os.ReadFile(plain)
 	if err != nil {
 		t.Fatal(err)
@@ -119,9 +119,9 @@ func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 	copy(want[5<<20:], bytes.Repeat([]byte{0x66}, 4<<10))
 
 	mnt := filepath.Join(dir, "mnt")
-	startExport(t, child, mnt)
-	mustEqualBytes(t, "differencing disk through the export", readAll(t, mnt), want)
-	if code, out := runBlockexport(t, "info", "--output=json", child); code != 0 || !strings.Contains(out, `"backing-filename": "parent.vhd"`) {
+	StartExport(t, child, mnt)
+	MustEqualBytes(t, "differencing disk through the export", ReadAll(t, mnt), want)
+	if code, out := RunBlockexport(t, "info", "--output=json", child); code != 0 || !strings.Contains(out, `"backing-filename": "parent.vhd"`) {
 		t.Errorf("info: exit %d, want the parent named:\n%s", code, out)
 	}
 	exp := filepath.Join(dir, "want.raw")
@@ -154,7 +154,7 @@ func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 				t.Fatal(err)
 			}
 			// map opens the chain (info alone opens no parent, as qemu-img).
-			code, out := runBlockexport(t, "map", p)
+			code, out := RunBlockexport(t, "map", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 				t.Fatalf("blockexport map: exit %d, want a one-line refusal:\n%s", code, out)
 			}

@@ -16,7 +16,7 @@ func vpcSameInspection(t *testing.T, img string, fmtArgs ...string) {
 	t.Helper()
 	for _, cmd := range []string{"info", "map"} {
 		args := append(append([]string{cmd, "--output=json"}, fmtArgs...), img)
-		if got, want := jsonOf(t, bin, args...), jsonOf(t, "qemu-img", args...); !reflect.DeepEqual(got, want) {
+		if got, want := JSONOf(t, Bin, args...), JSONOf(t, "qemu-img", args...); !reflect.DeepEqual(got, want) {
 			t.Errorf("%s differs from qemu-img's\n got %v\nwant %v", cmd, got, want)
 		}
 	}
@@ -45,41 +45,41 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vhd")
-			run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", c.opts, src, img)
+			Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", c.opts, src, img)
 			// Written back now: the file system allocates its own metadata
 			// (extent tree blocks, counted in st_blocks) at write-back, which
 			// under load came between the export's stat and the test's.
-			run(t, "sync", img)
+			Run(t, "sync", img)
 			mnt := filepath.Join(d, "mnt")
-			startExport(t, img, mnt, c.fmtArgs...)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", mnt, img)
+			StartExport(t, img, mnt, c.fmtArgs...)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", mnt, img)
 			dmnt := filepath.Join(d, "dmnt") // O_DIRECT: the footer, BAT and data through aligned bounce buffers
-			startExport(t, img, dmnt, append([]string{"--cache", "none"}, c.fmtArgs...)...)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", dmnt, img)
-			srv := startNBD(t, img, false, c.fmtArgs...)
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", srv.uri, img)
+			StartExport(t, img, dmnt, append([]string{"--cache", "none"}, c.fmtArgs...)...)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", dmnt, img)
+			srv := StartNBD(t, img, false, c.fmtArgs...)
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", srv.URI, img)
 			if strings.Contains(c.opts, "force_size") {
-				run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
+				Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
 			}
 			vpcSameInspection(t, img, c.fmtArgs...)
 			vdiSeekAndBlocksAsQemu(t, mnt, img, c.fmtArgs...)
 
 			wmnt := filepath.Join(d, "wmnt")
 			os.Mkdir(wmnt, 0o755)
-			code, out := tryExport(t, wmnt, append(append([]string{"-w"}, c.fmtArgs...), img)...)
+			code, out := TryExport(t, wmnt, append(append([]string{"-w"}, c.fmtArgs...), img)...)
 			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
 				t.Fatalf("-w on a vhd: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
 			}
 
 			ov := filepath.Join(d, "ov.qcow2")
-			run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vpc", ov)
+			Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vpc", ov)
 			omnt := filepath.Join(d, "omnt")
-			e := startExport(t, ov, omnt, "-w")
-			run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", omnt, img)
-			run(t, "fio", append(fioJob("vpc", "4k", "0", "60M", 27), "--io_size=8M", "--filename="+omnt)...)
-			e.stopClean()
+			e := StartExport(t, ov, omnt, "-w")
+			Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", omnt, img)
+			Run(t, "fio", append(FioJob("vpc", "4k", "0", "60M", 27), "--io_size=8M", "--filename="+omnt)...)
+			e.StopClean()
 			if strings.Contains(c.opts, "force_size") {
-				run(t, "qemu-img", "compare", "-f", "vpc", "-F", "raw", img, src)
+				Run(t, "qemu-img", "compare", "-f", "vpc", "-F", "raw", img, src)
 			}
 		})
 	}
@@ -91,9 +91,9 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // past the end, which both refuse (QEMU: "the image has been truncated").
 func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 	dir := t.TempDir()
-	src := randomImage(t, dir, 8<<20, 28)
+	src := RandomImage(t, dir, 8<<20, 28)
 	img := filepath.Join(dir, "d.vhd")
-	run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", "force_size=on", src, img)
+	Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", "force_size=on", src, img)
 	good, err := os.ReadFile(img)
 	if err != nil {
 		t.Fatal(err)
@@ -119,9 +119,9 @@ func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 					t.Fatalf("qemu-img opens it after all:\n%s", out)
 				}
 			} else {
-				run(t, "qemu-img", "compare", "-q", "-f", "vpc", "-F", "vpc", p, p) // QEMU opens and reads it
+				Run(t, "qemu-img", "compare", "-q", "-f", "vpc", "-F", "vpc", p, p) // QEMU opens and reads it
 			}
-			code, out := runBlockexport(t, "info", p)
+			code, out := RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
 			}

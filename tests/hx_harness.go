@@ -21,14 +21,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// bin is the blockexport binary built for this test run.
-var bin string
+// Bin is the blockexport binary built for this test run.
+var Bin string
 
 // requiredTools are the clients the tests drive. A missing one fails the
 // run: a skipped test must never pass for a tested one.
 var requiredTools = []string{"fio", "qemu-img", "qemu-io", "qemu-nbd", "qemu-storage-daemon", "nbdinfo", "nbdkit", "losetup", "mkfs.ext4", "e2fsck", "fallocate", "fusermount3", "mount", "umount", "man", "bash"}
 
-func TestMain(m *testing.M) {
+func Main(m *testing.M) {
 	var missing []string
 	for _, tool := range requiredTools {
 		if _, err := exec.LookPath(tool); err != nil {
@@ -48,10 +48,10 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	bin = filepath.Join(dir, "blockexport")
+	Bin = filepath.Join(dir, "blockexport")
 	// BLOCKEXPORT_RACE=1 builds the exporter with the race detector, so
 	// that the end-to-end tests look for data races in the daemon too.
-	buildArgs := []string{"build", "-buildvcs=auto", "-o", bin}
+	buildArgs := []string{"build", "-buildvcs=auto", "-o", Bin}
 	if os.Getenv("BLOCKEXPORT_RACE") == "1" {
 		buildArgs = append(buildArgs, "-race")
 	}
@@ -79,10 +79,10 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// transportArgs are what every startExport adds: BLOCKEXPORT_TRANSPORT=uring
+// TransportArgs are what every StartExport adds: BLOCKEXPORT_TRANSPORT=uring
 // runs the FUSE exports over io_uring instead of /dev/fuse (make test runs
 // the end-to-end suite's export tests both ways).
-var transportArgs []string
+var TransportArgs []string
 
 // errNoURing: FUSE over io_uring cannot be switched on here (no such
 // kernel, or a read-only /sys).
@@ -98,11 +98,11 @@ func chooseTransport() (restore func(), err error) {
 	case "", "dev":
 		return func() {}, nil
 	case "uring":
-		undo, err := setUringParam(true)
+		undo, err := SetUringParam(true)
 		if err != nil {
 			return nil, fmt.Errorf("BLOCKEXPORT_TRANSPORT=uring: %w", err)
 		}
-		transportArgs = []string{"--io-uring", "on"}
+		TransportArgs = []string{"--io-uring", "on"}
 		fmt.Fprintln(os.Stderr, "tests: FUSE exports run over io_uring (--io-uring on)")
 		return undo, nil
 	default:
@@ -110,9 +110,9 @@ func chooseTransport() (restore func(), err error) {
 	}
 }
 
-// setUringParam sets enable_uring and returns what restores the value it
+// SetUringParam sets enable_uring and returns what restores the value it
 // had.
-func setUringParam(on bool) (restore func(), err error) {
+func SetUringParam(on bool) (restore func(), err error) {
 	old, err := os.ReadFile(uringParam)
 	if err != nil {
 		return nil, fmt.Errorf("%w: this kernel has none (Linux 6.14+ with CONFIG_FUSE_IO_URING): %v", errNoURing, err)
@@ -131,137 +131,137 @@ func setUringParam(on bool) (restore func(), err error) {
 	return func() { os.WriteFile(uringParam, []byte(was), 0) }, nil
 }
 
-// daemon is one running export process (ours or qemu-storage-daemon).
-type daemon struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	mnt    string
-	logf   string
-	exited chan struct{}
-	err    error // the process's exit, valid once exited is closed
+// Daemon is one running export process (ours or qemu-storage-daemon).
+type Daemon struct {
+	t       *testing.T
+	Cmd     *exec.Cmd
+	Mnt     string
+	LogFile string
+	Exited  chan struct{}
+	Err     error // the process's exit, valid once exited is closed
 }
 
-// startExport runs `blockexport fuse ARGS... IMAGE MNT` and returns once MNT
+// StartExport runs `blockexport fuse ARGS... IMAGE MNT` and returns once MNT
 // is a FUSE mount. The export is stopped and unmounted in t.Cleanup.
-func startExport(t *testing.T, image, mnt string, args ...string) *daemon {
+func StartExport(t *testing.T, image, mnt string, args ...string) *Daemon {
 	t.Helper()
-	argv := append(append(append([]string{"fuse"}, transportArgs...), kcHarnessArgs(args)...), args...)
+	argv := append(append(append([]string{"fuse"}, TransportArgs...), kernelCacheArgs(args)...), args...)
 	argv = append(argv, image, mnt)
-	d := startDaemon(t, mnt, bin, argv...)
+	d := StartDaemon(t, mnt, Bin, argv...)
 	// The mount shows as soon as mount(2) returns; the export serves once
 	// INIT is answered (and, over io_uring, its rings registered), which
 	// it logs.
-	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(d.log(), "exporting"); {
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(d.Log(), "exporting"); {
 		select {
-		case <-d.exited:
-			t.Fatalf("blockexport exited before serving: %v\n%s", d.err, d.log())
+		case <-d.Exited:
+			t.Fatalf("blockexport exited before serving: %v\n%s", d.Err, d.Log())
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("blockexport did not say it serves in time\n%s", d.log())
+			t.Fatalf("blockexport did not say it serves in time\n%s", d.Log())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
 	return d
 }
 
-func startDaemon(t *testing.T, mnt, prog string, argv ...string) *daemon {
+func StartDaemon(t *testing.T, mnt, prog string, argv ...string) *Daemon {
 	t.Helper()
-	d := &daemon{t: t, mnt: mnt, exited: make(chan struct{})}
-	d.logf = filepath.Join(t.TempDir(), "daemon.log")
-	logFile, err := os.Create(d.logf)
+	d := &Daemon{t: t, Mnt: mnt, Exited: make(chan struct{})}
+	d.LogFile = filepath.Join(t.TempDir(), "daemon.log")
+	logFile, err := os.Create(d.LogFile)
 	if err != nil {
 		t.Fatal(err)
 	}
-	d.cmd = exec.Command(prog, argv...)
-	d.cmd.Stdout, d.cmd.Stderr = logFile, logFile
-	if err := d.cmd.Start(); err != nil {
+	d.Cmd = exec.Command(prog, argv...)
+	d.Cmd.Stdout, d.Cmd.Stderr = logFile, logFile
+	if err := d.Cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	logFile.Close()
 	go func() {
-		d.err = d.cmd.Wait()
-		close(d.exited)
+		d.Err = d.Cmd.Wait()
+		close(d.Exited)
 	}()
 	t.Cleanup(d.cleanup)
 	deadline := time.Now().Add(15 * time.Second)
-	for !isFuseMount(mnt) {
+	for !IsFuseMount(mnt) {
 		select {
-		case <-d.exited:
-			t.Fatalf("%s exited before mounting: %v\n%s", filepath.Base(prog), d.err, d.log())
+		case <-d.Exited:
+			t.Fatalf("%s exited before mounting: %v\n%s", filepath.Base(prog), d.Err, d.Log())
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s did not mount %s in time\n%s", filepath.Base(prog), mnt, d.log())
+			t.Fatalf("%s did not mount %s in time\n%s", filepath.Base(prog), mnt, d.Log())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
 	return d
 }
 
-func (d *daemon) log() string {
-	b, _ := os.ReadFile(d.logf)
+func (d *Daemon) Log() string {
+	b, _ := os.ReadFile(d.LogFile)
 	return string(b)
 }
 
 // stop sends SIGTERM and waits for the exit; it returns the exit code.
-func (d *daemon) stop() int {
+func (d *Daemon) Stop() int {
 	d.t.Helper()
 	select {
-	case <-d.exited:
+	case <-d.Exited:
 	default:
-		d.cmd.Process.Signal(syscall.SIGTERM)
+		d.Cmd.Process.Signal(syscall.SIGTERM)
 	}
-	return d.wait(20 * time.Second)
+	return d.Wait(20 * time.Second)
 }
 
 // stopClean stops the process and fails the test unless it exits 0.
-func (d *daemon) stopClean() {
+func (d *Daemon) StopClean() {
 	d.t.Helper()
-	if code := d.stop(); code != 0 {
-		d.t.Fatalf("export exit %d\n%s", code, d.log())
+	if code := d.Stop(); code != 0 {
+		d.t.Fatalf("export exit %d\n%s", code, d.Log())
 	}
 }
 
 // wait waits for the process to exit by itself and returns its exit code.
-func (d *daemon) wait(timeout time.Duration) int {
+func (d *Daemon) Wait(timeout time.Duration) int {
 	d.t.Helper()
 	select {
-	case <-d.exited:
+	case <-d.Exited:
 	case <-time.After(timeout):
-		d.t.Fatalf("export did not exit within %v\n%s", timeout, d.log())
+		d.t.Fatalf("export did not exit within %v\n%s", timeout, d.Log())
 	}
 	var ee *exec.ExitError
-	if errors.As(d.err, &ee) {
+	if errors.As(d.Err, &ee) {
 		return ee.ExitCode()
 	}
-	if d.err != nil {
-		d.t.Fatalf("waiting for export: %v", d.err)
+	if d.Err != nil {
+		d.t.Fatalf("waiting for export: %v", d.Err)
 	}
 	return 0
 }
 
 // cleanup leaves nothing behind, whatever the test did: the process is
 // stopped (killed if it will not stop) and the mount is gone.
-func (d *daemon) cleanup() {
+func (d *Daemon) cleanup() {
 	select {
-	case <-d.exited:
+	case <-d.Exited:
 	default:
-		d.cmd.Process.Signal(syscall.SIGTERM)
+		d.Cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case <-d.exited:
+		case <-d.Exited:
 		case <-time.After(10 * time.Second):
-			d.cmd.Process.Kill()
-			<-d.exited
+			d.Cmd.Process.Kill()
+			<-d.Exited
 		}
 	}
-	if isFuseMount(d.mnt) {
-		syscall.Unmount(d.mnt, syscall.MNT_DETACH)
+	if IsFuseMount(d.Mnt) {
+		syscall.Unmount(d.Mnt, syscall.MNT_DETACH)
 	}
 }
 
-// isFuseMount says whether path is a FUSE mount point in our namespace.
-func isFuseMount(path string) bool {
+// IsFuseMount says whether path is a FUSE mount point in our namespace.
+func IsFuseMount(path string) bool {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return false
@@ -282,11 +282,11 @@ func isFuseMount(path string) bool {
 	return false
 }
 
-// runBlockexport runs the binary to completion and returns its exit code
+// RunBlockexport runs the binary to completion and returns its exit code
 // and combined output.
-func runBlockexport(t *testing.T, args ...string) (int, string) {
+func RunBlockexport(t *testing.T, args ...string) (int, string) {
 	t.Helper()
-	cmd := exec.Command(bin, args...)
+	cmd := exec.Command(Bin, args...)
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {
@@ -298,28 +298,28 @@ func runBlockexport(t *testing.T, args ...string) (int, string) {
 	return 0, string(out)
 }
 
-// smallHost mounts a tmpfs of size (mount's syntax: "256k") under dir, for
+// SmallHost mounts a tmpfs of size (mount's syntax: "256k") under dir, for
 // images whose host runs out of space; it is unmounted in t.Cleanup.
-func smallHost(t *testing.T, dir, size string) string {
+func SmallHost(t *testing.T, dir, size string) string {
 	t.Helper()
 	small := filepath.Join(dir, "small")
 	os.Mkdir(small, 0o755)
-	run(t, "mount", "-t", "tmpfs", "-o", "size="+size, "tmpfs", small)
+	Run(t, "mount", "-t", "tmpfs", "-o", "size="+size, "tmpfs", small)
 	t.Cleanup(func() { syscall.Unmount(small, syscall.MNT_DETACH) })
 	return small
 }
 
-// createImage runs `blockexport create ARGS...` and fails the test if it
+// CreateImage runs `blockexport create ARGS...` and fails the test if it
 // fails.
-func createImage(t *testing.T, args ...string) {
+func CreateImage(t *testing.T, args ...string) {
 	t.Helper()
-	if code, out := runBlockexport(t, append([]string{"create"}, args...)...); code != 0 {
+	if code, out := RunBlockexport(t, append([]string{"create"}, args...)...); code != 0 {
 		t.Fatalf("blockexport create %v: exit %d\n%s", args, code, out)
 	}
 }
 
-// run runs a client command and fails the test if it fails.
-func run(t *testing.T, name string, args ...string) string {
+// Run runs a client command and fails the test if it fails.
+func Run(t *testing.T, name string, args ...string) string {
 	t.Helper()
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {
@@ -328,8 +328,8 @@ func run(t *testing.T, name string, args ...string) string {
 	return string(out)
 }
 
-// randomImage writes a raw image of size random bytes and returns its path.
-func randomImage(t *testing.T, dir string, size int64, seed uint64) string {
+// RandomImage writes a raw image of size random bytes and returns its path.
+func RandomImage(t *testing.T, dir string, size int64, seed uint64) string {
 	t.Helper()
 	path := filepath.Join(dir, "disk.img")
 	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
@@ -352,8 +352,8 @@ func randomImage(t *testing.T, dir string, size int64, seed uint64) string {
 	return path
 }
 
-// sparseImage makes a sparse raw image of size bytes.
-func sparseImage(t *testing.T, dir, name string, size int64) string {
+// SparseImage makes a sparse raw image of size bytes.
+func SparseImage(t *testing.T, dir, name string, size int64) string {
 	t.Helper()
 	path := filepath.Join(dir, name)
 	if err := os.WriteFile(path, nil, 0o644); err != nil {
@@ -365,7 +365,7 @@ func sparseImage(t *testing.T, dir, name string, size int64) string {
 	return path
 }
 
-func fileHash(t *testing.T, path string) [32]byte {
+func FileHash(t *testing.T, path string) [32]byte {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
@@ -381,7 +381,7 @@ func fileHash(t *testing.T, path string) [32]byte {
 	return sum
 }
 
-func readAll(t *testing.T, path string) []byte {
+func ReadAll(t *testing.T, path string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -390,7 +390,7 @@ func readAll(t *testing.T, path string) []byte {
 	return b
 }
 
-func mustEqualBytes(t *testing.T, what string, got, want []byte) {
+func MustEqualBytes(t *testing.T, what string, got, want []byte) {
 	t.Helper()
 	if !bytes.Equal(got, want) {
 		i := 0
@@ -401,8 +401,8 @@ func mustEqualBytes(t *testing.T, what string, got, want []byte) {
 	}
 }
 
-// errnoOf digs the errno out of an os error.
-func errnoOf(err error) syscall.Errno {
+// ErrnoOf digs the errno out of an os error.
+func ErrnoOf(err error) syscall.Errno {
 	var en syscall.Errno
 	if errors.As(err, &en) {
 		return en
@@ -410,9 +410,9 @@ func errnoOf(err error) syscall.Errno {
 	return 0
 }
 
-// procField is the number after key on its line of /proc/PID/FILE
+// ProcField is the number after key on its line of /proc/PID/FILE
 // ("VmHWM:" in status, in KiB; "read_bytes:" in io).
-func procField(t *testing.T, pid int, file, key string) int64 {
+func ProcField(t *testing.T, pid int, file, key string) int64 {
 	t.Helper()
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/%s", pid, file))
 	if err != nil {
@@ -435,23 +435,23 @@ func procField(t *testing.T, pid int, file, key string) int64 {
 	return 0
 }
 
-// tryExport runs `blockexport fuse ARGS MNT` expecting a refusal; see
-// tryRun.
-func tryExport(t *testing.T, mnt string, args ...string) (int, string) {
+// TryExport runs `blockexport fuse ARGS MNT` expecting a refusal; see
+// TryRun.
+func TryExport(t *testing.T, mnt string, args ...string) (int, string) {
 	t.Helper()
-	return tryRun(t, mnt, bin, append(append([]string{"fuse"}, args...), mnt)...)
+	return TryRun(t, mnt, Bin, append(append([]string{"fuse"}, args...), mnt)...)
 }
 
-// tryRun runs an export command that should be refused and returns its
+// TryRun runs an export command that should be refused and returns its
 // exit code and output. Should the export come up after all, it is
 // stopped at a deadline (exit -1) and MNT unmounted, so that the test
 // fails instead of hanging.
-func tryRun(t *testing.T, mnt, prog string, argv ...string) (int, string) {
+func TryRun(t *testing.T, mnt, prog string, argv ...string) (int, string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, prog, argv...).CombinedOutput()
-	if isFuseMount(mnt) {
+	if IsFuseMount(mnt) {
 		syscall.Unmount(mnt, syscall.MNT_DETACH)
 	}
 	if ctx.Err() != nil {
@@ -467,12 +467,12 @@ func tryRun(t *testing.T, mnt, prog string, argv ...string) (int, string) {
 	return 0, string(out)
 }
 
-// waitUnlocked waits (up to 10 s) until nobody holds a lock on the bytes
+// WaitUnlocked waits (up to 10 s) until nobody holds a lock on the bytes
 // QEMU's image locking uses (100-299) of path. A killed exporter's locks
 // go with its last reference to the file, and io_uring drops the
 // references of its requests in a kernel worker after the process is
 // reaped: qemu-img run at once may still find the image locked.
-func waitUnlocked(t *testing.T, path string) {
+func WaitUnlocked(t *testing.T, path string) {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
