@@ -9,10 +9,11 @@ import (
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
 
-// The differential run of chk_differential_test.go over images unlike the
-// first one: compressed clusters, version 2 (compat=0.10), refcounts of 1
-// and 64 bits, persistent dirty bitmaps, 512-byte clusters. Each gets the corruptions that mean
-// something there, through a layout read from the image itself.
+// The differential run of qcow2_check_differential_test.go over images
+// unlike the first one: compressed clusters, version 2 (compat=0.10),
+// refcounts of 1 and 64 bits, persistent dirty bitmaps, 512-byte
+// clusters. Each gets the corruptions that mean something there, through
+// a layout read from the image itself.
 
 // variantLayout is what the variant cases corrupt.
 type variantLayout struct {

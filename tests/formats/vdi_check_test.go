@@ -17,7 +17,7 @@ import (
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
 
-// fxVdi* are offsets of the VDI header fields the crafted files change.
+// vdi* are offsets of the VDI header fields the crafted files change.
 const (
 	vdiOffBmap      = 0x154
 	vdiOffData      = 0x158
