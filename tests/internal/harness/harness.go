@@ -207,6 +207,9 @@ func StartExport(t *testing.T, image, mnt string, args ...string) *Daemon {
 	return d
 }
 
+// StartDaemon runs prog ARGV... (an exporter: ours or
+// qemu-storage-daemon) and returns once mnt is a FUSE mount; the process
+// is stopped and the mount removed in t.Cleanup.
 func StartDaemon(t *testing.T, mnt, prog string, argv ...string) *Daemon {
 	t.Helper()
 	d := &Daemon{t: t, Mnt: mnt, Exited: make(chan struct{})}
@@ -241,12 +244,13 @@ func StartDaemon(t *testing.T, mnt, prog string, argv ...string) *Daemon {
 	return d
 }
 
+// Log is everything the process wrote to stdout and stderr so far.
 func (d *Daemon) Log() string {
 	b, _ := os.ReadFile(d.LogFile)
 	return string(b)
 }
 
-// stop sends SIGTERM and waits for the exit; it returns the exit code.
+// Stop sends SIGTERM and waits for the exit; it returns the exit code.
 func (d *Daemon) Stop() int {
 	d.t.Helper()
 	select {
@@ -257,7 +261,7 @@ func (d *Daemon) Stop() int {
 	return d.Wait(20 * time.Second)
 }
 
-// stopClean stops the process and fails the test unless it exits 0.
+// StopClean stops the process and fails the test unless it exits 0.
 func (d *Daemon) StopClean() {
 	d.t.Helper()
 	if code := d.Stop(); code != 0 {
@@ -265,7 +269,7 @@ func (d *Daemon) StopClean() {
 	}
 }
 
-// wait waits for the process to exit by itself and returns its exit code.
+// Wait waits for the process to exit by itself and returns its exit code.
 func (d *Daemon) Wait(timeout time.Duration) int {
 	d.t.Helper()
 	select {
@@ -407,6 +411,7 @@ func SparseImage(t *testing.T, dir, name string, size int64) string {
 	return path
 }
 
+// FileHash is the SHA-256 of the file at path.
 func FileHash(t *testing.T, path string) [32]byte {
 	t.Helper()
 	f, err := os.Open(path)
@@ -423,6 +428,7 @@ func FileHash(t *testing.T, path string) [32]byte {
 	return sum
 }
 
+// ReadAll reads the file at path, failing the test on error.
 func ReadAll(t *testing.T, path string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(path)
@@ -432,6 +438,8 @@ func ReadAll(t *testing.T, path string) []byte {
 	return b
 }
 
+// MustEqualBytes fails the test unless got equals want, naming what and
+// the first offset where they differ.
 func MustEqualBytes(t *testing.T, what string, got, want []byte) {
 	t.Helper()
 	if !bytes.Equal(got, want) {

@@ -51,6 +51,7 @@ func CachedPread(t *testing.T, path string, off int64, n int) []byte {
 	return b
 }
 
+// RandomBytes is n pseudo-random bytes from seed.
 func RandomBytes(n int, seed uint64) []byte {
 	r := rand.New(rand.NewPCG(seed, 29))
 	b := make([]byte, n)

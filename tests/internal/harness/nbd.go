@@ -156,10 +156,10 @@ type ServerProc struct {
 	Done    chan struct{}
 }
 
-// socket is the unix socket path of a server StartNBD started with tcp false.
+// Socket is the unix socket path of a server StartNBD started with tcp false.
 func (s *NBDServer) Socket() string { return strings.TrimPrefix(s.URI, "nbd+unix:///?socket=") }
 
-// kill ends the server at once (SIGKILL), as a crash would.
+// Kill ends the server at once (SIGKILL), as a crash would.
 func (s *ServerProc) Kill() {
 	select {
 	case <-s.Done:

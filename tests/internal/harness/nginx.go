@@ -142,6 +142,7 @@ http {
 	return n
 }
 
+// URL names the served file name over scheme ("http" or "https").
 func (n *Nginx) URL(scheme, name string) string {
 	if scheme == "https" {
 		return n.HTTPS + "/" + name
@@ -149,7 +150,7 @@ func (n *Nginx) URL(scheme, name string) string {
 	return n.HTTP + "/" + name
 }
 
-// start runs nginx (again: the same ports, config and directory) and
+// Start runs nginx (again: the same ports, config and directory) and
 // waits until it listens.
 func (n *Nginx) Start(t *testing.T) {
 	t.Helper()
@@ -180,7 +181,7 @@ func (n *Nginx) Start(t *testing.T) {
 	}
 }
 
-// kill stops nginx at once (SIGKILL: connections reset mid-reply).
+// Kill stops nginx at once (SIGKILL: connections reset mid-reply).
 func (n *Nginx) Kill() {
 	if n.Cmd != nil {
 		n.Cmd.Process.Kill()
@@ -189,7 +190,7 @@ func (n *Nginx) Kill() {
 	}
 }
 
-// put places a copy of the file src as name in the served directory,
+// Put places a copy of the file src as name in the served directory,
 // atomically (a new file renamed over any old one: a new ETag).
 func (n *Nginx) Put(t *testing.T, name, src string) {
 	t.Helper()

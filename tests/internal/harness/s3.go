@@ -23,9 +23,11 @@ import (
 // share.
 const (
 	s3ServerVersion = "v1.8.0"
-	S3Access        = "AKIABLOCKEXPORTTEST"
-	S3Secret        = "s3t-secret-do-not-log-8c1f"
-	S3Bucket        = "images"
+	// S3Access, S3Secret and S3Bucket are the test server's credentials
+	// and bucket.
+	S3Access = "AKIABLOCKEXPORTTEST"
+	S3Secret = "s3t-secret-do-not-log-8c1f"
+	S3Bucket = "images"
 )
 
 // s3ServerBin is where .ci/s3server puts the pinned versitygw.
@@ -96,7 +98,7 @@ func StartS3Server(t *testing.T) *S3Server {
 	return s
 }
 
-// start runs the server and waits until it answers HTTP.
+// Start runs the server and waits until it answers HTTP.
 func (s *S3Server) Start() {
 	t := s.t
 	t.Helper()
@@ -139,7 +141,7 @@ func (s *S3Server) Start() {
 	}
 }
 
-// kill ends the server at once (SIGKILL), as a crash would.
+// Kill ends the server at once (SIGKILL), as a crash would.
 func (s *S3Server) Kill() {
 	if s.Cmd == nil {
 		return
@@ -152,7 +154,7 @@ func (s *S3Server) Kill() {
 	}
 }
 
-// client is an SDK client of the server with the test's credentials.
+// Client is an SDK client of the server with the test's credentials.
 func (s *S3Server) Client() *s3.Client {
 	return s3.New(s3.Options{
 		Region:       "us-east-1",
@@ -162,7 +164,7 @@ func (s *S3Server) Client() *s3.Client {
 	})
 }
 
-// put uploads the file at path as KEY in S3Bucket.
+// Put uploads the file at path as KEY in S3Bucket.
 func (s *S3Server) Put(key, path string) {
 	t := s.t
 	t.Helper()
@@ -184,7 +186,7 @@ func (s *S3Server) Put(key, path string) {
 	}
 }
 
-// url names KEY in the test bucket.
+// URL names KEY in the test bucket.
 func (s *S3Server) URL(key string) string {
 	return fmt.Sprintf("s3://%s/%s", S3Bucket, key)
 }

@@ -61,7 +61,7 @@ func Unprivileged(t *testing.T) *User {
 	return &User{UID: uid, GID: gid, Dir: dir}
 }
 
-// argv prefixes a command line so that it runs as the user.
+// Argv prefixes a command line so that it runs as the user.
 func (u *User) Argv(args ...string) []string {
 	return append([]string{"--reuid", strconv.Itoa(u.UID), "--regid", strconv.Itoa(u.GID), "--init-groups"}, args...)
 }
@@ -76,7 +76,7 @@ func (u *User) Run(t *testing.T, args ...string) string {
 	return string(out)
 }
 
-// image makes a random raw image the user owns.
+// Image makes a random raw image the user owns.
 func (u *User) Image(t *testing.T, name string, size int64, seed uint64) string {
 	t.Helper()
 	src := RandomImage(t, t.TempDir(), size, seed)
@@ -94,7 +94,7 @@ func (u *User) Image(t *testing.T, name string, size int64, seed uint64) string 
 	return path
 }
 
-// export starts `blockexport fuse ARGS IMAGE MNT` as the user.
+// Export starts `blockexport fuse ARGS IMAGE MNT` as the user.
 func (u *User) Export(t *testing.T, image, mnt string, args ...string) *Daemon {
 	t.Helper()
 	argv := append([]string{Bin, "fuse"}, args...)
