@@ -115,7 +115,7 @@ func TestManPages(t *testing.T) {
 
 	// docs/man must be current: make man regenerates it. The .TH line
 	// carries the build's date and is left out.
-	committed, err := filepath.Glob("../docs/man/*.1")
+	committed, err := filepath.Glob("../../docs/man/*.1")
 	if err != nil || len(committed) == 0 {
 		t.Fatalf("docs/man has no pages (%v)", err)
 	}
@@ -125,7 +125,7 @@ func TestManPages(t *testing.T) {
 	}
 	for _, path := range generated {
 		want, _ := os.ReadFile(path)
-		got, err := os.ReadFile(filepath.Join("../docs/man", filepath.Base(path)))
+		got, err := os.ReadFile(filepath.Join("../../docs/man", filepath.Base(path)))
 		if err != nil || withoutTH(got) != withoutTH(want) {
 			t.Errorf("docs/man/%s is stale (run make man)", filepath.Base(path))
 		}
