@@ -77,9 +77,10 @@ func EachCachedFormat(t *testing.T, size string, args []string, fn func(t *testi
 	}
 }
 
-// GuardAgainstHang aborts the export's FUSE connection when fn has not returned
-// within HangLimit (a deadlock between the kernel and the daemon), so that
-// the stuck system call fails and the test says so instead of hanging.
+// GuardAgainstHang aborts the export's FUSE connection when fn has not
+// returned within HangLimit (a deadlock between the kernel and the
+// daemon), so that the stuck system call fails and the test says so
+// instead of hanging.
 func GuardAgainstHang(t *testing.T, file string, fn func()) {
 	t.Helper()
 	var st unix.Stat_t

@@ -1,13 +1,11 @@
 package harness
 
 import (
-	"encoding/json"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -100,46 +98,6 @@ func StartServerProc(t *testing.T, sock, prog string, args ...string) *ServerPro
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-// JSONOf runs a command printing JSON and decodes it.
-func JSONOf(t *testing.T, name string, args ...string) any {
-	t.Helper()
-	var v any
-	out := Run(t, name, args...)
-	if err := json.Unmarshal([]byte(out), &v); err != nil {
-		t.Fatalf("%s %v: %v\n%s", name, args, err, out)
-	}
-	return v
-}
-
-// DataRanges lists a file's data as [start, end) pairs by SEEK_DATA and
-// SEEK_HOLE.
-func DataRanges(t *testing.T, path string) [][2]int64 {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	st, _ := f.Stat()
-	var r [][2]int64
-	for off := int64(0); off < st.Size(); {
-		d, err := f.Seek(off, 3) // SEEK_DATA
-		if ErrnoOf(err) == syscall.ENXIO {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		h, err := f.Seek(d, 4) // SEEK_HOLE
-		if err != nil {
-			t.Fatal(err)
-		}
-		r = append(r, [2]int64{d, h})
-		off = h
-	}
-	return r
 }
 
 // NBDServer is a running `blockexport nbd`.
