@@ -23,25 +23,27 @@ run: build
 # end-to-end tests run a binary they build themselves and outside tools,
 # which Go's test cache does not see, so a cached pass proves nothing.
 # The packages' own tests run under the race detector; the end-to-end
-# tests (./tests) do not: they drive a blockexport binary built without
+# tests (./tests/...) do not: they drive a blockexport binary built without
 # it (BLOCKEXPORT_RACE=1 builds it with it), so the detector would only
 # watch the harness, at 2.6x the time (measured on fsx, fio verify and
-# the qcow2 kill -9 test).
-# The export tests run a second time over FUSE over io_uring (the module
-# parameter is switched on for the run and restored; .ci/keep-fuse-param
-# restores it even when a test binary panics), and a third time with the
-# kernel page cache on (--kernel-cache on). The fuzzers run
+# the qcow2 kill -9 test). The end-to-end packages run one at a time (-p 1):
+# they share the machine's FUSE module parameter, /dev/fuse's mode, the
+# test user, loop devices and the page cache.
+# The export tests, every test in ./tests/fuse, run a second time over FUSE
+# over io_uring (the module parameter is switched on for the run and
+# restored; .ci/keep-fuse-param restores it even when a test binary
+# panics), and a third time with the kernel page cache on (--kernel-cache
+# on): a test joins those runs by living in that package. The fuzzers run
 # for a count, not a time: a time limit that ran out while a worker held an
 # input was reported as "context deadline exceeded", a failure, in one run.
-URING_TESTS = ^(TestReadOnlyExportServesImageAndRefusesWrites|TestWritesAreClampedUnlessGrowable|TestGrowableExportGrowsAndShrinks|TestFallocateModes|TestSeekDataHoleAndBlocksFollowAllocation|TestSetattrRules|TestSetattrWithAllowOther|TestStatfsDescribesTheImage|TestSharedMmapOfTheExport|TestExportOntoTheImageItself|TestLookupIsENOENT|TestHostErrorsReachTheClient|TestPassthroughReads|TestExternalUnmountEndsTheExport|TestSigtermLosesNoAcknowledgedWrite|TestDaemonizeReturnsOnceServing|TestStatsCountRequests|TestFileNameInDirectory|TestNullDevice|TestFioVerify|TestFioVerifyQueueDepthOne|TestLoopMountMkfsFsck|TestQcow2WritesThroughTheExport|TestQcow2LoopMountReadWrite|TestQcow2SurvivesKill9|TestFxFsx|TestFxTruncateOverDirtyPages|TestFxDirectReadOfHoleBeforeCachedWrite)$$
 test:
 	.ci/deps
 	.ci/s3server
 	$(GO) vet ./...
-	.ci/keep-fuse-param $(GO) test -race -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/tests$$')
-	.ci/keep-fuse-param $(GO) test -count=1 -timeout 20m ./tests
-	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
-	BLOCKEXPORT_KERNEL_CACHE=on $(GO) test -count=1 -timeout 10m -run '$(URING_TESTS)' ./tests
+	.ci/keep-fuse-param $(GO) test -race -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/tests\(/\|$$\)')
+	.ci/keep-fuse-param $(GO) test -p 1 -count=1 -timeout 20m ./tests/...
+	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m ./tests/fuse
+	BLOCKEXPORT_KERNEL_CACHE=on $(GO) test -count=1 -timeout 10m ./tests/fuse
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd
 	$(GO) test -run XXX -fuzz FuzzReplies -fuzztime 30000x -fuzzminimizetime 2s ./formats/protocols/nbd

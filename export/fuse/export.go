@@ -509,7 +509,7 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 // is read drop-behind for those (one cache, the export's), and a lend is
 // no read that drop-behind counts, and what it maps drop-behind cannot
 // drop: the pages it takes stay in the image's cache, those read ahead
-// for the READ before included (TestKcOneCache, when READs that fill the
+// for the READ before included (TestKernelCacheDropsHostPagesBehindReads, when READs that fill the
 // cache lent: 3572 of 4096 pages of the image left cached). The O_DIRECT
 // reads of a kernel-cached export, which come every time and have no
 // other cache, lend.

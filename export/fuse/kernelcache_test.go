@@ -156,7 +156,7 @@ func TestKernelCacheInvalidates(t *testing.T) {
 	// A resize invalidates nothing itself: the kernel holds the inode's
 	// write-back until the SETATTR's reply, so an invalidation from here
 	// deadlocks on a dirty page; the kernel drops its pages after the
-	// reply (TestFxTruncateOverDirtyPages).
+	// reply (TestTruncateOverDirtyPagesReturns).
 	if got := r.take(); len(got) != 0 {
 		t.Fatalf("shrink: invalidated %v, want nothing", got)
 	}

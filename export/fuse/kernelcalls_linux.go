@@ -14,7 +14,7 @@ import "runtime"
 // thread that had submitted the host read of a READ in flight slept in
 // the kernel (folio_lock, uninterruptible) waiting for that READ's pages,
 // and the READ's completion waited for the same thread to leave the
-// kernel: both hung for good (TestKcDirectWritesRacingCachedReads, with
+// kernel: both hung for good (TestKernelCacheBufferedReadSeesDirectWriteRacingIt, with
 // --cache none: O_DIRECT writes racing buffered reads of the same
 // blocks). A thread locked to one goroutine from before serving began
 // never has io_uring work of its own.

@@ -17,7 +17,7 @@ import (
 )
 
 // The S3 server the s3 rows read from: the versitygw the tests use
-// (tests/s3t_server_test.go), installed by .ci/s3server.
+// (tests/internal/harness/s3.go), installed by .ci/s3server.
 const (
 	s3BenchServerVersion = "v1.8.0"
 	s3BenchAccess        = "AKIABLOCKEXPORTBENCH"

@@ -17,7 +17,7 @@ import (
 )
 
 // fakeS3 is a small S3 endpoint that lies on demand: the real server's
-// replies are tested end to end in ./tests; these are the replies a real
+// replies are tested end to end in ./tests/remote; these are the replies a real
 // server should never send and the SDK lets through.
 type fakeS3 struct {
 	data   []byte
