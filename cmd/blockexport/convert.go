@@ -244,7 +244,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	}
 	src, err := openImage(srcSpec, o)
 	if err != nil {
-		return fmt.Errorf("convert: %s: %w", registry.Shown(srcSpec), err)
+		return fmt.Errorf("convert: %w", err) // it names the image
 	}
 	defer src.Image.Close()
 	size := src.Image.Size()
@@ -279,7 +279,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 		if created {
 			os.Remove(dstSpec)
 		}
-		return fmt.Errorf("convert: %s: %w", dstSpec, err)
+		return fmt.Errorf("convert: %w", err)
 	}
 	if dst.Image.Size() < size {
 		dst.Image.Close()

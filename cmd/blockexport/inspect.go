@@ -2,7 +2,7 @@ package main
 
 import (
 	"context"
-	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -155,13 +155,11 @@ func info(stdout io.Writer, args []string, f *inspectFlags, chain bool) error {
 			infos = append(infos, layer.Info())
 		}
 	}
+	if asJSON && chain {
+		return writeQemuJSON(stdout, infos)
+	}
 	if asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "    ")
-		if chain {
-			return enc.Encode(infos)
-		}
-		return enc.Encode(infos[0])
+		return writeQemuJSON(stdout, infos[0])
 	}
 	for i, info := range infos {
 		if i > 0 {
@@ -295,24 +293,54 @@ func mapCmd(stdout, stderr io.Writer, args []string, f *inspectFlags) error {
 		return err
 	}
 	if asJSON {
-		// One entry per line, like qemu-img, and still one JSON array.
-		var b strings.Builder
-		b.WriteString("[")
-		for i, e := range entries {
-			if i > 0 {
-				b.WriteString(",\n")
-			}
-			j, _ := json.Marshal(e)
-			b.Write(j)
-		}
-		b.WriteString("]\n")
-		_, err := io.WriteString(stdout, b.String())
-		return err
+		return writeMapJSON(stdout, entries)
 	}
-	fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", "Offset", "Length", "Mapped to", "File")
-	for _, e := range entries {
-		if e.Data && e.Offset != nil {
-			fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", cHex(e.Start), cHex(e.Length), cHex(*e.Offset), e.file)
+	return writeMapHuman(stdout, entries)
+}
+
+// writeMapJSON prints the entries as qemu-img map --output=json does
+// (qemu-img.c, dump_map_entry): one entry a line, "{ " and ", " spaced.
+// An empty image is one entry of length 0, as qemu-img prints it.
+func writeMapJSON(w io.Writer, entries []mapEntry) error {
+	if len(entries) == 0 {
+		entries = []mapEntry{{}}
+	}
+	var b strings.Builder
+	b.WriteString("[")
+	for i, e := range entries {
+		if i > 0 {
+			b.WriteString(",\n")
+		}
+		fmt.Fprintf(&b, `{ "start": %d, "length": %d, "depth": %d, "present": %t, "zero": %t, "data": %t`,
+			e.Start, e.Length, e.Depth, e.Present, e.Zero, e.Data)
+		if e.Offset != nil {
+			fmt.Fprintf(&b, `, "offset": %d`, *e.Offset)
+		}
+		b.WriteString("}")
+	}
+	b.WriteString("]\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// errNoOffset is qemu-img map's refusal of data it cannot say where it
+// lies (compressed clusters, a streamOptimized vmdk's grains).
+var errNoOffset = errors.New("File contains external, encrypted or compressed clusters.")
+
+// writeMapHuman prints the entries qemu-img map's human format shows:
+// data that is not zeroes, where it lies. Data without an offset fails
+// the map there, as in qemu-img (which has printed the lines before it);
+// qemu-img counts an entry after the first that reads as zeroes as no
+// data, so only the first may fail for being zero data without offset.
+func writeMapHuman(w io.Writer, entries []mapEntry) error {
+	fmt.Fprintf(w, "%-16s%-16s%-16s%s\n", "Offset", "Length", "Mapped to", "File")
+	for i, e := range entries {
+		data := e.Data && (i == 0 || !e.Zero)
+		if data && e.Offset == nil {
+			return errNoOffset
+		}
+		if data && !e.Zero {
+			fmt.Fprintf(w, "%-16s%-16s%-16s%s\n", cHex(e.Start), cHex(e.Length), cHex(*e.Offset), e.file)
 		}
 	}
 	return nil

@@ -101,7 +101,7 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return fmt.Errorf("stream %s interrupted before copying anything (while checking for leaked clusters); run it again", overlay)
 		}
-		return fmt.Errorf("stream %s: %w", overlay, err)
+		return fmt.Errorf("stream: %w", err) // it names the image
 	}
 	if res.Corruptions > 0 || res.CheckErrors > 0 {
 		return fmt.Errorf("stream %s: the image is damaged (%d corruptions): see blockexport check", overlay, res.Corruptions)
