@@ -58,8 +58,8 @@ type Options struct {
 	// 2 MiB, every byte went to memory and back, and a page-cached
 	// qcow2 to raw cost twice the CPU.
 	Chunk int64
-	// Progress is told the bytes done so far (from any goroutine, one
-	// call at a time).
+	// Progress is told how far the target holds the source (Stats.Done),
+	// from any goroutine, one call at a time.
 	Progress func(done, total int64)
 }
 
@@ -107,7 +107,6 @@ type engine struct {
 	stats    Stats
 	finished map[int64]int64 // chunks done past stats.Done: start -> end
 	err      error
-	doneB    int64
 }
 
 // Convert copies src into dst as qemu-img convert does. dst must be at
@@ -202,10 +201,8 @@ func (e *engine) finish(off, n int64) {
 		delete(e.finished, e.stats.Done)
 		e.stats.Done = end
 	}
-	e.doneB += n
-	done := e.doneB
 	if e.o.Progress != nil {
-		e.o.Progress(done, e.src.Size())
+		e.o.Progress(e.stats.Done, e.src.Size())
 	}
 	e.mu.Unlock()
 }

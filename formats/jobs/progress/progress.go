@@ -100,6 +100,9 @@ func New(mode Mode, what string, stdout, stderr io.Writer) *Reporter {
 	return r
 }
 
+// Mode is how r shows progress.
+func (r *Reporter) Mode() Mode { return r.mode }
+
 // Planned says how much the job will do.
 func (r *Reporter) Planned(total int64) {
 	r.mu.Lock()
@@ -168,7 +171,7 @@ func (r *Reporter) Finish(ok bool, durable int64) {
 		fmt.Fprint(r.stdout, "\n")
 	case JSON:
 		if ok {
-			l := Line{Event: "completed", Done: r.total, Total: r.total, Percent: 100}
+			l := Line{Event: "completed", Done: r.done, Total: r.total, Percent: 100}
 			if durable >= 0 {
 				l.Durable = &durable
 			}
