@@ -1,9 +1,14 @@
 package main
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
+	"path/filepath"
+	"regexp"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -40,9 +45,46 @@ func manCommand() *cobra.Command {
 			if err := doc.GenManTree(root, h, args[0]); err != nil {
 				return fmt.Errorf("man: %w", err)
 			}
-			return nil
+			return boolFlagsAsInHelp(root, args[0])
 		},
 	}
+}
+
+// manBoolFlag is how cobra/doc writes a boolean flag: its default as if
+// it were the value it takes (--writable[=false]), where --help writes
+// --writable alone.
+var manBoolFlag = regexp.MustCompile(`(\\fB--[a-z0-9-]+\\fP)\[=(true|false)\]\n\t([^\n]*)`)
+
+// boolFlagsAsInHelp rewrites the boolean flags of the pages GenManTree
+// wrote for c and its commands into DIR as --help shows them: the flag
+// alone, its default said in words where it is true. Only a bool flag has a bare
+// true or false in brackets (a string's value is quoted).
+func boolFlagsAsInHelp(c *cobra.Command, dir string) error {
+	page := filepath.Join(dir, strings.ReplaceAll(c.CommandPath(), " ", "-")+".1")
+	b, err := os.ReadFile(page)
+	switch {
+	case errors.Is(err, fs.ErrNotExist): // a command without a page (help)
+	case err != nil:
+		return fmt.Errorf("man: %w", err)
+	default:
+		out := manBoolFlag.ReplaceAllFunc(b, func(m []byte) []byte {
+			g := manBoolFlag.FindSubmatch(m)
+			line := string(g[1]) + "\n\t" + string(g[3])
+			if string(g[2]) == "true" {
+				line += " (default true)"
+			}
+			return []byte(line)
+		})
+		if err := os.WriteFile(page, out, 0o644); err != nil {
+			return fmt.Errorf("man: %w", err)
+		}
+	}
+	for _, sub := range c.Commands() {
+		if err := boolFlagsAsInHelp(sub, dir); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // disableAutoGenTag drops cobra's "Auto generated" history line (it
