@@ -115,17 +115,11 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 			Null: img.Format == registry.Null, NBD: nbd.IsURI(image), MayStall: served.Features().MayStall,
 			Direct: f.cache == "none", Passthrough: f.passthrough, Files: 1 + len(parts), Hosts: img.Hosts}, logger)
 	exp := fuseexport.New(served, expOpts)
-	sigs := stopSignals()
-	// The pidfile before the mount: a second instance given the same one
-	// is refused before it mounts anything. (After stopSignals: a signal
-	// from here on is handled, so the pidfile is never left behind.)
-	stop, err := f.start()
+	sigs, jobs, stop, err := f.begin()
 	if err != nil {
 		return err
 	}
 	defer stop()
-	var jobs exitJobs
-	jobs.add(stop)
 	var stats *fuseexport.Stats
 	if f.stats > 0 {
 		stats = fuseexport.NewStats()
@@ -159,7 +153,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 
 	select {
 	case s := <-sigs:
-		stopping(logger, s, sigs, &jobs)
+		stopping(logger, s, sigs, jobs)
 		if err := m.Unmount(); err != nil {
 			return err
 		}
