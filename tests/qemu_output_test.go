@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"fmt"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -99,6 +100,28 @@ func TestErrorsNameTheImageOnce(t *testing.T) {
 		code, out := runBlockexport(t, args...)
 		if code == 0 || strings.Count(out, raw) != 1 {
 			t.Errorf("%v: exit %d, the image named %d times:\n%s", args, code, strings.Count(out, raw), out)
+		}
+	}
+}
+
+// TestMapOfAnOddSizedRawFileAsQemuImg: qemu-img sees a raw file in whole
+// sectors; its map ends at the next 512-byte boundary, the tail past the
+// file's end a zero run.
+func TestMapOfAnOddSizedRawFileAsQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	for name, data := range map[string]int{"hole.raw": 0, "d1000.raw": 1000, "d5000.raw": 5000} {
+		path := sparseImage(t, dir, name, 1000)
+		if name == "d5000.raw" {
+			path = sparseImage(t, dir, name, 70000)
+		}
+		if data > 0 {
+			run(t, "qemu-io", "-f", "raw", "-c", fmt.Sprintf("write -P 7 0 %d", data), path)
+		}
+		for _, o := range []string{"json", "human"} {
+			qout, qcode, out, code := qemuAndOurs(t, dir, "map", "--output="+o, name)
+			if out != qout || code != qcode {
+				t.Errorf("map --output=%s %s: exit %d\n%s\nqemu-img: exit %d\n%s", o, name, code, out, qcode, qout)
+			}
 		}
 	}
 }

@@ -380,7 +380,29 @@ func mapImage(ctx context.Context, img formats.Image, progress func(done, total 
 		progress(off, size)
 	}
 	progress(size, size)
-	return list, nil
+	return padToSector(list, size), nil
+}
+
+// padToSector ends the map at a whole sector, as qemu-img's: QEMU sees a
+// raw file of 1000 bytes as 1024, the 24 past its end a hole that reads
+// as zeroes.
+func padToSector(list []mapEntry, size int64) []mapEntry {
+	n := len(list)
+	pad := (512 - size%512) % 512
+	if pad == 0 || n == 0 {
+		return list
+	}
+	last := list[n-1]
+	m := mapEntry{Start: size, Length: pad, Depth: last.Depth, Present: true, Zero: true, file: last.file}
+	if last.Offset != nil {
+		o := *last.Offset + last.Length
+		m.Offset = &o
+	}
+	if last.mergeable(m) {
+		list[n-1].Length += pad
+		return list
+	}
+	return append(list, m)
 }
 
 // progressTo returns a progress reporter that draws a percentage on w when
