@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -408,11 +408,7 @@ func padToSector(list []mapEntry, size int64) []mapEntry {
 // progressTo returns a progress reporter that draws a percentage on w when
 // w is a terminal and the run has taken over a second; otherwise nothing.
 func progressTo(w io.Writer) func(done, total int64) {
-	f, ok := w.(*os.File)
-	if !ok {
-		return func(int64, int64) {}
-	}
-	if _, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS); err != nil {
+	if !progress.IsTerminal(w) {
 		return func(int64, int64) {}
 	}
 	start, last, shown := time.Now(), time.Time{}, false
@@ -420,7 +416,7 @@ func progressTo(w io.Writer) func(done, total int64) {
 		now := time.Now()
 		if done >= total {
 			if shown {
-				fmt.Fprint(f, "\r\033[K")
+				fmt.Fprint(w, "\r\033[K")
 			}
 			return
 		}
@@ -428,6 +424,6 @@ func progressTo(w io.Writer) func(done, total int64) {
 			return
 		}
 		last, shown = now, true
-		fmt.Fprintf(f, "\rmapping: %5.1f%%", 100*float64(done)/float64(total))
+		fmt.Fprintf(w, "\rmapping: %5.1f%%", 100*float64(done)/float64(total))
 	}
 }
