@@ -193,7 +193,7 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	_, err = convert.Run(ctx, j)
+	err = convert.Run(ctx, j)
 	var bad convert.BadRequest
 	switch {
 	case errors.Is(err, convert.ErrInterrupted):

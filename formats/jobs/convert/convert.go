@@ -65,7 +65,6 @@ type Options struct {
 
 // Stats say what a conversion did.
 type Stats struct {
-	Read, Written, Zeroed, Compressed int64
 	// Done is how far the target holds the source: every byte below it
 	// is converted (the rest may be in part).
 	Done int64
@@ -407,7 +406,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 		if err := e.dst.WriteZeroes(ctx, j.off, j.n, true); err != nil {
 			return fmt.Errorf("convert: write zeroes at %d (+%d): %w", j.off, j.n, err)
 		}
-		e.count(0, 0, j.n, 0)
 		e.finish(j.off, j.n)
 		return nil
 	}
@@ -430,12 +428,10 @@ func (e *engine) do(ctx context.Context, j job) error {
 			gap = j.src[i].end
 		}
 	}
-	var read int64
 	for _, s := range j.src {
 		if _, err := e.src.ReadAt(ctx, buf[s.start-j.off:s.end-j.off], s.start); err != nil {
 			return fmt.Errorf("convert: read the source at %d (+%d): %w", s.start, s.end-s.start, err)
 		}
-		read += s.end - s.start
 	}
 	var bbuf []byte
 	if j.backing {
@@ -469,7 +465,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 		return err
 	}
 	defer next()
-	var written, zeroed, compressed int64
 	ci := 0
 	for _, r := range runs {
 		switch r.act {
@@ -477,13 +472,11 @@ func (e *engine) do(ctx context.Context, j job) error {
 			if err := e.dst.WriteZeroes(ctx, r.start, r.end-r.start, e.o.Backing == nil); err != nil {
 				return fmt.Errorf("convert: write zeroes at %d (+%d): %w", r.start, r.end-r.start, err)
 			}
-			zeroed += r.end - r.start
 		case writeData:
 			if ct == nil {
 				if _, err := e.dst.WriteAt(ctx, buf[r.start-j.off:r.end-j.off], r.start); err != nil {
 					return fmt.Errorf("convert: write at %d (+%d): %w", r.start, r.end-r.start, err)
 				}
-				written += r.end - r.start
 				continue
 			}
 			for p := r.start; p < r.end; {
@@ -492,7 +485,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 					if err := ct.WriteCompressed(ctx, comps[ci].data, p); err != nil {
 						return fmt.Errorf("convert: write the compressed cluster at %d: %w", p, err)
 					}
-					compressed += int64(len(comps[ci].data))
 					ci++
 					p = q
 					continue
@@ -506,12 +498,10 @@ func (e *engine) do(ctx context.Context, j job) error {
 				if _, err := e.dst.WriteAt(ctx, buf[p-j.off:q-j.off], p); err != nil {
 					return fmt.Errorf("convert: write at %d (+%d): %w", p, q-p, err)
 				}
-				written += q - p
 				p = q
 			}
 		}
 	}
-	e.count(read, written, zeroed, compressed)
 	e.finish(j.off, j.n)
 	return nil
 }
@@ -543,15 +533,6 @@ func (e *engine) compress(j job, buf []byte, runs []run) ([]comp, error) {
 		}
 	}
 	return comps, nil
-}
-
-func (e *engine) count(read, written, zeroed, compressed int64) {
-	e.mu.Lock()
-	e.stats.Read += read
-	e.stats.Written += written
-	e.stats.Zeroed += zeroed
-	e.stats.Compressed += compressed
-	e.mu.Unlock()
 }
 
 // readBacking fills p with the backing file's bytes at off: only its data

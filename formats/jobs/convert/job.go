@@ -59,28 +59,28 @@ func badRequest(format string, a ...any) error { return BadRequest{fmt.Errorf(fo
 // Run converts j.Source into j.Target. Interrupted (ctx ends), what was
 // written is written back: a new raw Target is truncated to what was
 // converted, a qcow2 one left consistent.
-func Run(ctx context.Context, j Job) (Stats, error) {
+func Run(ctx context.Context, j Job) error {
 	src, err := registry.Open(j.Source, j.Open)
 	if err != nil {
-		return Stats{}, err
+		return err
 	}
 	defer src.Image.Close()
 	size := src.Image.Size()
 	if err := notBeingRead(j.Target, src.Image, j.Backing); err != nil {
-		return Stats{}, err
+		return err
 	}
 	dst, created, err := j.openTarget(size)
 	if err != nil {
-		return Stats{}, err
+		return err
 	}
 	o, err := j.engineOptions(dst.Image, created)
 	if err != nil {
 		dst.Image.Close()
-		return Stats{}, err
+		return err
 	}
 	if err := j.watch(ctx, src.Image, &o); err != nil {
 		dst.Image.Close()
-		return Stats{}, err
+		return err
 	}
 	if wb := startWriteBehind(j.Target, j.Cache == "none" || nbd.IsURI(j.Target)); wb != nil {
 		defer wb.stop()
@@ -105,15 +105,15 @@ func Run(ctx context.Context, j Job) (Stats, error) {
 	}
 	switch {
 	case interrupted:
-		return st, j.interrupted(st, size, created, ferr)
+		return j.interrupted(st, size, created, ferr)
 	case cerr != nil:
-		return st, cerr
+		return cerr
 	case ferr != nil:
-		return st, fmt.Errorf("%s: %w", j.Target, ferr)
+		return fmt.Errorf("%s: %w", j.Target, ferr)
 	case clerr != nil:
-		return st, fmt.Errorf("%s: %w", j.Target, clerr)
+		return fmt.Errorf("%s: %w", j.Target, clerr)
 	}
-	return st, nil
+	return nil
 }
 
 // interrupted says what an interrupted conversion left in Target.
