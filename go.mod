@@ -8,7 +8,7 @@ require (
 	github.com/lima-vm/go-qcow2reader v0.7.1
 	github.com/pojntfx/go-nbd v0.3.2
 	github.com/spf13/cobra v1.10.2
-	github.com/spf13/pflag v1.1.0
+	github.com/spf13/pflag v1.0.10
 	golang.org/x/sys v0.50.0
 )
 

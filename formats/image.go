@@ -274,3 +274,16 @@ type Completions interface {
 	ServeCompletions()
 	ReleaseCompletions()
 }
+
+// NoFlusher is an image whose flushes can be skipped (qemu-img's
+// cache=unsafe: a conversion's target, written back by the kernel later).
+type NoFlusher interface {
+	SetNoFlush(on bool)
+}
+
+// GrowAheader is an image whose file can grow in steps of n bytes ahead
+// of its writes rather than write by write (cut back when closed): a new
+// image a conversion fills.
+type GrowAheader interface {
+	SetGrowAhead(n int64)
+}

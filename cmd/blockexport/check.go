@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -105,12 +104,10 @@ func check(stdout, stderr io.Writer, args []string, f *inspectFlags, repair stri
 		if errors.Is(err, registry.ErrBadSpec) {
 			return usageError{err}
 		}
-		return fmt.Errorf("check %s: %w", registry.Shown(args[0]), err)
+		return fmt.Errorf("check: %w", err) // the error names the image
 	}
 	if asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "    ")
-		if err := enc.Encode(res); err != nil {
+		if err := writeQemuJSON(stdout, res); err != nil {
 			return err
 		}
 	} else {

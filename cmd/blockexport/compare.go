@@ -94,7 +94,7 @@ func compareCmd(stdout, stderr io.Writer, args []string, f *compareFlags) error 
 	}
 	a, err := openImage(args[0], o)
 	if err != nil {
-		return fmt.Errorf("%s: %w", registry.Shown(args[0]), err)
+		return err // it names the image
 	}
 	defer a.Image.Close()
 	if _, err := registry.ParseFormat(f.formatB); err != nil {
@@ -103,7 +103,7 @@ func compareCmd(stdout, stderr io.Writer, args []string, f *compareFlags) error 
 	o.Format = f.formatB
 	b, err := openImage(args[1], o)
 	if err != nil {
-		return fmt.Errorf("%s: %w", registry.Shown(args[1]), err)
+		return err
 	}
 	defer b.Image.Close()
 

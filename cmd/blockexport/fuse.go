@@ -3,10 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
-	"github.com/blockexport/blockexport/aio"
-	"log/slog"
 	"os"
-	"runtime"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -65,8 +62,8 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
 	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
-	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (measured: queue depth 1 40k IOPS pinned, 26k not; depth 16 85k pinned, 100k not)")
-	fs.StringVar(&f.kernelCache, "kernel-cache", "off", "let the kernel cache the export (page cache, read-ahead, writeback cache for buffered opens; O_DIRECT opens bypass it): on, off or auto (on for a local raw or qcow2 image with --cache writeback; off for null, NBD sources and --cache none)")
+	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (faster at queue depth 1, slower at depth 16: docs/design.md)")
+	fs.StringVar(&f.kernelCache, "kernel-cache", "auto", "let the kernel cache the export (page cache, read-ahead, writeback cache for buffered opens; O_DIRECT opens bypass it): on, off or auto (on for a local raw or qcow2 image with --cache writeback; off for null, NBD sources and --cache none). Turn it off when something besides this export writes the image (a raw image shared with a VM): the cache would not see those writes")
 	fs.StringVar(&f.readAhead, "read-ahead", "auto", "with the kernel cache on: how far the kernel reads ahead of a sequential reader of the export (e.g. 4M); auto: as far as the device holding the image file reads ahead, at least 1M")
 	f.parts.register(c, "with --file-name: one more file per partition of the image's MBR or GPT beside NAME, NAME-p1, NAME-p2... numbered as Linux numbers them")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
@@ -88,73 +85,9 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	if err != nil {
 		return err
 	}
-	allowOther, err := fuseexport.ParseAllowOther(f.allowOther)
-	if err != nil {
-		return usageError{err}
-	}
-	switch f.passthrough {
-	case "auto", "on", "off":
-	default:
-		return usagef("unknown --passthrough mode %q (want auto, on or off)", f.passthrough)
-	}
-	if f.stats < 0 {
-		return usagef("--stats %v: want a positive interval", f.stats)
-	}
-	pollFor, err := pollDuration(f.pollUs)
+	mo, readAheadKB, err := f.mountOptions(c)
 	if err != nil {
 		return err
-	}
-	if f.queues < 1 || f.queues > 64 {
-		return usagef("--queues %d: want 1 to 64", f.queues)
-	}
-	uringMode, err := fuseexport.ParseURingMode(f.ioURing)
-	if err != nil {
-		return usageError{err}
-	}
-	if f.uringDepth < 1 || f.uringDepth > 1024 {
-		return usagef("--io-uring-depth %d: want 1 to 1024", f.uringDepth)
-	}
-	if uringMode == fuseexport.URingOn && f.pollUs > 0 {
-		return usagef("--poll-us busy-polls /dev/fuse, which FUSE over io_uring does not read requests from; drop one of them")
-	}
-	if uringMode == fuseexport.URingAuto && f.pollUs > 0 {
-		uringMode = fuseexport.URingOff // the busy-poll asked for is the /dev/fuse loop's
-	}
-	if f.growable && !f.writable {
-		return usagef("--growable needs --writable")
-	}
-	if err := f.parts.check(c); err != nil {
-		return err
-	}
-	if f.parts.all && f.fileName == "" {
-		return usagef("--partitions adds files beside the disk's: it needs --file-name NAME (or --partition N alone)")
-	}
-	if f.parts.all && f.kernelCache == "on" {
-		return usagef("--kernel-cache on serves one file; --partitions serves several over the same bytes, each of which would not see the others' cached writes: drop one")
-	}
-	if (f.parts.all || f.parts.one > 0) && f.growable {
-		return usagef("--growable and --partition(s): a partition's size is the partition table's")
-	}
-	switch f.kernelCache {
-	case "auto", "on", "off":
-	default:
-		return usagef("unknown --kernel-cache mode %q (want auto, on or off)", f.kernelCache)
-	}
-	readAheadKB := 0 // auto
-	if f.readAhead != "auto" {
-		n, err := registry.ParseSize(f.readAhead)
-		if err != nil || n < 4096 || n > 1<<30 {
-			return usagef("--read-ahead %q: want auto or a size from 4K to 1G", f.readAhead)
-		}
-		readAheadKB = int(n / 1024)
-	}
-	if f.kernelCache == "on" && f.passthrough == "on" {
-		return usagef("--kernel-cache on and --passthrough on: the kernel would cache the export beside the host file it reads directly; drop one")
-	}
-	if c.Flags().Changed("file-name") {
-		if err := fuseexport.CheckFileName(f.fileName); err != nil {
-			return usageError{err}
-		}
 	}
 	if f.daemonize && !isDaemonChild() {
 		return daemonize(os.Args)
@@ -176,72 +109,29 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	for i, p := range parts {
 		extra[i] = fuseexport.ExtraFile{Name: p.name, Image: p.img}
 	}
-	kernelCache := f.kernelCacheFor(image, img.Format)
-	if kernelCache && img.Format == registry.Null {
-		// Its writes are dropped: a cache would hand back what was
-		// written, where the device reads zeroes.
-		logger.Info("--kernel-cache on: the null device keeps no data, so it is served uncached")
-		kernelCache = false
-	}
-	if f.parts.all {
-		kernelCache = false // several files over the same bytes (checked against "on" above)
-	}
-	if kernelCache && f.cache == "writeback" {
-		// One cache, not two: the kernel caches the export, so the
-		// image's host files drop what they read (keeping their
-		// read-ahead, which --cache none gives up).
-		n := 0
-		for _, h := range img.Hosts {
-			if aio.SetDropBehind(h) {
-				n++
-			}
-		}
-		if n < len(img.Hosts) {
-			logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(img.Hosts), "drop-behind", n)
-		}
-	}
-	if served.Features().MayStall && !nbd.IsURI(image) {
-		moreProcsForRemote(logger)
-	}
-	exp := fuseexport.New(served, fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
-		NoPageLend: !f.mappedReads, KernelCache: kernelCache, KeepCache: kernelCache && img.Format == registry.QCOW2 && !nbd.IsURI(image),
-		ReadAheadKB: f.readAheadKB(readAheadKB, image)})
-	sigs := stopSignals()
-	// The pidfile before the mount: a second instance given the same one
-	// is refused before it mounts anything. (After stopSignals: a signal
-	// from here on is handled, so the pidfile is never left behind.)
-	stop, err := f.start()
+	expOpts := fuseexport.Tune(fuseexport.Options{Writable: f.writable, Growable: f.growable, Logger: logger,
+		NoPageLend: !f.mappedReads, ReadAheadKB: f.readAheadKB(readAheadKB, image)},
+		fuseexport.Served{KernelCache: f.kernelCache, Raw: img.Format == registry.Raw, QCOW2: img.Format == registry.QCOW2,
+			Null: img.Format == registry.Null, NBD: nbd.IsURI(image), MayStall: served.Features().MayStall,
+			Direct: f.cache == "none", Passthrough: f.passthrough, Files: 1 + len(parts), Hosts: img.Hosts}, logger)
+	exp := fuseexport.New(served, expOpts)
+	sigs, jobs, stop, err := f.begin()
 	if err != nil {
 		return err
 	}
 	defer stop()
-	var jobs exitJobs
-	jobs.add(stop)
 	var stats *fuseexport.Stats
 	if f.stats > 0 {
 		stats = fuseexport.NewStats()
 	}
-	m, err := exp.Mount(mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: registry.Shown(image), Queues: f.queues,
-		PollFor: pollFor, NoPace: !f.adaptPoll, Stats: stats, Passthrough: f.passthrough, FileName: f.fileName, Extra: extra,
-		URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin})
+	mo.FsName, mo.Stats, mo.Extra = registry.Shown(image), stats, extra
+	m, err := exp.Mount(mountpoint, mo)
 	if err != nil {
 		return err
 	}
 	defer m.Cleanup()
 	jobs.add(m.Abandon)
-	if m.ReadsCompletions() {
-		// One thread serves /dev/fuse and the NBD replies (see
-		// ReadsCompletions). Measured, FUSE export of qemu-nbd, 4 KiB,
-		// A/B in turns: random reads at queue depth 16 22-28k IOPS
-		// against 15.5-19k, writes 11.9-13k against 7.8-10.6k.
-		procs := "GOMAXPROCS=1"
-		if os.Getenv("GOMAXPROCS") == "" {
-			runtime.GOMAXPROCS(1)
-		} else {
-			procs = "GOMAXPROCS from the environment"
-		}
-		logger.Info("the /dev/fuse loop reads the NBD replies too: one thread serves the export", "procs", procs)
-	}
+	fuseexport.OneProcForOneLoop(m, logger)
 	// A server of block I/O must not wait on the page cache of the device it
 	// serves: tell the kernel, as userspace block servers do. (After the
 	// mount, so that a refused export still says one line.) Refused, it
@@ -258,12 +148,12 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	}
 	logger.Info("exporting", "image", registry.Shown(image), "format", img.Format, "size", img.Image.Size(),
 		"mountpoint", m.Path(), "file", m.File(), "writable", f.writable, "growable", f.growable,
-		"kernel_cache", kernelCache)
+		"kernel_cache", expOpts.KernelCache)
 	notifyReady()
 
 	select {
 	case s := <-sigs:
-		stopping(logger, s, sigs, &jobs)
+		stopping(logger, s, sigs, jobs)
 		if err := m.Unmount(); err != nil {
 			return err
 		}
@@ -276,15 +166,6 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	return nil
 }
 
-// The kernel's cache is kept across opens (KeepCache) only for a qcow2
-// image: its image locks deny everybody else write access (QEMU's qcow2
-// driver unshares write and resize, read-only or not), so nothing but
-// this export changes it. A raw image's locks deny nothing (a VM with
-// share-rw, or any writer of a read-only export's image, may write it
-// beside us), and an NBD source's server has other clients: there every
-// open revalidates the cache (close-to-open, as QEMU's export, which
-// never keeps it).
-//
 // readAheadKB resolves --read-ahead: a size given, or auto: as far as
 // the device holding a local image reads ahead, and never less than one
 // maximal READ (1 MiB). The export is then read ahead as the image file
@@ -301,45 +182,77 @@ func (f *fuseFlags) readAheadKB(given int, image string) int {
 	return kb
 }
 
-// kernelCacheFor resolves --kernel-cache. auto is on for a local raw or
-// qcow2 image under --cache writeback: we hold its image locks, so only
-// this export changes it and the kernel's cache of it stays true. It is
-// off for the null device (nothing worth caching: writes are dropped),
-// for NBD sources (another client of the server may change the image,
-// and no lock of ours says otherwise), for --cache none (asked not to
-// cache) and beside --passthrough on/auto (the kernel reads the host
-// file itself there).
-func (f *fuseFlags) kernelCacheFor(image, format string) bool {
+// mountOptions checks the flags that say how to mount and serve, and
+// returns the mount's options and the read-ahead asked for (0: auto).
+func (f *fuseFlags) mountOptions(c *cobra.Command) (fuseexport.MountOptions, int, error) {
+	allowOther, err := fuseexport.ParseAllowOther(f.allowOther)
+	if err != nil {
+		return fuseexport.MountOptions{}, 0, usageError{err}
+	}
+	switch f.passthrough {
+	case "auto", "on", "off":
+	default:
+		return fuseexport.MountOptions{}, 0, usagef("unknown --passthrough mode %q (want auto, on or off)", f.passthrough)
+	}
+	if f.stats < 0 {
+		return fuseexport.MountOptions{}, 0, usagef("--stats %v: want a positive interval", f.stats)
+	}
+	pollFor, err := pollDuration(f.pollUs)
+	if err != nil {
+		return fuseexport.MountOptions{}, 0, err
+	}
+	if f.queues < 1 || f.queues > 64 {
+		return fuseexport.MountOptions{}, 0, usagef("--queues %d: want 1 to 64", f.queues)
+	}
+	uringMode, err := fuseexport.ParseURingMode(f.ioURing)
+	if err != nil {
+		return fuseexport.MountOptions{}, 0, usageError{err}
+	}
+	if f.uringDepth < 1 || f.uringDepth > 1024 {
+		return fuseexport.MountOptions{}, 0, usagef("--io-uring-depth %d: want 1 to 1024", f.uringDepth)
+	}
+	if uringMode == fuseexport.URingOn && f.pollUs > 0 {
+		return fuseexport.MountOptions{}, 0, usagef("--poll-us busy-polls /dev/fuse, which FUSE over io_uring does not read requests from; drop one of them")
+	}
+	if uringMode == fuseexport.URingAuto && f.pollUs > 0 {
+		uringMode = fuseexport.URingOff // the busy-poll asked for is the /dev/fuse loop's
+	}
+	if f.growable && !f.writable {
+		return fuseexport.MountOptions{}, 0, usagef("--growable needs --writable")
+	}
+	if err := f.parts.check(c); err != nil {
+		return fuseexport.MountOptions{}, 0, err
+	}
+	if f.parts.all && f.fileName == "" {
+		return fuseexport.MountOptions{}, 0, usagef("--partitions adds files beside the disk's: it needs --file-name NAME (or --partition N alone)")
+	}
+	if f.parts.all && f.kernelCache == "on" {
+		return fuseexport.MountOptions{}, 0, usagef("--kernel-cache on serves one file; --partitions serves several over the same bytes, each of which would not see the others' cached writes: drop one")
+	}
+	if (f.parts.all || f.parts.one > 0) && f.growable {
+		return fuseexport.MountOptions{}, 0, usagef("--growable and --partition(s): a partition's size is the partition table's")
+	}
 	switch f.kernelCache {
-	case "on":
-		return true
-	case "off":
-		return false
+	case "auto", "on", "off":
+	default:
+		return fuseexport.MountOptions{}, 0, usagef("unknown --kernel-cache mode %q (want auto, on or off)", f.kernelCache)
 	}
-	return (format == registry.Raw || format == registry.QCOW2) && !nbd.IsURI(image) &&
-		f.cache == "writeback" && f.passthrough == "off"
-}
-
-// moreProcsForRemote runs Go with twice as many Ps as CPUs for an export
-// of an HTTP(S) or S3 object (or an image whose backing file is one),
-// unless GOMAXPROCS says otherwise. Its FUSE loop waits in read(2) on
-// /dev/fuse while the requests it handed off wait on the network: with a
-// P for each CPU (Go's default), the P of the thread asleep in read(2) is idle until the
-// runtime's monitor takes it back (after 20 µs or more, which keeps the
-// monitor itself waking 50,000 times a second: 12% of the daemon's CPU in
-// a profile at queue depth 16), and the replies that came meanwhile wait
-// for it. With spare Ps they are run at once. Measured, cold reads from
-// nginx on loopback through FUSE on 2 CPUs, 4 Ps against 2, medians of
-// three sets of 6-8 alternating runs: random 4 KiB at queue depth 16
-// 1.03-1.14×, at queue depth 1 1.00-1.06×, sequential 1 MiB within the
-// noise (0.95-0.99×); 3 Ps gave 1.06× at queue depth 16. NBD sources,
-// whose loop waits on their sockets itself, keep the default. (Set so,
-// the Ps no longer follow a container's CPU limit as it changes.)
-func moreProcsForRemote(logger *slog.Logger) {
-	if os.Getenv("GOMAXPROCS") != "" {
-		return
+	readAheadKB := 0 // auto
+	if f.readAhead != "auto" {
+		n, err := registry.ParseSize(f.readAhead)
+		if err != nil || n < 4096 || n > 1<<30 {
+			return fuseexport.MountOptions{}, 0, usagef("--read-ahead %q: want auto or a size from 4K to 1G", f.readAhead)
+		}
+		readAheadKB = int(n / 1024)
 	}
-	n := 2 * runtime.GOMAXPROCS(0) // the CPUs, or a container's quota of them
-	runtime.GOMAXPROCS(n)
-	logger.Debug("remote image: Go runs with twice the CPUs' Ps", "GOMAXPROCS", n)
+	if f.kernelCache == "on" && f.passthrough == "on" {
+		return fuseexport.MountOptions{}, 0, usagef("--kernel-cache on and --passthrough on: the kernel would cache the export beside the host file it reads directly; drop one")
+	}
+	if c.Flags().Changed("file-name") {
+		if err := fuseexport.CheckFileName(f.fileName); err != nil {
+			return fuseexport.MountOptions{}, 0, usageError{err}
+		}
+	}
+	return fuseexport.MountOptions{AllowOther: allowOther, Queues: f.queues, PollFor: pollFor, NoPace: !f.adaptPoll,
+		Passthrough: f.passthrough, FileName: f.fileName, URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin}, readAheadKB, nil
 }

@@ -2,7 +2,7 @@ package main
 
 import (
 	"context"
-	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -155,13 +155,11 @@ func info(stdout io.Writer, args []string, f *inspectFlags, chain bool) error {
 			infos = append(infos, layer.Info())
 		}
 	}
+	if asJSON && chain {
+		return writeQemuJSON(stdout, infos)
+	}
 	if asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "    ")
-		if chain {
-			return enc.Encode(infos)
-		}
-		return enc.Encode(infos[0])
+		return writeQemuJSON(stdout, infos[0])
 	}
 	for i, info := range infos {
 		if i > 0 {
@@ -295,24 +293,54 @@ func mapCmd(stdout, stderr io.Writer, args []string, f *inspectFlags) error {
 		return err
 	}
 	if asJSON {
-		// One entry per line, like qemu-img, and still one JSON array.
-		var b strings.Builder
-		b.WriteString("[")
-		for i, e := range entries {
-			if i > 0 {
-				b.WriteString(",\n")
-			}
-			j, _ := json.Marshal(e)
-			b.Write(j)
-		}
-		b.WriteString("]\n")
-		_, err := io.WriteString(stdout, b.String())
-		return err
+		return writeMapJSON(stdout, entries)
 	}
-	fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", "Offset", "Length", "Mapped to", "File")
-	for _, e := range entries {
-		if e.Data && e.Offset != nil {
-			fmt.Fprintf(stdout, "%-16s%-16s%-16s%s\n", cHex(e.Start), cHex(e.Length), cHex(*e.Offset), e.file)
+	return writeMapHuman(stdout, entries)
+}
+
+// writeMapJSON prints the entries as qemu-img map --output=json does
+// (qemu-img.c, dump_map_entry): one entry a line, "{ " and ", " spaced.
+// An empty image is one entry of length 0, as qemu-img prints it.
+func writeMapJSON(w io.Writer, entries []mapEntry) error {
+	if len(entries) == 0 {
+		entries = []mapEntry{{}}
+	}
+	var b strings.Builder
+	b.WriteString("[")
+	for i, e := range entries {
+		if i > 0 {
+			b.WriteString(",\n")
+		}
+		fmt.Fprintf(&b, `{ "start": %d, "length": %d, "depth": %d, "present": %t, "zero": %t, "data": %t`,
+			e.Start, e.Length, e.Depth, e.Present, e.Zero, e.Data)
+		if e.Offset != nil {
+			fmt.Fprintf(&b, `, "offset": %d`, *e.Offset)
+		}
+		b.WriteString("}")
+	}
+	b.WriteString("]\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// errNoOffset is qemu-img map's refusal of data it cannot say where it
+// lies (compressed clusters, a streamOptimized vmdk's grains).
+var errNoOffset = errors.New("File contains external, encrypted or compressed clusters.")
+
+// writeMapHuman prints the entries qemu-img map's human format shows:
+// data that is not zeroes, where it lies. Data without an offset fails
+// the map there, as in qemu-img (which has printed the lines before it);
+// qemu-img counts an entry after the first that reads as zeroes as no
+// data, so only the first may fail for being zero data without offset.
+func writeMapHuman(w io.Writer, entries []mapEntry) error {
+	fmt.Fprintf(w, "%-16s%-16s%-16s%s\n", "Offset", "Length", "Mapped to", "File")
+	for i, e := range entries {
+		data := e.Data && (i == 0 || !e.Zero)
+		if data && e.Offset == nil {
+			return errNoOffset
+		}
+		if data && !e.Zero {
+			fmt.Fprintf(w, "%-16s%-16s%-16s%s\n", cHex(e.Start), cHex(e.Length), cHex(*e.Offset), e.file)
 		}
 	}
 	return nil
@@ -352,17 +380,35 @@ func mapImage(ctx context.Context, img formats.Image, progress func(done, total 
 		progress(off, size)
 	}
 	progress(size, size)
-	return list, nil
+	return padToSector(list, size), nil
+}
+
+// padToSector ends the map at a whole sector, as qemu-img's: QEMU sees a
+// raw file of 1000 bytes as 1024, the 24 past its end a hole that reads
+// as zeroes.
+func padToSector(list []mapEntry, size int64) []mapEntry {
+	n := len(list)
+	pad := (512 - size%512) % 512
+	if pad == 0 || n == 0 {
+		return list
+	}
+	last := list[n-1]
+	m := mapEntry{Start: size, Length: pad, Depth: last.Depth, Present: true, Zero: true, file: last.file}
+	if last.Offset != nil {
+		o := *last.Offset + last.Length
+		m.Offset = &o
+	}
+	if last.mergeable(m) {
+		list[n-1].Length += pad
+		return list
+	}
+	return append(list, m)
 }
 
 // progressTo returns a progress reporter that draws a percentage on w when
 // w is a terminal and the run has taken over a second; otherwise nothing.
 func progressTo(w io.Writer) func(done, total int64) {
-	f, ok := w.(*os.File)
-	if !ok {
-		return func(int64, int64) {}
-	}
-	if _, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS); err != nil {
+	if !progress.IsTerminal(w) {
 		return func(int64, int64) {}
 	}
 	start, last, shown := time.Now(), time.Time{}, false
@@ -370,7 +416,7 @@ func progressTo(w io.Writer) func(done, total int64) {
 		now := time.Now()
 		if done >= total {
 			if shown {
-				fmt.Fprint(f, "\r\033[K")
+				fmt.Fprint(w, "\r\033[K")
 			}
 			return
 		}
@@ -378,6 +424,6 @@ func progressTo(w io.Writer) func(done, total int64) {
 			return
 		}
 		last, shown = now, true
-		fmt.Fprintf(f, "\rmapping: %5.1f%%", 100*float64(done)/float64(total))
+		fmt.Fprintf(w, "\rmapping: %5.1f%%", 100*float64(done)/float64(total))
 	}
 }

@@ -52,12 +52,12 @@ func manCommand() *cobra.Command {
 
 // manBoolFlag is how cobra/doc writes a boolean flag: its default as if
 // it were the value it takes (--writable[=false]), where --help writes
-// --writable[=true|false].
+// --writable alone.
 var manBoolFlag = regexp.MustCompile(`(\\fB--[a-z0-9-]+\\fP)\[=(true|false)\]\n\t([^\n]*)`)
 
 // boolFlagsAsInHelp rewrites the boolean flags of the pages GenManTree
-// wrote for c and its commands into DIR as --help shows them, the
-// default said in words where it is true. Only a bool flag has a bare
+// wrote for c and its commands into DIR as --help shows them: the flag
+// alone, its default said in words where it is true. Only a bool flag has a bare
 // true or false in brackets (a string's value is quoted).
 func boolFlagsAsInHelp(c *cobra.Command, dir string) error {
 	page := filepath.Join(dir, strings.ReplaceAll(c.CommandPath(), " ", "-")+".1")
@@ -69,7 +69,7 @@ func boolFlagsAsInHelp(c *cobra.Command, dir string) error {
 	default:
 		out := manBoolFlag.ReplaceAllFunc(b, func(m []byte) []byte {
 			g := manBoolFlag.FindSubmatch(m)
-			line := string(g[1]) + "[=true|false]\n\t" + string(g[3])
+			line := string(g[1]) + "\n\t" + string(g[3])
 			if string(g[2]) == "true" {
 				line += " (default true)"
 			}

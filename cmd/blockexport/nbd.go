@@ -120,17 +120,11 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	for i, p := range parts {
 		extra[i] = nbd.Export{Name: p.name, Image: p.img}
 	}
-	sigs := stopSignals()
-	// The pidfile before the socket: a second instance given the same
-	// one is refused before it listens. (After stopSignals: a signal from
-	// here on is handled, so the pidfile is never left behind.)
-	stop, err := f.start()
+	sigs, jobs, stop, err := f.begin()
 	if err != nil {
 		return err
 	}
 	defer stop()
-	var jobs exitJobs
-	jobs.add(stop)
 
 	l, err := listenOn(network, addr)
 	if err != nil {
@@ -149,7 +143,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	notifyReady()
 	select {
 	case s := <-sigs:
-		stopping(logger, s, sigs, &jobs)
+		stopping(logger, s, sigs, jobs)
 	case err := <-served:
 		if err != nil {
 			return fmt.Errorf("nbd: %w", err)

@@ -201,6 +201,21 @@ func (f *serveFlags) open(spec string, o registry.Options) (*registry.Opened, er
 	return img, nil
 }
 
+// begin starts serving: the stop signals first, then the pidfile and the
+// CPU profile (a signal from here on is handled, so the pidfile is never
+// left behind), before the mount or the socket (a second instance given
+// the same pidfile is refused before either). The caller defers stop.
+func (f *serveFlags) begin() (chan stopSignal, *exitJobs, func(), error) {
+	sigs := stopSignals()
+	stop, err := f.start()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	jobs := &exitJobs{}
+	jobs.add(stop)
+	return sigs, jobs, stop, nil
+}
+
 // start runs what the serving process needs once the image is served:
 // the pidfile and the CPU profile. stop undoes them at exit.
 func (f *serveFlags) start() (stop func(), err error) {

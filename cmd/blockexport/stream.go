@@ -2,20 +2,15 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
-	"github.com/schollz/progressbar/v3"
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/jobs/stream"
 	"github.com/blockexport/blockexport/formats/registry"
 )
@@ -43,12 +38,12 @@ func streamCommand() *cobra.Command {
 		RunE: func(c *cobra.Command, args []string) error { return f.run(c, args) },
 	}
 	fs := c.Flags()
-	fs.StringVar(&f.progress, "progress", "auto", "progress: bar (a rate and an ETA), json (one line per step), none, or auto (bar when stdout is a terminal, else json)")
+	fs.StringVar(&f.progress, "progress", "auto", "progress: bar (a rate and an ETA, on stderr), json (one JSON object per step on stdout), percent (qemu-img's \"    (P/100%)\\r\" on stdout), none, or auto (bar when stderr is a terminal, else none)")
 	fs.BoolVarP(&f.bar, "progress-bar", "p", false, "the progress bar, terminal or not (--progress bar)")
 	fs.IntVar(&f.parallel, "parallel", 4, "copy requests in flight (each holds up to 1 MiB)")
 	f.src.register(c)
 	f.src.registerTLS(c, "")
-	completeWords(c, "progress", "auto", "bar", "json", "none")
+	completeWords(c, "progress", progress.Modes...)
 	return c
 }
 
@@ -57,7 +52,6 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		return usagef("stream: want one OVERLAY, got %d argument(s)", len(args))
 	}
 	overlay := args[0]
-	out := c.OutOrStdout()
 	mode := f.progress
 	if f.bar {
 		if c.Flags().Changed("progress") && mode != "bar" {
@@ -65,15 +59,9 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		}
 		mode = "bar"
 	}
-	switch mode {
-	case "auto":
-		mode = "json"
-		if fd, ok := out.(*os.File); ok && term.IsTerminal(int(fd.Fd())) {
-			mode = "bar"
-		}
-	case "bar", "json", "none":
-	default:
-		return usagef("unknown --progress %q (want auto, bar, json or none)", f.progress)
+	pm, err := progress.ParseMode(mode, c.ErrOrStderr())
+	if err != nil {
+		return usageError{err}
 	}
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("--parallel %d: want 1 to 64", f.parallel)
@@ -101,7 +89,7 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return fmt.Errorf("stream %s interrupted before copying anything (while checking for leaked clusters); run it again", overlay)
 		}
-		return fmt.Errorf("stream %s: %w", overlay, err)
+		return fmt.Errorf("stream: %w", err) // it names the image
 	}
 	if res.Corruptions > 0 || res.CheckErrors > 0 {
 		return fmt.Errorf("stream %s: the image is damaged (%d corruptions): see blockexport check", overlay, res.Corruptions)
@@ -120,17 +108,26 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 			img.Image.Close()
 		}
 	}()
-	p := newStreamProgress(mode, out)
-	err = stream.Stream(ctx, img.Image, stream.StreamOptions{Parallel: f.parallel, Planned: p.planned, Progress: p.step})
-	p.finish(err == nil)
+	p := progress.New(pm, "stream", c.OutOrStdout(), c.ErrOrStderr())
+	p.EveryStep = true
+	var planned bool
+	var done, total int64
+	err = stream.Stream(ctx, img.Image, stream.StreamOptions{Parallel: f.parallel,
+		Planned: func(n int64) { planned, total = true, n; p.Planned(n) },
+		Progress: func(off, n, d, durable, t int64) {
+			done = d
+			p.Step(progress.Line{Offset: off, Length: n, Done: d, Durable: &durable, Total: t})
+		}})
+	// Everything copied is durable once the header has changed.
+	p.Finish(err == nil, done)
 	switch {
 	case errors.Is(err, stream.ErrNoBackingFile):
 		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s has no backing file: nothing to stream\n", overlay)
 		return nil
-	case ctx.Err() != nil && errors.Is(err, context.Canceled) && !p.wasPlanned:
+	case ctx.Err() != nil && errors.Is(err, context.Canceled) && !planned:
 		return fmt.Errorf("stream %s interrupted before copying anything (while planning); run it again", overlay)
 	case ctx.Err() != nil && errors.Is(err, context.Canceled):
-		return fmt.Errorf("stream %s interrupted: %d of %d bytes copied and flushed; run it again to copy the rest", overlay, p.done, p.total)
+		return fmt.Errorf("stream %s interrupted: %d of %d bytes copied and flushed; run it again to copy the rest", overlay, done, total)
 	case err != nil:
 		return fmt.Errorf("stream %s: %w", overlay, err)
 	}
@@ -138,84 +135,8 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	if err := img.Image.Close(); err != nil {
 		return fmt.Errorf("stream %s: %w", overlay, err)
 	}
-	if mode != "json" {
-		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s copied %d bytes and no longer has a backing file\n", overlay, p.done)
+	if pm != progress.JSON {
+		fmt.Fprintf(c.ErrOrStderr(), "blockexport: stream: %s copied %d bytes and no longer has a backing file\n", overlay, done)
 	}
 	return nil
-}
-
-// streamProgress shows a stream's progress: a bar, or one JSON object a
-// line.
-type streamProgress struct {
-	mode        string
-	out         io.Writer
-	bar         *progressbar.ProgressBar
-	enc         *json.Encoder
-	start       time.Time
-	done, total int64
-	wasPlanned  bool // planned was called: total is known
-}
-
-func newStreamProgress(mode string, out io.Writer) *streamProgress {
-	return &streamProgress{mode: mode, out: out, enc: json.NewEncoder(out), start: time.Now()}
-}
-
-// streamStep is a JSON progress line.
-type streamStep struct {
-	Event  string `json:"event"`
-	Offset int64  `json:"offset,omitempty"`
-	Length int64  `json:"length,omitempty"`
-	Done   int64  `json:"done"`
-	// Durable: of done, the bytes a flush has made durable, which a
-	// rerun after a kill will not copy again.
-	Durable int64   `json:"durable"`
-	Total   int64   `json:"total"`
-	Rate    float64 `json:"bytes-per-second"`
-	ETA     float64 `json:"eta-seconds"`
-}
-
-func (p *streamProgress) planned(total int64) {
-	p.total, p.wasPlanned = total, true
-	switch p.mode {
-	case "bar":
-		p.bar = progressbar.NewOptions64(total, progressbar.OptionSetWriter(p.out), progressbar.OptionShowBytes(true),
-			progressbar.OptionSetPredictTime(true), progressbar.OptionShowCount(), progressbar.OptionSetDescription("stream"),
-			progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionFullWidth(),
-			progressbar.OptionOnCompletion(func() { fmt.Fprintln(p.out) }))
-	case "json":
-		p.enc.Encode(streamStep{Event: "planned", Total: total})
-	}
-}
-
-func (p *streamProgress) step(off, n, done, durable, total int64) {
-	p.done = done
-	switch p.mode {
-	case "bar":
-		p.bar.Set64(done)
-	case "json":
-		s := streamStep{Event: "step", Offset: off, Length: n, Done: done, Durable: durable, Total: total}
-		if el := time.Since(p.start).Seconds(); el > 0 && done > 0 {
-			s.Rate = float64(done) / el
-			s.ETA = float64(total-done) / s.Rate
-		}
-		p.enc.Encode(s)
-	}
-}
-
-func (p *streamProgress) finish(ok bool) {
-	switch p.mode {
-	case "bar":
-		if p.bar != nil {
-			if ok {
-				p.bar.Finish()
-			} else {
-				fmt.Fprintln(p.out)
-			}
-		}
-	case "json":
-		if ok {
-			// Everything copied is durable once the header has changed.
-			p.enc.Encode(streamStep{Event: "completed", Done: p.done, Durable: p.done, Total: p.total})
-		}
-	}
 }

@@ -437,12 +437,13 @@ func TestCompareAgreesWithQemuImg(t *testing.T) {
 	}
 }
 
-// -p without a terminal prints one JSON object per step on stdout,
-// ending at 100 percent, with the done bytes never going back.
-func TestConvertProgressIsJSONWithoutTerminal(t *testing.T) {
+// --progress json prints one JSON object per step on stdout, ending at
+// 100 percent, with the done bytes never going back (-p prints
+// qemu-img's percentages: TestConvertProgressAsQemuImg).
+func TestConvertProgressJSONWithTheFlag(t *testing.T) {
 	dir := t.TempDir()
 	src := convertSource(t, dir, "src.raw", 4<<20, 6)
-	cmd := exec.Command(harness.Bin, "convert", "-p", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
+	cmd := exec.Command(harness.Bin, "convert", "--progress", "json", "-O", "qcow2", src, filepath.Join(dir, "dst.qcow2"))
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()

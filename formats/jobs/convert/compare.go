@@ -131,13 +131,11 @@ type compareJob struct {
 // is the lowest one: reads run in parallel, but a difference found past
 // one still being looked for waits for it.
 func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (CompareResult, error) {
-	par := o.Parallel
-	if par <= 0 {
-		par = 8
+	if o.Parallel <= 0 {
+		o.Parallel = 8
 	}
-	chunk := o.Chunk
-	if chunk <= 0 {
-		chunk = 256 << 10
+	if o.Chunk <= 0 {
+		o.Chunk = 256 << 10
 	}
 	sa, sb := a.Size(), b.Size()
 	// QEMU sees sizes in whole sectors: a 1000-byte raw file and a
@@ -150,85 +148,101 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	c := &comparer{cancel: cancel, chunk: o.Chunk, first: -1,
+		bufs: make(chan []byte, 2*o.Parallel), sem: make(chan struct{}, o.Parallel)}
+	for range 2 * o.Parallel {
+		c.bufs <- nil // allocated on first use: small images stay small
+	}
+	statusAt, walkErr := c.walk(ctx, a, b, o)
+	c.wg.Wait()
+	switch {
+	case c.firstErr != nil:
+		return r, c.firstErr
+	case walkErr != nil:
+		return r, walkErr
+	case statusAt >= 0 && c.first < 0:
+		r.Identical, r.Mismatch, r.Offset = false, MismatchStatus, statusAt
+		return r, nil
+	case ctx.Err() != nil && c.first < 0:
+		return r, ctx.Err()
+	case c.first >= 0:
+		r.Identical, r.Mismatch, r.Offset = false, MismatchContent, c.first
+	}
+	return r, nil
+}
 
-	var (
-		mu       sync.Mutex
-		first    = int64(-1) // lowest content difference found
-		firstErr error
-		errOff   int64
-	)
-	found := func(off int64) {
-		mu.Lock()
-		if first < 0 || off < first {
-			first = off
-		}
-		mu.Unlock()
-	}
-	// done says the walk need not go on at off: past a difference found
-	// nothing can come first, and after an error nothing matters.
-	done := func(off int64) bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return firstErr != nil || first >= 0 && first <= off
-	}
-	bufs := make(chan []byte, 2*par)
-	for range 2 * par {
-		bufs <- nil // allocated on first use: small images stay small
-	}
-	getBuf := func(n int64) []byte {
-		p := <-bufs
-		if int64(cap(p)) < chunk {
-			p = aio.AlignedBuf(int(chunk), 4096) // for O_DIRECT hosts
-		}
-		return p[:n]
-	}
-	sem := make(chan struct{}, par)
-	var wg sync.WaitGroup
-	run := func(j compareJob) {
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			off, diff, err := compareChunk(ctx, j, getBuf, bufs)
-			mu.Lock()
-			if err != nil && (firstErr == nil || j.off < errOff) {
-				firstErr, errOff = err, j.off
-				cancel()
-			}
-			mu.Unlock()
-			if diff {
-				found(off)
-			}
-		}()
-	}
+// comparer runs a comparison's reads, several at once, and keeps the
+// lowest difference and the lowest error they find.
+type comparer struct {
+	cancel func()
+	chunk  int64
+	bufs   chan []byte
+	sem    chan struct{}
+	wg     sync.WaitGroup
 
-	total := max(sa, sb)
-	common := min(sa, sb)
+	mu       sync.Mutex
+	first    int64 // lowest content difference found, -1 for none
+	firstErr error
+	errOff   int64
+}
+
+// done says the walk need not go on at off: past a difference found
+// nothing can come first, and after an error nothing matters.
+func (c *comparer) done(off int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.firstErr != nil || c.first >= 0 && c.first <= off
+}
+
+func (c *comparer) getBuf(n int64) []byte {
+	p := <-c.bufs
+	if int64(cap(p)) < c.chunk {
+		p = aio.AlignedBuf(int(c.chunk), 4096) // for O_DIRECT hosts
+	}
+	return p[:n]
+}
+
+// run compares j once one of the reading slots is free.
+func (c *comparer) run(ctx context.Context, j compareJob) {
+	c.sem <- struct{}{}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		defer func() { <-c.sem }()
+		off, diff, err := compareChunk(ctx, j, c.getBuf, c.bufs)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if err != nil && (c.firstErr == nil || j.off < c.errOff) {
+			c.firstErr, c.errOff = err, j.off
+			c.cancel()
+		}
+		if diff && (c.first < 0 || off < c.first) {
+			c.first = off
+		}
+	}()
+}
+
+// walk goes through both images' block status in step and starts the
+// reads of what is not known to be zeroes on both sides. With o.Strict
+// it returns where the block status first differs (after the reads
+// before it are done), else -1.
+func (c *comparer) walk(ctx context.Context, a, b formats.Image, o CompareOptions) (int64, error) {
+	sa, sb := a.Size(), b.Size()
+	total, common := max(sa, sb), min(sa, sb)
 	wa, wb := &extentWalker{img: a}, &extentWalker{img: b}
-	var walkErr error
-	off := int64(0)
-	for off < total {
-		if done(off) {
-			break
-		}
-		if ctx.Err() != nil {
-			break
-		}
+	for off := int64(0); off < total && !c.done(off) && ctx.Err() == nil; {
 		var ea, eb formats.Extent
 		var err error
 		next := total
 		if off < sa {
 			if ea, err = wa.at(ctx, off); err != nil {
-				walkErr = fmt.Errorf("block status of the first image at %d: %w", off, err)
-				break
+				return -1, fmt.Errorf("block status of the first image at %d: %w", off, err)
 			}
 			next = min(next, end(ea))
 		}
 		if off < sb {
 			if eb, err = wb.at(ctx, off); err != nil {
-				walkErr = fmt.Errorf("block status of the second image at %d: %w", off, err)
-				break
+				return -1, fmt.Errorf("block status of the second image at %d: %w", off, err)
 			}
 			next = min(next, end(eb))
 		}
@@ -237,13 +251,9 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 		}
 		if o.Strict && statusOf(ea, sa) != statusOf(eb, sb) {
 			// A content difference before it is reported first, as
-			// qemu-img's in-order walk would: wait for the reads.
-			wg.Wait()
-			if first < 0 && firstErr == nil { // no reader is left to set them
-				r.Identical, r.Mismatch, r.Offset = false, MismatchStatus, off
-				return r, nil
-			}
-			break
+			// qemu-img's in-order walk would: the caller waits for the
+			// reads.
+			return off, nil
 		}
 		j := compareJob{off: off}
 		if off < sa && !zeroKnown(ea) {
@@ -252,35 +262,19 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 		if off < sb && !zeroKnown(eb) {
 			j.b = b
 		}
-		for p := off; p < next && (j.a != nil || j.b != nil); {
-			n := min(chunk-p%chunk, next-p)
+		for p := off; p < next && (j.a != nil || j.b != nil) && !c.done(p); {
+			n := min(c.chunk-p%c.chunk, next-p)
 			jj := j
 			jj.off, jj.n = p, n
-			run(jj)
+			c.run(ctx, jj)
 			p += n
-			if done(p) {
-				break
-			}
 		}
 		off = next
 		if o.Progress != nil {
 			o.Progress(off, total)
 		}
 	}
-	wg.Wait()
-	if firstErr != nil {
-		return r, firstErr
-	}
-	if walkErr != nil {
-		return r, walkErr
-	}
-	if err := ctx.Err(); err != nil && first < 0 {
-		return r, err
-	}
-	if first >= 0 {
-		r.Identical, r.Mismatch, r.Offset = false, MismatchContent, first
-	}
-	return r, nil
+	return -1, nil
 }
 
 // compareChunk reads one piece and returns the first differing sector's

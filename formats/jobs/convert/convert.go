@@ -58,14 +58,13 @@ type Options struct {
 	// 2 MiB, every byte went to memory and back, and a page-cached
 	// qcow2 to raw cost twice the CPU.
 	Chunk int64
-	// Progress is told the bytes done so far (from any goroutine, one
-	// call at a time).
+	// Progress is told how far the target holds the source (Stats.Done),
+	// from any goroutine, one call at a time.
 	Progress func(done, total int64)
 }
 
 // Stats say what a conversion did.
 type Stats struct {
-	Read, Written, Zeroed, Compressed int64
 	// Done is how far the target holds the source: every byte below it
 	// is converted (the rest may be in part).
 	Done int64
@@ -107,7 +106,6 @@ type engine struct {
 	stats    Stats
 	finished map[int64]int64 // chunks done past stats.Done: start -> end
 	err      error
-	doneB    int64
 }
 
 // Convert copies src into dst as qemu-img convert does. dst must be at
@@ -202,10 +200,8 @@ func (e *engine) finish(off, n int64) {
 		delete(e.finished, e.stats.Done)
 		e.stats.Done = end
 	}
-	e.doneB += n
-	done := e.doneB
 	if e.o.Progress != nil {
-		e.o.Progress(done, e.src.Size())
+		e.o.Progress(e.stats.Done, e.src.Size())
 	}
 	e.mu.Unlock()
 }
@@ -410,7 +406,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 		if err := e.dst.WriteZeroes(ctx, j.off, j.n, true); err != nil {
 			return fmt.Errorf("convert: write zeroes at %d (+%d): %w", j.off, j.n, err)
 		}
-		e.count(0, 0, j.n, 0)
 		e.finish(j.off, j.n)
 		return nil
 	}
@@ -433,12 +428,10 @@ func (e *engine) do(ctx context.Context, j job) error {
 			gap = j.src[i].end
 		}
 	}
-	var read int64
 	for _, s := range j.src {
 		if _, err := e.src.ReadAt(ctx, buf[s.start-j.off:s.end-j.off], s.start); err != nil {
 			return fmt.Errorf("convert: read the source at %d (+%d): %w", s.start, s.end-s.start, err)
 		}
-		read += s.end - s.start
 	}
 	var bbuf []byte
 	if j.backing {
@@ -472,7 +465,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 		return err
 	}
 	defer next()
-	var written, zeroed, compressed int64
 	ci := 0
 	for _, r := range runs {
 		switch r.act {
@@ -480,13 +472,11 @@ func (e *engine) do(ctx context.Context, j job) error {
 			if err := e.dst.WriteZeroes(ctx, r.start, r.end-r.start, e.o.Backing == nil); err != nil {
 				return fmt.Errorf("convert: write zeroes at %d (+%d): %w", r.start, r.end-r.start, err)
 			}
-			zeroed += r.end - r.start
 		case writeData:
 			if ct == nil {
 				if _, err := e.dst.WriteAt(ctx, buf[r.start-j.off:r.end-j.off], r.start); err != nil {
 					return fmt.Errorf("convert: write at %d (+%d): %w", r.start, r.end-r.start, err)
 				}
-				written += r.end - r.start
 				continue
 			}
 			for p := r.start; p < r.end; {
@@ -495,7 +485,6 @@ func (e *engine) do(ctx context.Context, j job) error {
 					if err := ct.WriteCompressed(ctx, comps[ci].data, p); err != nil {
 						return fmt.Errorf("convert: write the compressed cluster at %d: %w", p, err)
 					}
-					compressed += int64(len(comps[ci].data))
 					ci++
 					p = q
 					continue
@@ -509,12 +498,10 @@ func (e *engine) do(ctx context.Context, j job) error {
 				if _, err := e.dst.WriteAt(ctx, buf[p-j.off:q-j.off], p); err != nil {
 					return fmt.Errorf("convert: write at %d (+%d): %w", p, q-p, err)
 				}
-				written += q - p
 				p = q
 			}
 		}
 	}
-	e.count(read, written, zeroed, compressed)
 	e.finish(j.off, j.n)
 	return nil
 }
@@ -546,15 +533,6 @@ func (e *engine) compress(j job, buf []byte, runs []run) ([]comp, error) {
 		}
 	}
 	return comps, nil
-}
-
-func (e *engine) count(read, written, zeroed, compressed int64) {
-	e.mu.Lock()
-	e.stats.Read += read
-	e.stats.Written += written
-	e.stats.Zeroed += zeroed
-	e.stats.Compressed += compressed
-	e.mu.Unlock()
 }
 
 // readBacking fills p with the backing file's bytes at off: only its data

@@ -20,10 +20,16 @@ import (
 // that asks for FUSE passthrough gets none: the two exclude each other
 // (the daemon refuses both on), and that test is about passthrough. A
 // test's own --kernel-cache comes later on the command line and wins.
+// Unset, the exports run uncached (--kernel-cache off, where the daemon's
+// default is auto): the suite's first run checks the path every request
+// takes to us, the kernel-cached run (=on) the other.
 func kernelCacheArgs(args []string) []string {
 	v := os.Getenv("BLOCKEXPORT_KERNEL_CACHE")
-	if v == "" || slices.Contains(args, "--passthrough") {
+	if slices.Contains(args, "--passthrough") {
 		return nil
+	}
+	if v == "" {
+		v = "off"
 	}
 	return []string{"--kernel-cache", v}
 }

@@ -1,0 +1,122 @@
+package fuse
+
+import (
+	"log/slog"
+	"os"
+	"runtime"
+
+	"github.com/blockexport/blockexport/aio"
+)
+
+// Served is what Tune decides on: the image, and what the command line
+// asked.
+type Served struct {
+	// KernelCache is --kernel-cache: "on", "off" or "auto".
+	KernelCache string
+	// Raw, QCOW2, Null: the image's format; NBD: it is an NBD export;
+	// MayStall: it reads from remote storage (HTTP(S), S3).
+	Raw, QCOW2, Null, NBD, MayStall bool
+	// Direct: the host files are opened O_DIRECT (--cache none).
+	Direct bool
+	// Passthrough is --passthrough: "on", "off" or "auto".
+	Passthrough string
+	// Files: the export serves several files over the same bytes
+	// (--partitions).
+	Files int
+	// Hosts are the image's local files.
+	Hosts []aio.File
+}
+
+// Tune decides what Options an export of s gets for the kernel's cache
+// (KernelCache, KeepCache) and applies what goes with it: drop-behind on
+// the host files, and the Go processors for a remote image.
+//
+// auto turns the kernel cache on for a local raw or qcow2 image read
+// through the host's page cache: we hold its image locks, so the cache
+// stays true as far as the locks reach (a raw image's locks deny other
+// writers nothing: see KeepCache below). It stays off for the null
+// device (its writes are dropped: a cache would hand back what was
+// written, where the device reads zeroes), for NBD sources (another
+// client of the server may change the image), for --cache none (asked
+// not to cache), beside --passthrough (the kernel reads the host file
+// itself there) and for several files over the same bytes (none would
+// see the others' cached writes).
+//
+// KeepCache keeps the cache across opens only for a qcow2 image: its
+// locks deny everybody else write access (QEMU's qcow2 driver unshares
+// write and resize), so nothing but this export changes it. A raw
+// image's locks deny nothing (a VM with share-rw may write it beside
+// us) and an NBD server has other clients: there every open revalidates
+// the cache (close-to-open, as QEMU's export, which never keeps it).
+func Tune(o Options, s Served, logger *slog.Logger) Options {
+	switch s.KernelCache {
+	case "on":
+		o.KernelCache = true
+	case "auto":
+		o.KernelCache = (s.Raw || s.QCOW2) && !s.NBD && !s.Direct && s.Passthrough == "off"
+	}
+	if o.KernelCache && s.Null {
+		logger.Info("--kernel-cache on: the null device keeps no data, so it is served uncached")
+		o.KernelCache = false
+	}
+	if s.Files > 1 {
+		o.KernelCache = false
+	}
+	o.KeepCache = o.KernelCache && s.QCOW2 && !s.NBD
+	if o.KernelCache && !s.Direct {
+		dropBehind(s.Hosts, logger)
+	}
+	if s.MayStall && !s.NBD {
+		moreProcsForRemote(logger)
+	}
+	return o
+}
+
+// dropBehind makes the host files drop what they read, under the kernel
+// cache: one cache, not two (keeping their read-ahead, which --cache
+// none gives up).
+func dropBehind(hosts []aio.File, logger *slog.Logger) {
+	n := 0
+	for _, h := range hosts {
+		if aio.SetDropBehind(h) {
+			n++
+		}
+	}
+	if n < len(hosts) {
+		logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(hosts), "drop-behind", n)
+	}
+}
+
+// moreProcsForRemote runs Go with twice as many Ps as CPUs for an export
+// of an HTTP(S) or S3 object, unless GOMAXPROCS says otherwise: its FUSE
+// loop waits in read(2) on /dev/fuse while the requests it handed off
+// wait on the network, and with a P per CPU the replies that came
+// meanwhile wait for the runtime to take the sleeping thread's P back
+// (docs/design.md, Go processors for remote images). NBD sources, whose
+// loop waits on their sockets itself, keep the default.
+func moreProcsForRemote(logger *slog.Logger) {
+	if os.Getenv("GOMAXPROCS") != "" {
+		return
+	}
+	n := 2 * runtime.GOMAXPROCS(0) // the CPUs, or a container's quota of them
+	runtime.GOMAXPROCS(n)
+	logger.Debug("remote image: Go runs with twice the CPUs' Ps", "GOMAXPROCS", n)
+}
+
+// OneProcForOneLoop sets GOMAXPROCS=1 where one loop serves /dev/fuse and
+// reads the image's completions too (m.ReadsCompletions), unless the
+// environment sets it: the thread then does all the work, and more Ps
+// only wake threads to steal the requests each reply makes runnable
+// (docs/design.md, One loop for an NBD source).
+func OneProcForOneLoop(m *Mount, logger *slog.Logger) {
+	if !m.ReadsCompletions() {
+		return
+	}
+	procs := "GOMAXPROCS=1"
+	if os.Getenv("GOMAXPROCS") == "" {
+		runtime.GOMAXPROCS(1)
+	} else {
+		procs = "GOMAXPROCS from the environment"
+	}
+	logger.Info("the /dev/fuse loop reads the NBD replies too: one thread serves the export", "procs", procs)
+}
