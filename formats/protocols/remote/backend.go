@@ -16,6 +16,9 @@ package remote
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -98,4 +101,43 @@ type temporaryError struct{ err error }
 func (e temporaryError) Error() string { return e.err.Error() }
 func (e temporaryError) Unwrap() []error {
 	return []error{e.err, ErrTemporary}
+}
+
+// ParseContentRange parses a 206 reply's "bytes FIRST-LAST/TOTAL" (TOTAL
+// may be "*": -1), for a backend to check the reply against its request.
+// Every number is a plain decimal within int64, FIRST <= LAST, and LAST <
+// TOTAL when TOTAL is known.
+func ParseContentRange(s string) (first, last, total int64, err error) {
+	rest, ok := strings.CutPrefix(s, "bytes ")
+	if !ok {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: not bytes", s)
+	}
+	span, tot, ok := strings.Cut(rest, "/")
+	if !ok {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: no total", s)
+	}
+	a, z, ok := strings.Cut(span, "-")
+	if !ok {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: no range", s)
+	}
+	num := func(d string) (int64, bool) {
+		if d == "" || len(d) > 19 || strings.TrimLeft(d, "0123456789") != "" {
+			return 0, false
+		}
+		v, err := strconv.ParseInt(d, 10, 64)
+		return v, err == nil
+	}
+	if first, ok = num(a); !ok {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad first byte", s)
+	}
+	if last, ok = num(z); !ok || last < first {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad last byte", s)
+	}
+	if tot == "*" {
+		return first, last, -1, nil
+	}
+	if total, ok = num(tot); !ok || last >= total {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad total", s)
+	}
+	return first, last, total, nil
 }

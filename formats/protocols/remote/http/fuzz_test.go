@@ -50,7 +50,7 @@ func FuzzCheckPartial(f *testing.F) {
 		if err != nil {
 			return
 		}
-		first, last, total, perr := ParseContentRange(cr)
+		first, last, total, perr := remote.ParseContentRange(cr)
 		if perr != nil || first != off || last != off+n-1 || total >= 0 && total != size || cl >= 0 && cl != n {
 			t.Fatalf("accepted %q (Content-Length %d) for %d+%d of %d", cr, cl, off, n, size)
 		}
@@ -89,7 +89,7 @@ func (f *fakeReply) RoundTrip(r *nethttp.Request) (*nethttp.Response, error) {
 func (f *fakeReply) body() []byte {
 	start := f.bodyOff
 	claim, _, _ := strings.Cut(strings.ReplaceAll(f.cr, "\r", "\n"), "\n")
-	if first, _, _, err := ParseContentRange(claim); err == nil && first < int64(len(f.data)) {
+	if first, _, _, err := remote.ParseContentRange(claim); err == nil && first < int64(len(f.data)) {
 		start = int(first)
 	}
 	body := make([]byte, 0, max(f.bodyLen, 0))

@@ -266,7 +266,7 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	}
 	switch resp.StatusCode {
 	case nethttp.StatusPartialContent:
-		first, last, total, err := ParseContentRange(resp.Header.Get("Content-Range"))
+		first, last, total, err := remote.ParseContentRange(resp.Header.Get("Content-Range"))
 		if err != nil || first != 0 || last != 0 || total < 1 {
 			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: Content-Range %q", b.name, errLie, resp.Header.Get("Content-Range"))
 		}
@@ -457,7 +457,7 @@ func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]
 // absent) against the request for n bytes at off of an object of size
 // bytes.
 func CheckPartial(contentRange string, contentLength, off, n, size int64) error {
-	first, last, total, err := ParseContentRange(contentRange)
+	first, last, total, err := remote.ParseContentRange(contentRange)
 	if err != nil {
 		return fmt.Errorf("%w: %v", errLie, err)
 	}
@@ -472,44 +472,6 @@ func CheckPartial(contentRange string, contentLength, off, n, size int64) error 
 		return fmt.Errorf("%w: %d bytes asked, Content-Length %d", errLie, n, contentLength)
 	}
 	return nil
-}
-
-// ParseContentRange parses "bytes FIRST-LAST/TOTAL" (TOTAL may be "*":
-// -1). Every number is a plain decimal within int64, FIRST <= LAST, and
-// LAST < TOTAL when TOTAL is known.
-func ParseContentRange(s string) (first, last, total int64, err error) {
-	rest, ok := strings.CutPrefix(s, "bytes ")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: not bytes", s)
-	}
-	span, tot, ok := strings.Cut(rest, "/")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: no total", s)
-	}
-	a, z, ok := strings.Cut(span, "-")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: no range", s)
-	}
-	num := func(d string) (int64, bool) {
-		if d == "" || len(d) > 19 || strings.TrimLeft(d, "0123456789") != "" {
-			return 0, false
-		}
-		v, err := strconv.ParseInt(d, 10, 64)
-		return v, err == nil
-	}
-	if first, ok = num(a); !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad first byte", s)
-	}
-	if last, ok = num(z); !ok || last < first {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad last byte", s)
-	}
-	if tot == "*" {
-		return first, last, -1, nil
-	}
-	if total, ok = num(tot); !ok || last >= total {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad total", s)
-	}
-	return first, last, total, nil
 }
 
 var _ remote.VectorBackend = (*Backend)(nil)

@@ -539,31 +539,14 @@ func (b *Backend) checkReply(out *s3.GetObjectOutput, obj remote.Object, off int
 	return nil
 }
 
-// parseContentRange reads "bytes FIRST-LAST/TOTAL" (a "*" total is refused:
-// the size was pinned and must be restated).
+// parseContentRange is remote.ParseContentRange without a "*" total: the
+// size was pinned and must be restated.
 func parseContentRange(s string) (first, last, total int64, err error) {
-	bad := func() (int64, int64, int64, error) {
-		return 0, 0, 0, fmt.Errorf("unreadable Content-Range %q", s)
+	first, last, total, err = remote.ParseContentRange(s)
+	if err == nil && total < 0 {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: no total", s)
 	}
-	rest, ok := strings.CutPrefix(s, "bytes ")
-	if !ok {
-		return bad()
-	}
-	rng, tot, ok := strings.Cut(rest, "/")
-	if !ok {
-		return bad()
-	}
-	a, z, ok := strings.Cut(rng, "-")
-	if !ok {
-		return bad()
-	}
-	first, err1 := strconv.ParseInt(a, 10, 64)
-	last, err2 := strconv.ParseInt(z, 10, 64)
-	total, err3 := strconv.ParseInt(tot, 10, 64)
-	if err1 != nil || err2 != nil || err3 != nil || first < 0 || last < first || total <= last {
-		return bad()
-	}
-	return first, last, total, nil
+	return first, last, total, err
 }
 
 var _ remote.VectorBackend = (*Backend)(nil)
