@@ -109,7 +109,7 @@ func (s *s3tServer) start() {
 		"--region", "us-east-1", "--quiet", "posix", s.root)
 	// The server's own environment must not carry the variables it reads
 	// its root keys from: they are given on the command line.
-	s.cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	s.cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME"), "AWS_EC2_METADATA_DISABLED=true"}
 	s.cmd.Stdout, s.cmd.Stderr = lf, lf
 	if err := s.cmd.Start(); err != nil {
 		t.Fatal(err)

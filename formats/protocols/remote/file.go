@@ -3,8 +3,7 @@ package remote
 // The File: an object read through a Backend as a read-only aio.File.
 // Its parts live beside it: the block cache (cache.go), readahead and the
 // neighbourhood fetch (readahead.go), the GETs and the connections they
-// take (fetch.go), retries and deadlines (retry.go), and the errors a
-// read returns (errors.go).
+// take (fetch.go), retries and the errors a read ends in (retry.go).
 
 import (
 	"context"

@@ -29,8 +29,10 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws/retry"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/config"
+	"github.com/aws/aws-sdk-go-v2/feature/ec2/imds"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	"github.com/aws/smithy-go"
+	"github.com/aws/smithy-go/logging"
 	smithyhttp "github.com/aws/smithy-go/transport/http"
 
 	"github.com/blockexport/blockexport/formats/protocols/remote"
@@ -65,6 +67,9 @@ type Options struct {
 	CAFile string
 	// DialTimeout bounds one TCP connect; 0 means 10 s.
 	DialTimeout time.Duration
+	// dial, when set, replaces the transport's dialer (tests: an endpoint
+	// whose name does not resolve, without a DNS lookup).
+	dial func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 // Backend reads one object. It is safe for concurrent use.
@@ -74,6 +79,8 @@ type Backend struct {
 	bucket string
 	key    string
 	name   string
+	// awsEndpoint: no endpoint was given, the SDK chose AWS's.
+	awsEndpoint bool
 }
 
 // ErrBadURL marks a name that is not a usable s3://BUCKET/KEY.
@@ -164,6 +171,9 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 			// a transparently inflated body would have a length that
 			// does not match the range asked.
 			tr.DisableCompression = true
+			if opts.dial != nil {
+				tr.DialContext = opts.dial
+			}
 		})
 	cfg, err := config.LoadDefaultConfig(ctx,
 		config.WithHTTPClient(hc),
@@ -175,6 +185,12 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 		// The whole-object checksums S3 keeps do not cover a range.
 		config.WithResponseChecksumValidation(aws.ResponseChecksumValidationWhenRequired),
 		config.WithRequestChecksumCalculation(aws.RequestChecksumCalculationWhenRequired),
+		// Credentials come from the environment and the shared files
+		// only: the EC2 instance metadata service, the SDK's last
+		// resort, is a network address the user never named.
+		config.WithEC2IMDSClientEnableState(imds.ClientDisabled),
+		// What goes wrong is said in the error, not in SDK log lines.
+		config.WithLogger(logging.Nop{}),
 	)
 	if err != nil {
 		// The SDK's message names the file or variable at fault, never
@@ -200,6 +216,7 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 		cfg.HTTPClient = bc.Freeze()
 	}
 	var endpointErr error
+	awsEndpoint := false
 	client := s3.NewFromConfig(cfg, func(o *s3.Options) {
 		o.Retryer = aws.NopRetryer{}
 		o.RetryMaxAttempts = 1
@@ -209,6 +226,7 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 			o.BaseEndpoint = &ep
 		}
 		o.UsePathStyle = opts.PathStyle
+		awsEndpoint = o.BaseEndpoint == nil
 		if o.BaseEndpoint != nil {
 			// o.BaseEndpoint is here whichever way it was given: the
 			// flag, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the
@@ -226,7 +244,7 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 	if endpointErr != nil {
 		return nil, fmt.Errorf("%s: %w", name, endpointErr)
 	}
-	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name}, nil
+	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name, awsEndpoint: awsEndpoint}, nil
 }
 
 // localEndpoint says whether an endpoint's host is an IP address or
@@ -296,6 +314,13 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 
 // openError turns a failed HeadObject into one line.
 func (b *Backend) openError(ctx context.Context, err error) error {
+	if credentialsError(err) {
+		return fmt.Errorf("%s: no credentials found (looked in %s)", b.name, credentialPlaces())
+	}
+	var dnsErr *net.DNSError
+	if b.awsEndpoint && errors.As(err, &dnsErr) {
+		return fmt.Errorf("%s: no endpoint given, and AWS S3's does not resolve (%v): for another S3-compatible store, pass --s3-endpoint URL (or set AWS_ENDPOINT_URL_S3)", b.name, dnsErr)
+	}
 	if e := classify(err); errors.Is(e, remote.ErrTemporary) {
 		return fmt.Errorf("%s: %w", b.name, e)
 	}
@@ -334,8 +359,6 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 		}
 		if status != 0 {
 			why = "the server answered HTTP " + strconv.Itoa(status)
-		} else if credentialsError(err) {
-			why = "no usable credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the shared credentials file"
 		} else {
 			why = sdkMessage(err)
 		}
@@ -356,6 +379,29 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 func credentialsError(err error) bool {
 	return strings.Contains(err.Error(), "failed to retrieve credentials") ||
 		strings.Contains(err.Error(), "failed to refresh cached credentials")
+}
+
+// credentialPlaces says where the SDK's configuration looked for
+// credentials, as New builds it: the environment's keys, then the profile
+// in the shared credentials and config files.
+func credentialPlaces() string {
+	profile, from := "default", "AWS_PROFILE unset"
+	for _, k := range []string{"AWS_PROFILE", "AWS_DEFAULT_PROFILE"} {
+		if v := os.Getenv(k); v != "" {
+			profile, from = v, k
+			break
+		}
+	}
+	file := func(env, def string) string {
+		if v := os.Getenv(env); v != "" {
+			return v + " (" + env + ")"
+		}
+		return def
+	}
+	return fmt.Sprintf("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile %q (%s) in %s and %s; "+
+		"the EC2 instance metadata service is never asked", profile, from,
+		file("AWS_SHARED_CREDENTIALS_FILE", config.DefaultSharedCredentialsFilename()),
+		file("AWS_CONFIG_FILE", config.DefaultSharedConfigFilename()))
 }
 
 // sdkMessage is the innermost error's text, without the SDK's operation
@@ -401,8 +447,7 @@ func classify(err error) error {
 		return err
 	}
 	if credentialsError(err) {
-		// No credentials anywhere (the EC2 metadata service, tried
-		// last, may time out): the user's configuration, not the
+		// No credentials anywhere: the user's configuration, not the
 		// network; retrying only delays the line that says so.
 		return err
 	}
