@@ -15,10 +15,10 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// TestRvChunkedRangeWithoutTerminator: a 206 sent chunked that carries
+// TestChunkedRangeWithoutTerminator: a 206 sent chunked that carries
 // the whole range but never its last chunk (the connection left open):
 // the read completes when the asked bytes are in, not at the timeout.
-func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
+func TestChunkedRangeWithoutTerminator(t *testing.T) {
 	const size = 1 << 20
 	var mu sync.Mutex
 	var held []func()
@@ -61,10 +61,10 @@ func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
 	}
 }
 
-// TestRvStrictIfUnmodifiedSince: a server without ETags that refuses an
+// TestStrictIfUnmodifiedSince: a server without ETags that refuses an
 // If-Unmodified-Since equal to the object's time (as versitygw 1.8.0
 // does) still serves it; a reply with another Last-Modified is ErrChanged.
-func TestRvStrictIfUnmodifiedSince(t *testing.T) {
+func TestStrictIfUnmodifiedSince(t *testing.T) {
 	const size = 256 << 10
 	mtime := time.Unix(1700000000, 0)
 	var other bool
@@ -108,11 +108,11 @@ func TestRvStrictIfUnmodifiedSince(t *testing.T) {
 	}
 }
 
-// TestRvKeptAliveConnectionsClosedByTheServer: the range GETs' own client
+// TestKeptAliveConnectionsClosedByTheServer: the range GETs' own client
 // keeps connections between requests; one the server closed meanwhile
 // (its idle timeout) is replaced at once, not reported as a failure, and
 // the bytes are right whether the body came in one read or many.
-func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
+func TestKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 	const size = 3 << 20
 	l := &liar{data: make([]byte, size), etag: `"v1"`}
 	for i := range l.data {
@@ -151,12 +151,12 @@ func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 	}
 }
 
-// TestRvUnaskedReplyOnAKeptConnection: a server that sends, after a
+// TestUnaskedReplyOnAKeptConnection: a server that sends, after a
 // range's reply, a second reply no request asked for (a 206 for the
 // range read next, of zeroes) on the connection it keeps open: the
 // connection is not used again, and the next range has the object's
 // bytes, not the unasked reply's.
-func TestRvUnaskedReplyOnAKeptConnection(t *testing.T) {
+func TestUnaskedReplyOnAKeptConnection(t *testing.T) {
 	const size = 1 << 20
 	var mu sync.Mutex
 	var held []func()
