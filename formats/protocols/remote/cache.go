@@ -1,9 +1,6 @@
 package remote
 
-// The block cache: fixed-size blocks of the object, each loading until its
-// GET completes, then loaded; a partial block holds only the pages a random
-// read asked for. Blocks are kept in LRU order within the capacity, their
-// buffers recycled, and fresh buffers made ahead of need while it grows.
+// The block cache: blocks loading, then loaded, in LRU order within the capacity.
 
 import (
 	"golang.org/x/sys/unix"

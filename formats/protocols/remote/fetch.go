@@ -1,9 +1,6 @@
 package remote
 
-// Fetching: runs of missing blocks become range GETs of up to maxGet, run
-// by the reader itself (a lone reader's own) or by reused fetching
-// goroutines, each holding one of the connection slots, readers' own
-// fetches served before readahead.
+// Fetching: range GETs of missing blocks, each holding a connection slot.
 
 import (
 	"context"

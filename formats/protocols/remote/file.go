@@ -1,9 +1,7 @@
 package remote
 
-// The File: an object read through a Backend as a read-only aio.File.
-// Its parts live beside it: the block cache (cache.go), readahead and the
-// neighbourhood fetch (readahead.go), the GETs and the connections they
-// take (fetch.go), retries and the errors a read ends in (retry.go).
+// The File, an object as a read-only aio.File; beside it the block cache
+// (cache.go), readahead (readahead.go), the GETs (fetch.go) and retries (retry.go).
 
 import (
 	"context"
@@ -132,7 +130,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 	f.loneCtx = Lone(f.ctx)
 	obj, err := f.stat(ctx)
 	if err == nil && obj.Size < 0 {
-		err = fmt.Errorf("%s: size %d: %w", f.name, obj.Size, errBadReply)
+		err = fmt.Errorf("%s: size %d: %w", f.name, obj.Size, ErrBadReply)
 	}
 	if err != nil {
 		f.cancel()
@@ -148,15 +146,11 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 // stat is Backend.Stat with the retries a read gets.
 func (f *File) stat(ctx context.Context) (Object, error) {
 	var obj Object
-	err := f.retry(ctx, time.Now().Add(f.timeout()), func(ctx context.Context) error {
-		var err error
+	err := f.retry(ctx, time.Now().Add(f.timeout()), func(ctx context.Context) (err error) {
 		obj, err = f.b.Stat(ctx)
 		return err
 	})
-	if err != nil {
-		return Object{}, err // the backend's errors name the object
-	}
-	return obj, nil
+	return obj, err // the backend's errors name the object
 }
 
 // Object is what Open pinned.
@@ -168,29 +162,17 @@ func (f *File) Size() int64 { return f.obj.Size }
 // Gets counts the range requests made (not their retries).
 func (f *File) Gets() int64 { return f.gets.Load() }
 
-func (f *File) Fd() int { return -1 }
-
-func (f *File) Name() string { return f.name }
-
+func (f *File) Fd() int              { return -1 }
+func (f *File) Name() string         { return f.name }
 func (f *File) Backend() aio.Backend { return aio.Backend("remote") }
 
-func (f *File) WriteAt(context.Context, []byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-
-func (f *File) WritevAt(context.Context, [][]byte, int64) (int, error) {
-	return 0, formats.ErrReadOnly
-}
-
-func (f *File) TryWriteAt([]byte, int64) (bool, error) { return true, formats.ErrReadOnly }
-
-func (f *File) Fallocate(context.Context, uint32, int64, int64) error {
-	return formats.ErrReadOnly
-}
+func (f *File) WriteAt(context.Context, []byte, int64) (int, error)    { return 0, formats.ErrReadOnly }
+func (f *File) WritevAt(context.Context, [][]byte, int64) (int, error) { return 0, formats.ErrReadOnly }
+func (f *File) TryWriteAt([]byte, int64) (bool, error)                 { return true, formats.ErrReadOnly }
+func (f *File) Fallocate(context.Context, uint32, int64, int64) error  { return formats.ErrReadOnly }
 
 // Fsync and Fdatasync have nothing to make durable: nothing is written.
-func (f *File) Fsync(context.Context) error { return nil }
-
+func (f *File) Fsync(context.Context) error     { return nil }
 func (f *File) Fdatasync(context.Context) error { return nil }
 
 func (f *File) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
@@ -353,7 +335,5 @@ func (f *File) Close() error {
 }
 
 var _ aio.File = (*File)(nil)
-
 var _ formats.Lender = (*File)(nil)
-
 var _ aio.Sized = (*File)(nil)

@@ -106,7 +106,7 @@ func TestInlineFetchGivesItsConnectionBack(t *testing.T) {
 				return
 			}
 			if !bytes.Equal(q, m.data[off:off+4096]) {
-				errs <- errBadReply
+				errs <- ErrBadReply
 			}
 		}()
 	}
@@ -186,7 +186,7 @@ func TestFailedInlineGetGivesItsConnectionBack(t *testing.T) {
 			_, err := f.ReadAt(ctx, q, off)
 			cancel()
 			if err == nil && !bytes.Equal(q, m.data[off:off+4096]) {
-				err = errBadReply
+				err = ErrBadReply
 			}
 			if err != nil {
 				done <- err

@@ -1,8 +1,6 @@
 package remote
 
-// Readahead and the neighbourhood fetch: reads are followed as streams; a
-// stream that goes on earns readahead, growing with it, and a read near
-// earlier ones that starts none brings its aligned neighbourhood along.
+// Readahead: reads followed as streams, and the neighbourhood fetch.
 
 const (
 	// Readahead starts at initWindow once a reader is seen reading on from

@@ -1,9 +1,6 @@
 package remote
 
-// Retries, deadlines and the errors a read ends in: a fetch retries
-// temporary failures with backoff until the reconnect timeout (counted from
-// when it was asked for or from the last request that succeeded, whichever
-// is later), then fails with an IOError, EIO whatever the cause.
+// Retries up to the reconnect timeout, and the errors a read ends in.
 
 import (
 	"context"
@@ -69,8 +66,6 @@ func (f *File) retry(ctx context.Context, deadline time.Time, op func(context.Co
 	}
 }
 
-var errBadReply = errors.New("server's reply makes no sense")
-
 var errClosed = errors.New("remote file closed")
 
 func (f *File) closedError() error { return fmt.Errorf("%s: %w", f.name, errClosed) }
@@ -97,7 +92,6 @@ type IOError struct {
 }
 
 func (e *IOError) Error() string { return e.msg }
-
 func (e *IOError) Unwrap() []error {
 	if e.changed {
 		return []error{unix.EIO, ErrChanged}

@@ -10,6 +10,7 @@
 package s3
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -40,10 +41,6 @@ import (
 
 // Scheme is the URL scheme this backend serves.
 const Scheme = "s3"
-
-// MaxSize is the largest object served (as for http sources): offsets
-// and lengths stay far from int64's end whatever a format adds to them.
-const MaxSize = 1 << 62
 
 // defaultRegion is used when no region is configured anywhere: S3-compatible
 // stores mostly ignore it, but SigV4 needs one to sign with.
@@ -216,7 +213,6 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 		cfg.HTTPClient = bc.Freeze()
 	}
 	var endpointErr error
-	awsEndpoint := false
 	client := s3.NewFromConfig(cfg, func(o *s3.Options) {
 		o.Retryer = aws.NopRetryer{}
 		o.RetryMaxAttempts = 1
@@ -226,7 +222,6 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 			o.BaseEndpoint = &ep
 		}
 		o.UsePathStyle = opts.PathStyle
-		awsEndpoint = o.BaseEndpoint == nil
 		if o.BaseEndpoint != nil {
 			// o.BaseEndpoint is here whichever way it was given: the
 			// flag, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL or the
@@ -244,7 +239,8 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 	if endpointErr != nil {
 		return nil, fmt.Errorf("%s: %w", name, endpointErr)
 	}
-	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name, awsEndpoint: awsEndpoint}, nil
+	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name,
+		awsEndpoint: client.Options().BaseEndpoint == nil}, nil
 }
 
 // localEndpoint says whether an endpoint's host is an IP address or
@@ -252,23 +248,13 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 func localEndpoint(ep string) (bool, error) {
 	u, err := url.Parse(ep)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return false, fmt.Errorf("S3 endpoint %q is not an http:// or https:// URL", redactURL(ep))
+		return false, fmt.Errorf("S3 endpoint %q is not an http:// or https:// URL", remote.Redact(ep))
 	}
 	if u.User != nil {
-		return false, fmt.Errorf("S3 endpoint %q has user information: give credentials the AWS way (environment or shared files)", redactURL(ep))
+		return false, fmt.Errorf("S3 endpoint %q has user information: give credentials the AWS way (environment or shared files)", remote.Redact(ep))
 	}
 	h := u.Hostname()
 	return h == "localhost" || strings.HasSuffix(h, ".localhost") || net.ParseIP(h) != nil, nil
-}
-
-// redactURL drops the user information from a URL that is to be shown.
-func redactURL(s string) string {
-	u, err := url.Parse(s)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	u.User = nil
-	return u.String()
 }
 
 // String names the object: s3://BUCKET/KEY, never an endpoint's secret or
@@ -294,8 +280,8 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	if out.ContentLength == nil || *out.ContentLength < 0 {
 		return remote.Object{}, fmt.Errorf("%s: the server gave no object size", b.name)
 	}
-	if *out.ContentLength > MaxSize {
-		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(MaxSize))
+	if *out.ContentLength > remote.MaxSize {
+		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(remote.MaxSize))
 	}
 	obj := remote.Object{Size: *out.ContentLength}
 	if out.ETag != nil {
@@ -314,7 +300,9 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 
 // openError turns a failed HeadObject into one line.
 func (b *Backend) openError(ctx context.Context, err error) error {
-	if credentialsError(err) {
+	if credentialsError(err) && strings.Contains(err.Error(), "EC2 IMDS") {
+		// The SDK's chain ran out at its last resort, which New turns
+		// off: nothing is configured (else the SDK's message says what failed).
 		return fmt.Errorf("%s: no credentials found (looked in %s)", b.name, credentialPlaces())
 	}
 	var dnsErr *net.DNSError
@@ -381,27 +369,14 @@ func credentialsError(err error) bool {
 		strings.Contains(err.Error(), "failed to refresh cached credentials")
 }
 
-// credentialPlaces says where the SDK's configuration looked for
-// credentials, as New builds it: the environment's keys, then the profile
-// in the shared credentials and config files.
+// credentialPlaces says where the SDK's configuration, as New builds it,
+// looks for credentials.
 func credentialPlaces() string {
-	profile, from := "default", "AWS_PROFILE unset"
-	for _, k := range []string{"AWS_PROFILE", "AWS_DEFAULT_PROFILE"} {
-		if v := os.Getenv(k); v != "" {
-			profile, from = v, k
-			break
-		}
-	}
-	file := func(env, def string) string {
-		if v := os.Getenv(env); v != "" {
-			return v + " (" + env + ")"
-		}
-		return def
-	}
-	return fmt.Sprintf("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile %q (%s) in %s and %s; "+
-		"the EC2 instance metadata service is never asked", profile, from,
-		file("AWS_SHARED_CREDENTIALS_FILE", config.DefaultSharedCredentialsFilename()),
-		file("AWS_CONFIG_FILE", config.DefaultSharedConfigFilename()))
+	return fmt.Sprintf("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile %q (AWS_PROFILE) in %s and %s; "+
+		"the EC2 instance metadata service is never asked",
+		cmp.Or(os.Getenv("AWS_PROFILE"), os.Getenv("AWS_DEFAULT_PROFILE"), "default"),
+		cmp.Or(os.Getenv("AWS_SHARED_CREDENTIALS_FILE"), config.DefaultSharedCredentialsFilename()),
+		cmp.Or(os.Getenv("AWS_CONFIG_FILE"), config.DefaultSharedConfigFilename()))
 }
 
 // sdkMessage is the innermost error's text, without the SDK's operation
@@ -543,33 +518,22 @@ func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]by
 
 // checkReply refuses a reply that is not the asked range of the pinned
 // version: a 200 with the whole object, a 206 for another range or another
-// size, a length that does not match, another ETag (a server that ignored
-// If-Match).
+// size or with an unknown ("*") size, a length that does not match,
+// another ETag (a server that ignored If-Match).
 func (b *Backend) checkReply(out *s3.GetObjectOutput, obj remote.Object, off int64, n int) error {
 	if raw, ok := awsmiddleware.GetRawResponse(out.ResultMetadata).(*smithyhttp.Response); ok && raw != nil {
 		if raw.StatusCode != http.StatusPartialContent {
 			return fmt.Errorf("%s: asked for %d bytes at %d, the server answered HTTP %d instead of 206", b.name, n, off, raw.StatusCode)
 		}
 	}
-	if out.ContentRange == nil {
-		return fmt.Errorf("%s: asked for %d bytes at %d, the reply has no Content-Range", b.name, n, off)
+	if out.ContentRange == nil || out.ContentLength == nil || *out.ContentLength < 0 {
+		return fmt.Errorf("%s: asked for %d bytes at %d, the reply lacks a Content-Range or a Content-Length", b.name, n, off)
 	}
-	first, last, total, err := parseContentRange(*out.ContentRange)
-	if err != nil {
-		return fmt.Errorf("%s: %w", b.name, err)
+	if _, _, _, err := parseContentRange(*out.ContentRange); err != nil {
+		return fmt.Errorf("%s: %w: %v", b.name, remote.ErrBadReply, err)
 	}
-	if first != off || last != off+int64(n)-1 {
-		return fmt.Errorf("%s: asked for bytes %d-%d, the server sent %d-%d", b.name, off, off+int64(n)-1, first, last)
-	}
-	if total != obj.Size {
-		return fmt.Errorf("%s: %w (size %d at open, %d now)", b.name, remote.ErrChanged, obj.Size, total)
-	}
-	if out.ContentLength == nil || *out.ContentLength != int64(n) {
-		got := "none"
-		if out.ContentLength != nil {
-			got = strconv.FormatInt(*out.ContentLength, 10)
-		}
-		return fmt.Errorf("%s: asked for %d bytes at %d, the reply's Content-Length is %s", b.name, n, off, got)
+	if err := remote.CheckPartial(*out.ContentRange, *out.ContentLength, off, int64(n), obj.Size); err != nil {
+		return fmt.Errorf("%s: asked for %d bytes at %d: %w", b.name, n, off, err)
 	}
 	if obj.ETag != "" && out.ETag != nil && *out.ETag != obj.ETag {
 		return fmt.Errorf("%s: %w (ETag %s at open, %s now)", b.name, remote.ErrChanged, obj.ETag, *out.ETag)

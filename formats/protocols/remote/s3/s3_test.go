@@ -351,7 +351,7 @@ func TestNoCredentialsSaysWhereItLooked(t *testing.T) {
 					t.Fatal(err)
 				}
 				_, err = b.Stat(context.Background())
-				want := "s3://bucket/disk.img: no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile \"default\" (AWS_PROFILE unset) in " +
+				want := "s3://bucket/disk.img: no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile \"default\" (AWS_PROFILE) in " +
 					filepath.Join(home, ".aws", "credentials") + " and " + filepath.Join(home, ".aws", "config") + "; the EC2 instance metadata service is never asked)"
 				if err == nil || err.Error() != want || errors.Is(err, remote.ErrTemporary) {
 					t.Fatalf("no credentials:\n got %v\nwant %s", err, want)
