@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	nethttp "net/http"
 	"net/http/httptest"
 	"sync"
@@ -20,15 +21,7 @@ import (
 // the read completes when the asked bytes are in, not at the timeout.
 func TestChunkedRangeWithoutTerminator(t *testing.T) {
 	const size = 1 << 20
-	var mu sync.Mutex
-	var held []func()
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c()
-		}
-	})
+	hold := keepOpen(t)
 	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
 		if r.Method != nethttp.MethodGet || r.Header.Get("Range") == "" {
 			return false
@@ -42,9 +35,7 @@ func TestChunkedRangeWithoutTerminator(t *testing.T) {
 		buf.Write(l.data[off : last+1])
 		buf.WriteString("\r\n")
 		buf.Flush()
-		mu.Lock()
-		held = append(held, func() { c.Close() })
-		mu.Unlock()
+		hold(c)
 		return true
 	})
 	f, err := open(t, srv.URL+"/disk.img", Options{}, 5*time.Second)
@@ -158,15 +149,7 @@ func TestKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 // bytes, not the unasked reply's.
 func TestUnaskedReplyOnAKeptConnection(t *testing.T) {
 	const size = 1 << 20
-	var mu sync.Mutex
-	var held []func()
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c()
-		}
-	})
+	hold := keepOpen(t)
 	var gets atomic.Int64
 	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
 		if r.Method != nethttp.MethodGet || r.Header.Get("Range") != "bytes=0-99" || gets.Add(1) > 1 {
@@ -183,9 +166,7 @@ func TestUnaskedReplyOnAKeptConnection(t *testing.T) {
 		fmt.Fprintf(buf, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/%d\r\nETag: \"v1\"\r\nContent-Length: 100\r\n\r\n", size)
 		buf.Write(make([]byte, 100))
 		buf.Flush()
-		mu.Lock()
-		held = append(held, func() { c.Close() })
-		mu.Unlock()
+		hold(c)
 		return true
 	})
 	b, err := New(srv.URL+"/disk.img", Options{})
@@ -208,5 +189,24 @@ func TestUnaskedReplyOnAKeptConnection(t *testing.T) {
 	}
 	if !bytes.Equal(p, l.data[100:200]) {
 		t.Fatal("second range: the bytes of a reply nobody asked for")
+	}
+}
+
+// keepOpen returns hold, which keeps a connection open until the test
+// ends: a server that neither finishes nor closes it.
+func keepOpen(t *testing.T) (hold func(io.Closer)) {
+	var mu sync.Mutex
+	var held []io.Closer
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	return func(c io.Closer) {
+		mu.Lock()
+		held = append(held, c)
+		mu.Unlock()
 	}
 }
