@@ -68,7 +68,7 @@ func benchS3(dir, bin string) []row {
 	l.Close()
 	endpoint := "http://" + addr
 	server := exec.Command(s3BenchServerBin(), "--port", addr, "--access", s3BenchAccess, "--secret", s3BenchSecret, "--quiet", "posix", root)
-	server.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	server.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME"), "AWS_EC2_METADATA_DISABLED=true"}
 	server.Stderr = os.Stderr
 	if err := server.Start(); err != nil {
 		log.Fatal(err)
@@ -102,7 +102,8 @@ func benchS3(dir, bin string) []row {
 	// The export's configuration: the environment's credentials are the
 	// server's, the cache holds the whole object for the warm rows.
 	env := append(os.Environ(), "AWS_ACCESS_KEY_ID="+s3BenchAccess, "AWS_SECRET_ACCESS_KEY="+s3BenchSecret,
-		"AWS_REGION=us-east-1", "AWS_CONFIG_FILE=/nonexistent", "AWS_SHARED_CREDENTIALS_FILE=/nonexistent")
+		"AWS_REGION=us-east-1", "AWS_CONFIG_FILE=/nonexistent", "AWS_SHARED_CREDENTIALS_FILE=/nonexistent",
+		"AWS_EC2_METADATA_DISABLED=true")
 	mnt := filepath.Join(dir, "s3.mnt")
 	startOurs := func() (*exec.Cmd, error) {
 		cmd := exec.Command(bin, "fuse", "--log-level", "warn", "-f", "raw", "--s3-endpoint", endpoint,

@@ -72,10 +72,8 @@ func (d *dialer) dial(ctx context.Context) (sock.Stream, exportInfo, error) {
 	h.nc.SetDeadline(time.Time{})
 	// Replies are read only while a request waits for one, so the
 	// descriptor may block: one read(2) per wait instead of a read, a
-	// poll and a read (measured, 4 KiB random reads through a FUSE export
-	// of qemu-nbd at queue depth one: 17.5k against 14-16.5k, and 15% less
-	// CPU). No spinning: on 2 cores a spin took the CPU the server needed
-	// (12.5k).
+	// poll and a read. No spinning: on 2 cores a spin took the CPU the
+	// server needed (docs/design.md, NBD sources: a blocking socket).
 	s, err := sock.NewBlocking(h.nc)
 	if err != nil {
 		h.nc.Close()

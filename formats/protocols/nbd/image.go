@@ -427,10 +427,7 @@ func (img *Image) read(ctx context.Context, p []byte, off int64) error {
 }
 
 func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if !img.o.Writable {
-		return 0, formats.ErrReadOnly
-	}
-	if err := img.inRange(off, int64(len(p))); err != nil {
+	if err := img.canWrite(off, int64(len(p))); err != nil {
 		return 0, err
 	}
 	total := len(p)
@@ -478,10 +475,7 @@ func (img *Image) rangeStep() int64 {
 }
 
 func (img *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
-	if !img.o.Writable {
-		return formats.ErrReadOnly
-	}
-	if err := img.inRange(off, n); err != nil {
+	if err := img.canWrite(off, n); err != nil {
 		return err
 	}
 	a := int64(img.info.minBlock)
@@ -534,10 +528,7 @@ func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) e
 // Discard trims where the server can; elsewhere it is a no-op, which the
 // interface allows.
 func (img *Image) Discard(ctx context.Context, off, n int64) error {
-	if !img.o.Writable {
-		return formats.ErrReadOnly
-	}
-	if err := img.inRange(off, n); err != nil {
+	if err := img.canWrite(off, n); err != nil {
 		return err
 	}
 	a := int64(img.info.minBlock)
@@ -614,6 +605,14 @@ func (img *Image) inRange(off, n int64) error {
 		return fmt.Errorf("nbd: [%d, +%d) of a %d-byte export: %w", off, n, img.info.size, formats.ErrOutOfRange)
 	}
 	return nil
+}
+
+// canWrite refuses a write to a read-only image, then one out of range.
+func (img *Image) canWrite(off, n int64) error {
+	if !img.o.Writable {
+		return formats.ErrReadOnly
+	}
+	return img.inRange(off, n)
 }
 
 // Info is what qemu-img info says of an NBD image, and what the server

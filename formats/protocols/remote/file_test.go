@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -86,7 +87,7 @@ func (p plainBackend) String() string { return p.b.String() }
 func (p plainBackend) Close() error   { return p.b.Close() }
 
 func TestReadsThroughABackendWithoutVectors(t *testing.T) {
-	m := &memBackend{data: rhData(3<<20 + 123)}
+	m := &memBackend{data: patterned(3<<20 + 123)}
 	f, err := Open(context.Background(), plainBackend{m}, Options{BlockSize: 4096, CacheSize: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
@@ -138,7 +139,7 @@ func gated(gate chan struct{}) func(int64, context.Context) error {
 	}
 }
 
-func rhData(n int) []byte {
+func patterned(n int) []byte {
 	d := make([]byte, n)
 	rand.New(rand.NewSource(int64(n))).Read(d)
 	return d
@@ -155,7 +156,7 @@ func openMem(t *testing.T, m *memBackend, o Options) *File {
 }
 
 func TestReadsMatchTheObject(t *testing.T) {
-	m := &memBackend{data: rhData(3<<20 + 12345)}
+	m := &memBackend{data: patterned(3<<20 + 12345)}
 	f := openMem(t, m, Options{CacheSize: 1 << 20})
 	rng := rand.New(rand.NewSource(1))
 	for i := 0; i < 300; i++ {
@@ -188,7 +189,7 @@ func TestReadsMatchTheObject(t *testing.T) {
 // block may make two: the first, random, fetches its pages only, and the
 // readers after it, going on from it, the block; see partial_test.go.)
 func TestConcurrentReadsOfABlockShareOneGet(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), delay: 50 * time.Millisecond}
+	m := &memBackend{data: patterned(1 << 20), delay: 50 * time.Millisecond}
 	f := openMem(t, m, Options{})
 	var wg sync.WaitGroup
 	for i := 0; i < 32; i++ {
@@ -217,7 +218,7 @@ func TestConcurrentReadsOfABlockShareOneGet(t *testing.T) {
 }
 
 func TestTemporaryFailuresAreRetried(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), fail: func(n int64, _ context.Context) error {
+	m := &memBackend{data: patterned(1 << 20), fail: func(n int64, _ context.Context) error {
 		if n <= 4 {
 			return Temporary(errors.New("503 Service Unavailable"))
 		}
@@ -243,7 +244,7 @@ func TestFailuresEndInEIOWithinTheTimeout(t *testing.T) {
 		{"hang", func(_ int64, ctx context.Context) error { <-ctx.Done(); return Temporary(ctx.Err()) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m := &memBackend{data: rhData(1 << 20), fail: tc.fail}
+			m := &memBackend{data: patterned(1 << 20), fail: tc.fail}
 			f := openMem(t, m, Options{ReconnectTimeout: 1500 * time.Millisecond})
 			start := time.Now()
 			_, err := f.ReadAt(context.Background(), make([]byte, 4096), 0)
@@ -261,7 +262,7 @@ func TestFailuresEndInEIOWithinTheTimeout(t *testing.T) {
 
 // A permanent error is not retried.
 func TestPermanentErrorIsNotRetried(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), fail: func(int64, context.Context) error { return errors.New("403 Forbidden") }}
+	m := &memBackend{data: patterned(1 << 20), fail: func(int64, context.Context) error { return errors.New("403 Forbidden") }}
 	f := openMem(t, m, Options{ReconnectTimeout: 10 * time.Second})
 	if _, err := f.ReadAt(context.Background(), make([]byte, 10), 0); !errors.Is(err, unix.EIO) {
 		t.Fatalf("err %v, want EIO", err)
@@ -274,7 +275,7 @@ func TestPermanentErrorIsNotRetried(t *testing.T) {
 // An object replaced while exported: EIO (with ErrChanged) and one log
 // line however many reads fail.
 func TestChangedObjectIsEIOAndLoggedOnce(t *testing.T) {
-	m := &memBackend{data: rhData(4 << 20), fail: func(int64, context.Context) error {
+	m := &memBackend{data: patterned(4 << 20), fail: func(int64, context.Context) error {
 		return fmt.Errorf("412 Precondition Failed: %w", ErrChanged)
 	}}
 	var log strings.Builder
@@ -310,7 +311,7 @@ func TestReaderCancelDoesNotWait(t *testing.T) {
 	// The fetch takes 2 s and the reader may take 1 s to give up: a
 	// stalled machine neither lets the fetch finish first nor fails the
 	// bound.
-	m := &memBackend{data: rhData(1 << 20), delay: 2 * time.Second}
+	m := &memBackend{data: patterned(1 << 20), delay: 2 * time.Second}
 	f := openMem(t, m, Options{ReconnectTimeout: 10 * time.Second})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
@@ -333,7 +334,7 @@ func TestReaderCancelDoesNotWait(t *testing.T) {
 // Sequential reads earn readahead (fewer, larger requests ahead of the
 // reader); random reads fetch only their own blocks.
 func TestReadaheadFollowsStreamsOnly(t *testing.T) {
-	m := &memBackend{data: rhData(32 << 20)}
+	m := &memBackend{data: patterned(32 << 20)}
 	f := openMem(t, m, Options{})
 	p := make([]byte, 128<<10)
 	for off := int64(0); off < 16<<20; off += int64(len(p)) {
@@ -356,7 +357,7 @@ func TestReadaheadFollowsStreamsOnly(t *testing.T) {
 		t.Fatal("nothing of what was read is served without waiting")
 	}
 
-	m2 := &memBackend{data: rhData(32 << 20)}
+	m2 := &memBackend{data: patterned(32 << 20)}
 	f2 := openMem(t, m2, Options{})
 	rng := rand.New(rand.NewSource(2))
 	q := make([]byte, 4096)
@@ -373,7 +374,7 @@ func TestReadaheadFollowsStreamsOnly(t *testing.T) {
 }
 
 func TestWritesRefusedAndNoFd(t *testing.T) {
-	m := &memBackend{data: rhData(4096)}
+	m := &memBackend{data: patterned(4096)}
 	f := openMem(t, m, Options{})
 	if _, err := f.WriteAt(context.Background(), []byte{1}, 0); err == nil {
 		t.Fatal("write accepted")
@@ -386,7 +387,7 @@ func TestWritesRefusedAndNoFd(t *testing.T) {
 // A server failing for good is retried with backoff, not hammered: a
 // read that fails after 1.5 s made a handful of requests.
 func TestRetriesBackOff(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), fail: func(int64, context.Context) error { return Temporary(errors.New("503")) }}
+	m := &memBackend{data: patterned(1 << 20), fail: func(int64, context.Context) error { return Temporary(errors.New("503")) }}
 	f := openMem(t, m, Options{ReconnectTimeout: 1500 * time.Millisecond})
 	if _, err := f.ReadAt(context.Background(), make([]byte, 10), 0); !errors.Is(err, unix.EIO) {
 		t.Fatalf("err %v", err)
@@ -400,7 +401,7 @@ func TestRetriesBackOff(t *testing.T) {
 // blocks of its neighbourhood along in its own GET; the random read
 // before it fetched its page only.
 func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
-	m := &memBackend{data: rhData(4 << 20)}
+	m := &memBackend{data: patterned(4 << 20)}
 	f := openMem(t, m, Options{})
 	ctx := context.Background()
 	p := make([]byte, 4096)
@@ -431,8 +432,8 @@ func TestNearbyReadBringsItsNeighbourhood(t *testing.T) {
 	}
 }
 
-// nbRead reads n bytes at off and checks them against the object.
-func nbRead(t *testing.T, f *File, m *memBackend, off, n int64) {
+// readNear reads n bytes at off and checks them against the object.
+func readNear(t *testing.T, f *File, m *memBackend, off, n int64) {
 	t.Helper()
 	p := make([]byte, n)
 	k, err := f.ReadAt(context.Background(), p, off)
@@ -451,10 +452,10 @@ func TestNeighbourhoodEndsWithTheObject(t *testing.T) {
 		near int64
 	}{{"up", 65*bs + 10}, {"down", 66*bs + 10}} {
 		t.Run(c.name, func(t *testing.T) {
-			m := &memBackend{data: rhData(int(size))}
+			m := &memBackend{data: patterned(int(size))}
 			f := openMem(t, m, Options{})
-			nbRead(t, f, m, 64*bs, 100) // random: a page of block 64
-			nbRead(t, f, m, c.near, 100)
+			readNear(t, f, m, 64*bs, 100) // random: a page of block 64
+			readNear(t, f, m, c.near, 100)
 			f.wg.Wait()
 			a := m.requests()
 			want := [2]int64{65 * bs, bs + 5000}
@@ -465,7 +466,7 @@ func TestNeighbourhoodEndsWithTheObject(t *testing.T) {
 			if !f.TryReadAt(q, 66*bs) || !bytes.Equal(q, m.data[66*bs:]) {
 				t.Fatal("the short last block is not held whole")
 			}
-			rvwCheckCache(t, f, m.data)
+			checkCache(t, f, m.data)
 		})
 	}
 }
@@ -476,14 +477,14 @@ func TestNeighbourhoodEndsWithTheObject(t *testing.T) {
 // room for block 9 then evicts block 8, the next).
 func TestNeighbourhoodRefetchesNothingHeld(t *testing.T) {
 	bs := int64(DefaultBlockSize)
-	m := &memBackend{data: rhData(16 << 20)}
+	m := &memBackend{data: patterned(16 << 20)}
 	f := openMem(t, m, Options{CacheSize: 16 * bs})
-	nbRead(t, f, m, 200*bs, bs) // the least recently used
-	nbRead(t, f, m, 8*bs, bs)   // the next
+	readNear(t, f, m, 200*bs, bs) // the least recently used
+	readNear(t, f, m, 8*bs, bs)   // the next
 	for k := int64(0); k < 13; k++ {
-		nbRead(t, f, m, (300+20*k)*bs, bs) // far apart: random
+		readNear(t, f, m, (300+20*k)*bs, bs) // far apart: random
 	}
-	nbRead(t, f, m, 11*bs, 100) // a page of block 11: the cache is full
+	readNear(t, f, m, 11*bs, 100) // a page of block 11: the cache is full
 	f.wg.Wait()
 	f.mu.Lock()
 	held := f.blocks[8] != nil && f.blocks[8].loaded && len(f.blocks) == 16
@@ -492,13 +493,13 @@ func TestNeighbourhoodRefetchesNothingHeld(t *testing.T) {
 		t.Fatal("block 8 is not in a full cache before the nearby read")
 	}
 	before := len(m.requests())
-	nbRead(t, f, m, 10*bs, 100) // near block 11's read: widened down to 9
+	readNear(t, f, m, 10*bs, 100) // near block 11's read: widened down to 9
 	f.wg.Wait()
 	a := m.requests()[before:]
 	if len(a) != 1 || a[0] != [2]int64{9 * bs, 2 * bs} {
 		t.Fatalf("the nearby read's requests %v, want blocks 9 and 10 (8 was held)", a)
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // A widened run stays one GET: a run of maxGet is not widened, and a
@@ -506,10 +507,10 @@ func TestNeighbourhoodRefetchesNothingHeld(t *testing.T) {
 func TestNeighbourhoodKeepsOneGet(t *testing.T) {
 	bs := int64(DefaultBlockSize)
 	for _, n := range []int64{maxGet, maxGet - bs} {
-		m := &memBackend{data: rhData(16 << 20)}
+		m := &memBackend{data: patterned(16 << 20)}
 		f := openMem(t, m, Options{})
-		nbRead(t, f, m, 1<<20+6*bs, maxGet)
-		nbRead(t, f, m, 2<<20+6*bs, n) // goes on from it, no readahead yet
+		readNear(t, f, m, 1<<20+6*bs, maxGet)
+		readNear(t, f, m, 2<<20+6*bs, n) // goes on from it, no readahead yet
 		f.wg.Wait()
 		a := m.requests()
 		want := [][2]int64{{1<<20 + 6*bs, maxGet}, {2<<20 + 6*bs, maxGet}}
@@ -524,7 +525,7 @@ func TestNeighbourhoodKeepsOneGet(t *testing.T) {
 func TestNeighbourhoodWithinTheCache(t *testing.T) {
 	bs := int64(DefaultBlockSize)
 	gate := make(chan struct{})
-	m := &memBackend{data: rhData(8 << 20), fail: gated(gate)}
+	m := &memBackend{data: patterned(8 << 20), fail: gated(gate)}
 	f := openMem(t, m, Options{CacheSize: 16 * bs})
 	done := make(chan struct{}, 32)
 	read := func(off int64) {
@@ -560,5 +561,62 @@ func TestNeighbourhoodWithinTheCache(t *testing.T) {
 	}
 	if n != 17 {
 		t.Fatalf("%d blocks with a capacity of 16 and 17 readers' own", n)
+	}
+}
+
+// checkCache checks the cache's invariants once no loan or read is
+// out: every entry loaded, unreferenced and in the LRU (and the LRU's
+// blocks those of the map), the map within the capacity, every block
+// holding the object's bytes in the range it holds (all of it but for a
+// partial block), and no buffer in two places (two blocks, or a block
+// and the free list: a buffer recycled twice, or recycled while a block
+// still used it).
+func checkCache(t *testing.T, f *File, data []byte) {
+	t.Helper()
+	// The readahead in flight first: the callers start no fetch
+	// meanwhile, so this Wait races no Add.
+	f.wg.Wait()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	inLRU := map[*block]bool{}
+	for v := f.lru.next; v != &f.lru; v = v.next {
+		if inLRU[v] || f.blocks[v.idx] != v {
+			t.Errorf("block %d in the LRU twice, or not (this one) in the map (evicted %v)", v.idx, v.evicted)
+		}
+		inLRU[v] = true
+	}
+	if len(inLRU) != len(f.blocks) {
+		t.Errorf("the LRU holds %d blocks, the map %d", len(inLRU), len(f.blocks))
+	}
+	owner := map[*byte]int64{}
+	for i, b := range f.blocks {
+		if b.refs != 0 || !b.loaded || b.evicted || b.idx != i {
+			t.Errorf("block %d: %d references, loaded %v, evicted %v, index %d, with nothing in flight", i, b.refs, b.loaded, b.evicted, b.idx)
+			continue
+		}
+		start := i * f.bs
+		if b.lo < 0 || b.lo > b.hi || b.hi > f.size(i) || int64(len(b.data)) != f.size(i) {
+			t.Errorf("block %d holds [%d, %d) of %d bytes (%d)", i, b.lo, b.hi, f.size(i), len(b.data))
+		} else if !bytes.Equal(b.data[b.lo:b.hi], data[start+b.lo:start+b.hi]) {
+			t.Errorf("block %d does not hold the object's bytes [%d, %d)", i, start+b.lo, start+b.hi)
+		}
+		p := unsafe.SliceData(b.data[:cap(b.data)])
+		if j, dup := owner[p]; dup {
+			t.Errorf("blocks %d and %d share one buffer", j, i)
+		}
+		owner[p] = i
+	}
+	for k, d := range f.free {
+		p := unsafe.SliceData(d[:cap(d)])
+		if j, dup := owner[p]; dup {
+			t.Errorf("free buffer %d is also block %d's (or another free one's)", k, j)
+		}
+		owner[p] = -1 - int64(k)
+	}
+	if len(f.blocks) > f.capacity {
+		t.Errorf("the cache holds %d blocks, capacity %d", len(f.blocks), f.capacity)
+	}
+	if len(f.free) > f.capacity {
+		t.Errorf("%d free buffers kept, capacity %d", len(f.free), f.capacity)
 	}
 }

@@ -30,7 +30,7 @@ func settled(t *testing.T, f *File) (free, made int) {
 // however much is read the cache never makes more buffers than it holds
 // (plus what one GET may take while a grow is under way).
 func TestFreshBuffersAreMadeAhead(t *testing.T) {
-	m := &memBackend{data: rhData(8 << 20)}
+	m := &memBackend{data: patterned(8 << 20)}
 	f := openMem(t, m, Options{CacheSize: 4 << 20}) // 256 blocks
 	ctx := context.Background()
 	p := make([]byte, 4096)
@@ -73,7 +73,7 @@ func TestFreshBuffersAreMadeAhead(t *testing.T) {
 // A grow that ends after Close adds nothing: a closed file holds no
 // buffers.
 func TestGrowAfterCloseAddsNothing(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20)}
+	m := &memBackend{data: patterned(1 << 20)}
 	f, err := Open(context.Background(), m, Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +97,7 @@ func TestGrowAfterCloseAddsNothing(t *testing.T) {
 // blocks, rounded up) and the GET's own three while it runs, not a
 // MiB's worth.
 func TestGrowStopsAtTheObjectsBlocks(t *testing.T) {
-	m := &memBackend{data: rhData(40 << 10)}
+	m := &memBackend{data: patterned(40 << 10)}
 	f := openMem(t, m, Options{})
 	p := make([]byte, len(m.data))
 	if _, err := f.ReadAt(context.Background(), p, 0); err != nil {

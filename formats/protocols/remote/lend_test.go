@@ -20,7 +20,7 @@ func joined(bufs [][]byte) []byte { return bytes.Join(bufs, nil) }
 // what is out of reach (past the end, more slices than allowed) is not
 // lent.
 func TestLendAtHoldsTheObject(t *testing.T) {
-	m := &memBackend{data: rhData(3<<20 + 4321)}
+	m := &memBackend{data: patterned(3<<20 + 4321)}
 	f := openMem(t, m, Options{CacheSize: 1 << 20})
 	size := int64(len(m.data))
 	rng := rand.New(rand.NewSource(2))
@@ -68,7 +68,7 @@ func TestLendAtHoldsTheObject(t *testing.T) {
 // other reads go through a cache too small to keep it; after release it
 // is.
 func TestLentBlocksOutliveEviction(t *testing.T) {
-	m := &memBackend{data: rhData(8 << 20)}
+	m := &memBackend{data: patterned(8 << 20)}
 	f := openMem(t, m, Options{CacheSize: 16 * DefaultBlockSize}) // the least: 16 blocks
 	ctx := context.Background()
 	off, n := int64(5<<20+100), int64(3*DefaultBlockSize)
@@ -111,7 +111,7 @@ func TestOvershootEndsWithTheLoads(t *testing.T) {
 	bs := int64(DefaultBlockSize)
 	// Every GET waits at the gate until every reader's block is in.
 	gate := make(chan struct{})
-	m := &memBackend{data: rhData(int(5 * readers * bs)), fail: gated(gate)}
+	m := &memBackend{data: patterned(int(5 * readers * bs)), fail: gated(gate)}
 	f := openMem(t, m, Options{CacheSize: 16 * DefaultBlockSize})
 	var wg sync.WaitGroup
 	errs := make(chan error, readers)
@@ -160,13 +160,13 @@ func TestOvershootEndsWithTheLoads(t *testing.T) {
 // A loan whose fetch fails is an error (EIO), lends nothing and holds
 // no block; a cancelled borrower gets its context's error at once.
 func TestLendAtFailures(t *testing.T) {
-	m := &memBackend{data: rhData(1 << 20), fail: func(int64, context.Context) error { return errors.New("403 Forbidden") }}
+	m := &memBackend{data: patterned(1 << 20), fail: func(int64, context.Context) error { return errors.New("403 Forbidden") }}
 	f := openMem(t, m, Options{})
 	bufs, release, ok, err := f.LendAt(context.Background(), 100, 5000, 8)
 	if !ok || !errors.Is(err, unix.EIO) || bufs != nil || release != nil {
 		t.Fatalf("ok %v, err %v, %d slices: want an EIO and nothing lent", ok, err, len(bufs))
 	}
-	m2 := &memBackend{data: rhData(1 << 20), delay: 300 * 1e6}
+	m2 := &memBackend{data: patterned(1 << 20), delay: 300 * 1e6}
 	f2 := openMem(t, m2, Options{})
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

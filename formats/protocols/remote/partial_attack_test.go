@@ -1,7 +1,7 @@
 package remote
 
-// An outside review's attacks on partial blocks (a random read fetching
-// only its pages): after each, rvwCheckCache holds the cache to its
+// Attacks on partial blocks (a random read fetching
+// only its pages): after each, checkCache holds the cache to its
 // invariants (every entry loaded and unreferenced, the LRU and the map
 // the same blocks, no buffer in two places, each block's held bytes the
 // object's).
@@ -51,7 +51,7 @@ func TestPartialAttackStress(t *testing.T) {
 			if bs == 0 {
 				bs = DefaultBlockSize
 			}
-			m := &memBackend{data: rhData(int(20*bs + 5*page + 333))}
+			m := &memBackend{data: patterned(int(20*bs + 5*page + 333))}
 			var failMu sync.Mutex
 			frng := rand.New(rand.NewSource(9))
 			m.fail = func(n int64, ctx context.Context) error {
@@ -149,7 +149,7 @@ func TestPartialAttackStress(t *testing.T) {
 				}(int64(g) + 100*bs)
 			}
 			waitReaders(t, &wg, 60*time.Second)
-			rvwCheckCache(t, f, m.data)
+			checkCache(t, f, m.data)
 		})
 	}
 }
@@ -158,7 +158,7 @@ func TestPartialAttackStress(t *testing.T) {
 // reader hangs, and a loan taken before Close still reads the object.
 func TestPartialAttackCloseDuringLoads(t *testing.T) {
 	for round := 0; round < 5; round++ {
-		m := &memBackend{data: rhData(30*DefaultBlockSize + 100), delay: 2 * time.Millisecond}
+		m := &memBackend{data: patterned(30*DefaultBlockSize + 100), delay: 2 * time.Millisecond}
 		f, err := Open(context.Background(), m, Options{CacheSize: 1})
 		if err != nil {
 			t.Fatal(err)
@@ -198,7 +198,7 @@ func TestPartialAttackCloseDuringLoads(t *testing.T) {
 // A partial block whose GET fails: its reader gets EIO, the block leaves
 // the map, and a reread of the block (page, rest) gets the object.
 func TestPartialAttackFailedGet(t *testing.T) {
-	m := &memBackend{data: rhData(8 * DefaultBlockSize)}
+	m := &memBackend{data: patterned(8 * DefaultBlockSize)}
 	m.fail = func(n int64, _ context.Context) error {
 		if n == 1 {
 			return errors.New("403 once")
@@ -210,20 +210,20 @@ func TestPartialAttackFailedGet(t *testing.T) {
 	if _, err := f.ReadAt(context.Background(), make([]byte, 100), off); err == nil {
 		t.Fatal("no error")
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 	for _, o := range []int64{off, off + page, off - page} {
 		p := make([]byte, 200)
 		if _, err := f.ReadAt(context.Background(), p, o); err != nil || !bytes.Equal(p, m.data[o:o+200]) {
 			t.Fatalf("read at %d after a failed partial: %v", o, err)
 		}
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // A partial page that failed to load, orphaned while loading by a read of
 // its neighbour: the waiter of the first gets an error, not bytes.
 func TestPartialAttackOrphanedThenFailed(t *testing.T) {
-	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
+	m := &memBackend{data: patterned(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
 	m.fail = func(n int64, _ context.Context) error {
 		if n == 1 {
 			return errors.New("403 first")
@@ -246,7 +246,7 @@ func TestPartialAttackOrphanedThenFailed(t *testing.T) {
 	if err := <-errc; err == nil {
 		t.Fatal("the failed partial's reader got no error")
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 	// The whole block is there now.
 	q := make([]byte, DefaultBlockSize)
 	if !f.TryReadAt(q, base) || !bytes.Equal(q, m.data[base:base+DefaultBlockSize]) {
@@ -262,7 +262,7 @@ func TestPartialAttackShortLastBlock(t *testing.T) {
 		10*DefaultBlockSize + 1, 10*DefaultBlockSize + page, 10*DefaultBlockSize + page + 1,
 		10*DefaultBlockSize + 3*page + 7, 11*DefaultBlockSize - 1,
 	} {
-		m := &memBackend{data: rhData(size)}
+		m := &memBackend{data: patterned(size)}
 		f := openMem(t, m, Options{})
 		s := int64(size)
 		rng := rand.New(rand.NewSource(int64(size)))
@@ -297,15 +297,15 @@ func TestPartialAttackShortLastBlock(t *testing.T) {
 				}
 			}
 		}
-		rvwCheckCache(t, f, m.data)
+		checkCache(t, f, m.data)
 	}
 }
 
 // A zero-length read inside a partial block, at a page it lacks: it
 // fetches nothing and leaves the block as it was (it replaced it with
-// the whole block, found in review).
+// the whole block once).
 func TestPartialAttackZeroLengthRead(t *testing.T) {
-	m := &memBackend{data: rhData(16 * DefaultBlockSize)}
+	m := &memBackend{data: patterned(16 * DefaultBlockSize)}
 	f := openMem(t, m, Options{})
 	blk := int64(7 * DefaultBlockSize)
 	p := make([]byte, 100)
@@ -325,14 +325,14 @@ func TestPartialAttackZeroLengthRead(t *testing.T) {
 		t.Errorf("a zero-length read made %d requests: %v", got, m.asked)
 		m.mu.Unlock()
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // A loan of a partial block survives its orphaning, the replacement's
 // load and a churn of the cache through many other blocks: the lent
 // bytes never change; afterwards the buffers are each in one place.
 func TestPartialAttackLoanOutlivesOrphanAndChurn(t *testing.T) {
-	m := &memBackend{data: rhData(200 * DefaultBlockSize)}
+	m := &memBackend{data: patterned(200 * DefaultBlockSize)}
 	f := openMem(t, m, Options{CacheSize: 1}) // 16 blocks
 	ctx := context.Background()
 	blk := int64(50 * DefaultBlockSize)
@@ -365,14 +365,14 @@ func TestPartialAttackLoanOutlivesOrphanAndChurn(t *testing.T) {
 		t.Fatal("the lent bytes changed while lent")
 	}
 	release()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // A partial block whose only reader gave up, orphaned while loading: it
 // completes to nobody and its buffer is recycled once.
 func TestPartialAttackAbandonedOrphan(t *testing.T) {
 	for round := 0; round < 20; round++ {
-		m := &memBackend{data: rhData(40 * DefaultBlockSize), delay: 3 * time.Millisecond}
+		m := &memBackend{data: patterned(40 * DefaultBlockSize), delay: 3 * time.Millisecond}
 		f := openMem(t, m, Options{CacheSize: 1})
 		ctx := context.Background()
 		for k := int64(0); k < 30; k++ {
@@ -388,16 +388,16 @@ func TestPartialAttackAbandonedOrphan(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		rvwCheckCache(t, f, m.data)
+		checkCache(t, f, m.data)
 		f.Close()
 	}
 }
 
 // A zero-length read at a page edge inside a block not cached: it asked
 // the backend for 0 bytes and left an empty partial block in the cache
-// (found in review; ReadAt now returns at once).
+// (ReadAt now returns at once).
 func TestPartialAttackZeroLengthReadAbsentBlock(t *testing.T) {
-	m := &memBackend{data: rhData(16 * DefaultBlockSize)}
+	m := &memBackend{data: patterned(16 * DefaultBlockSize)}
 	f := openMem(t, m, Options{})
 	off := int64(9*DefaultBlockSize + 2*page)
 	if _, err := f.ReadAt(context.Background(), nil, off); err != nil {

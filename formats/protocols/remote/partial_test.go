@@ -14,7 +14,7 @@ import (
 // block; a later read that needs more of the block fetches the block
 // whole, and every read gets the object's bytes.
 func TestRandomReadsFetchOnlyTheirPages(t *testing.T) {
-	m := &memBackend{data: rhData(32<<20 + 1000)}
+	m := &memBackend{data: patterned(32<<20 + 1000)}
 	f := openMem(t, m, Options{})
 	rng := rand.New(rand.NewSource(3))
 	ctx := context.Background()
@@ -88,7 +88,7 @@ func TestRandomReadsFetchOnlyTheirPages(t *testing.T) {
 // Sequential readers still fetch whole blocks (and read ahead): only a
 // read that starts no stream is partial.
 func TestStreamsFetchWholeBlocks(t *testing.T) {
-	m := &memBackend{data: rhData(8 << 20)}
+	m := &memBackend{data: patterned(8 << 20)}
 	f := openMem(t, m, Options{})
 	p := make([]byte, 4096)
 	for off := int64(0); off < 4<<20; off += 4096 {
@@ -114,7 +114,7 @@ func TestStreamsFetchWholeBlocks(t *testing.T) {
 // that partial blocks are replaced while loading, while lent and while
 // evicted. Every read gets the object's bytes; nothing stays referenced.
 func TestPartialBlocksRacingWholeReads(t *testing.T) {
-	m := &memBackend{data: rhData(40*DefaultBlockSize + 777), delay: time.Millisecond}
+	m := &memBackend{data: patterned(40*DefaultBlockSize + 777), delay: time.Millisecond}
 	f := openMem(t, m, Options{CacheSize: 1})
 	size := int64(len(m.data))
 	ctx := context.Background()
@@ -163,7 +163,7 @@ func TestPartialBlocksRacingWholeReads(t *testing.T) {
 		}(int64(g))
 	}
 	wg.Wait()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // The same random reads again are all served from the cache (the warm
@@ -172,7 +172,7 @@ func TestPartialBlocksRacingWholeReads(t *testing.T) {
 // of the first read in a block were lost: a fifth of a second pass
 // missed.)
 func TestSecondPassOfRandomReadsHitsTheCache(t *testing.T) {
-	m := &memBackend{data: rhData(64 << 20)}
+	m := &memBackend{data: patterned(64 << 20)}
 	f := openMem(t, m, Options{CacheSize: 128 << 20})
 	rng := rand.New(rand.NewSource(4))
 	offs := make([]int64, 3000)
@@ -208,7 +208,7 @@ func TestSecondPassOfRandomReadsHitsTheCache(t *testing.T) {
 // replacement and the neighbours it brought (the object is one
 // neighbourhood), in the map and the LRU.
 func TestPartialBlockEvictedWhileLoading(t *testing.T) {
-	m := &memBackend{data: rhData(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
+	m := &memBackend{data: patterned(8 * DefaultBlockSize), delay: 300 * time.Millisecond}
 	f := openMem(t, m, Options{})
 	base := int64(5 * DefaultBlockSize)
 	first := make(chan error, 1)
@@ -228,7 +228,7 @@ func TestPartialBlockEvictedWhileLoading(t *testing.T) {
 	if err := <-first; err != nil {
 		t.Fatalf("the evicted block's reader: %v", err)
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 	asked := m.requests()
 	if len(asked) != 2 || asked[0] != [2]int64{base, page} || asked[1] != [2]int64{0, 8 * DefaultBlockSize} {
 		t.Fatalf("requests %v, want the page, then the neighbourhood", asked)

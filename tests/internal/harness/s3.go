@@ -111,7 +111,7 @@ func (s *S3Server) Start() {
 		"--region", "us-east-1", "--quiet", "posix", s.Root)
 	// The server's own environment must not carry the variables it reads
 	// its root keys from: they are given on the command line.
-	s.Cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME")}
+	s.Cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.Getenv("HOME"), "AWS_EC2_METADATA_DISABLED=true"}
 	s.Cmd.Stdout, s.Cmd.Stderr = lf, lf
 	if err := s.Cmd.Start(); err != nil {
 		t.Fatal(err)

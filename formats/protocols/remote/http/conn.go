@@ -29,9 +29,9 @@ import (
 // parsed by net/http's ReadResponse in the calling goroutine, the body
 // read straight into the caller's buffers. net/http's Transport hands
 // each request to a connection's writer goroutine and its reply over
-// from a reader goroutine, and clones headers and contexts on the way:
-// on loopback (nginx), a 4 KiB range GET cost 62-108 µs of CPU through
-// it and 17-35 µs here. net/http's client still does what this one does not:
+// from a reader goroutine, and clones headers and contexts on the way,
+// at several times this one's CPU a GET (docs/design.md, Remote objects:
+// the HTTP range client). net/http's client still does what this one does not:
 // the HEAD and GET of Stat, proxies (a URL that goes through one never
 // comes here), and redirects and 1xx replies (handed back to it).
 type fastClient struct {
@@ -68,12 +68,10 @@ type pconn struct {
 
 // replySpin is how long a lone reader's GET spins for its reply before it
 // sleeps. A reader alone has nothing else to do, and a sleep costs it a
-// wake-up of its thread (on this VM, an idle vCPU's: tens of µs) when the
-// reply comes; nginx on loopback answers a 4 KiB range in about as long.
-// Measured, cold random 4 KiB reads at queue depth 1 through FUSE, six
-// runs alternating: median 6.9k IOPS sleeping, 7.8k spinning 30 µs; at
-// queue depth 16 (no lone GETs) no change. A remote server's reply takes
-// longer than any spin: then it costs replySpin of CPU a GET, no more.
+// wake-up of its thread when the reply comes, and a server on loopback
+// answers a 4 KiB range in about as long (docs/design.md, Remote objects:
+// spinning for a lone reply). A remote server's reply takes longer than
+// any spin: then it costs replySpin of CPU a GET, no more.
 const replySpin = 30 * time.Microsecond
 
 // spinConn is the TCP connection under pc: its reads (the reply's head,

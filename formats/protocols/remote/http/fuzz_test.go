@@ -31,8 +31,8 @@ func FuzzCheckPartial(f *testing.F) {
 		{"bytes 0-0/1", 1, 0, 1, 1},
 		{"bytes 0-9/10", 10, 0, 10, 10},
 		{"bytes 9223372036854775806-9223372036854775806/9223372036854775807", 1, top - 1, 1, top},
-		{"bytes 0-0/9223372036854775808", 1, 0, 1, MaxSize},
-		{"bytes 4611686018427387903-4611686018427387903/4611686018427387904", 1, MaxSize - 1, 1, MaxSize},
+		{"bytes 0-0/9223372036854775808", 1, 0, 1, remote.MaxSize},
+		{"bytes 4611686018427387903-4611686018427387903/4611686018427387904", 1, remote.MaxSize - 1, 1, remote.MaxSize},
 		{"bytes -1-0/5", 2, -1, 2, 5},
 		{"bytes 0-18446744073709551615/*", -1, 0, 1, 1},
 		{"bytes 00000000000000000001-2/3", 2, 1, 2, 3},
@@ -46,11 +46,11 @@ func FuzzCheckPartial(f *testing.F) {
 		if n <= 0 || off < 0 || size < 0 || off > size-n {
 			return // the caller never asks such a range
 		}
-		err := CheckPartial(cr, cl, off, n, size)
+		err := remote.CheckPartial(cr, cl, off, n, size)
 		if err != nil {
 			return
 		}
-		first, last, total, perr := ParseContentRange(cr)
+		first, last, total, perr := remote.ParseContentRange(cr)
 		if perr != nil || first != off || last != off+n-1 || total >= 0 && total != size || cl >= 0 && cl != n {
 			t.Fatalf("accepted %q (Content-Length %d) for %d+%d of %d", cr, cl, off, n, size)
 		}
@@ -89,7 +89,7 @@ func (f *fakeReply) RoundTrip(r *nethttp.Request) (*nethttp.Response, error) {
 func (f *fakeReply) body() []byte {
 	start := f.bodyOff
 	claim, _, _ := strings.Cut(strings.ReplaceAll(f.cr, "\r", "\n"), "\n")
-	if first, _, _, err := ParseContentRange(claim); err == nil && first < int64(len(f.data)) {
+	if first, _, _, err := remote.ParseContentRange(claim); err == nil && first < int64(len(f.data)) {
 		start = int(first)
 	}
 	body := make([]byte, 0, max(f.bodyLen, 0))

@@ -24,11 +24,6 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// MaxSize is the largest object served: offsets and lengths are
-// computed in int64 with room to spare (a server that says 2^63 - 1 is
-// refused, not overflowed).
-const MaxSize = 1 << 62
-
 // Options say how to reach the object.
 type Options struct {
 	// Connections: the most connections kept to the server (the shared
@@ -132,31 +127,8 @@ func canonicalHost(u *url.URL) string {
 	return net.JoinHostPort(strings.ToLower(u.Hostname()), port)
 }
 
-// Redact is rawURL as logs and errors show it: no user or password, no
-// query (it may hold a signature), no fragment.
-func Redact(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		// Cut what could be credentials: anything up to an '@' after the
-		// scheme, and any query.
-		s := rawURL
-		if i := strings.IndexAny(s, "?#"); i >= 0 {
-			s = s[:i]
-		}
-		if i := strings.Index(s, "://"); i >= 0 {
-			if j := strings.LastIndexByte(s[i+3:], '@'); j >= 0 {
-				s = s[:i+3] + s[i+3+j+1:]
-			}
-		}
-		return s
-	}
-	r := url.URL{Scheme: u.Scheme, Host: u.Host, Path: u.Path, RawPath: u.RawPath}
-	s := r.String()
-	if u.RawQuery != "" || u.ForceQuery {
-		s += "?…"
-	}
-	return s
-}
+// Redact is remote.Redact, for the callers that name http objects.
+func Redact(rawURL string) string { return remote.Redact(rawURL) }
 
 func (b *Backend) String() string { return b.name }
 
@@ -242,9 +214,8 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 		switch {
 		case resp.StatusCode == nethttp.StatusOK:
 			headSize, headTag = resp.ContentLength, resp.Header.Get("ETag")
-		case resp.StatusCode == nethttp.StatusNotFound, resp.StatusCode == nethttp.StatusUnauthorized:
-			return remote.Object{}, b.statusError(resp, "HEAD")
-		case resp.StatusCode >= 500, resp.StatusCode == nethttp.StatusTooManyRequests:
+		case resp.StatusCode == nethttp.StatusNotFound, resp.StatusCode == nethttp.StatusUnauthorized,
+			resp.StatusCode >= 500, resp.StatusCode == nethttp.StatusTooManyRequests:
 			return remote.Object{}, b.statusError(resp, "HEAD")
 		}
 	}
@@ -266,12 +237,12 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	}
 	switch resp.StatusCode {
 	case nethttp.StatusPartialContent:
-		first, last, total, err := ParseContentRange(resp.Header.Get("Content-Range"))
+		first, last, total, err := remote.ParseContentRange(resp.Header.Get("Content-Range"))
 		if err != nil || first != 0 || last != 0 || total < 1 {
-			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: Content-Range %q", b.name, errLie, resp.Header.Get("Content-Range"))
+			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: Content-Range %q", b.name, remote.ErrBadReply, resp.Header.Get("Content-Range"))
 		}
 		if resp.ContentLength >= 0 && resp.ContentLength != 1 {
-			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: the body is not one byte", b.name, errLie)
+			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: the body is not one byte", b.name, remote.ErrBadReply)
 		}
 		// One byte and no more: a chunked body's end is not waited for
 		// (a server may never send it; the connection is dropped at Close).
@@ -283,7 +254,7 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	case nethttp.StatusRequestedRangeNotSatisfiable:
 		// An empty object has no byte 0.
 		if cr := resp.Header.Get("Content-Range"); cr != "bytes */0" {
-			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: 416 with Content-Range %q", b.name, errLie, cr)
+			return remote.Object{}, fmt.Errorf("%s: GET bytes=0-0: %w: 416 with Content-Range %q", b.name, remote.ErrBadReply, cr)
 		}
 		obj.Size = 0
 	case nethttp.StatusOK:
@@ -297,11 +268,11 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	default:
 		return remote.Object{}, b.statusError(resp, "GET bytes=0-0")
 	}
-	if obj.Size > MaxSize {
-		return remote.Object{}, fmt.Errorf("%s: size %d: %w (over %d)", b.name, obj.Size, errLie, int64(MaxSize))
+	if obj.Size > remote.MaxSize {
+		return remote.Object{}, fmt.Errorf("%s: size %d: %w (over %d)", b.name, obj.Size, remote.ErrBadReply, int64(remote.MaxSize))
 	}
 	if headSize >= 0 && headSize != obj.Size {
-		return remote.Object{}, fmt.Errorf("%s: %w: HEAD says %d bytes, a range GET says %d", b.name, errLie, headSize, obj.Size)
+		return remote.Object{}, fmt.Errorf("%s: %w: HEAD says %d bytes, a range GET says %d", b.name, remote.ErrBadReply, headSize, obj.Size)
 	}
 	if headTag != "" && obj.ETag != "" && headTag != obj.ETag {
 		return remote.Object{}, remote.Temporary(fmt.Errorf("%s: changed while it was opened (ETag %s, then %s)", b.name, headTag, obj.ETag))
@@ -315,9 +286,6 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 // chunkEndWait is how long a chunked range body's end (or a byte too
 // many) is waited for once the range's bytes are in.
 const chunkEndWait = 50 * time.Millisecond
-
-// errLie marks a reply that contradicts itself or the request.
-var errLie = errors.New("the server's reply does not match the request")
 
 // ReadRange GETs [off, off+len(p)) of the version obj names.
 func (b *Backend) ReadRange(ctx context.Context, obj remote.Object, p []byte, off int64) error {
@@ -402,11 +370,11 @@ func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]
 	case nethttp.StatusPreconditionFailed, nethttp.StatusRequestedRangeNotSatisfiable:
 		return false, fmt.Errorf("%s: %s: %s: %w", b.name, what, resp.Status, remote.ErrChanged)
 	case nethttp.StatusOK:
-		return false, fmt.Errorf("%s: %s: %w: 200 with the whole object to a range request", b.name, what, errLie)
+		return false, fmt.Errorf("%s: %s: %w: 200 with the whole object to a range request", b.name, what, remote.ErrBadReply)
 	default:
 		return false, b.statusError(resp, what)
 	}
-	if err := CheckPartial(resp.Header.Get("Content-Range"), resp.ContentLength, off, n, obj.Size); err != nil {
+	if err := remote.CheckPartial(resp.Header.Get("Content-Range"), resp.ContentLength, off, n, obj.Size); err != nil {
 		return false, fmt.Errorf("%s: %s: %w", b.name, what, err)
 	}
 	weak := strings.HasPrefix(obj.ETag, "W/")
@@ -420,7 +388,7 @@ func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]
 		}
 	}
 	if ce := resp.Header.Get("Content-Encoding"); ce != "" && ce != "identity" {
-		return false, fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, errLie, ce)
+		return false, fmt.Errorf("%s: %s: %w: Content-Encoding %q", b.name, what, remote.ErrBadReply, ce)
 	}
 	if fill != nil && resp.ContentLength == n {
 		// The body is exactly the range: read by fill, to its end.
@@ -448,68 +416,9 @@ func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]
 	var extra [1]byte
 	k, err := resp.Body.Read(extra[:])
 	if k != 0 {
-		return false, fmt.Errorf("%s: %s: %w: the body is longer than the range", b.name, what, errLie)
+		return false, fmt.Errorf("%s: %s: %w: the body is longer than the range", b.name, what, remote.ErrBadReply)
 	}
 	return err == io.EOF, nil
-}
-
-// CheckPartial checks a 206's Content-Range and Content-Length (-1:
-// absent) against the request for n bytes at off of an object of size
-// bytes.
-func CheckPartial(contentRange string, contentLength, off, n, size int64) error {
-	first, last, total, err := ParseContentRange(contentRange)
-	if err != nil {
-		return fmt.Errorf("%w: %v", errLie, err)
-	}
-	if first != off || last != off+n-1 {
-		return fmt.Errorf("%w: asked bytes %d-%d, Content-Range says %d-%d", errLie, off, off+n-1, first, last)
-	}
-	if total >= 0 && total != size {
-		// The object's length changed: another version.
-		return fmt.Errorf("Content-Range says the object has %d bytes, opened with %d: %w", total, size, remote.ErrChanged)
-	}
-	if contentLength >= 0 && contentLength != n {
-		return fmt.Errorf("%w: %d bytes asked, Content-Length %d", errLie, n, contentLength)
-	}
-	return nil
-}
-
-// ParseContentRange parses "bytes FIRST-LAST/TOTAL" (TOTAL may be "*":
-// -1). Every number is a plain decimal within int64, FIRST <= LAST, and
-// LAST < TOTAL when TOTAL is known.
-func ParseContentRange(s string) (first, last, total int64, err error) {
-	rest, ok := strings.CutPrefix(s, "bytes ")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: not bytes", s)
-	}
-	span, tot, ok := strings.Cut(rest, "/")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: no total", s)
-	}
-	a, z, ok := strings.Cut(span, "-")
-	if !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: no range", s)
-	}
-	num := func(d string) (int64, bool) {
-		if d == "" || len(d) > 19 || strings.TrimLeft(d, "0123456789") != "" {
-			return 0, false
-		}
-		v, err := strconv.ParseInt(d, 10, 64)
-		return v, err == nil
-	}
-	if first, ok = num(a); !ok {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad first byte", s)
-	}
-	if last, ok = num(z); !ok || last < first {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad last byte", s)
-	}
-	if tot == "*" {
-		return first, last, -1, nil
-	}
-	if total, ok = num(tot); !ok || last >= total {
-		return 0, 0, 0, fmt.Errorf("Content-Range %q: bad total", s)
-	}
-	return first, last, total, nil
 }
 
 var _ remote.VectorBackend = (*Backend)(nil)

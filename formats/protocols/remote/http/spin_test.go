@@ -13,11 +13,11 @@ import (
 // (replySpin). These drive that read over plain TCP and TLS with replies
 // that come inside the spin, after it, in pieces, never, or cut short:
 // the right bytes or an error, and the context's deadline still holds.
-// (spinrevServer, in spinrev_test.go, is the server.)
+// (rawServer, in spinrev_test.go, is the server.)
 func TestLoneReadsSpinThenSleep(t *testing.T) {
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		s := newSpinrevServer(t, tlsOn, size, nil)
+		s := newRawServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		// Honest replies on a kept-alive connection, of sizes that take
 		// one read and several.

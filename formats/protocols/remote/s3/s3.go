@@ -10,6 +10,7 @@
 package s3
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -29,8 +30,10 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws/retry"
 	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/config"
+	"github.com/aws/aws-sdk-go-v2/feature/ec2/imds"
 	"github.com/aws/aws-sdk-go-v2/service/s3"
 	"github.com/aws/smithy-go"
+	"github.com/aws/smithy-go/logging"
 	smithyhttp "github.com/aws/smithy-go/transport/http"
 
 	"github.com/blockexport/blockexport/formats/protocols/remote"
@@ -38,10 +41,6 @@ import (
 
 // Scheme is the URL scheme this backend serves.
 const Scheme = "s3"
-
-// MaxSize is the largest object served (as for http sources): offsets
-// and lengths stay far from int64's end whatever a format adds to them.
-const MaxSize = 1 << 62
 
 // defaultRegion is used when no region is configured anywhere: S3-compatible
 // stores mostly ignore it, but SigV4 needs one to sign with.
@@ -65,6 +64,9 @@ type Options struct {
 	CAFile string
 	// DialTimeout bounds one TCP connect; 0 means 10 s.
 	DialTimeout time.Duration
+	// dial, when set, replaces the transport's dialer (tests: an endpoint
+	// whose name does not resolve, without a DNS lookup).
+	dial func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 // Backend reads one object. It is safe for concurrent use.
@@ -74,6 +76,8 @@ type Backend struct {
 	bucket string
 	key    string
 	name   string
+	// awsEndpoint: no endpoint was given, the SDK chose AWS's.
+	awsEndpoint bool
 }
 
 // ErrBadURL marks a name that is not a usable s3://BUCKET/KEY.
@@ -164,6 +168,9 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 			// a transparently inflated body would have a length that
 			// does not match the range asked.
 			tr.DisableCompression = true
+			if opts.dial != nil {
+				tr.DialContext = opts.dial
+			}
 		})
 	cfg, err := config.LoadDefaultConfig(ctx,
 		config.WithHTTPClient(hc),
@@ -175,6 +182,12 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 		// The whole-object checksums S3 keeps do not cover a range.
 		config.WithResponseChecksumValidation(aws.ResponseChecksumValidationWhenRequired),
 		config.WithRequestChecksumCalculation(aws.RequestChecksumCalculationWhenRequired),
+		// Credentials come from the environment and the shared files
+		// only: the EC2 instance metadata service, the SDK's last
+		// resort, is a network address the user never named.
+		config.WithEC2IMDSClientEnableState(imds.ClientDisabled),
+		// What goes wrong is said in the error, not in SDK log lines.
+		config.WithLogger(logging.Nop{}),
 	)
 	if err != nil {
 		// The SDK's message names the file or variable at fault, never
@@ -226,7 +239,8 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 	if endpointErr != nil {
 		return nil, fmt.Errorf("%s: %w", name, endpointErr)
 	}
-	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name}, nil
+	return &Backend{client: client, http: cfg.HTTPClient, bucket: bucket, key: key, name: name,
+		awsEndpoint: client.Options().BaseEndpoint == nil}, nil
 }
 
 // localEndpoint says whether an endpoint's host is an IP address or
@@ -234,23 +248,13 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 func localEndpoint(ep string) (bool, error) {
 	u, err := url.Parse(ep)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return false, fmt.Errorf("S3 endpoint %q is not an http:// or https:// URL", redactURL(ep))
+		return false, fmt.Errorf("S3 endpoint %q is not an http:// or https:// URL", remote.Redact(ep))
 	}
 	if u.User != nil {
-		return false, fmt.Errorf("S3 endpoint %q has user information: give credentials the AWS way (environment or shared files)", redactURL(ep))
+		return false, fmt.Errorf("S3 endpoint %q has user information: give credentials the AWS way (environment or shared files)", remote.Redact(ep))
 	}
 	h := u.Hostname()
 	return h == "localhost" || strings.HasSuffix(h, ".localhost") || net.ParseIP(h) != nil, nil
-}
-
-// redactURL drops the user information from a URL that is to be shown.
-func redactURL(s string) string {
-	u, err := url.Parse(s)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	u.User = nil
-	return u.String()
 }
 
 // String names the object: s3://BUCKET/KEY, never an endpoint's secret or
@@ -276,8 +280,8 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	if out.ContentLength == nil || *out.ContentLength < 0 {
 		return remote.Object{}, fmt.Errorf("%s: the server gave no object size", b.name)
 	}
-	if *out.ContentLength > MaxSize {
-		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(MaxSize))
+	if *out.ContentLength > remote.MaxSize {
+		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(remote.MaxSize))
 	}
 	obj := remote.Object{Size: *out.ContentLength}
 	if out.ETag != nil {
@@ -296,6 +300,15 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 
 // openError turns a failed HeadObject into one line.
 func (b *Backend) openError(ctx context.Context, err error) error {
+	if credentialsError(err) && strings.Contains(err.Error(), "EC2 IMDS") {
+		// The SDK's chain ran out at its last resort, which New turns
+		// off: nothing is configured (else the SDK's message says what failed).
+		return fmt.Errorf("%s: no credentials found (looked in %s)", b.name, credentialPlaces())
+	}
+	var dnsErr *net.DNSError
+	if b.awsEndpoint && errors.As(err, &dnsErr) {
+		return fmt.Errorf("%s: no endpoint given, and AWS S3's does not resolve (%v): for another S3-compatible store, pass --s3-endpoint URL (or set AWS_ENDPOINT_URL_S3)", b.name, dnsErr)
+	}
 	if e := classify(err); errors.Is(e, remote.ErrTemporary) {
 		return fmt.Errorf("%s: %w", b.name, e)
 	}
@@ -334,8 +347,6 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 		}
 		if status != 0 {
 			why = "the server answered HTTP " + strconv.Itoa(status)
-		} else if credentialsError(err) {
-			why = "no usable credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the shared credentials file"
 		} else {
 			why = sdkMessage(err)
 		}
@@ -356,6 +367,16 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 func credentialsError(err error) bool {
 	return strings.Contains(err.Error(), "failed to retrieve credentials") ||
 		strings.Contains(err.Error(), "failed to refresh cached credentials")
+}
+
+// credentialPlaces says where the SDK's configuration, as New builds it,
+// looks for credentials.
+func credentialPlaces() string {
+	return fmt.Sprintf("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile %q (AWS_PROFILE) in %s and %s; "+
+		"the EC2 instance metadata service is never asked",
+		cmp.Or(os.Getenv("AWS_PROFILE"), os.Getenv("AWS_DEFAULT_PROFILE"), "default"),
+		cmp.Or(os.Getenv("AWS_SHARED_CREDENTIALS_FILE"), config.DefaultSharedCredentialsFilename()),
+		cmp.Or(os.Getenv("AWS_CONFIG_FILE"), config.DefaultSharedConfigFilename()))
 }
 
 // sdkMessage is the innermost error's text, without the SDK's operation
@@ -401,8 +422,7 @@ func classify(err error) error {
 		return err
 	}
 	if credentialsError(err) {
-		// No credentials anywhere (the EC2 metadata service, tried
-		// last, may time out): the user's configuration, not the
+		// No credentials anywhere: the user's configuration, not the
 		// network; retrying only delays the line that says so.
 		return err
 	}
@@ -498,33 +518,22 @@ func (b *Backend) ReadRangev(ctx context.Context, obj remote.Object, bufs [][]by
 
 // checkReply refuses a reply that is not the asked range of the pinned
 // version: a 200 with the whole object, a 206 for another range or another
-// size, a length that does not match, another ETag (a server that ignored
-// If-Match).
+// size or with an unknown ("*") size, a length that does not match,
+// another ETag (a server that ignored If-Match).
 func (b *Backend) checkReply(out *s3.GetObjectOutput, obj remote.Object, off int64, n int) error {
 	if raw, ok := awsmiddleware.GetRawResponse(out.ResultMetadata).(*smithyhttp.Response); ok && raw != nil {
 		if raw.StatusCode != http.StatusPartialContent {
 			return fmt.Errorf("%s: asked for %d bytes at %d, the server answered HTTP %d instead of 206", b.name, n, off, raw.StatusCode)
 		}
 	}
-	if out.ContentRange == nil {
-		return fmt.Errorf("%s: asked for %d bytes at %d, the reply has no Content-Range", b.name, n, off)
+	if out.ContentRange == nil || out.ContentLength == nil || *out.ContentLength < 0 {
+		return fmt.Errorf("%s: asked for %d bytes at %d, the reply lacks a Content-Range or a Content-Length", b.name, n, off)
 	}
-	first, last, total, err := parseContentRange(*out.ContentRange)
-	if err != nil {
-		return fmt.Errorf("%s: %w", b.name, err)
+	if _, _, _, err := parseContentRange(*out.ContentRange); err != nil {
+		return fmt.Errorf("%s: %w: %v", b.name, remote.ErrBadReply, err)
 	}
-	if first != off || last != off+int64(n)-1 {
-		return fmt.Errorf("%s: asked for bytes %d-%d, the server sent %d-%d", b.name, off, off+int64(n)-1, first, last)
-	}
-	if total != obj.Size {
-		return fmt.Errorf("%s: %w (size %d at open, %d now)", b.name, remote.ErrChanged, obj.Size, total)
-	}
-	if out.ContentLength == nil || *out.ContentLength != int64(n) {
-		got := "none"
-		if out.ContentLength != nil {
-			got = strconv.FormatInt(*out.ContentLength, 10)
-		}
-		return fmt.Errorf("%s: asked for %d bytes at %d, the reply's Content-Length is %s", b.name, n, off, got)
+	if err := remote.CheckPartial(*out.ContentRange, *out.ContentLength, off, int64(n), obj.Size); err != nil {
+		return fmt.Errorf("%s: asked for %d bytes at %d: %w", b.name, n, off, err)
 	}
 	if obj.ETag != "" && out.ETag != nil && *out.ETag != obj.ETag {
 		return fmt.Errorf("%s: %w (ETag %s at open, %s now)", b.name, remote.ErrChanged, obj.ETag, *out.ETag)
@@ -539,31 +548,14 @@ func (b *Backend) checkReply(out *s3.GetObjectOutput, obj remote.Object, off int
 	return nil
 }
 
-// parseContentRange reads "bytes FIRST-LAST/TOTAL" (a "*" total is refused:
-// the size was pinned and must be restated).
+// parseContentRange is remote.ParseContentRange without a "*" total: the
+// size was pinned and must be restated.
 func parseContentRange(s string) (first, last, total int64, err error) {
-	bad := func() (int64, int64, int64, error) {
-		return 0, 0, 0, fmt.Errorf("unreadable Content-Range %q", s)
+	first, last, total, err = remote.ParseContentRange(s)
+	if err == nil && total < 0 {
+		return 0, 0, 0, fmt.Errorf("Content-Range %q: no total", s)
 	}
-	rest, ok := strings.CutPrefix(s, "bytes ")
-	if !ok {
-		return bad()
-	}
-	rng, tot, ok := strings.Cut(rest, "/")
-	if !ok {
-		return bad()
-	}
-	a, z, ok := strings.Cut(rng, "-")
-	if !ok {
-		return bad()
-	}
-	first, err1 := strconv.ParseInt(a, 10, 64)
-	last, err2 := strconv.ParseInt(z, 10, 64)
-	total, err3 := strconv.ParseInt(tot, 10, 64)
-	if err1 != nil || err2 != nil || err3 != nil || first < 0 || last < first || total <= last {
-		return bad()
-	}
-	return first, last, total, nil
+	return first, last, total, err
 }
 
 var _ remote.VectorBackend = (*Backend)(nil)

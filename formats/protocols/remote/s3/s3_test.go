@@ -5,8 +5,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
+	"io"
+	"net"
+	nethttp "net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -28,21 +32,21 @@ type fakeS3 struct {
 	lastIf atomic.Value // string: the If-Match of the last GET
 }
 
-func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (f *fakeS3) ServeHTTP(w nethttp.ResponseWriter, r *nethttp.Request) {
 	if r.URL.Path != "/bucket/disk.img" {
 		w.Header().Set("Content-Type", "application/xml")
-		w.WriteHeader(http.StatusNotFound)
-		if r.Method == http.MethodGet {
+		w.WriteHeader(nethttp.StatusNotFound)
+		if r.Method == nethttp.MethodGet {
 			fmt.Fprint(w, `<?xml version="1.0"?><Error><Code>NoSuchKey</Code><Message>gone</Message></Error>`)
 		}
 		return
 	}
 	if !strings.HasPrefix(r.Header.Get("Authorization"), "AWS4-HMAC-SHA256 ") {
-		w.WriteHeader(http.StatusForbidden)
+		w.WriteHeader(nethttp.StatusForbidden)
 		return
 	}
 	w.Header().Set("ETag", f.etag)
-	if r.Method == http.MethodHead {
+	if r.Method == nethttp.MethodHead {
 		size := strconv.Itoa(len(f.data))
 		switch h, _ := f.head.Load().(string); h {
 		case "huge":
@@ -57,24 +61,24 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		w.Header().Set("Content-Length", size)
-		w.Header().Set("Last-Modified", time.Unix(1e9, 0).UTC().Format(http.TimeFormat))
+		w.Header().Set("Last-Modified", time.Unix(1e9, 0).UTC().Format(nethttp.TimeFormat))
 		return
 	}
 	f.gets.Add(1)
 	f.lastIf.Store(r.Header.Get("If-Match"))
 	var a, z int64
 	if _, err := fmt.Sscanf(r.Header.Get("Range"), "bytes=%d-%d", &a, &z); err != nil {
-		w.WriteHeader(http.StatusBadRequest)
+		w.WriteHeader(nethttp.StatusBadRequest)
 		return
 	}
 	mode, _ := f.mode.Load().(string)
 	body := f.data[a : z+1]
 	cr := fmt.Sprintf("bytes %d-%d/%d", a, z, len(f.data))
-	status := http.StatusPartialContent
+	status := nethttp.StatusPartialContent
 	switch mode {
 	case "whole":
 		// A server that ignores Range: 200 and the whole object.
-		body, cr, status = f.data, "", http.StatusOK
+		body, cr, status = f.data, "", nethttp.StatusOK
 	case "other-range":
 		// A 206 for the range after the one asked.
 		b := a + 1
@@ -91,7 +95,7 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 		w.WriteHeader(status)
 		w.Write(body[:len(body)/2])
-		if hj, ok := w.(http.Hijacker); ok {
+		if hj, ok := w.(nethttp.Hijacker); ok {
 			c, _, _ := hj.Hijack()
 			c.Close()
 		}
@@ -102,7 +106,7 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Length", "9223372036854775807")
 		w.WriteHeader(status)
 		w.Write(body)
-		if hj, ok := w.(http.Hijacker); ok {
+		if hj, ok := w.(nethttp.Hijacker); ok {
 			c, _, _ := hj.Hijack()
 			c.Close()
 		}
@@ -112,7 +116,7 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("ETag", `"another"`)
 	case "412":
 		w.Header().Set("Content-Type", "application/xml")
-		w.WriteHeader(http.StatusPreconditionFailed)
+		w.WriteHeader(nethttp.StatusPreconditionFailed)
 		fmt.Fprint(w, `<?xml version="1.0"?><Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions you specified did not hold</Message></Error>`)
 		return
 	case "503", "429":
@@ -123,7 +127,7 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	case "403":
 		w.Header().Set("Content-Type", "application/xml")
-		w.WriteHeader(http.StatusForbidden)
+		w.WriteHeader(nethttp.StatusForbidden)
 		fmt.Fprint(w, `<?xml version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>`)
 		return
 	}
@@ -135,21 +139,34 @@ func (f *fakeS3) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Write(body)
 }
 
-func s3tEnv(t *testing.T) {
+// cleanAWSEnv leaves the test no AWS configuration at all: every AWS_*
+// variable unset, HOME an empty directory (no ~/.aws), and the EC2
+// metadata service off (AWS_EC2_METADATA_DISABLED), as every S3 test has
+// it, so that nothing can reach an address but loopback.
+func cleanAWSEnv(t *testing.T) {
 	t.Helper()
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "AWS_") {
+			t.Setenv(k, "") // restored after the test
+			os.Unsetenv(k)
+		}
+	}
+	t.Setenv("HOME", t.TempDir())
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+}
+
+// testCredentials is cleanAWSEnv with a key pair and a region.
+func testCredentials(t *testing.T) {
+	t.Helper()
+	cleanAWSEnv(t)
 	t.Setenv("AWS_ACCESS_KEY_ID", "AKIDTESTTESTTEST")
 	t.Setenv("AWS_SECRET_ACCESS_KEY", "secret-never-shown-1234")
 	t.Setenv("AWS_REGION", "us-east-1")
-	t.Setenv("AWS_CONFIG_FILE", "/nonexistent")
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-	t.Setenv("AWS_ENDPOINT_URL", "")
-	t.Setenv("AWS_ENDPOINT_URL_S3", "")
-	t.Setenv("AWS_PROFILE", "")
 }
 
 func newFake(t *testing.T) (*fakeS3, *Backend, remote.Object) {
 	t.Helper()
-	s3tEnv(t)
+	testCredentials(t)
 	data := make([]byte, 1<<20)
 	for i := range data {
 		data[i] = byte(i*7 + i>>9)
@@ -251,7 +268,7 @@ func TestReadRangeRefusesRangesOutsideTheObject(t *testing.T) {
 }
 
 func TestOpenErrorsAreOneClearLine(t *testing.T) {
-	s3tEnv(t)
+	testCredentials(t)
 	f := &fakeS3{data: []byte("x"), etag: `"e"`}
 	srv := httptest.NewServer(f)
 	t.Cleanup(srv.Close)
@@ -280,23 +297,132 @@ func TestStatRefusesALyingHead(t *testing.T) {
 	}
 }
 
-func TestNoCredentialsIsOneLine(t *testing.T) {
-	s3tEnv(t)
-	t.Setenv("AWS_ACCESS_KEY_ID", "")
-	t.Setenv("AWS_SECRET_ACCESS_KEY", "")
-	// The metadata service, tried last, refuses the connection: a
-	// network error, and still not one worth retrying.
-	t.Setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:1")
-	f := &fakeS3{data: []byte("x"), etag: `"e"`}
-	srv := httptest.NewServer(f)
-	t.Cleanup(srv.Close)
-	b, err := New(context.Background(), "s3://bucket/disk.img", Options{Endpoint: srv.URL})
+// noDial is a dialer that refuses, and counts, every connection.
+type noDial struct{ addrs []string }
+
+func (d *noDial) dial(_ context.Context, _, addr string) (net.Conn, error) {
+	d.addrs = append(d.addrs, addr)
+	return nil, errors.New("the test allows no connection")
+}
+
+// TestNoCredentialsSaysWhereItLooked: with no AWS configuration at all,
+// Stat says in one line that there are no credentials and where they were
+// looked for, before a byte is sent: no request to the store, no
+// connection anywhere (the EC2 metadata service above all, even where
+// AWS_EC2_METADATA_DISABLED does not turn it off), no SDK log line.
+func TestNoCredentialsSaysWhereItLooked(t *testing.T) {
+	for _, metadataOff := range []bool{true, false} {
+		t.Run(fmt.Sprintf("AWS_EC2_METADATA_DISABLED=%v", metadataOff), func(t *testing.T) {
+			cleanAWSEnv(t)
+			home := os.Getenv("HOME")
+			// Were the metadata service asked, it would be this loopback
+			// listener, not 169.254.169.254.
+			imds, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer imds.Close()
+			var asked atomic.Int64
+			go func() {
+				for {
+					c, err := imds.Accept()
+					if err != nil {
+						return
+					}
+					asked.Add(1)
+					c.Close()
+				}
+			}()
+			t.Setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://"+imds.Addr().String())
+			if !metadataOff {
+				os.Unsetenv("AWS_EC2_METADATA_DISABLED")
+			}
+			f := &fakeS3{data: []byte("x"), etag: `"e"`}
+			var requests atomic.Int64
+			srv := httptest.NewServer(nethttp.HandlerFunc(func(w nethttp.ResponseWriter, r *nethttp.Request) {
+				requests.Add(1)
+				f.ServeHTTP(w, r)
+			}))
+			t.Cleanup(srv.Close)
+			d := &noDial{}
+			logged := captureStderr(t, func() {
+				b, err := New(context.Background(), "s3://bucket/disk.img", Options{Endpoint: srv.URL, dial: d.dial})
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, err = b.Stat(context.Background())
+				want := "s3://bucket/disk.img: no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, then profile \"default\" (AWS_PROFILE) in " +
+					filepath.Join(home, ".aws", "credentials") + " and " + filepath.Join(home, ".aws", "config") + "; the EC2 instance metadata service is never asked)"
+				if err == nil || err.Error() != want || errors.Is(err, remote.ErrTemporary) {
+					t.Fatalf("no credentials:\n got %v\nwant %s", err, want)
+				}
+			})
+			if n := requests.Load() + asked.Load(); n != 0 || len(d.addrs) != 0 {
+				t.Fatalf("%d requests, %d metadata connections, dials %v: want none", requests.Load(), asked.Load(), d.addrs)
+			}
+			if logged != "" {
+				t.Fatalf("the SDK logged: %s", logged)
+			}
+		})
+	}
+}
+
+// captureStderr runs f with os.Stderr a pipe (the SDK's default logger
+// writes there) and returns what was written.
+func captureStderr(t *testing.T, f func()) string {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	saved := os.Stderr
+	os.Stderr = w
+	out := make(chan []byte)
+	go func() { b, _ := io.ReadAll(r); out <- b }()
+	defer func() {
+		os.Stderr = saved
+		w.Close()
+		r.Close()
+	}()
+	f()
+	os.Stderr = saved
+	w.Close()
+	return string(<-out)
+}
+
+// TestNoEndpointNamesTheFlag: with credentials but no endpoint anywhere,
+// the SDK picks AWS's; where that name does not resolve (here the dialer
+// says so, no DNS lookup is made), Stat says to pass --s3-endpoint, at
+// once (not retried).
+func TestNoEndpointNamesTheFlag(t *testing.T) {
+	testCredentials(t)
+	var addrs []string
+	dial := func(_ context.Context, _, addr string) (net.Conn, error) {
+		addrs = append(addrs, addr)
+		host, _, _ := net.SplitHostPort(addr)
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Err: &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}}
+	}
+	b, err := New(context.Background(), "s3://bucket/disk.img", Options{dial: dial})
 	if err != nil {
 		t.Fatal(err)
 	}
 	_, err = b.Stat(context.Background())
-	if err == nil || errors.Is(err, remote.ErrTemporary) || !strings.HasPrefix(err.Error(), "s3://bucket/disk.img: no usable credentials") {
-		t.Fatalf("no credentials: %v", err)
+	if err == nil || errors.Is(err, remote.ErrTemporary) || !strings.HasPrefix(err.Error(), "s3://bucket/disk.img: no endpoint given") ||
+		!strings.Contains(err.Error(), "pass --s3-endpoint URL") || strings.Contains(err.Error(), "secret-never-shown") {
+		t.Fatalf("no endpoint: %v", err)
+	}
+	if len(addrs) != 1 || !strings.HasSuffix(addrs[0], ".amazonaws.com:443") {
+		t.Fatalf("dialed %v, want AWS's endpoint once", addrs)
+	}
+	t.Log(err)
+	// An endpoint that was given and does not resolve is the network's
+	// failure, retried like any other: no hint to give.
+	b, err = New(context.Background(), "s3://bucket/disk.img", Options{Endpoint: "http://s3.invalid:9000", dial: dial})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err = b.Stat(context.Background()); err == nil || strings.Contains(err.Error(), "--s3-endpoint") || !errors.Is(err, remote.ErrTemporary) {
+		t.Fatalf("a given endpoint that does not resolve: %v", err)
 	}
 }
 
@@ -328,7 +454,7 @@ func TestParseURL(t *testing.T) {
 }
 
 func TestEndpointChecks(t *testing.T) {
-	s3tEnv(t)
+	testCredentials(t)
 	ctx := context.Background()
 	if _, err := New(ctx, "s3://bkt/k", Options{Endpoint: "http://AKID:topsecret@127.0.0.1:1"}); err == nil || strings.Contains(err.Error(), "topsecret") {
 		t.Fatalf("endpoint with user information: %v", err)

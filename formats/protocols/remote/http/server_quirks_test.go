@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	nethttp "net/http"
 	"net/http/httptest"
 	"sync"
@@ -15,20 +16,12 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// TestRvChunkedRangeWithoutTerminator: a 206 sent chunked that carries
+// TestChunkedRangeWithoutTerminator: a 206 sent chunked that carries
 // the whole range but never its last chunk (the connection left open):
 // the read completes when the asked bytes are in, not at the timeout.
-func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
+func TestChunkedRangeWithoutTerminator(t *testing.T) {
 	const size = 1 << 20
-	var mu sync.Mutex
-	var held []func()
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c()
-		}
-	})
+	hold := keepOpen(t)
 	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
 		if r.Method != nethttp.MethodGet || r.Header.Get("Range") == "" {
 			return false
@@ -42,9 +35,7 @@ func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
 		buf.Write(l.data[off : last+1])
 		buf.WriteString("\r\n")
 		buf.Flush()
-		mu.Lock()
-		held = append(held, func() { c.Close() })
-		mu.Unlock()
+		hold(c)
 		return true
 	})
 	f, err := open(t, srv.URL+"/disk.img", Options{}, 5*time.Second)
@@ -61,10 +52,10 @@ func TestRvChunkedRangeWithoutTerminator(t *testing.T) {
 	}
 }
 
-// TestRvStrictIfUnmodifiedSince: a server without ETags that refuses an
+// TestStrictIfUnmodifiedSince: a server without ETags that refuses an
 // If-Unmodified-Since equal to the object's time (as versitygw 1.8.0
 // does) still serves it; a reply with another Last-Modified is ErrChanged.
-func TestRvStrictIfUnmodifiedSince(t *testing.T) {
+func TestStrictIfUnmodifiedSince(t *testing.T) {
 	const size = 256 << 10
 	mtime := time.Unix(1700000000, 0)
 	var other bool
@@ -108,11 +99,11 @@ func TestRvStrictIfUnmodifiedSince(t *testing.T) {
 	}
 }
 
-// TestRvKeptAliveConnectionsClosedByTheServer: the range GETs' own client
+// TestKeptAliveConnectionsClosedByTheServer: the range GETs' own client
 // keeps connections between requests; one the server closed meanwhile
 // (its idle timeout) is replaced at once, not reported as a failure, and
 // the bytes are right whether the body came in one read or many.
-func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
+func TestKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 	const size = 3 << 20
 	l := &liar{data: make([]byte, size), etag: `"v1"`}
 	for i := range l.data {
@@ -151,22 +142,14 @@ func TestRvKeptAliveConnectionsClosedByTheServer(t *testing.T) {
 	}
 }
 
-// TestRvUnaskedReplyOnAKeptConnection: a server that sends, after a
+// TestUnaskedReplyOnAKeptConnection: a server that sends, after a
 // range's reply, a second reply no request asked for (a 206 for the
 // range read next, of zeroes) on the connection it keeps open: the
 // connection is not used again, and the next range has the object's
 // bytes, not the unasked reply's.
-func TestRvUnaskedReplyOnAKeptConnection(t *testing.T) {
+func TestUnaskedReplyOnAKeptConnection(t *testing.T) {
 	const size = 1 << 20
-	var mu sync.Mutex
-	var held []func()
-	t.Cleanup(func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range held {
-			c()
-		}
-	})
+	hold := keepOpen(t)
 	var gets atomic.Int64
 	l, srv := newLiar(t, size, func(w nethttp.ResponseWriter, r *nethttp.Request, n int64, l *liar) bool {
 		if r.Method != nethttp.MethodGet || r.Header.Get("Range") != "bytes=0-99" || gets.Add(1) > 1 {
@@ -183,9 +166,7 @@ func TestRvUnaskedReplyOnAKeptConnection(t *testing.T) {
 		fmt.Fprintf(buf, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/%d\r\nETag: \"v1\"\r\nContent-Length: 100\r\n\r\n", size)
 		buf.Write(make([]byte, 100))
 		buf.Flush()
-		mu.Lock()
-		held = append(held, func() { c.Close() })
-		mu.Unlock()
+		hold(c)
 		return true
 	})
 	b, err := New(srv.URL+"/disk.img", Options{})
@@ -208,5 +189,24 @@ func TestRvUnaskedReplyOnAKeptConnection(t *testing.T) {
 	}
 	if !bytes.Equal(p, l.data[100:200]) {
 		t.Fatal("second range: the bytes of a reply nobody asked for")
+	}
+}
+
+// keepOpen returns hold, which keeps a connection open until the test
+// ends: a server that neither finishes nor closes it.
+func keepOpen(t *testing.T) (hold func(io.Closer)) {
+	var mu sync.Mutex
+	var held []io.Closer
+	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	return func(c io.Closer) {
+		mu.Lock()
+		held = append(held, c)
+		mu.Unlock()
 	}
 }

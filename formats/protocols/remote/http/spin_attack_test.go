@@ -1,11 +1,11 @@
 package http
 
-// Review attacks on the lone reader's spin (spinConn, pconn.read): replies
+// Attacks on the lone reader's spin (spinConn, pconn.read): replies
 // cut at every byte, chunked one byte a chunk, larger than the bufio
 // buffer, over plain TCP and TLS; cancellation and deadlines in each phase
 // of a reply; resets; lone and non-lone readers sharing the pool under
 // -race; the spin never left set on a pooled connection. Each test is
-// hang-guarded (spinrevGuard).
+// hang-guarded (hangGuard).
 
 import (
 	"bufio"
@@ -33,9 +33,9 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// spinrevGuard fails the test (with every goroutine's stack) if it is
+// hangGuard fails the test (with every goroutine's stack) if it is
 // still running after d.
-func spinrevGuard(t *testing.T, d time.Duration) {
+func hangGuard(t *testing.T, d time.Duration) {
 	t.Helper()
 	done := make(chan struct{})
 	t.Cleanup(func() { close(done) })
@@ -51,10 +51,10 @@ func spinrevGuard(t *testing.T, d time.Duration) {
 	}()
 }
 
-// spinrevServer answers range GETs on hijacked connections, keeping them
+// rawServer answers range GETs on hijacked connections, keeping them
 // alive, as mode says for each request's offset; a nil mode looks the
 // offset up in modes (a string each), "whole" where it is not there.
-type spinrevServer struct {
+type rawServer struct {
 	data  []byte
 	srv   *httptest.Server
 	b     *Backend
@@ -65,9 +65,9 @@ type spinrevServer struct {
 	reqs  atomic.Int64
 }
 
-func newSpinrevServer(t *testing.T, tlsOn bool, size int, mode func(off int64) string) *spinrevServer {
+func newRawServer(t *testing.T, tlsOn bool, size int, mode func(off int64) string) *rawServer {
 	t.Helper()
-	s := &spinrevServer{data: make([]byte, size), mode: mode, stop: make(chan struct{})}
+	s := &rawServer{data: make([]byte, size), mode: mode, stop: make(chan struct{})}
 	if mode == nil {
 		s.mode = func(off int64) string {
 			if m, ok := s.modes.Load(off); ok {
@@ -126,7 +126,7 @@ func tcpOf(c net.Conn) *net.TCPConn {
 }
 
 // answer answers r on c; false: the connection is done.
-func (s *spinrevServer) answer(c net.Conn, buf *bufio.ReadWriter, r *nethttp.Request) bool {
+func (s *rawServer) answer(c net.Conn, buf *bufio.ReadWriter, r *nethttp.Request) bool {
 	s.reqs.Add(1)
 	if r.Method == nethttp.MethodHead { // Stat's
 		fmt.Fprintf(buf, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\nETag: \"v1\"\r\nAccept-Ranges: bytes\r\n\r\n", len(s.data))
@@ -257,7 +257,7 @@ func (s *spinrevServer) answer(c net.Conn, buf *bufio.ReadWriter, r *nethttp.Req
 }
 
 // read GETs n bytes at off with ctx and checks them.
-func (s *spinrevServer) read(ctx context.Context, off, n int64) error {
+func (s *rawServer) read(ctx context.Context, off, n int64) error {
 	p := make([]byte, n)
 	for i := range p {
 		p[i] = 0xa5
@@ -276,7 +276,7 @@ func (s *spinrevServer) read(ctx context.Context, off, n int64) error {
 }
 
 // checkIdle fails if a pooled connection kept its spin.
-func (s *spinrevServer) checkIdle(t *testing.T) int {
+func (s *rawServer) checkIdle(t *testing.T) int {
 	t.Helper()
 	c := s.b.fast
 	c.mu.Lock()
@@ -299,11 +299,11 @@ func forBoth(t *testing.T, f func(t *testing.T, tlsOn bool)) {
 // chunk, and larger than the 16 KiB reader, lone and not, on kept-alive
 // connections: the right bytes, and the connections go back to the pool
 // with no spin.
-func TestSpinrevPiecewiseReplies(t *testing.T) {
-	spinrevGuard(t, 60*time.Second)
+func TestSpinPiecewiseReplies(t *testing.T) {
+	hangGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		s := newSpinrevServer(t, tlsOn, size, nil)
+		s := newRawServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		plain := context.Background()
 		sizes := []int64{1, 2, 4095, 4096, 16<<10 - 1, 16 << 10, 16<<10 + 1, 70001, 300000}
@@ -339,11 +339,11 @@ func TestSpinrevPiecewiseReplies(t *testing.T) {
 // it, in a Content-Length body (readv on plain TCP), in a chunked body;
 // by a deadline and by a cancel (AfterFunc's past deadline). It ends
 // within a bound, with the context's error, and the pool stays good.
-func TestSpinrevCancelEveryPhase(t *testing.T) {
-	spinrevGuard(t, 60*time.Second)
+func TestSpinCancelEveryPhase(t *testing.T) {
+	hangGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		s := newSpinrevServer(t, tlsOn, size, nil)
+		s := newRawServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		for k, mode := range []string{"silent", "half-head", "half-body", "half-chunked"} {
 			for _, how := range []string{"deadline", "cancel"} {
@@ -391,11 +391,11 @@ func TestSpinrevCancelEveryPhase(t *testing.T) {
 
 // A reset in the body, and an end of stream in the head, of a lone GET:
 // a temporary error, no wrong bytes, and the next read is good.
-func TestSpinrevResetAndEOF(t *testing.T) {
-	spinrevGuard(t, 30*time.Second)
+func TestSpinResetAndEOF(t *testing.T) {
+	hangGuard(t, 30*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		s := newSpinrevServer(t, tlsOn, size, nil)
+		s := newRawServer(t, tlsOn, size, nil)
 		lone := remote.Lone(context.Background())
 		for k, mode := range []string{"reset-body", "eof-head"} {
 			for _, n := range []int64{4096, 100000} {
@@ -419,11 +419,11 @@ func TestSpinrevResetAndEOF(t *testing.T) {
 // Lone and other readers share the pool at once (-race: pc.spin is
 // written and read on one goroutine only); lone GETs cancelled at random
 // times mixed in.
-func TestSpinrevSharedPool(t *testing.T) {
-	spinrevGuard(t, 60*time.Second)
+func TestSpinSharedPool(t *testing.T) {
+	hangGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 4 << 20
-		s := newSpinrevServer(t, tlsOn, size, func(off int64) string {
+		s := newRawServer(t, tlsOn, size, func(off int64) string {
 			switch off % 5 {
 			case 1:
 				return "bytewise"
@@ -477,8 +477,8 @@ func TestSpinrevSharedPool(t *testing.T) {
 // in pieces; the end of the stream; a reset; a deadline while it spins
 // and while it sleeps; a deadline set from another goroutine (the
 // context's AfterFunc); a read after Close.
-func TestSpinrevSpinConnRead(t *testing.T) {
-	spinrevGuard(t, 30*time.Second)
+func TestSpinConnRead(t *testing.T) {
+	hangGuard(t, 30*time.Second)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -644,11 +644,11 @@ func TestSpinrevSpinConnRead(t *testing.T) {
 // The whole way: a remote.File whose reader cannot give up (no Done) makes
 // its GET itself, marked Lone (load with held), over replies cut at every
 // byte and chunked; the bytes are right, and each 4 KiB read ends.
-func TestSpinrevFileLoneReads(t *testing.T) {
-	spinrevGuard(t, 60*time.Second)
+func TestSpinFileLoneReads(t *testing.T) {
+	hangGuard(t, 60*time.Second)
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
-		s := newSpinrevServer(t, tlsOn, size, func(off int64) string {
+		s := newRawServer(t, tlsOn, size, func(off int64) string {
 			switch (off / 4096) % 3 {
 			case 0:
 				return "bytewise"

@@ -8,12 +8,12 @@ import (
 	"time"
 )
 
-// TestRvQueuedReadsKeepTheReconnectTimeout: a server that accepts and
+// TestQueuedReadsKeepTheReconnectTimeout: a server that accepts and
 // never answers, one connection, four reads at once: each fails within
 // the reconnect timeout (plus slack), counted from when it was asked,
 // not one timeout after another as they take turns on the connection.
-func TestRvQueuedReadsKeepTheReconnectTimeout(t *testing.T) {
-	m := &memBackend{data: rhData(16 << 20)}
+func TestQueuedReadsKeepTheReconnectTimeout(t *testing.T) {
+	m := &memBackend{data: patterned(16 << 20)}
 	m.fail = func(n int64, ctx context.Context) error {
 		<-ctx.Done()
 		return Temporary(ctx.Err())
@@ -41,12 +41,12 @@ func TestRvQueuedReadsKeepTheReconnectTimeout(t *testing.T) {
 	}
 }
 
-// TestRvCloseWhileReading: Close racing readers that start fetches: no
+// TestCloseWhileReading: Close racing readers that start fetches: no
 // reader waits past Close for a fetch nobody will complete (run with
 // -race: the fetches' WaitGroup is not added to while Close waits).
-func TestRvCloseWhileReading(t *testing.T) {
+func TestCloseWhileReading(t *testing.T) {
 	for round := 0; round < 150; round++ {
-		m := &memBackend{data: rhData(8 << 20)}
+		m := &memBackend{data: patterned(8 << 20)}
 		f, err := Open(context.Background(), m, Options{Connections: 2})
 		if err != nil {
 			t.Fatal(err)
@@ -82,12 +82,12 @@ func TestRvCloseWhileReading(t *testing.T) {
 	}
 }
 
-// TestRvReadersGoBeforeReadahead: a reader's own block is fetched before
+// TestReadersGoBeforeReadahead: a reader's own block is fetched before
 // readahead queued earlier: with one connection, 100 ms a GET and
 // megabytes of readahead queued for a sequential reader, a random read
 // waits for the GET in flight and its own, not for the queue.
-func TestRvReadersGoBeforeReadahead(t *testing.T) {
-	m := &memBackend{data: rhData(64 << 20), delay: 100 * time.Millisecond}
+func TestReadersGoBeforeReadahead(t *testing.T) {
+	m := &memBackend{data: patterned(64 << 20), delay: 100 * time.Millisecond}
 	f := openMem(t, m, Options{Connections: 1, CacheSize: 64 << 20})
 	ctx := context.Background()
 	buf := make([]byte, 64<<10)

@@ -1,6 +1,6 @@
 package remote
 
-// Review of the loans (LendAt, aad3184): a lent block must hold the
+// Attacks on the loans (LendAt): a lent block must hold the
 // object's bytes until release whatever else the cache does meanwhile,
 // every loan and every failed or cancelled one must leave no reference
 // behind, and the edges (the object's end, a partial last block, the
@@ -15,76 +15,18 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
-
-// rvwCheckCache checks the cache's invariants once no loan or read is
-// out: every entry loaded, unreferenced and in the LRU (and the LRU's
-// blocks those of the map), the map within the capacity, every block
-// holding the object's bytes in the range it holds (all of it but for a
-// partial block), and no buffer in two places (two blocks, or a block
-// and the free list: a buffer recycled twice, or recycled while a block
-// still used it).
-func rvwCheckCache(t *testing.T, f *File, data []byte) {
-	t.Helper()
-	// The readahead in flight first: the callers start no fetch
-	// meanwhile, so this Wait races no Add.
-	f.wg.Wait()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	inLRU := map[*block]bool{}
-	for v := f.lru.next; v != &f.lru; v = v.next {
-		if inLRU[v] || f.blocks[v.idx] != v {
-			t.Errorf("block %d in the LRU twice, or not (this one) in the map (evicted %v)", v.idx, v.evicted)
-		}
-		inLRU[v] = true
-	}
-	if len(inLRU) != len(f.blocks) {
-		t.Errorf("the LRU holds %d blocks, the map %d", len(inLRU), len(f.blocks))
-	}
-	owner := map[*byte]int64{}
-	for i, b := range f.blocks {
-		if b.refs != 0 || !b.loaded || b.evicted || b.idx != i {
-			t.Errorf("block %d: %d references, loaded %v, evicted %v, index %d, with nothing in flight", i, b.refs, b.loaded, b.evicted, b.idx)
-			continue
-		}
-		start := i * f.bs
-		if b.lo < 0 || b.lo > b.hi || b.hi > f.size(i) || int64(len(b.data)) != f.size(i) {
-			t.Errorf("block %d holds [%d, %d) of %d bytes (%d)", i, b.lo, b.hi, f.size(i), len(b.data))
-		} else if !bytes.Equal(b.data[b.lo:b.hi], data[start+b.lo:start+b.hi]) {
-			t.Errorf("block %d does not hold the object's bytes [%d, %d)", i, start+b.lo, start+b.hi)
-		}
-		p := unsafe.SliceData(b.data[:cap(b.data)])
-		if j, dup := owner[p]; dup {
-			t.Errorf("blocks %d and %d share one buffer", j, i)
-		}
-		owner[p] = i
-	}
-	for k, d := range f.free {
-		p := unsafe.SliceData(d[:cap(d)])
-		if j, dup := owner[p]; dup {
-			t.Errorf("free buffer %d is also block %d's (or another free one's)", k, j)
-		}
-		owner[p] = -1 - int64(k)
-	}
-	if len(f.blocks) > f.capacity {
-		t.Errorf("the cache holds %d blocks, capacity %d", len(f.blocks), f.capacity)
-	}
-	if len(f.free) > f.capacity {
-		t.Errorf("%d free buffers kept, capacity %d", len(f.free), f.capacity)
-	}
-}
 
 // A borrower that, while its loan is out, reads enough of the rest of
 // the object to evict every block of the cache (its own lent ones
 // included) still sees the object's bytes in its slices; so do loans
 // racing each other and plain reads. The cache is the least (16 blocks
 // of 4 KiB) and the object ends in a partial block, which loans reach.
-func TestRvwLendSurvivesEvictionAndRecycling(t *testing.T) {
+func TestLendSurvivesEvictionAndRecycling(t *testing.T) {
 	const bs = 4096
-	m := &memBackend{data: rhData(64*bs + 777)}
+	m := &memBackend{data: patterned(64*bs + 777)}
 	f := openMem(t, m, Options{BlockSize: bs, CacheSize: 16 * bs})
 	size := int64(len(m.data))
 	ctx := context.Background()
@@ -104,10 +46,10 @@ func TestRvwLendSurvivesEvictionAndRecycling(t *testing.T) {
 		}
 	}
 	if got := joined(bufs); !bytes.Equal(got, m.data[off:off+n]) {
-		t.Fatalf("a loan's bytes changed while the cache evicted and refilled its blocks (%d of %d bytes differ)", rvwDiff(got, m.data[off:off+n]), n)
+		t.Fatalf("a loan's bytes changed while the cache evicted and refilled its blocks (%d of %d bytes differ)", countDiff(got, m.data[off:off+n]), n)
 	}
 	release()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 
 	// Then racing borrowers and readers, each borrower checking its
 	// bytes before and after the reads it makes while its loan is out.
@@ -163,10 +105,10 @@ func TestRvwLendSurvivesEvictionAndRecycling(t *testing.T) {
 		}(int64(g) + 10)
 	}
 	wg.Wait()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
-func rvwDiff(a, b []byte) int {
+func countDiff(a, b []byte) int {
 	d := 0
 	for i := range min(len(a), len(b)) {
 		if a[i] != b[i] {
@@ -182,11 +124,11 @@ func rvwDiff(a, b []byte) int {
 // referenced, and the blocks leave the cache when others need the room
 // (a reference left behind pins a block's buffer for good: never
 // recycled, memory past the cache size).
-func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
+func TestCancelledLoanLeavesNoReference(t *testing.T) {
 	const bs = 4096
 	// A 2 s fetch, and 1 s for a borrower to give up: see
 	// TestReaderCancelDoesNotWait.
-	m := &memBackend{data: rhData(256 * bs), delay: 2 * time.Second}
+	m := &memBackend{data: patterned(256 * bs), delay: 2 * time.Second}
 	f := openMem(t, m, Options{BlockSize: bs, CacheSize: 16 * bs, ReconnectTimeout: 10 * time.Second})
 	off, n := int64(bs/2), int64(6*bs)
 
@@ -225,7 +167,7 @@ func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
 		t.Fatalf("the patient borrower: ok %v, err %v", p.ok, p.err)
 	}
 	p.release()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 
 	// The blocks are not pinned: reads elsewhere push them out.
 	f.wg.Wait() // no fetch in flight reads delay
@@ -243,7 +185,7 @@ func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
 		}
 	}
 	f.mu.Unlock()
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // Loans and Close: a loan out when the file closes keeps its bytes, and
@@ -252,9 +194,9 @@ func TestRvwCancelledLoanLeavesNoReference(t *testing.T) {
 // promptly and nothing lent; a loan asked for after Close is refused
 // with an error, not served (from the cache or a new fetch). Run it with
 // -race: Close and releases meet under the file's lock.
-func TestRvwLoansAcrossClose(t *testing.T) {
+func TestLoansAcrossClose(t *testing.T) {
 	const bs = 4096
-	m := &memBackend{data: rhData(64*bs + 100)}
+	m := &memBackend{data: patterned(64*bs + 100)}
 	// Closed by the test itself, not deferred: a panic under the file's
 	// lock would deadlock a deferred Close instead of failing.
 	f, err := Open(context.Background(), m, Options{BlockSize: bs, CacheSize: 16 * bs})
@@ -353,10 +295,10 @@ func TestRvwLoansAcrossClose(t *testing.T) {
 // not; what is not lent (past the end, too many slices, nothing, a
 // maxBufs of 0 or less) is refused before anything is fetched or
 // referenced, so the caller's fallback read is the only one.
-func TestRvwLendEdgesFetchNothingWhenRefused(t *testing.T) {
+func TestLendEdgesFetchNothingWhenRefused(t *testing.T) {
 	const bs = 16 << 10
 	size := int64(10*bs + 1)
-	m := &memBackend{data: rhData(int(size))}
+	m := &memBackend{data: patterned(int(size))}
 	f := openMem(t, m, Options{BlockSize: bs, CacheSize: 1 << 20})
 	ctx := context.Background()
 	for _, c := range []struct {
@@ -417,11 +359,11 @@ func TestRvwLendEdgesFetchNothingWhenRefused(t *testing.T) {
 			}
 		}
 		if got := joined(bufs); !bytes.Equal(got, m.data[c.off:c.off+c.n]) {
-			t.Fatalf("%s: %d bytes lent, %d differ from the object's %d", c.name, len(got), rvwDiff(got, m.data[c.off:c.off+c.n]), c.n)
+			t.Fatalf("%s: %d bytes lent, %d differ from the object's %d", c.name, len(got), countDiff(got, m.data[c.off:c.off+c.n]), c.n)
 		}
 		release()
 	}
-	rvwCheckCache(t, f, m.data)
+	checkCache(t, f, m.data)
 }
 
 // garbler is a lying backend: each GET first scribbles over the buffers
@@ -457,12 +399,12 @@ func (g *garbler) ReadRangev(ctx context.Context, obj Object, bufs [][]byte, off
 	return nil
 }
 
-type rvwPlain struct{ g *garbler }
+type plainGarbler struct{ g *garbler }
 
-func (p rvwPlain) Stat(ctx context.Context) (Object, error) { return p.g.Stat(ctx) }
-func (p rvwPlain) String() string                           { return p.g.String() }
-func (p rvwPlain) Close() error                             { return p.g.Close() }
-func (p rvwPlain) ReadRange(ctx context.Context, obj Object, b []byte, off int64) error {
+func (p plainGarbler) Stat(ctx context.Context) (Object, error) { return p.g.Stat(ctx) }
+func (p plainGarbler) String() string                           { return p.g.String() }
+func (p plainGarbler) Close() error                             { return p.g.Close() }
+func (p plainGarbler) ReadRange(ctx context.Context, obj Object, b []byte, off int64) error {
 	return p.g.ReadRange(ctx, obj, b, off)
 }
 
@@ -470,13 +412,13 @@ func (p rvwPlain) ReadRange(ctx context.Context, obj Object, b []byte, off int64
 // EIO with nothing lent (never the garbage), a retried one lends the
 // retry's bytes, and the garbage buffers, recycled into later blocks,
 // are filled before they are lent.
-func TestRvwGarbageThenErrorIsEIONotBytes(t *testing.T) {
+func TestGarbageThenErrorIsEIONotBytes(t *testing.T) {
 	const bs = 4096
 	for _, vectors := range []bool{true, false} {
-		g := &garbler{data: rhData(64*bs + 33)}
+		g := &garbler{data: patterned(64*bs + 33)}
 		var b Backend = g
 		if !vectors {
-			b = rvwPlain{g}
+			b = plainGarbler{g}
 		}
 		var failing atomic.Int64 // GETs up to this one fail for good
 		g.fail = func(n int64) error {
@@ -526,11 +468,11 @@ func TestRvwGarbageThenErrorIsEIONotBytes(t *testing.T) {
 				t.Fatalf("vectors %v: lend %d at %d: ok %v, err %v", vectors, n, off, ok, err)
 			}
 			if got := joined(bufs); !bytes.Equal(got, g.data[off:off+n]) {
-				t.Fatalf("vectors %v: lend %d at %d: %d bytes of garbage lent", vectors, n, off, rvwDiff(got, g.data[off:off+n]))
+				t.Fatalf("vectors %v: lend %d at %d: %d bytes of garbage lent", vectors, n, off, countDiff(got, g.data[off:off+n]))
 			}
 			release()
 		}
-		rvwCheckCache(t, f, g.data)
+		checkCache(t, f, g.data)
 		f.Close()
 	}
 }
