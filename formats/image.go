@@ -54,7 +54,7 @@ type Image interface {
 	// TryReadAt fills all of p from off if it can without waiting for a
 	// device or a lock someone holds (a page-cache hit, metadata already
 	// in memory). false: it would wait; p's content is undefined, and the
-	// caller uses ReadAt, with coroutines.Missed on its context when this
+	// caller uses ReadAt, with coroutines.AfterMiss as its context's path when this
 	// try reached the host file (so aio does not try a second time).
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if it can without waiting for a

@@ -121,7 +121,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 	}
 	if o.mayBlockLoop && !s.handOffOnly(req) {
 		if !s.stalls && s.hand.Lone(q.queued) {
-			o.wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
+			o.wait(s, s.hand.Context(coroutines.Lone), q.to, req)
 			return true
 		}
 		if s.stalls && q.ring == nil && !q.helper && s.comp == nil && s.hand.Lone(q.queued) {
@@ -163,7 +163,7 @@ const standInAfter = time.Millisecond
 // requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte)) {
 	unique := header(req).Unique
-	r := s.pending.addStalled(unique, s.hand.Context(coroutines.InLoop), s, q.to)
+	r := s.pending.addStalled(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
 	to.once = &r.once // r is the request's until finish, after its reply
 	s.hand.Start()
@@ -173,7 +173,7 @@ func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Co
 			s.standIn(q)
 		}
 	})
-	wait(s, s.hand.Context(coroutines.InLoop), to, req)
+	wait(s, s.hand.Context(coroutines.Lone), to, req)
 	s.pending.finish(unique, r)
 	s.hand.Done()
 	if state.CompareAndSwap(0, 1) {
@@ -195,7 +195,7 @@ func (s *server) standIn(q *queue) {
 // handOff finishes req in a goroutine with a buffer of its own (the rule
 // is queue's): a copy from the pools below bulkWrite, where copying costs
 // less than a fresh buffer; the loop's own buffer from there on.
-func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), path coroutines.PathKind, began time.Time) {
+func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), path coroutines.Path, began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
 	ctx := s.pending.add(unique, s.hand.Context(path))
 	to := q.to.handedOff()

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -192,7 +193,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 	f.window = min(maxWindow, max(o.CacheSize/4, initWindow))
 	f.bounce.New = func() any { b := make([]byte, maxGet); return &b }
 	f.ctx, f.cancel = context.WithCancel(context.Background())
-	f.loneCtx = Lone(f.ctx)
+	f.loneCtx = coroutines.WithPath(f.ctx, coroutines.Lone)
 	obj, err := f.stat(ctx)
 	if err != nil {
 		f.cancel()
