@@ -414,7 +414,7 @@ type uringFile struct {
 	ring   *uring
 	direct bool
 	behind atomic.Pointer[dropper] // set by SetDropBehind
-	lend   pageMap                 // see Lender
+	lend   pageMap                 // see PageSource
 }
 
 func (u *uringFile) setDropBehind(idle time.Duration) bool {

@@ -199,22 +199,6 @@ type Layered interface {
 	Backing() Image
 }
 
-// Lender is an Image (or the file under one) that can lend the bytes of a
-// range where they already lie in memory (a remote object's cache
-// blocks), so that a front end replies from them instead of copying
-// them into a buffer of its own first.
-type Lender interface {
-	// CanLend says whether LendAt may lend anything at all (a raw image
-	// lends only when its file does), so that front ends ask only then.
-	CanLend() bool
-	// LendAt returns [off, off+n) as slices in order, readable until
-	// release is called (and only until then); max bounds how many
-	// slices. ok false: nothing is lent (the range is not lendable,
-	// would take more slices, or passes the end), and the caller reads
-	// with ReadAt; err is a read's error (ok is true with it).
-	LendAt(ctx context.Context, off, n int64, max int) (bufs [][]byte, release func(), ok bool, err error)
-}
-
 // Features are what an image offers front ends beyond reads and writes.
 type Features struct {
 	// FastZero: WriteZeroes writes no data (NBD's FAST_ZERO asks).

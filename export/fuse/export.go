@@ -112,7 +112,7 @@ type Export struct {
 	marks *readMarks
 	// lender is the image when it lends its bytes in place (LendRead);
 	// nil for every other (a local raw file's reads never try).
-	lender formats.Lender
+	lender formats.CacheLender
 	// pager is the image when it lends the pages of its files
 	// (tryLend); nil when it cannot, or Options.NoPageLend.
 	pager formats.PageLender
@@ -157,7 +157,7 @@ func New(img formats.Image, o Options) *Export {
 	if o.KernelCache {
 		e.marks = new(readMarks)
 	}
-	if l, ok := img.(formats.Lender); ok && l.CanLend() {
+	if l, ok := img.(formats.CacheLender); ok && l.CanLend() {
 		e.lender = l
 	}
 	if l, ok := img.(formats.PageLender); ok && !o.NoPageLend {
@@ -444,7 +444,7 @@ func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 const maxLent = 128
 
 // LendRead is ReadInto for an image that lends its bytes in place
-// (formats.Lender: a remote object's cache blocks): the reply is written
+// (formats.CacheLender: a remote object's cache blocks): the reply is written
 // from them, not from a copy. ok false: the read is not lendable (a read
 // past the image's end that the kernel's size pads with zeroes, an image
 // that does not lend), and ReadInto serves it. release, when not nil,

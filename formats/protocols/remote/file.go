@@ -329,11 +329,11 @@ func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
 	return want, nil
 }
 
-// CanLend: a File always may (formats.Lender).
+// CanLend: a File always may (formats.CacheLender).
 func (f *File) CanLend() bool { return true }
 
 // LendAt lends [off, off+n) out of the cache blocks that hold it
-// (formats.Lender): a FUSE reply is written from them, and the copy into
+// (formats.CacheLender): a FUSE reply is written from them, and the copy into
 // a reply buffer that ReadAt makes is saved (cold 1 MiB reads at qd16
 // from nginx on loopback, through FUSE: 1100-1230 MiB/s with the copy,
 // 1710-1870 without). The blocks stay referenced, so neither evicted nor
@@ -1136,5 +1136,5 @@ func (f *File) Close() error {
 }
 
 var _ aio.File = (*File)(nil)
-var _ formats.Lender = (*File)(nil)
+var _ formats.CacheLender = (*File)(nil)
 var _ aio.Sized = (*File)(nil)
