@@ -243,7 +243,7 @@ func (m *pageMap) close() {
 // so the pages it takes stay cached (read-ahead that drop-behind would
 // have dropped once read included). A caller that reads drop-behind to
 // keep a single cache does not lend the ranges it wants out of the cache
-// (fuse's Export.tryLend).
+// (fuse's Export.lendPages).
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	if u.direct || u.closed() {
 		return nil, false

@@ -41,7 +41,7 @@ type queue struct {
 	// before it sleeps (awaitNextRequest).
 	awaitNext bool
 	// lent holds the slices of a read replied from the image's pages
-	// (Export.tryLend), reused.
+	// (Export.lendPages), reused.
 	lent [][]byte
 	// pace guesses whether the queue's reader waits on each reply before
 	// it asks again (queue depth 1): see depthGuess.

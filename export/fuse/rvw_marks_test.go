@@ -17,7 +17,7 @@ func TestRvwPartialDropUnderWayDoesNotStandInForTheWritesOwn(t *testing.T) {
 	e, _ := kcExport(t, 1<<20, Options{Writable: true})
 	started, release, _ := heldDrop(e)
 	buf := make([]byte, 4096)
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
+	if _, st := readInto(e, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
 	}
 	done := make(chan struct{})
