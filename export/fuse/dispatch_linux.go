@@ -173,8 +173,7 @@ const standInAfter = time.Millisecond
 // waits in the Go scheduler, takes the peer's reply itself, answers and
 // reads on. The request runs with the loop's context, which is never
 // cancelled: a remote file then makes the GET on this goroutine too
-// (remote.File.loaded). Cold random 4 KiB reads from nginx on loopback
-// at queue depth 1: 7.6-7.9k IOPS handed off, 10.8-12.1k so.
+// (remote.File.loaded). (docs/design.md, The stand-in loop)
 //
 // Its I/O cannot be cancelled (the context has no Done), so an
 // INTERRUPT that the stand-in reads for it, once the grace period has
@@ -286,8 +285,9 @@ func (s *server) pool(n int) *aio.BufPool {
 // still runs a grace period later: I/O that is merely slow finishes, and
 // only a request that hangs ends early.
 //
-// The contexts are pooled (a context.WithCancel per request, with its
-// map entry, measured 10% of O_DIRECT random reads at queue depth 16).
+// The contexts are pooled: a context.WithCancel per request, with its
+// map entry, cost a visible share of small reads (docs/design.md,
+// Hand-off).
 type pending struct {
 	mu    sync.Mutex
 	m     map[uint64]*reqCtx

@@ -605,8 +605,8 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 //     after one cleared the marks shows here as a mark). Waiting rather
 //     than sending its own drop: at queue depth 16, sixteen sequential
 //     4 KiB writes into a granule that had been read each sent a notify,
-//     one after another on the notify thread (27k IOPS against 200k
-//     without the kernel cache);
+//     one after another on the notify thread (docs/design.md, Kernel
+//     cache);
 //   - else nothing: no READ cached anything of it since the last drop.
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {

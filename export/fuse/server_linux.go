@@ -1,9 +1,10 @@
 package fuse
 
-// The server: our own /dev/fuse processing, as QEMU's 2026 export does.
+// The server: our own /dev/fuse processing, as QEMU's export does.
 // go-fuse's server hands every request between goroutines and keeps a 1 MiB
-// buffer per reader; measured here it reached 0.55-0.66x QEMU on small
-// reads. go-fuse still supplies the protocol structs the handlers take.
+// buffer per reader, which cost small reads dearly against QEMU
+// (docs/design.md, The serve loop). go-fuse still supplies the protocol
+// structs the handlers take.
 //
 // By job: server_linux.go (the connection: INIT, queues, passthrough),
 // uring_linux.go (FUSE over io_uring, the second transport),
