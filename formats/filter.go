@@ -6,10 +6,9 @@ import "context"
 // partition's range, a disk whose size is pinned) embeds: the image it
 // wraps, with every optional capability of that image passed on, so that
 // a fast path of the wrapped image does not vanish under a filter. A
-// filter overrides what it changes (a partition moves offsets,
-// copy-on-read reads through its copy). A Filter has the methods of every
-// optional interface; [As] says whether the image under it really has
-// one.
+// filter overrides what it changes (a partition moves offsets). A Filter
+// has the methods of every optional interface, each doing nothing where
+// the wrapped image lacks it; [As] says whether it really has one.
 type Filter struct {
 	Image
 }
@@ -17,7 +16,6 @@ type Filter struct {
 // Wrapped is the image under the filter.
 func (f Filter) Wrapped() Image { return f.Image }
 
-// Backing is the wrapped image's (Layered), or nil.
 func (f Filter) Backing() Image {
 	if l, ok := f.Image.(Layered); ok {
 		return l.Backing()
@@ -25,13 +23,11 @@ func (f Filter) Backing() Image {
 	return nil
 }
 
-// CanLend: the wrapped image's (CacheLender).
 func (f Filter) CanLend() bool {
 	l, ok := f.Image.(CacheLender)
 	return ok && l.CanLend()
 }
 
-// LendAt: the wrapped image's (CacheLender); ok false where it has none.
 func (f Filter) LendAt(ctx context.Context, off, n int64, max int) ([][]byte, func(), bool, error) {
 	if l, ok := f.Image.(CacheLender); ok {
 		return l.LendAt(ctx, off, n, max)
@@ -39,13 +35,10 @@ func (f Filter) LendAt(ctx context.Context, off, n int64, max int) ([][]byte, fu
 	return nil, nil, false, nil
 }
 
-// TryLendAt: the wrapped image's (PageLender); false where it has none.
 func (f Filter) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	return TryLend(f.Image, off, n, v)
 }
 
-// CompletionFds, ServeCompletions, ReleaseCompletions: the wrapped
-// image's (Completions); none where it has none.
 func (f Filter) CompletionFds(dst []int) []int {
 	if c, ok := f.Image.(Completions); ok {
 		return c.CompletionFds(dst)
@@ -67,21 +60,18 @@ func (f Filter) ReleaseCompletions() {
 
 // As returns img as the optional interface T (PageLender, CacheLender,
 // Layered, Completions) where img offers it: through filters, only where
-// the image under them does too. Front ends ask As, never a type
-// assertion, before they choose a path by a capability.
+// the image under them does too. Front ends ask As, not a type assertion,
+// before they choose a path by a capability.
 func As[T any](img Image) (T, bool) {
 	t, ok := img.(T)
 	for under := img; ok; {
 		f, isFilter := under.(interface{ Wrapped() Image })
 		if !isFilter {
-			break
+			return t, true
 		}
 		under = f.Wrapped()
 		_, ok = under.(T)
 	}
-	if !ok {
-		var zero T
-		return zero, false
-	}
-	return t, true
+	var zero T
+	return zero, false
 }

@@ -109,7 +109,7 @@ type Export struct {
 	writebackFailed func(off, length int64)
 	// kernelSize, set with the writeback cache, is the file's size as the
 	// kernel has it: larger than the image's while a buffered write that
-	// grew the file waits in the page cache (see readEnd).
+	// grew the file waits in the page cache (see readPastImage).
 	kernelSize func() (int64, bool)
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
@@ -436,24 +436,16 @@ func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
 // read at EOF, an empty one past it), zeroes past it under the writeback
 // cache (readPastImage), and its granules marked before the image is
 // read where the kernel may cache what it reads (cachesRead). It counts
-// the read in flight; endRead ends that.
-func (e *Export) planRead(in *fuse.ReadIn) readOp {
-	e.inflight.Begin()
-	return e.workOut(in)
-}
-
-// tryPlanRead is planRead for a serve loop, which must not wait: false,
-// with nothing counted, when it might (a drain holds the export, or the
-// read reaches past the image's end while the kernel may know a larger
-// size, which it would ask: readCrossesEnd).
-func (e *Export) tryPlanRead(in *fuse.ReadIn) (readOp, bool) {
-	if e.readCrossesEnd(in) || !e.inflight.TryBegin() {
+// the read in flight; endRead ends that. A serve loop, which must not
+// wait, asks with loop set: false, with nothing counted, where it might
+// (a drain holds the export, or the read reaches past the image's end
+// while the kernel may know a larger size, which it would ask).
+func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
+	if !loop {
+		e.inflight.Begin()
+	} else if e.readCrossesEnd(in) || !e.inflight.TryBegin() {
 		return readOp{}, false
 	}
-	return e.workOut(in), true
-}
-
-func (e *Export) workOut(in *fuse.ReadIn) readOp {
 	r := readOp{off: int64(in.Offset), fillsCache: e.cachesRead(in)}
 	if size := e.img.Size(); r.off >= 0 && r.off < size {
 		r.n = min(readLimit(in), size-r.off)
@@ -462,7 +454,7 @@ func (e *Export) workOut(in *fuse.ReadIn) readOp {
 	if r.fillsCache {
 		e.marks.mark(r.off, r.size())
 	}
-	return r
+	return r, true
 }
 
 // endRead ends what planRead began, once the reply is written.
@@ -582,15 +574,21 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 // growable one.
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	n, st := e.write(ctx, in, data)
-	switch {
-	case e.WriteBypassesCache(in):
-		if d := e.dropAfterBypass(in, len(data), n, st); d.needed() {
-			e.finishBypass(d)
-		}
-	default:
-		e.checkWriteback(in, n, st, len(data))
+	if d := e.afterWrite(in, len(data), n, st); d.needed() {
+		e.finishBypass(d)
 	}
 	return n, st
+}
+
+// afterWrite is what a write of size bytes that landed n must see done
+// before its reply, where it bypassed the page cache (dropAfterBypass);
+// else it has a failed write-back mended (checkWriteback).
+func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
+	if e.WriteBypassesCache(in) {
+		return e.dropAfterBypass(in, size, n, st)
+	}
+	e.checkWriteback(in, n, st, size)
+	return bypassDrop{}
 }
 
 // dropAfterBypass says what a write that bypassed the page cache must see
@@ -673,15 +671,15 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 
 // TryWrite is Write for a serve loop that must not block: only writes
 // that need neither clamping nor growth, and that the image can do at
-// once; ok false means nothing happened. A write that bypassed the page
-// cache may need a drop of the kernel's pages done before its reply
-// (d.needed(); finishBypass), which the loop must not do or wait for
-// itself: the notify may wait for a write-back only the loop can answer.
+// once, with no drain under way; ok false means nothing happened. A
+// write that bypassed the page cache may need a drop of the kernel's
+// pages done before its reply (d.needed(); finishBypass), which the loop
+// must not do or wait for itself: the notify may wait for a write-back
+// only the loop can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
-	if !e.opts.Writable || len(data) == 0 {
+	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}
 	}
-	e.inflight.Begin()
 	defer e.inflight.End()
 	if int64(in.Offset)+int64(len(data)) > e.img.Size() {
 		return 0, fuse.OK, false, bypassDrop{}
@@ -695,12 +693,7 @@ func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Stat
 		e.log.Debug("write failed", "off", in.Offset, "len", len(data), "err", err)
 		n, st = 0, errno(err)
 	}
-	if e.WriteBypassesCache(in) {
-		d = e.dropAfterBypass(in, len(data), n, st)
-	} else if err != nil {
-		e.checkWriteback(in, 0, st, len(data))
-	}
-	return n, st, true, d
+	return n, st, true, e.afterWrite(in, len(data), n, st)
 }
 
 // Fallocate follows QEMU: mode 0 only at or past the end (it grows the

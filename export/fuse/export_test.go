@@ -71,14 +71,14 @@ func TestWriteClampingAndGrowth(t *testing.T) {
 // readInto serves a READ as a goroutine does: worked out, then read into
 // buf, which must hold it.
 func readInto(e *Export, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
-	r := e.planRead(in)
+	r, _ := e.planRead(in, false)
 	defer e.endRead()
 	return e.read(ctx, r, buf[:r.size()])
 }
 
 // tryReadInto serves a READ as the loop tries it; false: it would wait.
 func tryReadInto(e *Export, in *fuse.ReadIn, buf []byte) (int, bool) {
-	r, ok := e.tryPlanRead(in)
+	r, ok := e.planRead(in, true)
 	if !ok {
 		return 0, false
 	}
@@ -89,7 +89,7 @@ func tryReadInto(e *Export, in *fuse.ReadIn, buf []byte) (int, bool) {
 // lendFromCache serves a READ as a goroutine does, lent from the image's
 // cache; false: not lent.
 func lendFromCache(e *Export, in *fuse.ReadIn) ([][]byte, func(), fuse.Status, bool) {
-	r := e.planRead(in)
+	r, _ := e.planRead(in, false)
 	defer e.endRead()
 	return e.lendCache(ctx, r)
 }

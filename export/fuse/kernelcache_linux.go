@@ -70,7 +70,7 @@ func (s *server) writeNotifyInval(off, length int64) error {
 // handOffOnly says whether req must run outside the serve loop even when
 // the loop is alone: a write whose reply waits for an invalidation. (A
 // READ that would ask the kernel's size leaves the loop by itself:
-// Export.tryPlanRead.)
+// Export.planRead.)
 func (s *server) handOffOnly(req []byte) bool {
 	return s.exp.opts.KernelCache && header(req).Opcode == opWrite &&
 		s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))

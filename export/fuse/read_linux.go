@@ -1,10 +1,6 @@
 package fuse
 
-// The READ path, in one place: a READ is worked out once (Export.planRead:
-// clamp, zeroes past the end, kernel-cache marks, in flight), then goes
-// down one path: lent from the image's pages or read without waiting,
-// in the loop; else read where it may wait, in the loop when it is alone,
-// else in a goroutine, lent from the image's cache or read into a buffer.
+// The READ path, in one place (see the package doc, One READ).
 
 import (
 	"context"
@@ -19,7 +15,7 @@ import (
 // request finished here (dispatch).
 func (s *server) read(q *queue, req []byte, began time.Time) bool {
 	e, in := s.expOf(req), decode[fuse.ReadIn](req)
-	r, ok := e.tryPlanRead(in)
+	r, ok := e.planRead(in, true)
 	if !ok {
 		// Working it out may wait: all of it in a goroutine.
 		s.handOffRead(q, e, in, readOp{}, false, coroutines.Fresh, began)
@@ -107,7 +103,7 @@ func (s *server) finishHandedRead(ctx *reqCtx, to replyTo, e *Export, in fuse.Re
 	defer s.hand.Done()
 	defer s.pending.finish(in.Unique, ctx)
 	if !planned {
-		r = e.planRead(&in)
+		r, _ = e.planRead(&in, false)
 	}
 	s.finishRead(ctx, to, e, in.Unique, r)
 	if s.stats != nil {
