@@ -54,8 +54,8 @@ type Image interface {
 	// TryReadAt fills all of p from off if it can without waiting for a
 	// device or a lock someone holds (a page-cache hit, metadata already
 	// in memory). false: it would wait; p's content is undefined, and the
-	// caller uses ReadAt, with coroutines.AfterMiss as its context's path when this
-	// try reached the host file (so aio does not try a second time).
+	// caller uses ReadAt, on a context of path coroutines.AfterMiss when
+	// this try reached the host file (so aio does not try a second time).
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if it can without waiting for a
 	// device, metadata I/O or a lock someone holds (raw: a buffered write
@@ -248,8 +248,8 @@ func (ReadOnly) Flush(context.Context) error                           { return 
 // The loop calls CompletionFds each time before it waits (connections may
 // change: a reconnect). From the first call on, requests that wait on the
 // connections named leave reading to the loop, except those that run in
-// the loop itself (coroutines.Lone), which still read their own (the loop
-// is busy with them). ServeCompletions reads what has arrived without
+// the loop itself (path coroutines.Lone), which still read their own
+// (the loop is busy with them). ServeCompletions reads what has arrived without
 // waiting for more; the requests it completes become runnable. Release
 // hands reading back to the requests (the loop is ending): it must come
 // before the loop stops answering, or requests left waiting would hang.

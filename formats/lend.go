@@ -6,23 +6,15 @@ import (
 	"github.com/blockexport/blockexport/aio"
 )
 
-// Lending: a front end that replies with a writev can write a read's
-// reply straight from where the image's bytes already lie, one system
-// call where a read into a buffer costs two. Two kinds of image lend:
-//
-//   - a PageLender lends the page cache of its host files, without ever
-//     waiting, for the serve loop's no-wait try; the slices stay valid
-//     until the image closes;
-//   - a CacheLender lends blocks of a memory cache of its own (a remote
-//     object's), fetching them first if it must; the slices stay valid
-//     until the caller releases them.
-
 // PageLender is an Image that can answer a read from the page cache of
 // its host files without copying: slices of their mappings for data
-// (aio.PageSource), lent zeroes for holes. Only images whose data never
-// moves within their files while they are open lend: the read-only
-// formats, a raw file, a qcow2 image opened read-only (a writable one may
-// free and reuse a cluster between the lend and the writev).
+// (aio.PageSource), lent zeroes for holes, never waiting. A front end
+// that replies with a writev writes the reply straight from there, one
+// system call where a read into a buffer costs two. Only images whose
+// data never moves within their files while they are open lend: the
+// read-only formats, a raw file, a qcow2 image opened read-only (a
+// writable one may free and reuse a cluster between the lend and the
+// writev).
 type PageLender interface {
 	// TryLendAt appends [off, off+n) to v as slices in order and returns
 	// it, with ok true when every byte was lent without waiting. ok
@@ -35,8 +27,8 @@ type PageLender interface {
 
 // CacheLender is an Image (or the file under one) that can lend the
 // bytes of a range where they lie in a memory cache of its own (a remote
-// object's blocks), so that a front end replies from them instead of
-// copying them into a buffer of its own first.
+// object's blocks, fetched first if it must), until the caller releases
+// them, so that a front end replies from them instead of a copy.
 type CacheLender interface {
 	// CanLend says whether LendAt may lend anything at all (a raw image
 	// lends only when its file does), so that front ends ask only then.
