@@ -14,7 +14,8 @@ import (
 // only by rewriting the table, which is the disk's business.
 //
 // What else the disk offers passes on (formats.Filter), moved to the
-// range's offsets where it takes offsets.
+// range's offsets where it takes offsets; a flush flushes the whole disk
+// (durability is not a per-range affair).
 type Range struct {
 	formats.Filter
 	start, size int64
@@ -72,9 +73,6 @@ func (r *Range) Discard(ctx context.Context, off, n int64) error {
 	}
 	return r.Image.Discard(ctx, r.start+off, n)
 }
-
-// Flush flushes the whole disk: durability is not a per-range affair.
-func (r *Range) Flush(ctx context.Context) error { return r.Image.Flush(ctx) }
 
 func (r *Range) Size() int64 { return r.size }
 
