@@ -57,7 +57,7 @@ type File interface {
 	// device: a page-cache hit, with preadv2(RWF_NOWAIT). false: it would
 	// wait (always so with O_DIRECT, which has no cache to hit), and p
 	// holds nothing usable; ReadAt with a context from
-	// coroutines.Missed then goes to the device without a second try.
+	// coroutines.AfterMiss then goes to the device without a second try.
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if the write completes in the page
 	// cache: a buffered file's. false: it would wait for the device

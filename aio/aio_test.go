@@ -53,7 +53,7 @@ func TestConcurrentRandomIO(t *testing.T) {
 				}
 				// Each goroutine owns a disjoint 512 KiB region, so the
 				// model is exact without locking.
-				lone := coroutines.Lone(context.Background())
+				lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 				var wg sync.WaitGroup
 				for g := 0; g < 16; g++ {
 					wg.Add(1)

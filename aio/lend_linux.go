@@ -9,18 +9,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Lender is a File that can lend a range of its bytes where they lie in
+// PageSource is a File that can lend a range of its bytes where they lie in
 // the page cache: a slice of a read-only shared mapping of the file, for
 // a front end that writes its reply straight from there (one writev)
 // instead of reading into a buffer first (a pread and a writev).
 //
-// Why: a FUSE loop at queue depth 16 is bound by system calls on this
-// VM (each costs a few µs of entry and exit); 4 KiB random reads of a
-// raw image in the page cache went from 72-86k IOPS to 119-131k with
-// the pread gone. A residency check per read (mincore) is a system call
-// too and took the gain back (83-86k), so residency is known per page,
-// learned a 2 MiB chunk at a time and trusted for a while (pageMap).
-type Lender interface {
+// Why: a FUSE loop at queue depth 16 is bound by system calls, and this
+// takes one of the two away. A residency check per read (mincore) would
+// be a system call again, so residency is known per page, learned a 2 MiB
+// chunk at a time and trusted for a while (pageMap). (docs/design.md,
+// Mapped reads)
+type PageSource interface {
 	// TryLend returns [off, off+n) if every page of it was in the page
 	// cache a moment ago (see residencyTTL); the slice stays readable
 	// until the file is closed, and is only ever given to the kernel (a
@@ -238,13 +237,13 @@ func (m *pageMap) close() {
 	}
 }
 
-// TryLend: see Lender. Never for O_DIRECT (no page cache). Under
+// TryLend: see PageSource. Never for O_DIRECT (no page cache). Under
 // drop-behind too: a lend itself brings nothing in, but it is no read
 // that drop-behind counts, and a mapped page is one FADV_DONTNEED leaves,
 // so the pages it takes stay cached (read-ahead that drop-behind would
 // have dropped once read included). A caller that reads drop-behind to
 // keep a single cache does not lend the ranges it wants out of the cache
-// (fuse's Export.tryLend).
+// (fuse's Export.lendPages).
 func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	if u.direct || u.closed() {
 		return nil, false
@@ -252,10 +251,10 @@ func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
 	return u.lend.lend(u.fd, off, n)
 }
 
-// Zeroes: see Lender.
+// Zeroes: see PageSource.
 func (u *uringFile) Zeroes(n int) ([]byte, bool) { return u.lend.zero(u.fd, n) }
 
-// TryLend: see Lender.
+// TryLend: see PageSource.
 func (t *threadFile) TryLend(off, n int64) ([]byte, bool) {
 	if t.direct || t.closed.Load() {
 		return nil, false
@@ -263,10 +262,10 @@ func (t *threadFile) TryLend(off, n int64) ([]byte, bool) {
 	return t.lend.lend(t.fd, off, n)
 }
 
-// Zeroes: see Lender.
+// Zeroes: see PageSource.
 func (t *threadFile) Zeroes(n int) ([]byte, bool) { return t.lend.zero(t.fd, n) }
 
 var (
-	_ Lender = (*uringFile)(nil)
-	_ Lender = (*threadFile)(nil)
+	_ PageSource = (*uringFile)(nil)
+	_ PageSource = (*threadFile)(nil)
 )

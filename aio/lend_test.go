@@ -45,7 +45,7 @@ func TestTryLendResidentPages(t *testing.T) {
 	const size = 5<<20 + 1234 // three chunks, the last partial
 	data, files := lendFile(t, size, false)
 	for b, f := range files {
-		l := f.(Lender)
+		l := f.(PageSource)
 		for _, c := range []struct{ off, n int64 }{
 			{0, 1}, {0, 4096}, {4095, 2}, {lendChunk - 100, 200}, {lendChunk - 4096, 1 << 20},
 			{2*lendChunk - 1, size - 2*lendChunk + 1}, {size - 4096, 4096}, {size - 1, 1}, {12345, 1 << 20},
@@ -93,7 +93,7 @@ func TestTryLendResidentPages(t *testing.T) {
 func TestTryLendRefusesPagesNotCached(t *testing.T) {
 	data, files := lendFile(t, 3<<20, true)
 	for b, f := range files {
-		l := f.(Lender)
+		l := f.(PageSource)
 		// The other backend's file read the page back in, and its
 		// mapping holds it (until its next zap).
 		for _, o := range files {
@@ -133,7 +133,7 @@ func TestTryLendNotDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	for b, f := range openBoth(t, path, Options{Direct: true}) {
-		if _, ok := f.(Lender).TryLend(0, 4096); ok {
+		if _, ok := f.(PageSource).TryLend(0, 4096); ok {
 			t.Fatalf("%s: O_DIRECT file lent", b)
 		}
 	}
@@ -155,7 +155,7 @@ func lendState(f File) *pageMap {
 func TestLentPagesAreUnmappedAfterwards(t *testing.T) {
 	_, files := lendFile(t, 1<<20, false)
 	for b, f := range files {
-		got, ok := f.(Lender).TryLend(0, 1<<20)
+		got, ok := f.(PageSource).TryLend(0, 1<<20)
 		if !ok {
 			t.Fatalf("%s: not lent", b)
 		}
@@ -167,7 +167,7 @@ func TestLentPagesAreUnmappedAfterwards(t *testing.T) {
 		// Lent again after the touch: had the unmap run between the lend
 		// and the touch (a stalled test), the touch would have mapped the
 		// pages again for good; a lend schedules the next unmap.
-		f.(Lender).TryLend(0, 4096)
+		f.(PageSource).TryLend(0, 4096)
 	}
 	for b, f := range files {
 		// The unmap runs zapAfter after the last lend, on a timer: a

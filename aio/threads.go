@@ -19,7 +19,7 @@ type threadFile struct {
 	// and the kernel may have handed to another file.
 	closed atomic.Bool
 	behind atomic.Pointer[dropper] // set by SetDropBehind
-	lend   pageMap                 // see Lender
+	lend   pageMap                 // see PageSource
 }
 
 func (t *threadFile) setDropBehind(idle time.Duration) bool {

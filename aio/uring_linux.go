@@ -414,7 +414,7 @@ type uringFile struct {
 	ring   *uring
 	direct bool
 	behind atomic.Pointer[dropper] // set by SetDropBehind
-	lend   pageMap                 // see Lender
+	lend   pageMap                 // see PageSource
 }
 
 func (u *uringFile) setDropBehind(idle time.Duration) bool {
@@ -476,19 +476,19 @@ func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
 }
 
 // rw runs a read or write of p at off, continuing short transfers: with a
-// blocking system call for a lone request (see coroutines.Lone), else
+// blocking system call for a lone request (coroutines.Lone), else
 // through the ring. A buffered read first tries the page cache (a hit
 // completes right here), unless its caller's try has just missed; a
 // buffered write is written from the caller (see tryWrite).
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
-	if coroutines.IsLone(ctx) && !u.closed() {
+	if coroutines.PathOf(ctx) == coroutines.Lone && !u.closed() {
 		if op == opRead {
 			return preadAll(ctx, u, p, off, u.check)
 		}
 		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	done := 0
-	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && !coroutines.HasMissed(ctx) {
+	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && coroutines.PathOf(ctx) != coroutines.AfterMiss {
 		n, err := preadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {
@@ -527,7 +527,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 }
 
 func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) (int, error) {
-	if coroutines.IsLone(ctx) && !u.closed() {
+	if coroutines.PathOf(ctx) == coroutines.Lone && !u.closed() {
 		if op == opReadv {
 			return preadvAll(ctx, u, iov, off, u.check)
 		}

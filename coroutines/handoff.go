@@ -14,7 +14,7 @@ import (
 //  1. try the request without waiting (the format's TryReadAt or
 //     TryWriteAt; for reads only while Reads says tries pay);
 //  2. if that could not finish it and Lone says the loop has nothing else
-//     to serve, run it right there with Context(InLoop) (blocking system
+//     to serve, run it right there with Context(Lone) (blocking system
 //     calls: see [Lone]);
 //  3. else give it a buffer of its own, Start, and start a goroutine that
 //     finishes it with Context(AfterMiss) or Context(Fresh) and calls
@@ -22,32 +22,23 @@ import (
 type Handoff struct {
 	running sync.WaitGroup
 	n       atomic.Int32
-	ctx     [3]context.Context // by PathKind
+	ctx     [3]context.Context // by Path
 	// Reads decides when step 1 is worth trying for a read.
 	Reads MissTracker
 }
-
-// PathKind says which context a request runs with.
-type PathKind uint8
-
-const (
-	Fresh     PathKind = iota // in a goroutine, nothing tried yet
-	AfterMiss                 // in a goroutine, after a no-wait try missed
-	InLoop                    // in the loop itself, blocking (see Lone)
-)
 
 // NewHandoff makes the helper for one loop; requests' contexts derive from
 // base (a connection's, cancelled when its client is gone).
 func NewHandoff(base context.Context) *Handoff {
 	h := &Handoff{}
 	h.ctx[Fresh] = base
-	h.ctx[AfterMiss] = Missed(base)
-	h.ctx[InLoop] = Lone(base)
+	h.ctx[AfterMiss] = WithPath(base, AfterMiss)
+	h.ctx[Lone] = WithPath(base, Lone)
 	return h
 }
 
-// Context is the context for a request that runs as k says.
-func (h *Handoff) Context(k PathKind) context.Context { return h.ctx[k] }
+// Context is the context for a request that comes by path p.
+func (h *Handoff) Context(p Path) context.Context { return h.ctx[p] }
 
 // Lone says whether the loop may run a request that waits itself: no
 // request is in flight in a goroutine and queued (the loop's look at its
@@ -78,9 +69,8 @@ func (h *Handoff) Done() {
 // Yield lets a goroutine just started run on this thread at once, while
 // its P is ours: it submits its I/O and parks. Left queued behind a loop
 // that goes back to sleep in read(2), it waited for another thread to
-// steal it (measured: FUSE O_DIRECT 4 KiB reads at queue depth 16, 22k
-// IOPS so, 31k with the yield). Not after large writes, which would then
-// copy their payload before the loop reads on.
+// steal it (docs/design.md, Hand-off). Not after large writes, which
+// would then copy their payload before the loop reads on.
 func (h *Handoff) Yield() { runtime.Gosched() }
 
 // Wait returns when every request Start counted is Done.
@@ -89,9 +79,8 @@ func (h *Handoff) Wait() { h.running.Wait() }
 // MissTracker decides whether a serve loop tries a read without blocking.
 // On a page-cache miss that try is not free: it starts the readahead and
 // submits the disk read itself, one request after another on the loop's
-// thread (measured, FUSE: cold random 4 KiB reads at queue depth 16, 13.5k
-// IOPS so, 23.4-23.9k when the loop skips the try and the goroutines
-// submit). So the tracker counts tries in windows of missWindow: when
+// thread, where the goroutines would submit side by side (docs/design.md,
+// Inline reads). So the tracker counts tries in windows of missWindow: when
 // fewer than half of a window hit, the loop stops trying except for every
 // probeEvery-th read, whose outcomes make the next window.
 //

@@ -1,6 +1,10 @@
 package coroutines
 
-import "testing"
+import (
+	"context"
+	"testing"
+	"time"
+)
 
 // TestMissTrackerSkipsTriesWhileReadsMiss: a window of misses makes the
 // loop stop trying reads inline except for one probe in probeEvery; a
@@ -33,5 +37,25 @@ func TestMissTrackerSkipsTriesWhileReadsMiss(t *testing.T) {
 	// Two reads in a row (ShouldTry counts each): both tried.
 	if first, second := m.ShouldTry(), m.ShouldTry(); !first || !second {
 		t.Fatal("a window of probes that hit half the time did not bring the tries back")
+	}
+}
+
+// TestPathMark: a context keeps its path's mark through contexts derived
+// from it; an unmarked one is Fresh; each of Handoff's contexts carries
+// its own path.
+func TestPathMark(t *testing.T) {
+	ctx, cancel := context.WithTimeout(WithPath(context.Background(), Lone), time.Second)
+	defer cancel()
+	if PathOf(ctx) != Lone {
+		t.Fatal("a context derived from a Lone one is not Lone")
+	}
+	if PathOf(context.Background()) != Fresh {
+		t.Fatal("a plain context is not Fresh")
+	}
+	h := NewHandoff(context.Background())
+	for _, p := range []Path{Fresh, AfterMiss, Lone} {
+		if got := PathOf(h.Context(p)); got != p {
+			t.Fatalf("Handoff's context for path %d says %d", p, got)
+		}
 	}
 }

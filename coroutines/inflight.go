@@ -20,7 +20,11 @@ type InFlight struct {
 // Begin marks a request in flight. It blocks while a drain holds the export.
 func (f *InFlight) Begin() { f.mu.RLock() }
 
-// End marks the request begun by Begin as finished.
+// TryBegin is Begin for a caller that must not wait: false, with nothing
+// marked, while a drain holds the export or waits for it.
+func (f *InFlight) TryBegin() bool { return f.mu.TryRLock() }
+
+// End marks the request begun by Begin (or TryBegin) as finished.
 func (f *InFlight) End() { f.mu.RUnlock() }
 
 // Drain waits until no request is in flight and keeps new ones out until

@@ -2,39 +2,44 @@ package coroutines
 
 import "context"
 
-// How a request reached the I/O layer, carried on its context: a serve loop
-// knows things about a request that decide how aio should issue its I/O
-// (block the thread, or try the page cache first), and the context is the
-// one thing every layer in between passes on unchanged.
+// Path is how a request reaches the I/O layer, carried on its context: a
+// serve loop knows things about a request that decide how the layers
+// below should issue its I/O (block the thread, try the page cache first,
+// spin on a peer's reply), and the context is the one thing every layer in
+// between passes on unchanged. It is the only mark a request carries.
+type Path uint8
 
-type (
-	loneKey   struct{}
-	missedKey struct{}
+const (
+	// Fresh: the request runs in a goroutine of its own and nothing was
+	// tried for it yet. A context without a mark is Fresh.
+	Fresh Path = iota
+	// AfterMiss: as Fresh, after its no-wait try (aio's TryReadAt,
+	// through the format's) missed the page cache: the I/O layer goes to
+	// the device at once instead of trying again, so a miss costs one
+	// failed attempt, not two.
+	AfterMiss
+	// Lone: the caller has nothing else to serve until the request
+	// completes (a serve loop with no other request in flight and none
+	// waiting to be read; a remote file's reader making its own GET). I/O
+	// layers may then block the calling thread in a plain system call, or
+	// spin briefly on a peer's reply, so that the completion wakes that
+	// very thread, instead of submitting to a shared ring and parking
+	// (at queue depth one the ring made three threads wake in turn:
+	// docs/design.md, Lone requests). Requests with company keep using
+	// the ring, where their submissions batch.
+	Lone
 )
 
-// Lone marks ctx as carrying a lone request: its caller has nothing else to
-// serve until the request completes (a serve loop with no other request in
-// flight and none waiting to be read). I/O layers may then block the
-// calling thread in a plain system call, whose completion wakes that very
-// thread, instead of submitting to a shared ring and parking: measured at
-// queue depth one, a 4 KiB O_DIRECT read through the ring made three
-// threads wake in turn (the submitter for the completion's task work, the
-// completion goroutine, the waiter) and took twice as long. Requests with
-// company keep using the ring, where their submissions batch.
-//
-// Make one such context and reuse it: Lone allocates.
-func Lone(ctx context.Context) context.Context { return context.WithValue(ctx, loneKey{}, true) }
+type pathKey struct{}
 
-// IsLone says whether ctx was marked by Lone.
-func IsLone(ctx context.Context) bool { return ctx.Value(loneKey{}) != nil }
+// WithPath marks ctx as carrying a request that came by path p. It
+// allocates: make one context per path and reuse it (Handoff does).
+func WithPath(ctx context.Context, p Path) context.Context {
+	return context.WithValue(ctx, pathKey{}, p)
+}
 
-// Missed marks ctx as carrying a request whose no-wait attempt (aio's
-// TryReadAt, through the format's) has just missed the page cache: the I/O
-// layer goes to the device at once instead of trying again. A miss thus
-// costs one failed attempt, not two.
-//
-// Make one such context and reuse it: Missed allocates.
-func Missed(ctx context.Context) context.Context { return context.WithValue(ctx, missedKey{}, true) }
-
-// HasMissed says whether ctx was marked by Missed.
-func HasMissed(ctx context.Context) bool { return ctx.Value(missedKey{}) != nil }
+// PathOf is the path ctx was marked with (Fresh when it has none).
+func PathOf(ctx context.Context) Path {
+	p, _ := ctx.Value(pathKey{}).(Path)
+	return p
+}

@@ -54,8 +54,8 @@ type Image interface {
 	// TryReadAt fills all of p from off if it can without waiting for a
 	// device or a lock someone holds (a page-cache hit, metadata already
 	// in memory). false: it would wait; p's content is undefined, and the
-	// caller uses ReadAt, with coroutines.Missed on its context when this
-	// try reached the host file (so aio does not try a second time).
+	// caller uses ReadAt, on a context of path coroutines.AfterMiss when
+	// this try reached the host file (so aio does not try a second time).
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if it can without waiting for a
 	// device, metadata I/O or a lock someone holds (raw: a buffered write
@@ -199,22 +199,6 @@ type Layered interface {
 	Backing() Image
 }
 
-// Lender is an Image (or the file under one) that can lend the bytes of a
-// range where they already lie in memory (a remote object's cache
-// blocks), so that a front end replies from them instead of copying
-// them into a buffer of its own first.
-type Lender interface {
-	// CanLend says whether LendAt may lend anything at all (a raw image
-	// lends only when its file does), so that front ends ask only then.
-	CanLend() bool
-	// LendAt returns [off, off+n) as slices in order, readable until
-	// release is called (and only until then); max bounds how many
-	// slices. ok false: nothing is lent (the range is not lendable,
-	// would take more slices, or passes the end), and the caller reads
-	// with ReadAt; err is a read's error (ok is true with it).
-	LendAt(ctx context.Context, off, n int64, max int) (bufs [][]byte, release func(), ok bool, err error)
-}
-
 // Features are what an image offers front ends beyond reads and writes.
 type Features struct {
 	// FastZero: WriteZeroes writes no data (NBD's FAST_ZERO asks).
@@ -264,8 +248,8 @@ func (ReadOnly) Flush(context.Context) error                           { return 
 // The loop calls CompletionFds each time before it waits (connections may
 // change: a reconnect). From the first call on, requests that wait on the
 // connections named leave reading to the loop, except those that run in
-// the loop itself (coroutines.Lone), which still read their own (the loop
-// is busy with them). ServeCompletions reads what has arrived without
+// the loop itself (path coroutines.Lone), which still read their own
+// (the loop is busy with them). ServeCompletions reads what has arrived without
 // waiting for more; the requests it completes become runnable. Release
 // hands reading back to the requests (the loop is ending): it must come
 // before the loop stops answering, or requests left waiting would hang.

@@ -81,19 +81,5 @@ func (p *partitionFlags) apply(ctx context.Context, disk formats.Image, spec, pr
 		out = append(out, servedPartition{name: name, img: r})
 	}
 	log.Info("serving the partitions too", "table", tab.Scheme, "partitions", len(out))
-	return fixedDisk{disk}, out, nil
-}
-
-// fixedDisk is the disk served beside its partitions: its size is fixed,
-// because the partitions are ranges read from its table at this size (a
-// shrink would cut them, a growth strand a GPT's backup header). What
-// else the image offers passes through, but for interfaces beyond
-// formats.Image (an NBD source's completions), which only speed it up.
-type fixedDisk struct{ formats.Image }
-
-func (d fixedDisk) Resize(_ context.Context, size int64) error {
-	if size == d.Size() {
-		return nil
-	}
-	return fmt.Errorf("the disk's size is fixed while its partitions are served (--partitions): %w", formats.ErrNotSupported)
+	return partition.FixedDisk{Filter: formats.Filter{Image: disk}}, out, nil
 }

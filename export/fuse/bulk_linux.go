@@ -12,11 +12,10 @@ import (
 //
 // Why: with one queue, a buffered write's two copies (out of /dev/fuse
 // into our buffer, then into the page cache) run in turn on the loop's
-// thread; QEMU overlaps them on several threads and wrote 1 MiB blocks
-// 25-40% faster here. A second queue doubles the bulk rate (measured:
-// raw 3.0 -> 4.6 GiB/s; qcow2 writes in place 2.4 -> 3.1). It is not kept for small requests, where two
-// readers of one queue take turns sleeping and lose 25% (measured at 4 KiB,
-// iodepth 16). So the helper is cloned at the first large write and parks
+// thread, where QEMU overlaps them on several threads; a second queue
+// overlaps them too. It is not kept for small requests, where two readers
+// of one queue take turns sleeping (docs/design.md, The bulk-write
+// queue). So the helper is cloned at the first large write and parks
 // (stops reading /dev/fuse) once none has come for bulkIdle; its fd stays
 // open, since requests it handed to goroutines reply through it.
 type bulkHelper struct {

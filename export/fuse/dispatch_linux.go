@@ -25,7 +25,6 @@ type inlineResult uint8
 const (
 	answered  inlineResult = iota // replied (or needs no reply)
 	wouldWait                     // nothing done: the request may wait
-	missed                        // as wouldWait, after a read tried the host file
 )
 
 // op is what the server does with one opcode.
@@ -35,15 +34,14 @@ type op struct {
 	// wait answers a request that may wait for I/O; ctx ends on an
 	// INTERRUPT for it. Nil: inline always answers.
 	wait func(s *server, ctx context.Context, to replyTo, req []byte)
-	// mayBlockLoop: when nothing else is in flight or queued, the loop
-	// (unless the image may stall: server.stalls)
-	// runs wait itself (see coroutines.Lone). Only reads and writes:
-	// others (fsync above all) may take long.
+	// mayBlockLoop: the loop may run wait itself when it is alone
+	// (waitHere). Only writes: others (fsync above all) may take long.
 	mayBlockLoop bool
 }
 
 // ops is the opcode table (include/uapi/linux/fuse.h numbers); opcodes
-// not in it are answered ENOSYS.
+// not in it are answered ENOSYS. READ is not in it: dispatch hands it to
+// read (read_linux.go), which takes it down its one path itself.
 var ops = [...]op{
 	opLookup:      {inline: (*server).lookup},
 	opForget:      {inline: noReply},
@@ -55,7 +53,6 @@ var ops = [...]op{
 	opGetattr:     {inline: (*server).getattr},
 	opOpen:        {inline: (*server).open},
 	opStatfs:      {inline: (*server).statfs},
-	opRead:        {inline: (*server).tryRead, wait: (*server).read, mayBlockLoop: true},
 	opWrite:       {inline: (*server).tryWrite, wait: (*server).write, mayBlockLoop: true},
 	opSetattr:     {wait: (*server).setattr},
 	opFsync:       {wait: (*server).fsync},
@@ -102,6 +99,9 @@ func (s *server) serveRequest(q *queue, req []byte) {
 // request finished here.
 func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 	h := (*fuse.InHeader)(unsafe.Pointer(&req[0]))
+	if h.Opcode == opRead {
+		return s.read(q, req, began)
+	}
 	var o *op
 	if int(h.Opcode) < len(ops) {
 		o = &ops[h.Opcode]
@@ -110,27 +110,49 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 		s.replyErr(q.to, h.Unique, unix.ENOSYS)
 		return true
 	}
-	path := coroutines.Fresh
-	if o.inline != nil {
-		switch o.inline(s, q, req) {
-		case answered:
-			return true
-		case missed:
-			path = coroutines.AfterMiss
-		}
+	if o.inline != nil && o.inline(s, q, req) == answered {
+		return true
 	}
 	if o.mayBlockLoop && !s.handOffOnly(req) {
-		if !s.stalls && s.hand.Lone(q.queued) {
-			o.wait(s, s.hand.Context(coroutines.InLoop), q.to, req)
+		switch s.waitHere(q) {
+		case inLoop:
+			o.wait(s, s.hand.Context(coroutines.Lone), q.to, req)
 			return true
-		}
-		if s.stalls && q.ring == nil && !q.helper && s.comp == nil && s.hand.Lone(q.queued) {
-			s.runStalling(q, req, o.wait)
+		case onLoopGoroutine:
+			s.runStalling(q, h.Unique, func(ctx context.Context, to replyTo) { o.wait(s, ctx, to, req) })
 			return true
 		}
 	}
-	s.handOff(q, req, o.wait, path, began)
+	s.handOff(q, req, o.wait, began)
 	return false
+}
+
+// where says where a request that may wait runs.
+type where uint8
+
+const (
+	inGoroutine     where = iota // handed off
+	inLoop                       // in the loop, blocking: it is alone
+	onLoopGoroutine              // alone, of an image that may stall: runStalling
+)
+
+// waitHere says where a request that may wait and may block the loop
+// runs: in the loop when nothing else is in flight or queued (see
+// coroutines.Lone), unless the image may stall (server.stalls), whose
+// lone requests run on the loop's goroutine with a stand-in ready, where
+// the loop is a plain /dev/fuse one.
+func (s *server) waitHere(q *queue) where {
+	switch {
+	case !s.stalls:
+		if s.hand.Lone(q.queued) {
+			return inLoop
+		}
+	case q.ring == nil && !q.helper && s.comp == nil:
+		if s.hand.Lone(q.queued) {
+			return onLoopGoroutine
+		}
+	}
+	return inGoroutine
 }
 
 // standInAfter is how long a lone request of an image that may stall
@@ -151,8 +173,7 @@ const standInAfter = time.Millisecond
 // waits in the Go scheduler, takes the peer's reply itself, answers and
 // reads on. The request runs with the loop's context, which is never
 // cancelled: a remote file then makes the GET on this goroutine too
-// (remote.File.loaded). Cold random 4 KiB reads from nginx on loopback
-// at queue depth 1: 7.6-7.9k IOPS handed off, 10.8-12.1k so.
+// (remote.File.loaded). (docs/design.md, The stand-in loop)
 //
 // Its I/O cannot be cancelled (the context has no Done), so an
 // INTERRUPT that the stand-in reads for it, once the grace period has
@@ -161,9 +182,8 @@ const standInAfter = time.Millisecond
 // request's own reply, when its peer answers or its reconnect timeout
 // fails it, is dropped (replyTo.once). It is counted as handed-off
 // requests are (Lone sees it in flight, Wait waits for it).
-func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte)) {
-	unique := header(req).Unique
-	r := s.pending.addStalled(unique, s.hand.Context(coroutines.InLoop), s, q.to)
+func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) {
+	r := s.pending.addStalled(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
 	to.once = &r.once // r is the request's until finish, after its reply
 	s.hand.Start()
@@ -173,7 +193,7 @@ func (s *server) runStalling(q *queue, req []byte, wait func(*server, context.Co
 			s.standIn(q)
 		}
 	})
-	wait(s, s.hand.Context(coroutines.InLoop), to, req)
+	run(s.hand.Context(coroutines.Lone), to)
 	s.pending.finish(unique, r)
 	s.hand.Done()
 	if state.CompareAndSwap(0, 1) {
@@ -195,9 +215,9 @@ func (s *server) standIn(q *queue) {
 // handOff finishes req in a goroutine with a buffer of its own (the rule
 // is queue's): a copy from the pools below bulkWrite, where copying costs
 // less than a fresh buffer; the loop's own buffer from there on.
-func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), path coroutines.PathKind, began time.Time) {
+func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
-	ctx := s.pending.add(unique, s.hand.Context(path))
+	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh))
 	to := q.to.handedOff()
 	if q.ring != nil {
 		// The request lives in its ring entry, which is its own until
@@ -265,8 +285,9 @@ func (s *server) pool(n int) *aio.BufPool {
 // still runs a grace period later: I/O that is merely slow finishes, and
 // only a request that hangs ends early.
 //
-// The contexts are pooled (a context.WithCancel per request, with its
-// map entry, measured 10% of O_DIRECT random reads at queue depth 16).
+// The contexts are pooled: a context.WithCancel per request, with its
+// map entry, cost a visible share of small reads (docs/design.md,
+// Hand-off).
 type pending struct {
 	mu    sync.Mutex
 	m     map[uint64]*reqCtx
@@ -409,34 +430,6 @@ func (s *server) statfs(q *queue, req []byte) inlineResult {
 	return answered
 }
 
-// tryRead answers a read the image serves without waiting, from its
-// pages where it lends them (tryLend), else read into the loop's out
-// buffer, while the miss tracker says tries pay.
-func (s *server) tryRead(q *queue, req []byte) inlineResult {
-	if !s.hand.Reads.ShouldTry() {
-		return wouldWait
-	}
-	e, in := s.expOf(req), decode[fuse.ReadIn](req)
-	if q.ring == nil {
-		// Over io_uring the reply is copied into its ring entry anyway.
-		v, ok := e.tryLend(in, q.lent[:0])
-		q.lent = v[:0]
-		if ok {
-			s.replyVec(q.to, in.Unique, fuse.OK, v)
-			e.endLend()
-			s.hand.Reads.Note(true)
-			return answered
-		}
-	}
-	n, st, ok := e.TryRead(in, q.out)
-	s.hand.Reads.Note(ok)
-	if !ok {
-		return missed
-	}
-	s.replyData(q.to, header(req).Unique, st, q.out[:n])
-	return answered
-}
-
 // tryWrite answers a write the image does without waiting.
 func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 	in, data, ok := writePayload(req)
@@ -466,33 +459,6 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 }
 
 // The halves that may wait.
-
-func (s *server) read(ctx context.Context, to replyTo, req []byte) {
-	in := decode[fuse.ReadIn](req)
-	size := min(int(in.Size), maxWrite)
-	if to.ent != nil {
-		// Over io_uring the reply's payload buffer is the request's own
-		// until the reply: read into it, and the reply copies nothing.
-		ob := to.ent.payload()[:size]
-		n, st := s.expOf(req).ReadInto(ctx, in, ob)
-		s.replyData(to, in.Unique, st, ob[:n])
-		return
-	}
-	if bufs, release, st, ok := s.expOf(req).LendRead(ctx, in, size); ok {
-		// The image lent its bytes where they lie: the reply is written
-		// from there, and the loan ends once it is.
-		s.replyVec(to, in.Unique, st, bufs)
-		if release != nil {
-			release()
-		}
-		return
-	}
-	pool := s.pool(size)
-	ob, bp := pool.Buffer(size)
-	defer pool.Release(bp)
-	n, st := s.expOf(req).ReadInto(ctx, in, ob)
-	s.replyData(to, in.Unique, st, ob[:n])
-}
 
 func (s *server) write(ctx context.Context, to replyTo, req []byte) {
 	in, data, ok := writePayload(req)

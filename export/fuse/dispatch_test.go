@@ -149,3 +149,39 @@ func TestInterruptCancelsItsRequest(t *testing.T) {
 		t.Fatalf("second INTERRUPT: reply %+v (%v), want unique 10 -EINTR", h, ok)
 	}
 }
+
+// TestReadDuringADrainLeavesTheLoop: a READ that comes while a drain
+// holds the export (a resize waiting for the requests in flight) waits
+// in a goroutine, not in the loop: a GETATTR behind it is answered
+// meanwhile, and the READ, with its bytes, once the drain ends.
+func TestReadDuringADrainLeavesTheLoop(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, _ := null.New("null", 1<<20, true)
+	s := newServer(New(img, Options{}), fds[0])
+	k := kernelSide{t, fds[1]}
+	release, err := s.exp.inflight.Drain(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	serveFake(t, s, fds[0])
+	defer unix.Close(fds[1]) // first: the loop reads end-of-file and stops
+	released := false
+	defer func() {
+		if !released {
+			release()
+		}
+	}()
+	send(k, &fuse.ReadIn{InHeader: fuse.InHeader{Opcode: opRead, Unique: 1, NodeId: 1}, Size: 4096})
+	send(k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: 2, NodeId: 1}})
+	if h, ok := k.reply(2000); !ok || h.Unique != 2 || h.Status != 0 {
+		t.Fatalf("GETATTR behind a READ during a drain: reply %+v (%v), want unique 2 first", h, ok)
+	}
+	release()
+	released = true
+	if h, body, ok := k.replyBody(2000); !ok || h.Unique != 1 || h.Status != 0 || len(body) != 4096 {
+		t.Fatalf("the READ once the drain ended: reply %+v with %d bytes (%v)", h, len(body), ok)
+	}
+}

@@ -1,6 +1,5 @@
 // Package fuse exports one image as a single regular file through FUSE, with
-// the op-by-op behaviour of qemu-storage-daemon's FUSE export (see
-// shared/reference/qemu-fuse-export.md).
+// the op-by-op behaviour of qemu-storage-daemon's FUSE export.
 //
 // [Export] holds the op handlers: they take go-fuse's request structs
 // (which mirror the kernel's), call the [formats.Image], and fill go-fuse's
@@ -12,19 +11,24 @@
 // One READ, end to end, for a raw image:
 //
 //  1. loop_linux.go: the queue's loop reads READ(ino 1, off, len) from
-//     /dev/fuse into its buffer and calls dispatch.
-//  2. dispatch_linux.go: the opcode table's inline half, tryRead, calls
-//     [Export.TryRead] (export.go: clamp to the image's end), which calls
-//     Image.TryReadAt (formats/raw), which is aio.File.TryReadAt: preadv2
-//     with RWF_NOWAIT. A page-cache hit is replied from the loop (one
-//     writev, reply_linux.go), and that is all.
-//  3. On a miss, the table's waiting half, read, runs: in the loop itself
-//     when nothing else is in flight or queued (blocking pread), else in
-//     a goroutine (coroutines.Handoff) whose context says the try missed
-//     and ends on an INTERRUPT. It calls [Export.ReadInto], Image.ReadAt,
-//     aio.File.ReadAt: in aio/uring_linux.go, an SQE on the file's ring,
-//     and the goroutine parks until the completion goroutine hands it the
-//     result. Then the reply.
+//     /dev/fuse into its buffer and calls dispatch, which hands it to
+//     read (read_linux.go).
+//  2. The READ is worked out once (Export.planRead, below: clamp to the
+//     image's end, zeroes past it under the writeback cache, kernel-cache
+//     marks, in flight), then goes down one path.
+//  3. While tries pay (coroutines.MissTracker), the loop lends the pages
+//     of the image's file (formats.PageLender, aio.PageSource) and
+//     replies from them with one writev, or reads without waiting
+//     (Image.TryReadAt, aio.File.TryReadAt: preadv2 RWF_NOWAIT) and
+//     replies (reply_linux.go); that is all on a page-cache hit.
+//  4. Else it reads where it may wait: in the loop itself when nothing
+//     else is in flight or queued (coroutines.Lone: a blocking pread),
+//     else in a goroutine (coroutines.Handoff) whose context says how it
+//     came and ends on an INTERRUPT: Image.ReadAt, aio.File.ReadAt, in
+//     aio/uring_linux.go an SQE on the file's ring, and the goroutine
+//     parks until the completion goroutine hands it the result. An image
+//     that lends its cache (formats.CacheLender: a remote object) is
+//     replied from there instead of a buffer.
 package fuse
 
 import (
@@ -105,16 +109,16 @@ type Export struct {
 	writebackFailed func(off, length int64)
 	// kernelSize, set with the writeback cache, is the file's size as the
 	// kernel has it: larger than the image's while a buffered write that
-	// grew the file waits in the page cache (see readEnd).
+	// grew the file waits in the page cache (see readPastImage).
 	kernelSize func() (int64, bool)
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
 	marks *readMarks
-	// lender is the image when it lends its bytes in place (LendRead);
+	// lender is the image when it lends its cache's bytes (lendCache);
 	// nil for every other (a local raw file's reads never try).
-	lender formats.Lender
+	lender formats.CacheLender
 	// pager is the image when it lends the pages of its files
-	// (tryLend); nil when it cannot, or Options.NoPageLend.
+	// (lendPages); nil when it cannot, or Options.NoPageLend.
 	pager formats.PageLender
 	// dropping holds the drops (invalidate) that have cleared their
 	// ranges' marks and not yet returned.
@@ -157,10 +161,10 @@ func New(img formats.Image, o Options) *Export {
 	if o.KernelCache {
 		e.marks = new(readMarks)
 	}
-	if l, ok := img.(formats.Lender); ok && l.CanLend() {
+	if l, ok := formats.As[formats.CacheLender](img); ok && l.CanLend() {
 		e.lender = l
 	}
-	if l, ok := img.(formats.PageLender); ok && !o.NoPageLend {
+	if l, ok := formats.As[formats.PageLender](img); ok && !o.NoPageLend {
 		e.pager = l
 	}
 	e.mtimeNs.Store(time.Now().UnixNano())
@@ -408,20 +412,116 @@ func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	return fuse.OK
 }
 
-// ReadInto reads the request into buf, clamped to the end of the image: a
-// short read at EOF, an empty one past it. It returns the byte count.
-func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
-	e.inflight.Begin()
-	defer e.inflight.End()
-	off, n, zeroes := e.readRange(in, len(buf))
-	if n > 0 {
-		if _, err := e.img.ReadAt(ctx, buf[:n], off); err != nil {
-			e.log.Debug("read failed", "off", off, "len", n, "err", err)
+// readOp is one READ, worked out once (planRead) before it goes down one
+// path: lent from the image's pages or read without waiting, in the
+// serve loop (lendPages, tryRead), or where it may wait, lent from the
+// image's cache or read into a buffer (lendCache, read). It holds the
+// export in flight from planRead to endRead: a resize waits for it (the
+// slices a lend returns are read by the reply's writev).
+type readOp struct {
+	off, n int64 // n bytes of the image at off
+	zeroes int64 // then zeroes, up to the kernel's size (readPastImage)
+	// fillsCache: the kernel may keep what this READ reads in its page
+	// cache (cachesRead): its granules are marked.
+	fillsCache bool
+}
+
+// size is the reply's payload.
+func (r readOp) size() int64 { return r.n + r.zeroes }
+
+// readLimit is the most a READ returns: what it asks, up to maxWrite.
+func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
+
+// planRead works out a READ: clamped to the end of the image (a short
+// read at EOF, an empty one past it), zeroes past it under the writeback
+// cache (readPastImage), and its granules marked before the image is
+// read where the kernel may cache what it reads (cachesRead). It counts
+// the read in flight; endRead ends that. A serve loop, which must not
+// wait, asks with loop set: false, with nothing counted, where it might
+// (a drain holds the export, or the read reaches past the image's end
+// while the kernel may know a larger size, which it would ask).
+func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
+	if !loop {
+		e.inflight.Begin()
+	} else if e.readCrossesEnd(in) || !e.inflight.TryBegin() {
+		return readOp{}, false
+	}
+	r := readOp{off: int64(in.Offset), fillsCache: e.cachesRead(in)}
+	if size := e.img.Size(); r.off >= 0 && r.off < size {
+		r.n = min(readLimit(in), size-r.off)
+	}
+	r.zeroes = e.readPastImage(in, r.off+r.n)
+	if r.fillsCache {
+		e.marks.mark(r.off, r.size())
+	}
+	return r, true
+}
+
+// endRead ends what planRead began, once the reply is written.
+func (e *Export) endRead() { e.inflight.End() }
+
+// lendPages lends the read's bytes as slices of the image files'
+// mappings (formats.PageLender), appended to v; false: the caller reads
+// instead.
+//
+// Not for a READ that fills the kernel's cache of the export: the image
+// is read drop-behind for those (one cache, the export's), and a lend is
+// no read that drop-behind counts, and what it maps drop-behind cannot
+// drop: the pages it takes stay in the image's cache, those read ahead
+// for the READ before included (the one-cache test in tests/ found 3572
+// of 4096 pages of the image left cached when these READs lent). The
+// O_DIRECT reads of a kernel-cached export, which come every time and
+// have no other cache, lend.
+func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
+	if e.pager == nil || r.fillsCache || r.n == 0 || r.zeroes > 0 {
+		return v, false
+	}
+	v, ok := e.pager.TryLendAt(r.off, r.n, v)
+	return v, ok && len(v) <= maxLent
+}
+
+// tryRead reads the read into buf if the image can without waiting;
+// false: it would wait.
+func (e *Export) tryRead(r readOp, buf []byte) (int, bool) {
+	if r.zeroes > 0 {
+		return 0, false
+	}
+	return int(r.n), r.n == 0 || e.img.TryReadAt(buf[:r.n], r.off)
+}
+
+// maxLent bounds the slices one lent read is answered from (a writev's
+// vector: the header and these), past which it is read into a buffer.
+const maxLent = 128
+
+// lendCache lends the read's bytes where they lie in the image's cache
+// (formats.CacheLender: a remote object's blocks), so that the reply is
+// written from them, not from a copy. false: the read is not lendable
+// (zeroes past the image's end, an image that does not lend), and the
+// caller reads it. release, when not nil, ends the loan once the reply
+// is written.
+func (e *Export) lendCache(ctx context.Context, r readOp) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
+	if e.lender == nil || r.n == 0 || r.zeroes > 0 {
+		return nil, nil, fuse.OK, false
+	}
+	bufs, release, ok, err := e.lender.LendAt(ctx, r.off, r.n, maxLent)
+	if err != nil {
+		e.log.Debug("read failed", "off", r.off, "len", r.n, "err", err)
+		return nil, nil, errno(err), true
+	}
+	return bufs, release, fuse.OK, ok
+}
+
+// read reads the read into buf, which holds r.size() bytes, and returns
+// the byte count.
+func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Status) {
+	if r.n > 0 {
+		if _, err := e.img.ReadAt(ctx, buf[:r.n], r.off); err != nil {
+			e.log.Debug("read failed", "off", r.off, "len", r.n, "err", err)
 			return 0, errno(err)
 		}
 	}
-	clear(buf[n : n+zeroes])
-	return int(n + zeroes), fuse.OK
+	clear(buf[r.n:r.size()])
+	return int(r.size()), fuse.OK
 }
 
 // cachesRead says whether the kernel may keep what a READ reads in its
@@ -430,45 +530,15 @@ func (e *Export) ReadInto(ctx context.Context, in *fuse.ReadIn, buf []byte) (int
 // lands in the reader's buffer only, and the kernel sends it alone with
 // FUSE_READ_LOCKOWNER (its lock owner; reads that fill pages, read-ahead
 // and page faults of a mapping, an O_DIRECT open's included, carry none:
-// seen on 6.18, dd iflag=direct 0x2, a buffered dd and faults of a
-// mapping of an O_DIRECT open 0). Unmarked, O_DIRECT reads of a range no
-// longer make the O_DIRECT writes that follow them drop pages that are
-// not there: sequential 4 KiB writes at qd16 after reads of the same
-// file ran at 0.12-0.18x the IOPS of the export without the kernel cache.
+// seen on 6.18, dd iflag=direct 0x2, a buffered dd and faults of a mapping
+// of an O_DIRECT open 0). Unmarked, O_DIRECT reads of a range no longer make the O_DIRECT writes
+// that follow them drop pages that are not there (docs/design.md,
+// Kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
 }
 
-// maxLent bounds the slices one lent read is answered from (a writev's
-// vector: the header and these), past which it is read into a buffer.
-const maxLent = 128
-
-// LendRead is ReadInto for an image that lends its bytes in place
-// (formats.Lender: a remote object's cache blocks): the reply is written
-// from them, not from a copy. ok false: the read is not lendable (a read
-// past the image's end that the kernel's size pads with zeroes, an image
-// that does not lend), and ReadInto serves it. release, when not nil,
-// ends the loan once the reply is written.
-func (e *Export) LendRead(ctx context.Context, in *fuse.ReadIn, limit int) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
-	l := e.lender
-	if l == nil {
-		return nil, nil, fuse.OK, false
-	}
-	e.inflight.Begin()
-	defer e.inflight.End()
-	off, n, zeroes := e.readRange(in, limit)
-	if n == 0 || zeroes > 0 {
-		return nil, nil, fuse.OK, false
-	}
-	bufs, release, ok, err := l.LendAt(ctx, off, n, maxLent)
-	if err != nil {
-		e.log.Debug("read failed", "off", off, "len", n, "err", err)
-		return nil, nil, errno(err), true
-	}
-	return bufs, release, fuse.OK, ok
-}
-
-// readPastImage is how many zero bytes a read gets past imageEnd, the
+// readPastImage is how many zero bytes a read gets past dataEnd, the
 // image's end, under the writeback cache: up to the kernel's size. A
 // buffered write past the end grows the file in the kernel at once and
 // the image only when its pages are written back, so between the two
@@ -476,12 +546,12 @@ func (e *Export) LendRead(ctx context.Context, in *fuse.ReadIn, limit int) (bufs
 // in the read's range the kernel writes back before the READ) must read
 // zeroes, not end early (fsx seed 1796186140117775601: an O_DIRECT read
 // between the old end and a buffered write past it returned 0 bytes).
-func (e *Export) readPastImage(in *fuse.ReadIn, bufLen int, dataEnd int64) int64 {
+func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
 		return 0
 	}
-	want := off + min(int64(bufLen), int64(in.Size))
+	want := off + readLimit(in)
 	if want <= dataEnd || dataEnd < e.img.Size() {
 		return 0 // the image's bytes fill the read, or it ends before the image does
 	}
@@ -499,92 +569,26 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 	return e.kernelSize != nil && int64(in.Offset)+int64(in.Size) > e.img.Size()
 }
 
-// tryLend is TryRead lending the image's pages (formats.PageLender):
-// the reply's payload as slices of its files' mappings, appended to v.
-// ok true: the caller writes the reply from them and then calls
-// endLend (a resize waits for that: the slices are read by the writev).
-// ok false: nothing is held, and TryRead or ReadInto serves the read.
-//
-// Not for a READ that fills the kernel's cache of the export: the image
-// is read drop-behind for those (one cache, the export's), and a lend is
-// no read that drop-behind counts, and what it maps drop-behind cannot
-// drop: the pages it takes stay in the image's cache, those read ahead
-// for the READ before included (TestKernelCacheDropsHostPagesBehindReads, when READs that fill the
-// cache lent: 3572 of 4096 pages of the image left cached). The O_DIRECT
-// reads of a kernel-cached export, which come every time and have no
-// other cache, lend.
-func (e *Export) tryLend(in *fuse.ReadIn, v [][]byte) ([][]byte, bool) {
-	if e.pager == nil || e.readCrossesEnd(in) || e.cachesRead(in) {
-		return v, false
-	}
-	e.inflight.Begin()
-	off, n, _ := e.readRange(in, maxWrite) // no zeroes: it ends inside the image
-	if n > 0 {
-		var ok bool
-		if v, ok = e.pager.TryLendAt(off, n, v); ok && len(v) <= maxLent {
-			return v, true
-		}
-	}
-	e.inflight.End()
-	return v, false
-}
-
-// endLend ends what a tryLend that lent began.
-func (e *Export) endLend() { e.inflight.End() }
-
-// TryRead is ReadInto for a serve loop that must not block: ok false
-// means the read would wait, and the loop hands it to ReadInto elsewhere.
-func (e *Export) TryRead(in *fuse.ReadIn, buf []byte) (int, fuse.Status, bool) {
-	if e.readCrossesEnd(in) {
-		return 0, fuse.OK, false
-	}
-	e.inflight.Begin()
-	defer e.inflight.End()
-	off, n, _ := e.readRange(in, len(buf)) // no zeroes: it ends inside the image
-	if n == 0 {
-		return 0, fuse.OK, true
-	}
-	if !e.img.TryReadAt(buf[:n], off) {
-		return 0, fuse.OK, false
-	}
-	return int(n), fuse.OK, true
-}
-
-// readRange is what a READ of at most bufLen bytes reads: n bytes of the
-// image at off, then zeroes up to the kernel's size (readPastImage). The
-// granules it reaches are marked first when the kernel may cache what it
-// reads (cachesRead): the mark must come before the image is read.
-func (e *Export) readRange(in *fuse.ReadIn, bufLen int) (off, n, zeroes int64) {
-	off, n = e.clampRead(in, bufLen)
-	zeroes = e.readPastImage(in, bufLen, off+n)
-	if e.cachesRead(in) {
-		e.marks.mark(off, n+zeroes)
-	}
-	return off, n, zeroes
-}
-
-func (e *Export) clampRead(in *fuse.ReadIn, bufLen int) (off, n int64) {
-	off, size := int64(in.Offset), e.img.Size()
-	if off >= size || off < 0 {
-		return off, 0
-	}
-	return off, min(int64(bufLen), int64(in.Size), size-off)
-}
-
 // Write writes the payload at the request's offset: clamped at the end of
 // a non-growable image (short write; ENOSPC when nothing fits), growing a
 // growable one.
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	n, st := e.write(ctx, in, data)
-	switch {
-	case e.WriteBypassesCache(in):
-		if d := e.dropAfterBypass(in, len(data), n, st); d.needed() {
-			e.finishBypass(d)
-		}
-	default:
-		e.checkWriteback(in, n, st, len(data))
+	if d := e.afterWrite(in, len(data), n, st); d.needed() {
+		e.finishBypass(d)
 	}
 	return n, st
+}
+
+// afterWrite is what a write of size bytes that landed n must see done
+// before its reply, where it bypassed the page cache (dropAfterBypass);
+// else it has a failed write-back mended (checkWriteback).
+func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
+	if e.WriteBypassesCache(in) {
+		return e.dropAfterBypass(in, size, n, st)
+	}
+	e.checkWriteback(in, n, st, size)
+	return bypassDrop{}
 }
 
 // dropAfterBypass says what a write that bypassed the page cache must see
@@ -599,8 +603,8 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 //     after one cleared the marks shows here as a mark). Waiting rather
 //     than sending its own drop: at queue depth 16, sixteen sequential
 //     4 KiB writes into a granule that had been read each sent a notify,
-//     one after another on the notify thread (27k IOPS against 200k
-//     without the kernel cache);
+//     one after another on the notify thread (docs/design.md, Kernel
+//     cache);
 //   - else nothing: no READ cached anything of it since the last drop.
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {
@@ -667,15 +671,15 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 
 // TryWrite is Write for a serve loop that must not block: only writes
 // that need neither clamping nor growth, and that the image can do at
-// once; ok false means nothing happened. A write that bypassed the page
-// cache may need a drop of the kernel's pages done before its reply
-// (d.needed(); finishBypass), which the loop must not do or wait for
-// itself: the notify may wait for a write-back only the loop can answer.
+// once, with no drain under way; ok false means nothing happened. A
+// write that bypassed the page cache may need a drop of the kernel's
+// pages done before its reply (d.needed(); finishBypass), which the loop
+// must not do or wait for itself: the notify may wait for a write-back
+// only the loop can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
-	if !e.opts.Writable || len(data) == 0 {
+	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}
 	}
-	e.inflight.Begin()
 	defer e.inflight.End()
 	if int64(in.Offset)+int64(len(data)) > e.img.Size() {
 		return 0, fuse.OK, false, bypassDrop{}
@@ -689,12 +693,7 @@ func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Stat
 		e.log.Debug("write failed", "off", in.Offset, "len", len(data), "err", err)
 		n, st = 0, errno(err)
 	}
-	if e.WriteBypassesCache(in) {
-		d = e.dropAfterBypass(in, len(data), n, st)
-	} else if err != nil {
-		e.checkWriteback(in, 0, st, len(data))
-	}
-	return n, st, true, d
+	return n, st, true, e.afterWrite(in, len(data), n, st)
 }
 
 // Fallocate follows QEMU: mode 0 only at or past the end (it grows the

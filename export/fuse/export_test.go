@@ -68,14 +68,40 @@ func TestWriteClampingAndGrowth(t *testing.T) {
 	}
 }
 
+// readInto serves a READ as a goroutine does: worked out, then read into
+// buf, which must hold it.
+func readInto(e *Export, in *fuse.ReadIn, buf []byte) (int, fuse.Status) {
+	r, _ := e.planRead(in, false)
+	defer e.endRead()
+	return e.read(ctx, r, buf[:r.size()])
+}
+
+// tryReadInto serves a READ as the loop tries it; false: it would wait.
+func tryReadInto(e *Export, in *fuse.ReadIn, buf []byte) (int, bool) {
+	r, ok := e.planRead(in, true)
+	if !ok {
+		return 0, false
+	}
+	defer e.endRead()
+	return e.tryRead(r, buf)
+}
+
+// lendFromCache serves a READ as a goroutine does, lent from the image's
+// cache; false: not lent.
+func lendFromCache(e *Export, in *fuse.ReadIn) ([][]byte, func(), fuse.Status, bool) {
+	r, _ := e.planRead(in, false)
+	defer e.endRead()
+	return e.lendCache(ctx, r)
+}
+
 func TestReadClamping(t *testing.T) {
 	e := New(newNull(t, 10000), Options{})
 	buf := make([]byte, 4096)
-	n, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
+	n, st := readInto(e, &fuse.ReadIn{Offset: 8000, Size: 4096}, buf)
 	if st != fuse.OK || n != 2000 {
 		t.Fatalf("read across EOF: %v size %d", st, n)
 	}
-	n, st = e.ReadInto(ctx, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
+	n, st = readInto(e, &fuse.ReadIn{Offset: 20000, Size: 4096}, buf)
 	if st != fuse.OK || n != 0 {
 		t.Fatalf("read past EOF: %v size %d", st, n)
 	}
@@ -155,7 +181,7 @@ func TestClosedImageIsEIO(t *testing.T) {
 	img := opened.Image
 	e := New(img, Options{Writable: true})
 	img.Close()
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
+	if _, st := readInto(e, &fuse.ReadIn{Size: 4096}, make([]byte, 4096)); st != fuse.EIO {
 		t.Fatalf("read from a closed image: %v, want EIO", st)
 	}
 }

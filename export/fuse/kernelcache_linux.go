@@ -68,18 +68,12 @@ func (s *server) writeNotifyInval(off, length int64) error {
 }
 
 // handOffOnly says whether req must run outside the serve loop even when
-// the loop is alone: a write whose reply waits for an invalidation.
+// the loop is alone: a write whose reply waits for an invalidation. (A
+// READ that would ask the kernel's size leaves the loop by itself:
+// Export.planRead.)
 func (s *server) handOffOnly(req []byte) bool {
-	if !s.exp.opts.KernelCache {
-		return false
-	}
-	switch header(req).Opcode {
-	case opWrite:
-		return s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
-	case opRead:
-		return s.exp.readCrossesEnd(decode[fuse.ReadIn](req))
-	}
-	return false
+	return s.exp.opts.KernelCache && header(req).Opcode == opWrite &&
+		s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
 }
 
 // kernelSize is the export file's size as the kernel caches it (under

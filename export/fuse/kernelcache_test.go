@@ -108,7 +108,7 @@ func TestKernelCacheInvalidates(t *testing.T) {
 		t.Fatalf("direct write where no READ was: invalidated %v, want nothing", got)
 	}
 	buf := make([]byte, 4096)
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 70000, Size: 4096}, buf); st != fuse.OK {
+	if _, st := readInto(e, &fuse.ReadIn{Offset: 70000, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
 	}
 	if _, st := e.Write(ctx, &fuse.WriteIn{Offset: 4096}, make([]byte, 512)); st != fuse.OK || len(r.take()) != 0 {
@@ -124,8 +124,8 @@ func TestKernelCacheInvalidates(t *testing.T) {
 		t.Fatalf("a second direct write with no READ since: %v, or invalidated", st)
 	}
 	// TryWrite: the loop is told to drop them, not to do it itself.
-	if _, st, ok := e.TryRead(&fuse.ReadIn{Offset: 150000, Size: 4096}, buf); !ok || st != fuse.OK {
-		t.Fatalf("try read: %v %v", ok, st)
+	if _, ok := tryReadInto(e, &fuse.ReadIn{Offset: 150000, Size: 4096}, buf); !ok {
+		t.Fatal("try read: would wait")
 	}
 	n, st, ok, d := e.TryWrite(&fuse.WriteIn{Offset: 140000}, make([]byte, 4096))
 	if !ok || st != fuse.OK || n != 4096 || !d.own || d.from != 128<<10 || d.length != 64<<10 || len(r.take()) != 0 {
@@ -216,7 +216,7 @@ func FuzzKernelCacheRequests(f *testing.F) {
 			// the kernel's pages if and only if the READ may have
 			// cached some.
 			size := min(length, 1<<16)
-			n, _ := e.ReadInto(ctx, &fuse.ReadIn{Offset: off, Size: uint32(size), ReadFlags: flags}, make([]byte, size))
+			n, _ := readInto(e, &fuse.ReadIn{Offset: off, Size: uint32(size), ReadFlags: flags}, make([]byte, size))
 			r.take()
 			wn, st := e.Write(ctx, &fuse.WriteIn{Offset: off}, make([]byte, size))
 			drops := r.take()
@@ -257,7 +257,7 @@ func TestReadPastImageUnderWritebackCache(t *testing.T) {
 		for i := range buf {
 			buf[i] = 0xa5
 		}
-		n, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: off, Size: size}, buf)
+		n, st := readInto(e, &fuse.ReadIn{Offset: off, Size: size}, buf)
 		if st != fuse.OK {
 			t.Fatalf("read %d+%d: %v", off, size, st)
 		}
@@ -299,8 +299,8 @@ func TestDirectReadsLeaveNoMark(t *testing.T) {
 	e, r := kcExport(t, 1<<20, Options{Writable: true})
 	buf := make([]byte, 4096)
 	reads := map[string]func(in *fuse.ReadIn){
-		"ReadInto": func(in *fuse.ReadIn) { e.ReadInto(ctx, in, buf) },
-		"TryRead":  func(in *fuse.ReadIn) { e.TryRead(in, buf) },
+		"read":    func(in *fuse.ReadIn) { readInto(e, in, buf) },
+		"tryRead": func(in *fuse.ReadIn) { tryReadInto(e, in, buf) },
 	}
 	lend := &lender{Image: newNull(t, 1<<20), data: make([]byte, 1<<20)}
 	le, lr := kcExport(t, 1<<20, Options{Writable: true})
@@ -319,7 +319,7 @@ func TestDirectReadsLeaveNoMark(t *testing.T) {
 		flags uint32
 		drops int
 	}{{fuse.READ_LOCKOWNER, 0}, {0, 1}} {
-		if _, release, _, ok := le.LendRead(ctx, &fuse.ReadIn{Offset: 0, Size: 4096, ReadFlags: c.flags}, 4096); !ok {
+		if _, release, _, ok := lendFromCache(le, &fuse.ReadIn{Offset: 0, Size: 4096, ReadFlags: c.flags}); !ok {
 			t.Fatal("not lent")
 		} else {
 			release()

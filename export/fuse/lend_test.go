@@ -34,14 +34,14 @@ func (l *lender) LendAt(_ context.Context, off, n int64, maxBufs int) ([][]byte,
 
 // A read of a lending image is lent within the image (clamped at its end
 // as any read), at most maxLent slices; a read past the end is not lent.
-func TestLendReadClampsAndLends(t *testing.T) {
+func TestCacheLendClampsAndLends(t *testing.T) {
 	const size = 10000
 	img := &lender{Image: newNull(t, size), data: make([]byte, size)}
 	for i := range img.data {
 		img.data[i] = byte(i * 7)
 	}
 	e := New(img, Options{})
-	bufs, release, st, ok := e.LendRead(ctx, &fuse.ReadIn{Offset: 8000, Size: 4096}, 4096)
+	bufs, release, st, ok := lendFromCache(e, &fuse.ReadIn{Offset: 8000, Size: 4096})
 	if !ok || st != fuse.OK || release == nil {
 		t.Fatalf("read across the end: ok %v, st %v", ok, st)
 	}
@@ -55,19 +55,20 @@ func TestLendReadClampsAndLends(t *testing.T) {
 	if img.loans != 1 || img.releases != 1 {
 		t.Fatalf("%d loans, %d releases", img.loans, img.releases)
 	}
-	// A READ larger than the reply buffer is cut to it.
-	if _, release, _, ok := e.LendRead(ctx, &fuse.ReadIn{Offset: 0, Size: 8192}, 4096); !ok || img.lastN != 4096 {
-		t.Fatalf("read cut to the buffer: ok %v, lent %d bytes", ok, img.lastN)
+	// A READ larger than maxWrite is cut to it.
+	big := &lender{Image: newNull(t, 2*maxWrite), data: make([]byte, 2*maxWrite)}
+	if _, release, _, ok := lendFromCache(New(big, Options{}), &fuse.ReadIn{Offset: 0, Size: 2 * maxWrite}); !ok || big.lastN != maxWrite {
+		t.Fatalf("read cut to maxWrite: ok %v, lent %d bytes", ok, big.lastN)
 	} else {
 		release()
 	}
 	for _, off := range []uint64{size, size + 1, 1 << 63} {
-		if _, _, _, ok := e.LendRead(ctx, &fuse.ReadIn{Offset: off, Size: 4096}, 4096); ok {
+		if _, _, _, ok := lendFromCache(e, &fuse.ReadIn{Offset: off, Size: 4096}); ok {
 			t.Fatalf("read at %d (past the end) was lent", off)
 		}
 	}
 	// An image that does not lend is not asked to.
-	if _, _, _, ok := New(newNull(t, size), Options{}).LendRead(ctx, &fuse.ReadIn{Size: 4096}, 4096); ok {
+	if _, _, _, ok := lendFromCache(New(newNull(t, size), Options{}), &fuse.ReadIn{Size: 4096}); ok {
 		t.Fatal("the null image lent a read")
 	}
 }

@@ -41,7 +41,7 @@ type queue struct {
 	// before it sleeps (awaitNextRequest).
 	awaitNext bool
 	// lent holds the slices of a read replied from the image's pages
-	// (Export.tryLend), reused.
+	// (Export.lendPages), reused.
 	lent [][]byte
 	// pace guesses whether the queue's reader waits on each reply before
 	// it asks again (queue depth 1): see depthGuess.
@@ -54,13 +54,12 @@ func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
 // awaitNextSpin is how long a loop that served a lone request of an
 // image that may stall (a remote one) asks for the next request before it
 // sleeps in read(2). A reader at queue depth 1 sends its next request a
-// few µs after its reply, and a sleeping loop costs it a wake-up (on this
-// VM, an idle vCPU's: tens of µs) of the ~130 µs a GET from nginx on
-// loopback takes. Measured, cold random 4 KiB reads at queue depth 1 over
-// HTTP: 6.5-8.4k IOPS sleeping at once, 8.5-9.3k polling 20 µs (as
-// --poll-us 20, which polls after every request: at queue depth 16 that
-// lost 5%, this does not run there). Its cost is bounded: 20 µs of CPU a
-// request, on requests that take a network round trip.
+// few µs after its reply, and a sleeping loop costs it a wake-up of an
+// idle CPU, a good part of a GET on loopback (docs/design.md, Lone
+// requests of remote images). Unlike --poll-us, which polls after every
+// request, this does not run at higher queue depths. Its cost is
+// bounded: 20 µs of CPU a request, on requests that take a network
+// round trip.
 const awaitNextSpin = 20 * time.Microsecond
 
 // awaitNextRequest spins up to awaitNextSpin for a request on q's fd and
@@ -105,10 +104,10 @@ func (q *queue) queued() bool {
 // stand-in's: see runStalling).
 func (s *server) loop(fd int, helper bool, end func()) {
 	// No goroutine hand-off between reading a request and answering it.
-	// The goroutine is deliberately not locked to its thread: measured here,
-	// a locked thread that blocks in read(2) costs runtime hand-offs (futex
-	// wake-ups on other threads) on every request, and sync (queue depth 1)
-	// rows lost 10-20%.
+	// The goroutine is deliberately not locked to its thread: a locked
+	// thread that blocks in read(2) costs runtime hand-offs (futex
+	// wake-ups on other threads) on every request (docs/design.md, The
+	// serve loop).
 	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
 }
 

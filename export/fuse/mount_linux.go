@@ -250,26 +250,7 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 	if err != nil {
 		return nil, err
 	}
-	var firstErr error
-	tries := []bool{o.AllowOther != AllowOtherOff}
-	if o.AllowOther == AllowOtherAuto {
-		tries = append(tries, false)
-	}
-	fd := -1
-	for i, ao := range tries {
-		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao, dir)
-		if err == nil {
-			exp.SetAllowOther(ao)
-			if i > 0 {
-				exp.log.Info("allow_other refused; mounted without it, so only this user can open the export (an unprivileged user needs user_allow_other in /etc/fuse.conf)", "why", firstErr)
-			}
-			break
-		}
-		if i == 0 {
-			firstErr = err
-		}
-		exp.log.Debug("mount attempt failed", "allow_other", ao, "err", err)
-	}
+	fd, err := exp.mountAllowOther(abs, o, dir)
 	if err != nil {
 		made.remove()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
@@ -281,126 +262,31 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		exp.ino = fileIno
 		file = filepath.Join(abs, o.FileName)
 	}
-	if err := srv.addExtraFiles(o.Extra); err != nil {
-		detach(abs, exp.log)
-		unix.Close(fd)
-		made.remove()
-		return nil, fmt.Errorf("mount %s: %w", abs, err)
-	}
-	ptFd := exp.img.Features().HostFd
-	ptOK := ptFd >= 0
-	switch {
-	case exp.opts.KernelCache && o.Passthrough == "on":
-		detach(abs, exp.log)
-		unix.Close(fd)
-		made.remove()
-		return nil, fmt.Errorf("--passthrough on: the kernel reads the host file itself, which the kernel cache (--kernel-cache) would cache beside it; drop one")
-	case exp.opts.KernelCache:
-		// Passthrough opens and cached opens of one inode do not mix
-		// (the kernel fails the other kind with EIO): the cache wins.
-	case o.Passthrough == "on" && !ptOK:
-		detach(abs, exp.log)
-		unix.Close(fd)
-		made.remove()
-		return nil, fmt.Errorf("--passthrough on: only buffered raw images can be passed through")
-	case o.Passthrough == "on" || o.Passthrough == "auto":
-		srv.passthrough = ptOK
-	}
-	fail := func(err error) (*Mount, error) {
+	undo := func() {
 		detach(abs, exp.log)
 		srv.stopURing()
 		for _, fd := range srv.fds {
 			unix.Close(fd)
 		}
 		made.remove()
+	}
+	if err := srv.addExtraFiles(o.Extra); err != nil {
+		undo()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
-	srv.stats = o.Stats // before any queue thread starts
-	if o.URing == URingOn || o.URing == URingAuto {
-		err := srv.prepareURing(max(o.URingDepth, 1), o.URingPin)
-		switch {
-		case err == nil:
-			srv.uring = true
-		case o.URing == URingOn:
-			return fail(fmt.Errorf("--io-uring on: %w", err))
-		default:
-			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
-		}
+	if err := srv.choosePassthrough(o.Passthrough); err != nil {
+		undo()
+		return nil, err
 	}
-	if err := srv.handshake(); err != nil {
-		return fail(err)
-	}
-	// Before anything but INIT is answered (see presetSize); a failure
-	// leaves it to learnSize, once the loops run.
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	sizeKnown, err := srv.presetSize(ctx)
-	cancel()
+	sizeKnown, err := srv.start(o)
 	if err != nil {
-		exp.log.Info("kernel cache: the size reaches the kernel once serving", "why", err)
-	}
-	if err := srv.addQueues(max(o.Queues, 1)); err != nil {
-		return fail(err)
-	}
-	srv.useCompletions()
-	if err := srv.setPoll(o.PollFor); err != nil {
-		return fail(err)
-	}
-	srv.pace = !o.NoPace
-	if srv.passthrough {
-		id, err := srv.registerBacking(ptFd)
-		switch {
-		case err == nil:
-			exp.backingID.Store(id)
-			exp.log.Info("FUSE passthrough on: the kernel reads the image directly for read-only opens")
-		case o.Passthrough == "on":
-			return fail(fmt.Errorf("--passthrough on: %w", err))
-		default:
-			exp.log.Info("FUSE passthrough unavailable; serving reads ourselves", "why", err)
-		}
-	}
-	if srv.uring {
-		// Before the loops start: until every queue has registered, the
-		// kernel sends requests through /dev/fuse, and nobody reads it
-		// yet, so none is missed.
-		err := srv.startURing()
-		switch {
-		case err == nil:
-			exp.log.Info("FUSE over io_uring on", "queues", len(srv.uqs), "depth", max(o.URingDepth, 1), "pinned", o.URingPin)
-		case o.URing == URingOn:
-			return fail(fmt.Errorf("--io-uring on: %w", err))
-		default:
-			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
-		}
-	}
-	if exp.opts.KernelCache {
-		srv.calls = startKernelCalls()
-		exp.inval = func(off, length int64) {
-			if err := srv.notifyInval(off, length); err != nil {
-				exp.log.Warn("cannot invalidate the kernel's cache of the export", "err", err)
-			}
-		}
+		undo()
+		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
-	if srv.writebackCache() {
-		exp.writebackFailed = func(off, length int64) { srv.mendFailedWriteback(file, off, length) }
-		exp.kernelSize = func() (int64, bool) { return kernelSize(file) }
-		m.flushCache = func() error { return srv.flushKernelCache(file) }
-	}
-	go func() {
-		srv.serve()
-		if srv.calls != nil {
-			srv.calls.close()
-		}
-		// The loops end when the kernel ends the connection (unmount,
-		// abort) or on a protocol error; in the latter case a dead mount
-		// (ENOTCONN) would stay behind, so detach it.
-		if fuseMounted(abs) {
-			exp.log.Error("FUSE connection ended while still mounted; detaching the mount", "mountpoint", abs)
-			detach(abs, exp.log)
-		}
-		close(m.served)
-	}()
-	// Only now: a stat of our own mount needs the loop above to answer it.
+	srv.wireKernelCache(m)
+	go m.serve(srv)
+	// Only now: a stat of our own mount needs the loops to answer it.
 	var st unix.Stat_t
 	if err := unix.Stat(abs, &st); err == nil {
 		m.conn = uint64(unix.Major(st.Dev))<<20 | uint64(unix.Minor(st.Dev))
@@ -419,6 +305,156 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	return m, nil
+}
+
+// mountAllowOther mounts abs with allow_other as o asks, and in auto mode
+// without it when that is refused, and returns the /dev/fuse descriptor.
+func (exp *Export) mountAllowOther(abs string, o MountOptions, dir bool) (int, error) {
+	var firstErr, err error
+	tries := []bool{o.AllowOther != AllowOtherOff}
+	if o.AllowOther == AllowOtherAuto {
+		tries = append(tries, false)
+	}
+	for i, ao := range tries {
+		var fd int
+		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao, dir)
+		if err == nil {
+			exp.SetAllowOther(ao)
+			if i > 0 {
+				exp.log.Info("allow_other refused; mounted without it, so only this user can open the export (an unprivileged user needs user_allow_other in /etc/fuse.conf)", "why", firstErr)
+			}
+			return fd, nil
+		}
+		if i == 0 {
+			firstErr = err
+		}
+		exp.log.Debug("mount attempt failed", "allow_other", ao, "err", err)
+	}
+	return -1, err
+}
+
+// choosePassthrough decides whether to ask for FUSE passthrough at INIT
+// (--passthrough: on, auto, off).
+func (s *server) choosePassthrough(mode string) error {
+	ok := s.exp.img.Features().HostFd >= 0
+	switch {
+	case s.exp.opts.KernelCache && mode == "on":
+		return fmt.Errorf("--passthrough on: the kernel reads the host file itself, which the kernel cache (--kernel-cache) would cache beside it; drop one")
+	case s.exp.opts.KernelCache:
+		// Passthrough opens and cached opens of one inode do not mix
+		// (the kernel fails the other kind with EIO): the cache wins.
+	case mode == "on" && !ok:
+		return fmt.Errorf("--passthrough on: only buffered raw images can be passed through")
+	case mode == "on" || mode == "auto":
+		s.passthrough = ok
+	}
+	return nil
+}
+
+// start brings the connection up to serving: the transport (/dev/fuse or
+// FUSE over io_uring), INIT, the size under the kernel cache (sizeKnown
+// false: learnSize must tell it once the loops run), the queues, how they
+// wait, and passthrough.
+func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
+	exp := s.exp
+	s.stats = o.Stats // before any queue thread starts
+	if o.URing == URingOn || o.URing == URingAuto {
+		err := s.prepareURing(max(o.URingDepth, 1), o.URingPin)
+		switch {
+		case err == nil:
+			s.uring = true
+		case o.URing == URingOn:
+			return false, fmt.Errorf("--io-uring on: %w", err)
+		default:
+			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
+		}
+	}
+	if err := s.handshake(); err != nil {
+		return false, err
+	}
+	// Before anything but INIT is answered (see presetSize); a failure
+	// leaves it to learnSize, once the loops run.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	sizeKnown, err = s.presetSize(ctx)
+	cancel()
+	if err != nil {
+		exp.log.Info("kernel cache: the size reaches the kernel once serving", "why", err)
+	}
+	if err := s.addQueues(max(o.Queues, 1)); err != nil {
+		return false, err
+	}
+	s.useCompletions()
+	if err := s.setPoll(o.PollFor); err != nil {
+		return false, err
+	}
+	s.pace = !o.NoPace
+	if s.passthrough {
+		id, err := s.registerBacking(exp.img.Features().HostFd)
+		switch {
+		case err == nil:
+			exp.backingID.Store(id)
+			exp.log.Info("FUSE passthrough on: the kernel reads the image directly for read-only opens")
+		case o.Passthrough == "on":
+			return false, fmt.Errorf("--passthrough on: %w", err)
+		default:
+			exp.log.Info("FUSE passthrough unavailable; serving reads ourselves", "why", err)
+		}
+	}
+	if s.uring {
+		// Before the loops start: until every queue has registered, the
+		// kernel sends requests through /dev/fuse, and nobody reads it
+		// yet, so none is missed.
+		err := s.startURing()
+		switch {
+		case err == nil:
+			exp.log.Info("FUSE over io_uring on", "queues", len(s.uqs), "depth", max(o.URingDepth, 1), "pinned", o.URingPin)
+		case o.URing == URingOn:
+			return false, fmt.Errorf("--io-uring on: %w", err)
+		default:
+			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
+		}
+	}
+	return sizeKnown, nil
+}
+
+// wireKernelCache gives the export what it calls into the kernel with,
+// under the kernel cache: drops of cached pages, and with the writeback
+// cache the mending of a failed write-back, the kernel's size and m's
+// flush of its dirty pages.
+func (s *server) wireKernelCache(m *Mount) {
+	exp := s.exp
+	if !exp.opts.KernelCache {
+		return
+	}
+	s.calls = startKernelCalls()
+	exp.inval = func(off, length int64) {
+		if err := s.notifyInval(off, length); err != nil {
+			exp.log.Warn("cannot invalidate the kernel's cache of the export", "err", err)
+		}
+	}
+	if s.writebackCache() {
+		file := m.file
+		exp.writebackFailed = func(off, length int64) { s.mendFailedWriteback(file, off, length) }
+		exp.kernelSize = func() (int64, bool) { return kernelSize(file) }
+		m.flushCache = func() error { return s.flushKernelCache(file) }
+	}
+}
+
+// serve serves the connection until it ends, then detaches a mount the
+// kernel left behind and marks m served.
+func (m *Mount) serve(s *server) {
+	s.serve()
+	if s.calls != nil {
+		s.calls.close()
+	}
+	// The loops end when the kernel ends the connection (unmount,
+	// abort) or on a protocol error; in the latter case a dead mount
+	// (ENOTCONN) would stay behind, so detach it.
+	if fuseMounted(m.path) {
+		m.log.Error("FUSE connection ended while still mounted; detaching the mount", "mountpoint", m.path)
+		detach(m.path, m.log)
+	}
+	close(m.served)
 }
 
 // mountFUSE mounts a FUSE file system of one regular file (or of a

@@ -14,10 +14,9 @@ func (s *server) paced(q *queue) bool {
 // depthGuess tells a reader at queue depth 1 from a deeper one by what
 // the loop finds right after a reply: a reader that waits on each reply
 // has not asked again yet, while a deeper one often has. A loop asleep in
-// read(2) costs a reader at depth 1 a wake-up on every request (on this
-// VM, an idle vCPU's: tens of µs of a 25 µs request); spinning for a
-// deeper one takes the CPU that it and the kernel need (on 2 CPUs, a
-// spin after every request lost 15-25% of 4 KiB reads at depth 16).
+// read(2) costs a reader at depth 1 a wake-up on every request, a large
+// part of a small request; spinning for a deeper one takes the CPU that
+// it and the kernel need (docs/design.md, Pacing at queue depth 1).
 // So, as QEMU's adaptive polling does, the loop spins (up to
 // awaitNextSpin) only while spins pay: it samples the queue every
 // paceSampleEvery requests, starts spinning after paceEmptyToSpin empty

@@ -46,7 +46,7 @@ func TestBypassWriteWhileAnotherDropPending(t *testing.T) {
 	started, release, counts := heldDrop(e)
 	defer close(release)
 	buf := make([]byte, 4096)
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
+	if _, st := readInto(e, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
 	}
 	go e.Write(ctx, &fuse.WriteIn{Offset: 0}, make([]byte, 4096))
@@ -76,7 +76,7 @@ func TestBypassWritesWaitForTheDropUnderWay(t *testing.T) {
 	e, _ := kcExport(t, 1<<20, Options{Writable: true})
 	started, release, counts := heldDrop(e)
 	buf := make([]byte, 4096)
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
+	if _, st := readInto(e, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
 	}
 	w1 := make(chan struct{})

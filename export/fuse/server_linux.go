@@ -1,14 +1,16 @@
 package fuse
 
-// The server: our own /dev/fuse processing, as QEMU's 2026 export does.
+// The server: our own /dev/fuse processing, as QEMU's export does.
 // go-fuse's server hands every request between goroutines and keeps a 1 MiB
-// buffer per reader; measured here it reached 0.55-0.66x QEMU on small
-// reads. go-fuse still supplies the protocol structs the handlers take.
+// buffer per reader, which cost small reads dearly against QEMU
+// (docs/design.md, The serve loop). go-fuse still supplies the protocol
+// structs the handlers take.
 //
 // By job: server_linux.go (the connection: INIT, queues, passthrough),
 // uring_linux.go (FUSE over io_uring, the second transport),
-// loop_linux.go (a queue's read loop and its buffers), dispatch.go (the
-// opcode table, inline or handed off, INTERRUPT), bulk_linux.go (the
+// loop_linux.go (a queue's read loop and its buffers), dispatch_linux.go
+// (the opcode table, inline or handed off, INTERRUPT), read_linux.go (the
+// READ path), bulk_linux.go (the
 // second queue for large writes), reply_linux.go (writing replies),
 // dir_linux.go (the directory around the file, with --file-name).
 
@@ -266,7 +268,7 @@ func (s *server) cloneFd() (int, error) {
 // the image has them and one /dev/fuse queue serves (over io_uring, or
 // with several queues, the requests read their own).
 func (s *server) useCompletions() {
-	c, ok := s.exp.img.(formats.Completions)
+	c, ok := formats.As[formats.Completions](s.exp.img)
 	if ok && !s.uring && len(s.fds) == 1 {
 		s.comp = c
 	}

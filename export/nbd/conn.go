@@ -309,7 +309,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			}
 		}
 		if (req.typ == wire.CmdRead || req.typ == wire.CmdWrite) && c.hand.Lone(func() bool { return c.queued(r) }) {
-			c.handle(c.hand.Context(coroutines.InLoop), req, payload)
+			c.handle(c.hand.Context(coroutines.Lone), req, payload)
 			c.release(cost)
 			continue
 		}

@@ -39,135 +39,61 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		mode = TLSOff
 	}
 	encrypted := false
-	var hdr [18]byte
-	be.PutUint64(hdr[0:], wire.MagicOldstyle)
-	be.PutUint64(hdr[8:], wire.MagicOption)
-	be.PutUint16(hdr[16:], wire.HandshakeFixed|wire.HandshakeNoZeroes)
-	if _, err := c.sock.Write(hdr[:]); err != nil {
+	noZeroes, err := c.greet(r)
+	if err != nil {
 		return n, err
 	}
-	var cf [4]byte
-	if err := readFull(r, cf[:]); err != nil {
-		return n, fmt.Errorf("client flags: %w", err)
-	}
-	clientFlags := be.Uint32(cf[:])
-	if clientFlags&^(wire.ClientFixed|wire.ClientNoZeroes) != 0 {
-		return n, fmt.Errorf("unknown client flags %#x", clientFlags)
-	}
-	noZeroes := clientFlags&wire.ClientNoZeroes != 0
 	for {
-		var oh [16]byte
-		if err := readFull(r, oh[:]); err != nil {
-			return n, fmt.Errorf("option header: %w", err)
+		id, data, err := readOption(r)
+		if err != nil {
+			return n, err
 		}
-		opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
-		if opt.OptionMagic != wire.MagicOption {
-			return n, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
-		}
-		if opt.Length > maxOptionLen {
-			return n, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
-		}
-		data := make([]byte, opt.Length)
-		if err := readFull(r, data); err != nil {
-			return n, fmt.Errorf("option %d: %w", opt.ID, err)
-		}
-		if mode == TLSRequire && !encrypted && opt.ID != wire.OptStartTLS && opt.ID != wire.OptAbort {
-			if opt.ID == wire.OptExportName {
+		if mode == TLSRequire && !encrypted && id != wire.OptStartTLS && id != wire.OptAbort {
+			if id == wire.OptExportName {
 				// It has no error reply: the spec says to hang up.
 				return n, errors.New("client asked for an export in plain text; TLS is required")
 			}
-			c.optReply(opt.ID, wire.RepErrTLSReqd, []byte("TLS is required: send NBD_OPT_STARTTLS first"))
+			c.optReply(id, wire.RepErrTLSReqd, []byte("TLS is required: send NBD_OPT_STARTTLS first"))
 			continue
 		}
-		switch opt.ID {
+		switch id {
 		case wire.OptExportName:
-			if n.extended {
-				// It has no error reply, and its answer no way to
-				// confirm the headers: the spec forbids it here.
-				return n, errors.New("client asked for an export with EXPORT_NAME after extended headers")
-			}
-			img, _, ok := c.srv.export(string(data))
-			if !ok {
-				return n, fmt.Errorf("client asked for unknown export %q", data)
-			}
-			c.img = img
-			reply := make([]byte, 10, 134)
-			be.PutUint64(reply[0:], uint64(c.img.Size()))
-			be.PutUint16(reply[8:], c.srv.transmissionFlags())
-			if !noZeroes {
-				reply = append(reply, make([]byte, 124)...)
-			}
-			_, err := c.sock.Write(reply)
-			return n, err
+			return n, c.exportName(data, n.extended, noZeroes)
 		case wire.OptAbort:
-			c.optReply(opt.ID, wire.RepAck, nil)
+			c.optReply(id, wire.RepAck, nil)
 			return n, errAbort
 		case wire.OptList:
-			if len(data) != 0 {
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("LIST takes no data"))
-				continue
-			}
-			list := append([]Export{{Name: c.srv.opts.Name, Description: c.srv.opts.Description}}, c.srv.opts.Extra...)
-			for _, e := range list {
-				payload := be.AppendUint32(nil, uint32(len(e.Name)))
-				payload = append(payload, e.Name...)
-				payload = append(payload, e.Description...)
-				c.optReply(opt.ID, wire.RepServer, payload)
-			}
-			c.optReply(opt.ID, wire.RepAck, nil)
+			c.list(data)
 		case wire.OptInfo, wire.OptGo:
-			done, err := c.infoGo(opt.ID, data)
-			if err != nil {
+			done, err := c.infoGo(id, data)
+			if err != nil || done {
 				return n, err
 			}
-			if done {
-				return n, nil
-			}
-		case wire.OptStructuredReply:
-			switch {
-			case len(data) != 0:
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
-			case n.extended:
-				c.optReply(opt.ID, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
-			default:
-				n.structured = true
-				c.optReply(opt.ID, wire.RepAck, nil)
-			}
-		case wire.OptExtendedHeaders:
-			if c.srv.opts.CompactHeaders {
-				c.optReply(opt.ID, wire.RepErrUnsup, nil)
-				continue
-			}
-			if len(data) != 0 {
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
-				continue
-			}
-			// They take the place of structured replies.
-			n.extended, n.structured = true, true
-			c.optReply(opt.ID, wire.RepAck, nil)
+		case wire.OptStructuredReply, wire.OptExtendedHeaders:
+			c.replyFormat(id, data, &n)
 		case wire.OptListMetaContext, wire.OptSetMetaContext:
-			if opt.ID == wire.OptSetMetaContext && !n.structured {
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
+			if id == wire.OptSetMetaContext && !n.structured {
+				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
 				continue
 			}
-			sel, err := c.metaContext(opt.ID, data)
+			sel, err := c.metaContext(id, data)
 			if err != nil {
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte(err.Error()))
+				c.optReply(id, wire.RepErrInvalid, []byte(err.Error()))
 				continue
 			}
-			if opt.ID == wire.OptSetMetaContext {
+			if id == wire.OptSetMetaContext {
 				n.metaAlloc = sel
 			}
 		case wire.OptStartTLS:
 			switch {
 			case mode == TLSOff:
-				c.optReply(opt.ID, wire.RepErrPolicy, []byte("TLS is not offered"))
+				c.optReply(id, wire.RepErrPolicy, []byte("TLS is not offered"))
 			case encrypted:
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("TLS is on already"))
+				c.optReply(id, wire.RepErrInvalid, []byte("TLS is on already"))
 			case len(data) != 0:
-				c.optReply(opt.ID, wire.RepErrInvalid, []byte("STARTTLS takes no data"))
+				c.optReply(id, wire.RepErrInvalid, []byte("STARTTLS takes no data"))
 			default:
-				c.optReply(opt.ID, wire.RepAck, nil)
+				c.optReply(id, wire.RepAck, nil)
 				nr, err := c.startTLS(r)
 				if err != nil {
 					return n, err
@@ -178,8 +104,110 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				n = negotiated{}
 			}
 		default:
-			c.optReply(opt.ID, wire.RepErrUnsup, nil)
+			c.optReply(id, wire.RepErrUnsup, nil)
 		}
+	}
+}
+
+// greet sends the server's greeting and reads the client's flags;
+// noZeroes: the client takes EXPORT_NAME's reply without its padding.
+func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
+	var hdr [18]byte
+	be.PutUint64(hdr[0:], wire.MagicOldstyle)
+	be.PutUint64(hdr[8:], wire.MagicOption)
+	be.PutUint16(hdr[16:], wire.HandshakeFixed|wire.HandshakeNoZeroes)
+	if _, err := c.sock.Write(hdr[:]); err != nil {
+		return false, err
+	}
+	var cf [4]byte
+	if err := readFull(r, cf[:]); err != nil {
+		return false, fmt.Errorf("client flags: %w", err)
+	}
+	clientFlags := be.Uint32(cf[:])
+	if clientFlags&^(wire.ClientFixed|wire.ClientNoZeroes) != 0 {
+		return false, fmt.Errorf("unknown client flags %#x", clientFlags)
+	}
+	return clientFlags&wire.ClientNoZeroes != 0, nil
+}
+
+// readOption reads one option: its id and data, checked for magic and
+// length.
+func readOption(r *bufio.Reader) (uint32, []byte, error) {
+	var oh [16]byte
+	if err := readFull(r, oh[:]); err != nil {
+		return 0, nil, fmt.Errorf("option header: %w", err)
+	}
+	opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
+	if opt.OptionMagic != wire.MagicOption {
+		return 0, nil, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
+	}
+	if opt.Length > maxOptionLen {
+		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
+	}
+	data := make([]byte, opt.Length)
+	if err := readFull(r, data); err != nil {
+		return 0, nil, fmt.Errorf("option %d: %w", opt.ID, err)
+	}
+	return opt.ID, data, nil
+}
+
+// exportName answers EXPORT_NAME, which ends the negotiation.
+func (c *conn) exportName(name []byte, extended, noZeroes bool) error {
+	if extended {
+		// It has no error reply, and its answer no way to confirm the
+		// headers: the spec forbids it here.
+		return errors.New("client asked for an export with EXPORT_NAME after extended headers")
+	}
+	img, _, ok := c.srv.export(string(name))
+	if !ok {
+		return fmt.Errorf("client asked for unknown export %q", name)
+	}
+	c.img = img
+	reply := make([]byte, 10, 134)
+	be.PutUint64(reply[0:], uint64(c.img.Size()))
+	be.PutUint16(reply[8:], c.srv.transmissionFlags())
+	if !noZeroes {
+		reply = append(reply, make([]byte, 124)...)
+	}
+	_, err := c.sock.Write(reply)
+	return err
+}
+
+// list answers LIST: every export's name and description.
+func (c *conn) list(data []byte) {
+	if len(data) != 0 {
+		c.optReply(wire.OptList, wire.RepErrInvalid, []byte("LIST takes no data"))
+		return
+	}
+	list := append([]Export{{Name: c.srv.opts.Name, Description: c.srv.opts.Description}}, c.srv.opts.Extra...)
+	for _, e := range list {
+		payload := be.AppendUint32(nil, uint32(len(e.Name)))
+		payload = append(payload, e.Name...)
+		payload = append(payload, e.Description...)
+		c.optReply(wire.OptList, wire.RepServer, payload)
+	}
+	c.optReply(wire.OptList, wire.RepAck, nil)
+}
+
+// replyFormat answers STRUCTURED_REPLY and EXTENDED_HEADERS, which set
+// how replies are framed.
+func (c *conn) replyFormat(id uint32, data []byte, n *negotiated) {
+	switch {
+	case id == wire.OptExtendedHeaders && c.srv.opts.CompactHeaders:
+		c.optReply(id, wire.RepErrUnsup, nil)
+	case len(data) != 0 && id == wire.OptStructuredReply:
+		c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+	case len(data) != 0:
+		c.optReply(id, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
+	case id == wire.OptStructuredReply && n.extended:
+		c.optReply(id, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
+	case id == wire.OptStructuredReply:
+		n.structured = true
+		c.optReply(id, wire.RepAck, nil)
+	default:
+		// Extended headers take the place of structured replies.
+		n.extended, n.structured = true, true
+		c.optReply(id, wire.RepAck, nil)
 	}
 }
 

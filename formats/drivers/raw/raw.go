@@ -118,14 +118,14 @@ func (r *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 
 // CanLend: when the file lends (a remote object's cache).
 func (r *Image) CanLend() bool {
-	l, ok := r.f.(formats.Lender)
+	l, ok := r.f.(formats.CacheLender)
 	return ok && l.CanLend()
 }
 
 // LendAt lends the file's bytes where the file can (a remote object's
-// cache: formats.Lender); ok false otherwise.
+// cache: formats.CacheLender); ok false otherwise.
 func (r *Image) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
-	l, ok := r.f.(formats.Lender)
+	l, ok := r.f.(formats.CacheLender)
 	if !ok {
 		return nil, nil, false, nil
 	}

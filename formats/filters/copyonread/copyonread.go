@@ -34,9 +34,11 @@ type Copier interface {
 var ErrNoBacking = errors.New("--copy-on-read: the image has no backing file to copy from")
 
 // Image reads through its top layer's copy-on-read; the rest of
-// formats.Image is the top layer's own.
+// formats.Image, and every optional capability but lending, is the top
+// layer's own (formats.Filter).
 type Image struct {
-	Copier
+	formats.Filter
+	top Copier
 }
 
 // New wraps img, which must be a writable image of a format that copies
@@ -49,24 +51,32 @@ func New(img formats.Image, format string) (*Image, error) {
 	if c.Backing() == nil {
 		return nil, ErrNoBacking
 	}
-	return &Image{c}, nil
+	return &Image{Filter: formats.Filter{Image: c}, top: c}, nil
 }
 
 // ReadAt copies what the top layer lacks, then reads.
 func (i *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	return i.Copier.ReadCopy(ctx, p, off)
+	return i.top.ReadCopy(ctx, p, off)
 }
 
 // TryReadAt serves only bytes the top layer holds: a read of the backing
 // chain must go through ReadAt, which copies.
 func (i *Image) TryReadAt(p []byte, off int64) bool {
-	return i.Copier.TryReadHere(p, off)
+	return i.top.TryReadHere(p, off)
+}
+
+// Nothing is lent (formats.PageLender, formats.CacheLender): a lend
+// would read the backing chain without copying it.
+func (i *Image) TryLendAt(_, _ int64, v [][]byte) ([][]byte, bool) { return v, false }
+func (i *Image) CanLend() bool                                     { return false }
+func (i *Image) LendAt(context.Context, int64, int64, int) ([][]byte, func(), bool, error) {
+	return nil, nil, false, nil
 }
 
 // Features are the top layer's, without a host file to pass reads to:
 // the kernel reading one directly would bypass the copy.
 func (i *Image) Features() formats.Features {
-	f := i.Copier.Features()
+	f := i.top.Features()
 	f.HostFd = -1
 	return f
 }

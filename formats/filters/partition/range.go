@@ -12,8 +12,12 @@ import (
 // reaches the disk, so no read or write through it touches a byte outside
 // [start, start+size) of the disk. Its size is fixed: a partition grows
 // only by rewriting the table, which is the disk's business.
+//
+// What else the disk offers passes on (formats.Filter), moved to the
+// range's offsets where it takes offsets; a flush flushes the whole disk
+// (durability is not a per-range affair).
 type Range struct {
-	img         formats.Image
+	formats.Filter
 	start, size int64
 	name        string
 }
@@ -25,7 +29,7 @@ func NewRange(img formats.Image, start, size int64, name string) (*Range, error)
 	if start < 0 || size < 0 || size > img.Size() || start > img.Size()-size {
 		return nil, fmt.Errorf("partition %s: bytes %d+%d are not inside the image (%d bytes): %w", name, start, size, img.Size(), formats.ErrOutOfRange)
 	}
-	return &Range{img: img, start: start, size: size, name: name}, nil
+	return &Range{Filter: formats.Filter{Image: img}, start: start, size: size, name: name}, nil
 }
 
 // Open serves partition p of img.
@@ -46,32 +50,29 @@ func (r *Range) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if err := r.check("read", off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	return r.img.ReadAt(ctx, p, r.start+off)
+	return r.Image.ReadAt(ctx, p, r.start+off)
 }
 
 func (r *Range) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if err := r.check("write", off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	return r.img.WriteAt(ctx, p, r.start+off)
+	return r.Image.WriteAt(ctx, p, r.start+off)
 }
 
 func (r *Range) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
 	if err := r.check("write-zeroes", off, n); err != nil {
 		return err
 	}
-	return r.img.WriteZeroes(ctx, r.start+off, n, mayUnmap)
+	return r.Image.WriteZeroes(ctx, r.start+off, n, mayUnmap)
 }
 
 func (r *Range) Discard(ctx context.Context, off, n int64) error {
 	if err := r.check("discard", off, n); err != nil {
 		return err
 	}
-	return r.img.Discard(ctx, r.start+off, n)
+	return r.Image.Discard(ctx, r.start+off, n)
 }
-
-// Flush flushes the whole disk: durability is not a per-range affair.
-func (r *Range) Flush(ctx context.Context) error { return r.img.Flush(ctx) }
 
 func (r *Range) Size() int64 { return r.size }
 
@@ -90,7 +91,7 @@ func (r *Range) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 		return formats.Extent{}, fmt.Errorf("partition %s: extent at %d (size %d): %w", r.name, off, r.size, formats.ErrOutOfRange)
 	}
 	n = min(n, r.size-off)
-	e, err := r.img.Extent(ctx, r.start+off, n)
+	e, err := r.Image.Extent(ctx, r.start+off, n)
 	if err != nil {
 		return e, err
 	}
@@ -110,7 +111,7 @@ func (r *Range) TryReadAt(p []byte, off int64) bool {
 	if r.check("read", off, int64(len(p))) != nil {
 		return false // ReadAt says why
 	}
-	return r.img.TryReadAt(p, r.start+off)
+	return r.Image.TryReadAt(p, r.start+off)
 }
 
 // TryLendAt lends the disk's bytes of the partition (formats.PageLender).
@@ -118,27 +119,35 @@ func (r *Range) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	if r.check("read", off, n) != nil {
 		return v, false
 	}
-	return formats.TryLend(r.img, r.start+off, n, v)
+	return r.Filter.TryLendAt(r.start+off, n, v)
+}
+
+// LendAt lends the disk's bytes of the partition (formats.CacheLender).
+func (r *Range) LendAt(ctx context.Context, off, n int64, max int) ([][]byte, func(), bool, error) {
+	if r.check("read", off, n) != nil {
+		return nil, nil, false, nil // ReadAt says why
+	}
+	return r.Filter.LendAt(ctx, r.start+off, n, max)
 }
 
 func (r *Range) TryWriteAt(p []byte, off int64) (bool, error) {
 	if err := r.check("write", off, int64(len(p))); err != nil {
 		return true, err
 	}
-	return r.img.TryWriteAt(p, r.start+off)
+	return r.Image.TryWriteAt(p, r.start+off)
 }
 
 // Features: fast zeroes as the disk has them; no host fd, whose offsets
 // are the disk's, not the partition's.
 func (r *Range) Features() formats.Features {
-	f := r.img.Features()
+	f := r.Image.Features()
 	f.HostFd = -1
 	return f
 }
 
 // Info is the disk's, sized as the partition.
 func (r *Range) Info() formats.Info {
-	i := r.img.Info()
+	i := r.Image.Info()
 	i.VirtualSize = r.size
 	i.ActualSize = -1
 	return i
@@ -149,3 +158,17 @@ func (r *Range) Close() error { return nil }
 
 // Start is where the range begins on the disk.
 func (r *Range) Start() int64 { return r.start }
+
+// FixedDisk is the disk served beside its partitions: its size is fixed,
+// because the partitions are ranges read from its table at this size (a
+// shrink would cut them, a growth strand a GPT's backup header). The
+// rest, optional capabilities included, is the disk's (formats.Filter).
+type FixedDisk struct{ formats.Filter }
+
+// Resize is refused but for the size the disk has.
+func (d FixedDisk) Resize(_ context.Context, size int64) error {
+	if size == d.Size() {
+		return nil
+	}
+	return fmt.Errorf("the disk's size is fixed while its partitions are served (--partitions): %w", formats.ErrNotSupported)
+}

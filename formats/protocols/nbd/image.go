@@ -325,7 +325,7 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, 
 			return cl, giveUp(err)
 		}
 		try := cl
-		try.lone = coroutines.IsLone(ctx)
+		try.lone = coroutines.PathOf(ctx) == coroutines.Lone
 		err = c.do(&try, flags, length, payload)
 		if !errors.Is(err, errLost) {
 			img.back(s)

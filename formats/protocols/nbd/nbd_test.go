@@ -654,7 +654,7 @@ func TestLoopReadsCompletions(t *testing.T) {
 	}
 	// A lone request reads its own reply (and maybe the other's).
 	select {
-	case err := <-read(coroutines.Lone(ctx), 4096):
+	case err := <-read(coroutines.WithPath(ctx, coroutines.Lone), 4096):
 		if err != nil {
 			t.Fatal(err)
 		}

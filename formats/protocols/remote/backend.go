@@ -73,19 +73,6 @@ type VectorBackend interface {
 	ReadRangev(ctx context.Context, obj Object, bufs [][]byte, off int64) error
 }
 
-// loneKey marks a context as a lone reader's (Lone).
-type loneKey struct{}
-
-// Lone marks ctx as the context of a reader's own GET, made on the
-// reader's goroutine: a reader that cannot give up (a FUSE loop's lone
-// request; readahead GETs it started may run beside it) and waits for
-// this reply before anything else. A backend may then spin briefly on the
-// reply instead of sleeping in the poller.
-func Lone(ctx context.Context) context.Context { return context.WithValue(ctx, loneKey{}, true) }
-
-// IsLone says whether ctx came from Lone.
-func IsLone(ctx context.Context) bool { v, _ := ctx.Value(loneKey{}).(bool); return v }
-
 var (
 	// ErrChanged: the object was replaced or modified after it was opened.
 	ErrChanged = errors.New("remote object changed since it was opened")

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -127,7 +128,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 	f.window = min(maxWindow, max(o.CacheSize/4, initWindow))
 	f.bounce.New = func() any { b := make([]byte, maxGet); return &b }
 	f.ctx, f.cancel = context.WithCancel(context.Background())
-	f.loneCtx = Lone(f.ctx)
+	f.loneCtx = coroutines.WithPath(f.ctx, coroutines.Lone)
 	obj, err := f.stat(ctx)
 	if err == nil && obj.Size < 0 {
 		err = fmt.Errorf("%s: size %d: %w", f.name, obj.Size, ErrBadReply)
@@ -247,11 +248,11 @@ func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
 	return want, nil
 }
 
-// CanLend: a File always may (formats.Lender).
+// CanLend: a File always may (formats.CacheLender).
 func (f *File) CanLend() bool { return true }
 
 // LendAt lends [off, off+n) out of the cache blocks that hold it
-// (formats.Lender): a FUSE reply is written from them, and the copy into
+// (formats.CacheLender): a FUSE reply is written from them, and the copy into
 // a reply buffer that ReadAt makes is saved (docs/design.md, Page
 // lending). The blocks stay referenced, so neither evicted nor reused,
 // until release.
@@ -335,5 +336,5 @@ func (f *File) Close() error {
 }
 
 var _ aio.File = (*File)(nil)
-var _ formats.Lender = (*File)(nil)
+var _ formats.CacheLender = (*File)(nil)
 var _ aio.Sized = (*File)(nil)

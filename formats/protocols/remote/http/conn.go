@@ -21,6 +21,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
@@ -361,7 +362,7 @@ func (c *fastClient) readRange(ctx context.Context, b *Backend, obj remote.Objec
 		if err != nil {
 			return b.netError(fmt.Errorf("%s: %s: %w", b.name, rangeWhat(off, n), err))
 		}
-		if remote.IsLone(ctx) {
+		if coroutines.PathOf(ctx) == coroutines.Lone {
 			pc.spin = replySpin
 		}
 		// The context bounds the connection's I/O: its deadline, and

@@ -30,6 +30,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
@@ -304,7 +305,7 @@ func TestSpinPiecewiseReplies(t *testing.T) {
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
 		s := newRawServer(t, tlsOn, size, nil)
-		lone := remote.Lone(context.Background())
+		lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 		plain := context.Background()
 		sizes := []int64{1, 2, 4095, 4096, 16<<10 - 1, 16 << 10, 16<<10 + 1, 70001, 300000}
 		for _, mode := range []string{"bytewise", "chunked", "chunked-big", "whole"} {
@@ -322,7 +323,7 @@ func TestSpinPiecewiseReplies(t *testing.T) {
 					err := s.read(ctx, off, n)
 					cancel()
 					if err != nil {
-						t.Fatalf("%s %d bytes at %d (read %d, lone %v): %v", mode, n, off, i, remote.IsLone(ctx), err)
+						t.Fatalf("%s %d bytes at %d (read %d, lone %v): %v", mode, n, off, i, coroutines.PathOf(ctx) == coroutines.Lone, err)
 					}
 				}
 				s.modes.Delete(off)
@@ -344,7 +345,7 @@ func TestSpinCancelEveryPhase(t *testing.T) {
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
 		s := newRawServer(t, tlsOn, size, nil)
-		lone := remote.Lone(context.Background())
+		lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 		for k, mode := range []string{"silent", "half-head", "half-body", "half-chunked"} {
 			for _, how := range []string{"deadline", "cancel"} {
 				for _, n := range []int64{4096, 200000} {
@@ -396,7 +397,7 @@ func TestSpinResetAndEOF(t *testing.T) {
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
 		s := newRawServer(t, tlsOn, size, nil)
-		lone := remote.Lone(context.Background())
+		lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 		for k, mode := range []string{"reset-body", "eof-head"} {
 			for _, n := range []int64{4096, 100000} {
 				off := int64(k*300000) + n
@@ -432,7 +433,7 @@ func TestSpinSharedPool(t *testing.T) {
 			}
 			return "whole"
 		})
-		lone := remote.Lone(context.Background())
+		lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 		var wg sync.WaitGroup
 		var bad atomic.Value
 		for g := 0; g < 8; g++ {

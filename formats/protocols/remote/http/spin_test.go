@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
@@ -18,7 +19,7 @@ func TestLoneReadsSpinThenSleep(t *testing.T) {
 	forBoth(t, func(t *testing.T, tlsOn bool) {
 		const size = 1 << 20
 		s := newRawServer(t, tlsOn, size, nil)
-		lone := remote.Lone(context.Background())
+		lone := coroutines.WithPath(context.Background(), coroutines.Lone)
 		// Honest replies on a kept-alive connection, of sizes that take
 		// one read and several.
 		for k := int64(0); k < 64; k++ {
@@ -50,17 +51,4 @@ func TestLoneReadsSpinThenSleep(t *testing.T) {
 			t.Fatalf("after the faults: %v", err)
 		}
 	})
-}
-
-// IsLone sees Lone's mark through contexts derived from it, and only
-// there.
-func TestLoneMark(t *testing.T) {
-	ctx, cancel := context.WithTimeout(remote.Lone(context.Background()), time.Second)
-	defer cancel()
-	if !remote.IsLone(ctx) {
-		t.Fatal("IsLone: a context derived from Lone's is not lone")
-	}
-	if remote.IsLone(context.Background()) {
-		t.Fatal("IsLone: a plain context is lone")
-	}
 }

@@ -1,7 +1,7 @@
 package fuse
 
-// Review attacks on the loop's spin after a lone request of an image that
-// may stall (awaitNext, awaitNextRequest): the connection ending during
+// The loop's spin after a lone request of an image that may stall
+// (awaitNext, awaitNextRequest) under attack: the connection ending during
 // the spin, requests arriving at every point of it, other opcodes after a
 // lone read, and lone reads that a stand-in takes over mixed with ones
 // that end in time.
@@ -19,7 +19,7 @@ import (
 // The kernel's side closes at points in and after the loop's spin that
 // follows a lone read: the loop ends, its end is called once, nothing
 // keeps running.
-func TestSpinrevConnectionEndsDuringTheSpin(t *testing.T) {
+func TestConnectionEndsDuringTheSpinAfterALoneRead(t *testing.T) {
 	for i := 0; i < 40; i++ {
 		img, _ := null.New("stall", 1<<20, true)
 		st := serveStall(t, stallImage{Image: img, release: make(chan struct{}), delay: func() time.Duration { return 0 }})
@@ -39,7 +39,7 @@ func TestSpinrevConnectionEndsDuringTheSpin(t *testing.T) {
 // depth 1 sends it; lone reads alternating with GETATTR (answered
 // inline, no runStalling) and reads that a stand-in takes over: each
 // answered once, in order, with its bytes.
-func TestSpinrevRequestsAcrossTheSpin(t *testing.T) {
+func TestRequestsAcrossTheSpinAfterALoneRead(t *testing.T) {
 	img, _ := null.New("stall", 64<<20, true)
 	var n atomic.Int64
 	delay := func() time.Duration {

@@ -6,18 +6,18 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
 
-// TestRvwPartialDropUnderWayDoesNotStandInForTheWritesOwn: a drop under
+// TestPartialDropUnderWayDoesNotStandInForTheWritesOwn: a drop under
 // way that covers only part of a granule (a punch of [100, 200)) drops
 // only the pages of its range, so a bypassing write elsewhere in that
 // granule, which a READ had marked, must drop the granule itself rather
 // than wait for the partial drop (whose page range misses the write's
 // page). Fails if a partial drop cleared the granule's mark, or if the
 // write took the overlapping drop for its own.
-func TestRvwPartialDropUnderWayDoesNotStandInForTheWritesOwn(t *testing.T) {
+func TestPartialDropUnderWayDoesNotStandInForTheWritesOwn(t *testing.T) {
 	e, _ := kcExport(t, 1<<20, Options{Writable: true})
 	started, release, _ := heldDrop(e)
 	buf := make([]byte, 4096)
-	if _, st := e.ReadInto(ctx, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
+	if _, st := readInto(e, &fuse.ReadIn{Offset: 8192, Size: 4096}, buf); st != fuse.OK {
 		t.Fatal(st)
 	}
 	done := make(chan struct{})

@@ -1,6 +1,6 @@
 package fuse
 
-// Review attacks on the loop's pacing (depthGuess, paced, the spin after
+// The loop's pacing under attack (depthGuess, paced, the spin after
 // each request in run): several loops on one input queue, the connection
 // ending at every point of a spin, idle CPU once the requests stop, the
 // stand-in loop of an image that may stall with pacing on, INTERRUPTs and
@@ -17,12 +17,12 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
-func rvwpaceBusyWait(d time.Duration) {
+func busyWait(d time.Duration) {
 	for start := time.Now(); time.Since(start) < d; {
 	}
 }
 
-func rvwpaceCPU(t *testing.T) time.Duration {
+func processCPU(t *testing.T) time.Duration {
 	var ru unix.Rusage
 	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
 		t.Fatal(err)
@@ -36,7 +36,7 @@ func rvwpaceCPU(t *testing.T) time.Duration {
 // beyond it, mixing reads, GETATTRs, FORGETs and INTERRUPTs for requests
 // that are not running (neither answered): every answerable request is
 // answered exactly once; closing the kernel's side ends both loops.
-func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
+func TestPacedTwoLoopsOneQueue(t *testing.T) {
 	f := newPacedFake(t)
 	_, end1 := f.loop(true)
 	_, end2 := f.loop(false)
@@ -46,7 +46,7 @@ func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
 		if u%500 == 0 {
 			time.Sleep(2 * time.Millisecond) // both asleep in read(2)
 		} else {
-			rvwpaceBusyWait(thinks[u%uint64(len(thinks))])
+			busyWait(thinks[u%uint64(len(thinks))])
 		}
 		switch u % 5 {
 		case 0:
@@ -73,7 +73,7 @@ func TestRvwpaceTwoLoopsOneQueue(t *testing.T) {
 // The kernel's side closes at every point of a spin (the loop spinning
 // from the start): right after a reply, a few µs into the spin, at its
 // end and after it. The loop ends every time.
-func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
+func TestPacedConnectionEndsMidSpin(t *testing.T) {
 	for i := 0; i < 60; i++ {
 		f := newPacedFake(t)
 		_, ended := f.loop(true)
@@ -83,7 +83,7 @@ func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
 				t.Fatalf("round %d: reply %+v (%v)", i, h, ok)
 			}
 		}
-		rvwpaceBusyWait(time.Duration(i%12) * 3 * time.Microsecond)
+		busyWait(time.Duration(i%12) * 3 * time.Microsecond)
 		if i%2 == 0 {
 			unix.Shutdown(f.k.fd, unix.SHUT_RDWR)
 		}
@@ -95,7 +95,7 @@ func TestRvwpaceConnectionEndsMidSpin(t *testing.T) {
 // process uses next to no CPU over a second of idle (a loop that kept
 // spinning would use all of it; a quarter leaves room for the runtime's
 // and the race detector's own work on a loaded machine).
-func TestRvwpaceIdleSpinsNot(t *testing.T) {
+func TestPacedIdleLoopSpinsNot(t *testing.T) {
 	f := newPacedFake(t)
 	q, ended := f.loop(false)
 	k := f.k
@@ -108,9 +108,9 @@ func TestRvwpaceIdleSpinsNot(t *testing.T) {
 		}
 	}
 	time.Sleep(10 * time.Millisecond)
-	before, wall := rvwpaceCPU(t), time.Now()
+	before, wall := processCPU(t), time.Now()
 	time.Sleep(time.Second)
-	used, took := rvwpaceCPU(t)-before, time.Since(wall)
+	used, took := processCPU(t)-before, time.Since(wall)
 	f.end(t, ended)
 	if used > took/4 {
 		t.Fatalf("idle for %v, the process used %v of CPU: something spins", took, used)
@@ -122,11 +122,11 @@ func TestRvwpaceIdleSpinsNot(t *testing.T) {
 // times out, so the loop stops spinning after paceIdleToStop of them and
 // samples again): every request answered, in order. Its CPU is logged
 // against what a spin after every request would cost.
-func TestRvwpaceThinkingReader(t *testing.T) {
+func TestPacedThinkingReader(t *testing.T) {
 	f := newPacedFake(t)
 	_, ended := f.loop(true)
 	const n = 720
-	before := rvwpaceCPU(t)
+	before := processCPU(t)
 	for u := uint64(1); u <= n; u++ {
 		time.Sleep(200 * time.Microsecond)
 		send(f.k, &fuse.GetAttrIn{InHeader: fuse.InHeader{Opcode: opGetattr, Unique: u, NodeId: 1}})
@@ -134,7 +134,7 @@ func TestRvwpaceThinkingReader(t *testing.T) {
 			t.Fatalf("request %d: reply %+v (%v)", u, h, ok)
 		}
 	}
-	used := rvwpaceCPU(t) - before
+	used := processCPU(t) - before
 	f.end(t, ended)
 	t.Logf("%d requests 200 µs apart: CPU %v (a spin after each would add %v)", n, used, n*awaitNextSpin)
 }
@@ -146,7 +146,7 @@ func TestRvwpaceThinkingReader(t *testing.T) {
 // while the stand-in serves paced GETATTRs beside it. Each request is
 // answered exactly once and the queue ends once. Under -race this is
 // pacing's state against the stand-in's hand-over.
-func TestRvwpaceStandInWithPacing(t *testing.T) {
+func TestPacedStandIn(t *testing.T) {
 	img, _ := null.New("stall", 64<<20, true)
 	var n atomic.Int64
 	delay := func() time.Duration {

@@ -1,0 +1,112 @@
+package fuse
+
+// The READ path, in one place (see the package doc, One READ).
+
+import (
+	"context"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/blockexport/blockexport/coroutines"
+)
+
+// read answers a READ here or hands it off; it reports whether the
+// request finished here (dispatch).
+func (s *server) read(q *queue, req []byte, began time.Time) bool {
+	e, in := s.expOf(req), decode[fuse.ReadIn](req)
+	r, ok := e.planRead(in, true)
+	if !ok {
+		// Working it out may wait: all of it in a goroutine.
+		s.handOffRead(q, e, in, readOp{}, false, coroutines.Fresh, began)
+		return false
+	}
+	path := coroutines.Fresh
+	if s.hand.Reads.ShouldTry() {
+		hit := s.readInline(q, e, in.Unique, r)
+		s.hand.Reads.Note(hit)
+		if hit {
+			return true
+		}
+		path = coroutines.AfterMiss
+	}
+	switch s.waitHere(q) {
+	case inLoop:
+		s.finishRead(s.hand.Context(coroutines.Lone), q.to, e, in.Unique, r)
+		return true
+	case onLoopGoroutine:
+		s.runStalling(q, in.Unique, func(ctx context.Context, to replyTo) { s.finishRead(ctx, to, e, in.Unique, r) })
+		return true
+	}
+	s.handOffRead(q, e, in, r, true, path, began)
+	return false
+}
+
+// readInline answers r without waiting if the image can: from its pages
+// where it lends them (not over io_uring, where the reply is copied into
+// its ring entry anyway), else read into the loop's out buffer.
+func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
+	if q.ring == nil {
+		v, ok := e.lendPages(r, q.lent[:0])
+		q.lent = v[:0]
+		if ok {
+			s.replyVec(q.to, unique, fuse.OK, v)
+			e.endRead()
+			return true
+		}
+	}
+	n, ok := e.tryRead(r, q.out)
+	if ok {
+		s.replyData(q.to, unique, fuse.OK, q.out[:n])
+		e.endRead()
+	}
+	return ok
+}
+
+// finishRead reads r where it may wait and replies: over io_uring into
+// the reply's payload, which is the request's own until the reply (the
+// reply copies nothing); else from the image's cache where it lends it,
+// or into a pooled buffer.
+func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique uint64, r readOp) {
+	defer e.endRead()
+	if to.ent != nil {
+		ob := to.ent.payload()
+		n, st := e.read(ctx, r, ob)
+		s.replyData(to, unique, st, ob[:n])
+		return
+	}
+	if bufs, release, st, ok := e.lendCache(ctx, r); ok {
+		s.replyVec(to, unique, st, bufs)
+		if release != nil {
+			release()
+		}
+		return
+	}
+	pool := s.pool(int(r.size()))
+	ob, bp := pool.Buffer(int(r.size()))
+	defer pool.Release(bp)
+	n, st := e.read(ctx, r, ob)
+	s.replyData(to, unique, st, ob[:n])
+}
+
+// handOffRead finishes a READ in a goroutine. It takes nothing of the
+// loop's buffer along: the request's fields are copied, and its plan
+// if it was made (planned).
+func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
+	ctx := s.pending.add(in.Unique, s.hand.Context(path))
+	s.hand.Start()
+	go s.finishHandedRead(ctx, q.to.handedOff(), e, *in, r, planned, began)
+	s.hand.Yield()
+}
+
+func (s *server) finishHandedRead(ctx *reqCtx, to replyTo, e *Export, in fuse.ReadIn, r readOp, planned bool, began time.Time) {
+	defer s.hand.Done()
+	defer s.pending.finish(in.Unique, ctx)
+	if !planned {
+		r, _ = e.planRead(&in, false)
+	}
+	s.finishRead(ctx, to, e, in.Unique, r)
+	if s.stats != nil {
+		s.stats.record(kindRead, int(in.Size), time.Since(began))
+	}
+}
