@@ -12,7 +12,7 @@ import (
 
 // BenchmarkRandRead4K: 4 KiB random reads, 16 in flight (16 goroutines), on
 // a 256 MiB file, for each engine with the page cache (warm) and O_DIRECT.
-// Results are recorded in docs/aio-bench.md.
+// Results: docs/design.md, The aio engines.
 func BenchmarkRandRead4K(b *testing.B) {
 	const size = 256 << 20
 	path := filepath.Join(b.TempDir(), "bench")

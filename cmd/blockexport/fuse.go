@@ -62,7 +62,7 @@ func fuseCommand() *cobra.Command {
 	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
 	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
 	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
-	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (faster at queue depth 1, slower at depth 16: docs/design.md)")
+	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (faster at queue depth 1, slower at depth 16: docs/design.md, FUSE over io_uring)")
 	fs.StringVar(&f.kernelCache, "kernel-cache", "auto", "let the kernel cache the export (page cache, read-ahead, writeback cache for buffered opens; O_DIRECT opens bypass it): on, off or auto (on for a local raw or qcow2 image with --cache writeback; off for null, NBD sources and --cache none). Turn it off when something besides this export writes the image (a raw image shared with a VM): the cache would not see those writes")
 	fs.StringVar(&f.readAhead, "read-ahead", "auto", "with the kernel cache on: how far the kernel reads ahead of a sequential reader of the export (e.g. 4M); auto: as far as the device holding the image file reads ahead, at least 1M")
 	f.parts.register(c, "with --file-name: one more file per partition of the image's MBR or GPT beside NAME, NAME-p1, NAME-p2... numbered as Linux numbers them")

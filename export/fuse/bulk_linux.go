@@ -14,8 +14,8 @@ import (
 // into our buffer, then into the page cache) run in turn on the loop's
 // thread, where QEMU overlaps them on several threads; a second queue
 // overlaps them too. It is not kept for small requests, where two readers
-// of one queue take turns sleeping (docs/design.md, The bulk-write
-// queue). So the helper is cloned at the first large write and parks
+// of one queue take turns sleeping (docs/design.md, Our own
+// /dev/fuse loop). So the helper is cloned at the first large write and parks
 // (stops reading /dev/fuse) once none has come for bulkIdle; its fd stays
 // open, since requests it handed to goroutines reply through it.
 type bulkHelper struct {

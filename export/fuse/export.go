@@ -533,7 +533,7 @@ func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Stat
 // seen on 6.18, dd iflag=direct 0x2, a buffered dd and faults of a mapping
 // of an O_DIRECT open 0). Unmarked, O_DIRECT reads of a range no longer make the O_DIRECT writes
 // that follow them drop pages that are not there (docs/design.md,
-// Kernel cache).
+// The kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
 }
@@ -603,8 +603,8 @@ func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status
 //     after one cleared the marks shows here as a mark). Waiting rather
 //     than sending its own drop: at queue depth 16, sixteen sequential
 //     4 KiB writes into a granule that had been read each sent a notify,
-//     one after another on the notify thread (docs/design.md, Kernel
-//     cache);
+//     one after another on the notify thread (docs/design.md, The
+//     kernel cache);
 //   - else nothing: no READ cached anything of it since the last drop.
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {

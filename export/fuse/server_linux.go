@@ -3,7 +3,7 @@ package fuse
 // The server: our own /dev/fuse processing, as QEMU's export does.
 // go-fuse's server hands every request between goroutines and keeps a 1 MiB
 // buffer per reader, which cost small reads dearly against QEMU
-// (docs/design.md, The serve loop). go-fuse still supplies the protocol
+// (docs/design.md, Our own /dev/fuse loop). go-fuse still supplies the protocol
 // structs the handlers take.
 //
 // By job: server_linux.go (the connection: INIT, queues, passthrough),

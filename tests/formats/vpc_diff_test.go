@@ -131,7 +131,7 @@ func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 		t.Fatal(err)
 	}
 	if out, err := exec.Command("qemu-img", "compare", "-f", "vpc", "-F", "raw", child, exp).CombinedOutput(); err == nil {
-		t.Errorf("qemu-img now reads the differencing disk with its parent; the README's note is stale:\n%s", out)
+		t.Errorf("qemu-img now reads the differencing disk with its parent; the note in docs/formats.md (vpc, The differencing disk) is stale:\n%s", out)
 	}
 
 	outside := filepath.Join(filepath.Dir(dir), filepath.Base(dir)+"-outside.vhd")

@@ -188,7 +188,7 @@ func (j Job) engineOptions(dst formats.Image, created bool) (Options, error) {
 	if j.Cache == "none" && !j.Compress && o.Chunk == 0 {
 		// O_DIRECT writes go to the device as they are: the larger the
 		// request, the closer to the device's bandwidth (qemu-img's
-		// requests are of up to 2 MiB too; docs/design.md, Convert with O_DIRECT).
+		// requests are of up to 2 MiB too; docs/design.md, Convert's chunk sizes).
 		o.Chunk = 2 << 20
 	}
 	return o, nil

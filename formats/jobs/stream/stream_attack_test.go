@@ -33,10 +33,10 @@ func (s *slowFlush) Flush(ctx context.Context) error {
 	return s.Image.Flush(ctx)
 }
 
-// TestRvwDurableNeverAheadOfDone: every progress step's durable is at
+// TestStreamDurableNeverAheadOfDone: every progress step's durable is at
 // most its done ("of done, the bytes a flush made durable"), even when a
 // later step's flush returns before an earlier step has reported.
-func TestRvwDurableNeverAheadOfDone(t *testing.T) {
+func TestStreamDurableNeverAheadOfDone(t *testing.T) {
 	q, _, _ := overlay(t, 8<<20, 1<<62)
 	s := &slowFlush{Image: q}
 	defer q.Close()
@@ -58,10 +58,10 @@ func TestRvwDurableNeverAheadOfDone(t *testing.T) {
 	}
 }
 
-// TestRvwInterruptedFlushFailureIsReported: a stream cancelled while its
+// TestStreamInterruptedFlushFailureIsReported: a stream cancelled while its
 // last flush fails does not return the bare context error (which the
 // command reports as "copied and flushed; run it again").
-func TestRvwInterruptedFlushFailureIsReported(t *testing.T) {
+func TestStreamInterruptedFlushFailureIsReported(t *testing.T) {
 	q, _, _ := overlay(t, 16<<20, 1<<62)
 	s := &slowFlush{Image: q}
 	defer q.Close()
