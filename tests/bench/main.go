@@ -883,8 +883,13 @@ func report(rows []row) error {
 	if err := os.WriteFile(filepath.Join(*outDir, stamp+".svg"), []byte(chart(rows)), 0o644); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(*outDir, "latest.md"), []byte(b.String()), 0o644); err != nil {
-		return err
+	// latest.md is the newest run of every area: a run narrowed with
+	// -only (or -qemu-config) is a dated report only, so latest.md never
+	// shows one area in place of all of them.
+	if *only == defaultOnly && *qemuConfigFlag == "" {
+		if err := os.WriteFile(filepath.Join(*outDir, "latest.md"), []byte(b.String()), 0o644); err != nil {
+			return err
+		}
 	}
 	fmt.Print(b.String())
 	log.Printf("report: %s", md)
