@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -20,7 +21,6 @@ import (
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
-	"github.com/blockexport/blockexport/formats/drivers/raw"
 	"github.com/blockexport/blockexport/formats/jobs/convert"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -208,10 +208,8 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	default:
 		return usagef("Invalid cache option: %s (want unsafe, writeback or none)", f.cache)
 	}
-	switch f.outFormat {
-	case registry.Raw, registry.QCOW2:
-	default:
-		return usagef("convert: -O %s: want raw or qcow2", f.outFormat)
+	if !slices.Contains(registry.WritableFormats(), f.outFormat) {
+		return usagef("convert: -O %s: want %s", f.outFormat, registry.OrList(registry.WritableFormats()))
 	}
 	topts, err := parseTargetOptions(f.options, f.outFormat)
 	if err != nil {
@@ -420,7 +418,7 @@ func cmp(a, b string) string {
 // qemu-img convert does).
 func (f *convertFlags) create(path string, size int64, t targetOptions) error {
 	if f.outFormat == registry.Raw {
-		return raw.Create(path, size, true)
+		return registry.Create(path, registry.Raw, registry.CreateOptions{Size: size, Force: true})
 	}
 	co := qcow2.CreateOptions{Size: (size + 511) &^ 511, ClusterSize: t.clusterSize, Force: true,
 		CompressionType: t.compressionType, LazyRefcounts: t.lazyRefcounts}

@@ -7,26 +7,13 @@ import (
 	"os"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// CreateOptions describe a new image.
-type CreateOptions struct {
-	Size        int64 // virtual size, a multiple of 512
-	ClusterSize int64 // 0: 64 KiB
-	// BackingFile is recorded as given (relative names are relative to
-	// the image's directory); BackingFormat names its format.
-	BackingFile   string
-	BackingFormat string
-	// Force replaces an existing file; otherwise one is an error.
-	Force bool
-	// CompressionType is "zlib" (or "") or "zstd": how compressed
-	// clusters are compressed (qemu-img's -o compression_type).
-	CompressionType string
-	// LazyRefcounts sets the lazy_refcounts compatible feature bit, as
-	// qemu-img's -o lazy_refcounts=on (this writer keeps refcounts
-	// current anyway).
-	LazyRefcounts bool
-}
+// CreateOptions describe a new image (driver.CreateOptions: what every
+// format that creates images is told).
+type CreateOptions = driver.CreateOptions
 
 // DefaultClusterSize is qemu-img's.
 const DefaultClusterSize = 64 << 10

@@ -23,6 +23,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
@@ -63,7 +64,7 @@ type Image struct {
 
 // New makes the raw image of f, which it owns from now on (Close closes
 // it; so does a failed New).
-func New(f aio.File, o Options) (*Image, error) {
+func New(_ context.Context, f aio.File, o Options) (*Image, error) {
 	img := &Image{f: f, writable: o.Writable, align: 1}
 	if !aio.HasFd(f) {
 		// A remote object (read-only, no host file to stat or seek).
@@ -378,14 +379,19 @@ func (r *Image) Features() formats.Features {
 	return f
 }
 
-// Create makes a new raw image of size bytes at path, sparse. It refuses
-// to replace an existing file unless force is set.
-func Create(path string, size int64, force bool) error {
-	if size < 0 {
+// Create makes a new raw image of o.Size bytes at path, sparse. It
+// refuses to replace an existing file unless o.Force is set, and what a
+// raw file cannot record (a backing file, a cluster size).
+func Create(path string, o driver.CreateOptions) error {
+	size := o.Size
+	switch {
+	case o.BackingFile != "" || o.ClusterSize != 0:
+		return fmt.Errorf("raw: a backing file and a cluster size are qcow2 options")
+	case size < 0:
 		return fmt.Errorf("raw: size %d is negative", size)
 	}
 	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
-	if force {
+	if o.Force {
 		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
 	}
 	f, err := os.OpenFile(path, flags, 0o644)

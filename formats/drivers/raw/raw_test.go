@@ -204,7 +204,7 @@ func TestDirectWritesReadOnlyPartialBlocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	cf := &countingFile{File: f}
-	img, err := New(aio.Aligned(cf, aio.LogicalBlockSize(f.Fd())), Options{Writable: true, Direct: true})
+	img, err := New(context.Background(), aio.Aligned(cf, aio.LogicalBlockSize(f.Fd())), Options{Writable: true, Direct: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,5 +263,5 @@ func openTest(path string, o testOpts) (*Image, error) {
 	if o.Direct {
 		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
-	return New(f, Options{Writable: o.Writable, Direct: o.Direct})
+	return New(context.Background(), f, Options{Writable: o.Writable, Direct: o.Direct})
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // ErrNoRepair: QEMU's vdi check repairs nothing (it refuses any -r,
@@ -36,8 +37,20 @@ const checkChunk = 1 << 18
 // or under the data) is one corruption more: QEMU reads such images
 // without an error and serves zeroes or other bytes. Memory is bounded
 // by the entries in the file, not by the header's counts. f is closed.
-func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
+//
+// A repair (-r) is refused as QEMU's vdi check refuses it, which qemu-img
+// reports as a format without checks (exit 63), once the image has
+// opened as it would for writing (the header checked, the writer's lock
+// taken by the registry: an image in use fails first, exit 1, as in
+// qemu-img).
+func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (formats.CheckResult, error) {
 	defer f.Close()
+	if repair != driver.RepairNone {
+		if _, err := readHeader(ctx, f); err != nil {
+			return formats.CheckResult{}, fmt.Errorf("%s: %w", f.Name(), err)
+		}
+		return formats.CheckResult{}, fmt.Errorf("%s: %w: %w", f.Name(), ErrNoRepair, driver.ErrNoChecks)
+	}
 	res := formats.CheckResult{Filename: f.Name(), Format: "vdi"}
 	fileSize, err := sizeOf(f)
 	if err != nil {
@@ -181,14 +194,4 @@ func readHeader(ctx context.Context, f aio.File) (Header, error) {
 		return Header{}, err
 	}
 	return h, nil
-}
-
-// CheckHeader checks the header of f as QEMU's vdi_open does, and closes
-// f: what a check that repairs nothing opens before it refuses.
-func CheckHeader(ctx context.Context, f aio.File) error {
-	defer f.Close()
-	if _, err := readHeader(ctx, f); err != nil {
-		return fmt.Errorf("%s: %w", f.Name(), err)
-	}
-	return nil
 }

@@ -15,9 +15,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -48,16 +45,6 @@ const (
 	maxDiskSize  = maxBlocks * blockSize
 	offBmapField = 0x154
 )
-
-// Lock is what an open of a VDI file locks (see aio.Lock): as for any
-// format with metadata, nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
 
 // Header is the part of the VDI header the reader uses, host-endian.
 type Header struct {
@@ -138,10 +125,13 @@ type Image struct {
 	bmap []uint32
 }
 
+// Options say how to open a VDI image: nothing to choose yet.
+type Options struct{}
+
 // New opens the VDI image of f, which it owns from now on (Close closes
 // it; so does a failed New). Only read-only opens exist so far.
-func New(f aio.File) (*Image, error) {
-	img, err := open(f)
+func New(ctx context.Context, f aio.File, _ Options) (*Image, error) {
+	img, err := open(ctx, f)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
@@ -149,38 +139,15 @@ func New(f aio.File) (*Image, error) {
 	return img, nil
 }
 
-func open(f aio.File) (*Image, error) {
-	ctx := context.Background()
-	var st unix.Stat_t
-	if !aio.HasFd(f) {
-		// A remote object: its size is all there is to stat.
-		n, err := aio.FileSize(f)
-		if err != nil {
-			return nil, fmt.Errorf("vdi: %w", err)
-		}
-		st.Size, st.Mode = n, unix.S_IFREG
-	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return nil, fmt.Errorf("vdi: stat: %w", err)
-	}
-	fileSize := st.Size
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return nil, fmt.Errorf("vdi: size: %w", err)
-		}
-		fileSize = n
-	}
-	buf := make([]byte, headerSize)
-	// A short file reads as zero-padded, as QEMU reads it; its size is
-	// refused after the fields are (QEMU's messages first).
-	if _, err := f.ReadAt(ctx, buf, 0); err != nil && !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("vdi: read header: %w", err)
-	}
-	h, err := parseHeader(buf)
+func open(ctx context.Context, f aio.File) (*Image, error) {
+	fileSize, err := sizeOf(f)
 	if err != nil {
 		return nil, err
 	}
-	if err := h.validate(); err != nil {
+	// A short file reads as zero-padded, as QEMU reads it; its size is
+	// refused after the fields are (QEMU's messages first).
+	h, err := readHeader(ctx, f)
+	if err != nil {
 		return nil, err
 	}
 	if fileSize < headerSize {

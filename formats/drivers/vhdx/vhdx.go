@@ -24,6 +24,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
@@ -97,23 +98,8 @@ func msGUID(d1 uint32, d2, d3 uint16, d4 ...byte) [16]byte {
 	return g
 }
 
-// Lock is what an open of a VHDX file locks (see aio.Lock), as QEMU's
-// format drivers lock their file: nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
-
-// Detect says whether a file that starts with head is a VHDX image.
-func Detect(head []byte) bool { return bytes.HasPrefix(head, []byte("vhdxfile")) }
-
 // Options say how to open an image.
 type Options struct {
-	// Writable is refused: VHDX images are read here, not written.
-	Writable bool
 	// OpenParent opens a differencing image's parent by the name its
 	// parent locator gives (package probe confines it to the image's
 	// directory) and returns it with its name as shown. nil: differencing
@@ -181,9 +167,6 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 // end of the file are listed there instead of refused.
 func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, error) {
 	name := f.Name()
-	if o.Writable {
-		return nil, fmt.Errorf("%s: VHDX images are opened read-only here, and -w is refused; write over it through a qcow2 overlay: qemu-img create -f qcow2 -b %s -F vhdx overlay.qcow2, then export the overlay with -w", name, name)
-	}
 	var st unix.Stat_t
 	if !aio.HasFd(f) {
 		st.Mode = unix.S_IFREG // a remote object: FileSize below is all there is
@@ -203,7 +186,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err != nil {
 		return nil, err
 	}
-	if !Detect(id) {
+	if Probe(id, "") == 0 {
 		return nil, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, name)
 	}
 	h, err := r.headers()
@@ -821,10 +804,22 @@ func batIndex(i, chunk uint64) uint64 { return i + i/chunk }
 // Check checks the image in f as qemu-img check checks a VHDX: the image
 // opens (every refusal of New is the check's failure, exit 1), and each
 // present block that lies past the end of the file is a corruption, said
-// in qemu-img's words. QEMU's check repairs nothing but a log it replays
-// at a writable open; this reader replays no log, so a dirty one fails
-// the check with the line that says how to replay it. f is closed.
-func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
+// in qemu-img's words. QEMU's check repairs nothing itself; its one
+// repair is replaying a dirty log, which it does at any writable open, so
+// a repair (-r leaks or all, f writable under the writer's lock) replays
+// the log first, counted as one corruption fixed, as qemu-img counts it.
+// Without -r a dirty log fails the check with the line that says how to
+// replay it. The parent of a differencing image is not opened: the check
+// is of this file. f is closed.
+func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (formats.CheckResult, error) {
+	replayed := false
+	if repair != driver.RepairNone {
+		var err error
+		if replayed, err = Replay(ctx, f); err != nil {
+			f.Close()
+			return formats.CheckResult{}, err
+		}
+	}
 	var found []string
 	img, err := open(ctx, f, Options{OpenParent: func(string) (formats.Image, string, error) { return nil, "", nil }}, &found)
 	if err != nil {
@@ -832,5 +827,8 @@ func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
 		return formats.CheckResult{}, err
 	}
 	res := formats.CheckResult{Filename: img.path, Format: "vhdx", Corruptions: int64(len(found)), Messages: found}
+	if replayed {
+		res.CorruptionsFixed++
+	}
 	return res, img.Close()
 }

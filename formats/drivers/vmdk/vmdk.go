@@ -82,16 +82,10 @@ type Options struct {
 }
 
 // Lock is what an open of a vmdk file locks: as qcow2's, nobody may write
-// or resize a file whose metadata we read. A writable open is refused
-// after the lock (see WritableError), so it asks for no more than a
-// reader: its refusal then says why, not that a reader holds the image.
+// or resize a file whose metadata we read. Nothing writes one (a check's
+// -r repairs nothing), so it asks for no more than a reader.
 func Lock(_, _ bool) aio.Lock {
 	return aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-}
-
-// WritableError is the refusal of a writable open.
-func WritableError(path string) error {
-	return fmt.Errorf("%s: vmdk images are exported read-only: %w (write into a qcow2 overlay: blockexport create -f qcow2 -b %s -F vmdk overlay.qcow2, and export that)", path, formats.ErrReadOnly, path)
 }
 
 // extent is one extent of the image.
@@ -145,12 +139,6 @@ type Image struct {
 	parent             formats.Image
 	extents            []*extent
 	size               int64
-}
-
-// Detect says whether head starts a VMDK: the sparse magic, or a text
-// descriptor (QEMU's vmdk_probe).
-func Detect(head []byte) bool {
-	return len(head) >= 4 && [4]byte(head[:4]) == magic || strings.HasPrefix(string(head), "# Disk DescriptorFile")
 }
 
 // New opens the VMDK image of f, which it owns from now on (Close closes

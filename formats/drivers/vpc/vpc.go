@@ -85,16 +85,6 @@ type Options struct {
 	OpenParent func(name string) (formats.Image, string, error)
 }
 
-// Lock is what an open of a VHD file locks (see aio.Lock): as for any
-// format with metadata, nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
-
 // Footer is the VHD footer's fields the reader uses.
 type Footer struct {
 	DataOffset  uint64
@@ -173,8 +163,8 @@ func (img *Image) Backing() formats.Image { return img.parent }
 
 // New opens the VHD image of f, which it owns from now on (Close closes
 // it; so does a failed New).
-func New(f aio.File, o Options) (*Image, error) {
-	img, err := open(f, o)
+func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
+	img, err := open(ctx, f, o)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
@@ -193,8 +183,7 @@ func fileSize(f aio.File) (int64, error) {
 	return n, nil
 }
 
-func open(f aio.File, o Options) (*Image, error) {
-	ctx := context.Background()
+func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	size, err := fileSize(f)
 	if err != nil {
 		return nil, err
