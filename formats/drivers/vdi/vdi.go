@@ -18,6 +18,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/blockmap"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
@@ -114,12 +115,12 @@ func (h *Header) validate() error {
 
 // Image is an open VDI image.
 type Image struct {
-	formats.NoFastPath // no write fast path, no features; TryReadAt is its own
-	formats.ReadOnly   // writes refused: write through a qcow2 overlay
-	f                  aio.File
-	h                  Header
-	size               int64
-	static             bool
+	blockmap.Map     // reads, tries, lends and extents, from locate
+	formats.ReadOnly // writes refused: write through a qcow2 overlay
+	f                aio.File
+	h                Header
+	size             int64
+	static           bool
 	// bmap holds the entries of the blocks that cover the disk (QEMU holds
 	// blocks_in_image of them; those past the disk are never used).
 	bmap []uint32
@@ -157,6 +158,7 @@ func open(ctx context.Context, f aio.File) (*Image, error) {
 	if err := img.loadBmap(ctx, fileSize); err != nil {
 		return nil, err
 	}
+	img.Map = blockmap.Map{Format: "vdi", End: img.size, Locate: img.locate, ZeroFile: f}
 	return img, nil
 }
 
@@ -218,87 +220,17 @@ func (img *Image) Header() Header { return img.h }
 
 func (img *Image) Size() int64 { return img.size }
 
-// locate says where the byte at off lies: its data-file offset and how
-// many bytes of its block follow, or ok false for a block that reads as
-// zeroes.
-func (img *Image) locate(off int64) (host int64, n int64, ok bool) {
-	i := off / blockSize
+// locate says where the bytes at off lie, to the end of their block: an
+// allocated block's in the file (the file's own bytes for a static image,
+// whose holes QEMU asks the file about), or zeroes for an unallocated or
+// discarded one (QEMU's BDRV_BLOCK_ZERO).
+func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run, bool, error) {
 	in := off % blockSize
-	n = blockSize - in
-	e := img.bmap[i]
-	if e >= discarded {
-		return 0, n, false
+	r := blockmap.Run{Kind: blockmap.Zero, N: min(n, blockSize-in)}
+	if e := img.bmap[off/blockSize]; e < discarded {
+		r.Kind, r.File, r.Host, r.Raw = blockmap.Data, img.f, int64(img.h.OffsetData)+int64(e)*blockSize+in, img.static
 	}
-	return int64(img.h.OffsetData) + int64(e)*blockSize + in, n, true
-}
-
-// ReadAt reads p at off, block by block.
-func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if off < 0 || off+int64(len(p)) > img.size {
-		return 0, fmt.Errorf("vdi: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
-	}
-	done := 0
-	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
-		chunk := p[done:min(len(p), done+int(n))]
-		if !ok {
-			clear(chunk)
-		} else if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
-			return done, fmt.Errorf("vdi: read %d bytes at %d (file offset %#x): %w", len(chunk), off+int64(done), host, err)
-		}
-		done += len(chunk)
-	}
-	return done, nil
-}
-
-// TryReadAt serves p with the block map in memory and the file's page
-// cache: false as soon as one block would wait.
-func (img *Image) TryReadAt(p []byte, off int64) bool {
-	if off < 0 || off+int64(len(p)) > img.size {
-		return false
-	}
-	done := 0
-	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
-		chunk := p[done:min(len(p), done+int(n))]
-		if !ok {
-			clear(chunk)
-		} else if !img.f.TryReadAt(chunk, host) {
-			return false
-		}
-		done += len(chunk)
-	}
-	return true
-}
-
-// TryLendAt is TryReadAt lending the file's pages (formats.PageLender).
-func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
-	if off < 0 || n <= 0 || off+n > img.size {
-		return v, false
-	}
-	return formats.LendRuns(img.f, v, off, n, img.locate)
-}
-
-// Extent: an unallocated or discarded block reads as zeroes (QEMU's
-// BDRV_BLOCK_ZERO); an allocated one is data at its file offset. For a
-// static image QEMU asks the file too (BDRV_BLOCK_RECURSE), so a hole in
-// the file is data that reads as zeroes, cut where the hole ends.
-func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
-	if off < 0 || off >= img.size {
-		return formats.Extent{}, fmt.Errorf("vdi: extent at %d: %w", off, formats.ErrOutOfRange)
-	}
-	host, run, ok := img.locate(off)
-	n = min(n, run, img.size-off)
-	e := formats.Extent{Start: off, Length: n, Present: true, File: img.f.Name()}
-	if !ok {
-		e.Zero = true
-		return e, nil
-	}
-	e.Data, e.Offset, e.HasOffset = true, host, true
-	if img.static {
-		e.Length, e.Zero = hostfile.Run(img.f.Fd(), host, n)
-	}
-	return e, nil
+	return r, true, nil
 }
 
 func (img *Image) AllocatedSize(context.Context) (int64, error) {
