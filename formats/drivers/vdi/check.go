@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/driver"
@@ -52,7 +50,7 @@ func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (forma
 		return formats.CheckResult{}, fmt.Errorf("%s: %w: %w", f.Name(), ErrNoRepair, driver.ErrNoChecks)
 	}
 	res := formats.CheckResult{Filename: f.Name(), Format: "vdi"}
-	fileSize, err := sizeOf(f)
+	fileSize, err := aio.FileSize(f)
 	if err != nil {
 		return res, err
 	}
@@ -154,29 +152,6 @@ func (u usedBlocks) mark(e uint32) bool {
 
 func leUint32(b []byte) uint32 {
 	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
-}
-
-// sizeOf is the size of f's file (a block device's by seeking).
-func sizeOf(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		n, err := aio.FileSize(f)
-		if err != nil {
-			return 0, fmt.Errorf("vdi: %w", err)
-		}
-		return n, nil
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return 0, fmt.Errorf("vdi: stat: %w", err)
-	}
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return 0, fmt.Errorf("vdi: size: %w", err)
-		}
-		return n, nil
-	}
-	return st.Size, nil
 }
 
 // readHeader reads and checks the header as QEMU's vdi_open does; a short

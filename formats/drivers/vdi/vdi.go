@@ -19,7 +19,6 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // Errors callers branch on.
@@ -141,7 +140,7 @@ func New(ctx context.Context, f aio.File, _ Options) (*Image, error) {
 }
 
 func open(ctx context.Context, f aio.File) (*Image, error) {
-	fileSize, err := sizeOf(f)
+	fileSize, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
@@ -158,7 +157,7 @@ func open(ctx context.Context, f aio.File) (*Image, error) {
 	if err := img.loadBmap(ctx, fileSize); err != nil {
 		return nil, err
 	}
-	img.Map = blockmap.Map{Format: "vdi", End: img.size, Locate: img.locate, ZeroFile: f}
+	img.Map = blockmap.Map{Format: "vdi", End: img.size, Locate: img.locate, File: f}
 	return img, nil
 }
 
@@ -231,14 +230,6 @@ func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run,
 		r.Kind, r.File, r.Host, r.Raw = blockmap.Data, img.f, int64(img.h.OffsetData)+int64(e)*blockSize+in, img.static
 	}
 	return r, true, nil
-}
-
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vdi: stat: %w", err)
-	}
-	return a, nil
 }
 
 // Info is qemu-img info's: the block size as cluster size, and no

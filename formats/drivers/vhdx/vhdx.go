@@ -26,7 +26,6 @@ import (
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
 	"github.com/blockexport/blockexport/formats/internal/driver"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // ErrCorrupt marks an image whose metadata is inconsistent or hostile.
@@ -221,7 +220,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 			return nil, err
 		}
 	}
-	img.Map = blockmap.Map{Format: "vhdx", End: img.size, Locate: img.locate, Backing: img.parent, ZeroFile: f,
+	img.Map = blockmap.Map{Format: "vhdx", End: img.size, Locate: img.locate, Backing: img.parent, File: f,
 		ReadOwn: func(ctx context.Context, r blockmap.Run, p []byte, off int64) error {
 			return img.readPartial(ctx, p, off, r.Host-off%img.blockSize)
 		}}
@@ -608,15 +607,6 @@ func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Ru
 		r.Kind = blockmap.Zero
 	}
 	return r, true, nil
-}
-
-// AllocatedSize is the host allocation of the file.
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vhdx: stat: %w", err)
-	}
-	return a, nil
 }
 
 // Info is what qemu-img 7.2 prints for a VHDX image: its block size as

@@ -38,7 +38,7 @@ func (im *Image) check(ctx context.Context) (formats.CheckResult, error) {
 		switch {
 		case e.f == nil: // ZERO
 		case !e.sparse:
-			fs, err := fileSize(e.f)
+			fs, err := aio.FileSize(e.f)
 			if err != nil {
 				return r, err
 			}

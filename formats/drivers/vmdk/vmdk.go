@@ -27,8 +27,6 @@ import (
 	"strings"
 	"sync"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
@@ -155,7 +153,7 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 			err = fmt.Errorf("vmdk: %s: %w", im.name, err)
 		}
 	}()
-	size, err := fileSize(f)
+	size, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
@@ -269,7 +267,7 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 			return nil, err
 		}
 	}
-	im.Map = blockmap.Map{Format: "vmdk", End: im.size, Locate: im.locate, Backing: im.parent, ZeroFile: f, Direct: im.direct,
+	im.Map = blockmap.Map{Format: "vmdk", End: im.size, Locate: im.locate, Backing: im.parent, File: f, Direct: im.direct,
 		ReadOwn: func(ctx context.Context, r blockmap.Run, p []byte, off int64) error {
 			_, err := im.readGrain(ctx, r, p, off, false)
 			return err
@@ -302,7 +300,7 @@ func (im *Image) openExtents(ctx context.Context, lines []extentLine, o Options)
 			e.size = l.sectors * sectorSize
 			e.flatOff = l.offset * sectorSize
 		case "SPARSE":
-			fs, err := fileSize(f)
+			fs, err := aio.FileSize(f)
 			if err != nil {
 				return err
 			}
@@ -368,24 +366,6 @@ func depth(img formats.Image) int {
 		n++
 	}
 	return n
-}
-
-func fileSize(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		return aio.FileSize(f) // a remote object
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return 0, fmt.Errorf("stat %s: %w", f.Name(), err)
-	}
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return 0, fmt.Errorf("size of %s: %w", f.Name(), err)
-		}
-		return n, nil
-	}
-	return st.Size, nil
 }
 
 // find returns the extent holding virtual offset off.

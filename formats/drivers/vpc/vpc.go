@@ -38,7 +38,6 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
 // Errors callers branch on.
@@ -170,23 +169,12 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
 	}
-	img.Map = blockmap.Map{Format: "vpc", End: img.size, Locate: img.locate, Backing: img.parent, ZeroFile: f}
+	img.Map = blockmap.Map{Format: "vpc", End: img.size, Locate: img.locate, Backing: img.parent, File: f}
 	return img, nil
 }
 
-func fileSize(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		return aio.FileSize(f) // a remote object
-	}
-	n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-	if err != nil {
-		return 0, fmt.Errorf("vpc: size: %w", err)
-	}
-	return n, nil
-}
-
 func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
-	size, err := fileSize(f)
+	size, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
@@ -461,14 +449,6 @@ func (img *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.
 		r.Kind, r.File, r.Host = blockmap.Data, img.f, host
 	}
 	return r, true, nil
-}
-
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vpc: stat: %w", err)
-	}
-	return a, nil
 }
 
 // Info is qemu-img info's: a dynamic disk's block size as cluster size,

@@ -66,8 +66,9 @@ type Map struct {
 	Locate func(ctx context.Context, off, n int64, try bool) (r Run, ok bool, err error)
 	// Backing is the image Backing runs read (nil: none opened).
 	Backing formats.Image
-	// ZeroFile lends the zero pages of Zero and Hole runs.
-	ZeroFile aio.File
+	// File is the image's file: it lends the zero pages of Zero and Hole
+	// runs, and its allocation is the image's (AllocatedSize).
+	File aio.File
 	// Direct: the files are O_DIRECT; tries and lends always wait.
 	Direct bool
 	// ReadOwn and TryOwn read an Own run's bytes at off into p.
@@ -199,12 +200,12 @@ func (m *Map) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 				v, ok = formats.TryLend(m.Backing, at, k, v)
 			}
 			if ok && k < r.N {
-				v, ok = formats.LendZeroes(m.ZeroFile, v, r.N-k)
+				v, ok = formats.LendZeroes(m.File, v, r.N-k)
 			}
 		case Own:
 			return v, false
 		default:
-			v, ok = formats.LendZeroes(m.ZeroFile, v, r.N)
+			v, ok = formats.LendZeroes(m.File, v, r.N)
 		}
 		done += r.N
 	}
@@ -263,8 +264,17 @@ func (m *Map) Extent(ctx context.Context, off, n int64) (formats.Extent, error) 
 	case Hole:
 		e.Zero = true
 	}
-	if e.File == "" && m.ZeroFile != nil && r.Kind != Backing {
-		e.File = m.ZeroFile.Name()
+	if e.File == "" && m.File != nil && r.Kind != Backing {
+		e.File = m.File.Name()
 	}
 	return e, nil
+}
+
+// AllocatedSize is the host allocation of the image's file.
+func (m *Map) AllocatedSize(context.Context) (int64, error) {
+	a, err := hostfile.Allocated(m.File.Fd())
+	if err != nil {
+		return 0, fmt.Errorf("%s: stat %s: %w", m.Format, m.File.Name(), err)
+	}
+	return a, nil
 }
