@@ -6,8 +6,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // prbForeignImages makes one image of every format QEMU probes and
@@ -67,10 +70,6 @@ func prbForeignImages(t *testing.T, dir string) map[string]string {
 	return imgs
 }
 
-// prbRead are the foreign formats read here (read-only) since they were
-// first refused.
-var prbRead = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
-
 // TestPrbForeignFormats: a file in a format QEMU reads and blockexport
 // does not (vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
 // cloop, dmg) was reported by info as raw and exported writable as raw
@@ -92,7 +91,7 @@ func TestPrbForeignFormats(t *testing.T) {
 				}
 			}
 			before := readAll(t, img)
-			if prbRead[format] {
+			if slices.Contains(registry.ReadOnlyFormats(), format) {
 				// Read here now (read-only): probed as qemu-img probes it,
 				// and -w refused, pointing at an overlay.
 				if code, out := runBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {

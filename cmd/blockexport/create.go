@@ -26,7 +26,7 @@ func createCommand() *cobra.Command {
 	var f createFlags
 	c := &cobra.Command{
 		Use:   "create [flags] IMAGE [SIZE]",
-		Short: "create a new raw or qcow2 image",
+		Short: "create a new " + registry.OrList(registry.WritableFormats()) + " image",
 		Long: "Create a new, empty image, as qemu-img create does. SIZE takes qemu-img's\n" +
 			"suffixes (k, M, G, T); with --backing it defaults to the backing file's size.\n" +
 			"An existing IMAGE is an error unless --force is given.",

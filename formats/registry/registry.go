@@ -52,6 +52,12 @@ func ReadOnlyFormats() []string {
 	return names(func(ff driver.Format) bool { return ff.Open != nil && !ff.Writable })
 }
 
+// UncheckedFormats names the formats read here that have no checks
+// (qemu-img check exits 63 on them).
+func UncheckedFormats() []string {
+	return names(func(ff driver.Format) bool { return ff.Open != nil && ff.Check == nil })
+}
+
 func names(keep func(driver.Format) bool) []string {
 	var n []string
 	for _, ff := range fileFormats() {
