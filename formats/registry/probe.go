@@ -1,9 +1,10 @@
-// Package probe opens an image by spec: it opens the host file (through
-// aio, O_DIRECT behind aio.Aligned for --cache none, with the format's
-// image locks), detects the format from magic bytes (or takes the one
-// asked for), and hands the file to that format's package with an opener
-// for backing files, which comes back here. It is the only place that
-// knows every format: a format package knows its own.
+// Package registry is the one list of formats (registry.go: each
+// driver's entry) and the opener: it opens the host file (through aio,
+// O_DIRECT behind aio.Aligned for --cache none, with the format's image
+// locks), detects the format from magic bytes (or takes the one asked
+// for), and hands the file to that format's driver with openers for the
+// files the image names, which come back here. It is the only place that
+// knows every format: a driver knows its own.
 package registry
 
 import (

@@ -10,7 +10,7 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/raw"
 )
 
-// testOpts are the knobs the package's tests turn: what package probe
+// testOpts are the knobs the package's tests turn: what the registry
 // would be told.
 type testOpts struct {
 	Backend  aio.Backend
@@ -19,7 +19,7 @@ type testOpts struct {
 	Logger   *slog.Logger
 }
 
-// openTest opens the qcow2 image at path as package probe does (which
+// openTest opens the qcow2 image at path as the registry does (which
 // these tests cannot import: it imports this package), backing files
 // included: qcow2 ones (detected by magic when the header names no
 // format) recursively, raw ones through package raw.

@@ -62,8 +62,8 @@ type Options struct {
 	// read-only.
 	Writable bool
 	Logger   *slog.Logger
-	// OpenBacking opens the backing file, if the image has one (package
-	// probe gives it: this package knows no other format).
+	// OpenBacking opens the backing file, if the image has one (the
+	// registry gives it: this package knows no other format).
 	OpenBacking formats.BackingOpener
 	// Shown is a name the header holds as a message may show it (the
 	// opener's: a URL without its user, password or query); nil: as it

@@ -3,7 +3,7 @@
 // for extents, st_blocks for the allocated size, punch-hole for discard.
 //
 // With Direct (--cache none) the host file is O_DIRECT behind
-// [aio.Aligned] (package probe opens it so): aligned requests go straight
+// [aio.Aligned] (the registry opens it so): aligned requests go straight
 // to the device (a payload that is merely misaligned in memory is copied,
 // never read first), and only the partial blocks at the ends of an
 // unaligned write are read-modify-written.

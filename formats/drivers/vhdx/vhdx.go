@@ -101,7 +101,7 @@ func msGUID(d1 uint32, d2, d3 uint16, d4 ...byte) [16]byte {
 // Options say how to open an image.
 type Options struct {
 	// OpenParent opens a differencing image's parent by the name its
-	// parent locator gives (package probe confines it to the image's
+	// parent locator gives (the registry confines it to the image's
 	// directory) and returns it with its name as shown. nil: differencing
 	// images are refused. A nil image with no error: parents are not
 	// opened (info without the chain); reads of the parent's sectors

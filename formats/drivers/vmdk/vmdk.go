@@ -11,7 +11,7 @@
 // directory and grain table entry is checked against the extent file
 // before it is used, compressed grains whose lengths lie are refused, and
 // files the image names are opened only through the caller's confined
-// opener (package probe: inside the image's directory, regular files, no
+// opener (the registry: inside the image's directory, regular files, no
 // loops), never by this package.
 //
 // Grain tables are cached in a bounded LRU, and so are decompressed grains.
@@ -64,7 +64,7 @@ type Options struct {
 	// are relative to its directory; info shows names built from it).
 	Name string
 	// OpenExtent opens a file the descriptor names as an extent, confined
-	// as package probe confines it; it returns the file and its name as
+	// as the registry confines it; it returns the file and its name as
 	// QEMU shows it. nil: extents in other files are refused.
 	OpenExtent func(name string) (aio.File, string, error)
 	// OpenParent opens the image parentFileNameHint names, read-only, as

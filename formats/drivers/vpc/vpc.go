@@ -78,7 +78,7 @@ const (
 type Options struct {
 	SizeCalc SizeCalc
 	// OpenParent opens a differencing disk's parent by the name a parent
-	// locator gives (package probe confines it to the image's directory)
+	// locator gives (the registry confines it to the image's directory)
 	// and returns it with its name as shown; nil: differencing disks are
 	// refused. A nil image with no error: parents are not opened (info
 	// without the backing chain); reads then see zeroes.
