@@ -127,18 +127,25 @@ func (m *Map) read(ctx context.Context, r Run, q []byte, at int64) error {
 			return fmt.Errorf("%s: read %d bytes at %d (%s at %#x): %w", m.Format, len(q), at, r.File.Name(), r.Host, err)
 		}
 	case Backing:
-		k := m.fromBacking(at, int64(len(q)))
-		if k > 0 {
-			if _, err := m.Backing.ReadAt(ctx, q[:k], at); err != nil {
-				return fmt.Errorf("%s: read %d bytes at %d from the backing image: %w", m.Format, k, at, err)
-			}
-		}
-		clear(q[k:])
+		return m.ReadBacking(ctx, q, at)
 	case Own:
 		return m.ReadOwn(ctx, r, q, at)
 	default:
 		clear(q)
 	}
+	return nil
+}
+
+// ReadBacking reads p at off from the backing image: zeroes past its end,
+// or where none is opened.
+func (m *Map) ReadBacking(ctx context.Context, p []byte, off int64) error {
+	k := m.fromBacking(off, int64(len(p)))
+	if k > 0 {
+		if _, err := m.Backing.ReadAt(ctx, p[:k], off); err != nil {
+			return fmt.Errorf("%s: read %d bytes at %d from the backing image: %w", m.Format, k, off, err)
+		}
+	}
+	clear(p[k:])
 	return nil
 }
 
