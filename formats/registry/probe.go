@@ -56,14 +56,14 @@ func badSpec(format string, a ...any) error { return &specError{fmt.Sprintf(form
 
 // ParseFormat checks a --format value.
 func ParseFormat(s string) (string, error) {
-	switch s {
-	case Auto, Raw, QCOW2, Null:
+	if s == Auto || s == Null {
 		return s, nil
 	}
-	if ff, ok := lookupFormat(s); ok && ff.Open != nil {
-		return s, nil // a format read beyond the four above (vmdk...)
+	ff, ok := lookupFormat(s)
+	if ok && ff.Open != nil {
+		return s, nil
 	}
-	if ff, ok := lookupFormat(s); ok && ff.Open == nil {
+	if ok {
 		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, OrList(Formats()), s)
 	}
 	return "", badSpec("unknown format %q (want %s)", s, OrList(Formats()))
