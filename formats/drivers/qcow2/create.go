@@ -2,7 +2,6 @@ package qcow2
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"os"
 
@@ -126,16 +125,9 @@ func Create(path string, o CreateOptions) error {
 		setRefcount(blocks, c, 1<<createRefcountOrder, 1)
 	}
 
-	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
-	if o.Force {
-		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
-	}
-	f, err := os.OpenFile(path, flags, 0o644)
+	f, err := driver.CreateFile("qcow2", path, o.Force)
 	if err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return fmt.Errorf("qcow2: %s exists; give --force to overwrite it", path)
-		}
-		return fmt.Errorf("qcow2: %w", err)
+		return err
 	}
 	err = writeNew(f, []hostWrite{{0, hdr}, {rtOff, encodeTable(rt)}, {rbOff, blocks}}, total*cs)
 	if cerr := f.Close(); err == nil {

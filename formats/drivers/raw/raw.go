@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -390,16 +389,9 @@ func Create(path string, o driver.CreateOptions) error {
 	case size < 0:
 		return fmt.Errorf("raw: size %d is negative", size)
 	}
-	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
-	if o.Force {
-		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
-	}
-	f, err := os.OpenFile(path, flags, 0o644)
+	f, err := driver.CreateFile("raw", path, o.Force)
 	if err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return fmt.Errorf("raw: %s exists; give --force to overwrite it", path)
-		}
-		return fmt.Errorf("raw: %w", err)
+		return err
 	}
 	err = f.Truncate(size)
 	if err == nil {

@@ -7,7 +7,9 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"os"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -136,4 +138,21 @@ func Image[T formats.Image](img T, err error) (formats.Image, error) {
 		return nil, err
 	}
 	return img, nil
+}
+
+// CreateFile creates the file of a new image at path for format's Create:
+// an existing file is refused unless force replaces it.
+func CreateFile(format, path string, force bool) (*os.File, error) {
+	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
+	if force {
+		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
+	}
+	f, err := os.OpenFile(path, flags, 0o644)
+	if errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("%s: %s exists; give --force to overwrite it", format, path)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", format, err)
+	}
+	return f, nil
 }
