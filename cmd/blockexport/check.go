@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -34,9 +35,9 @@ func checkCommand() *cobra.Command {
 		Use:   "check [flags] IMAGE",
 		Short: "check (and repair) an image's metadata, as qemu-img check does",
 		Long: "Check IMAGE's metadata as qemu-img check does (qcow2: every refcount against the\n" +
-			"references; vmdk, vhdx and vdi as QEMU checks them). Exit status, as qemu-img check's:\n" +
+			"references; the other formats as QEMU checks them). Exit status, as qemu-img check's:\n" +
 			"0 clean, 2 corruptions, 3 leaked clusters only, 1 the check could not finish or a usage\n" +
-			"error, 63 a format without checks (raw, vpc, null, NBD) or repairs (vdi with -r).\n" +
+			"error, 63 a format without checks (" + strings.Join(registry.UncheckedFormats(), ", ") + ", null, NBD) or repairs (vdi with -r).\n" +
 			"-r leaks refuses a qcow2 image whose refcount structures must be rebuilt (exit 1, image\n" +
 			"untouched); -r all rebuilds them in fresh clusters at the end. On a vhdx with a dirty\n" +
 			"log, -r leaks or -r all replays the log, as QEMU's read-write open does.",

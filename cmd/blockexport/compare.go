@@ -53,7 +53,7 @@ func compareCommand() *cobra.Command {
 	fs.StringVar(&f.cpuprofile, "cpuprofile", "", "write a Go CPU profile to this file (for go tool pprof)")
 	fs.MarkHidden("cpuprofile")
 	f.register(c)
-	completeWords(c, "second-format", "auto", "raw", "qcow2", "vmdk", "vhdx", "vpc", "vdi")
+	completeWords(c, "second-format", append([]string{registry.Auto}, registry.FileFormats()...)...)
 	c.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		fmt.Fprintf(c.ErrOrStderr(), "blockexport: %v\n", err)
 		return exitStatus(compareError)

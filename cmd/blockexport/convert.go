@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -46,9 +47,9 @@ func convertCommand() *cobra.Command {
 	var f convertFlags
 	c := &cobra.Command{
 		Use:   "convert [flags] SOURCE TARGET",
-		Short: "convert an image to raw or qcow2, as qemu-img convert does",
+		Short: "convert an image to " + registry.OrList(registry.WritableFormats()) + ", as qemu-img convert does",
 		Long: "Convert SOURCE (any image blockexport reads, a file or an NBD export) into TARGET,\n" +
-			"a new raw or qcow2 file (-O), or an existing image or NBD export with -n, with\n" +
+			"a new " + registry.OrList(registry.WritableFormats()) + " file (-O), or an existing image or NBD export with -n, with\n" +
 			"qemu-img convert's flags. The source's block status drives the copy: holes and\n" +
 			"zero runs are neither read nor written; -S finds zeroes inside data.\n" +
 			"Memory: at most (-m or, with -c, the CPU count) x 256 KiB buffers (2 MiB with -t none; or a cluster,\n" +
@@ -64,7 +65,7 @@ func convertCommand() *cobra.Command {
 			"  blockexport convert -p -m 16 -W disk.vmdk disk.raw",
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: raw or qcow2 (with -n: TARGET's format, as it is opened)")
+	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: "+registry.OrList(registry.WritableFormats())+" (with -n: TARGET's format, as it is opened)")
 	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, qemu-img's: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off, preallocation=off, compat=v3, refcount_bits=16, backing_file, backing_fmt")
 	fs.BoolVarP(&f.compress, "compress", "c", false, "store TARGET's data clusters compressed (qcow2), on all cores")
 	fs.BoolVarP(&f.showProgress, "show-progress", "p", false, "show progress as qemu-img does: \"    (P/100%)\\r\" on stdout (--progress percent)")
@@ -86,7 +87,7 @@ func convertCommand() *cobra.Command {
 	// inspectFlags' --output and --json say nothing to convert.
 	fs.MarkHidden("output")
 	fs.MarkHidden("json")
-	completeWords(c, "output-format", "raw", "qcow2")
+	completeWords(c, "output-format", registry.WritableFormats()...)
 	completeWords(c, "target-cache", "unsafe", "writeback", "none")
 	c.RunE = func(c *cobra.Command, args []string) error {
 		f.outFormatSet = c.Flags().Changed("output-format")
@@ -221,10 +222,8 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	default:
 		return convert.Job{}, usagef("Invalid cache option: %s (want unsafe, writeback or none)", f.cache)
 	}
-	switch f.outFormat {
-	case registry.Raw, registry.QCOW2:
-	default:
-		return convert.Job{}, usagef("convert: -O %s: want raw or qcow2", f.outFormat)
+	if !slices.Contains(registry.WritableFormats(), f.outFormat) {
+		return convert.Job{}, usagef("convert: -O %s: want %s", f.outFormat, registry.OrList(registry.WritableFormats()))
 	}
 	topts, err := parseTargetOptions(f.options, f.outFormat)
 	if err != nil {

@@ -8,7 +8,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
-	"github.com/blockexport/blockexport/formats/drivers/raw"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
 )
@@ -27,7 +26,7 @@ func createCommand() *cobra.Command {
 	var f createFlags
 	c := &cobra.Command{
 		Use:   "create [flags] IMAGE [SIZE]",
-		Short: "create a new raw or qcow2 image",
+		Short: "create a new " + registry.OrList(registry.WritableFormats()) + " image",
 		Long: "Create a new, empty image, as qemu-img create does. SIZE takes qemu-img's\n" +
 			"suffixes (k, M, G, T); with --backing it defaults to the backing file's size.\n" +
 			"An existing IMAGE is an error unless --force is given.",
@@ -36,15 +35,15 @@ func createCommand() *cobra.Command {
 		RunE: f.run,
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.format, "format", "f", "raw", "image format: raw or qcow2")
+	fs.StringVarP(&f.format, "format", "f", "raw", "image format: "+registry.OrList(registry.WritableFormats()))
 	fs.StringVar(&f.clusterSize, "cluster-size", "64k", "qcow2 cluster size, a power of two from 512 to 2M")
 	fs.StringVarP(&f.backing, "backing", "b", "", "qcow2 backing file (a relative name is relative to IMAGE's directory)")
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+registry.OrList(registry.FileFormats())+" (default: detected)")
 	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
 	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "an s3:// backing file's S3-compatible endpoint (see fuse --s3-endpoint)")
 	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "an s3:// backing file: path-style addressing (see fuse --s3-path-style)")
-	completeWords(c, "format", "raw", "qcow2")
-	completeWords(c, "backing-format", "raw", "qcow2")
+	completeWords(c, "format", registry.WritableFormats()...)
+	completeWords(c, "backing-format", registry.FileFormats()...)
 	return c
 }
 
@@ -69,10 +68,10 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		if size < 0 {
 			return usagef("create: a raw image needs a SIZE")
 		}
-		return raw.Create(path, size, f.force)
+		return registry.Create(path, registry.Raw, registry.CreateOptions{Size: size, Force: f.force})
 	case registry.QCOW2:
 	default:
-		return usagef("create: unknown format %q (want raw or qcow2)", f.format)
+		return usagef("create: unknown format %q (want %s)", f.format, registry.OrList(registry.WritableFormats()))
 	}
 	cs, err := registry.ParseSize(f.clusterSize)
 	if err != nil {

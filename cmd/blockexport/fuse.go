@@ -38,7 +38,7 @@ func fuseCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "fuse [flags] IMAGE MOUNTPOINT",
 		Short: "export an image as a regular file through FUSE",
-		Long: "Export IMAGE (an image file: raw, qcow2, or read-only vmdk, vhdx, vpc, vdi;\n" +
+		Long: "Export IMAGE (an image file: " + imageFormats() + ";\n" +
 			"null:SIZE; an object in HTTP(S) or S3 storage: http://..., https://...,\n" +
 			"s3://BUCKET/KEY, read-only; or an NBD URI: nbd://HOST[:PORT]/EXPORT,\n" +
 			"nbd+unix:///EXPORT?socket=PATH, nbds://... for TLS) as the regular file MOUNTPOINT.\n" +

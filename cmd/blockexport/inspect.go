@@ -97,8 +97,14 @@ func (o *outputFlag) json() (bool, error) {
 	return false, usagef("unknown --output %q (want human or json)", o.output)
 }
 
+// imageFormats says the image formats read here, for help, as the
+// registry lists them: "qcow2, raw, or read-only vmdk, ...".
+func imageFormats() string {
+	return strings.Join(registry.WritableFormats(), ", ") + ", or read-only " + strings.Join(registry.ReadOnlyFormats(), ", ")
+}
+
 // imageHelp says what IMAGE may be, for the inspecting commands' help.
-const imageHelp = "IMAGE is an image file (raw, qcow2, or read-only vmdk, vhdx, vpc, vdi), null:SIZE,\n" +
+var imageHelp = "IMAGE is an image file (" + imageFormats() + "), null:SIZE,\n" +
 	"an object in HTTP(S) or S3 storage (http://..., https://..., s3://BUCKET/KEY,\n" +
 	"read-only), or an export on an NBD server: nbd://HOST[:PORT]/EXPORT,\n" +
 	"nbd+unix:///EXPORT?socket=PATH, and nbds://... or nbds+unix://... for TLS (the\n" +

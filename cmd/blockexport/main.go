@@ -18,10 +18,13 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 const (
@@ -66,8 +69,8 @@ func rootCommand() *cobra.Command {
 	var showVersion bool
 	root := &cobra.Command{
 		Use:   "blockexport",
-		Short: "export disk images (raw, qcow2, vmdk, vhdx, vpc, vdi, null) as a regular file through FUSE, or over NBD",
-		Long: "blockexport presents a disk image (raw, qcow2, vmdk, vhdx, vpc, vdi, or a null device;\n" +
+		Short: "export disk images (" + strings.Join(registry.FileFormats(), ", ") + ", null) as a regular file through FUSE, or over NBD",
+		Long: "blockexport presents a disk image (" + strings.Join(registry.FileFormats(), ", ") + ", or a null device;\n" +
 			"a local file, an NBD export, or an object in HTTP(S) or S3 storage) as one regular file\n" +
 			"through FUSE, as qemu-storage-daemon --export type=fuse does, and serves the same\n" +
 			"images over NBD. It also inspects (info, map), creates and checks images.\n\n" +

@@ -36,8 +36,8 @@ func nbdCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "nbd [flags] IMAGE",
 		Short: "serve an image over NBD (unix socket or TCP)",
-		Long: "Serve IMAGE over NBD. IMAGE is an image file (raw, qcow2, or read-only vmdk,\n" +
-			"vhdx, vpc, vdi), null:SIZE, an object in HTTP(S) or S3 storage (http://...,\n" +
+		Long: "Serve IMAGE over NBD. IMAGE is an image file (" + imageFormats() + "),\n" +
+			"null:SIZE, an object in HTTP(S) or S3 storage (http://...,\n" +
 			"https://..., s3://BUCKET/KEY, read-only), or an export on\n" +
 			"another NBD server, named by its URI: nbd://HOST[:PORT]/EXPORT,\n" +
 			"nbd+unix:///EXPORT?socket=PATH, and nbds://... or nbds+unix://... for TLS (the\n" +

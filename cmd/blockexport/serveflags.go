@@ -64,7 +64,7 @@ func formatFlag(c *cobra.Command, p *string, usage string) {
 
 // formatUsage is the --format flag's help: the formats read here, from
 // the probe's registry.
-var formatUsage = "image format: " + strings.Join(registry.Formats(), ", ") + " (vmdk, vhdx, vpc and vdi read-only)"
+var formatUsage = "image format: " + strings.Join(registry.Formats(), ", ") + " (" + registry.AndList(registry.ReadOnlyFormats()) + " read-only)"
 
 // check validates the shared flags and returns the logger and how to open
 // the image (with QEMU's image locks: a served image is in use).

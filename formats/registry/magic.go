@@ -14,82 +14,9 @@ import (
 // qcowMagic starts qcow and qcow2 files; the version tells them apart.
 var qcowMagic = []byte{'Q', 'F', 'I', 0xfb}
 
-// probeQCOW2: QFI\xfb and any version but 1 (QEMU's qcow2_probe wants
-// version >= 2; a version 0 file is refused by the qcow2 reader rather
-// than served as raw).
-func probeQCOW2(head []byte, _ string) int {
-	if bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) != 1 {
-		return 100
-	}
-	return 0
-}
-
 // probeQCOW1: QFI\xfb, version 1 (qcow_probe).
 func probeQCOW1(head []byte, _ string) int {
 	if bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) == 1 {
-		return 100
-	}
-	return 0
-}
-
-// probeVMDK: a sparse extent ("KDMV", VMDK4), a VMware 3 COW disk
-// ("COWD"), or a descriptor file: comment lines and blank lines, then
-// "version=1", "=2" or "=3" (vmdk_probe).
-func probeVMDK(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("KDMV")) || bytes.HasPrefix(head, []byte("COWD")) {
-		return 100
-	}
-	p := head
-	for len(p) > 0 {
-		switch p[0] {
-		case '#': // a comment line
-			i := bytes.IndexByte(p, '\n')
-			if i < 0 {
-				return 0
-			}
-			p = p[i+1:]
-			continue
-		case ' ': // a blank line: spaces, an optional \r, then \n
-			p = bytes.TrimLeft(p, " ")
-			p = bytes.TrimPrefix(p, []byte("\r"))
-			if len(p) == 0 || p[0] != '\n' {
-				return 0
-			}
-			p = p[1:]
-			continue
-		}
-		for _, v := range []string{"version=1", "version=2", "version=3"} {
-			if bytes.HasPrefix(p, []byte(v+"\n")) || bytes.HasPrefix(p, []byte(v+"\r\n")) {
-				return 100
-			}
-		}
-		return 0
-	}
-	return 0
-}
-
-// probeVHDX: "vhdxfile" (vhdx_probe).
-func probeVHDX(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("vhdxfile")) {
-		return 100
-	}
-	return 0
-}
-
-// probeVPC: a dynamic VHD's footer copy, "conectix", at the start
-// (vpc_probe). A fixed VHD has its footer only at the end: QEMU probes it
-// as raw, and so does this (its disk is the file's first bytes).
-func probeVPC(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("conectix")) {
-		return 100
-	}
-	return 0
-}
-
-// probeVDI: the signature 0xbeda107f, little-endian, at 64, after the
-// 64-byte text of a 512-byte header (vdi_probe).
-func probeVDI(head []byte, _ string) int {
-	if len(head) >= 512 && binary.LittleEndian.Uint32(head[64:]) == 0xbeda107f {
 		return 100
 	}
 	return 0

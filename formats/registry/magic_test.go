@@ -61,7 +61,7 @@ func TestProbeFormat(t *testing.T) {
 		{"luks2 (QEMU 7.2 reads v1 only)", head(0, "LUKS\xba\xbe", 6, uint16be(2)), "", Raw},
 		{"zeroes", head(), "", Raw},
 	} {
-		if got := probeFormat(c.head, c.path).name; got != c.want {
+		if got := probeFormat(c.head, c.path).Name; got != c.want {
 			t.Errorf("%s: %q, want %q", c.name, got, c.want)
 		}
 	}
@@ -86,14 +86,14 @@ func FuzzProbeFormat(f *testing.F) {
 	f.Add([]byte{}, "y.dmg")
 	f.Fuzz(func(t *testing.T, head []byte, name string) {
 		ff := probeFormat(head, name)
-		if ff.name == "" {
+		if ff.Name == "" {
 			t.Fatalf("no format for %q", head)
 		}
 		if len(head) <= probeHead {
 			padded := make([]byte, probeHead)
 			copy(padded, head)
-			if pf := probeFormat(padded, name); len(head) >= 512 && pf.name != ff.name {
-				t.Fatalf("%q is %s, padded %s", head, ff.name, pf.name)
+			if pf := probeFormat(padded, name); len(head) >= 512 && pf.Name != ff.Name {
+				t.Fatalf("%q is %s, padded %s", head, ff.Name, pf.Name)
 			}
 		}
 	})

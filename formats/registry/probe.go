@@ -1,9 +1,10 @@
-// Package probe opens an image by spec: it opens the host file (through
-// aio, O_DIRECT behind aio.Aligned for --cache none, with the format's
-// image locks), detects the format from magic bytes (or takes the one
-// asked for), and hands the file to that format's package with an opener
-// for backing files, which comes back here. It is the only place that
-// knows every format: a format package knows its own.
+// Package registry is the one list of formats (registry.go: each
+// driver's entry) and the opener: it opens the host file (through aio,
+// O_DIRECT behind aio.Aligned for --cache none, with the format's image
+// locks), detects the format from magic bytes (or takes the one asked
+// for), and hands the file to that format's driver with openers for the
+// files the image names, which come back here. It is the only place that
+// knows every format: a driver knows its own.
 package registry
 
 import (
@@ -23,6 +24,7 @@ import (
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/null"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 )
 
@@ -54,14 +56,14 @@ func badSpec(format string, a ...any) error { return &specError{fmt.Sprintf(form
 
 // ParseFormat checks a --format value.
 func ParseFormat(s string) (string, error) {
-	switch s {
-	case Auto, Raw, QCOW2, Null:
+	if s == Auto || s == Null {
 		return s, nil
 	}
-	if ff, ok := lookupFormat(s); ok && ff.open != nil {
-		return s, nil // a format read beyond the four above (vmdk...)
+	ff, ok := lookupFormat(s)
+	if ok && ff.Open != nil {
+		return s, nil
 	}
-	if ff, ok := lookupFormat(s); ok && ff.open == nil {
+	if ok {
 		return "", badSpec("--format %s: %s images are not supported yet (want %s; convert the image: qemu-img convert -f %s -O qcow2 IMAGE OUT.qcow2)", s, s, OrList(Formats()), s)
 	}
 	return "", badSpec("unknown format %q (want %s)", s, OrList(Formats()))
@@ -157,7 +159,7 @@ func Open(spec string, o Options) (*Opened, error) {
 		}
 		return &Opened{Image: img, Format: Raw}, nil // nothing probed: an export is raw bytes
 	}
-	c := &chain{o: o, seen: map[[2]uint64]string{}}
+	c := newChain(o)
 	img, name, err := c.open(spec, format, o.Writable, false)
 	if err != nil {
 		return nil, err
@@ -167,14 +169,16 @@ func Open(spec string, o Options) (*Opened, error) {
 
 // ErrNoChecks is Check on a format that has no checks (qemu-img check's
 // "This image format does not support checks", exit 63).
-var ErrNoChecks = errors.New("this image format does not support checks")
+var ErrNoChecks = driver.ErrNoChecks
 
-// Check checks the image spec as `qemu-img check` does: a qcow2 image
-// through its refcounts, repairing what repair allows (qcow2.RepairLeaks,
-// qcow2.RepairAll), under the image locks a writer would conflict with (a
-// check refuses an image someone writes, a repair one anybody uses). A raw
-// file, a null device or an NBD export has no checks: once it opens,
-// ErrNoChecks, as qemu-img check says it (exit 63) with or without -r.
+// Check checks the image spec as `qemu-img check` does, through its
+// format's check (qcow2 through its refcounts, repairing what repair
+// allows: qcow2.RepairLeaks, qcow2.RepairAll), under the image locks a
+// writer would conflict with (a check refuses an image someone writes, a
+// repair one anybody uses). A format without checks (raw, vpc), a null
+// device or an NBD export: once it opens, ErrNoChecks, as qemu-img check
+// says it (exit 63) with or without -r. Backing files are not opened: a
+// check is of the image's own file.
 func Check(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
 	format := o.Format
 	if format == "" {
@@ -183,60 +187,48 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	if _, err := ParseFormat(format); err != nil {
 		return formats.CheckResult{}, err
 	}
-	if nbd.IsURI(spec) || strings.HasPrefix(spec, NullPrefix) && (format == Auto || format == Null) || format == Null {
-		img, err := Open(spec, o)
-		if err != nil {
-			return formats.CheckResult{}, err
-		}
-		img.Image.Close()
-		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
-	}
 	if IsRemote(spec) {
 		return checkRemote(ctx, spec, o, repair)
 	}
-	if format == Auto {
-		var err error
-		if format, err = detect(spec); err != nil {
-			return formats.CheckResult{}, err
+	if !nbd.IsURI(spec) && !(strings.HasPrefix(spec, NullPrefix) && format == Auto) && format != Null {
+		if format == Auto {
+			var err error
+			if format, err = detect(spec); err != nil {
+				return formats.CheckResult{}, err
+			}
+		}
+		if ff, _ := lookupFormat(format); ff.Check != nil {
+			return checkLocal(ctx, spec, ff, o, repair)
 		}
 	}
-	if format == "vmdk" {
-		return checkVMDK(ctx, spec, o)
+	img, err := Open(spec, Options{Format: format, Backend: o.Backend, Lock: o.Lock, RelatedDirs: o.RelatedDirs, NoBacking: true})
+	if err != nil {
+		return formats.CheckResult{}, err
 	}
-	switch format {
-	case "vpc": // no checks in QEMU's vpc driver either: once it opens, exit 63
-		img, err := Open(spec, Options{Format: format, Backend: o.Backend, Lock: o.Lock, NoBacking: true})
-		if err != nil {
-			return formats.CheckResult{}, err
-		}
-		img.Image.Close()
-		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
-	case "vdi": // never handed to the qcow2 check below
-		return checkVDI(ctx, spec, o, repair)
-	}
-	if format == "vhdx" {
-		return checkVHDX(ctx, spec, o, repair)
-	}
-	writable := repair != qcow2.RepairNone
-	if format == Raw {
-		img, err := Open(spec, Options{Format: Raw, Backend: o.Backend, Lock: o.Lock})
-		if err != nil {
-			return formats.CheckResult{}, err
-		}
-		img.Image.Close()
-		return formats.CheckResult{}, fmt.Errorf("%s: %w", spec, ErrNoChecks)
-	}
+	img.Image.Close()
+	return formats.CheckResult{}, fmt.Errorf("%s: %w", Shown(spec), ErrNoChecks)
+}
+
+// checkLocal checks the local image file spec in format ff: writable
+// when a repair writes, under the writer's lock for any repair.
+func checkLocal(ctx context.Context, spec string, ff driver.Format, o Options, repair int) (formats.CheckResult, error) {
 	var lock *aio.Lock
 	if o.Lock {
-		l := qcow2.Lock(writable)
+		l := ff.Lock(repair != driver.RepairNone, false)
 		lock = &l
 	}
+	writable := repair != driver.RepairNone && ff.RepairWrites
 	f, err := aio.Open(spec, aio.Options{Backend: o.Backend, Writable: writable, Logger: o.Logger, Lock: lock})
 	if err != nil {
-		return formats.CheckResult{}, fmt.Errorf("%s: %w", format, err)
+		return formats.CheckResult{}, fmt.Errorf("%s: %w", ff.Name, err)
 	}
-	defer f.Close()
-	return qcow2.Check(ctx, f, repair)
+	o.NoBacking = true
+	c := newChain(o)
+	if err := c.enter(f.Fd(), spec); err != nil {
+		f.Close()
+		return formats.CheckResult{}, err
+	}
+	return ff.Check(ctx, f, c.driverOptions(f, ff.Name, false), repair)
 }
 
 // maxChainDepth bounds backing chains; QEMU has no fixed limit, but a chain
@@ -344,12 +336,15 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 	if !ok {
 		return nil, "", fmt.Errorf("%s: %w %q", path, formats.ErrUnknownFormat, format)
 	}
-	if ff.open == nil {
-		return nil, "", unsupported(path, ff.name) // a backing format the image names
+	if ff.Open == nil {
+		return nil, "", unsupported(path, ff.Name) // a backing format the image names
+	}
+	if writable && !ff.Writable {
+		return nil, "", needsOverlay(path, ff.Name, ff.Name+" images are read here, not written")
 	}
 	var lock *aio.Lock
 	if c.o.Lock {
-		l := ff.lock(writable, backing)
+		l := ff.Lock(writable, backing)
 		lock = &l
 	}
 	f, err := aio.Open(path, aio.Options{Backend: c.o.Backend, Writable: writable, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
@@ -366,15 +361,36 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 		// compressed clusters); O_DIRECT wants whole blocks.
 		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
+	return c.openFormat(f, ff, writable, "")
+}
+
+// openFormat opens the image of f in format ff; remote is the URL of a
+// remote image ("" for a local one), whose backing string is held to its
+// origin.
+func (c *chain) openFormat(f aio.File, ff driver.Format, writable bool, remote string) (formats.Image, string, error) {
 	parent := c.remoteParent
-	c.remoteParent = ""
-	img, err := ff.open(f, c, writable)
+	c.remoteParent = remote
+	img, err := ff.Open(context.Background(), f, c.driverOptions(f, ff.Name, writable))
 	c.remoteParent = parent
 	if err != nil {
 		return nil, "", err
 	}
-	return img, ff.name, nil
+	return img, ff.Name, nil
 }
+
+// driverOptions are what a driver is told when it opens f, an image in
+// format: the cache sizes and the openers of the files it names, which
+// come back here.
+func (c *chain) driverOptions(f aio.File, format string, writable bool) driver.Options {
+	name := f.Name()
+	return driver.Options{Name: name, Writable: writable, Direct: c.o.Direct, CacheSize: c.o.L2CacheSize,
+		DecodedCacheSize: c.o.DecodedCacheSize, Logger: c.o.Logger, OpenBacking: c.openBacking, Shown: shownName,
+		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
+		OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, format) }}
+}
+
+// newChain is the chain of one open.
+func newChain(o Options) *chain { return &chain{o: o, seen: map[[2]uint64]string{}} }
 
 // enter records a file of the chain.
 func (c *chain) enter(fd int, path string) error {
@@ -402,10 +418,10 @@ func detect(path string) (string, error) {
 		return "", err
 	}
 	ff := probeFormat(head, path)
-	if ff.open == nil {
-		return "", unsupported(path, ff.name)
+	if ff.Open == nil {
+		return "", unsupported(path, ff.Name)
 	}
-	return ff.name, nil
+	return ff.Name, nil
 }
 
 // readHead reads the first probeHead bytes of the file at path, zero past
@@ -435,8 +451,8 @@ func (c *chain) warnForcedRaw(path string) {
 	if err != nil {
 		return
 	}
-	if ff := probeFormat(head, path); ff.name != Raw {
-		c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", path, ff.name, ff.name))
+	if ff := probeFormat(head, path); ff.Name != Raw {
+		c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", path, ff.Name, ff.Name))
 	}
 }
 

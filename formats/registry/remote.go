@@ -12,6 +12,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 	remotehttp "github.com/blockexport/blockexport/formats/protocols/remote/http"
@@ -156,24 +157,35 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 // link of the chain like any other (depth bounded; a loop through servers
 // cannot be seen by identity).
 func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (formats.Image, string, error) {
-	if writable {
-		return nil, "", badSpec("%s is remote and read-only: export a qcow2 overlay on it instead (qemu-img create -f qcow2 -b %s -F raw overlay.qcow2)", remotehttp.Redact(spec), remotehttp.Redact(spec))
-	}
-	c.depth++
-	if c.depth > maxChainDepth {
-		return nil, "", fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), remoteOpenTimeout)
 	defer cancel()
-	f, err := openRemote(ctx, spec, c.o, backing)
+	f, ff, err := c.openRemoteFile(ctx, spec, format, backing)
 	if err != nil {
 		return nil, "", err
+	}
+	if writable {
+		f.Close()
+		return nil, "", needsOverlay(Shown(spec), ff.Name, "objects in remote storage are read here, not written")
+	}
+	return c.openFormat(f, ff, false, spec)
+}
+
+// openRemoteFile opens the remote object spec and finds its format
+// (Auto: probed; raw: a warning where it looks like another).
+func (c *chain) openRemoteFile(ctx context.Context, spec, format string, backing bool) (aio.File, driver.Format, error) {
+	c.depth++
+	if c.depth > maxChainDepth {
+		return nil, driver.Format{}, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+	}
+	f, err := openRemote(ctx, spec, c.o, backing)
+	if err != nil {
+		return nil, driver.Format{}, err
 	}
 	if format == Auto || format == Raw {
 		head := make([]byte, probeHead)
 		if _, err := f.ReadAt(ctx, head, 0); err != nil && !errors.Is(err, io.EOF) {
 			f.Close()
-			return nil, "", fmt.Errorf("%s: read header: %w", f.Name(), err)
+			return nil, driver.Format{}, fmt.Errorf("%s: read header: %w", f.Name(), err)
 		}
 		name := spec
 		if u, err := url.Parse(spec); err == nil {
@@ -181,64 +193,62 @@ func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (fo
 		}
 		ff := probeFormat(head, name)
 		switch {
-		case format == Auto && ff.open == nil:
+		case format == Auto && ff.Open == nil:
 			f.Close()
-			return nil, "", unsupported(f.Name(), ff.name)
+			return nil, driver.Format{}, unsupported(f.Name(), ff.Name)
 		case format == Auto:
-			format = ff.name
-		case ff.name != Raw && c.o.Logger != nil:
-			c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", f.Name(), ff.name, ff.name))
+			format = ff.Name
+		case ff.Name != Raw && c.o.Logger != nil:
+			c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", f.Name(), ff.Name, ff.Name))
 		}
 	}
 	ff, ok := lookupFormat(format)
 	if !ok {
 		f.Close()
-		return nil, "", fmt.Errorf("%s: %w %q", f.Name(), formats.ErrUnknownFormat, format)
+		return nil, driver.Format{}, fmt.Errorf("%s: %w %q", f.Name(), formats.ErrUnknownFormat, format)
 	}
-	if ff.open == nil {
+	if ff.Open == nil {
 		f.Close()
-		return nil, "", unsupported(f.Name(), ff.name)
+		return nil, driver.Format{}, unsupported(f.Name(), ff.Name)
 	}
-	parent := c.remoteParent
-	c.remoteParent = spec
-	img, err := ff.open(f, c, false)
-	c.remoteParent = parent
-	if err != nil {
-		return nil, "", err
-	}
-	return img, ff.name, nil
+	return f, ff, nil
 }
 
 // checkRemote checks a remote image (read-only: no repair) as Check
 // checks a local one.
 func checkRemote(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
-	if repair != qcow2.RepairNone {
-		return formats.CheckResult{}, badSpec("%s is remote and read-only: it cannot be repaired", remotehttp.Redact(spec))
+	if repair != driver.RepairNone {
+		return formats.CheckResult{}, badSpec("%s is remote and read-only: it cannot be repaired", Shown(spec))
 	}
-	c := &chain{o: o, seen: map[[2]uint64]string{}}
 	format := o.Format
-	if format == "" || format == Auto || format == QCOW2 {
-		octx, cancel := context.WithTimeout(ctx, remoteOpenTimeout)
-		defer cancel()
-		f, err := openRemote(octx, spec, o, false)
-		if err != nil {
-			return formats.CheckResult{}, err
-		}
-		head := make([]byte, probeHead)
-		if _, err := f.ReadAt(octx, head, 0); err != nil && !errors.Is(err, io.EOF) {
-			f.Close()
-			return formats.CheckResult{}, fmt.Errorf("%s: read header: %w", f.Name(), err)
-		}
-		if format == QCOW2 || probeFormat(head, spec).name == QCOW2 {
-			defer f.Close()
-			return qcow2.Check(ctx, f, repair)
-		}
-		f.Close()
+	if format == "" {
+		format = Auto
 	}
-	img, _, err := c.openRemoteImage(spec, format, false, false)
+	o.NoBacking = true
+	c := newChain(o)
+	octx, cancel := context.WithTimeout(ctx, remoteOpenTimeout)
+	defer cancel()
+	f, ff, err := c.openRemoteFile(octx, spec, format, false)
+	if err != nil {
+		return formats.CheckResult{}, err
+	}
+	if ff.Check != nil {
+		return ff.Check(ctx, f, c.driverOptions(f, ff.Name, false), repair)
+	}
+	img, _, err := c.openFormat(f, ff, false, spec)
 	if err != nil {
 		return formats.CheckResult{}, err
 	}
 	img.Close()
-	return formats.CheckResult{}, fmt.Errorf("%s: %w", remotehttp.Redact(spec), ErrNoChecks)
+	return formats.CheckResult{}, fmt.Errorf("%s: %w", Shown(spec), ErrNoChecks)
+}
+
+// shownName is a name an image holds (a backing string) as a message may
+// show it: a URL without its user, password or query (a signature); an
+// NBD URI names no secret and is shown whole.
+func shownName(name string) string {
+	if strings.Contains(name, "://") && !strings.HasPrefix(name, "nbd") {
+		return remotehttp.Redact(name)
+	}
+	return name
 }

@@ -48,6 +48,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // system is one exporter in one configuration.
@@ -315,7 +317,7 @@ func main() {
 	if targets["convert"] {
 		rows = append(rows, cvBenchConvert(dir, bin)...)
 	}
-	for _, target := range foreignTargets {
+	for _, target := range foreignTargets() {
 		if targets["formats"] || targets[target] || *only == defaultOnly {
 			rows = append(rows, benchTarget(target, dir, with(target, ours()), "", func(j fioJob) bool { return j.bs == "4k" })...)
 		}
@@ -338,7 +340,8 @@ func main() {
 const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,uring,kcache,formats,http,s3,convert"
 
 // foreignFormats are the read-only formats' targets: the same 1 GiB of
-// random data converted by qemu-img, read through each export.
+// random data converted by qemu-img (format and its -o options), read
+// through each export.
 var foreignFormats = map[string]struct{ format, opts string }{
 	"vmdk":        {"vmdk", "subformat=monolithicSparse"},
 	"vmdk-stream": {"vmdk", "subformat=streamOptimized"},
@@ -347,7 +350,25 @@ var foreignFormats = map[string]struct{ format, opts string }{
 	"vdi":         {"vdi", "static=off"},
 }
 
-var foreignTargets = []string{"vmdk", "vmdk-stream", "vhdx", "vpc", "vdi"}
+// foreignTargets are foreignFormats' targets in the registry's order of
+// the read-only formats, a format's variants after it; a read-only format
+// without a target stops the bench, so that a new one is benched.
+func foreignTargets() []string {
+	var ts []string
+	for _, f := range registry.ReadOnlyFormats() {
+		n := len(ts)
+		for t, ff := range foreignFormats {
+			if ff.format == f {
+				ts = append(ts, t)
+			}
+		}
+		if len(ts) == n {
+			log.Fatalf("bench: no target for the read-only format %s (add one to foreignFormats)", f)
+		}
+		slices.Sort(ts[n:])
+	}
+	return ts
+}
 
 // qsdArgs are qemu-storage-daemon's --object and --blockdev arguments for
 // target in configuration c, the node an export takes, and what an export

@@ -6,9 +6,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/blockexport/blockexport/formats/registry"
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
 
@@ -69,10 +71,6 @@ func foreignImages(t *testing.T, dir string) map[string]string {
 	return imgs
 }
 
-// qemuReadsAsRaw are the foreign formats read here (read-only) since they were
-// first refused.
-var qemuReadsAsRaw = map[string]bool{"vhdx": true, "vpc": true, "vdi": true}
-
 // TestForeignFormatsRefusedNamingTheFormat: a file in a format QEMU reads and blockexport
 // does not (vhdx, vpc, vdi, qed, parallels, qcow, luks, bochs,
 // cloop, dmg) was reported by info as raw and exported writable as raw
@@ -94,7 +92,7 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 				}
 			}
 			before := harness.ReadAll(t, img)
-			if qemuReadsAsRaw[format] {
+			if slices.Contains(registry.ReadOnlyFormats(), format) {
 				// Read here now (read-only): probed as qemu-img probes it,
 				// and -w refused, pointing at an overlay.
 				if code, out := harness.RunBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {

@@ -6,18 +6,7 @@ import (
 	"strings"
 
 	"github.com/blockexport/blockexport/formats"
-	remotehttp "github.com/blockexport/blockexport/formats/protocols/remote/http"
 )
-
-// shownBacking is a backing string as an error may show it: a URL
-// without its user, password or query (a signature). An NBD URI names
-// no secret and is shown whole.
-func shownBacking(backing string) string {
-	if strings.Contains(backing, "://") && !strings.HasPrefix(backing, "nbd") {
-		return remotehttp.Redact(backing)
-	}
-	return backing
-}
 
 // backingPath is what the backing string backing of the image named
 // image resolves to: a URI (nbd://, http://) or an absolute path as it
@@ -35,18 +24,24 @@ func backingPath(image, backing string) string {
 
 // openBacking opens the backing file the header names, if any, through
 // open: a relative name is relative to this image's directory, as in
-// QEMU; a backing file without a format is probed by open.
-func (q *Image) openBacking(open formats.BackingOpener) error {
+// QEMU; a backing file without a format is probed by open. shown is how
+// the backing string may appear in a message (the opener's: a URL
+// without its secrets); nil: as it is.
+func (q *Image) openBacking(open formats.BackingOpener, shown func(string) string) error {
 	if q.h.backingFile == "" {
 		return nil
 	}
+	shownBacking := q.h.backingFile
+	if shown != nil {
+		shownBacking = shown(shownBacking)
+	}
 	if open == nil {
-		return fmt.Errorf("qcow2: %s has a backing file (%s) and nothing to open it with", q.path, shownBacking(q.h.backingFile))
+		return fmt.Errorf("qcow2: %s has a backing file (%s) and nothing to open it with", q.path, shownBacking)
 	}
 	if strings.Contains(q.path, "://") && filepath.IsAbs(q.h.backingFile) {
 		// A local file is not for an image from a server (http://…) to
 		// name: an export would show it.
-		return fmt.Errorf("qcow2: %s: backing file %s: a remote image may not name a local file", q.path, shownBacking(q.h.backingFile))
+		return fmt.Errorf("qcow2: %s: backing file %s: a remote image may not name a local file", q.path, shownBacking)
 	}
 	bpath := backingPath(q.path, q.h.backingFile)
 	// The backing format is whatever the header names: the opener is the
@@ -54,7 +49,7 @@ func (q *Image) openBacking(open formats.BackingOpener) error {
 	// not read.
 	b, err := open(bpath, q.h.backingFormat)
 	if err != nil {
-		return fmt.Errorf("qcow2: %s: backing file %s: %w", q.path, shownBacking(q.h.backingFile), err)
+		return fmt.Errorf("qcow2: %s: backing file %s: %w", q.path, shownBacking, err)
 	}
 	q.backing = b
 	return nil

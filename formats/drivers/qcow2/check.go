@@ -14,6 +14,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // Check and repair, as qemu-img check (QEMU 7.2's qcow2_check_refcounts
@@ -42,9 +43,9 @@ import (
 
 // RepairLeaks and RepairAll are what Check may fix (qemu-img check -r).
 const (
-	RepairNone  = 0
-	RepairLeaks = 1
-	RepairAll   = 3 // leaks, refcounts too low, COPIED flags, rebuilds
+	RepairNone  = driver.RepairNone
+	RepairLeaks = driver.RepairLeaks
+	RepairAll   = driver.RepairAll // leaks, refcounts too low, COPIED flags, rebuilds
 )
 
 // Masks of QEMU's qcow2.h.
@@ -70,8 +71,9 @@ var errFileTooLarge = errors.New("file too large")
 // then be writable), and reports in qemu-img check's terms. As qemu-img
 // does, a repair is followed by a second check, whose findings are the
 // result, with the first one's fixed counts. A check that cannot finish
-// returns an error (qemu-img's "Check failed").
-func Check(ctx context.Context, f aio.File, repair int) (formats.CheckResult, error) {
+// returns an error (qemu-img's "Check failed"). f is closed.
+func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (formats.CheckResult, error) {
+	defer f.Close()
 	res, err := checkOnce(ctx, f, repair)
 	if err != nil || res.LeaksFixed+res.CorruptionsFixed == 0 {
 		return res, err

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/aio"
+
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // A repair killed at any write leaves an image whose guest data is intact
@@ -40,7 +42,7 @@ func (k *killedFile) WriteAt(ctx context.Context, p []byte, off int64) (int, err
 	return k.File.WriteAt(ctx, p, off)
 }
 
-func chkQemuRaw(t *testing.T, img string) []byte {
+func qemuRawBytes(t *testing.T, img string) []byte {
 	t.Helper()
 	raw := img + ".raw"
 	if out, err := exec.Command("qemu-img", "convert", "-f", "qcow2", "-O", "raw", img, raw).CombinedOutput(); err != nil {
@@ -54,9 +56,9 @@ func chkQemuRaw(t *testing.T, img string) []byte {
 	return b
 }
 
-// chkBaseImage makes an image with data and a snapshot: the first
+// baseImageWithSnapshot makes an image with data and a snapshot: the first
 // cluster is shared with the snapshot (refcount 2, COPIED clear).
-func chkBaseImage(t *testing.T, dir string) (string, []byte) {
+func baseImageWithSnapshot(t *testing.T, dir string) (string, []byte) {
 	t.Helper()
 	img := filepath.Join(dir, "base.qcow2")
 	for _, args := range [][]string{
@@ -76,11 +78,11 @@ func chkBaseImage(t *testing.T, dir string) (string, []byte) {
 	return img, b
 }
 
-// chkCrashCases are the damage the kill test repairs: a refcount table
+// crashCases are the damage the kill test repairs: a refcount table
 // entry naming a data cluster (a rebuild), and a shared cluster whose
 // refcount dropped to one with its COPIED flag set, as a lost increment
 // leaves it (a refcount raised, a flag cleared).
-var chkCrashCases = []struct {
+var crashCases = []struct {
 	name   string
 	break_ func(b []byte)
 }{
@@ -100,10 +102,10 @@ var chkCrashCases = []struct {
 	}},
 }
 
-// chkCopiedOnShared returns qemu-img check's complaints about a COPIED
+// copiedOnShared returns qemu-img check's complaints about a COPIED
 // flag set on a cluster whose refcount is not one: the state in which a
 // write lands in place on a cluster a snapshot shares.
-func chkCopiedOnShared(t *testing.T, img string) []string {
+func copiedOnShared(t *testing.T, img string) []string {
 	t.Helper()
 	out, _ := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput()
 	var bad []string
@@ -125,19 +127,18 @@ func checkWith(t *testing.T, img string, repair, killAfter int) (int, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
 	k := &killedFile{File: f, n: killAfter}
-	_, err = Check(context.Background(), k, repair)
+	_, err = Check(context.Background(), k, driver.Options{}, repair) // closes k
 	return k.writes, err
 }
 
 func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("no qemu-img")
+		t.Fatal("qemu-img is needed: apt-get install -y qemu-utils")
 	}
-	base, baseBytes := chkBaseImage(t, t.TempDir())
-	orig := chkQemuRaw(t, base)
-	for _, cc := range chkCrashCases {
+	base, baseBytes := baseImageWithSnapshot(t, t.TempDir())
+	orig := qemuRawBytes(t, base)
+	for _, cc := range crashCases {
 		t.Run(cc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			brokenBytes := slices.Clone(baseBytes)
@@ -146,12 +147,12 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 			if err := os.WriteFile(full, brokenBytes, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			before := chkCopiedOnShared(t, full)
+			before := copiedOnShared(t, full)
 			total, err := checkWith(t, full, RepairAll, 1<<30)
 			if err != nil || total < 2 {
 				t.Fatalf("-r all: %d writes, %v", total, err)
 			}
-			if bad := chkCopiedOnShared(t, full); len(bad) > 0 {
+			if bad := copiedOnShared(t, full); len(bad) > 0 {
 				t.Fatalf("after the repair: %v", bad)
 			}
 			for n := 0; n < total; n++ {
@@ -162,12 +163,12 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 				if _, err := checkWith(t, img, RepairAll, n); !errors.Is(err, errKilled) {
 					t.Fatalf("killed after %d of %d writes: the kill was not reached: %v", n, total, err)
 				}
-				if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
+				if got := qemuRawBytes(t, img); !bytes.Equal(got, orig) {
 					t.Fatalf("killed after %d of %d writes: the guest data changed", n, total)
 				}
 				// The damage may remain; a flag claiming a shared
 				// cluster may not have been added by the repair.
-				for _, line := range chkCopiedOnShared(t, img) {
+				for _, line := range copiedOnShared(t, img) {
 					if !slices.Contains(before, line) {
 						t.Errorf("killed after %d of %d writes: %s", n, total, line)
 					}
@@ -179,7 +180,7 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 				if out, err := exec.Command("qemu-img", "check", "-f", "qcow2", img).CombinedOutput(); err != nil {
 					t.Fatalf("killed after %d of %d writes: qemu-img check after the second repair: %v\n%s", n, total, err, out)
 				}
-				if got := chkQemuRaw(t, img); !bytes.Equal(got, orig) {
+				if got := qemuRawBytes(t, img); !bytes.Equal(got, orig) {
 					t.Fatalf("killed after %d of %d writes: the guest data changed after the second repair", n, total)
 				}
 			}
@@ -189,7 +190,7 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 	// -r leaks refuses the image that needs a rebuild, writing nothing.
 	broken := filepath.Join(t.TempDir(), "leaks.qcow2")
 	b := slices.Clone(baseBytes)
-	chkCrashCases[0].break_(b)
+	crashCases[0].break_(b)
 	if err := os.WriteFile(broken, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -205,9 +206,9 @@ func TestCheckRepairSurvivesAKillAtEveryWrite(t *testing.T) {
 // way).
 func TestCheckRepairRunsTheOverlapCheck(t *testing.T) {
 	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("no qemu-img")
+		t.Fatal("qemu-img is needed: apt-get install -y qemu-utils")
 	}
-	_, b := chkBaseImage(t, t.TempDir())
+	_, b := baseImageWithSnapshot(t, t.TempDir())
 	be := binary.BigEndian
 	l1 := be.Uint64(b[40:])
 	be.PutUint64(b[l1:], l1|oflagCopied)

@@ -146,7 +146,7 @@ func TestDecodedCacheSize(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		q, err := New(f, Options{DecodedCacheSize: c.size})
+		q, err := New(context.Background(), f, Options{DecodedCacheSize: c.size})
 		if err != nil {
 			t.Fatal(err)
 		}

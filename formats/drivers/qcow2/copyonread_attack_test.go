@@ -40,13 +40,13 @@ func qemuBacking(t *testing.T, img string) (string, string) {
 	return info.Backing, info.Format
 }
 
-// TestRvwDropBackingCancelledAtEveryStep: a cancellation (SIGINT) seen
+// TestDropBackingCancelledAtEveryStep: a cancellation (SIGINT) seen
 // at any point of DropBacking leaves either the image as it was (backing
 // file and format named) or standalone: never the middle state, a
 // backing file without its format, which every later open would probe
 // (a raw backing file whose first bytes look like another format's
 // header would then be read as that format).
-func TestRvwDropBackingCancelledAtEveryStep(t *testing.T) {
+func TestDropBackingCancelledAtEveryStep(t *testing.T) {
 	for k := int64(0); k < 64; k++ {
 		over, data := corOverlay(t, 1<<20, "1.1")
 		q := openRW(t, over)
@@ -74,11 +74,11 @@ func TestRvwDropBackingCancelledAtEveryStep(t *testing.T) {
 	t.Fatal("DropBacking never completed")
 }
 
-// TestRvwDropBackingRefusesSnapshots: an internal snapshot of the overlay
+// TestDropBackingRefusesSnapshots: an internal snapshot of the overlay
 // reads its unallocated clusters from the backing file too; dropping the
 // backing file (after copying only into the active layer) would turn
 // them into zeroes. QEMU's block-stream does exactly that; we refuse.
-func TestRvwDropBackingRefusesSnapshots(t *testing.T) {
+func TestDropBackingRefusesSnapshots(t *testing.T) {
 	over, data := corOverlay(t, 1<<20, "1.1")
 	tool(t, "qemu-img", "snapshot", "-c", "s1", over)
 	dir := filepath.Dir(over)
@@ -109,11 +109,11 @@ func TestRvwDropBackingRefusesSnapshots(t *testing.T) {
 	}
 }
 
-// TestRvwCopyOfThePartialLastClusterRacesGuestOps: the image ends 4.5 KiB
+// TestCopyOfThePartialLastClusterRacesGuestOps: the image ends 4.5 KiB
 // into its last cluster; a copy-on-read of that cluster is caught reading
 // the backing file while a guest write, a write of zeroes or a discard
 // of it comes: each waits and wins, and the image checks clean.
-func TestRvwCopyOfThePartialLastClusterRacesGuestOps(t *testing.T) {
+func TestCopyOfThePartialLastClusterRacesGuestOps(t *testing.T) {
 	const size = 1<<20 + 4608
 	ops := map[string]func(q *Image, want []byte) error{
 		"write": func(q *Image, want []byte) error {
@@ -174,13 +174,13 @@ func TestRvwCopyOfThePartialLastClusterRacesGuestOps(t *testing.T) {
 	}
 }
 
-// TestRvwTailPastTheEndStaysZero: an overlay 1 MiB + 512 bytes long over
+// TestCopyOnReadTailPastTheEndStaysZero: an overlay 1 MiB + 512 bytes long over
 // a 2 MiB backing file. A copy-on-read of its last (partial) cluster, and
 // a guest write into it, must not fill the cluster's part past the image
 // end with the backing file's bytes: once the backing file is dropped
 // (stream), a grown image reads zeroes there (Resize: "a grown tail reads
 // as zeroes"), not the old backing file.
-func TestRvwTailPastTheEndStaysZero(t *testing.T) {
+func TestCopyOnReadTailPastTheEndStaysZero(t *testing.T) {
 	for _, how := range []string{"copy", "write", "write-without-zero-range"} {
 		t.Run(how, func(t *testing.T) {
 			ctx := context.Background()

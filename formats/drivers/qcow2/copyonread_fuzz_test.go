@@ -55,7 +55,7 @@ func FuzzDropBacking(f *testing.F) {
 			if err != nil {
 				return nil, err
 			}
-			return New(af, Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) {
+			return New(context.Background(), af, Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) {
 				return null.New("base", 1<<20, true)
 			}})
 		}

@@ -2,31 +2,17 @@ package qcow2
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"os"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// CreateOptions describe a new image.
-type CreateOptions struct {
-	Size        int64 // virtual size, a multiple of 512
-	ClusterSize int64 // 0: 64 KiB
-	// BackingFile is recorded as given (relative names are relative to
-	// the image's directory); BackingFormat names its format.
-	BackingFile   string
-	BackingFormat string
-	// Force replaces an existing file; otherwise one is an error.
-	Force bool
-	// CompressionType is "zlib" (or "") or "zstd": how compressed
-	// clusters are compressed (qemu-img's -o compression_type).
-	CompressionType string
-	// LazyRefcounts sets the lazy_refcounts compatible feature bit, as
-	// qemu-img's -o lazy_refcounts=on (this writer keeps refcounts
-	// current anyway).
-	LazyRefcounts bool
-}
+// CreateOptions describe a new image (driver.CreateOptions: what every
+// format that creates images is told).
+type CreateOptions = driver.CreateOptions
 
 // DefaultClusterSize is qemu-img's.
 const DefaultClusterSize = 64 << 10
@@ -139,16 +125,9 @@ func Create(path string, o CreateOptions) error {
 		setRefcount(blocks, c, 1<<createRefcountOrder, 1)
 	}
 
-	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
-	if o.Force {
-		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
-	}
-	f, err := os.OpenFile(path, flags, 0o644)
+	f, err := driver.CreateFile("qcow2", path, o.Force)
 	if err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return fmt.Errorf("qcow2: %s exists; give --force to overwrite it", path)
-		}
-		return fmt.Errorf("qcow2: %w", err)
+		return err
 	}
 	err = writeNew(f, []hostWrite{{0, hdr}, {rtOff, encodeTable(rt)}, {rbOff, blocks}}, total*cs)
 	if cerr := f.Close(); err == nil {

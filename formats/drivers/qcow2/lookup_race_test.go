@@ -51,7 +51,7 @@ func TestLookupDecodesAgainstTheEndAfterTheTableRead(t *testing.T) {
 	g := &gateFile{File: f, gate: -1}
 	// One 512-byte L2 table of cache: the second table written evicts
 	// the first once both are written back.
-	q, err := New(g, Options{Writable: true, L2CacheSize: 512})
+	q, err := New(context.Background(), g, Options{Writable: true, L2CacheSize: 512})
 	if err != nil {
 		t.Fatal(err)
 	}

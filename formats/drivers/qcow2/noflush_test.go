@@ -28,7 +28,7 @@ func TestNoFlushWritesMetadataWithoutSync(t *testing.T) {
 			t.Fatal(err)
 		}
 		var syncs atomic.Int64
-		q, err := New(aiotest.SyncCounter{File: f, N: &syncs}, Options{Writable: true})
+		q, err := New(context.Background(), aiotest.SyncCounter{File: f, N: &syncs}, Options{Writable: true})
 		if err != nil {
 			t.Fatal(err)
 		}

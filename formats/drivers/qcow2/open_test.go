@@ -10,7 +10,7 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/raw"
 )
 
-// testOpts are the knobs the package's tests turn: what package probe
+// testOpts are the knobs the package's tests turn: what the registry
 // would be told.
 type testOpts struct {
 	Backend  aio.Backend
@@ -19,7 +19,7 @@ type testOpts struct {
 	Logger   *slog.Logger
 }
 
-// openTest opens the qcow2 image at path as package probe does (which
+// openTest opens the qcow2 image at path as the registry does (which
 // these tests cannot import: it imports this package), backing files
 // included: qcow2 ones (detected by magic when the header names no
 // format) recursively, raw ones through package raw.
@@ -32,7 +32,7 @@ func openTestDepth(path string, o testOpts, depth int) (*Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	return New(f, Options{Direct: o.Direct, Writable: o.Writable, Logger: o.Logger,
+	return New(context.Background(), f, Options{Direct: o.Direct, Writable: o.Writable, Logger: o.Logger,
 		OpenBacking: func(bpath, format string) (formats.Image, error) {
 			if depth > 8 {
 				return nil, errors.New("backing chain deeper than the tests go")
@@ -42,11 +42,11 @@ func openTestDepth(path string, o testOpts, depth int) (*Image, error) {
 				if err != nil {
 					return nil, err
 				}
-				head := make([]byte, 4)
+				head := make([]byte, 8)
 				bf.ReadAt(context.Background(), head, 0) // a short file is raw
 				bf.Close()
 				format = "raw"
-				if Detect(head) {
+				if Probe(head, "") > 0 {
 					format = "qcow2"
 				}
 			}
@@ -59,7 +59,7 @@ func openTestDepth(path string, o testOpts, depth int) (*Image, error) {
 			if err != nil {
 				return nil, err
 			}
-			return raw.New(rf, raw.Options{Direct: o.Direct})
+			return raw.New(context.Background(), rf, raw.Options{Direct: o.Direct})
 		}})
 }
 

@@ -62,24 +62,14 @@ type Options struct {
 	// read-only.
 	Writable bool
 	Logger   *slog.Logger
-	// OpenBacking opens the backing file, if the image has one (package
-	// probe gives it: this package knows no other format).
+	// OpenBacking opens the backing file, if the image has one (the
+	// registry gives it: this package knows no other format).
 	OpenBacking formats.BackingOpener
+	// Shown is a name the header holds as a message may show it (the
+	// opener's: a URL without its user, password or query); nil: as it
+	// is. This package knows no protocol, and so no secret in a URL.
+	Shown func(string) string
 }
-
-// Lock is what an open of a qcow2 file locks (see aio.Lock): nobody else
-// may write or resize a qcow2 file we use, its metadata being ours, and a
-// writable open holds write and resize.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
-
-// Detect says whether a file that starts with head is a qcow2 image.
-func Detect(head []byte) bool { return len(head) >= len(magic) && [4]byte(head[:4]) == magic }
 
 // Image is an open qcow2 image.
 type Image struct {
@@ -149,7 +139,7 @@ type Image struct {
 
 // New opens the qcow2 image in f, which it owns from now on (Close closes
 // it; so does a failed New), with its backing chain.
-func New(f aio.File, o Options) (*Image, error) {
+func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	path := f.Name()
 	q, err := load(f, path, o)
 	if err != nil {
@@ -157,12 +147,12 @@ func New(f aio.File, o Options) (*Image, error) {
 		return nil, err
 	}
 	if o.Writable {
-		if err := q.openForWriting(context.Background()); err != nil {
+		if err := q.openForWriting(ctx); err != nil {
 			f.Close()
 			return nil, fmt.Errorf("%s: %w", path, err)
 		}
 	}
-	if err := q.openBacking(o.OpenBacking); err != nil {
+	if err := q.openBacking(o.OpenBacking, o.Shown); err != nil {
 		f.Close()
 		return nil, err
 	}

@@ -270,13 +270,13 @@ func (r *raceImage) open() {
 	if err != nil {
 		r.fail("open: %v", err)
 	}
-	q, err := New(jitterFile{f}, Options{Writable: true, L2CacheSize: r.l2cache, Direct: r.cfg.direct,
+	q, err := New(context.Background(), jitterFile{f}, Options{Writable: true, L2CacheSize: r.l2cache, Direct: r.cfg.direct,
 		OpenBacking: func(bpath, format string) (formats.Image, error) {
 			bf, err := openTestFile(bpath, testOpts{Backend: r.cfg.backend, Direct: r.cfg.direct})
 			if err != nil {
 				return nil, err
 			}
-			return raw.New(jitterFile{bf}, raw.Options{Direct: r.cfg.direct})
+			return raw.New(context.Background(), jitterFile{bf}, raw.Options{Direct: r.cfg.direct})
 		}})
 	if err != nil {
 		r.fail("open: %v", err)

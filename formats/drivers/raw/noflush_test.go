@@ -24,7 +24,7 @@ func TestNoFlushSyncsNothing(t *testing.T) {
 			t.Fatal(err)
 		}
 		var syncs atomic.Int64
-		r, err := New(aiotest.SyncCounter{File: f, N: &syncs}, Options{Writable: true})
+		r, err := New(context.Background(), aiotest.SyncCounter{File: f, N: &syncs}, Options{Writable: true})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -3,7 +3,7 @@
 // for extents, st_blocks for the allocated size, punch-hole for discard.
 //
 // With Direct (--cache none) the host file is O_DIRECT behind
-// [aio.Aligned] (package probe opens it so): aligned requests go straight
+// [aio.Aligned] (the registry opens it so): aligned requests go straight
 // to the device (a payload that is merely misaligned in memory is copied,
 // never read first), and only the partial blocks at the ends of an
 // unaligned write are read-modify-written.
@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -23,6 +22,7 @@ import (
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 )
 
@@ -63,7 +63,7 @@ type Image struct {
 
 // New makes the raw image of f, which it owns from now on (Close closes
 // it; so does a failed New).
-func New(f aio.File, o Options) (*Image, error) {
+func New(_ context.Context, f aio.File, o Options) (*Image, error) {
 	img := &Image{f: f, writable: o.Writable, align: 1}
 	if !aio.HasFd(f) {
 		// A remote object (read-only, no host file to stat or seek).
@@ -378,22 +378,20 @@ func (r *Image) Features() formats.Features {
 	return f
 }
 
-// Create makes a new raw image of size bytes at path, sparse. It refuses
-// to replace an existing file unless force is set.
-func Create(path string, size int64, force bool) error {
-	if size < 0 {
+// Create makes a new raw image of o.Size bytes at path, sparse. It
+// refuses to replace an existing file unless o.Force is set, and what a
+// raw file cannot record (a backing file, a cluster size).
+func Create(path string, o driver.CreateOptions) error {
+	size := o.Size
+	switch {
+	case o.BackingFile != "" || o.ClusterSize != 0:
+		return fmt.Errorf("raw: a backing file and a cluster size are qcow2 options")
+	case size < 0:
 		return fmt.Errorf("raw: size %d is negative", size)
 	}
-	flags := os.O_RDWR | os.O_CREATE | os.O_EXCL
-	if force {
-		flags = os.O_RDWR | os.O_CREATE | os.O_TRUNC
-	}
-	f, err := os.OpenFile(path, flags, 0o644)
+	f, err := driver.CreateFile("raw", path, o.Force)
 	if err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return fmt.Errorf("raw: %s exists; give --force to overwrite it", path)
-		}
-		return fmt.Errorf("raw: %w", err)
+		return err
 	}
 	err = f.Truncate(size)
 	if err == nil {

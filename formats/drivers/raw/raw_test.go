@@ -204,7 +204,7 @@ func TestDirectWritesReadOnlyPartialBlocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	cf := &countingFile{File: f}
-	img, err := New(aio.Aligned(cf, aio.LogicalBlockSize(f.Fd())), Options{Writable: true, Direct: true})
+	img, err := New(context.Background(), aio.Aligned(cf, aio.LogicalBlockSize(f.Fd())), Options{Writable: true, Direct: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,7 +246,7 @@ func TestDirectWritesReadOnlyPartialBlocks(t *testing.T) {
 	}
 }
 
-// testOpts are the knobs these tests turn: what package probe would be
+// testOpts are the knobs these tests turn: what the registry would be
 // told.
 type testOpts struct {
 	Writable bool
@@ -254,7 +254,7 @@ type testOpts struct {
 	Backend  aio.Backend
 }
 
-// openTest opens the raw image at path as package probe does.
+// openTest opens the raw image at path as the registry does.
 func openTest(path string, o testOpts) (*Image, error) {
 	f, err := aio.Open(path, aio.Options{Backend: o.Backend, Writable: o.Writable, Direct: o.Direct})
 	if err != nil {
@@ -263,5 +263,5 @@ func openTest(path string, o testOpts) (*Image, error) {
 	if o.Direct {
 		f = aio.Aligned(f, aio.LogicalBlockSize(f.Fd()))
 	}
-	return New(f, Options{Writable: o.Writable, Direct: o.Direct})
+	return New(context.Background(), f, Options{Writable: o.Writable, Direct: o.Direct})
 }

@@ -6,10 +6,9 @@ import (
 	"fmt"
 	"io"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // ErrNoRepair: QEMU's vdi check repairs nothing (it refuses any -r,
@@ -36,10 +35,22 @@ const checkChunk = 1 << 18
 // or under the data) is one corruption more: QEMU reads such images
 // without an error and serves zeroes or other bytes. Memory is bounded
 // by the entries in the file, not by the header's counts. f is closed.
-func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
+//
+// A repair (-r) is refused as QEMU's vdi check refuses it, which qemu-img
+// reports as a format without checks (exit 63), once the image has
+// opened as it would for writing (the header checked, the writer's lock
+// taken by the registry: an image in use fails first, exit 1, as in
+// qemu-img).
+func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (formats.CheckResult, error) {
 	defer f.Close()
+	if repair != driver.RepairNone {
+		if _, err := readHeader(ctx, f); err != nil {
+			return formats.CheckResult{}, fmt.Errorf("%s: %w", f.Name(), err)
+		}
+		return formats.CheckResult{}, fmt.Errorf("%s: %w: %w", f.Name(), ErrNoRepair, driver.ErrNoChecks)
+	}
 	res := formats.CheckResult{Filename: f.Name(), Format: "vdi"}
-	fileSize, err := sizeOf(f)
+	fileSize, err := aio.FileSize(f)
 	if err != nil {
 		return res, err
 	}
@@ -143,29 +154,6 @@ func leUint32(b []byte) uint32 {
 	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
 }
 
-// sizeOf is the size of f's file (a block device's by seeking).
-func sizeOf(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		n, err := aio.FileSize(f)
-		if err != nil {
-			return 0, fmt.Errorf("vdi: %w", err)
-		}
-		return n, nil
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return 0, fmt.Errorf("vdi: stat: %w", err)
-	}
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return 0, fmt.Errorf("vdi: size: %w", err)
-		}
-		return n, nil
-	}
-	return st.Size, nil
-}
-
 // readHeader reads and checks the header as QEMU's vdi_open does; a short
 // file reads as zero-padded.
 func readHeader(ctx context.Context, f aio.File) (Header, error) {
@@ -181,14 +169,4 @@ func readHeader(ctx context.Context, f aio.File) (Header, error) {
 		return Header{}, err
 	}
 	return h, nil
-}
-
-// CheckHeader checks the header of f as QEMU's vdi_open does, and closes
-// f: what a check that repairs nothing opens before it refuses.
-func CheckHeader(ctx context.Context, f aio.File) error {
-	defer f.Close()
-	if _, err := readHeader(ctx, f); err != nil {
-		return fmt.Errorf("%s: %w", f.Name(), err)
-	}
-	return nil
 }

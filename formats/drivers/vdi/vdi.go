@@ -15,13 +15,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
+	"github.com/blockexport/blockexport/formats/internal/blockmap"
 )
 
 // Errors callers branch on.
@@ -48,16 +45,6 @@ const (
 	maxDiskSize  = maxBlocks * blockSize
 	offBmapField = 0x154
 )
-
-// Lock is what an open of a VDI file locks (see aio.Lock): as for any
-// format with metadata, nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
 
 // Header is the part of the VDI header the reader uses, host-endian.
 type Header struct {
@@ -127,21 +114,24 @@ func (h *Header) validate() error {
 
 // Image is an open VDI image.
 type Image struct {
-	formats.NoFastPath // no write fast path, no features; TryReadAt is its own
-	formats.ReadOnly   // writes refused: write through a qcow2 overlay
-	f                  aio.File
-	h                  Header
-	size               int64
-	static             bool
+	blockmap.Map     // reads, tries, lends and extents, from locate
+	formats.ReadOnly // writes refused: write through a qcow2 overlay
+	f                aio.File
+	h                Header
+	size             int64
+	static           bool
 	// bmap holds the entries of the blocks that cover the disk (QEMU holds
 	// blocks_in_image of them; those past the disk are never used).
 	bmap []uint32
 }
 
+// Options say how to open a VDI image: nothing to choose yet.
+type Options struct{}
+
 // New opens the VDI image of f, which it owns from now on (Close closes
 // it; so does a failed New). Only read-only opens exist so far.
-func New(f aio.File) (*Image, error) {
-	img, err := open(f)
+func New(ctx context.Context, f aio.File, _ Options) (*Image, error) {
+	img, err := open(ctx, f)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
@@ -149,38 +139,15 @@ func New(f aio.File) (*Image, error) {
 	return img, nil
 }
 
-func open(f aio.File) (*Image, error) {
-	ctx := context.Background()
-	var st unix.Stat_t
-	if !aio.HasFd(f) {
-		// A remote object: its size is all there is to stat.
-		n, err := aio.FileSize(f)
-		if err != nil {
-			return nil, fmt.Errorf("vdi: %w", err)
-		}
-		st.Size, st.Mode = n, unix.S_IFREG
-	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return nil, fmt.Errorf("vdi: stat: %w", err)
-	}
-	fileSize := st.Size
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return nil, fmt.Errorf("vdi: size: %w", err)
-		}
-		fileSize = n
-	}
-	buf := make([]byte, headerSize)
-	// A short file reads as zero-padded, as QEMU reads it; its size is
-	// refused after the fields are (QEMU's messages first).
-	if _, err := f.ReadAt(ctx, buf, 0); err != nil && !errors.Is(err, io.EOF) {
-		return nil, fmt.Errorf("vdi: read header: %w", err)
-	}
-	h, err := parseHeader(buf)
+func open(ctx context.Context, f aio.File) (*Image, error) {
+	fileSize, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
-	if err := h.validate(); err != nil {
+	// A short file reads as zero-padded, as QEMU reads it; its size is
+	// refused after the fields are (QEMU's messages first).
+	h, err := readHeader(ctx, f)
+	if err != nil {
 		return nil, err
 	}
 	if fileSize < headerSize {
@@ -190,6 +157,7 @@ func open(f aio.File) (*Image, error) {
 	if err := img.loadBmap(ctx, fileSize); err != nil {
 		return nil, err
 	}
+	img.Map = blockmap.Map{Format: "vdi", End: img.size, Locate: img.locate, File: f}
 	return img, nil
 }
 
@@ -251,95 +219,17 @@ func (img *Image) Header() Header { return img.h }
 
 func (img *Image) Size() int64 { return img.size }
 
-// locate says where the byte at off lies: its data-file offset and how
-// many bytes of its block follow, or ok false for a block that reads as
-// zeroes.
-func (img *Image) locate(off int64) (host int64, n int64, ok bool) {
-	i := off / blockSize
+// locate says where the bytes at off lie, to the end of their block: an
+// allocated block's in the file (the file's own bytes for a static image,
+// whose holes QEMU asks the file about), or zeroes for an unallocated or
+// discarded one (QEMU's BDRV_BLOCK_ZERO).
+func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run, bool, error) {
 	in := off % blockSize
-	n = blockSize - in
-	e := img.bmap[i]
-	if e >= discarded {
-		return 0, n, false
+	r := blockmap.Run{Kind: blockmap.Zero, N: min(n, blockSize-in)}
+	if e := img.bmap[off/blockSize]; e < discarded {
+		r.Kind, r.File, r.Host, r.Raw = blockmap.Data, img.f, int64(img.h.OffsetData)+int64(e)*blockSize+in, img.static
 	}
-	return int64(img.h.OffsetData) + int64(e)*blockSize + in, n, true
-}
-
-// ReadAt reads p at off, block by block.
-func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if off < 0 || off+int64(len(p)) > img.size {
-		return 0, fmt.Errorf("vdi: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
-	}
-	done := 0
-	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
-		chunk := p[done:min(len(p), done+int(n))]
-		if !ok {
-			clear(chunk)
-		} else if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
-			return done, fmt.Errorf("vdi: read %d bytes at %d (file offset %#x): %w", len(chunk), off+int64(done), host, err)
-		}
-		done += len(chunk)
-	}
-	return done, nil
-}
-
-// TryReadAt serves p with the block map in memory and the file's page
-// cache: false as soon as one block would wait.
-func (img *Image) TryReadAt(p []byte, off int64) bool {
-	if off < 0 || off+int64(len(p)) > img.size {
-		return false
-	}
-	done := 0
-	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
-		chunk := p[done:min(len(p), done+int(n))]
-		if !ok {
-			clear(chunk)
-		} else if !img.f.TryReadAt(chunk, host) {
-			return false
-		}
-		done += len(chunk)
-	}
-	return true
-}
-
-// TryLendAt is TryReadAt lending the file's pages (formats.PageLender).
-func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
-	if off < 0 || n <= 0 || off+n > img.size {
-		return v, false
-	}
-	return formats.LendRuns(img.f, v, off, n, img.locate)
-}
-
-// Extent: an unallocated or discarded block reads as zeroes (QEMU's
-// BDRV_BLOCK_ZERO); an allocated one is data at its file offset. For a
-// static image QEMU asks the file too (BDRV_BLOCK_RECURSE), so a hole in
-// the file is data that reads as zeroes, cut where the hole ends.
-func (img *Image) Extent(_ context.Context, off, n int64) (formats.Extent, error) {
-	if off < 0 || off >= img.size {
-		return formats.Extent{}, fmt.Errorf("vdi: extent at %d: %w", off, formats.ErrOutOfRange)
-	}
-	host, run, ok := img.locate(off)
-	n = min(n, run, img.size-off)
-	e := formats.Extent{Start: off, Length: n, Present: true, File: img.f.Name()}
-	if !ok {
-		e.Zero = true
-		return e, nil
-	}
-	e.Data, e.Offset, e.HasOffset = true, host, true
-	if img.static {
-		e.Length, e.Zero = hostfile.Run(img.f.Fd(), host, n)
-	}
-	return e, nil
-}
-
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vdi: stat: %w", err)
-	}
-	return a, nil
+	return r, true, nil
 }
 
 // Info is qemu-img info's: the block size as cluster size, and no

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // vdiSpec describes a crafted image: header fields and the block map.
@@ -93,7 +94,7 @@ func openPath(t testing.TB, p string) (*Image, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := New(f)
+	img, err := New(context.Background(), f, Options{})
 	if err == nil {
 		t.Cleanup(func() { img.Close() })
 	}
@@ -295,7 +296,7 @@ func FuzzOpen(f *testing.F) {
 		}
 		// The check reads the same bytes as QEMU does, unchecked by the
 		// reader: no panic, no hang (a header's 2^29 blocks included).
-		if res, err := Check(context.Background(), cf); err == nil && res.Corruptions < 0 {
+		if res, err := Check(context.Background(), cf, driver.Options{}, driver.RepairNone); err == nil && res.Corruptions < 0 {
 			t.Fatalf("check: %d corruptions", res.Corruptions)
 		}
 		img, err := openPath(t, p)
@@ -314,7 +315,7 @@ func FuzzOpen(f *testing.F) {
 func qemuReads(t *testing.T, path string) ([]byte, bool) {
 	t.Helper()
 	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("no qemu-img")
+		t.Fatal("qemu-img is needed: apt-get install -y qemu-utils")
 	}
 	out := filepath.Join(t.TempDir(), "qemu.raw")
 	if msg, err := exec.Command("qemu-img", "convert", "-f", "vdi", "-O", "raw", path, out).CombinedOutput(); err != nil {

@@ -139,22 +139,6 @@ func (img *Image) fromParent(state uint64) bool {
 	return img.diff && (state == blockNotPresent || state == blockUndefined)
 }
 
-// readParent reads p at off from the parent: zeroes past its end, or
-// where no parent was opened.
-func (img *Image) readParent(ctx context.Context, p []byte, off int64) error {
-	n := 0
-	if img.parent != nil {
-		n = int(max(0, min(int64(len(p)), img.parent.Size()-off)))
-	}
-	if n > 0 {
-		if _, err := img.parent.ReadAt(ctx, p[:n], off); err != nil {
-			return fmt.Errorf("vhdx: read %d bytes at %d from the parent: %w", n, off, err)
-		}
-	}
-	clear(p[n:])
-	return nil
-}
-
 // readPartial reads p at off, inside one PARTIALLY_PRESENT block whose
 // bytes lie at blockHost: run by run of sectors with one bitmap bit.
 func (img *Image) readPartial(ctx context.Context, p []byte, off, blockHost int64) error {
@@ -185,7 +169,7 @@ func (img *Image) readPartial(ctx context.Context, p []byte, off, blockHost int6
 			if _, err := img.f.ReadAt(ctx, q, blockHost+pos-blockStart); err != nil {
 				return fmt.Errorf("vhdx: read %d bytes at %d: %w", len(q), pos, err)
 			}
-		} else if err := img.readParent(ctx, q, pos); err != nil {
+		} else if err := img.ReadBacking(ctx, q, pos); err != nil {
 			return err
 		}
 		pos = end

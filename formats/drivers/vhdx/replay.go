@@ -206,7 +206,7 @@ func Replay(ctx context.Context, f aio.File) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if !Detect(id) {
+	if Probe(id, "") == 0 {
 		return false, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, r.name)
 	}
 	h, err := r.headers()

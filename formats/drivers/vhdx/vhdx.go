@@ -24,7 +24,8 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
+	"github.com/blockexport/blockexport/formats/internal/blockmap"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // ErrCorrupt marks an image whose metadata is inconsistent or hostile.
@@ -97,25 +98,10 @@ func msGUID(d1 uint32, d2, d3 uint16, d4 ...byte) [16]byte {
 	return g
 }
 
-// Lock is what an open of a VHDX file locks (see aio.Lock), as QEMU's
-// format drivers lock their file: nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
-}
-
-// Detect says whether a file that starts with head is a VHDX image.
-func Detect(head []byte) bool { return bytes.HasPrefix(head, []byte("vhdxfile")) }
-
 // Options say how to open an image.
 type Options struct {
-	// Writable is refused: VHDX images are read here, not written.
-	Writable bool
 	// OpenParent opens a differencing image's parent by the name its
-	// parent locator gives (package probe confines it to the image's
+	// parent locator gives (the registry confines it to the image's
 	// directory) and returns it with its name as shown. nil: differencing
 	// images are refused. A nil image with no error: parents are not
 	// opened (info without the chain); reads of the parent's sectors
@@ -141,7 +127,7 @@ type span struct {
 
 // Image is an open VHDX image.
 type Image struct {
-	formats.NoFastPath // no write fast path, no features; TryReadAt is below
+	blockmap.Map // reads, tries, lends and extents, from locate
 	formats.ReadOnly
 	f    aio.File
 	path string
@@ -181,9 +167,6 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 // end of the file are listed there instead of refused.
 func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, error) {
 	name := f.Name()
-	if o.Writable {
-		return nil, fmt.Errorf("%s: VHDX images are opened read-only here, and -w is refused; write over it through a qcow2 overlay: qemu-img create -f qcow2 -b %s -F vhdx overlay.qcow2, then export the overlay with -w", name, name)
-	}
 	var st unix.Stat_t
 	if !aio.HasFd(f) {
 		st.Mode = unix.S_IFREG // a remote object: FileSize below is all there is
@@ -203,7 +186,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err != nil {
 		return nil, err
 	}
-	if !Detect(id) {
+	if Probe(id, "") == 0 {
 		return nil, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, name)
 	}
 	h, err := r.headers()
@@ -237,6 +220,10 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 			return nil, err
 		}
 	}
+	img.Map = blockmap.Map{Format: "vhdx", End: img.size, Locate: img.locate, Backing: img.parent, File: f,
+		ReadOwn: func(ctx context.Context, r blockmap.Run, p []byte, off int64) error {
+			return img.readPartial(ctx, p, off, r.Host-off%img.blockSize)
+		}}
 	return img, nil
 }
 
@@ -597,189 +584,29 @@ func (r *reader) loadBAT(img *Image, bat span, spans []span) error {
 // Size is the virtual size in bytes.
 func (img *Image) Size() int64 { return img.size }
 
-// piece is where the bytes of one block at off lie: host is the file
-// offset of a (fully or partially) present block's bytes, else -1.
-func (img *Image) piece(off int64, n int) (host int64, take int, state uint64) {
-	blk := off / img.blockSize
+// locate says where the bytes at off lie, to the end of their block:
+// present blocks in the file; a partially present block's sectors come
+// from the file or the parent by its sector bitmap, which is not held in
+// memory (read by readPartial: a try says it would wait); a differencing
+// image's NOT_PRESENT and UNDEFINED blocks are the parent's; ZERO blocks
+// (and UNMAPPED ones with a parent) are allocated zeroes; the other
+// states read as zeroes from nowhere, as QEMU reads them without a parent.
+func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Run, bool, error) {
 	in := off % img.blockSize
-	take = int(min(int64(n), img.blockSize-in))
-	e := img.bat[blk]
-	state = e & batStateMask
-	if state != blockFullyPresent && state != blockPartiallyPresent {
-		return -1, take, state
+	r := blockmap.Run{Kind: blockmap.Hole, N: min(n, img.blockSize-in), File: img.f}
+	e := img.bat[off/img.blockSize]
+	switch state := e & batStateMask; {
+	case state == blockFullyPresent:
+		r.Kind, r.Host = blockmap.Data, int64(e&batOffsetMask)+in
+	case state == blockPartiallyPresent:
+		r.Kind, r.Host = blockmap.Own, int64(e&batOffsetMask)+in
+		return r, !try, nil
+	case img.fromParent(state):
+		r.Kind = blockmap.Backing
+	case state == blockZero || state == blockUnmapped && img.diff:
+		r.Kind = blockmap.Zero
 	}
-	return int64(e&batOffsetMask) + in, take, state
-}
-
-func (img *Image) inRange(off int64, n int) error {
-	if off < 0 || n < 0 || off > img.size || int64(n) > img.size-off {
-		return fmt.Errorf("vhdx: %d bytes at %d: %w", n, off, formats.ErrOutOfRange)
-	}
-	return nil
-}
-
-// ReadAt fills p from off, block by block: present blocks from the file,
-// every other state as zeroes (QEMU reads them so without a parent).
-func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if err := img.inRange(off, len(p)); err != nil {
-		return 0, err
-	}
-	done := 0
-	for done < len(p) {
-		at := off + int64(done)
-		host, take, state := img.piece(at, len(p)-done)
-		q := p[done : done+take]
-		switch {
-		case state == blockFullyPresent:
-			if _, err := img.f.ReadAt(ctx, q, host); err != nil {
-				// Blocks were checked against the file at open: a short
-				// read means it shrank under us, an error, not zeroes.
-				return done, fmt.Errorf("vhdx: read %d bytes at %d (file offset %d): %w", take, at, host, err)
-			}
-		case state == blockPartiallyPresent:
-			if err := img.readPartial(ctx, q, at, host-at%img.blockSize); err != nil {
-				return done, err
-			}
-		case img.fromParent(state):
-			if err := img.readParent(ctx, q, at); err != nil {
-				return done, err
-			}
-		default:
-			clear(q)
-		}
-		done += take
-	}
-	return len(p), nil
-}
-
-// TryReadAt serves p without waiting: the BAT is in memory, zero blocks
-// need no I/O, present ones are tried in the page cache and the parent's
-// by the parent's own try; a partially present block's sector bitmap is
-// not held in memory, so its reads wait.
-func (img *Image) TryReadAt(p []byte, off int64) bool {
-	if img.inRange(off, len(p)) != nil {
-		return false
-	}
-	done := 0
-	for done < len(p) {
-		at := off + int64(done)
-		host, take, state := img.piece(at, len(p)-done)
-		q := p[done : done+take]
-		switch {
-		case state == blockFullyPresent:
-			if !img.f.TryReadAt(q, host) {
-				return false
-			}
-		case state == blockPartiallyPresent:
-			return false
-		case img.fromParent(state):
-			if img.parent == nil || at+int64(take) > img.parent.Size() || !img.parent.TryReadAt(q, at) {
-				return false
-			}
-		default:
-			clear(q)
-		}
-		done += take
-	}
-	return true
-}
-
-// TryLendAt is TryReadAt lending the file's pages (formats.PageLender),
-// and the parent's where it lends.
-func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
-	if n <= 0 || n > 1<<30 || img.inRange(off, int(n)) != nil {
-		return v, false
-	}
-	ok := true
-	for done := int64(0); done < n && ok; {
-		at := off + done
-		host, take, state := img.piece(at, int(n-done))
-		k := int64(take)
-		if k <= 0 {
-			return v, false
-		}
-		switch {
-		case state == blockFullyPresent:
-			v, ok = formats.LendFile(img.f, v, host, k)
-		case state == blockPartiallyPresent:
-			return v, false
-		case img.fromParent(state):
-			if img.parent == nil || at+k > img.parent.Size() {
-				return v, false
-			}
-			v, ok = formats.TryLend(img.parent, at, k, v)
-		default:
-			v, ok = formats.LendZeroes(img.f, v, k)
-		}
-		done += k
-	}
-	return v, ok
-}
-
-// Extent merges blocks of one status from off: present blocks are data
-// at their file offset; ZERO blocks are allocated zeroes; the other
-// states read as zeroes from nowhere (a hole), or, in a differencing
-// image, as the parent maps them (one layer deeper); a partially
-// present block is data (some of its sectors are this file's).
-func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
-	if off < 0 || off >= img.size {
-		return formats.Extent{}, fmt.Errorf("vhdx: extent at %d: %w", off, formats.ErrOutOfRange)
-	}
-	n = min(n, img.size-off)
-	kind := func(state uint64) int {
-		switch {
-		case state == blockFullyPresent:
-			return 0
-		case state == blockZero || state == blockUnmapped && img.diff:
-			return 1
-		case state == blockPartiallyPresent:
-			return 3
-		case img.fromParent(state):
-			return 4
-		}
-		return 2
-	}
-	host, take, state := img.piece(off, int(min(n, img.blockSize)))
-	k := kind(state)
-	length := int64(take)
-	for length < n {
-		h2, t2, s2 := img.piece(off+length, int(min(n-length, img.blockSize)))
-		if kind(s2) != k || (k == 0 && h2 != host+length) {
-			break
-		}
-		length += int64(t2)
-	}
-	e := formats.Extent{Start: off, Length: length, File: img.path}
-	switch k {
-	case 0:
-		e.Data, e.Present, e.Offset, e.HasOffset = true, true, host, true
-	case 1:
-		e.Zero, e.Present = true, true
-	case 3:
-		e.Data, e.Present = true, true
-	case 4:
-		if img.parent != nil && off < img.parent.Size() {
-			pe, err := img.parent.Extent(ctx, off, min(length, img.parent.Size()-off))
-			if err != nil {
-				return formats.Extent{}, fmt.Errorf("vhdx: map the parent at %d: %w", off, err)
-			}
-			pe.Depth++
-			return pe, nil
-		}
-		e.Zero, e.Depth = true, 1 // past the parent's end, or none opened
-	default:
-		e.Zero = true
-	}
-	return e, nil
-}
-
-// AllocatedSize is the host allocation of the file.
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vhdx: stat: %w", err)
-	}
-	return a, nil
+	return r, true, nil
 }
 
 // Info is what qemu-img 7.2 prints for a VHDX image: its block size as
@@ -821,10 +648,22 @@ func batIndex(i, chunk uint64) uint64 { return i + i/chunk }
 // Check checks the image in f as qemu-img check checks a VHDX: the image
 // opens (every refusal of New is the check's failure, exit 1), and each
 // present block that lies past the end of the file is a corruption, said
-// in qemu-img's words. QEMU's check repairs nothing but a log it replays
-// at a writable open; this reader replays no log, so a dirty one fails
-// the check with the line that says how to replay it. f is closed.
-func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
+// in qemu-img's words. QEMU's check repairs nothing itself; its one
+// repair is replaying a dirty log, which it does at any writable open, so
+// a repair (-r leaks or all, f writable under the writer's lock) replays
+// the log first, counted as one corruption fixed, as qemu-img counts it.
+// Without -r a dirty log fails the check with the line that says how to
+// replay it. The parent of a differencing image is not opened: the check
+// is of this file. f is closed.
+func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (formats.CheckResult, error) {
+	replayed := false
+	if repair != driver.RepairNone {
+		var err error
+		if replayed, err = Replay(ctx, f); err != nil {
+			f.Close()
+			return formats.CheckResult{}, err
+		}
+	}
 	var found []string
 	img, err := open(ctx, f, Options{OpenParent: func(string) (formats.Image, string, error) { return nil, "", nil }}, &found)
 	if err != nil {
@@ -832,5 +671,8 @@ func Check(ctx context.Context, f aio.File) (formats.CheckResult, error) {
 		return formats.CheckResult{}, err
 	}
 	res := formats.CheckResult{Filename: img.path, Format: "vhdx", Corruptions: int64(len(found)), Messages: found}
+	if replayed {
+		res.CorruptionsFixed++
+	}
 	return res, img.Close()
 }

@@ -244,21 +244,6 @@ func TestVhdxReadsEveryBlockState(t *testing.T) {
 	}
 }
 
-func TestVhdxWritableRefused(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "t.vhdx")
-	if err := os.WriteFile(path, goodSpec().bytes(), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = New(context.Background(), f, Options{Writable: true})
-	if err == nil || !strings.Contains(err.Error(), "qcow2 overlay") || strings.Contains(err.Error(), "\n") {
-		t.Fatalf("writable open: %v", err)
-	}
-}
-
 // TestVhdxHeaders: the header with the higher sequence number wins, a
 // header with a bad checksum is ignored, both bad is refused, and equal
 // numbers on different headers are refused (QEMU's vhdx_parse_header).
@@ -482,7 +467,7 @@ func hostileCases() map[string]func(*spec) []byte {
 func qemuReads(t *testing.T, b []byte) ([]byte, bool) {
 	t.Helper()
 	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("no qemu-img")
+		t.Fatal("qemu-img is needed: apt-get install -y qemu-utils")
 	}
 	dir := t.TempDir()
 	in, out := filepath.Join(dir, "in.vhdx"), filepath.Join(dir, "out.raw")

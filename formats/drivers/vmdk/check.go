@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // Check checks the image as qemu-img check checks a vmdk (QEMU's
@@ -14,8 +16,20 @@ import (
 // qemu-img's words and fails the check, as it fails QEMU's (qemu-img
 // exits 1, "Check failed"). An image whose grain directory or tables do
 // not check out is refused at open, before any check (QEMU's check reads
-// such tables as zeroes and passes them).
-func (im *Image) Check(ctx context.Context) (formats.CheckResult, error) {
+// such tables as zeroes and passes them). QEMU's vmdk check repairs
+// nothing, so -r changes nothing here either. The parent is not opened
+// (the check is of this image's own tables). f is closed.
+func Check(ctx context.Context, f aio.File, o driver.Options, _ int) (formats.CheckResult, error) {
+	im, err := New(ctx, f, Options{Name: o.Name, OpenExtent: o.OpenFile,
+		OpenParent: func(n string) (formats.Image, string, error) { return nil, n, nil }})
+	if err != nil {
+		return formats.CheckResult{}, err
+	}
+	defer im.Close()
+	return im.check(ctx)
+}
+
+func (im *Image) check(ctx context.Context) (formats.CheckResult, error) {
 	r := formats.CheckResult{Filename: im.name, Format: "vmdk"}
 	for _, e := range im.extents {
 		if err := ctx.Err(); err != nil {
@@ -24,7 +38,7 @@ func (im *Image) Check(ctx context.Context) (formats.CheckResult, error) {
 		switch {
 		case e.f == nil: // ZERO
 		case !e.sparse:
-			fs, err := fileSize(e.f)
+			fs, err := aio.FileSize(e.f)
 			if err != nil {
 				return r, err
 			}

@@ -11,7 +11,7 @@
 // directory and grain table entry is checked against the extent file
 // before it is used, compressed grains whose lengths lie are refused, and
 // files the image names are opened only through the caller's confined
-// opener (package probe: inside the image's directory, regular files, no
+// opener (the registry: inside the image's directory, regular files, no
 // loops), never by this package.
 //
 // Grain tables are cached in a bounded LRU, and so are decompressed grains.
@@ -27,10 +27,9 @@ import (
 	"strings"
 	"sync"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/blockmap"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 	"github.com/blockexport/blockexport/formats/internal/lru"
 )
@@ -65,7 +64,7 @@ type Options struct {
 	// are relative to its directory; info shows names built from it).
 	Name string
 	// OpenExtent opens a file the descriptor names as an extent, confined
-	// as package probe confines it; it returns the file and its name as
+	// as the registry confines it; it returns the file and its name as
 	// QEMU shows it. nil: extents in other files are refused.
 	OpenExtent func(name string) (aio.File, string, error)
 	// OpenParent opens the image parentFileNameHint names, read-only, as
@@ -82,16 +81,10 @@ type Options struct {
 }
 
 // Lock is what an open of a vmdk file locks: as qcow2's, nobody may write
-// or resize a file whose metadata we read. A writable open is refused
-// after the lock (see WritableError), so it asks for no more than a
-// reader: its refusal then says why, not that a reader holds the image.
+// or resize a file whose metadata we read. Nothing writes one (a check's
+// -r repairs nothing), so it asks for no more than a reader.
 func Lock(_, _ bool) aio.Lock {
 	return aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-}
-
-// WritableError is the refusal of a writable open.
-func WritableError(path string) error {
-	return fmt.Errorf("%s: vmdk images are exported read-only: %w (write into a qcow2 overlay: blockexport create -f qcow2 -b %s -F vmdk overlay.qcow2, and export that)", path, formats.ErrReadOnly, path)
 }
 
 // extent is one extent of the image.
@@ -132,25 +125,19 @@ type extent struct {
 
 // Image is an open VMDK image.
 type Image struct {
-	formats.NoFastPath          // no write fast path, no features; TryReadAt is its own
-	formats.ReadOnly            // writes refused: write through a qcow2 overlay
-	f                  aio.File // the file opened (descriptor or sparse)
-	name               string
-	direct             bool
-	createType         string
-	cid                uint32
-	parentCID          uint32
-	parentHint         string
-	parentName         string
-	parent             formats.Image
-	extents            []*extent
-	size               int64
-}
-
-// Detect says whether head starts a VMDK: the sparse magic, or a text
-// descriptor (QEMU's vmdk_probe).
-func Detect(head []byte) bool {
-	return len(head) >= 4 && [4]byte(head[:4]) == magic || strings.HasPrefix(string(head), "# Disk DescriptorFile")
+	blockmap.Map              // reads, tries, lends and extents, from locate
+	formats.ReadOnly          // writes refused: write through a qcow2 overlay
+	f                aio.File // the file opened (descriptor or sparse)
+	name             string
+	direct           bool
+	createType       string
+	cid              uint32
+	parentCID        uint32
+	parentHint       string
+	parentName       string
+	parent           formats.Image
+	extents          []*extent
+	size             int64
 }
 
 // New opens the VMDK image of f, which it owns from now on (Close closes
@@ -166,7 +153,7 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 			err = fmt.Errorf("vmdk: %s: %w", im.name, err)
 		}
 	}()
-	size, err := fileSize(f)
+	size, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
@@ -280,6 +267,15 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 			return nil, err
 		}
 	}
+	im.Map = blockmap.Map{Format: "vmdk", End: im.size, Locate: im.locate, Backing: im.parent, File: f, Direct: im.direct,
+		ReadOwn: func(ctx context.Context, r blockmap.Run, p []byte, off int64) error {
+			_, err := im.readGrain(ctx, r, p, off, false)
+			return err
+		},
+		TryOwn: func(r blockmap.Run, p []byte, off int64) bool {
+			ok, err := im.readGrain(context.Background(), r, p, off, true)
+			return ok && err == nil
+		}}
 	return im, nil
 }
 
@@ -304,7 +300,7 @@ func (im *Image) openExtents(ctx context.Context, lines []extentLine, o Options)
 			e.size = l.sectors * sectorSize
 			e.flatOff = l.offset * sectorSize
 		case "SPARSE":
-			fs, err := fileSize(f)
+			fs, err := aio.FileSize(f)
 			if err != nil {
 				return err
 			}
@@ -372,24 +368,6 @@ func depth(img formats.Image) int {
 	return n
 }
 
-func fileSize(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		return aio.FileSize(f) // a remote object
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return 0, fmt.Errorf("stat %s: %w", f.Name(), err)
-	}
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-		if err != nil {
-			return 0, fmt.Errorf("size of %s: %w", f.Name(), err)
-		}
-		return n, nil
-	}
-	return st.Size, nil
-}
-
 // find returns the extent holding virtual offset off.
 func (im *Image) find(off int64) *extent {
 	lo, hi := 0, len(im.extents)
@@ -407,226 +385,52 @@ func (im *Image) find(off int64) *extent {
 	return nil
 }
 
-// piece is a run of the image with one source.
-type piece struct {
-	kind   int // grainUnalloc, grainZero, grainData
-	e      *extent
-	host   int64 // grainData, not compressed: byte offset in e.f
-	sector uint32
-	gidx   int64 // compressed: grain index; inGrain: offset in the grain
-	inG    int64
-	n      int64
-}
-
-// at describes the run at off of at most n bytes: up to the end of its
-// grain (sparse) or extent. try: from cache only; ok false otherwise.
-func (im *Image) at(ctx context.Context, off, n int64, try bool) (p piece, ok bool, err error) {
+// locate says where the bytes at off lie, to the end of their grain
+// (sparse) or extent: a flat extent's file bytes (whose holes QEMU asks
+// the file about), a ZERO extent's or zeroed grain's zeroes, an
+// allocated grain in its extent file (a compressed one read by
+// readGrain), an unallocated one as the parent (zeroes from nowhere
+// without one or past its end). try: grain tables from the cache only.
+func (im *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.Run, bool, error) {
 	e := im.find(off)
 	if e == nil {
-		return p, true, fmt.Errorf("offset %d: %w", off, formats.ErrOutOfRange)
+		return blockmap.Run{}, true, fmt.Errorf("vmdk: %s: offset %d: %w", im.name, off, formats.ErrOutOfRange)
 	}
 	rel := off - e.start
-	p.e = e
+	r := blockmap.Run{Kind: blockmap.Zero, N: min(n, e.size-rel), File: e.f, Name: e.name}
 	switch {
 	case e.f == nil: // ZERO
-		p.kind, p.n = grainZero, min(n, e.size-rel)
-		return p, true, nil
+		return r, true, nil
 	case !e.sparse:
-		p.kind, p.host, p.n = grainData, e.flatOff+rel, min(n, e.size-rel)
-		return p, true, nil
+		r.Kind, r.Host, r.Raw = blockmap.Data, e.flatOff+rel, true
+		return r, true, nil
 	}
-	p.inG = rel % e.grain
-	p.n = min(n, e.grain-p.inG, e.size-rel)
-	p.gidx = rel / e.grain
+	inG := rel % e.grain
+	r.N = min(r.N, e.grain-inG)
 	st, sector, ok, err := e.lookupGrain(ctx, rel, try)
-	if err != nil || !ok {
-		return p, ok, err
-	}
-	p.kind, p.sector = st, sector
-	if st == grainData && !e.compressed {
-		p.host = int64(sector)*sectorSize + p.inG
-	}
-	return p, true, nil
-}
-
-// ReadAt fills p from off.
-func (im *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if off < 0 || off+int64(len(p)) > im.size {
-		return 0, fmt.Errorf("vmdk: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
-	}
-	done := 0
-	for done < len(p) {
-		pc, _, err := im.at(ctx, off+int64(done), int64(len(p)-done), false)
-		if err != nil {
-			return done, fmt.Errorf("vmdk: %s: %w", im.name, err)
-		}
-		// Merge following pieces that continue this one in the same file.
-		if pc.kind == grainData && !pc.e.compressed {
-			for done+int(pc.n) < len(p) {
-				nx, _, err := im.at(ctx, off+int64(done)+pc.n, int64(len(p)-done)-pc.n, false)
-				if err != nil || nx.kind != grainData || nx.e != pc.e || nx.e.compressed || nx.host != pc.host+pc.n {
-					break
-				}
-				pc.n += nx.n
-			}
-		}
-		if err := im.readPiece(ctx, pc, p[done:done+int(pc.n)], off+int64(done)); err != nil {
-			return done, err
-		}
-		done += int(pc.n)
-	}
-	return len(p), nil
-}
-
-func (im *Image) readPiece(ctx context.Context, pc piece, b []byte, off int64) error {
-	switch pc.kind {
-	case grainZero:
-		clear(b)
-	case grainUnalloc:
-		// A parent shorter than the delta reads as zeroes past its end,
-		// as QEMU reads a short backing file.
-		n := im.fromParent(off, len(b))
-		if n > 0 {
-			if _, err := im.parent.ReadAt(ctx, b[:n], off); err != nil {
-				return fmt.Errorf("vmdk: %s: parent: %w", im.name, err)
-			}
-		}
-		clear(b[n:])
-	case grainData:
-		if pc.e.compressed {
-			_, err := pc.e.readCompressed(ctx, pc.sector, pc.gidx, b, pc.inG, false)
-			return err
-		}
-		n, err := pc.e.f.ReadAt(ctx, b, pc.host)
-		if errors.Is(err, io.EOF) {
-			clear(b[n:]) // a flat extent shorter than it says: zeroes, as QEMU reads it
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("vmdk: %s: read %d bytes at %d: %w", pc.e.name, len(b), pc.host, err)
-		}
-	}
-	return nil
-}
-
-// fromParent is how many of the n bytes at off the parent holds: none
-// without a parent or past its end.
-func (im *Image) fromParent(off int64, n int) int {
-	if im.parent == nil {
-		return 0
-	}
-	return int(max(0, min(int64(n), im.parent.Size()-off)))
-}
-
-// TryReadAt fills p if every grain table it needs is cached and every
-// byte is in the page cache (or a decompressed grain cached).
-func (im *Image) TryReadAt(p []byte, off int64) bool {
-	if off < 0 || off+int64(len(p)) > im.size || im.direct {
-		return false
-	}
-	ctx := context.Background()
-	done := 0
-	for done < len(p) {
-		pc, ok, err := im.at(ctx, off+int64(done), int64(len(p)-done), true)
-		if err != nil || !ok {
-			return false
-		}
-		b := p[done : done+int(pc.n)]
-		switch pc.kind {
-		case grainZero:
-			clear(b)
-		case grainUnalloc:
-			n := im.fromParent(off+int64(done), len(b))
-			if n > 0 && !im.parent.TryReadAt(b[:n], off+int64(done)) {
-				return false
-			}
-			clear(b[n:])
-		case grainData:
-			if pc.e.compressed {
-				if ok, err := pc.e.readCompressed(ctx, pc.sector, pc.gidx, b, pc.inG, true); !ok || err != nil {
-					return false
-				}
-			} else if !pc.e.f.TryReadAt(b, pc.host) {
-				return false
-			}
-		}
-		done += int(pc.n)
-	}
-	return true
-}
-
-// TryLendAt is TryReadAt lending the extents' pages (formats.PageLender):
-// not for compressed grains, which are decompressed into a buffer.
-func (im *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
-	if off < 0 || n <= 0 || off+n > im.size || im.direct {
-		return v, false
-	}
-	ctx := context.Background()
-	ok := true
-	for done := int64(0); done < n && ok; {
-		at := off + done
-		pc, found, err := im.at(ctx, at, n-done, true)
-		if err != nil || !found || pc.n <= 0 {
-			return v, false
-		}
-		switch pc.kind {
-		case grainZero:
-			v, ok = formats.LendZeroes(im.f, v, pc.n)
-		case grainUnalloc:
-			k := int64(im.fromParent(at, int(pc.n)))
-			if k > 0 {
-				v, ok = formats.TryLend(im.parent, at, k, v)
-			}
-			if ok && k < pc.n {
-				v, ok = formats.LendZeroes(im.f, v, pc.n-k)
-			}
-		case grainData:
-			if pc.e.compressed {
-				return v, false
-			}
-			v, ok = formats.LendFile(pc.e.f, v, pc.host, pc.n)
-		}
-		done += pc.n
-	}
-	return v, ok
-}
-
-// Extent describes the run at off as qemu-img map shows it.
-func (im *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
-	if off < 0 || off >= im.size {
-		return formats.Extent{}, fmt.Errorf("vmdk: extent at %d: %w", off, formats.ErrOutOfRange)
-	}
-	n = min(n, im.size-off)
-	pc, _, err := im.at(ctx, off, n, false)
 	if err != nil {
-		return formats.Extent{}, fmt.Errorf("vmdk: %s: %w", im.name, err)
+		return r, true, fmt.Errorf("vmdk: %s: %w", im.name, err)
 	}
-	x := formats.Extent{Start: off, Length: pc.n, Present: true}
-	switch pc.kind {
-	case grainZero:
-		x.Zero = true
-	case grainUnalloc:
-		if im.fromParent(off, 1) > 0 {
-			px, err := im.parent.Extent(ctx, off, pc.n)
-			if err != nil {
-				return formats.Extent{}, err
-			}
-			px.Depth++
-			return px, nil
-		}
-		x.Present, x.Zero = false, true
-	case grainData:
-		x.Data, x.File = true, pc.e.name
-		if !pc.e.compressed {
-			x.Offset, x.HasOffset = pc.host, true
-		}
-		if !pc.e.sparse {
-			// QEMU asks the flat file itself (BDRV_BLOCK_RECURSE): its
-			// holes are data that reads as zeroes.
-			x.Length, x.Zero = hostfile.Run(pc.e.f.Fd(), pc.host, pc.n)
-		}
+	switch {
+	case !ok:
+		return r, false, nil
+	case st == grainUnalloc && im.parent != nil && off < im.parent.Size():
+		r.Kind = blockmap.Backing
+	case st == grainUnalloc:
+		r.Kind = blockmap.Hole
+	case st == grainData && e.compressed:
+		r.Kind, r.Host, r.Tag = blockmap.Own, int64(sector), e
+	case st == grainData:
+		r.Kind, r.Host = blockmap.Data, int64(sector)*sectorSize+inG
 	}
-	return x, nil
+	return r, true, nil
+}
+
+// readGrain reads p at off from the compressed grain r locates.
+func (im *Image) readGrain(ctx context.Context, r blockmap.Run, p []byte, off int64, try bool) (bool, error) {
+	e := r.Tag.(*extent)
+	rel := off - e.start
+	return e.readCompressed(ctx, uint32(r.Host), rel/e.grain, p, rel%e.grain, try)
 }
 
 // AllocatedSize is the host allocation of the image's files (the

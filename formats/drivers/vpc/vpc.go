@@ -37,7 +37,7 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/internal/hostfile"
+	"github.com/blockexport/blockexport/formats/internal/blockmap"
 )
 
 // Errors callers branch on.
@@ -78,21 +78,11 @@ const (
 type Options struct {
 	SizeCalc SizeCalc
 	// OpenParent opens a differencing disk's parent by the name a parent
-	// locator gives (package probe confines it to the image's directory)
+	// locator gives (the registry confines it to the image's directory)
 	// and returns it with its name as shown; nil: differencing disks are
 	// refused. A nil image with no error: parents are not opened (info
 	// without the backing chain); reads then see zeroes.
 	OpenParent func(name string) (formats.Image, string, error)
-}
-
-// Lock is what an open of a VHD file locks (see aio.Lock): as for any
-// format with metadata, nobody else may write or resize it.
-func Lock(writable bool) aio.Lock {
-	l := aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-	if writable {
-		l.Perm |= aio.PermWrite | aio.PermResize
-	}
-	return l
 }
 
 // Footer is the VHD footer's fields the reader uses.
@@ -150,12 +140,12 @@ func diskSectors(f Footer, calc SizeCalc) uint64 {
 
 // Image is an open VHD image.
 type Image struct {
-	formats.NoFastPath // no write fast path, no features; TryReadAt is its own
-	formats.ReadOnly   // writes refused: write through a qcow2 overlay
-	f                  aio.File
-	footer             Footer
-	size               int64
-	fixed              bool
+	blockmap.Map     // reads, tries, lends and extents, from locate
+	formats.ReadOnly // writes refused: write through a qcow2 overlay
+	f                aio.File
+	footer           Footer
+	size             int64
+	fixed            bool
 	// Dynamic disks: block size, bitmap size (both bytes) and the BAT
 	// entries of the blocks that hold the disk.
 	blockSize  int64
@@ -173,29 +163,18 @@ func (img *Image) Backing() formats.Image { return img.parent }
 
 // New opens the VHD image of f, which it owns from now on (Close closes
 // it; so does a failed New).
-func New(f aio.File, o Options) (*Image, error) {
-	img, err := open(f, o)
+func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
+	img, err := open(ctx, f, o)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
 	}
+	img.Map = blockmap.Map{Format: "vpc", End: img.size, Locate: img.locate, Backing: img.parent, File: f}
 	return img, nil
 }
 
-func fileSize(f aio.File) (int64, error) {
-	if !aio.HasFd(f) {
-		return aio.FileSize(f) // a remote object
-	}
-	n, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
-	if err != nil {
-		return 0, fmt.Errorf("vpc: size: %w", err)
-	}
-	return n, nil
-}
-
-func open(f aio.File, o Options) (*Image, error) {
-	ctx := context.Background()
-	size, err := fileSize(f)
+func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
+	size, err := aio.FileSize(f)
 	if err != nil {
 		return nil, err
 	}
@@ -425,182 +404,51 @@ func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 
 func (img *Image) Size() int64 { return img.size }
 
-// locate says where the byte at off lies in the file and how many bytes
-// of its block follow, or ok false for an unallocated block (zeroes; QEMU
-// does not consult the sector bitmap on reads, and neither does this).
-func (img *Image) locate(off int64) (host, n int64, ok bool) {
+// locate says where the bytes at off lie, to the end of their block: a
+// fixed disk is the file's bytes (whose holes QEMU asks the file about);
+// an unallocated block reads as zeroes (QEMU does not consult the sector
+// bitmap on reads, and neither does this), or in a differencing disk as
+// the parent. In an allocated block of a differencing disk, each sector
+// is the child's where the block's bitmap (most significant bit first)
+// has its bit, else the parent's: the bitmap is read from the file, so a
+// try says it would wait.
+func (img *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.Run, bool, error) {
 	if img.fixed {
-		return off, img.size - off, true
+		return blockmap.Run{Kind: blockmap.Data, N: n, File: img.f, Host: off, Raw: true}, true, nil
 	}
-	i := off / img.blockSize
 	in := off % img.blockSize
-	n = img.blockSize - in
-	e := img.bat[i]
+	r := blockmap.Run{Kind: blockmap.Zero, N: min(n, img.blockSize-in)}
+	if img.diff {
+		r.Kind = blockmap.Backing
+	}
+	e := img.bat[off/img.blockSize]
 	if e == unallocated {
-		return 0, n, false
+		return r, true, nil
 	}
-	return int64(e)*512 + img.bitmapSize + in, n, true
-}
-
-// diffRun is, for a differencing disk, where the byte at off comes from
-// and for how many bytes: the child's file at host (fromChild), or the
-// parent at off. A block the BAT does not allocate is the parent's; in an
-// allocated one, each sector is the child's where the block's bitmap
-// (most significant bit first) has its bit.
-func (img *Image) diffRun(ctx context.Context, off int64) (host, n int64, fromChild bool, err error) {
-	host, n, ok := img.locate(off)
-	if !ok {
-		return 0, n, false, nil
+	host := int64(e)*512 + img.bitmapSize + in
+	if !img.diff {
+		r.Kind, r.File, r.Host = blockmap.Data, img.f, host
+		return r, true, nil
 	}
-	i := off / img.blockSize
+	if try {
+		return r, false, nil
+	}
 	bitmap := make([]byte, img.bitmapSize)
-	bmOff := int64(img.bat[i]) * 512
-	if _, err := img.f.ReadAt(ctx, bitmap, bmOff); err != nil {
-		return 0, 0, false, fmt.Errorf("vpc: read sector bitmap at %#x: %w", bmOff, err)
+	if _, err := img.f.ReadAt(ctx, bitmap, int64(e)*512); err != nil {
+		return r, true, fmt.Errorf("vpc: read sector bitmap at %#x: %w", int64(e)*512, err)
 	}
 	bit := func(sec int64) bool { return bitmap[sec/8]&(0x80>>(sec%8)) != 0 }
-	first := (off % img.blockSize) / 512
-	last := img.blockSize / 512
-	want := bit(first)
+	first := in / 512
+	child := bit(first)
 	sec := first + 1
-	for sec < last && bit(sec) == want {
+	for sec < img.blockSize/512 && bit(sec) == child {
 		sec++
 	}
-	return host, min(n, sec*512-off%img.blockSize), want, nil
-}
-
-// readParent reads p at off from the parent; past its end (a parent
-// smaller than the child), and with no parent opened, zeroes.
-func (img *Image) readParent(ctx context.Context, p []byte, off int64) error {
-	clear(p)
-	if img.parent == nil || off >= img.parent.Size() {
-		return nil
-	}
-	n := min(int64(len(p)), img.parent.Size()-off)
-	if _, err := img.parent.ReadAt(ctx, p[:n], off); err != nil {
-		return fmt.Errorf("vpc: read parent: %w", err)
-	}
-	return nil
-}
-
-// ReadAt reads p at off, block by block (sector run by sector run in a
-// differencing disk).
-func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if off < 0 || off+int64(len(p)) > img.size {
-		return 0, fmt.Errorf("vpc: read %d bytes at %d: %w", len(p), off, formats.ErrOutOfRange)
-	}
-	done := 0
-	for done < len(p) {
-		pos := off + int64(done)
-		var host, n int64
-		var ok bool
-		if img.diff {
-			var err error
-			if host, n, ok, err = img.diffRun(ctx, pos); err != nil {
-				return done, err
-			}
-		} else {
-			host, n, ok = img.locate(pos)
-		}
-		chunk := p[done:min(int64(len(p)), int64(done)+n)]
-		switch {
-		case ok:
-			if _, err := img.f.ReadAt(ctx, chunk, host); err != nil {
-				return done, fmt.Errorf("vpc: read %d bytes at %d (file offset %#x): %w", len(chunk), pos, host, err)
-			}
-		case img.diff:
-			if err := img.readParent(ctx, chunk, pos); err != nil {
-				return done, err
-			}
-		default:
-			clear(chunk)
-		}
-		done += len(chunk)
-	}
-	return done, nil
-}
-
-// TryReadAt serves p with the BAT in memory and the file's page cache (a
-// differencing disk's bitmaps are read from the file: it goes to ReadAt).
-func (img *Image) TryReadAt(p []byte, off int64) bool {
-	if img.diff || off < 0 || off+int64(len(p)) > img.size {
-		return false
-	}
-	done := 0
-	for done < len(p) {
-		host, n, ok := img.locate(off + int64(done))
-		chunk := p[done:min(int64(len(p)), int64(done)+n)]
-		if !ok {
-			clear(chunk)
-		} else if !img.f.TryReadAt(chunk, host) {
-			return false
-		}
-		done += len(chunk)
-	}
-	return true
-}
-
-// TryLendAt is TryReadAt lending the file's pages (formats.PageLender).
-func (img *Image) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
-	if img.diff || off < 0 || n <= 0 || off+n > img.size {
-		return v, false
-	}
-	return formats.LendRuns(img.f, v, off, n, img.locate)
-}
-
-// Extent: an unallocated block reads as zeroes; an allocated one is data
-// at its file offset. A fixed disk is the file's bytes, and QEMU asks the
-// file (BDRV_BLOCK_RAW): a hole in it is data that reads as zeroes.
-func (img *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error) {
-	if off < 0 || off >= img.size {
-		return formats.Extent{}, fmt.Errorf("vpc: extent at %d: %w", off, formats.ErrOutOfRange)
-	}
-	if img.diff {
-		return img.diffExtent(ctx, off, n)
-	}
-	host, run, ok := img.locate(off)
-	n = min(n, run, img.size-off)
-	e := formats.Extent{Start: off, Length: n, Present: true, File: img.f.Name()}
-	if !ok {
-		e.Zero = true
-		return e, nil
-	}
-	e.Data, e.Offset, e.HasOffset = true, host, true
-	if img.fixed {
-		e.Length, e.Zero = hostfile.Run(img.f.Fd(), host, n)
-	}
-	return e, nil
-}
-
-// diffExtent: the child's sectors are data at depth 0; the rest is the
-// parent's extent one layer down (zeroes from nowhere past its end or
-// without one).
-func (img *Image) diffExtent(ctx context.Context, off, n int64) (formats.Extent, error) {
-	host, run, child, err := img.diffRun(ctx, off)
-	if err != nil {
-		return formats.Extent{}, err
-	}
-	n = min(n, run, img.size-off)
+	r.N = min(r.N, sec*512-in)
 	if child {
-		return formats.Extent{Start: off, Length: n, Data: true, Present: true, Offset: host, HasOffset: true, File: img.f.Name()}, nil
+		r.Kind, r.File, r.Host = blockmap.Data, img.f, host
 	}
-	if img.parent == nil || off >= img.parent.Size() {
-		return formats.Extent{Start: off, Length: n, Zero: true, Depth: 1}, nil
-	}
-	e, err := img.parent.Extent(ctx, off, min(n, img.parent.Size()-off))
-	if err != nil {
-		return formats.Extent{}, err
-	}
-	e.Depth++
-	return e, nil
-}
-
-func (img *Image) AllocatedSize(context.Context) (int64, error) {
-	a, err := hostfile.Allocated(img.f.Fd())
-	if err != nil {
-		return 0, fmt.Errorf("vpc: stat: %w", err)
-	}
-	return a, nil
+	return r, true, nil
 }
 
 // Info is qemu-img info's: a dynamic disk's block size as cluster size,

@@ -122,7 +122,7 @@ func openVHD(t testing.TB, p string, o Options) (*Image, error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := New(f, o)
+	img, err := New(context.Background(), f, o)
 	if err == nil {
 		t.Cleanup(func() { img.Close() })
 	}
@@ -347,7 +347,7 @@ func FuzzOpen(f *testing.F) {
 func qemuReads(t *testing.T, path string) ([]byte, bool) {
 	t.Helper()
 	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("no qemu-img")
+		t.Fatal("qemu-img is needed: apt-get install -y qemu-utils")
 	}
 	out := filepath.Join(t.TempDir(), "qemu.raw")
 	if msg, err := exec.Command("qemu-img", "convert", "-f", "vpc", "-O", "raw", path, out).CombinedOutput(); err != nil {

@@ -9,7 +9,6 @@ import (
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
-	"github.com/blockexport/blockexport/formats/drivers/raw"
 	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -248,8 +247,8 @@ func notBeingRead(dst string, src formats.Image, backing string) error {
 // create makes a new Target of size bytes, replacing one that exists (as
 // qemu-img convert does).
 func (j Job) create(size int64) error {
-	if j.Format == registry.Raw {
-		return raw.Create(j.Target, size, true)
+	if j.Format != registry.QCOW2 {
+		return registry.Create(j.Target, j.Format, registry.CreateOptions{Size: size, Force: true})
 	}
 	co := j.Create
 	co.Size, co.Force = (size+511)&^511, true
@@ -275,5 +274,5 @@ func (j Job) create(size int64) error {
 		co.BackingFile, co.BackingFormat = j.Backing, b.Format
 		b.Image.Close()
 	}
-	return qcow2.Create(j.Target, co)
+	return registry.Create(j.Target, j.Format, co)
 }

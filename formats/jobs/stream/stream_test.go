@@ -64,7 +64,7 @@ func overlay(t *testing.T, size, failAt int64) (*qcow2.Image, *dataImage, string
 	if err != nil {
 		t.Fatal(err)
 	}
-	q, err := qcow2.New(f, qcow2.Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) { return d, nil }})
+	q, err := qcow2.New(context.Background(), f, qcow2.Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) { return d, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +109,7 @@ func TestStreamStopsAtABackingError(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	q, err = qcow2.New(f, qcow2.Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) { return d, nil }})
+	q, err = qcow2.New(context.Background(), f, qcow2.Options{Writable: true, OpenBacking: func(string, string) (formats.Image, error) { return d, nil }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,7 +173,7 @@ func TestCopyOnReadAndStreamNeedABackingFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	q, err := qcow2.New(f, qcow2.Options{Writable: true})
+	q, err := qcow2.New(context.Background(), f, qcow2.Options{Writable: true})
 	if err != nil {
 		t.Fatal(err)
 	}

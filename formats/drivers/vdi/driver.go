@@ -1,0 +1,28 @@
+package vdi
+
+import (
+	"context"
+	"encoding/binary"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
+)
+
+// Driver is vdi's registry entry: read, checked, never written (a
+// writable open is refused by the registry, pointing to an overlay).
+func Driver() driver.Format {
+	return driver.Format{Name: "vdi", Probe: Probe, Lock: driver.MetadataLock, Check: Check,
+		Open: func(ctx context.Context, f aio.File, _ driver.Options) (formats.Image, error) {
+			return driver.Image(New(ctx, f, Options{}))
+		}}
+}
+
+// Probe: the signature 0xbeda107f, little-endian, at 64, after the
+// 64-byte text of a 512-byte header (QEMU's vdi_probe).
+func Probe(head []byte, _ string) int {
+	if len(head) >= 512 && binary.LittleEndian.Uint32(head[64:]) == signature {
+		return 100
+	}
+	return 0
+}
