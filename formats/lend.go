@@ -83,24 +83,3 @@ func TryLend(img Image, off, n int64, v [][]byte) ([][]byte, bool) {
 	}
 	return l.TryLendAt(off, n, v)
 }
-
-// LendRuns is TryLendAt for an image of one host file f whose locate
-// maps an offset to the run of bytes from there on that lie together:
-// at host in f (mapped), or a hole that reads as zeroes. (vdi, vpc.)
-func LendRuns(f aio.File, v [][]byte, off, n int64, locate func(off int64) (host, run int64, mapped bool)) ([][]byte, bool) {
-	ok := true
-	for done := int64(0); done < n && ok; {
-		host, run, mapped := locate(off + done)
-		k := min(n-done, run)
-		if k <= 0 {
-			return v, false
-		}
-		if mapped {
-			v, ok = LendFile(f, v, host, k)
-		} else {
-			v, ok = LendZeroes(f, v, k)
-		}
-		done += k
-	}
-	return v, ok
-}
