@@ -58,8 +58,20 @@ func (f Filter) ReleaseCompletions() {
 	}
 }
 
+func (f Filter) SetNoFlush(on bool) {
+	if n, ok := f.Image.(NoFlusher); ok {
+		n.SetNoFlush(on)
+	}
+}
+
+func (f Filter) SetGrowAhead(n int64) {
+	if g, ok := f.Image.(GrowAheader); ok {
+		g.SetGrowAhead(n)
+	}
+}
+
 // As returns img as the optional interface T (PageLender, CacheLender,
-// Layered, Completions) where img offers it: through filters, only where
+// Layered, Completions, NoFlusher, GrowAheader) where img offers it: through filters, only where
 // the image under them does too. Front ends ask As, not a type assertion,
 // before they choose a path by a capability.
 func As[T any](img Image) (T, bool) {

@@ -40,6 +40,8 @@ type full struct {
 	bare
 	pageAt, cacheAt  int64 // the offset the last lend asked for; -1: none
 	served, released int
+	noFlush          bool
+	growAhead        int64
 }
 
 func (f *full) CanLend() bool { return true }
@@ -54,6 +56,8 @@ func (f *full) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 func (f *full) CompletionFds(dst []int) []int { return append(dst, 42) }
 func (f *full) ServeCompletions()             { f.served++ }
 func (f *full) ReleaseCompletions()           { f.released++ }
+func (f *full) SetNoFlush(on bool)            { f.noFlush = on }
+func (f *full) SetGrowAhead(n int64)          { f.growAhead = n }
 
 const diskSize = 8 << 20
 
@@ -106,6 +110,22 @@ var capabilities = []capability{
 		c.ServeCompletions()
 		c.ReleaseCompletions()
 		return in.served == 1 && in.released == 1
+	}},
+	{"NoFlusher", reflect.TypeFor[formats.NoFlusher](), func(img formats.Image, in *full, _ int64) bool {
+		n, ok := formats.As[formats.NoFlusher](img)
+		if !ok {
+			return false
+		}
+		n.SetNoFlush(true)
+		return in.noFlush
+	}},
+	{"GrowAheader", reflect.TypeFor[formats.GrowAheader](), func(img formats.Image, in *full, _ int64) bool {
+		g, ok := formats.As[formats.GrowAheader](img)
+		if !ok {
+			return false
+		}
+		g.SetGrowAhead(64 << 20)
+		return in.growAhead == 64<<20
 	}},
 }
 
@@ -169,6 +189,8 @@ func TestFiltersAddNoCapability(t *testing.T) {
 			"CacheLender": as[formats.CacheLender](img),
 			"PageLender":  as[formats.PageLender](img),
 			"Completions": as[formats.Completions](img),
+			"NoFlusher":   as[formats.NoFlusher](img),
+			"GrowAheader": as[formats.GrowAheader](img),
 		} {
 			if has {
 				t.Errorf("%s over an image without %s offers it", f.name, name)

@@ -163,13 +163,13 @@ func (j Job) openTarget(size int64) (*registry.Opened, bool, error) {
 // engineOptions completes j.Options for the target opened.
 func (j Job) engineOptions(dst formats.Image, created bool) (Options, error) {
 	o := j.Options
-	if nf, ok := dst.(formats.NoFlusher); ok && j.Cache == "unsafe" {
+	if nf, ok := formats.As[formats.NoFlusher](dst); ok && j.Cache == "unsafe" {
 		// qemu-img convert's default: the target is written through the
 		// page cache and not flushed at the end (the kernel writes it
 		// back later).
 		nf.SetNoFlush(true)
 	}
-	if g, ok := dst.(formats.GrowAheader); ok && created {
+	if g, ok := formats.As[formats.GrowAheader](dst); ok && created {
 		g.SetGrowAhead(64 << 20) // cut back at the end
 	}
 	o.TargetZero = created || j.TargetIsZero
