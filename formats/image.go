@@ -189,7 +189,7 @@ type Snapshot struct {
 // BackingOpener opens an image's backing file, read-only: path as the image
 // names it (a relative name made relative to the image's directory),
 // format as it names it ("": detect it). Formats with backing files get
-// one from whoever opens them (package probe), so that no format needs to
+// one from whoever opens them (package registry), so that no format needs to
 // know the others.
 type BackingOpener func(path, format string) (Image, error)
 

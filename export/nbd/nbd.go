@@ -1,8 +1,8 @@
 // Package nbd serves one image over the NBD protocol (fixed newstyle), as
 // qemu-nbd and qemu-storage-daemon's NBD export do.
 //
-// The protocol's numbers are formats/nbd/wire's, shared with the NBD client
-// (formats/nbd); go-nbd (pkg/protocol) supplies the option, option-reply,
+// The protocol's numbers are formats/protocols/nbd/wire's, shared with the NBD client
+// (formats/protocols/nbd); go-nbd (pkg/protocol) supplies the option, option-reply,
 // request and simple-reply headers and the INFO structs. What is written here, because
 // go-nbd's server only speaks the baseline (serial READ/WRITE/DISC, a
 // backend error drops the connection): NBD_OPT_EXPORT_NAME,

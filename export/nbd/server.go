@@ -48,7 +48,7 @@ type Options struct {
 	Logger         *slog.Logger
 	// Extra are more exports of the same server beside Name: the disk's
 	// partitions (--partitions), listed by NBD_OPT_LIST and chosen by
-	// name, each a range of the disk (formats/partition).
+	// name, each a range of the disk (formats/filters/partition).
 	Extra []Export
 }
 
