@@ -104,6 +104,13 @@ func TestErrorsNameTheImageOnce(t *testing.T) {
 			t.Errorf("%v: exit %d, the image named %d times:\n%s", args, code, strings.Count(out, raw), out)
 		}
 	}
+	// Each driver says its own name once, however it refuses the file.
+	for _, format := range []string{"qcow2", "vmdk", "vhdx", "vpc", "vdi"} {
+		code, out := harness.RunBlockexport(t, "info", "-f", format, raw)
+		if code == 0 || strings.Count(out, raw) != 1 || strings.Count(out, format+":") > 1 {
+			t.Errorf("info -f %s: exit %d, a doubled name:\n%s", format, code, out)
+		}
+	}
 }
 
 // TestMapOfAnOddSizedRawFileAsQemuImg: qemu-img sees a raw file in whole

@@ -150,7 +150,11 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 	defer func() {
 		if err != nil {
 			im.Close()
-			err = fmt.Errorf("vmdk: %s: %w", im.name, err)
+			if errors.Is(err, ErrCorrupt) { // already says vmdk
+				err = fmt.Errorf("%s: %w", im.name, err)
+			} else {
+				err = fmt.Errorf("vmdk: %s: %w", im.name, err)
+			}
 		}
 	}()
 	size, err := aio.FileSize(f)
