@@ -92,7 +92,8 @@ unit:
 
 # Side-by-side benchmark against qemu-storage-daemon at its best (every
 # configuration measured, the fastest quoted; about 40 minutes); the report
-# lands in docs/bench/. BENCHFLAGS="-runtime 3s -only null
+# lands in docs/bench/, the tables of the areas it ran in docs/bench/README.md.
+# BENCHFLAGS="-runtime 3s -only null
 # -qemu-config aio=io_uring,iothread" for a quick look.
 BENCHFLAGS ?=
 bench: build

@@ -27,6 +27,9 @@
 // over a unix socket): ours, qemu-storage-daemon's nbd blockdev under its
 // FUSE export, and nbdfuse.
 //
+// Beside its dated report, a run rewrites the tables of docs/bench/README.md
+// that quote the areas it ran (docs.go).
+//
 //	go run ./tests/bench [-runtime 5s] [-out docs/bench] [-only null,raw,qcow2,nbd,nbdsrc,loop] [-qemu-config aio=io_uring,iothread]
 package main
 
@@ -88,6 +91,8 @@ type row struct {
 	qemuConfig   string
 	qemuAll      []measured
 	higherBetter bool
+	// area is the docs/bench/README.md block the row fills (docs.go).
+	area string
 }
 
 type measured struct {
@@ -241,28 +246,36 @@ func main() {
 		targets[t] = true
 	}
 	var rows []row
+	// covered: the README blocks (docs.go) this run measures whole, which
+	// it rewrites; a part of an area (-only vmdk, kcdirect, -convert-rows)
+	// leaves its block as it is, as latest.md keeps a full run.
+	covered := map[string]bool{}
 	for _, target := range []string{"null", "raw", "qcow2"} {
 		if targets[target] {
-			rows = append(rows, benchTarget(target, dir, with(target, ours()), "", nil)...)
+			covered[target] = true
+			rows = append(rows, tag(target, benchTarget(target, dir, with(target, ours()), "", nil))...)
 		}
 	}
 	if targets["null"] {
 		// The opt-in busy-poll mode, on the rows it is for.
-		rows = append(rows, benchTarget("null", dir, with("null", ours("--poll-us", "50")), " (--poll-us 50)", func(j fioJob) bool { return j.engine == "pvsync2" })...)
+		rows = append(rows, tag("null", benchTarget("null", dir, with("null", ours("--poll-us", "50")), " (--poll-us 50)", func(j fioJob) bool { return j.engine == "pvsync2" }))...)
 	}
 	if targets["qcow2"] {
-		rows = append(rows, benchAlloc(dir, with("qcow2", ours()))...)
+		rows = append(rows, tag("qcow2", benchAlloc(dir, with("qcow2", ours())))...)
 	}
 	if targets["raw"] {
-		rows = append(rows, benchConvert(dir, with("raw", ours()))...)
-		rows = append(rows, benchPassthrough(dir, bin)...)
+		covered["passthrough"] = true
+		rows = append(rows, tag("raw", benchConvert(dir, with("raw", ours())))...)
+		rows = append(rows, tag("passthrough", benchPassthrough(dir, bin))...)
 	}
 	if targets["slow"] || *only == defaultOnly {
+		covered["slow"] = true
 		for _, target := range []string{"raw", "qcow2"} {
-			rows = append(rows, benchSlow(target, dir, ours)...)
+			rows = append(rows, tag("slow", benchSlow(target, dir, ours))...)
 		}
 	}
 	if targets["loop"] || *only == defaultOnly {
+		covered["loop"] = true
 		for _, target := range []string{"raw", "qcow2"} {
 			cached := ours("--kernel-cache", "on")
 			cached.config = "--kernel-cache on"
@@ -279,30 +292,36 @@ func main() {
 			// the image (cache.direct=on) among them, as the kernel-cache
 			// rows run it.
 			systems := append([]system{ours(), cached, shortRA, direct, {name: "file"}}, append(qsdSystems(target), qsdDirectSystems()...)...)
-			rows = append(rows, benchLoop(target, dir, systems)...)
+			rows = append(rows, tag("loop", benchLoop(target, dir, systems))...)
 		}
 	}
 	if targets["nbd"] || *only == defaultOnly {
+		covered["nbd"] = true
 		for _, target := range []string{"null", "raw"} {
-			rows = append(rows, benchNBD(target, dir, bin)...)
+			rows = append(rows, tag("nbd", benchNBD(target, dir, bin))...)
 		}
 	}
 	if targets["uring"] || *only == defaultOnly {
+		covered["uring"] = true
 		for _, target := range []string{"null", "raw", "qcow2"} {
-			rows = append(rows, benchURing(target, dir, ours)...)
+			rows = append(rows, tag("uring", benchURing(target, dir, ours))...)
 		}
 	}
 	if targets["nbdsrc"] || *only == defaultOnly {
-		rows = append(rows, benchNBDSource(dir, bin)...)
+		covered["nbdsrc"] = true
+		rows = append(rows, tag("nbdsrc", benchNBDSource(dir, bin))...)
 	}
 	if targets["s3"] {
-		rows = append(rows, benchS3(dir, bin)...)
+		covered["s3"] = true
+		rows = append(rows, tag("s3", benchS3(dir, bin))...)
 	}
 	if targets["http"] {
-		rows = append(rows, benchHTTP(dir, bin)...)
+		covered["http"] = true
+		rows = append(rows, tag("http", benchHTTP(dir, bin))...)
 	}
 	if targets["kcache"] || *only == defaultOnly {
-		rows = append(rows, benchKernelCache(dir, ours)...)
+		covered["kcache"] = true
+		rows = append(rows, tag("kcache", benchKernelCache(dir, ours))...)
 	}
 	if targets["kcache"] || targets["kcdirect"] || *only == defaultOnly {
 		// O_DIRECT opens keep direct_io under --kernel-cache on: the
@@ -312,14 +331,18 @@ func main() {
 		// worse than that).
 		off := ours()
 		off.ours, off.config = false, "--kernel-cache off"
-		rows = append(rows, benchTarget("raw", dir, []system{ours("--kernel-cache", "on"), off}, " (--kernel-cache on vs off)", nil)...)
+		rows = append(rows, tag("kcache", benchTarget("raw", dir, []system{ours("--kernel-cache", "on"), off}, " (--kernel-cache on vs off)", nil))...)
 	}
 	if targets["convert"] {
-		rows = append(rows, cvBenchConvert(dir, bin)...)
+		covered["convert"] = *cvRows == ""
+		rows = append(rows, tag("convert", cvBenchConvert(dir, bin))...)
 	}
+	covered["formats"] = true
 	for _, target := range foreignTargets() {
 		if targets["formats"] || targets[target] || *only == defaultOnly {
-			rows = append(rows, benchTarget(target, dir, with(target, ours()), "", func(j fioJob) bool { return j.bs == "4k" })...)
+			rows = append(rows, tag("formats", benchTarget(target, dir, with(target, ours()), "", func(j fioJob) bool { return j.bs == "4k" }))...)
+		} else {
+			covered["formats"] = false
 		}
 	}
 	if targets["formats"] || targets["vmdk-stream"] || *only == defaultOnly {
@@ -329,10 +352,10 @@ func main() {
 		// monolithicSparse" asks of grains cached.
 		cached := ours("--decompressed-cache-size", "1280M")
 		cached.readWhole = true
-		rows = append(rows, benchTarget("vmdk-stream", dir, with("vmdk-stream", cached), " (--decompressed-cache-size 1280M, read once first)",
-			func(j fioJob) bool { return j.bs == "4k" && strings.HasPrefix(j.rw, "rand") })...)
+		rows = append(rows, tag("formats", benchTarget("vmdk-stream", dir, with("vmdk-stream", cached), " (--decompressed-cache-size 1280M, read once first)",
+			func(j fioJob) bool { return j.bs == "4k" && strings.HasPrefix(j.rw, "rand") }))...)
 	}
-	if err := report(rows); err != nil {
+	if err := report(rows, covered); err != nil {
 		log.Fatal(err)
 	}
 }
@@ -850,25 +873,21 @@ func ratio(r row) float64 {
 	return r.qemu / r.ours
 }
 
-func report(rows []row) error {
+// report writes the dated report and chart, latest.md for a full run, and
+// the README's tables of the areas the run covered (docs.go).
+func report(rows []row, covered map[string]bool) error {
 	if err := os.MkdirAll(*outDir, 0o755); err != nil {
 		return err
 	}
 	stamp := time.Now().UTC().Format("2006-01-02T1504Z")
 	var b strings.Builder
 	fmt.Fprintf(&b, "# blockexport vs qemu-storage-daemon — %s\n\n", stamp)
-	fmt.Fprintf(&b, "%s\n\n", machine())
+	mach := machine()
+	fmt.Fprintf(&b, "%s\n\n", mach)
 	fmt.Fprintf(&b, "fio: 4 KiB, direct=1, numjobs=1, time_based, runtime %v (+1 s ramp) per row and system; aio = libaio iodepth 16, sync = pvsync2 iodepth 1. 1 GiB images, page cache warmed before each row (read through once; the pages left by making an image are dropped first, so both daemons read the page cache as reading the image from disk fills it); the order of the systems rotates from row to row. Ratio > 1 means blockexport is better (for time and RSS rows: smaller).\n\n", *runtimeFlag)
 	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only where QEMU runs with cache.direct=on: the --cache none rows, the kernel-cache rows and the loop rows, with aio=native, io_uring or threads, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse; the uring rows compare FUSE over io_uring with our own /dev/fuse loop. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
-	fmt.Fprintf(&b, "| target | row | compared with: the best of its configurations | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
-	for _, r := range rows {
-		q := num(r.qemu, r.unit)
-		if r.qemuConfig != "" {
-			q += ", " + r.qemuConfig
-		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %.2f× |\n", r.target, r.name, q, num(r.ours, r.unit), ratio(r))
-	}
+	b.WriteString(ratioTable(rows))
 	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency; the kernel-cache rows beside the same buffered job on the file itself, and the loop rows beside a loop device on the image file itself. The last column is blockexport's speed over the file's (above 1: faster; for time rows the file's time over ours).\n\n| target | row | device (fio on the file) | compared with, best | blockexport | blockexport vs device |\n|---|---|---:|---:|---:|---:|\n")
 	for _, r := range rows {
 		if r.file == 0 {
@@ -914,7 +933,42 @@ func report(rows []row) error {
 	}
 	fmt.Print(b.String())
 	log.Printf("report: %s", md)
+	// The README quotes QEMU at its best: a pinned run is a quick look,
+	// its report dated only, like latest.md's rule above.
+	if *qemuConfigFlag != "" {
+		return nil
+	}
+	readme := filepath.Join(*outDir, "README.md")
+	if _, err := os.Stat(readme); os.IsNotExist(err) {
+		return nil // -out elsewhere: a directory of reports only
+	}
+	areas, err := updateReadme(readme, stamp, mach, rows, covered)
+	if err != nil {
+		return err
+	}
+	if len(areas) > 0 {
+		log.Printf("%s: rewrote the tables of %s", readme, strings.Join(areas, ", "))
+	}
 	return nil
+}
+
+// ratioTable is the report's main table of rows, which the README's blocks
+// quote too. A row with nothing to compare with (QEMU has no S3 driver)
+// shows a dash there and in the ratio, not a zero that reads as a failure.
+func ratioTable(rows []row) string {
+	var b strings.Builder
+	b.WriteString("| target | row | compared with: the best of its configurations | blockexport | ratio |\n|---|---|---:|---:|---:|\n")
+	for _, r := range rows {
+		q, x := num(r.qemu, r.unit), fmt.Sprintf("%.2f×", ratio(r))
+		if r.qemuConfig != "" {
+			q += ", " + r.qemuConfig
+		}
+		if r.qemu == 0 && len(r.qemuAll) == 0 {
+			q, x = "—", "—"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", r.target, r.name, q, num(r.ours, r.unit), x)
+	}
+	return b.String()
 }
 
 // pinNote says when -qemu-config narrowed the configurations.
