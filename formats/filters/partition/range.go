@@ -107,6 +107,10 @@ func (r *Range) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 // partition's (st_blocks then says the size).
 func (r *Range) AllocatedSize(context.Context) (int64, error) { return -1, nil }
 
+// Backing is nil: the disk's backing image answers at the disk's offsets,
+// not the partition's, so a range offers none rather than a wrong one.
+func (r *Range) Backing() formats.Image { return nil }
+
 func (r *Range) TryReadAt(p []byte, off int64) bool {
 	if r.check("read", off, int64(len(p))) != nil {
 		return false // ReadAt says why

@@ -68,6 +68,11 @@ func Run(ctx context.Context, j Job) error {
 	if err := notBeingRead(j.Target, src.Image, j.Backing); err != nil {
 		return err
 	}
+	// Interrupted while the source was opened (a network source can take
+	// a while): nothing of Target has been touched yet, so it stays so.
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w: %s untouched", ErrInterrupted, j.Target)
+	}
 	dst, created, err := j.openTarget(size)
 	if err != nil {
 		return err
@@ -77,16 +82,19 @@ func Run(ctx context.Context, j Job) error {
 		dst.Image.Close()
 		return err
 	}
-	if err := j.watch(ctx, src.Image, &o); err != nil {
-		dst.Image.Close()
-		return err
+	// The progress of -p counts qemu-img's steps over the source's block
+	// status first; an interrupt there ends the job as one in the copy
+	// does (a new raw Target keeps the 0 bytes converted).
+	var st Stats
+	cerr := j.watch(ctx, src.Image, &o)
+	if cerr == nil {
+		if wb := startWriteBehind(j.Target, j.Cache == "none" || nbd.IsURI(j.Target)); wb != nil {
+			defer wb.stop()
+			report := o.Progress
+			o.Progress = func(done, total int64) { report(done, total); wb.note(done) }
+		}
+		st, cerr = Convert(ctx, src.Image, dst.Image, o)
 	}
-	if wb := startWriteBehind(j.Target, j.Cache == "none" || nbd.IsURI(j.Target)); wb != nil {
-		defer wb.stop()
-		report := o.Progress
-		o.Progress = func(done, total int64) { report(done, total); wb.note(done) }
-	}
-	st, cerr := Convert(ctx, src.Image, dst.Image, o)
 	interrupted := cerr != nil && ctx.Err() != nil
 	// Whatever happened, what was written is written back (and made
 	// durable, but with -t unsafe): a qcow2 target's metadata is

@@ -38,6 +38,9 @@ func qemuSteps(ctx context.Context, src formats.Image, o Options) (*qemuCount, e
 	var nextStatus int64
 	var data bool
 	for pos := int64(0); pos < total; {
+		if err := ctx.Err(); err != nil { // Extent of a local image may not look
+			return nil, err
+		}
 		if nextStatus <= pos {
 			x, err := src.Extent(ctx, pos, min(size-pos, qemuRequestMax))
 			if err != nil {
