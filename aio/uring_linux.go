@@ -481,14 +481,15 @@ func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
 // completes right here), unless its caller's try has just missed; a
 // buffered write is written from the caller (see tryWrite).
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
-	if coroutines.PathOf(ctx) == coroutines.Lone && !u.closed() {
+	path := coroutines.PathOf(ctx)
+	if path == coroutines.Lone && !u.closed() {
 		if op == opRead {
 			return preadAll(ctx, u, p, off, u.check)
 		}
 		return pwriteAll(ctx, u, p, off, u.check)
 	}
 	done := 0
-	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && coroutines.PathOf(ctx) != coroutines.AfterMiss {
+	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && path != coroutines.AfterMiss {
 		n, err := preadNoWait(u.fd, p, off)
 		if err == nil {
 			if n == 0 {

@@ -447,10 +447,11 @@ func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 		return readOp{}, false
 	}
 	r := readOp{off: int64(in.Offset), fillsCache: e.cachesRead(in)}
-	if size := e.img.Size(); r.off >= 0 && r.off < size {
+	size := e.img.Size() // fixed while the read is counted: a resize drains first
+	if r.off >= 0 && r.off < size {
 		r.n = min(readLimit(in), size-r.off)
 	}
-	r.zeroes = e.readPastImage(in, r.off+r.n)
+	r.zeroes = e.readPastImage(in, r.off+r.n, size)
 	if r.fillsCache {
 		e.marks.mark(r.off, r.size())
 	}
@@ -546,13 +547,13 @@ func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 // in the read's range the kernel writes back before the READ) must read
 // zeroes, not end early (fsx seed 1796186140117775601: an O_DIRECT read
 // between the old end and a buffered write past it returned 0 bytes).
-func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd int64) int64 {
+func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd, size int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
 		return 0
 	}
 	want := off + readLimit(in)
-	if want <= dataEnd || dataEnd < e.img.Size() {
+	if want <= dataEnd || dataEnd < size {
 		return 0 // the image's bytes fill the read, or it ends before the image does
 	}
 	ks, ok := e.kernelSize()

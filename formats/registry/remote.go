@@ -54,7 +54,7 @@ func IsRemote(spec string) bool {
 // URL without its user, password or query (a signature).
 func Shown(spec string) string {
 	if IsRemote(spec) {
-		return remotehttp.Redact(spec)
+		return remote.Redact(spec)
 	}
 	return spec
 }
@@ -248,7 +248,7 @@ func checkRemote(ctx context.Context, spec string, o Options, repair int) (forma
 // NBD URI names no secret and is shown whole.
 func shownName(name string) string {
 	if strings.Contains(name, "://") && !strings.HasPrefix(name, "nbd") {
-		return remotehttp.Redact(name)
+		return remote.Redact(name)
 	}
 	return name
 }

@@ -92,15 +92,27 @@ func (m *Map) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if !m.inRange(off, int64(len(p))) {
 		return 0, fmt.Errorf("%s: read %d bytes at %d: %w", m.Format, len(p), off, formats.ErrOutOfRange)
 	}
+	// next is the run after the last one read, already looked up to see
+	// whether it merged (a vpc child's bitmap read, a vmdk grain table
+	// look-up): it is not looked up again.
+	var next Run
 	for done := int64(0); done < int64(len(p)); {
 		at := off + done
-		r, _, err := m.Locate(ctx, at, int64(len(p))-done, false)
-		if err != nil {
-			return int(done), err
+		r := next
+		if r.N == 0 {
+			var err error
+			if r, _, err = m.Locate(ctx, at, int64(len(p))-done, false); err != nil {
+				return int(done), err
+			}
 		}
+		next = Run{}
 		for r.Kind == Data && done+r.N < int64(len(p)) {
 			nx, _, err := m.Locate(ctx, at+r.N, int64(len(p))-done-r.N, false)
-			if err != nil || nx.Kind != Data || nx.File != r.File || nx.Host != r.Host+r.N || nx.Raw != r.Raw {
+			if err != nil {
+				break // the loop's own look-up of it reports the error
+			}
+			if nx.Kind != Data || nx.File != r.File || nx.Host != r.Host+r.N || nx.Raw != r.Raw {
+				next = nx
 				break
 			}
 			r.N += nx.N

@@ -55,14 +55,6 @@ type Options struct {
 	Shown func(string) string
 }
 
-// Show is o.Shown(name), or name.
-func (o Options) Show(name string) string {
-	if o.Shown == nil {
-		return name
-	}
-	return o.Shown(name)
-}
-
 // Format is one format of image files: the registry entry. A format QEMU
 // probes and this program does not read has Probe and nothing else: it is
 // recognised so that it is refused by name, not taken for raw.

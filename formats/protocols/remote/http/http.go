@@ -64,10 +64,10 @@ func New(rawURL string, o Options) (*Backend, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
 		// url's errors quote the whole URL, credentials and all.
-		return nil, fmt.Errorf("%s: %w: cannot parse it", Redact(rawURL), ErrBadURL)
+		return nil, fmt.Errorf("%s: %w: cannot parse it", remote.Redact(rawURL), ErrBadURL)
 	}
 	if u.Scheme != "http" && u.Scheme != "https" || u.Host == "" || u.Opaque != "" {
-		return nil, fmt.Errorf("%s: %w: want http://HOST/PATH or https://HOST/PATH", Redact(rawURL), ErrBadURL)
+		return nil, fmt.Errorf("%s: %w: want http://HOST/PATH or https://HOST/PATH", remote.Redact(rawURL), ErrBadURL)
 	}
 	u.Fragment, u.RawFragment = "", ""
 	if o.Connections <= 0 {
@@ -102,7 +102,7 @@ func New(rawURL string, o Options) (*Backend, error) {
 		// range of the object.
 		DisableCompression: true,
 	}
-	b := &Backend{u: u, name: Redact(rawURL), tr: tr, log: o.Logger, fast: newFastClient(u, tlsConf, o.Connections)}
+	b := &Backend{u: u, name: remote.Redact(rawURL), tr: tr, log: o.Logger, fast: newFastClient(u, tlsConf, o.Connections)}
 	origin := u.Scheme + "://" + canonicalHost(u)
 	b.client = &nethttp.Client{Transport: tr, CheckRedirect: func(req *nethttp.Request, via []*nethttp.Request) error {
 		if len(via) >= 10 {
@@ -126,9 +126,6 @@ func canonicalHost(u *url.URL) string {
 	}
 	return net.JoinHostPort(strings.ToLower(u.Hostname()), port)
 }
-
-// Redact is remote.Redact, for the callers that name http objects.
-func Redact(rawURL string) string { return remote.Redact(rawURL) }
 
 func (b *Backend) String() string { return b.name }
 
