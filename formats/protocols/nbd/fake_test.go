@@ -23,6 +23,8 @@ type fakeInfo struct {
 	size                  uint64
 	hangUpAfterHandshake  bool
 	rejectExtendedHeaders bool
+	// silent: the server accepts and never greets (a stalled server).
+	silent bool
 }
 
 // fakeReq is one request a fake server took.
@@ -122,6 +124,10 @@ func (f *fakeNBD) serve(c net.Conn, n int) {
 	info := f.info(n)
 	if info.size == 0 {
 		info.size = uint64(len(f.data))
+	}
+	if info.silent {
+		io.Copy(io.Discard, c) // until the client hangs up
+		return
 	}
 	r := bufio.NewReader(c)
 	var wmu sync.Mutex

@@ -166,7 +166,7 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 	}
 	backoff := 50 * time.Millisecond
 	for {
-		c, err := img.redial(ctx)
+		c, err := img.redialBy(ctx, deadline)
 		if err == nil {
 			s.redials.Add(1) // the outage ends when a request gets through (back)
 			s.set(c)
@@ -190,6 +190,18 @@ func (img *Image) conn(ctx context.Context, s *slot, deadline time.Time) (*conn,
 		}
 		backoff = min(2*backoff, time.Second)
 	}
+}
+
+// redialBy is redial with the handshake bounded by the request's
+// deadline too (zero: by the handshake's own limit alone): a server that
+// accepts and then stalls must not hold a request past ReconnectTimeout.
+func (img *Image) redialBy(ctx context.Context, deadline time.Time) (*conn, error) {
+	if deadline.IsZero() {
+		return img.redial(ctx)
+	}
+	dctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	return img.redial(dctx)
 }
 
 // errChanged: the export came back different; no retry helps.

@@ -122,7 +122,7 @@ func TestReconnectMustCarryWhatWasPromised(t *testing.T) {
 					t.Fatalf("op %d after the export came back lacking it: %v, want EIO", i, err)
 				}
 				if took := time.Since(began); took > time.Second {
-					t.Fatalf("op %d took %v to fail: a changed export is no outage to wait for", i, took)
+					t.Fatalf("op %d took %v to fail (%v): a changed export is no outage to wait for", i, took, err)
 				}
 			}
 			if ok {
@@ -355,5 +355,28 @@ func TestReconnectStormWithReadsBetween(t *testing.T) {
 	}
 	if l := logs.lines(); len(l) > 3 {
 		t.Fatalf("8 outages in a row logged %d lines: %q", len(l), l)
+	}
+}
+
+// TestReconnectToAStalledServerKeepsTheTimeout: the server comes back,
+// accepts, and never says a word; the request still fails with EIO by
+// ReconnectTimeout, not after the handshake's own, much longer, limit.
+func TestReconnectToAStalledServerKeepsTheTimeout(t *testing.T) {
+	f := newFakeNBD(t, 1<<20, func(n int) fakeInfo {
+		i := fullInfo()
+		i.silent = n > 0
+		return i
+	})
+	f.handle = func(q fakeReq, _ fakeInfo) ([]byte, bool) {
+		return nil, q.conn == 0 && q.cmd == wire.CmdWrite // hang up on the first write
+	}
+	img := f.open(Options{Writable: true, ReconnectTimeout: time.Second})
+	began := time.Now()
+	_, err := img.WriteAt(context.Background(), make([]byte, 512), 0)
+	if !errors.Is(err, syscall.EIO) {
+		t.Fatalf("a write while the server stalls: %v, want EIO", err)
+	}
+	if took := time.Since(began); took > 5*time.Second {
+		t.Fatalf("the write took %v to fail with a 1 s reconnect timeout (%v)", took, err)
 	}
 }
