@@ -252,10 +252,14 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		file = filepath.Join(abs, o.FileName)
 	}
 	undo := func() {
-		detach(abs, exp.log)
+		// The queues' fds first: a setup that failed for want of
+		// descriptors (cloning --queues) left none for detach, whose
+		// look at the mount table then failed and read as "not
+		// mounted", and the dead mount stayed.
 		for _, fd := range srv.fds {
 			unix.Close(fd)
 		}
+		detach(abs, exp.log)
 		made.remove()
 	}
 	if err := srv.addExtraFiles(o.Extra); err != nil {
