@@ -29,20 +29,17 @@ run: build
 # the qcow2 kill -9 test). The end-to-end packages run one at a time (-p 1):
 # they share the machine's FUSE module parameter, /dev/fuse's mode, the
 # test user, loop devices and the page cache.
-# The export tests, every test in ./tests/fuse, run a second time over FUSE
-# over io_uring (the module parameter is switched on for the run and
-# restored; .ci/keep-fuse-param restores it even when a test binary
-# panics), and a third time with the kernel page cache on (--kernel-cache
-# on): a test joins those runs by living in that package. The fuzzers run
+# The export tests, every test in ./tests/fuse, run a second time with the
+# kernel page cache on (--kernel-cache on): a test joins that run by living
+# in that package. The fuzzers run
 # for a count, not a time: a time limit that ran out while a worker held an
 # input was reported as "context deadline exceeded", a failure, in one run.
 test:
 	.ci/deps
 	.ci/s3server
 	$(GO) vet ./...
-	.ci/keep-fuse-param $(GO) test -race -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/tests\(/\|$$\)')
-	.ci/keep-fuse-param $(GO) test -p 1 -count=1 -timeout 20m ./tests/...
-	BLOCKEXPORT_TRANSPORT=uring .ci/keep-fuse-param $(GO) test -count=1 -timeout 10m ./tests/fuse
+	$(GO) test -race -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/tests\(/\|$$\)')
+	$(GO) test -p 1 -count=1 -timeout 20m ./tests/...
 	BLOCKEXPORT_KERNEL_CACHE=on $(GO) test -count=1 -timeout 10m ./tests/fuse
 	$(GO) test -run XXX -fuzz FuzzOpen -fuzztime 1500x -fuzzminimizetime 2s ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz FuzzServe -fuzztime 10000x -fuzzminimizetime 2s ./export/nbd

@@ -40,11 +40,8 @@ const (
 	fsyncDatasync = 1
 
 	setupCQSize = 1 << 3
-	setupSQE128 = 1 << 10
 
 	featSingleMmap = 1 << 0
-
-	enterGetEvents = 1 << 0
 
 	registerEventfd = 4
 
@@ -107,59 +104,16 @@ type slot struct {
 	iov  []unix.Iovec
 }
 
-// ringMem is a ring's mapped memory: the SQ and CQ rings (one mapping)
-// and the SQE array, of 64-byte SQEs or, with IORING_SETUP_SQE128,
-// 128-byte ones.
-type ringMem struct {
+type uring struct {
 	fd int
 
 	sqRing, cqRing, sqeMem []byte
 	sqHead, sqTail         *uint32
-	sqMask, sqEntries      uint32
-	sqeSize                uintptr
+	sqMask                 uint32
+	sqes                   []sqe
 	cqHead, cqTail         *uint32
 	cqMask                 uint32
 	cqes                   []cqe
-}
-
-// setupRing creates a ring of sqEntries SQEs and cqEntries CQEs.
-func setupRing(sqEntries, cqEntries, flags uint32) (ringMem, error) {
-	p := uringParams{flags: flags | setupCQSize, cqEntries: cqEntries}
-	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(sqEntries), uintptr(unsafe.Pointer(&p)), 0)
-	if errno != 0 {
-		switch errno {
-		case unix.ENOSYS, unix.EPERM, unix.EACCES, unix.EINVAL:
-			return ringMem{}, fmt.Errorf("%w: io_uring_setup: %v", ErrNoURing, errno)
-		}
-		return ringMem{}, fmt.Errorf("io_uring_setup: %w", errno)
-	}
-	m := ringMem{fd: int(fd), sqeSize: unsafe.Sizeof(sqe{})}
-	if flags&setupSQE128 != 0 {
-		m.sqeSize *= 2
-	}
-	if err := m.mmap(&p); err != nil {
-		unix.Close(m.fd)
-		return ringMem{}, err
-	}
-	return m, nil
-}
-
-// sqeAt is SQE i, zeroed, for filling.
-func (m *ringMem) sqeAt(i uint32) *sqe {
-	b := m.sqeMem[uintptr(i&m.sqMask)*m.sqeSize:][:m.sqeSize]
-	clear(b)
-	return (*sqe)(unsafe.Pointer(&b[0]))
-}
-
-// release unmaps the ring and closes it.
-func (m *ringMem) release() {
-	unix.Munmap(m.sqeMem)
-	unix.Munmap(m.sqRing)
-	unix.Close(m.fd)
-}
-
-type uring struct {
-	ringMem
 
 	mu         sync.Mutex // guards the SQ tail and the batching state
 	unsub      uint32     // SQEs filled but not yet passed to the kernel
@@ -179,12 +133,21 @@ type uring struct {
 
 // newURing makes a ring for entries requests in flight.
 func newURing(entries uint32) (*uring, error) {
-	m, err := setupRing(2*entries, 4*entries, 0)
-	if err != nil {
+	p := uringParams{flags: setupCQSize, cqEntries: 4 * entries}
+	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, uintptr(2*entries), uintptr(unsafe.Pointer(&p)), 0)
+	if errno != 0 {
+		switch errno {
+		case unix.ENOSYS, unix.EPERM, unix.EACCES, unix.EINVAL:
+			return nil, fmt.Errorf("%w: io_uring_setup: %v", ErrNoURing, errno)
+		}
+		return nil, fmt.Errorf("io_uring_setup: %w", errno)
+	}
+	r := &uring{fd: int(fd)}
+	if err := r.mmap(&p); err != nil {
+		unix.Close(r.fd)
 		return nil, err
 	}
-	r := &uring{ringMem: m}
-	r.slots = make([]slot, r.sqEntries/2)
+	r.slots = make([]slot, p.sqEntries/2)
 	r.free = make(chan uint32, len(r.slots))
 	for i := range r.slots {
 		r.slots[i].done = make(chan int32, 1)
@@ -198,6 +161,13 @@ func newURing(entries uint32) (*uring, error) {
 	r.closing = make(chan struct{})
 	go r.reap()
 	return r, nil
+}
+
+// release unmaps the ring and closes it.
+func (r *uring) release() {
+	unix.Munmap(r.sqeMem)
+	unix.Munmap(r.sqRing)
+	unix.Close(r.fd)
 }
 
 // registerWake makes the kernel signal an eventfd on every completion
@@ -224,7 +194,7 @@ func (r *uring) registerWake() error {
 	return nil
 }
 
-func (r *ringMem) mmap(p *uringParams) error {
+func (r *uring) mmap(p *uringParams) error {
 	if p.features&featSingleMmap == 0 {
 		return fmt.Errorf("%w: kernel lacks IORING_FEAT_SINGLE_MMAP", ErrNoURing)
 	}
@@ -236,7 +206,7 @@ func (r *ringMem) mmap(p *uringParams) error {
 		return fmt.Errorf("io_uring: mmap rings: %w", err)
 	}
 	r.sqRing, r.cqRing = ring, ring // one mapping serves both (SINGLE_MMAP)
-	sqeMem, err := unix.Mmap(r.fd, offSQEs, int(p.sqEntries)*int(r.sqeSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	sqeMem, err := unix.Mmap(r.fd, offSQEs, int(p.sqEntries)*int(unsafe.Sizeof(sqe{})), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
 	if err != nil {
 		unix.Munmap(ring)
 		return fmt.Errorf("io_uring: mmap SQEs: %w", err)
@@ -244,9 +214,10 @@ func (r *ringMem) mmap(p *uringParams) error {
 	r.sqeMem = sqeMem
 	at := func(off uint32) *uint32 { return (*uint32)(unsafe.Pointer(&ring[off])) }
 	r.sqHead, r.sqTail = at(p.sqOff.head), at(p.sqOff.tail)
-	r.sqMask, r.sqEntries = *at(p.sqOff.ringMask), p.sqEntries
+	r.sqMask = *at(p.sqOff.ringMask)
 	r.cqHead, r.cqTail = at(p.cqOff.head), at(p.cqOff.tail)
 	r.cqMask = *at(p.cqOff.ringMask)
+	r.sqes = unsafe.Slice((*sqe)(unsafe.Pointer(&sqeMem[0])), p.sqEntries)
 	r.cqes = unsafe.Slice((*cqe)(unsafe.Pointer(&ring[p.cqOff.cqes])), p.cqEntries)
 	// SQ array slot i always names SQE i: SQEs are used in ring order.
 	array := unsafe.Slice((*uint32)(unsafe.Pointer(&ring[p.sqOff.array])), p.sqEntries)
@@ -263,7 +234,9 @@ func (r *ringMem) mmap(p *uringParams) error {
 func (r *uring) submit(fill func(*sqe)) error {
 	r.mu.Lock()
 	tail := *r.sqTail
-	fill(r.sqeAt(tail))
+	e := &r.sqes[tail&r.sqMask]
+	*e = sqe{}
+	fill(e)
 	atomic.StoreUint32(r.sqTail, tail+1)
 	r.unsub++
 	if r.submitting {

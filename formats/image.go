@@ -203,10 +203,6 @@ type Layered interface {
 type Features struct {
 	// FastZero: WriteZeroes writes no data (NBD's FAST_ZERO asks).
 	FastZero bool
-	// HostFd >= 0 is a host file whose bytes are the image's at the same
-	// offsets, through the page cache (a buffered raw image): a front end
-	// may let the kernel serve them from it (FUSE passthrough). -1: none.
-	HostFd int
 	// MayStall: a request may wait on a network peer that can stall for
 	// as long as the reconnect timeout (an object in HTTP(S) or S3
 	// storage, in this image or its backing chain). A front end then
@@ -224,7 +220,7 @@ type NoFastPath struct{}
 
 func (NoFastPath) TryReadAt([]byte, int64) bool           { return false }
 func (NoFastPath) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
-func (NoFastPath) Features() Features                     { return Features{HostFd: -1} }
+func (NoFastPath) Features() Features                     { return Features{} }
 
 // ReadOnly is what a read-only format embeds: every write-type request
 // is refused with ErrReadOnly, and a flush has nothing to write.

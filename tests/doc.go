@@ -5,9 +5,9 @@
 // QEMU's. They need root, /dev/fuse and the tools .ci/deps installs.
 //
 //	fuse         the exported file as clients see it; make test runs it
-//	             over /dev/fuse, over io_uring and with the kernel cache on
+//	             uncached and with the kernel cache on
 //	daemon       the fuse process: arguments, signals, logs, locks,
-//	             unprivileged mounts, io_uring, mapped reads
+//	             unprivileged mounts, queues, mapped reads
 //	kernelcache  --kernel-cache
 //	nbd          NBD as a server and as an image source
 //	formats      qcow2, vmdk, vhdx, vpc, vdi, partitions; info, map,

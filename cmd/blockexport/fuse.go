@@ -23,11 +23,7 @@ type fuseFlags struct {
 	adaptPoll   bool
 	mappedReads bool
 	stats       time.Duration
-	passthrough string
 	fileName    string
-	ioURing     string
-	uringDepth  int
-	uringPin    bool
 	parts       partitionFlags
 	kernelCache string
 	readAhead   string
@@ -59,18 +55,12 @@ func fuseCommand() *cobra.Command {
 	fs.IntVar(&f.pollUs, "poll-us", 0, "busy-poll /dev/fuse this many microseconds after each request before sleeping (lower latency at queue depth 1, costs a core)")
 	fs.BoolVar(&f.mappedReads, "mapped-reads", true, "reads of an image's pages that are in the host's page cache are replied straight from a read-only mapping of the image file (one writev instead of a pread and a writev); false: always read into a buffer first")
 	fs.BoolVar(&f.adaptPoll, "adaptive-poll", true, "with --poll-us 0: spin up to 20 microseconds for the next request while the reader seems to wait on each reply (queue depth 1), as QEMU's adaptive polling; false: always sleep")
-	fs.StringVar(&f.passthrough, "passthrough", "off", "FUSE passthrough for read-only opens of a raw image: auto (where the kernel allows), on (required) or off")
-	fs.StringVar(&f.ioURing, "io-uring", "off", "FUSE over io_uring (Linux 6.14+, the fuse module's enable_uring on): on (or fail), auto (where the kernel offers it) or off (/dev/fuse)")
-	fs.IntVar(&f.uringDepth, "io-uring-depth", 8, "FUSE over io_uring: requests in flight per queue (one queue per CPU)")
-	fs.BoolVar(&f.uringPin, "io-uring-pin", true, "FUSE over io_uring: pin each queue's thread to its CPU (faster at queue depth 1, slower at depth 16: docs/design.md, FUSE over io_uring)")
 	fs.StringVar(&f.kernelCache, "kernel-cache", "auto", "let the kernel cache the export (page cache, read-ahead, writeback cache for buffered opens; O_DIRECT opens bypass it): on, off or auto (on for a local raw or qcow2 image with --cache writeback; off for null, NBD sources and --cache none). Turn it off when something besides this export writes the image (a raw image shared with a VM): the cache would not see those writes")
 	fs.StringVar(&f.readAhead, "read-ahead", "auto", "with the kernel cache on: how far the kernel reads ahead of a sequential reader of the export (e.g. 4M); auto: as far as the device holding the image file reads ahead, at least 1M")
 	f.parts.register(c, "with --file-name: one more file per partition of the image's MBR or GPT beside NAME, NAME-p1, NAME-p2... numbered as Linux numbers them")
 	fs.DurationVar(&f.stats, "stats", 0, "log IOPS, bandwidth and latency percentiles per request kind every INTERVAL (e.g. 1s), and a summary at exit")
 	f.registerTLS(c, "")
 	completeWords(c, "allow-other", "auto", "on", "off")
-	completeWords(c, "passthrough", "auto", "on", "off")
-	completeWords(c, "io-uring", "auto", "on", "off")
 	completeWords(c, "kernel-cache", "auto", "on", "off")
 	return c
 }
@@ -113,7 +103,7 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		NoPageLend: !f.mappedReads, ReadAheadKB: f.readAheadKB(readAheadKB, image)},
 		fuseexport.Served{KernelCache: f.kernelCache, Raw: img.Format == registry.Raw, QCOW2: img.Format == registry.QCOW2,
 			Null: img.Format == registry.Null, NBD: nbd.IsURI(image), MayStall: served.Features().MayStall,
-			Direct: f.cache == "none", Passthrough: f.passthrough, Files: 1 + len(parts), Hosts: img.Hosts}, logger)
+			Direct: f.cache == "none", Files: 1 + len(parts), Hosts: img.Hosts}, logger)
 	exp := fuseexport.New(served, expOpts)
 	sigs, jobs, stop, err := f.begin()
 	if err != nil {
@@ -189,11 +179,6 @@ func (f *fuseFlags) mountOptions(c *cobra.Command) (fuseexport.MountOptions, int
 	if err != nil {
 		return fuseexport.MountOptions{}, 0, usageError{err}
 	}
-	switch f.passthrough {
-	case "auto", "on", "off":
-	default:
-		return fuseexport.MountOptions{}, 0, usagef("unknown --passthrough mode %q (want auto, on or off)", f.passthrough)
-	}
 	if f.stats < 0 {
 		return fuseexport.MountOptions{}, 0, usagef("--stats %v: want a positive interval", f.stats)
 	}
@@ -203,19 +188,6 @@ func (f *fuseFlags) mountOptions(c *cobra.Command) (fuseexport.MountOptions, int
 	}
 	if f.queues < 1 || f.queues > 64 {
 		return fuseexport.MountOptions{}, 0, usagef("--queues %d: want 1 to 64", f.queues)
-	}
-	uringMode, err := fuseexport.ParseURingMode(f.ioURing)
-	if err != nil {
-		return fuseexport.MountOptions{}, 0, usageError{err}
-	}
-	if f.uringDepth < 1 || f.uringDepth > 1024 {
-		return fuseexport.MountOptions{}, 0, usagef("--io-uring-depth %d: want 1 to 1024", f.uringDepth)
-	}
-	if uringMode == fuseexport.URingOn && f.pollUs > 0 {
-		return fuseexport.MountOptions{}, 0, usagef("--poll-us busy-polls /dev/fuse, which FUSE over io_uring does not read requests from; drop one of them")
-	}
-	if uringMode == fuseexport.URingAuto && f.pollUs > 0 {
-		uringMode = fuseexport.URingOff // the busy-poll asked for is the /dev/fuse loop's
 	}
 	if f.growable && !f.writable {
 		return fuseexport.MountOptions{}, 0, usagef("--growable needs --writable")
@@ -245,14 +217,11 @@ func (f *fuseFlags) mountOptions(c *cobra.Command) (fuseexport.MountOptions, int
 		}
 		readAheadKB = int(n / 1024)
 	}
-	if f.kernelCache == "on" && f.passthrough == "on" {
-		return fuseexport.MountOptions{}, 0, usagef("--kernel-cache on and --passthrough on: the kernel would cache the export beside the host file it reads directly; drop one")
-	}
 	if c.Flags().Changed("file-name") {
 		if err := fuseexport.CheckFileName(f.fileName); err != nil {
 			return fuseexport.MountOptions{}, 0, usageError{err}
 		}
 	}
 	return fuseexport.MountOptions{AllowOther: allowOther, Queues: f.queues, PollFor: pollFor, NoPace: !f.adaptPoll,
-		Passthrough: f.passthrough, FileName: f.fileName, URing: uringMode, URingDepth: f.uringDepth, URingPin: f.uringPin}, readAheadKB, nil
+		FileName: f.fileName}, readAheadKB, nil
 }

@@ -18,8 +18,6 @@ type Served struct {
 	Raw, QCOW2, Null, NBD, MayStall bool
 	// Direct: the host files are opened O_DIRECT (--cache none).
 	Direct bool
-	// Passthrough is --passthrough: "on", "off" or "auto".
-	Passthrough string
 	// Files: the export serves several files over the same bytes
 	// (--partitions).
 	Files int
@@ -38,8 +36,7 @@ type Served struct {
 // device (its writes are dropped: a cache would hand back what was
 // written, where the device reads zeroes), for NBD sources (another
 // client of the server may change the image), for --cache none (asked
-// not to cache), beside --passthrough (the kernel reads the host file
-// itself there) and for several files over the same bytes (none would
+// not to cache) and for several files over the same bytes (none would
 // see the others' cached writes).
 //
 // KeepCache keeps the cache across opens only for a qcow2 image: its
@@ -53,7 +50,7 @@ func Tune(o Options, s Served, logger *slog.Logger) Options {
 	case "on":
 		o.KernelCache = true
 	case "auto":
-		o.KernelCache = (s.Raw || s.QCOW2) && !s.NBD && !s.Direct && s.Passthrough == "off"
+		o.KernelCache = (s.Raw || s.QCOW2) && !s.NBD && !s.Direct
 	}
 	if o.KernelCache && s.Null {
 		logger.Info("--kernel-cache on: the null device keeps no data, so it is served uncached")

@@ -39,17 +39,16 @@ func TestTuneKernelCache(t *testing.T) {
 		s           Served
 		cache, keep bool
 	}{
-		{"auto raw", Served{KernelCache: "auto", Raw: true, Passthrough: "off"}, true, false},
-		{"auto qcow2", Served{KernelCache: "auto", QCOW2: true, Passthrough: "off"}, true, true},
-		{"auto qcow2 over NBD", Served{KernelCache: "auto", QCOW2: true, NBD: true, Passthrough: "off"}, false, false},
-		{"auto raw, cache none", Served{KernelCache: "auto", Raw: true, Direct: true, Passthrough: "off"}, false, false},
-		{"auto raw, passthrough", Served{KernelCache: "auto", Raw: true, Passthrough: "auto"}, false, false},
-		{"auto vmdk", Served{KernelCache: "auto", Passthrough: "off"}, false, false},
-		{"auto null", Served{KernelCache: "auto", Null: true, Passthrough: "off"}, false, false},
-		{"on null", Served{KernelCache: "on", Null: true, Passthrough: "off"}, false, false},
-		{"on vmdk", Served{KernelCache: "on", Passthrough: "off"}, true, false},
-		{"auto raw, partitions", Served{KernelCache: "auto", Raw: true, Passthrough: "off", Files: 3}, false, false},
-		{"off qcow2", Served{KernelCache: "off", QCOW2: true, Passthrough: "off"}, false, false},
+		{"auto raw", Served{KernelCache: "auto", Raw: true}, true, false},
+		{"auto qcow2", Served{KernelCache: "auto", QCOW2: true}, true, true},
+		{"auto qcow2 over NBD", Served{KernelCache: "auto", QCOW2: true, NBD: true}, false, false},
+		{"auto raw, cache none", Served{KernelCache: "auto", Raw: true, Direct: true}, false, false},
+		{"auto vmdk", Served{KernelCache: "auto"}, false, false},
+		{"auto null", Served{KernelCache: "auto", Null: true}, false, false},
+		{"on null", Served{KernelCache: "on", Null: true}, false, false},
+		{"on vmdk", Served{KernelCache: "on"}, true, false},
+		{"auto raw, partitions", Served{KernelCache: "auto", Raw: true, Files: 3}, false, false},
+		{"off qcow2", Served{KernelCache: "off", QCOW2: true}, false, false},
 	} {
 		o := Tune(Options{}, c.s, quiet)
 		if o.KernelCache != c.cache || o.KeepCache != c.keep {

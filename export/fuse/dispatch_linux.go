@@ -88,7 +88,7 @@ func (s *server) serveRequest(q *queue, req []byte) {
 		return
 	}
 	began := time.Now()
-	k, n := statKindOf(req) // before the reply: over io_uring, req is the kernel's again after it
+	k, n := statKindOf(req)
 	if s.dispatch(q, req, began) {
 		s.stats.record(k, n, time.Since(began))
 	}
@@ -147,7 +147,7 @@ func (s *server) waitHere(q *queue) where {
 		if s.hand.Lone(q.queued) {
 			return inLoop
 		}
-	case q.ring == nil && !q.helper && s.comp == nil:
+	case !q.helper && s.comp == nil:
 		if s.hand.Lone(q.queued) {
 			return onLoopGoroutine
 		}
@@ -218,15 +218,7 @@ func (s *server) standIn(q *queue) {
 func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
 	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh))
-	to := q.to.handedOff()
-	if q.ring != nil {
-		// The request lives in its ring entry, which is its own until
-		// the reply commits it: nothing to copy.
-		s.hand.Start()
-		go s.finish(ctx, unique, to, req, wait, began)
-		s.hand.Yield()
-		return
-	}
+	to := q.to
 	if len(req) >= bulkWrite {
 		bp := q.bp
 		q.bp = s.bufs.Get()
@@ -445,7 +437,7 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 	if d.needed() {
 		// The kernel's pages of the range go before the reply, from
 		// outside the loop (the notify may wait for a write-back).
-		unique, to := in.Unique, q.to.handedOff()
+		unique, to := in.Unique, q.to
 		s.hand.Start()
 		go func() {
 			defer s.hand.Done()

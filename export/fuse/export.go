@@ -85,12 +85,9 @@ type Export struct {
 	growMu   sync.Mutex // serializes growth past the end of the image
 
 	allowOther atomic.Bool
-	// backingID > 0: the kernel knows the image's host file (FUSE
-	// passthrough); opens for reading get it and bypass us for reads.
-	backingID atomic.Int32
-	ino       uint64        // the file's inode: the root, or the one file in it
-	mode      atomic.Uint32 // permission bits of the file
-	uid, gid  atomic.Uint32
+	ino        uint64        // the file's inode: the root, or the one file in it
+	mode       atomic.Uint32 // permission bits of the file
+	uid, gid   atomic.Uint32
 	// mtimeNs is the file's mtime in Unix nanoseconds. It only changes
 	// with the kernel cache on, where the kernel owns mtime under its
 	// writeback rules and hands it back in SETATTR.
@@ -379,16 +376,7 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 // change underneath, as in QEMU), writes run in parallel, and shared mmap
 // still works because DIRECT_IO_ALLOW_MMAP is negotiated at INIT.
 //
-// With passthrough, opens for reading only are served by the kernel from
-// the host file. Opens for writing never are: a passthrough write past the
-// end would grow the host file, where a non-growable export must refuse.
-// Yet the kernel wants every open of an inode that has passthrough opens to
-// be a passthrough open too (it fails any other with EIO), so opens for
-// writing get passthrough with direct I/O, which the kernel lets override
-// it: their reads and writes still come to us.
-//
-// With the kernel cache on (and no passthrough, which the mount refuses
-// beside it), buffered opens get no direct I/O: the kernel caches, reads
+// With the kernel cache on, buffered opens get no direct I/O: the kernel caches, reads
 // ahead and batches writes. O_DIRECT opens keep direct I/O, and the
 // cache is kept across opens only where nobody else can change the
 // image (KeepCache).
@@ -401,14 +389,6 @@ func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 		return fuse.OK
 	}
 	out.OpenFlags = fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES
-	if id := e.backingID.Load(); id > 0 {
-		out.BackingID = id
-		if in.Flags&unix.O_ACCMODE == unix.O_RDONLY {
-			out.OpenFlags = fuse.FOPEN_PASSTHROUGH
-		} else {
-			out.OpenFlags |= fuse.FOPEN_PASSTHROUGH
-		}
-	}
 	return fuse.OK
 }
 

@@ -28,9 +28,6 @@ type queue struct {
 	helper bool    // the bulk-write helper (see bulkHelper)
 	bp     *[]byte // the request buffer, from s.bufs
 	out    []byte  // what inline reads fill
-	// ring is set for a FUSE-over-io_uring queue (uring_linux.go): its
-	// requests live in their ring entries, not in bp.
-	ring *uringQueue
 	// end is called when the queue's loop ends (serve waits for every
 	// queue); over is set once a stand-in loop took the queue over (see
 	// runStalling), and this one ends without calling end.
@@ -84,11 +81,8 @@ func (s *server) spinForRequest(q *queue) int {
 	}
 }
 
-// queued says whether a request is waiting on the queue's fd (or ring).
+// queued says whether a request is waiting on the queue's fd.
 func (q *queue) queued() bool {
-	if q.ring != nil {
-		return q.ring.queued()
-	}
 	pfd := [1]unix.PollFd{{Fd: int32(q.fd), Events: unix.POLLIN}}
 	n, err := unix.Poll(pfd[:], 0)
 	return err != nil || n != 0

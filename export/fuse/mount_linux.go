@@ -52,23 +52,12 @@ type MountOptions struct {
 	NoPace bool
 	// Stats, when set, counts every request (--stats).
 	Stats *Stats
-	// Passthrough: "on" requires FUSE passthrough for read-only opens of
-	// a buffered raw image, "auto" uses it where the kernel and our
-	// privileges allow, "off" (or "") never.
-	Passthrough string
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
 	// Extra are more files in that directory, beside FileName: the
 	// partitions (--partitions; dir_linux.go).
 	Extra []ExtraFile
-	// URing says whether requests come through FUSE over io_uring: on
-	// (or fail), auto (where the kernel offers it) or off ("" is off).
-	// URingDepth is each queue's number of entries; URingPin pins each
-	// queue's thread to its CPU.
-	URing      URingMode
-	URingDepth int
-	URingPin   bool
 }
 
 // Mount is a mounted, serving export.
@@ -263,20 +252,19 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		file = filepath.Join(abs, o.FileName)
 	}
 	undo := func() {
-		detach(abs, exp.log)
-		srv.stopURing()
+		// The queues' fds first: a setup that failed for want of
+		// descriptors (cloning --queues) left none for detach, whose
+		// look at the mount table then failed and read as "not
+		// mounted", and the dead mount stayed.
 		for _, fd := range srv.fds {
 			unix.Close(fd)
 		}
+		detach(abs, exp.log)
 		made.remove()
 	}
 	if err := srv.addExtraFiles(o.Extra); err != nil {
 		undo()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
-	}
-	if err := srv.choosePassthrough(o.Passthrough); err != nil {
-		undo()
-		return nil, err
 	}
 	sizeKnown, err := srv.start(o)
 	if err != nil {
@@ -333,42 +321,12 @@ func (exp *Export) mountAllowOther(abs string, o MountOptions, dir bool) (int, e
 	return -1, err
 }
 
-// choosePassthrough decides whether to ask for FUSE passthrough at INIT
-// (--passthrough: on, auto, off).
-func (s *server) choosePassthrough(mode string) error {
-	ok := s.exp.img.Features().HostFd >= 0
-	switch {
-	case s.exp.opts.KernelCache && mode == "on":
-		return fmt.Errorf("--passthrough on: the kernel reads the host file itself, which the kernel cache (--kernel-cache) would cache beside it; drop one")
-	case s.exp.opts.KernelCache:
-		// Passthrough opens and cached opens of one inode do not mix
-		// (the kernel fails the other kind with EIO): the cache wins.
-	case mode == "on" && !ok:
-		return fmt.Errorf("--passthrough on: only buffered raw images can be passed through")
-	case mode == "on" || mode == "auto":
-		s.passthrough = ok
-	}
-	return nil
-}
-
-// start brings the connection up to serving: the transport (/dev/fuse or
-// FUSE over io_uring), INIT, the size under the kernel cache (sizeKnown
-// false: learnSize must tell it once the loops run), the queues, how they
-// wait, and passthrough.
+// start brings the connection up to serving: INIT, the size under the
+// kernel cache (sizeKnown false: learnSize must tell it once the loops
+// run), the queues and how they wait.
 func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 	exp := s.exp
 	s.stats = o.Stats // before any queue thread starts
-	if o.URing == URingOn || o.URing == URingAuto {
-		err := s.prepareURing(max(o.URingDepth, 1), o.URingPin)
-		switch {
-		case err == nil:
-			s.uring = true
-		case o.URing == URingOn:
-			return false, fmt.Errorf("--io-uring on: %w", err)
-		default:
-			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
-		}
-	}
 	if err := s.handshake(); err != nil {
 		return false, err
 	}
@@ -388,32 +346,6 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 		return false, err
 	}
 	s.pace = !o.NoPace
-	if s.passthrough {
-		id, err := s.registerBacking(exp.img.Features().HostFd)
-		switch {
-		case err == nil:
-			exp.backingID.Store(id)
-			exp.log.Info("FUSE passthrough on: the kernel reads the image directly for read-only opens")
-		case o.Passthrough == "on":
-			return false, fmt.Errorf("--passthrough on: %w", err)
-		default:
-			exp.log.Info("FUSE passthrough unavailable; serving reads ourselves", "why", err)
-		}
-	}
-	if s.uring {
-		// Before the loops start: until every queue has registered, the
-		// kernel sends requests through /dev/fuse, and nobody reads it
-		// yet, so none is missed.
-		err := s.startURing()
-		switch {
-		case err == nil:
-			exp.log.Info("FUSE over io_uring on", "queues", len(s.uqs), "depth", max(o.URingDepth, 1), "pinned", o.URingPin)
-		case o.URing == URingOn:
-			return false, fmt.Errorf("--io-uring on: %w", err)
-		default:
-			exp.log.Info("serving /dev/fuse, not FUSE over io_uring", "why", err)
-		}
-	}
 	return sizeKnown, nil
 }
 

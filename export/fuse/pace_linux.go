@@ -5,7 +5,7 @@ package fuse
 // while a request is in flight in a goroutine: that one needs the CPU
 // (its peer's reply, its I/O's completion) more than the loop does.
 func (s *server) paced(q *queue) bool {
-	if !s.pace || s.pollFor > 0 || s.comp != nil || q.helper || q.ring != nil || s.hand.Busy() {
+	if !s.pace || s.pollFor > 0 || s.comp != nil || q.helper || s.hand.Busy() {
 		return false
 	}
 	return q.pace.next(q.queued)

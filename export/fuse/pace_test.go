@@ -116,9 +116,8 @@ func TestDepthGuessStops(t *testing.T) {
 }
 
 // Only a /dev/fuse loop that sleeps in read(2) paces itself: not with
-// --poll-us (its read polls), not the bulk-write helper, not a queue
-// over io_uring, not with pacing off, and not while a request is in
-// flight in a goroutine.
+// --poll-us (its read polls), not the bulk-write helper, not with
+// pacing off, and not while a request is in flight in a goroutine.
 func TestPacedOnlyWhereTheLoopSleeps(t *testing.T) {
 	started := func(s *server, q *queue) bool {
 		for i := 0; i < 2*paceSampleEvery*paceEmptyToSpin; i++ {
@@ -148,7 +147,6 @@ func TestPacedOnlyWhereTheLoopSleeps(t *testing.T) {
 		"pace off":            {&server{hand: hand}, &queue{fd: fds[0]}},
 		"poll-us":             {&server{pace: true, hand: hand, pollFor: time.Millisecond}, &queue{fd: fds[0]}},
 		"helper":              {&server{pace: true, hand: hand}, &queue{fd: fds[0], helper: true}},
-		"io_uring":            {&server{pace: true, hand: hand}, &queue{fd: fds[0], ring: &uringQueue{}}},
 		"a request in flight": {&server{pace: true, hand: busy}, &queue{fd: fds[0]}},
 	} {
 		if started(c.s, c.q) {

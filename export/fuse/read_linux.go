@@ -43,17 +43,14 @@ func (s *server) read(q *queue, req []byte, began time.Time) bool {
 }
 
 // readInline answers r without waiting if the image can: from its pages
-// where it lends them (not over io_uring, where the reply is copied into
-// its ring entry anyway), else read into the loop's out buffer.
+// where it lends them, else read into the loop's out buffer.
 func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
-	if q.ring == nil {
-		v, ok := e.lendPages(r, q.lent[:0])
-		q.lent = v[:0]
-		if ok {
-			s.replyVec(q.to, unique, fuse.OK, v)
-			e.endRead()
-			return true
-		}
+	v, ok := e.lendPages(r, q.lent[:0])
+	q.lent = v[:0]
+	if ok {
+		s.replyVec(q.to, unique, fuse.OK, v)
+		e.endRead()
+		return true
 	}
 	n, ok := e.tryRead(r, q.out)
 	if ok {
@@ -63,18 +60,10 @@ func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
 	return ok
 }
 
-// finishRead reads r where it may wait and replies: over io_uring into
-// the reply's payload, which is the request's own until the reply (the
-// reply copies nothing); else from the image's cache where it lends it,
-// or into a pooled buffer.
+// finishRead reads r where it may wait and replies: from the image's
+// cache where it lends it, or from a pooled buffer.
 func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique uint64, r readOp) {
 	defer e.endRead()
-	if to.ent != nil {
-		ob := to.ent.payload()
-		n, st := e.read(ctx, r, ob)
-		s.replyData(to, unique, st, ob[:n])
-		return
-	}
 	if bufs, release, st, ok := e.lendCache(ctx, r); ok {
 		s.replyVec(to, unique, st, bufs)
 		if release != nil {
@@ -95,7 +84,7 @@ func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique u
 func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
 	ctx := s.pending.add(in.Unique, s.hand.Context(path))
 	s.hand.Start()
-	go s.finishHandedRead(ctx, q.to.handedOff(), e, *in, r, planned, began)
+	go s.finishHandedRead(ctx, q.to, e, *in, r, planned, began)
 	s.hand.Yield()
 }
 

@@ -12,25 +12,14 @@ import (
 )
 
 // replyTo is where a request's reply goes: the /dev/fuse fd it came
-// from, or the FUSE-over-io_uring entry that carried it.
+// from.
 type replyTo struct {
-	fd  int
-	ent *ringEntry
-	// direct: the entry's own queue thread answers (inline, or a lone
-	// request), and queues the commit itself; other goroutines hand it
-	// the reply.
-	direct bool
+	fd int
 	// once, if set, is taken by whoever replies first: the request, or
 	// the EINTR answered on its behalf when it outlives an INTERRUPT
 	// (runStalling). The other's reply is dropped: after the first, the
 	// kernel may have given the unique to a new request.
 	once *atomic.Bool
-}
-
-// handedOff is where a request handed to a goroutine replies.
-func (t replyTo) handedOff() replyTo {
-	t.direct = false
-	return t
 }
 
 // header views the request's header in place.
@@ -108,15 +97,8 @@ func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]by
 }
 
 // reply writes header + a + b with one writev.
-//
-// A request that came through FUSE over io_uring is answered in its ring
-// entry instead (uring_linux.go).
 func (s *server) reply(to replyTo, unique uint64, errno int32, a, b []byte) {
 	if to.once != nil && !to.once.CompareAndSwap(false, true) {
-		return
-	}
-	if to.ent != nil {
-		to.ent.commit(unique, errno, a, b, to.direct)
 		return
 	}
 	oh := fuse.OutHeader{Length: uint32(outHeaderSize + len(a) + len(b)), Status: errno, Unique: unique}

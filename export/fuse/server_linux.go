@@ -6,8 +6,7 @@ package fuse
 // (docs/design.md, Our own /dev/fuse loop). go-fuse still supplies the protocol
 // structs the handlers take.
 //
-// By job: server_linux.go (the connection: INIT, queues, passthrough),
-// uring_linux.go (FUSE over io_uring, the second transport),
+// By job: server_linux.go (the connection: INIT, queues),
 // loop_linux.go (a queue's read loop and its buffers), dispatch_linux.go
 // (the opcode table, inline or handed off, INTERRUPT), read_linux.go (the
 // READ path), bulk_linux.go (the
@@ -16,7 +15,6 @@ package fuse
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -120,13 +118,7 @@ type server struct {
 	// extra are the files beside it (partitions), on inodes fileIno+1...
 	extra []extraFile
 
-	// uring asks for FUSE over io_uring at INIT; uqs are its queues once
-	// started (uring_linux.go).
-	uring bool
-	uqs   []*uringQueue
-
-	passthrough bool   // ask for FUSE passthrough at INIT
-	negotiated  uint64 // INIT flags both sides agreed on
+	negotiated uint64 // INIT flags both sides agreed on
 	// calls, with the kernel cache on, runs the notifies and the other
 	// calls into the kernel that may wait for our own I/O (kernelcalls_linux.go).
 	calls *kernelCalls
@@ -178,12 +170,6 @@ func (s *server) handshake() error {
 		}
 		want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
 			fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
-		if s.passthrough {
-			want |= fuse.CAP_PASSTHROUGH
-		}
-		if s.uring {
-			want |= capOverIOURing
-		}
 		if s.exp.opts.KernelCache && s.exp.opts.Writable {
 			// Only writes need it, and without it the kernel takes the
 			// size from GETATTR as usual.
@@ -207,27 +193,9 @@ func (s *server) handshake() error {
 			TimeGran:            1,
 			MaxPages:            maxWrite / 4096,
 		}
-		if flags&fuse.CAP_PASSTHROUGH != 0 {
-			out.MaxStackDepth = 1 // the backing file may be on a stacked fs
-		}
 		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
 		return nil
 	}
-}
-
-// registerBacking hands the image's host file to the kernel for
-// passthrough and returns its backing id (FUSE_DEV_IOC_BACKING_OPEN).
-func (s *server) registerBacking(fd int) (int32, error) {
-	if s.negotiated&fuse.CAP_PASSTHROUGH == 0 {
-		return 0, errors.New("the kernel did not offer FUSE passthrough")
-	}
-	const iocBackingOpen = 0x4010e501 // _IOW(229, 1, struct fuse_backing_map)
-	m := fuse.BackingMap{Fd: int32(fd)}
-	id, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(s.fds[0]), iocBackingOpen, uintptr(unsafe.Pointer(&m)))
-	if errno != 0 {
-		return 0, fmt.Errorf("FUSE_DEV_IOC_BACKING_OPEN: %w", errno)
-	}
-	return int32(id), nil
 }
 
 // addQueues clones the connection's fd so the kernel spreads requests over
@@ -265,11 +233,11 @@ func (s *server) cloneFd() (int, error) {
 }
 
 // useCompletions makes the queue read the image's completions, where
-// the image has them and one /dev/fuse queue serves (over io_uring, or
-// with several queues, the requests read their own).
+// the image has them and one /dev/fuse queue serves (with several
+// queues, the requests read their own).
 func (s *server) useCompletions() {
 	c, ok := formats.As[formats.Completions](s.exp.img)
-	if ok && !s.uring && len(s.fds) == 1 {
+	if ok && len(s.fds) == 1 {
 		s.comp = c
 	}
 }
@@ -304,7 +272,6 @@ func (s *server) serve() {
 	close(s.bulk.stop) // the connection is gone: a parked helper exits
 	s.loops.Wait()
 	s.hand.Wait()
-	s.stopURing() // after the requests in flight: their replies go through it
 	for _, fd := range s.fds {
 		unix.Close(fd)
 	}

@@ -28,20 +28,16 @@ type docArea struct {
 }
 
 // docAreas lists the README's blocks in its order. The ids are the -only
-// targets that fill them, except passthrough, which the raw target runs
-// beside the matrix but the README quotes in a section of its own. The
-// descriptions read the flags that change what a block measured.
+// targets that fill them. The descriptions read the flags that change what a block measured.
 func docAreas() []docArea {
 	const fio4k = "fio 4 KiB (aio = libaio iodepth 16, sync = pvsync2 iodepth 1), 1 MiB bandwidth, peak RSS"
 	return []docArea{
 		{"null", "the null device, writable: " + fio4k + "; the sync rows again with `--poll-us 50`"},
 		{"raw", "a 1 GiB raw image, writable: " + fio4k + "; `qemu-img convert -n` of 1 GiB into the export"},
 		{"qcow2", "a 1 GiB qcow2 image, writable: " + fio4k + "; allocating writes into a new 64 GiB image (`qcow2 new`)"},
-		{"passthrough", "`--passthrough on` against fio on the image file itself (run by the raw target)"},
 		{"slow", "`--cache none` against QEMU with `cache.direct=on`, and reads with every cache dropped first"},
 		{"nbd", "`blockexport nbd` against qemu-storage-daemon's NBD export and qemu-nbd, fio's nbd engine"},
 		{"nbdsrc", "a FUSE export of an image on `qemu-nbd --aio=io_uring --shared=16` (unix socket) against qemu-storage-daemon's nbd blockdev under its FUSE export and nbdfuse"},
-		{"uring", "`--io-uring on` against our own `/dev/fuse` loop (the compared-with column is blockexport over `/dev/fuse`)"},
 		{"kcache", "1 GiB raw, caches dropped before each row, fio psync buffered; `raw kcache` is `--kernel-cache on`; the last rows are the O_DIRECT matrix with `--kernel-cache on` against `off`"},
 		{"loop", fmt.Sprintf("copy a 270 MB tree of 15,000 files into ext4 on a loop device over the export and `sync`, read it back with caches dropped, `e2fsck -f`; %d runs of every system (`-loop-reps %d`), medians", *loopReps, *loopReps)},
 		{"formats", "1 GiB of random data converted by qemu-img to each format, page-cached, exported read-only, fio 4 KiB reads; the last rows read a streamOptimized vmdk through `--decompressed-cache-size 1280M`, read once first"},
@@ -52,7 +48,7 @@ func docAreas() []docArea {
 }
 
 // tag sets the README block of rows: several areas make rows of the same
-// target (the uring and kcdirect rows are null, raw and qcow2 rows too), so
+// target (the kcdirect rows are raw rows too), so
 // the target cannot say which block a row fills.
 func tag(area string, rows []row) []row {
 	for i := range rows {

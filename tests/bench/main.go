@@ -195,11 +195,11 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), uring (FUSE over io_uring against our /dev/fuse loop), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
-	reps           = flag.Int("reps", 3, "fio matrix rows (null, raw, qcow2, formats, nbd, uring ...): runs of ours and of the fastest other configuration per row, the medians counting (every other configuration runs once)")
+	reps           = flag.Int("reps", 3, "fio matrix rows (null, raw, qcow2, formats, nbd ...): runs of ours and of the fastest other configuration per row, the medians counting (every other configuration runs once)")
 	qemuConfigFlag = flag.String("qemu-config", "", "pin QEMU's configuration for a quick run (e.g. aio=io_uring,iothread); default: measure them all and quote the best")
 )
 
@@ -264,9 +264,7 @@ func main() {
 		rows = append(rows, tag("qcow2", benchAlloc(dir, with("qcow2", ours())))...)
 	}
 	if targets["raw"] {
-		covered["passthrough"] = true
 		rows = append(rows, tag("raw", benchConvert(dir, with("raw", ours())))...)
-		rows = append(rows, tag("passthrough", benchPassthrough(dir, bin))...)
 	}
 	if targets["slow"] || *only == defaultOnly {
 		covered["slow"] = true
@@ -299,12 +297,6 @@ func main() {
 		covered["nbd"] = true
 		for _, target := range []string{"null", "raw"} {
 			rows = append(rows, tag("nbd", benchNBD(target, dir, bin))...)
-		}
-	}
-	if targets["uring"] || *only == defaultOnly {
-		covered["uring"] = true
-		for _, target := range []string{"null", "raw", "qcow2"} {
-			rows = append(rows, tag("uring", benchURing(target, dir, ours))...)
 		}
 	}
 	if targets["nbdsrc"] || *only == defaultOnly {
@@ -360,7 +352,7 @@ func main() {
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,uring,kcache,formats,http,s3,convert"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert"
 
 // foreignFormats are the read-only formats' targets: the same 1 GiB of
 // random data converted by qemu-img (format and its -o options), read
@@ -848,9 +840,9 @@ func (r *row) add(s system, v float64) {
 		r.ours = v
 		return
 	}
-	// Named with the system (qemu-storage-daemon, nbdfuse, our own
-	// /dev/fuse loop in the io_uring rows): the rows do not all compare
-	// with the same program.
+	// Named with the system (qemu-storage-daemon, nbdfuse, ours with
+	// the kernel cache off in the kcache rows): the rows do not all
+	// compare with the same program.
 	r.qemuAll = append(r.qemuAll, measured{s.key(), v})
 	if v != 0 && (r.qemu == 0 || r.higherBetter == (v > r.qemu)) {
 		r.qemu, r.qemuConfig = v, s.key()
@@ -885,7 +877,7 @@ func report(rows []row, covered map[string]bool) error {
 	mach := machine()
 	fmt.Fprintf(&b, "%s\n\n", mach)
 	fmt.Fprintf(&b, "fio: 4 KiB, direct=1, numjobs=1, time_based, runtime %v (+1 s ramp) per row and system; aio = libaio iodepth 16, sync = pvsync2 iodepth 1. 1 GiB images, page cache warmed before each row (read through once; the pages left by making an image are dropped first, so both daemons read the page cache as reading the image from disk fills it); the order of the systems rotates from row to row. Ratio > 1 means blockexport is better (for time and RSS rows: smaller).\n\n", *runtimeFlag)
-	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only where QEMU runs with cache.direct=on: the --cache none rows, the kernel-cache rows and the loop rows, with aio=native, io_uring or threads, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse; the uring rows compare FUSE over io_uring with our own /dev/fuse loop. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
+	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only where QEMU runs with cache.direct=on: the --cache none rows, the kernel-cache rows and the loop rows, with aio=native, io_uring or threads, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
 	b.WriteString(ratioTable(rows))
 	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency; the kernel-cache rows beside the same buffered job on the file itself, and the loop rows beside a loop device on the image file itself. The last column is blockexport's speed over the file's (above 1: faster; for time rows the file's time over ours).\n\n| target | row | device (fio on the file) | compared with, best | blockexport | blockexport vs device |\n|---|---|---:|---:|---:|---:|\n")
@@ -1142,38 +1134,6 @@ func fioNBD(rw, uri string) (float64, error) {
 		return res.Jobs[0].Write.IOPS, nil
 	}
 	return res.Jobs[0].Read.IOPS, nil
-}
-
-// benchPassthrough compares reads through a --passthrough export with fio
-// on the image file itself (the "qemu" column holds the native file here).
-func benchPassthrough(dir, bin string) []row {
-	log.Printf("target raw passthrough vs native file")
-	img := filepath.Join(dir, "pt.img")
-	if err := makeImage("raw", img); err != nil {
-		log.Fatal(err)
-	}
-	defer os.Remove(img)
-	mnt := img + ".mnt"
-	cmd, err := startAndWait(exec.Command(bin, "fuse", "--log-level", "warn", "-f", "raw", "--passthrough", "on", img, mnt), mnt)
-	if err != nil {
-		log.Printf("passthrough: %v", err)
-		return nil
-	}
-	defer stop(cmd, mnt)
-	var rows []row
-	for _, job := range matrix() {
-		if strings.Contains(job.rw, "write") || job.bs != "4k" {
-			continue
-		}
-		r := row{target: "raw passthrough", name: job.name + " (vs the file itself)", unit: "IOPS", higherBetter: true}
-		warm(img)
-		r.qemu, _ = fio(job, img)
-		warm(img)
-		r.ours, _ = fio(job, mnt)
-		log.Printf("  %-22s file %10.0f  ours %10.0f  x%.2f", job.name, r.qemu, r.ours, ratio(r))
-		rows = append(rows, r)
-	}
-	return rows
 }
 
 // benchLoop is what people who loop-mount an image do: ext4 on the export

@@ -214,9 +214,9 @@ func TestCompletionScripts(t *testing.T) {
 			t.Errorf("completion %s: exit %d, %d bytes", shell, code, len(out))
 		}
 	}
-	code, out := harness.RunBlockexport(t, "__complete", "fuse", "--passthrough", "")
+	code, out := harness.RunBlockexport(t, "__complete", "fuse", "--allow-other", "")
 	if code != 0 || !strings.HasPrefix(out, "auto\non\noff\n:4\n") {
-		t.Errorf("__complete fuse --passthrough: exit %d, %q", code, out)
+		t.Errorf("__complete fuse --allow-other: exit %d, %q", code, out)
 	}
 	// IMAGE arguments complete to files (directive 0: the shell's own
 	// file completion), flags with a fixed set of values do not (4).

@@ -1,6 +1,6 @@
 // Package daemon tests the blockexport fuse process around the exported
 // file: argument and mountpoint rules, signals, the pidfile and the log,
-// QEMU's image locks, unprivileged mounts, FUSE over io_uring and queues,
+// QEMU's image locks, unprivileged mounts, queues,
 // mapped reads, and a differential run against qemu-storage-daemon. Unlike
 // tests/fuse, these run once, over /dev/fuse with the daemon's defaults.
 package daemon

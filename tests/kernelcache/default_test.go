@@ -11,8 +11,7 @@ import (
 
 // TestKernelCacheDefaultsToAuto: without --kernel-cache, a local raw or
 // qcow2 image read through the page cache is served with the kernel's
-// cache on (auto), and the null device, --cache none and an export
-// asking for passthrough without it.
+// cache on (auto), and the null device and --cache none without it.
 func TestKernelCacheDefaultsToAuto(t *testing.T) {
 	dir := t.TempDir()
 	img := harness.SparseImage(t, dir, "disk.raw", 8<<20)
@@ -23,7 +22,6 @@ func TestKernelCacheDefaultsToAuto(t *testing.T) {
 		{[]string{img}, true},
 		{[]string{"-f", "raw", img}, true},
 		{[]string{"--cache", "none", img}, false},
-		{[]string{"--passthrough", "auto", img}, false},
 		{[]string{"null:64M"}, false},
 	} {
 		mnt := filepath.Join(t.TempDir(), "export")

@@ -82,4 +82,4 @@ func (n *Image) TryReadAt(p []byte, _ int64) bool {
 func (n *Image) TryWriteAt([]byte, int64) (bool, error) { return true, nil }
 
 // Features: zeroing writes nothing; there is no host file.
-func (n *Image) Features() formats.Features { return formats.Features{FastZero: true, HostFd: -1} }
+func (n *Image) Features() formats.Features { return formats.Features{FastZero: true} }

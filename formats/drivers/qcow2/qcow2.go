@@ -599,7 +599,7 @@ type Detail struct {
 // flags); the host file's layout is not the image's.
 func (q *Image) Features() formats.Features {
 	stall := !aio.HasFd(q.f) || q.backing != nil && q.backing.Features().MayStall
-	return formats.Features{FastZero: q.h.version >= 3, HostFd: -1, MayStall: stall}
+	return formats.Features{FastZero: q.h.version >= 3, MayStall: stall}
 }
 
 // Backing returns the backing image, or nil.

@@ -367,15 +367,9 @@ func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 	return done, err
 }
 
-// Features: zeroing a buffered regular file is a fallocate, not a write;
-// its bytes are the image's, so FUSE may pass reads through to it (not
-// with O_DIRECT: the kernel would pass unaligned reads straight on).
+// Features: zeroing a buffered regular file is a fallocate, not a write.
 func (r *Image) Features() formats.Features {
-	f := formats.Features{HostFd: -1, MayStall: !aio.HasFd(r.f)}
-	if r.align == 1 && !r.blockDev && aio.HasFd(r.f) {
-		f.FastZero, f.HostFd = true, r.f.Fd()
-	}
-	return f
+	return formats.Features{FastZero: r.align == 1 && !r.blockDev && aio.HasFd(r.f), MayStall: !aio.HasFd(r.f)}
 }
 
 // Create makes a new raw image of o.Size bytes at path, sparse. It

@@ -72,11 +72,3 @@ func (i *Image) CanLend() bool                                     { return fals
 func (i *Image) LendAt(context.Context, int64, int64, int) ([][]byte, func(), bool, error) {
 	return nil, nil, false, nil
 }
-
-// Features are the top layer's, without a host file to pass reads to:
-// the kernel reading one directly would bypass the copy.
-func (i *Image) Features() formats.Features {
-	f := i.top.Features()
-	f.HostFd = -1
-	return f
-}

@@ -141,14 +141,6 @@ func (r *Range) TryWriteAt(p []byte, off int64) (bool, error) {
 	return r.Image.TryWriteAt(p, r.start+off)
 }
 
-// Features: fast zeroes as the disk has them; no host fd, whose offsets
-// are the disk's, not the partition's.
-func (r *Range) Features() formats.Features {
-	f := r.Image.Features()
-	f.HostFd = -1
-	return f
-}
-
 // Info is the disk's, sized as the partition.
 func (r *Range) Info() formats.Info {
 	i := r.Image.Info()

@@ -1,6 +1,6 @@
 // Package harness is what the end-to-end test packages under tests/
-// share: Main (their TestMain: tools, root, the blockexport binary, the
-// FUSE transport), starting and stopping exports and NBD servers, the
+// share: Main (their TestMain: tools, root, the blockexport binary),
+// starting and stopping exports and NBD servers, the
 // servers remote images are read from (nginx, versitygw), the outside
 // clients (fio, qemu-img), and small file helpers. Every helper fails its
 // test (t.Fatal) rather than return an error the test would have to check.
@@ -39,7 +39,7 @@ var requiredTools = map[string]string{
 	"fio": "fio", "qemu-img": "qemu-utils", "qemu-io": "qemu-utils", "qemu-nbd": "qemu-utils",
 	"qemu-storage-daemon": "qemu-system-common", "nbdinfo": "libnbd-bin", "nbdcopy": "libnbd-bin",
 	"nbdkit": "nbdkit", "losetup": "mount", "mkfs.ext4": "e2fsprogs", "e2fsck": "e2fsprogs",
-	"fallocate": "util-linux", "partx": "util-linux", "setpriv": "util-linux", "unshare": "util-linux",
+	"fallocate": "util-linux", "partx": "util-linux", "prlimit": "util-linux", "setpriv": "util-linux", "unshare": "util-linux",
 	"sfdisk": "fdisk", "mkfs.vfat": "dosfstools", "fsck.vfat": "dosfstools", "fuse2fs": "fuse2fs",
 	"fusermount3": "fuse3", "mount": "mount", "umount": "mount", "script": "bsdutils", "cmp": "diffutils",
 	"man": "man-db", "bash": "bash",
@@ -51,9 +51,8 @@ const blockexportPkg = "github.com/blockexport/blockexport/cmd/blockexport"
 
 // Main is each end-to-end test package's TestMain: it checks the tools and
 // root, builds the blockexport binary into a temporary directory (Go's
-// build cache makes the builds after the first package's a link),
-// chooses the FUSE transport (BLOCKEXPORT_TRANSPORT), runs the tests and
-// exits with their status.
+// build cache makes the builds after the first package's a link), runs
+// the tests and exits with their status.
 func Main(m *testing.M) {
 	var missing, pkgs []string
 	for tool, pkg := range requiredTools {
@@ -92,20 +91,7 @@ func Main(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "tests: building blockexport:", err)
 		os.Exit(1)
 	}
-	restore, err := chooseTransport()
-	if errors.Is(err, errNoURing) {
-		// Not a pass: the run says loudly that it did not happen.
-		fmt.Fprintln(os.Stderr, "tests: SKIPPED the FUSE-over-io_uring run:", err)
-		os.RemoveAll(dir)
-		os.Exit(0)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "tests:", err)
-		os.RemoveAll(dir)
-		os.Exit(1)
-	}
 	code := m.Run()
-	restore()
 	os.RemoveAll(dir)
 	os.Exit(code)
 }
@@ -119,58 +105,6 @@ func SkipLoudly(t *testing.T, format string, args ...any) {
 	msg := fmt.Sprintf(format, args...)
 	fmt.Fprintf(os.Stderr, "SKIPPED %s: %s\n", t.Name(), msg)
 	t.Skip(msg)
-}
-
-// TransportArgs are what every StartExport adds: BLOCKEXPORT_TRANSPORT=uring
-// runs the FUSE exports over io_uring instead of /dev/fuse (make test runs
-// the tests/fuse package both ways).
-var TransportArgs []string
-
-// errNoURing: FUSE over io_uring cannot be switched on here (no such
-// kernel, or a read-only /sys).
-var errNoURing = errors.New("FUSE over io_uring cannot be switched on here")
-
-// uringParam is the fuse module's switch for FUSE over io_uring.
-const uringParam = "/sys/module/fuse/parameters/enable_uring"
-
-// chooseTransport reads BLOCKEXPORT_TRANSPORT; for uring it switches the
-// module parameter on for the run and returns what puts it back.
-func chooseTransport() (restore func(), err error) {
-	switch t := os.Getenv("BLOCKEXPORT_TRANSPORT"); t {
-	case "", "dev":
-		return func() {}, nil
-	case "uring":
-		undo, err := SetUringParam(true)
-		if err != nil {
-			return nil, fmt.Errorf("BLOCKEXPORT_TRANSPORT=uring: %w", err)
-		}
-		TransportArgs = []string{"--io-uring", "on"}
-		fmt.Fprintln(os.Stderr, "tests: FUSE exports run over io_uring (--io-uring on)")
-		return undo, nil
-	default:
-		return nil, fmt.Errorf("BLOCKEXPORT_TRANSPORT=%q: want dev or uring", t)
-	}
-}
-
-// SetUringParam sets enable_uring and returns what restores the value it
-// had.
-func SetUringParam(on bool) (restore func(), err error) {
-	old, err := os.ReadFile(uringParam)
-	if err != nil {
-		return nil, fmt.Errorf("%w: this kernel has none (Linux 6.14+ with CONFIG_FUSE_IO_URING): %v", errNoURing, err)
-	}
-	v := "0"
-	if on {
-		v = "1"
-	}
-	if err := os.WriteFile(uringParam, []byte(v), 0); err != nil {
-		return nil, fmt.Errorf("%w: setting %s: %v", errNoURing, uringParam, err)
-	}
-	was := "0"
-	if strings.TrimSpace(string(old)) == "Y" {
-		was = "1"
-	}
-	return func() { os.WriteFile(uringParam, []byte(was), 0) }, nil
 }
 
 // Daemon is one running export process (ours or qemu-storage-daemon).
@@ -187,12 +121,11 @@ type Daemon struct {
 // is a FUSE mount. The export is stopped and unmounted in t.Cleanup.
 func StartExport(t *testing.T, image, mnt string, args ...string) *Daemon {
 	t.Helper()
-	argv := append(append(append([]string{"fuse"}, TransportArgs...), kernelCacheArgs(args)...), args...)
+	argv := append(append([]string{"fuse"}, kernelCacheArgs()...), args...)
 	argv = append(argv, image, mnt)
 	d := StartDaemon(t, mnt, Bin, argv...)
 	// The mount shows as soon as mount(2) returns; the export serves once
-	// INIT is answered (and, over io_uring, its rings registered), which
-	// it logs.
+	// INIT is answered, which it logs.
 	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(d.Log(), "exporting"); {
 		select {
 		case <-d.Exited:

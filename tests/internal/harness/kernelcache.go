@@ -5,7 +5,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,18 +15,12 @@ import (
 
 // kernelCacheArgs are what StartExport adds for BLOCKEXPORT_KERNEL_CACHE:
 // "on" runs the FUSE exports with the kernel cache on (make test runs the
-// tests/fuse package that way too, as it runs it over io_uring). An export
-// that asks for FUSE passthrough gets none: the two exclude each other
-// (the daemon refuses both on), and that test is about passthrough. A
-// test's own --kernel-cache comes later on the command line and wins.
+// tests/fuse package that way too). A test's own --kernel-cache comes later on the command line and wins.
 // Unset, the exports run uncached (--kernel-cache off, where the daemon's
 // default is auto): the suite's first run checks the path every request
 // takes to us, the kernel-cached run (=on) the other.
-func kernelCacheArgs(args []string) []string {
+func kernelCacheArgs() []string {
 	v := os.Getenv("BLOCKEXPORT_KERNEL_CACHE")
-	if slices.Contains(args, "--passthrough") {
-		return nil
-	}
 	if v == "" {
 		v = "off"
 	}
