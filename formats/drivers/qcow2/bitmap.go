@@ -143,10 +143,11 @@ func (b *bitmapEntry) check(typ uint8, nameLen, cs, size, fileSize int64) error 
 	case b.tableOff > fileSize || b.tableSize*8 > fileSize-b.tableOff:
 		return bad("bitmap table at %#x (%d entries) lies beyond the end of the file", b.tableOff, b.tableSize)
 	}
-	// An in-use bitmap may be short (stored before a resize it missed);
-	// a consistent one must cover the whole disk.
-	if b.flags&bmFlagInUse == 0 && bitmapTableEntries(size, b.granBits, cs) > uint64(b.tableSize) {
-		return bad("bitmap table of %d entries is too short for a %d-byte disk at granularity %d", b.tableSize, size, int64(1)<<b.granBits)
+	// An in-use bitmap may have any size (stored before a resize it
+	// missed); a consistent one has exactly the table the disk needs, as
+	// QEMU's load_bitmap_data demands.
+	if need := bitmapTableEntries(size, b.granBits, cs); b.flags&bmFlagInUse == 0 && need != uint64(b.tableSize) {
+		return bad("bitmap table of %d entries, a %d-byte disk at granularity %d needs %d", b.tableSize, size, int64(1)<<b.granBits, need)
 	}
 	return nil
 }

@@ -101,14 +101,14 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 	}
 	for i := range entries {
 		b := &entries[i]
+		if err := q.claimBitmapClusters(b.tableOff, b.tableSize*8, fmt.Sprintf("table of bitmap %q", b.name)); err != nil {
+			return err
+		}
 		t, err := q.readBitmapTable(ctx, b, fileSize)
 		if err != nil {
 			return err
 		}
 		s.tables = append(s.tables, t)
-		if err := q.claimBitmapClusters(b.tableOff, b.tableSize*8, fmt.Sprintf("table of bitmap %q", b.name)); err != nil {
-			return err
-		}
 		for _, e := range t {
 			if off := int64(e & bmTableOffsetMask); off != 0 {
 				if err := q.claimBitmapClusters(off, cs, fmt.Sprintf("data of bitmap %q", b.name)); err != nil {
