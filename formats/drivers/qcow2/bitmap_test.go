@@ -718,3 +718,31 @@ func copyFileForTest(t *testing.T, from, to string) {
 		t.Fatal(err)
 	}
 }
+
+// TestBitmapMemoryIsBounded: enabled bitmaps that would take more memory
+// than maxLiveBitmapBytes refuse a writable open before any is loaded,
+// while a read-only open still works.
+func TestBitmapMemoryIsBounded(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "large.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "1T")
+	tool(t, "qemu-img", "bitmap", "--add", img, "bm0")
+	l := craftedLayout{ext: bitmapsExt(t, img)}
+	l.cs = 65536
+	l.dirOff = int64(binary.BigEndian.Uint64(fileHead(t, img)[l.ext+16:]))
+	e, _ := directoryEntry(t, img, "bm0")
+	// Five bitmaps of 512-byte granularity over 1 TiB: 256 MiB each.
+	var entries []craftedEntry
+	for i := range 5 {
+		entries = append(entries, craftedEntry{tableOff: uint64(e.tableOff), tableSize: 4096, flags: bmFlagAuto,
+			typ: bmTypeDirty, gran: 9, name: "b" + strconv.Itoa(i), nameLen: -1})
+	}
+	writeDirectory(t, img, l, 5, -1, entries...)
+	if _, err := openTest(img, testOpts{Backend: aio.Threads, Writable: true}); err == nil || !strings.Contains(err.Error(), "bytes of memory") {
+		t.Fatalf("writable open: %v, want it refused for the memory the bitmaps take", err)
+	}
+	q, err := openTest(img, testOpts{Backend: aio.Threads})
+	if err != nil {
+		t.Fatalf("read-only open: %v", err)
+	}
+	q.Close()
+}

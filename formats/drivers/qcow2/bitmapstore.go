@@ -27,6 +27,12 @@ import (
 // bitmap clusters count as metadata for the overlap checks (metaBitmap),
 // so neither a guest write nor an allocation can land on them.
 
+// maxLiveBitmapBytes bounds the memory the enabled bitmaps of one image
+// take (a 2 TiB disk takes 4 MiB per bitmap at 64 KiB granularity, 512
+// MiB at 512 bytes): a crafted directory of many fine-grained bitmaps
+// over a large disk must not exhaust memory at open.
+const maxLiveBitmapBytes = 1 << 30
+
 // bitmapSet is what a writable image keeps of its bitmaps.
 type bitmapSet struct {
 	entries []bitmapEntry
@@ -96,6 +102,15 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 	s := &bitmapSet{entries: entries, dirOff: int64(q.h.bitmaps.dirOffset), dirSize: int64(len(dir))}
 	cs := q.h.clusterSize
 	fileSize := q.fileSize
+	live := uint64(0)
+	for _, b := range entries {
+		if b.flags&(bmFlagAuto|bmFlagInUse) == bmFlagAuto {
+			live += (bitmapBits(q.Size(), b.granBits) + 63) / 64 * 8
+		}
+	}
+	if live > maxLiveBitmapBytes {
+		return fmt.Errorf("%w: the enabled dirty bitmaps would take %d bytes of memory (at most %d)", ErrUnsupported, live, maxLiveBitmapBytes)
+	}
 	if err := q.claimBitmapClusters(s.dirOff, s.dirSize, "bitmap directory"); err != nil {
 		return err
 	}

@@ -17,7 +17,8 @@
 // (allocation and frees), writestate.go (what a writable image keeps),
 // overlap.go (writes never land on metadata), write.go (writes), zero.go
 // (write-zeroes and discard), flush.go (metadata write-back), resize.go,
-// create.go (new images).
+// create.go (new images), bitmap.go and bitmapstore.go (persistent dirty
+// bitmaps: parsed, kept up to date by writes, stored at close).
 package qcow2
 
 import (
