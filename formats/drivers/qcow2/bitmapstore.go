@@ -97,7 +97,7 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 	}
 	dir, entries, err := q.readBitmapDirectory(ctx)
 	if err != nil {
-		return fmt.Errorf("%w (qemu-img check -r all drops what it cannot use)", err)
+		return fmt.Errorf("persistent dirty bitmaps, which a writer must keep: %w", err)
 	}
 	s := &bitmapSet{entries: entries, dirOff: int64(q.h.bitmaps.dirOffset), dirSize: int64(len(dir))}
 	cs := q.h.clusterSize
