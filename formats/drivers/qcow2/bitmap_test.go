@@ -210,13 +210,18 @@ func TestBitmapSurvivesAWriteSession(t *testing.T) {
 	if err := q.Discard(ctx, 3<<20, 128<<10); err != nil {
 		t.Fatal(err)
 	}
-	if done, err := q.TryWriteAt(bytes.Repeat([]byte{0x6b}, 512), 7<<20+4096); err != nil {
+	if _, err := q.WriteAt(ctx, bytes.Repeat([]byte{0x6b}, 512), 7<<20+4096); err != nil {
 		t.Fatal(err)
-	} else if !done {
-		if _, err := q.WriteAt(ctx, bytes.Repeat([]byte{0x6b}, 512), 7<<20+4096); err != nil {
-			t.Fatal(err)
-		}
 	}
+	// The non-blocking path: a cluster the image owns (written after the
+	// snapshot), its L2 table and pages cached by the read before.
+	if _, err := q.ReadAt(ctx, make([]byte, 64<<10), 6<<20); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := q.TryWriteAt(bytes.Repeat([]byte{0x7c}, 512), 6<<20+8192); err != nil || !done {
+		t.Fatalf("TryWriteAt into an owned, cached cluster: done %v, %v", done, err)
+	}
+	written = append(written, [2]int64{6<<20 + 8192, 512})
 	if err := q.Close(); err != nil {
 		t.Fatal(err)
 	}

@@ -156,7 +156,7 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 
 // claimBitmapClusters records [off, off+n) as bitmap metadata, refusing
 // it when other metadata, or another bitmap structure, is there already.
-// Only during open (no lock needed yet) and under alloc.
+// For the open, before any request can allocate.
 func (q *Image) claimBitmapClusters(off, n int64, what string) error {
 	cs := q.h.clusterSize
 	q.meta.Lock()
