@@ -751,3 +751,28 @@ func TestBitmapMemoryIsBounded(t *testing.T) {
 	}
 	q.Close()
 }
+
+// TestBitmapMarksCompressedWrites: a compressed cluster written (as
+// convert -c does) marks the bitmaps like any write.
+func TestBitmapMarksCompressedWrites(t *testing.T) {
+	img := bitmapFixture(t)
+	q, err := openTest(img, testOpts{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	comp, ok, err := q.CompressCluster(bytes.Repeat([]byte("compressible "), 65536/13+1)[:65536])
+	if err != nil || !ok {
+		t.Fatalf("compress a cluster: %v %v", ok, err)
+	}
+	if err := q.WriteCompressed(context.Background(), comp, 4<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	tool(t, "qemu-img", "check", img)
+	want := dirtyRuns(8<<20, 512, [2]int64{4 << 20, 64 << 10}, [2]int64{6 << 20, 4096})
+	if got := qemuDirtyRanges(t, img, "bm2"); !slices.Equal(got, want) {
+		t.Errorf("bm2 dirty blocks %v, want %v", got, want)
+	}
+}
