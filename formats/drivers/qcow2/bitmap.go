@@ -29,7 +29,6 @@ const bmTableOffsetMask = 0x00fffffffffffe00
 
 // bitmapsExtension is the bitmaps header extension as parseHeader found it.
 type bitmapsExtension struct {
-	at        int64 // where the extension's data lies in the header cluster
 	count     uint32
 	dirSize   uint64
 	dirOffset uint64
@@ -176,6 +175,38 @@ func (q *Image) readBitmapDirectory(ctx context.Context) ([]byte, []bitmapEntry,
 		return nil, nil, fmt.Errorf("bitmap directory at %#x: %w", x.dirOffset, err)
 	}
 	return dir, entries, nil
+}
+
+// bitmapsExtensionAt finds where the bitmaps extension's data lies in the
+// header now, as the one naming the directory in use: it is not where
+// the open found it once DropBacking removed an extension before it.
+func (q *Image) bitmapsExtensionAt(ctx context.Context) (int64, error) {
+	head := make([]byte, q.h.clusterSize)
+	n, err := q.f.ReadAt(ctx, head, 0)
+	if err != nil && err != io.EOF {
+		return 0, fmt.Errorf("qcow2: read the header: %w", err)
+	}
+	head = head[:n]
+	be := binary.BigEndian
+	end := int64(len(head))
+	if end < v3HeaderLen {
+		return 0, fmt.Errorf("%w: the header is cut short", ErrCorrupt)
+	}
+	if bo := be.Uint64(head[hdrBackingOffset:]); bo != 0 && bo < uint64(end) {
+		end = int64(bo) // extensions stop where the backing name starts
+	}
+	for p := int64(q.h.headerLength); p+8 <= end; {
+		typ, l := be.Uint32(head[p:]), int64(be.Uint32(head[p+4:]))
+		p += 8
+		if typ == extEnd || l > end-p {
+			break
+		}
+		if typ == extBitmaps && l >= 24 && be.Uint64(head[p+16:]) == q.h.bitmaps.dirOffset {
+			return p, nil
+		}
+		p += (l + 7) &^ 7
+	}
+	return 0, fmt.Errorf("%w: the header no longer has the bitmaps extension naming the directory at %#x", ErrCorrupt, q.h.bitmaps.dirOffset)
 }
 
 // readBitmapTable reads and checks b's table (check_table_entry): an

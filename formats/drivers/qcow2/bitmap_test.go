@@ -776,3 +776,43 @@ func TestBitmapMarksCompressedWrites(t *testing.T) {
 		t.Errorf("bm2 dirty blocks %v, want %v", got, want)
 	}
 }
+
+// TestBitmapSurvivesDroppingTheBackingFile: dropping the backing file
+// (block-stream's end) moves the header extensions that follow the
+// backing format's; the bitmaps are stored where their extension is then.
+func TestBitmapSurvivesDroppingTheBackingFile(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.raw")
+	if err := os.WriteFile(base, bytes.Repeat([]byte{0x42}, 4<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(dir, "over.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "raw", img, "4M")
+	tool(t, "qemu-img", "bitmap", "--add", img, "bm0")
+	q, err := openTest(img, testOpts{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.Populate(ctx, 0, q.Size()); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.DropBacking(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.WriteAt(ctx, make([]byte, 4096), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := execOut("qemu-img", "check", img); err != nil || strings.Contains(out, "eaked") {
+		t.Fatalf("qemu-img check: %v\n%s", err, out)
+	}
+	if b := qemuBitmaps(t, img); !slices.Equal(b["bm0"].Flags, []string{"auto"}) {
+		t.Fatalf("bm0 after the backing file was dropped: %+v", b)
+	}
+	if got, want := qemuDirtyRanges(t, img, "bm0"), [][2]int64{{1 << 20, 1<<20 + 64<<10}}; !slices.Equal(got, want) {
+		t.Errorf("bm0 dirty blocks %v, want %v", got, want)
+	}
+}

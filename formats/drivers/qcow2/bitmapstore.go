@@ -274,10 +274,14 @@ func (q *Image) storeBitmaps(ctx context.Context, s *bitmapSet) error {
 	if err := q.Flush(ctx); err != nil {
 		return err
 	}
+	at, err := q.bitmapsExtensionAt(ctx)
+	if err != nil {
+		return err
+	}
 	var ext [16]byte
 	binary.BigEndian.PutUint64(ext[0:], uint64(len(dir)))
 	binary.BigEndian.PutUint64(ext[8:], uint64(dirOff))
-	if _, err := q.f.WriteAt(ctx, ext[:], q.h.bitmaps.at+8); err != nil {
+	if _, err := q.f.WriteAt(ctx, ext[:], at+8); err != nil {
 		return fmt.Errorf("write the bitmaps header extension: %w", err)
 	}
 	if !q.noFlush.Load() {

@@ -283,7 +283,7 @@ func (h *header) readExtensions(buf []byte) error {
 				h.featureNames[[2]uint8{data[i], data[i+1]}] = name
 			}
 		case extBitmaps:
-			if err := h.checkBitmaps(data, off); err != nil {
+			if err := h.checkBitmaps(data); err != nil {
 				return err
 			}
 		case extCrypto:
@@ -309,7 +309,7 @@ const autoclearBitmaps = 1 << 0
 
 // checkBitmaps validates the bitmaps extension as QEMU does at open. An
 // extension whose autoclear bit is clear is stale and ignored, as there.
-func (h *header) checkBitmaps(data []byte, at int64) error {
+func (h *header) checkBitmaps(data []byte) error {
 	if h.autoclear&autoclearBitmaps == 0 {
 		return nil
 	}
@@ -332,7 +332,7 @@ func (h *header) checkBitmaps(data []byte, at int64) error {
 		return fmt.Errorf("%w: bitmap directory offset %#x is not cluster-aligned", ErrCorrupt, dirOffset)
 	}
 	h.hasBitmaps = true
-	h.bitmaps = bitmapsExtension{at: at, count: nb, dirSize: dirSize, dirOffset: dirOffset}
+	h.bitmaps = bitmapsExtension{count: nb, dirSize: dirSize, dirOffset: dirOffset}
 	return nil
 }
 
