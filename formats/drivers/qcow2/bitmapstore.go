@@ -102,14 +102,14 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 	s := &bitmapSet{entries: entries, dirOff: int64(q.h.bitmaps.dirOffset), dirSize: int64(len(dir))}
 	cs := q.h.clusterSize
 	fileSize := q.fileSize
-	live := uint64(0)
+	memory := uint64(0)
 	for _, b := range entries {
 		if b.flags&(bmFlagAuto|bmFlagInUse) == bmFlagAuto {
-			live += (bitmapBits(q.Size(), b.granBits) + 63) / 64 * 8
+			memory += (bitmapBits(q.Size(), b.granBits) + 63) / 64 * 8
 		}
 	}
-	if live > maxLiveBitmapBytes {
-		return fmt.Errorf("%w: the enabled dirty bitmaps would take %d bytes of memory (at most %d)", ErrUnsupported, live, maxLiveBitmapBytes)
+	if memory > maxLiveBitmapBytes {
+		return fmt.Errorf("%w: the enabled dirty bitmaps would take %d bytes of memory (at most %d)", ErrUnsupported, memory, maxLiveBitmapBytes)
 	}
 	if err := q.claimBitmapClusters(s.dirOff, s.dirSize, "bitmap directory"); err != nil {
 		return err
