@@ -12,8 +12,8 @@ import (
 
 // qemuOutputImages makes images whose maps have a few extents: a qcow2
 // with data, a hole and zero clusters, a raw file with holes, a
-// compressed qcow2, a streamOptimized vmdk, an empty qcow2 and an
-// overlay.
+// compressed qcow2, a streamOptimized vmdk, an empty qcow2, an overlay
+// and a qcow2 with persistent dirty bitmaps (one enabled, one disabled).
 func qemuOutputImages(t *testing.T) []string {
 	t.Helper()
 	dir := t.TempDir()
@@ -31,7 +31,12 @@ func qemuOutputImages(t *testing.T) []string {
 	o := filepath.Join(dir, "o.qcow2")
 	harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", q, "-F", "qcow2", o)
 	harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 6 1M 64k", o)
-	return []string{q, r, c, v, e, o}
+	b := filepath.Join(dir, "b.qcow2")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", b, "16M")
+	harness.Run(t, "qemu-img", "bitmap", "--add", b, "b0")
+	harness.Run(t, "qemu-img", "bitmap", "--add", "--disable", "-g", "512", b, "b1")
+	harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 7 2M 64k", b)
+	return []string{q, r, c, v, e, o, b}
 }
 
 // qemuAndOurs runs qemu-img and blockexport with args in dir and

@@ -117,6 +117,7 @@ type header struct {
 	backingFormat    string
 	featureNames     map[[2]uint8]string // (type, bit) -> name
 	hasBitmaps       bool
+	bitmaps          bitmapsExtension // the bitmaps extension, when hasBitmaps
 	clusterSize      int64
 	l2Entries        int64 // entries per L2 table
 }
@@ -331,6 +332,7 @@ func (h *header) checkBitmaps(data []byte) error {
 		return fmt.Errorf("%w: bitmap directory offset %#x is not cluster-aligned", ErrCorrupt, dirOffset)
 	}
 	h.hasBitmaps = true
+	h.bitmaps = bitmapsExtension{count: nb, dirSize: dirSize, dirOffset: dirOffset}
 	return nil
 }
 

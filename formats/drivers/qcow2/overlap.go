@@ -35,11 +35,12 @@ const (
 	metaRefBlock
 	metaSnapTable
 	metaSnapL1
+	metaBitmap
 )
 
 func (k metaKind) String() string {
 	return [...]string{"nothing", "image header", "active L1 table", "active L2 table", "refcount table",
-		"refcount block", "snapshot table", "inactive L1 table"}[k]
+		"refcount block", "snapshot table", "inactive L1 table", "persistent dirty bitmap"}[k]
 }
 
 // metaRange is a run of host clusters [start, end) holding one structure.
@@ -49,8 +50,9 @@ type metaRange struct {
 }
 
 // metaUse counts how often a host cluster is used as an L2 table (by L1
-// entries) and as a refcount block (by refcount table entries).
-type metaUse struct{ l2, rb int32 }
+// entries), as a refcount block (by refcount table entries) and by the
+// persistent bitmaps (directory, tables, data; bitmapstore.go).
+type metaUse struct{ l2, rb, bm int32 }
 
 // metaMap is where the metadata lies, in host clusters. Guarded by q.meta:
 // checks hold it shared, changes (under alloc too) exclusively.
@@ -141,8 +143,14 @@ func (m *metaMap) addRB(c int64, d int32) {
 	m.put(c, u)
 }
 
+func (m *metaMap) addBitmap(c int64, d int32) {
+	u := m.clusters[c]
+	u.bm += d
+	m.put(c, u)
+}
+
 func (m *metaMap) put(c int64, u metaUse) {
-	if u.l2 <= 0 && u.rb <= 0 {
+	if u.l2 <= 0 && u.rb <= 0 && u.bm <= 0 {
 		delete(m.clusters, c)
 		return
 	}
@@ -171,6 +179,8 @@ func (m *metaMap) overlap(a, b int64, allow metaKind) metaKind {
 			return metaL2
 		case u.rb > 0 && allow != metaRefBlock:
 			return metaRefBlock
+		case u.bm > 0 && allow != metaBitmap:
+			return metaBitmap
 		}
 		return metaNone
 	}

@@ -17,7 +17,8 @@
 // (allocation and frees), writestate.go (what a writable image keeps),
 // overlap.go (writes never land on metadata), write.go (writes), zero.go
 // (write-zeroes and discard), flush.go (metadata write-back), resize.go,
-// create.go (new images).
+// create.go (new images), bitmap.go and bitmapstore.go (persistent dirty
+// bitmaps: parsed, kept up to date by writes, stored at close).
 package qcow2
 
 import (
@@ -27,6 +28,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -573,8 +575,11 @@ func (q *Image) Info() formats.Info {
 		fmt.Sprintf("corrupt: %t", d.Corrupt),
 		fmt.Sprintf("extended l2: %t", d.ExtendedL2),
 	}
-	if h.hasBitmaps {
-		lines = append(lines, "bitmaps: present (ignored)")
+	if bitmaps, err := q.bitmapInfo(ctx); err != nil {
+		lines = append(lines, fmt.Sprintf("bitmaps: unreadable (%v)", err))
+	} else if bitmaps != nil {
+		d.Bitmaps = bitmaps
+		lines = slices.Insert(lines, 3, bitmapLines(bitmaps)...)
 	}
 	info.FormatSpecific = &formats.FormatSpecific{Type: "qcow2", Data: d, Lines: lines}
 	if h.backingFile != "" {
@@ -590,9 +595,11 @@ type Detail struct {
 	Compat          string `json:"compat"`
 	CompressionType string `json:"compression-type"`
 	LazyRefcounts   bool   `json:"lazy-refcounts"`
-	RefcountBits    int    `json:"refcount-bits"`
-	Corrupt         bool   `json:"corrupt"`
-	ExtendedL2      bool   `json:"extended-l2"`
+	// Bitmaps are the persistent dirty bitmaps, in qemu-img's place.
+	Bitmaps      []BitmapInfo `json:"bitmaps,omitempty"`
+	RefcountBits int          `json:"refcount-bits"`
+	Corrupt      bool         `json:"corrupt"`
+	ExtendedL2   bool         `json:"extended-l2"`
 }
 
 // Features: zeroing whole clusters is metadata only in version 3 (zero
@@ -610,7 +617,7 @@ func (q *Image) Backing() formats.Image { return q.backing }
 func (q *Image) Close() error {
 	var err error
 	if q.w != nil {
-		err = q.Flush(context.Background())
+		err = q.closeFlush(context.Background())
 		if terr := q.trimGrowAhead(); err == nil {
 			err = terr
 		}

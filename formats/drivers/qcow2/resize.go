@@ -22,6 +22,11 @@ func (q *Image) Resize(ctx context.Context, size int64) error {
 	if size < 0 {
 		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EINVAL)
 	}
+	if q.w.bitmaps != nil {
+		// QEMU resizes only bitmaps it holds in memory; this driver
+		// resizes none, so that none is left too short.
+		return fmt.Errorf("qcow2: resize an image with persistent dirty bitmaps: %w", formats.ErrNotSupported)
+	}
 	size = (size + 511) &^ 511
 	if size > maxVirtualSize {
 		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EFBIG)

@@ -36,6 +36,7 @@ func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	if off < 0 || off+int64(len(p)) > q.Size() {
 		return 0, fmt.Errorf("qcow2: write [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
 	}
+	q.markDirty(off, int64(len(p)))
 	q.w.users.RLock()
 	err := q.write(ctx, p, off)
 	q.w.users.RUnlock()
@@ -90,6 +91,7 @@ func (q *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 		pos += n
 	}
 	q.meta.RUnlock()
+	q.markDirty(off, int64(len(p)))
 	for _, r := range runs {
 		done, err := q.f.TryWriteAt(p[r.pos:r.pos+r.n], r.host)
 		if !done {

@@ -2,6 +2,7 @@ package qcow2
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -55,6 +56,10 @@ type writeState struct {
 	perBlock int64 // refcounts per block
 	maxRef   uint64
 
+	// bitmaps are the persistent dirty bitmaps (bitmapstore.go); nil:
+	// none. Set at open; changed only by the close.
+	bitmaps *bitmapSet
+
 	// compNext is where the next compressed cluster goes: a byte in a
 	// host cluster that compressed clusters fill (compresswrite.go); 0
 	// or cluster-aligned: none. Guarded by alloc.
@@ -99,24 +104,29 @@ func (q *Image) openForWriting(ctx context.Context) error {
 		w.maxRef = ^uint64(0)
 	}
 	// Autoclear features are ones a writer that does not understand them
-	// must clear: we understand none (persistent bitmaps become stale).
-	if h.version >= 3 && h.autoclear != 0 {
-		var zero [8]byte
-		if _, err := q.f.WriteAt(ctx, zero[:], hdrAutoclear); err != nil {
+	// must clear: we understand only the bitmaps one (bitmapstore.go),
+	// and keep it only where its extension is in effect.
+	keep := uint64(0)
+	if h.hasBitmaps {
+		keep = autoclearBitmaps
+	}
+	if h.version >= 3 && h.autoclear != keep {
+		var b [8]byte
+		binary.BigEndian.PutUint64(b[:], keep)
+		if _, err := q.f.WriteAt(ctx, b[:], hdrAutoclear); err != nil {
 			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
 		}
 		if err := q.f.Fdatasync(ctx); err != nil {
 			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
 		}
-		h.autoclear = 0
-		h.hasBitmaps = false
+		h.autoclear = keep
 	}
 	// Allocation reads refcounts cluster by cluster: keep more clean
 	// blocks than a read-only open needs (4 MiB of them).
 	q.rcache = lru.New[[]byte](max(4, int(refBlockCacheBytes/h.clusterSize)))
 	q.w = w
 	q.buildMetaMap()
-	return nil
+	return q.openBitmaps(ctx)
 }
 
 // refBlockCacheBytes bounds the clean refcount blocks a writable image

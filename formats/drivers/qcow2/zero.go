@@ -35,6 +35,7 @@ func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 	if mayUnmap {
 		op = opZeroUnmap
 	}
+	q.markDirty(off, n)
 	q.w.users.RLock()
 	err := q.zeroRange(ctx, off, n, op)
 	q.w.users.RUnlock()
@@ -53,6 +54,7 @@ func (q *Image) Discard(ctx context.Context, off, n int64) error {
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
 	}
+	q.markDirty(off, n) // as QEMU: the whole request, whatever it drops
 	a, b := q.wholeClusters(off, n)
 	if a >= b {
 		return nil
