@@ -17,29 +17,21 @@ import (
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// Check and repair, as qemu-img check (QEMU 7.2's qcow2_check_refcounts
-// and its helpers) does them, so that the counts, the exit status and what
-// a repair changes are QEMU's: the refcount of every cluster is computed
-// from every reference the image holds (header, L1 and L2 tables and what
-// they map, snapshots and their tables, the refcount table and blocks) and
-// compared with the stored one. Stored above computed is a leak (space
-// wasted, no harm); below is a corruption (a write could reuse a cluster
-// in use). COPIED flags must say "refcount one" exactly where it is so.
+// Check and repair as qemu-img check (QEMU 7.2's qcow2_check_refcounts and
+// its helpers) does them, so that the counts, exit status and repairs are
+// QEMU's (docs/formats.md, Checks). Stored refcount above computed is a
+// leak; below, a corruption (a write could reuse a cluster in use).
 //
-// Some damage cannot be repaired in place: a refcount table entry that is
-// misaligned, names a cluster used by something else (data, metadata,
-// another entry), or a cluster in use whose stored refcount is zero. QEMU
-// then rebuilds the refcount structures from the computed refcounts; so do
-// we, under -r all, in fresh clusters at the end of the file, switching the
-// header to them in one write once they are durable. -r leaks refuses such
-// an image untouched ("need to rebuild refcount structures"), as qemu-img
-// does: fixing leaks by a refcount table that points into guest data would
-// write refcounts over that data.
+// A refcount table that cannot be trusted is rebuilt under -r all in fresh
+// clusters at the end of the file, the header switched to them in one
+// write once they are durable; -r leaks refuses such an image untouched:
+// fixing leaks through a table that points into guest data would write
+// refcounts over that data.
 //
 // It reads the metadata itself rather than through an open Image, so that
-// the images an Image refuses (marked corrupt, left dirty, tables past the
-// end of the file, a broken snapshot table) can be checked and repaired.
-// What lies past the end of the file reads as zeroes, as in QEMU.
+// the images an Image refuses (corrupt, dirty, tables past the end of the
+// file, a broken snapshot table) can be checked and repaired. What lies
+// past the end of the file reads as zeroes, as in QEMU.
 
 // RepairLeaks and RepairAll are what Check may fix (qemu-img check -r).
 const (
@@ -206,26 +198,11 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 // would keep a damaged image from its check: tables past the end of the
 // file read as zeroes.
 func (c *checker) load(ctx context.Context) error {
-	var st unix.Stat_t
-	if !aio.HasFd(c.f) {
-		n, err := aio.FileSize(c.f)
-		if err != nil {
-			return fmt.Errorf("qcow2: %w", err)
-		}
-		st.Size, st.Mode = n, unix.S_IFREG
-	} else if err := unix.Fstat(c.f.Fd(), &st); err != nil {
-		return fmt.Errorf("qcow2: stat %s: %w", c.f.Name(), err)
+	fileLen, head, err := readHead(ctx, c.f)
+	if err != nil {
+		return err
 	}
-	c.fileLen = st.Size
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		if n, err := unix.Seek(c.f.Fd(), 0, io.SeekEnd); err == nil {
-			c.fileLen = n
-		}
-	}
-	head := make([]byte, min(c.fileLen, 1<<maxClusterBits))
-	if _, err := c.f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
-		return fmt.Errorf("qcow2: read header of %s: %w", c.f.Name(), err)
-	}
+	c.fileLen = fileLen
 	// The snapshot table is the check's to read and judge, as in QEMU's
 	// check mode, not the header parser's: it is taken out of the copy.
 	parsed := slices.Clone(head)
@@ -359,11 +336,7 @@ func (c *checker) readTable(ctx context.Context, off, n int64) ([]uint64, error)
 	if err := c.readAt(ctx, raw, off); err != nil {
 		return nil, err
 	}
-	t := make([]uint64, n)
-	for i := range t {
-		t[i] = binary.BigEndian.Uint64(raw[i*8:])
-	}
-	return t, nil
+	return decodeTable(raw), nil
 }
 
 func (c *checker) report(counter *int64, format string, args ...any) {
@@ -701,7 +674,8 @@ func (c *checker) compare(ctx context.Context, repair int) (int64, error) {
 // kind being written), durably if sync.
 func (c *checker) writeMeta(ctx context.Context, b []byte, off int64, allow metaKind, what string, sync bool) error {
 	if name := c.overlaps(off, int64(len(b)), allow); name != "" {
-		return c.overlapFailure(what, off, int64(len(b)), name)
+		c.report(&c.res.CheckErrors, "ERROR: Could not write %s; metadata overlap check failed: %d bytes at %#x overlap the %s", what, len(b), off, name)
+		return fmt.Errorf("%w: preventing invalid write on metadata: %s of %d bytes at %#x would overlap the %s", ErrCorrupt, what, len(b), off, name)
 	}
 	if _, err := c.f.WriteAt(ctx, b, off); err != nil {
 		c.res.CheckErrors++
@@ -736,11 +710,6 @@ func (c *checker) overlaps(off, n int64, allow metaKind) string {
 		return k.String()
 	}
 	return ""
-}
-
-func (c *checker) overlapFailure(what string, off, n int64, name string) error {
-	c.report(&c.res.CheckErrors, "ERROR: Could not write %s; metadata overlap check failed: %d bytes at %#x overlap the %s", what, n, off, name)
-	return fmt.Errorf("%w: preventing invalid write on metadata: %s of %d bytes at %#x would overlap the %s", ErrCorrupt, what, n, off, name)
 }
 
 // metadata maps the image's metadata for the overlap checks, as QEMU's

@@ -2,7 +2,6 @@ package qcow2
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"io"
 	"slices"
@@ -58,11 +57,7 @@ func (q *Image) loadL2(ctx context.Context, off, fileSize int64) ([]uint64, erro
 	if _, err := q.f.ReadAt(ctx, buf, off); err != nil && err != io.EOF {
 		return nil, fmt.Errorf("qcow2: L2 table at %#x: %w", off, err)
 	}
-	t := make([]uint64, q.h.l2Entries)
-	for i := range t {
-		t[i] = binary.BigEndian.Uint64(buf[i*8:])
-	}
-	return t, nil
+	return decodeTable(buf), nil
 }
 
 // l2Span is the number of clusters one L2 table maps.

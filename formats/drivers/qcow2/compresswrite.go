@@ -32,15 +32,10 @@ import (
 // zlibWindow is QEMU's deflate window (windowBits 12).
 const zlibWindow = 4096
 
-// Encoders are reused: each holds tables of some size, built on first
-// use. They are kept on free lists that a garbage collection does not
-// empty (a sync.Pool does: every collection then built a dozen zstd
-// encoders again, each allocating megabytes, which brought on the next
-// collection; zstd ran 30 times slower than zlib). At most one per
-// goroutine compressing at once stays listed. The lists are stacks: the
-// encoder used last, whose tables are still in the CPU's cache, is the
-// one handed out next (16 zstd encoders taken in turn from a queue
-// compressed at 135 MB/s a core where one reused ran at 310).
+// Encoders hold large tables, so they are reused from free lists that a
+// garbage collection does not empty (a sync.Pool's rebuilds brought on
+// more collections); the lists are stacks, so the encoder handed out is
+// the one whose tables are still in the CPU's cache.
 var (
 	freeDeflaters freeList[*flate.Writer]
 	freeZstd      freeList[*zstd.Encoder]
@@ -86,20 +81,15 @@ func getDeflater() (*flate.Writer, error) {
 	return flate.NewWriterWindow(nil, zlibWindow)
 }
 
-func putDeflater(w *flate.Writer) { freeDeflaters.put(w) }
-
 func getZstd() (*zstd.Encoder, error) {
 	if e, ok := freeZstd.get(); ok {
 		return e, nil
 	}
 	// No content checksum, as QEMU writes its frames (libzstd's default):
-	// the image has no use for it, and hashing every cluster cost 2.6%
-	// of the CPU of a -c zstd convert.
+	// the image has no use for it.
 	return zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault),
 		zstd.WithWindowSize(zstdWindow), zstd.WithLowerEncoderMem(true), zstd.WithEncoderCRC(false))
 }
-
-func putZstd(e *zstd.Encoder) { freeZstd.put(e) }
 
 // ClusterSize is the image's cluster size.
 func (q *Image) ClusterSize() int64 { return q.h.clusterSize }
@@ -119,8 +109,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 		copy(src, p)
 	}
 	// The encoder writes into a reused scratch buffer; only a result
-	// that is kept is copied out, at its own size (a new cluster-sized
-	// buffer each time cost a tenth of zstd's CPU in clearing it).
+	// that is kept is copied out, at its own size.
 	scratch, _ := freeScratch.get()
 	if int64(cap(scratch)) < cs {
 		scratch = make([]byte, 0, cs)
@@ -138,7 +127,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 		if err == nil {
 			err = w.Close()
 		}
-		putDeflater(w)
+		freeDeflaters.put(w)
 		if err != nil {
 			return nil, false, fmt.Errorf("qcow2: deflate: %w", err)
 		}
@@ -149,7 +138,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 			return nil, false, fmt.Errorf("qcow2: zstd: %w", err)
 		}
 		comp = e.EncodeAll(src, scratch[:0])
-		putZstd(e)
+		freeZstd.put(e)
 	default:
 		return nil, false, fmt.Errorf("qcow2: compression type %d: %w", q.h.compressionType, formats.ErrNotSupported)
 	}

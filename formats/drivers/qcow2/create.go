@@ -3,6 +3,7 @@ package qcow2
 import (
 	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"os"
 
 	"golang.org/x/sys/unix"
@@ -98,7 +99,7 @@ func Create(path string, o CreateOptions) error {
 	be.PutUint32(hdr[hdrVersion:], 3)
 	be.PutUint64(hdr[hdrBackingOffset:], uint64(backingOff))
 	be.PutUint32(hdr[hdrBackingSize:], uint32(len(o.BackingFile)))
-	be.PutUint32(hdr[hdrClusterBits:], uint32(log2(cs)))
+	be.PutUint32(hdr[hdrClusterBits:], uint32(bits.Len64(uint64(cs))-1))
 	be.PutUint64(hdr[hdrSize:], uint64(o.Size))
 	be.PutUint32(hdr[hdrL1Size:], uint32(l1Size))
 	be.PutUint64(hdr[hdrL1Offset:], uint64(l1Off))
@@ -150,13 +151,4 @@ func writeNew(f *os.File, parts []hostWrite, size int64) error {
 		return err
 	}
 	return unix.Fsync(int(f.Fd()))
-}
-
-func log2(v int64) int {
-	n := 0
-	for v > 1 {
-		v >>= 1
-		n++
-	}
-	return n
 }

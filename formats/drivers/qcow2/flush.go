@@ -274,3 +274,12 @@ func encodeTable(t []uint64) []byte {
 	}
 	return b
 }
+
+// decodeTable is the table of big-endian 64-bit entries stored in b.
+func decodeTable(b []byte) []uint64 {
+	t := make([]uint64, len(b)/8)
+	for i := range t {
+		t[i] = binary.BigEndian.Uint64(b[i*8:])
+	}
+	return t
+}

@@ -112,7 +112,7 @@ func (m *metaMap) setRange(kind metaKind, off, n, cs int64) {
 		}
 	}
 	if n > 0 {
-		m.addRange(kind, off, n, cs)
+		m.ranges = append(m.ranges, metaRange{off / cs, (off + n + cs - 1) / cs, kind})
 	}
 }
 
@@ -125,10 +125,6 @@ func (m *metaMap) setSnapshotL1s(r []metaRange) {
 		end = max(end, r.end)
 		m.snapL1End = append(m.snapL1End, end)
 	}
-}
-
-func (m *metaMap) addRange(kind metaKind, off, n, cs int64) {
-	m.ranges = append(m.ranges, metaRange{off / cs, (off + n + cs - 1) / cs, kind})
 }
 
 func (m *metaMap) addL2(c int64, d int32) {

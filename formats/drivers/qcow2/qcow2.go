@@ -23,7 +23,6 @@ package qcow2
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -164,27 +163,9 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 // load reads and checks the header and the L1 table.
 func load(f aio.File, path string, o Options) (*Image, error) {
 	ctx := context.Background()
-	var st unix.Stat_t
-	if !aio.HasFd(f) {
-		// A remote object: its size is all there is to stat.
-		n, err := aio.FileSize(f)
-		if err != nil {
-			return nil, fmt.Errorf("qcow2: %w", err)
-		}
-		st.Size, st.Mode = n, unix.S_IFREG
-	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return nil, fmt.Errorf("qcow2: stat %s: %w", path, err)
-	}
-	fileSize := st.Size
-	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
-		if fileSize, err := unix.Seek(f.Fd(), 0, io.SeekEnd); err == nil {
-			st.Size = fileSize
-		}
-		fileSize = st.Size
-	}
-	head := make([]byte, min(fileSize, 1<<maxClusterBits))
-	if _, err := f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
-		return nil, fmt.Errorf("qcow2: read header of %s: %w", path, err)
+	fileSize, head, err := readHead(ctx, f)
+	if err != nil {
+		return nil, err
 	}
 	h, err := parseHeader(head, fileSize)
 	if err != nil {
@@ -198,10 +179,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 		if _, err := f.ReadAt(ctx, raw, int64(h.l1Offset)); err != nil {
 			return nil, fmt.Errorf("qcow2: %s: L1 table at %#x: %w", path, h.l1Offset, err)
 		}
-		q.l1 = make([]uint64, h.l1Size)
-		for i := range q.l1 {
-			q.l1[i] = binary.BigEndian.Uint64(raw[i*8:])
-		}
+		q.l1 = decodeTable(raw)
 	}
 	cacheBytes := o.L2CacheSize
 	if cacheBytes <= 0 {
@@ -218,6 +196,33 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return q, nil
+}
+
+// readHead returns the length of f (a block device's by seeking to its
+// end) and its first bytes, up to the largest cluster: the header and
+// its extensions.
+func readHead(ctx context.Context, f aio.File) (int64, []byte, error) {
+	var st unix.Stat_t
+	if !aio.HasFd(f) {
+		// A remote object: its size is all there is to stat.
+		n, err := aio.FileSize(f)
+		if err != nil {
+			return 0, nil, fmt.Errorf("qcow2: %w", err)
+		}
+		st.Size, st.Mode = n, unix.S_IFREG
+	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
+		return 0, nil, fmt.Errorf("qcow2: stat %s: %w", f.Name(), err)
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		if n, err := unix.Seek(f.Fd(), 0, io.SeekEnd); err == nil {
+			st.Size = n
+		}
+	}
+	head := make([]byte, min(st.Size, 1<<maxClusterBits))
+	if _, err := f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
+		return 0, nil, fmt.Errorf("qcow2: read header of %s: %w", f.Name(), err)
+	}
+	return st.Size, head, nil
 }
 
 func (q *Image) Size() int64 { return q.size.Load() }

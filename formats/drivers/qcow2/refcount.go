@@ -86,11 +86,7 @@ func (q *Image) refcountTable(ctx context.Context) ([]uint64, error) {
 	if _, err := q.f.ReadAt(ctx, raw, off); err != nil && err != io.EOF {
 		return nil, fmt.Errorf("qcow2: refcount table at %#x: %w", off, err)
 	}
-	rt := make([]uint64, n/8)
-	for i := range rt {
-		rt[i] = binary.BigEndian.Uint64(raw[i*8:])
-	}
-	return rt, nil
+	return decodeTable(raw), nil
 }
 
 // isPreallocated says whether the image was preallocated with metadata,
