@@ -31,11 +31,9 @@ func (q *Image) growFile(end int64) {
 	q.meta.Unlock()
 	w := q.w
 	if w.growAhead > 0 && end > w.physEnd {
-		// The file is made longer ahead of the writes, in steps: a write
-		// past the end of an ext4 file updates its size, through the
-		// journal, page by page (a 2 GiB write took 0.4 s of system
-		// time into a file of that length, 0.7-4.1 s as appends, on a
-		// shared disk). Best effort: on failure the writes extend it.
+		// The file is made longer ahead of the writes, in steps, since
+		// appends update an ext4 file's size page by page (docs/design.md,
+		// Convert's chunk sizes). Best effort: the writes extend it.
 		n := (end + w.growAhead - 1) / w.growAhead * w.growAhead
 		if err := unix.Ftruncate(q.f.Fd(), n); err != nil {
 			w.growAhead = 0

@@ -60,9 +60,6 @@ func (q *Image) loadL2(ctx context.Context, off, fileSize int64) ([]uint64, erro
 	return decodeTable(buf), nil
 }
 
-// l2Span is the number of clusters one L2 table maps.
-func (q *Image) l2Span() int64 { return q.h.l2Entries }
-
 // l2Entry is the one step of every L1/L2 walk (reads, writes, block
 // status): the L2 entry of virtual cluster vc as memory knows it. With no
 // L2 table for vc (L1 entry zero) the entry is 0, unallocated, and
@@ -114,9 +111,8 @@ func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bo
 	// The entry is decoded against the file's end as it is now, not as
 	// it was before the read: a write may have allocated a cluster past
 	// that end and written the table back meanwhile, and the table read
-	// then holds an entry the older end calls corrupt (TestRaceAttack,
-	// 512-byte clusters: "data cluster 217 at 0xb0400 ... beyond the end
-	// of the file" on a write). The end only grows, and a cluster is
+	// then holds an entry the older end calls corrupt (TestRaceAttack).
+	// The end only grows, and a cluster is
 	// allocated (the end moved past it) before any table names it.
 	q.meta.RLock()
 	fileSize = q.fileSize

@@ -377,7 +377,7 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 	// Length of the run of clusters like the first.
 	length := cs - off%cs
 	if absent {
-		length = q.l2Span()*cs - off%(q.l2Span()*cs)
+		length = q.h.l2Entries*cs - off%(q.h.l2Entries*cs)
 	}
 	// Host offsets must continue too, for runs that have them: the cluster
 	// at virtual off+length lies at m.host+off%cs+length.
@@ -404,7 +404,7 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 			break
 		}
 		if nAbsent {
-			length += q.l2Span()*cs - (off+length)%(q.l2Span()*cs)
+			length += q.h.l2Entries*cs - (off+length)%(q.h.l2Entries*cs)
 		} else {
 			length += cs
 		}

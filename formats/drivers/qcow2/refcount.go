@@ -120,18 +120,11 @@ func (q *Image) detectMetadataPreallocation(ctx context.Context) (bool, error) {
 	real := st.Blocks * 512 / cs
 	threshold := max(real*10/9, real+2)
 	var rt []uint64
-	block := func(off int64) ([]byte, error) { return q.refcountBlock(ctx, off) }
 	if q.w != nil {
 		// A writable image's refcounts live in its write state.
 		q.w.alloc.Lock()
 		defer q.w.alloc.Unlock()
 		rt = q.w.rtable
-		block = func(off int64) ([]byte, error) {
-			if p, ok := q.w.rbpin[off]; ok {
-				return p.b, nil
-			}
-			return q.refcountBlock(ctx, off)
-		}
 	} else {
 		var err error
 		if rt, err = q.refcountTable(ctx); err != nil {
@@ -154,7 +147,7 @@ func (q *Image) detectMetadataPreallocation(ctx context.Context) (bool, error) {
 		if boff == 0 {
 			continue
 		}
-		b, err := block(boff)
+		b, err := q.blockAt(ctx, boff)
 		if err != nil {
 			return false, err
 		}
@@ -185,11 +178,20 @@ func (q *Image) refBlock(ctx context.Context, c int64) ([]byte, int64, error) {
 	if off == 0 {
 		return nil, 0, nil
 	}
-	if p, ok := w.rbpin[off]; ok {
-		return p.b, off, nil
-	}
-	b, err := q.refcountBlock(ctx, off)
+	b, err := q.blockAt(ctx, off)
 	return b, off, err
+}
+
+// blockAt returns the refcount block at off: a changed one of a writable
+// image (the caller then holds alloc), else clean from the cache or the
+// file.
+func (q *Image) blockAt(ctx context.Context, off int64) ([]byte, error) {
+	if q.w != nil {
+		if p, ok := q.w.rbpin[off]; ok {
+			return p.b, nil
+		}
+	}
+	return q.refcountBlock(ctx, off)
 }
 
 // getRef returns the refcount of host cluster c. The caller holds alloc.

@@ -30,20 +30,31 @@ import (
 
 // WriteAt writes p at off.
 func (q *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
-	if err := q.checkWritable("write"); err != nil {
-		return 0, err
-	}
-	if off < 0 || off+int64(len(p)) > q.Size() {
-		return 0, fmt.Errorf("qcow2: write [%d, +%d): %w", off, len(p), formats.ErrOutOfRange)
-	}
-	q.markDirty(off, int64(len(p)))
-	q.w.users.RLock()
-	err := q.write(ctx, p, off)
-	q.w.users.RUnlock()
+	err := q.request(ctx, "write", off, int64(len(p)), func() error { return q.write(ctx, p, off) })
 	if err != nil {
 		return 0, err
 	}
-	return len(p), q.boundWriteBack(ctx)
+	return len(p), nil
+}
+
+// request runs change, which op names, on [off, off+n) of a writable
+// image: the dirty bitmaps marked first, under w.users, then the metadata
+// written back if it has grown too large.
+func (q *Image) request(ctx context.Context, op string, off, n int64, change func() error) error {
+	if err := q.checkWritable(op); err != nil {
+		return err
+	}
+	if off < 0 || n < 0 || off+n > q.Size() {
+		return fmt.Errorf("qcow2: %s [%d, +%d): %w", op, off, n, formats.ErrOutOfRange)
+	}
+	q.markDirty(off, n)
+	q.w.users.RLock()
+	err := change()
+	q.w.users.RUnlock()
+	if err != nil {
+		return err
+	}
+	return q.boundWriteBack(ctx)
 }
 
 // TryWriteAt writes p in place when every cluster it touches is one this

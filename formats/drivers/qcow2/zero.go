@@ -1,11 +1,6 @@
 package qcow2
 
-import (
-	"context"
-	"fmt"
-
-	"github.com/blockexport/blockexport/formats"
-)
+import "context"
 
 // Write-zeroes and discard. Whole clusters change only their L2 entries: a
 // v3 zero flag (keeping the host cluster unless unmapping is allowed) or no
@@ -25,47 +20,26 @@ const (
 
 // WriteZeroes makes [off, off+n) read as zeroes.
 func (q *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
-	if err := q.checkWritable("write zeroes"); err != nil {
-		return err
-	}
-	if off < 0 || n < 0 || off+n > q.Size() {
-		return fmt.Errorf("qcow2: write zeroes [%d, +%d): %w", off, n, formats.ErrOutOfRange)
-	}
 	op := opZeroKeep
 	if mayUnmap {
 		op = opZeroUnmap
 	}
-	q.markDirty(off, n)
-	q.w.users.RLock()
-	err := q.zeroRange(ctx, off, n, op)
-	q.w.users.RUnlock()
-	if err != nil {
-		return err
-	}
-	return q.boundWriteBack(ctx)
+	return q.request(ctx, "write zeroes", off, n, func() error { return q.zeroRange(ctx, off, n, op) })
 }
 
 // Discard drops the whole clusters in [off, off+n); partial ones keep
 // their data, as in QEMU.
 func (q *Image) Discard(ctx context.Context, off, n int64) error {
-	if err := q.checkWritable("discard"); err != nil {
+	// The bitmaps are marked for the whole request, whatever it drops, as
+	// in QEMU.
+	return q.request(ctx, "discard", off, n, func() error {
+		a, b := q.wholeClusters(off, n)
+		if a >= b {
+			return nil
+		}
+		_, err := q.setClusters(ctx, a, b, off+n, opDiscard)
 		return err
-	}
-	if off < 0 || n < 0 || off+n > q.Size() {
-		return fmt.Errorf("qcow2: discard [%d, +%d): %w", off, n, formats.ErrOutOfRange)
-	}
-	q.markDirty(off, n) // as QEMU: the whole request, whatever it drops
-	a, b := q.wholeClusters(off, n)
-	if a >= b {
-		return nil
-	}
-	q.w.users.RLock()
-	_, err := q.setClusters(ctx, a, b, off+n, opDiscard)
-	q.w.users.RUnlock()
-	if err != nil {
-		return err
-	}
-	return q.boundWriteBack(ctx)
+	})
 }
 
 // wholeClusters returns the clusters [a, b) that [off, off+n) covers whole;
@@ -217,7 +191,6 @@ func (q *Image) setClustersInTable(ctx context.Context, a, b int64, op clusterOp
 // zeroEntry is the L2 entry a cluster mapped as m gets from op, and
 // whether m's host cluster stays in use.
 func (q *Image) zeroEntry(m mapping, op clusterOp) (uint64, bool) {
-	v3 := q.h.version >= 3
 	switch op {
 	case opZeroKeep:
 		switch {
@@ -229,17 +202,13 @@ func (q *Image) zeroEntry(m mapping, op clusterOp) (uint64, bool) {
 			return m.entry, true // reads as zeroes already
 		}
 		return l2ZeroFlag, false
-	case opZeroUnmap:
-		if v3 && q.backing != nil {
-			return l2ZeroFlag, false
-		}
-		return 0, false
 	case opDiscardAll:
 		return 0, false
 	}
-	// Discard: with a backing file, v3 makes the cluster read as zeroes
-	// rather than show the backing file through, as QEMU does.
-	if v3 && q.backing != nil {
+	// Zeroing with unmap, and discard: with a backing file, v3 makes the
+	// cluster read as zeroes rather than show the backing file through, as
+	// QEMU does.
+	if q.h.version >= 3 && q.backing != nil {
 		return l2ZeroFlag, false
 	}
 	return 0, false
