@@ -97,10 +97,6 @@ type checker struct {
 	snapRaw         []snapRaw
 	snapCorruptions int64
 
-	// The persistent bitmaps' directory, when the image has them.
-	bitmaps                     bool
-	bitmapDirSize, bitmapDirOff int64
-
 	imrt    *imrt
 	rebuild bool
 	// preCleared holds, by file offset, the L1 and L2 entries whose
@@ -181,12 +177,7 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	}
 	if repair != RepairNone && res.CheckErrors == 0 && res.Corruptions == 0 && c.h.incompatible&(incDirty|incCorrupt) != 0 {
 		// Repaired: the image is clean and consistent again.
-		var b [8]byte
-		binary.BigEndian.PutUint64(b[:], c.h.incompatible&^(incDirty|incCorrupt))
-		if _, err := f.WriteAt(ctx, b[:], hdrIncompatible); err != nil {
-			return res, fmt.Errorf("qcow2: clear the dirty and corrupt bits: %w", err)
-		}
-		if err := f.Fdatasync(ctx); err != nil {
+		if err := writeHeaderField(ctx, f, hdrIncompatible, c.h.incompatible&^(incDirty|incCorrupt)); err != nil {
 			return res, fmt.Errorf("qcow2: clear the dirty and corrupt bits: %w", err)
 		}
 	}
@@ -213,7 +204,6 @@ func (c *checker) load(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", c.f.Name(), err)
 	}
-	c.bitmapDirSize, c.bitmapDirOff, c.bitmaps = bitmapExtension(head, h)
 	be := binary.BigEndian
 	h.nbSnapshots = be.Uint32(head[hdrNbSnapshots:])
 	h.snapshotsOffset = be.Uint64(head[hdrSnapshotsOffset:])
@@ -289,11 +279,7 @@ func (c *checker) readSnapshotTable(ctx context.Context) error {
 		if c.h.version >= 3 && extraLen < 16 {
 			// Version 3 entries carry at least the VM state size and
 			// the disk size as extra data.
-			word := "ERROR"
-			if c.repair&RepairAll == RepairAll {
-				word = "Repairing"
-			}
-			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s snapshot table entry %d is incomplete", word, i))
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s snapshot table entry %d is incomplete", findingWord(c.repair&RepairAll == RepairAll), i))
 			c.snapCorruptions++
 		}
 		c.snapRaw = append(c.snapRaw, snapRaw{hdr: hdr, extra: extra})
@@ -337,6 +323,15 @@ func (c *checker) readTable(ctx context.Context, off, n int64) ([]uint64, error)
 		return nil, err
 	}
 	return decodeTable(raw), nil
+}
+
+// findingWord starts a finding's message as qemu-img does: "Repairing"
+// when this check repairs it, "ERROR" when not.
+func findingWord(repairs bool) string {
+	if repairs {
+		return "Repairing"
+	}
+	return "ERROR"
 }
 
 func (c *checker) report(counter *int64, format string, args ...any) {
@@ -469,11 +464,7 @@ func (c *checker) l2Refs(ctx context.Context, l2off int64, active bool, repair i
 				if e&l2ZeroFlag == 0 {
 					c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR offset=%x: Data cluster is not properly aligned; L2 entry corrupted.", host))
 				} else {
-					word := "ERROR"
-					if repair&RepairAll == RepairAll {
-						word = "Repairing"
-					}
-					c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s offset=%x: Preallocated cluster is not properly aligned; L2 entry corrupted.", word, host))
+					c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s offset=%x: Preallocated cluster is not properly aligned; L2 entry corrupted.", findingWord(repair&RepairAll == RepairAll), host))
 					if repair&RepairAll == RepairAll {
 						// A zero cluster whose preallocation is broken
 						// becomes a plain zero cluster: it reads the same.
@@ -700,10 +691,11 @@ func (c *checker) overlaps(off, n int64, allow metaKind) string {
 	}
 	cs := c.h.clusterSize
 	first, end := off/cs, (off+n+cs-1)/cs
+	dirOff, dirSize := int64(c.h.bitmaps.dirOffset), int64(c.h.bitmaps.dirSize)
 	switch {
 	case off < cs:
 		return metaHeader.String()
-	case c.bitmaps && c.bitmapDirSize > 0 && first < (c.bitmapDirOff+c.bitmapDirSize+cs-1)/cs && c.bitmapDirOff/cs < end:
+	case c.h.hasBitmaps && dirSize > 0 && first < (dirOff+dirSize+cs-1)/cs && dirOff/cs < end:
 		return "bitmap directory"
 	}
 	if k := c.meta.overlap(first, end, allow); k != metaNone {
@@ -715,34 +707,7 @@ func (c *checker) overlaps(off, n int64, allow metaKind) string {
 // metadata maps the image's metadata for the overlap checks, as QEMU's
 // default checks see it (inactive L2 tables are not in it, as there).
 func (c *checker) metadata() *metaMap {
-	cs := c.h.clusterSize
-	m := &metaMap{clusters: map[int64]metaUse{}}
-	m.setRange(metaHeader, 0, cs, cs)
-	if c.h.l1Size > 0 {
-		m.setRange(metaL1, int64(c.h.l1Offset), int64(c.h.l1Size)*8, cs)
-	}
-	m.setRange(metaRefTable, c.rtOff, int64(len(c.rt))*8, cs)
-	if c.snapLen > 0 && c.snapOff >= 0 {
-		m.setRange(metaSnapTable, c.snapOff, c.snapLen, cs)
-	}
-	var snapL1 []metaRange
-	for _, s := range c.snaps {
-		if s.l1Size > 0 && s.l1Offset >= 0 && s.l1Offset <= math.MaxInt64-s.l1Size*8 {
-			snapL1 = append(snapL1, metaRange{s.l1Offset / cs, (s.l1Offset + s.l1Size*8 + cs - 1) / cs, metaSnapL1})
-		}
-	}
-	m.setSnapshotL1s(snapL1)
-	for _, e := range c.l1 {
-		if off := int64(e & l1OffsetMask); off != 0 {
-			m.addL2(off/cs, 1)
-		}
-	}
-	for _, e := range c.rt {
-		if off := int64(e & refcountTableMask); off != 0 {
-			m.addRB(off/cs, 1)
-		}
-	}
-	return m
+	return newMetaMap(c.h.clusterSize, c.l1, int64(c.h.l1Offset), c.rt, c.rtOff, refcountTableMask, c.snapOff, c.snapLen, c.snaps)
 }
 
 // copiedFlags checks the COPIED flags of the active L1 and L2 tables: set
@@ -752,10 +717,7 @@ func (c *checker) copiedFlags(ctx context.Context, repair int) error {
 	cs := c.h.clusterSize
 	fix := repair&RepairAll == RepairAll ||
 		repair&RepairLeaks != 0 && c.res.CheckErrors == 0 && c.res.Corruptions == 0 && c.res.Leaks == 0
-	word := "ERROR"
-	if fix {
-		word = "Repairing"
-	}
+	word := findingWord(fix)
 	// want is entry e with its flag as refcount rc says.
 	want := func(e, rc uint64) uint64 {
 		if rc == 1 {

@@ -24,37 +24,12 @@ const (
 	bmMaxGranularity  = 31
 )
 
-// bitmapExtension returns the bitmaps extension's directory (size and
-// offset), or ok false when the image has none in effect.
-func bitmapExtension(head []byte, h *header) (size, off int64, ok bool) {
-	if !h.hasBitmaps {
-		return 0, 0, false
-	}
-	be := binary.BigEndian
-	end := min(int64(len(head)), h.clusterSize)
-	if h.backingOffset != 0 && int64(h.backingOffset) < end {
-		end = int64(h.backingOffset)
-	}
-	for p := int64(h.headerLength); p+8 <= end; {
-		typ, n := be.Uint32(head[p:]), int64(be.Uint32(head[p+4:]))
-		p += 8
-		if typ == extEnd || n > end-p {
-			break
-		}
-		if typ == extBitmaps && n >= 24 {
-			return int64(be.Uint64(head[p+8:])), int64(be.Uint64(head[p+16:])), true
-		}
-		p += (n + 7) &^ 7
-	}
-	return 0, 0, false
-}
-
 // bitmapRefs counts the references of the bitmaps.
 func (c *checker) bitmapRefs(ctx context.Context) error {
-	size, off, ok := c.bitmapDirSize, c.bitmapDirOff, c.bitmaps
-	if !ok {
+	if !c.h.hasBitmaps {
 		return nil
 	}
+	size, off := int64(c.h.bitmaps.dirSize), int64(c.h.bitmaps.dirOffset)
 	cs := c.h.clusterSize
 	c.inc(off, size)
 	dir := make([]byte, size)

@@ -36,40 +36,39 @@ func newIMRT(max uint64) *imrt {
 
 func (m *imrt) get(k int64) uint64 {
 	if m.narrow != nil {
-		if p := m.narrow[k/imrtPage]; p != nil {
-			return uint64(p[k%imrtPage])
-		}
-		return 0
+		return pageGet(m.narrow, k)
 	}
-	if p := m.wide[k/imrtPage]; p != nil {
-		return uint64(p[k%imrtPage])
-	}
-	return 0
+	return pageGet(m.wide, k)
 }
 
 // set stores v, which must not exceed max.
 func (m *imrt) set(k int64, v uint64) {
 	if m.narrow != nil {
-		p := m.narrow[k/imrtPage]
-		if p == nil {
-			if v == 0 {
-				return
-			}
-			p = new([imrtPage]uint16)
-			m.narrow[k/imrtPage] = p
-		}
-		p[k%imrtPage] = uint16(v)
-		return
+		pageSet(m.narrow, k, v)
+	} else {
+		pageSet(m.wide, k, v)
 	}
-	p := m.wide[k/imrtPage]
+}
+
+func pageGet[T uint16 | uint32](pages map[int64]*[imrtPage]T, k int64) uint64 {
+	if p := pages[k/imrtPage]; p != nil {
+		return uint64(p[k%imrtPage])
+	}
+	return 0
+}
+
+// pageSet stores v as cluster k's count; a page is made only for a count
+// that is not zero.
+func pageSet[T uint16 | uint32](pages map[int64]*[imrtPage]T, k int64, v uint64) {
+	p := pages[k/imrtPage]
 	if p == nil {
 		if v == 0 {
 			return
 		}
-		p = new([imrtPage]uint32)
-		m.wide[k/imrtPage] = p
+		p = new([imrtPage]T)
+		pages[k/imrtPage] = p
 	}
-	p[k%imrtPage] = uint32(v)
+	p[k%imrtPage] = T(v)
 }
 
 // inc counts one more reference to cluster k; false when its count is at

@@ -5,9 +5,11 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -73,33 +75,41 @@ type metaMap struct {
 // buildMetaMap records the metadata of an image opened for writing. The
 // caller holds alloc, or no one else has the image yet.
 func (q *Image) buildMetaMap() {
-	cs := q.h.clusterSize
 	w := q.w
+	w.metaMap = newMetaMap(q.h.clusterSize, q.l1, w.l1Offset, w.rtable, w.rtOffset, ^uint64(q.h.clusterSize-1),
+		int64(q.h.snapshotsOffset), q.snapTableBytes, q.snaps)
+}
+
+// newMetaMap maps the metadata of an image: the header, the active L1
+// table l1 at l1Off and the L2 tables it names, the refcount table rt at
+// rtOff and the blocks its entries (masked by rtMask) name, the snapshot
+// table of snapLen bytes at snapOff and the snapshots' L1 tables.
+func newMetaMap(cs int64, l1 []uint64, l1Off int64, rt []uint64, rtOff int64, rtMask uint64, snapOff, snapLen int64, snaps []snapshotEntry) *metaMap {
 	m := &metaMap{clusters: map[int64]metaUse{}}
 	m.setRange(metaHeader, 0, cs, cs)
-	m.setRange(metaL1, w.l1Offset, int64(len(q.l1))*8, cs)
-	m.setRange(metaRefTable, w.rtOffset, int64(len(w.rtable))*8, cs)
-	if q.snapTableBytes > 0 {
-		m.setRange(metaSnapTable, int64(q.h.snapshotsOffset), q.snapTableBytes, cs)
+	m.setRange(metaL1, l1Off, int64(len(l1))*8, cs)
+	m.setRange(metaRefTable, rtOff, int64(len(rt))*8, cs)
+	if snapOff >= 0 {
+		m.setRange(metaSnapTable, snapOff, snapLen, cs)
 	}
 	var snapL1 []metaRange
-	for _, s := range q.snaps {
-		if s.l1Size > 0 {
+	for _, s := range snaps {
+		if s.l1Size > 0 && s.l1Offset >= 0 && s.l1Offset <= math.MaxInt64-s.l1Size*8 {
 			snapL1 = append(snapL1, metaRange{s.l1Offset / cs, (s.l1Offset + s.l1Size*8 + cs - 1) / cs, metaSnapL1})
 		}
 	}
 	m.setSnapshotL1s(snapL1)
-	for _, e := range q.l1 {
+	for _, e := range l1 {
 		if off := int64(e & l1OffsetMask); off != 0 {
 			m.addL2(off/cs, 1)
 		}
 	}
-	for _, e := range w.rtable {
-		if off := int64(e &^ uint64(cs-1)); off != 0 {
+	for _, e := range rt {
+		if off := int64(e & rtMask); off != 0 {
 			m.addRB(off/cs, 1)
 		}
 	}
-	w.metaMap = m
+	return m
 }
 
 // setRange replaces the range of kind (the one of its kind: header, L1,
@@ -268,15 +278,18 @@ func (q *Image) markCorrupt(ctx context.Context, msg string) {
 	if q.h.version < 3 {
 		return
 	}
-	var b [8]byte
-	binary.BigEndian.PutUint64(b[:], q.h.incompatible|incCorrupt)
-	if _, err := q.f.WriteAt(ctx, b[:], hdrIncompatible); err != nil {
-		q.logWarn("could not set the corrupt bit", err)
-		return
-	}
-	if err := q.f.Fdatasync(ctx); err != nil {
+	if err := writeHeaderField(ctx, q.f, hdrIncompatible, q.h.incompatible|incCorrupt); err != nil {
 		q.logWarn("could not set the corrupt bit", err)
 	}
+}
+
+// writeHeaderField writes v as the 8-byte header field at off, then makes
+// it durable.
+func writeHeaderField(ctx context.Context, f aio.File, off int64, v uint64) error {
+	if _, err := f.WriteAt(ctx, binary.BigEndian.AppendUint64(nil, v), off); err != nil {
+		return err
+	}
+	return f.Fdatasync(ctx)
 }
 
 // errReadOnly is returned by write-type calls on a read-only image.

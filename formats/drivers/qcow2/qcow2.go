@@ -8,17 +8,8 @@
 // compressed cluster), keep refcounts, L2 tables and the L1 table in
 // write-back caches, and write them at Flush in an order that leaves the
 // file consistent at every instant: a crash may leak clusters, never
-// corrupt the image. See write.go for the rules.
-//
-// Files: header.go (header and extensions), cluster.go (L1/L2 lookup and
-// linking), cache.go (LRU), compress.go (compressed clusters), backing.go
-// (the backing file, opened through the caller's opener), snapshot.go (the
-// snapshot table), refcount.go (refcount blocks and entries), alloc.go
-// (allocation and frees), writestate.go (what a writable image keeps),
-// overlap.go (writes never land on metadata), write.go (writes), zero.go
-// (write-zeroes and discard), flush.go (metadata write-back), resize.go,
-// create.go (new images), bitmap.go and bitmapstore.go (persistent dirty
-// bitmaps: parsed, kept up to date by writes, stored at close).
+// corrupt the image. See write.go for the rules and flush.go for the
+// order; each file opens with what it holds.
 package qcow2
 
 import (
@@ -124,7 +115,7 @@ type Image struct {
 	//  5. meta: what lookups read (l1, the pinned L2 tables, fileSize);
 	//     shared for a few loads, exclusive only to store, never across
 	//     I/O.
-	//  6. the caches' own mutexes (cache.go).
+	//  6. the caches' own mutexes (formats/internal/lru).
 	//
 	// The try paths (TryReadAt, TryWriteAt) only TryLock 2 and 5: they
 	// give up rather than wait.

@@ -2,7 +2,6 @@ package qcow2
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -111,12 +110,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 		keep = autoclearBitmaps
 	}
 	if h.version >= 3 && h.autoclear != keep {
-		var b [8]byte
-		binary.BigEndian.PutUint64(b[:], keep)
-		if _, err := q.f.WriteAt(ctx, b[:], hdrAutoclear); err != nil {
-			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
-		}
-		if err := q.f.Fdatasync(ctx); err != nil {
+		if err := writeHeaderField(ctx, q.f, hdrAutoclear, keep); err != nil {
 			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
 		}
 		h.autoclear = keep
