@@ -514,11 +514,10 @@ func (c *checker) refblocks(repair int) error {
 		k := off / uint64(cs)
 		if k >= uint64(c.nb) {
 			c.res.Corruptions++
+			c.res.Messages = append(c.res.Messages, fmt.Sprintf("%s refcount block %d is outside image", findingWord(all), i))
 			if !all {
-				c.res.Messages = append(c.res.Messages, fmt.Sprintf("ERROR refcount block %d is outside image", i))
 				continue
 			}
-			c.res.Messages = append(c.res.Messages, fmt.Sprintf("Repairing refcount block %d is outside image", i))
 			// QEMU grows the file to hold the block, which then reads
 			// as zeroes (the refcounts in it are then rebuilt); a block
 			// past any file size means a rebuild.

@@ -242,27 +242,24 @@ func (q *Image) allocBytes(ctx context.Context, n int64) (int64, error) {
 		// A cluster freed meanwhile (compFreed resets compNext) or at
 		// its largest refcount is left alone.
 		if rc > 0 && rc < w.maxRef {
-			if off+n <= (c+1)*cs {
-				if err := q.setRef(ctx, c, rc+1); err != nil {
+			var next int64 // the cluster the bytes run on into; 0: none
+			if off+n > (c+1)*cs {
+				if next, err = q.allocClusters(ctx, 1); err != nil {
 					return 0, err
 				}
-				w.compNext = off + n
-				return off, nil
+				if next != (c+1)*cs {
+					w.compNext = next + n
+					return next, nil
+				}
 			}
-			next, err := q.allocClusters(ctx, 1)
-			if err != nil {
+			if err := q.setRef(ctx, c, rc+1); err != nil {
+				if next != 0 {
+					q.unallocate(ctx, next, 1)
+				}
 				return 0, err
 			}
-			if next == (c+1)*cs {
-				if err := q.setRef(ctx, c, rc+1); err != nil {
-					q.unallocate(ctx, next, 1)
-					return 0, err
-				}
-				w.compNext = off + n
-				return off, nil
-			}
-			w.compNext = next + n
-			return next, nil
+			w.compNext = off + n
+			return off, nil
 		}
 	}
 	next, err := q.allocClusters(ctx, 1)
