@@ -213,10 +213,8 @@ func (c *checker) load(ctx context.Context) error {
 	if c.rt, err = c.readTable(ctx, c.rtOff, int64(h.refcountClusters)*h.clusterSize/8); err != nil {
 		return err
 	}
-	if c.l1, err = c.readTable(ctx, int64(h.l1Offset), int64(h.l1Size)); err != nil {
-		return err
-	}
-	return nil
+	c.l1, err = c.readTable(ctx, int64(h.l1Offset), int64(h.l1Size))
+	return err
 }
 
 // readSnapshotTable reads the snapshot table as QEMU's check does: a

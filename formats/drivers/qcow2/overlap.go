@@ -258,7 +258,7 @@ func (q *Image) refuse(ctx context.Context, oe *overlapError, what string) error
 func (q *Image) checkWritable(op string) error {
 	switch {
 	case q.w == nil:
-		return errReadOnly(op)
+		return fmt.Errorf("qcow2: %s: %w", op, formats.ErrReadOnly)
 	case q.corrupt.Load():
 		return fmt.Errorf("%w: %s refused: the image was marked corrupt (a write would have landed on its metadata); check it with qemu-img check", ErrCorrupt, op)
 	}
@@ -290,9 +290,4 @@ func writeHeaderField(ctx context.Context, f aio.File, off int64, v uint64) erro
 		return err
 	}
 	return f.Fdatasync(ctx)
-}
-
-// errReadOnly is returned by write-type calls on a read-only image.
-func errReadOnly(op string) error {
-	return fmt.Errorf("qcow2: %s: %w", op, formats.ErrReadOnly)
 }

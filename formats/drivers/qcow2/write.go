@@ -123,12 +123,6 @@ func (q *Image) writeHost(ctx context.Context, p []byte, host int64) error {
 	if err := q.checkWrite(ctx, host, int64(len(p)), metaNone, "data write"); err != nil {
 		return err
 	}
-	return q.writeHostUnchecked(ctx, p, host)
-}
-
-// writeHostUnchecked is writeHost for a write already checked against
-// the metadata.
-func (q *Image) writeHostUnchecked(ctx context.Context, p []byte, host int64) error {
 	if _, err := q.f.WriteAt(ctx, p, host); err != nil {
 		return fmt.Errorf("qcow2: write %d bytes at host %#x: %w", len(p), host, err)
 	}
