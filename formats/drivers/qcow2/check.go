@@ -130,8 +130,7 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 	if err := c.calculate(ctx, repair); err != nil {
 		return res, err
 	}
-	pre := res
-	pre.Messages = slices.Clone(res.Messages)
+	pre := res // the counts before compare; its messages are not kept
 	highest, err := c.compare(ctx, RepairNone)
 	if err != nil {
 		return res, err
@@ -155,9 +154,8 @@ func checkOnce(ctx context.Context, f aio.File, repair int) (formats.CheckResult
 			return res, fmt.Errorf("qcow2: %s: %w", f.Name(), ErrNeedRebuild)
 		}
 		if res.Leaks != 0 || res.Corruptions != 0 {
-			msgs := res.Messages
+			pre.Messages = res.Messages
 			res = pre
-			res.Messages = msgs
 			if highest, err = c.compare(ctx, repair); err != nil {
 				return res, err
 			}
