@@ -382,7 +382,7 @@ func noReply(*server, *queue, []byte) inlineResult { return answered }
 // replyConst answers with a fixed status (0 or -errno) and no payload.
 func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
 	return func(s *server, q *queue, req []byte) inlineResult {
-		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status, nil, nil)
+		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status)
 		return answered
 	}
 }

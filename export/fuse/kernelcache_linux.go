@@ -46,7 +46,6 @@ func (s *server) notifyInval(off, length int64) error {
 	return err
 }
 
-// writeNotifyInval is notifyInval on the calling thread.
 func (s *server) writeNotifyInval(off, length int64) error {
 	msg := struct {
 		h fuse.OutHeader
@@ -202,7 +201,7 @@ func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 // resize) does it, before Mount returns and the daemon says it serves;
 // a client quicker than that saw an empty file.
 func (s *server) learnSize(file string) error {
-	if s.negotiated&fuse.CAP_WRITEBACK_CACHE == 0 {
+	if !s.writebackCache() {
 		return nil
 	}
 	if err := unix.Truncate(file, s.exp.img.Size()); err != nil {
@@ -226,7 +225,6 @@ func (s *server) flushKernelCache(file string) error {
 	return err
 }
 
-// flushKernelCacheHere is flushKernelCache on the calling thread.
 func (s *server) flushKernelCacheHere(file string) error {
 	// Open first: with the attributes invalid, the permission check of
 	// an open would need the GETATTR that closing refuses.

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
 )
 
 // AllowOther is the --allow-other policy.
@@ -338,12 +340,30 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 	if err != nil {
 		exp.log.Info("kernel cache: the size reaches the kernel once serving", "why", err)
 	}
-	if err := s.addQueues(max(o.Queues, 1)); err != nil {
-		return false, err
+	// More queues: the kernel spreads requests over them
+	// (FUSE_DEV_IOC_CLONE).
+	for i := 1; i < o.Queues; i++ {
+		fd, err := s.cloneFd()
+		if err != nil {
+			return false, fmt.Errorf("fuse: queue %d: %w", i, err)
+		}
+		s.fds = append(s.fds, fd)
 	}
-	s.useCompletions()
-	if err := s.setPoll(o.PollFor); err != nil {
-		return false, err
+	// One queue reads the image's completions where it has them (with
+	// several, the requests read their own).
+	if c, ok := formats.As[formats.Completions](exp.img); ok && len(s.fds) == 1 {
+		s.comp = c
+	}
+	// Busy polling (--poll-us) spins on non-blocking reads; a queue that
+	// reads completions never sleeps in read(2) either: it waits in
+	// poll(2) on /dev/fuse and the completions' descriptors.
+	s.pollFor = o.PollFor
+	if s.pollFor > 0 || s.comp != nil {
+		for _, fd := range s.fds {
+			if err := unix.SetNonblock(fd, true); err != nil {
+				return false, fmt.Errorf("fuse: non-blocking queue: %w", err)
+			}
+		}
 	}
 	s.pace = !o.NoPace
 	return sizeKnown, nil
@@ -547,9 +567,8 @@ func (m *Mount) Unmount() error {
 		m.abort()
 	case errors.Is(err, unix.EPERM):
 		// Not root: fusermount3 mounted it, fusermount3 unmounts it.
-		out, ferr := exec.Command("fusermount3", "-u", "-z", "--", m.path).CombinedOutput()
-		if ferr != nil {
-			return fmt.Errorf("unmount %s: %v: %s", m.path, ferr, strings.TrimSpace(string(out)))
+		if err := detach(m.path, m.log); err != nil {
+			return err
 		}
 	default:
 		return fmt.Errorf("unmount %s: %w", m.path, err)

@@ -48,7 +48,7 @@ func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
 	v, ok := e.lendPages(r, q.lent[:0])
 	q.lent = v[:0]
 	if ok {
-		s.replyVec(q.to, unique, fuse.OK, v)
+		s.replyData(q.to, unique, fuse.OK, v...)
 		e.endRead()
 		return true
 	}
@@ -65,7 +65,7 @@ func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
 func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique uint64, r readOp) {
 	defer e.endRead()
 	if bufs, release, st, ok := e.lendCache(ctx, r); ok {
-		s.replyVec(to, unique, st, bufs)
+		s.replyData(to, unique, st, bufs...)
 		if release != nil {
 			release()
 		}

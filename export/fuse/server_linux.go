@@ -98,7 +98,7 @@ type server struct {
 
 	// comp is set when the one queue reads the image's completions
 	// itself (an NBD client's replies), waiting on their sockets beside
-	// /dev/fuse: see formats.Completions and useCompletions. cfds and
+	// /dev/fuse: see formats.Completions and server.start. cfds and
 	// pfds are its loop's scratch.
 	comp formats.Completions
 	cfds []int
@@ -193,22 +193,9 @@ func (s *server) handshake() error {
 			TimeGran:            1,
 			MaxPages:            maxWrite / 4096,
 		}
-		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
+		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)))
 		return nil
 	}
-}
-
-// addQueues clones the connection's fd so the kernel spreads requests over
-// n queues (FUSE_DEV_IOC_CLONE).
-func (s *server) addQueues(n int) error {
-	for i := 1; i < n; i++ {
-		fd, err := s.cloneFd()
-		if err != nil {
-			return fmt.Errorf("fuse: queue %d: %w", i, err)
-		}
-		s.fds = append(s.fds, fd)
-	}
-	return nil
 }
 
 // cloneFd opens another /dev/fuse fd on the connection: a queue.
@@ -223,39 +210,7 @@ func (s *server) cloneFd() (int, error) {
 		unix.Close(fd)
 		return -1, fmt.Errorf("FUSE_DEV_IOC_CLONE: %w", errno)
 	}
-	if s.pollFor > 0 || s.comp != nil {
-		if err := unix.SetNonblock(fd, true); err != nil {
-			unix.Close(fd)
-			return -1, err
-		}
-	}
 	return fd, nil
-}
-
-// useCompletions makes the queue read the image's completions, where
-// the image has them and one /dev/fuse queue serves (with several
-// queues, the requests read their own).
-func (s *server) useCompletions() {
-	c, ok := formats.As[formats.Completions](s.exp.img)
-	if ok && len(s.fds) == 1 {
-		s.comp = c
-	}
-}
-
-// setPoll turns on busy polling for d after each request. A queue that
-// reads completions never sleeps in read(2) either: it waits in poll(2)
-// on /dev/fuse and the completions' descriptors.
-func (s *server) setPoll(d time.Duration) error {
-	s.pollFor = d
-	if d <= 0 && s.comp == nil {
-		return nil
-	}
-	for _, fd := range s.fds {
-		if err := unix.SetNonblock(fd, true); err != nil {
-			return fmt.Errorf("fuse: non-blocking queue: %w", err)
-		}
-	}
-	return nil
 }
 
 // serve runs the queue loops and returns when the connection has ended and
