@@ -1,9 +1,7 @@
 package fuse
 
-// Dispatch: one table says, per opcode, how a request is decoded and
-// answered, whether the loop may answer it without waiting, and what runs
-// when it may wait. One function (dispatch) applies it; --stats counts
-// around it (serveRequest), not inside.
+// Dispatch: one table (ops) says how each opcode is answered; dispatch
+// applies it, and --stats counts around it (serveRequest).
 
 import (
 	"context"
@@ -137,10 +135,9 @@ const (
 )
 
 // waitHere says where a request that may wait and may block the loop
-// runs: in the loop when nothing else is in flight or queued (see
-// coroutines.Lone), unless the image may stall (server.stalls), whose
-// lone requests run on the loop's goroutine with a stand-in ready, where
-// the loop is a plain /dev/fuse one.
+// runs: in the loop when nothing else is in flight or queued
+// (coroutines.Lone); for an image that may stall, on the loop's goroutine
+// with a stand-in ready, where the loop is a plain /dev/fuse one.
 func (s *server) waitHere(q *queue) where {
 	switch {
 	case !s.stalls:
@@ -160,28 +157,18 @@ func (s *server) waitHere(q *queue) where {
 // queue's loop over.
 const standInAfter = time.Millisecond
 
-// runStalling runs a lone request of an image that may stall (its peer,
-// a server on the network, may hang for the reconnect timeout) on the
-// loop's own goroutine, and if it has not finished within standInAfter,
-// a stand-in loop takes the queue over: it reads and serves the requests
-// that come meanwhile, and this loop ends once the request has.
+// runStalling runs a lone request of an image that may stall (its peer
+// may hang for the reconnect timeout) on the loop's own goroutine, and if
+// it has not finished within standInAfter, a stand-in loop takes the
+// queue over, and this loop ends once the request has (docs/design.md,
+// The stand-in loop for lone requests).
 //
-// Why on the loop's goroutine: handed to a goroutine of its own, the
-// request readied that goroutine (and the runtime wakes an idle thread
-// for it) and took its network wake-ups on another thread, while the
-// loop's thread slept in read(2) on /dev/fuse; here the loop's thread
-// waits in the Go scheduler, takes the peer's reply itself, answers and
-// reads on. The request runs with the loop's context, which is never
-// cancelled: a remote file then makes the GET on this goroutine too
-// (remote.File.loaded). (docs/design.md, The stand-in loop)
-//
-// Its I/O cannot be cancelled (the context has no Done), so an
+// Its I/O cannot be cancelled (the loop's context has no Done), so an
 // INTERRUPT that the stand-in reads for it, once the grace period has
 // passed with the request still running, answers it EINTR on its behalf
 // (the caller, killed, waits in the kernel for an answer), and the
-// request's own reply, when its peer answers or its reconnect timeout
-// fails it, is dropped (replyTo.once). It is counted as handed-off
-// requests are (Lone sees it in flight, Wait waits for it).
+// request's own reply is dropped (replyTo.once). It is counted as
+// handed-off requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) {
 	r := s.pending.addStalled(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
@@ -212,9 +199,8 @@ func (s *server) standIn(q *queue) {
 	go s.run(&queue{fd: q.fd, to: replyTo{fd: q.fd}, bp: s.bufs.Get(), out: q.out, end: q.end})
 }
 
-// handOff finishes req in a goroutine with a buffer of its own (the rule
-// is queue's): a copy from the pools below bulkWrite, where copying costs
-// less than a fresh buffer; the loop's own buffer from there on.
+// handOff finishes req in a goroutine with a buffer of its own (see
+// queue): a pooled copy below bulkWrite, the loop's own buffer from there.
 func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
 	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh))
@@ -245,13 +231,11 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	defer s.hand.Done()
 	defer s.pending.finish(unique, ctx)
-	if s.stats == nil {
-		wait(s, ctx, to, req)
-		return
+	wait(s, ctx, to, req) // req is this goroutine's until it returns
+	if s.stats != nil {
+		k, n := statKindOf(req)
+		s.stats.record(k, n, time.Since(began))
 	}
-	k, n := statKindOf(req) // see serveRequest
-	wait(s, ctx, to, req)
-	s.stats.record(k, n, time.Since(began))
 }
 
 // pool is the buffer pool for n bytes: the small one where it will do.
@@ -263,23 +247,15 @@ func (s *server) pool(n int) *aio.BufPool {
 }
 
 // pending maps the unique of each request running in a goroutine to its
-// context, so that an INTERRUPT can cancel its I/O (aio takes that on to
-// the ring). Requests the loop answers itself finish before it reads the
-// next, INTERRUPT included, so they need no entry; with several queues an
-// INTERRUPT may overtake its request's entry, and the request then runs to
-// its end.
+// context, so that an INTERRUPT can cancel its I/O. Requests the loop
+// answers itself finish before it reads the next, INTERRUPT included, so
+// they need no entry; with several queues an INTERRUPT may overtake its
+// request's entry, and the request then runs to its end.
 //
-// The kernel sends an INTERRUPT for any signal the caller gets, and the
-// caller's system call then fails with EINTR if the request does: Go
-// programs get a signal (SIGURG) whenever their runtime preempts a
-// goroutine, and few programs expect EINTR from a regular file (a Go
-// test's fallocate did not). So an INTERRUPT cancels a request only if it
-// still runs a grace period later: I/O that is merely slow finishes, and
-// only a request that hangs ends early.
-//
-// The contexts are pooled: a context.WithCancel per request, with its
-// map entry, cost a visible share of small reads (docs/design.md,
-// Hand-off).
+// An INTERRUPT cancels a request only if it still runs a grace period
+// later: the kernel sends one for any signal (Go's preemption SIGURG
+// included), and few programs expect EINTR from a regular file
+// (docs/design.md, The request path). The contexts are pooled.
 type pending struct {
 	mu    sync.Mutex
 	m     map[uint64]*reqCtx
@@ -297,8 +273,6 @@ type reqCtx struct {
 	// stalled, if set, is the server of a request whose I/O cannot be
 	// cancelled (runStalling): a cancel answers it EINTR now, to eintr,
 	// and once is taken by whichever reply comes first (replyTo.once).
-	// Kept here, in the pooled context, so that a lone request
-	// allocates no closure or flag of its own.
 	stalled *server
 	eintr   replyTo
 	once    atomic.Bool

@@ -8,27 +8,10 @@
 // mounting is in mount_linux.go. Error values become errno in one place
 // (errno.go).
 //
-// One READ, end to end, for a raw image:
-//
-//  1. loop_linux.go: the queue's loop reads READ(ino 1, off, len) from
-//     /dev/fuse into its buffer and calls dispatch, which hands it to
-//     read (read_linux.go).
-//  2. The READ is worked out once (Export.planRead, below: clamp to the
-//     image's end, zeroes past it under the writeback cache, kernel-cache
-//     marks, in flight), then goes down one path.
-//  3. While tries pay (coroutines.MissTracker), the loop lends the pages
-//     of the image's file (formats.PageLender, aio.PageSource) and
-//     replies from them with one writev, or reads without waiting
-//     (Image.TryReadAt, aio.File.TryReadAt: preadv2 RWF_NOWAIT) and
-//     replies (reply_linux.go); that is all on a page-cache hit.
-//  4. Else it reads where it may wait: in the loop itself when nothing
-//     else is in flight or queued (coroutines.Lone: a blocking pread),
-//     else in a goroutine (coroutines.Handoff) whose context says how it
-//     came and ends on an INTERRUPT: Image.ReadAt, aio.File.ReadAt, in
-//     aio/uring_linux.go an SQE on the file's ring, and the goroutine
-//     parks until the completion goroutine hands it the result. An image
-//     that lends its cache (formats.CacheLender: a remote object) is
-//     replied from there instead of a buffer.
+// One READ, end to end: loop_linux.go reads it, dispatch hands it to
+// read_linux.go, Export.planRead works it out once, and it is lent or
+// tried in the loop, else read where it may wait (docs/design.md, The
+// request path).
 package fuse
 
 import (
@@ -88,13 +71,11 @@ type Export struct {
 	ino        uint64        // the file's inode: the root, or the one file in it
 	mode       atomic.Uint32 // permission bits of the file
 	uid, gid   atomic.Uint32
-	// mtimeNs is the file's mtime in Unix nanoseconds. It only changes
-	// with the kernel cache on, where the kernel owns mtime under its
-	// writeback rules and hands it back in SETATTR.
+	// mtimeNs is the file's mtime in Unix nanoseconds; only the kernel
+	// cache's SETATTR changes it.
 	mtimeNs atomic.Int64
-	// inval, set by the server with the kernel cache on, drops the
-	// kernel's cached pages of [off, off+length) (length 0: to the end)
-	// where the image changed by a path the page cache did not see.
+	// inval, with the kernel cache on, drops the kernel's cached pages of
+	// [off, off+length) (length 0: to the end).
 	inval func(off, length int64)
 	// closing: the export is being stopped with the kernel cache on;
 	// GETATTR fails, so that a buffered write that has not yet begun
@@ -110,15 +91,11 @@ type Export struct {
 	kernelSize func() (int64, bool)
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
-	marks *readMarks
-	// lender is the image when it lends its cache's bytes (lendCache);
-	// nil for every other (a local raw file's reads never try).
-	lender formats.CacheLender
-	// pager is the image when it lends the pages of its files
-	// (lendPages); nil when it cannot, or Options.NoPageLend.
-	pager formats.PageLender
-	// dropping holds the drops (invalidate) that have cleared their
-	// ranges' marks and not yet returned.
+	marks  *readMarks
+	lender formats.CacheLender // the image, when it lends its cache (lendCache)
+	pager  formats.PageLender  // the image, when it lends its files' pages (lendPages)
+	// dropping: the drops (invalidate) that cleared their marks and have
+	// not returned.
 	dropMu   sync.Mutex
 	dropping []*drop
 }
@@ -289,11 +266,9 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 	// No FUSE_NOTIFY_INVAL_INODE here: a resize only comes from a
 	// SETATTR, and a cached file's SETATTR of the size holds the inode's
 	// write-back (fuse_set_nowrite) until its reply, so invalidating a
-	// dirty page from here waits for a write-back that waits for this
-	// reply (fsx seed 1796185334523830635 hung in ftruncate). The kernel
-	// drops its own pages after the reply instead (truncate_pagecache
-	// and invalidate_inode_pages2 on a size change, writeback cache or
-	// not), from the size the reply carries.
+	// dirty page from here would wait for a write-back that waits for
+	// this reply. The kernel drops its own pages after the reply
+	// (truncate_pagecache, invalidate_inode_pages2 on a size change).
 	return fuse.OK
 }
 
@@ -372,14 +347,9 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 	return e.img.Resize(ctx, size)
 }
 
-// Open hands out no file handle; I/O bypasses the page cache (the image may
-// change underneath, as in QEMU), writes run in parallel, and shared mmap
-// still works because DIRECT_IO_ALLOW_MMAP is negotiated at INIT.
-//
-// With the kernel cache on, buffered opens get no direct I/O: the kernel caches, reads
-// ahead and batches writes. O_DIRECT opens keep direct I/O, and the
-// cache is kept across opens only where nobody else can change the
-// image (KeepCache).
+// Open hands out no file handle. Direct I/O with parallel writes (shared
+// mmap works: DIRECT_IO_ALLOW_MMAP), except for buffered opens under the
+// kernel cache, kept across opens where KeepCache says.
 func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	if e.opts.KernelCache && in.Flags&unix.O_DIRECT == 0 {
 		out.OpenFlags = 0
@@ -392,12 +362,9 @@ func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	return fuse.OK
 }
 
-// readOp is one READ, worked out once (planRead) before it goes down one
-// path: lent from the image's pages or read without waiting, in the
-// serve loop (lendPages, tryRead), or where it may wait, lent from the
-// image's cache or read into a buffer (lendCache, read). It holds the
-// export in flight from planRead to endRead: a resize waits for it (the
-// slices a lend returns are read by the reply's writev).
+// readOp is one READ, worked out once (planRead). It holds the export in
+// flight from planRead to endRead: a resize waits for it (the slices a
+// lend returns are read by the reply's writev).
 type readOp struct {
 	off, n int64 // n bytes of the image at off
 	zeroes int64 // then zeroes, up to the kernel's size (readPastImage)
@@ -412,14 +379,11 @@ func (r readOp) size() int64 { return r.n + r.zeroes }
 // readLimit is the most a READ returns: what it asks, up to maxWrite.
 func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
 
-// planRead works out a READ: clamped to the end of the image (a short
-// read at EOF, an empty one past it), zeroes past it under the writeback
-// cache (readPastImage), and its granules marked before the image is
-// read where the kernel may cache what it reads (cachesRead). It counts
-// the read in flight; endRead ends that. A serve loop, which must not
-// wait, asks with loop set: false, with nothing counted, where it might
-// (a drain holds the export, or the read reaches past the image's end
-// while the kernel may know a larger size, which it would ask).
+// planRead works out a READ: clamped to the end of the image, zeroes
+// past it under the writeback cache (readPastImage), its granules marked
+// before the image is read (cachesRead), counted in flight until endRead.
+// A serve loop asks with loop set: false, with nothing counted, where it
+// might wait (a drain, or a read that would ask the kernel's size).
 func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 	if !loop {
 		e.inflight.Begin()
@@ -446,13 +410,8 @@ func (e *Export) endRead() { e.inflight.End() }
 // instead.
 //
 // Not for a READ that fills the kernel's cache of the export: the image
-// is read drop-behind for those (one cache, the export's), and a lend is
-// no read that drop-behind counts, and what it maps drop-behind cannot
-// drop: the pages it takes stay in the image's cache, those read ahead
-// for the READ before included (the one-cache test in tests/ found 3572
-// of 4096 pages of the image left cached when these READs lent). The
-// O_DIRECT reads of a kernel-cached export, which come every time and
-// have no other cache, lend.
+// is read drop-behind for those (one cache, the export's), and the pages
+// a lend maps stay in the image's cache (docs/design.md, Drop-behind).
 func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || r.fillsCache || r.n == 0 || r.zeroes > 0 {
 		return v, false
@@ -475,11 +434,8 @@ func (e *Export) tryRead(r readOp, buf []byte) (int, bool) {
 const maxLent = 128
 
 // lendCache lends the read's bytes where they lie in the image's cache
-// (formats.CacheLender: a remote object's blocks), so that the reply is
-// written from them, not from a copy. false: the read is not lendable
-// (zeroes past the image's end, an image that does not lend), and the
-// caller reads it. release, when not nil, ends the loan once the reply
-// is written.
+// (formats.CacheLender); false: the caller reads. release, when not nil,
+// ends the loan once the reply is written.
 func (e *Export) lendCache(ctx context.Context, r readOp) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
 	if e.lender == nil || r.n == 0 || r.zeroes > 0 {
 		return nil, nil, fuse.OK, false
@@ -507,13 +463,10 @@ func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Stat
 
 // cachesRead says whether the kernel may keep what a READ reads in its
 // page cache, so that the READ must mark its granules (readMarks). Not a
-// direct read (an O_DIRECT open's read(2), fuse_direct_io): that one
-// lands in the reader's buffer only, and the kernel sends it alone with
-// FUSE_READ_LOCKOWNER (its lock owner; reads that fill pages, read-ahead
-// and page faults of a mapping, an O_DIRECT open's included, carry none:
-// seen on 6.18, dd iflag=direct 0x2, a buffered dd and faults of a mapping
-// of an O_DIRECT open 0). Unmarked, O_DIRECT reads of a range no longer make the O_DIRECT writes
-// that follow them drop pages that are not there (docs/design.md,
+// direct read (an O_DIRECT open's read(2), fuse_direct_io): it lands in
+// the reader's buffer only, and the kernel sends it alone with
+// FUSE_READ_LOCKOWNER; reads that fill pages (read-ahead, page faults of
+// a mapping, an O_DIRECT open's included) carry none (docs/design.md,
 // The kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
@@ -523,10 +476,8 @@ func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 // image's end, under the writeback cache: up to the kernel's size. A
 // buffered write past the end grows the file in the kernel at once and
 // the image only when its pages are written back, so between the two
-// an O_DIRECT read of the hole the write left before its pages (those
-// in the read's range the kernel writes back before the READ) must read
-// zeroes, not end early (fsx seed 1796186140117775601: an O_DIRECT read
-// between the old end and a buffered write past it returned 0 bytes).
+// an O_DIRECT read of the hole the write left must read zeroes, not end
+// early.
 func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd, size int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
@@ -561,9 +512,8 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return n, st
 }
 
-// afterWrite is what a write of size bytes that landed n must see done
-// before its reply, where it bypassed the page cache (dropAfterBypass);
-// else it has a failed write-back mended (checkWriteback).
+// afterWrite: a bypassing write's drop (dropAfterBypass), else the
+// mending of a failed write-back (checkWriteback).
 func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if e.WriteBypassesCache(in) {
 		return e.dropAfterBypass(in, size, n, st)
@@ -581,11 +531,8 @@ func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status
 //     under way, a page cached from before that drop may hold the old
 //     bytes until that drop returns: it waits for those drops (each
 //     drops whole granules, the page included, and a READ that marked
-//     after one cleared the marks shows here as a mark). Waiting rather
-//     than sending its own drop: at queue depth 16, sixteen sequential
-//     4 KiB writes into a granule that had been read each sent a notify,
-//     one after another on the notify thread (docs/design.md, The
-//     kernel cache);
+//     after one cleared the marks shows here as a mark), rather than
+//     send a notify of its own (docs/design.md, The kernel cache);
 //   - else nothing: no READ cached anything of it since the last drop.
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {
@@ -651,12 +598,11 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 }
 
 // TryWrite is Write for a serve loop that must not block: only writes
-// that need neither clamping nor growth, and that the image can do at
-// once, with no drain under way; ok false means nothing happened. A
-// write that bypassed the page cache may need a drop of the kernel's
-// pages done before its reply (d.needed(); finishBypass), which the loop
-// must not do or wait for itself: the notify may wait for a write-back
-// only the loop can answer.
+// that need neither clamping nor growth, that the image can do at once,
+// with no drain under way; ok false means nothing happened. A drop the
+// write needs before its reply (d.needed(); finishBypass) the loop must
+// not do or wait for: the notify may wait for a write-back only the loop
+// can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
 	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}

@@ -48,15 +48,11 @@ type queue struct {
 // req is the request buffer as requests are read into it.
 func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
 
-// awaitNextSpin is how long a loop that served a lone request of an
-// image that may stall (a remote one) asks for the next request before it
-// sleeps in read(2). A reader at queue depth 1 sends its next request a
-// few µs after its reply, and a sleeping loop costs it a wake-up of an
-// idle CPU, a good part of a GET on loopback (docs/design.md, Lone
-// requests of remote images). Unlike --poll-us, which polls after every
-// request, this does not run at higher queue depths. Its cost is
-// bounded: 20 µs of CPU a request, on requests that take a network
-// round trip.
+// awaitNextSpin is how long a loop spins for the next request before it
+// sleeps in read(2), after a lone request of an image that may stall or
+// while paced: a reader at queue depth 1 asks again a few µs after its
+// reply, and a sleeping loop costs it a wake-up (docs/design.md, Remote
+// objects: spinning for a lone reply; Pacing at queue depth 1).
 const awaitNextSpin = 20 * time.Microsecond
 
 // awaitNextRequest spins up to awaitNextSpin for a request on q's fd and
@@ -95,13 +91,10 @@ func (q *queue) queued() bool {
 // gets no ENODEV (a main queue that stopped on a protocol error).
 //
 // end, if set, is called when the queue's loop has ended (that may be a
-// stand-in's: see runStalling).
+// stand-in's: see runStalling). The goroutine is not locked to its
+// thread: a locked thread blocking in read(2) costs runtime hand-offs
+// (futex wake-ups on other threads) on every request.
 func (s *server) loop(fd int, helper bool, end func()) {
-	// No goroutine hand-off between reading a request and answering it.
-	// The goroutine is deliberately not locked to its thread: a locked
-	// thread that blocks in read(2) costs runtime hand-offs (futex
-	// wake-ups on other threads) on every request (docs/design.md, The
-	// serve loop).
 	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
 }
 

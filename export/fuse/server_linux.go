@@ -1,17 +1,11 @@
 package fuse
 
-// The server: our own /dev/fuse processing, as QEMU's export does.
-// go-fuse's server hands every request between goroutines and keeps a 1 MiB
-// buffer per reader, which cost small reads dearly against QEMU
-// (docs/design.md, Our own /dev/fuse loop). go-fuse still supplies the protocol
-// structs the handlers take.
-//
-// By job: server_linux.go (the connection: INIT, queues),
-// loop_linux.go (a queue's read loop and its buffers), dispatch_linux.go
-// (the opcode table, inline or handed off, INTERRUPT), read_linux.go (the
-// READ path), bulk_linux.go (the
-// second queue for large writes), reply_linux.go (writing replies),
-// dir_linux.go (the directory around the file, with --file-name).
+// The server: our own /dev/fuse processing, as QEMU's export does
+// (docs/design.md, Our own /dev/fuse loop); go-fuse supplies the protocol
+// structs. By job: server_linux.go (the connection: INIT, queues),
+// loop_linux.go (a queue's loop), dispatch_linux.go (the opcode table,
+// hand-off, INTERRUPT), read_linux.go, bulk_linux.go (a second queue for
+// large writes), reply_linux.go, dir_linux.go (--file-name).
 
 import (
 	"context"
@@ -75,9 +69,8 @@ const (
 
 	// reqPad is where a request starts in its (page-aligned) buffer: a
 	// WRITE's payload follows its 80 bytes of headers, so starting there
-	// puts the payload on a page boundary. An O_DIRECT image (--cache
-	// none) can then write it as it is; at offset 0 every write needed
-	// a bounce copy (measured: and a read-modify-write, see raw.WriteAt).
+	// puts the payload on a page boundary, which an O_DIRECT image
+	// (--cache none) writes as it is, without a bounce copy.
 	reqPad = 4096 - int(unsafe.Sizeof(fuse.WriteIn{}))
 
 	kernelVersion = 7
@@ -97,9 +90,7 @@ type server struct {
 	pace bool
 
 	// comp is set when the one queue reads the image's completions
-	// itself (an NBD client's replies), waiting on their sockets beside
-	// /dev/fuse: see formats.Completions and server.start. cfds and
-	// pfds are its loop's scratch.
+	// itself (formats.Completions); cfds and pfds are its loop's scratch.
 	comp formats.Completions
 	cfds []int
 	pfds []unix.PollFd
@@ -107,9 +98,8 @@ type server struct {
 	stats *Stats // nil: not counting
 
 	// stalls: the image's requests may wait on a network peer for up to
-	// its reconnect timeout (formats.Features.MayStall), so none runs on
-	// a loop's own thread, even alone: another process's open or close
-	// of the export would wait behind it.
+	// its reconnect timeout (formats.Features.MayStall), so none may hold
+	// a loop's thread for long: see waitHere.
 	stalls bool
 
 	// fileName is not empty when the root is a directory holding the
