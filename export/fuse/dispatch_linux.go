@@ -111,45 +111,29 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 	if o.inline != nil && o.inline(s, q, req) == answered {
 		return true
 	}
-	if o.mayBlockLoop && !s.handOffOnly(req) {
-		switch s.waitHere(q) {
-		case inLoop:
-			o.wait(s, s.hand.Context(coroutines.Lone), q.to, req)
-			return true
-		case onLoopGoroutine:
-			s.runStalling(q, h.Unique, func(ctx context.Context, to replyTo) { o.wait(s, ctx, to, req) })
-			return true
-		}
+	if o.mayBlockLoop && !s.handOffOnly(req) &&
+		s.runHere(q, h.Unique, func(ctx context.Context, to replyTo) { o.wait(s, ctx, to, req) }) {
+		return true
 	}
 	s.handOff(q, req, o.wait, began)
 	return false
 }
 
-// where says where a request that may wait runs.
-type where uint8
-
-const (
-	inGoroutine     where = iota // handed off
-	inLoop                       // in the loop, blocking: it is alone
-	onLoopGoroutine              // alone, of an image that may stall: runStalling
-)
-
-// waitHere says where a request that may wait and may block the loop
-// runs: in the loop when nothing else is in flight or queued
-// (coroutines.Lone); for an image that may stall, on the loop's goroutine
-// with a stand-in ready, where the loop is a plain /dev/fuse one.
-func (s *server) waitHere(q *queue) where {
+// runHere runs a request that may wait and may block the loop, where it
+// need not be handed off: in the loop, blocking, when nothing else is in
+// flight or queued (coroutines.Lone); for an image that may stall, on the
+// loop's goroutine with a stand-in ready (runStalling), where the loop is
+// a plain /dev/fuse one. false: nothing ran; hand it off.
+func (s *server) runHere(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) bool {
 	switch {
-	case !s.stalls:
-		if s.hand.Lone(q.queued) {
-			return inLoop
-		}
-	case !q.helper && s.comp == nil:
-		if s.hand.Lone(q.queued) {
-			return onLoopGoroutine
-		}
+	case !s.stalls && s.hand.Lone(q.queued):
+		run(s.hand.Context(coroutines.Lone), q.to)
+	case s.stalls && !q.helper && s.comp == nil && s.hand.Lone(q.queued):
+		s.runStalling(q, unique, run)
+	default:
+		return false
 	}
-	return inGoroutine
+	return true
 }
 
 // standInAfter is how long a lone request of an image that may stall

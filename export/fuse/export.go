@@ -285,11 +285,7 @@ func (e *Export) invalidate(off, length int64) {
 		length = 0 // a length past 2^63: to the end
 	}
 	if e.inval == nil {
-		return
-	}
-	if e.marks == nil {
-		e.inval(off, length)
-		return
+		return // set with the kernel cache, as marks is
 	}
 	// Until this drop returns, a write into its granules must wait for
 	// it: the marks are cleared now, the pages go only when it is done.

@@ -2,22 +2,10 @@ package fuse
 
 // The kernel-cached mode (--kernel-cache on): the kernel caches the
 // export's pages, reads ahead and batches buffered writes (writeback
-// cache); we keep it coherent with what changes the image behind it.
-//
-//   - INIT asks for FUSE_WRITEBACK_CACHE; opens for buffered I/O get no
-//     direct I/O (Export.Open), O_DIRECT opens still do.
-//   - A punched or zeroed range, and a write that bypassed the cache (an
-//     O_DIRECT open's) where a READ may have cached the old bytes
-//     (readmarks.go), drop the kernel's pages of what changed with
-//     FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify may
-//     make the kernel write dirty pages of the range back to us first, so
-//     it never runs in a serve loop, and it runs on a thread of its own
-//     (kernelcalls_linux.go). A resize sends none (see Export.resize).
-//   - The FUSE bdi gets the read-ahead window of the disk under the
-//     image, at least 1 MiB (INIT can only lower the kernel's 128 KiB
-//     default), and a strict dirty limit: a loop
-//     device over a writeback-cached export must not let the kernel hold
-//     more dirty pages of it than we can take without memory to spare.
+// cache); we keep it coherent with what changes the image behind it
+// (docs/design.md, The kernel cache). Notifies never run in a serve loop
+// (the kernel may write dirty pages back to us first) and run on a thread
+// of their own (kernelcalls_linux.go).
 
 import (
 	"context"
@@ -71,8 +59,7 @@ func (s *server) writeNotifyInval(off, length int64) error {
 // READ that would ask the kernel's size leaves the loop by itself:
 // Export.planRead.)
 func (s *server) handOffOnly(req []byte) bool {
-	return s.exp.opts.KernelCache && header(req).Opcode == opWrite &&
-		s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
+	return header(req).Opcode == opWrite && s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
 }
 
 // kernelSize is the export file's size as the kernel caches it (under
@@ -118,11 +105,10 @@ func DeviceReadAheadKB(path string) (int, bool) {
 
 // tuneBDI sets the export's bdi (named by the mount's st_dev) for the
 // kernel cache: read_ahead_kb to raKB (0: MinReadAheadKB; INIT can only
-// lower the kernel's 128 KiB default), and the dirty bounds: the kernel
-// gives FUSE a 1% max_ratio with strictlimit; we make sure of both (a
-// distribution may loosen the default) so that its dirty pages stay
-// bounded per bdi, not only by the global limits. Without the rights
-// (not root) the kernel's defaults stay, which is logged.
+// lower the kernel's 128 KiB default), and strict_limit and max_ratio 1
+// (the kernel's FUSE defaults, in case a distribution loosened them), so
+// that a loop device over the export cannot deadlock on its dirty pages
+// (docs/design.md, The kernel cache).
 func tuneBDI(dev uint64, raKB int) error {
 	if raKB <= 0 {
 		raKB = MinReadAheadKB

@@ -9,15 +9,12 @@ import "runtime"
 // that never submits io_uring I/O.
 //
 // io_uring completes a request through task work queued on the thread
-// that submitted it, which runs only when that thread leaves the kernel.
-// Go runs goroutines on whatever thread is free: a notify sent from a
-// thread that had submitted the host read of a READ in flight slept in
-// the kernel (folio_lock, uninterruptible) waiting for that READ's pages,
-// and the READ's completion waited for the same thread to leave the
-// kernel: both hung for good (TestKernelCacheBufferedReadSeesDirectWriteRacingIt, with
-// --cache none: O_DIRECT writes racing buffered reads of the same
-// blocks). A thread locked to one goroutine from before serving began
-// never has io_uring work of its own.
+// that submitted it, which runs only when that thread leaves the kernel:
+// a notify sent from a thread that had submitted the host read of a READ
+// in flight sleeps (folio_lock) waiting for that READ's pages, whose
+// completion waits for the same thread to leave the kernel. A thread
+// locked to one goroutine from before serving began never has io_uring
+// work of its own.
 //
 // Notifies never wait for one another, so one thread serves them all in
 // turn; the rare calls that may wait for the inode lock an O_DIRECT

@@ -35,7 +35,7 @@ type queue struct {
 	over bool
 	// awaitNext: the request just served was a lone one that waited on
 	// its peer (runStalling); the loop spins a little for the next one
-	// before it sleeps (awaitNextRequest).
+	// before it sleeps (spinForRequest).
 	awaitNext bool
 	// lent holds the slices of a read replied from the image's pages
 	// (Export.lendPages), reused.
@@ -54,10 +54,6 @@ func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
 // reply, and a sleeping loop costs it a wake-up (docs/design.md, Remote
 // objects: spinning for a lone reply; Pacing at queue depth 1).
 const awaitNextSpin = 20 * time.Microsecond
-
-// awaitNextRequest spins up to awaitNextSpin for a request on q's fd and
-// says whether one came.
-func (s *server) awaitNextRequest(q *queue) bool { return s.spinForRequest(q) >= 0 }
 
 // spinForRequest spins up to awaitNextSpin for a request on q's fd: how
 // many looks found none before one came (0: one was already queued), or
@@ -174,7 +170,7 @@ func (s *server) run(q *queue) {
 		switch {
 		case q.awaitNext:
 			q.awaitNext = false
-			s.awaitNextRequest(q)
+			s.spinForRequest(q)
 		case s.paced(q):
 			q.pace.spun(s.spinForRequest(q))
 		}

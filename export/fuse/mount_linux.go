@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -79,12 +80,8 @@ type Mount struct {
 }
 
 // ReadsCompletions says whether one loop serves /dev/fuse and reads the
-// image's completions too (an NBD source, one /dev/fuse queue): its
-// thread then does all the work, as QEMU's event loop does, and the
-// program runs best on one Go processor (the fuse command sets
-// GOMAXPROCS=1 then): with more, the runtime wakes other threads to steal
-// the requests each reply makes runnable, which is the wake-up this loop
-// exists to save.
+// image's completions too (an NBD source, one /dev/fuse queue): see
+// OneProcForOneLoop.
 func (m *Mount) ReadsCompletions() bool { return m.oneLoop }
 
 // ErrMountpoint marks problems with the mountpoint the user gave.
@@ -190,18 +187,11 @@ func fuseMounted(path string) bool {
 		if len(fields) < 5 {
 			continue
 		}
-		sep := -1
-		for i, x := range fields {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
+		sep := slices.Index(fields, "-")
 		if sep < 0 || sep+1 >= len(fields) {
 			continue
 		}
-		fstype := fields[sep+1]
-		if unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
+		if fstype := fields[sep+1]; unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
 			return true
 		}
 	}

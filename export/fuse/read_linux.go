@@ -30,12 +30,7 @@ func (s *server) read(q *queue, req []byte, began time.Time) bool {
 		}
 		path = coroutines.AfterMiss
 	}
-	switch s.waitHere(q) {
-	case inLoop:
-		s.finishRead(s.hand.Context(coroutines.Lone), q.to, e, in.Unique, r)
-		return true
-	case onLoopGoroutine:
-		s.runStalling(q, in.Unique, func(ctx context.Context, to replyTo) { s.finishRead(ctx, to, e, in.Unique, r) })
+	if s.runHere(q, in.Unique, func(ctx context.Context, to replyTo) { s.finishRead(ctx, to, e, in.Unique, r) }) {
 		return true
 	}
 	s.handOffRead(q, e, in, r, true, path, began)

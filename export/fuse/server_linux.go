@@ -99,7 +99,7 @@ type server struct {
 
 	// stalls: the image's requests may wait on a network peer for up to
 	// its reconnect timeout (formats.Features.MayStall), so none may hold
-	// a loop's thread for long: see waitHere.
+	// a loop's thread for long: see runHere.
 	stalls bool
 
 	// fileName is not empty when the root is a directory holding the
