@@ -1,13 +1,10 @@
 package fuse
 
 // The directory around the file (--file-name NAME): the mount's root is
-// then a directory holding the export as its entry NAME, as nbdfuse
-// lays it out, and with --partitions one more regular file per partition
-// (NAME-p1, ...: extra files, each an Export of its own over its byte
-// range, on inodes 3, 4, ...). Nothing else can be made or removed there.
-// Without --file-name the root is the file itself (QEMU's layout) and
-// none of this runs: the kernel sends no directory requests for a
-// regular file.
+// then a directory holding the export as its entry NAME, as nbdfuse lays
+// it out, and with --partitions the extra files (an Export each, on
+// inodes 3, 4, ...). Without --file-name none of this runs: the kernel
+// sends no directory requests for a regular file.
 
 import (
 	"bytes"
@@ -178,9 +175,7 @@ func (s *server) opendir(q *queue, req []byte) inlineResult {
 }
 
 // readdir lists ".", "..", NAME and the extra files from the entry the
-// offset names,
-// as many as fit in the size asked for. An entry's offset is the index
-// of the entry after it.
+// offset names, as many as fit; an entry's offset is the next one's index.
 func (s *server) readdir(q *queue, req []byte) inlineResult {
 	in := decode[fuse.ReadIn](req)
 	if !s.isRootDir(req) {

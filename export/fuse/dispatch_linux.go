@@ -78,8 +78,7 @@ var ops = [...]op{
 }
 
 // serveRequest answers one request read into q's buffer, counted for
-// --stats when that is on (a request a goroutine finishes is counted
-// there).
+// --stats here or by the goroutine that finishes it.
 func (s *server) serveRequest(q *queue, req []byte) {
 	if s.stats == nil {
 		s.dispatch(q, req, time.Time{})
@@ -137,8 +136,7 @@ func (s *server) runHere(q *queue, unique uint64, run func(ctx context.Context, 
 }
 
 // standInAfter is how long a lone request of an image that may stall
-// runs on its loop's goroutine before another goroutine takes the
-// queue's loop over.
+// runs on its loop's goroutine before a stand-in takes the queue over.
 const standInAfter = time.Millisecond
 
 // runStalling runs a lone request of an image that may stall (its peer
@@ -333,8 +331,6 @@ func (p *pending) cancel(unique uint64, r *reqCtx) {
 	}
 }
 
-// The inline halves of the table.
-
 func noReply(*server, *queue, []byte) inlineResult { return answered }
 
 // replyConst answers with a fixed status (0 or -errno) and no payload.
@@ -346,8 +342,7 @@ func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
 }
 
 // interrupt cancels the request an INTERRUPT names, if it still runs (see
-// pending); its reply (EINTR, from the cancelled I/O) is its own. The
-// INTERRUPT gets none.
+// pending). The INTERRUPT gets no reply.
 func (s *server) interrupt(_ *queue, req []byte) inlineResult {
 	s.pending.interrupt(decode[fuse.InterruptIn](req).Unique)
 	return answered
@@ -407,8 +402,6 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 	replyOut(s, q.to, in.Unique, st, &o)
 	return answered
 }
-
-// The halves that may wait.
 
 func (s *server) write(ctx context.Context, to replyTo, req []byte) {
 	in, data, ok := writePayload(req)

@@ -17,6 +17,7 @@ package fuse
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -300,12 +301,7 @@ func (e *Export) invalidate(off, length int64) {
 	e.dropMu.Unlock()
 	e.inval(off, length)
 	e.dropMu.Lock()
-	for i, d := range e.dropping {
-		if d == r {
-			e.dropping = append(e.dropping[:i], e.dropping[i+1:]...)
-			break
-		}
-	}
+	e.dropping = slices.DeleteFunc(e.dropping, func(d *drop) bool { return d == r })
 	e.dropMu.Unlock()
 	close(r.done)
 }
@@ -710,15 +706,9 @@ func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut
 }
 
 // Flush (every close) and Fsync both make the image durable, as in QEMU.
+func (e *Export) Fsync(ctx context.Context, _ *fuse.FsyncIn) fuse.Status { return e.Flush(ctx, nil) }
+
 func (e *Export) Flush(ctx context.Context, _ *fuse.FlushIn) fuse.Status {
-	return e.flush(ctx)
-}
-
-func (e *Export) Fsync(ctx context.Context, _ *fuse.FsyncIn) fuse.Status {
-	return e.flush(ctx)
-}
-
-func (e *Export) flush(ctx context.Context) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.OK
 	}

@@ -42,22 +42,23 @@ func (s *server) writeNotifyInval(off, length int64) error {
 	msg.h = fuse.OutHeader{Length: uint32(unsafe.Sizeof(msg)), Status: notifyInvalInode}
 	msg.n = fuse.NotifyInvalInodeOut{Ino: s.exp.ino, Off: off, Length: length}
 	b := unsafe.Slice((*byte)(unsafe.Pointer(&msg)), unsafe.Sizeof(msg))
-	for {
-		_, err := unix.Write(s.fds[0], b)
-		switch {
-		case err == nil, errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENODEV):
-			return nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		}
+	if err := s.notify(b); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
 		return fmt.Errorf("FUSE_NOTIFY_INVAL_INODE [%d, +%d): %w", off, length, err)
+	}
+	return nil
+}
+
+// notify writes an unsolicited message (unique 0) on the connection.
+func (s *server) notify(msg []byte) error {
+	for {
+		if _, err := unix.Write(s.fds[0], msg); !errors.Is(err, unix.EINTR) {
+			return err
+		}
 	}
 }
 
 // handOffOnly says whether req must run outside the serve loop even when
-// the loop is alone: a write whose reply waits for an invalidation. (A
-// READ that would ask the kernel's size leaves the loop by itself:
-// Export.planRead.)
+// the loop is alone: a write whose reply may wait for an invalidation.
 func (s *server) handOffOnly(req []byte) bool {
 	return header(req).Opcode == opWrite && s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
 }
@@ -133,18 +134,13 @@ func tuneBDI(dev uint64, raKB int) error {
 const notifyStore = 4
 
 // presetSize gives a writeback-cached kernel the file's size before any
-// client can look at it. Under the writeback cache the kernel keeps
-// i_size itself and ignores the size in GETATTR replies; the root inode
-// (the exported file without --file-name) is made at mount, before INIT,
-// with size 0, so the kernel would see an empty file for good. Nothing
-// but INIT has been answered when this runs (the serve loops have not
-// started), and every client request waits for INIT, so a client's first
-// stat, open or LOOP_CONFIGURE finds the size right, even one that polls
-// the mount table and starts the moment the mount shows there. The
-// message stores the image's last page in the page cache: the kernel
-// grows i_size to a stored range's end only when the range holds at
-// least one byte, and a whole page (up to the end) lands up to date.
-// ok false: the caller falls back to learnSize.
+// client can look at it: the kernel then ignores the size in GETATTR
+// replies, and the root inode is made before INIT with size 0. Nothing
+// but INIT has been answered yet, and every client request waits for
+// INIT. It stores the image's last page: the kernel grows i_size to a
+// stored range's end only when the range holds at least one byte, and a
+// whole page (up to the end) lands up to date. ok false: the caller
+// falls back to learnSize.
 func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	if !s.writebackCache() {
 		return true, nil
@@ -165,20 +161,12 @@ func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	n := (*fuse.NotifyStoreOut)(unsafe.Pointer(&msg[unsafe.Sizeof(fuse.OutHeader{})]))
 	*n = fuse.NotifyStoreOut{Nodeid: s.exp.ino, Offset: uint64(start), Size: uint32(len(data))}
 	copy(msg[unsafe.Sizeof(fuse.OutHeader{})+unsafe.Sizeof(fuse.NotifyStoreOut{}):], data)
-	for {
-		_, err := unix.Write(s.fds[0], msg)
-		switch {
-		case err == nil:
-			return true, nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		case errors.Is(err, unix.ENOENT):
-			// The kernel has no such inode yet (the file in a
-			// --file-name directory): its LOOKUP will carry the size.
-			return true, nil
-		}
+	// ENOENT: the kernel has no such inode yet (the file in a --file-name
+	// directory): its LOOKUP will carry the size.
+	if err := s.notify(msg); err != nil && !errors.Is(err, unix.ENOENT) {
 		return false, fmt.Errorf("kernel cache: FUSE_NOTIFY_STORE of the last page: %w", err)
 	}
+	return true, nil
 }
 
 // learnSize is presetSize's fallback, once the serve loops run: a SETATTR

@@ -21,14 +21,9 @@ import "runtime"
 // writer holds until its reply (which may wait for a notify) get a second
 // thread.
 type kernelCalls struct {
-	ch   [2]chan func() // notifyThread, otherThread
+	ch   [2]chan func() // the notify thread's, the other's
 	stop chan struct{}
 }
-
-const (
-	notifyThread = iota
-	otherThread
-)
 
 // startKernelCalls starts the threads; stop ends them.
 func startKernelCalls() *kernelCalls {
@@ -54,8 +49,8 @@ func startKernelCalls() *kernelCalls {
 // returns once it has, or at once without running it when the threads
 // have stopped (the export is gone, and its cache with it). Without
 // threads (k nil) f runs on the calling thread.
-func (k *kernelCalls) onNotify(f func()) { k.run(notifyThread, f) }
-func (k *kernelCalls) onOther(f func())  { k.run(otherThread, f) }
+func (k *kernelCalls) onNotify(f func()) { k.run(0, f) }
+func (k *kernelCalls) onOther(f func())  { k.run(1, f) }
 
 func (k *kernelCalls) run(thread int, f func()) {
 	if k == nil {

@@ -80,14 +80,11 @@ func (q *queue) queued() bool {
 	return err != nil || n != 0
 }
 
-// loop is one queue: read a request, answer it (inline or via a goroutine),
-// repeat until the kernel says the connection is gone. The bulk helper
-// (helper true) also parks between bursts of large writes, and never sleeps
-// in read(2), so that it can see the connection end even when its own fd
-// gets no ENODEV (a main queue that stopped on a protocol error).
-//
-// end, if set, is called when the queue's loop has ended (that may be a
-// stand-in's: see runStalling). The goroutine is not locked to its
+// loop serves one queue until the kernel says the connection is gone; end,
+// if set, is called when the queue's loop (maybe a stand-in's) has ended.
+// The bulk helper (helper true) also parks between bursts of large writes,
+// and never sleeps in read(2), so that it sees the connection end even
+// when its own fd gets no ENODEV. The goroutine is not locked to its
 // thread: a locked thread blocking in read(2) costs runtime hand-offs
 // (futex wake-ups on other threads) on every request.
 func (s *server) loop(fd int, helper bool, end func()) {
@@ -190,14 +187,10 @@ func (s *server) run(q *queue) {
 const completionsEvery = 8
 
 // waitRequestOrCompletion sleeps until fd has a request or a completion
-// has come, and reads the completions: the loop of a queue that reads the
-// image's completions (formats.Completions), so that its one thread
-// sleeps only when neither has anything, as QEMU's event loop does.
-//
-// First it lets the requests that completions made runnable run: they
-// write their replies on this thread before it sleeps (with one P, as
-// the fuse command then runs, nothing else would run them until the
-// runtime takes the P from a thread asleep in poll).
+// has come, and reads the completions (formats.Completions; docs/design.md,
+// One loop for an NBD source). First it lets the requests that
+// completions made runnable write their replies: with one P nothing else
+// would run them until the runtime takes the P from a thread in poll.
 func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
 	runtime.Gosched()
 	s.cfds = comp.CompletionFds(s.cfds[:0])
