@@ -51,27 +51,22 @@ func Tune(o Options, s Served, logger *slog.Logger) Options {
 	}
 	o.KeepCache = o.KernelCache && s.QCOW2 && !s.NBD
 	if o.KernelCache && !s.Direct {
-		dropBehind(s.Hosts, logger)
+		// One cache, not two: the host files drop what they read,
+		// keeping their read-ahead (which --cache none gives up).
+		n := 0
+		for _, h := range s.Hosts {
+			if aio.SetDropBehind(h) {
+				n++
+			}
+		}
+		if n < len(s.Hosts) {
+			logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(s.Hosts), "drop-behind", n)
+		}
 	}
 	if s.MayStall && !s.NBD {
 		moreProcsForRemote(logger)
 	}
 	return o
-}
-
-// dropBehind makes the host files drop what they read, under the kernel
-// cache: one cache, not two (keeping their read-ahead, which --cache
-// none gives up).
-func dropBehind(hosts []aio.File, logger *slog.Logger) {
-	n := 0
-	for _, h := range hosts {
-		if aio.SetDropBehind(h) {
-			n++
-		}
-	}
-	if n < len(hosts) {
-		logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(hosts), "drop-behind", n)
-	}
 }
 
 // moreProcsForRemote runs Go with twice as many Ps as CPUs for an export

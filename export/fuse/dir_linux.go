@@ -11,7 +11,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"time"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -117,29 +116,18 @@ func (s *server) isRootDir(req []byte) bool { return s.inDir() && header(req).No
 // dirAttr describes the root directory: read and search for all (file
 // access is the file's own mode's business), nothing to write.
 func (s *server) dirAttr(a *fuse.Attr) {
-	e := s.exp
-	mt := time.Unix(0, e.mtimeNs.Load())
-	sec, nsec := uint64(mt.Unix()), uint32(mt.Nanosecond())
-	*a = fuse.Attr{
-		Ino:   rootIno,
-		Size:  4096,
-		Atime: sec, Mtime: sec, Ctime: sec,
-		Atimensec: nsec, Mtimensec: nsec, Ctimensec: nsec,
-		Mode:    unix.S_IFDIR | 0o555,
-		Nlink:   2,
-		Owner:   fuse.Owner{Uid: e.uid.Load(), Gid: e.gid.Load()},
-		Blksize: 4096,
-	}
+	s.exp.fillAttr(context.Background(), a) // the file's times and owner
+	a.Ino, a.Size, a.Blocks, a.Mode, a.Nlink = rootIno, 4096, 0, unix.S_IFDIR|0o555, 2
 }
 
 // lookup finds NAME or an extra file in the root directory; every other
 // name is absent.
-func (s *server) lookup(q *queue, req []byte) inlineResult {
+func (s *server) lookup(q *queue, req []byte) bool {
 	h := header(req)
 	name, _, _ := bytes.Cut(req[inHeaderSize:], []byte{0})
 	if !s.inDir() || h.NodeId != rootIno {
 		s.replyErr(q.to, h.Unique, unix.ENOENT)
-		return answered
+		return true
 	}
 	e := s.exp
 	if string(name) != s.fileName {
@@ -152,7 +140,7 @@ func (s *server) lookup(q *queue, req []byte) inlineResult {
 		}
 		if e == nil {
 			s.replyErr(q.to, h.Unique, unix.ENOENT)
-			return answered
+			return true
 		}
 	}
 	out := fuse.EntryOut{NodeId: e.ino}
@@ -160,27 +148,27 @@ func (s *server) lookup(q *queue, req []byte) inlineResult {
 	out.SetAttrTimeout(attrTimeout)
 	e.fillAttr(context.Background(), &out.Attr)
 	replyOut(s, q.to, h.Unique, fuse.OK, &out)
-	return answered
+	return true
 }
 
 // opendir opens the root directory; it needs no handle.
-func (s *server) opendir(q *queue, req []byte) inlineResult {
+func (s *server) opendir(q *queue, req []byte) bool {
 	if !s.isRootDir(req) {
 		s.replyErr(q.to, header(req).Unique, unix.ENOTDIR)
-		return answered
+		return true
 	}
 	var o fuse.OpenOut
 	replyOut(s, q.to, header(req).Unique, fuse.OK, &o)
-	return answered
+	return true
 }
 
 // readdir lists ".", "..", NAME and the extra files from the entry the
 // offset names, as many as fit; an entry's offset is the next one's index.
-func (s *server) readdir(q *queue, req []byte) inlineResult {
+func (s *server) readdir(q *queue, req []byte) bool {
 	in := decode[fuse.ReadIn](req)
 	if !s.isRootDir(req) {
 		s.replyErr(q.to, in.Unique, unix.ENOTDIR)
-		return answered
+		return true
 	}
 	type entry struct {
 		ino  uint64
@@ -207,5 +195,5 @@ func (s *server) readdir(q *queue, req []byte) inlineResult {
 		out = append(out, make([]byte, start+n-len(out))...)
 	}
 	s.replyData(q.to, in.Unique, fuse.OK, out)
-	return answered
+	return true
 }

@@ -17,23 +17,16 @@ import (
 	"github.com/blockexport/blockexport/coroutines"
 )
 
-// inlineResult is what an op's inline attempt came to.
-type inlineResult uint8
-
-const (
-	answered  inlineResult = iota // replied (or needs no reply)
-	wouldWait                     // nothing done: the request may wait
-)
-
 // op is what the server does with one opcode.
 type op struct {
-	// inline answers the request in the loop, without waiting, if it can.
-	inline func(s *server, q *queue, req []byte) inlineResult
+	// inline answers the request in the loop, without waiting, if it
+	// can, and says whether it did (or no reply is needed).
+	inline func(s *server, q *queue, req []byte) bool
 	// wait answers a request that may wait for I/O; ctx ends on an
 	// INTERRUPT for it. Nil: inline always answers.
 	wait func(s *server, ctx context.Context, to replyTo, req []byte)
 	// mayBlockLoop: the loop may run wait itself when it is alone
-	// (waitHere). Only writes: others (fsync above all) may take long.
+	// (runHere). Only writes: others (fsync above all) may take long.
 	mayBlockLoop bool
 }
 
@@ -107,7 +100,7 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 		s.replyErr(q.to, h.Unique, unix.ENOSYS)
 		return true
 	}
-	if o.inline != nil && o.inline(s, q, req) == answered {
+	if o.inline != nil && o.inline(s, q, req) {
 		return true
 	}
 	if o.mayBlockLoop && !s.handOffOnly(req) &&
@@ -331,24 +324,24 @@ func (p *pending) cancel(unique uint64, r *reqCtx) {
 	}
 }
 
-func noReply(*server, *queue, []byte) inlineResult { return answered }
+func noReply(*server, *queue, []byte) bool { return true }
 
 // replyConst answers with a fixed status (0 or -errno) and no payload.
-func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
-	return func(s *server, q *queue, req []byte) inlineResult {
+func replyConst(status int32) func(*server, *queue, []byte) bool {
+	return func(s *server, q *queue, req []byte) bool {
 		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status)
-		return answered
+		return true
 	}
 }
 
 // interrupt cancels the request an INTERRUPT names, if it still runs (see
 // pending). The INTERRUPT gets no reply.
-func (s *server) interrupt(_ *queue, req []byte) inlineResult {
+func (s *server) interrupt(_ *queue, req []byte) bool {
 	s.pending.interrupt(decode[fuse.InterruptIn](req).Unique)
-	return answered
+	return true
 }
 
-func (s *server) getattr(q *queue, req []byte) inlineResult {
+func (s *server) getattr(q *queue, req []byte) bool {
 	var o fuse.AttrOut
 	st := fuse.OK
 	if s.isRootDir(req) {
@@ -358,33 +351,33 @@ func (s *server) getattr(q *queue, req []byte) inlineResult {
 		st = s.expOf(req).GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
 	}
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
-func (s *server) open(q *queue, req []byte) inlineResult {
+func (s *server) open(q *queue, req []byte) bool {
 	var o fuse.OpenOut
 	st := s.expOf(req).Open(decode[fuse.OpenIn](req), &o)
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
-func (s *server) statfs(q *queue, req []byte) inlineResult {
+func (s *server) statfs(q *queue, req []byte) bool {
 	var o fuse.StatfsOut
 	st := s.exp.StatFs(context.Background(), header(req), &o)
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
 // tryWrite answers a write the image does without waiting.
-func (s *server) tryWrite(q *queue, req []byte) inlineResult {
+func (s *server) tryWrite(q *queue, req []byte) bool {
 	in, data, ok := writePayload(req)
 	if !ok {
-		return wouldWait // write answers EINVAL
+		return false // write answers EINVAL
 	}
 	exp := s.expOf(req)
 	n, st, ok, d := exp.TryWrite(in, data)
 	if !ok {
-		return wouldWait
+		return false
 	}
 	o := fuse.WriteOut{Size: n}
 	if d.needed() {
@@ -397,10 +390,10 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 			exp.finishBypass(d)
 			replyOut(s, to, unique, st, &o)
 		}()
-		return answered
+		return true
 	}
 	replyOut(s, q.to, in.Unique, st, &o)
-	return answered
+	return true
 }
 
 func (s *server) write(ctx context.Context, to replyTo, req []byte) {

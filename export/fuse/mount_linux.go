@@ -243,7 +243,11 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		exp.ino = fileIno
 		file = filepath.Join(abs, o.FileName)
 	}
-	undo := func() {
+	sizeKnown, err := false, srv.addExtraFiles(o.Extra)
+	if err == nil {
+		sizeKnown, err = srv.start(o)
+	}
+	if err != nil {
 		// The queues' fds first: a setup that failed for want of
 		// descriptors (cloning --queues) left none for detach, whose
 		// look at the mount table then failed and read as "not
@@ -253,14 +257,6 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 		detach(abs, exp.log)
 		made.remove()
-	}
-	if err := srv.addExtraFiles(o.Extra); err != nil {
-		undo()
-		return nil, fmt.Errorf("mount %s: %w", abs, err)
-	}
-	sizeKnown, err := srv.start(o)
-	if err != nil {
-		undo()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
@@ -503,11 +499,11 @@ func fusermount(path, opts string) (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("fusermount3: receiving the descriptor: %w", err)
 	}
+	var fds []int
 	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
-	if err != nil || len(msgs) == 0 {
-		return -1, fmt.Errorf("fusermount3 sent no descriptor")
+	if err == nil && len(msgs) > 0 {
+		fds, err = unix.ParseUnixRights(&msgs[0])
 	}
-	fds, err := unix.ParseUnixRights(&msgs[0])
 	if err != nil || len(fds) == 0 {
 		return -1, fmt.Errorf("fusermount3 sent no descriptor")
 	}
