@@ -4,8 +4,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // bulkHelper is a second queue that serves only while large writes come,
@@ -41,13 +39,7 @@ func (s *server) sawBulkWrite() {
 		return
 	}
 	if b.fd < 0 {
-		fd, err := s.cloneFd()
-		if err == nil {
-			err = unix.SetNonblock(fd, true) // see loop
-			if err != nil {
-				unix.Close(fd)
-			}
-		}
+		fd, err := s.cloneFd(true) // see loop
 		if err != nil {
 			s.exp.log.Debug("no bulk-write queue", "err", err)
 			return

@@ -29,12 +29,6 @@ const notifyInvalInode = 2
 // export's file (length 0: to the end) and its cached attributes. The
 // kernel answers ENOENT when it does not know the inode (nothing cached).
 func (s *server) notifyInval(off, length int64) error {
-	var err error
-	s.calls.onNotify(func() { err = s.writeNotifyInval(off, length) })
-	return err
-}
-
-func (s *server) writeNotifyInval(off, length int64) error {
 	msg := struct {
 		h fuse.OutHeader
 		n fuse.NotifyInvalInodeOut
@@ -42,7 +36,9 @@ func (s *server) writeNotifyInval(off, length int64) error {
 	msg.h = fuse.OutHeader{Length: uint32(unsafe.Sizeof(msg)), Status: notifyInvalInode}
 	msg.n = fuse.NotifyInvalInodeOut{Ino: s.exp.ino, Off: off, Length: length}
 	b := unsafe.Slice((*byte)(unsafe.Pointer(&msg)), unsafe.Sizeof(msg))
-	if err := s.notify(b); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
+	var err error
+	s.calls.onNotify(func() { err = s.notify(b) })
+	if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
 		return fmt.Errorf("FUSE_NOTIFY_INVAL_INODE [%d, +%d): %w", off, length, err)
 	}
 	return nil

@@ -329,7 +329,7 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 	// More queues: the kernel spreads requests over them
 	// (FUSE_DEV_IOC_CLONE).
 	for i := 1; i < o.Queues; i++ {
-		fd, err := s.cloneFd()
+		fd, err := s.cloneFd(false)
 		if err != nil {
 			return false, fmt.Errorf("fuse: queue %d: %w", i, err)
 		}
@@ -355,10 +355,9 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 	return sizeKnown, nil
 }
 
-// wireKernelCache gives the export what it calls into the kernel with,
-// under the kernel cache: drops of cached pages, and with the writeback
-// cache the mending of a failed write-back, the kernel's size and m's
-// flush of its dirty pages.
+// wireKernelCache gives the export, under the kernel cache, its calls into
+// the kernel (drops; with the writeback cache the mending of a failed
+// write-back, the kernel's size) and m the flush of its dirty pages.
 func (s *server) wireKernelCache(m *Mount) {
 	exp := s.exp
 	if !exp.opts.KernelCache {
@@ -397,9 +396,7 @@ func (m *Mount) serve(s *server) {
 
 // mountFUSE mounts a FUSE file system of one regular file (or of a
 // directory, for dir) on path and returns the /dev/fuse descriptor: with
-// mount(2) directly as root, through fusermount3 (which hands the
-// descriptor back over a socket, and takes the root's mode from path)
-// otherwise.
+// mount(2) as root, else through fusermount3 (see fusermount).
 func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error) {
 	opts := []string{"default_permissions", fmt.Sprintf("max_read=%d", maxWrite)}
 	if allowOther {
@@ -585,11 +582,9 @@ func (m *Mount) Cleanup() {
 }
 
 // Abandon is the way out for a process about to exit at once (a second
-// signal while stopping): it does not wait for requests in flight, but
-// still leaves no mount and no file of ours behind. It detaches the mount
-// (the connection ends when the process exits and its /dev/fuse
-// descriptors close) and removes the mountpoint file if we created it.
-// It may run while Unmount waits.
+// signal while stopping): it waits for no request, but detaches the mount
+// (the connection ends with the process) and removes the mountpoint file
+// if we created it. It may run while Unmount waits.
 func (m *Mount) Abandon() {
 	detach(m.path, m.log)
 	m.Cleanup()

@@ -82,12 +82,8 @@ type server struct {
 	exp *Export
 	fds []int
 
-	// pollFor > 0: the queues spin on non-blocking reads that long after
-	// each request before sleeping (trading CPU for latency).
-	pollFor time.Duration
-	// pace: a queue whose reader seems to wait on each reply spins a
-	// little for its next request (depthGuess).
-	pace bool
+	pollFor time.Duration // --poll-us: spin on non-blocking reads that long
+	pace    bool          // spin for a reader at queue depth 1 (depthGuess)
 
 	// comp is set when the one queue reads the image's completions
 	// itself (formats.Completions); cfds and pfds are its loop's scratch.
@@ -102,20 +98,14 @@ type server struct {
 	// a loop's thread for long: see runHere.
 	stalls bool
 
-	// fileName is not empty when the root is a directory holding the
-	// export as its one file, named so (--file-name; dir_linux.go).
-	fileName string
-	// extra are the files beside it (partitions), on inodes fileIno+1...
-	extra []extraFile
+	fileName string      // --file-name: the root is a directory (dir_linux.go)
+	extra    []extraFile // the files beside it (partitions)
 
-	negotiated uint64 // INIT flags both sides agreed on
-	// calls, with the kernel cache on, runs the notifies and the other
-	// calls into the kernel that may wait for our own I/O (kernelcalls_linux.go).
-	calls *kernelCalls
+	negotiated uint64       // INIT flags both sides agreed on
+	calls      *kernelCalls // with the kernel cache on (kernelcalls_linux.go)
 
-	// hand runs what may wait: in the loop when it is alone, else in a
-	// goroutine (see coroutines.Handoff); pending lets an INTERRUPT
-	// cancel those goroutines' requests.
+	// hand runs what may wait (coroutines.Handoff); pending lets an
+	// INTERRUPT cancel those requests.
 	hand    *coroutines.Handoff
 	pending pending
 	bufs    *aio.BufPool   // request buffers and read buffers, up to 1 MiB
@@ -189,7 +179,7 @@ func (s *server) handshake() error {
 }
 
 // cloneFd opens another /dev/fuse fd on the connection: a queue.
-func (s *server) cloneFd() (int, error) {
+func (s *server) cloneFd(nonblock bool) (int, error) {
 	const iocClone = 0x8004e500 // _IOR(229, 0, uint32_t)
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -199,6 +189,10 @@ func (s *server) cloneFd() (int, error) {
 	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), iocClone, uintptr(unsafe.Pointer(&src))); errno != 0 {
 		unix.Close(fd)
 		return -1, fmt.Errorf("FUSE_DEV_IOC_CLONE: %w", errno)
+	}
+	if err := unix.SetNonblock(fd, nonblock); err != nil {
+		unix.Close(fd)
+		return -1, err
 	}
 	return fd, nil
 }
