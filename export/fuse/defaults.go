@@ -25,10 +25,8 @@ type Served struct {
 	Hosts []aio.File
 }
 
-// Tune decides what Options an export of s gets for the kernel's cache
-// (KernelCache, KeepCache) and applies what goes with it: drop-behind on
-// the host files, and the Go processors for a remote image.
-//
+// Tune decides the kernel cache Options of an export of s and applies
+// what goes with it (drop-behind, the Go processors for a remote image).
 // auto turns the kernel cache on for a local raw or qcow2 image read
 // through the host's page cache; never for the null device (a cache would
 // hand back what was written, where the device reads zeroes) or several

@@ -30,9 +30,8 @@ type op struct {
 	mayBlockLoop bool
 }
 
-// ops is the opcode table (include/uapi/linux/fuse.h numbers); opcodes
-// not in it are answered ENOSYS. READ is not in it: dispatch hands it to
-// read (read_linux.go), which takes it down its one path itself.
+// ops is the opcode table; opcodes not in it are answered ENOSYS. READ
+// is not in it: dispatch hands it to read (read_linux.go).
 var ops = [...]op{
 	opLookup:      {inline: (*server).lookup},
 	opForget:      {inline: noReply},
@@ -238,8 +237,8 @@ type pending struct {
 	pool  sync.Pool
 }
 
-// reqCtx is a handed-off request's context: its path's context, which is
-// never cancelled, and a done channel an INTERRUPT may close.
+// reqCtx is a handed-off request's context: its path's (never
+// cancelled), with a done channel an INTERRUPT may close.
 type reqCtx struct {
 	context.Context
 	done   chan struct{}

@@ -319,10 +319,8 @@ func (e *Export) finishBypass(d bypassDrop) {
 }
 
 // WriteBypassesCache says whether a WRITE changes the image behind the
-// kernel's cache: with the kernel cache on, a write that did not come
-// from the page cache (an O_DIRECT open's) must drop the pages a READ may
-// have cached of what it overwrote (readMarks), and so is answered in a
-// serve loop only when it finds there are none.
+// kernel's cache (an O_DIRECT open's, with the kernel cache on): it may
+// have to drop pages a READ cached (dropAfterBypass).
 func (e *Export) WriteBypassesCache(in *fuse.WriteIn) bool {
 	return e.opts.KernelCache && in.WriteFlags&fuse.WRITE_CACHE == 0
 }
@@ -398,9 +396,7 @@ func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 func (e *Export) endRead() { e.inflight.End() }
 
 // lendPages lends the read's bytes as slices of the image files'
-// mappings (formats.PageLender), appended to v; false: the caller reads
-// instead.
-//
+// mappings (formats.PageLender), appended to v; false: the caller reads.
 // Not for a READ that fills the kernel's cache of the export: the image
 // is read drop-behind for those (one cache, the export's), and the pages
 // a lend maps stay in the image's cache (docs/design.md, Drop-behind).
@@ -412,8 +408,7 @@ func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	return v, ok && len(v) <= maxLent
 }
 
-// tryRead reads the read into buf if the image can without waiting;
-// false: it would wait.
+// tryRead reads r into buf if the image can without waiting.
 func (e *Export) tryRead(r readOp, buf []byte) (int, bool) {
 	if r.zeroes > 0 {
 		return 0, false
@@ -440,8 +435,7 @@ func (e *Export) lendCache(ctx context.Context, r readOp) (bufs [][]byte, releas
 	return bufs, release, fuse.OK, ok
 }
 
-// read reads the read into buf, which holds r.size() bytes, and returns
-// the byte count.
+// read reads r into buf, which holds r.size() bytes.
 func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Status) {
 	if r.n > 0 {
 		if _, err := e.img.ReadAt(ctx, buf[:r.n], r.off); err != nil {

@@ -14,9 +14,8 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// queue is one /dev/fuse fd and the buffers its loop owns.
-//
-// The one buffer rule: a request is read into the loop's buffer, at reqPad
+// queue is one /dev/fuse fd and the buffers its loop owns. The one buffer
+// rule: a request is read into the loop's buffer, at reqPad
 // (so a WRITE's payload is page-aligned), and answered from it while the
 // loop waits. A request that leaves the loop for a goroutine takes a
 // buffer of its own along (see server.handOff): a pooled copy when it is

@@ -73,9 +73,9 @@ func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique u
 	s.replyData(to, unique, st, ob[:n])
 }
 
-// handOffRead finishes a READ in a goroutine. It takes nothing of the
-// loop's buffer along: the request's fields are copied, and its plan
-// if it was made (planned).
+// handOffRead finishes a READ in a goroutine, with a copy of the
+// request's fields and its plan if it was made (planned), nothing of the
+// loop's buffer.
 func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
 	ctx := s.pending.add(in.Unique, s.hand.Context(path))
 	s.hand.Start()

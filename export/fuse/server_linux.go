@@ -127,55 +127,53 @@ func newServer(exp *Export, fd int) *server {
 // before it.
 func (s *server) handshake() error {
 	buf := make([]byte, bufSize)
-	for {
-		n, err := unix.Read(s.fds[0], buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("fuse: reading INIT: %w", err)
-		}
-		h := (*fuse.InHeader)(unsafe.Pointer(&buf[0]))
-		if n < inHeaderSize || h.Opcode != opInit {
-			return fmt.Errorf("fuse: expected INIT, got opcode %d", h.Opcode)
-		}
-		in := decode[fuse.InitIn](buf[:n])
-		if in.Major != kernelVersion {
-			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
-			return fmt.Errorf("fuse: kernel speaks protocol %d, we speak %d", in.Major, kernelVersion)
-		}
-		offered := uint64(in.Flags)
-		if in.Flags&fuse.CAP_INIT_EXT != 0 {
-			offered |= uint64(in.Flags2) << 32
-		}
-		want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
-			fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
-		if s.exp.opts.KernelCache && s.exp.opts.Writable {
-			// Only writes need it, and without it the kernel takes the
-			// size from GETATTR as usual.
-			want |= fuse.CAP_WRITEBACK_CACHE
-		}
-		flags := offered & want
-		s.negotiated = flags
-		if want&fuse.CAP_WRITEBACK_CACHE != 0 && flags&fuse.CAP_WRITEBACK_CACHE == 0 {
-			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
-			return fmt.Errorf("fuse: --kernel-cache: the kernel did not offer FUSE_WRITEBACK_CACHE")
-		}
-		out := fuse.InitOut{
-			Major:               kernelVersion,
-			Minor:               min(ourMinor, in.Minor),
-			MaxReadAhead:        in.MaxReadAhead,
-			Flags:               uint32(flags),
-			Flags2:              uint32(flags >> 32),
-			MaxBackground:       256,
-			CongestionThreshold: 192,
-			MaxWrite:            maxWrite,
-			TimeGran:            1,
-			MaxPages:            maxWrite / 4096,
-		}
-		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)))
-		return nil
+	n, err := unix.Read(s.fds[0], buf)
+	for err == unix.EINTR {
+		n, err = unix.Read(s.fds[0], buf)
 	}
+	if err != nil {
+		return fmt.Errorf("fuse: reading INIT: %w", err)
+	}
+	h := (*fuse.InHeader)(unsafe.Pointer(&buf[0]))
+	if n < inHeaderSize || h.Opcode != opInit {
+		return fmt.Errorf("fuse: expected INIT, got opcode %d", h.Opcode)
+	}
+	in := decode[fuse.InitIn](buf[:n])
+	if in.Major != kernelVersion {
+		s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
+		return fmt.Errorf("fuse: kernel speaks protocol %d, we speak %d", in.Major, kernelVersion)
+	}
+	offered := uint64(in.Flags)
+	if in.Flags&fuse.CAP_INIT_EXT != 0 {
+		offered |= uint64(in.Flags2) << 32
+	}
+	want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
+		fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
+	if s.exp.opts.KernelCache && s.exp.opts.Writable {
+		// Only writes need it, and without it the kernel takes the
+		// size from GETATTR as usual.
+		want |= fuse.CAP_WRITEBACK_CACHE
+	}
+	flags := offered & want
+	s.negotiated = flags
+	if want&fuse.CAP_WRITEBACK_CACHE != 0 && flags&fuse.CAP_WRITEBACK_CACHE == 0 {
+		s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
+		return fmt.Errorf("fuse: --kernel-cache: the kernel did not offer FUSE_WRITEBACK_CACHE")
+	}
+	out := fuse.InitOut{
+		Major:               kernelVersion,
+		Minor:               min(ourMinor, in.Minor),
+		MaxReadAhead:        in.MaxReadAhead,
+		Flags:               uint32(flags),
+		Flags2:              uint32(flags >> 32),
+		MaxBackground:       256,
+		CongestionThreshold: 192,
+		MaxWrite:            maxWrite,
+		TimeGran:            1,
+		MaxPages:            maxWrite / 4096,
+	}
+	s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)))
+	return nil
 }
 
 // cloneFd opens another /dev/fuse fd on the connection: a queue.
