@@ -144,7 +144,7 @@ const standInAfter = time.Millisecond
 // request's own reply is dropped (replyTo.once). It is counted as
 // handed-off requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) {
-	r := s.pending.addStalled(unique, s.hand.Context(coroutines.Lone), s, q.to)
+	r := s.pending.add(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
 	to.once = &r.once // r is the request's until finish, after its reply
 	s.hand.Start()
@@ -177,7 +177,7 @@ func (s *server) standIn(q *queue) {
 // queue): a pooled copy below bulkWrite, the loop's own buffer from there.
 func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
-	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh))
+	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh), nil, replyTo{})
 	to := q.to
 	if len(req) >= bulkWrite {
 		bp := q.bp
@@ -264,14 +264,10 @@ func (r *reqCtx) Err() error {
 // interruptGrace is how long an interrupted request may still run.
 const interruptGrace = 2 * time.Second
 
-// add makes the context of request unique; finish gives it back.
-func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
-	return p.addStalled(unique, parent, nil, replyTo{})
-}
-
-// addStalled is add for a request whose I/O a cancel cannot end (s not
-// nil): the cancel answers it EINTR to eintr instead (under p.mu).
-func (p *pending) addStalled(unique uint64, parent context.Context, s *server, eintr replyTo) *reqCtx {
+// add makes the context of request unique; finish gives it back. For a
+// request whose I/O a cancel cannot end (s not nil), the cancel answers
+// it EINTR to eintr instead (under p.mu).
+func (p *pending) add(unique uint64, parent context.Context, s *server, eintr replyTo) *reqCtx {
 	r, _ := p.pool.Get().(*reqCtx)
 	if r == nil || r.closed.Load() {
 		r = &reqCtx{done: make(chan struct{})}

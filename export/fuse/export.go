@@ -492,9 +492,7 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 // growable one.
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	n, st := e.write(ctx, in, data)
-	if d := e.afterWrite(in, len(data), n, st); d.needed() {
-		e.finishBypass(d)
-	}
+	e.finishBypass(e.afterWrite(in, len(data), n, st))
 	return n, st
 }
 

@@ -36,9 +36,7 @@ func (s *server) notifyInval(off, length int64) error {
 	msg.h = fuse.OutHeader{Length: uint32(unsafe.Sizeof(msg)), Status: notifyInvalInode}
 	msg.n = fuse.NotifyInvalInodeOut{Ino: s.exp.ino, Off: off, Length: length}
 	b := unsafe.Slice((*byte)(unsafe.Pointer(&msg)), unsafe.Sizeof(msg))
-	var err error
-	s.calls.onNotify(func() { err = s.notify(b) })
-	if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
+	if err := s.calls.onNotify(func() error { return s.notify(b) }); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
 		return fmt.Errorf("FUSE_NOTIFY_INVAL_INODE [%d, +%d): %w", off, length, err)
 	}
 	return nil
@@ -190,9 +188,7 @@ func (s *server) learnSize(file string) error {
 // that one back too. Whatever write returned before the fsync is in the
 // image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
-	var err error
-	s.calls.onOther(func() { err = s.flushKernelCacheHere(file) })
-	return err
+	return s.calls.onOther(func() error { return s.flushKernelCacheHere(file) })
 }
 
 func (s *server) flushKernelCacheHere(file string) error {
@@ -228,8 +224,7 @@ func (s *server) mendFailedWriteback(file string, off, length int64) {
 	if err := s.notifyInval(off, length); err != nil {
 		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)
 	}
-	var err error
-	s.calls.onOther(func() { err = unix.Truncate(file, s.exp.img.Size()) })
+	err := s.calls.onOther(func() error { return unix.Truncate(file, s.exp.img.Size()) })
 	if err != nil && !errors.Is(err, unix.ENOTCONN) {
 		s.exp.log.Warn("cannot give the kernel the image's size back after a failed write-back", "err", err)
 	}

@@ -46,24 +46,24 @@ func startKernelCalls() *kernelCalls {
 }
 
 // onNotify runs f on the notify thread, onOther on the other one, and
-// returns once it has, or at once without running it when the threads
-// have stopped (the export is gone, and its cache with it). Without
-// threads (k nil) f runs on the calling thread.
-func (k *kernelCalls) onNotify(f func()) { k.run(0, f) }
-func (k *kernelCalls) onOther(f func())  { k.run(1, f) }
+// returns its error once it has, or nil at once without running it when
+// the threads have stopped (the export is gone, and its cache with it).
+// Without threads (k nil) f runs on the calling thread.
+func (k *kernelCalls) onNotify(f func() error) error { return k.run(0, f) }
+func (k *kernelCalls) onOther(f func() error) error  { return k.run(1, f) }
 
-func (k *kernelCalls) run(thread int, f func()) {
+func (k *kernelCalls) run(thread int, f func() error) (err error) {
 	if k == nil {
-		f()
-		return
+		return f()
 	}
 	done := make(chan struct{})
 	select {
-	case k.ch[thread] <- func() { f(); close(done) }:
+	case k.ch[thread] <- func() { err = f(); close(done) }:
 	case <-k.stop:
-		return
+		return nil
 	}
 	<-done
+	return err
 }
 
 func (k *kernelCalls) close() { close(k.stop) }

@@ -77,7 +77,7 @@ func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique u
 // request's fields and its plan if it was made (planned), nothing of the
 // loop's buffer.
 func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
-	ctx := s.pending.add(in.Unique, s.hand.Context(path))
+	ctx := s.pending.add(in.Unique, s.hand.Context(path), nil, replyTo{})
 	s.hand.Start()
 	go s.finishHandedRead(ctx, q.to, e, *in, r, planned, began)
 	s.hand.Yield()
