@@ -29,10 +29,9 @@ type Served struct {
 // what goes with it (drop-behind, the Go processors for a remote image).
 // auto turns the kernel cache on for a local raw or qcow2 image read
 // through the host's page cache; never for the null device (a cache would
-// hand back what was written, where the device reads zeroes) or several
-// files over the same bytes. KeepCache only for a qcow2 image, whose
-// locks deny everybody else write access (docs/design.md, The kernel
-// cache).
+// hand back what was written) or several files over the same bytes.
+// KeepCache only for qcow2, whose locks deny everybody else write access
+// (docs/design.md, The kernel cache).
 func Tune(o Options, s Served, logger *slog.Logger) Options {
 	switch s.KernelCache {
 	case "on":

@@ -125,23 +125,18 @@ func (s *server) dirAttr(a *fuse.Attr) {
 func (s *server) lookup(q *queue, req []byte) bool {
 	h := header(req)
 	name, _, _ := bytes.Cut(req[inHeaderSize:], []byte{0})
-	if !s.inDir() || h.NodeId != rootIno {
+	var e *Export // the names are unique (addExtraFiles)
+	if s.isRootDir(req) && string(name) == s.fileName {
+		e = s.exp
+	}
+	for _, f := range s.extra {
+		if s.isRootDir(req) && string(name) == f.name {
+			e = f.exp
+		}
+	}
+	if e == nil {
 		s.replyErr(q.to, h.Unique, unix.ENOENT)
 		return true
-	}
-	e := s.exp
-	if string(name) != s.fileName {
-		e = nil
-		for _, f := range s.extra {
-			if string(name) == f.name {
-				e = f.exp
-				break
-			}
-		}
-		if e == nil {
-			s.replyErr(q.to, h.Unique, unix.ENOENT)
-			return true
-		}
 	}
 	out := fuse.EntryOut{NodeId: e.ino}
 	out.SetEntryTimeout(attrTimeout)
@@ -170,16 +165,8 @@ func (s *server) readdir(q *queue, req []byte) bool {
 		s.replyErr(q.to, in.Unique, unix.ENOTDIR)
 		return true
 	}
-	type entry struct {
-		ino  uint64
-		typ  uint32
-		name string
-	}
-	entries := make([]entry, 0, 3+len(s.extra))
-	entries = append(entries, entry{rootIno, unix.DT_DIR, "."}, entry{rootIno, unix.DT_DIR, ".."}, entry{fileIno, unix.DT_REG, s.fileName})
-	for _, f := range s.extra {
-		entries = append(entries, entry{f.exp.ino, unix.DT_REG, f.name})
-	}
+	// "." and ".." have no export: the root directory.
+	entries := append([]extraFile{{".", nil}, {"..", nil}, {s.fileName, s.exp}}, s.extra...)
 	const direntSize = int(unsafe.Sizeof(dirent{}))
 	out := q.out[:0]
 	for i := in.Offset; i < uint64(len(entries)); i++ {
@@ -188,7 +175,10 @@ func (s *server) readdir(q *queue, req []byte) bool {
 		if len(out)+n > int(in.Size) || len(out)+n > cap(out) {
 			break
 		}
-		d := dirent{ino: e.ino, off: i + 1, nameLen: uint32(len(e.name)), typ: e.typ}
+		d := dirent{ino: rootIno, off: i + 1, nameLen: uint32(len(e.name)), typ: unix.DT_DIR}
+		if e.exp != nil {
+			d.ino, d.typ = e.exp.ino, unix.DT_REG
+		}
 		start := len(out)
 		out = append(out, unsafe.Slice((*byte)(unsafe.Pointer(&d)), direntSize)...)
 		out = append(out, e.name...)

@@ -37,20 +37,17 @@ type Options struct {
 	// Growable exports grow the image on writes past its end; others clamp
 	// them (short write, ENOSPC when nothing fits).
 	Growable bool
-	// KernelCache lets the kernel cache the export (--kernel-cache on):
-	// buffered opens go through the page cache with writeback caching,
-	// O_DIRECT opens still reach us directly (kernelcache_linux.go).
+	// KernelCache lets the kernel cache the export's buffered opens
+	// (kernelcache_linux.go).
 	KernelCache bool
 	// KeepCache keeps the kernel's cache of the export across opens:
-	// set only where nobody but this export can change the image (we
-	// hold its image locks), so a new open has nothing to revalidate.
+	// only where nobody but this export can change the image (Tune).
 	KeepCache bool
 	// ReadAheadKB is the export's read-ahead window under the kernel
 	// cache (0: MinReadAheadKB).
 	ReadAheadKB int
-	// NoPageLend: reads are always copied into a buffer before the
-	// reply, never replied straight from the image file's mapping
-	// (--mapped-reads=false; see formats.PageLender).
+	// NoPageLend: reads are never replied straight from the image file's
+	// mapping (--mapped-reads=false; see formats.PageLender).
 	NoPageLend bool
 	Logger     *slog.Logger
 }
@@ -541,11 +538,10 @@ func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.S
 	return bypassDrop{wait: wait}
 }
 
-// checkWriteback: when the kernel's write-back of pages it had accepted
-// failed or fell short (a full host, past the end of a non-growable
-// image), the kernel reports the error at fsync and close, but would keep
-// the pages, and its larger size. Once this reply is out, the pages that
-// did not make it are dropped and the image's size handed back.
+// checkWriteback: when the kernel's write-back of pages failed or fell
+// short (a full host, past the end of a non-growable image), the kernel
+// reports the error at fsync and close, but would keep the pages and its
+// larger size: once this reply is out, they are mended (mendFailedWriteback).
 func (e *Export) checkWriteback(in *fuse.WriteIn, n uint32, st fuse.Status, length int) {
 	if e.writebackFailed == nil || in.WriteFlags&fuse.WRITE_CACHE == 0 || (st.Ok() && int(n) >= length) {
 		return

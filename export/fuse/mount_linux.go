@@ -50,16 +50,13 @@ type MountOptions struct {
 	// sleeping: lower latency at queue depth 1, one core kept busy.
 	PollFor time.Duration
 	// NoPace turns off the short spin for the next request of a reader
-	// that waits on each reply (see depthGuess): the loop then always
-	// sleeps in read(2) when /dev/fuse is empty.
+	// that waits on each reply (see depthGuess).
 	NoPace bool
-	// Stats, when set, counts every request (--stats).
-	Stats *Stats
+	Stats  *Stats // when set, counts every request (--stats)
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
-	// Extra are more files in that directory, beside FileName: the
-	// partitions (--partitions; dir_linux.go).
+	// Extra are the partitions, beside FileName (dir_linux.go).
 	Extra []ExtraFile
 }
 
