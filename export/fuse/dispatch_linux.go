@@ -45,11 +45,11 @@ var ops = [...]op{
 	opStatfs:      {inline: (*server).statfs},
 	opWrite:       {inline: (*server).tryWrite, wait: (*server).write, mayBlockLoop: true},
 	opSetattr:     {wait: (*server).setattr},
-	opFsync:       {wait: (*server).fsync},
+	opFsync:       {wait: (*server).flush},
 	opFlush:       {wait: (*server).flush},
 	opFallocate:   {wait: (*server).fallocate},
 	opLseek:       {wait: (*server).lseek},
-	opSyncfs:      {wait: (*server).syncfs},
+	opSyncfs:      {wait: (*server).flush},
 
 	// Only with --file-name is the root a directory (dir_linux.go). It
 	// holds the one file: nothing is made or removed there.
@@ -412,23 +412,16 @@ func (s *server) setattr(ctx context.Context, to replyTo, req []byte) {
 	replyOut(s, to, header(req).Unique, st, &o)
 }
 
-func (s *server) fsync(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Fsync(ctx, decode[fuse.FsyncIn](req)))
-}
-
+// flush answers FLUSH (every close), FSYNC and SYNCFS (sync(2),
+// syncfs(2): the kernel sends it after writing its dirty pages back, and
+// a qcow2 image has metadata of its own to write) alike: the image is
+// made durable.
 func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Flush(ctx, decode[fuse.FlushIn](req)))
-}
-
-// syncfs (sync(2), syncfs(2)) makes the image durable as FSYNC does: the
-// kernel sends it after writing its dirty pages back, and a qcow2 image
-// has metadata of its own to write.
-func (s *server) syncfs(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.exp.Fsync(ctx, nil))
+	s.replyData(to, header(req).Unique, s.expOf(req).Flush(ctx))
 }
 
 func (s *server) fallocate(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Fallocate(ctx, decode[fuse.FallocateIn](req)))
+	s.replyData(to, header(req).Unique, s.expOf(req).Fallocate(ctx, decode[fuse.FallocateIn](req)))
 }
 
 func (s *server) lseek(ctx context.Context, to replyTo, req []byte) {

@@ -693,10 +693,9 @@ func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut
 	return fuse.Status(unix.ENXIO)
 }
 
-// Flush (every close) and Fsync both make the image durable, as in QEMU.
-func (e *Export) Fsync(ctx context.Context, _ *fuse.FsyncIn) fuse.Status { return e.Flush(ctx, nil) }
-
-func (e *Export) Flush(ctx context.Context, _ *fuse.FlushIn) fuse.Status {
+// Flush makes the image durable: for FLUSH (every close), FSYNC and
+// SYNCFS alike, as in QEMU.
+func (e *Export) Flush(ctx context.Context) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.OK
 	}

@@ -38,9 +38,6 @@ func decode[T any](req []byte) *T {
 	return (*T)(unsafe.Pointer(&req[0]))
 }
 
-// replyStatus answers with st and no payload.
-func (s *server) replyStatus(to replyTo, unique uint64, st fuse.Status) { s.replyData(to, unique, st) }
-
 func (s *server) replyErr(to replyTo, unique uint64, errno unix.Errno) {
 	s.reply(to, unique, -int32(errno))
 }
@@ -51,9 +48,9 @@ func replyOut[T any](s *server, to replyTo, unique uint64, st fuse.Status, v *T)
 	s.replyData(to, unique, st, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)))
 }
 
-// replyData answers with the bytes of bufs, in order, written from where
-// they lie by one writev (at most maxLent of them), when st is OK; else
-// with st alone.
+// replyData answers with the bytes of bufs (none, or at most maxLent),
+// in order, written from where they lie by one writev, when st is OK;
+// else with st alone.
 func (s *server) replyData(to replyTo, unique uint64, st fuse.Status, bufs ...[]byte) {
 	if st != fuse.OK {
 		s.replyErr(to, unique, unix.Errno(st))
