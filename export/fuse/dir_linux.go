@@ -61,7 +61,7 @@ func (s *server) addExtraFiles(files []ExtraFile) error {
 	if len(files) == 0 {
 		return nil
 	}
-	if !s.inDir() {
+	if s.fileName == "" {
 		return fmt.Errorf("extra files need a directory (--file-name)")
 	}
 	if len(files) > maxExtraFiles {
@@ -107,11 +107,8 @@ func CheckFileName(name string) error {
 	return nil
 }
 
-// inDir says whether the export is a file inside the root directory.
-func (s *server) inDir() bool { return s.fileName != "" }
-
 // isRootDir says whether req is about the root directory.
-func (s *server) isRootDir(req []byte) bool { return s.inDir() && header(req).NodeId == rootIno }
+func (s *server) isRootDir(req []byte) bool { return s.fileName != "" && header(req).NodeId == rootIno }
 
 // dirAttr describes the root directory: read and search for all (file
 // access is the file's own mode's business), nothing to write.

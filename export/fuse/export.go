@@ -65,7 +65,7 @@ type Export struct {
 	inflight coroutines.InFlight
 	growMu   sync.Mutex // serializes growth past the end of the image
 
-	allowOther atomic.Bool
+	allowOther atomic.Bool   // the mount has allow_other: SetAttr allows more (QEMU's rules)
 	ino        uint64        // the file's inode: the root, or the one file in it
 	mode       atomic.Uint32 // permission bits of the file
 	uid, gid   atomic.Uint32
@@ -149,10 +149,6 @@ func New(img formats.Image, o Options) *Export {
 	e.gid.Store(uint32(unix.Getegid()))
 	return e
 }
-
-// SetAllowOther records whether the mount has allow_other; it decides which
-// SETATTR changes are allowed (QEMU's rules).
-func (e *Export) SetAllowOther(on bool) { e.allowOther.Store(on) }
 
 func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	size := e.img.Size()

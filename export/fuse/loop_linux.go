@@ -44,9 +44,6 @@ type queue struct {
 	pace depthGuess
 }
 
-// req is the request buffer as requests are read into it.
-func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
-
 // awaitNextSpin is how long a loop spins for the next request before it
 // sleeps in read(2), after a lone request of an image that may stall or
 // while paced: a reader at queue depth 1 asks again a few µs after its
@@ -113,7 +110,7 @@ func (s *server) run(q *queue) {
 	var spinUntil time.Time
 	var yield coroutines.Yielder // see there
 	for {
-		buf := q.req()
+		buf := (*q.bp)[reqPad:] // q.bp may change: see handOff
 		n, err := unix.Read(fd, buf)
 		switch {
 		case err == nil:

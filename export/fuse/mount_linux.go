@@ -292,7 +292,7 @@ func (exp *Export) mountAllowOther(abs string, o MountOptions, dir bool) (int, e
 		var fd int
 		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao, dir)
 		if err == nil {
-			exp.SetAllowOther(ao)
+			exp.allowOther.Store(ao)
 			if i > 0 {
 				exp.log.Info("allow_other refused; mounted without it, so only this user can open the export (an unprivileged user needs user_allow_other in /etc/fuse.conf)", "why", firstErr)
 			}
