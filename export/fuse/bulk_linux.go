@@ -4,20 +4,14 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
-// bulkHelper is a second queue that serves only while large writes come.
-//
-// Why: with one queue, a buffered write's two copies (out of /dev/fuse
-// into our buffer, then into the page cache) run in turn on the loop's
-// thread, where QEMU overlaps them on several threads; a second queue
-// overlaps them too. It is not kept for small requests, where two readers
-// of one queue take turns sleeping (docs/design.md, Our own
-// /dev/fuse loop). So the helper is cloned at the first large write and parks
-// (stops reading /dev/fuse) once none has come for bulkIdle; its fd stays
-// open, since requests it handed to goroutines reply through it.
+// bulkHelper is a second queue that serves only while large writes come,
+// so that two threads do a write's two copies (docs/design.md, Our own
+// /dev/fuse loop). It is cloned at the first large write and parks (stops
+// reading /dev/fuse: for small requests two readers of one queue take
+// turns sleeping) once none has come for bulkIdle; its fd stays open,
+// since requests it handed to goroutines reply through it.
 type bulkHelper struct {
 	mu      sync.Mutex
 	fd      int  // -1 until cloned
@@ -28,10 +22,8 @@ type bulkHelper struct {
 }
 
 // bulkWrite is the write size that calls the bulk helper in, and from which
-// a write that cannot finish in place (qcow2 allocating or copying on
-// write) leaves the loop with the buffer it was read into rather than
-// being copied out of it (below it the copy costs less than a fresh
-// buffer); bulkIdle is how long the helper serves after the last one.
+// a handed-off write takes the loop's buffer rather than a copy (see
+// handOff); bulkIdle is how long the helper serves after the last one.
 const (
 	bulkWrite = 128 << 10
 	bulkIdle  = 20 * time.Millisecond
@@ -47,13 +39,7 @@ func (s *server) sawBulkWrite() {
 		return
 	}
 	if b.fd < 0 {
-		fd, err := s.cloneFd()
-		if err == nil {
-			err = unix.SetNonblock(fd, true) // see loop
-			if err != nil {
-				unix.Close(fd)
-			}
-		}
+		fd, err := s.cloneFd(true) // see loop
 		if err != nil {
 			s.exp.log.Debug("no bulk-write queue", "err", err)
 			return

@@ -25,26 +25,13 @@ type Served struct {
 	Hosts []aio.File
 }
 
-// Tune decides what Options an export of s gets for the kernel's cache
-// (KernelCache, KeepCache) and applies what goes with it: drop-behind on
-// the host files, and the Go processors for a remote image.
-//
+// Tune decides the kernel cache Options of an export of s and applies
+// what goes with it (drop-behind, the Go processors for a remote image).
 // auto turns the kernel cache on for a local raw or qcow2 image read
-// through the host's page cache: we hold its image locks, so the cache
-// stays true as far as the locks reach (a raw image's locks deny other
-// writers nothing: see KeepCache below). It stays off for the null
-// device (its writes are dropped: a cache would hand back what was
-// written, where the device reads zeroes), for NBD sources (another
-// client of the server may change the image), for --cache none (asked
-// not to cache) and for several files over the same bytes (none would
-// see the others' cached writes).
-//
-// KeepCache keeps the cache across opens only for a qcow2 image: its
-// locks deny everybody else write access (QEMU's qcow2 driver unshares
-// write and resize), so nothing but this export changes it. A raw
-// image's locks deny nothing (a VM with share-rw may write it beside
-// us) and an NBD server has other clients: there every open revalidates
-// the cache (close-to-open, as QEMU's export, which never keeps it).
+// through the host's page cache; never for the null device (a cache would
+// hand back what was written) or several files over the same bytes.
+// KeepCache only for qcow2, whose locks deny everybody else write access
+// (docs/design.md, The kernel cache).
 func Tune(o Options, s Served, logger *slog.Logger) Options {
 	switch s.KernelCache {
 	case "on":
@@ -61,7 +48,17 @@ func Tune(o Options, s Served, logger *slog.Logger) Options {
 	}
 	o.KeepCache = o.KernelCache && s.QCOW2 && !s.NBD
 	if o.KernelCache && !s.Direct {
-		dropBehind(s.Hosts, logger)
+		// One cache, not two: the host files drop what they read,
+		// keeping their read-ahead (which --cache none gives up).
+		n := 0
+		for _, h := range s.Hosts {
+			if aio.SetDropBehind(h) {
+				n++
+			}
+		}
+		if n < len(s.Hosts) {
+			logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(s.Hosts), "drop-behind", n)
+		}
 	}
 	if s.MayStall && !s.NBD {
 		moreProcsForRemote(logger)
@@ -69,28 +66,9 @@ func Tune(o Options, s Served, logger *slog.Logger) Options {
 	return o
 }
 
-// dropBehind makes the host files drop what they read, under the kernel
-// cache: one cache, not two (keeping their read-ahead, which --cache
-// none gives up).
-func dropBehind(hosts []aio.File, logger *slog.Logger) {
-	n := 0
-	for _, h := range hosts {
-		if aio.SetDropBehind(h) {
-			n++
-		}
-	}
-	if n < len(hosts) {
-		logger.Info("kernel cache: some host files keep what they read in the page cache too (files of a backend that cannot drop what it reads)", "files", len(hosts), "drop-behind", n)
-	}
-}
-
 // moreProcsForRemote runs Go with twice as many Ps as CPUs for an export
-// of an HTTP(S) or S3 object, unless GOMAXPROCS says otherwise: its FUSE
-// loop waits in read(2) on /dev/fuse while the requests it handed off
-// wait on the network, and with a P per CPU the replies that came
-// meanwhile wait for the runtime to take the sleeping thread's P back
-// (docs/design.md, Go processors for remote images). NBD sources, whose
-// loop waits on their sockets itself, keep the default.
+// of an HTTP(S) or S3 object, unless GOMAXPROCS says otherwise
+// (docs/design.md, Go processors for remote images).
 func moreProcsForRemote(logger *slog.Logger) {
 	if os.Getenv("GOMAXPROCS") != "" {
 		return

@@ -1,20 +1,16 @@
 package fuse
 
 // The directory around the file (--file-name NAME): the mount's root is
-// then a directory holding the export as its entry NAME, as nbdfuse
-// lays it out, and with --partitions one more regular file per partition
-// (NAME-p1, ...: extra files, each an Export of its own over its byte
-// range, on inodes 3, 4, ...). Nothing else can be made or removed there.
-// Without --file-name the root is the file itself (QEMU's layout) and
-// none of this runs: the kernel sends no directory requests for a
-// regular file.
+// then a directory holding the export as its entry NAME, as nbdfuse lays
+// it out, and with --partitions the extra files (an Export each, on
+// inodes 3, 4, ...). Without --file-name none of this runs: the kernel
+// sends no directory requests for a regular file.
 
 import (
 	"bytes"
 	"context"
 	"fmt"
 	"strings"
-	"time"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -65,7 +61,7 @@ func (s *server) addExtraFiles(files []ExtraFile) error {
 	if len(files) == 0 {
 		return nil
 	}
-	if !s.inDir() {
+	if s.fileName == "" {
 		return fmt.Errorf("extra files need a directory (--file-name)")
 	}
 	if len(files) > maxExtraFiles {
@@ -111,92 +107,63 @@ func CheckFileName(name string) error {
 	return nil
 }
 
-// inDir says whether the export is a file inside the root directory.
-func (s *server) inDir() bool { return s.fileName != "" }
-
 // isRootDir says whether req is about the root directory.
-func (s *server) isRootDir(req []byte) bool { return s.inDir() && header(req).NodeId == rootIno }
+func (s *server) isRootDir(req []byte) bool { return s.fileName != "" && header(req).NodeId == rootIno }
 
 // dirAttr describes the root directory: read and search for all (file
 // access is the file's own mode's business), nothing to write.
 func (s *server) dirAttr(a *fuse.Attr) {
-	e := s.exp
-	mt := time.Unix(0, e.mtimeNs.Load())
-	sec, nsec := uint64(mt.Unix()), uint32(mt.Nanosecond())
-	*a = fuse.Attr{
-		Ino:   rootIno,
-		Size:  4096,
-		Atime: sec, Mtime: sec, Ctime: sec,
-		Atimensec: nsec, Mtimensec: nsec, Ctimensec: nsec,
-		Mode:    unix.S_IFDIR | 0o555,
-		Nlink:   2,
-		Owner:   fuse.Owner{Uid: e.uid.Load(), Gid: e.gid.Load()},
-		Blksize: 4096,
-	}
+	s.exp.fillAttr(context.Background(), a) // the file's times and owner
+	a.Ino, a.Size, a.Blocks, a.Mode, a.Nlink = rootIno, 4096, 0, unix.S_IFDIR|0o555, 2
 }
 
 // lookup finds NAME or an extra file in the root directory; every other
 // name is absent.
-func (s *server) lookup(q *queue, req []byte) inlineResult {
+func (s *server) lookup(q *queue, req []byte) bool {
 	h := header(req)
 	name, _, _ := bytes.Cut(req[inHeaderSize:], []byte{0})
-	if !s.inDir() || h.NodeId != rootIno {
-		s.replyErr(q.to, h.Unique, unix.ENOENT)
-		return answered
+	var e *Export // the names are unique (addExtraFiles)
+	if s.isRootDir(req) && string(name) == s.fileName {
+		e = s.exp
 	}
-	e := s.exp
-	if string(name) != s.fileName {
-		e = nil
-		for _, f := range s.extra {
-			if string(name) == f.name {
-				e = f.exp
-				break
-			}
+	for _, f := range s.extra {
+		if s.isRootDir(req) && string(name) == f.name {
+			e = f.exp
 		}
-		if e == nil {
-			s.replyErr(q.to, h.Unique, unix.ENOENT)
-			return answered
-		}
+	}
+	if e == nil {
+		s.replyErr(q.to, h.Unique, unix.ENOENT)
+		return true
 	}
 	out := fuse.EntryOut{NodeId: e.ino}
 	out.SetEntryTimeout(attrTimeout)
 	out.SetAttrTimeout(attrTimeout)
 	e.fillAttr(context.Background(), &out.Attr)
 	replyOut(s, q.to, h.Unique, fuse.OK, &out)
-	return answered
+	return true
 }
 
 // opendir opens the root directory; it needs no handle.
-func (s *server) opendir(q *queue, req []byte) inlineResult {
+func (s *server) opendir(q *queue, req []byte) bool {
 	if !s.isRootDir(req) {
 		s.replyErr(q.to, header(req).Unique, unix.ENOTDIR)
-		return answered
+		return true
 	}
 	var o fuse.OpenOut
 	replyOut(s, q.to, header(req).Unique, fuse.OK, &o)
-	return answered
+	return true
 }
 
 // readdir lists ".", "..", NAME and the extra files from the entry the
-// offset names,
-// as many as fit in the size asked for. An entry's offset is the index
-// of the entry after it.
-func (s *server) readdir(q *queue, req []byte) inlineResult {
+// offset names, as many as fit; an entry's offset is the next one's index.
+func (s *server) readdir(q *queue, req []byte) bool {
 	in := decode[fuse.ReadIn](req)
 	if !s.isRootDir(req) {
 		s.replyErr(q.to, in.Unique, unix.ENOTDIR)
-		return answered
+		return true
 	}
-	type entry struct {
-		ino  uint64
-		typ  uint32
-		name string
-	}
-	entries := make([]entry, 0, 3+len(s.extra))
-	entries = append(entries, entry{rootIno, unix.DT_DIR, "."}, entry{rootIno, unix.DT_DIR, ".."}, entry{fileIno, unix.DT_REG, s.fileName})
-	for _, f := range s.extra {
-		entries = append(entries, entry{f.exp.ino, unix.DT_REG, f.name})
-	}
+	// "." and ".." have no export: the root directory.
+	entries := append([]extraFile{{".", nil}, {"..", nil}, {s.fileName, s.exp}}, s.extra...)
 	const direntSize = int(unsafe.Sizeof(dirent{}))
 	out := q.out[:0]
 	for i := in.Offset; i < uint64(len(entries)); i++ {
@@ -205,12 +172,15 @@ func (s *server) readdir(q *queue, req []byte) inlineResult {
 		if len(out)+n > int(in.Size) || len(out)+n > cap(out) {
 			break
 		}
-		d := dirent{ino: e.ino, off: i + 1, nameLen: uint32(len(e.name)), typ: e.typ}
+		d := dirent{ino: rootIno, off: i + 1, nameLen: uint32(len(e.name)), typ: unix.DT_DIR}
+		if e.exp != nil {
+			d.ino, d.typ = e.exp.ino, unix.DT_REG
+		}
 		start := len(out)
 		out = append(out, unsafe.Slice((*byte)(unsafe.Pointer(&d)), direntSize)...)
 		out = append(out, e.name...)
 		out = append(out, make([]byte, start+n-len(out))...)
 	}
 	s.replyData(q.to, in.Unique, fuse.OK, out)
-	return answered
+	return true
 }

@@ -1,9 +1,7 @@
 package fuse
 
-// Dispatch: one table says, per opcode, how a request is decoded and
-// answered, whether the loop may answer it without waiting, and what runs
-// when it may wait. One function (dispatch) applies it; --stats counts
-// around it (serveRequest), not inside.
+// Dispatch: one table (ops) says how each opcode is answered; dispatch
+// applies it, and --stats counts around it (serveRequest).
 
 import (
 	"context"
@@ -19,29 +17,21 @@ import (
 	"github.com/blockexport/blockexport/coroutines"
 )
 
-// inlineResult is what an op's inline attempt came to.
-type inlineResult uint8
-
-const (
-	answered  inlineResult = iota // replied (or needs no reply)
-	wouldWait                     // nothing done: the request may wait
-)
-
 // op is what the server does with one opcode.
 type op struct {
-	// inline answers the request in the loop, without waiting, if it can.
-	inline func(s *server, q *queue, req []byte) inlineResult
+	// inline answers the request in the loop, without waiting, if it
+	// can, and says whether it did (or no reply is needed).
+	inline func(s *server, q *queue, req []byte) bool
 	// wait answers a request that may wait for I/O; ctx ends on an
 	// INTERRUPT for it. Nil: inline always answers.
 	wait func(s *server, ctx context.Context, to replyTo, req []byte)
 	// mayBlockLoop: the loop may run wait itself when it is alone
-	// (waitHere). Only writes: others (fsync above all) may take long.
+	// (runHere). Only writes: others (fsync above all) may take long.
 	mayBlockLoop bool
 }
 
-// ops is the opcode table (include/uapi/linux/fuse.h numbers); opcodes
-// not in it are answered ENOSYS. READ is not in it: dispatch hands it to
-// read (read_linux.go), which takes it down its one path itself.
+// ops is the opcode table; opcodes not in it are answered ENOSYS. READ
+// is not in it: dispatch hands it to read (read_linux.go).
 var ops = [...]op{
 	opLookup:      {inline: (*server).lookup},
 	opForget:      {inline: noReply},
@@ -55,11 +45,11 @@ var ops = [...]op{
 	opStatfs:      {inline: (*server).statfs},
 	opWrite:       {inline: (*server).tryWrite, wait: (*server).write, mayBlockLoop: true},
 	opSetattr:     {wait: (*server).setattr},
-	opFsync:       {wait: (*server).fsync},
+	opFsync:       {wait: (*server).flush},
 	opFlush:       {wait: (*server).flush},
 	opFallocate:   {wait: (*server).fallocate},
 	opLseek:       {wait: (*server).lseek},
-	opSyncfs:      {wait: (*server).syncfs},
+	opSyncfs:      {wait: (*server).flush},
 
 	// Only with --file-name is the root a directory (dir_linux.go). It
 	// holds the one file: nothing is made or removed there.
@@ -80,8 +70,7 @@ var ops = [...]op{
 }
 
 // serveRequest answers one request read into q's buffer, counted for
-// --stats when that is on (a request a goroutine finishes is counted
-// there).
+// --stats here or by the goroutine that finishes it.
 func (s *server) serveRequest(q *queue, req []byte) {
 	if s.stats == nil {
 		s.dispatch(q, req, time.Time{})
@@ -110,80 +99,52 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 		s.replyErr(q.to, h.Unique, unix.ENOSYS)
 		return true
 	}
-	if o.inline != nil && o.inline(s, q, req) == answered {
+	if o.inline != nil && o.inline(s, q, req) {
 		return true
 	}
-	if o.mayBlockLoop && !s.handOffOnly(req) {
-		switch s.waitHere(q) {
-		case inLoop:
-			o.wait(s, s.hand.Context(coroutines.Lone), q.to, req)
-			return true
-		case onLoopGoroutine:
-			s.runStalling(q, h.Unique, func(ctx context.Context, to replyTo) { o.wait(s, ctx, to, req) })
-			return true
-		}
+	if o.mayBlockLoop && !s.handOffOnly(req) &&
+		s.runHere(q, h.Unique, func(ctx context.Context, to replyTo) { o.wait(s, ctx, to, req) }) {
+		return true
 	}
 	s.handOff(q, req, o.wait, began)
 	return false
 }
 
-// where says where a request that may wait runs.
-type where uint8
-
-const (
-	inGoroutine     where = iota // handed off
-	inLoop                       // in the loop, blocking: it is alone
-	onLoopGoroutine              // alone, of an image that may stall: runStalling
-)
-
-// waitHere says where a request that may wait and may block the loop
-// runs: in the loop when nothing else is in flight or queued (see
-// coroutines.Lone), unless the image may stall (server.stalls), whose
-// lone requests run on the loop's goroutine with a stand-in ready, where
-// the loop is a plain /dev/fuse one.
-func (s *server) waitHere(q *queue) where {
+// runHere runs a request that may wait and may block the loop, where it
+// need not be handed off: in the loop, blocking, when nothing else is in
+// flight or queued (coroutines.Lone); for an image that may stall, on the
+// loop's goroutine with a stand-in ready (runStalling), where the loop is
+// a plain /dev/fuse one. false: nothing ran; hand it off.
+func (s *server) runHere(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) bool {
 	switch {
-	case !s.stalls:
-		if s.hand.Lone(q.queued) {
-			return inLoop
-		}
-	case !q.helper && s.comp == nil:
-		if s.hand.Lone(q.queued) {
-			return onLoopGoroutine
-		}
+	case !s.stalls && s.hand.Lone(q.queued):
+		run(s.hand.Context(coroutines.Lone), q.to)
+	case s.stalls && !q.helper && s.comp == nil && s.hand.Lone(q.queued):
+		s.runStalling(q, unique, run)
+	default:
+		return false
 	}
-	return inGoroutine
+	return true
 }
 
 // standInAfter is how long a lone request of an image that may stall
-// runs on its loop's goroutine before another goroutine takes the
-// queue's loop over.
+// runs on its loop's goroutine before a stand-in takes the queue over.
 const standInAfter = time.Millisecond
 
-// runStalling runs a lone request of an image that may stall (its peer,
-// a server on the network, may hang for the reconnect timeout) on the
-// loop's own goroutine, and if it has not finished within standInAfter,
-// a stand-in loop takes the queue over: it reads and serves the requests
-// that come meanwhile, and this loop ends once the request has.
+// runStalling runs a lone request of an image that may stall (its peer
+// may hang for the reconnect timeout) on the loop's own goroutine, and if
+// it has not finished within standInAfter, a stand-in loop takes the
+// queue over, and this loop ends once the request has (docs/design.md,
+// The stand-in loop for lone requests).
 //
-// Why on the loop's goroutine: handed to a goroutine of its own, the
-// request readied that goroutine (and the runtime wakes an idle thread
-// for it) and took its network wake-ups on another thread, while the
-// loop's thread slept in read(2) on /dev/fuse; here the loop's thread
-// waits in the Go scheduler, takes the peer's reply itself, answers and
-// reads on. The request runs with the loop's context, which is never
-// cancelled: a remote file then makes the GET on this goroutine too
-// (remote.File.loaded). (docs/design.md, The stand-in loop)
-//
-// Its I/O cannot be cancelled (the context has no Done), so an
+// Its I/O cannot be cancelled (the loop's context has no Done), so an
 // INTERRUPT that the stand-in reads for it, once the grace period has
 // passed with the request still running, answers it EINTR on its behalf
 // (the caller, killed, waits in the kernel for an answer), and the
-// request's own reply, when its peer answers or its reconnect timeout
-// fails it, is dropped (replyTo.once). It is counted as handed-off
-// requests are (Lone sees it in flight, Wait waits for it).
+// request's own reply is dropped (replyTo.once). It is counted as
+// handed-off requests are (Lone sees it in flight, Wait waits for it).
 func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) {
-	r := s.pending.addStalled(unique, s.hand.Context(coroutines.Lone), s, q.to)
+	r := s.pending.add(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
 	to.once = &r.once // r is the request's until finish, after its reply
 	s.hand.Start()
@@ -212,12 +173,11 @@ func (s *server) standIn(q *queue) {
 	go s.run(&queue{fd: q.fd, to: replyTo{fd: q.fd}, bp: s.bufs.Get(), out: q.out, end: q.end})
 }
 
-// handOff finishes req in a goroutine with a buffer of its own (the rule
-// is queue's): a copy from the pools below bulkWrite, where copying costs
-// less than a fresh buffer; the loop's own buffer from there on.
+// handOff finishes req in a goroutine with a buffer of its own (see
+// queue): a pooled copy below bulkWrite, the loop's own buffer from there.
 func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	unique := (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique
-	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh))
+	ctx := s.pending.add(unique, s.hand.Context(coroutines.Fresh), nil, replyTo{})
 	to := q.to
 	if len(req) >= bulkWrite {
 		bp := q.bp
@@ -245,13 +205,11 @@ func (s *server) handOff(q *queue, req []byte, wait func(*server, context.Contex
 func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait func(*server, context.Context, replyTo, []byte), began time.Time) {
 	defer s.hand.Done()
 	defer s.pending.finish(unique, ctx)
-	if s.stats == nil {
-		wait(s, ctx, to, req)
-		return
+	wait(s, ctx, to, req) // req is this goroutine's until it returns
+	if s.stats != nil {
+		k, n := statKindOf(req)
+		s.stats.record(k, n, time.Since(began))
 	}
-	k, n := statKindOf(req) // see serveRequest
-	wait(s, ctx, to, req)
-	s.stats.record(k, n, time.Since(began))
 }
 
 // pool is the buffer pool for n bytes: the small one where it will do.
@@ -263,23 +221,15 @@ func (s *server) pool(n int) *aio.BufPool {
 }
 
 // pending maps the unique of each request running in a goroutine to its
-// context, so that an INTERRUPT can cancel its I/O (aio takes that on to
-// the ring). Requests the loop answers itself finish before it reads the
-// next, INTERRUPT included, so they need no entry; with several queues an
-// INTERRUPT may overtake its request's entry, and the request then runs to
-// its end.
+// context, so that an INTERRUPT can cancel its I/O. Requests the loop
+// answers itself finish before it reads the next, INTERRUPT included, so
+// they need no entry; with several queues an INTERRUPT may overtake its
+// request's entry, and the request then runs to its end.
 //
-// The kernel sends an INTERRUPT for any signal the caller gets, and the
-// caller's system call then fails with EINTR if the request does: Go
-// programs get a signal (SIGURG) whenever their runtime preempts a
-// goroutine, and few programs expect EINTR from a regular file (a Go
-// test's fallocate did not). So an INTERRUPT cancels a request only if it
-// still runs a grace period later: I/O that is merely slow finishes, and
-// only a request that hangs ends early.
-//
-// The contexts are pooled: a context.WithCancel per request, with its
-// map entry, cost a visible share of small reads (docs/design.md,
-// Hand-off).
+// An INTERRUPT cancels a request only if it still runs a grace period
+// later: the kernel sends one for any signal (Go's preemption SIGURG
+// included), and few programs expect EINTR from a regular file
+// (docs/design.md, The request path). The contexts are pooled.
 type pending struct {
 	mu    sync.Mutex
 	m     map[uint64]*reqCtx
@@ -287,8 +237,8 @@ type pending struct {
 	pool  sync.Pool
 }
 
-// reqCtx is a handed-off request's context: its path's context, which is
-// never cancelled, and a done channel an INTERRUPT may close.
+// reqCtx is a handed-off request's context: its path's (never
+// cancelled), with a done channel an INTERRUPT may close.
 type reqCtx struct {
 	context.Context
 	done   chan struct{}
@@ -297,8 +247,6 @@ type reqCtx struct {
 	// stalled, if set, is the server of a request whose I/O cannot be
 	// cancelled (runStalling): a cancel answers it EINTR now, to eintr,
 	// and once is taken by whichever reply comes first (replyTo.once).
-	// Kept here, in the pooled context, so that a lone request
-	// allocates no closure or flag of its own.
 	stalled *server
 	eintr   replyTo
 	once    atomic.Bool
@@ -316,14 +264,10 @@ func (r *reqCtx) Err() error {
 // interruptGrace is how long an interrupted request may still run.
 const interruptGrace = 2 * time.Second
 
-// add makes the context of request unique; finish gives it back.
-func (p *pending) add(unique uint64, parent context.Context) *reqCtx {
-	return p.addStalled(unique, parent, nil, replyTo{})
-}
-
-// addStalled is add for a request whose I/O a cancel cannot end (s not
-// nil): the cancel answers it EINTR to eintr instead (under p.mu).
-func (p *pending) addStalled(unique uint64, parent context.Context, s *server, eintr replyTo) *reqCtx {
+// add makes the context of request unique; finish gives it back. For a
+// request whose I/O a cancel cannot end (s not nil), the cancel answers
+// it EINTR to eintr instead (under p.mu).
+func (p *pending) add(unique uint64, parent context.Context, s *server, eintr replyTo) *reqCtx {
 	r, _ := p.pool.Get().(*reqCtx)
 	if r == nil || r.closed.Load() {
 		r = &reqCtx{done: make(chan struct{})}
@@ -375,27 +319,24 @@ func (p *pending) cancel(unique uint64, r *reqCtx) {
 	}
 }
 
-// The inline halves of the table.
-
-func noReply(*server, *queue, []byte) inlineResult { return answered }
+func noReply(*server, *queue, []byte) bool { return true }
 
 // replyConst answers with a fixed status (0 or -errno) and no payload.
-func replyConst(status int32) func(*server, *queue, []byte) inlineResult {
-	return func(s *server, q *queue, req []byte) inlineResult {
-		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status, nil, nil)
-		return answered
+func replyConst(status int32) func(*server, *queue, []byte) bool {
+	return func(s *server, q *queue, req []byte) bool {
+		s.reply(q.to, (*fuse.InHeader)(unsafe.Pointer(&req[0])).Unique, status)
+		return true
 	}
 }
 
 // interrupt cancels the request an INTERRUPT names, if it still runs (see
-// pending); its reply (EINTR, from the cancelled I/O) is its own. The
-// INTERRUPT gets none.
-func (s *server) interrupt(_ *queue, req []byte) inlineResult {
+// pending). The INTERRUPT gets no reply.
+func (s *server) interrupt(_ *queue, req []byte) bool {
 	s.pending.interrupt(decode[fuse.InterruptIn](req).Unique)
-	return answered
+	return true
 }
 
-func (s *server) getattr(q *queue, req []byte) inlineResult {
+func (s *server) getattr(q *queue, req []byte) bool {
 	var o fuse.AttrOut
 	st := fuse.OK
 	if s.isRootDir(req) {
@@ -405,33 +346,33 @@ func (s *server) getattr(q *queue, req []byte) inlineResult {
 		st = s.expOf(req).GetAttr(context.Background(), decode[fuse.GetAttrIn](req), &o)
 	}
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
-func (s *server) open(q *queue, req []byte) inlineResult {
+func (s *server) open(q *queue, req []byte) bool {
 	var o fuse.OpenOut
 	st := s.expOf(req).Open(decode[fuse.OpenIn](req), &o)
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
-func (s *server) statfs(q *queue, req []byte) inlineResult {
+func (s *server) statfs(q *queue, req []byte) bool {
 	var o fuse.StatfsOut
 	st := s.exp.StatFs(context.Background(), header(req), &o)
 	replyOut(s, q.to, header(req).Unique, st, &o)
-	return answered
+	return true
 }
 
 // tryWrite answers a write the image does without waiting.
-func (s *server) tryWrite(q *queue, req []byte) inlineResult {
+func (s *server) tryWrite(q *queue, req []byte) bool {
 	in, data, ok := writePayload(req)
 	if !ok {
-		return wouldWait // write answers EINVAL
+		return false // write answers EINVAL
 	}
 	exp := s.expOf(req)
 	n, st, ok, d := exp.TryWrite(in, data)
 	if !ok {
-		return wouldWait
+		return false
 	}
 	o := fuse.WriteOut{Size: n}
 	if d.needed() {
@@ -444,13 +385,11 @@ func (s *server) tryWrite(q *queue, req []byte) inlineResult {
 			exp.finishBypass(d)
 			replyOut(s, to, unique, st, &o)
 		}()
-		return answered
+		return true
 	}
 	replyOut(s, q.to, in.Unique, st, &o)
-	return answered
+	return true
 }
-
-// The halves that may wait.
 
 func (s *server) write(ctx context.Context, to replyTo, req []byte) {
 	in, data, ok := writePayload(req)
@@ -473,23 +412,16 @@ func (s *server) setattr(ctx context.Context, to replyTo, req []byte) {
 	replyOut(s, to, header(req).Unique, st, &o)
 }
 
-func (s *server) fsync(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Fsync(ctx, decode[fuse.FsyncIn](req)))
-}
-
+// flush answers FLUSH (every close), FSYNC and SYNCFS (sync(2),
+// syncfs(2): the kernel sends it after writing its dirty pages back, and
+// a qcow2 image has metadata of its own to write) alike: the image is
+// made durable.
 func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Flush(ctx, decode[fuse.FlushIn](req)))
-}
-
-// syncfs (sync(2), syncfs(2)) makes the image durable as FSYNC does: the
-// kernel sends it after writing its dirty pages back, and a qcow2 image
-// has metadata of its own to write.
-func (s *server) syncfs(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.exp.Fsync(ctx, nil))
+	s.replyData(to, header(req).Unique, s.expOf(req).Flush(ctx))
 }
 
 func (s *server) fallocate(ctx context.Context, to replyTo, req []byte) {
-	s.replyStatus(to, header(req).Unique, s.expOf(req).Fallocate(ctx, decode[fuse.FallocateIn](req)))
+	s.replyData(to, header(req).Unique, s.expOf(req).Fallocate(ctx, decode[fuse.FallocateIn](req)))
 }
 
 func (s *server) lseek(ctx context.Context, to replyTo, req []byte) {

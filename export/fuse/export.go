@@ -8,32 +8,16 @@
 // mounting is in mount_linux.go. Error values become errno in one place
 // (errno.go).
 //
-// One READ, end to end, for a raw image:
-//
-//  1. loop_linux.go: the queue's loop reads READ(ino 1, off, len) from
-//     /dev/fuse into its buffer and calls dispatch, which hands it to
-//     read (read_linux.go).
-//  2. The READ is worked out once (Export.planRead, below: clamp to the
-//     image's end, zeroes past it under the writeback cache, kernel-cache
-//     marks, in flight), then goes down one path.
-//  3. While tries pay (coroutines.MissTracker), the loop lends the pages
-//     of the image's file (formats.PageLender, aio.PageSource) and
-//     replies from them with one writev, or reads without waiting
-//     (Image.TryReadAt, aio.File.TryReadAt: preadv2 RWF_NOWAIT) and
-//     replies (reply_linux.go); that is all on a page-cache hit.
-//  4. Else it reads where it may wait: in the loop itself when nothing
-//     else is in flight or queued (coroutines.Lone: a blocking pread),
-//     else in a goroutine (coroutines.Handoff) whose context says how it
-//     came and ends on an INTERRUPT: Image.ReadAt, aio.File.ReadAt, in
-//     aio/uring_linux.go an SQE on the file's ring, and the goroutine
-//     parks until the completion goroutine hands it the result. An image
-//     that lends its cache (formats.CacheLender: a remote object) is
-//     replied from there instead of a buffer.
+// One READ, end to end: loop_linux.go reads it, dispatch hands it to
+// read_linux.go, Export.planRead works it out once, and it is lent or
+// tried in the loop, else read where it may wait (docs/design.md, The
+// request path).
 package fuse
 
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,20 +37,17 @@ type Options struct {
 	// Growable exports grow the image on writes past its end; others clamp
 	// them (short write, ENOSPC when nothing fits).
 	Growable bool
-	// KernelCache lets the kernel cache the export (--kernel-cache on):
-	// buffered opens go through the page cache with writeback caching,
-	// O_DIRECT opens still reach us directly (kernelcache_linux.go).
+	// KernelCache lets the kernel cache the export's buffered opens
+	// (kernelcache_linux.go).
 	KernelCache bool
 	// KeepCache keeps the kernel's cache of the export across opens:
-	// set only where nobody but this export can change the image (we
-	// hold its image locks), so a new open has nothing to revalidate.
+	// only where nobody but this export can change the image (Tune).
 	KeepCache bool
 	// ReadAheadKB is the export's read-ahead window under the kernel
 	// cache (0: MinReadAheadKB).
 	ReadAheadKB int
-	// NoPageLend: reads are always copied into a buffer before the
-	// reply, never replied straight from the image file's mapping
-	// (--mapped-reads=false; see formats.PageLender).
+	// NoPageLend: reads are never replied straight from the image file's
+	// mapping (--mapped-reads=false; see formats.PageLender).
 	NoPageLend bool
 	Logger     *slog.Logger
 }
@@ -84,17 +65,15 @@ type Export struct {
 	inflight coroutines.InFlight
 	growMu   sync.Mutex // serializes growth past the end of the image
 
-	allowOther atomic.Bool
+	allowOther atomic.Bool   // the mount has allow_other: SetAttr allows more (QEMU's rules)
 	ino        uint64        // the file's inode: the root, or the one file in it
 	mode       atomic.Uint32 // permission bits of the file
 	uid, gid   atomic.Uint32
-	// mtimeNs is the file's mtime in Unix nanoseconds. It only changes
-	// with the kernel cache on, where the kernel owns mtime under its
-	// writeback rules and hands it back in SETATTR.
+	// mtimeNs is the file's mtime in Unix nanoseconds; only the kernel
+	// cache's SETATTR changes it.
 	mtimeNs atomic.Int64
-	// inval, set by the server with the kernel cache on, drops the
-	// kernel's cached pages of [off, off+length) (length 0: to the end)
-	// where the image changed by a path the page cache did not see.
+	// inval, with the kernel cache on, drops the kernel's cached pages of
+	// [off, off+length) (length 0: to the end).
 	inval func(off, length int64)
 	// closing: the export is being stopped with the kernel cache on;
 	// GETATTR fails, so that a buffered write that has not yet begun
@@ -110,15 +89,11 @@ type Export struct {
 	kernelSize func() (int64, bool)
 	// marks, with the kernel cache on, says where READs may have put the
 	// image's bytes in the kernel's cache (readmarks.go).
-	marks *readMarks
-	// lender is the image when it lends its cache's bytes (lendCache);
-	// nil for every other (a local raw file's reads never try).
-	lender formats.CacheLender
-	// pager is the image when it lends the pages of its files
-	// (lendPages); nil when it cannot, or Options.NoPageLend.
-	pager formats.PageLender
-	// dropping holds the drops (invalidate) that have cleared their
-	// ranges' marks and not yet returned.
+	marks  *readMarks
+	lender formats.CacheLender // the image, when it lends its cache (lendCache)
+	pager  formats.PageLender  // the image, when it lends its files' pages (lendPages)
+	// dropping: the drops (invalidate) that cleared their marks and have
+	// not returned.
 	dropMu   sync.Mutex
 	dropping []*drop
 }
@@ -174,10 +149,6 @@ func New(img formats.Image, o Options) *Export {
 	e.gid.Store(uint32(unix.Getegid()))
 	return e
 }
-
-// SetAllowOther records whether the mount has allow_other; it decides which
-// SETATTR changes are allowed (QEMU's rules).
-func (e *Export) SetAllowOther(on bool) { e.allowOther.Store(on) }
 
 func (e *Export) fillAttr(ctx context.Context, a *fuse.Attr) {
 	size := e.img.Size()
@@ -289,11 +260,9 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 	// No FUSE_NOTIFY_INVAL_INODE here: a resize only comes from a
 	// SETATTR, and a cached file's SETATTR of the size holds the inode's
 	// write-back (fuse_set_nowrite) until its reply, so invalidating a
-	// dirty page from here waits for a write-back that waits for this
-	// reply (fsx seed 1796185334523830635 hung in ftruncate). The kernel
-	// drops its own pages after the reply instead (truncate_pagecache
-	// and invalidate_inode_pages2 on a size change, writeback cache or
-	// not), from the size the reply carries.
+	// dirty page from here would wait for a write-back that waits for
+	// this reply. The kernel drops its own pages after the reply
+	// (truncate_pagecache, invalidate_inode_pages2 on a size change).
 	return fuse.OK
 }
 
@@ -310,11 +279,7 @@ func (e *Export) invalidate(off, length int64) {
 		length = 0 // a length past 2^63: to the end
 	}
 	if e.inval == nil {
-		return
-	}
-	if e.marks == nil {
-		e.inval(off, length)
-		return
+		return // set with the kernel cache, as marks is
 	}
 	// Until this drop returns, a write into its granules must wait for
 	// it: the marks are cleared now, the pages go only when it is done.
@@ -329,12 +294,7 @@ func (e *Export) invalidate(off, length int64) {
 	e.dropMu.Unlock()
 	e.inval(off, length)
 	e.dropMu.Lock()
-	for i, d := range e.dropping {
-		if d == r {
-			e.dropping = append(e.dropping[:i], e.dropping[i+1:]...)
-			break
-		}
-	}
+	e.dropping = slices.DeleteFunc(e.dropping, func(d *drop) bool { return d == r })
 	e.dropMu.Unlock()
 	close(r.done)
 }
@@ -352,10 +312,8 @@ func (e *Export) finishBypass(d bypassDrop) {
 }
 
 // WriteBypassesCache says whether a WRITE changes the image behind the
-// kernel's cache: with the kernel cache on, a write that did not come
-// from the page cache (an O_DIRECT open's) must drop the pages a READ may
-// have cached of what it overwrote (readMarks), and so is answered in a
-// serve loop only when it finds there are none.
+// kernel's cache (an O_DIRECT open's, with the kernel cache on): it may
+// have to drop pages a READ cached (dropAfterBypass).
 func (e *Export) WriteBypassesCache(in *fuse.WriteIn) bool {
 	return e.opts.KernelCache && in.WriteFlags&fuse.WRITE_CACHE == 0
 }
@@ -372,14 +330,9 @@ func (e *Export) grow(ctx context.Context, size int64) error {
 	return e.img.Resize(ctx, size)
 }
 
-// Open hands out no file handle; I/O bypasses the page cache (the image may
-// change underneath, as in QEMU), writes run in parallel, and shared mmap
-// still works because DIRECT_IO_ALLOW_MMAP is negotiated at INIT.
-//
-// With the kernel cache on, buffered opens get no direct I/O: the kernel caches, reads
-// ahead and batches writes. O_DIRECT opens keep direct I/O, and the
-// cache is kept across opens only where nobody else can change the
-// image (KeepCache).
+// Open hands out no file handle. Direct I/O with parallel writes (shared
+// mmap works: DIRECT_IO_ALLOW_MMAP), except for buffered opens under the
+// kernel cache, kept across opens where KeepCache says.
 func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	if e.opts.KernelCache && in.Flags&unix.O_DIRECT == 0 {
 		out.OpenFlags = 0
@@ -392,12 +345,9 @@ func (e *Export) Open(in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	return fuse.OK
 }
 
-// readOp is one READ, worked out once (planRead) before it goes down one
-// path: lent from the image's pages or read without waiting, in the
-// serve loop (lendPages, tryRead), or where it may wait, lent from the
-// image's cache or read into a buffer (lendCache, read). It holds the
-// export in flight from planRead to endRead: a resize waits for it (the
-// slices a lend returns are read by the reply's writev).
+// readOp is one READ, worked out once (planRead). It holds the export in
+// flight from planRead to endRead: a resize waits for it (the slices a
+// lend returns are read by the reply's writev).
 type readOp struct {
 	off, n int64 // n bytes of the image at off
 	zeroes int64 // then zeroes, up to the kernel's size (readPastImage)
@@ -412,14 +362,11 @@ func (r readOp) size() int64 { return r.n + r.zeroes }
 // readLimit is the most a READ returns: what it asks, up to maxWrite.
 func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
 
-// planRead works out a READ: clamped to the end of the image (a short
-// read at EOF, an empty one past it), zeroes past it under the writeback
-// cache (readPastImage), and its granules marked before the image is
-// read where the kernel may cache what it reads (cachesRead). It counts
-// the read in flight; endRead ends that. A serve loop, which must not
-// wait, asks with loop set: false, with nothing counted, where it might
-// (a drain holds the export, or the read reaches past the image's end
-// while the kernel may know a larger size, which it would ask).
+// planRead works out a READ: clamped to the end of the image, zeroes
+// past it under the writeback cache (readPastImage), its granules marked
+// before the image is read (cachesRead), counted in flight until endRead.
+// A serve loop asks with loop set: false, with nothing counted, where it
+// might wait (a drain, or a read that would ask the kernel's size).
 func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 	if !loop {
 		e.inflight.Begin()
@@ -442,17 +389,10 @@ func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 func (e *Export) endRead() { e.inflight.End() }
 
 // lendPages lends the read's bytes as slices of the image files'
-// mappings (formats.PageLender), appended to v; false: the caller reads
-// instead.
-//
+// mappings (formats.PageLender), appended to v; false: the caller reads.
 // Not for a READ that fills the kernel's cache of the export: the image
-// is read drop-behind for those (one cache, the export's), and a lend is
-// no read that drop-behind counts, and what it maps drop-behind cannot
-// drop: the pages it takes stay in the image's cache, those read ahead
-// for the READ before included (the one-cache test in tests/ found 3572
-// of 4096 pages of the image left cached when these READs lent). The
-// O_DIRECT reads of a kernel-cached export, which come every time and
-// have no other cache, lend.
+// is read drop-behind for those (one cache, the export's), and the pages
+// a lend maps stay in the image's cache (docs/design.md, Drop-behind).
 func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || r.fillsCache || r.n == 0 || r.zeroes > 0 {
 		return v, false
@@ -461,8 +401,7 @@ func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	return v, ok && len(v) <= maxLent
 }
 
-// tryRead reads the read into buf if the image can without waiting;
-// false: it would wait.
+// tryRead reads r into buf if the image can without waiting.
 func (e *Export) tryRead(r readOp, buf []byte) (int, bool) {
 	if r.zeroes > 0 {
 		return 0, false
@@ -475,11 +414,8 @@ func (e *Export) tryRead(r readOp, buf []byte) (int, bool) {
 const maxLent = 128
 
 // lendCache lends the read's bytes where they lie in the image's cache
-// (formats.CacheLender: a remote object's blocks), so that the reply is
-// written from them, not from a copy. false: the read is not lendable
-// (zeroes past the image's end, an image that does not lend), and the
-// caller reads it. release, when not nil, ends the loan once the reply
-// is written.
+// (formats.CacheLender); false: the caller reads. release, when not nil,
+// ends the loan once the reply is written.
 func (e *Export) lendCache(ctx context.Context, r readOp) (bufs [][]byte, release func(), st fuse.Status, ok bool) {
 	if e.lender == nil || r.n == 0 || r.zeroes > 0 {
 		return nil, nil, fuse.OK, false
@@ -492,8 +428,7 @@ func (e *Export) lendCache(ctx context.Context, r readOp) (bufs [][]byte, releas
 	return bufs, release, fuse.OK, ok
 }
 
-// read reads the read into buf, which holds r.size() bytes, and returns
-// the byte count.
+// read reads r into buf, which holds r.size() bytes.
 func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Status) {
 	if r.n > 0 {
 		if _, err := e.img.ReadAt(ctx, buf[:r.n], r.off); err != nil {
@@ -507,13 +442,10 @@ func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Stat
 
 // cachesRead says whether the kernel may keep what a READ reads in its
 // page cache, so that the READ must mark its granules (readMarks). Not a
-// direct read (an O_DIRECT open's read(2), fuse_direct_io): that one
-// lands in the reader's buffer only, and the kernel sends it alone with
-// FUSE_READ_LOCKOWNER (its lock owner; reads that fill pages, read-ahead
-// and page faults of a mapping, an O_DIRECT open's included, carry none:
-// seen on 6.18, dd iflag=direct 0x2, a buffered dd and faults of a mapping
-// of an O_DIRECT open 0). Unmarked, O_DIRECT reads of a range no longer make the O_DIRECT writes
-// that follow them drop pages that are not there (docs/design.md,
+// direct read (an O_DIRECT open's read(2), fuse_direct_io): it lands in
+// the reader's buffer only, and the kernel sends it alone with
+// FUSE_READ_LOCKOWNER; reads that fill pages (read-ahead, page faults of
+// a mapping, an O_DIRECT open's included) carry none (docs/design.md,
 // The kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
@@ -523,10 +455,8 @@ func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 // image's end, under the writeback cache: up to the kernel's size. A
 // buffered write past the end grows the file in the kernel at once and
 // the image only when its pages are written back, so between the two
-// an O_DIRECT read of the hole the write left before its pages (those
-// in the read's range the kernel writes back before the READ) must read
-// zeroes, not end early (fsx seed 1796186140117775601: an O_DIRECT read
-// between the old end and a buffered write past it returned 0 bytes).
+// an O_DIRECT read of the hole the write left must read zeroes, not end
+// early.
 func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd, size int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
@@ -555,15 +485,12 @@ func (e *Export) readCrossesEnd(in *fuse.ReadIn) bool {
 // growable one.
 func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	n, st := e.write(ctx, in, data)
-	if d := e.afterWrite(in, len(data), n, st); d.needed() {
-		e.finishBypass(d)
-	}
+	e.finishBypass(e.afterWrite(in, len(data), n, st))
 	return n, st
 }
 
-// afterWrite is what a write of size bytes that landed n must see done
-// before its reply, where it bypassed the page cache (dropAfterBypass);
-// else it has a failed write-back mended (checkWriteback).
+// afterWrite: a bypassing write's drop (dropAfterBypass), else the
+// mending of a failed write-back (checkWriteback).
 func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if e.WriteBypassesCache(in) {
 		return e.dropAfterBypass(in, size, n, st)
@@ -581,11 +508,8 @@ func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status
 //     under way, a page cached from before that drop may hold the old
 //     bytes until that drop returns: it waits for those drops (each
 //     drops whole granules, the page included, and a READ that marked
-//     after one cleared the marks shows here as a mark). Waiting rather
-//     than sending its own drop: at queue depth 16, sixteen sequential
-//     4 KiB writes into a granule that had been read each sent a notify,
-//     one after another on the notify thread (docs/design.md, The
-//     kernel cache);
+//     after one cleared the marks shows here as a mark), rather than
+//     send a notify of its own (docs/design.md, The kernel cache);
 //   - else nothing: no READ cached anything of it since the last drop.
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {
@@ -610,11 +534,10 @@ func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.S
 	return bypassDrop{wait: wait}
 }
 
-// checkWriteback: when the kernel's write-back of pages it had accepted
-// failed or fell short (a full host, past the end of a non-growable
-// image), the kernel reports the error at fsync and close, but would keep
-// the pages, and its larger size. Once this reply is out, the pages that
-// did not make it are dropped and the image's size handed back.
+// checkWriteback: when the kernel's write-back of pages failed or fell
+// short (a full host, past the end of a non-growable image), the kernel
+// reports the error at fsync and close, but would keep the pages and its
+// larger size: once this reply is out, they are mended (mendFailedWriteback).
 func (e *Export) checkWriteback(in *fuse.WriteIn, n uint32, st fuse.Status, length int) {
 	if e.writebackFailed == nil || in.WriteFlags&fuse.WRITE_CACHE == 0 || (st.Ok() && int(n) >= length) {
 		return
@@ -651,12 +574,11 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 }
 
 // TryWrite is Write for a serve loop that must not block: only writes
-// that need neither clamping nor growth, and that the image can do at
-// once, with no drain under way; ok false means nothing happened. A
-// write that bypassed the page cache may need a drop of the kernel's
-// pages done before its reply (d.needed(); finishBypass), which the loop
-// must not do or wait for itself: the notify may wait for a write-back
-// only the loop can answer.
+// that need neither clamping nor growth, that the image can do at once,
+// with no drain under way; ok false means nothing happened. A drop the
+// write needs before its reply (d.needed(); finishBypass) the loop must
+// not do or wait for: the notify may wait for a write-back only the loop
+// can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
 	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}
@@ -767,16 +689,9 @@ func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut
 	return fuse.Status(unix.ENXIO)
 }
 
-// Flush (every close) and Fsync both make the image durable, as in QEMU.
-func (e *Export) Flush(ctx context.Context, _ *fuse.FlushIn) fuse.Status {
-	return e.flush(ctx)
-}
-
-func (e *Export) Fsync(ctx context.Context, _ *fuse.FsyncIn) fuse.Status {
-	return e.flush(ctx)
-}
-
-func (e *Export) flush(ctx context.Context) fuse.Status {
+// Flush makes the image durable: for FLUSH (every close), FSYNC and
+// SYNCFS alike, as in QEMU.
+func (e *Export) Flush(ctx context.Context) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.OK
 	}

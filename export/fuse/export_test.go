@@ -138,7 +138,7 @@ func TestSetattrSupportedBits(t *testing.T) {
 	if st := e.SetAttr(ctx, in, &fuse.AttrOut{}); st != fuse.Status(unix.ENOTSUP) {
 		t.Fatalf("uid without allow_other: %v, want ENOTSUP", st)
 	}
-	e.SetAllowOther(true)
+	e.allowOther.Store(true)
 	in.Valid, in.Uid = fuse.FATTR_UID|fuse.FATTR_FH|fuse.FATTR_LOCKOWNER, 42
 	var out fuse.AttrOut
 	if st := e.SetAttr(ctx, in, &out); st != fuse.OK || out.Uid != 42 {

@@ -2,22 +2,10 @@ package fuse
 
 // The kernel-cached mode (--kernel-cache on): the kernel caches the
 // export's pages, reads ahead and batches buffered writes (writeback
-// cache); we keep it coherent with what changes the image behind it.
-//
-//   - INIT asks for FUSE_WRITEBACK_CACHE; opens for buffered I/O get no
-//     direct I/O (Export.Open), O_DIRECT opens still do.
-//   - A punched or zeroed range, and a write that bypassed the cache (an
-//     O_DIRECT open's) where a READ may have cached the old bytes
-//     (readmarks.go), drop the kernel's pages of what changed with
-//     FUSE_NOTIFY_INVAL_INODE before the request's reply. The notify may
-//     make the kernel write dirty pages of the range back to us first, so
-//     it never runs in a serve loop, and it runs on a thread of its own
-//     (kernelcalls_linux.go). A resize sends none (see Export.resize).
-//   - The FUSE bdi gets the read-ahead window of the disk under the
-//     image, at least 1 MiB (INIT can only lower the kernel's 128 KiB
-//     default), and a strict dirty limit: a loop
-//     device over a writeback-cached export must not let the kernel hold
-//     more dirty pages of it than we can take without memory to spare.
+// cache); we keep it coherent with what changes the image behind it
+// (docs/design.md, The kernel cache). Notifies never run in a serve loop
+// (the kernel may write dirty pages back to us first) and run on a thread
+// of their own (kernelcalls_linux.go).
 
 import (
 	"context"
@@ -41,13 +29,6 @@ const notifyInvalInode = 2
 // export's file (length 0: to the end) and its cached attributes. The
 // kernel answers ENOENT when it does not know the inode (nothing cached).
 func (s *server) notifyInval(off, length int64) error {
-	var err error
-	s.calls.onNotify(func() { err = s.writeNotifyInval(off, length) })
-	return err
-}
-
-// writeNotifyInval is notifyInval on the calling thread.
-func (s *server) writeNotifyInval(off, length int64) error {
 	msg := struct {
 		h fuse.OutHeader
 		n fuse.NotifyInvalInodeOut
@@ -55,25 +36,25 @@ func (s *server) writeNotifyInval(off, length int64) error {
 	msg.h = fuse.OutHeader{Length: uint32(unsafe.Sizeof(msg)), Status: notifyInvalInode}
 	msg.n = fuse.NotifyInvalInodeOut{Ino: s.exp.ino, Off: off, Length: length}
 	b := unsafe.Slice((*byte)(unsafe.Pointer(&msg)), unsafe.Sizeof(msg))
-	for {
-		_, err := unix.Write(s.fds[0], b)
-		switch {
-		case err == nil, errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENODEV):
-			return nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		}
+	if err := s.calls.onNotify(func() error { return s.notify(b) }); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENODEV) {
 		return fmt.Errorf("FUSE_NOTIFY_INVAL_INODE [%d, +%d): %w", off, length, err)
+	}
+	return nil
+}
+
+// notify writes an unsolicited message (unique 0) on the connection.
+func (s *server) notify(msg []byte) error {
+	for {
+		if _, err := unix.Write(s.fds[0], msg); !errors.Is(err, unix.EINTR) {
+			return err
+		}
 	}
 }
 
 // handOffOnly says whether req must run outside the serve loop even when
-// the loop is alone: a write whose reply waits for an invalidation. (A
-// READ that would ask the kernel's size leaves the loop by itself:
-// Export.planRead.)
+// the loop is alone: a write whose reply may wait for an invalidation.
 func (s *server) handOffOnly(req []byte) bool {
-	return s.exp.opts.KernelCache && header(req).Opcode == opWrite &&
-		s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
+	return header(req).Opcode == opWrite && s.exp.WriteBypassesCache(decode[fuse.WriteIn](req))
 }
 
 // kernelSize is the export file's size as the kernel caches it (under
@@ -119,11 +100,10 @@ func DeviceReadAheadKB(path string) (int, bool) {
 
 // tuneBDI sets the export's bdi (named by the mount's st_dev) for the
 // kernel cache: read_ahead_kb to raKB (0: MinReadAheadKB; INIT can only
-// lower the kernel's 128 KiB default), and the dirty bounds: the kernel
-// gives FUSE a 1% max_ratio with strictlimit; we make sure of both (a
-// distribution may loosen the default) so that its dirty pages stay
-// bounded per bdi, not only by the global limits. Without the rights
-// (not root) the kernel's defaults stay, which is logged.
+// lower the kernel's 128 KiB default), and strict_limit and max_ratio 1
+// (the kernel's FUSE defaults, in case a distribution loosened them), so
+// that a loop device over the export cannot deadlock on its dirty pages
+// (docs/design.md, The kernel cache).
 func tuneBDI(dev uint64, raKB int) error {
 	if raKB <= 0 {
 		raKB = MinReadAheadKB
@@ -148,18 +128,13 @@ func tuneBDI(dev uint64, raKB int) error {
 const notifyStore = 4
 
 // presetSize gives a writeback-cached kernel the file's size before any
-// client can look at it. Under the writeback cache the kernel keeps
-// i_size itself and ignores the size in GETATTR replies; the root inode
-// (the exported file without --file-name) is made at mount, before INIT,
-// with size 0, so the kernel would see an empty file for good. Nothing
-// but INIT has been answered when this runs (the serve loops have not
-// started), and every client request waits for INIT, so a client's first
-// stat, open or LOOP_CONFIGURE finds the size right, even one that polls
-// the mount table and starts the moment the mount shows there. The
-// message stores the image's last page in the page cache: the kernel
-// grows i_size to a stored range's end only when the range holds at
-// least one byte, and a whole page (up to the end) lands up to date.
-// ok false: the caller falls back to learnSize.
+// client can look at it: the kernel then ignores the size in GETATTR
+// replies, and the root inode is made before INIT with size 0. Nothing
+// but INIT has been answered yet, and every client request waits for
+// INIT. It stores the image's last page: the kernel grows i_size to a
+// stored range's end only when the range holds at least one byte, and a
+// whole page (up to the end) lands up to date. ok false: the caller
+// falls back to learnSize.
 func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	if !s.writebackCache() {
 		return true, nil
@@ -180,20 +155,12 @@ func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	n := (*fuse.NotifyStoreOut)(unsafe.Pointer(&msg[unsafe.Sizeof(fuse.OutHeader{})]))
 	*n = fuse.NotifyStoreOut{Nodeid: s.exp.ino, Offset: uint64(start), Size: uint32(len(data))}
 	copy(msg[unsafe.Sizeof(fuse.OutHeader{})+unsafe.Sizeof(fuse.NotifyStoreOut{}):], data)
-	for {
-		_, err := unix.Write(s.fds[0], msg)
-		switch {
-		case err == nil:
-			return true, nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		case errors.Is(err, unix.ENOENT):
-			// The kernel has no such inode yet (the file in a
-			// --file-name directory): its LOOKUP will carry the size.
-			return true, nil
-		}
+	// ENOENT: the kernel has no such inode yet (the file in a --file-name
+	// directory): its LOOKUP will carry the size.
+	if err := s.notify(msg); err != nil && !errors.Is(err, unix.ENOENT) {
 		return false, fmt.Errorf("kernel cache: FUSE_NOTIFY_STORE of the last page: %w", err)
 	}
+	return true, nil
 }
 
 // learnSize is presetSize's fallback, once the serve loops run: a SETATTR
@@ -202,7 +169,7 @@ func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 // resize) does it, before Mount returns and the daemon says it serves;
 // a client quicker than that saw an empty file.
 func (s *server) learnSize(file string) error {
-	if s.negotiated&fuse.CAP_WRITEBACK_CACHE == 0 {
+	if !s.writebackCache() {
 		return nil
 	}
 	if err := unix.Truncate(file, s.exp.img.Size()); err != nil {
@@ -221,12 +188,9 @@ func (s *server) learnSize(file string) error {
 // that one back too. Whatever write returned before the fsync is in the
 // image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
-	var err error
-	s.calls.onOther(func() { err = s.flushKernelCacheHere(file) })
-	return err
+	return s.calls.onOther(func() error { return s.flushKernelCacheHere(file) })
 }
 
-// flushKernelCacheHere is flushKernelCache on the calling thread.
 func (s *server) flushKernelCacheHere(file string) error {
 	// Open first: with the attributes invalid, the permission check of
 	// an open would need the GETATTR that closing refuses.
@@ -260,8 +224,7 @@ func (s *server) mendFailedWriteback(file string, off, length int64) {
 	if err := s.notifyInval(off, length); err != nil {
 		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)
 	}
-	var err error
-	s.calls.onOther(func() { err = unix.Truncate(file, s.exp.img.Size()) })
+	err := s.calls.onOther(func() error { return unix.Truncate(file, s.exp.img.Size()) })
 	if err != nil && !errors.Is(err, unix.ENOTCONN) {
 		s.exp.log.Warn("cannot give the kernel the image's size back after a failed write-back", "err", err)
 	}

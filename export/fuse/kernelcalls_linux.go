@@ -9,29 +9,21 @@ import "runtime"
 // that never submits io_uring I/O.
 //
 // io_uring completes a request through task work queued on the thread
-// that submitted it, which runs only when that thread leaves the kernel.
-// Go runs goroutines on whatever thread is free: a notify sent from a
-// thread that had submitted the host read of a READ in flight slept in
-// the kernel (folio_lock, uninterruptible) waiting for that READ's pages,
-// and the READ's completion waited for the same thread to leave the
-// kernel: both hung for good (TestKernelCacheBufferedReadSeesDirectWriteRacingIt, with
-// --cache none: O_DIRECT writes racing buffered reads of the same
-// blocks). A thread locked to one goroutine from before serving began
-// never has io_uring work of its own.
+// that submitted it, which runs only when that thread leaves the kernel:
+// a notify sent from a thread that had submitted the host read of a READ
+// in flight sleeps (folio_lock) waiting for that READ's pages, whose
+// completion waits for the same thread to leave the kernel. A thread
+// locked to one goroutine from before serving began never has io_uring
+// work of its own.
 //
 // Notifies never wait for one another, so one thread serves them all in
 // turn; the rare calls that may wait for the inode lock an O_DIRECT
 // writer holds until its reply (which may wait for a notify) get a second
 // thread.
 type kernelCalls struct {
-	ch   [2]chan func() // notifyThread, otherThread
+	ch   [2]chan func() // the notify thread's, the other's
 	stop chan struct{}
 }
-
-const (
-	notifyThread = iota
-	otherThread
-)
 
 // startKernelCalls starts the threads; stop ends them.
 func startKernelCalls() *kernelCalls {
@@ -54,24 +46,24 @@ func startKernelCalls() *kernelCalls {
 }
 
 // onNotify runs f on the notify thread, onOther on the other one, and
-// returns once it has, or at once without running it when the threads
-// have stopped (the export is gone, and its cache with it). Without
-// threads (k nil) f runs on the calling thread.
-func (k *kernelCalls) onNotify(f func()) { k.run(notifyThread, f) }
-func (k *kernelCalls) onOther(f func())  { k.run(otherThread, f) }
+// returns its error once it has, or nil at once without running it when
+// the threads have stopped (the export is gone, and its cache with it).
+// Without threads (k nil) f runs on the calling thread.
+func (k *kernelCalls) onNotify(f func() error) error { return k.run(0, f) }
+func (k *kernelCalls) onOther(f func() error) error  { return k.run(1, f) }
 
-func (k *kernelCalls) run(thread int, f func()) {
+func (k *kernelCalls) run(thread int, f func() error) (err error) {
 	if k == nil {
-		f()
-		return
+		return f()
 	}
 	done := make(chan struct{})
 	select {
-	case k.ch[thread] <- func() { f(); close(done) }:
+	case k.ch[thread] <- func() { err = f(); close(done) }:
 	case <-k.stop:
-		return
+		return nil
 	}
 	<-done
+	return err
 }
 
 func (k *kernelCalls) close() { close(k.stop) }

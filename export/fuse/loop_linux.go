@@ -14,9 +14,8 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// queue is one /dev/fuse fd and the buffers its loop owns.
-//
-// The one buffer rule: a request is read into the loop's buffer, at reqPad
+// queue is one /dev/fuse fd and the buffers its loop owns. The one buffer
+// rule: a request is read into the loop's buffer, at reqPad
 // (so a WRITE's payload is page-aligned), and answered from it while the
 // loop waits. A request that leaves the loop for a goroutine takes a
 // buffer of its own along (see server.handOff): a pooled copy when it is
@@ -35,7 +34,7 @@ type queue struct {
 	over bool
 	// awaitNext: the request just served was a lone one that waited on
 	// its peer (runStalling); the loop spins a little for the next one
-	// before it sleeps (awaitNextRequest).
+	// before it sleeps (spinForRequest).
 	awaitNext bool
 	// lent holds the slices of a read replied from the image's pages
 	// (Export.lendPages), reused.
@@ -45,23 +44,12 @@ type queue struct {
 	pace depthGuess
 }
 
-// req is the request buffer as requests are read into it.
-func (q *queue) req() []byte { return (*q.bp)[reqPad:] }
-
-// awaitNextSpin is how long a loop that served a lone request of an
-// image that may stall (a remote one) asks for the next request before it
-// sleeps in read(2). A reader at queue depth 1 sends its next request a
-// few µs after its reply, and a sleeping loop costs it a wake-up of an
-// idle CPU, a good part of a GET on loopback (docs/design.md, Lone
-// requests of remote images). Unlike --poll-us, which polls after every
-// request, this does not run at higher queue depths. Its cost is
-// bounded: 20 µs of CPU a request, on requests that take a network
-// round trip.
+// awaitNextSpin is how long a loop spins for the next request before it
+// sleeps in read(2), after a lone request of an image that may stall or
+// while paced: a reader at queue depth 1 asks again a few µs after its
+// reply, and a sleeping loop costs it a wake-up (docs/design.md, Remote
+// objects: spinning for a lone reply; Pacing at queue depth 1).
 const awaitNextSpin = 20 * time.Microsecond
-
-// awaitNextRequest spins up to awaitNextSpin for a request on q's fd and
-// says whether one came.
-func (s *server) awaitNextRequest(q *queue) bool { return s.spinForRequest(q) >= 0 }
 
 // spinForRequest spins up to awaitNextSpin for a request on q's fd: how
 // many looks found none before one came (0: one was already queued), or
@@ -88,20 +76,14 @@ func (q *queue) queued() bool {
 	return err != nil || n != 0
 }
 
-// loop is one queue: read a request, answer it (inline or via a goroutine),
-// repeat until the kernel says the connection is gone. The bulk helper
-// (helper true) also parks between bursts of large writes, and never sleeps
-// in read(2), so that it can see the connection end even when its own fd
-// gets no ENODEV (a main queue that stopped on a protocol error).
-//
-// end, if set, is called when the queue's loop has ended (that may be a
-// stand-in's: see runStalling).
+// loop serves one queue until the kernel says the connection is gone; end,
+// if set, is called when the queue's loop (maybe a stand-in's) has ended.
+// The bulk helper (helper true) also parks between bursts of large writes,
+// and never sleeps in read(2), so that it sees the connection end even
+// when its own fd gets no ENODEV. The goroutine is not locked to its
+// thread: a locked thread blocking in read(2) costs runtime hand-offs
+// (futex wake-ups on other threads) on every request.
 func (s *server) loop(fd int, helper bool, end func()) {
-	// No goroutine hand-off between reading a request and answering it.
-	// The goroutine is deliberately not locked to its thread: a locked
-	// thread that blocks in read(2) costs runtime hand-offs (futex
-	// wake-ups on other threads) on every request (docs/design.md, The
-	// serve loop).
 	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
 }
 
@@ -128,7 +110,7 @@ func (s *server) run(q *queue) {
 	var spinUntil time.Time
 	var yield coroutines.Yielder // see there
 	for {
-		buf := q.req()
+		buf := (*q.bp)[reqPad:] // q.bp may change: see handOff
 		n, err := unix.Read(fd, buf)
 		switch {
 		case err == nil:
@@ -181,7 +163,7 @@ func (s *server) run(q *queue) {
 		switch {
 		case q.awaitNext:
 			q.awaitNext = false
-			s.awaitNextRequest(q)
+			s.spinForRequest(q)
 		case s.paced(q):
 			q.pace.spun(s.spinForRequest(q))
 		}
@@ -201,14 +183,10 @@ func (s *server) run(q *queue) {
 const completionsEvery = 8
 
 // waitRequestOrCompletion sleeps until fd has a request or a completion
-// has come, and reads the completions: the loop of a queue that reads the
-// image's completions (formats.Completions), so that its one thread
-// sleeps only when neither has anything, as QEMU's event loop does.
-//
-// First it lets the requests that completions made runnable run: they
-// write their replies on this thread before it sleeps (with one P, as
-// the fuse command then runs, nothing else would run them until the
-// runtime takes the P from a thread asleep in poll).
+// has come, and reads the completions (formats.Completions; docs/design.md,
+// One loop for an NBD source). First it lets the requests that
+// completions made runnable write their replies: with one P nothing else
+// would run them until the runtime takes the P from a thread in poll.
 func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
 	runtime.Gosched()
 	s.cfds = comp.CompletionFds(s.cfds[:0])

@@ -10,11 +10,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/blockexport/blockexport/formats"
 )
 
 // AllowOther is the --allow-other policy.
@@ -47,16 +50,13 @@ type MountOptions struct {
 	// sleeping: lower latency at queue depth 1, one core kept busy.
 	PollFor time.Duration
 	// NoPace turns off the short spin for the next request of a reader
-	// that waits on each reply (see depthGuess): the loop then always
-	// sleeps in read(2) when /dev/fuse is empty.
+	// that waits on each reply (see depthGuess).
 	NoPace bool
-	// Stats, when set, counts every request (--stats).
-	Stats *Stats
+	Stats  *Stats // when set, counts every request (--stats)
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
-	// Extra are more files in that directory, beside FileName: the
-	// partitions (--partitions; dir_linux.go).
+	// Extra are the partitions, beside FileName (dir_linux.go).
 	Extra []ExtraFile
 }
 
@@ -77,12 +77,8 @@ type Mount struct {
 }
 
 // ReadsCompletions says whether one loop serves /dev/fuse and reads the
-// image's completions too (an NBD source, one /dev/fuse queue): its
-// thread then does all the work, as QEMU's event loop does, and the
-// program runs best on one Go processor (the fuse command sets
-// GOMAXPROCS=1 then): with more, the runtime wakes other threads to steal
-// the requests each reply makes runnable, which is the wake-up this loop
-// exists to save.
+// image's completions too (an NBD source, one /dev/fuse queue): see
+// OneProcForOneLoop.
 func (m *Mount) ReadsCompletions() bool { return m.oneLoop }
 
 // ErrMountpoint marks problems with the mountpoint the user gave.
@@ -188,18 +184,11 @@ func fuseMounted(path string) bool {
 		if len(fields) < 5 {
 			continue
 		}
-		sep := -1
-		for i, x := range fields {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
+		sep := slices.Index(fields, "-")
 		if sep < 0 || sep+1 >= len(fields) {
 			continue
 		}
-		fstype := fields[sep+1]
-		if unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
+		if fstype := fields[sep+1]; unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
 			return true
 		}
 	}
@@ -251,7 +240,11 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		exp.ino = fileIno
 		file = filepath.Join(abs, o.FileName)
 	}
-	undo := func() {
+	sizeKnown, err := false, srv.addExtraFiles(o.Extra)
+	if err == nil {
+		sizeKnown, err = srv.start(o)
+	}
+	if err != nil {
 		// The queues' fds first: a setup that failed for want of
 		// descriptors (cloning --queues) left none for detach, whose
 		// look at the mount table then failed and read as "not
@@ -261,14 +254,6 @@ func (exp *Export) Mount(path string, o MountOptions) (*Mount, error) {
 		}
 		detach(abs, exp.log)
 		made.remove()
-	}
-	if err := srv.addExtraFiles(o.Extra); err != nil {
-		undo()
-		return nil, fmt.Errorf("mount %s: %w", abs, err)
-	}
-	sizeKnown, err := srv.start(o)
-	if err != nil {
-		undo()
 		return nil, fmt.Errorf("mount %s: %w", abs, err)
 	}
 	m := &Mount{path: abs, file: file, made: made, served: make(chan struct{}), log: exp.log, oneLoop: srv.comp != nil}
@@ -307,7 +292,7 @@ func (exp *Export) mountAllowOther(abs string, o MountOptions, dir bool) (int, e
 		var fd int
 		fd, err = mountFUSE(abs, o.FsName, exp.opts.Writable, ao, dir)
 		if err == nil {
-			exp.SetAllowOther(ao)
+			exp.allowOther.Store(ao)
 			if i > 0 {
 				exp.log.Info("allow_other refused; mounted without it, so only this user can open the export (an unprivileged user needs user_allow_other in /etc/fuse.conf)", "why", firstErr)
 			}
@@ -338,21 +323,38 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 	if err != nil {
 		exp.log.Info("kernel cache: the size reaches the kernel once serving", "why", err)
 	}
-	if err := s.addQueues(max(o.Queues, 1)); err != nil {
-		return false, err
+	// More queues: the kernel spreads requests over them
+	// (FUSE_DEV_IOC_CLONE).
+	for i := 1; i < o.Queues; i++ {
+		fd, err := s.cloneFd(false)
+		if err != nil {
+			return false, fmt.Errorf("fuse: queue %d: %w", i, err)
+		}
+		s.fds = append(s.fds, fd)
 	}
-	s.useCompletions()
-	if err := s.setPoll(o.PollFor); err != nil {
-		return false, err
+	// One queue reads the image's completions where it has them (with
+	// several, the requests read their own).
+	if c, ok := formats.As[formats.Completions](exp.img); ok && len(s.fds) == 1 {
+		s.comp = c
+	}
+	// Busy polling (--poll-us) spins on non-blocking reads; a queue that
+	// reads completions never sleeps in read(2) either: it waits in
+	// poll(2) on /dev/fuse and the completions' descriptors.
+	s.pollFor = o.PollFor
+	if s.pollFor > 0 || s.comp != nil {
+		for _, fd := range s.fds {
+			if err := unix.SetNonblock(fd, true); err != nil {
+				return false, fmt.Errorf("fuse: non-blocking queue: %w", err)
+			}
+		}
 	}
 	s.pace = !o.NoPace
 	return sizeKnown, nil
 }
 
-// wireKernelCache gives the export what it calls into the kernel with,
-// under the kernel cache: drops of cached pages, and with the writeback
-// cache the mending of a failed write-back, the kernel's size and m's
-// flush of its dirty pages.
+// wireKernelCache gives the export, under the kernel cache, its calls into
+// the kernel (drops; with the writeback cache the mending of a failed
+// write-back, the kernel's size) and m the flush of its dirty pages.
 func (s *server) wireKernelCache(m *Mount) {
 	exp := s.exp
 	if !exp.opts.KernelCache {
@@ -391,9 +393,7 @@ func (m *Mount) serve(s *server) {
 
 // mountFUSE mounts a FUSE file system of one regular file (or of a
 // directory, for dir) on path and returns the /dev/fuse descriptor: with
-// mount(2) directly as root, through fusermount3 (which hands the
-// descriptor back over a socket, and takes the root's mode from path)
-// otherwise.
+// mount(2) as root, else through fusermount3 (see fusermount).
 func mountFUSE(path, fsname string, writable, allowOther, dir bool) (int, error) {
 	opts := []string{"default_permissions", fmt.Sprintf("max_read=%d", maxWrite)}
 	if allowOther {
@@ -493,11 +493,11 @@ func fusermount(path, opts string) (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("fusermount3: receiving the descriptor: %w", err)
 	}
+	var fds []int
 	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
-	if err != nil || len(msgs) == 0 {
-		return -1, fmt.Errorf("fusermount3 sent no descriptor")
+	if err == nil && len(msgs) > 0 {
+		fds, err = unix.ParseUnixRights(&msgs[0])
 	}
-	fds, err := unix.ParseUnixRights(&msgs[0])
 	if err != nil || len(fds) == 0 {
 		return -1, fmt.Errorf("fusermount3 sent no descriptor")
 	}
@@ -547,9 +547,8 @@ func (m *Mount) Unmount() error {
 		m.abort()
 	case errors.Is(err, unix.EPERM):
 		// Not root: fusermount3 mounted it, fusermount3 unmounts it.
-		out, ferr := exec.Command("fusermount3", "-u", "-z", "--", m.path).CombinedOutput()
-		if ferr != nil {
-			return fmt.Errorf("unmount %s: %v: %s", m.path, ferr, strings.TrimSpace(string(out)))
+		if err := detach(m.path, m.log); err != nil {
+			return err
 		}
 	default:
 		return fmt.Errorf("unmount %s: %w", m.path, err)
@@ -580,11 +579,9 @@ func (m *Mount) Cleanup() {
 }
 
 // Abandon is the way out for a process about to exit at once (a second
-// signal while stopping): it does not wait for requests in flight, but
-// still leaves no mount and no file of ours behind. It detaches the mount
-// (the connection ends when the process exits and its /dev/fuse
-// descriptors close) and removes the mountpoint file if we created it.
-// It may run while Unmount waits.
+// signal while stopping): it waits for no request, but detaches the mount
+// (the connection ends with the process) and removes the mountpoint file
+// if we created it. It may run while Unmount waits.
 func (m *Mount) Abandon() {
 	detach(m.path, m.log)
 	m.Cleanup()

@@ -11,18 +11,13 @@ func (s *server) paced(q *queue) bool {
 	return q.pace.next(q.queued)
 }
 
-// depthGuess tells a reader at queue depth 1 from a deeper one by what
-// the loop finds right after a reply: a reader that waits on each reply
-// has not asked again yet, while a deeper one often has. A loop asleep in
-// read(2) costs a reader at depth 1 a wake-up on every request, a large
-// part of a small request; spinning for a deeper one takes the CPU that
-// it and the kernel need (docs/design.md, Pacing at queue depth 1).
-// So, as QEMU's adaptive polling does, the loop spins (up to
+// depthGuess tells a reader at queue depth 1 (nothing queued right after
+// a reply) from a deeper one, so that the loop spins (up to
 // awaitNextSpin) only while spins pay: it samples the queue every
 // paceSampleEvery requests, starts spinning after paceEmptyToSpin empty
 // samples in a row, and stops after paceBusyToStop spins in a row that
-// found a request already there (a deeper reader) or paceIdleToStop that
-// found none (a reader that thinks between requests).
+// found a request already there or paceIdleToStop that found none
+// (docs/design.md, Pacing at queue depth 1).
 type depthGuess struct {
 	n        uint8 // requests since the last sample (not spinning)
 	empty    uint8 // samples in a row that found nothing queued

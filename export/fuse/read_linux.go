@@ -30,12 +30,7 @@ func (s *server) read(q *queue, req []byte, began time.Time) bool {
 		}
 		path = coroutines.AfterMiss
 	}
-	switch s.waitHere(q) {
-	case inLoop:
-		s.finishRead(s.hand.Context(coroutines.Lone), q.to, e, in.Unique, r)
-		return true
-	case onLoopGoroutine:
-		s.runStalling(q, in.Unique, func(ctx context.Context, to replyTo) { s.finishRead(ctx, to, e, in.Unique, r) })
+	if s.runHere(q, in.Unique, func(ctx context.Context, to replyTo) { s.finishRead(ctx, to, e, in.Unique, r) }) {
 		return true
 	}
 	s.handOffRead(q, e, in, r, true, path, began)
@@ -48,7 +43,7 @@ func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
 	v, ok := e.lendPages(r, q.lent[:0])
 	q.lent = v[:0]
 	if ok {
-		s.replyVec(q.to, unique, fuse.OK, v)
+		s.replyData(q.to, unique, fuse.OK, v...)
 		e.endRead()
 		return true
 	}
@@ -65,7 +60,7 @@ func (s *server) readInline(q *queue, e *Export, unique uint64, r readOp) bool {
 func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique uint64, r readOp) {
 	defer e.endRead()
 	if bufs, release, st, ok := e.lendCache(ctx, r); ok {
-		s.replyVec(to, unique, st, bufs)
+		s.replyData(to, unique, st, bufs...)
 		if release != nil {
 			release()
 		}
@@ -78,11 +73,11 @@ func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique u
 	s.replyData(to, unique, st, ob[:n])
 }
 
-// handOffRead finishes a READ in a goroutine. It takes nothing of the
-// loop's buffer along: the request's fields are copied, and its plan
-// if it was made (planned).
+// handOffRead finishes a READ in a goroutine, with a copy of the
+// request's fields and its plan if it was made (planned), nothing of the
+// loop's buffer.
 func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
-	ctx := s.pending.add(in.Unique, s.hand.Context(path))
+	ctx := s.pending.add(in.Unique, s.hand.Context(path), nil, replyTo{})
 	s.hand.Start()
 	go s.finishHandedRead(ctx, q.to, e, *in, r, planned, began)
 	s.hand.Yield()

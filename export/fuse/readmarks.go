@@ -9,12 +9,9 @@ import (
 // the image, so that a write the page cache did not see (an O_DIRECT
 // open's) drops the kernel's pages only where there can be some.
 //
-// Under the kernel cache the page cache gets the image's bytes only
-// through READs we answer (read-ahead and page faults of a mapping, not
-// the direct reads of O_DIRECT opens, which carry FUSE_READ_LOCKOWNER and
-// mark nothing: Export.cachesRead); pages the kernel makes for buffered
-// writes hold the writer's bytes, not the image's.
-// Before it sends an O_DIRECT WRITE the kernel writes back and drops its
+// The page cache gets the image's bytes only through READs we answer that
+// fill pages (Export.cachesRead); pages made for buffered writes hold the
+// writer's bytes. Before it sends an O_DIRECT WRITE the kernel writes back and drops its
 // own pages of the range, but a READ sent after that and answered before
 // the write lands caches the old bytes, which FUSE_NOTIFY_INVAL_INODE must
 // then drop. So: every READ marks the granules it reaches before it reads

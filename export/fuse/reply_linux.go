@@ -38,49 +38,34 @@ func decode[T any](req []byte) *T {
 	return (*T)(unsafe.Pointer(&req[0]))
 }
 
-func (s *server) replyStatus(to replyTo, unique uint64, st fuse.Status) {
-	if st != fuse.OK {
-		s.replyErr(to, unique, unix.Errno(st))
-		return
-	}
-	s.reply(to, unique, 0, nil, nil)
-}
-
 func (s *server) replyErr(to replyTo, unique uint64, errno unix.Errno) {
-	s.reply(to, unique, -int32(errno), nil, nil)
+	s.reply(to, unique, -int32(errno))
 }
 
 // replyOut sends *v as the reply payload when st is OK. (Generic, not an
 // interface, so the reply struct stays on the caller's stack.)
 func replyOut[T any](s *server, to replyTo, unique uint64, st fuse.Status, v *T) {
-	if st != fuse.OK {
-		s.replyErr(to, unique, unix.Errno(st))
-		return
-	}
-	s.reply(to, unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)), nil)
+	s.replyData(to, unique, st, unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)))
 }
 
-func (s *server) replyData(to replyTo, unique uint64, st fuse.Status, data []byte) {
+// replyData answers with the bytes of bufs (none, or at most maxLent),
+// in order, written from where they lie by one writev, when st is OK;
+// else with st alone.
+func (s *server) replyData(to replyTo, unique uint64, st fuse.Status, bufs ...[]byte) {
 	if st != fuse.OK {
 		s.replyErr(to, unique, unix.Errno(st))
 		return
 	}
-	s.reply(to, unique, 0, nil, data)
+	s.reply(to, unique, 0, bufs...)
 }
 
-// replyVec answers a read with the bytes of bufs, in order, written from
-// where they lie by one writev (at most maxLent of them).
-func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]byte) {
-	if st != fuse.OK {
-		s.replyErr(to, unique, unix.Errno(st))
-		return
-	}
+// reply writes the header with errno, then bufs, with one writev.
+func (s *server) reply(to replyTo, unique uint64, errno int32, bufs ...[]byte) {
 	if to.once != nil && !to.once.CompareAndSwap(false, true) {
 		return
 	}
 	var iov [1 + maxLent]unix.Iovec
-	n := 0
-	cnt := 1
+	n, cnt := 0, 1
 	for _, p := range bufs[:min(len(bufs), maxLent)] {
 		if len(p) > 0 {
 			iov[cnt] = unix.Iovec{Base: &p[0]}
@@ -89,31 +74,11 @@ func (s *server) replyVec(to replyTo, unique uint64, st fuse.Status, bufs [][]by
 			n += len(p)
 		}
 	}
-	oh := fuse.OutHeader{Length: uint32(outHeaderSize + n), Unique: unique}
+	oh := fuse.OutHeader{Length: uint32(outHeaderSize + n), Status: errno, Unique: unique}
 	iov[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&oh))}
 	iov[0].SetLen(outHeaderSize)
 	s.writeReply(to.fd, unique, iov[:cnt])
 	runtime.KeepAlive(bufs)
-}
-
-// reply writes header + a + b with one writev.
-func (s *server) reply(to replyTo, unique uint64, errno int32, a, b []byte) {
-	if to.once != nil && !to.once.CompareAndSwap(false, true) {
-		return
-	}
-	oh := fuse.OutHeader{Length: uint32(outHeaderSize + len(a) + len(b)), Status: errno, Unique: unique}
-	var iov [3]unix.Iovec
-	iov[0] = unix.Iovec{Base: (*byte)(unsafe.Pointer(&oh))}
-	iov[0].SetLen(outHeaderSize)
-	cnt := 1
-	for _, p := range [2][]byte{a, b} {
-		if len(p) > 0 {
-			iov[cnt] = unix.Iovec{Base: &p[0]}
-			iov[cnt].SetLen(len(p))
-			cnt++
-		}
-	}
-	s.writeReply(to.fd, unique, iov[:cnt])
 }
 
 // writeReply writes one reply's vector to fd. A reply to a request the

@@ -1,17 +1,11 @@
 package fuse
 
-// The server: our own /dev/fuse processing, as QEMU's export does.
-// go-fuse's server hands every request between goroutines and keeps a 1 MiB
-// buffer per reader, which cost small reads dearly against QEMU
-// (docs/design.md, Our own /dev/fuse loop). go-fuse still supplies the protocol
-// structs the handlers take.
-//
-// By job: server_linux.go (the connection: INIT, queues),
-// loop_linux.go (a queue's read loop and its buffers), dispatch_linux.go
-// (the opcode table, inline or handed off, INTERRUPT), read_linux.go (the
-// READ path), bulk_linux.go (the
-// second queue for large writes), reply_linux.go (writing replies),
-// dir_linux.go (the directory around the file, with --file-name).
+// The server: our own /dev/fuse processing, as QEMU's export does
+// (docs/design.md, Our own /dev/fuse loop); go-fuse supplies the protocol
+// structs. By job: server_linux.go (the connection: INIT, queues),
+// loop_linux.go (a queue's loop), dispatch_linux.go (the opcode table,
+// hand-off, INTERRUPT), read_linux.go, bulk_linux.go (a second queue for
+// large writes), reply_linux.go, dir_linux.go (--file-name).
 
 import (
 	"context"
@@ -75,9 +69,8 @@ const (
 
 	// reqPad is where a request starts in its (page-aligned) buffer: a
 	// WRITE's payload follows its 80 bytes of headers, so starting there
-	// puts the payload on a page boundary. An O_DIRECT image (--cache
-	// none) can then write it as it is; at offset 0 every write needed
-	// a bounce copy (measured: and a read-modify-write, see raw.WriteAt).
+	// puts the payload on a page boundary, which an O_DIRECT image
+	// (--cache none) writes as it is, without a bounce copy.
 	reqPad = 4096 - int(unsafe.Sizeof(fuse.WriteIn{}))
 
 	kernelVersion = 7
@@ -89,17 +82,11 @@ type server struct {
 	exp *Export
 	fds []int
 
-	// pollFor > 0: the queues spin on non-blocking reads that long after
-	// each request before sleeping (trading CPU for latency).
-	pollFor time.Duration
-	// pace: a queue whose reader seems to wait on each reply spins a
-	// little for its next request (depthGuess).
-	pace bool
+	pollFor time.Duration // --poll-us: spin on non-blocking reads that long
+	pace    bool          // spin for a reader at queue depth 1 (depthGuess)
 
 	// comp is set when the one queue reads the image's completions
-	// itself (an NBD client's replies), waiting on their sockets beside
-	// /dev/fuse: see formats.Completions and useCompletions. cfds and
-	// pfds are its loop's scratch.
+	// itself (formats.Completions); cfds and pfds are its loop's scratch.
 	comp formats.Completions
 	cfds []int
 	pfds []unix.PollFd
@@ -107,25 +94,18 @@ type server struct {
 	stats *Stats // nil: not counting
 
 	// stalls: the image's requests may wait on a network peer for up to
-	// its reconnect timeout (formats.Features.MayStall), so none runs on
-	// a loop's own thread, even alone: another process's open or close
-	// of the export would wait behind it.
+	// its reconnect timeout (formats.Features.MayStall), so none may hold
+	// a loop's thread for long: see runHere.
 	stalls bool
 
-	// fileName is not empty when the root is a directory holding the
-	// export as its one file, named so (--file-name; dir_linux.go).
-	fileName string
-	// extra are the files beside it (partitions), on inodes fileIno+1...
-	extra []extraFile
+	fileName string      // --file-name: the root is a directory (dir_linux.go)
+	extra    []extraFile // the files beside it (partitions)
 
-	negotiated uint64 // INIT flags both sides agreed on
-	// calls, with the kernel cache on, runs the notifies and the other
-	// calls into the kernel that may wait for our own I/O (kernelcalls_linux.go).
-	calls *kernelCalls
+	negotiated uint64       // INIT flags both sides agreed on
+	calls      *kernelCalls // with the kernel cache on (kernelcalls_linux.go)
 
-	// hand runs what may wait: in the loop when it is alone, else in a
-	// goroutine (see coroutines.Handoff); pending lets an INTERRUPT
-	// cancel those goroutines' requests.
+	// hand runs what may wait (coroutines.Handoff); pending lets an
+	// INTERRUPT cancel those requests.
 	hand    *coroutines.Handoff
 	pending pending
 	bufs    *aio.BufPool   // request buffers and read buffers, up to 1 MiB
@@ -147,72 +127,57 @@ func newServer(exp *Export, fd int) *server {
 // before it.
 func (s *server) handshake() error {
 	buf := make([]byte, bufSize)
-	for {
-		n, err := unix.Read(s.fds[0], buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("fuse: reading INIT: %w", err)
-		}
-		h := (*fuse.InHeader)(unsafe.Pointer(&buf[0]))
-		if n < inHeaderSize || h.Opcode != opInit {
-			return fmt.Errorf("fuse: expected INIT, got opcode %d", h.Opcode)
-		}
-		in := decode[fuse.InitIn](buf[:n])
-		if in.Major != kernelVersion {
-			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
-			return fmt.Errorf("fuse: kernel speaks protocol %d, we speak %d", in.Major, kernelVersion)
-		}
-		offered := uint64(in.Flags)
-		if in.Flags&fuse.CAP_INIT_EXT != 0 {
-			offered |= uint64(in.Flags2) << 32
-		}
-		want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
-			fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
-		if s.exp.opts.KernelCache && s.exp.opts.Writable {
-			// Only writes need it, and without it the kernel takes the
-			// size from GETATTR as usual.
-			want |= fuse.CAP_WRITEBACK_CACHE
-		}
-		flags := offered & want
-		s.negotiated = flags
-		if want&fuse.CAP_WRITEBACK_CACHE != 0 && flags&fuse.CAP_WRITEBACK_CACHE == 0 {
-			s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
-			return fmt.Errorf("fuse: --kernel-cache: the kernel did not offer FUSE_WRITEBACK_CACHE")
-		}
-		out := fuse.InitOut{
-			Major:               kernelVersion,
-			Minor:               min(ourMinor, in.Minor),
-			MaxReadAhead:        in.MaxReadAhead,
-			Flags:               uint32(flags),
-			Flags2:              uint32(flags >> 32),
-			MaxBackground:       256,
-			CongestionThreshold: 192,
-			MaxWrite:            maxWrite,
-			TimeGran:            1,
-			MaxPages:            maxWrite / 4096,
-		}
-		s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)), nil)
-		return nil
+	n, err := unix.Read(s.fds[0], buf)
+	for err == unix.EINTR {
+		n, err = unix.Read(s.fds[0], buf)
 	}
-}
-
-// addQueues clones the connection's fd so the kernel spreads requests over
-// n queues (FUSE_DEV_IOC_CLONE).
-func (s *server) addQueues(n int) error {
-	for i := 1; i < n; i++ {
-		fd, err := s.cloneFd()
-		if err != nil {
-			return fmt.Errorf("fuse: queue %d: %w", i, err)
-		}
-		s.fds = append(s.fds, fd)
+	if err != nil {
+		return fmt.Errorf("fuse: reading INIT: %w", err)
 	}
+	h := (*fuse.InHeader)(unsafe.Pointer(&buf[0]))
+	if n < inHeaderSize || h.Opcode != opInit {
+		return fmt.Errorf("fuse: expected INIT, got opcode %d", h.Opcode)
+	}
+	in := decode[fuse.InitIn](buf[:n])
+	if in.Major != kernelVersion {
+		s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
+		return fmt.Errorf("fuse: kernel speaks protocol %d, we speak %d", in.Major, kernelVersion)
+	}
+	offered := uint64(in.Flags)
+	if in.Flags&fuse.CAP_INIT_EXT != 0 {
+		offered |= uint64(in.Flags2) << 32
+	}
+	want := uint64(fuse.CAP_ASYNC_READ | fuse.CAP_BIG_WRITES | fuse.CAP_MAX_PAGES |
+		fuse.CAP_ASYNC_DIO | fuse.CAP_INIT_EXT | fuse.CAP_DIRECT_IO_ALLOW_MMAP)
+	if s.exp.opts.KernelCache && s.exp.opts.Writable {
+		// Only writes need it, and without it the kernel takes the
+		// size from GETATTR as usual.
+		want |= fuse.CAP_WRITEBACK_CACHE
+	}
+	flags := offered & want
+	s.negotiated = flags
+	if want&fuse.CAP_WRITEBACK_CACHE != 0 && flags&fuse.CAP_WRITEBACK_CACHE == 0 {
+		s.replyErr(replyTo{fd: s.fds[0]}, h.Unique, unix.EPROTO)
+		return fmt.Errorf("fuse: --kernel-cache: the kernel did not offer FUSE_WRITEBACK_CACHE")
+	}
+	out := fuse.InitOut{
+		Major:               kernelVersion,
+		Minor:               min(ourMinor, in.Minor),
+		MaxReadAhead:        in.MaxReadAhead,
+		Flags:               uint32(flags),
+		Flags2:              uint32(flags >> 32),
+		MaxBackground:       256,
+		CongestionThreshold: 192,
+		MaxWrite:            maxWrite,
+		TimeGran:            1,
+		MaxPages:            maxWrite / 4096,
+	}
+	s.reply(replyTo{fd: s.fds[0]}, h.Unique, 0, unsafe.Slice((*byte)(unsafe.Pointer(&out)), unsafe.Sizeof(out)))
 	return nil
 }
 
 // cloneFd opens another /dev/fuse fd on the connection: a queue.
-func (s *server) cloneFd() (int, error) {
+func (s *server) cloneFd(nonblock bool) (int, error) {
 	const iocClone = 0x8004e500 // _IOR(229, 0, uint32_t)
 	fd, err := unix.Open("/dev/fuse", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -223,39 +188,11 @@ func (s *server) cloneFd() (int, error) {
 		unix.Close(fd)
 		return -1, fmt.Errorf("FUSE_DEV_IOC_CLONE: %w", errno)
 	}
-	if s.pollFor > 0 || s.comp != nil {
-		if err := unix.SetNonblock(fd, true); err != nil {
-			unix.Close(fd)
-			return -1, err
-		}
+	if err := unix.SetNonblock(fd, nonblock); err != nil {
+		unix.Close(fd)
+		return -1, err
 	}
 	return fd, nil
-}
-
-// useCompletions makes the queue read the image's completions, where
-// the image has them and one /dev/fuse queue serves (with several
-// queues, the requests read their own).
-func (s *server) useCompletions() {
-	c, ok := formats.As[formats.Completions](s.exp.img)
-	if ok && len(s.fds) == 1 {
-		s.comp = c
-	}
-}
-
-// setPoll turns on busy polling for d after each request. A queue that
-// reads completions never sleeps in read(2) either: it waits in poll(2)
-// on /dev/fuse and the completions' descriptors.
-func (s *server) setPoll(d time.Duration) error {
-	s.pollFor = d
-	if d <= 0 && s.comp == nil {
-		return nil
-	}
-	for _, fd := range s.fds {
-		if err := unix.SetNonblock(fd, true); err != nil {
-			return fmt.Errorf("fuse: non-blocking queue: %w", err)
-		}
-	}
-	return nil
 }
 
 // serve runs the queue loops and returns when the connection has ended and

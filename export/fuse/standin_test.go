@@ -13,6 +13,10 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/null"
 )
 
+// awaitNextRequest spins up to awaitNextSpin for a request on q's fd, as
+// the loop does after a lone request, and says whether one came.
+func (s *server) awaitNextRequest(q *queue) bool { return s.spinForRequest(q) >= 0 }
+
 // stallImage is a null device of an image that may stall (a network
 // peer's): each read at offset 0 waits for release (a token sent on it,
 // or its close), whatever its context says, as a hung peer's GET does

@@ -32,8 +32,8 @@ var kindNames = [numKinds]string{"read", "write", "other"}
 const latBuckets = 4 * 32
 
 type kindStats struct {
-	ops, bytes atomic.Uint64
-	lat        [latBuckets]atomic.Uint64
+	bytes atomic.Uint64
+	lat   [latBuckets]atomic.Uint64 // sums to the count of requests
 }
 
 // NewStats starts counting now.
@@ -41,7 +41,6 @@ func NewStats() *Stats { return &Stats{start: time.Now()} }
 
 func (s *Stats) record(k statKind, n int, d time.Duration) {
 	ks := &s.kinds[k]
-	ks.ops.Add(1)
 	ks.bytes.Add(uint64(n))
 	ks.lat[latBucket(d)].Add(1)
 }
@@ -76,7 +75,6 @@ func bucketUpper(b int) time.Duration {
 // snapshot is a copy of the counters at one moment.
 type snapshot struct {
 	at    time.Time
-	ops   [numKinds]uint64
 	bytes [numKinds]uint64
 	lat   [numKinds][latBuckets]uint64
 }
@@ -84,7 +82,6 @@ type snapshot struct {
 func (s *Stats) snapshot() snapshot {
 	sn := snapshot{at: time.Now()}
 	for k := range s.kinds {
-		sn.ops[k] = s.kinds[k].ops.Load()
 		sn.bytes[k] = s.kinds[k].bytes.Load()
 		for b := range s.kinds[k].lat {
 			sn.lat[k][b] = s.kinds[k].lat[b].Load()
@@ -102,13 +99,14 @@ func report(from, to snapshot) string {
 	}
 	var parts []string
 	for k := statKind(0); k < numKinds; k++ {
-		ops := to.ops[k] - from.ops[k]
-		if ops == 0 {
-			continue
-		}
 		var hist [latBuckets]uint64
+		ops := uint64(0)
 		for b := range hist {
 			hist[b] = to.lat[k][b] - from.lat[k][b]
+			ops += hist[b]
+		}
+		if ops == 0 {
+			continue
 		}
 		parts = append(parts, fmt.Sprintf("%s %d ops %.0f IOPS %.1f MiB/s p50 %v p99 %v p99.9 %v",
 			kindNames[k], ops, float64(ops)/secs, float64(to.bytes[k]-from.bytes[k])/secs/(1<<20),
