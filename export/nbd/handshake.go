@@ -69,8 +69,27 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 			if err != nil || done {
 				return n, err
 			}
-		case wire.OptStructuredReply, wire.OptExtendedHeaders:
-			c.replyFormat(id, data, &n)
+		case wire.OptStructuredReply:
+			switch {
+			case len(data) != 0:
+				c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+			case n.extended:
+				c.optReply(id, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
+			default:
+				n.structured = true
+				c.optReply(id, wire.RepAck, nil)
+			}
+		case wire.OptExtendedHeaders:
+			switch {
+			case c.srv.opts.CompactHeaders:
+				c.optReply(id, wire.RepErrUnsup, nil)
+			case len(data) != 0:
+				c.optReply(id, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
+			default:
+				// Extended headers take the place of structured replies.
+				n.extended, n.structured = true, true
+				c.optReply(id, wire.RepAck, nil)
+			}
 		case wire.OptListMetaContext, wire.OptSetMetaContext:
 			if id == wire.OptSetMetaContext && !n.structured {
 				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
@@ -187,28 +206,6 @@ func (c *conn) list(data []byte) {
 		c.optReply(wire.OptList, wire.RepServer, payload)
 	}
 	c.optReply(wire.OptList, wire.RepAck, nil)
-}
-
-// replyFormat answers STRUCTURED_REPLY and EXTENDED_HEADERS, which set
-// how replies are framed.
-func (c *conn) replyFormat(id uint32, data []byte, n *negotiated) {
-	switch {
-	case id == wire.OptExtendedHeaders && c.srv.opts.CompactHeaders:
-		c.optReply(id, wire.RepErrUnsup, nil)
-	case len(data) != 0 && id == wire.OptStructuredReply:
-		c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
-	case len(data) != 0:
-		c.optReply(id, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
-	case id == wire.OptStructuredReply && n.extended:
-		c.optReply(id, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
-	case id == wire.OptStructuredReply:
-		n.structured = true
-		c.optReply(id, wire.RepAck, nil)
-	default:
-		// Extended headers take the place of structured replies.
-		n.extended, n.structured = true, true
-		c.optReply(id, wire.RepAck, nil)
-	}
 }
 
 // infoGo answers INFO and GO. It returns done when GO succeeded.
