@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"time"
@@ -225,20 +226,13 @@ func printInfo(w io.Writer, in formats.Info) {
 	}
 }
 
-// humanSize prints bytes the way qemu-img does: three significant digits
-// and a binary unit.
+// humanSize prints bytes as qemu-img's size_to_str does: three
+// significant digits, the unit switching up once the number reaches 1000
+// (1000 bytes are "0.977 KiB", 1048575 "1 MiB").
 func humanSize(n int64) string {
-	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"}
-	v := float64(n)
-	i := 0
-	for v >= 1024 && i < len(units)-1 {
-		v /= 1024
-		i++
-	}
-	if i == 0 {
-		return fmt.Sprintf("%d B", n)
-	}
-	return fmt.Sprintf("%.3g %s", v, units[i])
+	_, exp := math.Frexp(float64(n) / (1000.0 / 1024.0))
+	i := (exp - 1) / 10 // truncates toward zero, as C does: 0 stays in bytes
+	return fmt.Sprintf("%.3g %sB", float64(n)/float64(uint64(1)<<(10*i)), [...]string{"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"}[i])
 }
 
 // mapEntry is one extent of `blockexport map --json`, with the names and
