@@ -19,9 +19,4 @@ func Driver() driver.Format {
 }
 
 // Probe: "vhdxfile", the file identifier (QEMU's vhdx_probe).
-func Probe(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("vhdxfile")) {
-		return 100
-	}
-	return 0
-}
+func Probe(head []byte, _ string) int { return driver.Magic(bytes.HasPrefix(head, []byte("vhdxfile"))) }

@@ -21,9 +21,4 @@ func Driver() driver.Format {
 // Probe: a dynamic VHD's footer copy, "conectix", at the start (QEMU's
 // vpc_probe). A fixed VHD has its footer only at the end: QEMU probes it
 // as raw, and so does this (its disk is the file's first bytes).
-func Probe(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("conectix")) {
-		return 100
-	}
-	return 0
-}
+func Probe(head []byte, _ string) int { return driver.Magic(bytes.HasPrefix(head, []byte("conectix"))) }

@@ -103,6 +103,15 @@ type CreateOptions struct {
 	LazyRefcounts bool
 }
 
+// Magic is a probe's score for a file that has its format's magic (100)
+// or not (0).
+func Magic(has bool) int {
+	if has {
+		return 100
+	}
+	return 0
+}
+
 // ProbeHead is how much of a file detection reads: QEMU's
 // BLOCK_PROBE_BUF_SIZE. A shorter file is read as if padded with zeroes,
 // as QEMU's block layer reads past the end of a file.
