@@ -405,16 +405,16 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 	if err := img.inRange(off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	if start, end, ok := img.blocks(off, len(p)); !ok {
-		b := make([]byte, end-start)
-		if err := img.read(ctx, b, start); err != nil {
-			return 0, err
-		}
-		copy(p, b[off-start:])
-		return len(p), nil
+	start, end, aligned := img.blocks(off, len(p))
+	b := p
+	if !aligned {
+		b = make([]byte, end-start)
 	}
-	if err := img.read(ctx, p, off); err != nil {
+	if err := img.read(ctx, b, start); err != nil {
 		return 0, err
+	}
+	if !aligned {
+		copy(p, b[off-start:])
 	}
 	return len(p), nil
 }
@@ -631,22 +631,18 @@ func (img *Image) canWrite(off, n int64) error {
 // told us (flags and block sizes) for the human lines.
 func (img *Image) Info() formats.Info {
 	i := img.info
-	flag := func(f uint16) string {
-		if i.flags&f != 0 {
-			return "yes"
-		}
-		return "no"
-	}
+	yes := map[bool]string{true: "yes", false: "no"}
+	flag := func(f uint16) string { return yes[i.flags&f != 0] }
 	lines := []string{
 		"    export: " + fmt.Sprintf("%q", img.addr.Export),
-		"    tls: " + map[bool]string{true: "yes", false: "no"}[i.tls],
+		"    tls: " + yes[i.tls],
 		fmt.Sprintf("    read-only: %s", flag(wire.FlagReadOnly)),
 		fmt.Sprintf("    flush: %s, fua: %s, trim: %s, zeroes: %s, fast-zero: %s, multi-conn: %s",
 			flag(wire.FlagSendFlush), flag(wire.FlagSendFUA), flag(wire.FlagSendTrim), flag(wire.FlagSendZeroes),
 			flag(wire.FlagSendFastZero), flag(wire.FlagCanMultiConn)),
 		fmt.Sprintf("    block size: minimum %d, preferred %d, maximum %d", i.minBlock, i.prefBlock, i.maxBlock),
-		"    base:allocation: " + map[bool]string{true: "yes", false: "no"}[i.hasAlloc],
-		"    extended headers: " + map[bool]string{true: "yes", false: "no"}[i.extended],
+		"    base:allocation: " + yes[i.hasAlloc],
+		"    extended headers: " + yes[i.extended],
 	}
 	if i.description != "" {
 		lines = append(lines, fmt.Sprintf("    description: %q", i.description))
