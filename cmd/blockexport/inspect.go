@@ -39,16 +39,9 @@ func (f *inspectFlags) options() (registry.Options, error) {
 	if _, err := registry.ParseFormat(f.format); err != nil {
 		return registry.Options{}, usageError{err}
 	}
-	nbdOpts, err := f.src.options()
-	if err != nil {
-		return registry.Options{}, err
-	}
-	remoteOpts, err := f.src.remote()
-	if err != nil {
-		return registry.Options{}, err
-	}
-	return registry.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
-		RelatedDirs: f.src.allowDirs, Remote: remoteOpts}, nil
+	o, err := f.src.options()
+	o.Format, o.NullReadZeroes, o.Backend, o.Logger = f.format, true, "threads", warnLogger(os.Stderr)
+	return o, err
 }
 
 // warnLogger is the logger of the commands that report and exit: warnings
@@ -62,15 +55,6 @@ func warnLogger(w io.Writer) *slog.Logger {
 			}
 			return a
 		}}))
-}
-
-// openForInspection opens IMAGE read-only for info and map.
-func openForInspection(spec string, f *inspectFlags) (*registry.Opened, error) {
-	o, err := f.options()
-	if err != nil {
-		return nil, err
-	}
-	return openImage(spec, o)
 }
 
 // outputFlag is --output human|json (qemu-img's spelling) with --json as
@@ -283,7 +267,11 @@ func mapCmd(stdout, stderr io.Writer, args []string, f *inspectFlags) error {
 	if len(args) != 1 {
 		return usagef("map: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(args[0], f)
+	o, err := f.options()
+	if err != nil {
+		return err
+	}
+	img, err := openImage(args[0], o)
 	if err != nil {
 		return err
 	}
