@@ -235,11 +235,7 @@ func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run,
 // Info is qemu-img info's: the block size as cluster size, and no
 // format-specific block (QEMU 7.2's vdi driver prints none).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual,
+	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: img.ActualSize(),
 		ClusterSize: blockSize, RequestAlignment: 1}
 }
 

@@ -613,11 +613,7 @@ func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Ru
 // the cluster size, and no format-specific block (QEMU's vhdx driver has
 // no bdrv_get_specific_info).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	inf := formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: actual,
+	inf := formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: img.ActualSize(),
 		ClusterSize: img.blockSize, RequestAlignment: 1}
 	if img.diff {
 		inf.BackingFilename, inf.FullBackingFilename, inf.BackingFilenameFormat = img.parentName, img.parentName, "vhdx"

@@ -455,11 +455,7 @@ func (img *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.
 // none for a fixed one, and no format-specific block (QEMU 7.2's vpc
 // driver prints none).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual, RequestAlignment: 1,
+	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: img.ActualSize(), RequestAlignment: 1,
 		BackingFilename: img.parentName, FullBackingFilename: img.parentFull}
 	if img.parentName != "" {
 		i.BackingFilenameFormat = "vpc"
