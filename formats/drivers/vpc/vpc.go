@@ -24,6 +24,7 @@ package vpc
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -385,15 +386,7 @@ func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 		}
 		used = append(used, region{start, end})
 	}
-	slices.SortFunc(used, func(a, b region) int {
-		if a.start != b.start {
-			if a.start < b.start {
-				return -1
-			}
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(used, func(a, b region) int { return cmp.Compare(a.start, b.start) })
 	for k := 1; k < len(used); k++ {
 		if used[k].start < used[k-1].end {
 			return nil, fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
