@@ -59,11 +59,9 @@ const (
 	// it is): a page mapped in a process is one that drop_caches and
 	// POSIX_FADV_DONTNEED leave alone (reclaim takes it, less readily),
 	// so a reader gone for this long leaves nothing mapped. Not while
-	// lends go on: every page lent after a zap costs a page fault again
-	// (on this VM an exception is dear), and dropping them every 100 ms
-	// under 4 KiB random reads at queue depth 16 lost all the gain and
-	// more (raw 86k IOPS unmapped, 73k so). The page tables that stay
-	// meanwhile are bounded by lendMapMax.
+	// lends go on: every page lent after a zap costs a page fault again,
+	// which under random reads lost all the gain. The page tables that
+	// stay meanwhile are bounded by lendMapMax.
 	zapAfter = 100 * time.Millisecond
 )
 
