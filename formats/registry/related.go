@@ -111,11 +111,7 @@ func (c *chain) openRelated(image, name string) (aio.File, string, error) {
 	if c.related++; c.related > maxRelatedFiles {
 		return nil, shown, fmt.Errorf("%s: more than %d files named: %w", image, maxRelatedFiles, ErrRelatedRefused)
 	}
-	var lock *aio.Lock
-	if c.o.Lock {
-		l := raw.Lock(false, true)
-		lock = &l
-	}
+	lock := c.o.lock(raw.Lock, false, true)
 	f, err := aio.Open(real, aio.Options{Backend: c.o.Backend, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
 	if err != nil {
 		return nil, shown, fmt.Errorf("%s: file %s it names: %w", image, shown, err)

@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -220,10 +221,7 @@ func checkRemote(ctx context.Context, spec string, o Options, repair int) (forma
 	if repair != driver.RepairNone {
 		return formats.CheckResult{}, badSpec("%s is remote and read-only: it cannot be repaired", Shown(spec))
 	}
-	format := o.Format
-	if format == "" {
-		format = Auto
-	}
+	format := cmp.Or(o.Format, Auto)
 	o.NoBacking = true
 	c := newChain(o)
 	octx, cancel := context.WithTimeout(ctx, remoteOpenTimeout)
