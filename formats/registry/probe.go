@@ -286,9 +286,7 @@ func (c *chain) openBacking(path, format string) (formats.Image, error) {
 	if c.o.NoBacking {
 		return nil, nil // no backing image: nil interface, not a nil pointer in one
 	}
-	if format == "" {
-		format = Auto
-	}
+	format = cmp.Or(format, Auto)
 	if c.remoteParent != "" {
 		if err := c.o.Remote.backingAllowed(c.remoteParent, path); err != nil {
 			return nil, err

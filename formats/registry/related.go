@@ -21,6 +21,7 @@ package registry
 // parent), by device and inode, is refused as a loop.
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -152,14 +153,8 @@ func (c *chain) openRelatedImage(image, name, format string) (formats.Image, str
 	if err != nil {
 		return nil, shown, err
 	}
-	if format == "" {
-		format = Auto
-	}
-	img, _, err := c.open(shown, format, false, true)
-	if err != nil {
-		return nil, shown, err
-	}
-	return img, shown, nil
+	img, _, err := c.open(shown, cmp.Or(format, Auto), false, true)
+	return img, shown, err
 }
 
 // qemuPath is name as QEMU forms it from the image's path: a relative
