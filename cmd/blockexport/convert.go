@@ -182,13 +182,11 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	if err != nil {
 		return err
 	}
-	if f.cpuprofile != "" {
-		stopProfile, err := startCPUProfile(f.cpuprofile)
-		if err != nil {
-			return err
-		}
-		defer stopProfile()
+	stopProfile, err := startCPUProfile(f.cpuprofile)
+	if err != nil {
+		return err
 	}
+	defer stopProfile()
 	if mode != progress.None {
 		j.Progress = progress.New(mode, "converting", stdout, stderr)
 	}

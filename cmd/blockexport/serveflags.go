@@ -218,9 +218,6 @@ func (f *serveFlags) start() (stop func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	if f.cpuprofile == "" {
-		return removePidfile, nil
-	}
 	stopProfile, err := startCPUProfile(f.cpuprofile)
 	if err != nil {
 		removePidfile()
