@@ -48,13 +48,15 @@ func (f *inspectFlags) options() (registry.Options, error) {
 // (a file given as raw that looks like a vmdk, say) as plain lines on w,
 // without the time a long-running export's log has.
 func warnLogger(w io.Writer) *slog.Logger {
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn,
-		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
-			if len(groups) == 0 && a.Key == slog.TimeKey {
-				return slog.Attr{}
-			}
-			return a
-		}}))
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn, ReplaceAttr: dropTime}))
+}
+
+// dropTime leaves a record's time out (a slog.HandlerOptions.ReplaceAttr).
+func dropTime(groups []string, a slog.Attr) slog.Attr {
+	if len(groups) == 0 && a.Key == slog.TimeKey {
+		return slog.Attr{}
+	}
+	return a
 }
 
 // outputFlag is --output human|json (qemu-img's spelling) with --json as
