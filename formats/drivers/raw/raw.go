@@ -205,23 +205,7 @@ func (r *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 			return fmt.Errorf("raw: zero range [%d, +%d): %w", off, n, err)
 		}
 	}
-	return r.writeZeroBuffers(ctx, off, n)
-}
-
-// writeZeroBuffers is the fallback for hosts without zeroing fallocate
-// modes: write zeroes in 1 MiB chunks.
-func (r *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
-	const chunk = 1 << 20
-	zero := aio.AlignedBuf(int(min(n, chunk)), max(r.align, 4096))
-	for n > 0 {
-		c := min(n, int64(len(zero)))
-		if _, err := r.WriteAt(ctx, zero[:c], off); err != nil {
-			return err
-		}
-		off += c
-		n -= c
-	}
-	return nil
+	return formats.WriteZeroBuffers(ctx, r.WriteAt, off, n, max(r.align, 4096))
 }
 
 func notSupported(err error) bool {

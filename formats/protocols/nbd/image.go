@@ -493,25 +493,13 @@ func (img *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) 
 	a := int64(img.info.minBlock)
 	if img.info.flags&wire.FlagSendZeroes == 0 || off%a != 0 || n%a != 0 {
 		// No WRITE_ZEROES, or not on block boundaries: write zeroes.
-		return img.writeZeroBuffers(ctx, off, n)
+		return formats.WriteZeroBuffers(ctx, img.WriteAt, off, n, 1)
 	}
 	var flags uint16
 	if !mayUnmap {
 		flags |= wire.CmdFlagNoHole
 	}
 	return img.ranges(ctx, wire.CmdWriteZeroes, flags, off, n)
-}
-
-func (img *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
-	zero := make([]byte, min(n, 1<<20))
-	for n > 0 {
-		k := min(n, int64(len(zero)))
-		if _, err := img.WriteAt(ctx, zero[:k], off); err != nil {
-			return err
-		}
-		off, n = off+k, n-k
-	}
-	return nil
 }
 
 // ranges sends cmd for [off, off+n) in requests of at most bigRequest.
