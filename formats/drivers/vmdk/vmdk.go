@@ -20,10 +20,12 @@
 package vmdk
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"sort"
 	"strings"
 	"sync"
 
@@ -374,17 +376,9 @@ func depth(img formats.Image) int {
 
 // find returns the extent holding virtual offset off.
 func (im *Image) find(off int64) *extent {
-	lo, hi := 0, len(im.extents)
-	for lo < hi {
-		m := (lo + hi) / 2
-		e := im.extents[m]
-		if off < e.start {
-			hi = m
-		} else if off >= e.start+e.size {
-			lo = m + 1
-		} else {
-			return e
-		}
+	i := sort.Search(len(im.extents), func(i int) bool { return off < im.extents[i].start+im.extents[i].size })
+	if i < len(im.extents) && off >= im.extents[i].start {
+		return im.extents[i]
 	}
 	return nil
 }
@@ -542,34 +536,24 @@ func extentLines(s SpecificInfo) []string {
 }
 
 // Backing is the parent of a delta disk, or nil.
-func (im *Image) Backing() formats.Image {
-	if im.parent == nil {
-		return nil
-	}
-	return im.parent
-}
+func (im *Image) Backing() formats.Image { return im.parent }
 
 func (im *Image) Size() int64 { return im.size }
 
 // Close closes the image's files and its parent.
 func (im *Image) Close() error {
 	var first error
+	keep := func(err error) { first = cmp.Or(first, err) }
 	for _, e := range im.extents {
 		if e.owned && e.f != nil {
-			if err := e.f.Close(); err != nil && first == nil {
-				first = err
-			}
+			keep(e.f.Close())
 		}
 	}
 	if im.parent != nil {
-		if err := im.parent.Close(); err != nil && first == nil {
-			first = err
-		}
+		keep(im.parent.Close())
 	}
 	if im.f != nil {
-		if err := im.f.Close(); err != nil && first == nil {
-			first = err
-		}
+		keep(im.f.Close())
 	}
 	return first
 }
