@@ -183,15 +183,8 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 		if size < 512 {
 			return nil, fmt.Errorf("%w: sparse header cut short (%d bytes)", ErrCorrupt, size)
 		}
-		h := parseHeader(head)
-		if h.capacity == 0 && h.descOffset != 0 {
-			// QEMU then reads the embedded descriptor as a descriptor
-			// file, whose extents may name this very file: it recurses
-			// without bound. Such a file is refused.
-			return nil, fmt.Errorf("%w: sparse file of capacity 0 whose embedded descriptor is the image (QEMU recurses on it): refused", ErrCorrupt)
-		}
-		e := &extent{f: f, name: im.name, headerEnd: sectorSize}
-		if _, err := openSparse(ctx, e, head, size); err != nil {
+		e := &extent{f: f, name: im.name}
+		if err := openSparse(ctx, e, head, size); err != nil {
 			return nil, err
 		}
 		im.extents = append(im.extents, e)
@@ -320,11 +313,7 @@ func (im *Image) openExtents(ctx context.Context, lines []extentLine, o Options)
 			if [4]byte(head[:4]) != magic {
 				return fmt.Errorf("%w: extent %s is not a VMDK sparse file", ErrCorrupt, shown)
 			}
-			if h := parseHeader(head); h.capacity == 0 && h.descOffset != 0 {
-				return fmt.Errorf("%w: sparse extent %s of capacity 0 with a descriptor of its own: refused", ErrCorrupt, shown)
-			}
-			e.headerEnd = sectorSize
-			if _, err := openSparse(ctx, e, head, fs); err != nil {
+			if err := openSparse(ctx, e, head, fs); err != nil {
 				return fmt.Errorf("extent %s: %w", shown, err)
 			}
 		}
