@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/pojntfx/go-nbd/pkg/protocol"
-
 	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
@@ -156,18 +154,18 @@ func readOption(r *bufio.Reader) (uint32, []byte, error) {
 	if err := readFull(r, oh[:]); err != nil {
 		return 0, nil, fmt.Errorf("option header: %w", err)
 	}
-	opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
-	if opt.OptionMagic != wire.MagicOption {
-		return 0, nil, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
+	id, n := be.Uint32(oh[8:]), be.Uint32(oh[12:])
+	if magic := be.Uint64(oh[0:]); magic != wire.MagicOption {
+		return 0, nil, fmt.Errorf("bad option magic %#x", magic)
 	}
-	if opt.Length > maxOptionLen {
-		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
+	if n > maxOptionLen {
+		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
 	}
-	data := make([]byte, opt.Length)
+	data := make([]byte, n)
 	if err := readFull(r, data); err != nil {
-		return 0, nil, fmt.Errorf("option %d: %w", opt.ID, err)
+		return 0, nil, fmt.Errorf("option %d: %w", id, err)
 	}
-	return opt.ID, data, nil
+	return id, data, nil
 }
 
 // exportName answers EXPORT_NAME, which ends the negotiation.
@@ -242,16 +240,14 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), desc...))
 	}
 	// Block sizes are always sent: they are constraints we rely on.
-	bs := protocol.NegotiationReplyBlockSize{Type: wire.InfoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
-	p := be.AppendUint16(nil, bs.Type)
-	p = be.AppendUint32(p, bs.MinimumBlockSize)
-	p = be.AppendUint32(p, bs.PreferredBlockSize)
-	p = be.AppendUint32(p, bs.MaximumBlockSize)
+	p := be.AppendUint16(nil, wire.InfoBlockSize)
+	p = be.AppendUint32(p, minBlock)
+	p = be.AppendUint32(p, preferredBlock)
+	p = be.AppendUint32(p, maxRequest)
 	c.optReply(id, wire.RepInfo, p)
-	ex := protocol.NegotiationReplyInfo{Type: wire.InfoExport, Size: uint64(img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
-	p = be.AppendUint16(nil, ex.Type)
-	p = be.AppendUint64(p, ex.Size)
-	p = be.AppendUint16(p, ex.TransmissionFlags)
+	p = be.AppendUint16(nil, wire.InfoExport)
+	p = be.AppendUint64(p, uint64(img.Size()))
+	p = be.AppendUint16(p, c.srv.transmissionFlags())
 	c.optReply(id, wire.RepInfo, p)
 	c.optReply(id, wire.RepAck, nil)
 	if id == wire.OptGo {
@@ -306,10 +302,9 @@ func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
 
 // optReply sends one option reply; write errors surface on the next read.
 func (c *conn) optReply(id, typ uint32, data []byte) {
-	h := protocol.NegotiationReplyHeader{ReplyMagic: wire.MagicReply, ID: id, Type: typ, Length: uint32(len(data))}
-	b := be.AppendUint64(nil, h.ReplyMagic)
-	b = be.AppendUint32(b, h.ID)
-	b = be.AppendUint32(b, h.Type)
-	b = be.AppendUint32(b, h.Length)
+	b := be.AppendUint64(nil, wire.MagicReply)
+	b = be.AppendUint32(b, id)
+	b = be.AppendUint32(b, typ)
+	b = be.AppendUint32(b, uint32(len(data)))
 	c.sock.Write(append(b, data...))
 }
