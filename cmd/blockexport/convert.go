@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -229,9 +230,7 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	}
 	if f.backing == "" {
 		f.backing = topts.backing
-		if f.backingFormat == "" {
-			f.backingFormat = topts.backingFormat
-		}
+		f.backingFormat = cmp.Or(f.backingFormat, topts.backingFormat)
 	}
 	switch {
 	case f.compress && f.outFormat != registry.QCOW2:

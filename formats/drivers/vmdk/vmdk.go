@@ -145,10 +145,7 @@ type Image struct {
 // New opens the VMDK image of f, which it owns from now on (Close closes
 // it; so does a failed New).
 func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
-	im := &Image{f: f, name: o.Name, direct: o.Direct}
-	if im.name == "" {
-		im.name = f.Name()
-	}
+	im := &Image{f: f, name: cmp.Or(o.Name, f.Name()), direct: o.Direct}
 	defer func() {
 		if err != nil {
 			im.Close()

@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -348,9 +349,7 @@ func repError(typ uint32, msg []byte) string {
 		wire.RepErrPlatform: "not on this platform", wire.RepErrTLSReqd: "TLS required", wire.RepErrUnknown: "unknown export",
 		wire.RepErrShutdown: "shutting down", wire.RepErrBlockReqd: "block size required", wire.RepErrTooBig: "too big",
 	}[typ]
-	if name == "" {
-		name = fmt.Sprintf("reply %#x", typ)
-	}
+	name = cmp.Or(name, fmt.Sprintf("reply %#x", typ))
 	if len(msg) > 0 {
 		return fmt.Sprintf("%s: %.200s", name, msg)
 	}

@@ -22,6 +22,7 @@
 package nbd
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -116,9 +117,7 @@ func (s *slot) set(c *conn) {
 
 // Open connects to the export addr names.
 func Open(ctx context.Context, addr Address, o Options) (*Image, error) {
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	if addr.TLS && o.TLS == nil {
 		return nil, fmt.Errorf("nbd: %s: a TLS URI needs TLS settings", addr.URI)
 	}

@@ -4,6 +4,7 @@ package remote
 // (cache.go), readahead (readahead.go), the GETs (fetch.go) and retries (retry.go).
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -118,9 +119,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 		b.Close()
 		return nil, fmt.Errorf("remote: block size %d: want a power of two up to %d", o.BlockSize, maxGet)
 	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	f := &File{b: b, name: b.String(), o: o, log: o.Logger, bs: int64(o.BlockSize),
 		conns: slots{free: o.Connections}, blocks: map[int64]*block{}, jobs: make(chan fetch)}
 	f.lru.next, f.lru.prev = &f.lru, &f.lru

@@ -194,9 +194,7 @@ func New(ctx context.Context, rawURL string, opts Options) (*Backend, error) {
 		// a secret.
 		return nil, fmt.Errorf("%s: loading the AWS configuration: %w", name, err)
 	}
-	if cfg.Region == "" {
-		cfg.Region = defaultRegion
-	}
+	cfg.Region = cmp.Or(cfg.Region, defaultRegion)
 	// The SDK has applied AWS_CA_BUNDLE (or ca_bundle in the shared
 	// config) to a copy of hc by now; --tls-ca, given on the command
 	// line, wins over both. Then the client is frozen, so that the one
