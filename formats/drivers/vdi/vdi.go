@@ -214,9 +214,6 @@ func (img *Image) loadBmap(ctx context.Context, fileSize int64) error {
 	return nil
 }
 
-// Header returns the image's header, with the disk size as in use.
-func (img *Image) Header() Header { return img.h }
-
 func (img *Image) Size() int64 { return img.size }
 
 // locate says where the bytes at off lie, to the end of their block: an

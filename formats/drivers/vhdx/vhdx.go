@@ -136,7 +136,6 @@ type Image struct {
 	blockSize      int64
 	logicalSector  uint32
 	physicalSector uint32
-	fixed          bool // leave_blocks_allocated
 	// bat holds the payload entries only, one per data block: what reads
 	// need, never more than QEMU's BAT copy.
 	bat []uint64
@@ -463,7 +462,6 @@ func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	}
 	img.blockSize = int64(bs)
 	img.logicalSector, img.physicalSector = ls, ps
-	img.fixed = flags&1 != 0
 	// QEMU's size is in whole 512-byte sectors.
 	img.size = int64(vs) &^ 511
 	return locator, nil
@@ -620,13 +618,6 @@ func (img *Image) Info() formats.Info {
 	}
 	return inf
 }
-
-// BlockSize, LogicalSectorSize, PhysicalSectorSize and Fixed describe the
-// image's metadata.
-func (img *Image) BlockSize() int64           { return img.blockSize }
-func (img *Image) LogicalSectorSize() uint32  { return img.logicalSector }
-func (img *Image) PhysicalSectorSize() uint32 { return img.physicalSector }
-func (img *Image) Fixed() bool                { return img.fixed }
 
 // Close closes the file and the parent's.
 func (img *Image) Close() error {

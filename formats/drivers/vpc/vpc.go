@@ -459,9 +459,6 @@ func (img *Image) Info() formats.Info {
 	return i
 }
 
-// Footer returns the footer's fields.
-func (img *Image) Footer() Footer { return img.footer }
-
 func (img *Image) Close() error {
 	if img.parent != nil {
 		img.parent.Close()

@@ -78,7 +78,6 @@ type File struct {
 	// does not read vectors.
 	bounce  sync.Pool
 	changed atomic.Bool // ErrChanged logged
-	gets    atomic.Int64
 	// lastOK is when a request last succeeded (Unix nanoseconds): a fetch
 	// waiting for a connection keeps waiting while others make progress,
 	// and fails once none has for the reconnect timeout.
@@ -153,14 +152,8 @@ func (f *File) stat(ctx context.Context) (Object, error) {
 	return obj, err // the backend's errors name the object
 }
 
-// Object is what Open pinned.
-func (f *File) Object() Object { return f.obj }
-
 // Size is the object's size, pinned at open (aio.Sized).
 func (f *File) Size() int64 { return f.obj.Size }
-
-// Gets counts the range requests made (not their retries).
-func (f *File) Gets() int64 { return f.gets.Load() }
 
 func (f *File) Fd() int              { return -1 }
 func (f *File) Name() string         { return f.name }
