@@ -21,10 +21,8 @@ type CompareOptions struct {
 	Strict bool
 	// Parallel is how many reads may be in flight (default 8).
 	Parallel int
-	// Chunk is the largest read (default 256 KiB: the buffers of all the
-	// reads in flight then stay in the CPU's caches between the read that
-	// fills them and the comparison; with 4 MiB ones, each byte went to
-	// memory and back, and a page-cached compare cost half again more CPU).
+	// Chunk is the largest read (default 256 KiB: the buffers in flight
+	// stay in the CPU's caches; docs/design.md, Convert's chunk sizes).
 	Chunk int64
 	// Progress, when set, is told how far the walk has come.
 	Progress func(done, total int64)
