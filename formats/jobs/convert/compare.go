@@ -138,8 +138,7 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 	sa, sb := a.Size(), b.Size()
 	// QEMU sees sizes in whole sectors: a 1000-byte raw file and a
 	// 1024-byte image are the same size to qemu-img compare.
-	sectors := func(n int64) int64 { return n/512 + min(n%512, 1) }
-	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sectors(sa) != sectors(sb)}
+	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sectorsUp(sa) != sectorsUp(sb)}
 	if o.Strict && r.SizeMismatch {
 		r.Identical, r.Mismatch = false, MismatchSize
 		return r, nil
