@@ -182,7 +182,7 @@ func (c *conn) serve() {
 			c.hangUp()
 		})
 	}
-	neg, r, err := c.handshake(r)
+	neg, err := c.negotiate(&r)
 	if limit != nil && !limit.Stop() {
 		err = cmp.Or(err, errors.New("handshake limit passed"))
 	}

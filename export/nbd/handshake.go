@@ -19,16 +19,11 @@ type negotiated struct {
 
 var be = binary.BigEndian
 
-// handshake runs the fixed-newstyle negotiation until the client picks the
-// export (GO or EXPORT_NAME). Malformed input ends the connection with an
-// error; unknown options are answered "unsupported", as the spec asks. It
-// returns the reader the transmission phase reads from: a new one after
-// STARTTLS.
-func (c *conn) handshake(r *bufio.Reader) (negotiated, *bufio.Reader, error) {
-	n, err := c.negotiate(&r)
-	return n, r, err
-}
-
+// negotiate runs the fixed-newstyle negotiation until the client picks
+// the export (GO or EXPORT_NAME). Malformed input ends the connection with
+// an error; unknown options are answered "unsupported", as the spec asks.
+// *rp becomes the reader the transmission phase reads from: a new one
+// after STARTTLS.
 func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 	var n negotiated
 	r := *rp
