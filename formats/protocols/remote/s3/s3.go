@@ -39,9 +39,6 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// Scheme is the URL scheme this backend serves.
-const Scheme = "s3"
-
 // defaultRegion is used when no region is configured anywhere: S3-compatible
 // stores mostly ignore it, but SigV4 needs one to sign with.
 const defaultRegion = "us-east-1"
