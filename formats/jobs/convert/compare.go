@@ -30,7 +30,6 @@ type CompareOptions struct {
 
 // Mismatch kinds, in qemu-img compare's terms.
 const (
-	MismatchNone    = ""
 	MismatchContent = "content"      // "Content mismatch at offset N!"
 	MismatchSize    = "size"         // strict: "Strict mode: Image size mismatch!"
 	MismatchStatus  = "block-status" // strict: "Strict mode: Offset N block status mismatch!"
