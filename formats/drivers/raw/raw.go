@@ -80,14 +80,7 @@ func New(_ context.Context, f aio.File, o Options) (*Image, error) {
 		f.Close()
 		return nil, fmt.Errorf("raw: stat %s: %w", f.Name(), err)
 	}
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFREG:
-	case unix.S_IFBLK:
-		img.blockDev = true
-	default:
-		f.Close()
-		return nil, fmt.Errorf("raw: %s: not a regular file or block device", f.Name())
-	}
+	img.blockDev = st.Mode&unix.S_IFMT == unix.S_IFBLK // else regular: aio.Open takes nothing else
 	size, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
 	if err != nil {
 		f.Close()

@@ -20,8 +20,6 @@ import (
 	"io"
 	"slices"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
@@ -166,29 +164,7 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 // end of the file are listed there instead of refused.
 func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, error) {
 	name := f.Name()
-	var st unix.Stat_t
-	if !aio.HasFd(f) {
-		st.Mode = unix.S_IFREG // a remote object: FileSize below is all there is
-	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return nil, fmt.Errorf("vhdx: stat %s: %w", name, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG && st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		return nil, fmt.Errorf("vhdx: %s: not a regular file or block device", name)
-	}
-	fileSize, err := aio.FileSize(f)
-	if err != nil {
-		return nil, fmt.Errorf("vhdx: %w", err)
-	}
-	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize), found: found}
-
-	id, err := r.read(0, 8)
-	if err != nil {
-		return nil, err
-	}
-	if Probe(id, "") == 0 {
-		return nil, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, name)
-	}
-	h, err := r.headers()
+	r, h, err := readHeaders(ctx, f, found)
 	if err != nil {
 		return nil, err
 	}
@@ -224,6 +200,25 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 			return img.readPartial(ctx, p, off, r.Host-off%img.blockSize)
 		}}
 	return img, nil
+}
+
+// readHeaders makes the reader of f (a host file aio.Open accepted, or a
+// remote object) and reads its file identifier and active header.
+func readHeaders(ctx context.Context, f aio.File, found *[]string) (*reader, header, error) {
+	size, err := aio.FileSize(f)
+	if err != nil {
+		return nil, header{}, fmt.Errorf("vhdx: %w", err)
+	}
+	r := &reader{ctx: ctx, f: f, name: f.Name(), size: uint64(size), found: found}
+	id, err := r.read(0, 8)
+	if err != nil {
+		return nil, header{}, err
+	}
+	if Probe(id, "") == 0 {
+		return nil, header{}, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, r.name)
+	}
+	h, err := r.headers()
+	return r, h, err
 }
 
 // reader reads the metadata of one file at open.
