@@ -344,3 +344,23 @@ func TestThreadTransfersOfNothingAndOfPieces(t *testing.T) {
 		t.Fatalf("one-piece readv across EOF: %d %v %q", n, err, buf[:4])
 	}
 }
+
+// TestThreadReadvLeavesTheCallersPiecesAlone: a short read continued
+// through a one-piece iovec does not reslice the caller's piece.
+func TestThreadReadvLeavesTheCallersPiecesAlone(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(path, []byte("0123456789"), 0o644)
+	f, err := Open(path, Options{Backend: Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 8)
+	iov := [][]byte{buf}
+	if n, err := f.ReadvAt(context.Background(), iov, 6); n != 4 || !errors.Is(err, io.EOF) {
+		t.Fatalf("readv across EOF: %d %v", n, err)
+	}
+	if len(iov[0]) != 8 || &iov[0][0] != &buf[0] {
+		t.Fatalf("the caller's piece was resliced to %d bytes", len(iov[0]))
+	}
+}

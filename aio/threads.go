@@ -115,8 +115,12 @@ func transfer(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 		op = "preadv"
 	}
 	iov = advance(iov, 0) // nothing to move for leading empty pieces
-	if len(iov) > 1 {
-		iov = append([][]byte(nil), iov...) // advance reslices its pieces
+	// advance reslices the pieces: the caller's stay as they are.
+	var one [1][]byte
+	if len(iov) == 1 {
+		one[0], iov = iov[0], one[:]
+	} else {
+		iov = append([][]byte(nil), iov...)
 	}
 	total := 0
 	for len(iov) > 0 {
