@@ -442,7 +442,7 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 		}
 	}
 	switch {
-	case req.typ == wire.CmdFlush || req.typ > wire.CmdBlockStatus: // no range (an unknown command fails below)
+	case req.typ == wire.CmdFlush || req.typ == wire.CmdDisc || req.typ > wire.CmdBlockStatus: // no range; an unknown command fails below
 	case req.length > maxRequest && (req.typ == wire.CmdRead || req.typ == wire.CmdWrite || req.typ == wire.CmdCache):
 		c.errorReply(req, wire.EOverflow, "request larger than the advertised maximum")
 		return
