@@ -18,19 +18,19 @@ var qcowMagic = []byte{'Q', 'F', 'I', 0xfb}
 
 // probeQCOW1: QFI\xfb, version 1 (qcow_probe).
 func probeQCOW1(head []byte, _ string) int {
-	return driver.Magic(bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) == 1)
+	return driver.Score(bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) == 1, 100)
 }
 
 // probeQED: "QED\0", in a 64-byte header (bdrv_qed_probe).
 func probeQED(head []byte, _ string) int {
-	return driver.Magic(len(head) >= 64 && bytes.HasPrefix(head, []byte("QED\x00")))
+	return driver.Score(len(head) >= 64 && bytes.HasPrefix(head, []byte("QED\x00")), 100)
 }
 
 // probeParallels: "WithoutFreeSpace" or "WithouFreSpacExt" and version 2,
 // in a 64-byte header (parallels_probe).
 func probeParallels(head []byte, _ string) int {
-	return driver.Magic(len(head) >= 64 && binary.LittleEndian.Uint32(head[16:]) == 2 &&
-		(bytes.HasPrefix(head, []byte("WithoutFreeSpace")) || bytes.HasPrefix(head, []byte("WithouFreSpacExt"))))
+	return driver.Score(len(head) >= 64 && binary.LittleEndian.Uint32(head[16:]) == 2 &&
+		(bytes.HasPrefix(head, []byte("WithoutFreeSpace")) || bytes.HasPrefix(head, []byte("WithouFreSpacExt"))), 100)
 }
 
 // probeBochs: a growing redolog: "Bochs Virtual HD Image", "Redolog",
@@ -50,7 +50,7 @@ func probeBochs(head []byte, _ string) int {
 		return 0
 	}
 	v := binary.LittleEndian.Uint32(head[64:])
-	return driver.Magic(v == 0x00010000 || v == 0x00020000)
+	return driver.Score(v == 0x00010000 || v == 0x00020000, 100)
 }
 
 // cloopMagic starts a compressed loop image (cloop_probe), which scores
@@ -58,17 +58,17 @@ func probeBochs(head []byte, _ string) int {
 const cloopMagic = "#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0 && mount -r -t iso9660 /dev/cloop $1\n"
 
 func probeCloop(head []byte, _ string) int {
-	return driver.Magic(bytes.HasPrefix(head, []byte(cloopMagic))) / 50 // 2
+	return driver.Score(bytes.HasPrefix(head, []byte(cloopMagic)), 2)
 }
 
 // probeDMG: QEMU takes any file whose name ends in ".dmg" for an Apple
 // disk image (dmg_probe, score 2): it has no magic at the start.
 func probeDMG(_ []byte, path string) int {
-	return driver.Magic(len(path) > 4 && strings.HasSuffix(path, ".dmg")) / 50 // 2
+	return driver.Score(len(path) > 4 && strings.HasSuffix(path, ".dmg"), 2)
 }
 
 // probeLUKS: "LUKS\xba\xbe" and version 1, big-endian
 // (qcrypto_block_luks_has_format).
 func probeLUKS(head []byte, _ string) int {
-	return driver.Magic(len(head) >= 8 && bytes.HasPrefix(head, []byte("LUKS\xba\xbe")) && binary.BigEndian.Uint16(head[6:]) == 1)
+	return driver.Score(len(head) >= 8 && bytes.HasPrefix(head, []byte("LUKS\xba\xbe")) && binary.BigEndian.Uint16(head[6:]) == 1, 100)
 }

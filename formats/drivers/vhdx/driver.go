@@ -19,4 +19,6 @@ func Driver() driver.Format {
 }
 
 // Probe: "vhdxfile", the file identifier (QEMU's vhdx_probe).
-func Probe(head []byte, _ string) int { return driver.Magic(bytes.HasPrefix(head, []byte("vhdxfile"))) }
+func Probe(head []byte, _ string) int {
+	return driver.Score(bytes.HasPrefix(head, []byte("vhdxfile")), 100)
+}

@@ -21,4 +21,6 @@ func Driver() driver.Format {
 // Probe: a dynamic VHD's footer copy, "conectix", at the start (QEMU's
 // vpc_probe). A fixed VHD has its footer only at the end: QEMU probes it
 // as raw, and so does this (its disk is the file's first bytes).
-func Probe(head []byte, _ string) int { return driver.Magic(bytes.HasPrefix(head, []byte("conectix"))) }
+func Probe(head []byte, _ string) int {
+	return driver.Score(bytes.HasPrefix(head, []byte("conectix")), 100)
+}

@@ -103,11 +103,11 @@ type CreateOptions struct {
 	LazyRefcounts bool
 }
 
-// Magic is a probe's score for a file that has its format's magic (100)
-// or not (0).
-func Magic(has bool) int {
+// Score is a probe's score: n for a file that has what the format's
+// probe looks for (100 for its magic), else 0.
+func Score(has bool, n int) int {
 	if has {
-		return 100
+		return n
 	}
 	return 0
 }
