@@ -14,11 +14,9 @@ import (
 // a front end that writes its reply straight from there (one writev)
 // instead of reading into a buffer first (a pread and a writev).
 //
-// Why: a FUSE loop at queue depth 16 is bound by system calls, and this
-// takes one of the two away. A residency check per read (mincore) would
-// be a system call again, so residency is known per page, learned a 2 MiB
-// chunk at a time and trusted for a while (pageMap). (docs/design.md,
-// Mapped reads)
+// A residency check per read (mincore) would be a system call again, so
+// residency is known per page, learned a 2 MiB chunk at a time and
+// trusted for a while (pageMap; docs/design.md, Mapped reads).
 type PageSource interface {
 	// TryLend returns [off, off+n) if every page of it was in the page
 	// cache a moment ago (see residencyTTL); the slice stays readable
