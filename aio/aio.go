@@ -20,6 +20,7 @@
 package aio
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -120,11 +121,7 @@ func Open(path string, o Options) (File, error) {
 			return nil, err
 		}
 	}
-	backend := o.Backend
-	if backend == "" {
-		backend = IOUring
-	}
-	if backend == IOUring {
+	if cmp.Or(o.Backend, IOUring) == IOUring {
 		uf, err := newURingFile(f, o)
 		if err == nil {
 			return uf, nil
@@ -133,11 +130,7 @@ func Open(path string, o Options) (File, error) {
 			f.Close()
 			return nil, err
 		}
-		logger := o.Logger
-		if logger == nil {
-			logger = slog.Default()
-		}
-		logger.Warn("io_uring unavailable, using the thread backend", "file", path, "err", err)
+		cmp.Or(o.Logger, slog.Default()).Warn("io_uring unavailable, using the thread backend", "file", path, "err", err)
 	}
 	return newThreadFile(f, o.Direct), nil
 }

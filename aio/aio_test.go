@@ -317,3 +317,50 @@ func TestTryReadAndWrite(t *testing.T) {
 		t.Fatalf("after the tries the file holds %d at 10 and %d at 0, want 9 and 7", got[10], got[0])
 	}
 }
+
+// TestThreadTransfersOfNothingAndOfPieces: the thread engine moves
+// nothing for an empty buffer (no EOF, no ENOSPC), skips empty pieces of
+// an iovec, and reads a one-piece iovec as a plain read.
+func TestThreadTransfersOfNothingAndOfPieces(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(path, []byte("0123456789"), 0o644)
+	f, err := Open(path, Options{Backend: Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx := context.Background()
+	if n, err := f.ReadAt(ctx, nil, 10); n != 0 || err != nil {
+		t.Fatalf("empty read at EOF: %d %v", n, err)
+	}
+	if n, err := f.WriteAt(ctx, []byte{}, 3); n != 0 || err != nil {
+		t.Fatalf("empty write: %d %v", n, err)
+	}
+	buf := make([]byte, 6)
+	if n, err := f.ReadvAt(ctx, [][]byte{{}, buf[:2], {}, buf[2:]}, 2); n != 6 || err != nil || string(buf) != "234567" {
+		t.Fatalf("readv with empty pieces: %d %v %q", n, err, buf)
+	}
+	if n, err := f.ReadvAt(ctx, [][]byte{buf}, 6); n != 4 || !errors.Is(err, io.EOF) || string(buf[:4]) != "6789" {
+		t.Fatalf("one-piece readv across EOF: %d %v %q", n, err, buf[:4])
+	}
+}
+
+// TestThreadReadvLeavesTheCallersPiecesAlone: a short read continued
+// through a one-piece iovec does not reslice the caller's piece.
+func TestThreadReadvLeavesTheCallersPiecesAlone(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(path, []byte("0123456789"), 0o644)
+	f, err := Open(path, Options{Backend: Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 8)
+	iov := [][]byte{buf}
+	if n, err := f.ReadvAt(context.Background(), iov, 6); n != 4 || !errors.Is(err, io.EOF) {
+		t.Fatalf("readv across EOF: %d %v", n, err)
+	}
+	if len(iov[0]) != 8 || &iov[0][0] != &buf[0] {
+		t.Fatalf("the caller's piece was resliced to %d bytes", len(iov[0]))
+	}
+}

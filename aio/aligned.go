@@ -41,16 +41,6 @@ type alignedFile struct {
 	bounce *BufPool
 }
 
-// buf returns an aligned buffer of n bytes and the function that gives it
-// back.
-func (a *alignedFile) buf(n int64) ([]byte, func()) {
-	if n <= int64(a.bounce.Size()) {
-		b := a.bounce.Get()
-		return (*b)[:n], func() { a.bounce.Put(b) }
-	}
-	return AlignedBuf(int(n), int(a.align)), func() {}
-}
-
 func (a *alignedFile) ok(p []byte, off int64) bool {
 	return len(p) > 0 && off%a.align == 0 && int64(len(p))%a.align == 0 &&
 		uintptr(unsafe.Pointer(&p[0]))%uintptr(a.align) == 0
@@ -83,8 +73,8 @@ func (a *alignedFile) readBounced(ctx context.Context, iov [][]byte, off int64) 
 		return 0, nil
 	}
 	start, end := a.cover(off, int64(want))
-	buf, put := a.buf(end - start)
-	defer put()
+	buf, bp := a.bounce.Buffer(int(end - start))
+	defer a.bounce.Release(bp)
 	n, err := a.File.ReadAt(ctx, buf, start)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return 0, err
@@ -129,8 +119,8 @@ func (a *alignedFile) write(ctx context.Context, iov [][]byte, off int64) (int, 
 		}
 		return a.File.WritevAt(ctx, iov, off)
 	}
-	buf, put := a.buf(end - start)
-	defer put()
+	buf, bp := a.bounce.Buffer(int(end - start))
+	defer a.bounce.Release(bp)
 	for _, blk := range []int64{start, end - a.align} {
 		if blk >= off && blk+a.align <= off+int64(total) {
 			continue // wholly overwritten

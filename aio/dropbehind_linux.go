@@ -8,41 +8,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Drop-behind: a buffered read still goes through the page cache, read
-// ahead as usual and finding what is cached, but the pages it brought in
-// leave the cache once they have been read. A front end that caches what
-// it serves (the FUSE export under the kernel cache) turns it on for the
-// image's host files, so that the same bytes are not held twice, once for
-// the export and once for the file, while the file keeps the disk's
-// read-ahead that O_DIRECT (--cache none) gives up.
+// Drop-behind (docs/design.md, Drop-behind): a buffered read still goes
+// through the page cache, read ahead as usual, but the pages it brought in
+// leave the cache once read, so that a front end that caches what it
+// serves (FUSE under the kernel cache) does not hold the same bytes twice,
+// while the file keeps the disk's read-ahead that O_DIRECT gives up.
 //
-// The pages are dropped a granule at a time (FADV_DONTNEED), not per
-// read: once every block of a granule has been read, or when no read has
-// reached it for a sweep's interval; and where reads stop, the file's
-// read-ahead past them (dropAhead) once no read has come there for an
-// interval. Per read, as RWF_DONTCACHE drops them, the file's read-ahead
-// suffers: the page cache holds a file in folios of up to 2 MiB, and
-// such a read drops every folio it touched, whole, the rest of it that a
-// later READ would have used included. Measured by hand, alternating:
-// fio's 4 KiB buffered sequential reads of a kernel-cached export,
-// 1003-1310 MiB/s with RWF_DONTCACHE, 1225-1465 with granules (four
-// pairs); the bench's loop row (ext4 on a loop device, a tree read back
-// cold) 1.34 s against 1.28 s, the loop on the image file 1.11 s (medians
-// of eight triples; the pairs alone do not tell the two apart). Both
-// read 370-440 MiB from the disk for the 273 the loop device reads (the
-// loop on the file, and the export with nothing dropped: 270). The
-// daemon reads no dropped granule again: the kernel's read-ahead does
-// (the export's READs finish out of order), for with granules read whole
-// dropped only by the sweep the disk read 272-309 MiB. That was not
-// faster (four alternating triples), and would keep up to a second of a
-// fast reader's data cached twice, so they go at once.
-//
-// Unlike RWF_DONTCACHE, FADV_DONTNEED drops the clean pages of its range
-// that were cached before the daemon read them too (another reader of a
-// backing file that many images share loses its cached pages as the
-// export reads through them: a cost in speed, never in data), and starts
-// the writeback of dirty ones; it leaves mapped pages, someone else's
-// mappings and mapped-read lends alike.
+// Pages are dropped a granule at a time (FADV_DONTNEED), not per read
+// (RWF_DONTCACHE drops every folio a read touched, whole, read-ahead a
+// later READ would use included): once every block of a granule has been
+// read, or when no read has reached it for a sweep's interval; and where
+// reads stop, the read-ahead past them (dropAhead) after an interval.
+// FADV_DONTNEED also drops clean pages cached before the daemon read them
+// (speed, never data) and starts the writeback of dirty ones; it leaves
+// mapped pages alone, mapped-read lends included.
 
 // dropGranule is the unit dropped: a power of two no smaller than the
 // largest folio of the page cache (PMD order on x86-64 and arm64 with 4

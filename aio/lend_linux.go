@@ -14,11 +14,9 @@ import (
 // a front end that writes its reply straight from there (one writev)
 // instead of reading into a buffer first (a pread and a writev).
 //
-// Why: a FUSE loop at queue depth 16 is bound by system calls, and this
-// takes one of the two away. A residency check per read (mincore) would
-// be a system call again, so residency is known per page, learned a 2 MiB
-// chunk at a time and trusted for a while (pageMap). (docs/design.md,
-// Mapped reads)
+// A residency check per read (mincore) would be a system call again, so
+// residency is known per page, learned a 2 MiB chunk at a time and
+// trusted for a while (pageMap; docs/design.md, Mapped reads).
 type PageSource interface {
 	// TryLend returns [off, off+n) if every page of it was in the page
 	// cache a moment ago (see residencyTTL); the slice stays readable
@@ -59,11 +57,9 @@ const (
 	// it is): a page mapped in a process is one that drop_caches and
 	// POSIX_FADV_DONTNEED leave alone (reclaim takes it, less readily),
 	// so a reader gone for this long leaves nothing mapped. Not while
-	// lends go on: every page lent after a zap costs a page fault again
-	// (on this VM an exception is dear), and dropping them every 100 ms
-	// under 4 KiB random reads at queue depth 16 lost all the gain and
-	// more (raw 86k IOPS unmapped, 73k so). The page tables that stay
-	// meanwhile are bounded by lendMapMax.
+	// lends go on: every page lent after a zap costs a page fault again,
+	// which under random reads lost all the gain. The page tables that
+	// stay meanwhile are bounded by lendMapMax.
 	zapAfter = 100 * time.Millisecond
 )
 

@@ -39,8 +39,8 @@ func tryRead(fd int, direct bool, p []byte, off int64) bool {
 // tryWrite is TryWriteAt: a buffered write lands in the page cache, so it
 // is written from the caller (file systems without non-blocking buffered
 // writes — ext4 answers RWF_NOWAIT writes with EOPNOTSUPP — would make
-// io_uring punt every one to a worker thread, measured 0.6x of a plain
-// pwrite); an O_DIRECT one would wait for the device.
+// io_uring punt every one to a worker thread); an O_DIRECT one would wait
+// for the device.
 func tryWrite(f File, direct bool, check func(context.Context, string) error, p []byte, off int64) (bool, error) {
 	if direct {
 		return false, nil

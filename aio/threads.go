@@ -77,7 +77,7 @@ func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, erro
 // continuing short reads; fewer bytes only at end of file, with io.EOF.
 // check runs before each try.
 func preadAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, false, p, off, check)
+	return transfer(ctx, f, false, [][]byte{p}, off, check)
 }
 
 func (t *threadFile) TryReadAt(p []byte, off int64) bool {
@@ -99,80 +99,46 @@ func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, err
 // pwriteAll writes all of p at off with pwrite(2) from the calling
 // goroutine, continuing short writes; check runs before each try.
 func pwriteAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, true, p, off, check)
+	return transfer(ctx, f, true, [][]byte{p}, off, check)
 }
 
-// transfer is preadAll (write false) and pwriteAll.
-func transfer(ctx context.Context, f File, write bool, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	op, call := "pread", unix.Pread
-	if write {
-		op, call = "pwrite", unix.Pwrite
+// transfer runs pread or pwrite (one buffer), preadv or pwritev (several)
+// until iov is done, continuing short transfers.
+func transfer(ctx context.Context, f File, write bool, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	op := "pread"
+	switch {
+	case write && len(iov) > 1:
+		op = "pwritev"
+	case write:
+		op = "pwrite"
+	case len(iov) > 1:
+		op = "preadv"
 	}
-	done := 0
-	for done < len(p) {
-		if err := check(ctx, op); err != nil {
-			return done, err
-		}
-		n, err := call(f.Fd(), p[done:], off+int64(done))
-		if err == unix.EINTR || err == unix.EAGAIN {
-			continue
-		}
-		if !write && directEOF(f, done, err) {
-			return done, io.EOF
-		}
-		if err != nil {
-			return done, pathErr(op, f, err)
-		}
-		if n == 0 {
-			return done, nothingMoved(op, f, write)
-		}
-		done += n
+	iov = advance(iov, 0) // nothing to move for leading empty pieces
+	// advance reslices the pieces: the caller's stay as they are.
+	var one [1][]byte
+	if len(iov) == 1 {
+		one[0], iov = iov[0], one[:]
+	} else {
+		iov = append([][]byte(nil), iov...)
 	}
-	return done, nil
-}
-
-// nothingMoved is the error for a transfer of zero bytes: the end of the
-// file for a read, a full device for a write.
-func nothingMoved(op string, f File, write bool) error {
-	if write {
-		return pathErr(op, f, unix.ENOSPC)
-	}
-	return io.EOF
-}
-
-func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	n, err := preadvAll(ctx, t, iov, off, t.check)
-	t.behind.Load().done(off, n)
-	return n, err
-}
-
-func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	return pwritevAll(ctx, t, iov, off, t.check)
-}
-
-// preadvAll and pwritevAll are preadAll and pwriteAll for an iovec.
-func preadvAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return vectored(ctx, f, false, iov, off, check)
-}
-
-func pwritevAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return vectored(ctx, f, true, iov, off, check)
-}
-
-// vectored runs preadv or pwritev until iov is done, continuing short
-// transfers.
-func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	op, call := "preadv", unix.Preadv
-	if write {
-		op, call = "pwritev", unix.Pwritev
-	}
-	iov = append([][]byte(nil), iov...)
 	total := 0
 	for len(iov) > 0 {
 		if err := check(ctx, op); err != nil {
 			return total, err
 		}
-		n, err := call(f.Fd(), iov, off+int64(total))
+		var n int
+		var err error
+		switch at := off + int64(total); {
+		case len(iov) == 1 && write:
+			n, err = unix.Pwrite(f.Fd(), iov[0], at)
+		case len(iov) == 1:
+			n, err = unix.Pread(f.Fd(), iov[0], at)
+		case write:
+			n, err = unix.Pwritev(f.Fd(), iov, at)
+		default:
+			n, err = unix.Preadv(f.Fd(), iov, at)
+		}
 		if err == unix.EINTR || err == unix.EAGAIN {
 			continue
 		}
@@ -189,6 +155,34 @@ func vectored(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 		iov = advance(iov, n)
 	}
 	return total, nil
+}
+
+func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	n, err := preadvAll(ctx, t, iov, off, t.check)
+	t.behind.Load().done(off, n)
+	return n, err
+}
+
+func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
+	return pwritevAll(ctx, t, iov, off, t.check)
+}
+
+// nothingMoved is the error for a transfer of zero bytes: the end of the
+// file for a read, a full device for a write.
+func nothingMoved(op string, f File, write bool) error {
+	if write {
+		return pathErr(op, f, unix.ENOSPC)
+	}
+	return io.EOF
+}
+
+// preadvAll and pwritevAll are preadAll and pwriteAll for an iovec.
+func preadvAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	return transfer(ctx, f, false, iov, off, check)
+}
+
+func pwritevAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
+	return transfer(ctx, f, true, iov, off, check)
 }
 
 func (t *threadFile) Fsync(ctx context.Context) error {

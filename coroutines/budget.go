@@ -31,15 +31,14 @@ func (b *Budget) Clamp(n int64) int64 { return min(n, b.max) }
 
 // Acquire takes Clamp(n) units, waiting until they are free or ctx ends.
 func (b *Budget) Acquire(ctx context.Context, n int64) error {
-	n = b.Clamp(n)
-	b.mu.Lock()
-	if len(b.waiters) == 0 && b.free >= n {
-		b.free -= n
-		b.mu.Unlock()
+	if b.TryAcquire(n) {
 		return nil
 	}
+	n = b.Clamp(n)
+	b.mu.Lock()
 	w := &budgetWaiter{n: n, ready: make(chan struct{})}
 	b.waiters = append(b.waiters, w)
+	b.grantLocked() // units freed since TryAcquire looked
 	b.mu.Unlock()
 	select {
 	case <-w.ready:

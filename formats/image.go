@@ -7,6 +7,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+
+	"github.com/blockexport/blockexport/aio"
 )
 
 // Errors callers branch on with [errors.Is]. Front ends map each to one
@@ -266,4 +268,19 @@ type NoFlusher interface {
 // image a conversion fills.
 type GrowAheader interface {
 	SetGrowAhead(n int64)
+}
+
+// WriteZeroBuffers zeroes [off, off+n) by writing zeroes with write, 1 MiB
+// at a time from a buffer aligned to align: for an image with no cheaper
+// way (no zeroing fallocate, no WRITE_ZEROES).
+func WriteZeroBuffers(ctx context.Context, write func(context.Context, []byte, int64) (int, error), off, n int64, align int) error {
+	zero := aio.AlignedBuf(int(min(n, 1<<20)), align)
+	for n > 0 {
+		k := min(n, int64(len(zero)))
+		if _, err := write(ctx, zero[:k], off); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+	}
+	return nil
 }

@@ -31,14 +31,12 @@ type Stream interface {
 // sock serves a connection's socket with plain syscalls on the calling
 // thread, the way QEMU's event loop does, instead of through Go's netpoller.
 //
-// Why (measured on the NBD server): with the netpoller, every request
-// that finds the socket empty parks the reader goroutine and has another thread wake it, and since the
-// descriptor stays registered with epoll, each arriving request also woke
-// whichever runtime thread slept in epoll_wait. On 2 cores those threads
-// kept preempting the client: fio's nbd engine saw 11k involuntary context
-// switches in 5 s against us and 150 against qemu-storage-daemon, and ran
-// 10-30% slower. So the descriptor is taken out of the netpoller (a dup of
-// it is kept, the net.Conn closed) and a read that finds no data:
+// Why: with the netpoller, every request that finds the socket empty
+// parks the reader goroutine and has another thread wake it, and each
+// arriving request also wakes whichever runtime thread sleeps in
+// epoll_wait; on 2 cores those threads preempted the client. So the
+// descriptor is taken out of the netpoller (a dup of it is kept, the
+// net.Conn closed) and a read that finds no data:
 //
 //  1. spins on the socket for a while (adaptive, as QEMU's aio_poll: the
 //     window grows while waits are short and drops to 0 when they are

@@ -81,13 +81,11 @@ func compareCmd(stdout, stderr io.Writer, args []string, f *compareFlags) error 
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("-m %d: want 1 to 64", f.parallel)
 	}
-	if f.cpuprofile != "" {
-		stopProfile, err := startCPUProfile(f.cpuprofile)
-		if err != nil {
-			return err
-		}
-		defer stopProfile()
+	stopProfile, err := startCPUProfile(f.cpuprofile)
+	if err != nil {
+		return err
 	}
+	defer stopProfile()
 	o, err := f.options()
 	if err != nil {
 		return err

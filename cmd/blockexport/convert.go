@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -182,13 +183,11 @@ func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error 
 	if err != nil {
 		return err
 	}
-	if f.cpuprofile != "" {
-		stopProfile, err := startCPUProfile(f.cpuprofile)
-		if err != nil {
-			return err
-		}
-		defer stopProfile()
+	stopProfile, err := startCPUProfile(f.cpuprofile)
+	if err != nil {
+		return err
 	}
+	defer stopProfile()
 	if mode != progress.None {
 		j.Progress = progress.New(mode, "converting", stdout, stderr)
 	}
@@ -231,9 +230,7 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	}
 	if f.backing == "" {
 		f.backing = topts.backing
-		if f.backingFormat == "" {
-			f.backingFormat = topts.backingFormat
-		}
+		f.backingFormat = cmp.Or(f.backingFormat, topts.backingFormat)
 	}
 	switch {
 	case f.compress && f.outFormat != registry.QCOW2:

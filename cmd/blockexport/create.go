@@ -3,12 +3,10 @@ package main
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 
 	"github.com/spf13/cobra"
 
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
-	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -79,22 +77,9 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 	}
 	o := qcow2.CreateOptions{Size: size, ClusterSize: cs, BackingFile: f.backing, BackingFormat: f.backingFormat, Force: f.force}
 	if f.backing != "" {
-		// Open the backing file as a later open will (relative to the
-		// image), for its format and size.
-		bpath := f.backing
-		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) && !registry.IsRemote(bpath) {
-			bpath = filepath.Join(filepath.Dir(path), bpath)
-		}
-		bf := f.backingFormat
-		if bf == "" {
-			bf = registry.Auto
-		}
 		// Any image format read here may be a backing file (vmdk...); a
 		// null device may not.
-		if _, err := registry.ParseFormat(bf); err != nil || bf == registry.Null {
-			return usagef("create: --backing-format %q (want %s)", bf, registry.OrList(registry.FileFormats()))
-		}
-		b, err := registry.Open(bpath, registry.Options{Format: bf, Backend: "threads",
+		b, err := registry.OpenBackingFile(path, f.backing, f.backingFormat, registry.Options{Backend: "threads",
 			Remote: registry.RemoteOptions{S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}})
 		if err != nil {
 			if errors.Is(err, registry.ErrBadSpec) {

@@ -248,8 +248,12 @@ func sameFile(f *os.File, path string) (bool, error) {
 	return os.SameFile(fi, pi), nil
 }
 
-// startCPUProfile profiles the process into path until stop is called.
+// startCPUProfile profiles the process into path until stop is called
+// ("": no profile, stop does nothing).
 func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
 	f, err := os.Create(path)
 	if err != nil {
 		return nil, fmt.Errorf("cpuprofile: %w", err)

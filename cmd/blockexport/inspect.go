@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"time"
@@ -38,38 +39,24 @@ func (f *inspectFlags) options() (registry.Options, error) {
 	if _, err := registry.ParseFormat(f.format); err != nil {
 		return registry.Options{}, usageError{err}
 	}
-	nbdOpts, err := f.src.options()
-	if err != nil {
-		return registry.Options{}, err
-	}
-	remoteOpts, err := f.src.remote()
-	if err != nil {
-		return registry.Options{}, err
-	}
-	return registry.Options{Format: f.format, NullReadZeroes: true, Backend: "threads", NBD: nbdOpts, Logger: warnLogger(os.Stderr),
-		RelatedDirs: f.src.allowDirs, Remote: remoteOpts}, nil
+	o, err := f.src.options()
+	o.Format, o.NullReadZeroes, o.Backend, o.Logger = f.format, true, "threads", warnLogger(os.Stderr)
+	return o, err
 }
 
 // warnLogger is the logger of the commands that report and exit: warnings
 // (a file given as raw that looks like a vmdk, say) as plain lines on w,
 // without the time a long-running export's log has.
 func warnLogger(w io.Writer) *slog.Logger {
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn,
-		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
-			if len(groups) == 0 && a.Key == slog.TimeKey {
-				return slog.Attr{}
-			}
-			return a
-		}}))
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelWarn, ReplaceAttr: dropTime}))
 }
 
-// openForInspection opens IMAGE read-only for info and map.
-func openForInspection(spec string, f *inspectFlags) (*registry.Opened, error) {
-	o, err := f.options()
-	if err != nil {
-		return nil, err
+// dropTime leaves a record's time out (a slog.HandlerOptions.ReplaceAttr).
+func dropTime(groups []string, a slog.Attr) slog.Attr {
+	if len(groups) == 0 && a.Key == slog.TimeKey {
+		return slog.Attr{}
 	}
-	return openImage(spec, o)
+	return a
 }
 
 // outputFlag is --output human|json (qemu-img's spelling) with --json as
@@ -225,20 +212,13 @@ func printInfo(w io.Writer, in formats.Info) {
 	}
 }
 
-// humanSize prints bytes the way qemu-img does: three significant digits
-// and a binary unit.
+// humanSize prints bytes as qemu-img's size_to_str does: three
+// significant digits, the unit switching up once the number reaches 1000
+// (1000 bytes are "0.977 KiB", 1048575 "1 MiB").
 func humanSize(n int64) string {
-	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"}
-	v := float64(n)
-	i := 0
-	for v >= 1024 && i < len(units)-1 {
-		v /= 1024
-		i++
-	}
-	if i == 0 {
-		return fmt.Sprintf("%d B", n)
-	}
-	return fmt.Sprintf("%.3g %s", v, units[i])
+	_, exp := math.Frexp(float64(n) / (1000.0 / 1024.0))
+	i := (exp - 1) / 10 // truncates toward zero, as C does: 0 stays in bytes
+	return fmt.Sprintf("%.3g %sB", float64(n)/float64(uint64(1)<<(10*i)), [...]string{"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"}[i])
 }
 
 // mapEntry is one extent of `blockexport map --json`, with the names and
@@ -289,7 +269,11 @@ func mapCmd(stdout, stderr io.Writer, args []string, f *inspectFlags) error {
 	if len(args) != 1 {
 		return usagef("map: want one IMAGE, got %d argument(s)", len(args))
 	}
-	img, err := openForInspection(args[0], f)
+	o, err := f.options()
+	if err != nil {
+		return err
+	}
+	img, err := openImage(args[0], o)
 	if err != nil {
 		return err
 	}

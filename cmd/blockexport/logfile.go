@@ -66,13 +66,7 @@ type lockedBuffer struct {
 
 func newSyslogHandler(w *syslog.Writer, level slog.Leveler) *syslogHandler {
 	out := &lockedBuffer{}
-	text := slog.NewTextHandler(&out.buf, &slog.HandlerOptions{Level: level,
-		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
-			if len(groups) == 0 && a.Key == slog.TimeKey {
-				return slog.Attr{}
-			}
-			return a
-		}})
+	text := slog.NewTextHandler(&out.buf, &slog.HandlerOptions{Level: level, ReplaceAttr: dropTime})
 	return &syslogHandler{text: text, w: w, out: out}
 }
 

@@ -64,7 +64,7 @@ func (p *partitionFlags) apply(ctx context.Context, disk formats.Image, spec, pr
 		if err != nil {
 			return nil, nil, fmt.Errorf("%s: %w", registry.Shown(spec), err)
 		}
-		r, err := partition.Open(disk, part, fmt.Sprintf("%d", part.Number))
+		r, err := partition.NewRange(disk, part.Start, part.Size, fmt.Sprintf("%d", part.Number))
 		if err != nil {
 			return nil, nil, err
 		}
@@ -74,7 +74,7 @@ func (p *partitionFlags) apply(ctx context.Context, disk formats.Image, spec, pr
 	var out []servedPartition
 	for _, part := range tab.Partitions {
 		name := fmt.Sprintf("%sp%d", prefix, part.Number)
-		r, err := partition.Open(disk, part, name)
+		r, err := partition.NewRange(disk, part.Start, part.Size, name)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -102,17 +102,13 @@ func (f *serveFlags) check() (*slog.Logger, registry.Options, error) {
 			return nil, registry.Options{}, usagef("--decompressed-cache-size: %v", err)
 		}
 	}
-	nbdOpts, err := f.sourceFlags.options()
+	o, err := f.sourceFlags.options()
 	if err != nil {
 		return nil, registry.Options{}, err
 	}
-	remoteOpts, err := f.sourceFlags.remote()
-	if err != nil {
-		return nil, registry.Options{}, err
-	}
-	return logger, registry.Options{Lock: true, Format: format, Writable: f.writable, NullReadZeroes: f.nullReadZeroes,
-		Direct: direct, Backend: backend, Logger: logger, L2CacheSize: l2Cache, DecodedCacheSize: decoded, NBD: nbdOpts, RelatedDirs: f.allowDirs,
-		Remote: remoteOpts}, nil
+	o.Lock, o.Format, o.Writable, o.NullReadZeroes, o.Direct, o.Backend = true, format, f.writable, f.nullReadZeroes, direct, backend
+	o.Logger, o.L2CacheSize, o.DecodedCacheSize = logger, l2Cache, decoded
+	return logger, o, nil
 }
 
 // sourceFlags say how to reach an image (or a backing file) on an NBD
@@ -153,25 +149,24 @@ func (f *sourceFlags) registerTLS(c *cobra.Command, prefix string) {
 	fs.StringVar(&f.tls.Key, prefix+"tls-key", "", "nbds sources: the client certificate's key (PEM)")
 }
 
-func (f *sourceFlags) options() (registry.NBDOptions, error) {
+// options are how to reach NBD, http(s) and s3 sources (0 connections
+// to a remote object: the remote layer's default) and where files an
+// image names may lie; the caller sets the rest.
+func (f *sourceFlags) options() (registry.Options, error) {
 	if f.connections < 0 || f.connections > 64 {
-		return registry.NBDOptions{}, usagef("--connections %d: want 1 to 64", f.connections)
+		return registry.Options{}, usagef("--connections %d: want 1 to 64", f.connections)
 	}
 	if f.reconnectTimeout < 0 {
-		return registry.NBDOptions{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
+		return registry.Options{}, usagef("--reconnect-timeout %v: want 0 or more", f.reconnectTimeout)
 	}
-	return registry.NBDOptions{Connections: max(f.connections, 1), ReconnectTimeout: f.reconnectTimeout, TLS: f.tls}, nil
-}
-
-// remote is how to read http(s) sources (0 connections: the remote
-// layer's default).
-func (f *sourceFlags) remote() (registry.RemoteOptions, error) {
 	cache, err := registry.ParseSize(f.cacheSize)
 	if err != nil || cache < 1<<20 {
-		return registry.RemoteOptions{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
+		return registry.Options{}, usagef("--cache-size %q: want a size of 1M or more", f.cacheSize)
 	}
-	return registry.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
-		TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects, S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}, nil
+	return registry.Options{RelatedDirs: f.allowDirs,
+		NBD: registry.NBDOptions{Connections: max(f.connections, 1), ReconnectTimeout: f.reconnectTimeout, TLS: f.tls},
+		Remote: registry.RemoteOptions{Connections: f.connections, CacheSize: cache, ReconnectTimeout: f.reconnectTimeout,
+			TLSCA: f.tls.CA, AllowRedirects: f.allowRedirects, S3Endpoint: f.s3Endpoint, S3PathStyle: f.s3PathStyle}}, nil
 }
 
 // openImage opens spec; a spec that cannot be right is a usage error.
@@ -222,9 +217,6 @@ func (f *serveFlags) start() (stop func(), err error) {
 	removePidfile, err := writePidfile(f.pidfile)
 	if err != nil {
 		return nil, err
-	}
-	if f.cpuprofile == "" {
-		return removePidfile, nil
 	}
 	stopProfile, err := startCPUProfile(f.cpuprofile)
 	if err != nil {

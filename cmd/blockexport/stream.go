@@ -66,16 +66,11 @@ func (f *streamFlags) run(c *cobra.Command, args []string) error {
 	if f.parallel < 1 || f.parallel > 64 {
 		return usagef("--parallel %d: want 1 to 64", f.parallel)
 	}
-	nbdOpts, err := f.src.options()
+	o, err := f.src.options()
 	if err != nil {
 		return err
 	}
-	remoteOpts, err := f.src.remote()
-	if err != nil {
-		return err
-	}
-	o := registry.Options{Lock: true, Format: registry.QCOW2, Writable: true, Backend: "threads", NBD: nbdOpts,
-		Logger: warnLogger(c.ErrOrStderr()), RelatedDirs: f.src.allowDirs, Remote: remoteOpts}
+	o.Lock, o.Format, o.Writable, o.Backend, o.Logger = true, registry.QCOW2, true, "threads", warnLogger(c.ErrOrStderr())
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 

@@ -14,7 +14,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/pojntfx/go-nbd/pkg/protocol"
 	"golang.org/x/sys/unix"
 
 	"github.com/blockexport/blockexport/aio"
@@ -183,7 +182,7 @@ func (c *conn) serve() {
 			c.hangUp()
 		})
 	}
-	neg, r, err := c.handshake(r)
+	neg, err := c.negotiate(&r)
 	if limit != nil && !limit.Stop() {
 		err = cmp.Or(err, errors.New("handshake limit passed"))
 	}
@@ -351,12 +350,7 @@ func (c *conn) parseRequest(h []byte) (request, error) {
 
 // queued says whether a request waits: in the reader's buffer or on the
 // socket.
-func (c *conn) queued(r *bufio.Reader) bool {
-	if r.Buffered() != 0 {
-		return true
-	}
-	return c.sock.Pending()
-}
+func (c *conn) queued(r *bufio.Reader) bool { return r.Buffered() != 0 || c.sock.Pending() }
 
 // inlineResult is what a try in the reader came to.
 type inlineResult uint8
@@ -440,24 +434,24 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 	off, n := int64(req.off), int64(req.length)
 	size := img.Size()
 	inRange := req.off < 1<<63 && req.length < 1<<63 && off <= size && n <= size-off
-	writeLike := req.typ == wire.CmdWrite || req.typ == wire.CmdTrim || req.typ == wire.CmdWriteZeroes
+	switch req.typ {
+	case wire.CmdWrite, wire.CmdTrim, wire.CmdWriteZeroes:
+		if !c.srv.opts.Writable {
+			c.errorReply(req, wire.EPerm, "the export is read-only")
+			return
+		}
+	}
 	switch {
-	case writeLike && !c.srv.opts.Writable:
-		c.errorReply(req, wire.EPerm, "the export is read-only")
+	case req.typ == wire.CmdFlush || req.typ == wire.CmdDisc || req.typ > wire.CmdBlockStatus: // no range; an unknown command fails below
+	case req.length > maxRequest && (req.typ == wire.CmdRead || req.typ == wire.CmdWrite || req.typ == wire.CmdCache):
+		c.errorReply(req, wire.EOverflow, "request larger than the advertised maximum")
 		return
-	case req.typ == wire.CmdRead || req.typ == wire.CmdWrite || req.typ == wire.CmdTrim || req.typ == wire.CmdWriteZeroes || req.typ == wire.CmdCache || req.typ == wire.CmdBlockStatus:
-		if req.length > maxRequest && req.typ != wire.CmdTrim && req.typ != wire.CmdWriteZeroes && req.typ != wire.CmdBlockStatus {
-			c.errorReply(req, wire.EOverflow, "request larger than the advertised maximum")
-			return
-		}
-		if !inRange {
-			code := wire.EInval
-			if req.typ == wire.CmdWrite || req.typ == wire.CmdWriteZeroes {
-				code = wire.ENoSpc
-			}
-			c.errorReply(req, code, "request beyond the end of the export")
-			return
-		}
+	case !inRange && (req.typ == wire.CmdWrite || req.typ == wire.CmdWriteZeroes):
+		c.errorReply(req, wire.ENoSpc, "request beyond the end of the export")
+		return
+	case !inRange:
+		c.errorReply(req, wire.EInval, "request beyond the end of the export")
+		return
 	}
 	var err error
 	switch req.typ {
@@ -479,7 +473,7 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 			err = img.Flush(ctx)
 		}
 	case wire.CmdWriteZeroes:
-		if req.flags&wire.CmdFlagFastZero != 0 && !fastZero(img) {
+		if req.flags&wire.CmdFlagFastZero != 0 && !img.Features().FastZero { // FAST_ZERO: fail rather than be slow
 			c.errorReply(req, wire.ENotSup, "zeroing would be slow")
 			return
 		}
@@ -508,10 +502,6 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 	c.done(req)
 }
 
-// fastZero says whether the image zeroes without writing data (NBD's
-// FAST_ZERO asks to fail rather than be slow).
-func fastZero(img formats.Image) bool { return img.Features().FastZero }
-
 func (c *conn) cache(ctx context.Context, off, n int64) error {
 	buf, bp := c.srv.bufs.Buffer(int(min(n, 1<<20)))
 	defer c.srv.bufs.Release(bp)
@@ -533,12 +523,10 @@ func (c *conn) blockStatus(req request, off, n int64) {
 	ctx := c.ctx
 	ext := c.neg.extended
 	payload := be.AppendUint32(nil, baseAllocID)
+	maxLen, typ := int64(1<<31), wire.ChunkBlockStatus // a compact descriptor's length is 32 bits
 	if ext {
 		payload = be.AppendUint32(payload, 0) // the count, filled in below
-	}
-	maxLen := int64(1 << 31) // a compact descriptor's length is 32 bits
-	if ext {
-		maxLen = 1<<63 - 1
+		maxLen, typ = 1<<63-1, wire.ChunkBlockStatusExt
 	}
 	end := off + n
 	count := 0
@@ -569,10 +557,8 @@ func (c *conn) blockStatus(req request, off, n int64) {
 			break
 		}
 	}
-	typ := wire.ChunkBlockStatus
 	if ext {
 		be.PutUint32(payload[4:], uint32(count))
-		typ = wire.ChunkBlockStatusExt
 	}
 	c.chunk(req, wire.ChunkFlagDone, typ, payload)
 }
@@ -696,13 +682,12 @@ func (c *conn) errorReply(req request, code uint32, msg string) {
 }
 
 func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
-	h := protocol.TransmissionReplyHeader{ReplyMagic: wire.MagicSimple, Error: code, Handle: handle}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	b := c.hdr[:16]
-	be.PutUint32(b[0:], h.ReplyMagic)
-	be.PutUint32(b[4:], h.Error)
-	be.PutUint64(b[8:], h.Handle)
+	b := c.hdr[:wire.SimpleReplySize]
+	be.PutUint32(b[0:], wire.MagicSimple)
+	be.PutUint32(b[4:], code)
+	be.PutUint64(b[8:], handle)
 	c.send(b, data)
 }
 

@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/pojntfx/go-nbd/pkg/protocol"
-
 	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
@@ -21,16 +19,11 @@ type negotiated struct {
 
 var be = binary.BigEndian
 
-// handshake runs the fixed-newstyle negotiation until the client picks the
-// export (GO or EXPORT_NAME). Malformed input ends the connection with an
-// error; unknown options are answered "unsupported", as the spec asks. It
-// returns the reader the transmission phase reads from: a new one after
-// STARTTLS.
-func (c *conn) handshake(r *bufio.Reader) (negotiated, *bufio.Reader, error) {
-	n, err := c.negotiate(&r)
-	return n, r, err
-}
-
+// negotiate runs the fixed-newstyle negotiation until the client picks
+// the export (GO or EXPORT_NAME). Malformed input ends the connection with
+// an error; unknown options are answered "unsupported", as the spec asks.
+// *rp becomes the reader the transmission phase reads from: a new one
+// after STARTTLS.
 func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 	var n negotiated
 	r := *rp
@@ -69,8 +62,27 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 			if err != nil || done {
 				return n, err
 			}
-		case wire.OptStructuredReply, wire.OptExtendedHeaders:
-			c.replyFormat(id, data, &n)
+		case wire.OptStructuredReply:
+			switch {
+			case len(data) != 0:
+				c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
+			case n.extended:
+				c.optReply(id, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
+			default:
+				n.structured = true
+				c.optReply(id, wire.RepAck, nil)
+			}
+		case wire.OptExtendedHeaders:
+			switch {
+			case c.srv.opts.CompactHeaders:
+				c.optReply(id, wire.RepErrUnsup, nil)
+			case len(data) != 0:
+				c.optReply(id, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
+			default:
+				// Extended headers take the place of structured replies.
+				n.extended, n.structured = true, true
+				c.optReply(id, wire.RepAck, nil)
+			}
 		case wire.OptListMetaContext, wire.OptSetMetaContext:
 			if id == wire.OptSetMetaContext && !n.structured {
 				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
@@ -137,18 +149,18 @@ func readOption(r *bufio.Reader) (uint32, []byte, error) {
 	if err := readFull(r, oh[:]); err != nil {
 		return 0, nil, fmt.Errorf("option header: %w", err)
 	}
-	opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
-	if opt.OptionMagic != wire.MagicOption {
-		return 0, nil, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
+	id, n := be.Uint32(oh[8:]), be.Uint32(oh[12:])
+	if magic := be.Uint64(oh[0:]); magic != wire.MagicOption {
+		return 0, nil, fmt.Errorf("bad option magic %#x", magic)
 	}
-	if opt.Length > maxOptionLen {
-		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
+	if n > maxOptionLen {
+		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
 	}
-	data := make([]byte, opt.Length)
+	data := make([]byte, n)
 	if err := readFull(r, data); err != nil {
-		return 0, nil, fmt.Errorf("option %d: %w", opt.ID, err)
+		return 0, nil, fmt.Errorf("option %d: %w", id, err)
 	}
-	return opt.ID, data, nil
+	return id, data, nil
 }
 
 // exportName answers EXPORT_NAME, which ends the negotiation.
@@ -189,28 +201,6 @@ func (c *conn) list(data []byte) {
 	c.optReply(wire.OptList, wire.RepAck, nil)
 }
 
-// replyFormat answers STRUCTURED_REPLY and EXTENDED_HEADERS, which set
-// how replies are framed.
-func (c *conn) replyFormat(id uint32, data []byte, n *negotiated) {
-	switch {
-	case id == wire.OptExtendedHeaders && c.srv.opts.CompactHeaders:
-		c.optReply(id, wire.RepErrUnsup, nil)
-	case len(data) != 0 && id == wire.OptStructuredReply:
-		c.optReply(id, wire.RepErrInvalid, []byte("STRUCTURED_REPLY takes no data"))
-	case len(data) != 0:
-		c.optReply(id, wire.RepErrInvalid, []byte("EXTENDED_HEADERS takes no data"))
-	case id == wire.OptStructuredReply && n.extended:
-		c.optReply(id, wire.RepErrExtHdrReqd, []byte("extended headers are on; they cannot go back to structured replies"))
-	case id == wire.OptStructuredReply:
-		n.structured = true
-		c.optReply(id, wire.RepAck, nil)
-	default:
-		// Extended headers take the place of structured replies.
-		n.extended, n.structured = true, true
-		c.optReply(id, wire.RepAck, nil)
-	}
-}
-
 // infoGo answers INFO and GO. It returns done when GO succeeded.
 func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	if len(data) < 6 {
@@ -245,16 +235,14 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), desc...))
 	}
 	// Block sizes are always sent: they are constraints we rely on.
-	bs := protocol.NegotiationReplyBlockSize{Type: wire.InfoBlockSize, MinimumBlockSize: minBlock, PreferredBlockSize: preferredBlock, MaximumBlockSize: maxRequest}
-	p := be.AppendUint16(nil, bs.Type)
-	p = be.AppendUint32(p, bs.MinimumBlockSize)
-	p = be.AppendUint32(p, bs.PreferredBlockSize)
-	p = be.AppendUint32(p, bs.MaximumBlockSize)
+	p := be.AppendUint16(nil, wire.InfoBlockSize)
+	p = be.AppendUint32(p, minBlock)
+	p = be.AppendUint32(p, preferredBlock)
+	p = be.AppendUint32(p, maxRequest)
 	c.optReply(id, wire.RepInfo, p)
-	ex := protocol.NegotiationReplyInfo{Type: wire.InfoExport, Size: uint64(img.Size()), TransmissionFlags: c.srv.transmissionFlags()}
-	p = be.AppendUint16(nil, ex.Type)
-	p = be.AppendUint64(p, ex.Size)
-	p = be.AppendUint16(p, ex.TransmissionFlags)
+	p = be.AppendUint16(nil, wire.InfoExport)
+	p = be.AppendUint64(p, uint64(img.Size()))
+	p = be.AppendUint16(p, c.srv.transmissionFlags())
 	c.optReply(id, wire.RepInfo, p)
 	c.optReply(id, wire.RepAck, nil)
 	if id == wire.OptGo {
@@ -309,10 +297,9 @@ func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
 
 // optReply sends one option reply; write errors surface on the next read.
 func (c *conn) optReply(id, typ uint32, data []byte) {
-	h := protocol.NegotiationReplyHeader{ReplyMagic: wire.MagicReply, ID: id, Type: typ, Length: uint32(len(data))}
-	b := be.AppendUint64(nil, h.ReplyMagic)
-	b = be.AppendUint32(b, h.ID)
-	b = be.AppendUint32(b, h.Type)
-	b = be.AppendUint32(b, h.Length)
+	b := be.AppendUint64(nil, wire.MagicReply)
+	b = be.AppendUint32(b, id)
+	b = be.AppendUint32(b, typ)
+	b = be.AppendUint32(b, uint32(len(data)))
 	c.sock.Write(append(b, data...))
 }

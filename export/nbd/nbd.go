@@ -2,10 +2,9 @@
 // qemu-nbd and qemu-storage-daemon's NBD export do.
 //
 // The protocol's numbers are formats/protocols/nbd/wire's, shared with the NBD client
-// (formats/protocols/nbd); go-nbd (pkg/protocol) supplies the option, option-reply,
-// request and simple-reply headers and the INFO structs. What is written here, because
-// go-nbd's server only speaks the baseline (serial READ/WRITE/DISC, a
-// backend error drops the connection): NBD_OPT_EXPORT_NAME,
+// (formats/protocols/nbd). What is written here, because go-nbd's server
+// only speaks the baseline (serial READ/WRITE/DISC, a backend error drops
+// the connection): NBD_OPT_EXPORT_NAME,
 // STRUCTURED_REPLY, EXTENDED_HEADERS (32-byte headers with 64-bit lengths,
 // and BLOCK_STATUS_EXT), LIST/SET_META_CONTEXT (base:allocation), the commands
 // FLUSH, TRIM, WRITE_ZEROES (NO_HOLE, FAST_ZERO), BLOCK_STATUS, CACHE and

@@ -569,3 +569,22 @@ func TestExportNameAfterExtendedHeaders(t *testing.T) {
 		t.Fatalf("EXPORT_NAME after extended headers: read %#x, %v; want the server to hang up", b, err)
 	}
 }
+
+// TestReplyFormatOptionsRefused: STRUCTURED_REPLY with data is invalid,
+// and a server with CompactHeaders turns EXTENDED_HEADERS down; either
+// way the negotiation goes on and structured replies can still be had.
+func TestReplyFormatOptionsRefused(t *testing.T) {
+	c, s := newPair(t, false)
+	s.opts.CompactHeaders = true // before the first option reaches the server
+	c.greet()
+	if types, payloads := c.option(wire.OptStructuredReply, []byte{1}); types[0] != wire.RepErrInvalid ||
+		string(payloads[0]) != "STRUCTURED_REPLY takes no data" {
+		t.Fatalf("STRUCTURED_REPLY with data: %#x %q", types[0], payloads[0])
+	}
+	if types, _ := c.option(wire.OptExtendedHeaders, nil); types[0] != wire.RepErrUnsup {
+		t.Fatalf("EXTENDED_HEADERS with CompactHeaders: %#x, want NBD_REP_ERR_UNSUP", types[0])
+	}
+	if types, _ := c.option(wire.OptStructuredReply, nil); types[0] != wire.RepAck {
+		t.Fatalf("STRUCTURED_REPLY after the refusals: %#x", types[0])
+	}
+}

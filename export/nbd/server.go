@@ -100,9 +100,7 @@ type Server struct {
 
 // New makes a server for img.
 func New(img formats.Image, o Options) *Server {
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	o.ConnBytes = cmp.Or(o.ConnBytes, DefaultConnBytes)
 	o.ServerBytes = cmp.Or(o.ServerBytes, DefaultServerBytes)
 	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{},

@@ -73,29 +73,26 @@ func (c *conn) startTLS(r *bufio.Reader) (*bufio.Reader, error) {
 	if err := tc.Handshake(); err != nil {
 		return nil, fmt.Errorf("TLS handshake: %w", err)
 	}
-	c.sock = &tlsStream{Conn: tc, under: under}
+	tlsSide, err := sock.New(tc, 0) // no descriptor of its own: plain reads and writes through TLS
+	if err != nil {
+		return nil, err
+	}
+	c.sock = tlsStream{tlsSide, under}
 	c.log.Debug("NBD client upgraded to TLS", "version", tls.VersionName(tc.ConnectionState().Version))
 	return bufio.NewReaderSize(c.sock, 256<<10), nil
 }
 
-// tlsStream is a connection after STARTTLS: reads and writes through TLS,
-// shutting down reading (to wake the reader) on the socket beneath.
+// tlsStream is a connection after STARTTLS: reads and writes through TLS
+// (whose Pending says yes: it cannot see into TLS's buffers, so the reader
+// never blocks in a request it thinks is alone while another waits
+// decrypted), shutting down reading (to wake the reader) on the socket
+// beneath.
 type tlsStream struct {
-	*tls.Conn
+	sock.Stream
 	under sock.Stream
 }
 
-func (t *tlsStream) CloseRead() error { return t.under.CloseRead() }
-
-// Pending cannot see into TLS's buffers: say yes, so the reader never
-// blocks in a request it thinks is alone while another waits decrypted.
-func (t *tlsStream) Pending() bool { return true }
-
-func (t *tlsStream) WriteBuffers(bufs [][]byte) error {
-	nb := net.Buffers(bufs)
-	_, err := nb.WriteTo(t.Conn)
-	return err
-}
+func (t tlsStream) CloseRead() error { return t.under.CloseRead() }
 
 // streamConn is a sock.Stream as the net.Conn crypto/tls wants. Deadlines
 // are not kept: the handshake limit wakes a stuck handshake instead.

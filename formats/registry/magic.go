@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/binary"
 	"strings"
+
+	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
 // The probes below say what QEMU 7.2's drivers say of a file's first
@@ -16,30 +18,19 @@ var qcowMagic = []byte{'Q', 'F', 'I', 0xfb}
 
 // probeQCOW1: QFI\xfb, version 1 (qcow_probe).
 func probeQCOW1(head []byte, _ string) int {
-	if bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) == 1 {
-		return 100
-	}
-	return 0
+	return driver.Score(bytes.HasPrefix(head, qcowMagic) && len(head) >= 8 && binary.BigEndian.Uint32(head[4:]) == 1, 100)
 }
 
 // probeQED: "QED\0", in a 64-byte header (bdrv_qed_probe).
 func probeQED(head []byte, _ string) int {
-	if len(head) >= 64 && bytes.HasPrefix(head, []byte("QED\x00")) {
-		return 100
-	}
-	return 0
+	return driver.Score(len(head) >= 64 && bytes.HasPrefix(head, []byte("QED\x00")), 100)
 }
 
 // probeParallels: "WithoutFreeSpace" or "WithouFreSpacExt" and version 2,
 // in a 64-byte header (parallels_probe).
 func probeParallels(head []byte, _ string) int {
-	if len(head) < 64 || binary.LittleEndian.Uint32(head[16:]) != 2 {
-		return 0
-	}
-	if bytes.HasPrefix(head, []byte("WithoutFreeSpace")) || bytes.HasPrefix(head, []byte("WithouFreSpacExt")) {
-		return 100
-	}
-	return 0
+	return driver.Score(len(head) >= 64 && binary.LittleEndian.Uint32(head[16:]) == 2 &&
+		(bytes.HasPrefix(head, []byte("WithoutFreeSpace")) || bytes.HasPrefix(head, []byte("WithouFreSpacExt"))), 100)
 }
 
 // probeBochs: a growing redolog: "Bochs Virtual HD Image", "Redolog",
@@ -58,11 +49,8 @@ func probeBochs(head []byte, _ string) int {
 	if cstr(head[0:32]) != "Bochs Virtual HD Image" || cstr(head[32:48]) != "Redolog" || cstr(head[48:64]) != "Growing" {
 		return 0
 	}
-	switch binary.LittleEndian.Uint32(head[64:]) {
-	case 0x00010000, 0x00020000:
-		return 100
-	}
-	return 0
+	v := binary.LittleEndian.Uint32(head[64:])
+	return driver.Score(v == 0x00010000 || v == 0x00020000, 100)
 }
 
 // cloopMagic starts a compressed loop image (cloop_probe), which scores
@@ -70,26 +58,17 @@ func probeBochs(head []byte, _ string) int {
 const cloopMagic = "#!/bin/sh\n#V2.0 Format\nmodprobe cloop file=$0 && mount -r -t iso9660 /dev/cloop $1\n"
 
 func probeCloop(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte(cloopMagic)) {
-		return 2
-	}
-	return 0
+	return driver.Score(bytes.HasPrefix(head, []byte(cloopMagic)), 2)
 }
 
 // probeDMG: QEMU takes any file whose name ends in ".dmg" for an Apple
 // disk image (dmg_probe, score 2): it has no magic at the start.
 func probeDMG(_ []byte, path string) int {
-	if len(path) > 4 && strings.HasSuffix(path, ".dmg") {
-		return 2
-	}
-	return 0
+	return driver.Score(len(path) > 4 && strings.HasSuffix(path, ".dmg"), 2)
 }
 
 // probeLUKS: "LUKS\xba\xbe" and version 1, big-endian
 // (qcrypto_block_luks_has_format).
 func probeLUKS(head []byte, _ string) int {
-	if len(head) >= 8 && bytes.HasPrefix(head, []byte("LUKS\xba\xbe")) && binary.BigEndian.Uint16(head[6:]) == 1 {
-		return 100
-	}
-	return 0
+	return driver.Score(len(head) >= 8 && bytes.HasPrefix(head, []byte("LUKS\xba\xbe")) && binary.BigEndian.Uint16(head[6:]) == 1, 100)
 }

@@ -8,6 +8,7 @@
 package registry
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -131,10 +132,7 @@ type Opened struct {
 
 // Open opens spec: a path, or "null:SIZE".
 func Open(spec string, o Options) (*Opened, error) {
-	format := o.Format
-	if format == "" {
-		format = Auto
-	}
+	format := cmp.Or(o.Format, Auto)
 	if _, err := ParseFormat(format); err != nil {
 		return nil, err
 	}
@@ -180,10 +178,7 @@ var ErrNoChecks = driver.ErrNoChecks
 // says it (exit 63) with or without -r. Backing files are not opened: a
 // check is of the image's own file.
 func Check(ctx context.Context, spec string, o Options, repair int) (formats.CheckResult, error) {
-	format := o.Format
-	if format == "" {
-		format = Auto
-	}
+	format := cmp.Or(o.Format, Auto)
 	if _, err := ParseFormat(format); err != nil {
 		return formats.CheckResult{}, err
 	}
@@ -212,11 +207,7 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 // checkLocal checks the local image file spec in format ff: writable
 // when a repair writes, under the writer's lock for any repair.
 func checkLocal(ctx context.Context, spec string, ff driver.Format, o Options, repair int) (formats.CheckResult, error) {
-	var lock *aio.Lock
-	if o.Lock {
-		l := ff.Lock(repair != driver.RepairNone, false)
-		lock = &l
-	}
+	lock := o.lock(ff.Lock, repair != driver.RepairNone, false)
 	writable := repair != driver.RepairNone && ff.RepairWrites
 	f, err := aio.Open(spec, aio.Options{Backend: o.Backend, Writable: writable, Logger: o.Logger, Lock: lock})
 	if err != nil {
@@ -286,11 +277,7 @@ func openNBD(uri, format string, o Options, writable, fromImage bool) (formats.I
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	img, err := nbd.Open(ctx, addr, no)
-	if err != nil {
-		return nil, err
-	}
-	return img, nil
+	return driver.Image(nbd.Open(ctx, addr, no))
 }
 
 // openBacking is the formats.BackingOpener the chain's images get:
@@ -299,18 +286,15 @@ func (c *chain) openBacking(path, format string) (formats.Image, error) {
 	if c.o.NoBacking {
 		return nil, nil // no backing image: nil interface, not a nil pointer in one
 	}
-	if format == "" {
-		format = Auto
-	}
+	format = cmp.Or(format, Auto)
 	if c.remoteParent != "" {
 		if err := c.o.Remote.backingAllowed(c.remoteParent, path); err != nil {
 			return nil, err
 		}
 	}
 	if nbd.IsURI(path) {
-		c.depth++ // a loop through a server cannot be seen; depth still bounds it
-		if c.depth > maxChainDepth {
-			return nil, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+		if err := c.deeper(); err != nil { // a loop through a server cannot be seen; depth still bounds it
+			return nil, err
 		}
 		return openNBD(path, format, c.o, false, true)
 	}
@@ -342,11 +326,7 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 	if writable && !ff.Writable {
 		return nil, "", needsOverlay(path, ff.Name, ff.Name+" images are read here, not written")
 	}
-	var lock *aio.Lock
-	if c.o.Lock {
-		l := ff.Lock(writable, backing)
-		lock = &l
-	}
+	lock := c.o.lock(ff.Lock, writable, backing)
 	f, err := aio.Open(path, aio.Options{Backend: c.o.Backend, Writable: writable, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
 	if err != nil {
 		return nil, "", fmt.Errorf("%s: %w", format, err)
@@ -403,11 +383,25 @@ func (c *chain) enter(fd int, path string) error {
 		return fmt.Errorf("%w: backing chain loops: %s is %s again", qcow2.ErrCorrupt, path, prev)
 	}
 	c.seen[id] = path
-	c.depth++
-	if c.depth > maxChainDepth {
+	return c.deeper()
+}
+
+// deeper counts one more image in the chain, within maxChainDepth.
+func (c *chain) deeper() error {
+	if c.depth++; c.depth > maxChainDepth {
 		return fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
 	}
 	return nil
+}
+
+// lock is the image lock an open takes (nil: none), as lockOf says for
+// the format.
+func (o Options) lock(lockOf func(writable, backing bool) aio.Lock, writable, backing bool) *aio.Lock {
+	if !o.Lock {
+		return nil
+	}
+	l := lockOf(writable, backing)
+	return &l
 }
 
 // detect names the format of the file at path as QEMU would probe it,

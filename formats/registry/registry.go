@@ -1,8 +1,10 @@
 package registry
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 
 	"github.com/blockexport/blockexport/formats"
@@ -13,6 +15,7 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/vmdk"
 	"github.com/blockexport/blockexport/formats/drivers/vpc"
 	"github.com/blockexport/blockexport/formats/internal/driver"
+	"github.com/blockexport/blockexport/formats/protocols/nbd"
 )
 
 // ErrUnsupportedFormat marks an image in a format QEMU reads and this
@@ -154,4 +157,21 @@ func Create(path, format string, o CreateOptions) error {
 		return badSpec("%s images are not created here (want %s)", format, OrList(WritableFormats()))
 	}
 	return ff.Create(path, o)
+}
+
+// OpenBackingFile opens the backing file a new image at image is to name
+// (backing as it will be recorded: a relative name is relative to the
+// image's directory) in format ("": probed), as a later open of the image
+// will, for its format and size. A format no backing file can be in is a
+// bad spec.
+func OpenBackingFile(image, backing, format string, o Options) (*Opened, error) {
+	path := backing
+	if !filepath.IsAbs(path) && !nbd.IsURI(path) && !IsRemote(path) {
+		path = filepath.Join(filepath.Dir(image), path)
+	}
+	o.Format = cmp.Or(format, Auto)
+	if _, err := ParseFormat(o.Format); err != nil || o.Format == Null {
+		return nil, badSpec("backing file format -F %q (want %s)", o.Format, OrList(FileFormats()))
+	}
+	return Open(path, o)
 }

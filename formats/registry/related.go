@@ -21,6 +21,7 @@ package registry
 // parent), by device and inode, is refused as a loop.
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -111,11 +112,7 @@ func (c *chain) openRelated(image, name string) (aio.File, string, error) {
 	if c.related++; c.related > maxRelatedFiles {
 		return nil, shown, fmt.Errorf("%s: more than %d files named: %w", image, maxRelatedFiles, ErrRelatedRefused)
 	}
-	var lock *aio.Lock
-	if c.o.Lock {
-		l := raw.Lock(false, true)
-		lock = &l
-	}
+	lock := c.o.lock(raw.Lock, false, true)
 	f, err := aio.Open(real, aio.Options{Backend: c.o.Backend, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
 	if err != nil {
 		return nil, shown, fmt.Errorf("%s: file %s it names: %w", image, shown, err)
@@ -156,14 +153,8 @@ func (c *chain) openRelatedImage(image, name, format string) (formats.Image, str
 	if err != nil {
 		return nil, shown, err
 	}
-	if format == "" {
-		format = Auto
-	}
-	img, _, err := c.open(shown, format, false, true)
-	if err != nil {
-		return nil, shown, err
-	}
-	return img, shown, nil
+	img, _, err := c.open(shown, cmp.Or(format, Auto), false, true)
+	return img, shown, err
 }
 
 // qemuPath is name as QEMU forms it from the image's path: a relative

@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,7 +12,6 @@ import (
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/protocols/remote"
@@ -128,12 +128,8 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 		}
 		b = hb
 	case remotes3.IsURL(spec):
-		conns := o.Remote.Connections
-		if conns <= 0 {
-			conns = remote.DefaultConnections
-		}
 		sb, err := remotes3.New(ctx, spec, remotes3.Options{Endpoint: o.Remote.S3Endpoint, PathStyle: o.Remote.S3PathStyle,
-			Connections: conns, CAFile: o.Remote.TLSCA})
+			Connections: cmp.Or(o.Remote.Connections, remote.DefaultConnections), CAFile: o.Remote.TLSCA})
 		if err != nil {
 			if errors.Is(err, remotes3.ErrBadURL) && !fromImage {
 				return nil, badSpec("%v", err)
@@ -173,9 +169,8 @@ func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (fo
 // openRemoteFile opens the remote object spec and finds its format
 // (Auto: probed; raw: a warning where it looks like another).
 func (c *chain) openRemoteFile(ctx context.Context, spec, format string, backing bool) (aio.File, driver.Format, error) {
-	c.depth++
-	if c.depth > maxChainDepth {
-		return nil, driver.Format{}, fmt.Errorf("%w: backing chain deeper than %d", qcow2.ErrCorrupt, maxChainDepth)
+	if err := c.deeper(); err != nil {
+		return nil, driver.Format{}, err
 	}
 	f, err := openRemote(ctx, spec, c.o, backing)
 	if err != nil {
@@ -220,10 +215,7 @@ func checkRemote(ctx context.Context, spec string, o Options, repair int) (forma
 	if repair != driver.RepairNone {
 		return formats.CheckResult{}, badSpec("%s is remote and read-only: it cannot be repaired", Shown(spec))
 	}
-	format := o.Format
-	if format == "" {
-		format = Auto
-	}
+	format := cmp.Or(o.Format, Auto)
 	o.NoBacking = true
 	c := newChain(o)
 	octx, cancel := context.WithTimeout(ctx, remoteOpenTimeout)

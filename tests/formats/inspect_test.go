@@ -2,6 +2,7 @@ package formats
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -185,5 +186,39 @@ func TestInspectRefusesWhatItCannotRead(t *testing.T) {
 	}
 	if code != 0 || json.Unmarshal([]byte(out), &info) != nil || info.Format != "null" || info.VirtualSize != 1<<30 {
 		t.Errorf("info of null:1G: exit %d, %s", code, out)
+	}
+}
+
+// TestInfoHumanSizesMatchQemuImg: the virtual size line of info is
+// byte-equal to qemu-img's for raw images whose sizes sit where its
+// three significant digits and its unit switch at 1000 show (qemu-img
+// rounds a raw image up to 512 bytes, so the sizes are multiples of it).
+func TestInfoHumanSizesMatchQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	for _, size := range []int64{0, 512, 1024, 1536, 1000 * 1024, 1023 * 1024, 1048064, 1 << 20, 1536 << 10, 10 << 30} {
+		img := filepath.Join(dir, fmt.Sprintf("%d.raw", size))
+		if err := os.WriteFile(img, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(img, size); err != nil {
+			t.Fatal(err)
+		}
+		line := func(out string) string {
+			for l := range strings.Lines(out) {
+				if strings.HasPrefix(l, "virtual size:") {
+					return l
+				}
+			}
+			t.Fatalf("no virtual size line in\n%s", out)
+			return ""
+		}
+		want := line(harness.Run(t, "qemu-img", "info", "-f", "raw", img))
+		code, out := harness.RunBlockexport(t, "info", "-f", "raw", img)
+		if code != 0 {
+			t.Fatalf("blockexport info: exit %d: %s", code, out)
+		}
+		if got := line(out); got != want {
+			t.Errorf("%d bytes: ours %q, qemu-img %q", size, got, want)
+		}
 	}
 }

@@ -80,14 +80,7 @@ func New(_ context.Context, f aio.File, o Options) (*Image, error) {
 		f.Close()
 		return nil, fmt.Errorf("raw: stat %s: %w", f.Name(), err)
 	}
-	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFREG:
-	case unix.S_IFBLK:
-		img.blockDev = true
-	default:
-		f.Close()
-		return nil, fmt.Errorf("raw: %s: not a regular file or block device", f.Name())
-	}
+	img.blockDev = st.Mode&unix.S_IFMT == unix.S_IFBLK // else regular: aio.Open takes nothing else
 	size, err := unix.Seek(f.Fd(), 0, io.SeekEnd)
 	if err != nil {
 		f.Close()
@@ -205,23 +198,7 @@ func (r *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) er
 			return fmt.Errorf("raw: zero range [%d, +%d): %w", off, n, err)
 		}
 	}
-	return r.writeZeroBuffers(ctx, off, n)
-}
-
-// writeZeroBuffers is the fallback for hosts without zeroing fallocate
-// modes: write zeroes in 1 MiB chunks.
-func (r *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
-	const chunk = 1 << 20
-	zero := aio.AlignedBuf(int(min(n, chunk)), max(r.align, 4096))
-	for n > 0 {
-		c := min(n, int64(len(zero)))
-		if _, err := r.WriteAt(ctx, zero[:c], off); err != nil {
-			return err
-		}
-		off += c
-		n -= c
-	}
-	return nil
+	return formats.WriteZeroBuffers(ctx, r.WriteAt, off, n, max(r.align, 4096))
 }
 
 func notSupported(err error) bool {

@@ -2,6 +2,7 @@ package vdi
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -94,7 +95,7 @@ func Check(ctx context.Context, f aio.File, _ driver.Options, repair int) (forma
 			return res, fmt.Errorf("%s: vdi: read block map: %w", f.Name(), err)
 		}
 		for j := range n {
-			entry(i+j, leUint32(buf[4*j:]))
+			entry(i+j, binary.LittleEndian.Uint32(buf[4*j:]))
 		}
 		i += n
 		if err := ctx.Err(); err != nil {
@@ -148,10 +149,6 @@ func (u usedBlocks) mark(e uint32) bool {
 	was := c[w]&bit != 0
 	c[w] |= bit
 	return was
-}
-
-func leUint32(b []byte) uint32 {
-	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
 }
 
 // readHeader reads and checks the header as QEMU's vdi_open does; a short

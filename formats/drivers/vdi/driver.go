@@ -21,8 +21,5 @@ func Driver() driver.Format {
 // Probe: the signature 0xbeda107f, little-endian, at 64, after the
 // 64-byte text of a 512-byte header (QEMU's vdi_probe).
 func Probe(head []byte, _ string) int {
-	if len(head) >= 512 && binary.LittleEndian.Uint32(head[64:]) == signature {
-		return 100
-	}
-	return 0
+	return driver.Score(len(head) >= 512 && binary.LittleEndian.Uint32(head[64:]) == signature, 100)
 }

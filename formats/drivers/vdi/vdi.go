@@ -214,9 +214,6 @@ func (img *Image) loadBmap(ctx context.Context, fileSize int64) error {
 	return nil
 }
 
-// Header returns the image's header, with the disk size as in use.
-func (img *Image) Header() Header { return img.h }
-
 func (img *Image) Size() int64 { return img.size }
 
 // locate says where the bytes at off lie, to the end of their block: an
@@ -235,11 +232,7 @@ func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run,
 // Info is qemu-img info's: the block size as cluster size, and no
 // format-specific block (QEMU 7.2's vdi driver prints none).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual,
+	return formats.Info{Format: "vdi", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: img.ActualSize(),
 		ClusterSize: blockSize, RequestAlignment: 1}
 }
 

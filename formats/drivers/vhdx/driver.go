@@ -20,8 +20,5 @@ func Driver() driver.Format {
 
 // Probe: "vhdxfile", the file identifier (QEMU's vhdx_probe).
 func Probe(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("vhdxfile")) {
-		return 100
-	}
-	return 0
+	return driver.Score(bytes.HasPrefix(head, []byte("vhdxfile")), 100)
 }

@@ -197,19 +197,7 @@ func (l *logView) activeSequence() ([]logEntry, error) {
 // here), the file write GUID renewed. It says whether a log was
 // replayed. f stays open.
 func Replay(ctx context.Context, f aio.File) (bool, error) {
-	size, err := aio.FileSize(f)
-	if err != nil {
-		return false, fmt.Errorf("vhdx: %w", err)
-	}
-	r := &reader{ctx: ctx, f: f, name: f.Name(), size: uint64(size)}
-	id, err := r.read(0, 8)
-	if err != nil {
-		return false, err
-	}
-	if Probe(id, "") == 0 {
-		return false, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, r.name)
-	}
-	h, err := r.headers()
+	r, h, err := readHeaders(ctx, f, nil)
 	if err != nil {
 		return false, err
 	}

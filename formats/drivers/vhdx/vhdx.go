@@ -20,8 +20,6 @@ import (
 	"io"
 	"slices"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
@@ -136,7 +134,6 @@ type Image struct {
 	blockSize      int64
 	logicalSector  uint32
 	physicalSector uint32
-	fixed          bool // leave_blocks_allocated
 	// bat holds the payload entries only, one per data block: what reads
 	// need, never more than QEMU's BAT copy.
 	bat []uint64
@@ -167,29 +164,7 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 // end of the file are listed there instead of refused.
 func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, error) {
 	name := f.Name()
-	var st unix.Stat_t
-	if !aio.HasFd(f) {
-		st.Mode = unix.S_IFREG // a remote object: FileSize below is all there is
-	} else if err := unix.Fstat(f.Fd(), &st); err != nil {
-		return nil, fmt.Errorf("vhdx: stat %s: %w", name, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG && st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		return nil, fmt.Errorf("vhdx: %s: not a regular file or block device", name)
-	}
-	fileSize, err := aio.FileSize(f)
-	if err != nil {
-		return nil, fmt.Errorf("vhdx: %w", err)
-	}
-	r := reader{ctx: ctx, f: f, name: name, size: uint64(fileSize), found: found}
-
-	id, err := r.read(0, 8)
-	if err != nil {
-		return nil, err
-	}
-	if Probe(id, "") == 0 {
-		return nil, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, name)
-	}
-	h, err := r.headers()
+	r, h, err := readHeaders(ctx, f, found)
 	if err != nil {
 		return nil, err
 	}
@@ -225,6 +200,25 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 			return img.readPartial(ctx, p, off, r.Host-off%img.blockSize)
 		}}
 	return img, nil
+}
+
+// readHeaders makes the reader of f (a host file aio.Open accepted, or a
+// remote object) and reads its file identifier and active header.
+func readHeaders(ctx context.Context, f aio.File, found *[]string) (*reader, header, error) {
+	size, err := aio.FileSize(f)
+	if err != nil {
+		return nil, header{}, fmt.Errorf("vhdx: %w", err)
+	}
+	r := &reader{ctx: ctx, f: f, name: f.Name(), size: uint64(size), found: found}
+	id, err := r.read(0, 8)
+	if err != nil {
+		return nil, header{}, err
+	}
+	if Probe(id, "") == 0 {
+		return nil, header{}, fmt.Errorf("%w: %s: no VHDX file identifier", ErrCorrupt, r.name)
+	}
+	h, err := r.headers()
+	return r, h, err
 }
 
 // reader reads the metadata of one file at open.
@@ -463,7 +457,6 @@ func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	}
 	img.blockSize = int64(bs)
 	img.logicalSector, img.physicalSector = ls, ps
-	img.fixed = flags&1 != 0
 	// QEMU's size is in whole 512-byte sectors.
 	img.size = int64(vs) &^ 511
 	return locator, nil
@@ -613,24 +606,13 @@ func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Ru
 // the cluster size, and no format-specific block (QEMU's vhdx driver has
 // no bdrv_get_specific_info).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	inf := formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: actual,
+	inf := formats.Info{Format: "vhdx", Filename: img.path, VirtualSize: img.size, ActualSize: img.ActualSize(),
 		ClusterSize: img.blockSize, RequestAlignment: 1}
 	if img.diff {
 		inf.BackingFilename, inf.FullBackingFilename, inf.BackingFilenameFormat = img.parentName, img.parentName, "vhdx"
 	}
 	return inf
 }
-
-// BlockSize, LogicalSectorSize, PhysicalSectorSize and Fixed describe the
-// image's metadata.
-func (img *Image) BlockSize() int64           { return img.blockSize }
-func (img *Image) LogicalSectorSize() uint32  { return img.logicalSector }
-func (img *Image) PhysicalSectorSize() uint32 { return img.physicalSector }
-func (img *Image) Fixed() bool                { return img.fixed }
 
 // Close closes the file and the parent's.
 func (img *Image) Close() error {

@@ -194,8 +194,8 @@ func TestVhdxReadsEveryBlockState(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if img.Size() != 8*mib || img.BlockSize() != mib || img.LogicalSectorSize() != 512 || img.PhysicalSectorSize() != 4096 {
-		t.Fatalf("size %d block %d sectors %d/%d", img.Size(), img.BlockSize(), img.LogicalSectorSize(), img.PhysicalSectorSize())
+	if img.Size() != 8*mib || img.blockSize != mib || img.logicalSector != 512 || img.physicalSector != 4096 {
+		t.Fatalf("size %d block %d sectors %d/%d", img.Size(), img.blockSize, img.logicalSector, img.physicalSector)
 	}
 	buf := make([]byte, 8*mib)
 	if _, err := img.ReadAt(context.Background(), buf, 0); err != nil {

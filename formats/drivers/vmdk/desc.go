@@ -17,15 +17,10 @@ const maxDescFile = 1<<20 - 1
 // maxExtents bounds a descriptor's extent lines: each is an open file.
 const maxExtents = 4096
 
-// descriptor is what a VMDK text descriptor says.
+// descriptor is what a VMDK text descriptor says of the chain.
 type descriptor struct {
-	createType string
-	cid        uint32
-	parentCID  uint32
-	hasCID     bool
-	hasParent  bool
-	parentHint string
-	extents    []extentLine
+	cid, parentCID uint32
+	parentHint     string
 }
 
 // extentLine is one extent of a descriptor: access sectors type "name" [offset].
@@ -46,16 +41,13 @@ func parseCIDs(text string, d *descriptor) error {
 	if i := strings.IndexByte(text, 0); i >= 0 {
 		text = text[:i]
 	}
-	cid, ok := hexAfter(text, "CID")
-	if !ok {
+	var ok bool
+	if d.cid, ok = hexAfter(text, "CID"); !ok {
 		return fmt.Errorf("%w: descriptor has no CID", ErrCorrupt)
 	}
-	d.cid, d.hasCID = cid, true
-	pcid, ok := hexAfter(text, "parentCID")
-	if !ok {
+	if d.parentCID, ok = hexAfter(text, "parentCID"); !ok {
 		return fmt.Errorf("%w: descriptor has no parentCID", ErrCorrupt)
 	}
-	d.parentCID, d.hasParent = pcid, true
 	if i := strings.Index(text, "parentFileNameHint"); i >= 0 {
 		rest := text[i+len("parentFileNameHint"):]
 		if len(rest) < 2 {
@@ -156,20 +148,11 @@ func parseExtents(text string) ([]extentLine, error) {
 				tail = nil
 			}
 		}
-		switch typ {
-		case "FLAT":
-			if len(tail) == 0 || e.offset < 0 {
-				return nil, fmt.Errorf("%w: invalid extent line: %s", ErrCorrupt, line)
-			}
-		case "VMFS":
-			if len(tail) != 0 {
-				return nil, fmt.Errorf("%w: invalid extent line: %s", ErrCorrupt, line)
-			}
+		if typ == "FLAT" && (len(tail) == 0 || e.offset < 0) || typ != "FLAT" && len(tail) != 0 {
+			return nil, fmt.Errorf("%w: invalid extent line: %s", ErrCorrupt, line)
+		}
+		if typ == "VMFS" {
 			e.offset = 0
-		default:
-			if len(tail) != 0 {
-				return nil, fmt.Errorf("%w: invalid extent line: %s", ErrCorrupt, line)
-			}
 		}
 		if sectors <= 0 {
 			continue

@@ -103,39 +103,46 @@ func readFooter(ctx context.Context, f aio.File, fileSize int64) (header, error)
 
 // openSparse makes the sparse extent of f (whose first bytes are head),
 // checking every field against the file before anything is allocated by it.
-func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) (header, error) {
+func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) error {
 	h := parseHeader(head)
+	if h.capacity == 0 && h.descOffset != 0 {
+		// QEMU then reads the embedded descriptor as a descriptor file,
+		// whose extents may name this very file: it recurses without
+		// bound. Such a file is refused.
+		return fmt.Errorf("%w: sparse file of capacity 0 with a descriptor of its own (QEMU recurses on it): refused", ErrCorrupt)
+	}
+	e.headerEnd = sectorSize
 	if h.gdOffset == gdAtEnd {
 		var err error
 		if h, err = readFooter(ctx, e.f, fileSize); err != nil {
-			return h, err
+			return err
 		}
 		if h.gdOffset == gdAtEnd {
-			return h, fmt.Errorf("%w: footer puts the grain directory at the end too", ErrCorrupt)
+			return fmt.Errorf("%w: footer puts the grain directory at the end too", ErrCorrupt)
 		}
 	}
 	if h.version > 3 {
-		return h, fmt.Errorf("%w: VMDK version %d", ErrUnsupported, h.version)
+		return fmt.Errorf("%w: VMDK version %d", ErrUnsupported, h.version)
 	}
 	if h.numGTEs > maxGTEs {
-		return h, fmt.Errorf("%w: L2 table size too big (%d grain table entries, at most %d)", ErrCorrupt, h.numGTEs, maxGTEs)
+		return fmt.Errorf("%w: L2 table size too big (%d grain table entries, at most %d)", ErrCorrupt, h.numGTEs, maxGTEs)
 	}
 	if h.granularity > maxGrainSectors {
-		return h, fmt.Errorf("%w: invalid granularity %d sectors", ErrCorrupt, h.granularity)
+		return fmt.Errorf("%w: invalid granularity %d sectors", ErrCorrupt, h.granularity)
 	}
 	gtSectors := uint64(h.numGTEs) * h.granularity
 	if gtSectors == 0 {
-		return h, fmt.Errorf("%w: L1 entry size is invalid (%d entries of %d sectors)", ErrCorrupt, h.numGTEs, h.granularity)
+		return fmt.Errorf("%w: L1 entry size is invalid (%d entries of %d sectors)", ErrCorrupt, h.numGTEs, h.granularity)
 	}
 	if h.capacity > maxSectors {
-		return h, fmt.Errorf("%w: capacity of %d sectors", ErrCorrupt, h.capacity)
+		return fmt.Errorf("%w: capacity of %d sectors", ErrCorrupt, h.capacity)
 	}
 	gdEntries := (h.capacity + gtSectors - 1) / gtSectors
 	if gdEntries > maxGDEntries {
-		return h, fmt.Errorf("%w: L1 size too big", ErrCorrupt)
+		return fmt.Errorf("%w: L1 size too big", ErrCorrupt)
 	}
 	if h.grainOffset > uint64(fileSize)/sectorSize {
-		return h, fmt.Errorf("%w: file truncated, expecting at least %d bytes", ErrCorrupt, h.grainOffset*sectorSize)
+		return fmt.Errorf("%w: file truncated, expecting at least %d bytes", ErrCorrupt, h.grainOffset*sectorSize)
 	}
 	e.sparse = true
 	e.size = int64(h.capacity) * sectorSize
@@ -149,7 +156,7 @@ func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) (he
 	if e.compressed && e.grain > maxCompressedGrain {
 		// A compressed grain is inflated whole: QEMU's 1 GiB grain would
 		// cost 3 GiB a read whatever the file holds.
-		return h, fmt.Errorf("%w: compressed grains of %d bytes (at most %d read; VMware writes 64 KiB)", ErrUnsupported, e.grain, maxCompressedGrain)
+		return fmt.Errorf("%w: compressed grains of %d bytes (at most %d read; VMware writes 64 KiB)", ErrUnsupported, e.grain, maxCompressedGrain)
 	}
 
 	gd, err := readGD(ctx, e, h.gdOffset, gdEntries, fileSize)
@@ -158,16 +165,16 @@ func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) (he
 		// does not check out. QEMU reads the primary only.
 		rgd, rerr := readGD(ctx, e, h.rgdOffset, gdEntries, fileSize)
 		if rerr != nil {
-			return h, fmt.Errorf("%w (and the redundant one: %v)", err, rerr)
+			return fmt.Errorf("%w (and the redundant one: %v)", err, rerr)
 		}
 		gd, err = rgd, nil
 		e.usedRGD = true
 	}
 	if err != nil {
-		return h, err
+		return err
 	}
 	e.gd = gd
-	return h, nil
+	return nil
 }
 
 // readGD reads a grain directory of n entries at sector off and checks

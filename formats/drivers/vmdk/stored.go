@@ -13,8 +13,7 @@ import (
 // in runs of about 16 KiB with a 5-byte block header between them. Such a
 // grain is read in place, as a monolithicSparse grain is (one pread of
 // the bytes asked for), once its stream has been walked and its checksum
-// checked: inflating the whole grain for each 4 KiB read costs 40 µs, and
-// a cache of inflated grains holds 32 MiB of a disk.
+// checked (docs/design.md, Stored grains and the inflater).
 
 // storedRun is one stored block: the grain's bytes from out on lie in the
 // file at host (until the next run's out, or the grain's end).

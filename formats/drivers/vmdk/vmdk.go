@@ -20,10 +20,12 @@
 package vmdk
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"sort"
 	"strings"
 	"sync"
 
@@ -143,10 +145,7 @@ type Image struct {
 // New opens the VMDK image of f, which it owns from now on (Close closes
 // it; so does a failed New).
 func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
-	im := &Image{f: f, name: o.Name, direct: o.Direct}
-	if im.name == "" {
-		im.name = f.Name()
-	}
+	im := &Image{f: f, name: cmp.Or(o.Name, f.Name()), direct: o.Direct}
 	defer func() {
 		if err != nil {
 			im.Close()
@@ -181,15 +180,8 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 		if size < 512 {
 			return nil, fmt.Errorf("%w: sparse header cut short (%d bytes)", ErrCorrupt, size)
 		}
-		h := parseHeader(head)
-		if h.capacity == 0 && h.descOffset != 0 {
-			// QEMU then reads the embedded descriptor as a descriptor
-			// file, whose extents may name this very file: it recurses
-			// without bound. Such a file is refused.
-			return nil, fmt.Errorf("%w: sparse file of capacity 0 whose embedded descriptor is the image (QEMU recurses on it): refused", ErrCorrupt)
-		}
-		e := &extent{f: f, name: im.name, headerEnd: sectorSize}
-		if _, err := openSparse(ctx, e, head, size); err != nil {
+		e := &extent{f: f, name: im.name}
+		if err := openSparse(ctx, e, head, size); err != nil {
 			return nil, err
 		}
 		im.extents = append(im.extents, e)
@@ -318,11 +310,7 @@ func (im *Image) openExtents(ctx context.Context, lines []extentLine, o Options)
 			if [4]byte(head[:4]) != magic {
 				return fmt.Errorf("%w: extent %s is not a VMDK sparse file", ErrCorrupt, shown)
 			}
-			if h := parseHeader(head); h.capacity == 0 && h.descOffset != 0 {
-				return fmt.Errorf("%w: sparse extent %s of capacity 0 with a descriptor of its own: refused", ErrCorrupt, shown)
-			}
-			e.headerEnd = sectorSize
-			if _, err := openSparse(ctx, e, head, fs); err != nil {
+			if err := openSparse(ctx, e, head, fs); err != nil {
 				return fmt.Errorf("extent %s: %w", shown, err)
 			}
 		}
@@ -374,17 +362,9 @@ func depth(img formats.Image) int {
 
 // find returns the extent holding virtual offset off.
 func (im *Image) find(off int64) *extent {
-	lo, hi := 0, len(im.extents)
-	for lo < hi {
-		m := (lo + hi) / 2
-		e := im.extents[m]
-		if off < e.start {
-			hi = m
-		} else if off >= e.start+e.size {
-			lo = m + 1
-		} else {
-			return e
-		}
+	i := sort.Search(len(im.extents), func(i int) bool { return off < im.extents[i].start+im.extents[i].size })
+	if i < len(im.extents) && off >= im.extents[i].start {
+		return im.extents[i]
 	}
 	return nil
 }
@@ -542,34 +522,24 @@ func extentLines(s SpecificInfo) []string {
 }
 
 // Backing is the parent of a delta disk, or nil.
-func (im *Image) Backing() formats.Image {
-	if im.parent == nil {
-		return nil
-	}
-	return im.parent
-}
+func (im *Image) Backing() formats.Image { return im.parent }
 
 func (im *Image) Size() int64 { return im.size }
 
 // Close closes the image's files and its parent.
 func (im *Image) Close() error {
 	var first error
+	keep := func(err error) { first = cmp.Or(first, err) }
 	for _, e := range im.extents {
 		if e.owned && e.f != nil {
-			if err := e.f.Close(); err != nil && first == nil {
-				first = err
-			}
+			keep(e.f.Close())
 		}
 	}
 	if im.parent != nil {
-		if err := im.parent.Close(); err != nil && first == nil {
-			first = err
-		}
+		keep(im.parent.Close())
 	}
 	if im.f != nil {
-		if err := im.f.Close(); err != nil && first == nil {
-			first = err
-		}
+		keep(im.f.Close())
 	}
 	return first
 }

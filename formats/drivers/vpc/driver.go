@@ -22,8 +22,5 @@ func Driver() driver.Format {
 // vpc_probe). A fixed VHD has its footer only at the end: QEMU probes it
 // as raw, and so does this (its disk is the file's first bytes).
 func Probe(head []byte, _ string) int {
-	if bytes.HasPrefix(head, []byte("conectix")) {
-		return 100
-	}
-	return 0
+	return driver.Score(bytes.HasPrefix(head, []byte("conectix")), 100)
 }

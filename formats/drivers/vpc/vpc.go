@@ -24,6 +24,7 @@ package vpc
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -385,15 +386,7 @@ func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 		}
 		used = append(used, region{start, end})
 	}
-	slices.SortFunc(used, func(a, b region) int {
-		if a.start != b.start {
-			if a.start < b.start {
-				return -1
-			}
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(used, func(a, b region) int { return cmp.Compare(a.start, b.start) })
 	for k := 1; k < len(used); k++ {
 		if used[k].start < used[k-1].end {
 			return nil, fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
@@ -455,11 +448,7 @@ func (img *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.
 // none for a fixed one, and no format-specific block (QEMU 7.2's vpc
 // driver prints none).
 func (img *Image) Info() formats.Info {
-	actual, err := img.AllocatedSize(context.Background())
-	if err != nil {
-		actual = -1
-	}
-	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: actual, RequestAlignment: 1,
+	i := formats.Info{Format: "vpc", Filename: img.f.Name(), VirtualSize: img.size, ActualSize: img.ActualSize(), RequestAlignment: 1,
 		BackingFilename: img.parentName, FullBackingFilename: img.parentFull}
 	if img.parentName != "" {
 		i.BackingFilenameFormat = "vpc"
@@ -469,9 +458,6 @@ func (img *Image) Info() formats.Info {
 	}
 	return i
 }
-
-// Footer returns the footer's fields.
-func (img *Image) Footer() Footer { return img.footer }
 
 func (img *Image) Close() error {
 	if img.parent != nil {

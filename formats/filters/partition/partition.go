@@ -190,20 +190,16 @@ func parseMBR(ctx context.Context, r Reader, entries [4]mbrEntry) (*Table, error
 	// Primaries and extended containers must not overlap one another;
 	// logical partitions must not overlap each other (they lie inside
 	// their container by construction).
-	outer := append([]Partition(nil), extended...)
+	outer, logical := append([]Partition(nil), extended...), []Partition(nil)
 	for _, p := range t.Partitions {
-		if !p.Logical {
+		if p.Logical {
+			logical = append(logical, p)
+		} else {
 			outer = append(outer, p)
 		}
 	}
 	if err := checkOverlaps(outer); err != nil {
 		return nil, err
-	}
-	var logical []Partition
-	for _, p := range t.Partitions {
-		if p.Logical {
-			logical = append(logical, p)
-		}
 	}
 	if err := checkOverlaps(logical); err != nil {
 		return nil, err
@@ -405,8 +401,8 @@ func gptTable(h gptHeader, ents []byte, ss int64, backup bool, size int64) (*Tab
 	le := binary.LittleEndian
 	for i := 0; i < int(h.numEntries); i++ {
 		e := ents[i*gptEntrySize : (i+1)*gptEntrySize]
-		if allZero(e[:16]) {
-			continue // an unused entry
+		if [16]byte(e[:16]) == [16]byte{} {
+			continue // an unused entry: no type GUID
 		}
 		n := i + 1
 		first, last := le.Uint64(e[32:]), le.Uint64(e[40:])
@@ -432,15 +428,6 @@ func gptTable(h gptHeader, ents []byte, ss int64, backup bool, size int64) (*Tab
 		return nil, err
 	}
 	return t, nil
-}
-
-func allZero(b []byte) bool {
-	for _, c := range b {
-		if c != 0 {
-			return false
-		}
-	}
-	return true
 }
 
 // guidString formats a GUID in its mixed-endian text form.

@@ -32,11 +32,6 @@ func NewRange(img formats.Image, start, size int64, name string) (*Range, error)
 	return &Range{Filter: formats.Filter{Image: img}, start: start, size: size, name: name}, nil
 }
 
-// Open serves partition p of img.
-func Open(img formats.Image, p Partition, name string) (*Range, error) {
-	return NewRange(img, p.Start, p.Size, name)
-}
-
 // check refuses a request that leaves the range; off and n are the
 // range's own.
 func (r *Range) check(op string, off, n int64) error {
@@ -151,9 +146,6 @@ func (r *Range) Info() formats.Info {
 
 // Close releases nothing: the disk is the caller's.
 func (r *Range) Close() error { return nil }
-
-// Start is where the range begins on the disk.
-func (r *Range) Start() int64 { return r.start }
 
 // FixedDisk is the disk served beside its partitions: its size is fixed,
 // because the partitions are ranges read from its table at this size (a

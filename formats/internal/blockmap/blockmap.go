@@ -297,3 +297,11 @@ func (m *Map) AllocatedSize(context.Context) (int64, error) {
 	}
 	return a, nil
 }
+
+// ActualSize is AllocatedSize as info shows it: -1 when unknown.
+func (m *Map) ActualSize() int64 {
+	if a, err := m.AllocatedSize(context.Background()); err == nil {
+		return a
+	}
+	return -1
+}

@@ -103,6 +103,15 @@ type CreateOptions struct {
 	LazyRefcounts bool
 }
 
+// Score is a probe's score: n for a file that has what the format's
+// probe looks for (100 for its magic), else 0.
+func Score(has bool, n int) int {
+	if has {
+		return n
+	}
+	return 0
+}
+
 // ProbeHead is how much of a file detection reads: QEMU's
 // BLOCK_PROBE_BUF_SIZE. A shorter file is read as if padded with zeroes,
 // as QEMU's block layer reads past the end of a file.

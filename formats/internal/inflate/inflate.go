@@ -3,16 +3,13 @@
 // streamOptimized grain or a qcow2 compressed cluster, decoded once and
 // then cached.
 //
-// Why not a library: compress/flate and klauspost's flate are streaming
-// decoders. They decode into a 32 KiB window of their own and copy out of
-// it, pull input a byte at a time through an io.ByteReader, and decode a
-// symbol per call of their state machine. Random reads of a
-// streamOptimized disk inflate a 64 KiB grain per read, so that speed is
-// the row's speed: klauspost's inflate ran a Huffman-coded grain at about
-// half zlib's speed, and QEMU's reads (zlib) were faster than ours. Here the
-// output buffer is the window, the input is read 8 bytes at a time into a
-// 64-bit bit buffer, and a symbol is one table load. Every length, distance
-// and code is checked against the stream's rules as zlib checks them; the
+// Why not a library: compress/flate and klauspost's flate decode through
+// a window of their own and an io.ByteReader, and a random read of a
+// streamOptimized disk inflates a grain, so that speed is the row's
+// (docs/design.md, Stored grains and the inflater). Here the output
+// buffer is the window, the input is read 8 bytes at a time into a 64-bit
+// bit buffer, and a symbol is one table load. Every length, distance and
+// code is checked against the stream's rules as zlib checks them; the
 // package's fuzzer compares it with compress/flate on the same input.
 package inflate
 

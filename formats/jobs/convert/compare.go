@@ -21,10 +21,8 @@ type CompareOptions struct {
 	Strict bool
 	// Parallel is how many reads may be in flight (default 8).
 	Parallel int
-	// Chunk is the largest read (default 256 KiB: the buffers of all the
-	// reads in flight then stay in the CPU's caches between the read that
-	// fills them and the comparison; with 4 MiB ones, each byte went to
-	// memory and back, and a page-cached compare cost half again more CPU).
+	// Chunk is the largest read (default 256 KiB: the buffers in flight
+	// stay in the CPU's caches; docs/design.md, Convert's chunk sizes).
 	Chunk int64
 	// Progress, when set, is told how far the walk has come.
 	Progress func(done, total int64)
@@ -32,7 +30,6 @@ type CompareOptions struct {
 
 // Mismatch kinds, in qemu-img compare's terms.
 const (
-	MismatchNone    = ""
 	MismatchContent = "content"      // "Content mismatch at offset N!"
 	MismatchSize    = "size"         // strict: "Strict mode: Image size mismatch!"
 	MismatchStatus  = "block-status" // strict: "Strict mode: Offset N block status mismatch!"
@@ -140,8 +137,7 @@ func Compare(ctx context.Context, a, b formats.Image, o CompareOptions) (Compare
 	sa, sb := a.Size(), b.Size()
 	// QEMU sees sizes in whole sectors: a 1000-byte raw file and a
 	// 1024-byte image are the same size to qemu-img compare.
-	sectors := func(n int64) int64 { return n/512 + min(n%512, 1) }
-	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sectors(sa) != sectors(sb)}
+	r := CompareResult{Identical: true, SizeA: sa, SizeB: sb, SizeMismatch: sectorsUp(sa) != sectorsUp(sb)}
 	if o.Strict && r.SizeMismatch {
 		r.Identical, r.Mismatch = false, MismatchSize
 		return r, nil

@@ -52,11 +52,9 @@ type Options struct {
 	// Compressed: data clusters are stored compressed (-c).
 	Compressed CompressedTarget
 	// Chunk is the unit of work, the largest read; default 256 KiB (or a
-	// cluster, or a -S granule, when larger). Small enough that the
-	// buffers of all the chunks in flight stay in the CPU's caches from
-	// the read that fills them to the write that empties them: with 16 of
-	// 2 MiB, every byte went to memory and back, and a page-cached
-	// qcow2 to raw cost twice the CPU.
+	// cluster, or a -S granule, when larger): small enough that the
+	// buffers in flight stay in the CPU's caches from the read to the
+	// write (docs/design.md, Convert's chunk sizes).
 	Chunk int64
 	// Progress is told how far the target holds the source (Stats.Done),
 	// from any goroutine, one call at a time.
@@ -132,8 +130,7 @@ func Convert(ctx context.Context, src formats.Image, dst Target, o Options) (Sta
 		if cs <= 0 || cs > 64<<20 {
 			return Stats{}, fmt.Errorf("convert: cluster size %d", cs)
 		}
-		e.granule = cs
-		o.Chunk = (max(o.Chunk, cs) + cs - 1) / cs * cs
+		e.granule = cs // chunks of whole clusters, below
 	case o.MinSparse > 0:
 		e.granule = o.MinSparse
 	case o.Backing != nil:

@@ -261,18 +261,7 @@ func (j Job) create(size int64) error {
 	co := j.Create
 	co.Size, co.Force = (size+511)&^511, true
 	if j.Backing != "" {
-		bpath := j.Backing
-		if !filepath.IsAbs(bpath) && !nbd.IsURI(bpath) {
-			bpath = filepath.Join(filepath.Dir(j.Target), bpath)
-		}
-		bf := j.BackingFormat
-		if bf == "" {
-			bf = registry.Auto
-		}
-		if _, err := registry.ParseFormat(bf); err != nil || bf == registry.Null {
-			return badRequest("-F %q (want %s)", bf, registry.OrList(registry.FileFormats()))
-		}
-		b, err := registry.Open(bpath, registry.Options{Format: bf, Backend: "threads"})
+		b, err := registry.OpenBackingFile(j.Target, j.Backing, j.BackingFormat, registry.Options{Backend: "threads"})
 		if err != nil {
 			if errors.Is(err, registry.ErrBadSpec) {
 				return err

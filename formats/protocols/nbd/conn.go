@@ -638,32 +638,30 @@ func (c *conn) chunk(cl *call, typ uint16, length uint32) error {
 		} else if _, err := io.ReadFull(c.r, cl.buf[start:start+n]); err != nil {
 			return err
 		}
-	case wire.ChunkBlockStatus:
-		if cl.cmd != wire.CmdBlockStatus || c.info.extended || length < 12 || (length-4)%8 != 0 || length > maxChunkOverhead {
-			return fmt.Errorf("%w: BLOCK_STATUS chunk of %d bytes", errProtocol, length)
+	case wire.ChunkBlockStatus, wire.ChunkBlockStatusExt:
+		// The context, then descriptors of a 32-bit length and flags; or
+		// under extended headers the context, a descriptor count, then
+		// 64-bit lengths and flags.
+		ext := typ == wire.ChunkBlockStatusExt
+		head, desc := uint32(4), uint32(8)
+		if ext {
+			head, desc = 8, 16
+		}
+		if cl.cmd != wire.CmdBlockStatus || c.info.extended != ext || length < head+desc || (length-head)%desc != 0 || length > maxChunkOverhead {
+			return fmt.Errorf("%w: block status chunk (type %d) of %d bytes", errProtocol, typ, length)
 		}
 		b := make([]byte, length)
 		if _, err := io.ReadFull(c.r, b); err != nil {
 			return err
 		}
-		if be.Uint32(b) == c.info.allocCtx && !cl.gotExt {
-			cl.extLen, cl.extFlags, cl.gotExt = uint64(be.Uint32(b[4:])), be.Uint32(b[8:]), true
-		}
-	case wire.ChunkBlockStatusExt:
-		// Context, descriptor count, then 64-bit lengths and flags.
-		if cl.cmd != wire.CmdBlockStatus || !c.info.extended || length < 24 || (length-8)%16 != 0 || length > maxChunkOverhead {
-			return fmt.Errorf("%w: BLOCK_STATUS_EXT chunk of %d bytes", errProtocol, length)
-		}
-		b := make([]byte, length)
-		if _, err := io.ReadFull(c.r, b); err != nil {
-			return err
-		}
-		if n := be.Uint32(b[4:]); uint64(n) != uint64(length-8)/16 {
+		if n := be.Uint32(b[4:]); ext && uint64(n) != uint64(length-8)/16 {
 			return fmt.Errorf("%w: BLOCK_STATUS_EXT chunk of %d bytes says %d descriptors", errProtocol, length, n)
 		}
 		if be.Uint32(b) == c.info.allocCtx && !cl.gotExt {
-			// base: contexts' flags are 32 bits; the high half is zero.
-			cl.extLen, cl.extFlags, cl.gotExt = be.Uint64(b[8:]), uint32(be.Uint64(b[16:])), true
+			cl.extLen, cl.extFlags, cl.gotExt = uint64(be.Uint32(b[4:])), be.Uint32(b[8:]), true
+			if ext { // base: contexts' flags are 32 bits; the high half is zero
+				cl.extLen, cl.extFlags = be.Uint64(b[8:]), uint32(be.Uint64(b[16:]))
+			}
 		}
 	case wire.ChunkError, wire.ChunkErrorOffset:
 		if length < 6 || length > maxChunkOverhead {

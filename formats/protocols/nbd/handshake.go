@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -28,6 +29,8 @@ type exportInfo struct {
 	description string
 	tls         bool
 }
+
+var errTLSRequired = errors.New("the server requires TLS (use an nbds:// URI)")
 
 // handshakeTimeout bounds a handshake a silent server would stall.
 const handshakeTimeout = 30 * time.Second
@@ -123,24 +126,17 @@ func (h *handshaker) run(tlsConf *tls.Config) (exportInfo, error) {
 	// Extended headers first: where the server has them they replace
 	// structured replies, and zeroing, trimming and block status then
 	// take a whole range in one request.
-	typ, _, err := h.option(wire.OptExtendedHeaders, nil)
-	switch {
-	case err != nil:
-		return info, err
-	case typ == wire.RepAck:
-		info.extended, info.structured = true, true
-	case typ == wire.RepErrTLSReqd:
-		return info, errors.New("the server requires TLS (use an nbds:// URI)")
-	}
-	if !info.extended {
-		typ, _, err := h.option(wire.OptStructuredReply, nil)
-		switch {
-		case err != nil:
+	for _, opt := range []uint32{wire.OptExtendedHeaders, wire.OptStructuredReply} {
+		typ, _, err := h.option(opt, nil)
+		if err != nil {
 			return info, err
-		case typ == wire.RepAck:
-			info.structured = true
-		case typ == wire.RepErrTLSReqd:
-			return info, errors.New("the server requires TLS (use an nbds:// URI)")
+		}
+		if typ == wire.RepErrTLSReqd {
+			return info, errTLSRequired
+		}
+		if typ == wire.RepAck {
+			info.extended, info.structured = opt == wire.OptExtendedHeaders, true
+			break
 		}
 	}
 	if info.structured {
@@ -234,7 +230,7 @@ func (h *handshaker) goExport(info *exportInfo) error {
 		case typ == wire.RepErrUnknown:
 			return fmt.Errorf("no export named %q on the server (%s)", h.export, repError(typ, data))
 		case typ == wire.RepErrTLSReqd:
-			return errors.New("the server requires TLS (use an nbds:// URI)")
+			return errTLSRequired
 		case typ&wire.RepFlagError != 0:
 			return fmt.Errorf("the server refused export %q: %s", h.export, repError(typ, data))
 		default:
@@ -353,9 +349,7 @@ func repError(typ uint32, msg []byte) string {
 		wire.RepErrPlatform: "not on this platform", wire.RepErrTLSReqd: "TLS required", wire.RepErrUnknown: "unknown export",
 		wire.RepErrShutdown: "shutting down", wire.RepErrBlockReqd: "block size required", wire.RepErrTooBig: "too big",
 	}[typ]
-	if name == "" {
-		name = fmt.Sprintf("reply %#x", typ)
-	}
+	name = cmp.Or(name, fmt.Sprintf("reply %#x", typ))
 	if len(msg) > 0 {
 		return fmt.Sprintf("%s: %.200s", name, msg)
 	}

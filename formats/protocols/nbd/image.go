@@ -22,6 +22,7 @@
 package nbd
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -116,9 +117,7 @@ func (s *slot) set(c *conn) {
 
 // Open connects to the export addr names.
 func Open(ctx context.Context, addr Address, o Options) (*Image, error) {
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	if addr.TLS && o.TLS == nil {
 		return nil, fmt.Errorf("nbd: %s: a TLS URI needs TLS settings", addr.URI)
 	}
@@ -405,16 +404,16 @@ func (img *Image) ReadAt(ctx context.Context, p []byte, off int64) (int, error) 
 	if err := img.inRange(off, int64(len(p))); err != nil {
 		return 0, err
 	}
-	if start, end, ok := img.blocks(off, len(p)); !ok {
-		b := make([]byte, end-start)
-		if err := img.read(ctx, b, start); err != nil {
-			return 0, err
-		}
-		copy(p, b[off-start:])
-		return len(p), nil
+	start, end, aligned := img.blocks(off, len(p))
+	b := p
+	if !aligned {
+		b = make([]byte, end-start)
 	}
-	if err := img.read(ctx, p, off); err != nil {
+	if err := img.read(ctx, b, start); err != nil {
 		return 0, err
+	}
+	if !aligned {
+		copy(p, b[off-start:])
 	}
 	return len(p), nil
 }
@@ -493,25 +492,13 @@ func (img *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) 
 	a := int64(img.info.minBlock)
 	if img.info.flags&wire.FlagSendZeroes == 0 || off%a != 0 || n%a != 0 {
 		// No WRITE_ZEROES, or not on block boundaries: write zeroes.
-		return img.writeZeroBuffers(ctx, off, n)
+		return formats.WriteZeroBuffers(ctx, img.WriteAt, off, n, 1)
 	}
 	var flags uint16
 	if !mayUnmap {
 		flags |= wire.CmdFlagNoHole
 	}
 	return img.ranges(ctx, wire.CmdWriteZeroes, flags, off, n)
-}
-
-func (img *Image) writeZeroBuffers(ctx context.Context, off, n int64) error {
-	zero := make([]byte, min(n, 1<<20))
-	for n > 0 {
-		k := min(n, int64(len(zero)))
-		if _, err := img.WriteAt(ctx, zero[:k], off); err != nil {
-			return err
-		}
-		off, n = off+k, n-k
-	}
-	return nil
 }
 
 // ranges sends cmd for [off, off+n) in requests of at most bigRequest.
@@ -631,22 +618,18 @@ func (img *Image) canWrite(off, n int64) error {
 // told us (flags and block sizes) for the human lines.
 func (img *Image) Info() formats.Info {
 	i := img.info
-	flag := func(f uint16) string {
-		if i.flags&f != 0 {
-			return "yes"
-		}
-		return "no"
-	}
+	yes := map[bool]string{true: "yes", false: "no"}
+	flag := func(f uint16) string { return yes[i.flags&f != 0] }
 	lines := []string{
 		"    export: " + fmt.Sprintf("%q", img.addr.Export),
-		"    tls: " + map[bool]string{true: "yes", false: "no"}[i.tls],
+		"    tls: " + yes[i.tls],
 		fmt.Sprintf("    read-only: %s", flag(wire.FlagReadOnly)),
 		fmt.Sprintf("    flush: %s, fua: %s, trim: %s, zeroes: %s, fast-zero: %s, multi-conn: %s",
 			flag(wire.FlagSendFlush), flag(wire.FlagSendFUA), flag(wire.FlagSendTrim), flag(wire.FlagSendZeroes),
 			flag(wire.FlagSendFastZero), flag(wire.FlagCanMultiConn)),
 		fmt.Sprintf("    block size: minimum %d, preferred %d, maximum %d", i.minBlock, i.prefBlock, i.maxBlock),
-		"    base:allocation: " + map[bool]string{true: "yes", false: "no"}[i.hasAlloc],
-		"    extended headers: " + map[bool]string{true: "yes", false: "no"}[i.extended],
+		"    base:allocation: " + yes[i.hasAlloc],
+		"    extended headers: " + yes[i.extended],
 	}
 	if i.description != "" {
 		lines = append(lines, fmt.Sprintf("    description: %q", i.description))

@@ -35,9 +35,8 @@ type replayLog struct {
 	acks uint64
 
 	// The write data is copied into slabs, which are reused once flushes
-	// have dropped every entry in them: on this machine a copy into
-	// fresh memory took a page fault per 4 KiB, a third of a 4 KiB
-	// write's CPU (pprof).
+	// have dropped every entry in them: a copy into fresh memory costs a
+	// page fault per 4 KiB.
 	slabs    []slab // in use, oldest first
 	spare    [][]byte
 	nextSlab uint64
@@ -250,10 +249,8 @@ func (img *Image) failed(pos int) {
 // acked records a write-type request the server acknowledged. When the
 // log has grown past flushLogBytes the server is flushed in the
 // background, which empties it; only a write that finds it past
-// maxLogBytes (the flush has not kept up) waits for one. (A write that
-// waited for every flush stalled its client for the whole fdatasync of
-// 64 MiB of scattered pages: random 4 KiB writes at queue depth one ran
-// at 0.67x QEMU's.)
+// maxLogBytes (the flush has not kept up) waits for one: a write that
+// waited for every flush would stall its client for the whole fdatasync.
 func (img *Image) acked(ctx context.Context, pos int) error {
 	if pos < 0 {
 		img.dirty.Store(true)

@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"cmp"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -22,9 +23,7 @@ type TLSFiles struct {
 // certificate must be signed by the CA and name addr.ServerName.
 func TLSConfig(addr Address, f TLSFiles) (*tls.Config, error) {
 	if dir := addr.CertDir; dir != "" {
-		if f.CA == "" {
-			f.CA = filepath.Join(dir, "ca-cert.pem")
-		}
+		f.CA = cmp.Or(f.CA, filepath.Join(dir, "ca-cert.pem"))
 		if f.Cert == "" && f.Key == "" {
 			cert, key := filepath.Join(dir, "client-cert.pem"), filepath.Join(dir, "client-key.pem")
 			if _, err := os.Stat(cert); err == nil {

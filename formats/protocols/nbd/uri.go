@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
@@ -89,29 +90,19 @@ func ParseURI(spec string) (Address, error) {
 		if a.Addr == "" {
 			return Address{}, fmt.Errorf("%w %q: the socket=PATH query is missing", ErrBadURI, spec)
 		}
-		a.ServerName = q.Get("tls-hostname")
-		if a.ServerName == "" {
-			a.ServerName = "localhost"
-		}
+		a.ServerName = cmp.Or(q.Get("tls-hostname"), "localhost")
 		return a, nil
 	}
 	if q.Has("socket") {
 		return Address{}, fmt.Errorf("%w %q: socket= is for nbd+unix URIs", ErrBadURI, spec)
 	}
-	host, port := u.Hostname(), u.Port()
-	if host == "" {
-		host = "localhost"
-	}
+	host, port := cmp.Or(u.Hostname(), "localhost"), u.Port()
 	if port == "" {
 		port = strconv.Itoa(wire.DefaultPort)
 	} else if n, err := strconv.Atoi(port); err != nil || n <= 0 || n > 65535 {
 		return Address{}, fmt.Errorf("%w %q: port %q", ErrBadURI, spec, port)
 	}
-	a.Network, a.Addr = "tcp", net.JoinHostPort(host, port)
-	a.ServerName = host
-	if h := q.Get("tls-hostname"); h != "" {
-		a.ServerName = h
-	}
+	a.Network, a.Addr, a.ServerName = "tcp", net.JoinHostPort(host, port), cmp.Or(q.Get("tls-hostname"), host)
 	return a, nil
 }
 

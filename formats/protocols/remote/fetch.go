@@ -233,7 +233,6 @@ func (f *File) load(x fetch, held bool) {
 		if roff > off || rend < end {
 			vec = [][]byte{bufs[0][roff-off : rend-off]}
 		}
-		f.gets.Add(1)
 		// held: the reader's own GET, made on its goroutine because nothing
 		// else is in flight (loaded); the backend may spin on its reply.
 		base := f.ctx

@@ -4,6 +4,7 @@ package remote
 // (cache.go), readahead (readahead.go), the GETs (fetch.go) and retries (retry.go).
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -77,7 +78,6 @@ type File struct {
 	// does not read vectors.
 	bounce  sync.Pool
 	changed atomic.Bool // ErrChanged logged
-	gets    atomic.Int64
 	// lastOK is when a request last succeeded (Unix nanoseconds): a fetch
 	// waiting for a connection keeps waiting while others make progress,
 	// and fails once none has for the reconnect timeout.
@@ -118,9 +118,7 @@ func Open(ctx context.Context, b Backend, o Options) (*File, error) {
 		b.Close()
 		return nil, fmt.Errorf("remote: block size %d: want a power of two up to %d", o.BlockSize, maxGet)
 	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	f := &File{b: b, name: b.String(), o: o, log: o.Logger, bs: int64(o.BlockSize),
 		conns: slots{free: o.Connections}, blocks: map[int64]*block{}, jobs: make(chan fetch)}
 	f.lru.next, f.lru.prev = &f.lru, &f.lru
@@ -154,14 +152,8 @@ func (f *File) stat(ctx context.Context) (Object, error) {
 	return obj, err // the backend's errors name the object
 }
 
-// Object is what Open pinned.
-func (f *File) Object() Object { return f.obj }
-
 // Size is the object's size, pinned at open (aio.Sized).
 func (f *File) Size() int64 { return f.obj.Size }
-
-// Gets counts the range requests made (not their retries).
-func (f *File) Gets() int64 { return f.gets.Load() }
 
 func (f *File) Fd() int              { return -1 }
 func (f *File) Name() string         { return f.name }

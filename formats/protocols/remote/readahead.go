@@ -61,8 +61,7 @@ func (f *File) follow(off, end int64) (ahead [][2]int64, random bool) {
 	s.next = end
 	if s.seen++; s.seen < 2 {
 		// Twice on before readahead: two random reads that happen to
-		// fall within the slack of each other are not a stream (200
-		// random 4 KiB reads of a 32 MiB object read 0.8 MiB ahead).
+		// fall within the slack of each other are not a stream.
 		return nil, false
 	}
 	if s.ahead-s.next > s.window/2 {

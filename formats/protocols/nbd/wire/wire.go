@@ -67,18 +67,16 @@ const (
 
 // Transmission flags (NBD_FLAG_*).
 const (
-	FlagHasFlags      = protocol.NEGOTIATION_REPLY_FLAGS_HAS_FLAGS
-	FlagReadOnly      = uint16(1 << 1)
-	FlagSendFlush     = uint16(1 << 2)
-	FlagSendFUA       = uint16(1 << 3)
-	FlagRotational    = uint16(1 << 4)
-	FlagSendTrim      = uint16(1 << 5)
-	FlagSendZeroes    = uint16(1 << 6)
-	FlagSendDF        = uint16(1 << 7)
-	FlagCanMultiConn  = protocol.NEGOTIATION_REPLY_FLAGS_CAN_MULTI_CONN
-	FlagSendCache     = uint16(1 << 10)
-	FlagSendFastZero  = uint16(1 << 11)
-	FlagBlockStatusPl = uint16(1 << 12)
+	FlagHasFlags     = protocol.NEGOTIATION_REPLY_FLAGS_HAS_FLAGS
+	FlagReadOnly     = uint16(1 << 1)
+	FlagSendFlush    = uint16(1 << 2)
+	FlagSendFUA      = uint16(1 << 3)
+	FlagSendTrim     = uint16(1 << 5)
+	FlagSendZeroes   = uint16(1 << 6)
+	FlagSendDF       = uint16(1 << 7)
+	FlagCanMultiConn = protocol.NEGOTIATION_REPLY_FLAGS_CAN_MULTI_CONN
+	FlagSendCache    = uint16(1 << 10)
+	FlagSendFastZero = uint16(1 << 11)
 )
 
 // Requests (NBD_CMD_*) and their flags.

@@ -28,13 +28,10 @@ import (
 // fastClient sends the range GETs itself over a pool of kept-alive
 // HTTP/1.1 connections: the request written in one write, the reply
 // parsed by net/http's ReadResponse in the calling goroutine, the body
-// read straight into the caller's buffers. net/http's Transport hands
-// each request to a connection's writer goroutine and its reply over
-// from a reader goroutine, and clones headers and contexts on the way,
-// at several times this one's CPU a GET (docs/design.md, Remote objects:
-// the HTTP range client). net/http's client still does what this one does not:
-// the HEAD and GET of Stat, proxies (a URL that goes through one never
-// comes here), and redirects and 1xx replies (handed back to it).
+// read straight into the caller's buffers, at a fraction of net/http's
+// Transport's CPU (docs/design.md, Remote objects: the HTTP range client).
+// net/http's client still does the HEAD and GET of Stat, proxies (a URL
+// that goes through one never comes here), redirects and 1xx replies.
 type fastClient struct {
 	dialer  *net.Dialer
 	addr    string      // host:port dialed

@@ -5,6 +5,7 @@
 package http
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -73,9 +74,7 @@ func New(rawURL string, o Options) (*Backend, error) {
 	if o.Connections <= 0 {
 		o.Connections = remote.DefaultConnections
 	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	tlsConf := &tls.Config{MinVersion: tls.VersionTLS12}
 	if o.TLSCA != "" {
 		pem, err := os.ReadFile(o.TLSCA)
@@ -120,10 +119,7 @@ var errRefused = errors.New("refused")
 
 // canonicalHost is host:port with the scheme's default port spelled out.
 func canonicalHost(u *url.URL) string {
-	port := u.Port()
-	if port == "" {
-		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
-	}
+	port := cmp.Or(u.Port(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
 	return net.JoinHostPort(strings.ToLower(u.Hostname()), port)
 }
 
