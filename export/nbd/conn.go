@@ -198,7 +198,7 @@ func (c *conn) serve() {
 	}
 	c.neg = neg
 	c.bw.Reset(c.sock) // after STARTTLS: through TLS
-	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "base:allocation", neg.metaAlloc)
+	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "meta contexts", neg.meta.any())
 	err = c.transmit(r)
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
@@ -490,8 +490,8 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 		// A hint: read through once so the data is in the host cache.
 		err = c.cache(ctx, off, n)
 	case wire.CmdBlockStatus:
-		if !c.neg.structured || !c.neg.metaAlloc {
-			c.errorReply(req, wire.EInval, "block status needs structured replies and base:allocation")
+		if !c.neg.structured || !c.neg.meta.any() {
+			c.errorReply(req, wire.EInval, "block status needs structured replies and a meta context")
 			return
 		}
 		c.blockStatus(req, off, n)
@@ -526,13 +526,75 @@ func (c *conn) cache(ctx context.Context, off, n int64) error {
 	return nil
 }
 
-// blockStatus sends base:allocation extents for [off, off+n): 32-bit
-// descriptors, or under extended headers 64-bit ones (BLOCK_STATUS_EXT),
-// which also let one extent run past 4 GiB.
+// blockStatus answers BLOCK_STATUS with one chunk per selected meta
+// context, as qemu-nbd does (DONE on the last): 32-bit descriptors, or
+// under extended headers 64-bit ones (BLOCK_STATUS_EXT), which also let
+// one extent run past 4 GiB.
 func (c *conn) blockStatus(req request, off, n int64) {
+	sel := c.neg.meta
+	type source struct {
+		id     uint32
+		extent func(ctx context.Context, off, n int64) (int64, uint32, error)
+	}
+	var sources []source
+	if sel.base {
+		sources = append(sources, source{baseAllocID, c.allocation})
+	}
+	if c.img == c.srv.img {
+		for i, on := range sel.extra {
+			if on && i < len(c.srv.opts.Meta) {
+				sources = append(sources, source{firstMetaID + uint32(i), c.srv.opts.Meta[i].Extent})
+			}
+		}
+	}
+	if len(sources) == 0 {
+		c.errorReply(req, wire.EInval, "no meta context of this export was negotiated")
+		return
+	}
+	payloads := make([][]byte, len(sources))
+	for i, s := range sources {
+		p, err := c.extents(req, off, n, s.id, s.extent)
+		if err != nil {
+			c.errorReply(req, errnoOf(err), err.Error())
+			return
+		}
+		payloads[i] = p
+	}
+	typ := wire.ChunkBlockStatus
+	if c.neg.extended {
+		typ = wire.ChunkBlockStatusExt
+	}
+	for i, p := range payloads {
+		var flags uint16
+		if i == len(payloads)-1 {
+			flags = wire.ChunkFlagDone
+		}
+		c.chunk(req, flags, typ, p)
+	}
+}
+
+// allocation is base:allocation's status of the run at off.
+func (c *conn) allocation(ctx context.Context, off, n int64) (int64, uint32, error) {
+	e, err := c.img.Extent(ctx, off, n)
+	if err != nil {
+		return 0, 0, err
+	}
+	var flags uint32
+	if !e.Data {
+		flags |= wire.StateHole
+	}
+	if e.Zero {
+		flags |= wire.StateZero
+	}
+	return e.Length, flags, nil
+}
+
+// extents is one context's block status payload for [off, off+n): at
+// most 1024 descriptors, one with REQ_ONE.
+func (c *conn) extents(req request, off, n int64, id uint32, extent func(context.Context, int64, int64) (int64, uint32, error)) ([]byte, error) {
 	ctx := c.ctx
 	ext := c.neg.extended
-	payload := be.AppendUint32(nil, baseAllocID)
+	payload := be.AppendUint32(nil, id)
 	if ext {
 		payload = be.AppendUint32(payload, 0) // the count, filled in below
 	}
@@ -543,19 +605,14 @@ func (c *conn) blockStatus(req request, off, n int64) {
 	end := off + n
 	count := 0
 	for ; off < end && count < 1024; count++ {
-		e, err := c.img.Extent(ctx, off, end-off)
+		length, flags, err := extent(ctx, off, end-off)
 		if err != nil {
-			c.errorReply(req, errnoOf(err), err.Error())
-			return
+			return nil, err
 		}
-		length := min(e.Length, maxLen&^(minBlock-1))
-		var flags uint32
-		if !e.Data {
-			flags |= wire.StateHole
+		if length <= 0 {
+			return nil, fmt.Errorf("nbd: meta context %d: empty extent at %d", id, off)
 		}
-		if e.Zero {
-			flags |= wire.StateZero
-		}
+		length = min(length, end-off, maxLen&^(minBlock-1))
 		if ext {
 			payload = be.AppendUint64(payload, uint64(length))
 			payload = be.AppendUint64(payload, uint64(flags))
@@ -569,12 +626,10 @@ func (c *conn) blockStatus(req request, off, n int64) {
 			break
 		}
 	}
-	typ := wire.ChunkBlockStatus
 	if ext {
 		be.PutUint32(payload[4:], uint32(count))
-		typ = wire.ChunkBlockStatusExt
 	}
-	c.chunk(req, wire.ChunkFlagDone, typ, payload)
+	return payload, nil
 }
 
 // errnoOf maps an image error to an NBD error code.

@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
@@ -14,9 +13,9 @@ import (
 
 // negotiated is what the handshake settled.
 type negotiated struct {
-	structured bool // structured replies
-	extended   bool // extended headers (structured is then set too)
-	metaAlloc  bool // base:allocation selected
+	structured bool          // structured replies
+	extended   bool          // extended headers (structured is then set too)
+	meta       metaSelection // the meta contexts SET_META_CONTEXT selected
 }
 
 var be = binary.BigEndian
@@ -76,13 +75,13 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
 				continue
 			}
-			sel, err := c.metaContext(id, data)
+			sel, code, err := c.metaContext(id, data)
 			if err != nil {
-				c.optReply(id, wire.RepErrInvalid, []byte(err.Error()))
+				c.optReply(id, code, []byte(err.Error()))
 				continue
 			}
 			if id == wire.OptSetMetaContext {
-				n.metaAlloc = sel
+				n.meta = sel
 			}
 		case wire.OptStartTLS:
 			switch {
@@ -263,18 +262,21 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	return id == wire.OptGo, nil
 }
 
-// metaContext answers LIST/SET_META_CONTEXT; it reports whether
-// base:allocation was selected.
-func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
+// metaContext answers LIST/SET_META_CONTEXT as qemu-nbd does
+// (matchQuery); it returns what was selected, or the error reply's code
+// and message.
+func (c *conn) metaContext(id uint32, data []byte) (metaSelection, uint32, error) {
+	var sel metaSelection
 	if len(data) < 8 {
-		return false, fmt.Errorf("short meta context request")
+		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
 	nameLen := be.Uint32(data)
 	if uint64(nameLen)+8 > uint64(len(data)) {
-		return false, fmt.Errorf("bad export name length")
+		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
 	}
-	if _, _, ok := c.srv.export(string(data[4 : 4+nameLen])); !ok {
-		return false, fmt.Errorf("no export named %q", data[4:4+nameLen])
+	exportName := string(data[4 : 4+nameLen])
+	if _, _, ok := c.srv.export(exportName); !ok {
+		return sel, wire.RepErrUnknown, fmt.Errorf("export %q not present", exportName)
 	}
 	rest := data[4+nameLen:]
 	nq := be.Uint32(rest)
@@ -282,29 +284,37 @@ func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
 	var queries []string
 	for i := uint32(0); i < nq; i++ {
 		if len(rest) < 4 || uint64(be.Uint32(rest))+4 > uint64(len(rest)) {
-			return false, fmt.Errorf("bad query %d", i)
+			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
 		}
 		l := be.Uint32(rest)
 		queries = append(queries, string(rest[4:4+l]))
 		rest = rest[4+l:]
 	}
 	if len(rest) != 0 {
-		return false, fmt.Errorf("trailing bytes after the queries")
+		return sel, wire.RepErrInvalid, fmt.Errorf("trailing bytes after the queries")
 	}
-	match := false
-	if id == wire.OptListMetaContext && nq == 0 {
-		match = true // list everything we have
+	var metas []MetaContext
+	if exportName == c.srv.opts.Name {
+		metas = c.srv.opts.Meta // a partition's offsets are not the disk's
 	}
-	for _, q := range queries {
-		if q == wire.BaseAllocation || (id == wire.OptListMetaContext && (q == "base:" || strings.TrimSuffix(q, ":") == "base")) {
-			match = true
+	sel.extra = make([]bool, len(metas))
+	list := id == wire.OptListMetaContext
+	if list && nq == 0 {
+		// List everything we have.
+		sel.base = true
+		for i := range sel.extra {
+			sel.extra[i] = true
 		}
 	}
-	if match {
-		c.optReply(id, wire.RepMetaContext, append(be.AppendUint32(nil, baseAllocID), wire.BaseAllocation...))
+	for _, q := range queries {
+		matchQuery(q, list, metas, &sel)
+	}
+	ids, names := metaNames(sel, metas)
+	for i, name := range names {
+		c.optReply(id, wire.RepMetaContext, append(be.AppendUint32(nil, ids[i]), name...))
 	}
 	c.optReply(id, wire.RepAck, nil)
-	return match, nil
+	return sel, 0, nil
 }
 
 // optReply sends one option reply; write errors surface on the next read.
