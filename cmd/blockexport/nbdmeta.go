@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	"github.com/blockexport/blockexport/export/nbd"
 	"github.com/blockexport/blockexport/formats"
@@ -24,7 +25,9 @@ func nbdMetaContexts(ctx context.Context, img formats.Image, depth bool, bitmaps
 		top = c.Image
 	}
 	seen := map[string]bool{}
-	for _, name := range bitmaps {
+	// qemu-nbd offers the bitmaps in the reverse of their order on its
+	// command line (it prepends each -B to its list).
+	for _, name := range slices.Backward(bitmaps) {
 		if seen[name] {
 			continue // qemu-nbd offers a bitmap named twice once
 		}
@@ -57,9 +60,28 @@ func allocationDepth(img formats.Image) func(ctx context.Context, off, n int64) 
 		if err != nil {
 			return 0, 0, err
 		}
-		if !e.Present {
-			return e.Length, 0, nil
+		if e.Present {
+			return e.Length, uint32(e.Depth) + 1, nil
 		}
-		return e.Length, uint32(e.Depth) + 1, nil
+		// Unallocated in the whole chain reads 0, unless the walk stopped
+		// at a layer whose backing file ends before off: QEMU counts the
+		// zeroes past a short backing file's end as that file's.
+		if b := backingAt(img, e.Depth); b != nil && off >= b.Size() {
+			return e.Length, uint32(e.Depth) + 2, nil
+		}
+		return e.Length, 0, nil
 	}
+}
+
+// backingAt is the backing file of the layer depth levels below img, or
+// nil.
+func backingAt(img formats.Image, depth int) formats.Image {
+	for i := 0; i <= depth && img != nil; i++ {
+		l, ok := img.(formats.Layered)
+		if !ok {
+			return nil
+		}
+		img = l.Backing()
+	}
+	return img
 }
