@@ -214,12 +214,15 @@ func TestAllocationDepthMatchesQemuNbd(t *testing.T) {
 	}
 }
 
-// metaReplies negotiates structured replies, then sends one
+// metaReplies negotiates structured replies (unless opt has
+// withoutStructured set), then sends one
 // LIST_META_CONTEXT or SET_META_CONTEXT with queries for export "" and
 // returns its replies as "TYPE NAME" lines (ids left out: each server
 // numbers its own).
 func metaReplies(t *testing.T, sock string, opt uint32, queries []string) []string {
 	t.Helper()
+	structured := opt&withoutStructured == 0
+	opt &^= withoutStructured
 	c, err := net.Dial("unix", sock)
 	if err != nil {
 		t.Fatal(err)
@@ -265,8 +268,10 @@ func metaReplies(t *testing.T, sock string, opt uint32, queries []string) []stri
 			}
 		}
 	}
-	send(wire.OptStructuredReply, nil)
-	replies()
+	if structured {
+		send(wire.OptStructuredReply, nil)
+		replies()
+	}
 	data := be.AppendUint32(nil, 0) // export ""
 	data = be.AppendUint32(data, uint32(len(queries)))
 	for _, q := range queries {
@@ -279,9 +284,14 @@ func metaReplies(t *testing.T, sock string, opt uint32, queries []string) []stri
 	return out
 }
 
+// withoutStructured, or'ed into metaReplies' option, leaves structured
+// replies off.
+const withoutStructured = 1 << 30
+
 // TestMetaContextQueriesAnsweredAsQemuNbd sends the same queries, hostile
 // ones included (a name past 4 KiB, unknown namespaces, prefixes without
-// their colon, a thousand at once), to qemu-nbd and to us.
+// their colon, a thousand at once, SET before structured replies), to
+// qemu-nbd and to us.
 func TestMetaContextQueriesAnsweredAsQemuNbd(t *testing.T) {
 	img := imageWithBitmap(t, t.TempDir())
 	harness.Run(t, "qemu-img", "bitmap", "--add", img, "other")
@@ -302,7 +312,7 @@ func TestMetaContextQueriesAnsweredAsQemuNbd(t *testing.T) {
 		{strings.Repeat("q", 5000), "qemu:allocation-depth"},
 		many,
 	}
-	for _, opt := range []uint32{wire.OptListMetaContext, wire.OptSetMetaContext} {
+	for _, opt := range []uint32{wire.OptListMetaContext, wire.OptSetMetaContext, wire.OptListMetaContext | withoutStructured, wire.OptSetMetaContext | withoutStructured} {
 		for _, qs := range cases {
 			want := metaReplies(t, qsock, opt, qs)
 			got := metaReplies(t, ours, opt, qs)
