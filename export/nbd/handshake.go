@@ -2,9 +2,11 @@ package nbd
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/pojntfx/go-nbd/pkg/protocol"
 
@@ -43,9 +45,30 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		return n, err
 	}
 	for {
-		id, data, err := readOption(r)
+		id, data, long, err := readOption(r)
 		if err != nil {
 			return n, err
+		}
+		if long != nil {
+			// A meta context option past maxOptionLen, read query by
+			// query as qemu-nbd reads it: a thousand queries are no abuse.
+			switch {
+			case mode == TLSRequire && !encrypted:
+				err = c.dropOption(id, long, wire.RepErrTLSReqd, "TLS is required: send NBD_OPT_STARTTLS first")
+			case id == wire.OptSetMetaContext && !n.structured:
+				err = c.dropOption(id, long, wire.RepErrInvalid, "SET_META_CONTEXT needs structured replies first")
+			default:
+				sel, code, merr := c.metaContext(id, long)
+				if _, err = io.Copy(io.Discard, long); err == nil && merr != nil {
+					c.optReply(id, code, []byte(merr.Error()))
+				} else if err == nil && id == wire.OptSetMetaContext {
+					n.meta = sel
+				}
+			}
+			if err != nil {
+				return n, fmt.Errorf("option %d: %w", id, err)
+			}
+			continue
 		}
 		if mode == TLSRequire && !encrypted && id != wire.OptStartTLS && id != wire.OptAbort {
 			if id == wire.OptExportName {
@@ -75,7 +98,7 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
 				continue
 			}
-			sel, code, err := c.metaContext(id, data)
+			sel, code, err := c.metaContext(id, bytes.NewReader(data))
 			if err != nil {
 				c.optReply(id, code, []byte(err.Error()))
 				continue
@@ -130,24 +153,37 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 }
 
 // readOption reads one option: its id and data, checked for magic and
-// length.
-func readOption(r *bufio.Reader) (uint32, []byte, error) {
+// length. A LIST/SET_META_CONTEXT longer than maxOptionLen comes back
+// unread as long instead, for the caller to read and then drain.
+func readOption(r *bufio.Reader) (uint32, []byte, io.Reader, error) {
 	var oh [16]byte
 	if err := readFull(r, oh[:]); err != nil {
-		return 0, nil, fmt.Errorf("option header: %w", err)
+		return 0, nil, nil, fmt.Errorf("option header: %w", err)
 	}
 	opt := protocol.NegotiationOptionHeader{OptionMagic: be.Uint64(oh[0:]), ID: be.Uint32(oh[8:]), Length: be.Uint32(oh[12:])}
 	if opt.OptionMagic != wire.MagicOption {
-		return 0, nil, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
+		return 0, nil, nil, fmt.Errorf("bad option magic %#x", opt.OptionMagic)
 	}
 	if opt.Length > maxOptionLen {
-		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
+		if opt.ID == wire.OptListMetaContext || opt.ID == wire.OptSetMetaContext {
+			return opt.ID, nil, io.LimitReader(r, int64(opt.Length)), nil
+		}
+		return 0, nil, nil, fmt.Errorf("option %d of %d bytes is too long", opt.ID, opt.Length)
 	}
 	data := make([]byte, opt.Length)
 	if err := readFull(r, data); err != nil {
-		return 0, nil, fmt.Errorf("option %d: %w", opt.ID, err)
+		return 0, nil, nil, fmt.Errorf("option %d: %w", opt.ID, err)
 	}
-	return opt.ID, data, nil
+	return opt.ID, data, nil, nil
+}
+
+// dropOption reads the rest of an option and answers it with an error.
+func (c *conn) dropOption(id uint32, rest io.Reader, code uint32, msg string) error {
+	if _, err := io.Copy(io.Discard, rest); err != nil {
+		return err
+	}
+	c.optReply(id, code, []byte(msg))
+	return nil
 }
 
 // exportName answers EXPORT_NAME, which ends the negotiation.
@@ -263,35 +299,37 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 }
 
 // metaContext answers LIST/SET_META_CONTEXT as qemu-nbd does
-// (matchQuery); it returns what was selected, or the error reply's code
-// and message.
-func (c *conn) metaContext(id uint32, data []byte) (metaSelection, uint32, error) {
+// (matchQuery), reading the option's data from r one query at a time, so
+// that memory does not grow with the option; it returns what was
+// selected, or the error reply's code and message. On an error the
+// caller drains r.
+func (c *conn) metaContext(id uint32, r io.Reader) (metaSelection, uint32, error) {
 	var sel metaSelection
-	if len(data) < 8 {
+	var word [4]byte
+	u32 := func() (uint32, bool) {
+		if _, err := io.ReadFull(r, word[:]); err != nil {
+			return 0, false
+		}
+		return be.Uint32(word[:]), true
+	}
+	nameLen, ok := u32()
+	if !ok {
 		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
-	nameLen := be.Uint32(data)
-	if uint64(nameLen)+8 > uint64(len(data)) {
+	if nameLen > maxQueryLen {
 		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
 	}
-	exportName := string(data[4 : 4+nameLen])
+	name := make([]byte, nameLen)
+	if _, err := io.ReadFull(r, name); err != nil {
+		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
+	}
+	exportName := string(name)
 	if _, _, ok := c.srv.export(exportName); !ok {
 		return sel, wire.RepErrUnknown, fmt.Errorf("export %q not present", exportName)
 	}
-	rest := data[4+nameLen:]
-	nq := be.Uint32(rest)
-	rest = rest[4:]
-	var queries []string
-	for i := uint32(0); i < nq; i++ {
-		if len(rest) < 4 || uint64(be.Uint32(rest))+4 > uint64(len(rest)) {
-			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
-		}
-		l := be.Uint32(rest)
-		queries = append(queries, string(rest[4:4+l]))
-		rest = rest[4+l:]
-	}
-	if len(rest) != 0 {
-		return sel, wire.RepErrInvalid, fmt.Errorf("trailing bytes after the queries")
+	nq, ok := u32()
+	if !ok {
+		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
 	var metas []MetaContext
 	if exportName == c.srv.opts.Name {
@@ -306,8 +344,26 @@ func (c *conn) metaContext(id uint32, data []byte) (metaSelection, uint32, error
 			sel.extra[i] = true
 		}
 	}
-	for _, q := range queries {
-		matchQuery(q, list, metas, &sel)
+	q := make([]byte, maxQueryLen)
+	for i := uint32(0); i < nq; i++ {
+		l, ok := u32()
+		if !ok {
+			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
+		}
+		if l > maxQueryLen {
+			// Too long to name anything: skipped, as qemu-nbd skips it.
+			if n, _ := io.CopyN(io.Discard, r, int64(l)); n != int64(l) {
+				return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
+			}
+			continue
+		}
+		if _, err := io.ReadFull(r, q[:l]); err != nil {
+			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
+		}
+		matchQuery(string(q[:l]), list, metas, &sel)
+	}
+	if n, _ := r.Read(word[:1]); n != 0 {
+		return sel, wire.RepErrInvalid, fmt.Errorf("trailing bytes after the queries")
 	}
 	ids, names := metaNames(sel, metas)
 	for i, name := range names {

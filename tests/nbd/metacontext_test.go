@@ -290,8 +290,8 @@ const withoutStructured = 1 << 30
 
 // TestMetaContextQueriesAnsweredAsQemuNbd sends the same queries, hostile
 // ones included (a name past 4 KiB, unknown namespaces, prefixes without
-// their colon, a thousand at once, SET before structured replies), to
-// qemu-nbd and to us.
+// their colon, a thousand at once in an option of 170 KiB, an option
+// past 64 KiB, SET before structured replies), to qemu-nbd and to us.
 func TestMetaContextQueriesAnsweredAsQemuNbd(t *testing.T) {
 	img := imageWithBitmap(t, t.TempDir())
 	harness.Run(t, "qemu-img", "bitmap", "--add", img, "other")
@@ -299,7 +299,7 @@ func TestMetaContextQueriesAnsweredAsQemuNbd(t *testing.T) {
 	ours := harness.StartNBD(t, img, false, "-A", "-B", "bm0", "-B", "other").Socket()
 	many := make([]string, 1000)
 	for i := range many {
-		many[i] = []string{"qemu:dirty-bitmap:bm0", "x:" + strings.Repeat("y", i%50), "base:allocation"}[i%3]
+		many[i] = []string{"qemu:dirty-bitmap:bm0", "x:" + strings.Repeat("y", i), "base:allocation"}[i%3]
 	}
 	cases := [][]string{
 		nil,
@@ -310,6 +310,7 @@ func TestMetaContextQueriesAnsweredAsQemuNbd(t *testing.T) {
 		{"unknown:thing"}, {""}, {":"},
 		{"qemu:dirty-bitmap:" + strings.Repeat("b", 5000)},
 		{strings.Repeat("q", 5000), "qemu:allocation-depth"},
+		{"qemu:dirty-bitmap:" + strings.Repeat("b", 70000), "qemu:dirty-bitmap:bm0"},
 		many,
 	}
 	for _, opt := range []uint32{wire.OptListMetaContext, wire.OptSetMetaContext, wire.OptListMetaContext | withoutStructured, wire.OptSetMetaContext | withoutStructured} {
