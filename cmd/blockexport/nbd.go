@@ -29,6 +29,8 @@ type nbdFlags struct {
 	tlsCert        string
 	tlsKey         string
 	tlsCA          string
+	bitmaps        []string
+	allocDepth     bool
 }
 
 func nbdCommand() *cobra.Command {
@@ -62,6 +64,8 @@ func nbdCommand() *cobra.Command {
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "the server's TLS certificate (PEM); turns TLS on")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "the server certificate's key (PEM)")
 	fs.StringVar(&f.tlsCA, "tls-ca", "", "a CA certificate (PEM): clients must present a certificate it signed")
+	fs.StringArrayVarP(&f.bitmaps, "bitmap", "B", nil, "offer the qcow2 persistent dirty bitmap NAME as the meta context qemu:dirty-bitmap:NAME (repeatable; qemu-nbd's -B)")
+	fs.BoolVarP(&f.allocDepth, "allocation-depth", "A", false, "offer the meta context qemu:allocation-depth: 0 unallocated, 1 in the image, 2... in its backing chain (qemu-nbd's -A)")
 	completeWords(c, "tls", "require", "optional", "off")
 	f.parts.register(c, "serve each partition of the image's MBR or GPT too, as export NAME-p1, NAME-p2... (p1, p2... for the default export \"\"), numbered as Linux numbers them")
 	fs.IntVar(&f.pollUs, "poll-us", 32, "busy-poll a client's socket for up to this many microseconds before sleeping, adapting to how fast requests come (as QEMU's iothread poll-max-ns); 0: never")
@@ -116,6 +120,10 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	if err != nil {
 		return err
 	}
+	metas, err := nbdMetaContexts(context.Background(), img.Image, f.allocDepth, f.bitmaps)
+	if err != nil {
+		return err
+	}
 	extra := make([]nbd.Export, len(parts))
 	for i, p := range parts {
 		extra[i] = nbd.Export{Name: p.name, Image: p.img}
@@ -136,7 +144,7 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 	}
 	srv := nbd.New(disk, nbd.Options{Extra: extra, Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
 		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
-		TLS: tlsConf, TLSMode: tlsMode})
+		TLS: tlsConf, TLSMode: tlsMode, Meta: metas})
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(l) }()
 	logger.Info("serving NBD", "image", registry.Shown(args[0]), "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"log/slog"
 	"strings"
@@ -33,12 +34,14 @@ type serveFlags struct {
 	logLevel       string
 	logFile        string
 	cpuprofile     string
+	snapshot       string
 }
 
 func (f *serveFlags) register(c *cobra.Command) {
 	fs := c.Flags()
 	formatFlag(c, &f.format, formatUsage+" (auto: probed as qemu-img probes; a format not read here, qed say, is refused by name)")
 	fs.BoolVarP(&f.writable, "writable", "w", false, "allow writes (default: read-only)")
+	fs.StringVarP(&f.snapshot, "snapshot", "l", "", "serve the qcow2 internal snapshot NAME or ID (the ID tried first; or snapshot.id=ID, snapshot.name=NAME), read-only, as qemu-nbd -l")
 	fs.BoolVar(&f.copyOnRead, "copy-on-read", false, "reads of what a qcow2 overlay does not hold copy it, whole clusters, from the backing chain into the overlay (QEMU's copy-on-read filter): each block crosses from the backing file once; needs --writable and a backing file")
 	fs.BoolVar(&f.nullReadZeroes, "null-read-zeroes", true, "null device reads return zeroes (false: buffers are left as they are)")
 	fs.StringVar(&f.aio, "aio", "io_uring", "host I/O engine: io_uring or threads (io_uring falls back to threads when unavailable)")
@@ -183,7 +186,23 @@ func openImage(spec string, o registry.Options) (*registry.Opened, error) {
 
 // open opens the image to serve, behind the copy-on-read filter if asked.
 func (f *serveFlags) open(spec string, o registry.Options) (*registry.Opened, error) {
+	var snap snapshotSpec
+	if f.snapshot != "" {
+		if f.writable {
+			return nil, usagef("--snapshot serves a snapshot read-only: drop --writable")
+		}
+		var err error
+		if snap, err = parseSnapshotSpec(f.snapshot); err != nil {
+			return nil, usageError{err}
+		}
+	}
 	img, err := openImage(spec, o)
+	if err == nil && f.snapshot != "" {
+		if err = loadSnapshot(context.Background(), img.Image, snap); err != nil {
+			img.Image.Close()
+			return nil, err
+		}
+	}
 	if err != nil || !f.copyOnRead {
 		return img, err
 	}

@@ -197,7 +197,7 @@ func (c *conn) serve() {
 	}
 	c.neg = neg
 	c.bw.Reset(c.sock) // after STARTTLS: through TLS
-	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "base:allocation", neg.metaAlloc)
+	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "meta contexts", neg.meta.any())
 	err = c.transmit(r)
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
@@ -484,8 +484,8 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 		// A hint: read through once so the data is in the host cache.
 		err = c.cache(ctx, off, n)
 	case wire.CmdBlockStatus:
-		if !c.neg.structured || !c.neg.metaAlloc {
-			c.errorReply(req, wire.EInval, "block status needs structured replies and base:allocation")
+		if !c.neg.structured || !c.neg.meta.any() {
+			c.errorReply(req, wire.EInval, "block status needs structured replies and a meta context")
 			return
 		}
 		c.blockStatus(req, off, n)
@@ -516,34 +516,107 @@ func (c *conn) cache(ctx context.Context, off, n int64) error {
 	return nil
 }
 
-// blockStatus sends base:allocation extents for [off, off+n): 32-bit
-// descriptors, or under extended headers 64-bit ones (BLOCK_STATUS_EXT),
-// which also let one extent run past 4 GiB.
+// blockStatus answers BLOCK_STATUS with one chunk per selected meta
+// context, as qemu-nbd does (DONE on the last): 32-bit descriptors, or
+// under extended headers 64-bit ones (BLOCK_STATUS_EXT), which also let
+// one extent run past 4 GiB.
 func (c *conn) blockStatus(req request, off, n int64) {
-	ctx := c.ctx
-	ext := c.neg.extended
-	payload := be.AppendUint32(nil, baseAllocID)
-	maxLen, typ := int64(1<<31), wire.ChunkBlockStatus // a compact descriptor's length is 32 bits
-	if ext {
-		payload = be.AppendUint32(payload, 0) // the count, filled in below
-		maxLen, typ = 1<<63-1, wire.ChunkBlockStatusExt
+	sel := c.neg.meta
+	type source struct {
+		id     uint32
+		extent func(ctx context.Context, off, n int64) (int64, uint32, error)
 	}
-	end := off + n
-	count := 0
-	for ; off < end && count < 1024; count++ {
-		e, err := c.img.Extent(ctx, off, end-off)
+	var sources []source
+	if sel.base {
+		sources = append(sources, source{baseAllocID, c.allocation})
+	}
+	if c.img == c.srv.img {
+		for i, on := range sel.extra {
+			if on && i < len(c.srv.opts.Meta) {
+				sources = append(sources, source{firstMetaID + uint32(i), c.srv.opts.Meta[i].Extent})
+			}
+		}
+	}
+	if len(sources) == 0 {
+		c.errorReply(req, wire.EInval, "no meta context of this export was negotiated")
+		return
+	}
+	payloads := make([][]byte, len(sources))
+	for i, s := range sources {
+		p, err := c.extents(req, off, n, s.id, s.extent)
 		if err != nil {
 			c.errorReply(req, errnoOf(err), err.Error())
 			return
 		}
-		length := min(e.Length, maxLen&^(minBlock-1))
-		var flags uint32
-		if !e.Data {
-			flags |= wire.StateHole
+		payloads[i] = p
+	}
+	typ := wire.ChunkBlockStatus
+	if c.neg.extended {
+		typ = wire.ChunkBlockStatusExt
+	}
+	for i, p := range payloads {
+		var flags uint16
+		if i == len(payloads)-1 {
+			flags = wire.ChunkFlagDone
 		}
-		if e.Zero {
-			flags |= wire.StateZero
+		c.chunk(req, flags, typ, p)
+	}
+}
+
+// allocation is base:allocation's status of the run at off.
+func (c *conn) allocation(ctx context.Context, off, n int64) (int64, uint32, error) {
+	e, err := c.img.Extent(ctx, off, n)
+	if err != nil {
+		return 0, 0, err
+	}
+	var flags uint32
+	if !e.Data {
+		flags |= wire.StateHole
+	}
+	if e.Zero {
+		flags |= wire.StateZero
+	}
+	return e.Length, flags, nil
+}
+
+// extents is one context's block status payload for [off, off+n): at
+// most 1024 descriptors, one with REQ_ONE.
+func (c *conn) extents(req request, off, n int64, id uint32, extent func(context.Context, int64, int64) (int64, uint32, error)) ([]byte, error) {
+	ctx := c.ctx
+	ext := c.neg.extended
+	payload := be.AppendUint32(nil, id)
+	maxLen := int64(1 << 31) // a compact descriptor's length is 32 bits
+	if ext {
+		payload = be.AppendUint32(payload, 0) // the count, filled in below
+		maxLen = 1<<63 - 1
+	}
+	end := off + n
+	count := 0
+	var lastLen int64
+	var lastFlags uint32
+	// calls bounds the work of one request: merged runs add no
+	// descriptor, and a crafted image may answer in small pieces.
+	for calls := 0; off < end && count < 1024 && calls < 1<<16; calls++ {
+		length, flags, err := extent(ctx, off, end-off)
+		if err != nil {
+			return nil, err
 		}
+		if length <= 0 {
+			return nil, fmt.Errorf("nbd: meta context %d: empty extent at %d", id, off)
+		}
+		length = min(length, end-off, maxLen&^(minBlock-1))
+		off += length
+		// Merge a run like the last, as qemu-nbd does (nbd_extent_array_add).
+		if count > 0 && req.flags&wire.CmdFlagReqOne == 0 && flags == lastFlags && lastLen+length <= maxLen {
+			lastLen += length
+			if ext {
+				be.PutUint64(payload[len(payload)-16:], uint64(lastLen))
+			} else {
+				be.PutUint32(payload[len(payload)-8:], uint32(lastLen))
+			}
+			continue
+		}
+		lastLen, lastFlags = length, flags
 		if ext {
 			payload = be.AppendUint64(payload, uint64(length))
 			payload = be.AppendUint64(payload, uint64(flags))
@@ -551,16 +624,15 @@ func (c *conn) blockStatus(req request, off, n int64) {
 			payload = be.AppendUint32(payload, uint32(length))
 			payload = be.AppendUint32(payload, flags)
 		}
-		off += length
+		count++
 		if req.flags&wire.CmdFlagReqOne != 0 {
-			count++
 			break
 		}
 	}
 	if ext {
 		be.PutUint32(payload[4:], uint32(count))
 	}
-	c.chunk(req, wire.ChunkFlagDone, typ, payload)
+	return payload, nil
 }
 
 // errnoOf maps an image error to an NBD error code.

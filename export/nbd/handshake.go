@@ -2,19 +2,20 @@ package nbd
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"strings"
+	"io"
 
 	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
 )
 
 // negotiated is what the handshake settled.
 type negotiated struct {
-	structured bool // structured replies
-	extended   bool // extended headers (structured is then set too)
-	metaAlloc  bool // base:allocation selected
+	structured bool          // structured replies
+	extended   bool          // extended headers (structured is then set too)
+	meta       metaSelection // the meta contexts SET_META_CONTEXT selected
 }
 
 var be = binary.BigEndian
@@ -37,9 +38,30 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		return n, err
 	}
 	for {
-		id, data, err := readOption(r)
+		id, data, long, err := readOption(r)
 		if err != nil {
 			return n, err
+		}
+		if long != nil {
+			// A meta context option past maxOptionLen, read query by
+			// query as qemu-nbd reads it: a thousand queries are no abuse.
+			switch {
+			case mode == TLSRequire && !encrypted:
+				err = c.dropOption(id, long, wire.RepErrTLSReqd, "TLS is required: send NBD_OPT_STARTTLS first")
+			case id == wire.OptSetMetaContext && !n.structured:
+				err = c.dropOption(id, long, wire.RepErrInvalid, "SET_META_CONTEXT needs structured replies first")
+			default:
+				sel, code, merr := c.metaContext(id, long)
+				if _, err = io.Copy(io.Discard, long); err == nil && merr != nil {
+					c.optReply(id, code, []byte(merr.Error()))
+				} else if err == nil && id == wire.OptSetMetaContext {
+					n.meta = sel
+				}
+			}
+			if err != nil {
+				return n, fmt.Errorf("option %d: %w", id, err)
+			}
+			continue
 		}
 		if mode == TLSRequire && !encrypted && id != wire.OptStartTLS && id != wire.OptAbort {
 			if id == wire.OptExportName {
@@ -88,13 +110,13 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
 				continue
 			}
-			sel, err := c.metaContext(id, data)
+			sel, code, err := c.metaContext(id, bytes.NewReader(data))
 			if err != nil {
-				c.optReply(id, wire.RepErrInvalid, []byte(err.Error()))
+				c.optReply(id, code, []byte(err.Error()))
 				continue
 			}
 			if id == wire.OptSetMetaContext {
-				n.metaAlloc = sel
+				n.meta = sel
 			}
 		case wire.OptStartTLS:
 			switch {
@@ -143,24 +165,37 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 }
 
 // readOption reads one option: its id and data, checked for magic and
-// length.
-func readOption(r *bufio.Reader) (uint32, []byte, error) {
+// length. A LIST/SET_META_CONTEXT longer than maxOptionLen comes back
+// unread as long instead, for the caller to read and then drain.
+func readOption(r *bufio.Reader) (uint32, []byte, io.Reader, error) {
 	var oh [16]byte
 	if err := readFull(r, oh[:]); err != nil {
-		return 0, nil, fmt.Errorf("option header: %w", err)
+		return 0, nil, nil, fmt.Errorf("option header: %w", err)
 	}
 	id, n := be.Uint32(oh[8:]), be.Uint32(oh[12:])
 	if magic := be.Uint64(oh[0:]); magic != wire.MagicOption {
-		return 0, nil, fmt.Errorf("bad option magic %#x", magic)
+		return 0, nil, nil, fmt.Errorf("bad option magic %#x", magic)
 	}
 	if n > maxOptionLen {
-		return 0, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
+		if id == wire.OptListMetaContext || id == wire.OptSetMetaContext {
+			return id, nil, io.LimitReader(r, int64(n)), nil
+		}
+		return 0, nil, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
 	}
 	data := make([]byte, n)
 	if err := readFull(r, data); err != nil {
-		return 0, nil, fmt.Errorf("option %d: %w", id, err)
+		return 0, nil, nil, fmt.Errorf("option %d: %w", id, err)
 	}
-	return id, data, nil
+	return id, data, nil, nil
+}
+
+// dropOption reads the rest of an option and answers it with an error.
+func (c *conn) dropOption(id uint32, rest io.Reader, code uint32, msg string) error {
+	if _, err := io.Copy(io.Discard, rest); err != nil {
+		return err
+	}
+	c.optReply(id, code, []byte(msg))
+	return nil
 }
 
 // exportName answers EXPORT_NAME, which ends the negotiation.
@@ -251,48 +286,79 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	return id == wire.OptGo, nil
 }
 
-// metaContext answers LIST/SET_META_CONTEXT; it reports whether
-// base:allocation was selected.
-func (c *conn) metaContext(id uint32, data []byte) (bool, error) {
-	if len(data) < 8 {
-		return false, fmt.Errorf("short meta context request")
+// metaContext answers LIST/SET_META_CONTEXT as qemu-nbd does
+// (matchQuery), reading the option's data from r one query at a time, so
+// that memory does not grow with the option; it returns what was
+// selected, or the error reply's code and message. On an error the
+// caller drains r.
+func (c *conn) metaContext(id uint32, r io.Reader) (metaSelection, uint32, error) {
+	var sel metaSelection
+	var word [4]byte
+	u32 := func() (uint32, bool) {
+		if _, err := io.ReadFull(r, word[:]); err != nil {
+			return 0, false
+		}
+		return be.Uint32(word[:]), true
 	}
-	nameLen := be.Uint32(data)
-	if uint64(nameLen)+8 > uint64(len(data)) {
-		return false, fmt.Errorf("bad export name length")
+	nameLen, ok := u32()
+	if !ok {
+		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
-	if _, _, ok := c.srv.export(string(data[4 : 4+nameLen])); !ok {
-		return false, fmt.Errorf("no export named %q", data[4:4+nameLen])
+	if nameLen > maxQueryLen {
+		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
 	}
-	rest := data[4+nameLen:]
-	nq := be.Uint32(rest)
-	rest = rest[4:]
-	var queries []string
+	name := make([]byte, nameLen)
+	if _, err := io.ReadFull(r, name); err != nil {
+		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
+	}
+	exportName := string(name)
+	if _, _, ok := c.srv.export(exportName); !ok {
+		return sel, wire.RepErrUnknown, fmt.Errorf("export %q not present", exportName)
+	}
+	nq, ok := u32()
+	if !ok {
+		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
+	}
+	var metas []MetaContext
+	if exportName == c.srv.opts.Name {
+		metas = c.srv.opts.Meta // a partition's offsets are not the disk's
+	}
+	sel.extra = make([]bool, len(metas))
+	list := id == wire.OptListMetaContext
+	if list && nq == 0 {
+		// List everything we have.
+		sel.base = true
+		for i := range sel.extra {
+			sel.extra[i] = true
+		}
+	}
+	q := make([]byte, maxQueryLen)
 	for i := uint32(0); i < nq; i++ {
-		if len(rest) < 4 || uint64(be.Uint32(rest))+4 > uint64(len(rest)) {
-			return false, fmt.Errorf("bad query %d", i)
+		l, ok := u32()
+		if !ok {
+			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
 		}
-		l := be.Uint32(rest)
-		queries = append(queries, string(rest[4:4+l]))
-		rest = rest[4+l:]
-	}
-	if len(rest) != 0 {
-		return false, fmt.Errorf("trailing bytes after the queries")
-	}
-	match := false
-	if id == wire.OptListMetaContext && nq == 0 {
-		match = true // list everything we have
-	}
-	for _, q := range queries {
-		if q == wire.BaseAllocation || (id == wire.OptListMetaContext && (q == "base:" || strings.TrimSuffix(q, ":") == "base")) {
-			match = true
+		if l > maxQueryLen {
+			// Too long to name anything: skipped, as qemu-nbd skips it.
+			if n, _ := io.CopyN(io.Discard, r, int64(l)); n != int64(l) {
+				return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
+			}
+			continue
 		}
+		if _, err := io.ReadFull(r, q[:l]); err != nil {
+			return sel, wire.RepErrInvalid, fmt.Errorf("bad query %d", i)
+		}
+		matchQuery(string(q[:l]), list, metas, &sel)
 	}
-	if match {
-		c.optReply(id, wire.RepMetaContext, append(be.AppendUint32(nil, baseAllocID), wire.BaseAllocation...))
+	if n, _ := r.Read(word[:1]); n != 0 {
+		return sel, wire.RepErrInvalid, fmt.Errorf("trailing bytes after the queries")
+	}
+	ids, names := metaNames(sel, metas)
+	for i, name := range names {
+		c.optReply(id, wire.RepMetaContext, append(be.AppendUint32(nil, ids[i]), name...))
 	}
 	c.optReply(id, wire.RepAck, nil)
-	return match, nil
+	return sel, 0, nil
 }
 
 // optReply sends one option reply; write errors surface on the next read.

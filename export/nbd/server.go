@@ -50,6 +50,9 @@ type Options struct {
 	// partitions (--partitions), listed by NBD_OPT_LIST and chosen by
 	// name, each a range of the disk (formats/filters/partition).
 	Extra []Export
+	// Meta are the meta contexts the export Name offers beside
+	// base:allocation, in the order LIST_META_CONTEXT names them.
+	Meta []MetaContext
 }
 
 // Export is one more export a server offers under its own name.
