@@ -110,8 +110,11 @@ func snapshot(stdout io.Writer, image, format string, list bool, create, apply, 
 		err = s.CreateSnapshot(ctx, name, time.Now())
 	case op == "apply":
 		err = s.ApplySnapshot(ctx, name)
-		if errors.Is(err, qcow2.ErrSnapshotNotFound) {
+		switch {
+		case errors.Is(err, qcow2.ErrSnapshotNotFound):
 			err = errors.New("Failed to load snapshot: No such file or directory")
+		case errors.Is(err, qcow2.ErrActiveBitmaps):
+			err = qcow2.ErrActiveBitmaps
 		}
 	case op == "delete":
 		err = s.DeleteSnapshot(ctx, name)

@@ -32,6 +32,11 @@ import (
 // ErrSnapshotNotFound is a snapshot name (or ID) the table does not hold.
 var ErrSnapshotNotFound = errors.New("snapshot not found")
 
+// ErrActiveBitmaps refuses to apply a snapshot to an image with persistent
+// dirty bitmaps, enabled or not, as QEMU 7.2 refuses it: the bitmaps
+// would no longer describe the data.
+var ErrActiveBitmaps = errors.New("Device has active dirty bitmaps")
+
 // snapshotExtraLen is the extra data QEMU writes with each snapshot:
 // vm_state_size_large, disk_size and icount.
 const snapshotExtraLen = 24
@@ -153,6 +158,9 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	w, err := q.snapshotWriter()
 	if err != nil {
 		return err
+	}
+	if q.h.hasBitmaps && q.h.bitmaps.count > 0 {
+		return fmt.Errorf("qcow2: %w", ErrActiveBitmaps) // before the name, as QEMU
 	}
 	i := q.findSnapshot(idOrName, true)
 	if i < 0 {
