@@ -400,3 +400,24 @@ func checkStatus(img string) int {
 	}
 	return 0
 }
+
+// TestInfoListsSnapshotsAsQemuImg: info's snapshot list, human and JSON,
+// is qemu-img 7.2's, for a v3 image and for a v2 one (whose snapshots
+// record no icount: an empty column, no "icount" key).
+func TestInfoListsSnapshotsAsQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	for _, compat := range []string{"1.1", "0.10"} {
+		img := filepath.Join(dir, "compat-"+compat+".qcow2")
+		harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat="+compat, img, "16M")
+		harness.Run(t, "qemu-img", "snapshot", "-c", "first", img)
+		harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write 0 64k", img)
+		harness.Run(t, "qemu-img", "snapshot", "-c", "a-longer-snapshot-name", img)
+		for _, args := range [][]string{{"info"}, {"info", "--output", "json"}, {"snapshot", "-l"}} {
+			want := harness.Run(t, "qemu-img", append(args, img)...)
+			code, got := harness.RunBlockexport(t, append(args, img)...)
+			if code != 0 || got != want {
+				t.Errorf("compat=%s %v: exit %d\n%s\nqemu-img:\n%s", compat, args, code, got, want)
+			}
+		}
+	}
+}
