@@ -25,7 +25,7 @@ type snapshotter interface {
 
 func snapshotCommand() *cobra.Command {
 	var format, create, apply, del string
-	var list, quiet bool
+	var list, quiet, forceShare bool
 	c := &cobra.Command{
 		Use:   "snapshot [flags] -l|-c NAME|-a NAME|-d NAME IMAGE",
 		Short: "list, create, apply or delete a qcow2 image's internal snapshots, as qemu-img snapshot",
@@ -41,6 +41,7 @@ func snapshotCommand() *cobra.Command {
 	c.Flags().StringVarP(&apply, "apply", "a", "", "revert the image to the snapshot with ID or name `NAME`")
 	c.Flags().StringVarP(&del, "delete", "d", "", "delete the snapshot named `NAME`")
 	c.Flags().BoolVarP(&quiet, "quiet", "q", false, "print nothing but errors")
+	c.Flags().BoolVarP(&forceShare, "force-share", "U", false, "with -l: list an image that another process writes (no locks taken)")
 	formatFlag(c, &format, formatUsage)
 	// qemu-img exits 1 on a usage error, as on any other.
 	c.SetFlagErrorFunc(func(c *cobra.Command, err error) error { return snapshotStatus(c.ErrOrStderr(), usageError{err}) })
@@ -51,10 +52,17 @@ func snapshotCommand() *cobra.Command {
 				ops++
 			}
 		}
-		if ops != 1 || len(args) != 1 {
-			return snapshotStatus(c.ErrOrStderr(), usagef("snapshot: want one of -l, -c, -a, -d and one IMAGE"))
+		switch {
+		case ops > 1:
+			return snapshotStatus(c.ErrOrStderr(), usagef("Cannot mix '-l', '-a', '-c', '-d'"))
+		case len(args) != 1:
+			return snapshotStatus(c.ErrOrStderr(), usagef("snapshot: want one IMAGE, got %d argument(s)", len(args)))
+		case ops == 0:
+			// qemu-img opens the image and does nothing: so do we.
+			list = true
+			c.SetOut(io.Discard)
 		}
-		err := snapshot(c.OutOrStdout(), args[0], format, list, create, apply, del, c.Flags())
+		err := snapshot(c.OutOrStdout(), args[0], format, list, forceShare, create, apply, del, c.Flags())
 		return snapshotStatus(c.ErrOrStderr(), err)
 	}
 	return c
@@ -72,11 +80,14 @@ func snapshotStatus(stderr io.Writer, err error) error {
 type flagSet interface{ Changed(string) bool }
 
 // snapshot runs one snapshot operation on image.
-func snapshot(stdout io.Writer, image, format string, list bool, create, apply, del string, fl flagSet) error {
+func snapshot(stdout io.Writer, image, format string, list, forceShare bool, create, apply, del string, fl flagSet) error {
 	if _, err := registry.ParseFormat(format); err != nil {
 		return usageError{err}
 	}
-	o := registry.Options{Format: format, Lock: true, Writable: !list, NoBacking: true, Backend: "threads", Logger: warnLogger(os.Stderr)}
+	if forceShare && !list {
+		return fmt.Errorf("Could not open '%s': force-share=on can only be used with read-only images", image)
+	}
+	o := registry.Options{Format: format, Lock: !forceShare, Writable: !list, NoBacking: true, Backend: "threads", Logger: warnLogger(os.Stderr)}
 	op, name := "", ""
 	switch {
 	case fl.Changed("create"):

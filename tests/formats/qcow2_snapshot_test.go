@@ -96,6 +96,8 @@ func TestSnapshotVerbMatchesQemuImg(t *testing.T) {
 		write string // a qemu-io command on both images after the step
 	}{
 		{[]string{"-l"}, ""},
+		{[]string{"-U", "-c", "x"}, ""}, // -U lists only
+		{[]string{"-l", "-c", "x"}, ""}, // one operation at a time
 		{[]string{"-c", "s1"}, "write -P 0xbb 1M 3M"},
 		{[]string{"-c", "s2"}, "write -z 0 8M"},
 		{[]string{"-c", "s1"}, ""}, // a name taken again, as QEMU allows
@@ -116,7 +118,9 @@ func TestSnapshotVerbMatchesQemuImg(t *testing.T) {
 		if code != qcode {
 			t.Fatalf("snapshot %v: exit %d, qemu-img %d\nours: %s\nqemu-img: %s", st.args, code, qcode, msg, qmsg)
 		}
-		if st.args[0] != "-l" && msg != qmsg {
+		// qemu-img adds its --help hint to a usage error.
+		usage := strings.Contains(qmsg, "Try 'qemu-img --help'")
+		if st.args[0] != "-l" && !usage && msg != qmsg {
 			t.Errorf("snapshot %v: says %q, qemu-img %q", st.args, msg, qmsg)
 		}
 		if st.args[0] == "-l" {
@@ -196,6 +200,7 @@ func TestSnapshotVerbRefusesWhatQemuImgRefuses(t *testing.T) {
 		t.Errorf("snapshot -l of a raw image: exit %d, %q; want 0 and nothing, as qemu-img", code, out)
 	}
 	img := snapshotTestImage(t, dir)
+	harness.Run(t, "qemu-img", "snapshot", "-c", "listed", img)
 	holder := exec.Command("qemu-io", "-f", "qcow2", "-c", "sleep 60000", img)
 	if err := holder.Start(); err != nil {
 		t.Fatalf("qemu-io: %v (apt-get install qemu-utils)", err)
@@ -217,6 +222,10 @@ func TestSnapshotVerbRefusesWhatQemuImgRefuses(t *testing.T) {
 	}
 	if harness.FileHash(t, img) != before {
 		t.Error("a refused snapshot changed the image")
+	}
+	want := harness.Run(t, "qemu-img", "snapshot", "-U", "-l", img)
+	if code, out := harness.RunBlockexport(t, "snapshot", "-U", "-l", img); code != 0 || out != want {
+		t.Errorf("snapshot -U -l of an image qemu-io writes: exit %d\n%s\nqemu-img:\n%s", code, out, want)
 	}
 }
 
