@@ -430,3 +430,30 @@ func TestInfoListsSnapshotsAsQemuImg(t *testing.T) {
 		}
 	}
 }
+
+// TestSnapshotApplyRevertsTheVirtualSize: a snapshot taken before the
+// image grew brings back its size and data, as qemu-img's -a does.
+func TestSnapshotApplyRevertsTheVirtualSize(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", base, "2M")
+	harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x12 0 1M", base)
+	harness.Run(t, "qemu-img", "snapshot", "-c", "small", base)
+	harness.Run(t, "qemu-img", "resize", "-q", base, "64M")
+	harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x34 60M 1M", "-c", "write -P 0x56 0 4k", base)
+	ours, theirs := filepath.Join(dir, "ours.qcow2"), filepath.Join(dir, "theirs.qcow2")
+	harness.Run(t, "cp", base, ours)
+	harness.Run(t, "cp", base, theirs)
+	if code, qcode, msg, qmsg := runSnapshot(t, ours, theirs, "-a", "small"); code != 0 || qcode != 0 {
+		t.Fatalf("snapshot -a: exit %d %q, qemu-img %d %q", code, msg, qcode, qmsg)
+	}
+	harness.QemuImgCheck(t, ours)
+	if got, want := activeContent(t, ours, dir), activeContent(t, theirs, dir); len(got) != 2<<20 || !bytes.Equal(got, want) {
+		t.Fatalf("after -a: %d bytes, qemu-img's %d, equal: %v", len(got), len(want), bytes.Equal(got, want))
+	}
+	// The image grows again and writes past the old end, over what the
+	// bigger layer held.
+	harness.Run(t, "qemu-img", "resize", "-q", ours, "64M")
+	harness.Run(t, "qemu-io", "-f", "qcow2", "-c", "write -P 0x78 61M 4k", ours)
+	harness.QemuImgCheck(t, ours)
+}

@@ -152,8 +152,8 @@ func (q *Image) DeleteSnapshot(ctx context.Context, name string) error {
 }
 
 // ApplySnapshot reverts the active layer to the snapshot with ID or name
-// idOrName, as `qemu-img snapshot -a` does. A snapshot of another virtual
-// size is refused (QEMU resizes; this writer does not).
+// idOrName, as `qemu-img snapshot -a` does: the virtual size becomes the
+// snapshot's too, and the L1 table keeps the larger of the two lengths.
 func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	w, err := q.snapshotWriter()
 	if err != nil {
@@ -167,8 +167,12 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 		return fmt.Errorf("qcow2: %q: %w", idOrName, ErrSnapshotNotFound)
 	}
 	sn := q.snaps[i]
-	if len(sn.extra) >= 16 && int64(binary.BigEndian.Uint64(sn.extra[8:])) != q.Size() {
-		return fmt.Errorf("qcow2: snapshot %q: %w: its virtual size differs from the image's", idOrName, ErrUnsupported)
+	size := q.Size()
+	if len(sn.extra) >= 16 {
+		size = int64(binary.BigEndian.Uint64(sn.extra[8:]))
+	}
+	if size < 0 || (size+q.h.clusterSize-1)/q.h.clusterSize > max(sn.l1Size, int64(len(q.l1)))*q.h.l2Entries {
+		return fmt.Errorf("%w: snapshot %q: its size %d does not fit its L1 table", ErrCorrupt, idOrName, size)
 	}
 	if err := q.Flush(ctx); err != nil {
 		return err
@@ -185,13 +189,8 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	for j, e := range snapL1 {
 		l1[j] = e &^ oflagCopied
 	}
-	if len(l1) != len(old) {
-		err = fmt.Errorf("%w: the snapshot's L1 table (%d entries) differs from the active one (%d)", ErrUnsupported, len(snapL1), len(old))
-	}
 	var newOff int64
-	if err == nil {
-		err = q.addTreeRefs(ctx, snapL1, 1)
-	}
+	err = q.addTreeRefs(ctx, snapL1, 1)
 	if err == nil {
 		newOff, err = q.allocClusters(ctx, (int64(len(l1))*8+cs-1)/cs)
 	}
@@ -215,6 +214,11 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	w.l1Offset = newOff
 	q.meta.Unlock()
 	w.l1Moved = true
+	if size != q.Size() {
+		q.size.Store(size)
+		q.end.Store(size)
+		w.sizeDirty = true
+	}
 	q.rebuildMetaMap()
 	w.alloc.Unlock()
 	if err := q.Flush(ctx); err != nil {
