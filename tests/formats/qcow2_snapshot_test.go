@@ -280,7 +280,7 @@ func TestSnapshotVerbKilledLeavesAConsistentImage(t *testing.T) {
 		dur := time.Since(start)
 		afterActive, afterNames := activeContent(t, after, dir), snapshotNames(t, after)
 		killed := 0
-		for i := range 30 {
+		for i := range 20 {
 			img := filepath.Join(dir, "victim.qcow2")
 			harness.Run(t, "cp", pristine, img)
 			cmd := exec.Command(harness.Bin, append([]string{"snapshot"}, append(args, img)...)...)
