@@ -185,7 +185,8 @@ type Snapshot struct {
 	DateNsec    uint32 `json:"date-nsec"`
 	VMClockSec  uint64 `json:"vm-clock-sec"`
 	VMClockNsec uint64 `json:"vm-clock-nsec"`
-	ICount      uint64 `json:"icount"`
+	// ICount is nil where the snapshot records none (QEMU's -1).
+	ICount *uint64 `json:"icount,omitempty"`
 }
 
 // BackingOpener opens an image's backing file, read-only: path as the image

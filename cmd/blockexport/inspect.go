@@ -188,12 +188,7 @@ func printInfo(w io.Writer, in formats.Info) {
 	}
 	if len(in.Snapshots) > 0 {
 		fmt.Fprintln(w, "Snapshot list:")
-		fmt.Fprintf(w, "%-4s %-20s %10s %19s %15s\n", "ID", "TAG", "VM SIZE", "DATE", "VM CLOCK")
-		for _, s := range in.Snapshots {
-			date := time.Unix(int64(s.DateSec), 0).Format("2006-01-02 15:04:05")
-			clock := fmt.Sprintf("%02d:%02d:%02d.%03d", s.VMClockSec/3600, s.VMClockSec/60%60, s.VMClockSec%60, s.VMClockNsec/1e6)
-			fmt.Fprintf(w, "%-4s %-20s %10s %19s %15s\n", s.ID, s.Name, humanSize(int64(s.VMStateSize)), date, clock)
-		}
+		printSnapshots(w, in.Snapshots)
 	}
 	if fs := in.FormatSpecific; fs != nil {
 		fmt.Fprintln(w, "Format specific information:")

@@ -578,6 +578,11 @@ func (q *Image) Info() formats.Info {
 		lines = slices.Insert(lines, 3, bitmapLines(bitmaps)...)
 	}
 	info.FormatSpecific = &formats.FormatSpecific{Type: "qcow2", Data: d, Lines: lines}
+	if h.version == 2 {
+		// QEMU shows a version 2 image's three fields alone.
+		info.FormatSpecific.Data = detailV2{d.Compat, d.CompressionType, d.RefcountBits}
+		info.FormatSpecific.Lines = []string{lines[0], lines[1], fmt.Sprintf("refcount bits: %d", d.RefcountBits)}
+	}
 	if h.backingFile != "" {
 		info.FullBackingFilename = backingPath(q.path, h.backingFile) // as openBacking resolves it
 	}
@@ -596,6 +601,13 @@ type Detail struct {
 	RefcountBits int          `json:"refcount-bits"`
 	Corrupt      bool         `json:"corrupt"`
 	ExtendedL2   bool         `json:"extended-l2"`
+}
+
+// detailV2 is Detail as qemu-img shows a version 2 image.
+type detailV2 struct {
+	Compat          string `json:"compat"`
+	CompressionType string `json:"compression-type"`
+	RefcountBits    int    `json:"refcount-bits"`
 }
 
 // Features: zeroing whole clusters is metadata only in version 3 (zero

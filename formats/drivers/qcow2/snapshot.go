@@ -27,6 +27,10 @@ type snapshotEntry struct {
 	formats.Snapshot
 	l1Offset int64
 	l1Size   int64
+	// extra is the entry's extra data as stored (vm_state_size_large,
+	// disk_size, icount and what a later QEMU adds), kept when the table
+	// is rewritten.
+	extra []byte
 }
 
 // readSnapshots reads and validates the snapshot table. It returns the
@@ -80,12 +84,13 @@ func (q *Image) readSnapshots(ctx context.Context) ([]snapshotEntry, int64, erro
 			l1Size:   int64(be.Uint32(hdr[8:])),
 		}
 		extra := rest[:extraLen]
+		e.extra = extra
 		if len(extra) >= 8 {
 			e.VMStateSize = be.Uint64(extra[0:])
 		}
 		if len(extra) >= 24 {
 			if ic := be.Uint64(extra[16:]); ic != ^uint64(0) {
-				e.ICount = ic
+				e.ICount = &ic
 			}
 		}
 		list = append(list, e)
