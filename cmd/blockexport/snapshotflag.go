@@ -50,6 +50,9 @@ func loadSnapshot(ctx context.Context, img formats.Image, spec snapshotSpec) err
 	} else {
 		err = q.LoadSnapshot(ctx, spec.id, spec.name)
 	}
+	if errors.Is(err, qcow2.ErrSnapshotNotFound) {
+		err = errors.New("Can't find snapshot") // qemu-nbd -l's words
+	}
 	if err != nil {
 		return fmt.Errorf("Failed to load snapshot: %w", err)
 	}

@@ -2,12 +2,8 @@ package qcow2
 
 import (
 	"context"
-	"errors"
 	"fmt"
 )
-
-// ErrSnapshotNotFound: no internal snapshot has the ID or name asked for.
-var ErrSnapshotNotFound = errors.New("Can't find snapshot")
 
 // LoadSnapshot makes the read-only image read as its internal snapshot
 // does, as QEMU's qcow2_snapshot_load_tmp (qemu-nbd -l, qemu-img convert
