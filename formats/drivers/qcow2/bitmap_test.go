@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"math"
 	"math/big"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -63,7 +64,9 @@ func qemuDirtyRanges(t *testing.T, img, bitmap string) [][2]int64 {
 		}
 	}
 	sock := filepath.Join(t.TempDir(), "nbd.sock")
-	srv := exec.Command("qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, "-k", sock, img)
+	// --persistent: the connect that sees it listen (the socket file
+	// exists from bind, before listen) must not end it.
+	srv := exec.Command("qemu-nbd", "-t", "-r", "-f", "qcow2", "-B", bitmap, "-k", sock, img)
 	var log bytes.Buffer
 	srv.Stdout, srv.Stderr = &log, &log
 	if err := srv.Start(); err != nil {
@@ -76,7 +79,8 @@ func qemuDirtyRanges(t *testing.T, img, bitmap string) [][2]int64 {
 		<-exited
 	}()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(sock); err == nil {
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
 			break
 		}
 		select {

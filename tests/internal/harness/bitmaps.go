@@ -2,15 +2,12 @@ package harness
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 )
 
 // QemuBitmap is one persistent dirty bitmap as `qemu-img info
@@ -52,33 +49,11 @@ func DirtyRanges(t *testing.T, img, bitmap string) [][2]int64 {
 			t.Fatalf("%s is missing: apt-get install %s", tool[0], tool[1])
 		}
 	}
+	// --persistent: StartServerProc's connect to see it listen (the socket
+	// file exists from bind, before listen) must not end it.
 	sock := filepath.Join(t.TempDir(), "nbd.sock")
-	srv := exec.Command("qemu-nbd", "-r", "-f", "qcow2", "-B", bitmap, "-k", sock, img)
-	var log bytes.Buffer
-	srv.Stdout, srv.Stderr = &log, &log
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- srv.Wait() }()
-	defer func() {
-		srv.Process.Kill() // it exits by itself once nbdinfo disconnects
-		<-exited
-	}()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(sock); err == nil {
-			break
-		}
-		select {
-		case err := <-exited:
-			exited <- err
-			t.Fatalf("qemu-nbd -B %s exited: %v\n%s", bitmap, err, log.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("qemu-nbd did not listen in time\n%s", log.String())
-		}
-	}
+	srv := StartServerProc(t, sock, "qemu-nbd", "-t", "-r", "-f", "qcow2", "-B", bitmap, "-k", sock, img)
+	defer srv.Kill()
 	out := Run(t, "nbdinfo", "--map=qemu:dirty-bitmap:"+bitmap, "nbd+unix:///?socket="+sock)
 	var runs [][2]int64
 	sc := bufio.NewScanner(strings.NewReader(out))
