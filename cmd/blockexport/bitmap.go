@@ -177,9 +177,14 @@ func (f *bitmapFlags) apply(ctx context.Context, edit *qcow2.BitmapEdit, name st
 		var err error
 		switch a.op {
 		case "add":
-			// qemu-img hands the granularity on as a uint32.
+			// qemu-img hands the granularity on as a uint32: one given
+			// that truncates to 0 is refused, not the default.
+			g := int64(uint32(granularity))
+			if granularity != 0 && g == 0 {
+				g = -1
+			}
 			disabled := false // --disable is an operation of its own, as there
-			err = edit.Add(name, int64(uint32(granularity)), disabled)
+			err = edit.Add(name, g, disabled)
 		case "remove":
 			err = edit.Remove(name)
 		case "clear":

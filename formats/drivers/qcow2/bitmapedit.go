@@ -261,7 +261,7 @@ func (e *BitmapEdit) Merge(ctx context.Context, dst string, src *Image, srcName 
 		fromSize = src.Size()
 	}
 	if fromSize != e.q.Size() {
-		return refuse("Bitmaps are incompatible and can't be merged")
+		return refuse("Bitmaps are of different sizes (destination size is %d, source size is %d) and can't be merged", e.q.Size(), fromSize)
 	}
 	to, err := e.load(ctx, d)
 	if err != nil {
