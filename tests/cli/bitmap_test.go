@@ -334,15 +334,18 @@ func TestBitmapVerbKilledLeavesBitmapsBeforeOrAfter(t *testing.T) {
 		harness.Run(t, "cp", "--sparse=always", base, after)
 		argv := append([]string{"bitmap"}, op[:len(op)-1]...)
 		argv = append(argv, after, op[len(op)-1])
+		start := time.Now()
 		if code, out := harness.RunBlockexport(t, argv...); code != 0 {
 			t.Fatalf("%v: exit %d\n%s", op, code, out)
 		}
+		took := time.Since(start) // the kills land anywhere in a run this long
 		want := bitmapState(t, after)
 		if want == before {
 			t.Fatalf("%v changes nothing the test can see", op)
 		}
 		seen := map[string]int{}
-		for i := range 12 {
+		const kills = 20
+		for i := range kills {
 			img := filepath.Join(dir, fmt.Sprintf("killed%d-%d.qcow2", k, i))
 			harness.Run(t, "cp", "--sparse=always", base, img)
 			argv := append([]string{"bitmap"}, op[:len(op)-1]...)
@@ -351,7 +354,7 @@ func TestBitmapVerbKilledLeavesBitmapsBeforeOrAfter(t *testing.T) {
 			if err := cmd.Start(); err != nil {
 				t.Fatal(err)
 			}
-			time.Sleep(time.Duration(rng.IntN(40000)) * time.Microsecond)
+			time.Sleep(time.Duration(rng.Int64N(int64(took) * 5 / 4)))
 			cmd.Process.Signal(syscall.SIGKILL)
 			cmd.Wait()
 			code, out := qemuCheckStatus(t, img)
@@ -368,6 +371,6 @@ func TestBitmapVerbKilledLeavesBitmapsBeforeOrAfter(t *testing.T) {
 			}
 			os.Remove(img)
 		}
-		t.Logf("%v killed 12 times: %v", op, seen)
+		t.Logf("%v killed %d times within %v: %v", op, kills, took, seen)
 	}
 }
