@@ -51,6 +51,7 @@ type editedBitmap struct {
 type BitmapEdit struct {
 	q       *Image
 	bitmaps []*editedBitmap
+	byName  map[string]*editedBitmap
 	removed []*editedBitmap // on disk before, to be freed after Commit
 	dirSize int64           // the directory's size now, for QEMU's limit
 }
@@ -62,7 +63,7 @@ func (q *Image) EditBitmaps(ctx context.Context) (*BitmapEdit, error) {
 	if err := q.checkWritable("edit bitmaps"); err != nil {
 		return nil, err
 	}
-	e := &BitmapEdit{q: q}
+	e := &BitmapEdit{q: q, byName: map[string]*editedBitmap{}}
 	s := q.w.bitmaps
 	if s == nil {
 		return e, nil
@@ -72,6 +73,7 @@ func (q *Image) EditBitmaps(ctx context.Context) (*BitmapEdit, error) {
 	}
 	for i, b := range s.entries {
 		e.bitmaps = append(e.bitmaps, &editedBitmap{entry: b, table: s.tables[i]})
+		e.byName[b.name] = e.bitmaps[i]
 	}
 	e.dirSize = s.dirSize
 	return e, nil
@@ -79,12 +81,7 @@ func (q *Image) EditBitmaps(ctx context.Context) (*BitmapEdit, error) {
 
 // find is the bitmap called name, or nil.
 func (e *BitmapEdit) find(name string) *editedBitmap {
-	for _, b := range e.bitmaps {
-		if b.entry.name == name {
-			return b
-		}
-	}
-	return nil
+	return e.byName[name]
 }
 
 // lookup is find with QEMU's error for a bitmap that is not there.
@@ -161,7 +158,9 @@ func (e *BitmapEdit) Add(name string, granularity int64, disabled bool) error {
 	if disabled {
 		flags = 0
 	}
-	e.bitmaps = append(e.bitmaps, &editedBitmap{entry: bitmapEntry{name: name, flags: flags, granBits: granBits}, zero: true, rewrite: true})
+	b := &editedBitmap{entry: bitmapEntry{name: name, flags: flags, granBits: granBits}, zero: true, rewrite: true}
+	e.bitmaps = append(e.bitmaps, b)
+	e.byName[name] = b
 	e.dirSize += dirEntrySize(len(name))
 	return nil
 }
@@ -175,6 +174,7 @@ func (e *BitmapEdit) Remove(name string) error {
 	for i, x := range e.bitmaps {
 		if x == b {
 			e.bitmaps = append(e.bitmaps[:i], e.bitmaps[i+1:]...)
+			delete(e.byName, name)
 			break
 		}
 	}
