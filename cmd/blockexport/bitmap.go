@@ -29,7 +29,15 @@ type bitmapActionFlag struct {
 	takes   bool // --merge takes the source bitmap's name
 }
 
-func (f *bitmapActionFlag) String() string { return "" }
+// String is the default pflag records: false for the operations that
+// take no value, so that help and man pages show them as the booleans
+// they look like.
+func (f *bitmapActionFlag) String() string {
+	if f.takes {
+		return ""
+	}
+	return "false"
+}
 func (f *bitmapActionFlag) Type() string {
 	if f.takes {
 		return "SOURCE"
@@ -40,6 +48,10 @@ func (f *bitmapActionFlag) Set(v string) error {
 	a := bitmapAction{op: f.op}
 	if f.takes {
 		a.source = v
+	} else if on, err := strconv.ParseBool(v); err != nil {
+		return fmt.Errorf("--%s=%s: want true or false", f.op, v)
+	} else if !on {
+		return nil // --add=false: no operation
 	}
 	*f.actions = append(*f.actions, a)
 	return nil
