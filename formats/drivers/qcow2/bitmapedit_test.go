@@ -317,3 +317,23 @@ func TestBitmapEditRefusesThe65536thBitmap(t *testing.T) {
 		t.Errorf("the 65536th bitmap after a reopen: %v; want %q", err, want)
 	}
 }
+
+// TestBitmapDefaultGranularityIsQemus: --add without -g takes the
+// granularity qemu-img's does, for clusters below, inside and above its
+// 4 KiB to 64 KiB range.
+func TestBitmapDefaultGranularityIsQemus(t *testing.T) {
+	for _, cs := range []string{"512", "4096", "65536", "2M"} {
+		img := filepath.Join(t.TempDir(), "default.qcow2")
+		tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size="+cs, img, "64M")
+		tool(t, "qemu-img", "bitmap", "--add", img, "theirs")
+		q, err := openTest(img, testOpts{Backend: aio.Threads})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ours := q.DefaultBitmapGranularity()
+		q.Close()
+		if theirs := qemuBitmaps(t, img)["theirs"].Granularity; ours != theirs {
+			t.Errorf("clusters of %s: default granularity %d, qemu-img's %d", cs, ours, theirs)
+		}
+	}
+}
