@@ -243,11 +243,11 @@ func openForBitmaps(spec string, o registry.Options) (*registry.Opened, error) {
 	case err == nil:
 		return img, nil
 	case errors.Is(err, aio.ErrInUse):
-		lock := "write"
+		lock := `"write"` // the permission we want and another holder does not share
 		if !o.Writable {
-			lock = "shared \"write\""
+			lock = `shared "write"` // we share no writer, and another holds write
 		}
-		return nil, fmt.Errorf("Could not open '%s': Failed to get %q lock\nIs another process using the image [%s]?", spec, lock, spec)
+		return nil, fmt.Errorf("Could not open '%s': Failed to get %s lock\nIs another process using the image [%s]?", spec, lock, spec)
 	case errors.Is(err, registry.ErrBadSpec):
 		return nil, fmt.Errorf("Could not open '%s': %w", spec, err)
 	}

@@ -207,6 +207,7 @@ var bitmapCases = [][]string{
 	{"--remove", "-g", "512", "IMG", "a"},
 	{"--remove", "-b", "OTHER", "IMG", "a"},
 	{"--merge", "a", "-F", "qcow2", "IMG", "b"},
+	{"--merge", "a", "-b", "IMG", "IMG", "c"},
 }
 
 // runBitmapCase runs one case with prog on fresh copies of the fixtures
