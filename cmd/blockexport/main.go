@@ -101,7 +101,7 @@ func rootCommand() *cobra.Command {
 	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
-	root.AddCommand(streamCommand(), snapshotCommand())
+	root.AddCommand(streamCommand(), snapshotCommand(), bitmapCommand())
 	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(), compareCommand(), convertCommand(),
 		&cobra.Command{
 			Use:   "version",

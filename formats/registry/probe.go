@@ -74,6 +74,9 @@ func ParseFormat(s string) (string, error) {
 type Options struct {
 	Format   string // auto (default), null or a format read here (Formats)
 	Writable bool
+	// EditBitmaps opens a writable qcow2 image to edit its persistent
+	// dirty bitmaps (the bitmap verb): none is marked in use at open.
+	EditBitmaps bool
 	// NullReadZeroes makes null-device reads return zeroes (default in the
 	// CLI); off leaves read buffers untouched.
 	NullReadZeroes bool
@@ -363,7 +366,7 @@ func (c *chain) openFormat(f aio.File, ff driver.Format, writable bool, remote s
 // come back here.
 func (c *chain) driverOptions(f aio.File, format string, writable bool) driver.Options {
 	name := f.Name()
-	return driver.Options{Name: name, Writable: writable, Direct: c.o.Direct, CacheSize: c.o.L2CacheSize,
+	return driver.Options{Name: name, Writable: writable, EditBitmaps: writable && c.o.EditBitmaps, Direct: c.o.Direct, CacheSize: c.o.L2CacheSize,
 		DecodedCacheSize: c.o.DecodedCacheSize, Logger: c.o.Logger, OpenBacking: c.openBacking, Shown: shownName,
 		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
 		OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, format) }}

@@ -131,8 +131,8 @@ func (q *Image) openBitmaps(ctx context.Context) error {
 				}
 			}
 		}
-		if b.flags&(bmFlagAuto|bmFlagInUse) != bmFlagAuto {
-			continue // disabled, or inconsistent already: left alone
+		if b.flags&(bmFlagAuto|bmFlagInUse) != bmFlagAuto || q.editBitmaps {
+			continue // disabled, inconsistent already, or to be edited: left alone
 		}
 		live, err := q.loadBitmap(ctx, i, b, t)
 		if err != nil {

@@ -17,7 +17,7 @@ func Driver() driver.Format {
 		Writable: true, Create: Create,
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{L2CacheSize: o.CacheSize, DecodedCacheSize: o.DecodedCacheSize,
-				Direct: o.Direct, Writable: o.Writable, Logger: o.Logger, OpenBacking: o.OpenBacking, Shown: o.Shown}))
+				Direct: o.Direct, Writable: o.Writable, EditBitmaps: o.EditBitmaps, Logger: o.Logger, OpenBacking: o.OpenBacking, Shown: o.Shown}))
 		}}
 }
 

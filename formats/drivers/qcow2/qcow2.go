@@ -53,7 +53,11 @@ type Options struct {
 	// Writable opens the image for writing; its backing chain stays
 	// read-only.
 	Writable bool
-	Logger   *slog.Logger
+	// EditBitmaps opens a writable image to edit its bitmaps
+	// (EditBitmaps): none is marked in use or tracked at open, so that a
+	// crash before the edit is written leaves them exactly as they were.
+	EditBitmaps bool
+	Logger      *slog.Logger
 	// OpenBacking opens the backing file, if the image has one (the
 	// registry gives it: this package knows no other format).
 	OpenBacking formats.BackingOpener
@@ -127,6 +131,8 @@ type Image struct {
 
 	w   *writeState // nil when read-only
 	log *slog.Logger
+	// editBitmaps: Options.EditBitmaps.
+	editBitmaps bool
 }
 
 // New opens the qcow2 image in f, which it owns from now on (Close closes
@@ -162,7 +168,7 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct, log: o.Logger}
+	q := &Image{f: f, path: path, h: h, fileSize: fileSize, direct: o.Direct, log: o.Logger, editBitmaps: o.EditBitmaps}
 	q.size.Store(int64(h.size))
 	q.end.Store(int64(h.size))
 	if h.l1Size > 0 {

@@ -29,6 +29,8 @@ type Options struct {
 	// are relative to its directory, and info shows names built from it.
 	Name     string
 	Writable bool
+	// EditBitmaps: opened to edit its persistent dirty bitmaps (qcow2).
+	EditBitmaps bool
 	// Direct: the file is O_DIRECT (behind aio.Aligned): no page cache.
 	Direct bool
 	// CacheSize is the metadata table cache in bytes (qcow2 L2 tables,
