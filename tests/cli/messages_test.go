@@ -78,8 +78,8 @@ func TestHelpTextNamesNBDImagesAndBooleanFlags(t *testing.T) {
 			}
 			n++
 		}
-		if name == "fuse" && n < 12 {
-			t.Errorf("fuse --help shows %d boolean flags, want 12 or more:\n%s", n, help)
+		if name == "fuse" && n < 11 { // -w, --copy-on-read, --null-read-zeroes, --daemonize, --allow-redirects, --s3-path-style, --growable, --mapped-reads, --adaptive-poll, --partitions, -h
+			t.Errorf("fuse --help shows %d boolean flags, want 11 or more:\n%s", n, help)
 		}
 	}
 	for _, p := range pages {
