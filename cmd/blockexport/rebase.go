@@ -98,6 +98,17 @@ func (f *rebaseFlags) run(c *cobra.Command, args []string) error {
 	defer stop()
 	o := registry.Options{Format: format, Writable: true, Lock: true, Direct: direct, Backend: "threads",
 		Logger: warnLogger(c.ErrOrStderr()), NoBacking: f.unsafe}
+	if !f.unsafe {
+		// The chain is opened once without locks first, so that a loop in
+		// it is named as one, not as our own lock on a file seen twice.
+		ro := o
+		ro.Writable, ro.Lock = false, false
+		img, err := openImage(name, ro)
+		if err != nil {
+			return fmt.Errorf("Could not open '%s': %w", name, err)
+		}
+		img.Image.Close()
+	}
 	img, err := openImage(name, o)
 	if err != nil {
 		return fmt.Errorf("Could not open '%s': %w", name, err)

@@ -299,7 +299,7 @@ func crashTest(t *testing.T, c chain, iterations int, args ...string) {
 	killed := 0
 	for i := range iterations {
 		work := c.copyTo(t, dir)
-		if !killAtRandom(t, rng, work, 300*time.Millisecond, args...) {
+		if !killAtRandom(t, rng, work, 120*time.Millisecond, args...) {
 			killed++
 		}
 		checkClean(t, c, work, true)
@@ -319,11 +319,11 @@ func crashTest(t *testing.T, c chain, iterations int, args ...string) {
 }
 
 func TestCommitKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
-	crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 256 << 20}, 20, "commit", "--parallel", "2", "top.qcow2")
+	crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 16, "commit", "--parallel", "2", "top.qcow2")
 }
 
 func TestCommitIntoTheBaseKilledAtRandomLeavesTheTopReadable(t *testing.T) {
-	crashTest(t, chain{baseFormat: "raw", levels: 3, size: 256 << 20}, 12, "commit", "--parallel", "2", "-b", "base.raw", "top.qcow2")
+	crashTest(t, chain{baseFormat: "raw", levels: 3, size: 96 << 20}, 12, "commit", "--parallel", "2", "-b", "base.raw", "top.qcow2")
 }
 
 func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
@@ -332,7 +332,7 @@ func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
 		{"rebase", "--parallel", "2", "-b", "", "top.qcow2"},
 	} {
 		t.Run(args[4], func(t *testing.T) {
-			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 256 << 20}, 12, args...)
+			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 12, args...)
 		})
 	}
 }
