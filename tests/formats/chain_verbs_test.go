@@ -291,16 +291,27 @@ func crashTest(t *testing.T, c chain, iterations int, args ...string) {
 	}
 	before := views(dir)
 	finished := c.copyTo(t, dir)
+	start := time.Now()
 	if code, out := runIn(t, finished, append([]string{harness.Bin}, args...)...); code != 0 {
 		t.Fatalf("%v: exit %d\n%s", args, code, out)
 	}
+	// Kills spread over the whole run, and a little past it.
+	maxDelay := max(time.Since(start)*5/4, 20*time.Millisecond)
 	after := views(finished)
+	infoBefore, infoAfter := chainInfo(t, dir), chainInfo(t, finished)
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 46))
-	killed := 0
+	killed, switched := 0, 0
 	for i := range iterations {
 		work := c.copyTo(t, dir)
-		if !killAtRandom(t, rng, work, 120*time.Millisecond, args...) {
+		if !killAtRandom(t, rng, work, maxDelay, args...) {
 			killed++
+		}
+		switch info := chainInfo(t, work); info {
+		case infoBefore:
+		case infoAfter:
+			switched++
+		default:
+			t.Fatalf("iteration %d: the chain is\n%s\nneither as before\n%s\nnor as after\n%s", i, info, infoBefore, infoAfter)
 		}
 		checkClean(t, c, work, true)
 		got := views(work)
@@ -315,7 +326,7 @@ func crashTest(t *testing.T, c chain, iterations int, args ...string) {
 	if killed == 0 {
 		t.Fatalf("%v finished before every kill: no crash was tested", args)
 	}
-	t.Logf("%d of %d runs killed", killed, iterations)
+	t.Logf("%d of %d runs killed (each of up to %v); %d ended with the chain as after", killed, iterations, maxDelay, switched)
 }
 
 func TestCommitKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
@@ -327,12 +338,15 @@ func TestCommitIntoTheBaseKilledAtRandomLeavesTheTopReadable(t *testing.T) {
 }
 
 func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
-	for _, args := range [][]string{
-		{"rebase", "--parallel", "2", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2"},
-		{"rebase", "--parallel", "2", "-b", "", "top.qcow2"},
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"onto the base", []string{"rebase", "--parallel", "2", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2"}},
+		{"flattened", []string{"rebase", "--parallel", "2", "-b", "", "top.qcow2"}},
 	} {
-		t.Run(args[4], func(t *testing.T) {
-			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 12, args...)
+		t.Run(tc.name, func(t *testing.T) {
+			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 12, tc.args...)
 		})
 	}
 }
