@@ -28,6 +28,8 @@ type chain struct {
 	// other adds other.qcow2, an image apart from the chain whose data
 	// differs from it almost everywhere, to rebase onto.
 	other bool
+	// bitmaps adds a persistent dirty bitmap to each qcow2 layer.
+	bitmaps bool
 }
 
 func (c chain) formatOf(name string) string {
@@ -73,6 +75,13 @@ func (c *chain) build(t *testing.T, dir string) {
 		cmds = append(cmds, "-c", fmt.Sprintf("write -P %#x %d 64k", 0x40+rng.IntN(64), rng.Int64N(c.size>>16)<<16))
 	}
 	run(append(append([]string{"qemu-io", "-f", "qcow2"}, cmds...), "top.qcow2")...)
+	if c.bitmaps {
+		for _, l := range c.layers {
+			if c.formatOf(l) == "qcow2" {
+				run("qemu-img", "bitmap", "--add", "-g", "128k", l, "backup-"+strings.TrimSuffix(l, ".qcow2"))
+			}
+		}
+	}
 	if c.other {
 		run("qemu-img", "create", "-q", "-f", "qcow2", "other.qcow2", fmt.Sprint(baseSize))
 		run("qemu-io", "-f", "qcow2", "-c", "write -P 0x77 0 5M", "-c", "write -P 0x11 0 1M", "other.qcow2")
@@ -132,8 +141,14 @@ func chainInfo(t *testing.T, dir string) string {
 	}
 	var b strings.Builder
 	for _, l := range layers {
-		fmt.Fprintf(&b, "%v %v %v %v %v %v\n", l["filename"], l["format"], l["virtual-size"], l["backing-filename"],
-			l["backing-filename-format"], l["full-backing-filename"] != nil)
+		var bitmaps any
+		if fs, ok := l["format-specific"].(map[string]any); ok {
+			if d, ok := fs["data"].(map[string]any); ok {
+				bitmaps = d["bitmaps"] // names, granularity and flags (in-use, auto)
+			}
+		}
+		fmt.Fprintf(&b, "%v %v %v %v %v %v %v\n", l["filename"], l["format"], l["virtual-size"], l["backing-filename"],
+			l["backing-filename-format"], l["full-backing-filename"] != nil, bitmaps)
 	}
 	return b.String()
 }
@@ -197,6 +212,7 @@ func TestCommitMatchesQemuImg(t *testing.T) {
 		{"into a raw base with -b", chain{baseFormat: "raw", levels: 3, size: 16 << 20}, []string{"-b", "base.raw"}},
 		{"into a qcow2 base with -b", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20}, []string{"-b", "base.qcow2"}},
 		{"with a rate limit and progress", chain{baseFormat: "qcow2", levels: 2, size: 8 << 20}, []string{"-p", "-r", "64M"}},
+		{"keeping the bitmaps", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			differential(t, tc.c, append(append([]string{"commit"}, tc.extra...), "top.qcow2")...)
@@ -217,6 +233,9 @@ func TestRebaseMatchesQemuImg(t *testing.T) {
 		{"unsafe onto the base", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20}, []string{"-u", "-b", "base.qcow2", "-F", "qcow2"}},
 		{"unsafe, the format changed", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20}, []string{"-u", "-b", "base.qcow2", "-F", "raw"}},
 		{"unsafe without a backing file", chain{baseFormat: "raw", levels: 2, size: 8 << 20}, []string{"-u"}},
+		{"keeping the bitmaps", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, []string{"-b", "base.qcow2", "-F", "qcow2"}},
+		{"flattened keeping the bitmaps", chain{baseFormat: "raw", levels: 2, size: 16 << 20, bitmaps: true}, []string{"-b", ""}},
+		{"unsafe keeping the bitmaps", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, []string{"-u", "-b", "base.qcow2", "-F", "raw"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			differential(t, tc.c, append(append([]string{"rebase"}, tc.args...), "top.qcow2")...)
