@@ -417,3 +417,59 @@ func TestChainVerbsRefuseWhatQemuImgRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestChainVerbsInterruptedExit130WithTheChainConsistent sends SIGINT
+// during commit (slowed by -r) and rebase: exit 130, one line, every
+// layer reads as before or as after, and checks clean.
+func TestChainVerbsInterruptedExit130WithTheChainConsistent(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"commit", []string{"commit", "-r", "16M", "top.qcow2"}},
+		{"rebase", []string{"rebase", "--parallel", "1", "-b", "base.qcow2", "-F", "qcow2", "top.qcow2"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}
+			dir := t.TempDir()
+			c.build(t, dir)
+			before := map[string][]byte{}
+			for _, l := range c.layers {
+				before[l] = guestView(t, dir, l, c.formatOf(l))
+			}
+			interrupted := false
+			for try := 0; try < 8 && !interrupted; try++ {
+				work := c.copyTo(t, dir)
+				cmd := exec.Command(harness.Bin, tc.args...)
+				cmd.Dir = work
+				var out bytes.Buffer
+				cmd.Stdout, cmd.Stderr = &out, &out
+				if err := cmd.Start(); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { cmd.Process.Kill() })
+				time.Sleep(time.Duration(20+try*10) * time.Millisecond)
+				cmd.Process.Signal(syscall.SIGINT)
+				err := cmd.Wait()
+				code := cmd.ProcessState.ExitCode()
+				switch {
+				case err == nil:
+					continue // finished first
+				case code != 130:
+					t.Fatalf("%v interrupted: exit %d, want 130\n%s", tc.args, code, out.String())
+				case strings.Count(strings.TrimSpace(out.String()), "\n") != 0 || !strings.Contains(out.String(), "interrupted"):
+					t.Errorf("%v interrupted: want one line that says so, got %q", tc.args, out.String())
+				}
+				interrupted = true
+				checkClean(t, c, work, false)
+				top := guestView(t, work, "top.qcow2", "qcow2")
+				if !bytes.Equal(top, before["top.qcow2"]) {
+					t.Fatalf("%v interrupted: the top reads differently", tc.args)
+				}
+			}
+			if !interrupted {
+				t.Fatalf("%v finished before every SIGINT", tc.args)
+			}
+		})
+	}
+}
