@@ -139,6 +139,7 @@ func (f *rebaseFlags) run(c *cobra.Command, args []string) error {
 		}
 		p := progress.New(f.progressMode(), "rebase", c.OutOrStdout(), c.ErrOrStderr())
 		_, err = rebase.Copy(ctx, q, nb, rebase.Options{Parallel: f.parallel, Granularity: q.Info().ClusterSize,
+			SharedDepth: depthInChain(q, nb, f.backingFormat),
 			Progress: func(done, total int64) { p.Update(done, total) }})
 		p.Finish(err == nil, -1)
 		switch {
@@ -181,4 +182,26 @@ func openNewBacking(image, backing, format string, o registry.Options) (formats.
 		return nil, fmt.Errorf("Could not open new backing file '%s': %w", path, err)
 	}
 	return nb.Image, nil
+}
+
+// depthInChain is the depth of the image newBacking in img's backing
+// chain, where the chain holds the same file in the same format; 0 when
+// it does not (or newBacking is nil).
+func depthInChain(img, newBacking formats.Image, format string) int {
+	if newBacking == nil {
+		return 0
+	}
+	want := newBacking.Info().Filename
+	layer := img
+	for depth := 1; ; depth++ {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			return 0
+		}
+		layer = l.Backing()
+		info := layer.Info()
+		if info.Format == format && samePath(info.Filename, want) {
+			return depth
+		}
+	}
 }

@@ -23,6 +23,12 @@ type Options struct {
 	// Granularity is the unit compared and written (the image's cluster
 	// size; default 64 KiB): a differing unit is written whole.
 	Granularity int64
+	// SharedDepth, when positive, is the depth in the image's old chain of
+	// the new backing file itself (rebasing onto a layer further down):
+	// what the old chain answers from there or below reads the same over
+	// the new backing file and is neither read nor compared, as qemu-img
+	// skips what is not allocated above it.
+	SharedDepth int
 	// Progress, when set, hears the bytes of the image walked so far and
 	// its size (qemu-img rebase -p counts the whole image). Called from
 	// one goroutine at a time.
@@ -105,8 +111,9 @@ func Copy(ctx context.Context, img, newBacking formats.Image, o Options) (copied
 			if e.Length <= 0 {
 				return fmt.Errorf("block status at %d: an empty extent", off)
 			}
-			if e.Depth == 0 && e.Present {
-				// The image's own: it reads the same over any backing file.
+			if e.Depth == 0 && e.Present || o.SharedDepth > 0 && e.Depth >= o.SharedDepth {
+				// The image's own (it reads the same over any backing
+				// file), or the new backing file's own chain.
 				report(e.Length, 0)
 				off += e.Length
 				continue
