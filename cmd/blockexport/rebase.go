@@ -140,7 +140,7 @@ func (f *rebaseFlags) run(c *cobra.Command, args []string) error {
 		p := progress.New(f.progressMode(), "rebase", c.OutOrStdout(), c.ErrOrStderr())
 		_, err = rebase.Copy(ctx, q, nb, rebase.Options{Parallel: f.parallel, Granularity: q.Info().ClusterSize,
 			SharedDepth: depthInChain(q, nb, f.backingFormat),
-			Progress: func(done, total int64) { p.Update(done, total) }})
+			Progress:    func(done, total int64) { p.Update(done, total) }})
 		p.Finish(err == nil, -1)
 		switch {
 		case ctx.Err() != nil && errors.Is(err, context.Canceled):
