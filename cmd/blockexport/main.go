@@ -101,7 +101,7 @@ func rootCommand() *cobra.Command {
 	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
-	root.AddCommand(streamCommand(), rebaseCommand(), commitCommand())
+	root.AddCommand(streamCommand())
 	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(), compareCommand(), convertCommand(),
 		&cobra.Command{
 			Use:   "version",
@@ -110,6 +110,7 @@ func rootCommand() *cobra.Command {
 			Run:   func(c *cobra.Command, _ []string) { fmt.Fprintln(c.OutOrStdout(), version()) },
 		},
 		manCommand())
+	root.AddCommand(rebaseCommand(), commitCommand())
 	for _, c := range root.Commands() {
 		c.Flags().SortFlags = false // in the order they are declared: most used first
 	}
