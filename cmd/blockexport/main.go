@@ -110,6 +110,7 @@ func rootCommand() *cobra.Command {
 			Run:   func(c *cobra.Command, _ []string) { fmt.Fprintln(c.OutOrStdout(), version()) },
 		},
 		manCommand())
+	root.AddCommand(rebaseCommand(), commitCommand())
 	for _, c := range root.Commands() {
 		c.Flags().SortFlags = false // in the order they are declared: most used first
 	}

@@ -1,0 +1,175 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/jobs/commit"
+	"github.com/blockexport/blockexport/formats/jobs/progress"
+	"github.com/blockexport/blockexport/formats/registry"
+)
+
+type commitFlags struct {
+	format, cache, base, rate string
+	keep, bar, quiet          bool
+	parallel                  int
+}
+
+func commitCommand() *cobra.Command {
+	var f commitFlags
+	c := &cobra.Command{
+		Use:   "commit [-f FMT] [-t CACHE] [-b BASE] [-d] [-p] [-q] [-r RATE_LIMIT] FILENAME",
+		Short: "write an overlay's data into its backing file, as qemu-img commit",
+		Long: "Write what FILENAME allocates into its backing file (or into BASE, further down its\n" +
+			"backing chain, with every layer between), growing the backing file to FILENAME's\n" +
+			"size when it is shorter; then empty FILENAME, unless -d (-b implies -d), as\n" +
+			"qemu-img commit. The backing file is written only where FILENAME's layers hide\n" +
+			"it, and made durable before FILENAME gives back a cluster: interrupted (SIGINT,\n" +
+			"SIGTERM: exit 130) or killed at any point, FILENAME reads as before.",
+		Example: "  blockexport commit overlay.qcow2\n" +
+			"  blockexport commit -p -b base.qcow2 top.qcow2",
+		RunE: func(c *cobra.Command, args []string) error { return f.run(c, args) },
+	}
+	fs := c.Flags()
+	fs.StringVarP(&f.format, "format", "f", "", "FILENAME's format (qcow2; default: detected)")
+	fs.StringVarP(&f.cache, "cache", "t", "unsafe", "cache mode: none (O_DIRECT), writeback, writethrough, directsync, unsafe")
+	fs.StringVarP(&f.base, "base", "b", "", "the image of the backing chain to commit into (default: the backing file); implies -d")
+	fs.BoolVarP(&f.keep, "keep", "d", false, "do not empty FILENAME afterwards")
+	fs.BoolVarP(&f.bar, "progress", "p", false, "print qemu-img's progress, \"    (P/100%)\\r\", on stdout")
+	fs.BoolVarP(&f.quiet, "quiet", "q", false, "no progress and no \"Image committed.\"")
+	fs.StringVarP(&f.rate, "rate-limit", "r", "", "bytes a second at most (k, M, G suffixes)")
+	fs.IntVar(&f.parallel, "parallel", 8, "chunks of 2 MiB copied at once")
+	completeWords(c, "format", registry.QCOW2)
+	completeWords(c, "cache", cacheModes...)
+	return c
+}
+
+func (f *commitFlags) run(c *cobra.Command, args []string) error {
+	if len(args) != 1 {
+		return errors.New("Expecting one image file name")
+	}
+	name := args[0]
+	direct, err := directCache(f.cache)
+	if err != nil {
+		return err
+	}
+	var rate int64
+	if f.rate != "" {
+		if rate, err = registry.ParseSize(f.rate); err != nil || rate <= 0 {
+			return errors.New("Invalid rate limit specified. You may use k, M, G, T, P or E suffixes for kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.")
+		}
+	}
+	if f.parallel < 1 || f.parallel > 64 {
+		return usagef("--parallel %d: want 1 to 64", f.parallel)
+	}
+	format := f.format
+	if format == "" {
+		format = registry.Auto
+	}
+	drop := !f.keep && !c.Flags().Changed("base") // -b implies -d, as in qemu-img
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	// The chain is read without image locks: its base is opened again to
+	// be written, and a read-only lock of ours would refuse that.
+	o := registry.Options{Format: format, Writable: drop, Direct: direct, Backend: "threads",
+		Logger: warnLogger(c.ErrOrStderr())}
+	top, err := openImage(name, o)
+	if err != nil {
+		return fmt.Errorf("Could not open '%s': %w", name, err)
+	}
+	defer top.Image.Close()
+	basePath, baseFormat, depth, err := findBase(top.Image, f.base, c.Flags().Changed("base"))
+	if err != nil {
+		return fmt.Errorf("%w", err)
+	}
+	if baseFormat == "" {
+		baseFormat = registry.Auto
+	}
+	bo := o
+	bo.Format, bo.Writable, bo.Lock = baseFormat, true, true
+	base, err := openImage(basePath, bo)
+	if err != nil {
+		return fmt.Errorf("Could not open '%s': %w", basePath, err)
+	}
+	defer base.Image.Close()
+	p := progress.New(f.progressMode(), "commit", c.OutOrStdout(), c.ErrOrStderr())
+	err = commit.Commit(ctx, top.Image, base.Image, depth, commit.Options{Parallel: f.parallel, Rate: rate, Drop: drop,
+		Progress: func(done, total int64) {
+			if done < total { // the 100% is Finish's, once, as qemu-img prints it
+				p.Update(done, total)
+			}
+		}})
+	p.Finish(err == nil, -1)
+	switch {
+	case ctx.Err() != nil && errors.Is(err, context.Canceled):
+		fmt.Fprintf(c.ErrOrStderr(), "blockexport: commit %s interrupted: it reads as before (what was written is flushed); run it again\n", name)
+		return exitStatus(exitInterrupted)
+	case err != nil:
+		return fmt.Errorf("Error while committing %s: %w", name, err)
+	}
+	if err := base.Image.Close(); err != nil {
+		return fmt.Errorf("commit %s: close %s: %w", name, basePath, err)
+	}
+	if !f.quiet {
+		fmt.Fprintln(c.OutOrStdout(), "Image committed.")
+	}
+	return nil
+}
+
+func (f *commitFlags) progressMode() progress.Mode {
+	if f.bar && !f.quiet {
+		return progress.Percent
+	}
+	return progress.None
+}
+
+// findBase finds the image to commit into: top's backing file, or the
+// layer of its chain that base names (as qemu's bdrv_find_backing_image:
+// the name a header holds, or a path relative to that layer's directory
+// that is the same file). It returns its path, format and depth.
+func findBase(top formats.Image, base string, given bool) (string, string, int, error) {
+	layer, depth := top, 0
+	for {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			if depth == 0 {
+				return "", "", 0, errors.New("Image does not have a backing file")
+			}
+			return "", "", 0, fmt.Errorf("Did not find '%s' in the backing chain of '%s'", base, top.Info().Filename)
+		}
+		info := layer.Info()
+		depth++
+		full := info.FullBackingFilename
+		if full == "" {
+			full = l.Backing().Info().Filename
+		}
+		if !given || info.BackingFilename == base || samePath(relativeTo(info.Filename, base), full) {
+			return full, info.BackingFilenameFormat, depth, nil
+		}
+		layer = l.Backing()
+	}
+}
+
+func relativeTo(image, name string) string {
+	if filepath.IsAbs(name) {
+		return name
+	}
+	return filepath.Join(filepath.Dir(image), name)
+}
+
+func samePath(a, b string) bool {
+	sa, err := os.Stat(a)
+	if err != nil {
+		return false
+	}
+	sb, err := os.Stat(b)
+	return err == nil && os.SameFile(sa, sb)
+}
