@@ -101,8 +101,8 @@ func rootCommand() *cobra.Command {
 	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
-	root.AddCommand(streamCommand(), snapshotCommand(), bitmapCommand())
-	root.AddCommand(fuseCommand(), infoCommand(), mapCommand(), nbdCommand(), createCommand(), checkCommand(), compareCommand(), convertCommand(),
+	root.AddCommand(fuseCommand(), nbdCommand(), infoCommand(), mapCommand(), checkCommand(), createCommand(), compareCommand(), convertCommand(),
+		streamCommand(), rebaseCommand(), commitCommand(), snapshotCommand(), bitmapCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "print the version and the VCS revision it was built from (also --version)",
@@ -110,7 +110,6 @@ func rootCommand() *cobra.Command {
 			Run:   func(c *cobra.Command, _ []string) { fmt.Fprintln(c.OutOrStdout(), version()) },
 		},
 		manCommand())
-	root.AddCommand(rebaseCommand(), commitCommand())
 	for _, c := range root.Commands() {
 		c.Flags().SortFlags = false // in the order they are declared: most used first
 	}
