@@ -46,7 +46,7 @@ func qemuRefusal(lines ...string) error { return &measure.Error{Lines: lines} }
 type measureFlags struct {
 	inspectFlags
 	target, createOpts, size string
-	forceShare            bool
+	forceShare               bool
 }
 
 func measureCommand() *cobra.Command {
