@@ -17,13 +17,13 @@ import (
 
 // qemuStyle makes a verb that mirrors a qemu-img verb whose every failure,
 // usage ones included, exits 1: the flag errors and the command's errors
-// are printed as one line each (a measure.Error as the lines qemu-img
-// prints) and the status is 1.
+// are printed as one line each (an error with Reports as the messages
+// qemu-img prints, each after the program's name) and the status is 1.
 func qemuStyle(c *cobra.Command, run func(c *cobra.Command, args []string) error) {
 	fail := func(c *cobra.Command, err error) error {
-		var m *measure.Error
+		var m interface{ Reports() []string }
 		if errors.As(err, &m) {
-			for _, l := range m.Lines {
+			for _, l := range m.Reports() {
 				fmt.Fprintf(c.ErrOrStderr(), "blockexport: %s\n", l)
 			}
 		} else {
@@ -41,7 +41,7 @@ func qemuStyle(c *cobra.Command, run func(c *cobra.Command, args []string) error
 	}
 }
 
-func qemuRefusal(lines ...string) error { return &measure.Error{Lines: lines} }
+func qemuRefusal(lines ...string) error { return &measure.Error{Messages: lines} }
 
 type measureFlags struct {
 	inspectFlags

@@ -66,11 +66,14 @@ type Target struct {
 // Error is a refusal worded as qemu-img words it: one entry for each
 // message it reports (each printed after the program's name; an entry
 // may span lines).
-type Error struct{ Lines []string }
+type Error struct{ Messages []string }
 
-func (e *Error) Error() string { return strings.Join(e.Lines, "\n") }
+func (e *Error) Error() string { return strings.Join(e.Messages, "\n") }
 
-func refuse(lines ...string) error { return &Error{Lines: lines} }
+// Reports are the messages, one each.
+func (e *Error) Reports() []string { return e.Messages }
+
+func refuse(lines ...string) error { return &Error{Messages: lines} }
 
 // Source is the image measured and its format's name.
 type Source struct {
@@ -303,7 +306,7 @@ func allocatedBytes(ctx context.Context, src formats.Image, cs int64) (int64, er
 func badType(err error, format string) error {
 	var e *Error
 	if errors.As(err, &e) {
-		return refuse(append(e.Lines, fmt.Sprintf("Invalid options for file format '%s'", format))...)
+		return refuse(append(e.Messages, fmt.Sprintf("Invalid options for file format '%s'", format))...)
 	}
 	return err
 }
