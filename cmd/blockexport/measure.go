@@ -100,15 +100,11 @@ func measureCmd(stdout io.Writer, args []string, f *measureFlags) error {
 	t := measure.Target{Format: f.target, Options: f.createOpts}
 	var r measure.Result
 	if f.size != "" {
-		n, err := registry.ParseQemuSize(f.size)
-		switch {
-		case errors.Is(err, registry.ErrSizeRange) || err == nil && n > 1<<63-1:
-			return qemuRefusal("Invalid image size specified. Must be between 0 and 9223372036854775807.")
-		case err != nil:
-			return qemuRefusal("Invalid image size specified. You may use k, M, G, T, P or E suffixes for",
-				"kilobytes, megabytes, gigabytes, terabytes, petabytes and exabytes.")
+		n, err := cvtnum("image size", f.size, 0, 1<<63-1)
+		if err != nil {
+			return err
 		}
-		if r, err = measure.Measure(ctx, measure.Source{}, int64(n), t); err != nil {
+		if r, err = measure.Measure(ctx, measure.Source{}, n, t); err != nil {
 			return err
 		}
 	} else {
