@@ -57,6 +57,9 @@ func resizeCommand() *cobra.Command {
 			}
 			return err
 		}
+		if help, _ := c.Flags().GetBool("help"); help {
+			return c.Help()
+		}
 		if c.Flags().NArg() != 1 {
 			return qemuRefusal("Expecting image file name and size\nTry 'blockexport --help' for more information")
 		}

@@ -137,3 +137,16 @@ func replaceArg(args []string, from, to string) []string {
 	}
 	return out
 }
+
+// TestResizeHelpBeforeTheSize: the size is taken off before the flags
+// are parsed, and -h among them still shows the help, touching nothing.
+func TestResizeHelpBeforeTheSize(t *testing.T) {
+	p := harness.SparseImage(t, t.TempDir(), "h.raw", 1<<20)
+	code, out := harness.RunBlockexport(t, "resize", "-h", p, "2M")
+	if code != 0 || !strings.Contains(out, "Usage:") {
+		t.Fatalf("resize -h: exit %d\n%s", code, out)
+	}
+	if out := harness.Run(t, "stat", "-c", "%s", p); strings.TrimSpace(out) != "1048576" {
+		t.Fatalf("resize -h changed the image's size to %s", out)
+	}
+}
