@@ -80,10 +80,6 @@ func (q *Image) grow(ctx context.Context, old, size int64) error {
 
 func (q *Image) shrink(ctx context.Context, old, size int64) error {
 	w := q.w
-	if q.h.nbSnapshots > 0 {
-		// As QEMU: the snapshots would keep the clusters anyway.
-		return fmt.Errorf("qcow2: shrinking an image with internal snapshots: %w", formats.ErrNotSupported)
-	}
 	cs := q.h.clusterSize
 	w.users.RLock()
 	// The kept part of the new last cluster loses nothing; the rest of it
