@@ -133,7 +133,7 @@ func New(img formats.Image, o Options) *Export {
 	if o.KernelCache {
 		e.marks = new(readMarks)
 	}
-	if l, ok := formats.As[formats.CacheLender](img); ok && l.CanLend() {
+	if l, ok := formats.As[formats.CacheLender](img); ok && l.CanLend() && !o.NoPageLend {
 		e.lender = l
 	}
 	if l, ok := formats.As[formats.PageLender](img); ok && !o.NoPageLend {
