@@ -128,24 +128,7 @@ func (q *Image) DeleteSnapshot(ctx context.Context, name string) error {
 		return err
 	}
 	// No table names the snapshot any more: its references may go.
-	w.alloc.Lock()
-	err = q.addTreeRefs(ctx, l1, -1)
-	if err == nil && gone.l1Size > 0 {
-		q.freeRangeLater(gone.l1Offset, gone.l1Size*8)
-	}
-	w.alloc.Unlock()
-	if err == nil {
-		err = q.Flush(ctx)
-	}
-	if err == nil {
-		w.alloc.Lock()
-		err = q.fixCopied(ctx)
-		w.alloc.Unlock()
-	}
-	if err == nil {
-		err = q.Flush(ctx)
-	}
-	if err != nil {
+	if err := q.releaseTree(ctx, w, l1, gone.l1Offset, gone.l1Size*8); err != nil {
 		return fmt.Errorf("qcow2: delete snapshot %q: %w", name, err)
 	}
 	return nil
@@ -224,9 +207,22 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	if err := q.Flush(ctx); err != nil {
 		return fmt.Errorf("qcow2: apply snapshot %q: %w", idOrName, err)
 	}
+	if err := q.releaseTree(ctx, w, old, oldOff, int64(len(old))*8); err != nil {
+		return fmt.Errorf("qcow2: apply snapshot %q: %w", idOrName, err)
+	}
+	return nil
+}
+
+// releaseTree drops the references of a tree no table names any more
+// (l1, whose own table lies at [off, off+n)), makes that durable, then
+// sets the COPIED flags of what is left with one reference, durably too.
+// The table's clusters are freed only once its references are gone.
+func (q *Image) releaseTree(ctx context.Context, w *writeState, l1 []uint64, off, n int64) error {
 	w.alloc.Lock()
-	err = q.addTreeRefs(ctx, old, -1)
-	q.freeRangeLater(oldOff, int64(len(old))*8)
+	err := q.addTreeRefs(ctx, l1, -1)
+	if err == nil && n > 0 {
+		q.freeRangeLater(off, n)
+	}
 	w.alloc.Unlock()
 	if err == nil {
 		err = q.Flush(ctx)
@@ -239,10 +235,7 @@ func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
 	if err == nil {
 		err = q.Flush(ctx)
 	}
-	if err != nil {
-		return fmt.Errorf("qcow2: apply snapshot %q: %w", idOrName, err)
-	}
-	return nil
+	return err
 }
 
 // snapshotWriter returns the write state, refusing an image opened
