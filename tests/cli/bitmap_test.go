@@ -285,22 +285,7 @@ func TestBitmapVerbMatchesQemuImg(t *testing.T) {
 func TestBitmapVerbRefusesALockedImage(t *testing.T) {
 	img := filepath.Join(t.TempDir(), "locked.qcow2")
 	harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", img, "64M")
-	holder := exec.Command("qemu-io", "-f", "qcow2", "-c", "sleep 60000", img)
-	if err := holder.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		holder.Process.Kill()
-		holder.Wait()
-	})
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if exec.Command("qemu-img", "info", img).Run() != nil {
-			break // the holder's locks are taken
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("qemu-io did not lock the image")
-		}
-	}
+	harness.HoldImage(t, img)
 	code, out := harness.RunBlockexport(t, "bitmap", "--add", img, "bm")
 	want := fmt.Sprintf("Could not open '%s': Failed to get \"write\" lock\nIs another process using the image [%s]?", img, img)
 	if code != 1 || wordsOf(out) != wordsOf(want) {

@@ -201,18 +201,7 @@ func TestSnapshotVerbRefusesWhatQemuImgRefuses(t *testing.T) {
 	}
 	img := snapshotTestImage(t, dir)
 	harness.Run(t, "qemu-img", "snapshot", "-c", "listed", img)
-	holder := exec.Command("qemu-io", "-f", "qcow2", "-c", "sleep 60000", img)
-	if err := holder.Start(); err != nil {
-		t.Fatalf("qemu-io: %v (apt-get install qemu-utils)", err)
-	}
-	t.Cleanup(func() { holder.Process.Kill(); holder.Wait() })
-	deadline := time.Now().Add(10 * time.Second)
-	for exec.Command("qemu-img", "info", img).Run() == nil {
-		if time.Now().After(deadline) {
-			t.Fatal("qemu-io never locked the image")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	harness.HoldImage(t, img)
 	before := harness.FileHash(t, img)
 	for _, args := range [][]string{{"-c", "x"}, {"-l"}} {
 		code, out := harness.RunBlockexport(t, append([]string{"snapshot"}, append(args, img)...)...)
