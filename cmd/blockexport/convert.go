@@ -9,12 +9,10 @@ import (
 	"os"
 	"os/signal"
 	"slices"
-	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
 
-	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/jobs/convert"
 	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -48,9 +46,9 @@ func convertCommand() *cobra.Command {
 	var f convertFlags
 	c := &cobra.Command{
 		Use:   "convert [flags] SOURCE TARGET",
-		Short: "convert an image to " + registry.OrList(registry.WritableFormats()) + ", as qemu-img convert does",
+		Short: "convert an image to " + registry.OrList(registry.CreatableFormats()) + ", as qemu-img convert does",
 		Long: "Convert SOURCE (any image blockexport reads, a file or an NBD export) into TARGET,\n" +
-			"a new " + registry.OrList(registry.WritableFormats()) + " file (-O), or an existing image or NBD export with -n, with\n" +
+			"a new " + registry.OrList(registry.CreatableFormats()) + " file (-O), or an existing image or NBD export with -n, with\n" +
 			"qemu-img convert's flags. The source's block status drives the copy: holes and\n" +
 			"zero runs are neither read nor written; -S finds zeroes inside data.\n" +
 			"Memory: at most (-m or, with -c, the CPU count) x 256 KiB buffers (2 MiB with -t none; or a cluster,\n" +
@@ -66,8 +64,8 @@ func convertCommand() *cobra.Command {
 			"  blockexport convert -p -m 16 -W disk.vmdk disk.raw",
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: "+registry.OrList(registry.WritableFormats())+" (with -n: TARGET's format, as it is opened)")
-	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, qemu-img's: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off, preallocation=off, compat=v3, refcount_bits=16, backing_file, backing_fmt")
+	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: "+registry.OrList(registry.CreatableFormats())+" (with -n: TARGET's format, as it is opened)")
+	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, as qemu-img's -o KEY=VALUE,...: backing_file, backing_fmt, and the format's own (qcow2: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off; raw: preallocation=off)")
 	fs.BoolVarP(&f.compress, "compress", "c", false, "store TARGET's data clusters compressed (qcow2), on all cores")
 	fs.BoolVarP(&f.showProgress, "show-progress", "p", false, "show progress as qemu-img does: \"    (P/100%)\\r\" on stdout (--progress percent)")
 	fs.StringVar(&f.progressFmt, "progress", "", "progress: percent (as -p), bar (on stderr), json (one JSON object per percent on stdout), none, or auto (bar when stderr is a terminal, else none)")
@@ -88,87 +86,13 @@ func convertCommand() *cobra.Command {
 	// inspectFlags' --output and --json say nothing to convert.
 	fs.MarkHidden("output")
 	fs.MarkHidden("json")
-	completeWords(c, "output-format", registry.WritableFormats()...)
+	completeWords(c, "output-format", registry.CreatableFormats()...)
 	completeWords(c, "target-cache", "unsafe", "writeback", "none")
 	c.RunE = func(c *cobra.Command, args []string) error {
 		f.outFormatSet = c.Flags().Changed("output-format")
 		return convertCmd(c.OutOrStdout(), c.ErrOrStderr(), args, &f)
 	}
 	return c
-}
-
-// targetOptions are -o's, parsed.
-type targetOptions struct {
-	clusterSize     int64
-	compressionType string
-	lazyRefcounts   bool
-	backing         string
-	backingFormat   string
-}
-
-// parseTargetOptions reads -o as qemu-img does (key=value, comma
-// separated, repeatable), refusing what is not implemented here in
-// qemu-img's words.
-func parseTargetOptions(opts []string, format string) (targetOptions, error) {
-	var t targetOptions
-	for _, o := range opts {
-		for kv := range strings.SplitSeq(o, ",") {
-			if kv == "" {
-				continue
-			}
-			k, v, _ := strings.Cut(kv, "=")
-			bad := func() error { return usagef("Parameter '%s' does not accept value '%s'", k, v) }
-			known := format == registry.QCOW2 || k == "preallocation" || k == "size"
-			if !known {
-				return t, usagef("Invalid parameter '%s' (a %s target takes preallocation=off only)", k, format)
-			}
-			switch k {
-			case "cluster_size":
-				n, err := registry.ParseSize(v)
-				if err != nil {
-					return t, bad()
-				}
-				t.clusterSize = n
-			case "compression_type":
-				if v != "zlib" && v != "zstd" {
-					return t, bad()
-				}
-				t.compressionType = v
-			case "lazy_refcounts":
-				switch v {
-				case "on", "true":
-					t.lazyRefcounts = true
-				case "off", "false":
-					t.lazyRefcounts = false
-				default:
-					return t, bad()
-				}
-			case "preallocation":
-				if v != "off" {
-					return t, usagef("Parameter 'preallocation' value '%s' is not supported here (only preallocation=off)", v)
-				}
-			case "compat":
-				if v != "1.1" && v != "v3" {
-					return t, usagef("Parameter 'compat' value '%s' is not supported here (images are created as compat=1.1)", v)
-				}
-			case "refcount_bits":
-				if v != "16" {
-					return t, usagef("Parameter 'refcount_bits' value '%s' is not supported here (refcounts are 16 bits)", v)
-				}
-			case "backing_file":
-				t.backing = v
-			case "backing_fmt":
-				t.backingFormat = v
-			case "size":
-				return t, usagef("Parameter 'size' is not supported here (TARGET takes SOURCE's size)")
-			case "encryption", "encrypt.format", "data_file", "data_file_raw", "extended_l2":
-				return t, usagef("Parameter '%s' is not supported here", k)
-			default:
-				return t, usagef("Invalid parameter '%s'", k)
-			}
-		}
-	}
-	return t, nil
 }
 
 func convertCmd(stdout, stderr io.Writer, args []string, f *convertFlags) error {
@@ -221,21 +145,29 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	default:
 		return convert.Job{}, usagef("Invalid cache option: %s (want unsafe, writeback or none)", f.cache)
 	}
-	if !slices.Contains(registry.WritableFormats(), f.outFormat) {
-		return convert.Job{}, usagef("convert: -O %s: want %s", f.outFormat, registry.OrList(registry.WritableFormats()))
+	// A new TARGET is created; with -n an existing one is opened writable.
+	targets := registry.CreatableFormats()
+	if f.noCreate {
+		targets = registry.WritableFormats()
 	}
-	topts, err := parseTargetOptions(f.options, f.outFormat)
+	if !slices.Contains(targets, f.outFormat) {
+		return convert.Job{}, usagef("convert: -O %s: want %s", f.outFormat, registry.OrList(targets))
+	}
+	topts, err := registry.ParseCreateOptions(f.options)
 	if err != nil {
-		return convert.Job{}, err
+		return convert.Job{}, usageError{err}
+	}
+	if topts.Size >= 0 {
+		return convert.Job{}, usagef("Parameter 'size' is not supported here (TARGET takes SOURCE's size)")
 	}
 	if f.backing == "" {
-		f.backing = topts.backing
-		f.backingFormat = cmp.Or(f.backingFormat, topts.backingFormat)
+		f.backing = topts.BackingFile
+		f.backingFormat = cmp.Or(f.backingFormat, topts.BackingFormat)
 	}
 	switch {
 	case f.compress && f.outFormat != registry.QCOW2:
 		return convert.Job{}, usagef("Compression not supported for this file format")
-	case f.backing != "" && f.outFormat != registry.QCOW2:
+	case f.backing != "" && !registry.CreatesBacking(f.outFormat):
 		return convert.Job{}, usagef("Backing file not supported for file format '%s'", f.outFormat)
 	case f.backing != "" && f.noCreate:
 		return convert.Job{}, usagef("-B makes a new TARGET; it cannot be used with -n")
@@ -260,7 +192,7 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	}
 	return convert.Job{Source: src, Target: dst, Open: o, Format: f.outFormat, FormatGiven: f.outFormatSet,
 		NoCreate: f.noCreate, TargetIsZero: f.targetIsZero, Compress: f.compress, Cache: f.cache,
-		Create:  qcow2.CreateOptions{ClusterSize: topts.clusterSize, CompressionType: topts.compressionType, LazyRefcounts: topts.lazyRefcounts},
+		Create:  topts,
 		Backing: f.backing, BackingFormat: f.backingFormat, Options: co}, nil
 }
 

@@ -25,7 +25,7 @@ func ddCommand() *cobra.Command {
 	var f ddFlags
 	c := &cobra.Command{
 		Use:   "dd [flags] [bs=BLOCK_SIZE] [count=BLOCKS] [skip=BLOCKS] if=INPUT of=OUTPUT",
-		Short: "copy a range of blocks of an image into a new " + registry.OrList(registry.WritableFormats()) + " image, as qemu-img dd",
+		Short: "copy a range of blocks of an image into a new " + registry.OrList(registry.CreatableFormats()) + " image, as qemu-img dd",
 		Long: "Copy INPUT into a new OUTPUT as qemu-img dd does, with its operands, messages and\n" +
 			"exit status (0, or 1 on any error): bs= is the block size (default 512, at most\n" +
 			"2^31-1), skip= the blocks skipped at INPUT's start, count= the blocks copied\n" +
@@ -35,11 +35,11 @@ func ddCommand() *cobra.Command {
 		Example: "  blockexport dd -O qcow2 bs=1M count=64 if=disk.vmdk of=head.qcow2",
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.target, "target-format", "O", registry.Raw, "OUTPUT's format: "+registry.OrList(registry.WritableFormats()))
+	fs.StringVarP(&f.target, "target-format", "O", registry.Raw, "OUTPUT's format: "+registry.OrList(registry.CreatableFormats()))
 	fs.BoolVarP(&f.forceShare, "force-share", "U", false, "accepted for qemu-img's sake: INPUT is always opened without locks here")
 	formatFlag(c, &f.format, formatUsage)
 	f.src.register(c)
-	completeWords(c, "target-format", registry.WritableFormats()...)
+	completeWords(c, "target-format", registry.CreatableFormats()...)
 	qemuStyle(c, func(c *cobra.Command, args []string) error { return f.run(c.ErrOrStderr(), args) })
 	return c
 }
@@ -89,7 +89,7 @@ func (f *ddFlags) run(stderr io.Writer, args []string) error {
 	switch f.target {
 	case registry.Raw, registry.QCOW2:
 	case "vmdk", "vhdx", "vpc", "vdi", "qed", "luks", "parallels", "qcow":
-		return fmt.Errorf("dd: %s output is not written here (want %s)", f.target, registry.OrList(registry.WritableFormats()))
+		return fmt.Errorf("dd: %s output is not written here (want %s)", f.target, registry.OrList(registry.CreatableFormats()))
 	default:
 		return qemuRefusal("Unknown file format")
 	}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"strings"
 
@@ -49,6 +50,11 @@ func FileFormats() []string { return names(func(ff driver.Format) bool { return 
 // WritableFormats names the formats written here, which create and
 // convert make (qcow2, raw).
 func WritableFormats() []string { return names(func(ff driver.Format) bool { return ff.Writable }) }
+
+// CreatableFormats names the formats create, convert -O and dd make.
+func CreatableFormats() []string {
+	return names(func(ff driver.Format) bool { return ff.Create != nil })
+}
 
 // ReadOnlyFormats names the formats read here and not written.
 func ReadOnlyFormats() []string {
@@ -154,9 +160,79 @@ type CreateOptions = driver.CreateOptions
 func Create(path, format string, o CreateOptions) error {
 	ff, ok := lookupFormat(format)
 	if !ok || ff.Create == nil {
-		return badSpec("%s images are not created here (want %s)", format, OrList(WritableFormats()))
+		return badSpec("%s images are not created here (want %s)", format, OrList(CreatableFormats()))
 	}
-	return ff.Create(path, o)
+	if err := ff.Create(path, o); err != nil {
+		if errors.Is(err, driver.ErrBadOption) {
+			return &specError{err.Error()}
+		}
+		return err
+	}
+	return nil
+}
+
+// CreatesBacking says whether format's Create records a backing file.
+func CreatesBacking(format string) bool {
+	ff, ok := lookupFormat(format)
+	return ok && ff.CreateBacking
+}
+
+// ParseCreateOptions reads qemu-img's -o (key=value, comma separated,
+// ",," a comma in a value; repeatable, a later key wins) into what
+// Create takes: size (-1 when not given), backing_file and backing_fmt
+// here, every other key in Keys for the format to read or refuse.
+func ParseCreateOptions(opts []string) (CreateOptions, error) {
+	o := CreateOptions{Size: -1}
+	for _, opt := range opts {
+		for _, kv := range splitKeyval(opt) {
+			k, v, ok := strings.Cut(kv, "=")
+			if !ok {
+				return o, badSpec("Invalid parameter '%s': want KEY=VALUE", kv)
+			}
+			switch k {
+			case "size":
+				n, err := ParseQemuSize(v)
+				if err != nil || n > math.MaxInt64 {
+					return o, badSpec("Parameter 'size' expects a non-negative number below 2^64")
+				}
+				o.Size = int64(n)
+			case "backing_file":
+				o.BackingFile = v
+			case "backing_fmt":
+				o.BackingFormat = v
+			default:
+				if o.Keys == nil {
+					o.Keys = map[string]string{}
+				}
+				o.Keys[k] = v
+			}
+		}
+	}
+	return o, nil
+}
+
+// splitKeyval splits s at single commas; ",," is a comma (QEMU's keyval).
+func splitKeyval(s string) []string {
+	var out []string
+	var cur strings.Builder
+	for i := 0; i < len(s); i++ {
+		switch {
+		case s[i] == ',' && i+1 < len(s) && s[i+1] == ',':
+			cur.WriteByte(',')
+			i++
+		case s[i] == ',':
+			if cur.Len() > 0 {
+				out = append(out, cur.String())
+			}
+			cur.Reset()
+		default:
+			cur.WriteByte(s[i])
+		}
+	}
+	if cur.Len() > 0 {
+		out = append(out, cur.String())
+	}
+	return out
 }
 
 // OpenBackingFile opens the backing file a new image at image is to name

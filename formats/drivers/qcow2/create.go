@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math/bits"
 	"os"
+	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -14,6 +16,73 @@ import (
 // CreateOptions describe a new image (driver.CreateOptions: what every
 // format that creates images is told).
 type CreateOptions = driver.CreateOptions
+
+// readCreateKeys moves qemu-img's qcow2 -o options from o.Keys into o's
+// fields, refusing what this writer does not make in qemu-img's words.
+func readCreateKeys(o CreateOptions) (CreateOptions, error) {
+	bad := func(k, v string) error {
+		return driver.BadOption("qcow2", "Parameter '%s' does not accept value '%s'", k, v)
+	}
+	for k, v := range o.Keys {
+		switch k {
+		case "cluster_size":
+			n, err := parseSizeSuffix(v)
+			if err != nil {
+				return o, bad(k, v)
+			}
+			o.ClusterSize = n
+		case "compression_type":
+			if v != "zlib" && v != "zstd" {
+				return o, bad(k, v)
+			}
+			o.CompressionType = v
+		case "lazy_refcounts":
+			lazy, err := o.BoolKey("qcow2", k, false)
+			if err != nil {
+				return o, err
+			}
+			o.LazyRefcounts = lazy
+		case "preallocation":
+			if v != "off" {
+				return o, driver.BadOption("qcow2", "Parameter 'preallocation' value '%s' is not supported here (only preallocation=off)", v)
+			}
+		case "compat":
+			if v != "1.1" && v != "v3" {
+				return o, driver.BadOption("qcow2", "Parameter 'compat' value '%s' is not supported here (images are created as compat=1.1)", v)
+			}
+		case "refcount_bits":
+			if v != "16" {
+				return o, driver.BadOption("qcow2", "Parameter 'refcount_bits' value '%s' is not supported here (refcounts are 16 bits)", v)
+			}
+		case "encryption", "encrypt.format", "data_file", "data_file_raw", "extended_l2":
+			return o, driver.BadOption("qcow2", "Parameter '%s' is not supported here", k)
+		default:
+			return o, driver.BadOption("qcow2", "Invalid parameter '%s'", k)
+		}
+	}
+	o.Keys = nil
+	return o, nil
+}
+
+// parseSizeSuffix reads a size as bytes or with qemu-img's b, k, M, G,
+// T suffixes.
+func parseSizeSuffix(v string) (int64, error) {
+	if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
+		return n, nil
+	}
+	if v == "" {
+		return 0, strconv.ErrSyntax
+	}
+	shift := strings.IndexByte("bkmgt", strings.ToLower(v[len(v)-1:])[0])
+	if shift < 0 {
+		return 0, strconv.ErrSyntax
+	}
+	n, err := strconv.ParseInt(v[:len(v)-1], 10, 64)
+	if err != nil || n < 0 || n > 1<<40 {
+		return 0, strconv.ErrSyntax
+	}
+	return n << (10 * shift), nil
+}
 
 // DefaultClusterSize is qemu-img's.
 const DefaultClusterSize = 64 << 10
@@ -26,6 +95,10 @@ const createRefcountOrder = 4
 // refcount blocks that count the metadata, and a zeroed L1 table, in that
 // order, as qemu-img lays them out.
 func Create(path string, o CreateOptions) error {
+	o, err := readCreateKeys(o)
+	if err != nil {
+		return err
+	}
 	cs := o.ClusterSize
 	if cs == 0 {
 		cs = DefaultClusterSize

@@ -356,9 +356,15 @@ func Create(path string, o driver.CreateOptions) error {
 	size := o.Size
 	switch {
 	case o.BackingFile != "" || o.ClusterSize != 0:
-		return fmt.Errorf("raw: a backing file and a cluster size are qcow2 options")
+		return driver.BadOption("raw", "a backing file and a cluster size are qcow2 options")
 	case size < 0:
 		return fmt.Errorf("raw: size %d is negative", size)
+	}
+	if p, ok := o.Keys["preallocation"]; ok && p != "off" {
+		return driver.BadOption("raw", "Parameter 'preallocation' value '%s' is not supported here (only preallocation=off)", p)
+	}
+	if err := o.UnknownKeys("raw", "preallocation"); err != nil {
+		return err
 	}
 	f, err := driver.CreateFile("raw", path, o.Force)
 	if err != nil {

@@ -9,7 +9,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
+	"slices"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -84,6 +86,9 @@ type Format struct {
 	// Create makes a new, empty image at path; nil: the format is not
 	// created here.
 	Create func(path string, o CreateOptions) error
+	// CreateBacking: Create records a backing file (CreateOptions'
+	// BackingFile); otherwise one is refused before it is opened.
+	CreateBacking bool
 }
 
 // CreateOptions describe a new image; a format refuses what it cannot
@@ -103,6 +108,52 @@ type CreateOptions struct {
 	// LazyRefcounts sets the lazy_refcounts compatible feature bit, as
 	// qemu-img's -o lazy_refcounts=on.
 	LazyRefcounts bool
+	// Keys are the -o options the fields above do not hold, by qemu-img's
+	// names (vmdk's subformat, vpc's force_size, ...): the format reads
+	// its own, and refuses the rest as qemu-img does (UnknownKeys).
+	Keys map[string]string
+}
+
+// ErrBadOption marks a create option (-o) the format refuses: a mistake
+// in the command line, refused before any file is made.
+var ErrBadOption = errors.New("bad creation option")
+
+// BadOption is a refused -o, in qemu-img's words.
+func BadOption(format, msg string, a ...any) error {
+	return fmt.Errorf("%s: %s%w", format, fmt.Sprintf(msg, a...), silent{ErrBadOption})
+}
+
+// silent wraps an error for errors.Is without adding to the message.
+type silent struct{ error }
+
+func (silent) Error() string   { return "" }
+func (s silent) Unwrap() error { return s.error }
+
+// UnknownKeys refuses any of o.Keys that is not one of known, in
+// qemu-img's words ("Invalid parameter 'KEY'").
+func (o CreateOptions) UnknownKeys(format string, known ...string) error {
+	for _, k := range slices.Sorted(maps.Keys(o.Keys)) {
+		if !slices.Contains(known, k) {
+			return BadOption(format, "Invalid parameter '%s'", k)
+		}
+	}
+	return nil
+}
+
+// BoolKey reads a qemu-img boolean option (on/off, true/false) of o.Keys;
+// absent: def.
+func (o CreateOptions) BoolKey(format, key string, def bool) (bool, error) {
+	v, ok := o.Keys[key]
+	if !ok {
+		return def, nil
+	}
+	switch v {
+	case "on", "true", "yes":
+		return true, nil
+	case "off", "false", "no":
+		return false, nil
+	}
+	return false, BadOption(format, "Parameter '%s' expects 'on' or 'off'", key)
 }
 
 // Score is a probe's score: n for a file that has what the format's

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -27,8 +26,8 @@ type Job struct {
 	FormatGiven bool
 	// NoCreate (-n): Target exists; TargetIsZero: it reads as zeroes.
 	NoCreate, TargetIsZero bool
-	// Create: how a new qcow2 Target is made (-o).
-	Create qcow2.CreateOptions
+	// Create: how a new Target is made (-o); its size is Source's.
+	Create registry.CreateOptions
 	// Backing, BackingFormat (-B, -F): a new Target's backing file.
 	Backing, BackingFormat string
 	// Compress (-c) stores the data clusters compressed.
@@ -255,11 +254,12 @@ func notBeingRead(dst string, src formats.Image, backing string) error {
 // create makes a new Target of size bytes, replacing one that exists (as
 // qemu-img convert does).
 func (j Job) create(size int64) error {
-	if j.Format != registry.QCOW2 {
-		return registry.Create(j.Target, j.Format, registry.CreateOptions{Size: size, Force: true})
-	}
 	co := j.Create
-	co.Size, co.Force = (size+511)&^511, true
+	co.Size, co.Force = size, true
+	if j.Format != registry.Raw {
+		// Image formats count sectors; a raw file takes any size.
+		co.Size = (size + 511) &^ 511
+	}
 	if j.Backing != "" {
 		b, err := registry.OpenBackingFile(j.Target, j.Backing, j.BackingFormat, registry.Options{Backend: "threads"})
 		if err != nil {
