@@ -349,11 +349,11 @@ func crashTest(t *testing.T, c chain, iterations int, args ...string) {
 }
 
 func TestCommitKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
-	crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 16, "commit", "--parallel", "2", "top.qcow2")
+	crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 32 << 20}, 8, "commit", "--parallel", "2", "top.qcow2")
 }
 
 func TestCommitIntoTheBaseKilledAtRandomLeavesTheTopReadable(t *testing.T) {
-	crashTest(t, chain{baseFormat: "raw", levels: 3, size: 96 << 20}, 12, "commit", "--parallel", "2", "-b", "base.raw", "top.qcow2")
+	crashTest(t, chain{baseFormat: "raw", levels: 3, size: 32 << 20}, 8, "commit", "--parallel", "2", "-b", "base.raw", "top.qcow2")
 }
 
 func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
@@ -365,7 +365,7 @@ func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
 		{"flattened", []string{"rebase", "--parallel", "2", "-b", "", "top.qcow2"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 96 << 20}, 12, tc.args...)
+			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 32 << 20}, 8, tc.args...)
 		})
 	}
 }

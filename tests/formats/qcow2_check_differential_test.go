@@ -290,6 +290,7 @@ func TestQcow2CheckAndRepairMatchQemuImgOnCorruptions(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			t.Parallel() // each case has its own copy; the base is only read
 			cdir := t.TempDir()
 			broken := filepath.Join(cdir, "broken.qcow2")
 			copyFile(t, base, broken)

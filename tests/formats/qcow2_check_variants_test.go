@@ -149,6 +149,7 @@ func TestQcow2CheckAndRepairMatchQemuImgOnLayoutVariants(t *testing.T) {
 			orig := guestBytes(t, base)
 			for _, c := range append(append([]varCase{}, common...), v.extra...) {
 				t.Run(c.name, func(t *testing.T) {
+					t.Parallel() // each case has its own copy; the base is only read
 					broken := filepath.Join(t.TempDir(), "broken.qcow2")
 					copyFile(t, base, broken)
 					c.corrupt(t, broken, l)
