@@ -302,7 +302,7 @@ func (img *Image) carries(n exportInfo) error {
 // connection while its connection breaks, for up to ReconnectTimeout.
 func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, payload []byte) (call, error) {
 	s := img.slots[int(img.next.Add(1))%len(img.slots)]
-	// deadline bounds the request's whole time from its first failure:
+	// deadline bounds the request's whole time from the outage's start:
 	// a server that comes back and breaks again at once (say, it hangs
 	// up on every write) must not have it retried for ever.
 	var deadline time.Time
@@ -314,7 +314,16 @@ func (img *Image) do(ctx context.Context, cl call, flags uint16, length uint64, 
 		}
 		if deadline.IsZero() {
 			img.outage(s, err)
-			deadline = time.Now().Add(img.o.ReconnectTimeout)
+			// As QEMU's reconnect-delay: requests wait for the connection
+			// during the first ReconnectTimeout of an outage only; later
+			// ones fail after their own try until it is back (each
+			// waiting a whole timeout made an unmount or a dd of a gone
+			// server take a timeout per request).
+			since := s.since.Load()
+			if since == 0 {
+				since = time.Now().UnixNano()
+			}
+			deadline = time.Unix(0, since).Add(img.o.ReconnectTimeout)
 		}
 		return time.Now().Before(deadline)
 	}

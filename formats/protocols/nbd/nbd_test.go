@@ -393,7 +393,7 @@ func TestReconnectReplaysUnflushedWrites(t *testing.T) {
 
 // TestReconnectTimeout: a server that stays away fails requests with EIO
 // once the timeout has passed, not before, and not never.
-func TestReconnectTimeout(t *testing.T) {
+func TestReconnectTimeoutCountsFromTheOutage(t *testing.T) {
 	dir := t.TempDir()
 	file := filepath.Join(dir, "disk.raw")
 	randomFile(t, file, 1<<20, 5)
@@ -405,6 +405,18 @@ func TestReconnectTimeout(t *testing.T) {
 	_, err := img.ReadAt(context.Background(), make([]byte, 4096), 0)
 	if took := time.Since(began); !errors.Is(err, syscall.EIO) || took < 500*time.Millisecond || took > 10*time.Second {
 		t.Fatalf("read with the server gone: %v after %v; want EIO after about 700ms", err, took)
+	}
+	// As QEMU's reconnect-delay: past the first timeout of the outage a
+	// request fails after its own try, not after a timeout of its own.
+	began = time.Now()
+	if _, err := img.ReadAt(context.Background(), make([]byte, 4096), 0); !errors.Is(err, syscall.EIO) || time.Since(began) > 300*time.Millisecond {
+		t.Fatalf("a later read with the server still gone: %v after %v; want EIO at once", err, time.Since(began))
+	}
+	// And the server that comes back is used by the next request.
+	os.Remove(sockPath)
+	serve(t, sockPath, file, exportnbd.Options{})
+	if _, err := img.ReadAt(context.Background(), make([]byte, 4096), 0); err != nil {
+		t.Fatalf("a read once the server is back: %v", err)
 	}
 	a, _ := nbd.ParseURI("nbd+unix:///?socket=" + filepath.Join(dir, "none.sock"))
 	if _, err := nbd.Open(context.Background(), a, nbd.Options{}); err == nil {
