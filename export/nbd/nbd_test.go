@@ -417,9 +417,30 @@ func FuzzServe(f *testing.F) {
 		ext = append(append(ext, h...), r.payload...)
 	}
 	f.Add(ext)
+	// Meta contexts: structured replies, a LIST and a SET of queries
+	// (exact, a namespace leaf, one unknown, one over NBD_MAX_STRING_SIZE
+	// said to be short), then a block status of both contexts.
+	meta := append([]byte{}, valid...)
+	meta = append(meta, option(wire.OptStructuredReply, nil)...)
+	meta = append(meta, option(wire.OptListMetaContext, metaQueries("", "qemu:"))...)
+	meta = append(meta, option(wire.OptSetMetaContext, metaQueries("", "base:allocation", "qemu:dirty-bitmap:bm0", "qemu:allocation-depth", "nope:x"))...)
+	meta = append(meta, f2(goData(""))...)
+	bs := be.AppendUint32(nil, wire.MagicRequest)
+	bs = be.AppendUint16(be.AppendUint16(bs, 0), wire.CmdBlockStatus)
+	bs = be.AppendUint32(be.AppendUint64(be.AppendUint64(bs, 7), 4096), 1<<20-4096)
+	f.Add(append(meta, bs...))
+	lying := append([]byte{}, valid...)
+	lying = append(lying, option(wire.OptSetMetaContext, be.AppendUint32(metaQueries("", "qemu:"), 1<<31))...)
+	f.Add(lying)
+	fuzzMeta := []MetaContext{
+		{Name: "qemu:dirty-bitmap:bm0", Extent: func(_ context.Context, off, n int64) (int64, uint32, error) {
+			return min(n, 65536-off%65536), uint32(off>>16) & 1, nil
+		}},
+		{Name: "qemu:allocation-depth", Extent: func(_ context.Context, off, n int64) (int64, uint32, error) { return n, 1, nil }},
+	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		img, _ := null.New("null", 1<<20, true)
-		s := New(img, Options{Writable: true})
+		s := New(img, Options{Writable: true, Meta: fuzzMeta})
 		a, b := net.Pipe()
 		cn := newConn(s, pipeStream(t, a), s.log)
 		done := make(chan struct{})
@@ -437,12 +458,28 @@ func FuzzServe(f *testing.F) {
 }
 
 // f2 wraps GO option data in an option header for the fuzz seeds.
-func f2(data []byte) []byte {
+// option is one option of the handshake's option phase.
+func option(opt uint32, data []byte) []byte {
 	h := be.AppendUint64(nil, wire.MagicOption)
-	h = be.AppendUint32(h, wire.OptGo)
+	h = be.AppendUint32(h, opt)
 	h = be.AppendUint32(h, uint32(len(data)))
 	return append(h, data...)
 }
+
+// metaQueries is a LIST/SET_META_CONTEXT option's data: the export name,
+// then the queries.
+func metaQueries(export string, queries ...string) []byte {
+	d := be.AppendUint32(nil, uint32(len(export)))
+	d = append(d, export...)
+	d = be.AppendUint32(d, uint32(len(queries)))
+	for _, q := range queries {
+		d = be.AppendUint32(d, uint32(len(q)))
+		d = append(d, q...)
+	}
+	return d
+}
+
+func f2(data []byte) []byte { return option(wire.OptGo, data) }
 
 // extRequest sends a request with the extended header: the numbers are
 // the EXTENDED_HEADERS extension's (doc/proto.md on the NBD project's
