@@ -9,12 +9,12 @@ import (
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// Driver is vpc's registry entry: read, never written, no checks (QEMU's
-// vpc driver has none either).
+// Driver is vpc's registry entry: read, created and written (fixed and
+// dynamic disks), no checks (QEMU's vpc driver has none either).
 func Driver() driver.Format {
-	return driver.Format{Name: "vpc", Probe: Probe, Lock: driver.MetadataLock,
+	return driver.Format{Name: "vpc", Probe: Probe, Lock: driver.MetadataLock, Writable: true, Create: Create,
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
-			return driver.Image(New(ctx, f, Options{OpenParent: o.OpenParent}))
+			return driver.Image(New(ctx, f, Options{OpenParent: o.OpenParent, Writable: o.Writable}))
 		}}
 }
 
