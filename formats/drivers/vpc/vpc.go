@@ -245,6 +245,10 @@ func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 		// and reads zeroes: the file has lost its head.
 		return nil, fmt.Errorf("%w: a type %d disk's footer is only at the end of the file (no dynamic header)", ErrCorrupt, ft.Type)
 	case ft.Type == typeDiff:
+		if o.Writable {
+			return nil, fmt.Errorf("%w: differencing disks are read here, not written; to write, export a qcow2 overlay on it: blockexport create -f qcow2 -b %s -F vpc overlay.qcow2",
+				formats.ErrReadOnly, f.Name())
+		}
 		if o.OpenParent == nil {
 			return nil, fmt.Errorf("%w: differencing disk, and no way to open its parent here", ErrUnsupported)
 		}

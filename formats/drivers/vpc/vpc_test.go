@@ -192,45 +192,7 @@ func TestVpcSizeByCreator(t *testing.T) {
 // must open there and read the same bytes, and what QEMU reads but is
 // refused here is logged (the cases where QEMU serves wrong data).
 func TestVpcHostileFootersAndBATs(t *testing.T) {
-	cases := []struct {
-		name string
-		mod  func(*vhdSpec)
-		want error
-	}{
-		{"good", func(*vhdSpec) {}, nil},
-		{"fixed", func(s *vhdSpec) { s.typ = typeFixed }, nil},
-		{"fixed larger than the file", func(s *vhdSpec) { s.typ = typeFixed; s.creator = "qemu"; s.cyls, s.heads, s.secs = 1000, 16, 63 }, ErrCorrupt},
-		{"bad checksum", func(s *vhdSpec) { s.badSum = true }, ErrCorrupt},
-		{"differencing", func(s *vhdSpec) { s.typ = typeDiff }, ErrUnsupported},
-		{"size at the max", func(s *vhdSpec) {
-			s.currentSize = maxSectors * 512
-			s.entries = maxSectors * 512 / (2 << 20)
-			s.blockSize = 2 << 20
-		}, ErrCorrupt},
-		{"size past the max", func(s *vhdSpec) { s.currentSize = (maxSectors + 1) * 512 }, ErrUnsupported},
-		{"size 2^64-1", func(s *vhdSpec) { s.currentSize = 1<<64 - 1 }, ErrUnsupported},
-		{"size 0", func(s *vhdSpec) { s.currentSize = 0 }, nil},
-		{"header offset 0", func(s *vhdSpec) { s.dataOffset = 0; s.batOffset = 1536 }, ErrCorrupt},
-		{"header offset max", func(s *vhdSpec) { s.dataOffset = 1<<64 - 1 }, ErrCorrupt},
-		{"block size 0", func(s *vhdSpec) { s.blockSize = 0 }, ErrCorrupt},
-		{"block size 511", func(s *vhdSpec) { s.blockSize = 511 }, ErrCorrupt},
-		{"block size not a power of 2", func(s *vhdSpec) { s.blockSize = 4096 + 512 }, ErrCorrupt},
-		{"block size 2^31", func(s *vhdSpec) { s.blockSize = 1 << 31 }, ErrCorrupt}, // its blocks end past the file
-		{"entries 0", func(s *vhdSpec) { s.entries = 0 }, ErrCorrupt},
-		{"entries max", func(s *vhdSpec) { s.entries = maxTableEntries }, ErrCorrupt}, // BAT past the end
-		{"entries max+1", func(s *vhdSpec) { s.entries = maxTableEntries + 1 }, ErrCorrupt},
-		{"BAT past the end", func(s *vhdSpec) { s.batOffset = 1 << 40 }, ErrCorrupt},
-		{"BAT over the header", func(s *vhdSpec) { s.batOffset = 1024 }, ErrCorrupt},
-		{"entry past the end", func(s *vhdSpec) { s.bat[1] = 1 << 24 }, ErrCorrupt},
-		{"entry max", func(s *vhdSpec) { s.bat[1] = unallocated - 1 }, ErrCorrupt},
-		{"entry at the footer copy", func(s *vhdSpec) { s.bat[1] = 0 }, ErrCorrupt},
-		{"entry at the header", func(s *vhdSpec) { s.bat[1] = 1 }, ErrCorrupt},
-		{"entry at the BAT", func(s *vhdSpec) { s.bat[1] = 3 }, ErrCorrupt},
-		{"duplicate entries", func(s *vhdSpec) { s.bat[1] = 4 }, ErrCorrupt},
-		{"overlapping entries", func(s *vhdSpec) { s.bat[1] = 5 }, ErrCorrupt},
-		{"truncated", func(s *vhdSpec) { s.fileSize = 13*512 + 512 + 100 }, ErrCorrupt},
-		{"short file", func(s *vhdSpec) { s.fileSize = 100 }, ErrCorrupt},
-	}
+	cases := hostileVHDs()
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			s := goodVHD()
@@ -265,6 +227,55 @@ func TestVpcHostileFootersAndBATs(t *testing.T) {
 				t.Fatal("reads differ from qemu-img's")
 			}
 		})
+	}
+}
+
+// hostileCase is a crafted VHD: goodVHD changed by mod, and the error
+// its open gives (nil: it opens).
+type hostileCase struct {
+	name string
+	mod  func(*vhdSpec)
+	want error
+}
+
+// hostileVHDs are the crafted files every open is tried on: fields at 0,
+// max and max+1; BAT entries past the end, at the footer, the header or
+// the BAT, and at each other.
+func hostileVHDs() []hostileCase {
+	return []hostileCase{
+		{"good", func(*vhdSpec) {}, nil},
+		{"fixed", func(s *vhdSpec) { s.typ = typeFixed }, nil},
+		{"fixed larger than the file", func(s *vhdSpec) { s.typ = typeFixed; s.creator = "qemu"; s.cyls, s.heads, s.secs = 1000, 16, 63 }, ErrCorrupt},
+		{"bad checksum", func(s *vhdSpec) { s.badSum = true }, ErrCorrupt},
+		{"differencing", func(s *vhdSpec) { s.typ = typeDiff }, ErrUnsupported},
+		{"size at the max", func(s *vhdSpec) {
+			s.currentSize = maxSectors * 512
+			s.entries = maxSectors * 512 / (2 << 20)
+			s.blockSize = 2 << 20
+		}, ErrCorrupt},
+		{"size past the max", func(s *vhdSpec) { s.currentSize = (maxSectors + 1) * 512 }, ErrUnsupported},
+		{"size 2^64-1", func(s *vhdSpec) { s.currentSize = 1<<64 - 1 }, ErrUnsupported},
+		{"size 0", func(s *vhdSpec) { s.currentSize = 0 }, nil},
+		{"header offset 0", func(s *vhdSpec) { s.dataOffset = 0; s.batOffset = 1536 }, ErrCorrupt},
+		{"header offset max", func(s *vhdSpec) { s.dataOffset = 1<<64 - 1 }, ErrCorrupt},
+		{"block size 0", func(s *vhdSpec) { s.blockSize = 0 }, ErrCorrupt},
+		{"block size 511", func(s *vhdSpec) { s.blockSize = 511 }, ErrCorrupt},
+		{"block size not a power of 2", func(s *vhdSpec) { s.blockSize = 4096 + 512 }, ErrCorrupt},
+		{"block size 2^31", func(s *vhdSpec) { s.blockSize = 1 << 31 }, ErrCorrupt}, // its blocks end past the file
+		{"entries 0", func(s *vhdSpec) { s.entries = 0 }, ErrCorrupt},
+		{"entries max", func(s *vhdSpec) { s.entries = maxTableEntries }, ErrCorrupt}, // BAT past the end
+		{"entries max+1", func(s *vhdSpec) { s.entries = maxTableEntries + 1 }, ErrCorrupt},
+		{"BAT past the end", func(s *vhdSpec) { s.batOffset = 1 << 40 }, ErrCorrupt},
+		{"BAT over the header", func(s *vhdSpec) { s.batOffset = 1024 }, ErrCorrupt},
+		{"entry past the end", func(s *vhdSpec) { s.bat[1] = 1 << 24 }, ErrCorrupt},
+		{"entry max", func(s *vhdSpec) { s.bat[1] = unallocated - 1 }, ErrCorrupt},
+		{"entry at the footer copy", func(s *vhdSpec) { s.bat[1] = 0 }, ErrCorrupt},
+		{"entry at the header", func(s *vhdSpec) { s.bat[1] = 1 }, ErrCorrupt},
+		{"entry at the BAT", func(s *vhdSpec) { s.bat[1] = 3 }, ErrCorrupt},
+		{"duplicate entries", func(s *vhdSpec) { s.bat[1] = 4 }, ErrCorrupt},
+		{"overlapping entries", func(s *vhdSpec) { s.bat[1] = 5 }, ErrCorrupt},
+		{"truncated", func(s *vhdSpec) { s.fileSize = 13*512 + 512 + 100 }, ErrCorrupt},
+		{"short file", func(s *vhdSpec) { s.fileSize = 100 }, ErrCorrupt},
 	}
 }
 

@@ -51,11 +51,7 @@ const maxBlockSector = unallocated - 1
 
 // openWriter checks that the image can be written and prepares it.
 func (img *Image) openWriter(ctx context.Context) error {
-	switch {
-	case img.diff:
-		return fmt.Errorf("%w: differencing disks are read here, not written; to write, export a qcow2 overlay on it: blockexport create -f qcow2 -b %s -F vpc overlay.qcow2",
-			formats.ErrReadOnly, img.f.Name())
-	case img.fixed && !img.footerAtEnd:
+	if img.fixed && !img.footerAtEnd {
 		// QEMU reads such a file from its first byte: the footer found at
 		// the start would be the disk's first sector, the guest's to
 		// overwrite.

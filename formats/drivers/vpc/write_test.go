@@ -1,0 +1,339 @@
+package vpc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/internal/driver"
+)
+
+// createVHD makes a new VHD with Create and returns its path.
+func createVHD(t testing.TB, size int64, keys map[string]string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "n.vhd")
+	if err := Create(p, driver.CreateOptions{Size: size, Keys: keys}); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func openWritable(t testing.TB, p string) *Image {
+	t.Helper()
+	f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(context.Background(), f, Options{Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+// TestCreatedGeometryIsQemus: the virtual sizes qemu-img 7.2 gives these
+// requests (measured with qemu-img create -f vpc and info).
+func TestCreatedGeometryIsQemus(t *testing.T) {
+	for _, c := range []struct {
+		size       int64
+		chs, force int64
+	}{
+		{1 << 20, 1079296, 1 << 20},
+		{10 << 20, 10514432, 10 << 20},
+		{127 << 20, 133171200, 133169152},
+		{1 << 30, 1073995776, 1 << 30},
+		{3<<30 + 1024, 3221471232, 3<<30 + 1024},
+		{2040 << 30, 2040 << 30, 2040 << 30},
+		{0, 0, 0},
+	} {
+		for _, force := range []bool{false, true} {
+			_, _, _, sectors, err := createGeometry(c.size, force)
+			want := c.chs
+			if force {
+				want = c.force
+			}
+			if err != nil || int64(sectors)*512 != want {
+				t.Errorf("size %d force %v: %d sectors (%v), want %d bytes", c.size, force, sectors, err, want)
+			}
+		}
+	}
+	for _, force := range []bool{false, true} {
+		if _, _, _, _, err := createGeometry(2040<<30+512, force); !errors.Is(err, driver.ErrBadOption) {
+			t.Errorf("2040 GiB + 512, force %v: %v, want a refusal", force, err)
+		}
+	}
+}
+
+// TestWritesReadBackAsQemuReadsThem: writes across blocks (allocating
+// some, rewriting others), zeroes and discards of a dynamic and a fixed
+// disk read back as written, here after a reopen and through qemu-img;
+// the fixed disk's footer is out of reach.
+func TestWritesReadBackAsQemuReadsThem(t *testing.T) {
+	for _, sub := range []string{"dynamic", "fixed"} {
+		t.Run(sub, func(t *testing.T) {
+			p := createVHD(t, 9<<20, map[string]string{"subformat": sub, "force_size": "on"})
+			img := openWritable(t, p)
+			ctx := context.Background()
+			model := make([]byte, img.Size())
+			r := rand.New(rand.NewPCG(1, 2))
+			for i := 0; i < 40; i++ {
+				n := 1 + r.IntN(3<<20)
+				off := r.Int64N(img.Size() - int64(n))
+				b := make([]byte, n)
+				for j := range b {
+					b[j] = byte(r.Uint32())
+				}
+				if _, err := img.WriteAt(ctx, b, off); err != nil {
+					t.Fatal(err)
+				}
+				copy(model[off:], b)
+				if i%7 == 3 {
+					z := r.Int64N(1 << 20)
+					if err := img.WriteZeroes(ctx, off, z, i%2 == 0); err != nil {
+						t.Fatal(err)
+					}
+					clear(model[off : off+z])
+				}
+			}
+			if err := img.Discard(ctx, 0, 4096); err != nil { // QEMU's vpc: nothing
+				t.Fatal(err)
+			}
+			if _, err := img.WriteAt(ctx, make([]byte, 1), img.Size()); !errors.Is(err, formats.ErrOutOfRange) {
+				t.Fatalf("a write past the disk (at the footer): %v", err)
+			}
+			if err := img.Resize(ctx, 20<<20); !errors.Is(err, formats.ErrNotSupported) {
+				t.Fatalf("resize: %v", err)
+			}
+			if err := img.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			img.Close()
+			back, err := openVHD(t, p, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, back.Size())
+			if _, err := back.ReadAt(ctx, got, 0); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, model) {
+				t.Fatal("reopened, the disk is not what was written")
+			}
+			if q, ok := qemuReads(t, p); !ok || !bytes.Equal(q, model) {
+				t.Fatal("qemu-img reads other bytes")
+			}
+		})
+	}
+}
+
+// crashingFile is a host file whose process dies after its first limit
+// writes: later writes and syncs fail and change nothing, as when the
+// writer is killed (the page cache keeps what was written before).
+type crashingFile struct {
+	aio.File
+	limit, writes int
+}
+
+var errKilled = errors.New("killed")
+
+func (c *crashingFile) dead() bool { c.writes++; return c.writes > c.limit }
+
+func (c *crashingFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	if c.dead() {
+		return 0, errKilled
+	}
+	return c.File.WriteAt(ctx, p, off)
+}
+
+func (c *crashingFile) WritevAt(ctx context.Context, v [][]byte, off int64) (int, error) {
+	if c.dead() {
+		return 0, errKilled
+	}
+	return c.File.WritevAt(ctx, v, off)
+}
+
+func (c *crashingFile) TryWriteAt([]byte, int64) (bool, error) { return false, nil }
+
+func (c *crashingFile) Fdatasync(ctx context.Context) error {
+	if c.writes >= c.limit {
+		return errKilled
+	}
+	return c.File.Fdatasync(ctx)
+}
+
+// TestAllocationKilledAfterEveryWriteLeavesAtWorstALeak: the writer dies
+// after each of its host writes in turn (the moved footer, the bitmap and
+// data, the BAT entry, of allocations at a block's start, inside one and
+// into an allocated block, with flushes between). Every time the image
+// opens here (no entry past the end or over another structure) and in
+// qemu-img, which read the same bytes, and every write acknowledged
+// before a flush that succeeded reads back.
+func TestAllocationKilledAfterEveryWriteLeavesAtWorstALeak(t *testing.T) {
+	ctx := context.Background()
+	type step struct {
+		off   int64
+		n     int
+		flush bool
+	}
+	steps := []step{{0, 4096, true}, {3<<20 + 512, 8192, false}, {100, 1000, true}, {5 << 20, 2 << 20, true}, {(2 << 20) - 512, 1024, false}}
+	for limit := 0; ; limit++ {
+		p := createVHD(t, 8<<20, nil)
+		f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cf := &crashingFile{File: f, limit: limit}
+		img, err := New(ctx, cf, Options{Writable: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		durable := make([]byte, img.Size()) // what must read back
+		known := make([]bool, img.Size())   // whether it must
+		for i := range known {
+			known[i] = true
+		}
+		pending := map[int]step{}
+		killed := false
+		for i, s := range steps {
+			b := bytes.Repeat([]byte{byte(0x11 * (i + 1))}, s.n)
+			for j := s.off; j < s.off+int64(s.n); j++ {
+				known[j] = false
+			}
+			if _, err := img.WriteAt(ctx, b, s.off); err != nil {
+				killed = true
+				break
+			}
+			pending[i] = s
+			if s.flush {
+				if img.Flush(ctx) != nil {
+					killed = true
+					break
+				}
+				for k, ps := range pending {
+					for j := ps.off; j < ps.off+int64(ps.n); j++ {
+						durable[j], known[j] = byte(0x11*(k+1)), true
+					}
+				}
+				clear(pending)
+			}
+		}
+		img.Close()
+		back, err := openVHD(t, p, Options{})
+		if err != nil {
+			t.Fatalf("killed after %d writes: the image does not open: %v", limit, err)
+		}
+		got := make([]byte, back.Size())
+		if _, err := back.ReadAt(ctx, got, 0); err != nil {
+			t.Fatal(err)
+		}
+		for j := range got {
+			if known[j] && got[j] != durable[j] {
+				t.Fatalf("killed after %d writes: byte %d reads %#x, flushed %#x", limit, j, got[j], durable[j])
+			}
+		}
+		if q, ok := qemuReads(t, p); !ok || !bytes.Equal(q, got) {
+			t.Fatalf("killed after %d writes: qemu-img reads it differently (opens: %v)", limit, ok)
+		}
+		// A second session after the crash allocates past the leak and
+		// never hands stale bytes to a new block.
+		img2 := openWritable(t, p)
+		if _, err := img2.WriteAt(ctx, []byte{0x77}, 7<<20+1); err != nil {
+			t.Fatal(err)
+		}
+		tail := make([]byte, 1<<20)
+		if _, err := img2.ReadAt(ctx, tail, 7<<20); err != nil {
+			t.Fatal(err)
+		}
+		if tail[1] != 0x77 || bytes.Count(tail, []byte{0}) != len(tail)-1 {
+			t.Fatalf("killed after %d writes: a block allocated afterwards holds stale bytes", limit)
+		}
+		img2.Close()
+		if !killed {
+			if limit < 6 {
+				t.Fatalf("every step finished after %d writes: the kill points were not reached", limit)
+			}
+			return
+		}
+	}
+}
+
+// TestWritableOpenOfHostileFiles: every crafted file of the hostile
+// table opened writable is refused in the same one line as when read,
+// leaving the file as it was, or opens, takes a write over the whole
+// disk and opens again (here and in qemu-img) reading it back: no
+// metadata was written into data, nor data into metadata.
+func TestWritableOpenOfHostileFiles(t *testing.T) {
+	for _, c := range hostileVHDs() {
+		t.Run(c.name, func(t *testing.T) {
+			s := goodVHD()
+			c.mod(&s)
+			p := s.build(t)
+			before, err := os.ReadFile(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			img, err := New(context.Background(), f, Options{Writable: true})
+			if err != nil {
+				if strings.Contains(err.Error(), "\n") {
+					t.Fatalf("refusal is not one line: %q", err)
+				}
+				if after, _ := os.ReadFile(p); !bytes.Equal(after, before) {
+					t.Fatal("a refused image was changed")
+				}
+				if c.want == nil && s.typ != typeDiff {
+					t.Fatalf("refused for writing: %v", err)
+				}
+				return
+			}
+			defer img.Close()
+			if c.want != nil {
+				t.Fatalf("opens for writing; read-only it is refused (%v)", c.want)
+			}
+			ctx := context.Background()
+			data := bytes.Repeat([]byte{0x5a, 0xc3}, int(img.Size()/2))
+			if _, err := img.WriteAt(ctx, data, 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := img.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			back, err := openVHD(t, p, Options{})
+			if err != nil {
+				t.Fatalf("after a write over the disk it no longer opens: %v", err)
+			}
+			got := make([]byte, back.Size())
+			if _, err := back.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, data) {
+				t.Fatalf("the disk reads other bytes back (%v)", err)
+			}
+			if q, ok := qemuReads(t, p); !ok || !bytes.Equal(q, data) {
+				t.Fatal("qemu-img reads other bytes back")
+			}
+		})
+	}
+}
+
+// TestDifferencingDiskIsNotWritten: a writable open of a differencing
+// disk is refused in one line naming a qcow2 overlay.
+func TestDifferencingDiskIsNotWritten(t *testing.T) {
+	s := goodVHD()
+	s.typ = typeDiff
+	f, err := aio.Open(s.build(t), aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = New(context.Background(), f, Options{Writable: true, OpenParent: func(string) (formats.Image, string, error) { return nil, "", nil }})
+	if !errors.Is(err, formats.ErrReadOnly) || !strings.Contains(err.Error(), "qcow2 overlay") {
+		t.Fatalf("got %v", err)
+	}
+}
