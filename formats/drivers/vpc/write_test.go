@@ -337,3 +337,39 @@ func TestDifferencingDiskIsNotWritten(t *testing.T) {
 		t.Fatalf("got %v", err)
 	}
 }
+
+// TestProbeTailWantsAWholeFixedFooter: a fixed disk's footer at the end
+// is recognised only with its cookie, its checksum, type fixed and a
+// current size that is the file's bytes before it.
+func TestProbeTailWantsAWholeFixedFooter(t *testing.T) {
+	p := createVHD(t, 1<<20, map[string]string{"subformat": "fixed", "force_size": "on"})
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := int64(len(b))
+	good := b[len(b)-footerSize:]
+	if !ProbeTail(good, size) {
+		t.Fatal("a fixed disk's footer is not recognised")
+	}
+	mod := func(f func([]byte)) []byte {
+		c := append([]byte(nil), good...)
+		f(c)
+		return c
+	}
+	for name, tail := range map[string][]byte{
+		"bad checksum": mod(func(c []byte) { c[100] ^= 1 }),
+		"no cookie":    mod(func(c []byte) { c[0] = 'C'; setChecksum(c, 64) }),
+		"dynamic":      mod(func(c []byte) { c[63] = typeDynamic; setChecksum(c, 64) }),
+		"short":        good[:100],
+	} {
+		if ProbeTail(tail, size) {
+			t.Errorf("%s: recognised", name)
+		}
+	}
+	for _, s := range []int64{size - 512, size + 512, 0} {
+		if ProbeTail(good, s) {
+			t.Errorf("a file of %d bytes (the footer says %d): recognised", s, size)
+		}
+	}
+}
