@@ -1,6 +1,7 @@
 package formats
 
 import (
+	"bytes"
 	"encoding/binary"
 	"os"
 	"os/exec"
@@ -83,7 +84,8 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // TestVpcHostileBATsRefusedWhereQemuReadsMetadata: BAT entries QEMU 7.2
 // opens and serves (a block over the footer copy and dynamic header, two
 // entries naming one block), each refused here with one line, and a BAT
-// past the end, which both refuse (QEMU: "the image has been truncated").
+// past the end, which both refuse (QEMU: "the image has been truncated");
+// a writable export of each is refused the same way, the file untouched.
 func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 28)
@@ -119,6 +121,15 @@ func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 			code, out := harness.RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			// Writable, as read: refused in one line, nothing written.
+			mnt := filepath.Join(t.TempDir(), "w")
+			os.Mkdir(mnt, 0o755)
+			if code, out := harness.TryExport(t, mnt, "-w", p); code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("fuse -w: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			if after, _ := os.ReadFile(p); !bytes.Equal(after, b) {
+				t.Fatal("a refused writable open changed the image")
 			}
 		})
 	}

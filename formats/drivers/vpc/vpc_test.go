@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -350,7 +352,49 @@ func FuzzOpen(f *testing.F) {
 			return
 		}
 		readAllVHD(t, img)
+		img.Close()
+		writeAllVHD(t, p)
 	})
+}
+
+// writeAllVHD opens the image at path writable, as a file that opened
+// for reading: it is refused (a differencing disk; a fixed one whose
+// footer is at its start) or takes a write over the whole disk, after
+// which it opens again and reads it back: no metadata went into data,
+// nor data into metadata.
+func writeAllVHD(t *testing.T, path string) {
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(context.Background(), f, Options{Writable: true})
+	if err != nil {
+		if !errors.Is(err, formats.ErrReadOnly) && !errors.Is(err, ErrUnsupported) {
+			t.Fatalf("opens for reading, refused for writing: %v", err)
+		}
+		return
+	}
+	img.SetNoFlush(true) // a killed process keeps what it wrote; syncs only slow the fuzzer
+	ctx := context.Background()
+	data := bytes.Repeat([]byte{0x3c}, int(img.Size()))
+	_, werr := img.WriteAt(ctx, data, 0)
+	img.Close()
+	if werr != nil {
+		// The file's end is past what a 32-bit BAT entry names: the
+		// write is refused, nothing referenced changed.
+		if !errors.Is(werr, unix.EFBIG) {
+			t.Fatalf("write over the disk: %v", werr)
+		}
+		return
+	}
+	back, err := openVHD(t, path, Options{})
+	if err != nil {
+		t.Fatalf("after a write over the disk it no longer opens: %v", err)
+	}
+	got := make([]byte, back.Size())
+	if _, err := back.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the disk written reads other bytes back (%v)", err)
+	}
 }
 
 // qemuReads is the disk qemu-img 7.2 reads from the image at path (-f
