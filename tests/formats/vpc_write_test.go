@@ -127,7 +127,7 @@ func TestVpcConvertReadsBackEverywhere(t *testing.T) {
 	dir := t.TempDir()
 	src := vdiRawWithHoles(t, dir)
 	srcBytes := harness.ReadAll(t, src)
-	for _, opts := range []string{"", "subformat=fixed", "subformat=fixed,force_size=on", "force_size=on"} {
+	for _, opts := range []string{"", "subformat=fixed", "subformat=fixed,force_size", "force_size=on"} {
 		t.Run(strings.ReplaceAll(opts+"_", ",", "_"), func(t *testing.T) {
 			img := filepath.Join(t.TempDir(), "c.vhd")
 			args := []string{"convert", "-f", "raw", "-O", "vpc"}

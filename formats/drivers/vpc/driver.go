@@ -19,8 +19,8 @@ func Driver() driver.Format {
 }
 
 // Probe: a dynamic VHD's footer copy, "conectix", at the start (QEMU's
-// vpc_probe). A fixed VHD has its footer only at the end: QEMU probes it
-// as raw, and so does this (its disk is the file's first bytes).
+// vpc_probe). A fixed VHD has its footer only at the end, which QEMU
+// does not look at: ProbeTail finds it.
 func Probe(head []byte, _ string) int {
 	return driver.Score(bytes.HasPrefix(head, []byte("conectix")), 100)
 }

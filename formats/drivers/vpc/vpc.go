@@ -1,5 +1,6 @@
-// Package vpc reads Virtual PC / Hyper-V disk images (VHD; QEMU's name is
-// vpc), fixed and dynamic, as QEMU 7.2's vpc driver does (block/vpc.c):
+// Package vpc reads, creates (create.go) and writes (write.go) Virtual
+// PC / Hyper-V disk images (VHD; QEMU's name is vpc), fixed and dynamic,
+// as QEMU 7.2's vpc driver does (block/vpc.c):
 // a 512-byte footer ("conectix", at the start of a dynamic disk and at
 // the end of every disk), a dynamic disk header ("cxsparse"), and a block
 // allocation table (BAT) of 32-bit sector numbers, each naming a sector
@@ -8,10 +9,9 @@
 // The virtual size is QEMU's: the footer's CHS geometry or its
 // current_size, chosen by the creator application (see diskSectors).
 //
-// Fixed and dynamic disks are written in place (write.go); differencing
-// disks are read only (write over one through a qcow2 overlay). A fixed
-// disk's footer is found at the end of the file also when it is probed
-// (ProbeTail), where QEMU 7.2 probes such a file as raw. Differencing disks are read
+// Differencing disks are read only (write over one through a qcow2
+// overlay). A fixed disk is probed by its footer at the end of the file
+// (ProbeTail), where QEMU 7.2 probes raw. Differencing disks are read
 // with their parent, found through the parent locators (W2ru, a relative
 // Windows path, then W2ku, an absolute one, then MacX, a file URL) by
 // Options.OpenParent, which confines the name; a sector comes from the
