@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -118,39 +119,50 @@ func TestVpcCreateEqualsQemuImg(t *testing.T) {
 }
 
 // TestVpcConvertReadsBackEverywhere: convert -O vpc of a raw disk with
-// holes and zero runs, dynamic and fixed, with force_size (Azure's fixed
-// disk of a whole MiB: the virtual size is the source's and the file one
-// footer longer) and without (the CHS geometry rounds up): qemu-img
-// compare finds the source's bytes, and so does libyal's vhdimount.
+// holes and zero runs (and of its qcow2), dynamic and fixed, with
+// force_size (Azure's fixed disk of a whole MiB: the virtual size is the
+// source's and the file one footer longer) and without (the CHS geometry
+// rounds up), also with O_DIRECT and parallel out-of-order writes:
+// qemu-img compare finds the source's bytes, and so does libyal's
+// vhdimount.
 func TestVpcConvertReadsBackEverywhere(t *testing.T) {
 	needVhdi(t)
 	dir := t.TempDir()
 	src := vdiRawWithHoles(t, dir)
 	srcBytes := harness.ReadAll(t, src)
-	for _, opts := range []string{"", "subformat=fixed", "subformat=fixed,force_size", "force_size=on"} {
-		t.Run(strings.ReplaceAll(opts+"_", ",", "_"), func(t *testing.T) {
+	qsrc := filepath.Join(dir, "src.qcow2")
+	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", src, qsrc)
+	parallel := []string{"-t", "none", "-W", "-m", "8"}
+	for _, c := range []struct {
+		opts string
+		args []string
+	}{
+		{"", nil}, {"subformat=fixed", nil}, {"subformat=fixed,force_size", nil}, {"force_size=on", nil},
+		{"", parallel}, {"subformat=fixed,force_size", parallel}, {"", []string{"-f", "qcow2"}},
+	} {
+		t.Run(strings.ReplaceAll(c.opts+"_"+strings.Join(c.args, "_"), ",", "_"), func(t *testing.T) {
 			img := filepath.Join(t.TempDir(), "c.vhd")
-			args := []string{"convert", "-f", "raw", "-O", "vpc"}
-			if opts != "" {
-				args = append(args, "-o", opts)
+			from := src
+			args := append([]string{"convert", "-O", "vpc"}, c.args...)
+			if slices.Contains(c.args, "qcow2") {
+				from = qsrc
+			} else {
+				args = append(args, "-f", "raw")
 			}
-			if code, out := harness.RunBlockexport(t, append(args, src, img)...); code != 0 {
-				t.Fatalf("convert: exit %d\n%s", code, out)
+			if c.opts != "" {
+				args = append(args, "-o", c.opts)
+			}
+			if code, out := harness.RunBlockexport(t, append(args, from, img)...); code != 0 {
+				t.Fatalf("convert %v: exit %d\n%s", args, code, out)
 			}
 			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", src, img)
-			if strings.Contains(opts, "force_size") {
+			if strings.Contains(c.opts, "force_size") {
 				info := harness.JSONOf(t, "qemu-img", "info", "-f", "vpc", "--output=json", img).(map[string]any)
 				if vs := int64(info["virtual-size"].(float64)); vs != int64(len(srcBytes)) {
 					t.Errorf("force_size: virtual size %d, want the source's %d", vs, len(srcBytes))
 				}
-			}
-			if strings.Contains(opts, "fixed") {
-				fi, err := os.Stat(img)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if want := int64(len(srcBytes)) + 512; strings.Contains(opts, "force_size") && fi.Size() != want {
-					t.Errorf("fixed force_size: file of %d bytes, want the disk's %d and the footer", fi.Size(), want)
+				if fi, err := os.Stat(img); err != nil || strings.Contains(c.opts, "fixed") && fi.Size() != int64(len(srcBytes))+512 {
+					t.Errorf("fixed force_size: file of %v bytes, want the disk's %d and the footer", fi.Size(), len(srcBytes))
 				}
 			}
 			if !bytes.Equal(vhdiReads(t, img, int64(len(srcBytes))), srcBytes) {

@@ -491,5 +491,12 @@ func (img *Image) Close() error {
 	if img.parent != nil {
 		img.parent.Close()
 	}
-	return img.f.Close()
+	var err error
+	if img.w != nil {
+		err = img.trimTail() // no writes are in flight: the footer ends the file
+	}
+	if cerr := img.f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }

@@ -43,6 +43,9 @@ type writer struct {
 	noFlush atomic.Bool
 	// ones is a block's sector bitmap: every sector present.
 	ones []byte
+	// end is where the file ends, right after its footer: a fixed
+	// disk's as opened; a dynamic disk's is next plus the footer.
+	end int64
 }
 
 // maxBlockSector is the last sector a BAT entry can name (0xffffffff
@@ -57,18 +60,19 @@ func (img *Image) openWriter(ctx context.Context) error {
 		// overwrite.
 		return fmt.Errorf("%w: a fixed disk whose footer is at the start of the file, inside the disk, is not written", ErrUnsupported)
 	}
-	w := &writer{}
+	size, err := fileSize(img.f)
+	if err != nil {
+		return err
+	}
+	w := &writer{end: size}
 	if !img.fixed {
-		size, err := fileSize(img.f)
-		if err != nil {
-			return err
-		}
 		// The last sector of the file is the footer (or, after a crash,
 		// bytes nothing references): the next bitmap goes over it, so
 		// the block's data lies past the file's end and reads as zeroes
 		// where it is not written. Nothing referenced lies there: metaEnd
 		// is the end of the last block or structure.
 		w.next = max(img.metaEnd, (size+511)&^511-footerSize)
+		w.end = w.next + footerSize
 		w.ones = make([]byte, img.bitmapSize)
 		for i := range w.ones {
 			w.ones[i] = 0xff
@@ -164,6 +168,10 @@ func (img *Image) allocate(ctx context.Context, idx int64, q []byte, in int64) e
 		if _, err := img.f.WriteAt(ctx, q, start+img.bitmapSize+in); err != nil {
 			return fmt.Errorf("write block %d at %#x: %w", idx, start, err)
 		}
+	}
+	w.end = end + footerSize
+	if err := img.cutToEnd(); err != nil {
+		return err
 	}
 	if !w.noFlush.Load() {
 		if err := img.f.Fdatasync(ctx); err != nil {
@@ -268,10 +276,41 @@ func (img *Image) SetNoFlush(on bool) {
 	}
 }
 
+// trimTail cuts the file back to end right after its footer where a
+// write grew it past: with O_DIRECT (aio.Aligned), a write that is not
+// whole host blocks pads the last one with zeroes past the end of the
+// file, and a VHD's footer must be its last 512 bytes (libyal reads it
+// there; a fixed disk is recognised by it). The padding holds nothing.
+func (img *Image) trimTail() error {
+	if !img.fixed {
+		img.w.mu.Lock()
+		defer img.w.mu.Unlock()
+	}
+	return img.cutToEnd()
+}
+
+// cutToEnd is trimTail with the allocation lock held.
+func (img *Image) cutToEnd() error {
+	size, err := fileSize(img.f)
+	if err != nil || size <= img.w.end {
+		return err
+	}
+	if err := unix.Ftruncate(img.f.Fd(), img.w.end); err != nil {
+		return fmt.Errorf("vpc: cut the padding after the footer at %#x: %w", img.w.end, err)
+	}
+	return nil
+}
+
 // Flush makes every completed write durable, the BAT entries of the
 // blocks allocated since the last flush with them.
 func (img *Image) Flush(ctx context.Context) error {
-	if img.w == nil || img.w.noFlush.Load() {
+	if img.w == nil {
+		return nil
+	}
+	if err := img.trimTail(); err != nil {
+		return err
+	}
+	if img.w.noFlush.Load() {
 		return nil
 	}
 	if err := img.f.Fdatasync(ctx); err != nil {

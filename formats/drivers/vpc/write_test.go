@@ -435,3 +435,49 @@ func TestConcurrentWritesIntoNewBlocks(t *testing.T) {
 		t.Fatalf("file of %v bytes: each of the 4 blocks allocated once?", fi.Size())
 	}
 }
+
+// TestFooterStaysTheLastSectorUnderPaddedWrites: through aio.Aligned (as
+// with O_DIRECT, where a write of part of a host block pads it past the
+// end of the file), writes at the end of a fixed and a dynamic disk
+// leave the footer the file's last 512 bytes once flushed and closed.
+func TestFooterStaysTheLastSectorUnderPaddedWrites(t *testing.T) {
+	for _, sub := range []string{"dynamic", "fixed"} {
+		t.Run(sub, func(t *testing.T) {
+			p := createVHD(t, 3<<20+512, map[string]string{"subformat": sub, "force_size": "on"})
+			f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			img, err := New(context.Background(), aio.Aligned(f, 4096), Options{Writable: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			for _, off := range []int64{img.Size() - 1000, 2<<20 - 100, 0} {
+				if _, err := img.WriteAt(ctx, bytes.Repeat([]byte{9}, 1000), off); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := img.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := img.Close(); err != nil {
+				t.Fatal(err)
+			}
+			b, err := os.ReadFile(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tail := b[len(b)-footerSize:]
+			if !bytes.HasPrefix(tail, []byte("conectix")) || !checksumOK(tail) {
+				t.Fatalf("the file's last 512 bytes are no footer (file of %d bytes)", len(b))
+			}
+			if sub == "fixed" && !ProbeTail(tail, int64(len(b))) {
+				t.Fatal("the fixed disk is no longer recognised by its footer")
+			}
+			if q, ok := qemuReads(t, p); !ok || !bytes.Equal(q[len(q)-1000:], bytes.Repeat([]byte{9}, 1000)) {
+				t.Fatal("qemu-img does not read the write at the disk's end")
+			}
+		})
+	}
+}
