@@ -172,28 +172,32 @@ func TestVpcConvertReadsBackEverywhere(t *testing.T) {
 	}
 }
 
-// TestVpcWritableExports: a dynamic and a fixed VHD (ours, and qemu-img's
-// for the fixed one, probed by its footer) written through fuse -w under
+// TestVpcWritableExports: a dynamic and a fixed VHD (ours, also with
+// O_DIRECT, and qemu-img's; a fixed one probed by its footer) written through fuse -w under
 // fio verify and through nbd -w with qemu-io: after a clean stop the
 // image reads back as the export did (qemu-img compare against a copy),
-// vhdimount reads the same, vhdiinfo accepts it, and a fixed disk's
-// footer is the one it had.
+// vhdimount reads the same, vhdiinfo accepts it, the file's last 512
+// bytes are a footer, and a fixed disk's is the one it had.
 func TestVpcWritableExports(t *testing.T) {
 	needVhdi(t)
+	ours := func(opts string) func(t *testing.T, img string) {
+		return func(t *testing.T, img string) { harness.CreateImage(t, "-f", "vpc", "-o", opts, img, "64M") }
+	}
 	for _, c := range []struct {
 		name   string
 		create func(t *testing.T, img string)
+		args   []string
 	}{
-		{"dynamic", func(t *testing.T, img string) { harness.CreateImage(t, "-f", "vpc", img, "64M") }},
+		{"dynamic", ours("subformat=dynamic"), nil},
+		{"dynamic O_DIRECT", ours("subformat=dynamic"), []string{"--cache", "none"}},
+		{"fixed O_DIRECT", ours("subformat=fixed,force_size=on"), []string{"--cache", "none"}},
 		{"dynamic by qemu-img", func(t *testing.T, img string) {
 			harness.Run(t, "qemu-img", "create", "-q", "-f", "vpc", img, "64M")
-		}},
-		{"fixed", func(t *testing.T, img string) {
-			harness.CreateImage(t, "-f", "vpc", "-o", "subformat=fixed,force_size=on", img, "64M")
-		}},
+		}, nil},
+		{"fixed", ours("subformat=fixed,force_size=on"), nil},
 		{"fixed by qemu-img", func(t *testing.T, img string) {
 			harness.Run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "subformat=fixed", img, "64M")
-		}},
+		}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
@@ -205,7 +209,7 @@ func TestVpcWritableExports(t *testing.T) {
 			}
 			before := footer()
 			mnt := filepath.Join(dir, "mnt")
-			d := harness.StartExport(t, img, mnt, "-w") // probed: a fixed one by its footer
+			d := harness.StartExport(t, img, mnt, append([]string{"-w"}, c.args...)...) // probed: a fixed one by its footer
 			harness.Run(t, "fio", append(harness.FioJob("vpc", "4k", "0", "64M", 47), "--io_size=4M", "--filename="+mnt)...)
 			harness.Run(t, "fio", append(harness.FioJob("vpc-big", "1M", "0", "64M", 48), "--io_size=8M", "--filename="+mnt)...)
 			exported := filepath.Join(dir, "exported.raw")
@@ -213,12 +217,12 @@ func TestVpcWritableExports(t *testing.T) {
 			d.StopClean()
 			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", exported, img)
 
-			srv := harness.StartNBD(t, img, false, "-w")
+			srv := harness.StartNBD(t, img, false, append([]string{"-w"}, c.args...)...)
 			harness.Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 1000 70000", "-c", "write -z 3M 2M", "-c", "flush", srv.URI)
 			srv.StopClean()
 			harness.Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x5a 1000 70000", "-c", "write -z 3M 2M", exported)
 			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vpc", exported, img)
-			if strings.HasPrefix(c.name, "fixed") && !bytes.Equal(footer(), before) {
+			if strings.HasPrefix(c.name, "fixed") && !bytes.Equal(footer(), before) || !bytes.HasPrefix(footer(), []byte("conectix")) {
 				t.Error("the fixed disk's footer changed")
 			}
 			want := harness.ReadAll(t, exported)
