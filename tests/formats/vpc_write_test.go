@@ -173,8 +173,9 @@ func TestVpcConvertReadsBackEverywhere(t *testing.T) {
 }
 
 // TestVpcWritableExports: a dynamic and a fixed VHD (ours, also with
-// O_DIRECT, and qemu-img's; a fixed one probed by its footer) written through fuse -w under
-// fio verify and through nbd -w with qemu-io: after a clean stop the
+// O_DIRECT, and qemu-img's; a fixed one probed by its footer) written
+// through fuse -w under fio verify and through nbd -w with qemu-io
+// (writes, write-zeroes, flush): after a clean stop the
 // image reads back as the export did (qemu-img compare against a copy),
 // vhdimount reads the same, vhdiinfo accepts it, the file's last 512
 // bytes are a footer, and a fixed disk's is the one it had.
@@ -298,7 +299,8 @@ func fixChecksum(f []byte) {
 
 // TestVpcSurvivesKill9: the exporter of a fresh dynamic VHD (each write
 // may allocate a block: the footer moved, bitmap and data, sync, the BAT
-// entry) is killed with SIGKILL while writers write and fsync. Every
+// entry) is killed with SIGKILL while writers write, punch holes and
+// fsync. Every
 // time the image opens here (every BAT entry inside the file, over no
 // other block or structure) and in qemu-img (whose check has nothing to
 // check for vpc: 63, as for any VHD), and every block acknowledged
@@ -338,11 +340,18 @@ func TestVpcSurvivesKill9(t *testing.T) {
 					mu.Lock()
 					delete(durable, b) // unsure until synced
 					mu.Unlock()
-					for j := 0; j < blockSize; j += 8 {
-						binary.LittleEndian.PutUint64(buf[j:], v)
-					}
-					if _, err := f.WriteAt(buf, int64(b)*blockSize); err != nil {
-						return
+					if wr.IntN(8) == 0 {
+						v = 0 // FALLOC_FL_KEEP_SIZE|FALLOC_FL_PUNCH_HOLE: write-zeroes
+						if err := syscall.Fallocate(int(f.Fd()), 0x01|0x02, int64(b)*blockSize, blockSize); err != nil {
+							return
+						}
+					} else {
+						for j := 0; j < blockSize; j += 8 {
+							binary.LittleEndian.PutUint64(buf[j:], v)
+						}
+						if _, err := f.WriteAt(buf, int64(b)*blockSize); err != nil {
+							return
+						}
 					}
 					pending[b] = v
 					if seq%8 == 0 {
