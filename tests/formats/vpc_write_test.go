@@ -68,17 +68,20 @@ func vhdiReads(t *testing.T, img string, n int64) []byte {
 }
 
 // TestVpcCreateEqualsQemuImg: create -f vpc with each subformat, with and
-// without force_size, for sizes on both sides of the CHS steps up to the
-// 2040 GiB maximum: qemu-img info's JSON of our image equals that of
+// without force_size (and with the file driver's options, which change
+// nothing), for sizes on both sides of the CHS steps up to the 2040 GiB
+// maximum: qemu-img info's JSON of our image equals that of
 // qemu-img's image from the same command (its file name aside), qemu-img
 // check answers the same (vpc has no checks: 63), vhdiinfo accepts it.
 // What qemu-img refuses (a size past the maximum, an unknown subformat,
-// force_size=maybe, an unknown key) is refused, with no file made.
+// force_size=maybe, an unknown key, a bad preallocation, nocow or
+// extent_size_hint) is refused, with no file made.
 func TestVpcCreateEqualsQemuImg(t *testing.T) {
 	needVhdi(t)
 	dir := t.TempDir()
 	for _, size := range []string{"1M", "10M", "127M", "1G", "3221226496", "2040G"} {
-		for _, opts := range []string{"subformat=dynamic", "force_size=on", "subformat=fixed", "subformat=fixed,force_size=on"} {
+		for _, opts := range []string{"subformat=dynamic", "force_size=on", "subformat=fixed", "subformat=fixed,force_size=on",
+			"preallocation=full,extent_size_hint=1M,nocow=on", "subformat=fixed,preallocation=falloc,noforce_size"} {
 			name := strings.NewReplacer("=", "-", ",", "-").Replace(size + "-" + opts)
 			ours, theirs := filepath.Join(dir, name+".vhd"), filepath.Join(dir, name+"-qemu.vhd")
 			harness.CreateImage(t, "-f", "vpc", "-o", opts, ours, size)
@@ -103,7 +106,8 @@ func TestVpcCreateEqualsQemuImg(t *testing.T) {
 	}
 	for _, c := range [][]string{
 		{"-o", "subformat=dynamic", "2041G"}, {"-o", "force_size=on", "2041G"}, {"-o", "subformat=Fixed", "1M"},
-		{"-o", "force_size=maybe", "1M"}, {"-o", "cluster_size=64k", "1M"},
+		{"-o", "force_size=maybe", "1M"}, {"-o", "cluster_size=64k", "1M"}, {"-o", "preallocation=metadata", "1M"},
+		{"-o", "nocow=maybe", "1M"}, {"-o", "extent_size_hint=big", "1M"},
 	} {
 		p := filepath.Join(dir, "refused.vhd")
 		qcode, _ := exitOf(t, "qemu-img", append(append([]string{"create", "-q", "-f", "vpc"}, c[:2]...), p, c[2])...)
