@@ -85,8 +85,8 @@ func TestWritesReadBackAsQemuReadsThem(t *testing.T) {
 			model := make([]byte, img.Size())
 			r := rand.New(rand.NewPCG(1, 2))
 			fill := rand.NewChaCha8([32]byte{1})
-			for i := 0; i < 40; i++ {
-				n := 1 + r.IntN(3<<20)
+			for i := 0; i < 24; i++ {
+				n := 1 + r.IntN(5<<19)
 				off := r.Int64N(img.Size() - int64(n))
 				b := make([]byte, n)
 				fill.Read(b)
