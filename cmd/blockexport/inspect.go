@@ -160,6 +160,9 @@ func info(stdout io.Writer, args []string, f *inspectFlags, chain bool) error {
 		}
 		printInfo(stdout, info)
 	}
+	if img.ProbeNote != "" {
+		fmt.Fprintln(stdout, "note: "+img.ProbeNote)
+	}
 	return nil
 }
 

@@ -22,7 +22,11 @@ func TestCreateOptionsReadAsQemuKeyval(t *testing.T) {
 	if o, err := ParseCreateOptions(nil); err != nil || o.Size != -1 || o.Keys != nil {
 		t.Errorf("no -o: %+v %v, want size -1 and no keys", o, err)
 	}
-	for _, bad := range []string{"novalue", "size=-1", "size=1Q", "size=16E"} {
+	// As QemuOpts reads a bare key: KEY=on, or with "no" KEY=off.
+	if o, err := ParseCreateOptions([]string{"subformat=fixed,force_size,nolazy_refcounts"}); err != nil || !maps.Equal(o.Keys, map[string]string{"subformat": "fixed", "force_size": "on", "lazy_refcounts": "off"}) {
+		t.Errorf("bare keys: %v %v", o.Keys, err)
+	}
+	for _, bad := range []string{"size", "size=-1", "size=1Q", "size=16E"} {
 		if _, err := ParseCreateOptions([]string{bad}); !errors.Is(err, ErrBadSpec) {
 			t.Errorf("-o %s: %v, want a refusal", bad, err)
 		}

@@ -127,6 +127,8 @@ type Opened struct {
 	// Format is the format in use; Probed says it was detected, not given.
 	Format string
 	Probed bool
+	// ProbeNote says where probing differed from QEMU's ("": nowhere).
+	ProbeNote string
 	// Hosts are the local files the image reads (the image file, its
 	// backing files and extents), closed with the image: a front end may
 	// tune how they are read (aio.SetDropBehind) before it serves.
@@ -165,7 +167,11 @@ func Open(spec string, o Options) (*Opened, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Opened{Image: img, Format: name, Probed: format == Auto, Hosts: c.hosts}, nil
+	op := &Opened{Image: img, Format: name, Probed: format == Auto, Hosts: c.hosts}
+	if c.probedByTail != "" {
+		op.ProbeNote = fmt.Sprintf("%s: recognised by its footer at the end of the file, where qemu-img 7.2 probes raw and shows the footer as the disk's last sector (give qemu-img -f %s)", name, name)
+	}
+	return op, nil
 }
 
 // ErrNoChecks is Check on a format that has no checks (qemu-img check's
@@ -191,7 +197,7 @@ func Check(ctx context.Context, spec string, o Options, repair int) (formats.Che
 	if !nbd.IsURI(spec) && !(strings.HasPrefix(spec, NullPrefix) && format == Auto) && format != Null {
 		if format == Auto {
 			var err error
-			if format, err = detect(spec); err != nil {
+			if format, _, err = detect(spec); err != nil {
 				return formats.CheckResult{}, err
 			}
 		}
@@ -245,6 +251,9 @@ type chain struct {
 	// hosts are the local files opened for the image (itself, backing
 	// files, extents), for Opened.Hosts.
 	hosts []aio.File
+	// probedByTail is the image's format when it was found at the end of
+	// the file, where QEMU probes raw (for Opened.ProbeNote).
+	probedByTail string
 }
 
 // openNBD opens an image on an NBD server. What the server exports is
@@ -313,8 +322,12 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 	}
 	if format == Auto {
 		var err error
-		if format, err = detect(path); err != nil {
+		var byTail bool
+		if format, byTail, err = detect(path); err != nil {
 			return nil, "", err
+		}
+		if byTail && c.depth == 0 {
+			c.probedByTail = format
 		}
 	} else if format == Raw {
 		c.warnForcedRaw(path)
@@ -408,17 +421,48 @@ func (o Options) lock(lockOf func(writable, backing bool) aio.Lock, writable, ba
 }
 
 // detect names the format of the file at path as QEMU would probe it,
-// and refuses a format this program does not read.
-func detect(path string) (string, error) {
+// and refuses a format this program does not read. Where QEMU would say
+// raw, a format whose structure lies at the end of the file (a fixed
+// VHD's footer) is recognised there: byTail says so.
+func detect(path string) (name string, byTail bool, err error) {
 	head, err := readHead(path)
 	if err != nil {
-		return "", err
+		return "", false, err
 	}
 	ff := probeFormat(head, path)
 	if ff.Open == nil {
-		return "", unsupported(path, ff.Name)
+		return "", false, unsupported(path, ff.Name)
 	}
-	return ff.Name, nil
+	if ff.Name == Raw {
+		if tf, ok := probeTail(path); ok {
+			return tf.Name, true, nil
+		}
+	}
+	return ff.Name, false, nil
+}
+
+// probeTail is the format whose ProbeTail recognises the end of the file
+// at path; a file that cannot be read is left for the open to report.
+func probeTail(path string) (driver.Format, bool) {
+	f, err := aio.OpenHostFile(path, os.O_RDONLY)
+	if err != nil {
+		return driver.Format{}, false
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil || !fi.Mode().IsRegular() || fi.Size() < driver.ProbeTailSize {
+		return driver.Format{}, false
+	}
+	tail := make([]byte, driver.ProbeTailSize)
+	if _, err := f.ReadAt(tail, fi.Size()-driver.ProbeTailSize); err != nil {
+		return driver.Format{}, false
+	}
+	for _, ff := range fileFormats() {
+		if ff.ProbeTail != nil && ff.ProbeTail(tail, fi.Size()) {
+			return ff, true
+		}
+	}
+	return driver.Format{}, false
 }
 
 // readHead reads the first probeHead bytes of the file at path, zero past
@@ -448,7 +492,11 @@ func (c *chain) warnForcedRaw(path string) {
 	if err != nil {
 		return
 	}
-	if ff := probeFormat(head, path); ff.Name != Raw {
+	ff := probeFormat(head, path)
+	if tf, ok := probeTail(path); ok && ff.Name == Raw {
+		ff = tf
+	}
+	if ff.Name != Raw {
 		c.o.Logger.Warn(fmt.Sprintf("%s looks like a %s image, but its format is given as raw: its %s metadata is exported as disk bytes", path, ff.Name, ff.Name))
 	}
 }

@@ -178,7 +178,8 @@ func CreatesBacking(format string) bool {
 }
 
 // ParseCreateOptions reads qemu-img's -o (key=value, comma separated,
-// ",," a comma in a value; repeatable, a later key wins) into what
+// ",," a comma in a value; a bare key is key=on, "nokey" key=off;
+// repeatable, a later key wins) into what
 // Create takes: size (-1 when not given), backing_file and backing_fmt
 // here, every other key in Keys for the format to read or refuse.
 func ParseCreateOptions(opts []string) (CreateOptions, error) {
@@ -187,7 +188,12 @@ func ParseCreateOptions(opts []string) (CreateOptions, error) {
 		for _, kv := range splitKeyval(opt) {
 			k, v, ok := strings.Cut(kv, "=")
 			if !ok {
-				return o, badSpec("Invalid parameter '%s': want KEY=VALUE", kv)
+				// QemuOpts: a bare key is KEY=on, "noKEY" KEY=off
+				// (-o subformat=fixed,force_size).
+				v = "on"
+				if rest, isNo := strings.CutPrefix(k, "no"); isNo {
+					k, v = rest, "off"
+				}
 			}
 			switch k {
 			case "size":

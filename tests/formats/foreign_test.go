@@ -92,15 +92,18 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 				}
 			}
 			before := harness.ReadAll(t, img)
-			if slices.Contains(registry.ReadOnlyFormats(), format) {
-				// Read here now (read-only): probed as qemu-img probes it,
-				// and -w refused, pointing at an overlay.
+			if slices.Contains(registry.FileFormats(), format) {
+				// Read here now: probed as qemu-img probes it, and -w
+				// refused, pointing at an overlay, where the format is
+				// read-only here (a written one has its own write tests).
 				if code, out := harness.RunBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {
 					t.Errorf("info: exit %d, want 0 and format %s:\n%s", code, format, out)
 				}
 				mnt := filepath.Join(t.TempDir(), "export")
-				if code, out := harness.TryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, "qcow2") {
-					t.Errorf("fuse -w: exit %d, want 1 and a refusal naming a qcow2 overlay:\n%s", code, out)
+				if slices.Contains(registry.ReadOnlyFormats(), format) {
+					if code, out := harness.TryExport(t, mnt, "-w", img); code != 1 || !strings.Contains(out, "qcow2") {
+						t.Errorf("fuse -w: exit %d, want 1 and a refusal naming a qcow2 overlay:\n%s", code, out)
+					}
 				}
 				if code, out := harness.RunBlockexport(t, "info", "-f", "raw", img); code != 0 || !strings.Contains(out, "looks like a "+format+" image") {
 					t.Errorf("info -f raw: exit %d, want 0 and a warning naming %s:\n%s", code, format, out)
@@ -157,15 +160,15 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 	})
 
 	t.Run("stays raw", func(t *testing.T) {
-		fixed := filepath.Join(dir, "fixed.vhd")
-		harness.Run(t, "qemu-img", "create", "-q", "-f", "vpc", "-o", "subformat=fixed", fixed, "4M")
+		// A fixed VHD, which QEMU probes as raw too, is recognised by its
+		// footer here (TestVpcFixedDiskProbedByItsFooter).
 		plain := filepath.Join(dir, "plain.img")
 		harness.Run(t, "qemu-img", "create", "-q", "-f", "raw", plain, "4M")
 		short := filepath.Join(dir, "short.img") // a prefix of cloop's magic: QEMU pads and says raw
 		if err := os.WriteFile(short, []byte("#!/bin/sh\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		for _, img := range []string{fixed, plain, short} {
+		for _, img := range []string{plain, short} {
 			code, out := harness.RunBlockexport(t, "info", img)
 			if code != 0 || !strings.Contains(out, "file format: raw") {
 				t.Errorf("info %s: exit %d, want raw as qemu-img says:\n%s", filepath.Base(img), code, out)

@@ -73,7 +73,8 @@ func vpcMakeDiff(t *testing.T, child []byte, parentFooter []byte, locator string
 // the parent elsewhere, through the FUSE export. QEMU 7.2 reads it
 // without its parent (zeroes there), which the test shows. Locators that
 // name a file outside the image's directory, an absolute path, the image
-// itself, or a parent of another unique id are refused in one line.
+// itself, or a parent of another unique id are refused in one line, and
+// so is a writable export of the differencing disk.
 func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 29)
@@ -120,6 +121,16 @@ func TestVpcDifferencingDiskReadsItsParent(t *testing.T) {
 	clear(want[4<<20 : 4<<20+512])
 	copy(want[5<<20:], bytes.Repeat([]byte{0x66}, 4<<10))
 
+	// Differencing disks are not written: -w is refused in one line
+	// naming a qcow2 overlay, and the file is left as it was.
+	wmnt := filepath.Join(dir, "wmnt")
+	os.Mkdir(wmnt, 0o755)
+	if code, out := harness.TryExport(t, wmnt, "-w", child); code == 0 || !strings.Contains(out, "qcow2 overlay") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
+		t.Errorf("-w on a differencing disk: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
+	}
+	if after, _ := os.ReadFile(child); !bytes.Equal(after, diff) {
+		t.Error("a refused writable open changed the differencing disk")
+	}
 	mnt := filepath.Join(dir, "mnt")
 	harness.StartExport(t, child, mnt)
 	harness.MustEqualBytes(t, "differencing disk through the export", harness.ReadAll(t, mnt), want)

@@ -1,6 +1,7 @@
 package formats
 
 import (
+	"bytes"
 	"encoding/binary"
 	"os"
 	"os/exec"
@@ -29,9 +30,9 @@ func vpcSameInspection(t *testing.T, img string, fmtArgs ...string) {
 // through the FUSE export and NBD as qemu-img reads them (a fixed one given -f
 // vpc: both tools probe it as raw), byte for byte against the raw source
 // where the size is the source's (force_size; otherwise the CHS geometry
-// sizes the disk, as in QEMU); info and map equal qemu-img's; -w is
-// refused in one line naming a qcow2 overlay; an overlay on the VHD
-// exports read-write under fio verify, the VHD unchanged.
+// sizes the disk, as in QEMU); info and map equal qemu-img's; an overlay
+// on the VHD exports read-write under fio verify, the VHD unchanged
+// (writing the VHD itself: TestVpcWritableExports).
 func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 	dir := t.TempDir()
 	src := vdiRawWithHoles(t, dir)
@@ -66,13 +67,6 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			vpcSameInspection(t, img, c.fmtArgs...)
 			vdiSeekAndBlocksAsQemu(t, mnt, img, c.fmtArgs...)
 
-			wmnt := filepath.Join(d, "wmnt")
-			os.Mkdir(wmnt, 0o755)
-			code, out := harness.TryExport(t, wmnt, append(append([]string{"-w"}, c.fmtArgs...), img)...)
-			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
-				t.Fatalf("-w on a vhd: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
-			}
-
 			ov := filepath.Join(d, "ov.qcow2")
 			harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vpc", ov)
 			omnt := filepath.Join(d, "omnt")
@@ -90,7 +84,8 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // TestVpcHostileBATsRefusedWhereQemuReadsMetadata: BAT entries QEMU 7.2
 // opens and serves (a block over the footer copy and dynamic header, two
 // entries naming one block), each refused here with one line, and a BAT
-// past the end, which both refuse (QEMU: "the image has been truncated").
+// past the end, which both refuse (QEMU: "the image has been truncated");
+// a writable export of each is refused the same way, the file untouched.
 func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 28)
@@ -126,6 +121,15 @@ func TestVpcHostileBATsRefusedWhereQemuReadsMetadata(t *testing.T) {
 			code, out := harness.RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			// Writable, as read: refused in one line, nothing written.
+			mnt := filepath.Join(t.TempDir(), "w")
+			os.Mkdir(mnt, 0o755)
+			if code, out := harness.TryExport(t, mnt, "-w", p); code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("fuse -w: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			if after, _ := os.ReadFile(p); !bytes.Equal(after, b) {
+				t.Fatal("a refused writable open changed the image")
 			}
 		})
 	}

@@ -1,5 +1,6 @@
-// Package vpc reads Virtual PC / Hyper-V disk images (VHD; QEMU's name is
-// vpc), fixed and dynamic, as QEMU 7.2's vpc driver does (block/vpc.c):
+// Package vpc reads, creates (create.go) and writes (write.go) Virtual
+// PC / Hyper-V disk images (VHD; QEMU's name is vpc), fixed and dynamic,
+// as QEMU 7.2's vpc driver does (block/vpc.c):
 // a 512-byte footer ("conectix", at the start of a dynamic disk and at
 // the end of every disk), a dynamic disk header ("cxsparse"), and a block
 // allocation table (BAT) of 32-bit sector numbers, each naming a sector
@@ -8,8 +9,9 @@
 // The virtual size is QEMU's: the footer's CHS geometry or its
 // current_size, chosen by the creator application (see diskSectors).
 //
-// It is read-only for now; writes are refused with formats.ErrReadOnly
-// (write over one through a qcow2 overlay). Differencing disks are read
+// Differencing disks are read only (write over one through a qcow2
+// overlay). A fixed disk is probed by its footer at the end of the file
+// (ProbeTail), where QEMU 7.2 probes raw. Differencing disks are read
 // with their parent, found through the parent locators (W2ru, a relative
 // Windows path, then W2ku, an absolute one, then MacX, a file URL) by
 // Options.OpenParent, which confines the name; a sector comes from the
@@ -32,6 +34,7 @@ import (
 	"io"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"unicode/utf16"
 
 	"golang.org/x/sys/unix"
@@ -78,6 +81,8 @@ const (
 // Options say how to read an image.
 type Options struct {
 	SizeCalc SizeCalc
+	// Writable opens the image for writing: fixed and dynamic disks.
+	Writable bool
 	// OpenParent opens a differencing disk's parent by the name a parent
 	// locator gives (the registry confines it to the image's directory)
 	// and returns it with its name as shown; nil: differencing disks are
@@ -141,17 +146,27 @@ func diskSectors(f Footer, calc SizeCalc) uint64 {
 
 // Image is an open VHD image.
 type Image struct {
-	blockmap.Map     // reads, tries, lends and extents, from locate
-	formats.ReadOnly // writes refused: write through a qcow2 overlay
-	f                aio.File
-	footer           Footer
-	size             int64
-	fixed            bool
+	blockmap.Map // reads, tries, lends and extents, from locate
+	f            aio.File
+	footer       Footer
+	// footerRaw is the footer as read (the copy at the start of a
+	// dynamic disk): what an allocation writes at the file's new end.
+	footerRaw []byte
+	// footerAtEnd: the footer was found at the end of the file only.
+	footerAtEnd bool
+	size        int64
+	fixed       bool
 	// Dynamic disks: block size, bitmap size (both bytes) and the BAT
-	// entries of the blocks that hold the disk.
+	// entries of the blocks that hold the disk, read with atomic loads
+	// (an allocation stores one while reads go on); where the BAT lies
+	// and how far the metadata and blocks reach (metaEnd).
 	blockSize  int64
 	bitmapSize int64
 	bat        []uint32
+	batOff     int64
+	metaEnd    int64
+	// w is the write state; nil when opened read-only.
+	w *writer
 	// Differencing disks: the parent (nil when not opened) and its name
 	// as the locator gives it and as shown.
 	diff                   bool
@@ -171,6 +186,12 @@ func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
 	}
 	img.Map = blockmap.Map{Format: "vpc", End: img.size, Locate: img.locate, Backing: img.parent, File: f}
+	if o.Writable {
+		if err := img.openWriter(ctx); err != nil {
+			img.Close()
+			return nil, fmt.Errorf("%s: %w", f.Name(), err)
+		}
+	}
 	return img, nil
 }
 
@@ -205,7 +226,7 @@ func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	if sectors > maxSectors {
 		return nil, fmt.Errorf("%w: %d sectors is over the VHD maximum of %d (2040 GiB)", ErrUnsupported, sectors, uint64(maxSectors))
 	}
-	img := &Image{f: f, footer: ft, size: int64(sectors) * 512}
+	img := &Image{f: f, footer: ft, footerRaw: buf, footerAtEnd: atEnd, size: int64(sectors) * 512}
 	switch {
 	case ft.Type == typeFixed:
 		// QEMU reads any disk whose footer says fixed as the file's
@@ -224,6 +245,10 @@ func open(ctx context.Context, f aio.File, o Options) (*Image, error) {
 		// and reads zeroes: the file has lost its head.
 		return nil, fmt.Errorf("%w: a type %d disk's footer is only at the end of the file (no dynamic header)", ErrCorrupt, ft.Type)
 	case ft.Type == typeDiff:
+		if o.Writable {
+			return nil, fmt.Errorf("%w: differencing disks are read here, not written; to write, export a qcow2 overlay on it: blockexport create -f qcow2 -b %s -F vpc overlay.qcow2",
+				formats.ErrReadOnly, f.Name())
+		}
 		if o.OpenParent == nil {
 			return nil, fmt.Errorf("%w: differencing disk, and no way to open its parent here", ErrUnsupported)
 		}
@@ -342,7 +367,7 @@ func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 	if bs < 512 || bs&(bs-1) != 0 {
 		return nil, fmt.Errorf("%w: invalid block size %d", ErrCorrupt, bs)
 	}
-	img.blockSize = int64(bs)
+	img.blockSize, img.batOff = int64(bs), int64(batOff)
 	img.bitmapSize = int64((bs/(8*512) + 511) &^ 511)
 	total := uint64(img.size)
 	switch {
@@ -392,6 +417,9 @@ func (img *Image) loadBAT(ctx context.Context, size int64) ([]byte, error) {
 			return nil, fmt.Errorf("%w: a block at %#x overlaps metadata or another block at %#x", ErrCorrupt, used[k].start, used[k-1].start)
 		}
 	}
+	for _, r := range used {
+		img.metaEnd = max(img.metaEnd, r.end)
+	}
 	return h, nil
 }
 
@@ -414,7 +442,7 @@ func (img *Image) locate(ctx context.Context, off, n int64, try bool) (blockmap.
 	if img.diff {
 		r.Kind = blockmap.Backing
 	}
-	e := img.bat[off/img.blockSize]
+	e := atomic.LoadUint32(&img.bat[off/img.blockSize])
 	if e == unallocated {
 		return r, true, nil
 	}
@@ -463,5 +491,12 @@ func (img *Image) Close() error {
 	if img.parent != nil {
 		img.parent.Close()
 	}
-	return img.f.Close()
+	var err error
+	if img.w != nil {
+		err = img.trimTail() // no writes are in flight: the footer ends the file
+	}
+	if cerr := img.f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -192,45 +194,7 @@ func TestVpcSizeByCreator(t *testing.T) {
 // must open there and read the same bytes, and what QEMU reads but is
 // refused here is logged (the cases where QEMU serves wrong data).
 func TestVpcHostileFootersAndBATs(t *testing.T) {
-	cases := []struct {
-		name string
-		mod  func(*vhdSpec)
-		want error
-	}{
-		{"good", func(*vhdSpec) {}, nil},
-		{"fixed", func(s *vhdSpec) { s.typ = typeFixed }, nil},
-		{"fixed larger than the file", func(s *vhdSpec) { s.typ = typeFixed; s.creator = "qemu"; s.cyls, s.heads, s.secs = 1000, 16, 63 }, ErrCorrupt},
-		{"bad checksum", func(s *vhdSpec) { s.badSum = true }, ErrCorrupt},
-		{"differencing", func(s *vhdSpec) { s.typ = typeDiff }, ErrUnsupported},
-		{"size at the max", func(s *vhdSpec) {
-			s.currentSize = maxSectors * 512
-			s.entries = maxSectors * 512 / (2 << 20)
-			s.blockSize = 2 << 20
-		}, ErrCorrupt},
-		{"size past the max", func(s *vhdSpec) { s.currentSize = (maxSectors + 1) * 512 }, ErrUnsupported},
-		{"size 2^64-1", func(s *vhdSpec) { s.currentSize = 1<<64 - 1 }, ErrUnsupported},
-		{"size 0", func(s *vhdSpec) { s.currentSize = 0 }, nil},
-		{"header offset 0", func(s *vhdSpec) { s.dataOffset = 0; s.batOffset = 1536 }, ErrCorrupt},
-		{"header offset max", func(s *vhdSpec) { s.dataOffset = 1<<64 - 1 }, ErrCorrupt},
-		{"block size 0", func(s *vhdSpec) { s.blockSize = 0 }, ErrCorrupt},
-		{"block size 511", func(s *vhdSpec) { s.blockSize = 511 }, ErrCorrupt},
-		{"block size not a power of 2", func(s *vhdSpec) { s.blockSize = 4096 + 512 }, ErrCorrupt},
-		{"block size 2^31", func(s *vhdSpec) { s.blockSize = 1 << 31 }, ErrCorrupt}, // its blocks end past the file
-		{"entries 0", func(s *vhdSpec) { s.entries = 0 }, ErrCorrupt},
-		{"entries max", func(s *vhdSpec) { s.entries = maxTableEntries }, ErrCorrupt}, // BAT past the end
-		{"entries max+1", func(s *vhdSpec) { s.entries = maxTableEntries + 1 }, ErrCorrupt},
-		{"BAT past the end", func(s *vhdSpec) { s.batOffset = 1 << 40 }, ErrCorrupt},
-		{"BAT over the header", func(s *vhdSpec) { s.batOffset = 1024 }, ErrCorrupt},
-		{"entry past the end", func(s *vhdSpec) { s.bat[1] = 1 << 24 }, ErrCorrupt},
-		{"entry max", func(s *vhdSpec) { s.bat[1] = unallocated - 1 }, ErrCorrupt},
-		{"entry at the footer copy", func(s *vhdSpec) { s.bat[1] = 0 }, ErrCorrupt},
-		{"entry at the header", func(s *vhdSpec) { s.bat[1] = 1 }, ErrCorrupt},
-		{"entry at the BAT", func(s *vhdSpec) { s.bat[1] = 3 }, ErrCorrupt},
-		{"duplicate entries", func(s *vhdSpec) { s.bat[1] = 4 }, ErrCorrupt},
-		{"overlapping entries", func(s *vhdSpec) { s.bat[1] = 5 }, ErrCorrupt},
-		{"truncated", func(s *vhdSpec) { s.fileSize = 13*512 + 512 + 100 }, ErrCorrupt},
-		{"short file", func(s *vhdSpec) { s.fileSize = 100 }, ErrCorrupt},
-	}
+	cases := hostileVHDs()
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			s := goodVHD()
@@ -265,6 +229,55 @@ func TestVpcHostileFootersAndBATs(t *testing.T) {
 				t.Fatal("reads differ from qemu-img's")
 			}
 		})
+	}
+}
+
+// hostileCase is a crafted VHD: goodVHD changed by mod, and the error
+// its open gives (nil: it opens).
+type hostileCase struct {
+	name string
+	mod  func(*vhdSpec)
+	want error
+}
+
+// hostileVHDs are the crafted files every open is tried on: fields at 0,
+// max and max+1; BAT entries past the end, at the footer, the header or
+// the BAT, and at each other.
+func hostileVHDs() []hostileCase {
+	return []hostileCase{
+		{"good", func(*vhdSpec) {}, nil},
+		{"fixed", func(s *vhdSpec) { s.typ = typeFixed }, nil},
+		{"fixed larger than the file", func(s *vhdSpec) { s.typ = typeFixed; s.creator = "qemu"; s.cyls, s.heads, s.secs = 1000, 16, 63 }, ErrCorrupt},
+		{"bad checksum", func(s *vhdSpec) { s.badSum = true }, ErrCorrupt},
+		{"differencing", func(s *vhdSpec) { s.typ = typeDiff }, ErrUnsupported},
+		{"size at the max", func(s *vhdSpec) {
+			s.currentSize = maxSectors * 512
+			s.entries = maxSectors * 512 / (2 << 20)
+			s.blockSize = 2 << 20
+		}, ErrCorrupt},
+		{"size past the max", func(s *vhdSpec) { s.currentSize = (maxSectors + 1) * 512 }, ErrUnsupported},
+		{"size 2^64-1", func(s *vhdSpec) { s.currentSize = 1<<64 - 1 }, ErrUnsupported},
+		{"size 0", func(s *vhdSpec) { s.currentSize = 0 }, nil},
+		{"header offset 0", func(s *vhdSpec) { s.dataOffset = 0; s.batOffset = 1536 }, ErrCorrupt},
+		{"header offset max", func(s *vhdSpec) { s.dataOffset = 1<<64 - 1 }, ErrCorrupt},
+		{"block size 0", func(s *vhdSpec) { s.blockSize = 0 }, ErrCorrupt},
+		{"block size 511", func(s *vhdSpec) { s.blockSize = 511 }, ErrCorrupt},
+		{"block size not a power of 2", func(s *vhdSpec) { s.blockSize = 4096 + 512 }, ErrCorrupt},
+		{"block size 2^31", func(s *vhdSpec) { s.blockSize = 1 << 31 }, ErrCorrupt}, // its blocks end past the file
+		{"entries 0", func(s *vhdSpec) { s.entries = 0 }, ErrCorrupt},
+		{"entries max", func(s *vhdSpec) { s.entries = maxTableEntries }, ErrCorrupt}, // BAT past the end
+		{"entries max+1", func(s *vhdSpec) { s.entries = maxTableEntries + 1 }, ErrCorrupt},
+		{"BAT past the end", func(s *vhdSpec) { s.batOffset = 1 << 40 }, ErrCorrupt},
+		{"BAT over the header", func(s *vhdSpec) { s.batOffset = 1024 }, ErrCorrupt},
+		{"entry past the end", func(s *vhdSpec) { s.bat[1] = 1 << 24 }, ErrCorrupt},
+		{"entry max", func(s *vhdSpec) { s.bat[1] = unallocated - 1 }, ErrCorrupt},
+		{"entry at the footer copy", func(s *vhdSpec) { s.bat[1] = 0 }, ErrCorrupt},
+		{"entry at the header", func(s *vhdSpec) { s.bat[1] = 1 }, ErrCorrupt},
+		{"entry at the BAT", func(s *vhdSpec) { s.bat[1] = 3 }, ErrCorrupt},
+		{"duplicate entries", func(s *vhdSpec) { s.bat[1] = 4 }, ErrCorrupt},
+		{"overlapping entries", func(s *vhdSpec) { s.bat[1] = 5 }, ErrCorrupt},
+		{"truncated", func(s *vhdSpec) { s.fileSize = 13*512 + 512 + 100 }, ErrCorrupt},
+		{"short file", func(s *vhdSpec) { s.fileSize = 100 }, ErrCorrupt},
 	}
 }
 
@@ -339,7 +352,49 @@ func FuzzOpen(f *testing.F) {
 			return
 		}
 		readAllVHD(t, img)
+		img.Close()
+		writeAllVHD(t, p)
 	})
+}
+
+// writeAllVHD opens the image at path writable, as a file that opened
+// for reading: it is refused (a differencing disk; a fixed one whose
+// footer is at its start) or takes a write over the whole disk, after
+// which it opens again and reads it back: no metadata went into data,
+// nor data into metadata.
+func writeAllVHD(t *testing.T, path string) {
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(context.Background(), f, Options{Writable: true})
+	if err != nil {
+		if !errors.Is(err, formats.ErrReadOnly) && !errors.Is(err, ErrUnsupported) {
+			t.Fatalf("opens for reading, refused for writing: %v", err)
+		}
+		return
+	}
+	img.SetNoFlush(true) // a killed process keeps what it wrote; syncs only slow the fuzzer
+	ctx := context.Background()
+	data := bytes.Repeat([]byte{0x3c}, int(img.Size()))
+	_, werr := img.WriteAt(ctx, data, 0)
+	img.Close()
+	if werr != nil {
+		// The file's end is past what a 32-bit BAT entry names: the
+		// write is refused, nothing referenced changed.
+		if !errors.Is(werr, unix.EFBIG) {
+			t.Fatalf("write over the disk: %v", werr)
+		}
+		return
+	}
+	back, err := openVHD(t, path, Options{})
+	if err != nil {
+		t.Fatalf("after a write over the disk it no longer opens: %v", err)
+	}
+	got := make([]byte, back.Size())
+	if _, err := back.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the disk written reads other bytes back (%v)", err)
+	}
 }
 
 // qemuReads is the disk qemu-img 7.2 reads from the image at path (-f

@@ -69,6 +69,10 @@ type Format struct {
 	// (dmg goes by its suffix). 0: not this format; 100: its magic; raw
 	// says 1 to anything, so that any magic wins over it.
 	Probe func(head []byte, path string) int
+	// ProbeTail recognises a file of this format by its last
+	// ProbeTailSize bytes and its size, where QEMU probes raw (no magic
+	// at the head: a fixed VHD has its footer at the end only). nil: none.
+	ProbeTail func(tail []byte, size int64) bool
 	// Lock is what QEMU's driver locks for such a file (see aio.Lock).
 	Lock func(writable, backing bool) aio.Lock
 	// Open makes the image of f, which it owns from then on (a failed
@@ -164,6 +168,9 @@ func Score(has bool, n int) int {
 	}
 	return 0
 }
+
+// ProbeTailSize is how much of a file's end ProbeTail reads.
+const ProbeTailSize = 512
 
 // ProbeHead is how much of a file detection reads: QEMU's
 // BLOCK_PROBE_BUF_SIZE. A shorter file is read as if padded with zeroes,
