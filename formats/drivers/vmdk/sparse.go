@@ -18,6 +18,7 @@ import (
 const (
 	sectorSize = 512
 
+	flagNLDetect  = 1 << 0
 	flagRGD       = 1 << 1
 	flagZeroGrain = 1 << 2
 	flagCompress  = 1 << 16
