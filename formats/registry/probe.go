@@ -368,7 +368,7 @@ func (c *chain) driverOptions(f aio.File, format string, writable bool) driver.O
 	name := f.Name()
 	return driver.Options{Name: name, Writable: writable, EditBitmaps: writable && c.o.EditBitmaps, Direct: c.o.Direct, CacheSize: c.o.L2CacheSize,
 		DecodedCacheSize: c.o.DecodedCacheSize, Logger: c.o.Logger, OpenBacking: c.openBacking, Shown: shownName,
-		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
+		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n, writable) },
 		OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, format) }}
 }
 
