@@ -113,7 +113,7 @@ type extent struct {
 	marker     bool
 	usedRGD    bool
 	fileEnd    atomic.Int64 // the file's size: grains are appended past it
-	headerEnd  int64 // bytes of header no table or grain may lie in
+	headerEnd  int64        // bytes of header no table or grain may lie in
 	grainStart int64
 	id         int64 // index in the image: cache keys are id<<40 | sector
 	gtCache    *lru.Cache[[]uint32]
@@ -144,19 +144,19 @@ type extent struct {
 
 // Image is an open VMDK image.
 type Image struct {
-	blockmap.Map              // reads, tries, lends and extents, from locate
-	f                aio.File // the file opened (descriptor or sparse)
-	w                *writer  // nil: opened read-only (write.go)
-	name             string
-	direct           bool
-	createType       string
-	cid              uint32
-	parentCID        uint32
-	parentHint       string
-	parentName       string
-	parent           formats.Image
-	extents          []*extent
-	size             int64
+	blockmap.Map          // reads, tries, lends and extents, from locate
+	f            aio.File // the file opened (descriptor or sparse)
+	w            *writer  // nil: opened read-only (write.go)
+	name         string
+	direct       bool
+	createType   string
+	cid          uint32
+	parentCID    uint32
+	parentHint   string
+	parentName   string
+	parent       formats.Image
+	extents      []*extent
+	size         int64
 }
 
 // New opens the VMDK image of f, which it owns from now on (Close closes
