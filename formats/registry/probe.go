@@ -356,6 +356,12 @@ func (c *chain) openFormat(f aio.File, ff driver.Format, writable bool, remote s
 	img, err := ff.Open(context.Background(), f, c.driverOptions(f, ff.Name, writable))
 	c.remoteParent = parent
 	if err != nil {
+		if writable && errors.Is(err, formats.ErrReadOnly) {
+			// A format written here refused this image for writing (a
+			// variant it reads only): the answer is an overlay, as for a
+			// format read only; the driver's error says why.
+			return nil, "", needsOverlay(f.Name(), ff.Name, err.Error())
+		}
 		return nil, "", err
 	}
 	return img, ff.Name, nil

@@ -164,8 +164,12 @@ type Image struct {
 func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 	im := &Image{f: f, name: cmp.Or(o.Name, f.Name()), direct: o.Direct}
 	defer func() {
+		var ro readOnlyHere
 		if err != nil {
 			im.Close()
+			if errors.As(err, &ro) { // the registry names the image
+				return
+			}
 			if errors.Is(err, ErrCorrupt) { // already says vmdk
 				err = fmt.Errorf("%s: %w", im.name, err)
 			} else {

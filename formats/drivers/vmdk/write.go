@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -59,6 +60,14 @@ type writer struct {
 	deflaters       sync.Pool // *zlib.Writer
 }
 
+// readOnlyHere is a variant of vmdk written by nobody here: a writable
+// open of it is refused with formats.ErrReadOnly (the registry then
+// points at a qcow2 overlay), its message the reason alone.
+type readOnlyHere struct{ why string }
+
+func (r readOnlyHere) Error() string        { return r.why }
+func (r readOnlyHere) Is(target error) bool { return target == formats.ErrReadOnly }
+
 // errStreamRewrite is QEMU's refusal to write a grain of a
 // stream-optimized extent twice.
 var errStreamRewrite = fmt.Errorf("%w: could not write to allocated cluster for streamOptimized", formats.ErrNotSupported)
@@ -75,6 +84,10 @@ func (im *Image) openWritable(ctx context.Context) error {
 			w.descAt, w.descMax = int64(e.hdr.descOffset)*sectorSize, int64(e.hdr.descSize)*sectorSize
 		}
 		if err := e.openWritable(ctx); err != nil {
+			var ro readOnlyHere
+			if errors.As(err, &ro) {
+				return err
+			}
 			return fmt.Errorf("%s: %w; refusing to write it", e.name, err)
 		}
 	}
@@ -87,11 +100,11 @@ func (e *extent) openWritable(ctx context.Context) error {
 	case e.usedRGD:
 		return fmt.Errorf("%w: the grain directory is damaged (only the redundant one reads)", ErrCorrupt)
 	case e.gdAtEnd:
-		return fmt.Errorf("%w: a stream-optimized file with its grain directory in the footer is not written here", ErrUnsupported)
+		return readOnlyHere{"vmdk stream-optimized files with the grain directory in the footer are read here, not written"}
 	case e.compressed && !e.marker:
-		return fmt.Errorf("%w: compressed grains without grain markers are not written here", ErrUnsupported)
+		return readOnlyHere{"vmdk compressed grains without grain markers are read here, not written"}
 	case e.compressed && e.fileEnd.Load() > e.grainStart:
-		return fmt.Errorf("%w: a streamOptimized image takes each grain once, as it is converted (QEMU's too): it holds grains already; convert it, or put a qcow2 overlay on it", ErrUnsupported)
+		return readOnlyHere{"a vmdk streamOptimized image takes each grain once, as it is converted (as in QEMU), and this one holds grains"}
 	}
 	end := e.fileEnd.Load()
 	meta := []hostRange{{0, sectorSize}}
@@ -103,7 +116,7 @@ func (e *extent) openWritable(ctx context.Context) error {
 		meta = append(meta, hostRange{int64(at) * sectorSize, int64(at)*sectorSize + int64(len(gd))*4})
 		for i, d := range gd {
 			if d == 0 {
-				return fmt.Errorf("%w: %s entry %d names no grain table", ErrUnsupported, what, i)
+				return readOnlyHere{fmt.Sprintf("vmdk sparse extents without a grain table (%s entry %d) are read here, not written", what, i)}
 			}
 			meta = append(meta, hostRange{int64(d) * sectorSize, int64(d)*sectorSize + gtBytes})
 		}
