@@ -1,4 +1,5 @@
-// Package vmdk reads VMDK images (read-only): a text descriptor file and
+// Package vmdk reads, creates (create.go) and writes (write.go) VMDK
+// images: a text descriptor file and
 // its extents (FLAT, VMFS, SPARSE, ZERO), or a hosted sparse file with
 // its embedded descriptor; createTypes monolithicSparse,
 // twoGbMaxExtentSparse, monolithicFlat, twoGbMaxExtentFlat, vmfs and
@@ -15,8 +16,6 @@
 // loops), never by this package.
 //
 // Grain tables are cached in a bounded LRU, and so are decompressed grains.
-// Writes are refused (formats.ErrReadOnly); the design keeps extents
-// separate so that in-place writes can come later.
 package vmdk
 
 import (
