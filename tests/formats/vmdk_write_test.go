@@ -427,3 +427,41 @@ func TestVmdkSurvivesKill9(t *testing.T) {
 		}
 	}
 }
+
+// TestVmdkDeltaDiskAndDdOutput: a delta disk (create -b) written through
+// fuse -w in part of a grain keeps its parent's bytes around the write,
+// reads back through qemu-img with the chain and leaves the parent as it
+// was; dd -O vmdk writes a vmdk that reads as its input.
+func TestVmdkDeltaDiskAndDdOutput(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.vmdk")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "vmdk", base, "8M")
+	harness.Run(t, "qemu-io", "-f", "vmdk", "-c", "write -P 0x11 0 8M", base)
+	baseBytes := harness.ReadAll(t, base)
+	delta := filepath.Join(dir, "delta.vmdk")
+	harness.CreateImage(t, "-f", "vmdk", "-b", base, "-F", "vmdk", delta)
+	d := harness.StartExport(t, delta, filepath.Join(dir, "mnt"), "-w")
+	f, err := os.OpenFile(filepath.Join(dir, "mnt"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(bytes.Repeat([]byte{0x22}, 1000), 70000); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	d.StopClean()
+	out := harness.Run(t, "qemu-io", "-f", "vmdk", "-c", "read -P 0x11 0 70000", "-c", "read -P 0x22 70000 1000",
+		"-c", "read -P 0x11 71000 8317608", delta)
+	if strings.Contains(out, "fail") {
+		t.Fatalf("the delta disk reads other bytes than its parent and the write:\n%s", out)
+	}
+	harness.Run(t, "qemu-img", "check", "-q", delta)
+	harness.MustEqualBytes(t, "the parent after writes to its delta", harness.ReadAll(t, base), baseBytes)
+
+	src := harness.RandomImage(t, dir, 3<<20, 9)
+	dd := filepath.Join(dir, "dd.vmdk")
+	if code, msg := harness.RunBlockexport(t, "dd", "-O", "vmdk", "if="+src, "of="+dd); code != 0 {
+		t.Fatalf("dd -O vmdk: exit %d\n%s", code, msg)
+	}
+	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vmdk", src, dd)
+}
