@@ -115,7 +115,10 @@ func (e *extent) openWritable(ctx context.Context) error {
 	addDir := func(at uint64, gd []uint32, what string) error {
 		meta = append(meta, hostRange{int64(at) * sectorSize, int64(at)*sectorSize + int64(len(gd))*4})
 		for i, d := range gd {
-			if d == 0 {
+			switch {
+			case d == 0 && gd[i] != e.gd[i]:
+				return fmt.Errorf("%w: %s entry %d is empty, the grain directory's is not", ErrCorrupt, what, i)
+			case d == 0:
 				return readOnlyHere{fmt.Sprintf("vmdk sparse extents without a grain table (%s entry %d) are read here, not written", what, i)}
 			}
 			meta = append(meta, hostRange{int64(d) * sectorSize, int64(d)*sectorSize + gtBytes})

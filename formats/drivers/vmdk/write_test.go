@@ -310,3 +310,34 @@ func TestVmdkCreateRefusesWhatQemuImgRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestVmdkOverlappingDirectoriesRefuseWrites: an image whose redundant
+// grain table lies on a primary one (each directory sound by itself, so
+// it reads) is refused for writing in one line: a write would put one
+// table's entry into the other.
+func TestVmdkOverlappingDirectoriesRefuseWrites(t *testing.T) {
+	for name, mut := range map[string]func(b []byte){
+		"redundant table on a table":       func(b []byte) { le32(b, tRGD*512, tGT0) },
+		"redundant directory on a table":   func(b []byte) { le64(b, 48, tGT1) },
+		"redundant table on the directory": func(b []byte) { le32(b, tRGD*512+4, tGD) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			b := craft(false).b
+			mut(b)
+			p := writeTemp(t, t.TempDir(), "x.vmdk", b)
+			img, err := open(t, p, Options{})
+			if err != nil {
+				t.Fatalf("read-only open: %v", err)
+			}
+			img.Close()
+			img, err = openWritable(t, p)
+			if err == nil {
+				img.Close()
+				t.Fatal("opened writable")
+			}
+			if !errors.Is(err, ErrCorrupt) || strings.Contains(err.Error(), "\n") {
+				t.Fatalf("writable open: %v, want one line of ErrCorrupt", err)
+			}
+		})
+	}
+}
