@@ -2,6 +2,7 @@ package vmdk
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -138,7 +139,7 @@ func (e *extent) openWritable(ctx context.Context) error {
 		}
 		e.rgd = rgd
 	}
-	slices.SortFunc(meta, func(a, b hostRange) int { return int(min(max(a.start-b.start, -1), 1)) })
+	slices.SortFunc(meta, func(a, b hostRange) int { return cmp.Compare(a.start, b.start) })
 	for i := 1; i < len(meta); i++ {
 		if meta[i].start < meta[i-1].end {
 			return fmt.Errorf("%w: metadata at %d and %d overlap", ErrCorrupt, meta[i-1].start, meta[i].start)
