@@ -465,3 +465,55 @@ func TestVmdkDeltaDiskAndDdOutput(t *testing.T) {
 	}
 	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vmdk", src, dd)
 }
+
+// TestVmdkConvertWithBackingWritesOnlyTheDifference: convert -O vmdk -B
+// makes a delta disk on a vmdk parent (its CID recorded) that holds only
+// the grains where the source differs from the parent, and reads as the
+// source through qemu-img, sparse and streamOptimized alike.
+func TestVmdkConvertWithBackingWritesOnlyTheDifference(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.vmdk")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "vmdk", base, "8M")
+	harness.Run(t, "qemu-io", "-f", "vmdk", "-c", "write -P 0x01 0 8M", base)
+	top := filepath.Join(dir, "top.raw")
+	harness.Run(t, "qemu-img", "convert", "-f", "vmdk", "-O", "raw", base, top)
+	harness.Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x02 1M 100k", top)
+	for _, sub := range []string{"monolithicSparse", "streamOptimized"} {
+		t.Run(sub, func(t *testing.T) {
+			out := filepath.Join(dir, sub+".vmdk")
+			if code, msg := harness.RunBlockexport(t, "convert", "-O", "vmdk", "-o", "subformat="+sub, "-B", "base.vmdk", "-F", "vmdk", top, out); code != 0 {
+				t.Fatalf("convert -B: exit %d\n%s", code, msg)
+			}
+			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "vmdk", top, out)
+			harness.Run(t, "qemu-img", "check", "-q", out)
+			var info struct {
+				Backing string `json:"backing-filename"`
+			}
+			if err := json.Unmarshal([]byte(harness.Run(t, "qemu-img", "info", "--output=json", out)), &info); err != nil || info.Backing != "base.vmdk" {
+				t.Fatalf("parent %q (%v), want base.vmdk", info.Backing, err)
+			}
+			// Only the grains of [1M, 1M+100k) are the delta's own.
+			if code, msg := harness.RunBlockexport(t, "map", "--output=json", out); code != 0 {
+				t.Fatalf("map: exit %d\n%s", code, msg)
+			} else {
+				var own int64
+				var entries []struct {
+					Length int64
+					Depth  int
+					Data   bool
+				}
+				if err := json.Unmarshal([]byte(msg), &entries); err != nil {
+					t.Fatal(err)
+				}
+				for _, e := range entries {
+					if e.Depth == 0 && e.Data {
+						own += e.Length
+					}
+				}
+				if own != 2*65536 {
+					t.Fatalf("the delta holds %d bytes of its own, want the 2 grains that differ\n%s", own, msg)
+				}
+			}
+		})
+	}
+}
