@@ -87,9 +87,11 @@ func (f *ddFlags) run(stderr io.Writer, args []string) error {
 		return err
 	}
 	defer src.Image.Close()
+	// The formats created here are the registry's; the others qemu-img
+	// knows are refused by name.
 	switch {
 	case slices.Contains(registry.CreatableFormats(), f.target):
-	case slices.Contains([]string{"vmdk", "vhdx", "vpc", "vdi", "qed", "luks", "parallels", "qcow"}, f.target):
+	case slices.Contains(registry.KnownFormats(), f.target):
 		return fmt.Errorf("dd: %s output is not written here (want %s)", f.target, registry.OrList(registry.CreatableFormats()))
 	default:
 		return qemuRefusal("Unknown file format")

@@ -54,7 +54,7 @@ func measureCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "measure [flags] [--size SIZE | IMAGE]",
 		Short: "how large a raw or qcow2 image converted from IMAGE (or of SIZE) will be, as qemu-img measure",
-		Long: "Print the size a " + registry.OrList(registry.WritableFormats()) + " image converted from IMAGE needs (required size) and\n" +
+		Long: "Print the size a " + registry.OrList(measuredFormats()) + " image converted from IMAGE needs (required size) and\n" +
 			"takes fully allocated, with qemu-img measure's numbers, output and exit status\n" +
 			"(0, or 1 on any error). Only IMAGE's allocation is read, never its data.\n" +
 			"A qcow2 target from a qcow2 v3 source also says the space its persistent\n" +
@@ -64,12 +64,12 @@ func measureCommand() *cobra.Command {
 			"  blockexport measure -O qcow2 -o cluster_size=2M --size 1T",
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.target, "target-format", "O", "raw", "the target's format: "+registry.OrList(registry.WritableFormats()))
+	fs.StringVarP(&f.target, "target-format", "O", "raw", "the target's format: "+registry.OrList(measuredFormats()))
 	fs.StringVarP(&f.createOpts, "options", "o", "", "the target's creation options, key=value[,key=value...] as qemu-img's -o")
 	fs.StringVar(&f.size, "size", "", "measure an empty image of SIZE instead of IMAGE")
 	fs.BoolVarP(&f.forceShare, "force-share", "U", false, "accepted for qemu-img's sake: images are always opened without locks here")
 	f.register(c)
-	completeWords(c, "target-format", registry.WritableFormats()...)
+	completeWords(c, "target-format", measuredFormats()...)
 	qemuStyle(c, func(c *cobra.Command, args []string) error { return measureCmd(c.OutOrStdout(), args, &f) })
 	return c
 }
@@ -128,3 +128,7 @@ func measureCmd(stdout io.Writer, args []string, f *measureFlags) error {
 	}
 	return nil
 }
+
+// measuredFormats are the targets measure sizes: qemu-img 7.2's raw and
+// qcow2 (its other formats do not support size measurement).
+func measuredFormats() []string { return []string{registry.QCOW2, registry.Raw} }

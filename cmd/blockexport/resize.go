@@ -22,7 +22,7 @@ func resizeCommand() *cobra.Command {
 	var f resizeFlags
 	c := &cobra.Command{
 		Use:   "resize [flags] IMAGE [+|-]SIZE",
-		Short: "change a " + registry.OrList(registry.WritableFormats()) + " image's virtual size, as qemu-img resize",
+		Short: "change a " + registry.OrList(resizedFormats()) + " image's virtual size, as qemu-img resize",
 		Long: "Set IMAGE's virtual size to SIZE, or grow or shrink it by SIZE with a + or -\n" +
 			"sign, as qemu-img resize does, with its messages and exit status (0, or 1 on any\n" +
 			"error). SIZE takes qemu-img's suffixes (k, M, G, T, P, E); a -SIZE needs no --.\n" +
@@ -36,11 +36,11 @@ func resizeCommand() *cobra.Command {
 		DisableFlagParsing: true,
 	}
 	fs := c.Flags()
-	fs.StringVarP(&f.format, "format", "f", "auto", "image format: "+registry.OrList(registry.WritableFormats())+" (default: detected)")
+	fs.StringVarP(&f.format, "format", "f", "auto", "image format: "+registry.OrList(resizedFormats())+" (default: detected)")
 	fs.StringVar(&f.prealloc, "preallocation", "off", "allocate the grown part: off, metadata (qcow2), falloc or full")
 	fs.BoolVar(&f.shrink, "shrink", false, "allow the size to shrink (the data past the new end is lost)")
 	fs.BoolVarP(&f.quiet, "quiet", "q", false, "print nothing on success")
-	completeWords(c, "format", registry.WritableFormats()...)
+	completeWords(c, "format", resizedFormats()...)
 	completeWords(c, "preallocation", resize.PreallocOff, resize.PreallocMetadata, resize.PreallocFalloc, resize.PreallocFull)
 	qemuStyle(c, func(c *cobra.Command, args []string) error {
 		if len(args) < 2 {
@@ -96,7 +96,7 @@ func (f *resizeFlags) run(c *cobra.Command, path, sizeArg string) error {
 		if _, err := registry.ParseFormat(f.format); err != nil {
 			return qemuRefusal(fmt.Sprintf("Could not open '%s': Unknown driver '%s'", path, f.format))
 		}
-		return fmt.Errorf("resize: %s images are read-only here (want %s)", f.format, registry.OrList(registry.WritableFormats()))
+		return fmt.Errorf("resize: %s images are not resized here (want %s)", f.format, registry.OrList(resizedFormats()))
 	}
 	img, err := openImage(path, registry.Options{Format: f.format, Writable: true, Lock: true, Backend: "threads",
 		Logger: warnLogger(os.Stderr)})
@@ -112,3 +112,7 @@ func (f *resizeFlags) run(c *cobra.Command, path, sizeArg string) error {
 	}
 	return nil
 }
+
+// resizedFormats are the formats resize changes: raw and qcow2 (QEMU's
+// vmdk driver does not resize either).
+func resizedFormats() []string { return []string{registry.QCOW2, registry.Raw} }

@@ -369,6 +369,12 @@ func (c *chain) openFormat(f aio.File, ff driver.Format, writable bool, remote s
 	img, err := ff.Open(context.Background(), f, c.driverOptions(f, ff.Name, writable))
 	c.remoteParent = parent
 	if err != nil {
+		if writable && errors.Is(err, formats.ErrReadOnly) {
+			// A format written here refused this image for writing (a
+			// variant it reads only): the answer is an overlay, as for a
+			// format read only; the driver's error says why.
+			return nil, "", needsOverlay(f.Name(), ff.Name, err.Error())
+		}
 		return nil, "", err
 	}
 	return img, ff.Name, nil
@@ -381,7 +387,7 @@ func (c *chain) driverOptions(f aio.File, format string, writable bool) driver.O
 	name := f.Name()
 	return driver.Options{Name: name, Writable: writable, EditBitmaps: writable && c.o.EditBitmaps, Direct: c.o.Direct, CacheSize: c.o.L2CacheSize,
 		DecodedCacheSize: c.o.DecodedCacheSize, Logger: c.o.Logger, OpenBacking: c.openBacking, Shown: shownName,
-		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n) },
+		OpenFile:   func(n string) (aio.File, string, error) { return c.openRelated(name, n, writable) },
 		OpenParent: func(n string) (formats.Image, string, error) { return c.openRelatedImage(name, n, format) }}
 }
 

@@ -51,6 +51,10 @@ func FileFormats() []string { return names(func(ff driver.Format) bool { return 
 // convert make (qcow2, raw).
 func WritableFormats() []string { return names(func(ff driver.Format) bool { return ff.Writable }) }
 
+// KnownFormats names every format in the registry, the ones recognised
+// only to be refused included (qed, luks, ...): what qemu-img knows.
+func KnownFormats() []string { return names(func(driver.Format) bool { return true }) }
+
 // CreatableFormats names the formats create, convert -O and dd make.
 func CreatableFormats() []string {
 	return names(func(ff driver.Format) bool { return ff.Create != nil })

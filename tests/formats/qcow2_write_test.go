@@ -107,7 +107,7 @@ func TestCreateCommand(t *testing.T) {
 	for _, args := range [][]string{
 		{"create", "-f", "qcow2", filepath.Join(dir, "x.qcow2"), "1000"},
 		{"create", "-f", "qcow2", "--cluster-size", "3000", filepath.Join(dir, "x.qcow2"), "1M"},
-		{"create", "-f", "vmdk", filepath.Join(dir, "x.img"), "1M"},
+		{"create", "-f", "vmdk", "-o", "subformat=monolithicFlat,zeroed_grain=on", filepath.Join(dir, "x.img"), "1M"},
 		{"create", filepath.Join(dir, "x.img")},
 	} {
 		if code, _ := harness.RunBlockexport(t, args...); code == 0 {

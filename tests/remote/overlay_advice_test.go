@@ -11,16 +11,16 @@ import (
 )
 
 // TestOverlayAdviceBuildsAnOverlayOfTheBase: `fuse -w` on an image that
-// is read here and not written (a vmdk, a qcow2 over HTTP) is refused
-// with one line, exit 1 for both, that names the command making a qcow2
-// overlay on it; that command, run as given, makes an overlay that reads
+// is read here and not written (a streamOptimized vmdk holding grains, a
+// qcow2 over HTTP) is refused with one line, exit 1 for both, that names
+// the command making a qcow2 overlay on it; that command, run as given, makes an overlay that reads
 // the base's disk bytes (not its container: the backing format is the
 // probed one, never raw by default).
 func TestOverlayAdviceBuildsAnOverlayOfTheBase(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 4501)
 	vmdk := filepath.Join(dir, "base.vmdk")
-	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", src, vmdk)
+	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat=streamOptimized", src, vmdk)
 	qc := filepath.Join(dir, "base.qcow2")
 	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", src, qc)
 	n := harness.StartNginx(t)

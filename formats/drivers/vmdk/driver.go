@@ -9,12 +9,12 @@ import (
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// Driver is vmdk's registry entry: read and checked, never written.
+// Driver is vmdk's registry entry: read, checked, created and written.
 func Driver() driver.Format {
-	return driver.Format{Name: "vmdk", Probe: Probe, Lock: Lock, Check: Check,
+	return driver.Format{Name: "vmdk", Probe: Probe, Lock: Lock, Check: Check, Create: Create, CreateBacking: true, Writable: true,
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{Name: o.Name, Direct: o.Direct, GTCacheSize: o.CacheSize,
-				DecodedCacheSize: o.DecodedCacheSize, OpenExtent: o.OpenFile, OpenParent: o.OpenParent}))
+				DecodedCacheSize: o.DecodedCacheSize, OpenExtent: o.OpenFile, OpenParent: o.OpenParent, Writable: o.Writable}))
 		}}
 }
 

@@ -18,6 +18,7 @@ import (
 const (
 	sectorSize = 512
 
+	flagNLDetect  = 1 << 0
 	flagRGD       = 1 << 1
 	flagZeroGrain = 1 << 2
 	flagCompress  = 1 << 16
@@ -113,6 +114,7 @@ func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) err
 	}
 	e.headerEnd = sectorSize
 	if h.gdOffset == gdAtEnd {
+		e.gdAtEnd = true
 		var err error
 		if h, err = readFooter(ctx, e.f, fileSize); err != nil {
 			return err
@@ -145,13 +147,14 @@ func openSparse(ctx context.Context, e *extent, head []byte, fileSize int64) err
 		return fmt.Errorf("%w: file truncated, expecting at least %d bytes", ErrCorrupt, h.grainOffset*sectorSize)
 	}
 	e.sparse = true
+	e.hdr = h
 	e.size = int64(h.capacity) * sectorSize
 	e.grain = int64(h.granularity) * sectorSize
 	e.gtes = int64(h.numGTEs)
 	e.zeroGrain = h.flags&flagZeroGrain != 0
 	e.compressed = h.compressAlgo == compressDeflate
 	e.marker = h.flags&flagMarker != 0
-	e.fileSize = fileSize
+	e.fileEnd.Store(fileSize)
 	e.grainStart = int64(h.grainOffset) * sectorSize
 	if e.compressed && e.grain > maxCompressedGrain {
 		// A compressed grain is inflated whole: QEMU's 1 GiB grain would
@@ -232,6 +235,10 @@ func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, er
 	if try {
 		return nil, nil
 	}
+	// A table read while a write changes it must not land in the cache
+	// after the write's own copy: it is cached only if no table changed
+	// since the read began (see extent.tables).
+	gen := e.tables.gen.Load()
 	raw := make([]byte, e.gtes*4)
 	if _, err := e.f.ReadAt(ctx, raw, int64(gdEntry)*sectorSize); err != nil {
 		return nil, fmt.Errorf("vmdk: %s: read grain table at sector %d: %w", e.name, gdEntry, err)
@@ -240,7 +247,11 @@ func (e *extent) gt(ctx context.Context, gdEntry uint32, try bool) ([]uint32, er
 	for i := range t {
 		t[i] = binary.LittleEndian.Uint32(raw[4*i:])
 	}
-	e.gtCache.Put(e.key(gdEntry), t)
+	e.tables.mu.Lock()
+	if e.tables.gen.Load() == gen {
+		e.gtCache.Put(e.key(gdEntry), t)
+	}
+	e.tables.mu.Unlock()
 	return t, nil
 }
 
@@ -283,13 +294,13 @@ func (e *extent) lookupGrain(ctx context.Context, off int64, try bool) (state in
 		return 0, 0, true, fmt.Errorf("%w: %s: grain at %d lies at sector %d, inside the header", ErrCorrupt, e.name, off, v)
 	}
 	if e.compressed {
-		if s < e.grainStart || s+12 > e.fileSize {
+		if s < e.grainStart || s+12 > e.fileEnd.Load() {
 			return 0, 0, true, fmt.Errorf("%w: %s: compressed grain at %d lies at sector %d, past the end of the file", ErrCorrupt, e.name, off, v)
 		}
 	} else {
 		need := min(e.grain, e.size-g*e.grain)
-		if s < e.grainStart || s+need > e.fileSize {
-			return 0, 0, true, fmt.Errorf("%w: %s: grain at %d lies at sector %d, outside the file's grains (%d..%d)", ErrCorrupt, e.name, off, v, e.grainStart, e.fileSize)
+		if s < e.grainStart || s+need > e.fileEnd.Load() {
+			return 0, 0, true, fmt.Errorf("%w: %s: grain at %d lies at sector %d, outside the file's grains (%d..%d)", ErrCorrupt, e.name, off, v, e.grainStart, e.fileEnd.Load())
 		}
 	}
 	return grainData, v, true, nil
@@ -388,14 +399,14 @@ func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) 
 	if e.marker {
 		hdr = 12
 	}
-	if off >= e.fileSize {
-		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d past the end of the file (%d bytes)", ErrCorrupt, e.name, off, e.fileSize)
+	if off >= e.fileEnd.Load() {
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d past the end of the file (%d bytes)", ErrCorrupt, e.name, off, e.fileEnd.Load())
 	}
 	// One read of the marker and what a grain of incompressible data
 	// takes (the grain, a zlib header and checksum, 5 bytes a block),
 	// rather than a read for the marker and another for the data, nor
 	// QEMU's two grains each time. The scratch buffer is reused.
-	span := min(hdr+2*e.grain, e.fileSize-off)
+	span := min(hdr+2*e.grain, e.fileEnd.Load()-off)
 	first := span
 	if e.marker {
 		first = min(span, hdr+e.grain+e.grain/64+64)
@@ -417,8 +428,8 @@ func (e *extent) loadOnce(ctx context.Context, sector uint32, grainIndex int64) 
 			return nil, nil, fmt.Errorf("%w: %s: grain marker at %d says sector %d, the table says %d", ErrCorrupt, e.name, off, lba, grainIndex*e.grain/sectorSize)
 		}
 	}
-	if length == 0 || length > 2*e.grain || off+hdr+length > e.fileSize {
-		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d of %d bytes (file %d bytes, grain %d)", ErrCorrupt, e.name, off, length, e.fileSize, e.grain)
+	if length == 0 || length > 2*e.grain || off+hdr+length > e.fileEnd.Load() {
+		return nil, nil, fmt.Errorf("%w: %s: compressed grain at %d of %d bytes (file %d bytes, grain %d)", ErrCorrupt, e.name, off, length, e.fileEnd.Load(), e.grain)
 	}
 	if hdr+length > first {
 		raw = (*scratch)[:hdr+length]

@@ -1,4 +1,5 @@
-// Package vmdk reads VMDK images (read-only): a text descriptor file and
+// Package vmdk reads, creates (create.go) and writes (write.go) VMDK
+// images: a text descriptor file and
 // its extents (FLAT, VMFS, SPARSE, ZERO), or a hosted sparse file with
 // its embedded descriptor; createTypes monolithicSparse,
 // twoGbMaxExtentSparse, monolithicFlat, twoGbMaxExtentFlat, vmfs and
@@ -15,8 +16,6 @@
 // loops), never by this package.
 //
 // Grain tables are cached in a bounded LRU, and so are decompressed grains.
-// Writes are refused (formats.ErrReadOnly); the design keeps extents
-// separate so that in-place writes can come later.
 package vmdk
 
 import (
@@ -28,10 +27,12 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/blockmap"
+	"github.com/blockexport/blockexport/formats/internal/driver"
 	"github.com/blockexport/blockexport/formats/internal/hostfile"
 	"github.com/blockexport/blockexport/formats/internal/lru"
 )
@@ -80,14 +81,15 @@ type Options struct {
 	DecodedCacheSize int64
 	// Direct: the files are O_DIRECT (no page cache for the fast path).
 	Direct bool
+	// Writable: the image is written (its files opened writable, extents
+	// through OpenExtent too); see write.go for what is refused.
+	Writable bool
 }
 
 // Lock is what an open of a vmdk file locks: as qcow2's, nobody may write
-// or resize a file whose metadata we read. Nothing writes one (a check's
-// -r repairs nothing), so it asks for no more than a reader.
-func Lock(_, _ bool) aio.Lock {
-	return aio.Lock{Perm: aio.PermConsistentRead, Unshared: aio.PermWrite | aio.PermResize}
-}
+// or resize a file whose metadata we read, and a writable open writes and
+// resizes (grains are appended).
+func Lock(writable, backing bool) aio.Lock { return driver.MetadataLock(writable, backing) }
 
 // extent is one extent of the image.
 type extent struct {
@@ -109,8 +111,8 @@ type extent struct {
 	compressed bool
 	marker     bool
 	usedRGD    bool
-	fileSize   int64
-	headerEnd  int64 // bytes of header no table or grain may lie in
+	fileEnd    atomic.Int64 // the file's size: grains are appended past it
+	headerEnd  int64        // bytes of header no table or grain may lie in
 	grainStart int64
 	id         int64 // index in the image: cache keys are id<<40 | sector
 	gtCache    *lru.Cache[[]uint32]
@@ -119,6 +121,20 @@ type extent struct {
 	// (stored.go); flight the loads under way. Both are the image's.
 	storedCache *lru.Cache[*storedGrain]
 	flight      *flight
+	// tables orders grain table loads with the writes that change them
+	// (the image's).
+	tables *tableVersions
+	// hdr is the sparse header as opened (the footer's, for a
+	// stream-optimized file with its directory at the end); gdAtEnd says
+	// it came from the footer.
+	hdr     header
+	gdAtEnd bool
+	// Opened writable (write.go): the redundant directory (nil: none),
+	// where the next grain goes, and the metadata a grain must not
+	// overlap, sorted.
+	rgd  []uint32
+	next int64
+	meta []hostRange
 	// scratch holds the compressed bytes of a grain while it inflates,
 	// or a stored grain's bytes across its blocks (*[]byte of a marker
 	// and two grains), reused for the same reason.
@@ -127,19 +143,19 @@ type extent struct {
 
 // Image is an open VMDK image.
 type Image struct {
-	blockmap.Map              // reads, tries, lends and extents, from locate
-	formats.ReadOnly          // writes refused: write through a qcow2 overlay
-	f                aio.File // the file opened (descriptor or sparse)
-	name             string
-	direct           bool
-	createType       string
-	cid              uint32
-	parentCID        uint32
-	parentHint       string
-	parentName       string
-	parent           formats.Image
-	extents          []*extent
-	size             int64
+	blockmap.Map          // reads, tries, lends and extents, from locate
+	f            aio.File // the file opened (descriptor or sparse)
+	w            *writer  // nil: opened read-only (write.go)
+	name         string
+	direct       bool
+	createType   string
+	cid          uint32
+	parentCID    uint32
+	parentHint   string
+	parentName   string
+	parent       formats.Image
+	extents      []*extent
+	size         int64
 }
 
 // New opens the VMDK image of f, which it owns from now on (Close closes
@@ -147,8 +163,12 @@ type Image struct {
 func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 	im := &Image{f: f, name: cmp.Or(o.Name, f.Name()), direct: o.Direct}
 	defer func() {
+		var ro readOnlyHere
 		if err != nil {
 			im.Close()
+			if errors.As(err, &ro) { // the registry names the image
+				return
+			}
 			if errors.Is(err, ErrCorrupt) { // already says vmdk
 				err = fmt.Errorf("%s: %w", im.name, err)
 			} else {
@@ -252,14 +272,19 @@ func New(ctx context.Context, f aio.File, o Options) (img *Image, err error) {
 			grains = lru.New[[]byte](int(max(decoded/maxGrain, 2)))
 			stored = lru.New[*storedGrain](int(max(storedCacheBytes/storedEntryBytes(maxGrain), 2)))
 		}
-		fl := &flight{}
+		fl, tv := &flight{}, &tableVersions{}
 		for _, e := range im.extents {
-			e.gtCache, e.grainCache, e.storedCache, e.flight = gts, grains, stored, fl
+			e.gtCache, e.grainCache, e.storedCache, e.flight, e.tables = gts, grains, stored, fl, tv
 		}
 	}
 	im.size = start
 	if im.parentHint != "" {
 		if err := im.openParent(o); err != nil {
+			return nil, err
+		}
+	}
+	if o.Writable {
+		if err := im.openWritable(ctx); err != nil {
 			return nil, err
 		}
 	}

@@ -478,18 +478,60 @@ func FuzzOpen(f *testing.F) {
 		if err != nil {
 			return
 		}
-		defer img.Close()
 		buf := make([]byte, 256<<10)
 		for off := int64(0); off < img.Size() && off < 8<<20; off += int64(len(buf)) {
 			n := min(int64(len(buf)), img.Size()-off)
 			if _, err := img.ReadAt(context.Background(), buf[:n], off); err != nil {
+				img.Close()
 				return
 			}
 			img.TryReadAt(buf[:n], off)
 			img.Extent(context.Background(), off, n)
 		}
 		img.Info()
+		img.Close()
+		fuzzWritable(t, p, opener)
 	})
+}
+
+// fuzzWritable opens the image at p (one that opened for reading)
+// writable: refused in one line, or written in its first and last grain
+// without damage to its metadata (it opens again and reads what was
+// written, or the write was refused).
+func fuzzWritable(t *testing.T, p string, opener func(string) (aio.File, string, error)) {
+	file, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(context.Background(), file, Options{Name: p, OpenExtent: opener, Writable: true})
+	if err != nil {
+		if strings.Contains(err.Error(), "\n") {
+			t.Fatalf("writable open refused in more than one line: %q", err)
+		}
+		return
+	}
+	ctx := context.Background()
+	written := map[int64]bool{}
+	for _, off := range []int64{0, img.Size() - 5} {
+		if off < 0 || img.Size() < 5 || off > 8<<20 {
+			continue
+		}
+		if _, err := img.WriteAt(ctx, []byte("fuzz!"), off); err == nil {
+			written[off] = true
+		}
+	}
+	img.Close()
+	img, err = open(t, p, Options{OpenExtent: opener})
+	if err != nil {
+		t.Fatalf("the image no longer opens after writes: %v", err)
+	}
+	defer img.Close()
+	for off := range written {
+		got := make([]byte, 5)
+		if _, err := img.ReadAt(ctx, got, off); err != nil || string(got) != "fuzz!" {
+			t.Fatalf("at %d: read %q (%v) after writing it", off, got, err)
+		}
+	}
 }
 
 // TestVmdkCachesBoundedPerImage: a descriptor of many sparse extents gets

@@ -30,6 +30,13 @@ type CompressedTarget interface {
 	WriteCompressed(ctx context.Context, comp []byte, off int64) error
 }
 
+// CompressedOnly is a target that stores every cluster compressed (a
+// stream-optimized vmdk; QEMU's needs_compressed_writes): a conversion
+// to it compresses as -c does, whether -c is given or not.
+type CompressedOnly interface {
+	NeedsCompressedWrites() bool
+}
+
 // Options say how to convert.
 type Options struct {
 	// Parallel is how many chunks are read (and written) at once: qemu-img

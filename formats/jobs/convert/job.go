@@ -191,6 +191,15 @@ func (j Job) engineOptions(dst formats.Image, created bool) (Options, error) {
 		}
 		o.Compressed = ct
 	}
+	if co, ok := dst.(CompressedOnly); ok && co.NeedsCompressedWrites() {
+		// Every cluster compressed, -c or not, as qemu-img does for such
+		// a target: compression on every core, as with -c.
+		ct, ok := dst.(CompressedTarget)
+		if !ok {
+			return o, fmt.Errorf("%s: the target stores compressed clusters only, and cannot compress them", j.Target)
+		}
+		o.Compressed = ct
+	}
 	if j.Cache == "none" && !j.Compress && o.Chunk == 0 {
 		// O_DIRECT writes go to the device as they are: the larger the
 		// request, the closer to the device's bandwidth (qemu-img's
