@@ -1,0 +1,181 @@
+package qcow2
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/blockexport/blockexport/aio"
+)
+
+// Zero clusters turned into what version 2 can hold, as QEMU's
+// qcow2_expand_zero_clusters does before a downgrade, in every L2 table
+// (the active one's and the snapshots'): a zero cluster with a host
+// cluster of its own gets zeroes written there and loses the flag; one
+// without becomes unallocated where no backing file shows through, and a
+// fresh cluster of zeroes where one does. Fresh clusters come with a new
+// refcount structure (refcountorder.go) that counts them before any L2
+// entry names them, so that killed at any point, the image is consistent
+// (fresh clusters not yet linked leak) and every entry reads zeroes.
+
+// zeroEntry is one L2 entry with the zero flag.
+type zeroEntry struct {
+	l2off int64
+	i     int
+	host  int64 // 0: none, or one that must not be written (shared with data)
+	fresh bool  // gets a fresh cluster
+}
+
+// l2Tables lists the L2 tables c's active and snapshot L1 tables name,
+// once each, in the order first named.
+func (c *checker) l2Tables(ctx context.Context) ([]int64, error) {
+	seen := map[int64]bool{}
+	var out []int64
+	add := func(l1 []uint64) {
+		for _, e := range l1 {
+			if off := int64(e & l1OffsetMask); off != 0 && !seen[off] {
+				seen[off] = true
+				out = append(out, off)
+			}
+		}
+	}
+	add(c.l1)
+	for _, sn := range c.snaps {
+		l1, err := c.readTable(ctx, sn.l1Offset, sn.l1Size)
+		if err != nil {
+			return nil, fmt.Errorf("qcow2: snapshot %s's L1 table: %w", sn.ID, err)
+		}
+		add(l1)
+	}
+	return out, nil
+}
+
+// hasCompressedClusters says whether any L2 table maps a compressed
+// cluster.
+func hasCompressedClusters(ctx context.Context, f aio.File) (bool, error) {
+	c, err := countedImage(ctx, f)
+	if err != nil {
+		return false, err
+	}
+	tables, err := c.l2Tables(ctx)
+	if err != nil {
+		return false, err
+	}
+	for _, off := range tables {
+		t, err := c.readTable(ctx, off, c.h.l2Entries)
+		if err != nil {
+			return false, err
+		}
+		if slices.ContainsFunc(t, func(e uint64) bool { return e&l2Compressed != 0 }) {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// expandZeroClusters turns f's zero clusters into data or unallocated
+// clusters.
+func expandZeroClusters(ctx context.Context, f aio.File) error {
+	c, err := countedImage(ctx, f)
+	if err != nil {
+		return err
+	}
+	cs := c.h.clusterSize
+	tables, err := c.l2Tables(ctx)
+	if err != nil {
+		return err
+	}
+	data := map[int64]bool{} // host clusters mapped as data somewhere
+	var zeros []zeroEntry
+	for _, off := range tables {
+		t, err := c.readTable(ctx, off, c.h.l2Entries)
+		if err != nil {
+			return err
+		}
+		for i, e := range t {
+			host := int64(e & l1OffsetMask)
+			switch {
+			case e&l2Compressed != 0:
+			case e&l2ZeroFlag == 0:
+				if host != 0 {
+					data[host] = true
+				}
+			default:
+				zeros = append(zeros, zeroEntry{l2off: off, i: i, host: host})
+			}
+		}
+	}
+	if len(zeros) == 0 {
+		return nil
+	}
+	backed := c.h.backingFile != ""
+	var reserved []uint64
+	rebuild := false
+	for i := range zeros {
+		z := &zeros[i]
+		if z.host != 0 && !data[z.host] {
+			continue // zeroes written in place
+		}
+		users := c.imrt.get(z.l2off / cs) // the L1 tables naming the L2 table
+		if z.host != 0 {
+			// A host cluster that also holds data elsewhere is left to
+			// that data: this entry lets go of it.
+			c.imrt.set(z.host/cs, c.imrt.get(z.host/cs)-min(users, c.imrt.get(z.host/cs)))
+			z.host, rebuild = 0, true
+		}
+		if backed {
+			z.fresh = true
+			reserved = append(reserved, users)
+		}
+	}
+	var first int64
+	if len(reserved) > 0 || rebuild {
+		if first, err = c.switchRefcounts(ctx, c.h.refcountOrder, reserved); err != nil {
+			return err
+		}
+	}
+	c.meta = c.metadata()
+	zero := make([]byte, cs)
+	for _, z := range zeros {
+		if z.host != 0 {
+			if err := c.writeMeta(ctx, zero, z.host, metaNone, "zeroed cluster", false); err != nil {
+				return err
+			}
+		}
+	}
+	if err := c.f.Fdatasync(ctx); err != nil {
+		return fmt.Errorf("qcow2: write zeroes over zero clusters: %w", err)
+	}
+	// The L2 tables, each rewritten whole (in place: nothing else moves).
+	n := 0
+	for k := 0; k < len(zeros); {
+		off := zeros[k].l2off
+		t, err := c.readTable(ctx, off, c.h.l2Entries)
+		if err != nil {
+			return err
+		}
+		for ; k < len(zeros) && zeros[k].l2off == off; k++ {
+			z := zeros[k]
+			switch {
+			case z.fresh:
+				e := uint64(first + int64(n)*cs)
+				if reserved[n] == 1 {
+					e |= oflagCopied
+				}
+				n++
+				t[z.i] = e
+			case z.host != 0:
+				t[z.i] &^= l2ZeroFlag
+			default:
+				t[z.i] = 0
+			}
+		}
+		if err := c.writeMeta(ctx, encodeTable(t), off, metaL2, "L2 table", false); err != nil {
+			return err
+		}
+	}
+	if err := c.f.Fdatasync(ctx); err != nil {
+		return fmt.Errorf("qcow2: write the expanded L2 tables: %w", err)
+	}
+	return nil
+}
