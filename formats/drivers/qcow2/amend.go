@@ -2,6 +2,7 @@ package qcow2
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/bits"
@@ -254,11 +255,11 @@ func upgrade(ctx context.Context, f aio.File, h *header, head []byte) error {
 	if err != nil {
 		return err
 	}
-	for _, sn := range c.snaps {
-		if len(sn.extra) < 16 {
+	for i, raw := range c.snapRaw {
+		if len(raw.extra) < 16 {
 			// QEMU rewrites such a table with the extra data version 3
 			// requires; this writer does not.
-			return fmt.Errorf("%w: snapshot %s lacks the extra data version 3 requires", ErrUnsupported, sn.ID)
+			return fmt.Errorf("%w: snapshot %s lacks the extra data version 3 requires", ErrUnsupported, c.snaps[i].ID)
 		}
 	}
 	n := *h
@@ -276,13 +277,17 @@ func downgrade(ctx context.Context, f aio.File, h *header, head []byte) error {
 	if err != nil {
 		return err
 	}
-	for _, sn := range c.snaps {
-		disk := h.size
-		if len(sn.extra) >= 16 {
-			disk = uint64(sn.extra[8])<<56 | uint64(sn.extra[9])<<48 | uint64(sn.extra[10])<<40 | uint64(sn.extra[11])<<32 |
-				uint64(sn.extra[12])<<24 | uint64(sn.extra[13])<<16 | uint64(sn.extra[14])<<8 | uint64(sn.extra[15])
+	for _, raw := range c.snapRaw {
+		// A snapshot without the sizes version 3 adds has the image's
+		// size and a 32-bit VM state, as QEMU reads it.
+		vmState, disk := uint64(binary.BigEndian.Uint32(raw.hdr[32:])), h.size
+		if len(raw.extra) >= 8 {
+			vmState = binary.BigEndian.Uint64(raw.extra[0:])
 		}
-		if sn.VMStateSize > 1<<32-1 || disk != h.size {
+		if len(raw.extra) >= 16 {
+			disk = binary.BigEndian.Uint64(raw.extra[8:])
+		}
+		if vmState > 1<<32-1 || disk != h.size {
 			return amendRefusal("Internal snapshots prevent downgrade of image")
 		}
 	}

@@ -110,7 +110,7 @@ func expandZeroClusters(ctx context.Context, f aio.File) error {
 	}
 	backed := c.h.backingFile != ""
 	var reserved []uint64
-	rebuild := false
+	dropped := false
 	for i := range zeros {
 		z := &zeros[i]
 		if z.host != 0 && !data[z.host] {
@@ -118,10 +118,11 @@ func expandZeroClusters(ctx context.Context, f aio.File) error {
 		}
 		users := c.imrt.get(z.l2off / cs) // the L1 tables naming the L2 table
 		if z.host != 0 {
-			// A host cluster that also holds data elsewhere is left to
-			// that data: this entry lets go of it.
-			c.imrt.set(z.host/cs, c.imrt.get(z.host/cs)-min(users, c.imrt.get(z.host/cs)))
-			z.host, rebuild = 0, true
+			// A host cluster that also holds data elsewhere (a zeroed
+			// cluster QEMU kept while a snapshot shares it) is left to
+			// that data: this entry lets go of it, and its refcount
+			// drops once no entry here names it.
+			z.host, dropped = 0, true
 		}
 		if backed {
 			z.fresh = true
@@ -129,7 +130,7 @@ func expandZeroClusters(ctx context.Context, f aio.File) error {
 		}
 	}
 	var first int64
-	if len(reserved) > 0 || rebuild {
+	if len(reserved) > 0 {
 		if first, err = c.switchRefcounts(ctx, c.h.refcountOrder, reserved); err != nil {
 			return err
 		}
@@ -177,5 +178,13 @@ func expandZeroClusters(ctx context.Context, f aio.File) error {
 	if err := c.f.Fdatasync(ctx); err != nil {
 		return fmt.Errorf("qcow2: write the expanded L2 tables: %w", err)
 	}
-	return nil
+	if !dropped {
+		return nil
+	}
+	// The clusters let go of leak until the refcounts are counted again.
+	if c, err = countedImage(ctx, f); err != nil {
+		return err
+	}
+	_, err = c.switchRefcounts(ctx, c.h.refcountOrder, nil)
+	return err
 }
