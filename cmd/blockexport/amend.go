@@ -64,13 +64,40 @@ func (f *amendFlags) run(c *cobra.Command, args []string) error {
 	if strings.Trim(opts, ",") == "" {
 		return qemuRefusal("Invalid option list: " + opts)
 	}
-	parsed, err := registry.ParseCreateOptions(f.options)
+	path := args[0]
+	showProgress := f.progress && !f.quiet
+	stderr := c.ErrOrStderr()
+	err := registry.Amend(context.Background(), path, f.format,
+		registry.Options{Lock: true, Backend: "threads", Logger: warnLogger(os.Stderr)},
+		registry.AmendRequest{
+			Options: func() (qcow2.AmendOptions, error) {
+				o, err := amendOptions(f.options)
+				if err == nil && showProgress {
+					fmt.Fprint(c.OutOrStdout(), "    (0.00/100%)\r")
+				}
+				return o, err
+			},
+			Resize: amendResizer(path),
+			Report: func(line string) { fmt.Fprintln(stderr, line) },
+		})
 	if err != nil {
-		return err
+		return amendError(path, err)
+	}
+	if showProgress {
+		fmt.Fprintln(c.OutOrStdout(), "    (100.00/100%)")
+	}
+	return nil
+}
+
+// amendOptions reads -o as qemu-img amend does once the image is open.
+func amendOptions(list []string) (qcow2.AmendOptions, error) {
+	parsed, err := registry.ParseCreateOptions(list)
+	if err != nil {
+		return qcow2.AmendOptions{}, err
 	}
 	o, err := qcow2.ParseAmendOptions(parsed.Keys)
 	if err != nil {
-		return amendError(args[0], err)
+		return o, err
 	}
 	if parsed.Size >= 0 {
 		o.Size = parsed.Size
@@ -81,20 +108,7 @@ func (f *amendFlags) run(c *cobra.Command, args []string) error {
 	if parsed.BackingFormat != "" {
 		o.BackingFormat = &parsed.BackingFormat
 	}
-	path := args[0]
-	showProgress := f.progress && !f.quiet
-	if showProgress {
-		fmt.Fprint(c.OutOrStdout(), "    (0.00/100%)\r")
-	}
-	err = registry.Amend(context.Background(), path, f.format,
-		registry.Options{Lock: true, Backend: "threads", Logger: warnLogger(os.Stderr)}, o, amendResizer(path))
-	if err != nil {
-		return amendError(path, err)
-	}
-	if showProgress {
-		fmt.Fprintln(c.OutOrStdout(), "    (100.00/100%)")
-	}
-	return nil
+	return o, nil
 }
 
 // amendResizer changes the size as amend does: to exactly the size given,

@@ -154,29 +154,38 @@ func ParseAmendOptions(keys map[string]string) (AmendOptions, error) {
 // writer that does it opens the image as an Image of its own.
 type Resizer func(ctx context.Context, size int64) error
 
-// Amend applies o to the qcow2 image in f (open for writing, under the
-// writer's lock, and left open), as qemu-img amend does. An image not
-// closed cleanly (lazy refcounts) has its refcounts repaired first, as
-// QEMU's open for writing does.
-func Amend(ctx context.Context, f aio.File, o AmendOptions, resize Resizer) error {
-	h, head, err := readHeader(ctx, f)
+// PrepareAmend checks the qcow2 image in f (open for writing, under the
+// writer's lock) as QEMU's open for writing does before amend: a corrupt
+// image is refused, and one not closed cleanly (lazy refcounts) has its
+// refcounts repaired, whose findings it returns, as QEMU prints them.
+func PrepareAmend(ctx context.Context, f aio.File) ([]string, error) {
+	h, _, err := readHeader(ctx, f)
 	if err != nil {
-		return &AmendOpenError{err}
+		return nil, &AmendOpenError{err}
 	}
 	switch {
 	case h.incompatible&incCorrupt != 0:
-		return &AmendOpenError{errors.New("qcow2: Image is corrupt; cannot be opened read/write")}
+		return nil, &AmendOpenError{errors.New("qcow2: Image is corrupt; cannot be opened read/write")}
 	case h.incompatible&incDirty != 0:
 		res, err := checkOnce(ctx, f, RepairAll)
 		if err == nil && (res.Corruptions > 0 || res.CheckErrors > 0) {
 			err = fmt.Errorf("%w: %d corruptions remain", ErrCorrupt, res.Corruptions)
 		}
 		if err != nil {
-			return &AmendOpenError{fmt.Errorf("Could not repair dirty image: %w", err)}
+			return res.Messages, &AmendOpenError{fmt.Errorf("Could not repair dirty image: %w", err)}
 		}
-		if h, head, err = readHeader(ctx, f); err != nil {
-			return &AmendOpenError{err}
-		}
+		return res.Messages, nil
+	}
+	return nil, nil
+}
+
+// Amend applies o to the qcow2 image in f (open for writing, under the
+// writer's lock, prepared by PrepareAmend, and left open), as qemu-img
+// amend does.
+func Amend(ctx context.Context, f aio.File, o AmendOptions, resize Resizer) error {
+	h, head, err := readHeader(ctx, f)
+	if err != nil {
+		return &AmendOpenError{err}
 	}
 	oldVersion, newVersion := h.version, h.version
 	if o.Version != 0 {

@@ -85,6 +85,9 @@ func amendWith(t *testing.T, img string, o AmendOptions, killAfter int) (int, er
 	}
 	defer f.Close()
 	k := &killedFile{File: f, n: killAfter}
+	if _, err := PrepareAmend(context.Background(), k); err != nil {
+		return k.writes, err
+	}
 	err = Amend(context.Background(), k, o, func(context.Context, int64) error { return errors.New("no resize here") })
 	return k.writes, err
 }
