@@ -169,45 +169,53 @@ func TestAmendCutAtEveryWriteLeavesAConsistentImage(t *testing.T) {
 	}
 }
 
-// TestAmendUpgradeWritesQemusHeader upgrades a version 2 image as
-// qemu-img amend does on a copy: the header clusters come out the same,
-// byte for byte (nothing else moves in an upgrade).
-func TestAmendUpgradeWritesQemusHeader(t *testing.T) {
-	dir := t.TempDir()
-	base := filepath.Join(dir, "base.qcow2")
-	img := amendTestImage(t, dir,
-		[]string{"qemu-img", "create", "-q", "-f", "qcow2", base, "8M"},
-		[]string{"qemu-img", "create", "-q", "-f", "qcow2", "-o", "compat=0.10", "-b", base, "-F", "qcow2", filepath.Join(dir, "img.qcow2")},
-		[]string{"qemu-io", "-f", "qcow2", "-c", "write -P 1 0 128k", filepath.Join(dir, "img.qcow2")},
-	)
-	theirs := filepath.Join(dir, "theirs.qcow2")
-	b, err := os.ReadFile(img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(theirs, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("qemu-img", "amend", "-o", "compat=1.1", theirs).CombinedOutput(); err != nil {
-		t.Fatalf("qemu-img amend: %v\n%s", err, out)
-	}
-	if _, err := amendWith(t, img, AmendOptions{Version: 3}, 1<<30); err != nil {
-		t.Fatal(err)
-	}
-	ours, err := os.ReadFile(img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, err := os.ReadFile(theirs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(ours[:65536], want[:65536]) {
-		for i := range 65536 {
-			if ours[i] != want[i] {
-				t.Fatalf("header cluster differs from qemu-img's first at byte %d: %#x, want %#x", i, ours[i], want[i])
+// TestAmendWritesQemusHeader upgrades a version 2 image and downgrades
+// a version 3 one as qemu-img amend does on copies: the header clusters
+// come out the same, byte for byte (nothing else moves in these).
+func TestAmendWritesQemusHeader(t *testing.T) {
+	for _, tc := range []struct {
+		create, compat string
+		o              AmendOptions
+	}{
+		{"compat=0.10", "compat=1.1", AmendOptions{Version: 3}},
+		{"compat=1.1,lazy_refcounts=on", "compat=0.10", AmendOptions{Version: 2}},
+	} {
+		t.Run(tc.compat, func(t *testing.T) {
+			dir := t.TempDir()
+			base := filepath.Join(dir, "base.qcow2")
+			img := amendTestImage(t, dir,
+				[]string{"qemu-img", "create", "-q", "-f", "qcow2", base, "8M"},
+				[]string{"qemu-img", "create", "-q", "-f", "qcow2", "-o", tc.create, "-b", base, "-F", "qcow2", filepath.Join(dir, "img.qcow2")},
+				[]string{"qemu-io", "-f", "qcow2", "-c", "write -P 1 0 128k", filepath.Join(dir, "img.qcow2")},
+			)
+			theirs := filepath.Join(dir, "theirs.qcow2")
+			b, err := os.ReadFile(img)
+			if err != nil {
+				t.Fatal(err)
 			}
-		}
+			if err := os.WriteFile(theirs, b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if out, err := exec.Command("qemu-img", "amend", "-o", tc.compat, theirs).CombinedOutput(); err != nil {
+				t.Fatalf("qemu-img amend: %v\n%s", err, out)
+			}
+			if _, err := amendWith(t, img, tc.o, 1<<30); err != nil {
+				t.Fatal(err)
+			}
+			ours, err := os.ReadFile(img)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, err := os.ReadFile(theirs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range 65536 {
+				if ours[i] != want[i] {
+					t.Fatalf("header cluster differs from qemu-img's first at byte %d: %#x, want %#x", i, ours[i], want[i])
+				}
+			}
+		})
 	}
 }
 
