@@ -37,7 +37,7 @@ func amendCommand() *cobra.Command {
 	}
 	fs := c.Flags()
 	fs.StringVarP(&f.format, "format", "f", "auto", "image format: qcow2 (default: detected)")
-	fs.StringArrayVarP(&f.options, "options", "o", nil, "`KEY=VALUE[,...]` options to change (help: list them)")
+	fs.StringArrayVarP(&f.options, "options", "o", nil, "`KEY=VALUE[,...]` to change (help: list them); given again, the lists join")
 	fs.BoolVarP(&f.progress, "progress", "p", false, "show progress")
 	fs.BoolVarP(&f.quiet, "quiet", "q", false, "print nothing but errors")
 	fs.BoolVar(&f.force, "force", false, "accepted as qemu-img's (it allows unsafe changes; none here needs it)")
@@ -47,6 +47,11 @@ func amendCommand() *cobra.Command {
 }
 
 func (f *amendFlags) run(c *cobra.Command, args []string) error {
+	for _, o := range f.options {
+		if !validOptionList(o) {
+			return qemuRefusal("Invalid option list: " + o)
+		}
+	}
 	if len(f.options) == 0 {
 		return qemuRefusal("Must specify options (-o)", "Try 'blockexport --help' for more information")
 	}
@@ -60,9 +65,6 @@ func (f *amendFlags) run(c *cobra.Command, args []string) error {
 	}
 	if len(args) != 1 {
 		return qemuRefusal("Expecting one image file name")
-	}
-	if strings.Trim(opts, ",") == "" {
-		return qemuRefusal("Invalid option list: " + opts)
 	}
 	path := args[0]
 	showProgress := f.progress && !f.quiet
@@ -125,6 +127,17 @@ func amendResizer(path string) qcow2.Resizer {
 		}
 		return err
 	}
+}
+
+// validOptionList is qemu-img's is_valid_option_list: not empty, not
+// starting with a comma, and not ending in an odd run of them (",," is
+// an escaped comma).
+func validOptionList(s string) bool {
+	if s == "" || s[0] == ',' {
+		return false
+	}
+	trailing := len(s) - len(strings.TrimRight(s, ","))
+	return trailing%2 == 0
 }
 
 // isHelpOption: -o help (or ?) anywhere in the list, as qemu-img's

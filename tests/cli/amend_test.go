@@ -141,7 +141,7 @@ var amendCases = map[string][]string{
 	"plain": {"compat=0.10", "compat=1.1", "refcount_bits=1", "refcount_bits=8", "refcount_bits=64",
 		"lazy_refcounts=on", "lazy_refcounts=off", "backing_file=other.qcow2", "size=128M", "size=32M",
 		"compat=0.10,refcount_bits=8", "cluster_size=4096", "refcount_bits=3", "compat=0.9", "lazy_refcounts=maybe",
-		"refcount_bits=8,compat=0.10,refcount_bits=16", "foo=1"},
+		"refcount_bits=8,compat=0.10,refcount_bits=16", "foo=1", "compat=1.1,", "compat=1.1,,", "size=abc"},
 	"snapshots":              {"compat=0.10", "compat=1.1", "refcount_bits=1", "refcount_bits=2", "size=32M"},
 	"bitmaps":                {"compat=0.10", "refcount_bits=64", "lazy_refcounts=on"},
 	"backing":                {"compat=0.10", "refcount_bits=8", "backing_file=base.qcow2,backing_fmt=qcow2", "backing_file=base.qcow2", "backing_fmt=raw"},
