@@ -260,7 +260,7 @@ func readHeader(ctx context.Context, f aio.File) (*header, []byte, error) {
 
 // upgrade makes a version 2 image version 3 (QEMU's qcow2_upgrade).
 func upgrade(ctx context.Context, f aio.File, h *header, head []byte) error {
-	c, err := countedImage(ctx, f)
+	c, err := imageTables(ctx, f)
 	if err != nil {
 		return err
 	}
@@ -282,7 +282,7 @@ func downgrade(ctx context.Context, f aio.File, h *header, head []byte) error {
 	if h.refcountOrder != 4 {
 		return amendRefusal("compat=0.10 requires refcount_bits=16")
 	}
-	c, err := countedImage(ctx, f)
+	c, err := imageTables(ctx, f)
 	if err != nil {
 		return err
 	}

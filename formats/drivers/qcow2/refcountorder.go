@@ -39,9 +39,9 @@ func (e *refcountWidthError) Error() string {
 	return fmt.Sprintf("Cannot decrease refcount entry width to %d bits: Cluster at offset %#x has a refcount of %d", e.bits, e.off, e.count)
 }
 
-// countedImage is a check of f's references, without repairs: the
-// computed refcounts (imrt) of every cluster.
-func countedImage(ctx context.Context, f aio.File) (*checker, error) {
+// imageTables reads f's header, refcount table, active L1 table and
+// snapshot table as check does, counting nothing.
+func imageTables(ctx context.Context, f aio.File) (*checker, error) {
 	res := formats.CheckResult{Filename: f.Name(), Format: "qcow2"}
 	c := &checker{f: f, res: &res, blocks: map[int64][]byte{}, dirty: map[int64]bool{}}
 	if err := c.load(ctx); err != nil {
@@ -55,16 +55,33 @@ func countedImage(ctx context.Context, f aio.File) (*checker, error) {
 	if c.nb > maxCheckClusters {
 		return nil, fmt.Errorf("qcow2: %s: %w", f.Name(), errFileTooLarge)
 	}
-	if err := c.calculate(ctx, RepairNone); err != nil {
+	return c, nil
+}
+
+// countedImage is a check of f's references, without repairs: the
+// computed refcounts (imrt) of every cluster.
+func countedImage(ctx context.Context, f aio.File) (*checker, error) {
+	c, err := imageTables(ctx, f)
+	if err != nil {
 		return nil, err
+	}
+	return c, c.count(ctx)
+}
+
+// count computes the refcounts from the references. Refcounts that fall
+// short of the references are refused; leaks are not (the computed
+// counts drop them).
+func (c *checker) count(ctx context.Context) error {
+	if err := c.calculate(ctx, RepairNone); err != nil {
+		return err
 	}
 	if _, err := c.compare(ctx, RepairNone); err != nil {
-		return nil, err
+		return err
 	}
 	if c.res.Corruptions > 0 || c.res.CheckErrors > 0 || c.rebuild {
-		return nil, fmt.Errorf("qcow2: %s: %w", f.Name(), errRefcountsInconsistent)
+		return fmt.Errorf("qcow2: %s: %w", c.f.Name(), errRefcountsInconsistent)
 	}
-	return c, nil
+	return nil
 }
 
 // switchRefcounts writes a refcount structure of 2^order-bit entries

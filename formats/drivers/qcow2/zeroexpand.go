@@ -53,7 +53,7 @@ func (c *checker) l2Tables(ctx context.Context) ([]int64, error) {
 // hasCompressedClusters says whether any L2 table maps a compressed
 // cluster.
 func hasCompressedClusters(ctx context.Context, f aio.File) (bool, error) {
-	c, err := countedImage(ctx, f)
+	c, err := imageTables(ctx, f)
 	if err != nil {
 		return false, err
 	}
@@ -76,7 +76,7 @@ func hasCompressedClusters(ctx context.Context, f aio.File) (bool, error) {
 // expandZeroClusters turns f's zero clusters into data or unallocated
 // clusters.
 func expandZeroClusters(ctx context.Context, f aio.File) error {
-	c, err := countedImage(ctx, f)
+	c, err := imageTables(ctx, f)
 	if err != nil {
 		return err
 	}
@@ -107,6 +107,9 @@ func expandZeroClusters(ctx context.Context, f aio.File) error {
 	}
 	if len(zeros) == 0 {
 		return nil
+	}
+	if err := c.count(ctx); err != nil {
+		return err
 	}
 	backed := c.h.backingFile != ""
 	var reserved []uint64
