@@ -5,11 +5,14 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"testing"
+	"time"
 )
 
 // amendTestImage runs the commands that make an image (qemu-img,
@@ -244,4 +247,39 @@ func TestAmendOptionsAreRefusedInQemuImgsWords(t *testing.T) {
 	if err != nil || o.Version != 2 || o.RefcountBits != 64 || o.LazyRefcounts == nil || *o.LazyRefcounts {
 		t.Fatalf("%+v, %v", o, err)
 	}
+}
+
+// FuzzAmend runs each amend step over mutated images: whatever the
+// metadata says, no panic and no hang; a refusal is fine.
+func FuzzAmend(f *testing.F) {
+	seeds, _ := filepath.Glob("testdata/seeds/*.qcow2")
+	for _, s := range seeds {
+		b, err := os.ReadFile(s)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	dir := f.TempDir()
+	steps := []AmendOptions{{RefcountBits: 8}, {RefcountBits: 64}, {Version: 2}, {Version: 3}, {LazyRefcounts: new(false)}}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				buf := make([]byte, 1<<20)
+				n := runtime.Stack(buf, true)
+				panic(fmt.Sprintf("amend hangs for 10s:\n%s", buf[:n]))
+			}
+		}()
+		for _, o := range steps {
+			p := filepath.Join(dir, "fuzz.qcow2")
+			if err := os.WriteFile(p, b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			amendWith(t, p, o, 1<<30)
+		}
+	})
 }

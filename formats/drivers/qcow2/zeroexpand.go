@@ -29,23 +29,44 @@ type zeroEntry struct {
 // l2Tables lists the L2 tables c's active and snapshot L1 tables name,
 // once each, in the order first named.
 func (c *checker) l2Tables(ctx context.Context) ([]int64, error) {
+	cs := c.h.clusterSize
 	seen := map[int64]bool{}
 	var out []int64
-	add := func(l1 []uint64) {
+	add := func(l1 []uint64) error {
 		for _, e := range l1 {
-			if off := int64(e & l1OffsetMask); off != 0 && !seen[off] {
-				seen[off] = true
-				out = append(out, off)
+			off := int64(e & l1OffsetMask)
+			if off == 0 || seen[off] {
+				continue
 			}
+			if off%cs != 0 || off > c.fileLen-cs {
+				return fmt.Errorf("%w: L2 table at %#x is misaligned or past the end of the file", ErrCorrupt, off)
+			}
+			seen[off] = true
+			out = append(out, off)
 		}
+		return nil
 	}
-	add(c.l1)
+	if err := add(c.l1); err != nil {
+		return nil, err
+	}
+	// Each snapshot's L1 table is checked before it is read: a damaged
+	// table cannot make this read more than the file holds.
+	read := map[[2]int64]bool{}
 	for _, sn := range c.snaps {
+		if sn.l1Offset%cs != 0 || sn.l1Size < 0 || sn.l1Size > maxL1Bytes/8 || sn.l1Offset < 0 || sn.l1Offset > c.fileLen-sn.l1Size*8 {
+			return nil, fmt.Errorf("%w: snapshot %s's L1 table at %#x (%d entries) is misaligned, too large or past the end of the file", ErrCorrupt, sn.ID, sn.l1Offset, sn.l1Size)
+		}
+		if read[[2]int64{sn.l1Offset, sn.l1Size}] {
+			continue
+		}
+		read[[2]int64{sn.l1Offset, sn.l1Size}] = true
 		l1, err := c.readTable(ctx, sn.l1Offset, sn.l1Size)
 		if err != nil {
 			return nil, fmt.Errorf("qcow2: snapshot %s's L1 table: %w", sn.ID, err)
 		}
-		add(l1)
+		if err := add(l1); err != nil {
+			return nil, err
+		}
 	}
 	return out, nil
 }
