@@ -55,6 +55,7 @@ test:
 	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime 2000x -fuzzminimizetime 2s ./formats/jobs/convert
 	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzAmend$$' -fuzztime 300x -fuzzminimizetime 2s ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime 5000x -fuzzminimizetime 2s ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime 20000x -fuzzminimizetime 2s ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/protocols/remote/s3
@@ -78,6 +79,7 @@ fuzz:
 	$(GO) test -run XXX -fuzz '^FuzzConvertRanges$$' -fuzztime $(FUZZTIME) ./formats/jobs/convert
 	$(GO) test -run XXX -fuzz '^FuzzDropBacking$$' -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz '^FuzzCheck$$' -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
+	$(GO) test -run XXX -fuzz '^FuzzAmend$$' -fuzztime $(FUZZTIME) ./formats/drivers/qcow2
 	$(GO) test -run XXX -fuzz '^FuzzCheckPartial$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3

@@ -102,7 +102,7 @@ func rootCommand() *cobra.Command {
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
 	root.AddCommand(fuseCommand(), nbdCommand(), infoCommand(), mapCommand(), checkCommand(), createCommand(), compareCommand(), convertCommand(),
-		streamCommand(), rebaseCommand(), commitCommand(), snapshotCommand(), bitmapCommand(), measureCommand(), resizeCommand(), ddCommand(),
+		streamCommand(), rebaseCommand(), commitCommand(), snapshotCommand(), bitmapCommand(), measureCommand(), resizeCommand(), ddCommand(), amendCommand(),
 		&cobra.Command{
 			Use:   "version",
 			Short: "print the version and the VCS revision it was built from (also --version)",
