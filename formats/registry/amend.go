@@ -32,7 +32,7 @@ type AmendRequest struct {
 func Amend(ctx context.Context, spec, format string, o Options, r AmendRequest) error {
 	if format == Auto {
 		var err error
-		if format, err = detect(spec); err != nil {
+		if format, _, err = detect(spec); err != nil {
 			return &qcow2.AmendOpenError{Err: err}
 		}
 	}
