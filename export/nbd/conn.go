@@ -42,6 +42,9 @@ type conn struct {
 	writable bool
 	chosen   string
 	chose    bool
+	// left: the client has hung up (DISC or end of stream); what is left
+	// is to finish its requests, and Remove does not count it as a user.
+	left bool
 	// ended is closed when serve has returned (Server.Remove waits on it).
 	ended chan struct{}
 	sock  sock.Stream // the client's stream: through TLS after STARTTLS
@@ -206,6 +209,7 @@ func (c *conn) serve() {
 	c.bw.Reset(c.sock) // after STARTTLS: through TLS
 	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "meta contexts", neg.meta.any())
 	err = c.transmit(r)
+	c.srv.leaving(c)
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
 	}
@@ -293,6 +297,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			}
 		}
 		if req.typ == wire.CmdDisc {
+			c.srv.leaving(c)
 			c.uncork()
 			c.hand.Wait()
 			if c.writable {

@@ -116,8 +116,9 @@ func (s *Server) Add(e Export) error {
 
 // Remove takes back an export given to Add. In safe mode (hard false) it
 // refuses while a client is connected to it; hard, it stops those
-// connections (each finishes what it has read) and waits for them, so
-// that the export's image may be closed once it returns.
+// connections (each finishes what it has read). Either way it waits for
+// the connections of the export to end (those of clients that hung up
+// too), so that the export's image may be closed once it returns.
 func (s *Server) Remove(ctx context.Context, name string, hard bool) error {
 	s.mu.Lock()
 	if _, ok := s.added[name]; !ok {
@@ -125,12 +126,14 @@ func (s *Server) Remove(ctx context.Context, name string, hard bool) error {
 		return fmt.Errorf("no NBD export named %q", name)
 	}
 	var users []*conn
+	inUse := false
 	for c := range s.conns {
 		if c.chosen == name && c.chose {
 			users = append(users, c)
+			inUse = inUse || !c.left
 		}
 	}
-	if len(users) > 0 && !hard {
+	if inUse && !hard {
 		s.mu.Unlock()
 		return ErrExportInUse
 	}
@@ -153,6 +156,13 @@ func (s *Server) Remove(ctx context.Context, name string, hard bool) error {
 func (s *Server) Has(name string) bool {
 	_, ok := s.export(name)
 	return ok
+}
+
+// leaving records that c's client has hung up.
+func (s *Server) leaving(c *conn) {
+	s.mu.Lock()
+	c.left = true
+	s.mu.Unlock()
 }
 
 // choose records that c serves the export e from now on: Remove sees it.
