@@ -84,6 +84,8 @@ fuzz:
 	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
 	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzKeyval$$' -fuzztime $(FUZZTIME) ./export/qmp
+	$(GO) test -run XXX -fuzz '^FuzzQMPInput$$' -fuzztime $(FUZZTIME) ./export/qmp
 
 # Unit tests only (no mounts, no root needed for most).
 unit:
