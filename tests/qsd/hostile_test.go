@@ -3,6 +3,7 @@ package qsd
 import (
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -199,4 +200,81 @@ func TestMonitorSocketIsOwnerOnly(t *testing.T) {
 	if st.Mode()&os.ModeSocket == 0 || st.Mode().Perm() != 0o600 {
 		t.Fatalf("monitor socket mode %v, want a socket 0600", st.Mode())
 	}
+}
+
+// TestExportDeletionWithAConnectedClient: an NBD export a client is
+// connected to is refused by a safe block-export-del and cut by a hard
+// one (its event sent, the client's next read failing), the same on QSD
+// and on our daemon.
+func TestExportDeletionWithAConnectedClient(t *testing.T) {
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		t.Run(filepath.Base(prog), func(t *testing.T) {
+			dir := t.TempDir()
+			nbdSock := filepath.Join(dir, "nbd.sock")
+			d := startDaemon(t, prog, nil)
+			c := dialRaw(t, d.sock, true)
+			c.call(`{"execute": "blockdev-add", "arguments": {"driver": "null-co", "node-name": "n", "size": 1048576}}`)
+			c.call(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
+			if r := c.call(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e", "node-name": "n"}}`); r["return"] == nil {
+				t.Fatalf("block-export-add: %v", r)
+			}
+			client := exec.Command("qemu-io", "-r", "-f", "raw", "nbd+unix:///n?socket="+nbdSock)
+			var out safeBuffer
+			client.Stdout, client.Stderr = &out, &out
+			stdin, _ := client.StdinPipe()
+			if err := client.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { stdin.Close(); client.Process.Kill(); client.Wait() })
+			stdin.Write([]byte("read 0 4k\n"))
+			for deadline := time.Now().Add(10 * time.Second); !strings.Contains(out.String(), "read 4096/4096"); time.Sleep(10 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("qemu-io did not read through the export:\n%s", out.String())
+				}
+			}
+			wantError(t, "a safe block-export-del with a client connected", c.call(`{"execute": "block-export-del", "arguments": {"id": "e"}}`),
+				"GenericError", "export 'e' still in use")
+			if r := c.call(`{"execute": "block-export-del", "arguments": {"id": "e", "mode": "hard"}}`); r["return"] == nil {
+				t.Fatalf("a hard block-export-del: %v", r)
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				r := c.call(`{"execute": "query-block-exports"}`)
+				if fmt.Sprint(r["return"]) == "[]" {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("the export is still listed after a hard delete: %v", r)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			stdin.Write([]byte("read 0 4k\n"))
+			for deadline := time.Now().Add(10 * time.Second); strings.Count(out.String(), "read 4096/4096") > 1 || !strings.Contains(out.String(), "failed"); time.Sleep(10 * time.Millisecond) {
+				if strings.Count(out.String(), "read 4096/4096") > 1 {
+					t.Fatalf("the client still reads after a hard delete:\n%s", out.String())
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("no failed read after a hard delete:\n%s", out.String())
+				}
+			}
+		})
+	}
+}
+
+// safeBuffer is a bytes.Buffer a process writes while the test reads.
+type safeBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (s *safeBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *safeBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
