@@ -98,9 +98,6 @@ func (e *Engine) startFUSE(x *export) error {
 			return genericf("There already is a FUSE export on '%s'", o.Mountpoint)
 		}
 	}
-	if o.Growable && !o.Writable {
-		return genericf("Growable exports must be writable")
-	}
 	allowOther, err := fuseexport.ParseAllowOther(cmpOr(o.AllowOther, "auto"))
 	if err != nil {
 		return genericf("Parameter 'allow-other' does not accept value '%s'", o.AllowOther)
@@ -112,7 +109,8 @@ func (e *Engine) startFUSE(x *export) error {
 	// No kernel cache, as QEMU's FUSE export has none: the same node may
 	// be written through NBD or another export meanwhile, which a cache
 	// here would not see.
-	exp := fuseexport.New(img, fuseexport.Options{Writable: o.Writable, Growable: o.Growable, Logger: e.log.With("export", o.ID)})
+	// growable without writable is taken and means nothing, as in QEMU.
+	exp := fuseexport.New(img, fuseexport.Options{Writable: o.Writable, Growable: o.Growable && o.Writable, Logger: e.log.With("export", o.ID)})
 	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1})
 	if err != nil {
 		x.node.release()

@@ -278,10 +278,12 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	p = be.AppendUint64(p, uint64(e.Image.Size()))
 	p = be.AppendUint16(p, transmissionFlags(e.Writable))
 	c.optReply(id, wire.RepInfo, p)
-	c.optReply(id, wire.RepAck, nil)
 	if id == wire.OptGo {
+		// Before the ACK: once the client has it, Server.Remove must
+		// see it as the export's user.
 		c.srv.choose(c, e)
 	}
+	c.optReply(id, wire.RepAck, nil)
 	return id == wire.OptGo, nil
 }
 
