@@ -101,7 +101,19 @@ func NBDServerOptions(m map[string]any) (engine.NBDServerOptions, error) {
 		addr.done()
 	}
 	o.MaxConnections = int(a.integer("max-connections", false))
+	noTLS(a)
 	return o, a.done()
+}
+
+// noTLS refuses TLS by name: the server here has no TLS objects yet
+// (object-add tls-creds-x509), and a script asking for it must not get
+// a server without.
+func noTLS(a *args) {
+	for _, k := range []string{"tls-creds", "tls-authz"} {
+		if _, ok := a.m[k]; ok {
+			a.fail("Parameter '%s' is not supported here yet: the NBD server has no TLS objects", k)
+		}
+	}
 }
 
 // NBDServerFlat decodes --nbd-server's keys: addr is the flat
@@ -114,6 +126,7 @@ func NBDServerFlat(m map[string]any) (engine.NBDServerOptions, error) {
 		addr.done()
 	}
 	o.MaxConnections = int(a.integer("max-connections", false))
+	noTLS(a)
 	return o, a.done()
 }
 

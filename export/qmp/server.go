@@ -134,10 +134,25 @@ func (m *monitor) negotiated() bool {
 	return m.ready
 }
 
+// sendTimeout bounds how long a reply or event waits for a client that
+// does not read: events are sent under the engine's lock, and one such
+// client must not stop the daemon. It is hung up on instead.
+const sendTimeout = 10 * time.Second
+
 func (m *monitor) send(line string) {
 	m.wmu.Lock()
 	defer m.wmu.Unlock()
-	io.WriteString(m.w, line+"\r\n") // QEMU ends its lines so; a gone client is found by the reader
+	d, canTimeOut := m.w.(interface{ SetWriteDeadline(time.Time) error })
+	if canTimeOut {
+		d.SetWriteDeadline(time.Now().Add(sendTimeout))
+	}
+	// QEMU ends its lines so. A client gone is found by the reader; one
+	// that stopped reading is hung up on.
+	if _, err := io.WriteString(m.w, line+"\r\n"); err != nil && canTimeOut {
+		if c, ok := m.w.(io.Closer); ok {
+			c.Close()
+		}
+	}
 }
 
 // handle runs one message; it returns true after quit.
