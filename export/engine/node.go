@@ -2,14 +2,17 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
 	"slices"
 	"strings"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/null"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -191,10 +194,22 @@ func (n *node) openImage(e *Engine, path string, o BlockdevOptions) error {
 	opened, err := registry.Open(path, registry.Options{Format: o.Driver, Writable: writable, Lock: true,
 		Backend: e.o.Backend, Logger: e.log})
 	if err != nil {
-		return genericf("Could not open '%s': %v", path, err)
+		return openError(path, err)
 	}
 	n.opened, n.img, n.readOnly = opened, opened.Image, !writable
 	return nil
+}
+
+// openError words a failed open as QEMU does where a script may match
+// it: a file that is no qcow2 image, an image another process holds.
+func openError(path string, err error) error {
+	switch {
+	case errors.Is(err, qcow2.ErrNotQCOW2):
+		return genericf("Image is not in qcow2 format")
+	case errors.Is(err, aio.ErrInUse):
+		return genericf("Failed to get \"write\" lock: %v", err)
+	}
+	return genericf("Could not open '%s': %v", path, err)
 }
 
 // node finds a node by name (under mu).
@@ -267,7 +282,7 @@ func (n *node) acquire(e *Engine, writable bool) (formats.Image, error) {
 		opened, err := registry.Open(n.path, registry.Options{Format: registry.Raw, Writable: !n.readOnly, Lock: true,
 			Backend: e.o.Backend, Logger: e.log})
 		if err != nil {
-			return nil, genericf("Could not open '%s': %v", n.path, err)
+			return nil, openError(n.path, err)
 		}
 		n.opened, n.img = opened, opened.Image
 	}

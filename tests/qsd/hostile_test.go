@@ -162,14 +162,15 @@ func TestFailedAddsLeaveNothingBehind(t *testing.T) {
 	}
 	d := startDaemon(t, harness.Bin, nil)
 	c := dialRaw(t, d.sock, true)
-	for _, cmd := range []string{
-		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "` + notQcow2 + `"}}}`,
-		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "` + dir + `/missing"}}}`,
-		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": 7}}}`,
+	for _, tc := range []struct{ cmd, desc string }{
+		{`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "` + notQcow2 + `"}}}`,
+			"Image is not in qcow2 format"},
+		{`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "` + dir + `/missing"}}}`,
+			"Could not open '" + dir + "/missing': No such file or directory"},
+		{`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": 7}}}`,
+			"Invalid parameter type for 'file.filename', expected: string"},
 	} {
-		if r := c.call(cmd); r["error"] == nil {
-			t.Fatalf("%s: %v, want an error", cmd, r)
-		}
+		wantError(t, tc.cmd, c.call(tc.cmd), "GenericError", tc.desc)
 	}
 	if r := c.call(`{"execute": "query-named-block-nodes"}`); fmt.Sprint(r["return"]) != "[]" {
 		t.Fatalf("nodes left by failed adds: %v", r)
