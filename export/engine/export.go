@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"os"
@@ -98,7 +99,7 @@ func (e *Engine) startFUSE(x *export) error {
 			return genericf("There already is a FUSE export on '%s'", o.Mountpoint)
 		}
 	}
-	allowOther, err := fuseexport.ParseAllowOther(cmpOr(o.AllowOther, "auto"))
+	allowOther, err := fuseexport.ParseAllowOther(cmp.Or(o.AllowOther, "auto"))
 	if err != nil {
 		return genericf("Parameter 'allow-other' does not accept value '%s'", o.AllowOther)
 	}
@@ -118,13 +119,6 @@ func (e *Engine) startFUSE(x *export) error {
 	}
 	x.mount = m
 	return nil
-}
-
-func cmpOr(s, def string) string {
-	if s == "" {
-		return def
-	}
-	return s
 }
 
 // startNBD adds the node to the running NBD server.

@@ -37,7 +37,10 @@ type ImageInfo struct {
 	VirtualSize int64  `json:"virtual-size"`
 	ActualSize  int64  `json:"actual-size,omitempty"`
 	ClusterSize int64  `json:"cluster-size,omitempty"`
-	DirtyFlag   *bool  `json:"dirty-flag,omitempty"`
+	// FormatSpecific is the format's own object, as qemu-img info
+	// gives it (qcow2: compat, refcount-bits, ...).
+	FormatSpecific *formats.FormatSpecific `json:"format-specific,omitempty"`
+	DirtyFlag      *bool                   `json:"dirty-flag,omitempty"`
 }
 
 // CacheInfo is a node's "cache" member.
@@ -71,8 +74,8 @@ func (n *node) info() NodeInfo {
 	}
 	switch {
 	case n.img != nil && n.driver != "file":
-		img.VirtualSize = n.img.Size()
-		img.ClusterSize = n.img.Info().ClusterSize
+		info := n.img.Info()
+		img.VirtualSize, img.ClusterSize, img.FormatSpecific = n.img.Size(), info.ClusterSize, info.FormatSpecific
 	case n.path != "":
 		if st, err := os.Stat(n.path); err == nil {
 			img.VirtualSize = st.Size()

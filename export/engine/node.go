@@ -7,7 +7,6 @@ import (
 	"os"
 	"regexp"
 	"slices"
-	"strings"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -311,15 +310,4 @@ func (n *node) release() error {
 		return ferr
 	}
 	return cerr
-}
-
-// format says which format the node serves, for the export's tuning.
-func (n *node) format() string {
-	switch n.driver {
-	case "file":
-		return registry.Raw
-	case "null-co":
-		return registry.Null
-	}
-	return strings.TrimSpace(n.driver)
 }

@@ -56,6 +56,9 @@ func TestEveryCommandThroughGoQMPClient(t *testing.T) {
 	if n := nodes["disk"]; n["drv"] != "qcow2" || n["file"] != img || n["image"].(map[string]any)["virtual-size"] != float64(16<<20) || n["ro"] != false {
 		t.Fatalf("node disk: %v", n)
 	}
+	if fs, _ := nodes["disk"]["image"].(map[string]any)["format-specific"].(map[string]any); fs["type"] != "qcow2" || fs["data"].(map[string]any)["compat"] != "1.1" {
+		t.Fatalf("node disk's format-specific: %v", fs)
+	}
 	if n := nodes["other"]; n["ro"] != true || nodes["nothing"]["drv"] != "null-co" {
 		t.Fatalf("nodes other and nothing: %v", nodes)
 	}
