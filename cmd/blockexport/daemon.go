@@ -42,8 +42,12 @@ func daemonCommand() *cobra.Command {
 		DisableFlagParsing: true, // QSD's own syntax, in order (parseDaemonArgs)
 		RunE: func(c *cobra.Command, args []string) error {
 			for _, a := range args {
-				if a == "-h" || a == "--help" {
+				switch a {
+				case "-h", "--help":
 					return c.Help()
+				case "-V", "--version":
+					fmt.Fprintln(c.OutOrStdout(), version())
+					return nil
 				}
 			}
 			opts, err := parseDaemonArgs(args)
