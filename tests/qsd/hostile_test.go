@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -278,4 +279,50 @@ func (s *safeBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// TestFUSEExportDeletedWhileHeldOpen: deleting a FUSE export whose file
+// a process holds open succeeds at once with its event, and the holder's
+// reads then fail with ENOTCONN, on QSD and on our daemon alike.
+func TestFUSEExportDeletedWhileHeldOpen(t *testing.T) {
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		t.Run(filepath.Base(prog), func(t *testing.T) {
+			mnt := mountFile(t, t.TempDir(), "export")
+			d := startDaemon(t, prog, []string{mnt})
+			c := dialRaw(t, d.sock, true)
+			c.call(`{"execute": "blockdev-add", "arguments": {"driver": "null-co", "node-name": "n", "size": 1048576, "read-zeroes": true}}`)
+			if r := c.call(`{"execute": "block-export-add", "arguments": {"type": "fuse", "id": "e", "node-name": "n", "mountpoint": "` + mnt + `"}}`); r["return"] == nil {
+				t.Fatalf("block-export-add: %v", r)
+			}
+			f, err := os.Open(mnt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			buf := make([]byte, 4096)
+			if n, err := f.ReadAt(buf, 0); n != 4096 || err != nil {
+				t.Fatalf("read through the export: %d, %v", n, err)
+			}
+			if _, err := c.c.Write([]byte(`{"execute": "block-export-del", "arguments": {"id": "e"}}` + "\n")); err != nil {
+				t.Fatal(err)
+			}
+			if e := c.read(); e["event"] != "BLOCK_EXPORT_DELETED" {
+				t.Fatalf("got %v, want the deletion event first", e)
+			}
+			if r := c.read(); r["return"] == nil {
+				t.Fatalf("block-export-del: %v", r)
+			}
+			// QSD replies before its unmount has finished: the held
+			// file's reads fail soon after, not necessarily at once.
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				_, err := f.ReadAt(buf, 0)
+				if harness.ErrnoOf(err) == syscall.ENOTCONN {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("a read of the held file after the delete: %v, want ENOTCONN", err)
+				}
+			}
+		})
+	}
 }
