@@ -135,8 +135,9 @@ func runDaemon(d daemonArgs) error {
 	}
 	jobs.add(cleanup)
 	chardevs := map[string]chardev{}
+	var monitors []func()
 	for _, o := range d.opts {
-		l, err := applyDaemonOption(o, eng, srv, chardevs)
+		l, serve, err := applyDaemonOption(o, eng, srv, chardevs)
 		if err != nil {
 			cleanup()
 			return err
@@ -144,6 +145,15 @@ func runDaemon(d daemonArgs) error {
 		if l != nil {
 			listeners = append(listeners, l)
 		}
+		if serve != nil {
+			monitors = append(monitors, serve)
+		}
+	}
+	// Monitors answer only once every option is acted on, as QSD's main
+	// loop starts after them: a client that connected early waits, and
+	// then sees every node and export the command line made.
+	for _, serve := range monitors {
+		serve()
 	}
 	notifyReady()
 	select {
@@ -155,13 +165,13 @@ func runDaemon(d daemonArgs) error {
 	return nil
 }
 
-// applyDaemonOption acts on one option; a monitor on a socket returns its
-// listener.
-func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, chardevs map[string]chardev) (net.Listener, error) {
+// applyDaemonOption acts on one option; a monitor returns its listener
+// (nil for stdio) and what starts serving it.
+func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, chardevs map[string]chardev) (net.Listener, func(), error) {
 	implied := map[string]string{"export": "type", "chardev": "backend", "monitor": "chardev"}[o.name]
 	m, keyval, err := qmp.ParseOption(o.value, implied)
 	if err != nil {
-		return nil, fmt.Errorf("--%s: %w", o.name, err)
+		return nil, nil, fmt.Errorf("--%s: %w", o.name, err)
 	}
 	switch o.name {
 	case "blockdev":
@@ -169,25 +179,25 @@ func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, char
 		if err == nil {
 			err = eng.AddNode(bo)
 		}
-		return nil, err
+		return nil, nil, err
 	case "export":
 		eo, err := qmp.ExportOptions(m, keyval)
 		if err == nil {
 			err = eng.AddExport(eo)
 		}
-		return nil, err
+		return nil, nil, err
 	case "nbd-server":
 		no, err := qmp.NBDServerFlat(m)
 		if err == nil {
 			err = eng.StartNBD(no)
 		}
-		return nil, err
+		return nil, nil, err
 	case "chardev":
-		return nil, addChardev(m, chardevs)
+		return nil, nil, addChardev(m, chardevs)
 	case "monitor":
-		return startMonitor(m, srv, chardevs)
+		return listenMonitor(m, srv, chardevs)
 	}
-	return nil, fmt.Errorf("--%s: not supported", o.name)
+	return nil, nil, fmt.Errorf("--%s: not supported", o.name)
 }
 
 // addChardev records a chardev; only what a QMP monitor uses is taken.
@@ -218,37 +228,35 @@ func addChardev(m map[string]any, chardevs map[string]chardev) error {
 	return fmt.Errorf("--chardev: backend %q is not supported here (socket or stdio)", backend)
 }
 
-// startMonitor runs QMP on a chardev: stdio, or a unix socket made 0600
-// (the monitor can add and remove any file's export: only its owner may
-// connect).
-func startMonitor(m map[string]any, srv *qmp.Server, chardevs map[string]chardev) (net.Listener, error) {
+// listenMonitor makes a monitor's chardev: stdio, or a unix socket
+// made 0600 (the monitor can add and remove any file's export: only its
+// owner may connect); serve starts answering on it.
+func listenMonitor(m map[string]any, srv *qmp.Server, chardevs map[string]chardev) (l net.Listener, serve func(), err error) {
 	id, _ := m["chardev"].(string)
 	if mode, ok := m["mode"].(string); ok && mode != "control" {
-		return nil, fmt.Errorf("--monitor: Only QMP is supported")
+		return nil, nil, fmt.Errorf("--monitor: Only QMP is supported")
 	}
 	cd, ok := chardevs[id]
 	if !ok {
-		return nil, fmt.Errorf("--monitor: chardev \"%s\" not found", id)
+		return nil, nil, fmt.Errorf("--monitor: chardev \"%s\" not found", id)
 	}
 	if cd.backend == "stdio" {
-		go srv.ServeConn(stdio{})
-		return nil, nil
+		return nil, func() { go srv.ServeConn(stdio{}) }, nil
 	}
 	if st, err := os.Lstat(cd.path); err == nil && st.Mode()&os.ModeSocket != 0 {
 		os.Remove(cd.path) // QEMU unlinks a socket left behind before binding
 	}
 	old := syscall.Umask(0o177)
-	l, err := net.Listen("unix", cd.path)
+	l, err = net.Listen("unix", cd.path)
 	syscall.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("--chardev %s: Failed to bind socket to %s: %w", id, cd.path, err)
+		return nil, nil, fmt.Errorf("--chardev %s: Failed to bind socket to %s: %w", id, cd.path, err)
 	}
 	if err := os.Chmod(cd.path, 0o600); err != nil {
 		l.Close()
-		return nil, fmt.Errorf("--chardev %s: %w", id, err)
+		return nil, nil, fmt.Errorf("--chardev %s: %w", id, err)
 	}
-	go srv.Serve(l)
-	return l, nil
+	return l, func() { go srv.Serve(l) }, nil
 }
 
 // stdio is the process's stdin and stdout as one stream.
