@@ -36,7 +36,7 @@ func FuzzQMPInput(f *testing.F) {
 			if d.Decode(&obj) != nil || obj == nil {
 				continue
 			}
-			_, args, err := checkInput(obj)
+			_, args, _, err := checkInput(obj, true)
 			if err != nil {
 				continue
 			}

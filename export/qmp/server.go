@@ -125,7 +125,10 @@ type monitor struct {
 	w   io.Writer
 	// ready: qmp_capabilities has run (under srv.cmdMu for writes).
 	ready bool
-	rmu   sync.Mutex
+	// oob: the client enabled out-of-band execution (exec-oob), which
+	// no command here supports (set once, by the reader).
+	oob bool
+	rmu sync.Mutex
 }
 
 func (m *monitor) negotiated() bool {
@@ -173,9 +176,19 @@ func (m *monitor) handle(msg []byte) bool {
 	if !hasID {
 		id = nil
 	}
-	name, args, err := checkInput(obj)
+	name, args, oob, err := checkInput(obj, m.oob)
 	if err != nil {
 		m.send(errorReply(id, engine.Generic, err.Error()))
+		return false
+	}
+	if oob {
+		// Nothing here runs out of band; QEMU says so of the commands
+		// it has, and CommandNotFound of the others.
+		if _, ok := m.srv.commands[name]; ok {
+			m.send(errorReply(id, engine.Generic, fmt.Sprintf("The command %s does not support OOB", name)))
+		} else {
+			m.send(errorReply(id, "CommandNotFound", fmt.Sprintf("The command %s has not been found", name)))
+		}
 		return false
 	}
 	m.srv.cmdMu.Lock()
@@ -185,10 +198,12 @@ func (m *monitor) handle(msg []byte) bool {
 			m.send(errorReply(id, "CommandNotFound", "Expecting capabilities negotiation with 'qmp_capabilities'"))
 			return false
 		}
-		if err := capabilities(args); err != nil {
+		oob, err := capabilities(args)
+		if err != nil {
 			m.send(errorReply(id, engine.Generic, err.Error()))
 			return false
 		}
+		m.oob = oob
 		m.rmu.Lock()
 		m.ready = true
 		m.rmu.Unlock()
@@ -212,53 +227,54 @@ func (m *monitor) handle(msg []byte) bool {
 	return false
 }
 
-// checkInput checks the message's members as QEMU's dispatcher does.
-func checkInput(obj map[string]any) (string, map[string]any, error) {
-	var name string
-	args := map[string]any{}
+// checkInput checks the message's members as QEMU's dispatcher does;
+// exec-oob is a member only once the client enabled oob.
+func checkInput(obj map[string]any, oobEnabled bool) (name string, args map[string]any, oob bool, err error) {
+	args = map[string]any{}
 	for _, k := range sortedKeys(obj) {
-		switch k {
-		case "execute":
+		switch {
+		case k == "execute" || (k == "exec-oob" && oobEnabled):
 			s, ok := obj[k].(string)
 			if !ok {
-				return "", nil, fmt.Errorf("QMP input member 'execute' must be a string")
+				return "", nil, false, fmt.Errorf("QMP input member '%s' must be a string", k)
 			}
-			name = s
-		case "arguments":
+			name, oob = s, k == "exec-oob"
+		case k == "arguments":
 			a, ok := obj[k].(map[string]any)
 			if !ok {
-				return "", nil, fmt.Errorf("QMP input member 'arguments' must be an object")
+				return "", nil, false, fmt.Errorf("QMP input member 'arguments' must be an object")
 			}
 			args = a
-		case "id":
+		case k == "id":
 		default:
-			return "", nil, fmt.Errorf("QMP input member '%s' is unexpected", k)
+			return "", nil, false, fmt.Errorf("QMP input member '%s' is unexpected", k)
 		}
 	}
 	if name == "" {
-		return "", nil, fmt.Errorf("QMP input lacks member 'execute'")
+		return "", nil, false, fmt.Errorf("QMP input lacks member 'execute'")
 	}
-	return name, args, nil
+	return name, args, oob, nil
 }
 
 // capabilities checks qmp_capabilities' arguments: enable, a list of
-// capabilities, of which QEMU has only oob.
-func capabilities(args map[string]any) error {
+// capabilities, of which QEMU has only oob; it says whether oob is on.
+func capabilities(args map[string]any) (oob bool, err error) {
 	for k, v := range args {
 		if k != "enable" {
-			return fmt.Errorf("Parameter '%s' is unexpected", k)
+			return false, fmt.Errorf("Parameter '%s' is unexpected", k)
 		}
 		list, ok := v.([]any)
 		if !ok {
-			return fmt.Errorf("Invalid parameter type for 'enable', expected: array")
+			return false, fmt.Errorf("Invalid parameter type for 'enable', expected: array")
 		}
-		for _, c := range list {
+		for i, c := range list {
 			if c != "oob" {
-				return fmt.Errorf("Parameter 'enable[0]' does not accept value '%v'", c)
+				return false, fmt.Errorf("Parameter 'enable[%d]' does not accept value '%v'", i, c)
 			}
+			oob = true
 		}
 	}
-	return nil
+	return oob, nil
 }
 
 // parseError words a JSON syntax error as QEMU does where it can.

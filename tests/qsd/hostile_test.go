@@ -59,8 +59,18 @@ func TestMalformedInputAnsweredAsQSDAnswersIt(t *testing.T) {
 			if r := c.call(`{"execute": "no-such-command", "id": [7]}`); fmt.Sprint(r["id"]) != "[7]" {
 				t.Fatalf("id not echoed: %v", r)
 			}
+			// exec-oob is unexpected until oob is enabled; then no
+			// command of either runs out of band.
+			wantError(t, "exec-oob", c.call(`{"exec-oob": "query-version", "id": 1}`), "GenericError", "QMP input member 'exec-oob' is unexpected")
+			c.c.Close() // a QEMU socket chardev serves one client at a time
+			oob := dialRaw(t, d.sock, false)
+			if r := oob.call(`{"execute": "qmp_capabilities", "arguments": {"enable": ["oob"]}}`); r["return"] == nil {
+				t.Fatalf("qmp_capabilities with oob: %v", r)
+			}
+			wantError(t, "exec-oob of a command", oob.call(`{"exec-oob": "query-version"}`), "GenericError", "The command query-version does not support OOB")
+			wantError(t, "exec-oob of no command", oob.call(`{"exec-oob": "migrate-recover"}`), "CommandNotFound", "The command migrate-recover has not been found")
 			// A command split over lines is one command.
-			if r := c.call("{\"execute\":\n \"query-version\"\n}"); r["return"] == nil {
+			if r := oob.call("{\"execute\":\n \"query-version\"\n}"); r["return"] == nil {
 				t.Fatalf("a command over three lines: %v", r)
 			}
 		})
