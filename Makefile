@@ -60,6 +60,8 @@ test:
 	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime 20000x -fuzzminimizetime 2s ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/protocols/remote/s3
 	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime 10000x -fuzzminimizetime 2s ./formats/protocols/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzKeyval$$' -fuzztime 10000x -fuzzminimizetime 2s ./export/qmp
+	$(GO) test -run XXX -fuzz '^FuzzQMPInput$$' -fuzztime 10000x -fuzzminimizetime 2s ./export/qmp
 
 # Every fuzzer for longer (FUZZTIME=10m make fuzz): the image parsers, the NBD
 # server and client, the kernel-cache request rules, format probing, the
@@ -84,6 +86,8 @@ fuzz:
 	$(GO) test -run XXX -fuzz '^FuzzReadRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/http
 	$(GO) test -run XXX -fuzz '^FuzzParseContentRange$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
 	$(GO) test -run XXX -fuzz '^FuzzParseURL$$' -fuzztime $(FUZZTIME) ./formats/protocols/remote/s3
+	$(GO) test -run XXX -fuzz '^FuzzKeyval$$' -fuzztime $(FUZZTIME) ./export/qmp
+	$(GO) test -run XXX -fuzz '^FuzzQMPInput$$' -fuzztime $(FUZZTIME) ./export/qmp
 
 # Unit tests only (no mounts, no root needed for most).
 unit:

@@ -1,266 +1,284 @@
 package main
 
 import (
-	"bufio"
-	"errors"
 	"fmt"
-	"io"
-	"io/fs"
-	"log/slog"
+	"net"
 	"os"
-	"os/exec"
-	"os/signal"
-	"runtime/pprof"
+	"regexp"
+	"runtime/debug"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
-	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/export/engine"
+	"github.com/blockexport/blockexport/export/qmp"
 )
 
-// --daemonize: the process re-executes itself in a new session with a pipe
-// on fd 3. The child opens the image, mounts and starts serving, then writes
-// "ready" to the pipe; the parent exits 0 when it reads that, or with the
-// child's status (whose error is already on stderr) when the pipe closes
-// without it.
-
-const daemonEnv = "BLOCKEXPORT_DAEMON_READY_FD"
-
-// daemonExit carries the child's exit status to the parent's exit.
-type daemonExit int
-
-func (d daemonExit) Error() string { return "the background export did not come up" }
-
-func isDaemonChild() bool { return os.Getenv(daemonEnv) != "" }
-
-func daemonize(argv []string) error {
-	r, w, err := os.Pipe()
-	if err != nil {
-		return fmt.Errorf("daemonize: %w", err)
-	}
-	self, err := os.Executable()
-	if err != nil {
-		return fmt.Errorf("daemonize: %w", err)
-	}
-	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
-	if err != nil {
-		return fmt.Errorf("daemonize: %w", err)
-	}
-	defer devnull.Close()
-	cmd := exec.Command(self, argv[1:]...)
-	cmd.Env = append(os.Environ(), daemonEnv+"=3")
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = devnull, devnull, os.Stderr
-	cmd.ExtraFiles = []*os.File{w}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("daemonize: %w", err)
-	}
-	w.Close()
-	line, _ := bufio.NewReader(r).ReadString('\n')
-	r.Close()
-	if line == "ready\n" {
-		cmd.Process.Release()
-		return nil
-	}
-	err = cmd.Wait()
-	var ee *exec.ExitError
-	if errors.As(err, &ee) && ee.ExitCode() > 0 {
-		// The child has printed its error; exit with its status, quietly.
-		os.Exit(ee.ExitCode())
-	}
-	return daemonExit(exitRuntime)
-}
-
-// notifyReady tells a waiting parent that the export is serving.
-func notifyReady() {
-	fdStr := os.Getenv(daemonEnv)
-	if fdStr == "" {
-		return
-	}
-	fd, err := strconv.Atoi(fdStr)
-	if err != nil {
-		return
-	}
-	f := os.NewFile(uintptr(fd), "ready-pipe")
-	f.Write([]byte("ready\n"))
-	f.Close()
-	os.Unsetenv(daemonEnv)
-	// Like QEMU's --daemonize: once up, let go of the caller's stderr, so
-	// that a caller reading it (a pipe, $(...)) is not held open by us.
-	if devnull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0); err == nil {
-		syscall.Dup2(int(devnull.Fd()), 2)
-		devnull.Close()
-	}
-}
-
-// stopSignal is a SIGINT or SIGTERM and when it came.
-type stopSignal struct {
-	sig os.Signal
-	at  time.Time
-}
-
-// stopSignals delivers SIGINT/SIGTERM, each stamped on arrival by one
-// goroutine that does nothing else: how far apart two signals came is
-// then not skewed by how late the serving code got round to the first
-// (on a loaded machine, hundreds of milliseconds). SIGPIPE is ignored, so
-// that a log reader that went away cannot kill us before we unmount or
-// flush.
-func stopSignals() chan stopSignal {
-	signal.Ignore(syscall.SIGPIPE)
-	raw := make(chan os.Signal, 4)
-	signal.Notify(raw, syscall.SIGINT, syscall.SIGTERM)
-	sigs := make(chan stopSignal, 4)
-	go func() {
-		for s := range raw {
-			sigs <- stopSignal{sig: s, at: time.Now()}
-		}
-	}()
-	return sigs
-}
-
-// exitJobs are what a process that exits at once (a second signal while
-// stopping) must still undo: the mount, the files it created. Each job is
-// safe to run while the orderly shutdown runs too.
-type exitJobs struct {
-	mu   sync.Mutex
-	jobs []func()
-}
-
-func (e *exitJobs) add(job func()) {
-	e.mu.Lock()
-	e.jobs = append(e.jobs, job)
-	e.mu.Unlock()
-}
-
-// run runs the jobs, the last added first.
-func (e *exitJobs) run() {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	for i := len(e.jobs) - 1; i >= 0; i-- {
-		e.jobs[i]()
-	}
-}
-
-// repeatWindow is how soon after the first signal the same signal again is
-// taken for the same request: timeout(1) sends its signal to the process
-// and then to its process group, the process included, microseconds apart.
-// Taken for a second request, that pair skipped the final flush.
-const repeatWindow = 500 * time.Millisecond
-
-// stopping logs the first signal and makes a second one end the process at
-// once, for a shutdown that hangs. The fast exit does not wait for
-// requests or the final flush, but it still runs the exit jobs, leaving no
-// mount or file of ours.
-func stopping(logger *slog.Logger, first stopSignal, sigs chan stopSignal, jobs *exitJobs) {
-	logger.Info("stopping", "signal", first.sig.String())
-	go func() {
-		for s := range sigs {
-			if s.sig == first.sig && s.at.Sub(first.at) < repeatWindow {
-				logger.Debug("the same signal again at once: one request to stop", "signal", s.sig.String())
-				continue
+// daemonCommand is qemu-storage-daemon's command line on our engine: the
+// options are read in the order given, each acted on as QSD acts on it,
+// so a script written for QSD runs with this binary in its place.
+func daemonCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "daemon [--blockdev OPTS]... [--export OPTS]... [--nbd-server OPTS] [--chardev OPTS --monitor OPTS]... [--pidfile PATH] [--daemonize]",
+		Short: "serve many images and exports in one process, driven as qemu-storage-daemon is (its command line and QMP)",
+		Long: "Run a daemon that takes qemu-storage-daemon's command line and speaks QMP on its\n" +
+			"monitors. Options are acted on in the order given, as QSD does:\n" +
+			"  --blockdev driver=file|null-co|raw|qcow2|vmdk|vhdx|vpc|vdi,node-name=NAME,...  (or JSON)\n" +
+			"  --export [type=]fuse,id=ID,node-name=NAME,mountpoint=FILE[,writable=on][,growable=on][,allow-other=on|off|auto]\n" +
+			"  --export [type=]nbd,id=ID,node-name=NAME[,name=NAME][,description=TEXT][,writable=on]\n" +
+			"  --nbd-server addr.type=unix,addr.path=PATH | addr.type=inet,addr.host=HOST,addr.port=PORT[,max-connections=N]\n" +
+			"  --chardev socket,id=ID,path=PATH,server=on,wait=off | --chardev stdio,id=ID\n" +
+			"  --monitor [chardev=]ID     QMP on that chardev (its unix socket is created 0600)\n" +
+			"  --pidfile PATH, --daemonize\n" +
+			"QMP commands: qmp_capabilities, query-version, query-commands, blockdev-add, blockdev-del,\n" +
+			"block-export-add, block-export-del, query-block-exports, query-named-block-nodes,\n" +
+			"nbd-server-start, nbd-server-stop, quit; any other is CommandNotFound.",
+		Example: "  blockexport daemon --chardev socket,id=m,path=/tmp/qmp.sock,server=on,wait=off --monitor chardev=m \\\n" +
+			"    --blockdev driver=file,node-name=f,filename=disk.qcow2 --blockdev driver=qcow2,node-name=q,file=f \\\n" +
+			"    --export type=fuse,id=e,node-name=q,mountpoint=/tmp/disk.raw,writable=on",
+		DisableFlagParsing: true, // QSD's own syntax, in order (parseDaemonArgs)
+		RunE: func(c *cobra.Command, args []string) error {
+			for _, a := range args {
+				switch a {
+				case "-h", "--help":
+					return c.Help()
+				case "-V", "--version":
+					fmt.Fprintln(c.OutOrStdout(), version())
+					return nil
+				}
 			}
-			logger.Error("second signal while stopping; exiting at once", "signal", s.sig.String())
-			jobs.run()
-			os.Exit(exitRuntime)
-		}
-	}()
+			opts, err := parseDaemonArgs(args)
+			if err != nil {
+				return err
+			}
+			return runDaemon(opts)
+		},
+	}
 }
 
-// writePidfile writes our PID to path ("" writes nothing) and returns the
-// function that removes it. The file is ours while we run: mode 0600 and
-// locked (flock), so a second instance given the same pidfile is refused
-// (with the PID of the one that holds it) instead of overwriting it; and
-// it is removed at exit only if path still names the file we locked.
-func writePidfile(path string) (remove func(), err error) {
-	if path == "" {
-		return func() {}, nil
-	}
-	for try := 0; ; try++ {
-		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
-		if err != nil {
-			return nil, fmt.Errorf("pidfile: %w", err)
+// daemonOption is one option of the command line, in order.
+type daemonOption struct{ name, value string }
+
+// daemonArgs is the parsed command line.
+type daemonArgs struct {
+	opts      []daemonOption
+	pidfile   string
+	daemonize bool
+}
+
+// daemonOptions take a value; QSD's --object, -T and the like are refused
+// by name, not taken for something else.
+var daemonOptions = map[string]bool{"blockdev": true, "export": true, "nbd-server": true, "chardev": true, "monitor": true, "pidfile": true}
+
+func parseDaemonArgs(args []string) (daemonArgs, error) {
+	var d daemonArgs
+	for i := 0; i < len(args); i++ {
+		name, value, hasValue := strings.Cut(strings.TrimLeft(args[i], "-"), "=")
+		if !strings.HasPrefix(args[i], "-") {
+			return d, usagef("daemon: unexpected argument %q", args[i])
 		}
-		if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-			pid, _ := io.ReadAll(io.LimitReader(f, 32))
-			f.Close()
-			if errors.Is(err, syscall.EWOULDBLOCK) {
-				return nil, fmt.Errorf("pidfile %s is held by another running instance (pid %s)", path, strings.TrimSpace(string(pid)))
-			}
-			return nil, fmt.Errorf("pidfile %s: lock: %w", path, err)
-		}
-		// The holder we waited out may have removed the file between
-		// our open and our lock: then the lock is on a file nobody
-		// else will see; open again.
-		same, err := sameFile(f, path)
-		if err != nil {
-			f.Close()
-			return nil, fmt.Errorf("pidfile: %w", err)
-		}
-		if !same {
-			f.Close()
-			if try >= 10 {
-				return nil, fmt.Errorf("pidfile %s keeps being replaced under us", path)
-			}
+		if name == "daemonize" && !hasValue {
+			d.daemonize = true
 			continue
 		}
-		if err := writePid(f); err != nil {
-			f.Close()
-			return nil, fmt.Errorf("pidfile %s: %w", path, err)
+		if !daemonOptions[name] {
+			return d, usagef("daemon: option --%s is not supported here (see blockexport daemon --help)", name)
 		}
-		return sync.OnceFunc(func() {
-			// Unlink before letting go of the lock: a new instance
-			// that takes the lock then sees the file gone and makes
-			// its own.
-			if same, _ := sameFile(f, path); same {
-				os.Remove(path)
+		if !hasValue {
+			if i+1 >= len(args) {
+				return d, usagef("daemon: --%s needs a value", name)
 			}
-			f.Close()
-		}), nil
+			i++
+			value = args[i]
+		}
+		if name == "pidfile" {
+			d.pidfile = value
+			continue
+		}
+		d.opts = append(d.opts, daemonOption{name, value})
 	}
+	return d, nil
 }
 
-// writePid replaces f's contents with our PID and makes it 0600 (a file
-// that was there keeps its mode otherwise).
-func writePid(f *os.File) error {
-	if err := f.Chmod(0o600); err != nil {
+// chardev is a --chardev: a unix socket server or stdio.
+type chardev struct {
+	backend, path string
+}
+
+// runDaemon sets up what the options say, in their order, then serves
+// until quit or a signal.
+func runDaemon(d daemonArgs) error {
+	if d.daemonize && !isDaemonChild() {
+		return daemonize(os.Args)
+	}
+	logger, err := serveLogger("warn", "", d.daemonize)
+	if err != nil {
 		return err
 	}
-	if err := f.Truncate(0); err != nil {
+	srv := qmp.New(nil, qmpVersion(), logger)
+	eng := engine.New(engine.Options{Logger: logger, Backend: aio.IOUring, Event: srv.Event})
+	srv.SetEngine(eng)
+	sigs, jobs, stop, err := (&serveFlags{pidfile: d.pidfile}).begin()
+	if err != nil {
 		return err
 	}
-	_, err := f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
-	return err
+	defer stop()
+	var listeners []net.Listener
+	cleanup := func() {
+		for _, l := range listeners {
+			l.Close()
+		}
+		eng.Close()
+	}
+	jobs.add(cleanup)
+	chardevs := map[string]chardev{}
+	var monitors []func()
+	for _, o := range d.opts {
+		l, serve, err := applyDaemonOption(o, eng, srv, chardevs)
+		if err != nil {
+			cleanup()
+			return err
+		}
+		if l != nil {
+			listeners = append(listeners, l)
+		}
+		if serve != nil {
+			monitors = append(monitors, serve)
+		}
+	}
+	// Monitors answer only once every option is acted on, as QSD's main
+	// loop starts after them: a client that connected early waits, and
+	// then sees every node and export the command line made.
+	for _, serve := range monitors {
+		serve()
+	}
+	notifyReady()
+	select {
+	case s := <-sigs:
+		stopping(logger, s, sigs, jobs)
+	case <-srv.Quit():
+	}
+	cleanup()
+	return nil
 }
 
-// sameFile says whether path names the file f has open (not a symlink).
-func sameFile(f *os.File, path string) (bool, error) {
-	fi, err := f.Stat()
+// applyDaemonOption acts on one option; a monitor returns its listener
+// (nil for stdio) and what starts serving it.
+func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, chardevs map[string]chardev) (net.Listener, func(), error) {
+	implied := map[string]string{"export": "type", "chardev": "backend", "monitor": "chardev"}[o.name]
+	m, keyval, err := qmp.ParseOption(o.value, implied)
 	if err != nil {
-		return false, err
+		return nil, nil, fmt.Errorf("--%s: %w", o.name, err)
 	}
-	pi, err := os.Lstat(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return false, nil
+	switch o.name {
+	case "blockdev":
+		bo, err := qmp.BlockdevOptions(m, keyval)
+		if err == nil {
+			err = eng.AddNode(bo)
+		}
+		return nil, nil, err
+	case "export":
+		eo, err := qmp.ExportOptions(m, keyval)
+		if err == nil {
+			err = eng.AddExport(eo)
+		}
+		return nil, nil, err
+	case "nbd-server":
+		no, err := qmp.NBDServerFlat(m)
+		if err == nil {
+			err = eng.StartNBD(no)
+		}
+		return nil, nil, err
+	case "chardev":
+		return nil, nil, addChardev(m, chardevs)
+	case "monitor":
+		return listenMonitor(m, srv, chardevs)
 	}
-	if err != nil {
-		return false, err
-	}
-	return os.SameFile(fi, pi), nil
+	return nil, nil, fmt.Errorf("--%s: not supported", o.name)
 }
 
-// startCPUProfile profiles the process into path until stop is called
-// ("": no profile, stop does nothing).
-func startCPUProfile(path string) (stop func(), err error) {
-	if path == "" {
-		return func() {}, nil
+// addChardev records a chardev; only what a QMP monitor uses is taken.
+func addChardev(m map[string]any, chardevs map[string]chardev) error {
+	id, _ := m["id"].(string)
+	backend, _ := m["backend"].(string)
+	if id == "" {
+		return fmt.Errorf("--chardev: Parameter 'id' is missing")
 	}
-	f, err := os.Create(path)
+	if _, ok := chardevs[id]; ok {
+		return fmt.Errorf("--chardev: attempt to add duplicate property '%s' to object (type 'container')", id)
+	}
+	switch backend {
+	case "stdio":
+		chardevs[id] = chardev{backend: backend}
+		return nil
+	case "socket":
+		path, _ := m["path"].(string)
+		if path == "" {
+			return fmt.Errorf("--chardev %s: only unix socket servers (path=PATH,server=on) are supported here", id)
+		}
+		if s, _ := m["server"].(string); s != "on" && s != "yes" && s != "true" {
+			return fmt.Errorf("--chardev %s: only server=on is supported here", id)
+		}
+		chardevs[id] = chardev{backend: backend, path: path}
+		return nil
+	}
+	return fmt.Errorf("--chardev: backend %q is not supported here (socket or stdio)", backend)
+}
+
+// listenMonitor makes a monitor's chardev: stdio, or a unix socket
+// made 0600 (the monitor can add and remove any file's export: only its
+// owner may connect); serve starts answering on it.
+func listenMonitor(m map[string]any, srv *qmp.Server, chardevs map[string]chardev) (l net.Listener, serve func(), err error) {
+	id, _ := m["chardev"].(string)
+	if mode, ok := m["mode"].(string); ok && mode != "control" {
+		return nil, nil, fmt.Errorf("--monitor: Only QMP is supported")
+	}
+	cd, ok := chardevs[id]
+	if !ok {
+		return nil, nil, fmt.Errorf("--monitor: chardev \"%s\" not found", id)
+	}
+	if cd.backend == "stdio" {
+		return nil, func() { go srv.ServeConn(stdio{}) }, nil
+	}
+	if st, err := os.Lstat(cd.path); err == nil && st.Mode()&os.ModeSocket != 0 {
+		os.Remove(cd.path) // QEMU unlinks a socket left behind before binding
+	}
+	old := syscall.Umask(0o177)
+	l, err = net.Listen("unix", cd.path)
+	syscall.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("cpuprofile: %w", err)
+		return nil, nil, fmt.Errorf("--chardev %s: Failed to bind socket to %s: %w", id, cd.path, err)
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("cpuprofile: %w", err)
+	if err := os.Chmod(cd.path, 0o600); err != nil {
+		l.Close()
+		return nil, nil, fmt.Errorf("--chardev %s: %w", id, err)
 	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
+	return l, func() { go srv.Serve(l) }, nil
+}
+
+// stdio is the process's stdin and stdout as one stream.
+type stdio struct{}
+
+func (stdio) Read(p []byte) (int, error)  { return os.Stdin.Read(p) }
+func (stdio) Write(p []byte) (int, error) { return os.Stdout.Write(p) }
+func (stdio) Close() error                { return nil }
+
+// qmpVersion is our own version in QMP's fields: the module version's
+// numbers (0.0.0 for a development build) and the full version line as
+// the package.
+func qmpVersion() qmp.Version {
+	v := qmp.Version{Package: version()}
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return v
+	}
+	if m := regexp.MustCompile(`^v(\d+)\.(\d+)\.(\d+)`).FindStringSubmatch(bi.Main.Version); m != nil {
+		v.Major, _ = strconv.Atoi(m[1])
+		v.Minor, _ = strconv.Atoi(m[2])
+		v.Micro, _ = strconv.Atoi(m[3])
+	}
+	return v
 }

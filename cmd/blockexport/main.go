@@ -101,7 +101,7 @@ func rootCommand() *cobra.Command {
 	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
-	root.AddCommand(fuseCommand(), nbdCommand(), infoCommand(), mapCommand(), checkCommand(), createCommand(), compareCommand(), convertCommand(),
+	root.AddCommand(fuseCommand(), nbdCommand(), daemonCommand(), infoCommand(), mapCommand(), checkCommand(), createCommand(), compareCommand(), convertCommand(),
 		streamCommand(), rebaseCommand(), commitCommand(), snapshotCommand(), bitmapCommand(), measureCommand(), resizeCommand(), ddCommand(), amendCommand(),
 		&cobra.Command{
 			Use:   "version",

@@ -36,8 +36,18 @@ type conn struct {
 	srv *Server
 	// img is the export the client chose (the server's, or an extra
 	// one's: a partition), set by the handshake before any request.
-	img  formats.Image
-	sock sock.Stream // the client's stream: through TLS after STARTTLS
+	img formats.Image
+	// writable, chosen and chose say which export the client chose and
+	// whether it may write (set with img under the server's mu: choose).
+	writable bool
+	chosen   string
+	chose    bool
+	// left: the client has hung up (DISC or end of stream); what is left
+	// is to finish its requests, and Remove does not count it as a user.
+	left bool
+	// ended is closed when serve has returned (Server.Remove waits on it).
+	ended chan struct{}
+	sock  sock.Stream // the client's stream: through TLS after STARTTLS
 	// raw is the socket's own stream, for waking the reader from other
 	// goroutines (sock changes under the reader at STARTTLS).
 	raw sock.Stream
@@ -76,7 +86,7 @@ type conn struct {
 }
 
 func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
-	c := &conn{srv: s, img: s.img, sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
+	c := &conn{srv: s, img: s.img, writable: s.opts.Writable, ended: make(chan struct{}), sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.hand = coroutines.NewHandoff(c.ctx)
@@ -199,6 +209,7 @@ func (c *conn) serve() {
 	c.bw.Reset(c.sock) // after STARTTLS: through TLS
 	c.log.Debug("NBD client connected", "structured", neg.structured, "extended headers", neg.extended, "meta contexts", neg.meta.any())
 	err = c.transmit(r)
+	c.srv.leaving(c)
 	if err != nil {
 		c.cancel() // the client is gone: drop what it left queued
 	}
@@ -286,9 +297,10 @@ func (c *conn) transmit(r *bufio.Reader) error {
 			}
 		}
 		if req.typ == wire.CmdDisc {
+			c.srv.leaving(c)
 			c.uncork()
 			c.hand.Wait()
-			if c.srv.opts.Writable {
+			if c.writable {
 				c.img.Flush(context.Background())
 			}
 			return nil
@@ -386,7 +398,7 @@ func (c *conn) tryReadInline(req request) inlineResult {
 // waiting right here in the reader; false means nothing was written.
 func (c *conn) tryWriteInline(req request, payload []byte) bool {
 	off := int64(req.off)
-	if !c.srv.opts.Writable || req.flags&^wire.CmdFlagPayloadLen != 0 || len(payload) == 0 || req.off >= 1<<63 || off+int64(len(payload)) > c.img.Size() {
+	if !c.writable || req.flags&^wire.CmdFlagPayloadLen != 0 || len(payload) == 0 || req.off >= 1<<63 || off+int64(len(payload)) > c.img.Size() {
 		return false
 	}
 	done, err := c.img.TryWriteAt(payload, off)
@@ -436,7 +448,7 @@ func (c *conn) handle(ctx context.Context, req request, payload []byte) {
 	inRange := req.off < 1<<63 && req.length < 1<<63 && off <= size && n <= size-off
 	switch req.typ {
 	case wire.CmdWrite, wire.CmdTrim, wire.CmdWriteZeroes:
-		if !c.srv.opts.Writable {
+		if !c.writable {
 			c.errorReply(req, wire.EPerm, "the export is read-only")
 			return
 		}

@@ -205,14 +205,14 @@ func (c *conn) exportName(name []byte, extended, noZeroes bool) error {
 		// headers: the spec forbids it here.
 		return errors.New("client asked for an export with EXPORT_NAME after extended headers")
 	}
-	img, _, ok := c.srv.export(string(name))
+	e, ok := c.srv.export(string(name))
 	if !ok {
 		return fmt.Errorf("client asked for unknown export %q", name)
 	}
-	c.img = img
+	c.srv.choose(c, e)
 	reply := make([]byte, 10, 134)
 	be.PutUint64(reply[0:], uint64(c.img.Size()))
-	be.PutUint16(reply[8:], c.srv.transmissionFlags())
+	be.PutUint16(reply[8:], transmissionFlags(e.Writable))
 	if !noZeroes {
 		reply = append(reply, make([]byte, 124)...)
 	}
@@ -226,8 +226,7 @@ func (c *conn) list(data []byte) {
 		c.optReply(wire.OptList, wire.RepErrInvalid, []byte("LIST takes no data"))
 		return
 	}
-	list := append([]Export{{Name: c.srv.opts.Name, Description: c.srv.opts.Description}}, c.srv.opts.Extra...)
-	for _, e := range list {
+	for _, e := range c.srv.exports() {
 		payload := be.AppendUint32(nil, uint32(len(e.Name)))
 		payload = append(payload, e.Name...)
 		payload = append(payload, e.Description...)
@@ -254,7 +253,7 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 		c.optReply(id, wire.RepErrInvalid, []byte("bad information request list"))
 		return false, nil
 	}
-	img, desc, ok := c.srv.export(name)
+	e, ok := c.srv.export(name)
 	if !ok {
 		c.optReply(id, wire.RepErrUnknown, []byte(fmt.Sprintf("no export named %q", name)))
 		return false, nil
@@ -266,8 +265,8 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	if wants[wire.InfoName] {
 		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoName), name...))
 	}
-	if wants[wire.InfoDescription] && desc != "" {
-		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), desc...))
+	if wants[wire.InfoDescription] && e.Description != "" {
+		c.optReply(id, wire.RepInfo, append(be.AppendUint16(nil, wire.InfoDescription), e.Description...))
 	}
 	// Block sizes are always sent: they are constraints we rely on.
 	p := be.AppendUint16(nil, wire.InfoBlockSize)
@@ -276,13 +275,15 @@ func (c *conn) infoGo(id uint32, data []byte) (bool, error) {
 	p = be.AppendUint32(p, maxRequest)
 	c.optReply(id, wire.RepInfo, p)
 	p = be.AppendUint16(nil, wire.InfoExport)
-	p = be.AppendUint64(p, uint64(img.Size()))
-	p = be.AppendUint16(p, c.srv.transmissionFlags())
+	p = be.AppendUint64(p, uint64(e.Image.Size()))
+	p = be.AppendUint16(p, transmissionFlags(e.Writable))
 	c.optReply(id, wire.RepInfo, p)
-	c.optReply(id, wire.RepAck, nil)
 	if id == wire.OptGo {
-		c.img = img
+		// Before the ACK: once the client has it, Server.Remove must
+		// see it as the export's user.
+		c.srv.choose(c, e)
 	}
+	c.optReply(id, wire.RepAck, nil)
 	return id == wire.OptGo, nil
 }
 
@@ -312,7 +313,7 @@ func (c *conn) metaContext(id uint32, r io.Reader) (metaSelection, uint32, error
 		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
 	}
 	exportName := string(name)
-	if _, _, ok := c.srv.export(exportName); !ok {
+	if _, ok := c.srv.export(exportName); !ok {
 		return sel, wire.RepErrUnknown, fmt.Errorf("export %q not present", exportName)
 	}
 	nq, ok := u32()
@@ -320,7 +321,7 @@ func (c *conn) metaContext(id uint32, r io.Reader) (metaSelection, uint32, error
 		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
 	var metas []MetaContext
-	if exportName == c.srv.opts.Name {
+	if exportName == c.srv.opts.Name && c.srv.img != nil {
 		metas = c.srv.opts.Meta // a partition's offsets are not the disk's
 	}
 	sel.extra = make([]bool, len(metas))

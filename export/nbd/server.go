@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -59,20 +60,116 @@ type Options struct {
 type Export struct {
 	Name, Description string
 	Image             formats.Image
+	// Writable is for exports given to Add; those in Options.Extra are
+	// as writable as Options.Writable says.
+	Writable bool
 }
 
-// export finds the export a client names: the image and its
-// description.
-func (s *Server) export(name string) (formats.Image, string, bool) {
-	if name == s.opts.Name {
-		return s.img, s.opts.Description, true
+// export finds the export a client names. A server made with a nil
+// image (New(nil, ...)) has no export of its own, only those added.
+func (s *Server) export(name string) (Export, bool) {
+	if name == s.opts.Name && s.img != nil {
+		return Export{Name: name, Description: s.opts.Description, Image: s.img, Writable: s.opts.Writable}, true
 	}
 	for _, e := range s.opts.Extra {
 		if e.Name == name {
-			return e.Image, e.Description, true
+			e.Writable = s.opts.Writable
+			return e, true
 		}
 	}
-	return nil, "", false
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.added[name]
+	return e, ok
+}
+
+// exports lists every export, for NBD_OPT_LIST.
+func (s *Server) exports() []Export {
+	var list []Export
+	if s.img != nil {
+		list = append(list, Export{Name: s.opts.Name, Description: s.opts.Description})
+	}
+	list = append(list, s.opts.Extra...)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, e := range s.added {
+		list = append(list, e)
+	}
+	return list
+}
+
+// ErrExportInUse is Remove in safe mode of an export a client is
+// connected to (QEMU's block-export-del refuses it the same way).
+var ErrExportInUse = errors.New("export still in use")
+
+// Add offers one more export while the server runs (a daemon's
+// block-export-add); clients that connect from now on may choose it.
+func (s *Server) Add(e Export) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.added[e.Name]; ok || (e.Name == s.opts.Name && s.img != nil) {
+		return fmt.Errorf("an NBD export named %q already exists", e.Name)
+	}
+	s.added[e.Name] = e
+	return nil
+}
+
+// Remove takes back an export given to Add. In safe mode (hard false) it
+// refuses while a client is connected to it; hard, it stops those
+// connections (each finishes what it has read). Either way it waits for
+// the connections of the export to end (those of clients that hung up
+// too), so that the export's image may be closed once it returns.
+func (s *Server) Remove(ctx context.Context, name string, hard bool) error {
+	s.mu.Lock()
+	if _, ok := s.added[name]; !ok {
+		s.mu.Unlock()
+		return fmt.Errorf("no NBD export named %q", name)
+	}
+	var users []*conn
+	inUse := false
+	for c := range s.conns {
+		if c.chosen == name && c.chose {
+			users = append(users, c)
+			inUse = inUse || !c.left
+		}
+	}
+	if inUse && !hard {
+		s.mu.Unlock()
+		return ErrExportInUse
+	}
+	delete(s.added, name)
+	s.mu.Unlock()
+	for _, c := range users {
+		c.stop()
+	}
+	for _, c := range users {
+		select {
+		case <-c.ended:
+		case <-ctx.Done():
+			return fmt.Errorf("NBD export %q: connections did not finish: %w", name, ctx.Err())
+		}
+	}
+	return nil
+}
+
+// Has says whether the server offers an export of that name.
+func (s *Server) Has(name string) bool {
+	_, ok := s.export(name)
+	return ok
+}
+
+// leaving records that c's client has hung up.
+func (s *Server) leaving(c *conn) {
+	s.mu.Lock()
+	c.left = true
+	s.mu.Unlock()
+}
+
+// choose records that c serves the export e from now on: Remove sees it.
+func (s *Server) choose(c *conn, e Export) {
+	s.mu.Lock()
+	c.img, c.writable, c.chosen, c.chose = e.Image, e.Writable, e.Name, true
+	s.mu.Unlock()
 }
 
 // Default bounds on the request buffers in flight. A connection's 64 MiB
@@ -93,6 +190,7 @@ type Server struct {
 	log  *slog.Logger
 
 	mu     sync.Mutex
+	added  map[string]Export // by Add
 	conns  map[*conn]struct{}
 	closed bool
 	wg     sync.WaitGroup     // connections
@@ -106,7 +204,7 @@ func New(img formats.Image, o Options) *Server {
 	o.Logger = cmp.Or(o.Logger, slog.Default())
 	o.ConnBytes = cmp.Or(o.ConnBytes, DefaultConnBytes)
 	o.ServerBytes = cmp.Or(o.ServerBytes, DefaultServerBytes)
-	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{},
+	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{}, added: map[string]Export{},
 		bufs: aio.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes)}
 	if o.MaxClients > 0 {
 		s.slots = make(chan struct{}, o.MaxClients)
@@ -114,10 +212,10 @@ func New(img formats.Image, o Options) *Server {
 	return s
 }
 
-// transmissionFlags tells the truth about what the export does.
-func (s *Server) transmissionFlags() uint16 {
+// transmissionFlags tells the truth about what an export does.
+func transmissionFlags(writable bool) uint16 {
 	f := wire.FlagHasFlags | wire.FlagSendFlush | wire.FlagSendFUA | wire.FlagSendDF | wire.FlagSendCache | wire.FlagCanMultiConn
-	if s.opts.Writable {
+	if writable {
 		f |= wire.FlagSendTrim | wire.FlagSendZeroes | wire.FlagSendFastZero
 	} else {
 		f |= wire.FlagReadOnly
@@ -169,6 +267,7 @@ func (s *Server) Serve(l net.Listener) error {
 		s.mu.Unlock()
 		go func() {
 			defer s.wg.Done()
+			defer close(cn.ended)
 			cn.serve()
 			s.mu.Lock()
 			delete(s.conns, cn)

@@ -1,0 +1,118 @@
+// Package engine holds what one daemon process serves, the way
+// qemu-storage-daemon does: block nodes (images opened under a node name,
+// by QEMU's driver names) and exports of them (FUSE mounts, NBD exports),
+// added and removed at run time while the others serve I/O. It knows
+// nothing of how it is driven (QMP, a command line): callers give it
+// typed options, and its errors carry QEMU's class and wording, so that a
+// front end passes them on as they are.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/blockexport/blockexport/aio"
+)
+
+// Error is a failure as QEMU reports it: a class (GenericError,
+// DeviceNotFound) and a description scripts match on.
+type Error struct {
+	Class string
+	Desc  string
+}
+
+func (e *Error) Error() string { return e.Desc }
+
+// Generic and DeviceNotFound are QEMU's error classes used here.
+const (
+	Generic        = "GenericError"
+	DeviceNotFound = "DeviceNotFound"
+)
+
+func genericf(format string, a ...any) error {
+	return &Error{Class: Generic, Desc: fmt.Sprintf(format, a...)}
+}
+
+// errnoText is an errno as QEMU's strerror prints it: "No such file or
+// directory", capitalised, where Go's text is lower case.
+func errnoText(err error) string {
+	var en syscall.Errno
+	if !errors.As(err, &en) {
+		return err.Error()
+	}
+	s := en.Error()
+	if s == "" {
+		return s
+	}
+	return strings.ToUpper(s[:1]) + s[1:]
+}
+
+// Options say how the engine opens images.
+type Options struct {
+	Logger *slog.Logger
+	// Backend is the host I/O engine of the images' files.
+	Backend aio.Backend
+	// Event is called for each event (BLOCK_EXPORT_DELETED) with its
+	// name and data; nil drops them.
+	Event func(name string, data map[string]any)
+}
+
+// Engine is the set of nodes and exports of one daemon. Its methods are
+// safe for concurrent use; each runs to its end before the next starts,
+// as QMP commands do in QEMU's main loop.
+type Engine struct {
+	o   Options
+	log *slog.Logger
+
+	mu      sync.Mutex
+	nodes   []*node // oldest first
+	exports []*export
+	nbd     *nbdServer
+	// implicit numbers the nodes made for inline children ("#block1"),
+	// as QEMU names them.
+	implicit int
+}
+
+// New makes an empty engine.
+func New(o Options) *Engine {
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	return &Engine{o: o, log: o.Logger}
+}
+
+func (e *Engine) event(name string, data map[string]any) {
+	if e.o.Event != nil {
+		e.o.Event(name, data)
+	}
+}
+
+// Close ends every export and closes every node, as quit does; the
+// exports' deletion events are sent as QEMU sends them.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var first error
+	for len(e.exports) > 0 {
+		x := e.exports[len(e.exports)-1]
+		if err := e.removeExport(context.Background(), x, true); err != nil && first == nil {
+			first = err
+		}
+	}
+	if e.nbd != nil {
+		e.nbd.stop()
+		e.nbd = nil
+	}
+	for i := len(e.nodes) - 1; i >= 0; i-- {
+		if err := e.nodes[i].close(); err != nil && first == nil {
+			first = err
+		}
+	}
+	e.nodes = nil
+	return first
+}

@@ -1,0 +1,71 @@
+package engine
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/blockexport/blockexport/formats/registry"
+)
+
+// wantDesc checks err is an engine Error of class GenericError with desc.
+func wantDesc(t *testing.T, what string, err error, desc string) {
+	t.Helper()
+	var e *Error
+	if !errors.As(err, &e) || e.Class != Generic || e.Desc != desc {
+		t.Fatalf("%s: %v, want %q", what, err, desc)
+	}
+}
+
+// TestNodesAddedAndDeletedAsQEMUDoes: names are checked, a format node
+// holds its file child (deleting the child is refused while it does),
+// an inline child is named and goes with its parent, and an export's
+// node is in use until the export goes.
+func TestNodesAddedAndDeletedAsQEMUDoes(t *testing.T) {
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.qcow2")
+	if err := registry.Create(img, registry.QCOW2, registry.CreateOptions{Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	e := New(Options{Backend: "threads"})
+	t.Cleanup(func() { e.Close() })
+	wantDesc(t, "no node-name", e.AddNode(BlockdevOptions{Driver: "null-co"}), "'node-name' must be specified for the root node")
+	wantDesc(t, "a bad node-name", e.AddNode(BlockdevOptions{Driver: "null-co", NodeName: "1x"}), "Invalid node-name: '1x'")
+	wantDesc(t, "a missing file", e.AddNode(BlockdevOptions{Driver: "file", NodeName: "f", Filename: filepath.Join(dir, "none")}),
+		"Could not open '"+filepath.Join(dir, "none")+"': No such file or directory")
+	if err := e.AddNode(BlockdevOptions{Driver: "file", NodeName: "f", Filename: img}); err != nil {
+		t.Fatal(err)
+	}
+	wantDesc(t, "a duplicate", e.AddNode(BlockdevOptions{Driver: "null-co", NodeName: "f"}), "Duplicate nodes with node-name='f'")
+	if err := e.AddNode(BlockdevOptions{Driver: "qcow2", NodeName: "q", File: &BlockdevRef{Name: "f"}}); err != nil {
+		t.Fatal(err)
+	}
+	wantDesc(t, "deleting a child", e.DelNode("f"), "Block device f is in use")
+	if err := e.DelNode("q"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AddNode(BlockdevOptions{Driver: "qcow2", NodeName: "inline", ReadOnly: true,
+		File: &BlockdevRef{Inline: &BlockdevOptions{Driver: "file", Filename: img, ReadOnly: true}}}); err != nil {
+		t.Fatal(err)
+	}
+	nodes := e.Nodes()
+	if len(nodes) != 3 || nodes[0].NodeName != "inline" || nodes[1].NodeName[0] != '#' || !nodes[0].RO || nodes[0].Image.VirtualSize != 1<<20 {
+		t.Fatalf("nodes: %+v", nodes)
+	}
+	wantDesc(t, "deleting an inline child", e.DelNode(nodes[1].NodeName), "Node "+nodes[1].NodeName+" is not owned by the monitor")
+	wantDesc(t, "a writable export of a read-only node", e.AddExport(ExportOptions{Type: "fuse", ID: "x", NodeName: "inline", Mountpoint: img, Writable: true}),
+		"Cannot export read-only node 'inline' as writable")
+	if err := e.DelNode("inline"); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.Nodes(); len(n) != 1 || n[0].NodeName != "f" {
+		t.Fatalf("after deleting inline (its child goes with it): %+v", n)
+	}
+	if len(e.Exports()) != 0 {
+		t.Fatalf("exports: %+v", e.Exports())
+	}
+	if _, err := os.Stat(img); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,216 @@
+package engine
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"os"
+	"slices"
+	"time"
+
+	fuseexport "github.com/blockexport/blockexport/export/fuse"
+	"github.com/blockexport/blockexport/export/nbd"
+)
+
+// ExportOptions are block-export-add's arguments (types fuse and nbd).
+type ExportOptions struct {
+	Type     string // "fuse" or "nbd"
+	ID       string
+	NodeName string
+	Writable bool
+	// Mountpoint, Growable and AllowOther are fuse's; AllowOther is
+	// "on", "off" or "auto" (QEMU's default).
+	Mountpoint string
+	Growable   bool
+	AllowOther string
+	// Name (default: the node's name) and Description are nbd's.
+	Name        *string
+	Description string
+}
+
+// ExportInfo is one row of query-block-exports.
+type ExportInfo struct {
+	ID           string `json:"id"`
+	Type         string `json:"type"`
+	NodeName     string `json:"node-name"`
+	ShuttingDown bool   `json:"shutting-down"`
+}
+
+// export is one export of a node.
+type export struct {
+	o    ExportOptions
+	node *node
+	// mount is a FUSE export's; nbdName an NBD export's name on the
+	// server.
+	mount   *fuseexport.Mount
+	nbdName string
+}
+
+// exportTimeout bounds how long a hard removal waits for an NBD
+// client's requests in flight.
+const exportTimeout = time.Minute
+
+// AddExport starts an export (block-export-add), checking what QEMU
+// checks in its order. On failure nothing is left added.
+func (e *Engine) AddExport(o ExportOptions) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if !nodeName.MatchString(o.ID) {
+		return genericf("Invalid block export id")
+	}
+	if e.findExport(o.ID) != nil {
+		return genericf("Block export id '%s' is already in use", o.ID)
+	}
+	n := e.node(o.NodeName)
+	if n == nil {
+		return genericf("Cannot find device='' nor node-name='%s'", o.NodeName)
+	}
+	x := &export{o: o, node: n}
+	var err error
+	switch o.Type {
+	case "fuse":
+		err = e.startFUSE(x)
+	case "nbd":
+		err = e.startNBD(x)
+	default:
+		err = genericf("Parameter 'type' does not accept value '%s'", o.Type)
+	}
+	if err != nil {
+		return err
+	}
+	e.exports = append(e.exports, x)
+	e.log.Info("export added", "id", o.ID, "type", o.Type, "node-name", o.NodeName, "writable", o.Writable)
+	return nil
+}
+
+// startFUSE mounts the node over Mountpoint, which QEMU 7.2 wants to be
+// an existing regular file.
+func (e *Engine) startFUSE(x *export) error {
+	o := x.o
+	st, err := os.Stat(o.Mountpoint)
+	if err != nil {
+		return genericf("Failed to stat '%s': %s", o.Mountpoint, errnoText(err))
+	}
+	if !st.Mode().IsRegular() {
+		return genericf("'%s' is not a regular file", o.Mountpoint)
+	}
+	for _, y := range e.exports {
+		if y.mount != nil && y.o.Mountpoint == o.Mountpoint {
+			return genericf("There already is a FUSE export on '%s'", o.Mountpoint)
+		}
+	}
+	allowOther, err := fuseexport.ParseAllowOther(cmp.Or(o.AllowOther, "auto"))
+	if err != nil {
+		return genericf("Parameter 'allow-other' does not accept value '%s'", o.AllowOther)
+	}
+	img, err := x.node.acquire(e, o.Writable)
+	if err != nil {
+		return err
+	}
+	// No kernel cache, as QEMU's FUSE export has none: the same node may
+	// be written through NBD or another export meanwhile, which a cache
+	// here would not see.
+	// growable without writable is taken and means nothing, as in QEMU.
+	exp := fuseexport.New(img, fuseexport.Options{Writable: o.Writable, Growable: o.Growable && o.Writable, Logger: e.log.With("export", o.ID)})
+	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1})
+	if err != nil {
+		x.node.release()
+		return genericf("Failed to mount FUSE export on '%s': %v", o.Mountpoint, err)
+	}
+	x.mount = m
+	return nil
+}
+
+// startNBD adds the node to the running NBD server.
+func (e *Engine) startNBD(x *export) error {
+	if e.nbd == nil {
+		return genericf("NBD server not running")
+	}
+	name := x.node.name
+	if x.o.Name != nil {
+		name = *x.o.Name
+	}
+	if len(name) > 4096 {
+		return genericf("export name '%s' too long", name)
+	}
+	if len(x.o.Description) > 4096 {
+		return genericf("description '%s' too long", x.o.Description)
+	}
+	if e.nbd.has(name) {
+		return genericf("NBD server already has export named '%s'", name)
+	}
+	img, err := x.node.acquire(e, x.o.Writable)
+	if err != nil {
+		return err
+	}
+	if err := e.nbd.srv.Add(nbd.Export{Name: name, Description: x.o.Description, Image: img, Writable: x.o.Writable}); err != nil {
+		x.node.release()
+		return genericf("%v", err)
+	}
+	x.nbdName = name
+	return nil
+}
+
+func (e *Engine) findExport(id string) *export {
+	for _, x := range e.exports {
+		if x.o.ID == id {
+			return x
+		}
+	}
+	return nil
+}
+
+// DelExport ends an export (block-export-del). Safe mode refuses while
+// an NBD client is connected to it; hard mode disconnects them. A FUSE
+// export whose file is held open is detached either way, its users
+// getting ENOTCONN, as QEMU's unmount leaves them.
+func (e *Engine) DelExport(id string, hard bool) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	x := e.findExport(id)
+	if x == nil {
+		return genericf("Export '%s' is not found", id)
+	}
+	return e.removeExport(context.Background(), x, hard)
+}
+
+// removeExport stops x, releases its node and sends
+// BLOCK_EXPORT_DELETED (under mu).
+func (e *Engine) removeExport(ctx context.Context, x *export, hard bool) error {
+	var err error
+	switch {
+	case x.mount != nil:
+		err = x.mount.Unmount()
+		x.mount.Cleanup()
+	case x.nbdName != "" && e.nbd != nil:
+		ctx, cancel := context.WithTimeout(ctx, exportTimeout)
+		err = e.nbd.srv.Remove(ctx, x.nbdName, hard)
+		cancel()
+		if errors.Is(err, nbd.ErrExportInUse) {
+			return &Error{Class: Generic, Desc: "export '" + x.o.ID + "' still in use"}
+		}
+	}
+	e.exports = slices.DeleteFunc(e.exports, func(y *export) bool { return y == x })
+	if rerr := x.node.release(); err == nil {
+		err = rerr
+	}
+	e.log.Info("export deleted", "id", x.o.ID)
+	e.event("BLOCK_EXPORT_DELETED", map[string]any{"id": x.o.ID})
+	if err != nil {
+		e.log.Warn("export ended with an error", "id", x.o.ID, "err", err)
+	}
+	return nil
+}
+
+// Exports lists the exports for query-block-exports, newest first as
+// QEMU lists them.
+func (e *Engine) Exports() []ExportInfo {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]ExportInfo, 0, len(e.exports))
+	for i := len(e.exports) - 1; i >= 0; i-- {
+		x := e.exports[i]
+		out = append(out, ExportInfo{ID: x.o.ID, Type: x.o.Type, NodeName: x.node.name})
+	}
+	return out
+}

@@ -1,0 +1,122 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/blockexport/blockexport/export/nbd"
+)
+
+// NBDAddress is where nbd-server-start listens: a unix socket (Path) or
+// TCP (Host, Port).
+type NBDAddress struct {
+	Type       string // "unix" or "inet"
+	Path       string
+	Host, Port string
+}
+
+// NBDServerOptions are nbd-server-start's arguments.
+type NBDServerOptions struct {
+	Addr NBDAddress
+	// MaxConnections bounds the clients (0: no bound, QEMU's default).
+	MaxConnections int
+}
+
+// nbdServer is the one NBD server of the engine and its listener.
+type nbdServer struct {
+	srv    *nbd.Server
+	l      net.Listener
+	path   string // the unix socket we made, removed at stop
+	served chan error
+}
+
+// StartNBD starts the NBD server (nbd-server-start).
+func (e *Engine) StartNBD(o NBDServerOptions) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.nbd != nil {
+		return genericf("NBD server already running")
+	}
+	l, path, err := listen(o.Addr)
+	if err != nil {
+		return err
+	}
+	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, HandshakeLimit: nbd.DefaultHandshakeLimit,
+		PollMax: 32 * time.Microsecond, Logger: e.log.With("nbd-server", l.Addr().String())})
+	s := &nbdServer{srv: srv, l: l, path: path, served: make(chan error, 1)}
+	go func() { s.served <- srv.Serve(l) }()
+	e.nbd = s
+	e.log.Info("NBD server started", "addr", l.Addr().String())
+	return nil
+}
+
+// listen listens where a takes it; a unix socket's path is replaced, as
+// QEMU unlinks it before binding.
+func listen(a NBDAddress) (net.Listener, string, error) {
+	switch a.Type {
+	case "unix":
+		if st, err := os.Lstat(a.Path); err == nil && st.Mode()&os.ModeSocket != 0 {
+			os.Remove(a.Path)
+		}
+		l, err := net.Listen("unix", a.Path)
+		if err != nil {
+			return nil, "", genericf("Failed to bind socket to %s: %s", a.Path, errnoText(unwrapSyscall(err)))
+		}
+		return l, a.Path, nil
+	case "inet":
+		l, err := net.Listen("tcp", net.JoinHostPort(a.Host, a.Port))
+		if err != nil {
+			return nil, "", genericf("Failed to bind socket: %s", errnoText(unwrapSyscall(err)))
+		}
+		return l, "", nil
+	}
+	return nil, "", genericf("Parameter 'type' does not accept value '%s'", a.Type)
+}
+
+// unwrapSyscall digs the errno out of a net error.
+func unwrapSyscall(err error) error {
+	var en syscall.Errno
+	if errors.As(err, &en) {
+		return en
+	}
+	return err
+}
+
+func (s *nbdServer) has(name string) bool {
+	return s.srv.Has(name)
+}
+
+// stop closes the listener and ends every connection.
+func (s *nbdServer) stop() {
+	s.l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), exportTimeout)
+	defer cancel()
+	s.srv.Shutdown(ctx)
+	<-s.served
+	if s.path != "" {
+		os.Remove(s.path)
+	}
+}
+
+// StopNBD stops the NBD server (nbd-server-stop) and with it every NBD
+// export, each with its deletion event, as QEMU does.
+func (e *Engine) StopNBD() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.nbd == nil {
+		return genericf("NBD server not running")
+	}
+	for i := len(e.exports) - 1; i >= 0; i-- {
+		if x := e.exports[i]; x.nbdName != "" {
+			e.removeExport(context.Background(), x, true)
+		}
+	}
+	e.nbd.stop()
+	e.nbd = nil
+	e.log.Info("NBD server stopped")
+	return nil
+}

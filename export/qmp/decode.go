@@ -1,0 +1,147 @@
+package qmp
+
+import (
+	"github.com/blockexport/blockexport/export/engine"
+)
+
+// BlockdevOptions decodes blockdev-add's arguments (or --blockdev's,
+// keyval true: from the command line, scalars as strings).
+func BlockdevOptions(m map[string]any, keyval bool) (engine.BlockdevOptions, error) {
+	a := newArgs(m, keyval)
+	o := blockdev(a)
+	return o, a.done()
+}
+
+func blockdev(a *args) engine.BlockdevOptions {
+	var o engine.BlockdevOptions
+	o.Driver = a.enum("driver", true, engine.Drivers()...)
+	o.NodeName = a.str("node-name", false)
+	o.ReadOnly = a.boolean("read-only")
+	a.ignore("discard", "cache", "auto-read-only", "force-share", "detect-zeroes")
+	switch o.Driver {
+	case "file":
+		o.Filename = a.str("filename", true)
+		a.ignore("locking", "aio", "aio-max-batch", "drop-cache", "pr-manager")
+	case "null-co":
+		o.Size = a.integer("size", false)
+		o.ReadZeroes = a.boolean("read-zeroes")
+		a.ignore("latency-ns")
+	case "":
+	default:
+		o.File = blockdevRef(a, "file")
+		if o.Driver == "qcow2" || o.Driver == "vmdk" {
+			// backing: null (no backing file) is QEMU's way to
+			// open an overlay alone; the chain is otherwise the
+			// image's own.
+			if v, ok := a.m["backing"]; ok && v != nil {
+				a.fail("Parameter 'backing' is given a node here; only the image's own backing chain is opened")
+			}
+			a.used["backing"] = true
+		}
+		a.ignore("offset", "size", "lazy-refcounts", "cache-size", "l2-cache-size", "refcount-cache-size", "cache-clean-interval")
+	}
+	return o
+}
+
+// blockdevRef reads a child: a node name, or an object opened with it.
+func blockdevRef(a *args, name string) *engine.BlockdevRef {
+	v, ok := a.get(name, true)
+	if !ok {
+		return nil
+	}
+	switch v := v.(type) {
+	case string:
+		return &engine.BlockdevRef{Name: v}
+	case map[string]any:
+		sub := a.object(name, true)
+		inline := blockdev(sub)
+		sub.done()
+		return &engine.BlockdevRef{Inline: &inline}
+	}
+	a.fail("Invalid parameter type for '%s%s', expected: BlockdevRef", a.prefix, name)
+	return nil
+}
+
+// ExportOptions decodes block-export-add's arguments (or --export's).
+func ExportOptions(m map[string]any, keyval bool) (engine.ExportOptions, error) {
+	a := newArgs(m, keyval)
+	var o engine.ExportOptions
+	o.Type = a.enum("type", true, "nbd", "fuse", "vhost-user-blk", "vduse-blk")
+	o.ID = a.str("id", true)
+	a.ignore("fixed-iothread", "iothread")
+	o.NodeName = a.str("node-name", true)
+	o.Writable = a.boolean("writable")
+	a.ignore("writethrough")
+	switch o.Type {
+	case "fuse":
+		o.Mountpoint = a.str("mountpoint", true)
+		o.Growable = a.boolean("growable")
+		o.AllowOther = a.enum("allow-other", false, "off", "on", "auto")
+	case "nbd":
+		o.Name = a.optStr("name")
+		o.Description = a.str("description", false)
+		a.ignore("allocation-depth")
+	case "vhost-user-blk", "vduse-blk":
+		a.fail("Parameter 'type' does not accept value '%s'", o.Type) // not served here
+	}
+	return o, a.done()
+}
+
+// NBDServerOptions decodes nbd-server-start's arguments: addr is
+// SocketAddressLegacy ({"type": "unix", "data": {"path": ...}}).
+func NBDServerOptions(m map[string]any) (engine.NBDServerOptions, error) {
+	a := newArgs(m, false)
+	var o engine.NBDServerOptions
+	if addr := a.object("addr", true); addr != nil {
+		o.Addr.Type = addr.enum("type", true, "inet", "unix", "vsock", "fd")
+		if data := addr.object("data", true); data != nil {
+			o.Addr = socketAddress(data, o.Addr.Type)
+			data.done()
+		}
+		addr.done()
+	}
+	o.MaxConnections = int(a.integer("max-connections", false))
+	noTLS(a)
+	return o, a.done()
+}
+
+// noTLS refuses TLS by name: the server here has no TLS objects yet
+// (object-add tls-creds-x509), and a script asking for it must not get
+// a server without.
+func noTLS(a *args) {
+	for _, k := range []string{"tls-creds", "tls-authz"} {
+		if _, ok := a.m[k]; ok {
+			a.fail("Parameter '%s' is not supported here yet: the NBD server has no TLS objects", k)
+		}
+	}
+}
+
+// NBDServerFlat decodes --nbd-server's keys: addr is the flat
+// SocketAddress (addr.type=unix,addr.path=...).
+func NBDServerFlat(m map[string]any) (engine.NBDServerOptions, error) {
+	a := newArgs(m, true)
+	var o engine.NBDServerOptions
+	if addr := a.object("addr", true); addr != nil {
+		o.Addr = socketAddress(addr, addr.enum("type", true, "inet", "unix", "vsock", "fd"))
+		addr.done()
+	}
+	o.MaxConnections = int(a.integer("max-connections", false))
+	noTLS(a)
+	return o, a.done()
+}
+
+func socketAddress(a *args, typ string) engine.NBDAddress {
+	addr := engine.NBDAddress{Type: typ}
+	switch typ {
+	case "unix":
+		addr.Path = a.str("path", true)
+		a.ignore("abstract", "tight")
+	case "inet":
+		addr.Host = a.str("host", true)
+		addr.Port = a.str("port", true)
+		a.ignore("numeric", "to", "ipv4", "ipv6", "keep-alive")
+	case "vsock", "fd":
+		a.fail("Parameter 'type' does not accept value '%s'", typ)
+	}
+	return addr
+}
