@@ -187,7 +187,8 @@ func bitmapsSeen(t *testing.T, img string) string {
 // takes the new size, its bits past a smaller end dropped and the grown
 // part clean, and qemu-img info, qemu-nbd's dirty blocks and qemu-img
 // check agree with qemu-img's; a bitmap in use (a crashed writer's)
-// refuses any resize in qemu-img's words and leaves the image as it was.
+// refuses any resize in qemu-img's words and leaves the image as it was;
+// a size too large for a bitmap resizes and leaves them all in use.
 func TestResizeWithBitmapsMatchesQemuImg(t *testing.T) {
 	bitmaps := "qemu-img bitmap --add IMG bm0 && qemu-img bitmap --add IMG bm1 && qemu-img bitmap --add -g 512 IMG bm2 && " +
 		"qemu-io -c 'write -P 0xcc 40M 64k' -c 'write 63M 1M' -c 'write 100k 1k' IMG >/dev/null && qemu-img bitmap --disable IMG bm1"
@@ -222,5 +223,19 @@ func TestResizeWithBitmapsMatchesQemuImg(t *testing.T) {
 		if !bytes.Equal(harness.ReadAll(t, mine), before) {
 			t.Errorf("resize %v refused, yet the image changed", args)
 		}
+	}
+	// Past 2 TiB, bm2's 512-byte granularity needs more than QEMU's 512
+	// MiB of bitmap: qemu-img resizes, then fails to store any bitmap and
+	// leaves them all in use, exit 0.
+	theirs, mine := resizePair(t, "qcow2", nil, bitmaps)
+	qout, qerr := exec.Command("qemu-img", "resize", theirs, "+3T").CombinedOutput()
+	code, out := harness.RunBlockexport(t, "resize", mine, "+3T")
+	const lost = "Bitmap 'bm2' doesn't satisfy the constraints: Too much space will be occupied by the bitmap. Use larger granularity"
+	if qerr != nil || code != 0 || !strings.Contains(string(qout), lost) || !strings.Contains(out, lost) || !strings.Contains(out, "Image resized.") {
+		t.Errorf("resize +3T: exit %d\n%s\nqemu-img: %v\n%s", code, out, qerr, qout)
+	}
+	sameImages(t, "qcow2", theirs, mine)
+	if got, want := bitmapsSeen(t, mine), bitmapsSeen(t, theirs); got != want {
+		t.Errorf("resize +3T: the bitmaps are\n%s\nqemu-img's are\n%s", got, want)
 	}
 }

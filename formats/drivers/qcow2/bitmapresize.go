@@ -54,6 +54,35 @@ func (q *Image) bitmapsResizable() error {
 	return nil
 }
 
+// BitmapsLostError says that a resize left every bitmap in use, as QEMU
+// 7.2 does when one no longer fits QEMU's limits at the new size: its
+// store at close refuses them all, and the resize itself succeeds.
+type BitmapsLostError struct{ Name string }
+
+func (e *BitmapsLostError) Error() string {
+	return fmt.Sprintf("Bitmap '%s' doesn't satisfy the constraints: Too much space will be occupied by the bitmap. Use larger granularity", e.Name)
+}
+
+// BitmapsLost is the bitmaps a resize gave up, left in use (nil: none).
+func (q *Image) BitmapsLost() error {
+	if q.w == nil || q.w.bitmaps == nil || q.w.bitmaps.lost == nil {
+		return nil
+	}
+	return q.w.bitmaps.lost
+}
+
+// tooLargeAt names the bitmap QEMU finds first (it walks them last to
+// first) that its limits refuse at size bytes, or "".
+func (s *bitmapSet) tooLargeAt(size, cs int64) string {
+	for i := len(s.entries) - 1; i >= 0; i-- {
+		n := bitmapBytes(size, s.entries[i].granBits)
+		if n > bmMaxPhysBytes || n > uint64(bmMaxTableEntries)*uint64(cs) {
+			return s.entries[i].name
+		}
+	}
+	return ""
+}
+
 // holdAllBitmaps loads the bitmaps that are not in memory yet (the
 // disabled ones; a writer leaves them on disk until a resize) and marks
 // them in use in the directory, durably, so that the resize may change
@@ -66,16 +95,22 @@ func (q *Image) holdAllBitmaps(ctx context.Context, size int64) error {
 	for _, b := range s.live {
 		loaded[b.entry] = true
 	}
+	lost := s.tooLargeAt(size, q.h.clusterSize)
 	for _, e := range s.entries {
 		memory += (bitmapBits(max(size, q.Size()), e.granBits) + 63) / 64 * 8
 	}
-	if memory > maxLiveBitmapBytes {
+	if memory > maxLiveBitmapBytes && lost == "" {
 		return fmt.Errorf("qcow2: resize: %w: the dirty bitmaps would take %d bytes of memory (at most %d)", ErrUnsupported, memory, maxLiveBitmapBytes)
 	}
 	var held []*liveBitmap
+	var marks []int // entries to mark in use
 	for i := range s.entries {
 		if loaded[i] {
 			continue
+		}
+		marks = append(marks, i)
+		if lost != "" {
+			continue // never stored again: no need of its bits
 		}
 		b, err := q.loadBitmap(ctx, i, &s.entries[i], s.tables[i])
 		if err != nil {
@@ -84,15 +119,36 @@ func (q *Image) holdAllBitmaps(ctx context.Context, size int64) error {
 		b.disabled = true
 		held = append(held, b)
 	}
-	if len(held) == 0 {
-		return nil
+	if len(marks) > 0 {
+		if err := q.markBitmapsInUse(ctx, marks); err != nil {
+			return err
+		}
 	}
+	// Under users: writers read live as they mark.
+	q.w.users.Lock()
+	if lost != "" {
+		// QEMU's store at close refuses every bitmap when one is too
+		// large: all stay in use, and the resize goes on.
+		s.live, s.lost = nil, &BitmapsLostError{Name: lost}
+	} else {
+		// Only now: storeBitmaps stores every bitmap of live, and may do
+		// so only for one marked in use on disk.
+		s.live = append(s.live, held...)
+	}
+	q.w.users.Unlock()
+	return nil
+}
+
+// markBitmapsInUse sets the in-use flag of the entries marks in the
+// directory, in place, durably.
+func (q *Image) markBitmapsInUse(ctx context.Context, marks []int) error {
+	s := q.w.bitmaps
 	dir, _, err := q.readBitmapDirectory(ctx)
 	if err != nil {
 		return err
 	}
-	for _, b := range held {
-		e := &s.entries[b.entry]
+	for _, i := range marks {
+		e := &s.entries[i]
 		e.flags |= bmFlagInUse
 		binary.BigEndian.PutUint32(dir[e.pos+12:], e.flags)
 	}
@@ -102,9 +158,6 @@ func (q *Image) holdAllBitmaps(ctx context.Context, size int64) error {
 	if err := q.f.Fdatasync(ctx); err != nil {
 		return fmt.Errorf("qcow2: mark bitmaps in use: %w", err)
 	}
-	// Appended only now: storeBitmaps stores every bitmap of live, and
-	// may do so only for one marked in use on disk.
-	s.live = append(s.live, held...)
 	return nil
 }
 

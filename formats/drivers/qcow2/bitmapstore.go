@@ -40,6 +40,8 @@ type bitmapSet struct {
 	dirOff  int64
 	dirSize int64
 	live    []*liveBitmap
+	// lost: a resize left every bitmap in use (bitmapresize.go).
+	lost error
 }
 
 // liveBitmap is an enabled bitmap in memory: bit i is the granularity-sized
