@@ -145,15 +145,19 @@ type chainLocks []aio.File
 
 // lockChain takes the image locks qemu-img commit holds on name's chain
 // once it has opened it: the top layer writable (qemu-img opens it
-// read-write even with -d), every layer below as a backing file (read,
-// and nobody else may write it). A lock refused is qemu-img's refusal, in
-// its words, with the layer's depth in its "Could not open backing file"s.
+// read-write even with -d), every layer below for reading. qemu-img's top
+// shares writes with others, and so then do the layers below it
+// (bdrv_default_perms_for_cow): only a format with metadata (qcow2)
+// refuses others' writes to its own file, so a raw base another process
+// writes does not refuse a commit, as in QEMU. A lock refused is
+// qemu-img's refusal, in its words, with the layer's depth in its "Could
+// not open backing file"s.
 func lockChain(top formats.Image, name string) (chainLocks, error) {
 	var locks chainLocks
 	layer, path := top, name
 	for depth := 0; layer != nil; depth++ {
 		var lf aio.File
-		l, ok := registry.LockFor(layer.Info().Format, depth == 0, depth > 0)
+		l, ok := registry.LockFor(layer.Info().Format, depth == 0, false)
 		if st, err := os.Stat(path); ok && err == nil && st.Mode().IsRegular() {
 			f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Lock: &l})
 			if err != nil {
