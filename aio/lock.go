@@ -52,17 +52,40 @@ func lockImage(f *os.File, l Lock) error {
 			}
 		}
 	}
+	// QEMU's order (raw_check_lock_bytes): every permission we hold that
+	// someone refuses to share, then every one we refuse that someone
+	// holds; the first conflict is the one reported.
 	for i := 0; i < permBits; i++ {
-		// Someone refuses to share what we hold, or holds what we refuse.
 		if l.Perm&(1<<i) != 0 && lockedByOther(fd, lockSharedBase+int64(i)) {
-			return fmt.Errorf("%s: %w: another process does not share its %s permission (is a VM, a qemu tool or another export using it?)", f.Name(), ErrInUse, permNames[i])
+			return &LockError{File: f.Name(), Perm: permNames[i]}
 		}
+	}
+	for i := 0; i < permBits; i++ {
 		if l.Unshared&(1<<i) != 0 && lockedByOther(fd, lockPermBase+int64(i)) {
-			return fmt.Errorf("%s: %w: another process holds its %s permission (is a VM, a qemu tool or another export using it?)", f.Name(), ErrInUse, permNames[i])
+			return &LockError{File: f.Name(), Perm: permNames[i], Shared: true}
 		}
 	}
 	return nil
 }
+
+// LockError is an image lock refused (it is ErrInUse): another process
+// does not share Perm, which this open holds, or (Shared) holds Perm,
+// which this open does not share. QEMU words them "Failed to get
+// \"write\" lock" and "Failed to get shared \"write\" lock".
+type LockError struct {
+	File   string
+	Perm   string // QEMU's name: "consistent read", "write", "write unchanged", "resize"
+	Shared bool
+}
+
+func (e *LockError) Error() string {
+	if e.Shared {
+		return fmt.Sprintf("%s: %v: another process holds its %s permission (is a VM, a qemu tool or another export using it?)", e.File, ErrInUse, e.Perm)
+	}
+	return fmt.Sprintf("%s: %v: another process does not share its %s permission (is a VM, a qemu tool or another export using it?)", e.File, ErrInUse, e.Perm)
+}
+
+func (e *LockError) Unwrap() error { return ErrInUse }
 
 // lockedByOther says whether another open file description holds a lock
 // on byte off (ours never conflict with themselves).

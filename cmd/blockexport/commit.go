@@ -1,16 +1,19 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
 
+	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/jobs/commit"
 	"github.com/blockexport/blockexport/formats/jobs/progress"
@@ -77,8 +80,9 @@ func (f *commitFlags) run(c *cobra.Command, args []string) error {
 	drop := !f.keep && !c.Flags().Changed("base") // -b implies -d, as in qemu-img
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	// The chain is read without image locks: its base is opened again to
-	// be written, and a read-only lock of ours would refuse that.
+	// The chain is opened without image locks, and locked by lockChain
+	// apart: its base is opened again to be written, and a read-only lock
+	// of this open would refuse that.
 	o := registry.Options{Format: format, Writable: drop, Direct: direct, Backend: "threads",
 		Logger: warnLogger(c.ErrOrStderr())}
 	top, err := openImage(name, o)
@@ -86,6 +90,11 @@ func (f *commitFlags) run(c *cobra.Command, args []string) error {
 		return fmt.Errorf("Could not open '%s': %w", name, err)
 	}
 	defer top.Image.Close()
+	locks, err := lockChain(top.Image, name)
+	defer locks.release()
+	if err != nil {
+		return err
+	}
 	basePath, baseFormat, depth, err := findBase(top.Image, f.base, c.Flags().Changed("base"))
 	if err != nil {
 		return fmt.Errorf("%w", err)
@@ -93,10 +102,16 @@ func (f *commitFlags) run(c *cobra.Command, args []string) error {
 	if baseFormat == "" {
 		baseFormat = registry.Auto
 	}
+	// The base's read lock goes, as QEMU's reopen of the base read-write
+	// changes its lock: the writable open takes its own.
+	locks.drop(depth)
 	bo := o
 	bo.Format, bo.Writable, bo.Lock = baseFormat, true, true
 	base, err := openImage(basePath, bo)
 	if err != nil {
+		if le := (*aio.LockError)(nil); errors.As(err, &le) {
+			return lockRefusal(le, basePath)
+		}
 		return fmt.Errorf("Could not open '%s': %w", basePath, err)
 	}
 	defer base.Image.Close()
@@ -122,6 +137,69 @@ func (f *commitFlags) run(c *cobra.Command, args []string) error {
 		fmt.Fprintln(c.OutOrStdout(), "Image committed.")
 	}
 	return nil
+}
+
+// chainLocks hold QEMU's image locks on the local layers of a chain, top
+// first; nil where a layer is not a local file or its lock was dropped.
+type chainLocks []aio.File
+
+// lockChain takes the image locks qemu-img commit holds on name's chain
+// once it has opened it: the top layer writable (qemu-img opens it
+// read-write even with -d), every layer below for reading. qemu-img's top
+// shares writes with others, and so then do the layers below it
+// (bdrv_default_perms_for_cow): only a format with metadata (qcow2)
+// refuses others' writes to its own file, so a raw base another process
+// writes does not refuse a commit, as in QEMU. A lock refused is
+// qemu-img's refusal, in its words, with the layer's depth in its "Could
+// not open backing file"s.
+func lockChain(top formats.Image, name string) (chainLocks, error) {
+	var locks chainLocks
+	layer, path := top, name
+	for depth := 0; layer != nil; depth++ {
+		var lf aio.File
+		l, ok := registry.LockFor(layer.Info().Format, depth == 0, false)
+		if st, err := os.Stat(path); ok && err == nil && st.Mode().IsRegular() {
+			f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Lock: &l})
+			if err != nil {
+				if le := (*aio.LockError)(nil); errors.As(err, &le) {
+					return locks, fmt.Errorf("Could not open '%s': %s%w", name, strings.Repeat("Could not open backing file: ", depth), lockRefusal(le, path))
+				}
+				return locks, fmt.Errorf("Could not open '%s': %w", name, err)
+			}
+			lf = f
+		}
+		locks = append(locks, lf)
+		below, ok := layer.(formats.Layered)
+		if !ok || below.Backing() == nil {
+			break
+		}
+		path = cmp.Or(layer.Info().FullBackingFilename, below.Backing().Info().Filename)
+		layer = below.Backing()
+	}
+	return locks, nil
+}
+
+// drop lets go of the lock on the layer at depth.
+func (l chainLocks) drop(depth int) {
+	if depth < len(l) && l[depth] != nil {
+		l[depth].Close()
+		l[depth] = nil
+	}
+}
+
+func (l chainLocks) release() {
+	for i := range l {
+		l.drop(i)
+	}
+}
+
+// lockRefusal words a refused lock on path as QEMU does.
+func lockRefusal(le *aio.LockError, path string) error {
+	shared := ""
+	if le.Shared {
+		shared = "shared "
+	}
+	return fmt.Errorf("Failed to get %s\"%s\" lock\nIs another process using the image [%s]?", shared, le.Perm, path)
 }
 
 func (f *commitFlags) progressMode() progress.Mode {

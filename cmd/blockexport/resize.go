@@ -103,9 +103,19 @@ func (f *resizeFlags) run(c *cobra.Command, path, sizeArg string) error {
 	if err != nil {
 		return err
 	}
-	defer img.Image.Close()
 	if err := resize.Resize(context.Background(), img.Image, img.Format, req); err != nil {
+		img.Image.Close()
 		return err
+	}
+	// The close stores the dirty bitmaps at the new size: its failure
+	// leaves them in use, which the user must hear of.
+	if err := img.Image.Close(); err != nil {
+		return fmt.Errorf("resize %s: close: %w", path, err)
+	}
+	if l, ok := img.Image.(interface{ BitmapsLost() error }); ok && l.BitmapsLost() != nil {
+		// qemu-img's words at its close, and its exit status: the resize
+		// stands, the bitmaps are left in use.
+		fmt.Fprintf(c.ErrOrStderr(), "blockexport: Lost persistent bitmaps during inactivation of node '%s': %v\n", path, l.BitmapsLost())
 	}
 	if !f.quiet {
 		fmt.Fprintln(c.OutOrStdout(), "Image resized.")

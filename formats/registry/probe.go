@@ -416,6 +416,17 @@ func (c *chain) deeper() error {
 	return nil
 }
 
+// LockFor is the image lock an open of a file in format takes (see
+// aio.Lock), writable or as a backing file; false for a format not read
+// here.
+func LockFor(format string, writable, backing bool) (aio.Lock, bool) {
+	ff, ok := lookupFormat(format)
+	if !ok || ff.Lock == nil {
+		return aio.Lock{}, false
+	}
+	return ff.Lock(writable, backing), true
+}
+
 // lock is the image lock an open takes (nil: none), as lockOf says for
 // the format.
 func (o Options) lock(lockOf func(writable, backing bool) aio.Lock, writable, backing bool) *aio.Lock {

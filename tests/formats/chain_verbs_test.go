@@ -213,6 +213,8 @@ func TestCommitMatchesQemuImg(t *testing.T) {
 		{"into a qcow2 base with -b", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20}, []string{"-b", "base.qcow2"}},
 		{"with a rate limit and progress", chain{baseFormat: "qcow2", levels: 2, size: 8 << 20}, []string{"-p", "-r", "64M"}},
 		{"keeping the bitmaps", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, nil},
+		{"growing a base that has bitmaps", chain{baseFormat: "qcow2", levels: 2, size: 16 << 20, bitmaps: true}, nil},
+		{"growing a base that has bitmaps with -b", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, []string{"-b", "base.qcow2"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			differential(t, tc.c, append(append([]string{"commit"}, tc.extra...), "top.qcow2")...)
@@ -367,6 +369,46 @@ func TestRebaseKilledAtRandomLeavesEveryLayerReadable(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			crashTest(t, chain{baseFormat: "qcow2", levels: 3, size: 32 << 20}, 8, tc.args...)
 		})
+	}
+}
+
+// TestCommitRefusedWhileAnotherProcessHoldsALayer: while qemu-io holds a
+// layer of the chain (the base, a layer between, or the top; for writing
+// or, where commit would write it, for reading), commit is refused as
+// qemu-img refuses it: the same words and exit status, and every layer
+// reads as before. The layers it only reads are locked as qemu-img locks
+// them, so a writer of the base refuses it before anything is written.
+func TestCommitRefusedWhileAnotherProcessHoldsALayer(t *testing.T) {
+	c := chain{baseFormat: "qcow2", levels: 3, size: 8 << 20}
+	for _, tc := range []struct {
+		held string
+		args []string
+	}{
+		{"base.qcow2", []string{"commit", "top.qcow2"}},
+		{"base.qcow2", []string{"commit", "-b", "base.qcow2", "top.qcow2"}},
+		{"mid.qcow2", []string{"commit", "-b", "base.qcow2", "top.qcow2"}},
+		{"mid.qcow2", []string{"commit", "top.qcow2"}},
+		{"top.qcow2", []string{"commit", "-d", "top.qcow2"}},
+	} {
+		dir := t.TempDir()
+		c.build(t, dir)
+		theirs, ours := c.copyTo(t, dir), c.copyTo(t, dir)
+		views := map[string][]byte{}
+		for _, l := range c.layers {
+			views[l] = guestView(t, ours, l, c.formatOf(l))
+		}
+		harness.HoldImage(t, filepath.Join(theirs, tc.held))
+		harness.HoldImage(t, filepath.Join(ours, tc.held))
+		qcode, qout := runIn(t, theirs, append([]string{"qemu-img"}, tc.args...)...)
+		bcode, bout := runIn(t, ours, append([]string{harness.Bin}, tc.args...)...)
+		if qcode == 0 || bcode != qcode || bout != strings.ReplaceAll(qout, "qemu-img:", "blockexport:") {
+			t.Errorf("%v with %s held: exit %d, qemu-img's %d\nours: %s\nqemu-img's: %s", tc.args, tc.held, bcode, qcode, bout, qout)
+		}
+		for _, l := range c.layers {
+			if !bytes.Equal(guestView(t, ours, l, c.formatOf(l)), views[l]) {
+				t.Errorf("%v with %s held: %s changed", tc.args, tc.held, l)
+			}
+		}
 	}
 }
 

@@ -1,9 +1,12 @@
 package formats
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -148,5 +151,91 @@ func TestResizeHelpBeforeTheSize(t *testing.T) {
 	}
 	if out := harness.Run(t, "stat", "-c", "%s", p); strings.TrimSpace(out) != "1048576" {
 		t.Fatalf("resize -h changed the image's size to %s", out)
+	}
+}
+
+// bitmapsSeen is what QEMU's tools see of img's bitmaps: qemu-img info's
+// JSON list (names, flags, granularity) and each consistent bitmap's dirty
+// blocks as qemu-nbd exports them.
+func bitmapsSeen(t *testing.T, img string) string {
+	t.Helper()
+	var info struct {
+		FormatSpecific struct {
+			Data struct {
+				Bitmaps []harness.QemuBitmap `json:"bitmaps"`
+			} `json:"data"`
+		} `json:"format-specific"`
+	}
+	if err := json.Unmarshal([]byte(harness.Run(t, "qemu-img", "info", "-U", "--output", "json", img)), &info); err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, bm := range info.FormatSpecific.Data.Bitmaps { // in directory order
+		fmt.Fprintf(&b, "%s %v %d\n", bm.Name, bm.Flags, bm.Granularity)
+	}
+	for _, bm := range info.FormatSpecific.Data.Bitmaps {
+		if !slices.Contains(bm.Flags, "in-use") {
+			fmt.Fprintf(&b, "%s dirty %v\n", bm.Name, harness.DirtyRanges(t, img, bm.Name))
+		}
+	}
+	return b.String()
+}
+
+// TestResizeWithBitmapsMatchesQemuImg: an image with persistent dirty
+// bitmaps (enabled at two granularities, and a disabled one) grows,
+// shrinks and grows with preallocation as in qemu-img 7.2: every bitmap
+// takes the new size, its bits past a smaller end dropped and the grown
+// part clean, and qemu-img info, qemu-nbd's dirty blocks and qemu-img
+// check agree with qemu-img's; a bitmap in use (a crashed writer's)
+// refuses any resize in qemu-img's words and leaves the image as it was;
+// a size too large for a bitmap resizes and leaves them all in use.
+func TestResizeWithBitmapsMatchesQemuImg(t *testing.T) {
+	bitmaps := "qemu-img bitmap --add IMG bm0 && qemu-img bitmap --add IMG bm1 && qemu-img bitmap --add -g 512 IMG bm2 && " +
+		"qemu-io -c 'write -P 0xcc 40M 64k' -c 'write 63M 1M' -c 'write 100k 1k' IMG >/dev/null && qemu-img bitmap --disable IMG bm1"
+	for _, args := range [][]string{
+		{"IMG", "+1G"}, {"--shrink", "IMG", "32M"}, {"--shrink", "IMG", "40M"}, {"--preallocation=full", "IMG", "+3M"},
+		{"--preallocation=metadata", "IMG", "+3M"}, {"IMG", "+0"}, {"IMG", "+1000"},
+	} {
+		theirs, mine := resizePair(t, "qcow2", nil, bitmaps)
+		runBoth(t, replaceArg(append([]string{"resize"}, args...), "IMG", theirs), func(a string) string {
+			if a == theirs {
+				return mine
+			}
+			return a
+		})
+		sameImages(t, "qcow2", theirs, mine)
+		if got, want := bitmapsSeen(t, mine), bitmapsSeen(t, theirs); got != want {
+			t.Errorf("resize %v: the bitmaps are\n%s\nqemu-img's are\n%s", args, got, want)
+		}
+	}
+	// A writer killed while it held the image leaves bm0 and bm2 in use.
+	inUse := "qemu-io -c 'write 0 64k' -c 'sleep 60000' IMG >/dev/null & p=$!; " +
+		"until qemu-img info -U IMG | grep -q in-use; do sleep 0.05; done; kill -9 $p; wait $p; true"
+	for _, args := range [][]string{{"IMG", "+1M"}, {"IMG", "+0"}, {"--shrink", "IMG", "32M"}} {
+		theirs, mine := resizePair(t, "qcow2", nil, bitmaps, inUse)
+		before := harness.ReadAll(t, mine)
+		runBoth(t, replaceArg(append([]string{"resize"}, args...), "IMG", theirs), func(a string) string {
+			if a == theirs {
+				return mine
+			}
+			return a
+		})
+		if !bytes.Equal(harness.ReadAll(t, mine), before) {
+			t.Errorf("resize %v refused, yet the image changed", args)
+		}
+	}
+	// Past 2 TiB, bm2's 512-byte granularity needs more than QEMU's 512
+	// MiB of bitmap: qemu-img resizes, then fails to store any bitmap and
+	// leaves them all in use, exit 0.
+	theirs, mine := resizePair(t, "qcow2", nil, bitmaps)
+	qout, qerr := exec.Command("qemu-img", "resize", theirs, "+3T").CombinedOutput()
+	code, out := harness.RunBlockexport(t, "resize", mine, "+3T")
+	const lost = "Bitmap 'bm2' doesn't satisfy the constraints: Too much space will be occupied by the bitmap. Use larger granularity"
+	if qerr != nil || code != 0 || !strings.Contains(string(qout), lost) || !strings.Contains(out, lost) || !strings.Contains(out, "Image resized.") {
+		t.Errorf("resize +3T: exit %d\n%s\nqemu-img: %v\n%s", code, out, qerr, qout)
+	}
+	sameImages(t, "qcow2", theirs, mine)
+	if got, want := bitmapsSeen(t, mine), bitmapsSeen(t, theirs); got != want {
+		t.Errorf("resize +3T: the bitmaps are\n%s\nqemu-img's are\n%s", got, want)
 	}
 }

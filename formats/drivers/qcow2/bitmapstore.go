@@ -40,6 +40,8 @@ type bitmapSet struct {
 	dirOff  int64
 	dirSize int64
 	live    []*liveBitmap
+	// lost: a resize left every bitmap in use (bitmapresize.go).
+	lost error
 }
 
 // liveBitmap is an enabled bitmap in memory: bit i is the granularity-sized
@@ -49,6 +51,9 @@ type liveBitmap struct {
 	granBits uint8
 	nbits    uint64
 	words    []atomic.Uint64
+	// disabled: loaded only to be resized (bitmapresize.go); writes do
+	// not mark it.
+	disabled bool
 }
 
 // mark sets the bits of every block [off, off+n) touches. Lock-free: any
@@ -77,13 +82,16 @@ func (b *liveBitmap) mark(off, n int64) {
 }
 
 // markDirty marks [off, off+n) in every enabled bitmap; called before
-// each guest-visible change.
+// each guest-visible change, under w.users (a resize swaps the bits under
+// its write lock).
 func (q *Image) markDirty(off, n int64) {
 	if q.w == nil || q.w.bitmaps == nil {
 		return
 	}
 	for _, b := range q.w.bitmaps.live {
-		b.mark(off, n)
+		if !b.disabled {
+			b.mark(off, n)
+		}
 	}
 }
 
@@ -245,6 +253,10 @@ func (q *Image) storeBitmaps(ctx context.Context, s *bitmapSet) error {
 	entries := slices.Clone(s.entries)
 	tables := slices.Clone(s.tables)
 	for _, b := range s.live {
+		if want := bitmapBits(q.Size(), b.granBits); b.nbits != want {
+			// A table of another size would make QEMU refuse the image.
+			return fmt.Errorf("bitmap %q holds %d bits for %d bytes, want %d", entries[b.entry].name, b.nbits, q.Size(), want)
+		}
 		table, err := q.storeBitmapData(ctx, b, entries[b.entry].name)
 		if err != nil {
 			return err

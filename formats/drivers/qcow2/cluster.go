@@ -121,6 +121,39 @@ func (q *Image) lookup(ctx context.Context, vc int64) (m mapping, tableAbsent bo
 	return m, false, err
 }
 
+// scanCachedL2 passes the mappings of virtual clusters vc, vc+1, ... to
+// the end of vc's L2 table to take, while take accepts them, when that
+// table is in memory (ok false, nothing passed, otherwise). It returns how
+// many were taken, and stopped when take refused one. The table is read
+// under one hold of q.meta, as a lookup reads one entry.
+func (q *Image) scanCachedL2(vc int64, take func(mapping) bool) (taken int64, stopped, ok bool, err error) {
+	q.meta.RLock()
+	defer q.meta.RUnlock()
+	l1i := vc / q.h.l2Entries
+	if l1i >= int64(len(q.l1)) {
+		return 0, false, false, nil // lookup reports it
+	}
+	l2off := int64(q.l1[l1i] & l1OffsetMask)
+	if l2off == 0 {
+		return 0, false, false, nil
+	}
+	t, ok := q.cachedL2(l2off)
+	if !ok {
+		return 0, false, false, nil
+	}
+	for i := vc % q.h.l2Entries; i < q.h.l2Entries; i++ {
+		m, err := q.decode(vc+taken, t[i], q.fileSize)
+		if err != nil {
+			return taken, false, true, err
+		}
+		if !take(m) {
+			return taken, true, true, nil
+		}
+		taken++
+	}
+	return taken, false, true, nil
+}
+
 // tryLookup is lookup for callers that must not wait: ok false when the L2
 // table is not in memory, q.meta is held by a writer, or the entry is
 // corrupt (the caller's slow path then reports it).

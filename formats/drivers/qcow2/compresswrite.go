@@ -165,8 +165,8 @@ func (q *Image) WriteCompressed(ctx context.Context, comp []byte, off int64) err
 		return fmt.Errorf("qcow2: compressed write of %d bytes: want 1 to %d", n, cs-1)
 	}
 	w := q.w
-	q.markDirty(off, cs)
 	w.users.RLock()
+	q.markDirty(off, cs)
 	err := q.writeCompressed(ctx, comp, off)
 	w.users.RUnlock()
 	if err != nil {

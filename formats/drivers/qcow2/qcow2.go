@@ -14,6 +14,7 @@ package qcow2
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -195,9 +196,15 @@ func load(f aio.File, path string, o Options) (*Image, error) {
 	return q, nil
 }
 
+// defaultClusterBits is the cluster size qemu-img create gives, 64 KiB:
+// what readHead reads first.
+const defaultClusterBits = 16
+
 // readHead returns the length of f (a block device's by seeking to its
-// end) and its first bytes, up to the largest cluster: the header and
-// its extensions.
+// end) and its first cluster: the header and its extensions. It reads 64
+// KiB (the default cluster) and the rest of a larger cluster only when the
+// header says so: reading and zeroing the largest cluster, 2 MiB, was a
+// tenth of a `measure` process's time.
 func readHead(ctx context.Context, f aio.File) (int64, []byte, error) {
 	var st unix.Stat_t
 	if !aio.HasFd(f) {
@@ -215,11 +222,23 @@ func readHead(ctx context.Context, f aio.File) (int64, []byte, error) {
 			st.Size = n
 		}
 	}
-	head := make([]byte, min(st.Size, 1<<maxClusterBits))
+	head := make([]byte, min(st.Size, 1<<defaultClusterBits))
 	if _, err := f.ReadAt(ctx, head, 0); err != nil && err != io.EOF {
 		return 0, nil, fmt.Errorf("qcow2: read header of %s: %w", f.Name(), err)
 	}
-	return st.Size, head, nil
+	if len(head) < hdrClusterBits+4 {
+		return st.Size, head, nil // parseHeader refuses it
+	}
+	bits := binary.BigEndian.Uint32(head[hdrClusterBits:])
+	if bits <= defaultClusterBits || bits > maxClusterBits || st.Size <= int64(len(head)) {
+		return st.Size, head, nil // what parseHeader reads is here, or it refuses the cluster size
+	}
+	cluster := make([]byte, min(st.Size, 1<<bits))
+	copy(cluster, head)
+	if _, err := f.ReadAt(ctx, cluster[len(head):], int64(len(head))); err != nil && err != io.EOF {
+		return 0, nil, fmt.Errorf("qcow2: read header of %s: %w", f.Name(), err)
+	}
+	return st.Size, cluster, nil
 }
 
 func (q *Image) Size() int64 { return q.size.Load() }
@@ -393,6 +412,26 @@ func (q *Image) Extent(ctx context.Context, off, n int64) (formats.Extent, error
 	// Bound the work of one call: a crafted image can point every L1 entry
 	// at one L2 table of unallocated entries, and callers loop anyway.
 	for steps := 0; length < n && steps < maxExtentSteps; steps++ {
+		// Where the table is in memory, its entries are compared in one
+		// pass under one lock: a lookup per cluster was most of the time
+		// `measure` spent walking a large image's allocated tables.
+		k, stopped, ok, err := q.scanCachedL2((off+length)/cs, func(next mapping) bool {
+			if length >= n || !continues(next) {
+				return false
+			}
+			length += cs
+			return true
+		})
+		if err != nil {
+			return formats.Extent{}, err
+		}
+		if stopped {
+			break
+		}
+		if ok {
+			steps += int(k)
+			continue
+		}
 		next, nAbsent, err := q.lookup(ctx, (off+length)/cs)
 		if err != nil {
 			return formats.Extent{}, err

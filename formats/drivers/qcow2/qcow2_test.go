@@ -3,6 +3,7 @@ package qcow2
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"io"
@@ -289,4 +290,46 @@ func mergeMap(list []qemuMapEntry, e qemuMapEntry) []qemuMapEntry {
 		}
 	}
 	return append(list, e)
+}
+
+// TestHeaderExtensionsPastTheFirst64KiBOfALargeCluster: readHead reads
+// 64 KiB first; a 2 MiB-cluster image whose backing file name lies past
+// those 64 KiB (still in its first cluster, as QEMU allows) opens with
+// that name, which a read of only the 64 KiB would have missed.
+func TestHeaderExtensionsPastTheFirst64KiBOfALargeCluster(t *testing.T) {
+	dir := t.TempDir()
+	base, img := filepath.Join(dir, "base.qcow2"), filepath.Join(dir, "top.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", base, "4M")
+	qio(t, base, "write -P 0x5a 0 64k")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=2M", "-b", base, "-F", "qcow2", img)
+	// Move the backing file name to 1 MiB into the first cluster.
+	head := make([]byte, 2<<20)
+	f, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.ReadAt(head, 0); err != nil {
+		t.Fatal(err)
+	}
+	off := binary.BigEndian.Uint64(head[hdrBackingOffset:])
+	n := binary.BigEndian.Uint32(head[hdrBackingSize:])
+	copy(head[1<<20:], head[off:off+uint64(n)])
+	binary.BigEndian.PutUint64(head[hdrBackingOffset:], 1<<20)
+	if _, err := f.WriteAt(head, 0); err != nil {
+		t.Fatal(err)
+	}
+	tool(t, "qemu-img", "check", img) // QEMU reads it so too
+	q, err := openTest(img, testOpts{Backend: aio.Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q.Close()
+	buf := make([]byte, 4096)
+	if _, err := q.ReadAt(context.Background(), buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if buf[0] != 0x5a || buf[4095] != 0x5a {
+		t.Errorf("read %#x...%#x through the backing file, want 0x5a", buf[0], buf[4095])
+	}
 }

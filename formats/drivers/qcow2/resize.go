@@ -22,10 +22,8 @@ func (q *Image) Resize(ctx context.Context, size int64) error {
 	if size < 0 {
 		return fmt.Errorf("qcow2: resize to %d: %w", size, unix.EINVAL)
 	}
-	if q.w.bitmaps != nil {
-		// QEMU resizes only bitmaps it holds in memory; this driver
-		// resizes none, so that none is left too short.
-		return fmt.Errorf("qcow2: resize an image with persistent dirty bitmaps: %w", formats.ErrNotSupported)
+	if err := q.bitmapsResizable(); err != nil {
+		return err
 	}
 	size = (size + 511) &^ 511
 	if size > maxVirtualSize {
@@ -34,6 +32,11 @@ func (q *Image) Resize(ctx context.Context, size int64) error {
 	old := q.Size()
 	if size == old {
 		return nil
+	}
+	if q.w.bitmaps != nil {
+		if err := q.holdAllBitmaps(ctx, size); err != nil {
+			return err
+		}
 	}
 	var err error
 	if size > old {
@@ -71,6 +74,8 @@ func (q *Image) grow(ctx context.Context, old, size int64) error {
 			return err
 		}
 	}
+	// Nothing fails from here: the bitmaps take the new size with it.
+	q.resizeBitmaps(size)
 	w.alloc.Lock()
 	q.size.Store(size)
 	w.sizeDirty = true
@@ -100,6 +105,9 @@ func (q *Image) shrink(ctx context.Context, old, size int64) error {
 	q.end.Store(size)
 	w.sizeDirty = true
 	w.alloc.Unlock()
+	// After the size: a write that passed the old size check marks bits
+	// that go here with the data past the end.
+	q.resizeBitmaps(size)
 	return nil
 }
 
@@ -145,3 +153,30 @@ func (q *Image) ensureL1(ctx context.Context, size int64) error {
 }
 
 var _ formats.Image = (*Image)(nil)
+
+// Preallocate writes zeroes as data clusters over [off, off+n), as a
+// resize with preallocation allocates the grown part. It is no guest
+// write: the dirty bitmaps are not marked, as QEMU's preallocation inside
+// qcow2_co_truncate marks none.
+func (q *Image) Preallocate(ctx context.Context, off, n int64) error {
+	if err := q.checkWritable("preallocate"); err != nil {
+		return err
+	}
+	if off < 0 || n < 0 || off+n > q.Size() {
+		return fmt.Errorf("qcow2: preallocate [%d, +%d): %w", off, n, formats.ErrOutOfRange)
+	}
+	zero := make([]byte, min(n, 1<<20))
+	for pos := off; pos < off+n; pos += int64(len(zero)) {
+		p := zero[:min(int64(len(zero)), off+n-pos)]
+		q.w.users.RLock()
+		err := q.write(ctx, p, pos)
+		q.w.users.RUnlock()
+		if err != nil {
+			return fmt.Errorf("qcow2: preallocate at %d: %w", pos, err)
+		}
+		if err := q.boundWriteBack(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -47,8 +47,8 @@ func (q *Image) request(ctx context.Context, op string, off, n int64, change fun
 	if off < 0 || n < 0 || off+n > q.Size() {
 		return fmt.Errorf("qcow2: %s [%d, +%d): %w", op, off, n, formats.ErrOutOfRange)
 	}
-	q.markDirty(off, n)
 	q.w.users.RLock()
+	q.markDirty(off, n)
 	err := change()
 	q.w.users.RUnlock()
 	if err != nil {

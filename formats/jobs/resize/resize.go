@@ -89,6 +89,12 @@ type rawPreallocator interface {
 	GrowPreallocated(ctx context.Context, size int64, full bool) error
 }
 
+// preallocator is a qcow2 image that allocates the grown part without
+// marking its dirty bitmaps, as QEMU's preallocation marks none.
+type preallocator interface {
+	Preallocate(ctx context.Context, off, n int64) error
+}
+
 // resizeChecker is a qcow2 image that may refuse any resize.
 type resizeChecker interface{ ResizeAllowed() error }
 
@@ -135,7 +141,11 @@ func Resize(ctx context.Context, img formats.Image, format string, r Request) er
 			// Every mode leaves the new clusters allocated; writing
 			// zeroes there allocates them as full does (metadata and
 			// falloc leave the same guest data, with a sparser file).
-			if err := writeZeroData(ctx, img, old, total); err != nil {
+			if p, ok := img.(preallocator); ok {
+				if err := p.Preallocate(ctx, old, total-old); err != nil {
+					return fmt.Errorf("resize: %w", err)
+				}
+			} else if err := writeZeroData(ctx, img, old, total); err != nil {
 				return err
 			}
 		}
