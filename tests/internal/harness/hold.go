@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"os"
 	"os/exec"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,7 +19,7 @@ import (
 func HoldImage(t *testing.T, img string) {
 	t.Helper()
 	holder := exec.Command("qemu-io", "-f", "qcow2", img)
-	var out bytes.Buffer
+	var out lockedBuffer // written by exec's copier while the loop below reads it
 	holder.Stdout, holder.Stderr = &out, &out
 	stdin, err := holder.StdinPipe()
 	if err != nil {
@@ -32,7 +34,7 @@ func HoldImage(t *testing.T, img string) {
 		holder.Wait()
 	})
 	for deadline := time.Now().Add(30 * time.Second); !heldForWriting(img); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) || bytes.Contains(out.Bytes(), []byte("can't open")) {
+		if time.Now().After(deadline) || strings.Contains(out.String(), "can't open") {
 			t.Fatalf("qemu-io did not lock %s:\n%s", img, out.String())
 		}
 	}
@@ -54,4 +56,22 @@ func heldForWriting(img string) bool {
 		return false
 	}
 	return lk.Type != unix.F_UNLCK
+}
+
+// lockedBuffer is a bytes.Buffer one goroutine writes while another reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
