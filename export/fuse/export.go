@@ -1,17 +1,12 @@
 // Package fuse exports one image as a single regular file through FUSE, with
 // the op-by-op behaviour of qemu-storage-daemon's FUSE export.
 //
-// [Export] holds the op handlers: they take go-fuse's request structs
-// (which mirror the kernel's), call the [formats.Image], and fill go-fuse's
-// reply structs; they know nothing of how requests arrive. The server
-// (server_linux.go and the files it names) reads /dev/fuse and calls them;
-// mounting is in mount_linux.go. Error values become errno in one place
-// (errno.go).
-//
-// One READ, end to end: loop_linux.go reads it, dispatch hands it to
-// read_linux.go, Export.planRead works it out once, and it is lent or
-// tried in the loop, else read where it may wait (docs/design.md, The
-// request path).
+// [Export] holds the op handlers: go-fuse's request structs in, the
+// [formats.Image] called, go-fuse's reply structs out. The server
+// (server_linux.go) reads /dev/fuse and calls them; mount_linux.go mounts;
+// errno.go maps errors. A READ is planned once (Export.planRead), then lent
+// or tried in the loop, else read where it may wait (read_linux.go;
+// docs/design.md, The request path).
 package fuse
 
 import (
@@ -489,8 +484,7 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return n, st
 }
 
-// afterWrite: a bypassing write's drop (dropAfterBypass), else the
-// mending of a failed write-back (checkWriteback).
+// afterWrite: a bypassing write's drop, else the mending of a failed write-back.
 func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if e.WriteBypassesCache(in) {
 		return e.dropAfterBypass(in, size, n, st)
@@ -623,38 +617,29 @@ func (e *Export) fallocate(ctx context.Context, in *fuse.FallocateIn) fuse.Statu
 	if mode&unix.FALLOC_FL_KEEP_SIZE != 0 {
 		length = min(length, size-off)
 	}
+	punch := mode&unix.FALLOC_FL_PUNCH_HOLE != 0 // zeroes that may be deallocated
 	switch {
 	case mode == 0:
 		if off < size {
 			return fuse.Status(unix.EOPNOTSUPP)
 		}
 		return errno(e.grow(ctx, off+length))
-	case mode&unix.FALLOC_FL_PUNCH_HOLE != 0:
-		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
-			return fuse.EINVAL
+	case punch && mode&unix.FALLOC_FL_KEEP_SIZE == 0:
+		return fuse.EINVAL
+	case punch && mode&^(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE) != 0:
+		return fuse.Status(unix.EOPNOTSUPP)
+	case punch:
+	case mode&unix.FALLOC_FL_ZERO_RANGE == 0, mode&^(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE) != 0:
+		return fuse.Status(unix.EOPNOTSUPP)
+	case mode&unix.FALLOC_FL_KEEP_SIZE == 0 && off+length > size:
+		if err := e.grow(ctx, off+length); err != nil {
+			return errno(err)
 		}
-		if mode&^(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
-			return fuse.Status(unix.EOPNOTSUPP)
-		}
-		if length <= 0 {
-			return fuse.OK
-		}
-		return errno(e.img.WriteZeroes(ctx, off, length, true))
-	case mode&unix.FALLOC_FL_ZERO_RANGE != 0:
-		if mode&^(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
-			return fuse.Status(unix.EOPNOTSUPP)
-		}
-		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 && off+length > size {
-			if err := e.grow(ctx, off+length); err != nil {
-				return errno(err)
-			}
-		}
-		if length <= 0 {
-			return fuse.OK
-		}
-		return errno(e.img.WriteZeroes(ctx, off, length, false))
 	}
-	return fuse.Status(unix.EOPNOTSUPP)
+	if length <= 0 {
+		return fuse.OK
+	}
+	return errno(e.img.WriteZeroes(ctx, off, length, punch))
 }
 
 // Lseek answers SEEK_DATA and SEEK_HOLE from the image's allocation (the
@@ -689,8 +674,8 @@ func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut
 	return fuse.Status(unix.ENXIO)
 }
 
-// Flush makes the image durable: for FLUSH (every close), FSYNC and
-// SYNCFS alike, as in QEMU.
+// Flush makes the image durable: for FLUSH, FSYNC and SYNCFS alike, as in QEMU.
+
 func (e *Export) Flush(ctx context.Context) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.OK

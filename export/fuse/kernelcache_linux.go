@@ -188,26 +188,25 @@ func (s *server) learnSize(file string) error {
 // that one back too. Whatever write returned before the fsync is in the
 // image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
-	return s.calls.onOther(func() error { return s.flushKernelCacheHere(file) })
+	return s.calls.onOther(func() error {
+		// Open first: with the attributes invalid, the permission check
+		// of an open would need the GETATTR that closing refuses.
+		fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+		if err != nil {
+			return fmt.Errorf("opening the export to flush it: %w", err)
+		}
+		defer unix.Close(fd)
+		s.exp.closing.Store(true)
+		if err := s.notifyInval(-1, 0); err != nil {
+			return err
+		}
+		if err := unix.Fsync(fd); err != nil {
+			return fmt.Errorf("fsync of the export: %w", err)
+		}
+		return nil
+	})
 }
 
-func (s *server) flushKernelCacheHere(file string) error {
-	// Open first: with the attributes invalid, the permission check of
-	// an open would need the GETATTR that closing refuses.
-	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-	if err != nil {
-		return fmt.Errorf("opening the export to flush it: %w", err)
-	}
-	defer unix.Close(fd)
-	s.exp.closing.Store(true)
-	if err := s.notifyInval(-1, 0); err != nil {
-		return err
-	}
-	if err := unix.Fsync(fd); err != nil {
-		return fmt.Errorf("fsync of the export: %w", err)
-	}
-	return nil
-}
 
 // writebackCache says whether the kernel caches our writes.
 func (s *server) writebackCache() bool { return s.negotiated&fuse.CAP_WRITEBACK_CACHE != 0 }

@@ -559,7 +559,7 @@ func (c *conn) blockStatus(req request, off, n int64) {
 		if i == len(payloads)-1 {
 			flags = wire.ChunkFlagDone
 		}
-		c.chunk(req, flags, typ, p)
+		c.chunk(req, flags, typ, nil, p)
 	}
 }
 
@@ -672,7 +672,7 @@ func errnoOf(err error) uint32 {
 func (c *conn) done(req request) {
 	if c.neg.extended {
 		// Extended headers have no simple reply: a final NONE chunk.
-		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil)
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil, nil)
 		return
 	}
 	c.simpleReply(req.cookie, 0, nil)
@@ -691,7 +691,7 @@ func (c *conn) dataReply(req request, data []byte) {
 	}
 	if len(data) == 0 {
 		// A read of nothing: one final chunk without content.
-		c.chunk(req, wire.ChunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil, nil)
 		return
 	}
 	off := req.off
@@ -709,9 +709,9 @@ func (c *conn) dataReply(req request, data []byte) {
 		be.PutUint64(h[:], off)
 		if zero {
 			be.PutUint32(h[8:], uint32(n))
-			c.chunk3(req, flags, wire.ChunkOffsetHole, h[:], nil)
+			c.chunk(req, flags, wire.ChunkOffsetHole, h[:], nil)
 		} else {
-			c.chunk3(req, flags, wire.ChunkOffsetData, h[:8], data[:n])
+			c.chunk(req, flags, wire.ChunkOffsetData, h[:8], data[:n])
 		}
 		if flags != 0 {
 			return
@@ -747,7 +747,7 @@ func (c *conn) errorReply(req request, code uint32, msg string) {
 		}
 		p := be.AppendUint32(nil, code)
 		p = be.AppendUint16(p, uint16(len(msg)))
-		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, append(p, msg...))
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, nil, append(p, msg...))
 		return
 	}
 	c.simpleReply(req.cookie, code, nil)
@@ -763,15 +763,11 @@ func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
 	c.send(b, data)
 }
 
-func (c *conn) chunk(req request, flags, typ uint16, payload []byte) {
-	c.chunk3(req, flags, typ, nil, payload)
-}
-
-// chunk3 sends a structured reply chunk whose payload is a (a few bytes of
+// chunk sends a structured reply chunk whose payload is a (a few bytes of
 // fields, at most 12) then b: with a 20-byte header, or under extended
 // headers a 32-byte one that also carries the request's offset and a
 // 64-bit length.
-func (c *conn) chunk3(req request, flags, typ uint16, a, b []byte) {
+func (c *conn) chunk(req request, flags, typ uint16, a, b []byte) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	var h []byte

@@ -88,14 +88,12 @@ type Table struct {
 
 // Find returns partition n, or an error naming the numbers there are.
 func (t *Table) Find(n int) (Partition, error) {
+	var nums []int
 	for _, p := range t.Partitions {
 		if p.Number == n {
 			return p, nil
 		}
-	}
-	nums := make([]int, len(t.Partitions))
-	for i, p := range t.Partitions {
-		nums[i] = p.Number
+		nums = append(nums, p.Number)
 	}
 	return Partition{}, fmt.Errorf("partition %d: the %s table has no such partition (it has %v)", n, t.Scheme, nums)
 }
@@ -453,11 +451,10 @@ func readFull(ctx context.Context, r Reader, p []byte, off int64) error {
 		return fmt.Errorf("%d bytes at %d: past the end of the image (%d bytes): %w", len(p), off, r.Size(), ErrCorrupt)
 	}
 	n, err := r.ReadAt(ctx, p, off)
-	if err != nil {
-		return err
+	if err == nil && n != len(p) {
+		err = fmt.Errorf("short read: %d of %d bytes at %d", n, len(p), off)
 	}
-	if n != len(p) {
-		return fmt.Errorf("short read: %d of %d bytes at %d", n, len(p), off)
-	}
-	return nil
+	return err
+
+
 }
