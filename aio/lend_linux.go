@@ -240,26 +240,15 @@ func (m *pageMap) close() {
 // have dropped once read included). A caller that reads drop-behind to
 // keep a single cache does not lend the ranges it wants out of the cache
 // (fuse's Export.lendPages).
-func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
-	if u.direct || u.closed() {
+func (h *hostFile) TryLend(off, n int64) ([]byte, bool) {
+	if h.direct || h.closed() {
 		return nil, false
 	}
-	return u.lend.lend(u.fd, off, n)
+	return h.lend.lend(h.fd, off, n)
 }
 
 // Zeroes: see PageSource.
-func (u *uringFile) Zeroes(n int) ([]byte, bool) { return u.lend.zero(u.fd, n) }
-
-// TryLend: see PageSource.
-func (t *threadFile) TryLend(off, n int64) ([]byte, bool) {
-	if t.direct || t.closed.Load() {
-		return nil, false
-	}
-	return t.lend.lend(t.fd, off, n)
-}
-
-// Zeroes: see PageSource.
-func (t *threadFile) Zeroes(n int) ([]byte, bool) { return t.lend.zero(t.fd, n) }
+func (h *hostFile) Zeroes(n int) ([]byte, bool) { return h.lend.zero(h.fd, n) }
 
 var (
 	_ PageSource = (*uringFile)(nil)

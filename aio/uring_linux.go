@@ -14,6 +14,7 @@ package aio
 // (back-pressure) instead of failing.
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -21,7 +22,6 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -382,66 +382,20 @@ func (r *uring) close() {
 
 // uringFile is a File served by its own ring.
 type uringFile struct {
-	f      *os.File
-	fd     int
-	ring   *uring
-	direct bool
-	behind atomic.Pointer[dropper] // set by SetDropBehind
-	lend   pageMap                 // see PageSource
-}
-
-func (u *uringFile) setDropBehind(idle time.Duration) bool {
-	return startDropper(&u.behind, u.fd, idle, u.direct)
+	hostFile
+	ring *uring
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {
-	entries := o.Entries
-	if entries == 0 {
-		entries = 256
-	}
-	r, err := newURing(entries)
+	r, err := newURing(cmp.Or(o.Entries, 256))
 	if err != nil {
 		return nil, err
 	}
-	return &uringFile{f: f, fd: int(f.Fd()), ring: r, direct: o.Direct}, nil
+	return &uringFile{hostFile{f: f, fd: int(f.Fd()), direct: o.Direct}, r}, nil
 }
 
-func (u *uringFile) Fd() int { return u.fd }
-
-// check refuses calls on a closed file.
-func (u *uringFile) check(ctx context.Context, op string) error {
-	if u.closed() {
-		return pathErr(op, u, os.ErrClosed)
-	}
-	return ctx.Err()
-}
-
-func (u *uringFile) closed() bool {
-	select {
-	case <-u.ring.closing:
-		return true
-	default:
-		return false
-	}
-}
-func (u *uringFile) Name() string     { return u.f.Name() }
 func (u *uringFile) Backend() Backend { return IOUring }
-
-func (u *uringFile) Close() error {
-	u.behind.Load().close()
-	u.lend.close()
-	u.ring.close()
-	return u.f.Close()
-}
-
-// TryReadAt: see File.
-func (u *uringFile) TryReadAt(p []byte, off int64) bool {
-	if u.closed() || !tryRead(u.fd, u.direct, p, off) {
-		return false
-	}
-	u.behind.Load().done(off, len(p))
-	return true
-}
+func (u *uringFile) Close() error     { return u.close(u.ring.close) }
 
 // TryWriteAt: see File.
 func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
@@ -456,10 +410,7 @@ func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
 	path := coroutines.PathOf(ctx)
 	if path == coroutines.Lone && !u.closed() {
-		if op == opRead {
-			return preadAll(ctx, u, p, off, u.check)
-		}
-		return pwriteAll(ctx, u, p, off, u.check)
+		return transfer(ctx, u, op == opWrite, [][]byte{p}, off, u.check)
 	}
 	done := 0
 	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && path != coroutines.AfterMiss {
@@ -472,7 +423,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		}
 	}
 	if op == opWrite && !u.direct && !u.closed() {
-		return pwriteAll(ctx, u, p, off, u.check)
+		return transfer(ctx, u, true, [][]byte{p}, off, u.check)
 	}
 	for done < len(p) {
 		if err := ctx.Err(); err != nil {
@@ -502,10 +453,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 
 func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) (int, error) {
 	if coroutines.PathOf(ctx) == coroutines.Lone && !u.closed() {
-		if op == opReadv {
-			return preadvAll(ctx, u, iov, off, u.check)
-		}
-		return pwritevAll(ctx, u, iov, off, u.check)
+		return transfer(ctx, u, op == opWritev, iov, off, u.check)
 	}
 	iov = append([][]byte(nil), iov...)
 	iov = advance(iov, 0)
@@ -608,19 +556,12 @@ func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error
 			fill(e)
 			e.userData = tag
 		})
-		if err != nil {
-			return pathErr(opName(op), u, err)
+		if err == nil && res >= 0 {
+			return nil
 		}
-		if res == -int32(unix.ECANCELED) && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN) {
-			continue
-		}
-		if res < 0 {
-			return pathErr(opName(op), u, unix.Errno(-res))
-		}
-		return nil
+		if _, err := u.result(ctx, op, res, err); err != nil {
+			return err
+		} // else interrupted: again
 	}
 }
 
