@@ -2,7 +2,6 @@ package aio
 
 import (
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -254,31 +253,26 @@ func (d *dropper) close() {
 	}
 }
 
-// dropBehinder is what files that can read drop-behind implement.
-type dropBehinder interface {
-	setDropBehind(idle time.Duration) bool
-}
-
 // SetDropBehind makes the pages that f's reads bring into the page cache
 // leave it again (see dropGranule for when), where f is a buffered host
 // file; it says whether it did. Set it before f serves reads.
 func SetDropBehind(f File) bool { return setDropBehind(f, dropIdle) }
 
 func setDropBehind(f File, idle time.Duration) bool {
-	d, ok := f.(dropBehinder)
+	d, ok := f.(interface{ setDropBehind(time.Duration) bool })
 	return ok && d.setDropBehind(idle)
 }
 
-// startDropper gives a buffered file (its descriptor fd) the dropper in
-// slot, unless it has one; false for an O_DIRECT file, which leaves
-// nothing in the page cache to drop.
-func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration, direct bool) bool {
-	if direct {
+// setDropBehind gives a buffered file its dropper, unless it has one;
+// false for an O_DIRECT file, which leaves nothing in the page cache to
+// drop.
+func (h *hostFile) setDropBehind(idle time.Duration) bool {
+	if h.direct {
 		return false
 	}
-	if slot.Load() == nil {
-		d := newDropper(fd, idle)
-		if !slot.CompareAndSwap(nil, d) {
+	if h.behind.Load() == nil {
+		d := newDropper(h.fd, idle)
+		if !h.behind.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}
 	}

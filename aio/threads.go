@@ -5,7 +5,6 @@ import (
 	"io"
 	"os"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,10 +25,6 @@ type hostFile struct {
 func (h *hostFile) Fd() int      { return h.fd }
 func (h *hostFile) Name() string { return h.f.Name() }
 func (h *hostFile) closed() bool { return h.shut.Load() }
-
-func (h *hostFile) setDropBehind(idle time.Duration) bool {
-	return startDropper(&h.behind, h.fd, idle, h.direct)
-}
 
 // check refuses calls on a closed file.
 func (h *hostFile) check(ctx context.Context, op string) error {
