@@ -234,12 +234,9 @@ func (m *pageMap) close() {
 }
 
 // TryLend: see PageSource. Never for O_DIRECT (no page cache). Under
-// drop-behind too: a lend itself brings nothing in, but it is no read
-// that drop-behind counts, and a mapped page is one FADV_DONTNEED leaves,
-// so the pages it takes stay cached (read-ahead that drop-behind would
-// have dropped once read included). A caller that reads drop-behind to
-// keep a single cache does not lend the ranges it wants out of the cache
-// (fuse's Export.lendPages).
+// drop-behind too, though a lent page stays cached (a lend is no read
+// that drop-behind counts, and FADV_DONTNEED leaves mapped pages): a
+// caller that wants one cache does not lend (fuse's Export.lendPages).
 func (h *hostFile) TryLend(off, n int64) ([]byte, bool) {
 	if h.direct || h.closed() {
 		return nil, false
