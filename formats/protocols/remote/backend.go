@@ -1,16 +1,12 @@
-// Package remote serves an object that lives in HTTP(S) or S3-compatible
-// storage as a read-only byte range that any format can be opened on, as
-// on a local file.
-//
-// The package is in two layers. A Backend speaks one protocol: it pins the
-// object's size and identity once (Stat) and fetches byte ranges of exactly
-// that version (ReadRange). Above it, the shared layer (the File in this
-// package) keeps the connection pool busy, reads ahead of a sequential
-// reader, caches blocks within a bound, lets concurrent readers of one
-// block share one request, and retries temporary failures with backoff up
-// to the reconnect timeout. Backends live in their own packages
-// (remote/http for http:// and https://, remote/s3 for s3://) so that a
-// protocol's client library never leaks into the other.
+// Package remote serves an object in HTTP(S) or S3-compatible storage as a
+// read-only byte range that any format can be opened on, as on a local
+// file. A Backend speaks one protocol: it pins the object's size and
+// identity once (Stat) and fetches byte ranges of exactly that version
+// (ReadRange); backends live in packages of their own (remote/http,
+// remote/s3), so that one protocol's client library never leaks into the
+// other. Above them the File keeps the connections busy, reads ahead,
+// caches blocks within a bound, shares one request among the readers of a
+// block, and retries temporary failures up to the reconnect timeout.
 package remote
 
 import (

@@ -46,16 +46,13 @@ type Options struct {
 	Logger           *slog.Logger
 }
 
-// File is an object read through a Backend, as an aio.File that formats
-// open like a local file: read-only, no descriptor (Fd is -1; its size is
-// Size, see aio.FileSize).
-//
-// Reads are served from a cache of fixed-size blocks. A block that is
-// missing is fetched once however many readers want it (they all wait on
-// the one request); runs of missing blocks are fetched by one range GET
-// each (up to maxGet) over at most Connections requests at once. A reader
-// seen continuing where it stopped gets readahead, growing with the
-// stream; a random read gets none.
+// File is an object read through a Backend, as a read-only aio.File that
+// formats open like a local file (no descriptor: Fd is -1, its size is
+// Size). Reads are served from a cache of fixed-size blocks; a missing
+// block is fetched once however many readers want it, runs of them by one
+// range GET each (up to maxGet) over at most Connections requests at once.
+// A reader seen continuing where it stopped gets readahead, growing with
+// the stream; a random read gets none.
 type File struct {
 	b    Backend
 	obj  Object

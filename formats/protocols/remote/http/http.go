@@ -347,11 +347,10 @@ func condition(obj remote.Object) (key, value string) {
 }
 
 // readReply checks a range GET's reply against the request and obj and
-// reads its body into bufs. waitEnd arms the bound on the wait for a
-// chunked body's end; fill, when not nil, reads a body of n bytes by
-// Content-Length (it fills bufs from the connection itself). clean: the
-// body was read to its end, nothing more (its connection may serve
-// another request).
+// reads its body into bufs. waitEnd bounds the wait for a chunked body's
+// end; fill, when not nil, reads a body of n bytes by Content-Length from
+// the connection itself. clean: the body was read to its end and no more
+// (the connection may serve another request).
 func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]byte, off, n int64, what string,
 	waitEnd func(), fill func([][]byte) (int, error)) (clean bool, err error) {
 	switch resp.StatusCode {
