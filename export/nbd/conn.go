@@ -220,7 +220,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 		if r.Buffered() < hsize {
 			c.uncork() // about to wait on the socket: send what is ready
 		}
-		if err := readFull(r, hb[:hsize]); err != nil {
+		if _, err := io.ReadFull(r, hb[:hsize]); err != nil {
 			select {
 			case <-c.stopping:
 				return nil
@@ -264,7 +264,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				// it is, without a bounce copy.
 				payload = aio.AlignedBuf(int(req.length), 4096)
 			}
-			if err := readFull(r, payload); err != nil {
+			if _, err := io.ReadFull(r, payload); err != nil {
 				if cost > 0 {
 					c.release(cost) // the server's budget outlives this client
 				}

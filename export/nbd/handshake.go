@@ -154,7 +154,7 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 		return false, err
 	}
 	var cf [4]byte
-	if err := readFull(r, cf[:]); err != nil {
+	if _, err := io.ReadFull(r, cf[:]); err != nil {
 		return false, fmt.Errorf("client flags: %w", err)
 	}
 	clientFlags := be.Uint32(cf[:])
@@ -169,7 +169,7 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 // unread as long instead, for the caller to read and then drain.
 func readOption(r *bufio.Reader) (uint32, []byte, io.Reader, error) {
 	var oh [16]byte
-	if err := readFull(r, oh[:]); err != nil {
+	if _, err := io.ReadFull(r, oh[:]); err != nil {
 		return 0, nil, nil, fmt.Errorf("option header: %w", err)
 	}
 	id, n := be.Uint32(oh[8:]), be.Uint32(oh[12:])
@@ -183,7 +183,7 @@ func readOption(r *bufio.Reader) (uint32, []byte, io.Reader, error) {
 		return 0, nil, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
 	}
 	data := make([]byte, n)
-	if err := readFull(r, data); err != nil {
+	if _, err := io.ReadFull(r, data); err != nil {
 		return 0, nil, nil, fmt.Errorf("option %d: %w", id, err)
 	}
 	return id, data, nil, nil

@@ -12,7 +12,6 @@
 // its requests' context, which aio passes on to the ring.
 package nbd
 
-
 // What this server advertises and accepts.
 const (
 	baseAllocID = uint32(1)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
-	"io"
 	"log/slog"
 	"net"
 	"sync"
@@ -208,9 +207,3 @@ func (s *Server) Shutdown(ctx context.Context) error {
 }
 
 var errAbort = errors.New("client aborted the negotiation")
-
-// readFull reads exactly len(p) bytes.
-func readFull(r io.Reader, p []byte) error {
-	_, err := io.ReadFull(r, p)
-	return err
-}
