@@ -207,7 +207,6 @@ func (s *server) flushKernelCache(file string) error {
 	})
 }
 
-
 // writebackCache says whether the kernel caches our writes.
 func (s *server) writebackCache() bool { return s.negotiated&fuse.CAP_WRITEBACK_CACHE != 0 }
 

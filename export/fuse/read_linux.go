@@ -93,4 +93,3 @@ func (s *server) handOffRead(q *queue, e *Export, req *fuse.ReadIn, r readOp, pl
 	}()
 	s.hand.Yield()
 }
-

@@ -455,6 +455,4 @@ func readFull(ctx context.Context, r Reader, p []byte, off int64) error {
 		err = fmt.Errorf("short read: %d of %d bytes at %d", n, len(p), off)
 	}
 	return err
-
-
 }

@@ -317,7 +317,6 @@ func (h *handshaker) send(opt uint32, data []byte) error {
 	return err
 }
 
-
 // reply reads one option reply to opt.
 func (h *handshaker) reply(opt uint32) (uint32, []byte, error) {
 	var hdr [20]byte
