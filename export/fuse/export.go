@@ -357,11 +357,10 @@ func (r readOp) size() int64 { return r.n + r.zeroes }
 // readLimit is the most a READ returns: what it asks, up to maxWrite.
 func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
 
-// planRead works out a READ: clamped to the end of the image, zeroes
-// past it under the writeback cache (readPastImage), its granules marked
-// before the image is read (cachesRead), counted in flight until endRead.
-// A serve loop asks with loop set: false, with nothing counted, where it
-// might wait (a drain, or a read that would ask the kernel's size).
+// planRead works out a READ once (clamped, zeroes past the image under the
+// writeback cache, granules marked, counted in flight until endRead). A
+// serve loop asks with loop set: false, nothing counted, where it might
+// wait (a drain, or a read that would ask the kernel's size).
 func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 	if !loop {
 		e.inflight.Begin()
@@ -383,11 +382,10 @@ func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 // endRead ends what planRead began, once the reply is written.
 func (e *Export) endRead() { e.inflight.End() }
 
-// lendPages lends the read's bytes as slices of the image files'
-// mappings (formats.PageLender), appended to v; false: the caller reads.
-// Not for a READ that fills the kernel's cache of the export: the image
-// is read drop-behind for those (one cache, the export's), and the pages
-// a lend maps stay in the image's cache (docs/design.md, Drop-behind).
+// lendPages lends the read's bytes as slices of the image files' mappings
+// (formats.PageLender), appended to v; false: the caller reads. Not for a
+// READ that fills the kernel's cache: the image is read drop-behind for
+// those, and lent pages would stay in the image's cache too.
 func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || r.fillsCache || r.n == 0 || r.zeroes > 0 {
 		return v, false
@@ -435,23 +433,19 @@ func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Stat
 	return int(r.size()), fuse.OK
 }
 
-// cachesRead says whether the kernel may keep what a READ reads in its
-// page cache, so that the READ must mark its granules (readMarks). Not a
-// direct read (an O_DIRECT open's read(2), fuse_direct_io): it lands in
-// the reader's buffer only, and the kernel sends it alone with
-// FUSE_READ_LOCKOWNER; reads that fill pages (read-ahead, page faults of
-// a mapping, an O_DIRECT open's included) carry none (docs/design.md,
-// The kernel cache).
+// cachesRead says whether the kernel may keep what a READ reads in its page
+// cache, so that it must mark its granules. Not a direct read (an O_DIRECT
+// open's read(2)), which the kernel sends alone with FUSE_READ_LOCKOWNER;
+// reads that fill pages carry none (docs/design.md, The kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
 }
 
 // readPastImage is how many zero bytes a read gets past dataEnd, the
 // image's end, under the writeback cache: up to the kernel's size. A
-// buffered write past the end grows the file in the kernel at once and
-// the image only when its pages are written back, so between the two
-// an O_DIRECT read of the hole the write left must read zeroes, not end
-// early.
+// buffered write past the end grows the file in the kernel at once and the
+// image only at write-back; meanwhile an O_DIRECT read of the hole it left
+// must read zeroes, not end early.
 func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd, size int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
@@ -567,12 +561,11 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return uint32(n), fuse.OK
 }
 
-// TryWrite is Write for a serve loop that must not block: only writes
-// that need neither clamping nor growth, that the image can do at once,
-// with no drain under way; ok false means nothing happened. A drop the
-// write needs before its reply (d.needed(); finishBypass) the loop must
-// not do or wait for: the notify may wait for a write-back only the loop
-// can answer.
+// TryWrite is Write for a serve loop that must not block: only writes that
+// need neither clamping nor growth and that the image does at once, with
+// no drain under way; ok false: nothing happened. The loop must not do a
+// drop the write needs (d.needed()): the notify may wait for a write-back
+// only the loop can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
 	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}
