@@ -8,17 +8,11 @@ import (
 )
 
 // Handoff is a serve loop's one decision per request that may wait for
-// I/O: finish it itself, or hand it to a goroutine. The FUSE queues and the
-// NBD connections share it; each loop does:
-//
-//  1. try the request without waiting (the format's TryReadAt or
-//     TryWriteAt; for reads only while Reads says tries pay);
-//  2. if that could not finish it and Lone says the loop has nothing else
-//     to serve, run it right there with Context(Lone) (blocking system
-//     calls: see [Lone]);
-//  3. else give it a buffer of its own, Start, and start a goroutine that
-//     finishes it with Context(AfterMiss) or Context(Fresh) and calls
-//     Done; the loop reads on.
+// I/O, shared by the FUSE queues and the NBD connections: try it without
+// waiting (reads only while Reads says tries pay); else, when Lone says
+// the loop has nothing else to serve, run it right there with
+// Context(Lone); else give it a buffer of its own, Start, and finish it in
+// a goroutine with Context(AfterMiss) or Context(Fresh), then Done.
 type Handoff struct {
 	running sync.WaitGroup
 	n       atomic.Int32
