@@ -1,17 +1,12 @@
 package aio
 
-// A small io_uring on raw syscalls. The Go io_uring libraries either fail to
-// link on Go >= 1.23 (go:linkname into the runtime) or lack fsync/fallocate
-// (see shared/reference/dependencies.md), so this file owns the ~300 lines
-// instead: setup, the three mmaps, SQ filling under one mutex, batched
-// io_uring_enter, and one completion goroutine.
-//
-// Flow control: a request takes a slot from a free list before it fills an
-// SQE and gives it back after its completion is delivered. A slot may use
-// two SQEs (its operation, and a cancel when its context ends: see do), so
-// there are half as many slots as SQ entries, and the CQ is twice the SQ:
-// neither ring can overflow; when all slots are taken, callers wait
-// (back-pressure) instead of failing.
+// A small io_uring on raw syscalls: the Go io_uring libraries either fail
+// to link on Go >= 1.23 (go:linkname into the runtime) or lack
+// fsync/fallocate. A request takes a slot from a free list before it fills
+// an SQE and gives it back after its completion; a slot may use two SQEs
+// (its operation and a cancel, see do), so there are half as many slots as
+// SQ entries and the CQ is twice the SQ: neither ring can overflow, and
+// when all slots are taken callers wait (back-pressure).
 
 import (
 	"cmp"
