@@ -25,13 +25,12 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// fastClient sends the range GETs itself over a pool of kept-alive
-// HTTP/1.1 connections: the request written in one write, the reply
-// parsed by net/http's ReadResponse in the calling goroutine, the body
-// read straight into the caller's buffers, at a fraction of net/http's
-// Transport's CPU (docs/design.md, Remote objects: the HTTP range client).
-// net/http's client still does the HEAD and GET of Stat, proxies (a URL
-// that goes through one never comes here), redirects and 1xx replies.
+// fastClient sends the range GETs itself over kept-alive HTTP/1.1
+// connections: one write a request, the head parsed by net/http's
+// ReadResponse in the calling goroutine, the body read straight into the
+// caller's buffers, at a fraction of net/http's Transport's CPU
+// (docs/design.md, Remote objects: the HTTP range client). net/http still
+// does Stat, proxies, redirects and 1xx replies.
 type fastClient struct {
 	dialer  *net.Dialer
 	addr    string      // host:port dialed
@@ -65,11 +64,9 @@ type pconn struct {
 }
 
 // replySpin is how long a lone reader's GET spins for its reply before it
-// sleeps. A reader alone has nothing else to do, and a sleep costs it a
-// wake-up of its thread when the reply comes, and a server on loopback
-// answers a 4 KiB range in about as long (docs/design.md, Remote objects:
-// spinning for a lone reply). A remote server's reply takes longer than
-// any spin: then it costs replySpin of CPU a GET, no more.
+// sleeps: alone it has nothing else to do, a sleep costs a wake-up, and a
+// server on loopback answers a 4 KiB range in about as long
+// (docs/design.md, Remote objects: spinning for a lone reply).
 const replySpin = 30 * time.Microsecond
 
 // spinConn is the TCP connection under pc: its reads (the reply's head,

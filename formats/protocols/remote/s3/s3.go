@@ -1,11 +1,8 @@
 // Package s3 is the remote.Backend for s3://BUCKET/KEY objects, in AWS S3
-// or any store that speaks its API (Ceph RGW, SeaweedFS, versitygw, MinIO).
-//
-// Requests are signed (SigV4) by aws-sdk-go-v2, configured as the AWS tools
-// are: region and credentials from the standard environment variables and
-// the shared config and credentials files, the endpoint from --s3-endpoint,
-// AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL. An s3:// name says only a bucket
-// and a key, so a backing string written in an image never chooses an
+// or any store that speaks its API. Requests are signed by aws-sdk-go-v2,
+// configured as the AWS tools are (environment, shared files; the endpoint
+// from --s3-endpoint or AWS_ENDPOINT_URL(_S3)). An s3:// name says only a
+// bucket and a key, so a backing string in an image never chooses an
 // endpoint or credentials: those are always the user's own.
 package s3
 
