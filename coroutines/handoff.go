@@ -71,14 +71,11 @@ func (h *Handoff) Yield() { runtime.Gosched() }
 func (h *Handoff) Wait() { h.running.Wait() }
 
 // MissTracker decides whether a serve loop tries a read without blocking.
-// On a page-cache miss that try is not free: it starts the readahead and
-// submits the disk read itself, one request after another on the loop's
-// thread, where the goroutines would submit side by side (docs/design.md,
-// Inline reads). So the tracker counts tries in windows of missWindow: when
-// fewer than half of a window hit, the loop stops trying except for every
-// probeEvery-th read, whose outcomes make the next window.
-//
-// It sits on every inline read, so it keeps to one atomic add per try.
+// On a page-cache miss the try is not free: it starts the readahead and
+// submits the disk read on the loop's thread, where goroutines would
+// submit side by side (docs/design.md, Inline reads). So it counts tries in
+// windows of missWindow, and when fewer than half of a window hit, the
+// loop tries only every probeEvery-th read. One atomic add per try.
 type MissTracker struct {
 	skipping atomic.Bool
 	window   atomic.Uint64 // this window's tries<<32 | hits
