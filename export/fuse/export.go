@@ -488,17 +488,12 @@ func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status
 }
 
 // dropAfterBypass says what a write that bypassed the page cache must see
-// done before its reply, once it has landed (a failed write may have
-// landed in part):
-//   - where a READ marked a granule it reaches, the old bytes may be
-//     cached: it drops the kernel's pages of its whole granules itself;
-//   - else, where a drop that cleared a mark of its granules is still
-//     under way, a page cached from before that drop may hold the old
-//     bytes until that drop returns: it waits for those drops (each
-//     drops whole granules, the page included, and a READ that marked
-//     after one cleared the marks shows here as a mark), rather than
-//     send a notify of its own (docs/design.md, The kernel cache);
-//   - else nothing: no READ cached anything of it since the last drop.
+// done before its reply, once it has landed (a failed one may have landed
+// in part): where a READ marked a granule it reaches, a drop of its whole
+// granules of its own; else, where a drop that cleared such a mark is
+// still under way (a page cached before it may hold the old bytes until
+// it returns), a wait for those drops rather than a notify of its own;
+// else nothing (docs/design.md, The kernel cache).
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {
 		return bypassDrop{}
