@@ -9,24 +9,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// PageSource is a File that can lend a range of its bytes where they lie in
-// the page cache: a slice of a read-only shared mapping of the file, for
-// a front end that writes its reply straight from there (one writev)
-// instead of reading into a buffer first (a pread and a writev).
-//
-// A residency check per read (mincore) would be a system call again, so
-// residency is known per page, learned a 2 MiB chunk at a time and
-// trusted for a while (pageMap; docs/design.md, Mapped reads).
+// PageSource is a File that can lend a range of its bytes where they lie
+// in the page cache (a slice of a read-only shared mapping of the file),
+// for a front end that writes its reply straight from there: one writev,
+// where a read costs a pread and a writev. Residency is known per page,
+// learned by mincore a 2 MiB chunk at a time and trusted for a while
+// (pageMap; docs/design.md, Mapped reads): a check per read would be a
+// system call again.
 type PageSource interface {
-	// TryLend returns [off, off+n) if every page of it was in the page
-	// cache a moment ago (see residencyTTL); the slice stays readable
-	// until the file is closed, and is only ever given to the kernel (a
-	// writev), never read in Go: a page the kernel evicted meanwhile
-	// is read back in by the writev's fault, and a page cut off by a
-	// truncate fails the writev with EFAULT. false: it may not be
-	// resident, or the file cannot lend (O_DIRECT, closed,
-	// past the mapping); read it instead. Callers keep to the file's
-	// size: the rest of its last page is lent too, as zeroes.
+	// TryLend returns [off, off+n) if every page of it was in the page cache
+	// a moment ago (see residencyTTL), readable until the file is closed and
+	// only ever given to the kernel (a writev), never read in Go: an evicted
+	// page is read back in by the writev's fault, one cut off by a truncate
+	// fails it with EFAULT. false: read it instead. Callers keep to the file's
+	// size (the rest of its last page is lent too, as zeroes).
 	TryLend(off, n int64) ([]byte, bool)
 	// Zeroes returns n zero bytes (n at most LendZeroes) that stay
 	// readable until the file is closed, for the holes of a lent read.
@@ -53,13 +49,10 @@ const (
 	// LendZeroes is the most Zeroes lends at once.
 	LendZeroes = 1 << 20
 	// zapAfter is how long after the last lend the mapping's page-table
-	// entries are dropped (MADV_DONTNEED, which leaves the page cache as
-	// it is): a page mapped in a process is one that drop_caches and
-	// POSIX_FADV_DONTNEED leave alone (reclaim takes it, less readily),
-	// so a reader gone for this long leaves nothing mapped. Not while
-	// lends go on: every page lent after a zap costs a page fault again,
-	// which under random reads lost all the gain. The page tables that
-	// stay meanwhile are bounded by lendMapMax.
+	// entries are dropped (MADV_DONTNEED): drop_caches and FADV_DONTNEED leave
+	// a mapped page alone, so a reader gone this long leaves nothing mapped.
+	// Not while lends go on: each page lent after a zap faults again, which
+	// under random reads lost all the gain.
 	zapAfter = 100 * time.Millisecond
 )
 

@@ -312,12 +312,10 @@ func (r *uring) reap() {
 }
 
 // do runs one operation to completion and returns the kernel's result
-// (negative errno on failure). When ctx ends first (a FUSE INTERRUPT, an
-// NBD client gone), it asks the kernel to cancel the operation
-// (IORING_OP_ASYNC_CANCEL): one that has not reached the device yet then
-// completes with -ECANCELED, one that has completes as it would have.
-// Either way do waits for that completion: until it, the kernel may still
-// use the caller's buffer.
+// (negative errno on failure). When ctx ends first it asks the kernel to
+// cancel the operation (IORING_OP_ASYNC_CANCEL), which then completes with
+// -ECANCELED or as it would have; either way do waits for that completion,
+// until which the kernel may still use the caller's buffer.
 func (r *uring) do(ctx context.Context, fill func(*sqe, *slot, uint64)) (int32, error) {
 	var idx uint32
 	select {
