@@ -733,9 +733,7 @@ func zeroRun(p []byte) (n int, zero bool) {
 
 func (c *conn) errorReply(req request, code uint32, msg string) {
 	if c.neg.structured {
-		if len(msg) > 4096 {
-			msg = msg[:4096]
-		}
+		msg = msg[:min(len(msg), 4096)]
 		p := be.AppendUint32(nil, code)
 		p = be.AppendUint16(p, uint16(len(msg)))
 		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, nil, append(p, msg...))
