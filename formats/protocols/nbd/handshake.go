@@ -44,14 +44,10 @@ type dialer struct {
 	tls  *tls.Config // nil: plain text
 }
 
-// dial connects and runs the fixed-newstyle handshake (the NBD project's
-// doc/proto.md): STARTTLS first when TLS is asked for, then extended
-// headers (structured replies where the server has not those),
-// base:allocation, and GO with the block-size constraints.
-//
-// The handshake runs through the netpoller, with a deadline; the
-// connection then becomes a sock.Stream (plain system calls) for the
-// requests, unless TLS wraps it.
+// dial connects and runs the fixed-newstyle handshake: STARTTLS first when
+// TLS is asked for, then extended headers (else structured replies),
+// base:allocation, and GO with the block sizes. The handshake runs through
+// the netpoller with a deadline; the requests then use a sock.Stream.
 func (d *dialer) dial(ctx context.Context) (sock.Stream, exportInfo, error) {
 	var nd net.Dialer
 	nc, err := nd.DialContext(ctx, d.addr.Network, d.addr.Addr)
