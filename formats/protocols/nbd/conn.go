@@ -428,10 +428,9 @@ func (c *conn) readUntil(cl *call) {
 		default:
 		}
 		if c.r.Buffered() == 0 && c.readied {
-			// The next read may sleep, and the requests just answered
-			// wait in this thread's run queue: let them write their
-			// replies here first. Otherwise the runtime wakes another
-			// thread for them while this one sleeps in read(2)
+			// The next read may sleep: let the requests just answered,
+			// queued on this thread, write their replies here first rather
+			// than have the runtime wake another thread for them
 			// (docs/design.md, NBD sources: replies written by the reader).
 			c.readied = false
 			runtime.Gosched()

@@ -208,13 +208,11 @@ func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 // loaded returns the blocks of [off, off+n), referenced and loaded, once
 // they are (fetching those missing); on an error none stays referenced.
 func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
-	// A reader that cannot give up (its context has no Done: a serve
-	// loop's lone request) makes the first GET it needs itself, on its
-	// own goroutine, with the connection acquire took for it: handed to
-	// a fetching goroutine, the GET cost two thread wake-ups (docs/design.md,
-	// Remote objects: a lone reader's own GET). A reader that may give up
-	// leaves the GET to a fetching goroutine, which goes on for whoever
-	// else waits.
+	// A reader that cannot give up (no Done: a serve loop's lone request)
+	// makes its first GET itself, with the connection acquire took: handed
+	// to a fetching goroutine it cost two thread wake-ups (docs/design.md,
+	// Remote objects: a lone reader's own GET). One that may give up leaves
+	// it to a fetching goroutine, which goes on for whoever else waits.
 	want, mine, err := f.acquire(off, n, ctx.Done() == nil)
 	if err != nil {
 		return nil, err
