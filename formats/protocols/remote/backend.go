@@ -44,13 +44,11 @@ type Backend interface {
 	// Stat fetches the object's size and identity. Called once, at open.
 	Stat(ctx context.Context) (Object, error)
 	// ReadRange fills all of p with the object's bytes at off, of the
-	// version obj names (off+len(p) <= obj.Size; the caller checks). A
-	// backend checks what the server says before it trusts it: the status,
-	// the range the server says it sent, the body's length. It returns
-	// ErrChanged when the object is no longer obj, an error wrapping
-	// ErrTemporary for a failure worth retrying (a reset, a timeout, a 5xx,
-	// a 429), and any other error for one that is not (403, 404, a reply
-	// that lies). It never returns a partly filled p as success.
+	// version obj names (off+len(p) <= obj.Size; the caller checks), checking
+	// what the server says (status, range, length) before it trusts it, and
+	// never returning a partly filled p as success. Errors: ErrChanged when
+	// the object is no longer obj; wrapping ErrTemporary where a retry may
+	// cure it (a reset, a timeout, a 5xx, a 429); any other where it cannot.
 	ReadRange(ctx context.Context, obj Object, p []byte, off int64) error
 	// String names the object for logs and errors: never credentials, a
 	// signed query or a password in a URL.
