@@ -445,7 +445,7 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 		n := min(len(p), int(img.info.maxBlock))
 		pos := img.record(logEntry{cmd: wire.CmdWrite, off: off, length: uint64(n), data: p[:n]})
 		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint64(n), p[:n]); err != nil {
-			img.failed(pos)
+			img.log.cancel(pos)
 			return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", n, off, err)
 		}
 		if err := img.acked(ctx, pos); err != nil {
@@ -496,7 +496,7 @@ func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) e
 		k := min(n, step)
 		pos := img.record(logEntry{cmd: cmd, flags: flags, off: off, length: uint64(k)})
 		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint64(k), nil); err != nil {
-			img.failed(pos)
+			img.log.cancel(pos)
 			return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, k, off, err)
 		}
 		if err := img.acked(ctx, pos); err != nil {

@@ -142,7 +142,8 @@ func (l *replayLog) copyIn(b []byte) ([]byte, uint64) {
 }
 
 // cancel marks the entry at pos failed: it is never replayed (a replay
-// of a write the server refused would fail every reconnect).
+// of a write the server refused would fail every reconnect). A pos of -1
+// (nothing recorded) names no entry.
 func (l *replayLog) cancel(pos int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -232,13 +233,6 @@ func (img *Image) record(e logEntry) int {
 		return -1
 	}
 	return img.log.add(e)
-}
-
-// failed drops a recorded request that failed from the replays.
-func (img *Image) failed(pos int) {
-	if pos >= 0 {
-		img.log.cancel(pos)
-	}
 }
 
 // acked records a write-type request the server acknowledged. When the
