@@ -46,11 +46,10 @@ type File interface {
 	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
 	// WriteAt writes all of p at off; short writes are continued.
 	WriteAt(ctx context.Context, p []byte, off int64) (int, error)
-	// TryReadAt reads all of p at off if it can without waiting for a
-	// device: a page-cache hit, with preadv2(RWF_NOWAIT). false: it would
-	// wait (always so with O_DIRECT, which has no cache to hit), and p
-	// holds nothing usable; ReadAt with a context from
-	// coroutines.AfterMiss then goes to the device without a second try.
+	// TryReadAt reads all of p at off if it can without waiting for a device
+	// (a page-cache hit: preadv2 with RWF_NOWAIT; never under O_DIRECT). false:
+	// p holds nothing usable, and a ReadAt on a coroutines.AfterMiss context
+	// goes to the device without a second try.
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if the write completes in the page
 	// cache: a buffered file's. false: it would wait for the device

@@ -54,16 +54,14 @@ type Image interface {
 	// (st_blocks*512 of its files), or -1 when that is not meaningful.
 	AllocatedSize(ctx context.Context) (int64, error)
 	// TryReadAt fills all of p from off if it can without waiting for a
-	// device or a lock someone holds (a page-cache hit, metadata already
-	// in memory). false: it would wait; p's content is undefined, and the
-	// caller uses ReadAt, on a context of path coroutines.AfterMiss when
-	// this try reached the host file (so aio does not try a second time).
+	// device or a lock someone holds. false: it would wait, p is undefined,
+	// and the caller uses ReadAt, on a coroutines.AfterMiss context when this
+	// try reached the host file (so that aio does not try again).
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if it can without waiting for a
-	// device, metadata I/O or a lock someone holds (raw: a buffered write
-	// into the page cache; qcow2: into a cluster it owns). done false:
-	// nothing was written and the caller uses WriteAt; with done true, err
-	// is the write's outcome. Front ends clamp first, as for WriteAt.
+	// device, metadata I/O or a lock (raw: a buffered write into the page
+	// cache; qcow2: into a cluster it owns). done false: nothing was written,
+	// the caller uses WriteAt; with done true, err is the write's outcome.
 	TryWriteAt(p []byte, off int64) (done bool, err error)
 	// Features says what the image can offer front ends.
 	Features() Features
