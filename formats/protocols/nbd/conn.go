@@ -344,13 +344,10 @@ func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 	return cl.err
 }
 
-// wait reads replies until cl's has come, or waits while another
-// goroutine (or the serve loop) reads them.
-//
-// Whoever takes the turn (the token that says "nobody reads while
-// requests wait") reads, or passes it on: a request whose reply came
-// meanwhile passes it to the next waiter rather than dropping it, or
-// that one would wait for ever with nobody reading.
+// wait reads replies until cl's has come, or waits while another goroutine
+// (or the serve loop) reads them. Whoever takes the turn (the token that
+// says "nobody reads while requests wait") reads or passes it on, never
+// drops it: the next waiter would wait for ever with nobody reading.
 func (c *conn) wait(cl *call) {
 	haveTurn := false
 	defer func() {

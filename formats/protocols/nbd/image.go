@@ -85,11 +85,10 @@ type slot struct {
 	mu   sync.Mutex
 	c    *conn
 	lost atomic.Bool // an outage has been logged and not yet ended
-	// During an outage: when it began (unix nanoseconds), how many
-	// connections were made again in it, and whether a request gave up
-	// (logged once). An outage that begins within stormWindow of the
-	// last one logged is quiet (counted in quiet, summed up in the next
-	// line logged): a storm is a few lines, not some per reconnect.
+	// During an outage: when it began (unix nanoseconds), the reconnects in
+	// it, whether a request gave up (logged once). An outage within
+	// stormWindow of the last one logged is only counted (quiet), so that a
+	// storm is a few lines, not one per reconnect.
 	since   atomic.Int64
 	redials atomic.Int64
 	gaveUp  atomic.Bool
