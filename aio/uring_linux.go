@@ -223,9 +223,8 @@ func (r *uring) mmap(p *uringParams) error {
 }
 
 // submit queues one SQE (prepared by fill) and makes sure some goroutine
-// passes it to the kernel. Goroutines arriving while another is inside
-// io_uring_enter only queue: the one inside picks their SQEs up in its next
-// round, which is how concurrent submissions share one syscall.
+// passes it to the kernel: one arriving while another is in io_uring_enter
+// only queues, and the one inside picks it up in its next round.
 func (r *uring) submit(fill func(*sqe)) error {
 	r.mu.Lock()
 	tail := *r.sqTail
@@ -273,10 +272,9 @@ func (r *uring) enter(toSubmit, minComplete, flags uint32) (uint32, error) {
 	}
 }
 
-// reap is the one completion path: it waits for the eventfd, then hands
-// each completion's result to the goroutine parked on its slot. A
-// completion posted after the CQ looked empty has signalled the eventfd
-// already, so the next read returns at once and none is missed.
+// reap hands each completion's result to the goroutine parked on its slot,
+// waiting on the eventfd when the CQ is empty (a completion posted after
+// that look has signalled it already: none is missed).
 func (r *uring) reap() {
 	defer close(r.reaped)
 	var tick [8]byte

@@ -262,10 +262,9 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 }
 
 // invalidate drops the kernel's cached pages of [off, off+length) (length
-// 0: to the end) when the kernel caches the export. It runs before the
-// reply of the request that changed the image, so no read that starts
-// after that reply sees the old bytes. Never from a serve loop: the
-// kernel may write dirty pages back (to us) before it returns.
+// 0: to the end) under the kernel cache, before the reply of the request
+// that changed the image. Never from a serve loop: the kernel may write
+// dirty pages back (to us) before it returns.
 func (e *Export) invalidate(off, length int64) {
 	if off < 0 {
 		return // a request's offset past 2^63: nothing was written there

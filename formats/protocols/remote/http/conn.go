@@ -127,9 +127,8 @@ func (pc *pconn) read(read func(fd int) error) error {
 }
 
 // stale says whether an idle connection has something to read before a
-// request is sent on it: the server closed it, or sent what no request
-// asked for (a reply read later as the next request's answer would be
-// checked against that request only). Either way it is not reused.
+// request goes on it (the server closed it, or sent what no request asked
+// for, which would be taken for the next reply): then it is not reused.
 func (pc *pconn) stale() bool {
 	if pc.br.Buffered() > 0 {
 		return true
@@ -150,10 +149,9 @@ func (pc *pconn) stale() bool {
 	return rerr != unix.EAGAIN
 }
 
-// fill reads a body of exactly the bytes of bufs that follows the reply's
-// head on pc: what the reader holds first, then, on plain TCP, readv
-// straight into bufs (a GET of several blocks in a few system calls, not
-// one or more a block). It returns how many bytes it read.
+// fill reads a body of exactly the bytes of bufs after the reply's head:
+// what the reader holds, then on plain TCP readv straight into bufs (a GET
+// of several blocks in a few system calls). It returns the bytes read.
 func (pc *pconn) fill(bufs [][]byte) (int, error) {
 	// Cut down as they fill: a copy, the caller's are the blocks'.
 	bufs = append(pc.rest[:0], bufs...)
