@@ -33,10 +33,8 @@ const (
 	// lendChunk is what one mincore learns: 512 pages, 2 MiB (one page
 	// table's worth).
 	lendChunk = 2 << 20
-	// lendMapMax bounds the mapping (it is address space only: pages
-	// come from the page cache, page tables as pages are touched) and
-	// with it the page tables a long random reader leaves behind: 8 bytes
-	// a page touched, 2 MiB for each GiB.
+	// lendMapMax bounds the mapping (address space only) and with it the page
+	// tables a long random reader leaves: 8 bytes a page touched, 2 MiB a GiB.
 	lendMapMax = 64 << 30
 	// residencyTTL is how long a page seen resident is trusted: one that
 	// is evicted meanwhile costs the loop that lends it one wait for the
@@ -211,10 +209,9 @@ func (m *pageMap) zero(fd, n int) ([]byte, bool) {
 	return m.zeroes[:n:n], true
 }
 
-// close ends lending. The mappings are not unmapped but replaced by
-// inaccessible anonymous ones: a lent slice still in a writev somewhere
-// then fails it with EFAULT, where after an unmap the addresses could
-// be the Go heap's again and the writev would send its bytes.
+// close ends lending. The mappings are replaced by inaccessible anonymous
+// ones, not unmapped: a lent slice still in a writev then fails it with
+// EFAULT, where unmapped addresses could be the Go heap's again.
 func (m *pageMap) close() {
 	m.closed.Store(true)
 	m.once.Do(func() {}) // no mapping from here on

@@ -179,11 +179,10 @@ func (s *server) run(q *queue) {
 // /dev/fuse has nothing).
 const completionsEvery = 8
 
-// waitRequestOrCompletion sleeps until fd has a request or a completion
-// has come, and reads the completions (formats.Completions; docs/design.md,
-// One loop for an NBD source). First it lets the requests that
-// completions made runnable write their replies: with one P nothing else
-// would run them until the runtime takes the P from a thread in poll.
+// waitRequestOrCompletion sleeps until fd has a request or a completion has
+// come, and reads the completions (docs/design.md, One loop for an NBD
+// source). First it lets the requests completions made runnable write their
+// replies: with one P nothing else would run them meanwhile.
 func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
 	runtime.Gosched()
 	s.cfds = comp.CompletionFds(s.cfds[:0])

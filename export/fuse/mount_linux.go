@@ -181,11 +181,8 @@ func fuseMounted(path string) bool {
 	for sc.Scan() {
 		// id parent major:minor root mountpoint opts... - fstype source superopts
 		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
 		sep := slices.Index(fields, "-")
-		if sep < 0 || sep+1 >= len(fields) {
+		if len(fields) < 5 || sep < 0 || sep+1 >= len(fields) {
 			continue
 		}
 		if fstype := fields[sep+1]; unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
