@@ -56,12 +56,11 @@ func (h *hostFile) close(stop func()) error {
 // threadFile issues each call as a plain syscall from the calling goroutine.
 type threadFile struct{ hostFile }
 
-// directEOF says whether err, from the read that continues one that
-// came back short after done bytes, is the end of an O_DIRECT file: a
-// short direct read stopped at the end of the file as it was then, maybe
-// off a block boundary, and if a write has grown the file since, the
-// continuation at that unaligned offset fails with EINVAL instead of
-// reading nothing. (An I/O error partway is not EINVAL, and still fails.)
+// directEOF says whether err, from the read that continues one that came
+// back short after done bytes, is the end of an O_DIRECT file: the short
+// read stopped at the end as it was then, maybe off a block boundary, and
+// a write that grew the file since makes the unaligned continuation fail
+// with EINVAL instead of reading nothing.
 func directEOF(f File, done int, err error) bool {
 	if done == 0 || err != unix.EINVAL {
 		return false

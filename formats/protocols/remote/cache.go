@@ -180,11 +180,10 @@ func (f *File) unlink(b *block) {
 	}
 }
 
-// newBuf is a block's buffer: a recycled one, else a new one. Called
-// with mu held. While the cache is still growing, fresh buffers are made
-// ahead of need (grow): a buffer made here is faulted in page by page by
-// the GET that fills it, on the reader's path (docs/design.md, Remote
-// objects: block buffers; huge pages were tried and cost more).
+// newBuf is a block's buffer, recycled or new, with mu held. While the
+// cache still grows, fresh buffers are made ahead of need (grow): one made
+// here is faulted in page by page by its GET, on the reader's path
+// (docs/design.md, Remote objects: block buffers).
 func (f *File) newBuf() []byte {
 	if len(f.free) < growLow && !f.growing && !f.closed && f.made < f.growTo {
 		n := min(max(growBytes/f.bs, 1), int64(f.growTo-f.made))

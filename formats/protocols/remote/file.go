@@ -239,10 +239,8 @@ func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
 func (f *File) CanLend() bool { return true }
 
 // LendAt lends [off, off+n) out of the cache blocks that hold it
-// (formats.CacheLender): a FUSE reply is written from them, and the copy into
-// a reply buffer that ReadAt makes is saved (docs/design.md, Page
-// lending). The blocks stay referenced, so neither evicted nor reused,
-// until release.
+// (formats.CacheLender), saving the copy ReadAt makes (docs/design.md,
+// Page lending); the blocks stay referenced until release.
 func (f *File) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
 	if off < 0 || n <= 0 || off > f.obj.Size-n || (off+n-1)/f.bs-off/f.bs >= int64(maxBufs) {
 		return nil, nil, false, nil
