@@ -1,22 +1,14 @@
 // Package aio does asynchronous I/O on host files.
 //
-// A [File] is a host file that many goroutines read and write at once. Each
-// call parks only its own goroutine until the I/O completes; which engine
-// does the I/O is chosen at [Open] and invisible to the caller:
-//
-//   - "io_uring": one shared ring per file; concurrent submissions are
-//     batched into one io_uring_enter, one completion goroutine wakes the
-//     waiters (uring_linux.go).
-//   - "threads": plain pread/pwrite/fsync/fallocate issued from the calling
-//     goroutine. The Go runtime moves a goroutine blocked in a syscall off its
-//     P and runs others meanwhile, so the runtime's thread pool is the
-//     thread pool (threads.go).
-//
-// Open falls back from io_uring to threads by itself when the kernel refuses
-// rings (io_uring_disabled, seccomp, ENOSYS, EPERM) and logs one line.
-// fallocate(2) is always a direct call: io_uring would hand it to a worker
-// thread. [Aligned] lets an O_DIRECT file take requests of any alignment
-// (aligned.go).
+// A [File] is a host file that many goroutines read and write at once, each
+// call parking only its own goroutine. The engine is chosen at [Open]:
+// "io_uring", one shared ring per file with concurrent submissions batched
+// into one io_uring_enter (uring_linux.go), or "threads", plain system calls
+// from the calling goroutine, the runtime's thread pool being the thread
+// pool (threads.go). Open falls back to threads by itself, with one log
+// line, where the kernel refuses rings. fallocate(2) is always a direct
+// call: io_uring would hand it to a worker thread. [Aligned] lets an
+// O_DIRECT file take requests of any alignment.
 package aio
 
 import (
@@ -54,11 +46,10 @@ type File interface {
 	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
 	// WriteAt writes all of p at off; short writes are continued.
 	WriteAt(ctx context.Context, p []byte, off int64) (int, error)
-	// TryReadAt reads all of p at off if it can without waiting for a
-	// device: a page-cache hit, with preadv2(RWF_NOWAIT). false: it would
-	// wait (always so with O_DIRECT, which has no cache to hit), and p
-	// holds nothing usable; ReadAt with a context from
-	// coroutines.AfterMiss then goes to the device without a second try.
+	// TryReadAt reads all of p at off if it can without waiting for a device
+	// (a page-cache hit: preadv2 with RWF_NOWAIT; never under O_DIRECT). false:
+	// p holds nothing usable, and a ReadAt on a coroutines.AfterMiss context
+	// goes to the device without a second try.
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if the write completes in the page
 	// cache: a buffered file's. false: it would wait for the device

@@ -10,17 +10,12 @@ import (
 )
 
 // Aligned wraps a file opened with O_DIRECT so that it takes any buffer,
-// offset and length, as formats that keep byte-granular metadata (qcow2's
-// header fields, compressed clusters, L1 entries) need. Requests already
-// aligned to align (the logical block size) go straight through; others
-// use an aligned bounce buffer covering whole blocks, and unaligned writes
-// are read-modify-write. Every write holds a range lock on the blocks it
-// covers, so that a read-modify-write never undoes a neighbouring write to
-// the same block.
-//
-// A padded write may extend the file to the end of its last block; the
-// padding reads as zeroes (formats that use this allocate whole clusters,
-// so it never shows).
+// offset and length, as formats with byte-granular metadata need. Aligned
+// requests go straight through; others use an aligned bounce buffer of
+// whole blocks, unaligned writes read-modify-write under a range lock on
+// their blocks, so that none undoes a neighbouring write to the same block.
+// A padded write may extend the file to the end of its last block, with
+// zeroes (the formats that use this allocate whole clusters).
 func Aligned(f File, align int) File {
 	if align <= 1 {
 		return f

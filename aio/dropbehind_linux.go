@@ -2,32 +2,25 @@ package aio
 
 import (
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // Drop-behind (docs/design.md, Drop-behind): a buffered read still goes
-// through the page cache, read ahead as usual, but the pages it brought in
-// leave the cache once read, so that a front end that caches what it
-// serves (FUSE under the kernel cache) does not hold the same bytes twice,
-// while the file keeps the disk's read-ahead that O_DIRECT gives up.
-//
-// Pages are dropped a granule at a time (FADV_DONTNEED), not per read
-// (RWF_DONTCACHE drops every folio a read touched, whole, read-ahead a
-// later READ would use included): once every block of a granule has been
-// read, or when no read has reached it for a sweep's interval; and where
-// reads stop, the read-ahead past them (dropAhead) after an interval.
-// FADV_DONTNEED also drops clean pages cached before the daemon read them
-// (speed, never data) and starts the writeback of dirty ones; it leaves
-// mapped pages alone, mapped-read lends included.
+// through the page cache and its read-ahead, but the pages it brought in
+// leave once read, so that a front end that caches what it serves (FUSE
+// under the kernel cache) does not hold the same bytes twice, and keeps
+// the disk's read-ahead, which O_DIRECT gives up. Pages are
+// dropped a granule at a time (FADV_DONTNEED; RWF_DONTCACHE would drop
+// read-ahead a later READ uses): once every block of a granule was read, or
+// when no read reached it for a sweep's interval, and the read-ahead past
+// where reads stop (dropAhead). FADV_DONTNEED leaves mapped pages alone.
 
 // dropGranule is the unit dropped: a power of two no smaller than the
-// largest folio of the page cache (PMD order on x86-64 and arm64 with 4
-// KiB pages), so that, folios being aligned to their size, a granule
-// holds whole folios, and dropping one never takes part of a folio a read
-// is still working through.
+// largest folio of the page cache (PMD order with 4 KiB pages), so that a
+// granule holds whole folios and a drop never takes part of one a read is
+// still working through.
 const dropGranule = 2 << 20
 
 // dropBlock is the unit a granule's reads are marked in.
@@ -254,31 +247,26 @@ func (d *dropper) close() {
 	}
 }
 
-// dropBehinder is what files that can read drop-behind implement.
-type dropBehinder interface {
-	setDropBehind(idle time.Duration) bool
-}
-
 // SetDropBehind makes the pages that f's reads bring into the page cache
 // leave it again (see dropGranule for when), where f is a buffered host
 // file; it says whether it did. Set it before f serves reads.
 func SetDropBehind(f File) bool { return setDropBehind(f, dropIdle) }
 
 func setDropBehind(f File, idle time.Duration) bool {
-	d, ok := f.(dropBehinder)
+	d, ok := f.(interface{ setDropBehind(time.Duration) bool })
 	return ok && d.setDropBehind(idle)
 }
 
-// startDropper gives a buffered file (its descriptor fd) the dropper in
-// slot, unless it has one; false for an O_DIRECT file, which leaves
-// nothing in the page cache to drop.
-func startDropper(slot *atomic.Pointer[dropper], fd int, idle time.Duration, direct bool) bool {
-	if direct {
+// setDropBehind gives a buffered file its dropper, unless it has one;
+// false for an O_DIRECT file, which leaves nothing in the page cache to
+// drop.
+func (h *hostFile) setDropBehind(idle time.Duration) bool {
+	if h.direct {
 		return false
 	}
-	if slot.Load() == nil {
-		d := newDropper(fd, idle)
-		if !slot.CompareAndSwap(nil, d) {
+	if h.behind.Load() == nil {
+		d := newDropper(h.fd, idle)
+		if !h.behind.CompareAndSwap(nil, d) {
 			d.close() // set meanwhile
 		}
 	}

@@ -9,24 +9,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// PageSource is a File that can lend a range of its bytes where they lie in
-// the page cache: a slice of a read-only shared mapping of the file, for
-// a front end that writes its reply straight from there (one writev)
-// instead of reading into a buffer first (a pread and a writev).
-//
-// A residency check per read (mincore) would be a system call again, so
-// residency is known per page, learned a 2 MiB chunk at a time and
-// trusted for a while (pageMap; docs/design.md, Mapped reads).
+// PageSource is a File that can lend a range of its bytes where they lie
+// in the page cache (a slice of a read-only shared mapping of the file),
+// for a front end that writes its reply straight from there: one writev,
+// where a read costs a pread and a writev. Residency is known per page,
+// learned by mincore a 2 MiB chunk at a time and trusted for a while
+// (pageMap; docs/design.md, Mapped reads): a check per read would be a
+// system call again.
 type PageSource interface {
-	// TryLend returns [off, off+n) if every page of it was in the page
-	// cache a moment ago (see residencyTTL); the slice stays readable
-	// until the file is closed, and is only ever given to the kernel (a
-	// writev), never read in Go: a page the kernel evicted meanwhile
-	// is read back in by the writev's fault, and a page cut off by a
-	// truncate fails the writev with EFAULT. false: it may not be
-	// resident, or the file cannot lend (O_DIRECT, closed,
-	// past the mapping); read it instead. Callers keep to the file's
-	// size: the rest of its last page is lent too, as zeroes.
+	// TryLend returns [off, off+n) if every page of it was in the page cache
+	// a moment ago (see residencyTTL), readable until the file is closed and
+	// only ever given to the kernel (a writev), never read in Go: an evicted
+	// page is read back in by the writev's fault, one cut off by a truncate
+	// fails it with EFAULT. false: read it instead. Callers keep to the file's
+	// size (the rest of its last page is lent too, as zeroes).
 	TryLend(off, n int64) ([]byte, bool)
 	// Zeroes returns n zero bytes (n at most LendZeroes) that stay
 	// readable until the file is closed, for the holes of a lent read.
@@ -37,10 +33,8 @@ const (
 	// lendChunk is what one mincore learns: 512 pages, 2 MiB (one page
 	// table's worth).
 	lendChunk = 2 << 20
-	// lendMapMax bounds the mapping (it is address space only: pages
-	// come from the page cache, page tables as pages are touched) and
-	// with it the page tables a long random reader leaves behind: 8 bytes
-	// a page touched, 2 MiB for each GiB.
+	// lendMapMax bounds the mapping (address space only) and with it the page
+	// tables a long random reader leaves: 8 bytes a page touched, 2 MiB a GiB.
 	lendMapMax = 64 << 30
 	// residencyTTL is how long a page seen resident is trusted: one that
 	// is evicted meanwhile costs the loop that lends it one wait for the
@@ -53,13 +47,10 @@ const (
 	// LendZeroes is the most Zeroes lends at once.
 	LendZeroes = 1 << 20
 	// zapAfter is how long after the last lend the mapping's page-table
-	// entries are dropped (MADV_DONTNEED, which leaves the page cache as
-	// it is): a page mapped in a process is one that drop_caches and
-	// POSIX_FADV_DONTNEED leave alone (reclaim takes it, less readily),
-	// so a reader gone for this long leaves nothing mapped. Not while
-	// lends go on: every page lent after a zap costs a page fault again,
-	// which under random reads lost all the gain. The page tables that
-	// stay meanwhile are bounded by lendMapMax.
+	// entries are dropped (MADV_DONTNEED): drop_caches and FADV_DONTNEED leave
+	// a mapped page alone, so a reader gone this long leaves nothing mapped.
+	// Not while lends go on: each page lent after a zap faults again, which
+	// under random reads lost all the gain.
 	zapAfter = 100 * time.Millisecond
 )
 
@@ -218,10 +209,9 @@ func (m *pageMap) zero(fd, n int) ([]byte, bool) {
 	return m.zeroes[:n:n], true
 }
 
-// close ends lending. The mappings are not unmapped but replaced by
-// inaccessible anonymous ones: a lent slice still in a writev somewhere
-// then fails it with EFAULT, where after an unmap the addresses could
-// be the Go heap's again and the writev would send its bytes.
+// close ends lending. The mappings are replaced by inaccessible anonymous
+// ones, not unmapped: a lent slice still in a writev then fails it with
+// EFAULT, where unmapped addresses could be the Go heap's again.
 func (m *pageMap) close() {
 	m.closed.Store(true)
 	m.once.Do(func() {}) // no mapping from here on
@@ -234,32 +224,18 @@ func (m *pageMap) close() {
 }
 
 // TryLend: see PageSource. Never for O_DIRECT (no page cache). Under
-// drop-behind too: a lend itself brings nothing in, but it is no read
-// that drop-behind counts, and a mapped page is one FADV_DONTNEED leaves,
-// so the pages it takes stay cached (read-ahead that drop-behind would
-// have dropped once read included). A caller that reads drop-behind to
-// keep a single cache does not lend the ranges it wants out of the cache
-// (fuse's Export.lendPages).
-func (u *uringFile) TryLend(off, n int64) ([]byte, bool) {
-	if u.direct || u.closed() {
+// drop-behind too, though a lent page stays cached (a lend is no read
+// that drop-behind counts, and FADV_DONTNEED leaves mapped pages): a
+// caller that wants one cache does not lend (fuse's Export.lendPages).
+func (h *hostFile) TryLend(off, n int64) ([]byte, bool) {
+	if h.direct || h.closed() {
 		return nil, false
 	}
-	return u.lend.lend(u.fd, off, n)
+	return h.lend.lend(h.fd, off, n)
 }
 
 // Zeroes: see PageSource.
-func (u *uringFile) Zeroes(n int) ([]byte, bool) { return u.lend.zero(u.fd, n) }
-
-// TryLend: see PageSource.
-func (t *threadFile) TryLend(off, n int64) ([]byte, bool) {
-	if t.direct || t.closed.Load() {
-		return nil, false
-	}
-	return t.lend.lend(t.fd, off, n)
-}
-
-// Zeroes: see PageSource.
-func (t *threadFile) Zeroes(n int) ([]byte, bool) { return t.lend.zero(t.fd, n) }
+func (h *hostFile) Zeroes(n int) ([]byte, bool) { return h.lend.zero(h.fd, n) }
 
 var (
 	_ PageSource = (*uringFile)(nil)

@@ -45,6 +45,6 @@ func tryWrite(f File, direct bool, check func(context.Context, string) error, p 
 	if direct {
 		return false, nil
 	}
-	_, err := pwriteAll(context.Background(), f, p, off, check)
+	_, err := transfer(context.Background(), f, true, [][]byte{p}, off, check)
 	return true, err
 }

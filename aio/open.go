@@ -13,11 +13,9 @@ import (
 var ErrNotImage = errors.New("not a regular file or block device")
 
 // OpenHostFile opens an image's host file with flag (os.O_RDONLY, O_RDWR,
-// O_DIRECT...). Only regular files and block devices are accepted: a FIFO
-// would block the open itself (and every read after it) until a writer came,
-// and a directory, socket or character device holds no image. The file is
-// opened non-blocking first, so a FIFO is refused at once instead of
-// hanging; the flag is cleared again before the file is returned.
+// O_DIRECT...): only a regular file or a block device. A FIFO would block
+// the open and every read until a writer came, so the file is opened
+// non-blocking (cleared again after) and a FIFO refused at once.
 func OpenHostFile(path string, flag int) (*os.File, error) {
 	f, err := os.OpenFile(path, flag|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {

@@ -5,33 +5,62 @@ import (
 	"io"
 	"os"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// threadFile issues each call as a plain syscall from the calling goroutine.
-type threadFile struct {
+// hostFile is the part of a File both engines share: the descriptor, and
+// the drop-behind and lending state kept beside it.
+type hostFile struct {
 	f      *os.File
 	fd     int
 	direct bool
-	// closed guards against using a descriptor number that Close released
+	// shut guards against using a descriptor number that Close released
 	// and the kernel may have handed to another file.
-	closed atomic.Bool
+	shut   atomic.Bool
 	behind atomic.Pointer[dropper] // set by SetDropBehind
 	lend   pageMap                 // see PageSource
 }
 
-func (t *threadFile) setDropBehind(idle time.Duration) bool {
-	return startDropper(&t.behind, t.fd, idle, t.direct)
+func (h *hostFile) Fd() int      { return h.fd }
+func (h *hostFile) Name() string { return h.f.Name() }
+func (h *hostFile) closed() bool { return h.shut.Load() }
+
+// check refuses calls on a closed file.
+func (h *hostFile) check(ctx context.Context, op string) error {
+	if h.closed() {
+		return &os.PathError{Op: op, Path: h.f.Name(), Err: os.ErrClosed}
+	}
+	return ctx.Err()
 }
 
-// directEOF says whether err, from the read that continues one that
-// came back short after done bytes, is the end of an O_DIRECT file: a
-// short direct read stopped at the end of the file as it was then, maybe
-// off a block boundary, and if a write has grown the file since, the
-// continuation at that unaligned offset fails with EINVAL instead of
-// reading nothing. (An I/O error partway is not EINVAL, and still fails.)
+// TryReadAt: see File.
+func (h *hostFile) TryReadAt(p []byte, off int64) bool {
+	if h.closed() || !tryRead(h.fd, h.direct, p, off) {
+		return false
+	}
+	h.behind.Load().done(off, len(p))
+	return true
+}
+
+// close ends drop-behind and lending, then closes the descriptor once
+// stop (the engine's) has returned.
+func (h *hostFile) close(stop func()) error {
+	h.shut.Store(true)
+	h.behind.Load().close()
+	h.lend.close()
+	stop()
+	return h.f.Close()
+}
+
+// threadFile issues each call as a plain syscall from the calling goroutine.
+type threadFile struct{ hostFile }
+
+// directEOF says whether err, from the read that continues one that came
+// back short after done bytes, is the end of an O_DIRECT file: the short
+// read stopped at the end as it was then, maybe off a block boundary, and
+// a write that grew the file since makes the unaligned continuation fail
+// with EINVAL instead of reading nothing.
 func directEOF(f File, done int, err error) bool {
 	if done == 0 || err != unix.EINVAL {
 		return false
@@ -46,46 +75,16 @@ func directEOF(f File, done int, err error) bool {
 }
 
 func newThreadFile(f *os.File, direct bool) *threadFile {
-	return &threadFile{f: f, fd: int(f.Fd()), direct: direct}
+	return &threadFile{hostFile{f: f, fd: int(f.Fd()), direct: direct}}
 }
 
-func (t *threadFile) Fd() int          { return t.fd }
-func (t *threadFile) Name() string     { return t.f.Name() }
 func (t *threadFile) Backend() Backend { return Threads }
-func (t *threadFile) Close() error {
-	t.closed.Store(true)
-	t.behind.Load().close()
-	t.lend.close()
-	return t.f.Close()
-}
-
-// check refuses calls on a closed file.
-func (t *threadFile) check(ctx context.Context, op string) error {
-	if t.closed.Load() {
-		return pathErr(op, t, os.ErrClosed)
-	}
-	return ctx.Err()
-}
+func (t *threadFile) Close() error     { return t.close(func() {}) }
 
 func (t *threadFile) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
-	n, err := preadAll(ctx, t, p, off, t.check)
+	n, err := transfer(ctx, t, false, [][]byte{p}, off, t.check)
 	t.behind.Load().done(off, n)
 	return n, err
-}
-
-// preadAll fills p from off with pread(2) from the calling goroutine,
-// continuing short reads; fewer bytes only at end of file, with io.EOF.
-// check runs before each try.
-func preadAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, false, [][]byte{p}, off, check)
-}
-
-func (t *threadFile) TryReadAt(p []byte, off int64) bool {
-	if t.closed.Load() || !tryRead(t.fd, t.direct, p, off) {
-		return false
-	}
-	t.behind.Load().done(off, len(p))
-	return true
 }
 
 func (t *threadFile) TryWriteAt(p []byte, off int64) (bool, error) {
@@ -93,17 +92,13 @@ func (t *threadFile) TryWriteAt(p []byte, off int64) (bool, error) {
 }
 
 func (t *threadFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
-	return pwriteAll(ctx, t, p, off, t.check)
-}
-
-// pwriteAll writes all of p at off with pwrite(2) from the calling
-// goroutine, continuing short writes; check runs before each try.
-func pwriteAll(ctx context.Context, f File, p []byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, true, [][]byte{p}, off, check)
+	return transfer(ctx, t, true, [][]byte{p}, off, t.check)
 }
 
 // transfer runs pread or pwrite (one buffer), preadv or pwritev (several)
-// until iov is done, continuing short transfers.
+// from the calling goroutine until iov is done, continuing short transfers:
+// a read returns fewer bytes only at end of file, with io.EOF. check runs
+// before each try.
 func transfer(ctx context.Context, f File, write bool, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
 	op := "pread"
 	switch {
@@ -158,13 +153,13 @@ func transfer(ctx context.Context, f File, write bool, iov [][]byte, off int64, 
 }
 
 func (t *threadFile) ReadvAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	n, err := preadvAll(ctx, t, iov, off, t.check)
+	n, err := transfer(ctx, t, false, iov, off, t.check)
 	t.behind.Load().done(off, n)
 	return n, err
 }
 
 func (t *threadFile) WritevAt(ctx context.Context, iov [][]byte, off int64) (int, error) {
-	return pwritevAll(ctx, t, iov, off, t.check)
+	return transfer(ctx, t, true, iov, off, t.check)
 }
 
 // nothingMoved is the error for a transfer of zero bytes: the end of the
@@ -174,15 +169,6 @@ func nothingMoved(op string, f File, write bool) error {
 		return pathErr(op, f, unix.ENOSPC)
 	}
 	return io.EOF
-}
-
-// preadvAll and pwritevAll are preadAll and pwriteAll for an iovec.
-func preadvAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, false, iov, off, check)
-}
-
-func pwritevAll(ctx context.Context, f File, iov [][]byte, off int64, check func(context.Context, string) error) (int, error) {
-	return transfer(ctx, f, true, iov, off, check)
 }
 
 func (t *threadFile) Fsync(ctx context.Context) error {

@@ -1,19 +1,15 @@
 package aio
 
-// A small io_uring on raw syscalls. The Go io_uring libraries either fail to
-// link on Go >= 1.23 (go:linkname into the runtime) or lack fsync/fallocate
-// (see shared/reference/dependencies.md), so this file owns the ~300 lines
-// instead: setup, the three mmaps, SQ filling under one mutex, batched
-// io_uring_enter, and one completion goroutine.
-//
-// Flow control: a request takes a slot from a free list before it fills an
-// SQE and gives it back after its completion is delivered. A slot may use
-// two SQEs (its operation, and a cancel when its context ends: see do), so
-// there are half as many slots as SQ entries, and the CQ is twice the SQ:
-// neither ring can overflow; when all slots are taken, callers wait
-// (back-pressure) instead of failing.
+// A small io_uring on raw syscalls: the Go io_uring libraries either fail
+// to link on Go >= 1.23 (go:linkname into the runtime) or lack
+// fsync/fallocate. A request takes a slot from a free list before it fills
+// an SQE and gives it back after its completion; a slot may use two SQEs
+// (its operation and a cancel, see do), so there are half as many slots as
+// SQ entries and the CQ is twice the SQ: neither ring can overflow, and
+// when all slots are taken callers wait (back-pressure).
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -21,7 +17,6 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -228,9 +223,8 @@ func (r *uring) mmap(p *uringParams) error {
 }
 
 // submit queues one SQE (prepared by fill) and makes sure some goroutine
-// passes it to the kernel. Goroutines arriving while another is inside
-// io_uring_enter only queue: the one inside picks their SQEs up in its next
-// round, which is how concurrent submissions share one syscall.
+// passes it to the kernel: one arriving while another is in io_uring_enter
+// only queues, and the one inside picks it up in its next round.
 func (r *uring) submit(fill func(*sqe)) error {
 	r.mu.Lock()
 	tail := *r.sqTail
@@ -278,10 +272,9 @@ func (r *uring) enter(toSubmit, minComplete, flags uint32) (uint32, error) {
 	}
 }
 
-// reap is the one completion path: it waits for the eventfd, then hands
-// each completion's result to the goroutine parked on its slot. A
-// completion posted after the CQ looked empty has signalled the eventfd
-// already, so the next read returns at once and none is missed.
+// reap hands each completion's result to the goroutine parked on its slot,
+// waiting on the eventfd when the CQ is empty (a completion posted after
+// that look has signalled it already: none is missed).
 func (r *uring) reap() {
 	defer close(r.reaped)
 	var tick [8]byte
@@ -317,12 +310,10 @@ func (r *uring) reap() {
 }
 
 // do runs one operation to completion and returns the kernel's result
-// (negative errno on failure). When ctx ends first (a FUSE INTERRUPT, an
-// NBD client gone), it asks the kernel to cancel the operation
-// (IORING_OP_ASYNC_CANCEL): one that has not reached the device yet then
-// completes with -ECANCELED, one that has completes as it would have.
-// Either way do waits for that completion: until it, the kernel may still
-// use the caller's buffer.
+// (negative errno on failure). When ctx ends first it asks the kernel to
+// cancel the operation (IORING_OP_ASYNC_CANCEL), which then completes with
+// -ECANCELED or as it would have; either way do waits for that completion,
+// until which the kernel may still use the caller's buffer.
 func (r *uring) do(ctx context.Context, fill func(*sqe, *slot, uint64)) (int32, error) {
 	var idx uint32
 	select {
@@ -382,66 +373,20 @@ func (r *uring) close() {
 
 // uringFile is a File served by its own ring.
 type uringFile struct {
-	f      *os.File
-	fd     int
-	ring   *uring
-	direct bool
-	behind atomic.Pointer[dropper] // set by SetDropBehind
-	lend   pageMap                 // see PageSource
-}
-
-func (u *uringFile) setDropBehind(idle time.Duration) bool {
-	return startDropper(&u.behind, u.fd, idle, u.direct)
+	hostFile
+	ring *uring
 }
 
 func newURingFile(f *os.File, o Options) (*uringFile, error) {
-	entries := o.Entries
-	if entries == 0 {
-		entries = 256
-	}
-	r, err := newURing(entries)
+	r, err := newURing(cmp.Or(o.Entries, 256))
 	if err != nil {
 		return nil, err
 	}
-	return &uringFile{f: f, fd: int(f.Fd()), ring: r, direct: o.Direct}, nil
+	return &uringFile{hostFile{f: f, fd: int(f.Fd()), direct: o.Direct}, r}, nil
 }
 
-func (u *uringFile) Fd() int { return u.fd }
-
-// check refuses calls on a closed file.
-func (u *uringFile) check(ctx context.Context, op string) error {
-	if u.closed() {
-		return pathErr(op, u, os.ErrClosed)
-	}
-	return ctx.Err()
-}
-
-func (u *uringFile) closed() bool {
-	select {
-	case <-u.ring.closing:
-		return true
-	default:
-		return false
-	}
-}
-func (u *uringFile) Name() string     { return u.f.Name() }
 func (u *uringFile) Backend() Backend { return IOUring }
-
-func (u *uringFile) Close() error {
-	u.behind.Load().close()
-	u.lend.close()
-	u.ring.close()
-	return u.f.Close()
-}
-
-// TryReadAt: see File.
-func (u *uringFile) TryReadAt(p []byte, off int64) bool {
-	if u.closed() || !tryRead(u.fd, u.direct, p, off) {
-		return false
-	}
-	u.behind.Load().done(off, len(p))
-	return true
-}
+func (u *uringFile) Close() error     { return u.close(u.ring.close) }
 
 // TryWriteAt: see File.
 func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
@@ -456,10 +401,7 @@ func (u *uringFile) TryWriteAt(p []byte, off int64) (bool, error) {
 func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int, error) {
 	path := coroutines.PathOf(ctx)
 	if path == coroutines.Lone && !u.closed() {
-		if op == opRead {
-			return preadAll(ctx, u, p, off, u.check)
-		}
-		return pwriteAll(ctx, u, p, off, u.check)
+		return transfer(ctx, u, op == opWrite, [][]byte{p}, off, u.check)
 	}
 	done := 0
 	if op == opRead && !u.direct && len(p) > 0 && !u.closed() && path != coroutines.AfterMiss {
@@ -472,7 +414,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 		}
 	}
 	if op == opWrite && !u.direct && !u.closed() {
-		return pwriteAll(ctx, u, p, off, u.check)
+		return transfer(ctx, u, true, [][]byte{p}, off, u.check)
 	}
 	for done < len(p) {
 		if err := ctx.Err(); err != nil {
@@ -502,10 +444,7 @@ func (u *uringFile) rw(ctx context.Context, op uint8, p []byte, off int64) (int,
 
 func (u *uringFile) rwv(ctx context.Context, op uint8, iov [][]byte, off int64) (int, error) {
 	if coroutines.PathOf(ctx) == coroutines.Lone && !u.closed() {
-		if op == opReadv {
-			return preadvAll(ctx, u, iov, off, u.check)
-		}
-		return pwritevAll(ctx, u, iov, off, u.check)
+		return transfer(ctx, u, op == opWritev, iov, off, u.check)
 	}
 	iov = append([][]byte(nil), iov...)
 	iov = advance(iov, 0)
@@ -608,19 +547,12 @@ func (u *uringFile) simple(ctx context.Context, op uint8, fill func(*sqe)) error
 			fill(e)
 			e.userData = tag
 		})
-		if err != nil {
-			return pathErr(opName(op), u, err)
+		if err == nil && res >= 0 {
+			return nil
 		}
-		if res == -int32(unix.ECANCELED) && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if res == -int32(unix.EINTR) || res == -int32(unix.EAGAIN) {
-			continue
-		}
-		if res < 0 {
-			return pathErr(opName(op), u, unix.Errno(-res))
-		}
-		return nil
+		if _, err := u.result(ctx, op, res, err); err != nil {
+			return err
+		} // else interrupted: again
 	}
 }
 

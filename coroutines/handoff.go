@@ -8,17 +8,11 @@ import (
 )
 
 // Handoff is a serve loop's one decision per request that may wait for
-// I/O: finish it itself, or hand it to a goroutine. The FUSE queues and the
-// NBD connections share it; each loop does:
-//
-//  1. try the request without waiting (the format's TryReadAt or
-//     TryWriteAt; for reads only while Reads says tries pay);
-//  2. if that could not finish it and Lone says the loop has nothing else
-//     to serve, run it right there with Context(Lone) (blocking system
-//     calls: see [Lone]);
-//  3. else give it a buffer of its own, Start, and start a goroutine that
-//     finishes it with Context(AfterMiss) or Context(Fresh) and calls
-//     Done; the loop reads on.
+// I/O, shared by the FUSE queues and the NBD connections: try it without
+// waiting (reads only while Reads says tries pay); else, when Lone says
+// the loop has nothing else to serve, run it right there with
+// Context(Lone); else give it a buffer of its own, Start, and finish it in
+// a goroutine with Context(AfterMiss) or Context(Fresh), then Done.
 type Handoff struct {
 	running sync.WaitGroup
 	n       atomic.Int32
@@ -77,14 +71,11 @@ func (h *Handoff) Yield() { runtime.Gosched() }
 func (h *Handoff) Wait() { h.running.Wait() }
 
 // MissTracker decides whether a serve loop tries a read without blocking.
-// On a page-cache miss that try is not free: it starts the readahead and
-// submits the disk read itself, one request after another on the loop's
-// thread, where the goroutines would submit side by side (docs/design.md,
-// Inline reads). So the tracker counts tries in windows of missWindow: when
-// fewer than half of a window hit, the loop stops trying except for every
-// probeEvery-th read, whose outcomes make the next window.
-//
-// It sits on every inline read, so it keeps to one atomic add per try.
+// On a page-cache miss the try is not free: it starts the readahead and
+// submits the disk read on the loop's thread, where goroutines would
+// submit side by side (docs/design.md, Inline reads). So it counts tries in
+// windows of missWindow, and when fewer than half of a window hit, the
+// loop tries only every probeEvery-th read. One atomic add per try.
 type MissTracker struct {
 	skipping atomic.Bool
 	window   atomic.Uint64 // this window's tries<<32 | hits

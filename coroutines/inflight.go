@@ -6,13 +6,8 @@ import (
 )
 
 // InFlight counts requests in flight and lets one caller at a time drain
-// them.
-//
-// It is a [sync.RWMutex] underneath: a request is a reader, a drain is the
-// writer. That gives exactly the semantics needed, with one atomic add per
-// Begin and End on the hot path and no lock when nobody drains: Drain waits
-// for every request in flight and holds back new ones (Begin blocks) until
-// the returned release function runs.
+// them. It is a [sync.RWMutex] underneath (a request a reader, a drain the
+// writer): one atomic add per Begin and End, no lock when nobody drains.
 type InFlight struct {
 	mu sync.RWMutex
 }

@@ -18,15 +18,12 @@ const (
 	// the device at once instead of trying again, so a miss costs one
 	// failed attempt, not two.
 	AfterMiss
-	// Lone: the caller has nothing else to serve until the request
-	// completes (a serve loop with no other request in flight and none
-	// waiting to be read; a remote file's reader making its own GET). I/O
-	// layers may then block the calling thread in a plain system call, or
-	// spin briefly on a peer's reply, so that the completion wakes that
-	// very thread, instead of submitting to a shared ring and parking
-	// (at queue depth one the ring made three threads wake in turn:
-	// docs/design.md, Lone requests). Requests with company keep using
-	// the ring, where their submissions batch.
+	// Lone: the caller has nothing else to serve until the request completes
+	// (a serve loop with nothing else in flight or waiting; a remote file's
+	// reader making its own GET). I/O layers may then block the calling thread
+	// in a plain system call, or spin briefly on a peer's reply, so that the
+	// completion wakes that very thread instead of going through a shared
+	// ring (docs/design.md, Lone requests); requests with company batch there.
 	Lone
 )
 

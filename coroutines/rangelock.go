@@ -6,16 +6,12 @@ import (
 )
 
 // RangeLock serializes holders of overlapping byte ranges [off, off+n) and
-// never holds back holders of disjoint ones.
-//
-// Held ranges are kept in a short list: the number of requests in flight is
-// bounded by the queue depth, and a linear scan of a few dozen entries beats
-// a tree at that size.
-//
-// Every write of raw, qcow2, an NBD source and an O_DIRECT read-modify-write
-// takes one, so an uncontended Lock allocates nothing: released entries
-// (with their unlock functions, made once) go to a free list, and the
-// channel a waiter sleeps on is made only when someone has to wait.
+// never holds back holders of disjoint ones. Held ranges are a short list
+// (requests in flight are bounded by the queue depth: a linear scan beats
+// a tree). Every write of raw, qcow2, an NBD source and an O_DIRECT
+// read-modify-write takes one, so an uncontended Lock allocates nothing:
+// released entries go to a free list, and a waiter's channel is made only
+// when someone has to wait.
 type RangeLock struct {
 	mu   sync.Mutex
 	held []*heldRange

@@ -9,12 +9,9 @@ import (
 const YieldAfter = time.Millisecond
 
 // Yielder makes a serving loop (a FUSE queue, an NBD connection's reader)
-// yield the processor about once a millisecond.
-//
-// Why: such a loop never blocks in the scheduler, only in syscalls, so the
-// runtime's sysmon sees it as one goroutine hogging its P; after 10 ms it
-// takes the P away in the middle of a syscall and hands it to another
-// thread, and the loop resumes on yet another one, preempting the client.
+// yield the processor about once a millisecond: such a loop blocks only in
+// syscalls, so sysmon takes it for a goroutine hogging its P and after 10
+// ms hands the P to another thread mid-syscall, preempting the client.
 type Yielder struct {
 	n    uint32
 	last time.Time

@@ -2,13 +2,11 @@ package formats
 
 import "context"
 
-// Filter is what a filter image (an image over an image: copy-on-read, a
-// partition's range, a disk whose size is pinned) embeds: the image it
-// wraps, with every optional capability of that image passed on, so that
-// a fast path of the wrapped image does not vanish under a filter. A
-// filter overrides what it changes (a partition moves offsets). A Filter
-// has the methods of every optional interface, each doing nothing where
-// the wrapped image lacks it; [As] says whether it really has one.
+// Filter is what a filter image (copy-on-read, a partition's range, a disk
+// whose size is pinned) embeds: the image it wraps, every optional
+// capability of that image passed on (doing nothing where the wrapped
+// image lacks it; [As] says whether it has it), so that a fast path does
+// not vanish under a filter. A filter overrides what it changes.
 type Filter struct {
 	Image
 }
@@ -71,9 +69,9 @@ func (f Filter) SetGrowAhead(n int64) {
 }
 
 // As returns img as the optional interface T (PageLender, CacheLender,
-// Layered, Completions, NoFlusher, GrowAheader) where img offers it: through filters, only where
-// the image under them does too. Front ends ask As, not a type assertion,
-// before they choose a path by a capability.
+// Layered, Completions, NoFlusher, GrowAheader) where img offers it,
+// through filters only where the image under them does too. Front ends
+// ask As, not a type assertion, before they choose a path by a capability.
 func As[T any](img Image) (T, bool) {
 	t, ok := img.(T)
 	for under := img; ok; {

@@ -54,16 +54,14 @@ type Image interface {
 	// (st_blocks*512 of its files), or -1 when that is not meaningful.
 	AllocatedSize(ctx context.Context) (int64, error)
 	// TryReadAt fills all of p from off if it can without waiting for a
-	// device or a lock someone holds (a page-cache hit, metadata already
-	// in memory). false: it would wait; p's content is undefined, and the
-	// caller uses ReadAt, on a context of path coroutines.AfterMiss when
-	// this try reached the host file (so aio does not try a second time).
+	// device or a lock someone holds. false: it would wait, p is undefined,
+	// and the caller uses ReadAt, on a coroutines.AfterMiss context when this
+	// try reached the host file (so that aio does not try again).
 	TryReadAt(p []byte, off int64) bool
 	// TryWriteAt writes all of p at off if it can without waiting for a
-	// device, metadata I/O or a lock someone holds (raw: a buffered write
-	// into the page cache; qcow2: into a cluster it owns). done false:
-	// nothing was written and the caller uses WriteAt; with done true, err
-	// is the write's outcome. Front ends clamp first, as for WriteAt.
+	// device, metadata I/O or a lock (raw: a buffered write into the page
+	// cache; qcow2: into a cluster it owns). done false: nothing was written,
+	// the caller uses WriteAt; with done true, err is the write's outcome.
 	TryWriteAt(p []byte, off int64) (done bool, err error)
 	// Features says what the image can offer front ends.
 	Features() Features
@@ -206,13 +204,10 @@ type Layered interface {
 type Features struct {
 	// FastZero: WriteZeroes writes no data (NBD's FAST_ZERO asks).
 	FastZero bool
-	// MayStall: a request may wait on a network peer that can stall for
-	// as long as the reconnect timeout (an object in HTTP(S) or S3
-	// storage, in this image or its backing chain). A front end then
-	// never lets one hold the thread that reads its protocol for more
-	// than a moment (the FUSE loop runs a lone one itself and hands its
-	// queue to a stand-in loop after a millisecond), so that other
-	// clients' requests (an open, a stat) are answered meanwhile.
+	// MayStall: a request may wait on a network peer that can stall for as
+	// long as the reconnect timeout (HTTP(S) or S3 storage, in this image or
+	// its backing chain): a front end then never lets one hold the thread
+	// that reads its protocol for more than a moment.
 	MayStall bool
 }
 
@@ -236,22 +231,19 @@ func (ReadOnly) Resize(context.Context, int64) error                   { return 
 func (ReadOnly) Flush(context.Context) error                           { return nil }
 
 // Completions is an image whose requests complete on descriptors of its
-// own: an NBD client's sockets, where replies arrive. By default a request
-// waiting for its completion reads it itself (on its own thread, asleep
-// in read(2) meanwhile). A serve loop with one thread may instead take
-// that reading over, as QEMU's event loop does: it waits on these
-// descriptors beside its own input and reads whatever has come, so that
-// one thread sleeps only when neither has anything, and nothing sleeps
-// per request on a second thread.
+// own (an NBD client's sockets). By default a request waiting for its
+// completion reads it itself, asleep in read(2) meanwhile; a serve loop
+// with one thread may take that reading over, as QEMU's event loop does,
+// waiting on these descriptors beside its own input, so that nothing
+// sleeps per request on a second thread.
 //
-// The loop calls CompletionFds each time before it waits (connections may
-// change: a reconnect). From the first call on, requests that wait on the
-// connections named leave reading to the loop, except those that run in
-// the loop itself (path coroutines.Lone), which still read their own
-// (the loop is busy with them). ServeCompletions reads what has arrived without
-// waiting for more; the requests it completes become runnable. Release
-// hands reading back to the requests (the loop is ending): it must come
-// before the loop stops answering, or requests left waiting would hang.
+// The loop calls CompletionFds each time before it waits (a reconnect
+// changes them); from the first call on, requests on those connections
+// leave reading to the loop, except those that run in the loop itself
+// (path coroutines.Lone). ServeCompletions reads what has arrived without
+// waiting for more. ReleaseCompletions hands reading back to the
+// requests; it must come before the loop stops answering, or requests
+// left waiting would hang.
 type Completions interface {
 	CompletionFds(dst []int) []int
 	ServeCompletions()

@@ -6,15 +6,12 @@ import (
 	"github.com/blockexport/blockexport/aio"
 )
 
-// PageLender is an Image that can answer a read from the page cache of
-// its host files without copying: slices of their mappings for data
-// (aio.PageSource), lent zeroes for holes, never waiting. A front end
-// that replies with a writev writes the reply straight from there, one
-// system call where a read into a buffer costs two. Only images whose
-// data never moves within their files while they are open lend: the
-// read-only formats, a raw file, a qcow2 image opened read-only (a
-// writable one may free and reuse a cluster between the lend and the
-// writev).
+// PageLender is an Image that can answer a read from the page cache of its
+// host files without copying and without waiting: slices of their mappings
+// for data (aio.PageSource), lent zeroes for holes, for a front end to
+// writev (one system call where a read into a buffer costs two). Only
+// images whose data never moves within their files while open lend: the
+// read-only formats, a raw file, a read-only qcow2 image.
 type PageLender interface {
 	// TryLendAt appends [off, off+n) to v as slices in order and returns
 	// it, with ok true when every byte was lent without waiting. ok

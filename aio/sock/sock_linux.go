@@ -28,20 +28,17 @@ type Stream interface {
 	WriteBuffers(bufs [][]byte) error
 }
 
-// sock serves a connection's socket with plain syscalls on the calling
-// thread, the way QEMU's event loop does, instead of through Go's netpoller.
+// sock is a Stream on the socket's own descriptor. Why: with the
+// netpoller, every request that finds the socket empty parks the reader
+// goroutine and has another thread wake it, and each arriving request also
+// wakes whichever runtime thread sleeps in epoll_wait; on 2 cores those
+// threads preempted the client. So the descriptor is taken out of the
+// netpoller (a dup of it is kept, the net.Conn closed) and a read that
+// finds no data:
 //
-// Why: with the netpoller, every request that finds the socket empty
-// parks the reader goroutine and has another thread wake it, and each
-// arriving request also wakes whichever runtime thread sleeps in
-// epoll_wait; on 2 cores those threads preempted the client. So the
-// descriptor is taken out of the netpoller (a dup of it is kept, the
-// net.Conn closed) and a read that finds no data:
-//
-//  1. spins on the socket for a while (adaptive, as QEMU's aio_poll: the
-//     window grows while waits are short and drops to 0 when they are
-//     long), so that a busy client's next request is picked up without
-//     the client paying for our wake-up;
+//  1. spins on the socket for a while (adaptive, as QEMU's aio_poll), so
+//     that a busy client's next request is picked up without the client
+//     paying for our wake-up;
 //  2. sleeps in poll(2) on its own thread for up to sleepInPoll;
 //  3. past that the client is idle: it waits in the netpoller through a
 //     temporary dup, so idle connections hold no thread.
@@ -204,11 +201,9 @@ func readNoEINTR(fd int, p []byte) (int, error) {
 func (s *sock) Fd() int { return s.fd }
 
 // Pending says whether the socket has bytes to read (or an end or error
-// to report: a read then returns at once). A poll interrupted by a signal
-// is asked again: the Go runtime signals its threads to preempt them, and
-// a caller that reads on "pending" would otherwise sleep in read(2) with
-// nothing coming (the NBD client's serve loop did, with no request in
-// flight: the export hung).
+// to report). A poll interrupted by a signal (the runtime preempts its
+// threads so) is asked again: a caller that reads on "pending" slept in
+// read(2) with nothing coming, and the NBD client's serve loop hung.
 func (s *sock) Pending() bool {
 	fds := [1]unix.PollFd{{Fd: int32(s.fd), Events: unix.POLLIN}}
 	for {

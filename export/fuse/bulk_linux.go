@@ -8,10 +8,9 @@ import (
 
 // bulkHelper is a second queue that serves only while large writes come,
 // so that two threads do a write's two copies (docs/design.md, Our own
-// /dev/fuse loop). It is cloned at the first large write and parks (stops
-// reading /dev/fuse: for small requests two readers of one queue take
-// turns sleeping) once none has come for bulkIdle; its fd stays open,
-// since requests it handed to goroutines reply through it.
+// /dev/fuse loop); it parks once none has come for bulkIdle (for small
+// requests two readers of one queue only take turns sleeping). Its fd
+// stays open: requests it handed to goroutines reply through it.
 type bulkHelper struct {
 	mu      sync.Mutex
 	fd      int  // -1 until cloned

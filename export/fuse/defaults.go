@@ -25,13 +25,12 @@ type Served struct {
 	Hosts []aio.File
 }
 
-// Tune decides the kernel cache Options of an export of s and applies
-// what goes with it (drop-behind, the Go processors for a remote image).
-// auto turns the kernel cache on for a local raw or qcow2 image read
-// through the host's page cache; never for the null device (a cache would
-// hand back what was written) or several files over the same bytes.
-// KeepCache only for qcow2, whose locks deny everybody else write access
-// (docs/design.md, The kernel cache).
+// Tune decides the kernel cache Options of an export of s and applies what
+// goes with it (drop-behind, the Go processors for a remote image). auto
+// turns it on for a local raw or qcow2 image read through the page cache;
+// never for the null device (a cache would hand back what was written) or
+// several files over the same bytes. KeepCache only for qcow2, whose locks
+// deny everybody else write access (docs/design.md, The kernel cache).
 func Tune(o Options, s Served, logger *slog.Logger) Options {
 	switch s.KernelCache {
 	case "on":

@@ -110,11 +110,10 @@ func (s *server) dispatch(q *queue, req []byte, began time.Time) bool {
 	return false
 }
 
-// runHere runs a request that may wait and may block the loop, where it
-// need not be handed off: in the loop, blocking, when nothing else is in
-// flight or queued (coroutines.Lone); for an image that may stall, on the
-// loop's goroutine with a stand-in ready (runStalling), where the loop is
-// a plain /dev/fuse one. false: nothing ran; hand it off.
+// runHere runs a request that may block the loop where it need not be
+// handed off: in the loop when nothing else is in flight or queued, or,
+// for an image that may stall, on a plain loop's goroutine with a stand-in
+// ready (runStalling). false: nothing ran.
 func (s *server) runHere(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) bool {
 	switch {
 	case !s.stalls && s.hand.Lone(q.queued):
@@ -131,18 +130,13 @@ func (s *server) runHere(q *queue, unique uint64, run func(ctx context.Context, 
 // runs on its loop's goroutine before a stand-in takes the queue over.
 const standInAfter = time.Millisecond
 
-// runStalling runs a lone request of an image that may stall (its peer
-// may hang for the reconnect timeout) on the loop's own goroutine, and if
-// it has not finished within standInAfter, a stand-in loop takes the
-// queue over, and this loop ends once the request has (docs/design.md,
-// The stand-in loop for lone requests).
-//
-// Its I/O cannot be cancelled (the loop's context has no Done), so an
-// INTERRUPT that the stand-in reads for it, once the grace period has
-// passed with the request still running, answers it EINTR on its behalf
-// (the caller, killed, waits in the kernel for an answer), and the
-// request's own reply is dropped (replyTo.once). It is counted as
-// handed-off requests are (Lone sees it in flight, Wait waits for it).
+// runStalling runs a lone request of an image that may stall on the loop's
+// own goroutine; if it has not finished within standInAfter, a stand-in
+// loop takes the queue over and this loop ends once the request has
+// (docs/design.md, The stand-in loop for lone requests). Its I/O cannot be
+// cancelled (no Done), so an INTERRUPT the stand-in reads for it, once the
+// grace period has passed, answers it EINTR on its behalf and its own
+// reply is dropped (replyTo.once). It counts as a handed-off request.
 func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Context, to replyTo)) {
 	r := s.pending.add(unique, s.hand.Context(coroutines.Lone), s, q.to)
 	to := q.to
@@ -221,15 +215,11 @@ func (s *server) pool(n int) *aio.BufPool {
 }
 
 // pending maps the unique of each request running in a goroutine to its
-// context, so that an INTERRUPT can cancel its I/O. Requests the loop
-// answers itself finish before it reads the next, INTERRUPT included, so
-// they need no entry; with several queues an INTERRUPT may overtake its
-// request's entry, and the request then runs to its end.
-//
-// An INTERRUPT cancels a request only if it still runs a grace period
-// later: the kernel sends one for any signal (Go's preemption SIGURG
-// included), and few programs expect EINTR from a regular file
-// (docs/design.md, The request path). The contexts are pooled.
+// context, so that an INTERRUPT can cancel its I/O (requests the loop
+// answers itself finish before it reads the next). An INTERRUPT cancels
+// only a request still running a grace period later: the kernel sends one
+// for any signal (Go's SIGURG too), and few programs expect EINTR from a
+// regular file (docs/design.md, The request path). Contexts are pooled.
 type pending struct {
 	mu    sync.Mutex
 	m     map[uint64]*reqCtx
@@ -412,10 +402,9 @@ func (s *server) setattr(ctx context.Context, to replyTo, req []byte) {
 	replyOut(s, to, header(req).Unique, st, &o)
 }
 
-// flush answers FLUSH (every close), FSYNC and SYNCFS (sync(2),
-// syncfs(2): the kernel sends it after writing its dirty pages back, and
-// a qcow2 image has metadata of its own to write) alike: the image is
-// made durable.
+// flush makes the image durable for FLUSH, FSYNC and SYNCFS alike (the
+// kernel sends SYNCFS after writing its dirty pages back; a qcow2 image
+// has metadata of its own to write).
 func (s *server) flush(ctx context.Context, to replyTo, req []byte) {
 	s.replyData(to, header(req).Unique, s.expOf(req).Flush(ctx))
 }

@@ -1,17 +1,12 @@
 // Package fuse exports one image as a single regular file through FUSE, with
 // the op-by-op behaviour of qemu-storage-daemon's FUSE export.
 //
-// [Export] holds the op handlers: they take go-fuse's request structs
-// (which mirror the kernel's), call the [formats.Image], and fill go-fuse's
-// reply structs; they know nothing of how requests arrive. The server
-// (server_linux.go and the files it names) reads /dev/fuse and calls them;
-// mounting is in mount_linux.go. Error values become errno in one place
-// (errno.go).
-//
-// One READ, end to end: loop_linux.go reads it, dispatch hands it to
-// read_linux.go, Export.planRead works it out once, and it is lent or
-// tried in the loop, else read where it may wait (docs/design.md, The
-// request path).
+// [Export] holds the op handlers: go-fuse's request structs in, the
+// [formats.Image] called, go-fuse's reply structs out. The server
+// (server_linux.go) reads /dev/fuse and calls them; mount_linux.go mounts;
+// errno.go maps errors. A READ is planned once (Export.planRead), then lent
+// or tried in the loop, else read where it may wait (read_linux.go;
+// docs/design.md, The request path).
 package fuse
 
 import (
@@ -267,10 +262,9 @@ func (e *Export) resize(ctx context.Context, size int64) fuse.Status {
 }
 
 // invalidate drops the kernel's cached pages of [off, off+length) (length
-// 0: to the end) when the kernel caches the export. It runs before the
-// reply of the request that changed the image, so no read that starts
-// after that reply sees the old bytes. Never from a serve loop: the
-// kernel may write dirty pages back (to us) before it returns.
+// 0: to the end) under the kernel cache, before the reply of the request
+// that changed the image. Never from a serve loop: the kernel may write
+// dirty pages back (to us) before it returns.
 func (e *Export) invalidate(off, length int64) {
 	if off < 0 {
 		return // a request's offset past 2^63: nothing was written there
@@ -362,11 +356,10 @@ func (r readOp) size() int64 { return r.n + r.zeroes }
 // readLimit is the most a READ returns: what it asks, up to maxWrite.
 func readLimit(in *fuse.ReadIn) int64 { return min(int64(in.Size), maxWrite) }
 
-// planRead works out a READ: clamped to the end of the image, zeroes
-// past it under the writeback cache (readPastImage), its granules marked
-// before the image is read (cachesRead), counted in flight until endRead.
-// A serve loop asks with loop set: false, with nothing counted, where it
-// might wait (a drain, or a read that would ask the kernel's size).
+// planRead works out a READ once (clamped, zeroes past the image under the
+// writeback cache, granules marked, counted in flight until endRead). A
+// serve loop asks with loop set: false, nothing counted, where it might
+// wait (a drain, or a read that would ask the kernel's size).
 func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 	if !loop {
 		e.inflight.Begin()
@@ -388,11 +381,10 @@ func (e *Export) planRead(in *fuse.ReadIn, loop bool) (readOp, bool) {
 // endRead ends what planRead began, once the reply is written.
 func (e *Export) endRead() { e.inflight.End() }
 
-// lendPages lends the read's bytes as slices of the image files'
-// mappings (formats.PageLender), appended to v; false: the caller reads.
-// Not for a READ that fills the kernel's cache of the export: the image
-// is read drop-behind for those (one cache, the export's), and the pages
-// a lend maps stay in the image's cache (docs/design.md, Drop-behind).
+// lendPages lends the read's bytes as slices of the image files' mappings
+// (formats.PageLender), appended to v; false: the caller reads. Not for a
+// READ that fills the kernel's cache: the image is read drop-behind for
+// those, and lent pages would stay in the image's cache too.
 func (e *Export) lendPages(r readOp, v [][]byte) ([][]byte, bool) {
 	if e.pager == nil || r.fillsCache || r.n == 0 || r.zeroes > 0 {
 		return v, false
@@ -440,23 +432,19 @@ func (e *Export) read(ctx context.Context, r readOp, buf []byte) (int, fuse.Stat
 	return int(r.size()), fuse.OK
 }
 
-// cachesRead says whether the kernel may keep what a READ reads in its
-// page cache, so that the READ must mark its granules (readMarks). Not a
-// direct read (an O_DIRECT open's read(2), fuse_direct_io): it lands in
-// the reader's buffer only, and the kernel sends it alone with
-// FUSE_READ_LOCKOWNER; reads that fill pages (read-ahead, page faults of
-// a mapping, an O_DIRECT open's included) carry none (docs/design.md,
-// The kernel cache).
+// cachesRead says whether the kernel may keep what a READ reads in its page
+// cache, so that it must mark its granules. Not a direct read (an O_DIRECT
+// open's read(2)), which the kernel sends alone with FUSE_READ_LOCKOWNER;
+// reads that fill pages carry none (docs/design.md, The kernel cache).
 func (e *Export) cachesRead(in *fuse.ReadIn) bool {
 	return e.marks != nil && in.ReadFlags&fuse.READ_LOCKOWNER == 0
 }
 
 // readPastImage is how many zero bytes a read gets past dataEnd, the
 // image's end, under the writeback cache: up to the kernel's size. A
-// buffered write past the end grows the file in the kernel at once and
-// the image only when its pages are written back, so between the two
-// an O_DIRECT read of the hole the write left must read zeroes, not end
-// early.
+// buffered write past the end grows the file in the kernel at once and the
+// image only at write-back; meanwhile an O_DIRECT read of the hole it left
+// must read zeroes, not end early.
 func (e *Export) readPastImage(in *fuse.ReadIn, dataEnd, size int64) int64 {
 	off := int64(in.Offset)
 	if e.kernelSize == nil || off < 0 {
@@ -489,8 +477,7 @@ func (e *Export) Write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return n, st
 }
 
-// afterWrite: a bypassing write's drop (dropAfterBypass), else the
-// mending of a failed write-back (checkWriteback).
+// afterWrite: a bypassing write's drop, else the mending of a failed write-back.
 func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if e.WriteBypassesCache(in) {
 		return e.dropAfterBypass(in, size, n, st)
@@ -500,17 +487,12 @@ func (e *Export) afterWrite(in *fuse.WriteIn, size int, n uint32, st fuse.Status
 }
 
 // dropAfterBypass says what a write that bypassed the page cache must see
-// done before its reply, once it has landed (a failed write may have
-// landed in part):
-//   - where a READ marked a granule it reaches, the old bytes may be
-//     cached: it drops the kernel's pages of its whole granules itself;
-//   - else, where a drop that cleared a mark of its granules is still
-//     under way, a page cached from before that drop may hold the old
-//     bytes until that drop returns: it waits for those drops (each
-//     drops whole granules, the page included, and a READ that marked
-//     after one cleared the marks shows here as a mark), rather than
-//     send a notify of its own (docs/design.md, The kernel cache);
-//   - else nothing: no READ cached anything of it since the last drop.
+// done before its reply, once it has landed (a failed one may have landed
+// in part): where a READ marked a granule it reaches, a drop of its whole
+// granules of its own; else, where a drop that cleared such a mark is
+// still under way (a page cached before it may hold the old bytes until
+// it returns), a wait for those drops rather than a notify of its own;
+// else nothing (docs/design.md, The kernel cache).
 func (e *Export) dropAfterBypass(in *fuse.WriteIn, size int, n uint32, st fuse.Status) bypassDrop {
 	if n == 0 && st.Ok() {
 		return bypassDrop{}
@@ -573,12 +555,11 @@ func (e *Export) write(ctx context.Context, in *fuse.WriteIn, data []byte) (uint
 	return uint32(n), fuse.OK
 }
 
-// TryWrite is Write for a serve loop that must not block: only writes
-// that need neither clamping nor growth, that the image can do at once,
-// with no drain under way; ok false means nothing happened. A drop the
-// write needs before its reply (d.needed(); finishBypass) the loop must
-// not do or wait for: the notify may wait for a write-back only the loop
-// can answer.
+// TryWrite is Write for a serve loop that must not block: only writes that
+// need neither clamping nor growth and that the image does at once, with
+// no drain under way; ok false: nothing happened. The loop must not do a
+// drop the write needs (d.needed()): the notify may wait for a write-back
+// only the loop can answer.
 func (e *Export) TryWrite(in *fuse.WriteIn, data []byte) (n uint32, st fuse.Status, ok bool, d bypassDrop) {
 	if !e.opts.Writable || len(data) == 0 || !e.inflight.TryBegin() {
 		return 0, fuse.OK, false, bypassDrop{}
@@ -623,38 +604,29 @@ func (e *Export) fallocate(ctx context.Context, in *fuse.FallocateIn) fuse.Statu
 	if mode&unix.FALLOC_FL_KEEP_SIZE != 0 {
 		length = min(length, size-off)
 	}
+	punch := mode&unix.FALLOC_FL_PUNCH_HOLE != 0 // zeroes that may be deallocated
 	switch {
 	case mode == 0:
 		if off < size {
 			return fuse.Status(unix.EOPNOTSUPP)
 		}
 		return errno(e.grow(ctx, off+length))
-	case mode&unix.FALLOC_FL_PUNCH_HOLE != 0:
-		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 {
-			return fuse.EINVAL
+	case punch && mode&unix.FALLOC_FL_KEEP_SIZE == 0:
+		return fuse.EINVAL
+	case punch && mode&^(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE) != 0:
+		return fuse.Status(unix.EOPNOTSUPP)
+	case punch:
+	case mode&unix.FALLOC_FL_ZERO_RANGE == 0, mode&^(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE) != 0:
+		return fuse.Status(unix.EOPNOTSUPP)
+	case mode&unix.FALLOC_FL_KEEP_SIZE == 0 && off+length > size:
+		if err := e.grow(ctx, off+length); err != nil {
+			return errno(err)
 		}
-		if mode&^(unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
-			return fuse.Status(unix.EOPNOTSUPP)
-		}
-		if length <= 0 {
-			return fuse.OK
-		}
-		return errno(e.img.WriteZeroes(ctx, off, length, true))
-	case mode&unix.FALLOC_FL_ZERO_RANGE != 0:
-		if mode&^(unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE) != 0 {
-			return fuse.Status(unix.EOPNOTSUPP)
-		}
-		if mode&unix.FALLOC_FL_KEEP_SIZE == 0 && off+length > size {
-			if err := e.grow(ctx, off+length); err != nil {
-				return errno(err)
-			}
-		}
-		if length <= 0 {
-			return fuse.OK
-		}
-		return errno(e.img.WriteZeroes(ctx, off, length, false))
 	}
-	return fuse.Status(unix.EOPNOTSUPP)
+	if length <= 0 {
+		return fuse.OK
+	}
+	return errno(e.img.WriteZeroes(ctx, off, length, punch))
 }
 
 // Lseek answers SEEK_DATA and SEEK_HOLE from the image's allocation (the
@@ -689,8 +661,8 @@ func (e *Export) Lseek(ctx context.Context, in *fuse.LseekIn, out *fuse.LseekOut
 	return fuse.Status(unix.ENXIO)
 }
 
-// Flush makes the image durable: for FLUSH (every close), FSYNC and
-// SYNCFS alike, as in QEMU.
+// Flush makes the image durable: for FLUSH, FSYNC and SYNCFS alike, as in QEMU.
+
 func (e *Export) Flush(ctx context.Context) fuse.Status {
 	if !e.opts.Writable {
 		return fuse.OK

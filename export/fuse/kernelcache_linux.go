@@ -98,12 +98,11 @@ func DeviceReadAheadKB(path string) (int, bool) {
 	return 0, false
 }
 
-// tuneBDI sets the export's bdi (named by the mount's st_dev) for the
-// kernel cache: read_ahead_kb to raKB (0: MinReadAheadKB; INIT can only
-// lower the kernel's 128 KiB default), and strict_limit and max_ratio 1
-// (the kernel's FUSE defaults, in case a distribution loosened them), so
-// that a loop device over the export cannot deadlock on its dirty pages
-// (docs/design.md, The kernel cache).
+// tuneBDI sets the export's bdi for the kernel cache: read_ahead_kb to raKB
+// (0: MinReadAheadKB; INIT can only lower the 128 KiB default), and
+// strict_limit and max_ratio 1 (FUSE's defaults, should a distribution
+// loosen them), so that a loop device over the export cannot deadlock on
+// its dirty pages (docs/design.md, The kernel cache).
 func tuneBDI(dev uint64, raKB int) error {
 	if raKB <= 0 {
 		raKB = MinReadAheadKB
@@ -128,13 +127,11 @@ func tuneBDI(dev uint64, raKB int) error {
 const notifyStore = 4
 
 // presetSize gives a writeback-cached kernel the file's size before any
-// client can look at it: the kernel then ignores the size in GETATTR
-// replies, and the root inode is made before INIT with size 0. Nothing
-// but INIT has been answered yet, and every client request waits for
-// INIT. It stores the image's last page: the kernel grows i_size to a
-// stored range's end only when the range holds at least one byte, and a
-// whole page (up to the end) lands up to date. ok false: the caller
-// falls back to learnSize.
+// client can look (the kernel then ignores GETATTR's size, and made the
+// root inode before INIT with size 0): nothing but INIT is answered yet.
+// It stores the image's last page, since the kernel grows i_size to a
+// stored range's end only for a range of at least one byte. ok false: the
+// caller falls back to learnSize.
 func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	if !s.writebackCache() {
 		return true, nil
@@ -163,11 +160,9 @@ func (s *server) presetSize(ctx context.Context) (ok bool, err error) {
 	return true, nil
 }
 
-// learnSize is presetSize's fallback, once the serve loops run: a SETATTR
-// of the size is the one reply the kernel takes i_size from, so
-// truncating the file to its own size (which SetAttr answers without a
-// resize) does it, before Mount returns and the daemon says it serves;
-// a client quicker than that saw an empty file.
+// learnSize is presetSize's fallback once the loops run: SETATTR's reply
+// is the one the kernel takes i_size from, so the file is truncated to its
+// own size (SetAttr resizes nothing) before Mount returns.
 func (s *server) learnSize(file string) error {
 	if !s.writebackCache() {
 		return nil
@@ -178,48 +173,41 @@ func (s *server) learnSize(file string) error {
 	return nil
 }
 
-// flushKernelCache writes the kernel's dirty pages of the export back to
-// us and makes them durable, before Unmount unmounts (or, with the file
-// still open, detaches and aborts the connection, which would drop them).
-// A writer may still be writing: from the moment the export is closing,
-// GETATTR fails, and with the attributes invalidated the kernel asks for
-// them before its next buffered write, which then fails; the fsync takes
-// the inode lock, so it waits for a write already under way and writes
-// that one back too. Whatever write returned before the fsync is in the
-// image; any later one failed.
+// flushKernelCache writes the kernel's dirty pages of the export back to us
+// and makes them durable before Unmount unmounts (or detaches and aborts,
+// which would drop them). From the moment the export is closing GETATTR
+// fails, so a buffered write not yet begun fails too; the fsync takes the
+// inode lock, so it waits for one under way and writes it back. Whatever
+// write returned before the fsync is in the image; any later one failed.
 func (s *server) flushKernelCache(file string) error {
-	return s.calls.onOther(func() error { return s.flushKernelCacheHere(file) })
-}
-
-func (s *server) flushKernelCacheHere(file string) error {
-	// Open first: with the attributes invalid, the permission check of
-	// an open would need the GETATTR that closing refuses.
-	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-	if err != nil {
-		return fmt.Errorf("opening the export to flush it: %w", err)
-	}
-	defer unix.Close(fd)
-	s.exp.closing.Store(true)
-	if err := s.notifyInval(-1, 0); err != nil {
-		return err
-	}
-	if err := unix.Fsync(fd); err != nil {
-		return fmt.Errorf("fsync of the export: %w", err)
-	}
-	return nil
+	return s.calls.onOther(func() error {
+		// Open first: with the attributes invalid, the permission check
+		// of an open would need the GETATTR that closing refuses.
+		fd, err := unix.Open(file, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+		if err != nil {
+			return fmt.Errorf("opening the export to flush it: %w", err)
+		}
+		defer unix.Close(fd)
+		s.exp.closing.Store(true)
+		if err := s.notifyInval(-1, 0); err != nil {
+			return err
+		}
+		if err := unix.Fsync(fd); err != nil {
+			return fmt.Errorf("fsync of the export: %w", err)
+		}
+		return nil
+	})
 }
 
 // writebackCache says whether the kernel caches our writes.
 func (s *server) writebackCache() bool { return s.negotiated&fuse.CAP_WRITEBACK_CACHE != 0 }
 
 // mendFailedWriteback runs after the reply to a write-back WRITE that
-// failed or fell short for [off, off+length): the kernel has the error
-// for the next fsync/close, but still holds those pages as if written,
-// and, for a write past the end of a non-growable image, a size we do
-// not have. It drops the pages (reads then get what the image holds)
-// and hands the image's size back with a SETATTR of it (see learnSize),
-// which also drops any page past that end. It must not run before the
-// reply: both wait for the write-back the reply ends.
+// failed or fell short for [off, off+length): the kernel keeps the error
+// for fsync/close but holds the pages as written (and, past the end of a
+// non-growable image, a size we lack). It drops them and hands the size
+// back with a SETATTR (see learnSize). Not before the reply: both wait for
+// the write-back the reply ends.
 func (s *server) mendFailedWriteback(file string, off, length int64) {
 	if err := s.notifyInval(off, length); err != nil {
 		s.exp.log.Warn("cannot drop pages whose write-back failed", "err", err)

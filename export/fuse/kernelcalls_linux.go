@@ -2,24 +2,16 @@ package fuse
 
 import "runtime"
 
-// kernelCalls runs the calls into the kernel that may wait for our own
-// work to finish (FUSE_NOTIFY_INVAL_INODE, which waits for a page whose
-// READ we are answering or for the write-back of a dirty page; the flush's
-// fsync; the truncate that hands a size back) on an OS thread of its own
-// that never submits io_uring I/O.
-//
-// io_uring completes a request through task work queued on the thread
-// that submitted it, which runs only when that thread leaves the kernel:
-// a notify sent from a thread that had submitted the host read of a READ
-// in flight sleeps (folio_lock) waiting for that READ's pages, whose
-// completion waits for the same thread to leave the kernel. A thread
-// locked to one goroutine from before serving began never has io_uring
-// work of its own.
-//
-// Notifies never wait for one another, so one thread serves them all in
-// turn; the rare calls that may wait for the inode lock an O_DIRECT
-// writer holds until its reply (which may wait for a notify) get a second
-// thread.
+// kernelCalls runs the calls into the kernel that may wait for our own work
+// (FUSE_NOTIFY_INVAL_INODE, which waits for a page whose READ we answer or
+// for a dirty page's write-back; the flush's fsync; the truncate that hands
+// a size back) on OS threads of their own that never submit io_uring I/O:
+// io_uring completes a request through task work on the submitting thread,
+// run only when that thread leaves the kernel, so a notify from a thread
+// that submitted a READ's host read would wait (folio_lock) for its own
+// completion. Notifies never wait for one another, so one thread serves
+// them all; the calls that may wait for the inode lock of an O_DIRECT
+// writer (whose reply may wait for a notify) get a second thread.
 type kernelCalls struct {
 	ch   [2]chan func() // the notify thread's, the other's
 	stop chan struct{}

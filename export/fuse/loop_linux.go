@@ -14,13 +14,11 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// queue is one /dev/fuse fd and the buffers its loop owns. The one buffer
-// rule: a request is read into the loop's buffer, at reqPad
-// (so a WRITE's payload is page-aligned), and answered from it while the
-// loop waits. A request that leaves the loop for a goroutine takes a
-// buffer of its own along (see server.handOff): a pooled copy when it is
-// small, the loop's very buffer when it is large (the loop then takes a
-// fresh one), so a large payload is never copied.
+// queue is one /dev/fuse fd and the buffers its loop owns. A request is
+// read into the loop's buffer at reqPad (a WRITE's payload page-aligned)
+// and answered from it while the loop waits; one handed to a goroutine
+// takes a buffer along (server.handOff): a pooled copy when small, else
+// the loop's very buffer (the loop takes a fresh one), never copied.
 type queue struct {
 	fd     int
 	to     replyTo // where the request in hand replies
@@ -76,13 +74,12 @@ func (q *queue) queued() bool {
 	return err != nil || n != 0
 }
 
-// loop serves one queue until the kernel says the connection is gone; end,
-// if set, is called when the queue's loop (maybe a stand-in's) has ended.
-// The bulk helper (helper true) also parks between bursts of large writes,
-// and never sleeps in read(2), so that it sees the connection end even
-// when its own fd gets no ENODEV. The goroutine is not locked to its
-// thread: a locked thread blocking in read(2) costs runtime hand-offs
-// (futex wake-ups on other threads) on every request.
+// loop serves one queue until the connection is gone; end, if set, is
+// called when the queue's loop (maybe a stand-in's) has ended. The bulk
+// helper (helper) parks between bursts of large writes and never sleeps in
+// read(2), so that it sees the connection end without an ENODEV. Not
+// locked to its thread: a locked thread blocking in read(2) costs runtime
+// hand-offs (futex wake-ups) on every request.
 func (s *server) loop(fd int, helper bool, end func()) {
 	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
 }
@@ -182,11 +179,10 @@ func (s *server) run(q *queue) {
 // /dev/fuse has nothing).
 const completionsEvery = 8
 
-// waitRequestOrCompletion sleeps until fd has a request or a completion
-// has come, and reads the completions (formats.Completions; docs/design.md,
-// One loop for an NBD source). First it lets the requests that
-// completions made runnable write their replies: with one P nothing else
-// would run them until the runtime takes the P from a thread in poll.
+// waitRequestOrCompletion sleeps until fd has a request or a completion has
+// come, and reads the completions (docs/design.md, One loop for an NBD
+// source). First it lets the requests completions made runnable write their
+// replies: with one P nothing else would run them meanwhile.
 func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
 	runtime.Gosched()
 	s.cfds = comp.CompletionFds(s.cfds[:0])

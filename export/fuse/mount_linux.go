@@ -181,11 +181,8 @@ func fuseMounted(path string) bool {
 	for sc.Scan() {
 		// id parent major:minor root mountpoint opts... - fstype source superopts
 		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
 		sep := slices.Index(fields, "-")
-		if sep < 0 || sep+1 >= len(fields) {
+		if len(fields) < 5 || sep < 0 || sep+1 >= len(fields) {
 			continue
 		}
 		if fstype := fields[sep+1]; unescapeMountinfo(fields[4]) == path && (fstype == "fuse" || strings.HasPrefix(fstype, "fuse.")) {
@@ -515,11 +512,10 @@ func (m *Mount) File() string { return m.file }
 // outside or by Unmount) and every request has been answered.
 func (m *Mount) Done() <-chan struct{} { return m.served }
 
-// Unmount stops the export: it unmounts, and when the file is still in use
-// (open files, a loop device) it detaches the mount lazily and aborts the
-// connection, so users get ENOTCONN instead of hanging on a daemon that is
-// going away. It returns once every request in flight has been answered.
-// Removing a mountpoint file we created is left to Cleanup.
+// Unmount stops the export and returns once every request in flight is
+// answered. A file still in use (open files, a loop device) is detached
+// lazily and its connection aborted: users get ENOTCONN rather than hang
+// on a daemon going away. Removing a mountpoint file we made is Cleanup's.
 func (m *Mount) Unmount() error {
 	if m.flushCache != nil {
 		if err := m.flushCache(); err != nil {
@@ -579,9 +575,8 @@ func (m *Mount) Cleanup() {
 }
 
 // Abandon is the way out for a process about to exit at once (a second
-// signal while stopping): it waits for no request, but detaches the mount
-// (the connection ends with the process) and removes the mountpoint file
-// if we created it. It may run while Unmount waits.
+// signal while stopping): no request is waited for; the mount is detached
+// and a mountpoint file we made removed. It may run while Unmount waits.
 func (m *Mount) Abandon() {
 	detach(m.path, m.log)
 	m.Cleanup()

@@ -11,13 +11,9 @@ func (s *server) paced(q *queue) bool {
 	return q.pace.next(q.queued)
 }
 
-// depthGuess tells a reader at queue depth 1 (nothing queued right after
-// a reply) from a deeper one, so that the loop spins (up to
-// awaitNextSpin) only while spins pay: it samples the queue every
-// paceSampleEvery requests, starts spinning after paceEmptyToSpin empty
-// samples in a row, and stops after paceBusyToStop spins in a row that
-// found a request already there or paceIdleToStop that found none
-// (docs/design.md, Pacing at queue depth 1).
+// depthGuess tells a reader at queue depth 1 (nothing queued right after a
+// reply) from a deeper one by sampling the queue, so that the loop spins
+// only while spins pay (docs/design.md, Pacing at queue depth 1).
 type depthGuess struct {
 	n        uint8 // requests since the last sample (not spinning)
 	empty    uint8 // samples in a row that found nothing queued

@@ -76,21 +76,20 @@ func (s *server) finishRead(ctx context.Context, to replyTo, e *Export, unique u
 // handOffRead finishes a READ in a goroutine, with a copy of the
 // request's fields and its plan if it was made (planned), nothing of the
 // loop's buffer.
-func (s *server) handOffRead(q *queue, e *Export, in *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
-	ctx := s.pending.add(in.Unique, s.hand.Context(path), nil, replyTo{})
+func (s *server) handOffRead(q *queue, e *Export, req *fuse.ReadIn, r readOp, planned bool, path coroutines.Path, began time.Time) {
+	ctx := s.pending.add(req.Unique, s.hand.Context(path), nil, replyTo{})
+	to, in := q.to, *req
 	s.hand.Start()
-	go s.finishHandedRead(ctx, q.to, e, *in, r, planned, began)
+	go func() {
+		defer s.hand.Done()
+		defer s.pending.finish(in.Unique, ctx)
+		if !planned {
+			r, _ = e.planRead(&in, false)
+		}
+		s.finishRead(ctx, to, e, in.Unique, r)
+		if s.stats != nil {
+			s.stats.record(kindRead, int(in.Size), time.Since(began))
+		}
+	}()
 	s.hand.Yield()
-}
-
-func (s *server) finishHandedRead(ctx *reqCtx, to replyTo, e *Export, in fuse.ReadIn, r readOp, planned bool, began time.Time) {
-	defer s.hand.Done()
-	defer s.pending.finish(in.Unique, ctx)
-	if !planned {
-		r, _ = e.planRead(&in, false)
-	}
-	s.finishRead(ctx, to, e, in.Unique, r)
-	if s.stats != nil {
-		s.stats.record(kindRead, int(in.Size), time.Since(began))
-	}
 }

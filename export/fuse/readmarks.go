@@ -9,26 +9,20 @@ import (
 // the image, so that a write the page cache did not see (an O_DIRECT
 // open's) drops the kernel's pages only where there can be some.
 //
-// The page cache gets the image's bytes only through READs we answer that
-// fill pages (Export.cachesRead); pages made for buffered writes hold the
-// writer's bytes. Before it sends an O_DIRECT WRITE the kernel writes back and drops its
-// own pages of the range, but a READ sent after that and answered before
-// the write lands caches the old bytes, which FUSE_NOTIFY_INVAL_INODE must
-// then drop. So: every READ marks the granules it reaches before it reads
-// the image; a bypassing write, once it has landed, looks at the marks
-// of its granules, and only if one is set (or a drop that cleared one is
-// still under way, see Export.invalidate) drops the kernel's pages of
-// those whole granules itself. A READ that read old bytes marked its
-// granule before the write landed, so the write sees the mark, or the
-// drop under way that cleared it: its own notify then drops that page,
-// waiting for it if its READ is still being answered (the kernel locks a
-// page from before its READ is sent until the reply is in). Marks are
-// cleared only as a drop of their whole granule is asked for; the drop
-// counts as under way from then until it returns.
+// The page cache gets the image's bytes only through READs that fill pages
+// (Export.cachesRead). Before an O_DIRECT WRITE the kernel writes back and
+// drops its own pages of the range, but a READ answered before the write
+// lands caches the old bytes, which FUSE_NOTIFY_INVAL_INODE must then drop.
+// So every READ marks the granules it reaches before it reads the image,
+// and a bypassing write, once landed, drops the pages of its whole
+// granules only where one is marked (or a drop that cleared one is still
+// under way: Export.invalidate). Such a READ marked before the write
+// landed, so the write's notify drops its page, waiting for it if the
+// READ is still being answered (the kernel locks the page meanwhile).
+// Marks are cleared only as a drop of their whole granule is asked for.
 //
 // Memory: one bit per granule a READ reached, in chunks of 256 MiB of the
-// export; past maxChunks chunks (a client reading an image of exabytes
-// all over) every granule counts as marked and none is cleared again.
+// export; past maxChunks chunks every granule counts as marked.
 type readMarks struct {
 	chunks sync.Map // chunk index (off >> chunkShift) -> *markChunk
 	n      atomic.Int64
@@ -81,12 +75,10 @@ func (m *readMarks) mark(off, n int64) {
 	}
 }
 
-// marked reports whether a READ marked any granule [off, off+n)
-// reaches: the caller then drops the kernel's pages of those whole
-// granules, [from, from+length). It must come after the write has landed
-// in the image. It clears nothing: a drop clears the marks it covers
-// when it is asked for (clear), so that a mark stays until a drop asked
-// for after its READ's page existed.
+// marked reports whether a READ marked any granule [off, off+n) reaches:
+// the caller, after the write has landed, then drops the pages of those
+// whole granules, [from, from+length). It clears nothing: a mark stays
+// until a drop asked for after its READ's page existed clears it.
 func (m *readMarks) marked(off, n int64) (from, length int64, marked bool) {
 	g0, g1, ok := granules(off, n)
 	if !ok {

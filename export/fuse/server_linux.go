@@ -1,11 +1,9 @@
 package fuse
 
 // The server: our own /dev/fuse processing, as QEMU's export does
-// (docs/design.md, Our own /dev/fuse loop); go-fuse supplies the protocol
-// structs. By job: server_linux.go (the connection: INIT, queues),
-// loop_linux.go (a queue's loop), dispatch_linux.go (the opcode table,
-// hand-off, INTERRUPT), read_linux.go, bulk_linux.go (a second queue for
-// large writes), reply_linux.go, dir_linux.go (--file-name).
+// (docs/design.md, Our own /dev/fuse loop), on go-fuse's protocol structs:
+// here the connection (INIT, queues); a queue's loop, the opcode table,
+// reads, replies and the rest in the files named for them.
 
 import (
 	"context"

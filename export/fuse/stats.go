@@ -93,10 +93,7 @@ func (s *Stats) snapshot() snapshot {
 // report describes what happened between two snapshots, one clause per
 // kind of request that happened.
 func report(from, to snapshot) string {
-	secs := to.at.Sub(from.at).Seconds()
-	if secs <= 0 {
-		secs = 1e-9
-	}
+	secs := max(to.at.Sub(from.at).Seconds(), 1e-9) // a Duration's seconds: 0, or at least 1e-9
 	var parts []string
 	for k := statKind(0); k < numKinds; k++ {
 		var hist [latBuckets]uint64

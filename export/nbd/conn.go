@@ -138,14 +138,11 @@ func (c *conn) release(cost int64) {
 	c.budget.Release(cost)
 }
 
-// hangUp ends both directions of a connection still in the handshake:
-// a client that floods options and never reads blocks our option reply in
-// write, and shutting down only the read side left that writer (and the
-// client's --max-clients slot) blocked for ever. shutdown(2) wakes a
-// writer waiting in poll(2) or in the netpoller (its write then fails with
-// EPIPE); close(2) would not, and could hit a descriptor already reused.
-// It runs under hsMu, so it never touches a stream that serve has closed.
-// It reports whether the connection was still in the handshake.
+// hangUp ends both directions of a connection still in the handshake (and
+// says whether it was): a client that floods options and never reads
+// blocks our option reply in write, which only shutdown(2) wakes (close(2)
+// would not, and could hit a reused descriptor). Under hsMu, so never on a
+// stream that serve has closed.
 func (c *conn) hangUp() bool {
 	c.hsMu.Lock()
 	defer c.hsMu.Unlock()
@@ -234,7 +231,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 		if r.Buffered() < hsize {
 			c.uncork() // about to wait on the socket: send what is ready
 		}
-		if err := readFull(r, hb[:hsize]); err != nil {
+		if _, err := io.ReadFull(r, hb[:hsize]); err != nil {
 			select {
 			case <-c.stopping:
 				return nil
@@ -278,7 +275,7 @@ func (c *conn) transmit(r *bufio.Reader) error {
 				// it is, without a bounce copy.
 				payload = aio.AlignedBuf(int(req.length), 4096)
 			}
-			if err := readFull(r, payload); err != nil {
+			if _, err := io.ReadFull(r, payload); err != nil {
 				if cost > 0 {
 					c.release(cost) // the server's budget outlives this client
 				}
@@ -333,10 +330,9 @@ func (c *conn) transmit(r *bufio.Reader) error {
 	}
 }
 
-// parseRequest decodes a request header: compact or extended, as
-// negotiated. A bad magic means the stream is out of step; a payload
-// larger than we advertised cannot be skipped safely: both end the
-// connection.
+// parseRequest decodes a request header, compact or extended. A bad magic
+// (the stream out of step) or a payload larger than we advertised (it
+// cannot be skipped safely) ends the connection.
 func (c *conn) parseRequest(h []byte) (request, error) {
 	req := request{flags: be.Uint16(h[4:]), typ: be.Uint16(h[6:]), cookie: be.Uint64(h[8:]), off: be.Uint64(h[16:])}
 	magic := wire.MagicRequest
@@ -373,9 +369,8 @@ const (
 	missed                        // nothing done, after a read tried the host file
 )
 
-// tryReadInline answers a read the image can serve without waiting (page
-// cache, null device) right here in the reader, from its own buffer, while
-// the miss tracker says tries pay.
+// tryReadInline answers a read the image serves without waiting right
+// here in the reader, from its buffer, while the miss tracker says tries pay.
 func (c *conn) tryReadInline(req request) inlineResult {
 	if req.length == 0 || req.length > uint64(cap(c.scratch)) || !c.hand.Reads.ShouldTry() {
 		return wouldWait
@@ -571,7 +566,7 @@ func (c *conn) blockStatus(req request, off, n int64) {
 		if i == len(payloads)-1 {
 			flags = wire.ChunkFlagDone
 		}
-		c.chunk(req, flags, typ, p)
+		c.chunk(req, flags, typ, nil, p)
 	}
 }
 
@@ -676,26 +671,22 @@ func errnoOf(err error) uint32 {
 	return wire.EIO
 }
 
-// done answers a command that succeeded and returns no data. That is a
-// simple reply even when structured replies are on: the spec requires
-// structured replies only for reads (and block status), and the 16-byte
-// simple reply costs a client one receive where a chunk costs two. QEMU
-// answers the same way.
+// done answers a command that succeeded and returns no data, with a simple
+// reply even under structured replies, as QEMU does: the spec allows it,
+// and it costs a client one receive where a chunk costs two.
 func (c *conn) done(req request) {
 	if c.neg.extended {
 		// Extended headers have no simple reply: a final NONE chunk.
-		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil)
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil, nil)
 		return
 	}
 	c.simpleReply(req.cookie, 0, nil)
 }
 
-// dataReply answers a read with what it found. With structured replies, a
-// run of zeroes goes as an OFFSET_HOLE chunk, which carries no payload: the
-// client fills zeroes itself and the bytes never cross the socket. QEMU
-// finds such runs with block status; we find them in the data, which costs
-// a memory compare instead of a metadata lookup or lseek and catches zeroes
-// any format returns. DF asks for one chunk, so then the data goes whole.
+// dataReply answers a read. With structured replies a run of zeroes goes
+// as an OFFSET_HOLE chunk, without payload; QEMU finds such runs with block
+// status, we in the data (a memory compare, no metadata lookup, and any
+// format's zeroes). DF asks for one chunk: then the data goes whole.
 func (c *conn) dataReply(req request, data []byte) {
 	if !c.neg.structured {
 		c.simpleReply(req.cookie, 0, data)
@@ -703,7 +694,7 @@ func (c *conn) dataReply(req request, data []byte) {
 	}
 	if len(data) == 0 {
 		// A read of nothing: one final chunk without content.
-		c.chunk(req, wire.ChunkFlagDone, 0, nil) // NBD_REPLY_TYPE_NONE
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkNone, nil, nil)
 		return
 	}
 	off := req.off
@@ -721,9 +712,9 @@ func (c *conn) dataReply(req request, data []byte) {
 		be.PutUint64(h[:], off)
 		if zero {
 			be.PutUint32(h[8:], uint32(n))
-			c.chunk3(req, flags, wire.ChunkOffsetHole, h[:], nil)
+			c.chunk(req, flags, wire.ChunkOffsetHole, h[:], nil)
 		} else {
-			c.chunk3(req, flags, wire.ChunkOffsetData, h[:8], data[:n])
+			c.chunk(req, flags, wire.ChunkOffsetData, h[:8], data[:n])
 		}
 		if flags != 0 {
 			return
@@ -754,12 +745,10 @@ func zeroRun(p []byte) (n int, zero bool) {
 
 func (c *conn) errorReply(req request, code uint32, msg string) {
 	if c.neg.structured {
-		if len(msg) > 4096 {
-			msg = msg[:4096]
-		}
+		msg = msg[:min(len(msg), 4096)]
 		p := be.AppendUint32(nil, code)
 		p = be.AppendUint16(p, uint16(len(msg)))
-		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, append(p, msg...))
+		c.chunk(req, wire.ChunkFlagDone, wire.ChunkError, nil, append(p, msg...))
 		return
 	}
 	c.simpleReply(req.cookie, code, nil)
@@ -775,15 +764,9 @@ func (c *conn) simpleReply(handle uint64, code uint32, data []byte) {
 	c.send(b, data)
 }
 
-func (c *conn) chunk(req request, flags, typ uint16, payload []byte) {
-	c.chunk3(req, flags, typ, nil, payload)
-}
-
-// chunk3 sends a structured reply chunk whose payload is a (a few bytes of
-// fields, at most 12) then b: with a 20-byte header, or under extended
-// headers a 32-byte one that also carries the request's offset and a
-// 64-bit length.
-func (c *conn) chunk3(req request, flags, typ uint16, a, b []byte) {
+// chunk sends a structured reply chunk whose payload is a (fields, at most
+// 12 bytes) then b, under a compact or an extended header.
+func (c *conn) chunk(req request, flags, typ uint16, a, b []byte) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	var h []byte

@@ -2,7 +2,6 @@ package nbd
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -38,21 +37,21 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 		return n, err
 	}
 	for {
-		id, data, long, err := readOption(r)
+		id, data, body, err := readOption(r)
 		if err != nil {
 			return n, err
 		}
-		if long != nil {
-			// A meta context option past maxOptionLen, read query by
-			// query as qemu-nbd reads it: a thousand queries are no abuse.
+		if body != nil {
+			// A meta context option, read query by query as qemu-nbd
+			// reads it: a thousand queries are no abuse.
 			switch {
 			case mode == TLSRequire && !encrypted:
-				err = c.dropOption(id, long, wire.RepErrTLSReqd, "TLS is required: send NBD_OPT_STARTTLS first")
+				err = c.dropOption(id, body, wire.RepErrTLSReqd, "TLS is required: send NBD_OPT_STARTTLS first")
 			case id == wire.OptSetMetaContext && !n.structured:
-				err = c.dropOption(id, long, wire.RepErrInvalid, "SET_META_CONTEXT needs structured replies first")
+				err = c.dropOption(id, body, wire.RepErrInvalid, "SET_META_CONTEXT needs structured replies first")
 			default:
-				sel, code, merr := c.metaContext(id, long)
-				if _, err = io.Copy(io.Discard, long); err == nil && merr != nil {
+				sel, code, merr := c.metaContext(id, body)
+				if _, err = io.Copy(io.Discard, body); err == nil && merr != nil {
 					c.optReply(id, code, []byte(merr.Error()))
 				} else if err == nil && id == wire.OptSetMetaContext {
 					n.meta = sel
@@ -105,19 +104,6 @@ func (c *conn) negotiate(rp **bufio.Reader) (negotiated, error) {
 				n.extended, n.structured = true, true
 				c.optReply(id, wire.RepAck, nil)
 			}
-		case wire.OptListMetaContext, wire.OptSetMetaContext:
-			if id == wire.OptSetMetaContext && !n.structured {
-				c.optReply(id, wire.RepErrInvalid, []byte("SET_META_CONTEXT needs structured replies first"))
-				continue
-			}
-			sel, code, err := c.metaContext(id, bytes.NewReader(data))
-			if err != nil {
-				c.optReply(id, code, []byte(err.Error()))
-				continue
-			}
-			if id == wire.OptSetMetaContext {
-				n.meta = sel
-			}
 		case wire.OptStartTLS:
 			switch {
 			case mode == TLSOff:
@@ -154,7 +140,7 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 		return false, err
 	}
 	var cf [4]byte
-	if err := readFull(r, cf[:]); err != nil {
+	if _, err := io.ReadFull(r, cf[:]); err != nil {
 		return false, fmt.Errorf("client flags: %w", err)
 	}
 	clientFlags := be.Uint32(cf[:])
@@ -165,25 +151,25 @@ func (c *conn) greet(r *bufio.Reader) (noZeroes bool, err error) {
 }
 
 // readOption reads one option: its id and data, checked for magic and
-// length. A LIST/SET_META_CONTEXT longer than maxOptionLen comes back
-// unread as long instead, for the caller to read and then drain.
+// length. A LIST/SET_META_CONTEXT comes back unread as body instead, of
+// any length, for the caller to read and then drain.
 func readOption(r *bufio.Reader) (uint32, []byte, io.Reader, error) {
 	var oh [16]byte
-	if err := readFull(r, oh[:]); err != nil {
+	if _, err := io.ReadFull(r, oh[:]); err != nil {
 		return 0, nil, nil, fmt.Errorf("option header: %w", err)
 	}
 	id, n := be.Uint32(oh[8:]), be.Uint32(oh[12:])
 	if magic := be.Uint64(oh[0:]); magic != wire.MagicOption {
 		return 0, nil, nil, fmt.Errorf("bad option magic %#x", magic)
 	}
+	if id == wire.OptListMetaContext || id == wire.OptSetMetaContext {
+		return id, nil, io.LimitReader(r, int64(n)), nil
+	}
 	if n > maxOptionLen {
-		if id == wire.OptListMetaContext || id == wire.OptSetMetaContext {
-			return id, nil, io.LimitReader(r, int64(n)), nil
-		}
 		return 0, nil, nil, fmt.Errorf("option %d of %d bytes is too long", id, n)
 	}
 	data := make([]byte, n)
-	if err := readFull(r, data); err != nil {
+	if _, err := io.ReadFull(r, data); err != nil {
 		return 0, nil, nil, fmt.Errorf("option %d: %w", id, err)
 	}
 	return id, data, nil, nil

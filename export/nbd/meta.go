@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"slices"
 	"strings"
 
 	"github.com/blockexport/blockexport/formats/protocols/nbd/wire"
@@ -33,17 +34,7 @@ type metaSelection struct {
 	extra []bool
 }
 
-func (m metaSelection) any() bool {
-	if m.base {
-		return true
-	}
-	for _, e := range m.extra {
-		if e {
-			return true
-		}
-	}
-	return false
-}
+func (m metaSelection) any() bool { return m.base || slices.Contains(m.extra, true) }
 
 // matchQuery marks what query q selects, as qemu-nbd's
 // nbd_negotiate_meta_query does: within the base: and qemu: namespaces,

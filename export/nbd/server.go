@@ -6,7 +6,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"sync"
@@ -33,10 +32,9 @@ type Options struct {
 	// HandshakeLimit drops a client that has not finished the handshake
 	// in this time (qemu-nbd's --handshake-limit); 0 means no limit.
 	HandshakeLimit time.Duration
-	// ConnBytes and ServerBytes bound the request buffers (read and write
-	// payloads) held at once by one connection and by all of them: past
-	// that, readers stop reading requests until replies go out. 0 means
-	// DefaultConnBytes and DefaultServerBytes.
+	// ConnBytes and ServerBytes bound the request buffers held at once by one
+	// connection and by all (0: DefaultConnBytes, DefaultServerBytes): past
+	// that, readers stop reading requests until replies go out.
 	ConnBytes, ServerBytes int64
 	// TLS is the server's TLS configuration (ServerTLSConfig); TLSMode
 	// says whether clients must, may or may not use it.
@@ -47,9 +45,8 @@ type Options struct {
 	// with our own client).
 	CompactHeaders bool
 	Logger         *slog.Logger
-	// Extra are more exports of the same server beside Name: the disk's
-	// partitions (--partitions), listed by NBD_OPT_LIST and chosen by
-	// name, each a range of the disk (formats/filters/partition).
+	// Extra are more exports beside Name: the disk's partitions
+	// (--partitions), listed by NBD_OPT_LIST and chosen by name.
 	Extra []Export
 	// Meta are the meta contexts the export Name offers beside
 	// base:allocation, in the order LIST_META_CONTEXT names them.
@@ -307,9 +304,3 @@ func (s *Server) Shutdown(ctx context.Context) error {
 }
 
 var errAbort = errors.New("client aborted the negotiation")
-
-// readFull reads exactly len(p) bytes.
-func readFull(r io.Reader, p []byte) error {
-	_, err := io.ReadFull(r, p)
-	return err
-}

@@ -1,13 +1,10 @@
-// Package copyonread is QEMU's copy-on-read filter: an image whose reads
-// copy what its top layer does not allocate from the backing chain into
-// that layer, so that every block crosses from the backing file (a remote
-// one, say) once, and the top layer can be used without it later. Writes,
-// flushes and everything else go to the top layer as usual.
-//
-// The copying itself belongs to the top layer's format (package qcow2: it
-// alone knows which clusters it allocates, and holds the range lock that
-// orders a copy against a guest write of the same cluster); this package
-// only routes reads there, and refuses images that cannot do it.
+// Package copyonread is QEMU's copy-on-read filter: reads copy what the top
+// layer does not allocate from the backing chain into it, so that every
+// block crosses from the backing file once and the top layer can later be
+// used without it; everything else goes to the top layer as usual. The
+// copying belongs to the top layer's format (qcow2 alone knows its
+// clusters and holds the range lock that orders a copy against a write);
+// this package routes reads there and refuses images that cannot.
 package copyonread
 
 import (

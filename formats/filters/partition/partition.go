@@ -3,20 +3,14 @@
 // [formats.Image] of its own: a byte range of the disk.
 //
 // Partitions are numbered as Linux numbers them (block/partitions/msdos.c
-// and efi.c), so that NAME-pN here is /dev/loop0pN under `losetup -P`:
-// MBR primaries 1-4 by slot, logical partitions from 5 in chain order, GPT
-// partitions by entry index + 1. The sector size is 512, the logical block
-// size our exports declare and so the one the kernel would read the table
-// with; a GPT that is found only at 4096-byte sectors (an image of a 4Kn
-// disk) is read with those, which a loop device of 512-byte blocks would
-// not see.
+// and efi.c), so that NAME-pN here is /dev/loop0pN under `losetup -P`. The
+// sector size is 512, the logical block size our exports declare; a GPT
+// found only at 4096-byte sectors (a 4Kn disk's image) is read with those.
 //
-// A table is trusted only as far as it is checked: every partition lies
-// inside the image and no two overlap, EBR chains neither loop nor leave
-// the extended partition, GPT headers and entry arrays pass their CRCs
-// (the backup header at the last LBA is used when the primary fails, as
-// the kernel and parted use it). Anything else is refused with one line;
-// nothing is guessed.
+// A table is trusted only as far as it is checked, as the kernel checks
+// it: partitions inside the image and not overlapping, EBR chains that
+// neither loop nor leave their extended partition, GPT CRCs (the backup
+// header when the primary fails). Anything else is refused with one line.
 package partition
 
 import (
@@ -88,14 +82,12 @@ type Table struct {
 
 // Find returns partition n, or an error naming the numbers there are.
 func (t *Table) Find(n int) (Partition, error) {
+	var nums []int
 	for _, p := range t.Partitions {
 		if p.Number == n {
 			return p, nil
 		}
-	}
-	nums := make([]int, len(t.Partitions))
-	for i, p := range t.Partitions {
-		nums[i] = p.Number
+		nums = append(nums, p.Number)
 	}
 	return Partition{}, fmt.Errorf("partition %d: the %s table has no such partition (it has %v)", n, t.Scheme, nums)
 }
@@ -453,11 +445,8 @@ func readFull(ctx context.Context, r Reader, p []byte, off int64) error {
 		return fmt.Errorf("%d bytes at %d: past the end of the image (%d bytes): %w", len(p), off, r.Size(), ErrCorrupt)
 	}
 	n, err := r.ReadAt(ctx, p, off)
-	if err != nil {
-		return err
+	if err == nil && n != len(p) {
+		err = fmt.Errorf("short read: %d of %d bytes at %d", n, len(p), off)
 	}
-	if n != len(p) {
-		return fmt.Errorf("short read: %d of %d bytes at %d", n, len(p), off)
-	}
-	return nil
+	return err
 }

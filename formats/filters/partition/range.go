@@ -7,15 +7,11 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// Range is a byte range of another image, served as an image of its own:
-// a partition. Every request is checked against the range before it
-// reaches the disk, so no read or write through it touches a byte outside
-// [start, start+size) of the disk. Its size is fixed: a partition grows
-// only by rewriting the table, which is the disk's business.
-//
-// What else the disk offers passes on (formats.Filter), moved to the
-// range's offsets where it takes offsets; a flush flushes the whole disk
-// (durability is not a per-range affair).
+// Range is a byte range of another image (a partition) served as an image
+// of its own. Every request is checked against the range before it reaches
+// the disk; its size is fixed (the table's). What else the disk offers
+// passes on (formats.Filter), moved to the range's offsets; a flush
+// flushes the whole disk.
 type Range struct {
 	formats.Filter
 	start, size int64

@@ -1,16 +1,14 @@
 // Package inflate decodes a deflate (RFC 1951) or zlib (RFC 1950) stream
 // that lies whole in memory into a buffer the caller gives: a vmdk
-// streamOptimized grain or a qcow2 compressed cluster, decoded once and
-// then cached.
+// streamOptimized grain or a qcow2 compressed cluster.
 //
 // Why not a library: compress/flate and klauspost's flate decode through
 // a window of their own and an io.ByteReader, and a random read of a
-// streamOptimized disk inflates a grain, so that speed is the row's
-// (docs/design.md, Stored grains and the inflater). Here the output
-// buffer is the window, the input is read 8 bytes at a time into a 64-bit
-// bit buffer, and a symbol is one table load. Every length, distance and
-// code is checked against the stream's rules as zlib checks them; the
-// package's fuzzer compares it with compress/flate on the same input.
+// streamOptimized disk inflates a grain (docs/design.md, Stored grains and
+// the inflater). Here the output buffer is the window, the input is read 8
+// bytes at a time, and a symbol is one table load. Every length, distance
+// and code is checked as zlib checks them; the fuzzer compares with
+// compress/flate.
 package inflate
 
 import (
@@ -262,16 +260,12 @@ func (d *decoder) inflate(out, in []byte, fill bool) (int, int, error) {
 }
 
 // drain reads on past a full output as zlib's inflate does before it
-// returns, which is how QEMU reads a qcow2 compressed cluster (one
-// inflate with Z_FINISH that must fill the output): the block's next
-// symbol when the output filled at a symbol's end (inBlock, with the
-// block's tables), and past an end of block the headers of the blocks
-// that follow, until something would need room in the output (a literal,
-// a copy once its distance is read, a stored block with bytes), the
-// stream's end, or the input's end, each of which leaves the cluster
-// good; anything invalid on the way fails it, as it fails QEMU's read.
-// Bits past the input's end are not the stream's: zlib would stop and
-// wait for them, so an error they lead to is no error.
+// returns, which is how QEMU reads a qcow2 compressed cluster (one inflate
+// with Z_FINISH): the block's next symbol (inBlock) and the headers of the
+// blocks that follow, until something would need room in the output, the
+// stream's end or the input's end, each of which leaves the cluster good;
+// anything invalid on the way fails it, as in QEMU. Bits past the input's
+// end are not the stream's (zlib would wait for them): no error.
 func (d *decoder) drain(br *bitReader, lit, dist []uint32, inBlock bool) error {
 	fail := func(err error) error {
 		if br.used() > len(br.in) {

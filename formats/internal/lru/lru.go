@@ -1,11 +1,8 @@
-// Package lru is the small mutex-guarded least-recently-used cache the
-// formats keep their metadata and decoded data in, keyed by an offset:
-// qcow2's L2 tables, refcount blocks and decompressed clusters, vmdk's
-// grain tables and grains.
-//
-// Why not a library: qcow2 inserts what it read from the file only if no
-// write-back replaced it meanwhile (PutIfGen), a check that must be made
-// under the cache's own lock, which the LRU libraries do not lend.
+// Package lru is the small mutex-guarded LRU cache, keyed by an offset,
+// that the formats keep metadata and decoded data in. Why not a library:
+// qcow2 inserts what it read only if no write-back replaced it meanwhile
+// (PutIfGen), a check made under the cache's own lock, which the LRU
+// libraries do not lend.
 package lru
 
 import (

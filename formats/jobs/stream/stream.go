@@ -14,14 +14,10 @@ import (
 
 // Streaming (QEMU's block-stream with no base): every range the top layer
 // does not allocate and some layer below does is copied into the top
-// layer, several requests in flight; then the top layer drops its backing
-// file. Bytes no layer allocates read as zeroes with or without the
-// backing file, so they are left alone, as block-stream leaves them.
-//
-// An interrupted stream leaves a consistent image that still has its
-// backing file (the copies so far are flushed); run again, it copies only
-// what is still missing, the top layer's allocation being the record of
-// what was done.
+// layer, several requests in flight, then the top layer drops its backing
+// file; bytes no layer allocates are left alone, as block-stream leaves
+// them. An interrupted stream leaves a consistent image with its backing
+// file; run again, it copies only what the top layer still lacks.
 
 // Streamer is a writable top layer that streams its backing chain in.
 type Streamer interface {

@@ -29,20 +29,15 @@ var errLost = errors.New("nbd: connection lost")
 // garbage once will again).
 var errProtocol = errors.New("nbd: protocol error")
 
-// conn is one transmission-phase connection. Requests are written under
-// wmu, each with its own cookie, so any number may be in flight, answered
-// in any order. There is no reader goroutine: a request waiting for its
-// reply reads replies itself, for whoever they are, until its own has come
-// (one reader at a time, under rmu), then hands the reading on to another
-// waiter. At queue depth one the reply thus lands in the goroutine that
-// waits for it, with no hand-over; the stream is a sock (plain system
-// calls, a short adaptive spin) where it can be, as the server's is.
-//
-// A serve loop may take the reading over (formats.Completions, which the
-// FUSE export's one /dev/fuse queue does): it waits on the socket beside
-// its own input and reads what came, so that one thread does it all, as
-// QEMU's event loop does; waiting requests then just wait, except a lone
-// one (run by the loop itself), which reads.
+// conn is one transmission-phase connection: requests are written under
+// wmu with cookies of their own, any number in flight, answered in any
+// order. There is no reader goroutine: a waiting request reads replies,
+// for whoever they are, until its own has come (one reader at a time,
+// under rmu), then hands reading on, so that at queue depth one the reply
+// lands in the goroutine that waits for it. A serve loop may take the
+// reading over (formats.Completions) so that one thread does it all, as
+// QEMU's event loop does; a lone request (run by the loop itself) still
+// reads its own.
 type conn struct {
 	s    sock.Stream
 	r    *bufio.Reader
@@ -206,8 +201,8 @@ func (c *conn) serveReplies() {
 	}
 }
 
-// readOrFail reads one reply; a reply that cannot be read ends the
-// connection (false). The caller holds rmu.
+// readOrFail reads one reply; one that cannot be read ends the connection
+// (false). The caller holds rmu.
 func (c *conn) readOrFail() bool {
 	err := c.readReply()
 	if err == nil {
@@ -259,9 +254,8 @@ func (c *conn) fail(err error) {
 	}
 }
 
-// shutdown ends both directions of the socket, which wakes a reader and
-// a writer blocked in it, without giving up the descriptor. Called only
-// while the stream is open (before fail closes it, or by a writer).
+// shutdown ends both directions of the socket, waking a reader and a
+// writer blocked in it, and keeps the descriptor (the stream is open).
 func (c *conn) shutdown() {
 	if fd := c.fd(); fd >= 0 {
 		unix.Shutdown(fd, unix.SHUT_RDWR)
@@ -350,13 +344,10 @@ func (c *conn) do(cl *call, flags uint16, length uint64, payload []byte) error {
 	return cl.err
 }
 
-// wait reads replies until cl's has come, or waits while another
-// goroutine (or the serve loop) reads them.
-//
-// Whoever takes the turn (the token that says "nobody reads while
-// requests wait") reads, or passes it on: a request whose reply came
-// meanwhile passes it to the next waiter rather than dropping it, or
-// that one would wait for ever with nobody reading.
+// wait reads replies until cl's has come, or waits while another goroutine
+// (or the serve loop) reads them. Whoever takes the turn (the token that
+// says "nobody reads while requests wait") reads or passes it on, never
+// drops it: the next waiter would wait for ever with nobody reading.
 func (c *conn) wait(cl *call) {
 	haveTurn := false
 	defer func() {
@@ -434,10 +425,9 @@ func (c *conn) readUntil(cl *call) {
 		default:
 		}
 		if c.r.Buffered() == 0 && c.readied {
-			// The next read may sleep, and the requests just answered
-			// wait in this thread's run queue: let them write their
-			// replies here first. Otherwise the runtime wakes another
-			// thread for them while this one sleeps in read(2)
+			// The next read may sleep: let the requests just answered,
+			// queued on this thread, write their replies here first rather
+			// than have the runtime wake another thread for them
 			// (docs/design.md, NBD sources: replies written by the reader).
 			c.readied = false
 			runtime.Gosched()
@@ -453,9 +443,9 @@ func (c *conn) readUntil(cl *call) {
 	}
 }
 
-// putRequest encodes a request header into b, compact or extended as
-// negotiated, and returns its size. A compact header's length is 32 bits:
-// callers cut their requests to fit.
+// putRequest encodes a request header into b, compact (a 32-bit length:
+// callers cut their requests to fit) or extended as negotiated, and
+// returns its size.
 func (c *conn) putRequest(b []byte, flags, cmd uint16, cookie, off, length uint64) int {
 	be.PutUint16(b[4:], flags)
 	be.PutUint16(b[6:], cmd)

@@ -44,14 +44,10 @@ type dialer struct {
 	tls  *tls.Config // nil: plain text
 }
 
-// dial connects and runs the fixed-newstyle handshake (the NBD project's
-// doc/proto.md): STARTTLS first when TLS is asked for, then extended
-// headers (structured replies where the server has not those),
-// base:allocation, and GO with the block-size constraints.
-//
-// The handshake runs through the netpoller, with a deadline; the
-// connection then becomes a sock.Stream (plain system calls) for the
-// requests, unless TLS wraps it.
+// dial connects and runs the fixed-newstyle handshake: STARTTLS first when
+// TLS is asked for, then extended headers (else structured replies),
+// base:allocation, and GO with the block sizes. The handshake runs through
+// the netpoller with a deadline; the requests then use a sock.Stream.
 func (d *dialer) dial(ctx context.Context) (sock.Stream, exportInfo, error) {
 	var nd net.Dialer
 	nc, err := nd.DialContext(ctx, d.addr.Network, d.addr.Addr)
@@ -68,16 +64,15 @@ func (d *dialer) dial(ctx context.Context) (sock.Stream, exportInfo, error) {
 	if err == nil && h.r.Buffered() > 0 {
 		err = errors.New("the server sent data after the handshake")
 	}
-	if err != nil {
-		h.nc.Close()
-		return nil, exportInfo{}, fmt.Errorf("nbd: %s: %w", d.addr.URI, err)
+	var s sock.Stream
+	if err == nil {
+		h.nc.SetDeadline(time.Time{})
+		// Replies are read only while a request waits for one, so the
+		// descriptor may block: one read(2) per wait instead of a read, a
+		// poll and a read. No spinning: on 2 cores a spin took the CPU the
+		// server needed (docs/design.md, NBD sources: a blocking socket).
+		s, err = sock.NewBlocking(h.nc)
 	}
-	h.nc.SetDeadline(time.Time{})
-	// Replies are read only while a request waits for one, so the
-	// descriptor may block: one read(2) per wait instead of a read, a
-	// poll and a read. No spinning: on 2 cores a spin took the CPU the
-	// server needed (docs/design.md, NBD sources: a blocking socket).
-	s, err := sock.NewBlocking(h.nc)
 	if err != nil {
 		h.nc.Close()
 		return nil, exportInfo{}, fmt.Errorf("nbd: %s: %w", d.addr.URI, err)
@@ -168,11 +163,14 @@ func (h *handshaker) startTLS(conf *tls.Config) error {
 	return nil
 }
 
+// named is an option's payload that begins with the export's name.
+func (h *handshaker) named() []byte {
+	return append(be.AppendUint32(nil, uint32(len(h.export))), h.export...)
+}
+
 // metaContext selects base:allocation, if the server has it.
 func (h *handshaker) metaContext(info *exportInfo) error {
-	p := be.AppendUint32(nil, uint32(len(h.export)))
-	p = append(p, h.export...)
-	p = be.AppendUint32(p, 1)
+	p := be.AppendUint32(h.named(), 1)
 	p = be.AppendUint32(p, uint32(len(wire.BaseAllocation)))
 	p = append(p, wire.BaseAllocation...)
 	if err := h.send(wire.OptSetMetaContext, p); err != nil {
@@ -198,9 +196,7 @@ func (h *handshaker) metaContext(info *exportInfo) error {
 
 // goExport picks the export with GO (EXPORT_NAME on servers without it).
 func (h *handshaker) goExport(info *exportInfo) error {
-	p := be.AppendUint32(nil, uint32(len(h.export)))
-	p = append(p, h.export...)
-	p = be.AppendUint16(p, 2)
+	p := be.AppendUint16(h.named(), 2)
 	p = be.AppendUint16(p, wire.InfoBlockSize)
 	p = be.AppendUint16(p, wire.InfoDescription)
 	if err := h.send(wire.OptGo, p); err != nil {
@@ -312,9 +308,7 @@ func (h *handshaker) option(opt uint32, data []byte) (uint32, []byte, error) {
 }
 
 func (h *handshaker) send(opt uint32, data []byte) error {
-	b := be.AppendUint64(nil, wire.MagicOption)
-	b = be.AppendUint32(b, opt)
-	b = be.AppendUint32(b, uint32(len(data)))
+	b := be.AppendUint32(be.AppendUint32(be.AppendUint64(nil, wire.MagicOption), opt), uint32(len(data)))
 	_, err := h.nc.Write(append(b, data...))
 	return err
 }

@@ -1,24 +1,15 @@
-// Package nbd is an image on an NBD server: qemu-nbd, nbdkit,
-// qemu-storage-daemon or blockexport nbd, named by an NBD URI
-// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH, nbds:// for
-// TLS). It is the client side of what export/nbd serves: fixed newstyle
-// with GO, extended headers (64-bit lengths) where the server has them
-// and structured replies where not, base:allocation block status, TRIM,
-// WRITE_ZEROES, FLUSH, the server's block-size constraints, any number of
-// requests in flight per connection and several connections when the
-// server allows it (CAN_MULTI_CONN).
+// Package nbd is an image on an NBD server (qemu-nbd, nbdkit,
+// qemu-storage-daemon, blockexport nbd) named by an NBD URI: the client
+// side of what export/nbd serves, with extended headers or structured
+// replies, base:allocation, the server's block sizes, any number of
+// requests in flight and several connections where the server allows it.
 //
 // A connection that breaks is made again, with backoff, for up to
-// Options.ReconnectTimeout; the requests that were in flight are sent
-// again on the new one (a replay of a write is the same write: NBD makes
-// no promise about the order of requests in flight), each within that
-// timeout from its first failure, backing off between tries. The new
-// connection must carry everything the first one negotiated (header
-// form, block sizes, flags, base:allocation, size); if it cannot, every
-// request fails with EIO from then on rather than going out reshaped.
-// Writes acknowledged since the last flush may not have survived a server
-// that went away, so the first flush after a reconnect reports an error
-// when there were any: a client's fsync learns of it.
+// Options.ReconnectTimeout, and its requests go again on the new one (NBD
+// promises no order among requests in flight), which must carry all the
+// first one negotiated (see carries) or every request fails with EIO.
+// Unflushed writes a server may have lost are replayed, or reported by the
+// next flush (see replayLog).
 package nbd
 
 import (
@@ -94,11 +85,10 @@ type slot struct {
 	mu   sync.Mutex
 	c    *conn
 	lost atomic.Bool // an outage has been logged and not yet ended
-	// During an outage: when it began (unix nanoseconds), how many
-	// connections were made again in it, and whether a request gave up
-	// (logged once). An outage that begins within stormWindow of the
-	// last one logged is quiet (counted in quiet, summed up in the next
-	// line logged): a storm is a few lines, not some per reconnect.
+	// During an outage: when it began (unix nanoseconds), the reconnects in
+	// it, whether a request gave up (logged once). An outage within
+	// stormWindow of the last one logged is only counted (quiet), so that a
+	// storm is a few lines, not one per reconnect.
 	since   atomic.Int64
 	redials atomic.Int64
 	gaveUp  atomic.Bool
@@ -206,9 +196,7 @@ func (img *Image) redialBy(ctx context.Context, deadline time.Time) (*conn, erro
 // errChanged: the export came back different; no retry helps.
 var errChanged = errors.New("nbd: the export changed")
 
-// redial makes a new connection (after the first); it must carry what the
-// first one promised (see carries), and unflushed writes are sent again
-// first (see replayLog).
+// redial makes a new connection after the first: see carries and replayLog.
 func (img *Image) redial(ctx context.Context) (*conn, error) {
 	if p := img.changed.Load(); p != nil {
 		return nil, *p
@@ -239,14 +227,9 @@ func (img *Image) redial(ctx context.Context) (*conn, error) {
 }
 
 // carries says what a new connection lacks of what the first one
-// negotiated, which requests were shaped for and callers were promised:
-// the size, the header form (a compact header cuts a 64-bit length),
-// structured replies, base:allocation, a minimum block no larger (requests
-// are aligned to the first one's), a maximum no smaller, every command
-// flag the first one had, and not read-only when it was not. A new
-// connection may offer more. The preferred block size is a hint that
-// shapes nothing, and the context id, which may differ, is each
-// connection's own.
+// negotiated, which requests were shaped for and callers were promised. It
+// may offer more; the preferred block size (a hint) and the context id
+// (each connection's own) may differ.
 func (img *Image) carries(n exportInfo) error {
 	o := img.info
 	var lacks []string
@@ -470,7 +453,7 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 		n := min(len(p), int(img.info.maxBlock))
 		pos := img.record(logEntry{cmd: wire.CmdWrite, off: off, length: uint64(n), data: p[:n]})
 		if _, err := img.do(ctx, call{cmd: wire.CmdWrite, off: off}, 0, uint64(n), p[:n]); err != nil {
-			img.failed(pos)
+			img.log.cancel(pos)
 			return 0, fmt.Errorf("nbd: write %d bytes at %d: %w", n, off, err)
 		}
 		if err := img.acked(ctx, pos); err != nil {
@@ -481,9 +464,8 @@ func (img *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error)
 	return total, nil
 }
 
-// bigRequest is the most a request without payload asks for at once in
-// a compact header (32-bit lengths); with extended headers, one request
-// covers any range.
+// bigRequest is the most a request without payload covers in a compact
+// header (32-bit lengths).
 const bigRequest = 1 << 30
 
 // rangeStep is the most one TRIM, WRITE_ZEROES or BLOCK_STATUS covers.
@@ -522,7 +504,7 @@ func (img *Image) ranges(ctx context.Context, cmd, flags uint16, off, n int64) e
 		k := min(n, step)
 		pos := img.record(logEntry{cmd: cmd, flags: flags, off: off, length: uint64(k)})
 		if _, err := img.do(ctx, call{cmd: cmd, off: off}, flags, uint64(k), nil); err != nil {
-			img.failed(pos)
+			img.log.cancel(pos)
 			return fmt.Errorf("nbd: command %d for %d bytes at %d: %w", cmd, k, off, err)
 		}
 		if err := img.acked(ctx, pos); err != nil {

@@ -10,20 +10,15 @@ import (
 )
 
 // replayLog keeps the writes sent since the last flush that covered them:
-// a server that went away may have lost them (they need not have reached
-// its disk), so after a reconnect they are sent again, in the order they
-// were sent, before anything else. A write is recorded before it is sent
-// (add), marked when the server acknowledged it (ack) and dropped from the
-// log when it failed (cancel): recorded only after its acknowledgement, a
-// write acknowledged just before the connection broke could miss the
-// replay that the reconnect ran meanwhile, and be lost with the server.
-// A flush drops the writes acknowledged before it was sent; past
-// flushLogBytes of data the log flushes the server itself.
-//
-// It replays over a single connection only: with several, an old write
-// sent again on one could land after a newer one another connection
-// carried. There, a reconnect with unflushed writes makes the next flush
-// report EIO instead (see Image.lost).
+// a server that went away may have lost them, so after a reconnect they
+// are sent again, in order, before anything else. A write is recorded
+// before it is sent (add; recorded only once acknowledged, one answered
+// just before the connection broke could miss the replay), marked when
+// acknowledged (ack) and dropped when it failed (cancel). A flush drops
+// the writes acknowledged before it was sent; past flushLogBytes the log
+// flushes the server itself. With several connections an old write sent
+// again on one could land after a newer one on another: there a reconnect
+// with unflushed writes makes the next flush report EIO instead (Image.lost).
 type replayLog struct {
 	mu      sync.Mutex
 	entries []logEntry
@@ -147,7 +142,8 @@ func (l *replayLog) copyIn(b []byte) ([]byte, uint64) {
 }
 
 // cancel marks the entry at pos failed: it is never replayed (a replay
-// of a write the server refused would fail every reconnect).
+// of a write the server refused would fail every reconnect). A pos of -1
+// (nothing recorded) names no entry.
 func (l *replayLog) cancel(pos int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -237,13 +233,6 @@ func (img *Image) record(e logEntry) int {
 		return -1
 	}
 	return img.log.add(e)
-}
-
-// failed drops a recorded request that failed from the replays.
-func (img *Image) failed(pos int) {
-	if pos >= 0 {
-		img.log.cancel(pos)
-	}
 }
 
 // acked records a write-type request the server acknowledged. When the

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -35,14 +36,7 @@ type Address struct {
 // IsURI says whether spec is an NBD URI (and not a file path).
 func IsURI(spec string) bool {
 	scheme, _, ok := strings.Cut(spec, "://")
-	if !ok {
-		return false
-	}
-	switch scheme {
-	case "nbd", "nbds", "nbd+unix", "nbds+unix", "nbd+tcp", "nbds+tcp":
-		return true
-	}
-	return false
+	return ok && slices.Contains([]string{"nbd", "nbds", "nbd+unix", "nbds+unix", "nbd+tcp", "nbds+tcp"}, scheme)
 }
 
 // ParseURI parses nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH

@@ -1,16 +1,12 @@
-// Package remote serves an object that lives in HTTP(S) or S3-compatible
-// storage as a read-only byte range that any format can be opened on, as
-// on a local file.
-//
-// The package is in two layers. A Backend speaks one protocol: it pins the
-// object's size and identity once (Stat) and fetches byte ranges of exactly
-// that version (ReadRange). Above it, the shared layer (the File in this
-// package) keeps the connection pool busy, reads ahead of a sequential
-// reader, caches blocks within a bound, lets concurrent readers of one
-// block share one request, and retries temporary failures with backoff up
-// to the reconnect timeout. Backends live in their own packages
-// (remote/http for http:// and https://, remote/s3 for s3://) so that a
-// protocol's client library never leaks into the other.
+// Package remote serves an object in HTTP(S) or S3-compatible storage as a
+// read-only byte range that any format can be opened on, as on a local
+// file. A Backend speaks one protocol: it pins the object's size and
+// identity once (Stat) and fetches byte ranges of exactly that version
+// (ReadRange); backends live in packages of their own (remote/http,
+// remote/s3), so that one protocol's client library never leaks into the
+// other. Above them the File keeps the connections busy, reads ahead,
+// caches blocks within a bound, shares one request among the readers of a
+// block, and retries temporary failures up to the reconnect timeout.
 package remote
 
 import (
@@ -48,13 +44,11 @@ type Backend interface {
 	// Stat fetches the object's size and identity. Called once, at open.
 	Stat(ctx context.Context) (Object, error)
 	// ReadRange fills all of p with the object's bytes at off, of the
-	// version obj names (off+len(p) <= obj.Size; the caller checks). A
-	// backend checks what the server says before it trusts it: the status,
-	// the range the server says it sent, the body's length. It returns
-	// ErrChanged when the object is no longer obj, an error wrapping
-	// ErrTemporary for a failure worth retrying (a reset, a timeout, a 5xx,
-	// a 429), and any other error for one that is not (403, 404, a reply
-	// that lies). It never returns a partly filled p as success.
+	// version obj names (off+len(p) <= obj.Size; the caller checks), checking
+	// what the server says (status, range, length) before it trusts it, and
+	// never returning a partly filled p as success. Errors: ErrChanged when
+	// the object is no longer obj; wrapping ErrTemporary where a retry may
+	// cure it (a reset, a timeout, a 5xx, a 429); any other where it cannot.
 	ReadRange(ctx context.Context, obj Object, p []byte, off int64) error
 	// String names the object for logs and errors: never credentials, a
 	// signed query or a password in a URL.

@@ -33,10 +33,9 @@ type block struct {
 }
 
 // acquire returns the blocks of [off, off+n), referenced, starting the
-// fetches of those missing and the readahead the read earns.
-// With inline, the first of the reader's own GETs comes back unstarted
-// (mine) when a connection was free for it: the caller runs it (load,
-// with that connection) and then waits for the rest.
+// fetches of those missing and the readahead the read earns. With inline,
+// the first of the reader's own GETs comes back unstarted (mine) when a
+// connection was free: the caller runs it, then waits for the rest.
 func (f *File) acquire(off, n int64, inline bool) (want []*block, mine *fetch, err error) {
 	first, last := off/f.bs, (off+n-1)/f.bs
 	f.mu.Lock()
@@ -128,10 +127,9 @@ func (f *File) release(want []*block) {
 	f.mu.Unlock()
 }
 
-// insert makes a loading entry for block i, evicting the least recently
-// used loaded blocks beyond the capacity. Loading blocks are never
-// evicted: when all are loading, the cache overshoots by what readers
-// asked for themselves (readahead is cut instead: see room) until their
+// insert makes a loading entry for block i (see room). Loading blocks are
+// never evicted: when all are loading, the cache overshoots by what
+// readers asked for themselves (readahead is cut instead) until their
 // loads complete (load shrinks it back).
 func (f *File) insert(i int64) *block {
 	f.room()
@@ -182,11 +180,10 @@ func (f *File) unlink(b *block) {
 	}
 }
 
-// newBuf is a block's buffer: a recycled one, else a new one. Called
-// with mu held. While the cache is still growing, fresh buffers are made
-// ahead of need (grow): a buffer made here is faulted in page by page by
-// the GET that fills it, on the reader's path (docs/design.md, Remote
-// objects: block buffers; huge pages were tried and cost more).
+// newBuf is a block's buffer, recycled or new, with mu held. While the
+// cache still grows, fresh buffers are made ahead of need (grow): one made
+// here is faulted in page by page by its GET, on the reader's path
+// (docs/design.md, Remote objects: block buffers).
 func (f *File) newBuf() []byte {
 	if len(f.free) < growLow && !f.growing && !f.closed && f.made < f.growTo {
 		n := min(max(growBytes/f.bs, 1), int64(f.growTo-f.made))
@@ -209,13 +206,11 @@ const (
 	growLow   = 16
 )
 
-// grow makes n fresh block buffers in one allocation, faults them in with
-// one madvise(MADV_POPULATE_WRITE) (cheaper than page-by-page faults;
-// where the kernel lacks it, the GETs fault them as before) and adds them
-// to the spare buffers. It runs on its own
-// goroutine, off the readers' path. The buffers count against the
-// capacity (made, from when newBuf starts the grow), so a cache never
-// makes more than it can hold.
+// grow makes n fresh block buffers in one allocation, off the readers'
+// path, faults them in with one madvise(MADV_POPULATE_WRITE) (cheaper than
+// the GETs' page-by-page faults, which remain where the kernel lacks it)
+// and adds them to the spares. They count against the capacity from when
+// newBuf starts the grow (made), so a cache never makes more than it holds.
 func (f *File) grow(n int64) {
 	slab := make([]byte, n*f.bs)
 	_ = unix.Madvise(slab, unix.MADV_POPULATE_WRITE)

@@ -14,11 +14,11 @@ import (
 // (one per connection) stay small.
 const maxGet = 1 << 20
 
-// start fetches runs of loading blocks, each in GETs of up to maxGet.
-// Called with mu held, the file open. own: a reader waits on them
-// (readahead waits for connections behind them). inline: the first GET
-// is returned unstarted instead, holding a connection, if one is free
-// and no other reader queues for one: the reader makes it itself.
+// start fetches runs of loading blocks in GETs of up to maxGet, with mu
+// held and the file open. own: a reader waits on them (readahead queues
+// behind them for connections). inline: the first GET comes back
+// unstarted, holding a connection, if one is free and no reader queues:
+// the reader makes it itself.
 func (f *File) start(runs [][2]int64, own, inline bool) (mine *fetch) {
 	per := maxGet / f.bs
 	asked := time.Now()
@@ -201,10 +201,9 @@ func (f *File) slot(x fetch) error {
 	}
 }
 
-// load makes fetch x: it fetches blocks x.bl ([x.i, x.j)) with one range
-// GET (retried) and completes their entries, whatever happens. The GET
-// reads straight into the blocks' buffers, taken before it starts (the
-// blocks count against the cache from their insertion, loading or not).
+// load makes fetch x: one range GET (retried) of blocks x.bl ([x.i, x.j))
+// straight into their buffers (taken first: blocks count against the cache
+// from their insertion), and their entries completed whatever happens.
 // held: the caller took the connection already (start).
 func (f *File) load(x fetch, held bool) {
 	defer f.wg.Done()

@@ -46,16 +46,13 @@ type Options struct {
 	Logger           *slog.Logger
 }
 
-// File is an object read through a Backend, as an aio.File that formats
-// open like a local file: read-only, no descriptor (Fd is -1; its size is
-// Size, see aio.FileSize).
-//
-// Reads are served from a cache of fixed-size blocks. A block that is
-// missing is fetched once however many readers want it (they all wait on
-// the one request); runs of missing blocks are fetched by one range GET
-// each (up to maxGet) over at most Connections requests at once. A reader
-// seen continuing where it stopped gets readahead, growing with the
-// stream; a random read gets none.
+// File is an object read through a Backend, as a read-only aio.File that
+// formats open like a local file (no descriptor: Fd is -1, its size is
+// Size). Reads are served from a cache of fixed-size blocks; a missing
+// block is fetched once however many readers want it, runs of them by one
+// range GET each (up to maxGet) over at most Connections requests at once.
+// A reader seen continuing where it stopped gets readahead, growing with
+// the stream; a random read gets none.
 type File struct {
 	b    Backend
 	obj  Object
@@ -211,13 +208,11 @@ func (f *File) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
 // loaded returns the blocks of [off, off+n), referenced and loaded, once
 // they are (fetching those missing); on an error none stays referenced.
 func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
-	// A reader that cannot give up (its context has no Done: a serve
-	// loop's lone request) makes the first GET it needs itself, on its
-	// own goroutine, with the connection acquire took for it: handed to
-	// a fetching goroutine, the GET cost two thread wake-ups (docs/design.md,
-	// Remote objects: a lone reader's own GET). A reader that may give up
-	// leaves the GET to a fetching goroutine, which goes on for whoever
-	// else waits.
+	// A reader that cannot give up (no Done: a serve loop's lone request)
+	// makes its first GET itself, with the connection acquire took: handed
+	// to a fetching goroutine it cost two thread wake-ups (docs/design.md,
+	// Remote objects: a lone reader's own GET). One that may give up leaves
+	// it to a fetching goroutine, which goes on for whoever else waits.
 	want, mine, err := f.acquire(off, n, ctx.Done() == nil)
 	if err != nil {
 		return nil, err
@@ -244,10 +239,8 @@ func (f *File) loaded(ctx context.Context, off, n int64) ([]*block, error) {
 func (f *File) CanLend() bool { return true }
 
 // LendAt lends [off, off+n) out of the cache blocks that hold it
-// (formats.CacheLender): a FUSE reply is written from them, and the copy into
-// a reply buffer that ReadAt makes is saved (docs/design.md, Page
-// lending). The blocks stay referenced, so neither evicted nor reused,
-// until release.
+// (formats.CacheLender), saving the copy ReadAt makes (docs/design.md,
+// Page lending); the blocks stay referenced until release.
 func (f *File) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte, func(), bool, error) {
 	if off < 0 || n <= 0 || off > f.obj.Size-n || (off+n-1)/f.bs-off/f.bs >= int64(maxBufs) {
 		return nil, nil, false, nil

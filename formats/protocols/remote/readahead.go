@@ -11,13 +11,12 @@ const (
 	// nstreams sequential readers are followed at once (a guest reading
 	// two files, the kernel's readahead beside a reader's own requests).
 	nstreams = 8
-	// neighbourhood: a read that lands near earlier ones (within a
-	// stream's slack, see follow) and starts no readahead fetches, beside
-	// the blocks it misses, the missing blocks next to them up to the
-	// edges of its aligned neighbourhood (widen): the other small files
-	// of a directory, the next entries of an inode table. Random reads
-	// are not widened (their partial fetch stays). (docs/design.md,
-	// Remote objects: readahead and the neighbourhood fetch)
+	// neighbourhood: a read near earlier ones (within a stream's slack)
+	// that starts no readahead also fetches the missing blocks around it
+	// up to the edges of its aligned neighbourhood (widen): a directory's
+	// other small files, an inode table's next entries. Random reads are
+	// not widened (docs/design.md, Remote objects: readahead and the
+	// neighbourhood fetch).
 	neighbourhood = 128 << 10
 )
 

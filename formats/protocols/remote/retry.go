@@ -17,12 +17,10 @@ const minAttempt = time.Second
 
 func (f *File) timeout() time.Duration { return max(f.o.ReconnectTimeout, minAttempt) }
 
-// deadline is when a fetch asked for at asked fails: the reconnect
-// timeout after it was asked for or after the last request that
-// succeeded, whichever is later. Waiting for a connection counts: behind
-// a server that hangs, a queued fetch fails when the one in flight does,
-// not one timeout after another; behind a busy but working one it waits
-// its turn.
+// deadline is when a fetch asked for at asked fails: the reconnect timeout
+// after it was asked or after the last request that succeeded, whichever
+// is later. So behind a server that hangs a queued fetch fails when the
+// one in flight does; behind a busy but working one it waits its turn.
 func (f *File) deadline(asked time.Time) time.Time {
 	last := time.Unix(0, f.lastOK.Load())
 	if last.After(asked) {

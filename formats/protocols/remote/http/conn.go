@@ -25,13 +25,12 @@ import (
 	"github.com/blockexport/blockexport/formats/protocols/remote"
 )
 
-// fastClient sends the range GETs itself over a pool of kept-alive
-// HTTP/1.1 connections: the request written in one write, the reply
-// parsed by net/http's ReadResponse in the calling goroutine, the body
-// read straight into the caller's buffers, at a fraction of net/http's
-// Transport's CPU (docs/design.md, Remote objects: the HTTP range client).
-// net/http's client still does the HEAD and GET of Stat, proxies (a URL
-// that goes through one never comes here), redirects and 1xx replies.
+// fastClient sends the range GETs itself over kept-alive HTTP/1.1
+// connections: one write a request, the head parsed by net/http's
+// ReadResponse in the calling goroutine, the body read straight into the
+// caller's buffers, at a fraction of net/http's Transport's CPU
+// (docs/design.md, Remote objects: the HTTP range client). net/http still
+// does Stat, proxies, redirects and 1xx replies.
 type fastClient struct {
 	dialer  *net.Dialer
 	addr    string      // host:port dialed
@@ -65,11 +64,9 @@ type pconn struct {
 }
 
 // replySpin is how long a lone reader's GET spins for its reply before it
-// sleeps. A reader alone has nothing else to do, and a sleep costs it a
-// wake-up of its thread when the reply comes, and a server on loopback
-// answers a 4 KiB range in about as long (docs/design.md, Remote objects:
-// spinning for a lone reply). A remote server's reply takes longer than
-// any spin: then it costs replySpin of CPU a GET, no more.
+// sleeps: alone it has nothing else to do, a sleep costs a wake-up, and a
+// server on loopback answers a 4 KiB range in about as long
+// (docs/design.md, Remote objects: spinning for a lone reply).
 const replySpin = 30 * time.Microsecond
 
 // spinConn is the TCP connection under pc: its reads (the reply's head,
@@ -130,9 +127,8 @@ func (pc *pconn) read(read func(fd int) error) error {
 }
 
 // stale says whether an idle connection has something to read before a
-// request is sent on it: the server closed it, or sent what no request
-// asked for (a reply read later as the next request's answer would be
-// checked against that request only). Either way it is not reused.
+// request goes on it (the server closed it, or sent what no request asked
+// for, which would be taken for the next reply): then it is not reused.
 func (pc *pconn) stale() bool {
 	if pc.br.Buffered() > 0 {
 		return true
@@ -153,10 +149,9 @@ func (pc *pconn) stale() bool {
 	return rerr != unix.EAGAIN
 }
 
-// fill reads a body of exactly the bytes of bufs that follows the reply's
-// head on pc: what the reader holds first, then, on plain TCP, readv
-// straight into bufs (a GET of several blocks in a few system calls, not
-// one or more a block). It returns how many bytes it read.
+// fill reads a body of exactly the bytes of bufs after the reply's head:
+// what the reader holds, then on plain TCP readv straight into bufs (a GET
+// of several blocks in a few system calls). It returns the bytes read.
 func (pc *pconn) fill(bufs [][]byte) (int, error) {
 	// Cut down as they fill: a copy, the caller's are the blocks'.
 	bufs = append(pc.rest[:0], bufs...)

@@ -145,10 +145,8 @@ func (b *Backend) request(ctx context.Context, method string) (*nethttp.Request,
 	return req, nil
 }
 
-// do sends req; a failure to get a reply is temporary (a reset, a
-// timeout, a refused connection), except what no retry cures (a refused
-// redirect, a certificate that does not verify). The error names the
-// object by its redacted name: url.Error's would show the URL.
+// do sends req; a failure to get a reply is classified by netError. The
+// error names the object by its redacted name: url.Error's would show the URL.
 func (b *Backend) do(req *nethttp.Request, what string) (*nethttp.Response, error) {
 	resp, err := b.client.Do(req)
 	if err == nil {
@@ -184,8 +182,7 @@ func (b *Backend) netError(err error) error {
 // retry may cure.
 func (b *Backend) statusError(resp *nethttp.Response, what string) error {
 	err := fmt.Errorf("%s: %s: server says %s", b.name, what, resp.Status)
-	switch {
-	case resp.StatusCode >= 500, resp.StatusCode == nethttp.StatusTooManyRequests, resp.StatusCode == nethttp.StatusRequestTimeout:
+	if resp.StatusCode >= 500 || resp.StatusCode == nethttp.StatusTooManyRequests || resp.StatusCode == nethttp.StatusRequestTimeout {
 		return remote.Temporary(err)
 	}
 	return err
@@ -223,11 +220,10 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	}
 	defer resp.Body.Close()
 	obj := remote.Object{ETag: resp.Header.Get("ETag")}
-	if lm := resp.Header.Get("Last-Modified"); lm != "" {
-		if t, err := nethttp.ParseTime(lm); err == nil {
-			obj.LastModified = t
-		}
+	if t, err := nethttp.ParseTime(resp.Header.Get("Last-Modified")); err == nil {
+		obj.LastModified = t
 	}
+
 	switch resp.StatusCode {
 	case nethttp.StatusPartialContent:
 		first, last, total, err := remote.ParseContentRange(resp.Header.Get("Content-Range"))
@@ -351,11 +347,10 @@ func condition(obj remote.Object) (key, value string) {
 }
 
 // readReply checks a range GET's reply against the request and obj and
-// reads its body into bufs. waitEnd arms the bound on the wait for a
-// chunked body's end; fill, when not nil, reads a body of n bytes by
-// Content-Length (it fills bufs from the connection itself). clean: the
-// body was read to its end, nothing more (its connection may serve
-// another request).
+// reads its body into bufs. waitEnd bounds the wait for a chunked body's
+// end; fill, when not nil, reads a body of n bytes by Content-Length from
+// the connection itself. clean: the body was read to its end and no more
+// (the connection may serve another request).
 func (b *Backend) readReply(resp *nethttp.Response, obj remote.Object, bufs [][]byte, off, n int64, what string,
 	waitEnd func(), fill func([][]byte) (int, error)) (clean bool, err error) {
 	switch resp.StatusCode {

@@ -1,11 +1,8 @@
 // Package s3 is the remote.Backend for s3://BUCKET/KEY objects, in AWS S3
-// or any store that speaks its API (Ceph RGW, SeaweedFS, versitygw, MinIO).
-//
-// Requests are signed (SigV4) by aws-sdk-go-v2, configured as the AWS tools
-// are: region and credentials from the standard environment variables and
-// the shared config and credentials files, the endpoint from --s3-endpoint,
-// AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL. An s3:// name says only a bucket
-// and a key, so a backing string written in an image never chooses an
+// or any store that speaks its API. Requests are signed by aws-sdk-go-v2,
+// configured as the AWS tools are (environment, shared files; the endpoint
+// from --s3-endpoint or AWS_ENDPOINT_URL(_S3)). An s3:// name says only a
+// bucket and a key, so a backing string in an image never chooses an
 // endpoint or credentials: those are always the user's own.
 package s3
 
@@ -278,13 +275,7 @@ func (b *Backend) Stat(ctx context.Context) (remote.Object, error) {
 	if *out.ContentLength > remote.MaxSize {
 		return remote.Object{}, fmt.Errorf("%s: the server says the object is %d bytes, over the %d served", b.name, *out.ContentLength, int64(remote.MaxSize))
 	}
-	obj := remote.Object{Size: *out.ContentLength}
-	if out.ETag != nil {
-		obj.ETag = *out.ETag
-	}
-	if out.LastModified != nil {
-		obj.LastModified = *out.LastModified
-	}
+	obj := remote.Object{Size: *out.ContentLength, ETag: aws.ToString(out.ETag), LastModified: aws.ToTime(out.LastModified)}
 	if obj.ETag == "" && obj.LastModified.IsZero() {
 		// Without either, nothing would tell a replaced object from the
 		// one opened: a mix of two versions could be served.
@@ -312,12 +303,8 @@ func (b *Backend) openError(ctx context.Context, err error) error {
 	if status == http.StatusForbidden || status == http.StatusNotFound || status == http.StatusBadRequest || status == http.StatusMovedPermanently || code == "NotFound" || code == "Forbidden" {
 		// The HEAD reply had no body; a GET of one byte gets the code.
 		r := "bytes=0-0"
-		_, gerr := b.client.GetObject(ctx, &s3.GetObjectInput{Bucket: &b.bucket, Key: &b.key, Range: &r})
-		if gerr != nil {
-			if c := apiCode(gerr); c != "" {
-				code = c
-				status = httpStatus(gerr)
-			}
+		if _, gerr := b.client.GetObject(ctx, &s3.GetObjectInput{Bucket: &b.bucket, Key: &b.key, Range: &r}); apiCode(gerr) != "" {
+			code, status = apiCode(gerr), httpStatus(gerr)
 		}
 	}
 	var why string
@@ -410,37 +397,22 @@ var retryable = retry.IsErrorRetryables(append([]retry.IsErrorRetryable{
 // classify maps a request's error to the Backend contract: 412 is
 // ErrChanged, what a retry may cure is Temporary, the rest stays as it is.
 func classify(err error) error {
-	if err == nil {
-		return nil
-	}
-	if errors.Is(err, context.Canceled) {
-		return err
-	}
-	if credentialsError(err) {
-		// No credentials anywhere: the user's configuration, not the
-		// network; retrying only delays the line that says so.
+	// No credentials anywhere is the user's configuration, not the
+	// network: retrying only delays the line that says so.
+	if err == nil || errors.Is(err, context.Canceled) || credentialsError(err) {
 		return err
 	}
 	if httpStatus(err) == http.StatusPreconditionFailed || apiCode(err) == "PreconditionFailed" {
 		return remote.ErrChanged
 	}
-	if s := httpStatus(err); s >= 500 && s <= 599 {
-		return remote.Temporary(err)
-	}
-	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		retryable.IsErrorRetryable(err) == aws.TrueTernary {
-		return remote.Temporary(err)
-	}
 	var ne net.Error
-	if errors.As(err, &ne) && ne.Timeout() {
-		return remote.Temporary(err)
-	}
-	var oe *net.OpError
-	if errors.As(err, &oe) {
-		// Refused, reset, unreachable: a server restarting.
+	var oe *net.OpError // refused, reset, unreachable: a server restarting
+	if s := httpStatus(err); s >= 500 && s <= 599 || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		retryable.IsErrorRetryable(err) == aws.TrueTernary || errors.As(err, &ne) && ne.Timeout() || errors.As(err, &oe) {
 		return remote.Temporary(err)
 	}
 	return err
+
 }
 
 // ReadRange fetches exactly [off, off+len(p)) of the version obj names:
