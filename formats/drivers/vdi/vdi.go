@@ -156,6 +156,12 @@ type allocator struct {
 	metaEnd int64
 	// block is a new block's bytes before it is written.
 	block []byte
+	// used marks the data blocks below the count that entries name, and
+	// leaked counts those they do not, which allocation takes first
+	// (from next up); nil once none is left.
+	used   []uint64
+	leaked uint32
+	next   uint32
 	// failed: a metadata write failed; the image takes no more writes.
 	failed error
 }

@@ -24,6 +24,9 @@ import (
 //     and the block's map entry N. Nothing points at the new block before
 //     its bytes are durable, so a crash never leaves an entry naming
 //     garbage.
+//   - Data blocks below the count that no entry names (leaked by a crash
+//     between the count and the entry) are found when the image opens
+//     for writing and taken first: only their entry is written.
 //   - The count and the entry go in one write when the entry lies in the
 //     file's first maxHead bytes (the first 16,256 blocks, 15.9 GiB of
 //     disk, of an image laid out as QEMU and VirtualBox lay them out): a
@@ -101,10 +104,14 @@ func (img *Image) openForWriting(ctx context.Context, direct bool, log *slog.Log
 		i += n
 	}
 	// A count above the entries (a crash between count and entry) is
-	// a leak: allocation goes on past it, as QEMU's does.
-	if entries < h.BlocksAllocated && log != nil {
-		log.Warn("vdi: blocks leaked by an earlier crash (qemu-img check reports an allocated blocks mismatch)",
-			"image", img.f.Name(), "allocated", h.BlocksAllocated, "named", entries)
+	// a leak: those data blocks are taken again first.
+	if entries < h.BlocksAllocated {
+		a := &img.alloc
+		a.used, a.leaked = used, h.BlocksAllocated-entries
+		if log != nil {
+			log.Warn("vdi: data blocks no entry names (a crash between the count and the entry); they are reused first",
+				"image", img.f.Name(), "allocated", h.BlocksAllocated, "named", entries)
+		}
 	}
 	a := &img.alloc
 	a.count = h.BlocksAllocated
@@ -192,8 +199,14 @@ func (img *Image) allocate(ctx context.Context, i int64, q []byte, in int64) err
 	if a.failed != nil {
 		return a.failed
 	}
-	n := a.count
-	if n >= img.h.BlocksInImage { // only after leaks: the disk's blocks fit in the map
+	n, reuse := a.count, false
+	if a.leaked > 0 {
+		for a.used[a.next/64]&(1<<(a.next%64)) != 0 {
+			a.next++ // leaked > 0: a clear bit lies below the count
+		}
+		n, reuse = a.next, true
+	}
+	if n >= img.h.BlocksInImage { // the disk's blocks fit in the map: never
 		return fmt.Errorf("vdi: no data block left (%d of %d allocated): %w", n, img.h.BlocksInImage, syscall.ENOSPC)
 	}
 	if a.block == nil {
@@ -208,25 +221,40 @@ func (img *Image) allocate(ctx context.Context, i int64, q []byte, in int64) err
 	if err := img.sync(ctx); err != nil {
 		return err
 	}
-	if err := img.link(ctx, i, n); err != nil {
+	if err := img.link(ctx, i, n, reuse); err != nil {
 		// What reached the file is unknown: no more allocations.
 		a.failed = fmt.Errorf("vdi: an earlier allocation failed, no more writes: %w", err)
 		return err
 	}
-	a.count = n + 1
+	if reuse {
+		a.used[n/64] |= 1 << (n % 64)
+		if a.leaked--; a.leaked == 0 {
+			a.used = nil
+		}
+	} else {
+		a.count = n + 1
+	}
 	atomic.StoreUint32(&img.bmap[i], n)
 	return nil
 }
 
-// link records data block n as block i's, with the count n+1 (see the
-// top of this file for the order).
-func (img *Image) link(ctx context.Context, i int64, n uint32) error {
+// link records data block n as block i's, with the count n+1 unless
+// reuse says n is a leaked block below the count (see the top of this
+// file for the order).
+func (img *Image) link(ctx context.Context, i int64, n uint32, reuse bool) error {
 	a := &img.alloc
 	le := binary.LittleEndian
 	entryAt := int64(img.h.OffsetBmap) + 4*i
-	le.PutUint32(a.head[allocatedField:], n+1)
 	if entryAt+4 <= int64(len(a.head)) {
 		le.PutUint32(a.head[entryAt:], n)
+	}
+	if reuse {
+		var e [4]byte
+		le.PutUint32(e[:], n)
+		return img.writeMeta(ctx, e[:], entryAt, "a block map entry")
+	}
+	le.PutUint32(a.head[allocatedField:], n+1)
+	if entryAt+4 <= int64(len(a.head)) {
 		return img.writeMeta(ctx, a.head[:entryAt+4], 0, "the allocated count and block map entry")
 	}
 	if err := img.writeMeta(ctx, a.head[:headerSize], 0, "the header"); err != nil {
