@@ -92,6 +92,18 @@ func TestForeignFormatsRefusedNamingTheFormat(t *testing.T) {
 				}
 			}
 			before := harness.ReadAll(t, img)
+			if slices.Contains(registry.WritableFormats(), format) {
+				// Read and written here (its own tests write it): probed
+				// as qemu-img probes it, and -f raw warns.
+				if code, out := harness.RunBlockexport(t, "info", img); code != 0 || !strings.Contains(out, "file format: "+format+"\n") {
+					t.Errorf("info: exit %d, want 0 and format %s:\n%s", code, format, out)
+				}
+				if code, out := harness.RunBlockexport(t, "info", "-f", "raw", img); code != 0 || !strings.Contains(out, "looks like a "+format+" image") {
+					t.Errorf("info -f raw: exit %d, want 0 and a warning naming %s:\n%s", code, format, out)
+				}
+				harness.MustEqualBytes(t, "the image after info", harness.ReadAll(t, img), before)
+				return
+			}
 			if slices.Contains(registry.ReadOnlyFormats(), format) {
 				// Read here now (read-only): probed as qemu-img probes it,
 				// and -w refused, pointing at an overlay.
