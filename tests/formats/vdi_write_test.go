@@ -1,6 +1,7 @@
 package formats
 
 import (
+	"bufio"
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
@@ -237,28 +238,37 @@ func TestVdiNbdWriterKilledKeepsFlushedWrites(t *testing.T) {
 			script = append(script, fmt.Sprintf("write -P %d %d 4k", p, off), "flush")
 			pattern[off] = p
 		}
+		// Killed once the client has seen a random number of writes
+		// done: mid-way through allocations, or through writes in place.
 		cmd := exec.Command("qemu-io", append(append([]string{"-f", "raw"}, qemuIoArgs(script)...), srv.URI)...)
-		var out strings.Builder
-		cmd.Stdout, cmd.Stderr = &out, &out
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd.Stderr = cmd.Stdout
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(time.Duration(20+rng.IntN(300)) * time.Millisecond)
-		srv.Cmd.Process.Signal(syscall.SIGKILL)
+		killAt := 5 + rng.IntN(150)
+		var wrote []int64
+		lines := bufio.NewScanner(stdout)
+		for lines.Scan() {
+			if m := wroteLine.FindStringSubmatch(lines.Text()); m != nil {
+				off, _ := strconv.ParseInt(m[2], 10, 64)
+				wrote = append(wrote, off)
+				if len(wrote) == killAt {
+					srv.Cmd.Process.Signal(syscall.SIGKILL)
+				}
+			}
+		}
 		cmd.Wait()
+		srv.Cmd.Process.Signal(syscall.SIGKILL) // if the client finished first
 		select {
 		case <-srv.Exited:
 		case <-time.After(10 * time.Second):
 			t.Fatal("the killed server did not exit")
 		}
 		harness.WaitUnlocked(t, img)
-		var wrote []int64
-		for _, l := range strings.Split(out.String(), "\n") {
-			if m := wroteLine.FindStringSubmatch(l); m != nil {
-				off, _ := strconv.ParseInt(m[2], 10, 64)
-				wrote = append(wrote, off)
-			}
-		}
 		if len(wrote) < len(script)/2 {
 			killed++
 		}
