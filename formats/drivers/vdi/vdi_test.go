@@ -9,6 +9,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -334,7 +336,50 @@ func FuzzOpen(f *testing.F) {
 			return // a sparse disk this big takes long to read; its map was checked
 		}
 		readAll(t, img)
+		fuzzWrite(t, p, img)
 	})
+}
+
+// fuzzWrite opens what opened read-only for writing too: it is refused
+// in one line or takes a write in each block that reads back, with the
+// reader's view of the other bytes unchanged.
+func fuzzWrite(t *testing.T, p string, ro *Image) {
+	ctx := context.Background()
+	want := make([]byte, ro.Size())
+	if _, err := ro.ReadAt(ctx, want, 0); err != nil {
+		t.Fatal(err)
+	}
+	f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(ctx, f, Options{Writable: true})
+	if err != nil {
+		if strings.Contains(err.Error(), "\n") {
+			t.Fatalf("refusal is not one line: %q", err)
+		}
+		return
+	}
+	defer img.Close()
+	img.SetNoFlush(true) // syncs are what make it slow, not what is fuzzed
+	for off := int64(0); off < img.Size() && off < 8*blockSize; off += blockSize {
+		n := min(512, img.Size()-off)
+		b := bytes.Repeat([]byte{0xf5}, int(n))
+		if _, err := img.WriteAt(ctx, b, off); err != nil {
+			if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EFBIG) {
+				return // leaked blocks filling the map; a file past the host's limit
+			}
+			t.Fatalf("write at %d: %v", off, err)
+		}
+		copy(want[off:], b)
+	}
+	got := make([]byte, img.Size())
+	if _, err := img.ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("after the writes the image reads differently from what was written over what was read")
+	}
 }
 
 // qemuReads is the disk qemu-img 7.2 reads from the image at path (-f

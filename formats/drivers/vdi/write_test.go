@@ -491,3 +491,63 @@ func TestHostileImagesOpenedWritable(t *testing.T) {
 		})
 	}
 }
+
+// TestConcurrentWritesAllocateEachBlockOnce: writers racing on the same
+// unallocated blocks (each its own 4 KiB of them) allocate each block
+// once, every write reads back, and readers meanwhile see either zeroes
+// or the written bytes, never another block's.
+func TestConcurrentWritesAllocateEachBlockOnce(t *testing.T) {
+	ctx := context.Background()
+	p := createImage(t, 8<<20, false)
+	img, err := openWritable(t, openFile(t, p))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const writers = 16
+	errs := make(chan error, 2*writers)
+	for w := range writers {
+		go func() {
+			buf := bytes.Repeat([]byte{byte(w + 1)}, 4096)
+			var err error
+			for b := int64(0); b < 4 && err == nil; b++ {
+				_, err = img.WriteAt(ctx, buf, b<<20+int64(w)*4096)
+			}
+			errs <- err
+		}()
+		go func() {
+			got := make([]byte, 4096)
+			var err error
+			for b := int64(0); b < 4 && err == nil; b++ {
+				if _, err = img.ReadAt(ctx, got, b<<20+int64(w)*4096); err == nil {
+					if s := strings.Trim(string(got), string([]byte{0, byte(w + 1)})); s != "" {
+						err = errors.New("a read saw bytes no write put there")
+					}
+				}
+			}
+			errs <- err
+		}()
+	}
+	for range 2 * writers {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := img.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if img.alloc.count != 4 {
+		t.Fatalf("%d blocks allocated for 4 written", img.alloc.count)
+	}
+	got := make([]byte, 4096)
+	for b := int64(0); b < 4; b++ {
+		for w := range writers {
+			if _, err := img.ReadAt(ctx, got, b<<20+int64(w)*4096); err != nil || !bytes.Equal(got, bytes.Repeat([]byte{byte(w + 1)}, 4096)) {
+				t.Fatalf("block %d, writer %d: the write does not read back (%v)", b, w, err)
+			}
+		}
+	}
+	img.Close()
+	if code, errs := qemuCheck(t, p); code != 0 {
+		t.Fatalf("qemu-img check: %d %v", code, errs)
+	}
+}
