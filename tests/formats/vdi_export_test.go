@@ -137,7 +137,8 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // TestVdiHostileMapsRefusedWhereQemuReadsWrongData: a block map with two
 // entries naming one data block, and a block map past the end of the
 // file. QEMU 7.2 opens both and reads another block's bytes (or block 0's
-// for every block); we refuse each with one line.
+// for every block); we refuse each with one line, for reading and for
+// writing (fuse -w, nbd -w), and write nothing.
 func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 4<<20, 27)
@@ -171,6 +172,20 @@ func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 			code, out := harness.RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			// Opened for writing: refused as well, the file untouched.
+			before := harness.FileHash(t, p)
+			mnt := filepath.Join(t.TempDir(), "w")
+			os.Mkdir(mnt, 0o755)
+			if code, out := harness.TryExport(t, mnt, "-w", p); code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("fuse -w: exit %d, want 1 and a one-line refusal:\n%s", code, out)
+			}
+			sock := filepath.Join(t.TempDir(), "s.sock")
+			if code, out := harness.RunBlockexport(t, "nbd", "--listen", "unix:"+sock, "-w", p); code != 1 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("nbd -w: exit %d, want 1 and the refusal:\n%s", code, out)
+			}
+			if harness.FileHash(t, p) != before {
+				t.Fatal("a refused writable open changed the file")
 			}
 		})
 	}

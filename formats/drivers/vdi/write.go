@@ -316,3 +316,20 @@ func (img *Image) Resize(context.Context, int64) error {
 	}
 	return fmt.Errorf("vdi: Image format driver does not support resize: %w", formats.ErrNotSupported)
 }
+
+// TryWriteAt writes p in place when it lies in one allocated block and
+// the page cache takes it at once; anything that allocates waits.
+func (img *Image) TryWriteAt(p []byte, off int64) (bool, error) {
+	if !img.writable || off < 0 || int64(len(p)) > img.size-off { // O_DIRECT: the file says it would wait
+		return false, nil
+	}
+	in := off % blockSize
+	if in+int64(len(p)) > blockSize {
+		return false, nil
+	}
+	e := atomic.LoadUint32(&img.bmap[off/blockSize])
+	if e >= discarded {
+		return false, nil
+	}
+	return img.f.TryWriteAt(p, img.dataOffset(e, in))
+}

@@ -551,3 +551,37 @@ func TestConcurrentWritesAllocateEachBlockOnce(t *testing.T) {
 		t.Fatalf("qemu-img check: %d %v", code, errs)
 	}
 }
+
+// TestMetadataWritesNeverReachData: a metadata write that would end past
+// the block map, into the data, is refused and writes nothing.
+func TestMetadataWritesNeverReachData(t *testing.T) {
+	p := createImage(t, 3<<20, false)
+	img, err := openWritable(t, openFile(t, p))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := readHead(t, p)
+	for _, off := range []int64{int64(img.h.OffsetData) - 2, img.alloc.metaEnd, -1, 1 << 40} {
+		if err := img.writeMeta(context.Background(), make([]byte, 4), off, "a test entry"); err == nil || !strings.Contains(err.Error(), "overlap the data") {
+			t.Errorf("metadata write at %#x: %v", off, err)
+		}
+	}
+	if !bytes.Equal(readHead(t, p), before) {
+		t.Fatal("a refused metadata write changed the file")
+	}
+	// TryWriteAt writes in place only: an unallocated block waits.
+	if done, _ := img.TryWriteAt(make([]byte, 512), 0); done {
+		t.Fatal("TryWriteAt allocated a block")
+	}
+	if _, err := img.WriteAt(context.Background(), []byte{1}, 0); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := img.TryWriteAt([]byte{2}, 1); !done || err != nil {
+		t.Fatalf("TryWriteAt in an allocated, cached block: %v %v", done, err)
+	}
+	got := make([]byte, 2)
+	img.ReadAt(context.Background(), got, 0)
+	if !bytes.Equal(got, []byte{1, 2}) {
+		t.Fatalf("read %v", got)
+	}
+}
