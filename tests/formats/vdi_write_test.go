@@ -187,7 +187,7 @@ func TestVdiWritesThroughExportsAsQemuWritesThem(t *testing.T) {
 			for _, cache := range []string{"writeback", "none"} {
 				mnt := filepath.Join(dir, "mnt-"+cache)
 				e := harness.StartExport(t, ours, mnt, "-w", "--cache", cache)
-				harness.Run(t, "fio", append(harness.FioJob("vdi", "4k", "0", "32M", 47), "--io_size=6M", "--filename="+mnt)...)
+				harness.Run(t, "fio", append(harness.FioJob("vdi", "4k", "0", "32M", 47), "--io_size=3M", "--filename="+mnt)...)
 				fd, err := os.OpenFile(mnt, os.O_RDWR, 0)
 				if err != nil {
 					t.Fatal(err)
@@ -207,7 +207,7 @@ func TestVdiWritesThroughExportsAsQemuWritesThem(t *testing.T) {
 				vdiCheckClean(t, ours)
 				rmnt := filepath.Join(dir, "rmnt-"+cache)
 				r := harness.StartExport(t, ours, rmnt, "-w") // fio opens for writing, and only reads
-				harness.Run(t, "fio", append(harness.FioJob("vdi", "4k", "0", "32M", 47), "--io_size=6M", "--verify_only", "--filename="+rmnt)...)
+				harness.Run(t, "fio", append(harness.FioJob("vdi", "4k", "0", "32M", 47), "--io_size=3M", "--verify_only", "--filename="+rmnt)...)
 				r.StopClean()
 			}
 		})
@@ -240,7 +240,8 @@ func TestVdiNbdWriterKilledKeepsFlushedWrites(t *testing.T) {
 		}
 		// Killed once the client has seen a random number of writes
 		// done: mid-way through allocations, or through writes in place.
-		cmd := exec.Command("qemu-io", append(append([]string{"-f", "raw"}, qemuIoArgs(script)...), srv.URI)...)
+		// stdbuf: qemu-io's lines as they happen, not 4 KiB at a time.
+		cmd := exec.Command("stdbuf", append(append([]string{"-oL", "qemu-io", "-f", "raw"}, qemuIoArgs(script)...), srv.URI)...)
 		stdout, err := cmd.StdoutPipe()
 		if err != nil {
 			t.Fatal(err)
@@ -323,9 +324,25 @@ func TestVdiFromXmountReadsAndWrites(t *testing.T) {
 		}
 	})
 	img := filepath.Join(dir, "x.vdi")
-	harness.Run(t, "cp", "--sparse=always", filepath.Join(mnt, strings.TrimSuffix(filepath.Base(raw), filepath.Ext(raw))+".vdi"), img)
-	if err := syscall.Unmount(mnt, 0); err != nil {
-		t.Fatal(err)
+	view := filepath.Join(mnt, strings.TrimSuffix(filepath.Base(raw), filepath.Ext(raw))+".vdi")
+	// xmount's daemon may answer a moment after it returns.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := os.Stat(view); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("xmount's view %s: %v", view, err)
+		}
+	}
+	harness.Run(t, "cp", "--sparse=always", view, img)
+	for try := 0; ; try++ {
+		err := syscall.Unmount(mnt, 0)
+		if err == nil {
+			break
+		}
+		if try == 100 {
+			t.Fatalf("unmount xmount's view: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond) // EBUSY while cp's close is answered
 	}
 	b := harness.ReadAll(t, img)
 	if off := uint32(b[vdiOffData]) | uint32(b[vdiOffData+1])<<8; off != 0x380 {
@@ -361,5 +378,25 @@ func TestVdiFromXmountReadsAndWrites(t *testing.T) {
 	os.Mkdir(wmnt, 0o755)
 	if code, out := harness.TryExport(t, wmnt, "-w", "--cache", "none", img); code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "O_DIRECT") {
 		t.Fatalf("fuse -w --cache none: exit %d, want 1 and one line naming O_DIRECT:\n%s", code, out)
+	}
+}
+
+// TestVdiResizeRefusedAsQemuImg: qemu-img 7.2 cannot resize a vdi; resize
+// refuses it in the same words and exit status, the file untouched.
+func TestVdiResizeRefusedAsQemuImg(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "r.vdi")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "vdi", img, "4M")
+	before := harness.FileHash(t, img)
+	for _, args := range [][]string{{img, "+1M"}, {"-f", "vdi", img, "8M"}, {"--shrink", img, "1M"}} {
+		q := exec.Command("qemu-img", append([]string{"resize"}, args...)...)
+		qout, _ := q.CombinedOutput()
+		code, out := harness.RunBlockexport(t, append([]string{"resize"}, args...)...)
+		want := strings.TrimPrefix(strings.TrimSpace(string(qout)), "qemu-img: ")
+		if code != q.ProcessState.ExitCode() || !strings.Contains(out, want) {
+			t.Errorf("resize %v: exit %d %q; qemu-img's %d %q", args, code, out, q.ProcessState.ExitCode(), want)
+		}
+	}
+	if harness.FileHash(t, img) != before {
+		t.Fatal("a refused resize changed the file")
 	}
 }
