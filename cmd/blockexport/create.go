@@ -104,8 +104,9 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 	switch {
 	case o.Size < 0 && o.BackingFile == "":
 		return usagef("create: a %s image without a backing file needs a SIZE", f.format)
-	case f.format != registry.Raw && o.Size%512 != 0:
-		return usagef("create: size %d is not a multiple of 512 bytes", o.Size)
+	case f.format != registry.Raw:
+		// Image formats count sectors: qemu-img rounds the size up.
+		o.Size = (o.Size + 511) &^ 511
 	}
 	if err := registry.Create(path, f.format, o); err != nil {
 		if errors.Is(err, registry.ErrBadSpec) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -90,8 +91,8 @@ func (f *resizeFlags) run(c *cobra.Command, path, sizeArg string) error {
 	if err := resize.CheckPrealloc(f.prealloc); err != nil {
 		return err
 	}
-	switch f.format {
-	case registry.Auto, registry.Raw, registry.QCOW2:
+	switch {
+	case f.format == registry.Auto, slices.Contains(registry.WritableFormats(), f.format):
 	default:
 		if _, err := registry.ParseFormat(f.format); err != nil {
 			return qemuRefusal(fmt.Sprintf("Could not open '%s': Unknown driver '%s'", path, f.format))

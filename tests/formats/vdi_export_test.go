@@ -90,9 +90,8 @@ func vdiSameInspection(t *testing.T, img string) {
 // TestVdiConvertedImagesExportAsQemuReadsThem: qemu-img's static and
 // dynamic VDI images of a raw disk with holes and zero runs read back
 // byte for byte through the FUSE export and NBD (format probed), their info and
-// map equal qemu-img's, -w is refused in one line that points at a qcow2
-// overlay, and such an overlay on the VDI exports read-write (fio
-// verifies its writes) with the VDI unchanged.
+// map equal qemu-img's, -w exports them, and a qcow2 overlay on the VDI
+// exports read-write (fio verifies its writes) with the VDI unchanged.
 func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 	dir := t.TempDir()
 	src := vdiRawWithHoles(t, dir)
@@ -116,12 +115,12 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			vdiSameInspection(t, img)
 			vdiSeekAndBlocksAsQemu(t, mnt, img)
 
-			wmnt := filepath.Join(d, "wmnt")
-			os.Mkdir(wmnt, 0o755)
-			code, out := harness.TryExport(t, wmnt, "-w", img)
-			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
-				t.Fatalf("-w on a vdi image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
-			}
+			// -w exports a copy read-write (vdi_write_test.go writes it).
+			wimg := filepath.Join(d, "w.vdi")
+			harness.Run(t, "cp", "--sparse=always", img, wimg)
+			w := harness.StartExport(t, wimg, filepath.Join(d, "wmnt"), "-w")
+			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", w.Mnt, src)
+			w.StopClean()
 
 			ov := filepath.Join(d, "ov.qcow2")
 			harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vdi", ov)
@@ -138,7 +137,8 @@ func TestVdiConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 // TestVdiHostileMapsRefusedWhereQemuReadsWrongData: a block map with two
 // entries naming one data block, and a block map past the end of the
 // file. QEMU 7.2 opens both and reads another block's bytes (or block 0's
-// for every block); we refuse each with one line.
+// for every block); we refuse each with one line, for reading and for
+// writing (fuse -w, nbd -w), and write nothing.
 func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 4<<20, 27)
@@ -172,6 +172,20 @@ func TestVdiHostileMapsRefusedWhereQemuReadsWrongData(t *testing.T) {
 			code, out := harness.RunBlockexport(t, "info", p)
 			if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
 				t.Fatalf("blockexport info: exit %d, want a one-line refusal:\n%s", code, out)
+			}
+			// Opened for writing: refused as well, the file untouched.
+			before := harness.FileHash(t, p)
+			mnt := filepath.Join(t.TempDir(), "w")
+			os.Mkdir(mnt, 0o755)
+			if code, out := harness.TryExport(t, mnt, "-w", p); code != 1 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("fuse -w: exit %d, want 1 and a one-line refusal:\n%s", code, out)
+			}
+			sock := filepath.Join(t.TempDir(), "s.sock")
+			if code, out := harness.RunBlockexport(t, "nbd", "--listen", "unix:"+sock, "-w", p); code != 1 || !strings.Contains(out, "corrupt") {
+				t.Fatalf("nbd -w: exit %d, want 1 and the refusal:\n%s", code, out)
+			}
+			if harness.FileHash(t, p) != before {
+				t.Fatal("a refused writable open changed the file")
 			}
 		})
 	}

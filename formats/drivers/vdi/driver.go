@@ -9,12 +9,12 @@ import (
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// Driver is vdi's registry entry: read, checked, never written (a
-// writable open is refused by the registry, pointing to an overlay).
+// Driver is vdi's registry entry: read, written, created and checked
+// (a check repairs nothing, as QEMU's).
 func Driver() driver.Format {
-	return driver.Format{Name: "vdi", Probe: Probe, Lock: driver.MetadataLock, Check: Check,
-		Open: func(ctx context.Context, f aio.File, _ driver.Options) (formats.Image, error) {
-			return driver.Image(New(ctx, f, Options{}))
+	return driver.Format{Name: "vdi", Probe: Probe, Lock: driver.MetadataLock, Check: Check, Writable: true, Create: Create,
+		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
+			return driver.Image(New(ctx, f, Options{Writable: o.Writable, Direct: o.Direct, Logger: o.Logger}))
 		}}
 }
 

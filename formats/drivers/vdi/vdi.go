@@ -2,12 +2,14 @@
 // dynamic, as QEMU 7.2's vdi driver does (block/vdi.c): a 512-byte header,
 // a block map of little-endian 32-bit entries, and 1 MiB data blocks.
 //
-// It is read-only for now; writes are refused with formats.ErrReadOnly
-// (write over one through a qcow2 overlay). Unlike QEMU, every block-map
-// entry is checked when the image opens: an entry past the blocks the
-// header counts or past the end of the file, and two entries naming one
-// data block, make the image corrupt (QEMU serves zeroes or another
-// block's bytes for them without an error).
+// Images open read-only or writable (write.go: data before metadata, no
+// deallocation, as QEMU), and Create makes them (create.go). Unlike QEMU,
+// every block-map entry is checked when the image opens: an entry past
+// the blocks the header counts or past the end of the file, and two
+// entries naming one data block, make the image corrupt (QEMU serves
+// zeroes or another block's bytes for them without an error). Data at an
+// offset that is not a multiple of 512 (xmount's layout, which VirtualBox
+// reads) is read and written; QEMU refuses it.
 package vdi
 
 import (
@@ -15,6 +17,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -44,6 +49,8 @@ const (
 	maxBlocks    = (1<<31 - 512) / 4
 	maxDiskSize  = maxBlocks * blockSize
 	offBmapField = 0x154
+	// allocatedField is where the header counts the allocated blocks.
+	allocatedField = offBmapField + 48
 )
 
 // Header is the part of the VDI header the reader uses, host-endian.
@@ -83,7 +90,11 @@ func parseHeader(b []byte) (Header, error) {
 }
 
 // validate applies QEMU's vdi_open checks, in its order, and rounds an odd
-// disk size up to a sector as it does.
+// disk size up to a sector as it does. Unlike QEMU, data that starts at
+// an offset that is not a multiple of 512 is accepted: xmount puts it
+// right after the block map (0x380 for a 96 MiB disk), VirtualBox reads
+// such images, and nothing in them contradicts itself (where the data
+// would overlap the map, loadBmap refuses the image).
 func (h *Header) validate() error {
 	if h.DiskSize > maxDiskSize {
 		return fmt.Errorf("%w: size %#x is over the maximum %#x", ErrUnsupported, h.DiskSize, uint64(maxDiskSize))
@@ -94,8 +105,6 @@ func (h *Header) validate() error {
 		return fmt.Errorf("%w: version %d.%d", ErrUnsupported, h.Version>>16, h.Version&0xffff)
 	case h.OffsetBmap%sectorSize != 0:
 		return fmt.Errorf("%w: unaligned block map offset %#x", ErrUnsupported, h.OffsetBmap)
-	case h.OffsetData%sectorSize != 0:
-		return fmt.Errorf("%w: unaligned data offset %#x", ErrUnsupported, h.OffsetData)
 	case h.SectorSize != sectorSize:
 		return fmt.Errorf("%w: sector size %d is not %d", ErrUnsupported, h.SectorSize, sectorSize)
 	case h.BlockSize != blockSize:
@@ -114,24 +123,66 @@ func (h *Header) validate() error {
 
 // Image is an open VDI image.
 type Image struct {
-	blockmap.Map     // reads, tries, lends and extents, from locate
-	formats.ReadOnly // writes refused: write through a qcow2 overlay
-	f                aio.File
-	h                Header
-	size             int64
-	static           bool
+	blockmap.Map // reads, tries, lends and extents, from locate
+	f            aio.File
+	h            Header
+	size         int64
+	static       bool
 	// bmap holds the entries of the blocks that cover the disk (QEMU holds
-	// blocks_in_image of them; those past the disk are never used).
+	// blocks_in_image of them; those past the disk are never used). A
+	// writer changes an entry from unallocated to a data block: entries
+	// are read and stored atomically.
 	bmap []uint32
+
+	writable bool
+	noFlush  atomic.Bool // qemu-img's cache=unsafe: no syncs (SetNoFlush)
+	// alloc serialises allocations: the header's count, head and the
+	// block buffer are its.
+	alloc allocator
 }
 
-// Options say how to open a VDI image: nothing to choose yet.
-type Options struct{}
+// allocator is the state of a writable image's allocations.
+type allocator struct {
+	mu sync.Mutex
+	// count is the header's blocks_allocated: the next data block.
+	count uint32
+	// head is the file's first bytes: the header, then the block map's
+	// first entries (up to maxHead, never past the map), as written; an
+	// allocation in that part of the map writes its entry and the new
+	// count in one write.
+	head []byte
+	// metaEnd bounds every metadata write: the end of the block map,
+	// where the data may begin.
+	metaEnd int64
+	// block is a new block's bytes before it is written.
+	block []byte
+	// used marks the data blocks below the count that entries name, and
+	// leaked counts those they do not, which allocation takes first
+	// (from next up); nil once none is left.
+	used   []uint64
+	leaked uint32
+	next   uint32
+	// failed: a metadata write failed; the image takes no more writes.
+	failed error
+}
+
+// Options say how to open a VDI image.
+type Options struct {
+	// Writable opens it for writing (the block map checked whole first).
+	Writable bool
+	// Direct: the file is O_DIRECT (behind aio.Aligned).
+	Direct bool
+	// Logger hears of leaked blocks found by a writable open; nil: none.
+	Logger *slog.Logger
+}
 
 // New opens the VDI image of f, which it owns from now on (Close closes
-// it; so does a failed New). Only read-only opens exist so far.
-func New(ctx context.Context, f aio.File, _ Options) (*Image, error) {
+// it; so does a failed New).
+func New(ctx context.Context, f aio.File, o Options) (*Image, error) {
 	img, err := open(ctx, f)
+	if err == nil && o.Writable {
+		err = img.openForWriting(ctx, o.Direct, o.Logger)
+	}
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", f.Name(), err)
@@ -223,7 +274,7 @@ func (img *Image) Size() int64 { return img.size }
 func (img *Image) locate(_ context.Context, off, n int64, _ bool) (blockmap.Run, bool, error) {
 	in := off % blockSize
 	r := blockmap.Run{Kind: blockmap.Zero, N: min(n, blockSize-in)}
-	if e := img.bmap[off/blockSize]; e < discarded {
+	if e := atomic.LoadUint32(&img.bmap[off/blockSize]); e < discarded {
 		r.Kind, r.File, r.Host, r.Raw = blockmap.Data, img.f, int64(img.h.OffsetData)+int64(e)*blockSize+in, img.static
 	}
 	return r, true, nil

@@ -9,6 +9,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -149,52 +151,7 @@ func TestVDIReadsBlocksThroughTheMap(t *testing.T) {
 // must open there and read the same bytes, and what QEMU reads but is
 // refused here is logged (the cases where QEMU serves wrong data).
 func TestVDIHostileHeadersAndMaps(t *testing.T) {
-	type tc struct {
-		name string
-		mod  func(*vdiSpec)
-		want error // nil: opens
-	}
-	cases := []tc{
-		{"good", func(*vdiSpec) {}, nil},
-		{"disk size 0", func(s *vdiSpec) { s.diskSize = 0 }, nil},
-		{"disk size odd rounds up", func(s *vdiSpec) { s.diskSize = 4<<20 - 700 }, nil},
-		{"disk size at the max", func(s *vdiSpec) { s.diskSize = maxDiskSize; s.blocksInImage = maxBlocks }, ErrCorrupt}, // its map would be past the end
-		{"disk size past the max", func(s *vdiSpec) { s.diskSize = maxDiskSize + 1; s.blocksInImage = maxBlocks }, ErrUnsupported},
-		{"disk size 2^64-1", func(s *vdiSpec) { s.diskSize = 1<<64 - 1 }, ErrUnsupported},
-		{"disk size over the map", func(s *vdiSpec) { s.diskSize = 4<<20 + 512 }, ErrUnsupported},
-		{"blocks in image 0", func(s *vdiSpec) { s.blocksInImage = 0 }, ErrUnsupported},
-		{"blocks in image 0, size 0", func(s *vdiSpec) { s.blocksInImage = 0; s.diskSize = 0 }, nil},
-		{"blocks in image max", func(s *vdiSpec) { s.blocksInImage = maxBlocks }, nil},
-		{"blocks in image max+1", func(s *vdiSpec) { s.blocksInImage = maxBlocks + 1 }, ErrUnsupported},
-		{"blocks in image 2^32-1", func(s *vdiSpec) { s.blocksInImage = 1<<32 - 1 }, ErrUnsupported},
-		{"block size 0", func(s *vdiSpec) { s.blockSize = 0 }, ErrUnsupported},
-		{"block size 2 MiB", func(s *vdiSpec) { s.blockSize = 2 << 20 }, ErrUnsupported},
-		{"block size 1 MiB+1", func(s *vdiSpec) { s.blockSize = blockSize + 1 }, ErrUnsupported},
-		{"block size 2^32-1", func(s *vdiSpec) { s.blockSize = 1<<32 - 1 }, ErrUnsupported},
-		{"sector size 0", func(s *vdiSpec) { s.sectorSize = 0 }, ErrUnsupported},
-		{"sector size 4096", func(s *vdiSpec) { s.sectorSize = 4096 }, ErrUnsupported},
-		{"version 0", func(s *vdiSpec) { s.version = 0 }, ErrUnsupported},
-		{"version 1.2", func(s *vdiSpec) { s.version = version11 + 1 }, ErrUnsupported},
-		{"version max", func(s *vdiSpec) { s.version = 1<<32 - 1 }, ErrUnsupported},
-		{"image type 0", func(s *vdiSpec) { s.imageType = 0 }, nil},
-		{"image type max", func(s *vdiSpec) { s.imageType = 1<<32 - 1 }, nil},
-		{"bmap offset 0 (the header)", func(s *vdiSpec) { s.offBmap = 0; s.offData = 1024 }, ErrCorrupt},
-		{"bmap offset unaligned", func(s *vdiSpec) { s.offBmap = 513 }, ErrUnsupported},
-		{"bmap offset max", func(s *vdiSpec) { s.offBmap = 1<<32 - 512; s.fileSize = 3<<20 + 1024 }, ErrCorrupt},
-		{"bmap past the end", func(s *vdiSpec) { s.fileSize = 514 }, ErrCorrupt},
-		{"data offset 0 (over header and map)", func(s *vdiSpec) { s.offData = 0 }, ErrCorrupt},
-		{"data offset unaligned", func(s *vdiSpec) { s.offData = 1025 }, ErrUnsupported},
-		{"data offset max", func(s *vdiSpec) { s.offData = 1<<32 - 512 }, nil},
-		{"entry past blocks allocated", func(s *vdiSpec) { s.bmap[1] = 2 }, ErrCorrupt},
-		{"entry 2^32-3", func(s *vdiSpec) { s.bmap[1] = 1<<32 - 3; s.blocksAllocated = 1<<32 - 1 }, ErrCorrupt},
-		{"entry past the end of the file", func(s *vdiSpec) { s.blocksAllocated = 3; s.bmap[1] = 2; s.fileSize = 1024 + 2*blockSize }, ErrCorrupt},
-		{"last block cut short", func(s *vdiSpec) { s.fileSize = 1024 + 2*blockSize - 1 }, ErrCorrupt},
-		{"duplicate entries", func(s *vdiSpec) { s.bmap[2] = 1 }, ErrCorrupt},
-		{"blocks allocated 0 with entries", func(s *vdiSpec) { s.blocksAllocated = 0 }, ErrCorrupt},
-		{"all discarded", func(s *vdiSpec) { s.bmap = []uint32{discarded, discarded, discarded, discarded} }, nil},
-		{"short file", func(s *vdiSpec) { s.fileSize = 392 }, ErrCorrupt}, // every field, no UUIDs
-	}
-	for _, c := range cases {
+	for _, c := range hostileCases() {
 		t.Run(c.name, func(t *testing.T) {
 			s := goodSpec()
 			c.mod(&s)
@@ -220,18 +177,90 @@ func TestVDIHostileHeadersAndMaps(t *testing.T) {
 				return
 			}
 			readAll(t, img)
-			// Differential: what opens here reads as qemu-img reads it.
-			if !qemuOK {
-				t.Fatal("opens here, but qemu-img refuses it")
-			}
 			got := make([]byte, img.Size())
 			if _, err := img.ReadAt(context.Background(), got, 0); err != nil {
 				t.Fatal(err)
+			}
+			if c.qemuRefuses {
+				// Read as the spec says: data block k holds k+1.
+				want := make([]byte, img.Size())
+				for i, e := range s.bmap {
+					for j := int64(i) * blockSize; j < min(int64(i+1)*blockSize, img.Size()) && e < discarded; j++ {
+						want[j] = byte(e + 1)
+					}
+				}
+				if qemuOK || !bytes.Equal(got, want) {
+					t.Fatalf("qemu-img opens it: %v; reads as the map says: %v", qemuOK, bytes.Equal(got, want))
+				}
+				return
+			}
+			// Differential: what opens here reads as qemu-img reads it.
+			if !qemuOK {
+				t.Fatal("opens here, but qemu-img refuses it")
 			}
 			if !bytes.Equal(got, qemu) {
 				t.Fatal("reads differ from qemu-img's")
 			}
 		})
+	}
+}
+
+// hostileCase is a crafted image: what the good one becomes, and how an
+// open ends.
+type hostileCase struct {
+	name string
+	mod  func(*vdiSpec)
+	want error // nil: opens
+	// qemuRefuses: it opens here, QEMU 7.2 refuses it (data at an
+	// unaligned offset, as xmount writes it).
+	qemuRefuses bool
+}
+
+// hostileCases are the crafted images the reader and the writer are
+// opened on.
+func hostileCases() []hostileCase {
+	type tc = hostileCase
+	return []tc{
+		{"good", func(*vdiSpec) {}, nil, false},
+		{"disk size 0", func(s *vdiSpec) { s.diskSize = 0 }, nil, false},
+		{"disk size odd rounds up", func(s *vdiSpec) { s.diskSize = 4<<20 - 700 }, nil, false},
+		{"disk size at the max", func(s *vdiSpec) { s.diskSize = maxDiskSize; s.blocksInImage = maxBlocks }, ErrCorrupt, false}, // its map would be past the end
+		{"disk size past the max", func(s *vdiSpec) { s.diskSize = maxDiskSize + 1; s.blocksInImage = maxBlocks }, ErrUnsupported, false},
+		{"disk size 2^64-1", func(s *vdiSpec) { s.diskSize = 1<<64 - 1 }, ErrUnsupported, false},
+		{"disk size over the map", func(s *vdiSpec) { s.diskSize = 4<<20 + 512 }, ErrUnsupported, false},
+		{"blocks in image 0", func(s *vdiSpec) { s.blocksInImage = 0 }, ErrUnsupported, false},
+		{"blocks in image 0, size 0", func(s *vdiSpec) { s.blocksInImage = 0; s.diskSize = 0 }, nil, false},
+		{"blocks in image max", func(s *vdiSpec) { s.blocksInImage = maxBlocks }, nil, false},
+		{"blocks in image max+1", func(s *vdiSpec) { s.blocksInImage = maxBlocks + 1 }, ErrUnsupported, false},
+		{"blocks in image 2^32-1", func(s *vdiSpec) { s.blocksInImage = 1<<32 - 1 }, ErrUnsupported, false},
+		{"block size 0", func(s *vdiSpec) { s.blockSize = 0 }, ErrUnsupported, false},
+		{"block size 2 MiB", func(s *vdiSpec) { s.blockSize = 2 << 20 }, ErrUnsupported, false},
+		{"block size 1 MiB+1", func(s *vdiSpec) { s.blockSize = blockSize + 1 }, ErrUnsupported, false},
+		{"block size 2^32-1", func(s *vdiSpec) { s.blockSize = 1<<32 - 1 }, ErrUnsupported, false},
+		{"sector size 0", func(s *vdiSpec) { s.sectorSize = 0 }, ErrUnsupported, false},
+		{"sector size 4096", func(s *vdiSpec) { s.sectorSize = 4096 }, ErrUnsupported, false},
+		{"version 0", func(s *vdiSpec) { s.version = 0 }, ErrUnsupported, false},
+		{"version 1.2", func(s *vdiSpec) { s.version = version11 + 1 }, ErrUnsupported, false},
+		{"version max", func(s *vdiSpec) { s.version = 1<<32 - 1 }, ErrUnsupported, false},
+		{"image type 0", func(s *vdiSpec) { s.imageType = 0 }, nil, false},
+		{"image type max", func(s *vdiSpec) { s.imageType = 1<<32 - 1 }, nil, false},
+		{"bmap offset 0 (the header)", func(s *vdiSpec) { s.offBmap = 0; s.offData = 1024 }, ErrCorrupt, false},
+		{"bmap offset unaligned", func(s *vdiSpec) { s.offBmap = 513 }, ErrUnsupported, false},
+		{"bmap offset max", func(s *vdiSpec) { s.offBmap = 1<<32 - 512; s.fileSize = 3<<20 + 1024 }, ErrCorrupt, false},
+		{"bmap past the end", func(s *vdiSpec) { s.fileSize = 514 }, ErrCorrupt, false},
+		{"data offset 0 (over header and map)", func(s *vdiSpec) { s.offData = 0 }, ErrCorrupt, false},
+		{"data offset unaligned", func(s *vdiSpec) { s.offData = 1025 }, nil, true},
+		{"data right after the map", func(s *vdiSpec) { s.offData = 512 + 16 }, nil, true},
+		{"data inside the map", func(s *vdiSpec) { s.offData = 512 + 12 }, ErrCorrupt, false},
+		{"data offset max", func(s *vdiSpec) { s.offData = 1<<32 - 512 }, nil, false},
+		{"entry past blocks allocated", func(s *vdiSpec) { s.bmap[1] = 2 }, ErrCorrupt, false},
+		{"entry 2^32-3", func(s *vdiSpec) { s.bmap[1] = 1<<32 - 3; s.blocksAllocated = 1<<32 - 1 }, ErrCorrupt, false},
+		{"entry past the end of the file", func(s *vdiSpec) { s.blocksAllocated = 3; s.bmap[1] = 2; s.fileSize = 1024 + 2*blockSize }, ErrCorrupt, false},
+		{"last block cut short", func(s *vdiSpec) { s.fileSize = 1024 + 2*blockSize - 1 }, ErrCorrupt, false},
+		{"duplicate entries", func(s *vdiSpec) { s.bmap[2] = 1 }, ErrCorrupt, false},
+		{"blocks allocated 0 with entries", func(s *vdiSpec) { s.blocksAllocated = 0 }, ErrCorrupt, false},
+		{"all discarded", func(s *vdiSpec) { s.bmap = []uint32{discarded, discarded, discarded, discarded} }, nil, false},
+		{"short file", func(s *vdiSpec) { s.fileSize = 392 }, ErrCorrupt, false}, // every field, no UUIDs
 	}
 }
 
@@ -307,7 +336,50 @@ func FuzzOpen(f *testing.F) {
 			return // a sparse disk this big takes long to read; its map was checked
 		}
 		readAll(t, img)
+		fuzzWrite(t, p, img)
 	})
+}
+
+// fuzzWrite opens what opened read-only for writing too: it is refused
+// in one line or takes a write in each block that reads back, with the
+// reader's view of the other bytes unchanged.
+func fuzzWrite(t *testing.T, p string, ro *Image) {
+	ctx := context.Background()
+	want := make([]byte, ro.Size())
+	if _, err := ro.ReadAt(ctx, want, 0); err != nil {
+		t.Fatal(err)
+	}
+	f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := New(ctx, f, Options{Writable: true})
+	if err != nil {
+		if strings.Contains(err.Error(), "\n") {
+			t.Fatalf("refusal is not one line: %q", err)
+		}
+		return
+	}
+	defer img.Close()
+	img.SetNoFlush(true) // syncs are what make it slow, not what is fuzzed
+	for off := int64(0); off < img.Size() && off < 8*blockSize; off += blockSize {
+		n := min(512, img.Size()-off)
+		b := bytes.Repeat([]byte{0xf5}, int(n))
+		if _, err := img.WriteAt(ctx, b, off); err != nil {
+			if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EFBIG) {
+				return // leaked blocks filling the map; a file past the host's limit
+			}
+			t.Fatalf("write at %d: %v", off, err)
+		}
+		copy(want[off:], b)
+	}
+	got := make([]byte, img.Size())
+	if _, err := img.ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("after the writes the image reads differently from what was written over what was read")
+	}
 }
 
 // qemuReads is the disk qemu-img 7.2 reads from the image at path (-f

@@ -151,7 +151,8 @@ func Resize(ctx context.Context, img formats.Image, format string, r Request) er
 		}
 		return img.Flush(ctx)
 	}
-	return fmt.Errorf("resize: %s images: %w", format, formats.ErrNotSupported)
+	// QEMU 7.2's vmdk, vhdx, vpc and vdi drivers have no truncate.
+	return refuse("Image format driver does not support resize")
 }
 
 // hostError words a host refusal of the size as QEMU does ("Could not
