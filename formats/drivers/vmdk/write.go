@@ -498,15 +498,16 @@ func (im *Image) Flush(ctx context.Context) error {
 	return nil
 }
 
-// ClusterSize is the grain of the image's first sparse extent (64 KiB
-// without one): the unit CompressCluster takes.
+// ClusterSize is the grain of the image's first sparse extent: the unit
+// CompressCluster takes; 0 without one (a flat image has no clusters,
+// and convert -c refuses it, as qemu-img does: "invalid cluster size").
 func (im *Image) ClusterSize() int64 {
 	for _, e := range im.extents {
 		if e.sparse {
 			return e.grain
 		}
 	}
-	return 64 << 10
+	return 0
 }
 
 // NeedsCompressedWrites: every grain of the image is stored deflated
