@@ -181,6 +181,13 @@ func CreatesBacking(format string) bool {
 	return ok && ff.CreateBacking
 }
 
+// Compresses says whether convert -c may write format (its driver takes
+// compressed clusters).
+func Compresses(format string) bool {
+	ff, ok := lookupFormat(format)
+	return ok && ff.Compress
+}
+
 // ParseCreateOptions reads qemu-img's -o (key=value, comma separated,
 // ",," a comma in a value; a bare key is key=on, "nokey" key=off;
 // repeatable, a later key wins) into what

@@ -517,3 +517,39 @@ func TestVmdkConvertWithBackingWritesOnlyTheDifference(t *testing.T) {
 		})
 	}
 }
+
+// TestVmdkConvertCompressedAsQemuImg: convert -c -O vmdk exits as
+// qemu-img 7.2 does for each subformat: the sparse ones are made (a
+// streamOptimized one deflated, the others' grains stored as they are)
+// and read as the source; a flat one has no clusters and is refused with
+// qemu-img's message and exit code.
+func TestVmdkConvertCompressedAsQemuImg(t *testing.T) {
+	needVmdkTools(t)
+	dir := t.TempDir()
+	src, _ := vmdkSource(t, dir)
+	for _, sub := range []string{"monolithicSparse", "twoGbMaxExtentSparse", "streamOptimized", "monolithicFlat", "twoGbMaxExtentFlat"} {
+		t.Run(sub, func(t *testing.T) {
+			theirs := filepath.Join(t.TempDir(), "theirs.vmdk")
+			qcmd := exec.Command("qemu-img", "convert", "-c", "-O", "vmdk", "-o", "subformat="+sub, src, theirs)
+			qout, err := qcmd.CombinedOutput()
+			qcode := qcmd.ProcessState.ExitCode()
+			if err != nil && qcode < 0 {
+				t.Fatalf("qemu-img convert: %v", err)
+			}
+			ours := filepath.Join(t.TempDir(), "ours.vmdk")
+			code, msg := harness.RunBlockexport(t, "convert", "-c", "-O", "vmdk", "-o", "subformat="+sub, src, ours)
+			if code != qcode {
+				t.Fatalf("convert -c exits %d (%s), qemu-img %d (%s)", code, msg, qcode, qout)
+			}
+			if code != 0 {
+				want := strings.TrimPrefix(strings.TrimSpace(string(qout)), "qemu-img: ")
+				if !strings.HasSuffix(strings.TrimSpace(msg), want) {
+					t.Fatalf("convert -c says %q, qemu-img %q", msg, qout)
+				}
+				return
+			}
+			harness.Run(t, "qemu-img", "compare", "-f", "qcow2", "-F", "vmdk", src, ours)
+			harness.Run(t, "qemu-img", "check", "-q", ours)
+		})
+	}
+}

@@ -271,6 +271,9 @@ func (e *extent) lookupGrain(ctx context.Context, off int64, try bool) (state in
 	if gdi >= int64(len(e.gd)) {
 		return 0, 0, true, fmt.Errorf("%w: grain at %d beyond the grain directory", ErrCorrupt, off)
 	}
+	if v, ok := e.pend.get(g); ok { // written, its table entry not yet
+		return grainData, v, true, nil
+	}
 	d := e.gd[gdi]
 	if d == 0 {
 		return grainUnalloc, 0, true, nil

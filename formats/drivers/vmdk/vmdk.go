@@ -135,6 +135,8 @@ type extent struct {
 	rgd  []uint32
 	next int64
 	meta []hostRange
+	// pend are the grains appended and not yet linked (write.go).
+	pend pendingGrains
 	// scratch holds the compressed bytes of a grain while it inflates,
 	// or a stored grain's bytes across its blocks (*[]byte of a marker
 	// and two grains), reused for the same reason.
@@ -551,10 +553,14 @@ func (im *Image) Backing() formats.Image { return im.parent }
 
 func (im *Image) Size() int64 { return im.size }
 
-// Close closes the image's files and its parent.
+// Close links the grains still pending (write.go) and closes the
+// image's files and its parent.
 func (im *Image) Close() error {
 	var first error
 	keep := func(err error) { first = cmp.Or(first, err) }
+	if im.w != nil {
+		keep(im.linkPending(context.Background()))
+	}
 	for _, e := range im.extents {
 		if e.owned && e.f != nil {
 			keep(e.f.Close())

@@ -3,6 +3,7 @@ package vmdk
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand"
@@ -164,33 +165,54 @@ func TestVmdkStreamOptimizedTakesEachGrainOnce(t *testing.T) {
 	}
 }
 
+// hostOp is a write (off, n, and the value of a 4-byte one: a table
+// entry) or a sync of a file.
+type hostOp struct {
+	sync   bool
+	off    int64
+	n      int
+	le32   uint32
+	before int // for a write: how many syncs came before it
+}
+
 // recordingFile records the writes and syncs of a file, in order.
 type recordingFile struct {
 	aio.File
-	mu  sync.Mutex
-	ops []string
+	mu    sync.Mutex
+	ops   []hostOp
+	syncs int
 }
 
 func (r *recordingFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
 	r.mu.Lock()
-	r.ops = append(r.ops, fmt.Sprintf("write %d+%d", off, len(p)))
+	op := hostOp{off: off, n: len(p), before: r.syncs}
+	if len(p) == 4 {
+		op.le32 = binary.LittleEndian.Uint32(p)
+	}
+	r.ops = append(r.ops, op)
 	r.mu.Unlock()
 	return r.File.WriteAt(ctx, p, off)
 }
 
 func (r *recordingFile) Fdatasync(ctx context.Context) error {
 	r.mu.Lock()
-	r.ops = append(r.ops, "sync")
+	r.ops = append(r.ops, hostOp{sync: true})
+	r.syncs++
 	r.mu.Unlock()
 	return r.File.Fdatasync(ctx)
 }
 
-// TestVmdkNewGrainIsOnDiskBeforeItsTableEntry: allocating a grain writes
-// the grain, syncs it, then writes the grain table entry, then the
-// redundant grain table's, so that a crash at any point leaves a leak at
-// worst, never an entry naming bytes not yet written.
+// TestVmdkNewGrainIsOnDiskBeforeItsTableEntry: every new grain is
+// written, then synced, then its grain table entry is written, then the
+// redundant table's, so that a crash at any point leaves a leak at
+// worst, never an entry naming bytes not yet durable; the sync is shared
+// by many grains (one per maxPendingGrains, and at a flush), and grains
+// not yet linked read back through the image, from the pending map (a
+// zeroed one reads zeroes and is never linked).
 func TestVmdkNewGrainIsOnDiskBeforeItsTableEntry(t *testing.T) {
-	p := createSingle(t, 1<<20, nil)
+	const grain, grains = 65536, 700
+	const size = grains * grain
+	p := createSingle(t, size, map[string]string{"zeroed_grain": "on"})
 	f, err := aio.Open(p, aio.Options{Backend: aio.Threads, Writable: true})
 	if err != nil {
 		t.Fatal(err)
@@ -200,33 +222,107 @@ func TestVmdkNewGrainIsOnDiskBeforeItsTableEntry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer img.Close()
 	ctx := context.Background()
-	if _, err := img.WriteAt(ctx, []byte("x"), 0); err != nil { // the CID first
+	l := newSparseLayout(size)
+	gtAt := (l.gd + l.gdSectors) * sectorSize   // the tables lie one after another
+	rgtAt := (l.rgd + l.gdSectors) * sectorSize // the redundant ones too
+	onDisk := func(g int64) uint32 {
+		b := make([]byte, 4)
+		if _, err := rec.File.ReadAt(ctx, b, gtAt+4*g); err != nil {
+			t.Fatal(err)
+		}
+		return binary.LittleEndian.Uint32(b)
+	}
+	want := make([]byte, size)
+	write := func(g int64, inG, n int) {
+		b := make([]byte, n)
+		rand.New(rand.NewSource(g*7 + int64(inG))).Read(b)
+		if _, err := img.WriteAt(ctx, b, g*grain+int64(inG)); err != nil {
+			t.Fatalf("write grain %d: %v", g, err)
+		}
+		copy(want[g*grain+int64(inG):], b)
+	}
+	readsBack := func(when string) {
+		t.Helper()
+		got := make([]byte, size)
+		if _, err := img.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%s: the image does not read what was written (%v)", when, err)
+		}
+	}
+	order := rand.New(rand.NewSource(1)).Perm(grains)
+	for _, g := range order[:100] { // fewer than maxPendingGrains: all pending
+		write(int64(g), 0, grain)
+	}
+	write(int64(order[100]), 100, 7) // a part of a grain: the rest zeroes
+	write(int64(order[0]), 5, 10)    // a rewrite of a pending grain, in place
+	readsBack("with 101 grains pending")
+	for _, g := range order[:101] {
+		if v := onDisk(int64(g)); v != 0 {
+			t.Fatalf("grain %d linked (entry %d) before any sync", g, v)
+		}
+	}
+	if err := img.WriteZeroes(ctx, int64(order[1])*grain, grain, false); err != nil {
 		t.Fatal(err)
 	}
-	rec.ops = nil
-	if _, err := img.WriteAt(ctx, []byte("grain 3"), 3*65536+7); err != nil {
+	copy(want[int64(order[1])*grain:], make([]byte, grain))
+	readsBack("a pending grain zeroed")
+	for _, g := range order[101:600] {
+		write(int64(g), 0, grain)
+	}
+	readsBack("after a batch linked")
+	if err := img.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
-	l := newSparseLayout(1 << 20)
-	grainAt := int64(l.grains)*sectorSize + 65536 // after grain 0's
-	want := []string{
-		fmt.Sprintf("write %d+65536", grainAt),
-		"sync",
-		fmt.Sprintf("write %d+4", (l.gd+l.gdSectors)*sectorSize+3*4),
-		fmt.Sprintf("write %d+4", (l.rgd+l.gdSectors)*sectorSize+3*4),
+	for _, g := range order[600:] {
+		write(int64(g), 0, grain)
 	}
-	if strings.Join(rec.ops, "; ") != strings.Join(want, "; ") {
-		t.Fatalf("allocation did %q, want %q", rec.ops, want)
-	}
-	rec.ops = nil
-	if _, err := img.WriteAt(ctx, []byte("again"), 3*65536); err != nil {
+	readsBack("after a flush")
+	if err := img.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if want := fmt.Sprintf("write %d+5", grainAt); len(rec.ops) != 1 || rec.ops[0] != want {
-		t.Fatalf("a rewrite of the grain did %q, want only %q", rec.ops, want)
+
+	// The rule, for every grain: its data written, a sync, its entry, its
+	// redundant entry.
+	dataAt := map[int64]hostOp{} // by sector
+	linked := map[int64]uint32{}
+	for i, op := range rec.ops {
+		switch {
+		case op.sync:
+		case op.n == grain:
+			dataAt[op.off/sectorSize] = op
+		case op.n == 4 && op.off >= gtAt && op.off < gtAt+int64(grains)*4:
+			g := (op.off - gtAt) / 4
+			if op.le32 != gteZeroed {
+				d, ok := dataAt[int64(op.le32)]
+				if !ok {
+					t.Fatalf("grain %d linked to sector %d, where no grain was written", g, op.le32)
+				}
+				if d.before == op.before {
+					t.Fatalf("grain %d linked to sector %d with no sync since its data was written", g, op.le32)
+				}
+			}
+			linked[g] = op.le32
+			if i+1 >= len(rec.ops) || rec.ops[i+1].off != rgtAt+4*g || rec.ops[i+1].le32 != op.le32 {
+				t.Fatalf("grain %d: the redundant entry does not follow the entry", g)
+			}
+		}
 	}
+	if len(linked) != grains {
+		t.Fatalf("%d grains of %d linked by the close", len(linked), grains)
+	}
+	if v := linked[int64(order[1])]; v != gteZeroed {
+		t.Fatalf("the zeroed pending grain was linked to %d, not zeroed", v)
+	}
+	if most := grains/maxPendingGrains + 5; rec.syncs > most {
+		t.Fatalf("%d syncs for %d new grains, want at most %d", rec.syncs, grains, most)
+	}
+	t.Logf("%d syncs for %d new grains", rec.syncs, grains)
+	img, err = openWritable(t, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	readsBack("reopened")
 }
 
 // TestVmdkHostileImagesOpenedWritable: the hostile images of the read

@@ -93,6 +93,10 @@ type Format struct {
 	// CreateBacking: Create records a backing file (CreateOptions'
 	// BackingFile); otherwise one is refused before it is opened.
 	CreateBacking bool
+	// Compress: a conversion may store the format's clusters compressed
+	// (convert -c), as QEMU's block_driver_can_compress says of its
+	// driver; otherwise -c is refused before anything is made.
+	Compress bool
 }
 
 // CreateOptions describe a new image; a format refuses what it cannot

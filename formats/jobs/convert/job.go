@@ -189,6 +189,11 @@ func (j Job) engineOptions(dst formats.Image, created bool) (Options, error) {
 		if !ok {
 			return o, badRequest("Compression not supported for this file format")
 		}
+		if ct.ClusterSize() <= 0 {
+			// A format that takes -c but whose image has no clusters
+			// (a flat vmdk): qemu-img's refusal, after the target is made.
+			return o, errors.New("invalid cluster size")
+		}
 		o.Compressed = ct
 	}
 	if co, ok := dst.(CompressedOnly); ok && co.NeedsCompressedWrites() {
