@@ -65,7 +65,7 @@ func convertCommand() *cobra.Command {
 	}
 	fs := c.Flags()
 	fs.StringVarP(&f.outFormat, "output-format", "O", "raw", "TARGET's format: "+registry.OrList(registry.CreatableFormats())+" (with -n: TARGET's format, as it is opened)")
-	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, as qemu-img's -o KEY=VALUE,...: backing_file, backing_fmt, and the format's own (qcow2: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off; raw: preallocation=off)")
+	fs.StringArrayVarP(&f.options, "options", "o", nil, "TARGET's creation options, as qemu-img's -o KEY=VALUE,...: backing_file, backing_fmt, and the format's own ("+registry.CreateKeysHelp()+")")
 	fs.BoolVarP(&f.compress, "compress", "c", false, "store TARGET's data clusters compressed, where its format takes compressed clusters, on all cores")
 	fs.BoolVarP(&f.showProgress, "show-progress", "p", false, "show progress as qemu-img does: \"    (P/100%)\\r\" on stdout (--progress percent)")
 	fs.StringVar(&f.progressFmt, "progress", "", "progress: percent (as -p), bar (on stderr), json (one JSON object per percent on stdout), none, or auto (bar when stderr is a terminal, else none)")

@@ -38,7 +38,7 @@ func createCommand() *cobra.Command {
 	fs.StringVar(&f.clusterSize, "cluster-size", "", "qcow2 cluster size, a power of two from 512 to 2M (default 64k; -o cluster_size)")
 	fs.StringVarP(&f.backing, "backing", "b", "", "backing file (a relative name is relative to IMAGE's directory)")
 	fs.StringVarP(&f.backingFormat, "backing-format", "F", "", "format of the backing file: "+registry.OrList(registry.FileFormats())+" (default: detected)")
-	fs.StringArrayVarP(&f.options, "options", "o", nil, "the format's creation options, as qemu-img's -o KEY=VALUE,... (qcow2: cluster_size, compression_type=zlib|zstd, lazy_refcounts=on|off)")
+	fs.StringArrayVarP(&f.options, "options", "o", nil, "the format's creation options, as qemu-img's -o KEY=VALUE,...: size, backing_file, backing_fmt, and the format's own ("+registry.CreateKeysHelp()+")")
 	fs.BoolVar(&f.force, "force", false, "overwrite IMAGE if it exists")
 	fs.StringVar(&f.s3Endpoint, "s3-endpoint", "", "an s3:// backing file's S3-compatible endpoint (see fuse --s3-endpoint)")
 	fs.BoolVar(&f.s3PathStyle, "s3-path-style", false, "an s3:// backing file: path-style addressing (see fuse --s3-path-style)")

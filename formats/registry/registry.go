@@ -175,6 +175,18 @@ func Create(path, format string, o CreateOptions) error {
 	return nil
 }
 
+// CreateKeysHelp lists each creatable format's -o options for help:
+// "qcow2: cluster_size, ...; vmdk: subformat=...".
+func CreateKeysHelp() string {
+	var parts []string
+	for _, ff := range fileFormats() {
+		if ff.Create != nil && len(ff.CreateKeys) > 0 {
+			parts = append(parts, ff.Name+": "+strings.Join(ff.CreateKeys, ", "))
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
 // CreatesBacking says whether format's Create records a backing file.
 func CreatesBacking(format string) bool {
 	ff, ok := lookupFormat(format)

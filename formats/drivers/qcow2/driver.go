@@ -14,7 +14,7 @@ import (
 // repaired.
 func Driver() driver.Format {
 	return driver.Format{Name: "qcow2", Probe: Probe, Lock: driver.MetadataLock, Check: Check, RepairWrites: true,
-		Writable: true, Create: Create, CreateBacking: true, Compress: true,
+		Writable: true, Create: Create, CreateKeys: []string{"cluster_size", "compression_type=zlib|zstd", "lazy_refcounts=on|off"}, CreateBacking: true, Compress: true,
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{L2CacheSize: o.CacheSize, DecodedCacheSize: o.DecodedCacheSize,
 				Direct: o.Direct, Writable: o.Writable, EditBitmaps: o.EditBitmaps, Logger: o.Logger, OpenBacking: o.OpenBacking, Shown: o.Shown}))

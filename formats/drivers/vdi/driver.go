@@ -12,7 +12,7 @@ import (
 // Driver is vdi's registry entry: read, written, created and checked
 // (a check repairs nothing, as QEMU's).
 func Driver() driver.Format {
-	return driver.Format{Name: "vdi", Probe: Probe, Lock: driver.MetadataLock, Check: Check, Writable: true, Create: Create,
+	return driver.Format{Name: "vdi", Probe: Probe, Lock: driver.MetadataLock, Check: Check, Writable: true, Create: Create, CreateKeys: []string{"static=on|off"},
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{Writable: o.Writable, Direct: o.Direct, Logger: o.Logger}))
 		}}

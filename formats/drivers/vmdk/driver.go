@@ -12,6 +12,7 @@ import (
 // Driver is vmdk's registry entry: read, checked, created and written.
 func Driver() driver.Format {
 	return driver.Format{Name: "vmdk", Probe: Probe, Lock: Lock, Check: Check, Create: Create, CreateBacking: true, Writable: true, Compress: true,
+		CreateKeys: []string{"subformat=monolithicSparse|monolithicFlat|twoGbMaxExtentSparse|twoGbMaxExtentFlat|streamOptimized", "adapter_type", "hwversion", "toolsversion", "compat6", "zeroed_grain"},
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{Name: o.Name, Direct: o.Direct, GTCacheSize: o.CacheSize,
 				DecodedCacheSize: o.DecodedCacheSize, OpenExtent: o.OpenFile, OpenParent: o.OpenParent, Writable: o.Writable}))

@@ -13,6 +13,7 @@ import (
 // dynamic disks), no checks (QEMU's vpc driver has none either).
 func Driver() driver.Format {
 	return driver.Format{Name: "vpc", Probe: Probe, ProbeTail: ProbeTail, Lock: driver.MetadataLock, Writable: true, Create: Create,
+		CreateKeys: []string{"subformat=dynamic|fixed", "force_size=on|off"},
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			return driver.Image(New(ctx, f, Options{OpenParent: o.OpenParent, Writable: o.Writable}))
 		}}

@@ -97,6 +97,9 @@ type Format struct {
 	// (convert -c), as QEMU's block_driver_can_compress says of its
 	// driver; otherwise -c is refused before anything is made.
 	Compress bool
+	// CreateKeys are the -o options that mean something to Create, as
+	// help lists them ("subformat=monolithicSparse|streamOptimized").
+	CreateKeys []string
 }
 
 // CreateOptions describe a new image; a format refuses what it cannot
