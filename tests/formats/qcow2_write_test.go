@@ -104,8 +104,13 @@ func TestCreateCommand(t *testing.T) {
 	if st, err := os.Stat(rawImg); err != nil || st.Size() != 3<<20 {
 		t.Fatalf("raw image: %v", err)
 	}
+	// A size that is not whole sectors is rounded up, as qemu-img does.
+	odd := filepath.Join(dir, "odd.qcow2")
+	harness.CreateImage(t, "-f", "qcow2", odd, "1000")
+	if got := harness.JSONOf(t, "qemu-img", "info", "--output=json", odd).(map[string]any)["virtual-size"]; got != float64(1024) {
+		t.Fatalf("create -f qcow2 IMAGE 1000: virtual size %v, qemu-img makes 1024", got)
+	}
 	for _, args := range [][]string{
-		{"create", "-f", "qcow2", filepath.Join(dir, "x.qcow2"), "1000"},
 		{"create", "-f", "qcow2", "--cluster-size", "3000", filepath.Join(dir, "x.qcow2"), "1M"},
 		{"create", "-f", "vmdk", "-o", "subformat=monolithicFlat,zeroed_grain=on", filepath.Join(dir, "x.img"), "1M"},
 		{"create", filepath.Join(dir, "x.img")},
