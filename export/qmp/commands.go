@@ -26,6 +26,7 @@ func commandTable() map[string]command {
 		"query-named-block-nodes": queryNamedBlockNodes,
 		"nbd-server-start":        nbdServerStart,
 		"block_resize":            blockResize,
+		"query-blockstats":        queryBlockstats,
 		"nbd-server-stop":         noArgs(func(s *Server) (any, error) { return map[string]any{}, s.eng.StopNBD() }),
 	}
 }
@@ -152,4 +153,13 @@ func quit(s *Server) (any, error) {
 		s.log.Warn("closing the block nodes at quit", "err", err)
 	}
 	return map[string]any{}, nil
+}
+
+func queryBlockstats(s *Server, args map[string]any) (any, error) {
+	a := newArgs(args, false)
+	nodes := a.boolean("query-nodes")
+	if err := a.done(); err != nil {
+		return nil, err
+	}
+	return s.eng.BlockStats(nodes), nil
 }
