@@ -98,8 +98,9 @@ func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var first error
+	// Oldest first, the order QSD 7.2's events come in at quit.
 	for len(e.exports) > 0 {
-		x := e.exports[len(e.exports)-1]
+		x := e.exports[0]
 		if err := e.removeExport(context.Background(), x, true); err != nil && first == nil {
 			first = err
 		}

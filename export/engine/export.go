@@ -87,17 +87,19 @@ func (e *Engine) AddExport(o ExportOptions) error {
 // an existing regular file.
 func (e *Engine) startFUSE(x *export) error {
 	o := x.o
+	// Before the stat, as QEMU: a stat of our own mount point would wait
+	// on the export that answers it.
+	for _, y := range e.exports {
+		if y.mount != nil && y.o.Mountpoint == o.Mountpoint {
+			return genericf("There already is a FUSE export on '%s'", o.Mountpoint)
+		}
+	}
 	st, err := os.Stat(o.Mountpoint)
 	if err != nil {
 		return genericf("Failed to stat '%s': %s", o.Mountpoint, errnoText(err))
 	}
 	if !st.Mode().IsRegular() {
 		return genericf("'%s' is not a regular file", o.Mountpoint)
-	}
-	for _, y := range e.exports {
-		if y.mount != nil && y.o.Mountpoint == o.Mountpoint {
-			return genericf("There already is a FUSE export on '%s'", o.Mountpoint)
-		}
 	}
 	allowOther, err := fuseexport.ParseAllowOther(cmp.Or(o.AllowOther, "auto"))
 	if err != nil {

@@ -37,15 +37,15 @@ type BlockdevRef struct {
 }
 
 // Drivers are the block drivers blockdev-add takes, by QEMU's names.
-func Drivers() []string {
-	return []string{"file", "null-co", "raw", "qcow2", "vmdk", "vhdx", "vpc", "vdi"}
-}
+// The format drivers are the registry's formats of image files.
+func Drivers() []string { return append([]string{"file", "null-co"}, registry.FileFormats()...) }
 
-// formatDrivers are the drivers that read a format from a file child.
-var formatDrivers = []string{"raw", "qcow2", "vmdk", "vhdx", "vpc", "vdi"}
+// TakesBacking says whether driver's images name a backing file (QEMU's
+// "backing" option applies to it).
+func TakesBacking(driver string) bool { return registry.CreatesBacking(driver) }
 
 // IsFormatDriver says whether driver reads a format from a file child.
-func IsFormatDriver(driver string) bool { return slices.Contains(formatDrivers, driver) }
+func IsFormatDriver(driver string) bool { return slices.Contains(registry.FileFormats(), driver) }
 
 // node is one block node.
 type node struct {

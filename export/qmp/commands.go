@@ -1,6 +1,7 @@
 package qmp
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/blockexport/blockexport/export/engine"
@@ -16,7 +17,7 @@ func commandTable() map[string]command {
 		"qmp_capabilities":        nil, // handled by the monitor
 		"query-version":           queryVersion,
 		"query-commands":          queryCommands,
-		"quit":                    noArgs(func(*Server) (any, error) { return map[string]any{}, nil }),
+		"quit":                    noArgs(quit),
 		"blockdev-add":            blockdevAdd,
 		"blockdev-del":            blockdevDel,
 		"block-export-add":        blockExportAdd,
@@ -24,6 +25,8 @@ func commandTable() map[string]command {
 		"query-block-exports":     noArgs(func(s *Server) (any, error) { return s.eng.Exports(), nil }),
 		"query-named-block-nodes": queryNamedBlockNodes,
 		"nbd-server-start":        nbdServerStart,
+		"block_resize":            blockResize,
+		"query-blockstats":        queryBlockstats,
 		"nbd-server-stop":         noArgs(func(s *Server) (any, error) { return map[string]any{}, s.eng.StopNBD() }),
 	}
 }
@@ -129,4 +132,34 @@ func nbdServerStart(s *Server, args map[string]any) (any, error) {
 		return nil, err
 	}
 	return map[string]any{}, s.eng.StartNBD(o)
+}
+
+func blockResize(s *Server, args map[string]any) (any, error) {
+	a := newArgs(args, false)
+	device := a.str("device", false)
+	node := a.str("node-name", false)
+	size := a.integer("size", true)
+	if err := a.done(); err != nil {
+		return nil, err
+	}
+	return map[string]any{}, s.eng.Resize(context.Background(), device, node, size)
+}
+
+// quit ends every export before its reply, as QSD does: a client sees
+// each BLOCK_EXPORT_DELETED first. A failure to close is logged, and the
+// process ends anyway.
+func quit(s *Server) (any, error) {
+	if err := s.eng.Close(); err != nil {
+		s.log.Warn("closing the block nodes at quit", "err", err)
+	}
+	return map[string]any{}, nil
+}
+
+func queryBlockstats(s *Server, args map[string]any) (any, error) {
+	a := newArgs(args, false)
+	nodes := a.boolean("query-nodes")
+	if err := a.done(); err != nil {
+		return nil, err
+	}
+	return s.eng.BlockStats(nodes), nil
 }

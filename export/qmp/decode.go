@@ -29,7 +29,7 @@ func blockdev(a *args) engine.BlockdevOptions {
 	case "":
 	default:
 		o.File = blockdevRef(a, "file")
-		if o.Driver == "qcow2" || o.Driver == "vmdk" {
+		if engine.TakesBacking(o.Driver) {
 			// backing: null (no backing file) is QEMU's way to
 			// open an overlay alone; the chain is otherwise the
 			// image's own.

@@ -1,6 +1,7 @@
 package qmp
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"sort"
@@ -29,10 +30,14 @@ func quote(s string) string { return encode(s) }
 
 // encode marshals v and spaces it as QEMU does.
 func encode(v any) string {
-	b, err := json.Marshal(v)
-	if err != nil {
+	// QEMU escapes no HTML characters: "a >0 size" stays as it is.
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
 		return "null" // only our own values are encoded: cannot happen
 	}
+	b := bytes.TrimSuffix(buf.Bytes(), []byte("\n"))
 	var out strings.Builder
 	inString, escaped := false, false
 	for _, c := range string(b) {

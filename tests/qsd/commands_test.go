@@ -34,7 +34,8 @@ func TestEveryCommandThroughGoQMPClient(t *testing.T) {
 		names = append(names, c.(map[string]any)["name"].(string))
 	}
 	for _, want := range []string{"qmp_capabilities", "query-version", "query-commands", "blockdev-add", "blockdev-del", "block-export-add",
-		"block-export-del", "query-block-exports", "query-named-block-nodes", "nbd-server-start", "nbd-server-stop", "quit"} {
+		"block-export-del", "query-block-exports", "query-named-block-nodes", "nbd-server-start", "nbd-server-stop", "block_resize",
+		"query-blockstats", "quit"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("query-commands lacks %s: %v", want, names)
 		}
