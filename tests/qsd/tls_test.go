@@ -1,13 +1,17 @@
 package qsd
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
+	"io"
 	"math/big"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -157,4 +161,83 @@ func makeCertificateDir(t *testing.T) string {
 		write(who+"-key.pem", "PRIVATE KEY", keyDER)
 	}
 	return dir
+}
+
+// TestTLSFromTheCommandLineWithMaxConnections: credentials and the NBD
+// server from the command line, on both daemons. verify-peer=off serves a
+// client that has the CA but no certificate of its own (with QEMU's
+// default, verify-peer=on, that client is refused), and max-connections=1
+// serves no second client while one is connected, and serves again once
+// it left.
+func TestTLSFromTheCommandLineWithMaxConnections(t *testing.T) {
+	certs := makeCertificateDir(t)
+	caOnly := filepath.Join(t.TempDir(), "ca-only")
+	os.Mkdir(caOnly, 0o700)
+	ca, err := os.ReadFile(filepath.Join(certs, "ca-cert.pem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(caOnly, "ca-cert.pem"), ca, 0o600)
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		t.Run(filepath.Base(prog), func(t *testing.T) {
+			dir := t.TempDir()
+			img := filepath.Join(dir, "disk.raw")
+			harness.Run(t, "qemu-img", "create", "-q", "-f", "raw", img, "4M")
+			open := filepath.Join(dir, "open.sock")
+			strict := filepath.Join(dir, "strict.sock")
+			d := startDaemon(t, prog, nil,
+				"--object", "tls-creds-x509,id=open,dir="+certs+",endpoint=server,verify-peer=off",
+				"--blockdev", "driver=file,node-name=disk,filename="+img,
+				"--nbd-server", "addr.type=unix,addr.path="+open+",tls-creds=open,max-connections=1",
+				"--export", "nbd,id=e,node-name=disk,name=disk")
+			// The monitor answers once every option is acted on.
+			c := dialRaw(t, d.sock, true)
+			info := func(sock, certDir string) error {
+				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+				defer cancel()
+				out, err := exec.CommandContext(ctx, "qemu-img", "info", "--object", "tls-creds-x509,id=c,dir="+certDir+",endpoint=client",
+					"--image-opts", "driver=nbd,path="+sock+",export=disk,tls-creds=c,tls-hostname=localhost").CombinedOutput()
+				if err != nil {
+					return fmt.Errorf("%w: %s", err, out)
+				}
+				return nil
+			}
+			if err := info(open, caOnly); err != nil {
+				t.Fatalf("a client without a certificate, verify-peer=off: %v\n%s", err, d.log)
+			}
+			held, err := net.Dial("unix", open)
+			if err != nil {
+				t.Fatal(err)
+			}
+			greeting := make([]byte, 18) // NBDMAGIC, IHAVEOPT, flags: the server took the connection
+			if _, err := io.ReadFull(held, greeting); err != nil {
+				t.Fatalf("the held connection: %v", err)
+			}
+			if err := info(open, certs); err == nil {
+				t.Error("a second client was served with max-connections=1")
+			}
+			held.Close()
+			if err := info(open, certs); err != nil {
+				t.Errorf("after the first client left: %v\n%s", err, d.log)
+			}
+
+			// A second server, QEMU's default verify-peer=on, over QMP.
+			reply := c.call(`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "strict", "dir": "` + certs + `", "endpoint": "server"}}`)
+			if reply["return"] == nil {
+				t.Fatalf("object-add: %v", reply)
+			}
+			c.call(`{"execute": "nbd-server-stop"}`)
+			reply = c.call(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + strict + `"}}, "tls-creds": "strict"}}`)
+			if reply["return"] == nil {
+				t.Fatalf("nbd-server-start: %v", reply)
+			}
+			c.call(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e", "node-name": "disk", "name": "disk"}}`)
+			if err := info(strict, caOnly); err == nil {
+				t.Error("a client without a certificate was served with verify-peer=on")
+			}
+			if err := info(strict, certs); err != nil {
+				t.Errorf("a client with its certificate, verify-peer=on: %v\n%s", err, d.log)
+			}
+		})
+	}
 }
