@@ -22,20 +22,22 @@ import (
 // so a script written for QSD runs with this binary in its place.
 func daemonCommand() *cobra.Command {
 	return &cobra.Command{
-		Use:   "daemon [--blockdev OPTS]... [--export OPTS]... [--nbd-server OPTS] [--chardev OPTS --monitor OPTS]... [--pidfile PATH] [--daemonize]",
+		Use:   "daemon [--blockdev OPTS]... [--export OPTS]... [--nbd-server OPTS] [--object OPTS]... [--chardev OPTS --monitor OPTS]... [--pidfile PATH] [--daemonize]",
 		Short: "serve many images and exports in one process, driven as qemu-storage-daemon is (its command line and QMP)",
 		Long: "Run a daemon that takes qemu-storage-daemon's command line and speaks QMP on its\n" +
 			"monitors. Options are acted on in the order given, as QSD does:\n" +
 			"  --blockdev driver=file|null-co|raw|qcow2|vmdk|vhdx|vpc|vdi,node-name=NAME,...  (or JSON)\n" +
 			"  --export [type=]fuse,id=ID,node-name=NAME,mountpoint=FILE[,writable=on][,growable=on][,allow-other=on|off|auto]\n" +
 			"  --export [type=]nbd,id=ID,node-name=NAME[,name=NAME][,description=TEXT][,writable=on]\n" +
-			"  --nbd-server addr.type=unix,addr.path=PATH | addr.type=inet,addr.host=HOST,addr.port=PORT[,max-connections=N]\n" +
+			"  --nbd-server addr.type=unix,addr.path=PATH | addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID][,max-connections=N]\n" +
+			"  --object tls-creds-x509,id=ID,dir=DIR[,endpoint=server|client][,verify-peer=on|off]  (DIR: ca-cert.pem, server-cert.pem, server-key.pem)\n" +
 			"  --chardev socket,id=ID,path=PATH,server=on,wait=off | --chardev stdio,id=ID\n" +
 			"  --monitor [chardev=]ID     QMP on that chardev (its unix socket is created 0600)\n" +
 			"  --pidfile PATH, --daemonize\n" +
 			"QMP commands: qmp_capabilities, query-version, query-commands, blockdev-add, blockdev-del,\n" +
 			"block-export-add, block-export-del, query-block-exports, query-named-block-nodes,\n" +
-			"block_resize, query-blockstats, nbd-server-start, nbd-server-stop, quit; any other is CommandNotFound.",
+			"block_resize, query-blockstats, nbd-server-start, nbd-server-stop, object-add, object-del (tls-creds-x509),\n" +
+			"quit; any other is CommandNotFound.",
 		Example: "  blockexport daemon --chardev socket,id=m,path=/tmp/qmp.sock,server=on,wait=off --monitor chardev=m \\\n" +
 			"    --blockdev driver=file,node-name=f,filename=disk.qcow2 --blockdev driver=qcow2,node-name=q,file=f \\\n" +
 			"    --export type=fuse,id=e,node-name=q,mountpoint=/tmp/disk.raw,writable=on",
@@ -69,9 +71,9 @@ type daemonArgs struct {
 	daemonize bool
 }
 
-// daemonOptions take a value; QSD's --object, -T and the like are refused
+// daemonOptions take a value; QSD's -T and the like are refused
 // by name, not taken for something else.
-var daemonOptions = map[string]bool{"blockdev": true, "export": true, "nbd-server": true, "chardev": true, "monitor": true, "pidfile": true}
+var daemonOptions = map[string]bool{"blockdev": true, "export": true, "nbd-server": true, "object": true, "chardev": true, "monitor": true, "pidfile": true}
 
 func parseDaemonArgs(args []string) (daemonArgs, error) {
 	var d daemonArgs
@@ -168,7 +170,7 @@ func runDaemon(d daemonArgs) error {
 // applyDaemonOption acts on one option; a monitor returns its listener
 // (nil for stdio) and what starts serving it.
 func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, chardevs map[string]chardev) (net.Listener, func(), error) {
-	implied := map[string]string{"export": "type", "chardev": "backend", "monitor": "chardev"}[o.name]
+	implied := map[string]string{"export": "type", "object": "qom-type", "chardev": "backend", "monitor": "chardev"}[o.name]
 	m, keyval, err := qmp.ParseOption(o.value, implied)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--%s: %w", o.name, err)
@@ -190,6 +192,12 @@ func applyDaemonOption(o daemonOption, eng *engine.Engine, srv *qmp.Server, char
 		no, err := qmp.NBDServerFlat(m)
 		if err == nil {
 			err = eng.StartNBD(no)
+		}
+		return nil, nil, err
+	case "object":
+		to, err := qmp.TLSCredsOptions(m, keyval)
+		if err == nil {
+			err = eng.AddTLSCreds(to)
 		}
 		return nil, nil, err
 	case "chardev":

@@ -73,6 +73,7 @@ type Engine struct {
 	nodes   []*node // oldest first
 	exports []*export
 	nbd     *nbdServer
+	objects map[string]*tlsCreds // by id (object-add)
 	// implicit numbers the nodes made for inline children ("#block1"),
 	// as QEMU names them.
 	implicit int

@@ -69,3 +69,38 @@ func TestNodesAddedAndDeletedAsQEMUDoes(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestTLSCredentialsRefusedAsQEMURefusesThem: a client endpoint is no
+// server's credentials, tls-authz names an object that cannot exist here,
+// files that are there but no certificate fail at object-add, and none
+// of these leaves a server behind: a plain one starts after them.
+func TestTLSCredentialsRefusedAsQEMURefusesThem(t *testing.T) {
+	dir := t.TempDir()
+	for _, name := range []string{"ca-cert.pem", "server-cert.pem", "server-key.pem"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("not PEM"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := New(Options{Backend: "threads"})
+	t.Cleanup(func() { e.Close() })
+	if err := e.AddTLSCreds(TLSCredsOptions{ID: "c", Dir: dir, Endpoint: "client", VerifyPeer: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AddTLSCreds(TLSCredsOptions{ID: "s", Dir: dir, Endpoint: "server", VerifyPeer: true}); err == nil {
+		t.Fatal("server credentials from files with no certificate in them were added")
+	}
+	addr := NBDAddress{Type: "unix", Path: filepath.Join(dir, "nbd.sock")}
+	wantDesc(t, "client credentials", e.StartNBD(NBDServerOptions{Addr: addr, TLSCreds: "c"}), "Expected TLS credentials for a server endpoint")
+	wantDesc(t, "unknown credentials", e.StartNBD(NBDServerOptions{Addr: addr, TLSCreds: "s"}), "No TLS credentials with id 's'")
+	wantDesc(t, "tls-authz", e.StartNBD(NBDServerOptions{Addr: addr, TLSAuthz: "a"}), "Cannot find QAuthZ object ID a")
+	if _, err := os.Stat(addr.Path); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("a refused nbd-server-start left its socket: %v", err)
+	}
+	if err := e.StartNBD(NBDServerOptions{Addr: addr}); err != nil {
+		t.Fatalf("a plain server after the refusals: %v", err)
+	}
+	if err := e.DelObject("c"); err != nil {
+		t.Fatal(err)
+	}
+	wantDesc(t, "deleted twice", e.DelObject("c"), "object 'c' not found")
+}

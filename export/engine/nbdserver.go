@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"net"
 	"os"
@@ -24,6 +25,12 @@ type NBDServerOptions struct {
 	Addr NBDAddress
 	// MaxConnections bounds the clients (0: no bound, QEMU's default).
 	MaxConnections int
+	// TLSCreds names the tls-creds-x509 object (a server endpoint) whose
+	// TLS every client must start before anything else; "" for none.
+	TLSCreds string
+	// TLSAuthz names an authz object; there are none here (object-add
+	// takes TLS credentials only), so any name is refused.
+	TLSAuthz string
 }
 
 // nbdServer is the one NBD server of the engine and its listener.
@@ -41,12 +48,27 @@ func (e *Engine) StartNBD(o NBDServerOptions) error {
 	if e.nbd != nil {
 		return genericf("NBD server already running")
 	}
+	var conf *tls.Config
+	tlsMode := nbd.TLSOff
+	if o.TLSCreds != "" {
+		var err error
+		if conf, err = e.serverTLS(o.TLSCreds); err != nil {
+			return err
+		}
+		tlsMode = nbd.TLSRequire
+	}
+	if o.TLSAuthz != "" {
+		// QEMU's words when a client's certificate is checked against
+		// an authz id no object has.
+		return genericf("Cannot find QAuthZ object ID %s", o.TLSAuthz)
+	}
 	l, path, err := listen(o.Addr)
 	if err != nil {
 		return err
 	}
 	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, HandshakeLimit: nbd.DefaultHandshakeLimit,
-		PollMax: 32 * time.Microsecond, Logger: e.log.With("nbd-server", l.Addr().String())})
+		PollMax: 32 * time.Microsecond, Logger: e.log.With("nbd-server", l.Addr().String()),
+		TLS: conf, TLSMode: tlsMode})
 	s := &nbdServer{srv: srv, l: l, path: path, served: make(chan error, 1)}
 	go func() { s.served <- srv.Serve(l) }()
 	e.nbd = s

@@ -28,6 +28,8 @@ func commandTable() map[string]command {
 		"block_resize":            blockResize,
 		"query-blockstats":        queryBlockstats,
 		"nbd-server-stop":         noArgs(func(s *Server) (any, error) { return map[string]any{}, s.eng.StopNBD() }),
+		"object-add":              objectAdd,
+		"object-del":              objectDel,
 	}
 }
 
@@ -162,4 +164,21 @@ func queryBlockstats(s *Server, args map[string]any) (any, error) {
 		return nil, err
 	}
 	return s.eng.BlockStats(nodes), nil
+}
+
+func objectAdd(s *Server, args map[string]any) (any, error) {
+	o, err := TLSCredsOptions(args, false)
+	if err != nil {
+		return nil, err
+	}
+	return map[string]any{}, s.eng.AddTLSCreds(o)
+}
+
+func objectDel(s *Server, args map[string]any) (any, error) {
+	a := newArgs(args, false)
+	id := a.str("id", true)
+	if err := a.done(); err != nil {
+		return nil, err
+	}
+	return map[string]any{}, s.eng.DelObject(id)
 }

@@ -100,20 +100,32 @@ func NBDServerOptions(m map[string]any) (engine.NBDServerOptions, error) {
 		}
 		addr.done()
 	}
-	o.MaxConnections = int(a.integer("max-connections", false))
-	noTLS(a)
+	nbdServerRest(a, &o)
 	return o, a.done()
 }
 
-// noTLS refuses TLS by name: the server here has no TLS objects yet
-// (object-add tls-creds-x509), and a script asking for it must not get
-// a server without.
-func noTLS(a *args) {
-	for _, k := range []string{"tls-creds", "tls-authz"} {
-		if _, ok := a.m[k]; ok {
-			a.fail("Parameter '%s' is not supported here yet: the NBD server has no TLS objects", k)
-		}
+// nbdServerRest reads the members after addr, common to both forms.
+func nbdServerRest(a *args, o *engine.NBDServerOptions) {
+	o.TLSCreds = a.str("tls-creds", false)
+	o.TLSAuthz = a.str("tls-authz", false)
+	o.MaxConnections = int(a.integer("max-connections", false))
+}
+
+// TLSCredsOptions decodes object-add's and --object's members. The only
+// type served is tls-creds-x509; any other is refused as QEMU refuses a
+// type it does not know.
+func TLSCredsOptions(m map[string]any, keyval bool) (engine.TLSCredsOptions, error) {
+	a := newArgs(m, keyval)
+	a.enum("qom-type", true, "tls-creds-x509")
+	o := engine.TLSCredsOptions{ID: a.str("id", true), Dir: a.str("dir", false), VerifyPeer: true}
+	if o.Endpoint = a.enum("endpoint", false, "client", "server"); o.Endpoint == "" {
+		o.Endpoint = "client"
 	}
+	if _, ok := m["verify-peer"]; ok {
+		o.VerifyPeer = a.boolean("verify-peer")
+	}
+	a.ignore("sanity-check")
+	return o, a.done()
 }
 
 // NBDServerFlat decodes --nbd-server's keys: addr is the flat
@@ -125,8 +137,7 @@ func NBDServerFlat(m map[string]any) (engine.NBDServerOptions, error) {
 		o.Addr = socketAddress(addr, addr.enum("type", true, "inet", "unix", "vsock", "fd"))
 		addr.done()
 	}
-	o.MaxConnections = int(a.integer("max-connections", false))
-	noTLS(a)
+	nbdServerRest(a, &o)
 	return o, a.done()
 }
 

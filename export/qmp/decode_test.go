@@ -5,6 +5,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"testing"
+
+	"github.com/blockexport/blockexport/export/engine"
 )
 
 // FuzzQMPInput runs what a client sends through everything before the
@@ -16,6 +18,7 @@ func FuzzQMPInput(f *testing.F) {
 		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "q", "file": {"driver": "file", "filename": "/x"}}}`,
 		`{"execute": "block-export-add", "arguments": {"type": "fuse", "id": "e", "node-name": "q", "mountpoint": "/m", "writable": true}}`,
 		`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "inet", "data": {"host": "::", "port": "0"}}}}`,
+		`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "t", "dir": "/d", "endpoint": "server", "verify-peer": false}}`,
 		`[1,2]} {"execute":3}`, `{"id": [{"a": null}], "execute": "x"`,
 	} {
 		f.Add([]byte(s))
@@ -44,6 +47,7 @@ func FuzzQMPInput(f *testing.F) {
 				func() error { _, err := BlockdevOptions(args, false); return err },
 				func() error { _, err := ExportOptions(args, false); return err },
 				func() error { _, err := NBDServerOptions(args); return err },
+				func() error { _, err := TLSCredsOptions(args, false); return err },
 			} {
 				if err := decode(); err != nil && err.Error() == "" {
 					t.Fatalf("%q: an error without a description", msg)
@@ -51,4 +55,36 @@ func FuzzQMPInput(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestTLSCredsOptionsTakeQEMUsDefaults: endpoint client and verify-peer
+// on when absent, verify-peer=off from keyval, and other qom-types and
+// other members refused in QEMU's words.
+func TestTLSCredsOptionsTakeQEMUsDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		opt      string
+		want     engine.TLSCredsOptions
+		wantDesc string
+	}{
+		{opt: "tls-creds-x509,id=t,dir=/d", want: engine.TLSCredsOptions{ID: "t", Dir: "/d", Endpoint: "client", VerifyPeer: true}},
+		{opt: "tls-creds-x509,id=t,dir=/d,endpoint=server,verify-peer=off", want: engine.TLSCredsOptions{ID: "t", Dir: "/d", Endpoint: "server"}},
+		{opt: "secret,id=s,data=x", wantDesc: "Parameter 'qom-type' does not accept value 'secret'"},
+		{opt: "tls-creds-x509,id=t,dir=/d,verify-peer=maybe", wantDesc: "Parameter 'verify-peer' expects 'on' or 'off'"},
+		{opt: "tls-creds-x509,id=t,dir=/d,colour=red", wantDesc: "Parameter 'colour' is unexpected"},
+	} {
+		m, keyval, err := ParseOption(tc.opt, "qom-type")
+		if err != nil {
+			t.Fatalf("%s: %v", tc.opt, err)
+		}
+		got, err := TLSCredsOptions(m, keyval)
+		if tc.wantDesc != "" {
+			if err == nil || err.Error() != tc.wantDesc {
+				t.Errorf("%s: %v, want %q", tc.opt, err, tc.wantDesc)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("%s: %+v, %v; want %+v", tc.opt, got, err, tc.want)
+		}
+	}
 }

@@ -84,7 +84,10 @@ func TestCommandLineMistakesFailAtStart(t *testing.T) {
 		{[]string{"--blockdev", "driver=null-co,node-name=x,size=big"}, 1, "Parameter 'size' expects integer"},
 		{[]string{"--blockdev", "driver=null-co,node-name"}, 1, "Expected '=' after parameter 'node-name'"},
 		{[]string{"--export", "nbd,id=e,node-name=x"}, 1, "Cannot find device='' nor node-name='x'"},
-		{[]string{"--object", "secret,id=s,data=x"}, 2, "--object is not supported"},
+		{[]string{"--object", "secret,id=s,data=x"}, 1, "Parameter 'qom-type' does not accept value 'secret'"},
+		{[]string{"--object", "tls-creds-x509,id=t,dir=/nonexistent,endpoint=server"}, 1, "Unable to access credentials /nonexistent/ca-cert.pem: No such file or directory"},
+		{[]string{"--nbd-server", "addr.type=unix,addr.path=/nonexistent/s,tls-creds=none"}, 1, "No TLS credentials with id 'none'"},
+		{[]string{"--trace", "events=x"}, 2, "--trace is not supported"},
 		{[]string{"--monitor", "chardev=nope"}, 1, `chardev "nope" not found`},
 	} {
 		cmd := exec.Command(harness.Bin, append([]string{"daemon"}, tc.args...)...)

@@ -35,7 +35,7 @@ func TestEveryCommandThroughGoQMPClient(t *testing.T) {
 	}
 	for _, want := range []string{"qmp_capabilities", "query-version", "query-commands", "blockdev-add", "blockdev-del", "block-export-add",
 		"block-export-del", "query-block-exports", "query-named-block-nodes", "nbd-server-start", "nbd-server-stop", "block_resize",
-		"query-blockstats", "quit"} {
+		"query-blockstats", "object-add", "object-del", "quit"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("query-commands lacks %s: %v", want, names)
 		}
@@ -114,6 +114,12 @@ func TestEveryCommandThroughGoQMPClient(t *testing.T) {
 	}
 	for _, n := range []string{"disk", "disk-file", "other", "nothing"} {
 		run(t, m, "blockdev-del", map[string]any{"node-name": n})
+	}
+	// TLS credentials (tests/qsd/tls_test.go serves with them).
+	run(t, m, "object-add", map[string]any{"qom-type": "tls-creds-x509", "id": "tls0", "dir": makeCertificateDir(t), "endpoint": "server"})
+	run(t, m, "object-del", map[string]any{"id": "tls0"})
+	if _, err := runErr(m, "object-del", map[string]any{"id": "tls0"}); err == nil || err.Error() != "object 'tls0' not found" {
+		t.Fatalf("object-del of a deleted object: %v", err)
 	}
 	if got := run(t, m, "query-named-block-nodes", nil).([]any); len(got) != 0 {
 		t.Fatalf("nodes left after blockdev-del of all (an inline child must go with its parent): %v", got)
