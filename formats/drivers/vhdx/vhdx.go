@@ -134,6 +134,8 @@ type Image struct {
 	blockSize      int64
 	logicalSector  uint32
 	physicalSector uint32
+	// fixed: the file parameters' LeaveBlocksAllocated (a fixed disk).
+	fixed bool
 	// bat holds the payload entries only, one per data block: what reads
 	// need, never more than QEMU's BAT copy.
 	bat []uint64
@@ -455,7 +457,7 @@ func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	if vs > maxImageSize {
 		return nil, fmt.Errorf("%w: %s: virtual size %d is above the 64 TiB VHDX maximum", ErrCorrupt, r.name, vs)
 	}
-	img.blockSize = int64(bs)
+	img.blockSize, img.fixed = int64(bs), flags&1 != 0
 	img.logicalSector, img.physicalSector = ls, ps
 	// QEMU's size is in whole 512-byte sectors.
 	img.size = int64(vs) &^ 511
