@@ -1,8 +1,8 @@
 // Package vhdx reads Hyper-V VHDX images (MS-VHDX; QEMU's block/vhdx.c
 // for what QEMU accepts): the file identifier, two headers chosen by
 // sequence number under CRC-32C, the region table, the metadata region and
-// the block allocation table. Images are read-only here; a writer comes
-// later (the layout is kept in one place, header/regions/BAT, so it can).
+// the block allocation table. Open images are read-only; Create makes new
+// ones, and Fresh fills a new one for convert (create.go, fresh.go).
 //
 // Every table entry is checked against the file before it is used: a BAT
 // region past the end of the file, a payload block inside the headers, the
