@@ -30,6 +30,7 @@ func TestVhdxCreateEqualsQemuImg(t *testing.T) {
 		{"20M", "subformat=fixed"}, {"20M", "subformat=fixed,block_state_zero=off"}, {"1G", "block_state_zero=off"},
 		{"1G", "log_size=1536k,block_size=1536k"}, {"1G", "log_size=4M,block_size=512M"}, {"1G", "block_size=512k,log_size=512k"},
 		{"1G", "preallocation=falloc,nocow=on,extent_size_hint=1M"}, {"10M", "subformat=dynamic,block_state_zero=on"},
+		{"1G", "block_size=18446744073709551615,log_size=0x2M"},
 	} {
 		name := strings.NewReplacer("=", "-", ",", "-").Replace(c.size + "-" + c.opts)
 		ours, theirs := filepath.Join(dir, name+".vhdx"), filepath.Join(dir, name+"-qemu.vhdx")
@@ -60,7 +61,7 @@ func TestVhdxCreateEqualsQemuImg(t *testing.T) {
 	for _, c := range [][]string{
 		{"-o", "subformat=Fixed", "1M"}, {"-o", "block_size=3M", "1G"}, {"-o", "block_size=-1", "1G"}, {"-o", "block_size=big", "1G"},
 		{"-o", "log_size=0", "1G"}, {"-o", "log_size=8G", "1G"}, {"-o", "block_state_zero=maybe", "1G"}, {"-o", "foo=1", "1G"},
-		{"-o", "cluster_size=1M", "1G"}, {"-o", "preallocation=metadata", "1G"}, {"-o", "nocow=x", "1G"}, {"-o", "subformat=dynamic", "65T"},
+		{"-o", "cluster_size=1M", "1G"}, {"-o", "preallocation=metadata", "1G"}, {"-o", "nocow=x", "1G"}, {"-o", "subformat=dynamic", "65T"}, {"-o", "block_size=16E", "1G"}, {"-o", "log_size=0x1.5M", "1G"},
 		{"-b", "base.vhdx", "1G"},
 	} {
 		p := filepath.Join(dir, "refused.vhdx")

@@ -120,6 +120,9 @@ func createOptions(o driver.CreateOptions) (createLayout, error) {
 	case logSize >= 4<<30:
 		return l, driver.BadOption("vhdx", "Log size must be smaller than 4 GB")
 	}
+	// QEMU rounds up first, wrapping as a uint64: a size within a MiB of
+	// 2^64 becomes 0, which picks the size's default, as 0 does.
+	bs = (bs + mib - 1) &^ (mib - 1)
 	if bs == 0 {
 		switch {
 		case l.size > 32<<40:
@@ -132,7 +135,7 @@ func createOptions(o driver.CreateOptions) (createLayout, error) {
 			bs = 8 * mib
 		}
 	}
-	bs = min((bs+mib-1)&^(mib-1), blockSizeMax)
+	bs = min(bs, blockSizeMax)
 	if bs&(bs-1) != 0 {
 		return l, driver.BadOption("vhdx", "Block size must be a power of two")
 	}
@@ -160,37 +163,60 @@ func sizeKey(o driver.CreateOptions, key string, def uint64) (uint64, error) {
 	if !ok {
 		return def, nil
 	}
-	n, ok := parseQemuSize(v)
-	if !ok {
+	n, ok, inRange := parseQemuSize(v)
+	switch {
+	case !ok:
 		return 0, driver.BadOption("vhdx", "Parameter '%s' expects a non-negative number below 2^64", key)
+	case !inRange:
+		return 0, driver.BadOption("vhdx", "Value '%s' is out of range for parameter '%s'", v, key)
 	}
 	return n, nil
 }
 
-// parseQemuSize reads a size as QEMU's qemu_strtosz: a whole or decimal
-// number with one optional suffix b, k, M, G, T, P or E (powers of 1024).
-func parseQemuSize(s string) (uint64, bool) {
+// parseQemuSize reads a size as QEMU's qemu_strtosz: leading blanks, an
+// optional +, a decimal number (a fraction only before a suffix) or a 0x
+// hexadecimal one, one optional suffix b, k, M, G, T, P or E (powers of
+// 1024). ok: the syntax holds; inRange: the value is below 2^64.
+func parseQemuSize(s string) (n uint64, ok, inRange bool) {
+	s = strings.TrimLeft(s, " \t\n\v\f\r")
+	s = strings.TrimPrefix(s, "+")
 	shift := 0
 	if s != "" {
 		if i := strings.IndexByte("bkmgtpe", lower(s[len(s)-1])); i >= 0 {
 			shift, s = 10*i, s[:len(s)-1]
 		}
 	}
-	if s == "" || s[0] == '-' || s[0] == '+' {
-		return 0, false
+	hex := strings.HasPrefix(s, "0x") || strings.HasPrefix(s, "0X")
+	digits := s
+	if hex {
+		digits = s[2:]
 	}
-	if shift == 0 || !strings.Contains(s, ".") {
-		v, err := strconv.ParseUint(s, 10, 64)
-		if err != nil || shift > 0 && v > (1<<64-1)>>shift {
-			return 0, false
+	if digits == "" || strings.Trim(digits, "0123456789abcdefABCDEF.") != "" || !hex && strings.ContainsAny(digits, "abcdefABCDEF") {
+		return 0, false, false
+	}
+	if strings.Contains(digits, ".") {
+		if hex || shift == 0 {
+			return 0, false, false
 		}
-		return v << shift, true
+		v, err := strconv.ParseFloat(digits, 64)
+		if err != nil {
+			return 0, false, false
+		}
+		f := v * float64(uint64(1)<<shift)
+		return uint64(f), true, f < 1<<64
 	}
-	v, err := strconv.ParseFloat(s, 64)
-	if err != nil || v < 0 || v*float64(uint64(1)<<shift) >= 1<<64 {
-		return 0, false
+	base := 10
+	if hex {
+		base = 16
 	}
-	return uint64(v * float64(uint64(1)<<shift)), true
+	v, err := strconv.ParseUint(digits, base, 64)
+	if err != nil {
+		return 0, true, false
+	}
+	if shift > 0 && v > (1<<64-1)>>shift {
+		return 0, true, false
+	}
+	return v << shift, true, true
 }
 
 func lower(c byte) byte {
