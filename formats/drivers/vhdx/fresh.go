@@ -8,7 +8,6 @@ import (
 	"sync"
 
 	"github.com/blockexport/blockexport/aio"
-	"github.com/blockexport/blockexport/formats"
 )
 
 // Fresh is a VHDX image that Create has just made, opened to be filled by
@@ -16,9 +15,10 @@ import (
 // the general write path (that goes through the log, later): blocks are
 // allocated at the end of the file (a fixed disk's at the place Create
 // kept for them), their data written there, and the BAT written in place
-// at Flush and Close, after the data it points at is on disk; so a crash
-// leaves every block at its new state (zero) or with its data, never
-// pointing at bytes not yet written. The log stays empty.
+// at Flush and Close, after the data of the writes completed before it is
+// on disk; so a crash leaves every block at its new state (zero) or with
+// its data (convert flushes once its writes are done). The log stays
+// empty.
 type Fresh struct {
 	*Image
 	mu sync.Mutex
@@ -184,9 +184,6 @@ func (w *Fresh) Flush(ctx context.Context) error {
 	w.dirty = false
 	return nil
 }
-
-// Info is the image's, with its allocation as it is now.
-func (w *Fresh) Info() formats.Info { return w.Image.Info() }
 
 // Close writes the BAT (convert may close without a flush) and closes.
 func (w *Fresh) Close() error {
