@@ -1,8 +1,8 @@
 // Package vhdx reads Hyper-V VHDX images (MS-VHDX; QEMU's block/vhdx.c
 // for what QEMU accepts): the file identifier, two headers chosen by
 // sequence number under CRC-32C, the region table, the metadata region and
-// the block allocation table. Images are read-only here; a writer comes
-// later (the layout is kept in one place, header/regions/BAT, so it can).
+// the block allocation table. Open images are read-only; Create makes new
+// ones, and Fresh fills a new one for convert (create.go, fresh.go).
 //
 // Every table entry is checked against the file before it is used: a BAT
 // region past the end of the file, a payload block inside the headers, the
@@ -134,6 +134,8 @@ type Image struct {
 	blockSize      int64
 	logicalSector  uint32
 	physicalSector uint32
+	// fixed: the file parameters' LeaveBlocksAllocated (a fixed disk).
+	fixed bool
 	// bat holds the payload entries only, one per data block: what reads
 	// need, never more than QEMU's BAT copy.
 	bat []uint64
@@ -455,7 +457,7 @@ func (r *reader) metadata(img *Image, meta span) ([]byte, error) {
 	if vs > maxImageSize {
 		return nil, fmt.Errorf("%w: %s: virtual size %d is above the 64 TiB VHDX maximum", ErrCorrupt, r.name, vs)
 	}
-	img.blockSize = int64(bs)
+	img.blockSize, img.fixed = int64(bs), flags&1 != 0
 	img.logicalSector, img.physicalSector = ls, ps
 	// QEMU's size is in whole 512-byte sectors.
 	img.size = int64(vs) &^ 511
