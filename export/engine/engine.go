@@ -72,6 +72,7 @@ type Engine struct {
 	mu      sync.Mutex
 	nodes   []*node // oldest first
 	exports []*export
+	jobs    []*job // block jobs not yet dismissed
 	nbd     *nbdServer
 	// implicit numbers the nodes made for inline children ("#block1"),
 	// as QEMU names them.
@@ -98,6 +99,7 @@ func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var first error
+	e.stopJobs()
 	// Oldest first, the order QSD 7.2's events come in at quit.
 	for len(e.exports) > 0 {
 		x := e.exports[0]

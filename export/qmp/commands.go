@@ -27,6 +27,13 @@ func commandTable() map[string]command {
 		"nbd-server-start":        nbdServerStart,
 		"block_resize":            blockResize,
 		"query-blockstats":        queryBlockstats,
+		"block-stream":            blockStream,
+		"block-commit":            blockCommit,
+		"query-jobs":              noArgs(func(s *Server) (any, error) { return s.eng.Jobs(), nil }),
+		"job-cancel":              jobVerb("cancel"),
+		"job-complete":            jobVerb("complete"),
+		"job-finalize":            jobVerb("finalize"),
+		"job-dismiss":             jobVerb("dismiss"),
 		"nbd-server-stop":         noArgs(func(s *Server) (any, error) { return map[string]any{}, s.eng.StopNBD() }),
 	}
 }

@@ -1,0 +1,386 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/jobs/commit"
+	"github.com/blockexport/blockexport/formats/jobs/stream"
+	"github.com/blockexport/blockexport/formats/registry"
+)
+
+// JobOptions are what block-stream and block-commit share.
+type JobOptions struct {
+	ID           string
+	Device       string
+	AutoFinalize bool
+	AutoDismiss  bool
+}
+
+// JobInfo is one entry of query-jobs, its members in QEMU's order.
+type JobInfo struct {
+	CurrentProgress int64  `json:"current-progress"`
+	Status          string `json:"status"`
+	TotalProgress   int64  `json:"total-progress"`
+	Type            string `json:"type"`
+	ID              string `json:"id"`
+	Error           string `json:"error,omitempty"`
+}
+
+// job is one block job. Its work runs in a goroutine; every change of
+// status happens under the engine's lock, with its event, in QEMU's
+// sequence: created, running, waiting, pending, concluded, null (or
+// aborting, concluded, null when cancelled or failed).
+type job struct {
+	JobOptions
+	typ    string // "stream", "commit"
+	node   *node
+	status string
+	cur    int64
+	total  int64
+	cancel context.CancelFunc
+	// worked is closed when the work ends, before its status moves on.
+	worked chan struct{}
+	err    error
+	// finalize is the job's graph change at finalize (nil: none).
+	finalize func(ctx context.Context) error
+}
+
+func (e *Engine) setStatus(j *job, status string) {
+	j.status = status
+	e.event("JOB_STATUS_CHANGE", map[string]any{"status": status, "id": j.ID})
+}
+
+// startJob registers j and runs work in the background.
+func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) error {
+	if j.ID == "" {
+		j.ID = j.node.name // QEMU names the job after the device then
+	}
+	if slices.ContainsFunc(e.jobs, func(o *job) bool { return o.ID == j.ID }) {
+		return genericf("Job ID '%s' already in use", j.ID)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	j.cancel, j.worked = cancel, make(chan struct{})
+	e.jobs = append(e.jobs, j)
+	e.setStatus(j, "created")
+	e.setStatus(j, "running")
+	e.log.Info("block job started", "id", j.ID, "type", j.typ, "node-name", j.node.name)
+	go func() {
+		err := work(ctx, j)
+		close(j.worked)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		e.jobDone(j, err)
+	}()
+	return nil
+}
+
+// jobDone moves a job on once its work ended (under mu).
+func (e *Engine) jobDone(j *job, err error) {
+	if j.status == "aborting" || err != nil {
+		j.err = err
+		e.abortJob(j)
+		return
+	}
+	j.cur = j.total
+	e.setStatus(j, "waiting")
+	e.setStatus(j, "pending")
+	if !j.AutoFinalize {
+		e.event("BLOCK_JOB_PENDING", map[string]any{"type": j.typ, "id": j.ID})
+		return
+	}
+	e.finalizeJob(j)
+}
+
+func (e *Engine) finalizeJob(j *job) {
+	if j.finalize != nil {
+		if err := j.finalize(context.Background()); err != nil {
+			j.err = err
+			e.abortJob(j)
+			return
+		}
+	}
+	e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j))
+	e.concludeJob(j)
+}
+
+// abortJob ends a cancelled or failed job: a failure is told by
+// BLOCK_JOB_COMPLETED with its error, a cancel by BLOCK_JOB_CANCELLED.
+func (e *Engine) abortJob(j *job) {
+	if j.status != "aborting" {
+		e.setStatus(j, "aborting")
+	}
+	if j.err != nil && !errors.Is(j.err, context.Canceled) {
+		d := e.jobEventData(j)
+		d["error"] = j.err.Error()
+		e.event("BLOCK_JOB_COMPLETED", d)
+	} else {
+		j.err = nil
+		e.event("BLOCK_JOB_CANCELLED", e.jobEventData(j))
+	}
+	e.concludeJob(j)
+}
+
+func (e *Engine) concludeJob(j *job) {
+	e.setStatus(j, "concluded")
+	e.log.Info("block job concluded", "id", j.ID, "err", j.err)
+	if j.AutoDismiss {
+		e.dismissJob(j)
+	}
+}
+
+func (e *Engine) dismissJob(j *job) {
+	e.setStatus(j, "null")
+	e.jobs = slices.DeleteFunc(e.jobs, func(o *job) bool { return o == j })
+}
+
+func (e *Engine) jobEventData(j *job) map[string]any {
+	return map[string]any{"device": j.ID, "len": j.total, "offset": j.cur, "speed": 0, "type": j.typ}
+}
+
+// Jobs lists the jobs (query-jobs).
+func (e *Engine) Jobs() []JobInfo {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := []JobInfo{}
+	for _, j := range e.jobs {
+		ji := JobInfo{CurrentProgress: j.cur, Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
+		if j.err != nil {
+			ji.Error = j.err.Error()
+		}
+		out = append(out, ji)
+	}
+	return out
+}
+
+// JobVerb runs job-cancel, job-complete, job-finalize or job-dismiss on
+// the job id, refused in QEMU's words where its state does not take it.
+func (e *Engine) JobVerb(id, verb string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	i := slices.IndexFunc(e.jobs, func(o *job) bool { return o.ID == id })
+	if i < 0 {
+		return genericf("Job not found")
+	}
+	j := e.jobs[i]
+	allowed := map[string][]string{
+		"cancel":   {"created", "running", "paused", "ready", "standby", "waiting", "pending"},
+		"finalize": {"pending"},
+		"dismiss":  {"concluded"},
+		"complete": {"ready"}, // no job here reaches ready: only mirror does
+	}[verb]
+	if !slices.Contains(allowed, j.status) {
+		return genericf("Job '%s' in state '%s' cannot accept command verb '%s'", id, j.status, verb)
+	}
+	switch verb {
+	case "cancel":
+		running := j.status == "running"
+		e.setStatus(j, "aborting")
+		j.cancel()
+		if !running { // waiting or pending: its work is over
+			e.abortJob(j)
+		}
+	case "finalize":
+		e.finalizeJob(j)
+	case "dismiss":
+		e.dismissJob(j)
+	}
+	return nil
+}
+
+// busy refuses a node a job holds, as QEMU's op blockers do (under mu).
+func (e *Engine) busy(n *node) error {
+	for _, j := range e.jobs {
+		if j.node == n && j.status != "concluded" {
+			return genericf("Node '%s' is busy: block device is in use by block job: %s", n.name, j.typ)
+		}
+	}
+	return nil
+}
+
+func (e *Engine) jobNode(device string) (*node, error) {
+	n := e.node(device)
+	if n == nil {
+		return nil, &Error{Class: DeviceNotFound, Desc: fmt.Sprintf("Device '%s' not found", device)}
+	}
+	return n, e.busy(n)
+}
+
+// Stream starts block-stream of the whole backing chain into device's
+// image. The stream engine drops the backing file as it ends, so the
+// graph change comes before pending, not at finalize.
+func (e *Engine) Stream(o JobOptions, base string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n, err := e.jobNode(o.Device)
+	if err != nil {
+		return err
+	}
+	if base != "" {
+		return genericf("Can't find '%s' in the backing chain", base)
+	}
+	if n.img == nil || n.readOnly {
+		return genericf("Node '%s' is read-only: a stream writes it", n.name)
+	}
+	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
+	return e.startJob(j, func(ctx context.Context, j *job) error {
+		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(j)})
+		if errors.Is(err, stream.ErrNoBackingFile) {
+			return nil
+		}
+		return err
+	})
+}
+
+// progress records a job's progress: QEMU counts the image's length,
+// done when the job is; so does this.
+func (e *Engine) progress(j *job) func(off, n, done, durable, total int64) {
+	return func(off, n, done, durable, total int64) {
+		e.mu.Lock()
+		j.cur = min(off+n, j.total)
+		e.mu.Unlock()
+	}
+}
+
+// Commit starts block-commit of the layer top of device's chain into
+// the layer below it (or base). Only a layer below the node's own image
+// is committed; the active layer needs a mirror, which is not here.
+func (e *Engine) Commit(o JobOptions, top, base string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n, err := e.jobNode(o.Device)
+	if err != nil {
+		return err
+	}
+	if top == "" || n.img == nil {
+		return genericf("Active commit (committing node '%s' itself) is not supported; name a 'top' below it", n.name)
+	}
+	if n.readOnly {
+		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)
+	}
+	setter, ok := n.img.(backingSetter)
+	if !ok {
+		return genericf("Node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
+	}
+	topImg, basePath, baseFormat, depth, err := findCommitLayers(n.img, top, base)
+	if err != nil {
+		return err
+	}
+	// The node's chain holds the base open read-only under its lock;
+	// the writable open goes without one, as QEMU reopens the base.
+	bo, err := registry.Open(basePath, registry.Options{Format: cmpFormat(baseFormat), Writable: true, Backend: e.o.Backend, Logger: e.log})
+	if err != nil {
+		return openError(basePath, err)
+	}
+	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
+	j.finalize = func(ctx context.Context) error {
+		return setter.SetBacking(ctx, basePath, baseFormat)
+	}
+	return e.startJob(j, func(ctx context.Context, j *job) error {
+		defer bo.Image.Close()
+		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Progress: func(done, total int64) {
+			e.mu.Lock()
+			if total > 0 {
+				j.cur = j.total * done / total
+			}
+			e.mu.Unlock()
+		}})
+		if err == nil {
+			err = bo.Image.Flush(context.WithoutCancel(ctx))
+		}
+		if err == nil {
+			e.mu.Lock()
+			j.cur = j.total
+			e.mu.Unlock()
+		}
+		return err
+	})
+}
+
+type backingSetter interface {
+	SetBacking(ctx context.Context, backing, format string) error
+}
+
+func cmpFormat(f string) string {
+	if f == "" {
+		return registry.Auto
+	}
+	return f
+}
+
+// findCommitLayers finds top in img's chain and the base below it (base
+// "": the bottom of the chain, as QEMU defaults): top's image, the
+// base's path and format, and the base's depth below top. Only img's
+// own backing file is committed: the overlay above top is the one whose
+// header changes, and the deeper ones are open read-only here.
+func findCommitLayers(img formats.Image, top, base string) (formats.Image, string, string, int, error) {
+	var topImg formats.Image
+	for layer, depth := img, 0; ; depth++ {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			return nil, "", "", 0, genericf("Top image file %s not found", top)
+		}
+		info := layer.Info()
+		if samePath(relativeTo(info.Filename, top), info.FullBackingFilename) {
+			if depth > 0 {
+				return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
+			}
+			topImg = l.Backing()
+			break
+		}
+		layer = l.Backing()
+	}
+	var path, format string
+	layer, depth := topImg, 0
+	for {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			break
+		}
+		info := layer.Info()
+		depth++
+		path, format = info.FullBackingFilename, info.BackingFilenameFormat
+		if base != "" && samePath(relativeTo(info.Filename, base), path) {
+			return topImg, path, format, depth, nil
+		}
+		layer = l.Backing()
+	}
+	switch {
+	case depth == 0:
+		return nil, "", "", 0, genericf("cannot commit an image into itself")
+	case base != "":
+		return nil, "", "", 0, genericf("Can't find '%s' in the backing chain", base)
+	}
+	return topImg, path, format, depth, nil
+}
+
+func relativeTo(image, name string) string {
+	if filepath.IsAbs(name) {
+		return name
+	}
+	return filepath.Join(filepath.Dir(image), name)
+}
+
+func samePath(a, b string) bool {
+	sa, err := os.Stat(a)
+	if err != nil {
+		return false
+	}
+	sb, err := os.Stat(b)
+	return err == nil && os.SameFile(sa, sb)
+}
+
+// stopJobs cancels every job and waits for its work to end, so that the
+// nodes close with no copy in flight (under mu: the jobs' ends wait on
+// it, their events come after).
+func (e *Engine) stopJobs() {
+	for _, j := range e.jobs {
+		j.cancel()
+		<-j.worked
+	}
+}
