@@ -217,6 +217,9 @@ func (e *Engine) jobNode(device string) (*node, error) {
 func (e *Engine) Stream(o JobOptions, base string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if e.node(o.Device) == nil { // QEMU looks a stream's device up as a node
+		return genericf("Cannot find device='%s' nor node-name='%s'", o.Device, o.Device)
+	}
 	n, err := e.jobNode(o.Device)
 	if err != nil {
 		return err
@@ -320,24 +323,22 @@ func cmpFormat(f string) string {
 // header changes, and the deeper ones are open read-only here.
 func findCommitLayers(img formats.Image, top, base string) (formats.Image, string, string, int, error) {
 	var topImg formats.Image
-	for layer, depth := img, 0; ; depth++ {
+	topDepth := 0
+	for layer := img; ; topDepth++ {
 		l, ok := layer.(formats.Layered)
 		if !ok || l.Backing() == nil {
 			return nil, "", "", 0, genericf("Top image file %s not found", top)
 		}
 		info := layer.Info()
 		if samePath(relativeTo(info.Filename, top), info.FullBackingFilename) {
-			if depth > 0 {
-				return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
-			}
 			topImg = l.Backing()
 			break
 		}
 		layer = l.Backing()
 	}
 	var path, format string
-	layer, depth := topImg, 0
-	for {
+	depth, found := 0, base == ""
+	for layer := topImg; !(found && base != ""); {
 		l, ok := layer.(formats.Layered)
 		if !ok || l.Backing() == nil {
 			break
@@ -345,16 +346,16 @@ func findCommitLayers(img formats.Image, top, base string) (formats.Image, strin
 		info := layer.Info()
 		depth++
 		path, format = info.FullBackingFilename, info.BackingFilenameFormat
-		if base != "" && samePath(relativeTo(info.Filename, base), path) {
-			return topImg, path, format, depth, nil
-		}
+		found = found || samePath(relativeTo(info.Filename, base), path)
 		layer = l.Backing()
 	}
 	switch {
 	case depth == 0:
 		return nil, "", "", 0, genericf("cannot commit an image into itself")
-	case base != "":
+	case !found:
 		return nil, "", "", 0, genericf("Can't find '%s' in the backing chain", base)
+	case topDepth > 0:
+		return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
 	}
 	return topImg, path, format, depth, nil
 }
