@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync/atomic"
+	"time"
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/jobs/commit"
@@ -20,6 +22,8 @@ type JobOptions struct {
 	Device       string
 	AutoFinalize bool
 	AutoDismiss  bool
+	// Speed caps the bytes copied a second (0: no cap).
+	Speed int64
 }
 
 // JobInfo is one entry of query-jobs, its members in QEMU's order.
@@ -41,8 +45,12 @@ type job struct {
 	typ    string // "stream", "commit"
 	node   *node
 	status string
-	cur    int64
-	total  int64
+	// cur is the progress, written by the work without the engine's
+	// lock: a cancel waits for the work under it.
+	cur   atomic.Int64
+	total int64
+	// ended: the job's end was handled (its work's end or a cancel).
+	ended  bool
 	cancel context.CancelFunc
 	// worked is closed when the work ends, before its status moves on.
 	worked chan struct{}
@@ -64,6 +72,12 @@ func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) 
 	if slices.ContainsFunc(e.jobs, func(o *job) bool { return o.ID == j.ID }) {
 		return genericf("Job ID '%s' already in use", j.ID)
 	}
+	if j.Speed < 0 {
+		// QEMU makes the job, then fails to set its speed.
+		e.setStatus(j, "created")
+		e.setStatus(j, "null")
+		return genericf("Parameter 'speed' expects a non-negative value")
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel, j.worked = cancel, make(chan struct{})
 	e.jobs = append(e.jobs, j)
@@ -75,19 +89,22 @@ func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) 
 		close(j.worked)
 		e.mu.Lock()
 		defer e.mu.Unlock()
-		e.jobDone(j, err)
+		if !j.ended {
+			e.jobDone(j, err)
+		}
 	}()
 	return nil
 }
 
 // jobDone moves a job on once its work ended (under mu).
 func (e *Engine) jobDone(j *job, err error) {
+	j.ended = true
 	if j.status == "aborting" || err != nil {
 		j.err = err
 		e.abortJob(j)
 		return
 	}
-	j.cur = j.total
+	j.cur.Store(j.total)
 	e.setStatus(j, "waiting")
 	e.setStatus(j, "pending")
 	if !j.AutoFinalize {
@@ -140,7 +157,7 @@ func (e *Engine) dismissJob(j *job) {
 }
 
 func (e *Engine) jobEventData(j *job) map[string]any {
-	return map[string]any{"device": j.ID, "len": j.total, "offset": j.cur, "speed": 0, "type": j.typ}
+	return map[string]any{"device": j.ID, "len": j.total, "offset": j.cur.Load(), "speed": j.Speed, "type": j.typ}
 }
 
 // Jobs lists the jobs (query-jobs).
@@ -149,7 +166,7 @@ func (e *Engine) Jobs() []JobInfo {
 	defer e.mu.Unlock()
 	out := []JobInfo{}
 	for _, j := range e.jobs {
-		ji := JobInfo{CurrentProgress: j.cur, Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
+		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
 		if j.err != nil {
 			ji.Error = j.err.Error()
 		}
@@ -179,12 +196,13 @@ func (e *Engine) JobVerb(id, verb string) error {
 	}
 	switch verb {
 	case "cancel":
-		running := j.status == "running"
+		// Its end comes before the reply, as in QEMU: the work stops at
+		// its next step (it takes no engine lock), flushed.
 		e.setStatus(j, "aborting")
 		j.cancel()
-		if !running { // waiting or pending: its work is over
-			e.abortJob(j)
-		}
+		<-j.worked
+		j.ended = true
+		e.abortJob(j)
 	case "finalize":
 		e.finalizeJob(j)
 	case "dismiss":
@@ -193,12 +211,20 @@ func (e *Engine) JobVerb(id, verb string) error {
 	return nil
 }
 
-// busy refuses a node a job holds, as QEMU's op blockers do (under mu).
-func (e *Engine) busy(n *node) error {
+// jobOn is the job that holds n (under mu; nil: none).
+func (e *Engine) jobOn(n *node) *job {
 	for _, j := range e.jobs {
 		if j.node == n && j.status != "concluded" {
-			return genericf("Node '%s' is busy: block device is in use by block job: %s", n.name, j.typ)
+			return j
 		}
+	}
+	return nil
+}
+
+// busy refuses a node a job holds, as QEMU's op blockers do (under mu).
+func (e *Engine) busy(n *node) error {
+	if j := e.jobOn(n); j != nil {
+		return genericf("Node '%s' is busy: block device is in use by block job: %s", n.name, j.typ)
 	}
 	return nil
 }
@@ -232,7 +258,7 @@ func (e *Engine) Stream(o JobOptions, base string) error {
 	}
 	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
 	return e.startJob(j, func(ctx context.Context, j *job) error {
-		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(j)})
+		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(ctx, j)})
 		if errors.Is(err, stream.ErrNoBackingFile) {
 			return nil
 		}
@@ -240,13 +266,25 @@ func (e *Engine) Stream(o JobOptions, base string) error {
 	})
 }
 
-// progress records a job's progress: QEMU counts the image's length,
-// done when the job is; so does this.
-func (e *Engine) progress(j *job) func(off, n, done, durable, total int64) {
+// progress records a stream's progress (QEMU counts the image's length,
+// done when the job is; so does this) and holds it to the job's speed:
+// the stream waits for its callback.
+func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durable, total int64) {
+	start := time.Now()
 	return func(off, n, done, durable, total int64) {
-		e.mu.Lock()
-		j.cur = min(off+n, j.total)
-		e.mu.Unlock()
+		if c := min(off+n, j.total); c > j.cur.Load() {
+			j.cur.Store(c) // only this callback writes it, one call at a time
+		}
+		if j.Speed <= 0 {
+			return
+		}
+		due := time.Duration(float64(done) / float64(j.Speed) * float64(time.Second))
+		t := time.NewTimer(due - time.Since(start))
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
 	}
 }
 
@@ -257,6 +295,9 @@ func (e *Engine) Commit(o JobOptions, top, base string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
+	if err != nil && n != nil && e.jobOn(n).typ == "stream" {
+		return genericf("Need a root block node") // QEMU 7.2: the stream's filter node is on top
+	}
 	if err != nil {
 		return err
 	}
@@ -284,25 +325,22 @@ func (e *Engine) Commit(o JobOptions, top, base string) error {
 	j.finalize = func(ctx context.Context) error {
 		return setter.SetBacking(ctx, basePath, baseFormat)
 	}
-	return e.startJob(j, func(ctx context.Context, j *job) error {
+	err = e.startJob(j, func(ctx context.Context, j *job) error {
 		defer bo.Image.Close()
-		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Progress: func(done, total int64) {
-			e.mu.Lock()
+		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
 			if total > 0 {
-				j.cur = j.total * done / total
+				j.cur.Store(j.total * done / total)
 			}
-			e.mu.Unlock()
 		}})
 		if err == nil {
 			err = bo.Image.Flush(context.WithoutCancel(ctx))
 		}
-		if err == nil {
-			e.mu.Lock()
-			j.cur = j.total
-			e.mu.Unlock()
-		}
 		return err
 	})
+	if err != nil {
+		bo.Image.Close() // no job: nothing else will
+	}
+	return err
 }
 
 type backingSetter interface {

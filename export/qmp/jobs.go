@@ -15,7 +15,7 @@ func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 		o.AutoDismiss = a.boolean("auto-dismiss")
 	}
 	a.enum("on-error", false, "report", "ignore", "enospc", "stop", "auto")
-	a.integer("speed", false) // copies run unthrottled here
+	o.Speed = a.integer("speed", false)
 	return o
 }
 

@@ -178,3 +178,59 @@ func backingChain(t *testing.T, path string) string {
 	}
 	return strings.Join(names, " <- ")
 }
+
+// TestCancelledStreamLeavesTheChainAsQSD starts a block-stream held to
+// one byte a second, refuses what QSD refuses while it runs (the node's
+// deletion, a commit on it, the job verbs of a running job), cancels it,
+// and wants QSD's replies and events (offsets aside) from the daemon, and
+// the image afterwards still on its backing file, clean and reading as
+// before.
+func TestCancelledStreamLeavesTheChainAsQSD(t *testing.T) {
+	qsd := runCancelScript(t, "qemu-storage-daemon")
+	ours := runCancelScript(t, harness.Bin)
+	if strings.Join(qsd, "\n") != strings.Join(ours, "\n") {
+		t.Fatalf("QSD:\n%s\nours:\n%s", strings.Join(qsd, "\n"), strings.Join(ours, "\n"))
+	}
+}
+
+func runCancelScript(t *testing.T, prog string) []string {
+	t.Helper()
+	dir := t.TempDir()
+	jobChain(t, dir)
+	d := startDaemon(t, prog, nil)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("%s's output:\n%s", prog, d.log)
+		}
+	})
+	c := &jobClient{rawClient: dialRaw(t, d.sock, true)}
+	c.send(`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "a", "file": {"driver": "file", "filename": "` + filepath.Join(dir, "top.qcow2") + `"}}}`)
+	c.send(`{"execute": "block-stream", "arguments": {"job-id": "neg", "device": "a", "speed": -1}}`)
+	c.send(`{"execute": "block-stream", "arguments": {"job-id": "s", "device": "a", "speed": 1}}`)
+	c.until("s", "running")
+	for _, cmd := range []string{
+		`{"execute": "blockdev-del", "arguments": {"node-name": "a"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "a", "top": "` + filepath.Join(dir, "mid.qcow2") + `"}}`,
+		`{"execute": "job-complete", "arguments": {"id": "s"}}`,
+		`{"execute": "job-dismiss", "arguments": {"id": "s"}}`,
+		`{"execute": "job-finalize", "arguments": {"id": "s"}}`,
+		`{"execute": "job-cancel", "arguments": {"id": "s"}}`,
+	} {
+		c.send(cmd)
+	}
+	c.until("s", "null")
+	c.send(`{"execute": "query-jobs"}`)
+	c.send(`{"execute": "quit"}`)
+	if code := d.wait(t); code != 0 {
+		t.Fatalf("%s exited %d after quit\n%s", prog, code, d.log)
+	}
+	top := filepath.Join(dir, "top.qcow2")
+	check, _, _ := strings.Cut(harness.Run(t, "qemu-img", "check", top), "\n")
+	out := append(c.replies, c.events...)
+	out = append(out, "check: "+check, "compare: "+harness.Run(t, "qemu-img", "compare", filepath.Join(dir, "pristine", "top.qcow2"), top),
+		"chain: "+backingChain(t, top))
+	for i := range out {
+		out[i] = strings.ReplaceAll(out[i], dir, "$DIR")
+	}
+	return out
+}
