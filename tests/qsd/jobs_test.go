@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
@@ -233,4 +234,69 @@ func runCancelScript(t *testing.T, prog string) []string {
 		out[i] = strings.ReplaceAll(out[i], dir, "$DIR")
 	}
 	return out
+}
+
+// TestBlockJobsThroughGoQMPClient drives the job commands with go-qemu,
+// on both daemons: a middle-layer commit kept until dismissed, a stream
+// finalized by hand, each waited for through go-qemu's events, and the
+// refusals of an unknown job; the daemon's refusal of active commit
+// (the mirror it needs is not here) is its own.
+func TestBlockJobsThroughGoQMPClient(t *testing.T) {
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		t.Run(filepath.Base(prog), func(t *testing.T) {
+			dir := t.TempDir()
+			jobChain(t, dir)
+			d := startDaemon(t, prog, nil)
+			m, events := d.monitor(t)
+			top := filepath.Join(dir, "top.qcow2")
+			run(t, m, "blockdev-add", map[string]any{"driver": "qcow2", "node-name": "a", "file": map[string]any{"driver": "file", "filename": top}})
+			if prog == harness.Bin {
+				if _, err := runErr(m, "block-commit", map[string]any{"job-id": "act", "device": "a"}); err == nil || !strings.Contains(err.Error(), "Active commit") {
+					t.Fatalf("active commit: %v, want a refusal", err)
+				}
+			}
+			run(t, m, "block-commit", map[string]any{"job-id": "c", "device": "a", "top": filepath.Join(dir, "mid.qcow2"), "auto-dismiss": false})
+			waitJob(t, events, "c", "concluded")
+			jobs := run(t, m, "query-jobs", nil).([]any)
+			if len(jobs) != 1 || jobs[0].(map[string]any)["status"] != "concluded" || jobs[0].(map[string]any)["type"] != "commit" {
+				t.Fatalf("query-jobs after the commit: %v", jobs)
+			}
+			run(t, m, "job-dismiss", map[string]any{"id": "c"})
+			waitJob(t, events, "c", "null")
+			run(t, m, "block-stream", map[string]any{"job-id": "s", "device": "a", "auto-finalize": false})
+			waitJob(t, events, "s", "pending")
+			run(t, m, "job-finalize", map[string]any{"id": "s"})
+			waitJob(t, events, "s", "null")
+			for _, verb := range []string{"job-cancel", "job-complete", "job-finalize", "job-dismiss"} {
+				if _, err := runErr(m, verb, map[string]any{"id": "c"}); err == nil || err.Error() != "Job not found" {
+					t.Fatalf("%s of a dismissed job: %v, want Job not found", verb, err)
+				}
+			}
+			run(t, m, "quit", nil)
+			if code := d.wait(t); code != 0 {
+				t.Fatalf("exit status after quit: %d\n%s", code, d.log)
+			}
+			harness.Run(t, "qemu-img", "check", top)
+			harness.Run(t, "qemu-img", "compare", filepath.Join(dir, "pristine", "top.qcow2"), top)
+			if chain := backingChain(t, top); chain != "top.qcow2" {
+				t.Fatalf("chain after commit and stream: %s, want top.qcow2 alone", chain)
+			}
+		})
+	}
+}
+
+// waitJob waits for JOB_STATUS_CHANGE of job id to status.
+func waitJob(t *testing.T, events <-chan qmpEvent, id, status string) {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case e := <-events:
+			if e.Event == "JOB_STATUS_CHANGE" && e.Data["id"] == id && e.Data["status"] == status {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("no JOB_STATUS_CHANGE of %s to %s", id, status)
+		}
+	}
 }
