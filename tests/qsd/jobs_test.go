@@ -182,7 +182,8 @@ func backingChain(t *testing.T, path string) string {
 
 // TestCancelledStreamLeavesTheChainAsQSD starts a block-stream held to
 // one byte a second, refuses what QSD refuses while it runs (the node's
-// deletion, a commit on it, the job verbs of a running job), cancels it,
+// deletion and resize, a second job on it, the job verbs of a running
+// job), cancels it,
 // and wants QSD's replies and events (offsets aside) from the daemon, and
 // the image afterwards still on its backing file, clean and reading as
 // before.
@@ -211,6 +212,8 @@ func runCancelScript(t *testing.T, prog string) []string {
 	c.until("s", "running")
 	for _, cmd := range []string{
 		`{"execute": "blockdev-del", "arguments": {"node-name": "a"}}`,
+		`{"execute": "block_resize", "arguments": {"node-name": "a", "size": 8388608}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "s2", "device": "a"}}`,
 		`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "a", "top": "` + filepath.Join(dir, "mid.qcow2") + `"}}`,
 		`{"execute": "job-complete", "arguments": {"id": "s"}}`,
 		`{"execute": "job-dismiss", "arguments": {"id": "s"}}`,
