@@ -180,14 +180,13 @@ func backingChain(t *testing.T, path string) string {
 	return strings.Join(names, " <- ")
 }
 
-// TestCancelledStreamLeavesTheChainAsQSD starts a block-stream held to
-// one byte a second, refuses what QSD refuses while it runs (the node's
+// TestCancelledJobsLeaveTheChainAsQSD starts a block-stream held to one
+// byte a second, refuses what QSD refuses while it runs (the node's
 // deletion and resize, a second job on it, the job verbs of a running
-// job), cancels it,
-// and wants QSD's replies and events (offsets aside) from the daemon, and
-// the image afterwards still on its backing file, clean and reading as
-// before.
-func TestCancelledStreamLeavesTheChainAsQSD(t *testing.T) {
+// job), cancels it, then cancels a middle-layer block-commit so held, and
+// wants QSD's replies and events (offsets aside) from the daemon, and the
+// chain afterwards as it was, clean and reading as before.
+func TestCancelledJobsLeaveTheChainAsQSD(t *testing.T) {
 	qsd := runCancelScript(t, "qemu-storage-daemon")
 	ours := runCancelScript(t, harness.Bin)
 	if strings.Join(qsd, "\n") != strings.Join(ours, "\n") {
@@ -223,6 +222,10 @@ func runCancelScript(t *testing.T, prog string) []string {
 		c.send(cmd)
 	}
 	c.until("s", "null")
+	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "a", "top": "` + filepath.Join(dir, "mid.qcow2") + `", "speed": 1}}`)
+	c.until("c", "running")
+	c.send(`{"execute": "job-cancel", "arguments": {"id": "c"}}`)
+	c.until("c", "null")
 	c.send(`{"execute": "query-jobs"}`)
 	c.send(`{"execute": "quit"}`)
 	if code := d.wait(t); code != 0 {
