@@ -240,7 +240,7 @@ func (e *Engine) jobNode(device string) (*node, error) {
 // Stream starts block-stream of the whole backing chain into device's
 // image. The stream engine drops the backing file as it ends, so the
 // graph change comes before pending, not at finalize.
-func (e *Engine) Stream(o JobOptions, base string) error {
+func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.node(o.Device) == nil { // QEMU looks a stream's device up as a node
@@ -249,6 +249,12 @@ func (e *Engine) Stream(o JobOptions, base string) error {
 	n, err := e.jobNode(o.Device)
 	if err != nil {
 		return err
+	}
+	if err := e.layerNode(n, baseNode); err != nil {
+		return err
+	}
+	if base != "" && inChain(n.img, base) {
+		return genericf("Streaming down to a base ('%s') is not supported here: only the whole chain is streamed", base)
 	}
 	if base != "" {
 		return genericf("Can't find '%s' in the backing chain", base)
@@ -291,7 +297,7 @@ func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durabl
 // Commit starts block-commit of the layer top of device's chain into
 // the layer below it (or base). Only a layer below the node's own image
 // is committed; the active layer needs a mirror, which is not here.
-func (e *Engine) Commit(o JobOptions, top, base string) error {
+func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
@@ -300,6 +306,14 @@ func (e *Engine) Commit(o JobOptions, top, base string) error {
 	}
 	if err != nil {
 		return err
+	}
+	if topNode == n.name {
+		topNode, top = "", ""
+	}
+	for _, name := range []string{topNode, baseNode} {
+		if err := e.layerNode(n, name); err != nil {
+			return err
+		}
 	}
 	if top == "" || n.img == nil {
 		return genericf("Active commit (committing node '%s' itself) is not supported; name a 'top' below it", n.name)
@@ -341,6 +355,34 @@ func (e *Engine) Commit(o JobOptions, top, base string) error {
 		bo.Image.Close() // no job: nothing else will
 	}
 	return err
+}
+
+// layerNode refuses a node named as a layer of n's chain (top-node,
+// base-node): the layers below a node have no node of their own here.
+func (e *Engine) layerNode(n *node, name string) error {
+	switch {
+	case name == "":
+		return nil
+	case e.node(name) == nil:
+		return genericf("Cannot find device='' nor node-name='%s'", name)
+	}
+	return genericf("Node '%s' is not in the backing chain of '%s': name the layer by its file name", name, n.name)
+}
+
+// inChain says whether name is a file of img's backing chain.
+func inChain(img formats.Image, name string) bool {
+	for layer := img; layer != nil; {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			return false
+		}
+		info := layer.Info()
+		if samePath(relativeTo(info.Filename, name), info.FullBackingFilename) {
+			return true
+		}
+		layer = l.Backing()
+	}
+	return false
 }
 
 type backingSetter interface {

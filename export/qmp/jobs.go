@@ -22,22 +22,32 @@ func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 func blockStream(s *Server, args map[string]any) (any, error) {
 	a := newArgs(args, false)
 	o := jobOptions(a, args)
-	base := a.str("base", false)
+	base, baseNode := exclusive(a, "base")
 	if err := a.done(); err != nil {
 		return nil, err
 	}
-	return map[string]any{}, s.eng.Stream(o, base)
+	return map[string]any{}, s.eng.Stream(o, base, baseNode)
 }
 
 func blockCommit(s *Server, args map[string]any) (any, error) {
 	a := newArgs(args, false)
 	o := jobOptions(a, args)
-	top := a.str("top", false)
-	base := a.str("base", false)
+	top, topNode := exclusive(a, "top")
+	base, baseNode := exclusive(a, "base")
 	if err := a.done(); err != nil {
 		return nil, err
 	}
-	return map[string]any{}, s.eng.Commit(o, top, base)
+	return map[string]any{}, s.eng.Commit(o, top, base, topNode, baseNode)
+}
+
+// exclusive reads a layer named by file (name) or by node (name-node),
+// not both, as QEMU takes them.
+func exclusive(a *args, name string) (file, node string) {
+	file, node = a.str(name, false), a.str(name+"-node", false)
+	if file != "" && node != "" {
+		a.fail("'%s-node' and '%s' are mutually exclusive", name, name)
+	}
+	return file, node
 }
 
 // jobVerb is job-cancel, -complete, -finalize or -dismiss.

@@ -139,6 +139,10 @@ func runJobScript(t *testing.T, prog string) []string {
 		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "nothere") + `"}}`,
 		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "base.qcow2") + `"}}`,
 		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "b", "base": "` + filepath.Join(b, "nothere") + `"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top-node": "nope"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base-node": "nope"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "b", "base-node": "nope"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "top-node": "b"}}`,
 		`{"execute": "query-jobs", "arguments": {"x": 1}}`,
 	} {
 		c.send(cmd)
