@@ -58,8 +58,9 @@ type Options struct {
 	// Backend is the host I/O engine of the images' files.
 	Backend aio.Backend
 	// Event is called for each event (BLOCK_EXPORT_DELETED) with its
-	// name and data; nil drops them.
-	Event func(name string, data map[string]any)
+	// name and data (a map, or a struct whose fields are in QEMU's
+	// order); nil drops them.
+	Event func(name string, data any)
 }
 
 // Engine is the set of nodes and exports of one daemon. Its methods are
@@ -87,7 +88,7 @@ func New(o Options) *Engine {
 	return &Engine{o: o, log: o.Logger}
 }
 
-func (e *Engine) event(name string, data map[string]any) {
+func (e *Engine) event(name string, data any) {
 	if e.o.Event != nil {
 		e.o.Event(name, data)
 	}

@@ -61,7 +61,10 @@ type job struct {
 
 func (e *Engine) setStatus(j *job, status string) {
 	j.status = status
-	e.event("JOB_STATUS_CHANGE", map[string]any{"status": status, "id": j.ID})
+	e.event("JOB_STATUS_CHANGE", struct {
+		Status string `json:"status"`
+		ID     string `json:"id"`
+	}{status, j.ID})
 }
 
 // startJob registers j and runs work in the background.
@@ -108,7 +111,10 @@ func (e *Engine) jobDone(j *job, err error) {
 	e.setStatus(j, "waiting")
 	e.setStatus(j, "pending")
 	if !j.AutoFinalize {
-		e.event("BLOCK_JOB_PENDING", map[string]any{"type": j.typ, "id": j.ID})
+		e.event("BLOCK_JOB_PENDING", struct {
+			Type string `json:"type"`
+			ID   string `json:"id"`
+		}{j.typ, j.ID})
 		return
 	}
 	e.finalizeJob(j)
@@ -122,7 +128,7 @@ func (e *Engine) finalizeJob(j *job) {
 			return
 		}
 	}
-	e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j))
+	e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j, ""))
 	e.concludeJob(j)
 }
 
@@ -133,12 +139,10 @@ func (e *Engine) abortJob(j *job) {
 		e.setStatus(j, "aborting")
 	}
 	if j.err != nil && !errors.Is(j.err, context.Canceled) {
-		d := e.jobEventData(j)
-		d["error"] = j.err.Error()
-		e.event("BLOCK_JOB_COMPLETED", d)
+		e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j, j.err.Error()))
 	} else {
 		j.err = nil
-		e.event("BLOCK_JOB_CANCELLED", e.jobEventData(j))
+		e.event("BLOCK_JOB_CANCELLED", e.jobEventData(j, ""))
 	}
 	e.concludeJob(j)
 }
@@ -156,8 +160,19 @@ func (e *Engine) dismissJob(j *job) {
 	e.jobs = slices.DeleteFunc(e.jobs, func(o *job) bool { return o == j })
 }
 
-func (e *Engine) jobEventData(j *job) map[string]any {
-	return map[string]any{"device": j.ID, "len": j.total, "offset": j.cur.Load(), "speed": j.Speed, "type": j.typ}
+// jobEvent is the data of BLOCK_JOB_COMPLETED and BLOCK_JOB_CANCELLED,
+// its members in the order QSD 7.2 sends them.
+type jobEvent struct {
+	Device string `json:"device"`
+	Len    int64  `json:"len"`
+	Offset int64  `json:"offset"`
+	Speed  int64  `json:"speed"`
+	Type   string `json:"type"`
+	Error  string `json:"error,omitempty"`
+}
+
+func (e *Engine) jobEventData(j *job, errText string) jobEvent {
+	return jobEvent{Device: j.ID, Len: j.total, Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
 }
 
 // Jobs lists the jobs (query-jobs).

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"slices"
@@ -31,10 +32,11 @@ func TestCloseStopsARunningStreamAndKeepsTheBackingFile(t *testing.T) {
 		mu     sync.Mutex
 		events []string
 	)
-	e := New(Options{Backend: "threads", Event: func(name string, d map[string]any) {
+	e := New(Options{Backend: "threads", Event: func(name string, d any) {
+		b, _ := json.Marshal(d)
 		mu.Lock()
 		defer mu.Unlock()
-		events = append(events, name+" "+anyString(d["status"]))
+		events = append(events, name+" "+string(b))
 	}})
 	if err := e.AddNode(BlockdevOptions{Driver: "qcow2", NodeName: "top", File: &BlockdevRef{Inline: &BlockdevOptions{Driver: "file", Filename: top}}}); err != nil {
 		t.Fatal(err)
@@ -66,7 +68,7 @@ func TestCloseStopsARunningStreamAndKeepsTheBackingFile(t *testing.T) {
 	mu.Lock()
 	got := slices.Clone(events)
 	mu.Unlock()
-	if len(got) < 2 || got[0] != "JOB_STATUS_CHANGE created" || got[1] != "JOB_STATUS_CHANGE running" {
+	if len(got) < 2 || got[0] != `JOB_STATUS_CHANGE {"status":"created","id":"s"}` || got[1] != `JOB_STATUS_CHANGE {"status":"running","id":"s"}` {
 		t.Fatalf("events: %v", got)
 	}
 	o, err := registry.Open(top, registry.Options{Format: registry.QCOW2})
@@ -81,9 +83,4 @@ func TestCloseStopsARunningStreamAndKeepsTheBackingFile(t *testing.T) {
 	if _, err := o.Image.ReadAt(t.Context(), buf, 0); err != nil || !bytes.Equal(buf, data) {
 		t.Fatalf("the overlay reads other bytes after a stopped stream: %v", err)
 	}
-}
-
-func anyString(v any) string {
-	s, _ := v.(string)
-	return s
 }
