@@ -72,6 +72,9 @@ func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) 
 	if j.ID == "" {
 		j.ID = j.node.name // QEMU names the job after the device then
 	}
+	if !nodeName.MatchString(j.ID) { // QEMU's id_wellformed, as node names
+		return genericf("Invalid job ID '%s'", j.ID)
+	}
 	if slices.ContainsFunc(e.jobs, func(o *job) bool { return o.ID == j.ID }) {
 		return genericf("Job ID '%s' already in use", j.ID)
 	}

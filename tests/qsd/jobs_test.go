@@ -143,6 +143,8 @@ func runJobScript(t *testing.T, prog string) []string {
 		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base-node": "nope"}}`,
 		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "b", "base-node": "nope"}}`,
 		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "top-node": "b"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "1x", "device": "b"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "x"}}`,
 		`{"execute": "query-jobs", "arguments": {"x": 1}}`,
 	} {
 		c.send(cmd)
