@@ -58,8 +58,9 @@ type Options struct {
 	// Backend is the host I/O engine of the images' files.
 	Backend aio.Backend
 	// Event is called for each event (BLOCK_EXPORT_DELETED) with its
-	// name and data; nil drops them.
-	Event func(name string, data map[string]any)
+	// name and data (a map, or a struct whose fields are in QEMU's
+	// order); nil drops them.
+	Event func(name string, data any)
 }
 
 // Engine is the set of nodes and exports of one daemon. Its methods are
@@ -72,6 +73,7 @@ type Engine struct {
 	mu      sync.Mutex
 	nodes   []*node // oldest first
 	exports []*export
+	jobs    []*job // block jobs not yet dismissed
 	nbd     *nbdServer
 	objects map[string]*tlsCreds // by id (object-add)
 	// implicit numbers the nodes made for inline children ("#block1"),
@@ -87,7 +89,7 @@ func New(o Options) *Engine {
 	return &Engine{o: o, log: o.Logger}
 }
 
-func (e *Engine) event(name string, data map[string]any) {
+func (e *Engine) event(name string, data any) {
 	if e.o.Event != nil {
 		e.o.Event(name, data)
 	}
@@ -99,6 +101,7 @@ func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var first error
+	e.stopJobs()
 	// Oldest first, the order QSD 7.2's events come in at quit.
 	for len(e.exports) > 0 {
 		x := e.exports[0]

@@ -232,6 +232,8 @@ func (e *Engine) DelNode(name string) error {
 		return genericf("Failed to find node with node-name='%s'", name)
 	case n.implicit:
 		return genericf("Node %s is not owned by the monitor", name)
+	case e.busy(n) != nil:
+		return e.busy(n)
 	case n.users > 0: // QEMU: the node has a BlockBackend (an export's)
 		return genericf("Node %s is in use", name)
 	case n.parents > 0:

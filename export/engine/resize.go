@@ -29,6 +29,11 @@ func (e *Engine) Resize(ctx context.Context, device, nodeName string, size int64
 	if size < 0 {
 		return genericf("Parameter 'size' expects a >0 size")
 	}
+	if e.jobOn(n) != nil {
+		// QEMU 7.2 words it so: the device name it prints is unset
+		// when the node was named by node-name.
+		return genericf("Device '(null)' is in use")
+	}
 	if err := e.resizeConflict(n); err != nil {
 		return err
 	}

@@ -60,7 +60,7 @@ func (s *Server) SetEngine(eng *engine.Engine) { s.eng = eng }
 func (s *Server) Quit() <-chan struct{} { return s.quit }
 
 // Event sends an event to every monitor past capabilities negotiation.
-func (s *Server) Event(name string, data map[string]any) {
+func (s *Server) Event(name string, data any) {
 	now := time.Now()
 	msg := fmt.Sprintf(`{"timestamp": {"seconds": %d, "microseconds": %d}, "event": %s, "data": %s}`,
 		now.Unix(), now.Nanosecond()/1000, quote(name), encode(data))

@@ -35,7 +35,8 @@ func TestEveryCommandThroughGoQMPClient(t *testing.T) {
 	}
 	for _, want := range []string{"qmp_capabilities", "query-version", "query-commands", "blockdev-add", "blockdev-del", "block-export-add",
 		"block-export-del", "query-block-exports", "query-named-block-nodes", "nbd-server-start", "nbd-server-stop", "block_resize",
-		"query-blockstats", "object-add", "object-del", "quit"} {
+		"query-blockstats", "object-add", "object-del", "block-stream", "block-commit", "query-jobs", "job-cancel", "job-complete",
+		"job-finalize", "job-dismiss", "quit"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("query-commands lacks %s: %v", want, names)
 		}

@@ -1,0 +1,485 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/jobs/commit"
+	"github.com/blockexport/blockexport/formats/jobs/stream"
+	"github.com/blockexport/blockexport/formats/registry"
+)
+
+// JobOptions are what block-stream and block-commit share.
+type JobOptions struct {
+	ID           string
+	Device       string
+	AutoFinalize bool
+	AutoDismiss  bool
+	// Speed caps the bytes copied a second (0: no cap).
+	Speed int64
+}
+
+// JobInfo is one entry of query-jobs, its members in QEMU's order.
+type JobInfo struct {
+	CurrentProgress int64  `json:"current-progress"`
+	Status          string `json:"status"`
+	TotalProgress   int64  `json:"total-progress"`
+	Type            string `json:"type"`
+	ID              string `json:"id"`
+	Error           string `json:"error,omitempty"`
+}
+
+// job is one block job. Its work runs in a goroutine; every change of
+// status happens under the engine's lock, with its event, in QEMU's
+// sequence: created, running, waiting, pending, concluded, null (or
+// aborting, concluded, null when cancelled or failed).
+type job struct {
+	JobOptions
+	typ    string // "stream", "commit"
+	node   *node
+	status string
+	// cur is the progress, written by the work without the engine's
+	// lock: a cancel waits for the work under it.
+	cur   atomic.Int64
+	total int64
+	// ended: the job's end was handled (its work's end or a cancel).
+	ended  bool
+	cancel context.CancelFunc
+	// worked is closed when the work ends, before its status moves on.
+	worked chan struct{}
+	err    error
+	// finalize is the job's graph change at finalize (nil: none).
+	finalize func(ctx context.Context) error
+}
+
+func (e *Engine) setStatus(j *job, status string) {
+	j.status = status
+	e.event("JOB_STATUS_CHANGE", struct {
+		Status string `json:"status"`
+		ID     string `json:"id"`
+	}{status, j.ID})
+}
+
+// startJob registers j and runs work in the background.
+func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) error {
+	if j.ID == "" {
+		j.ID = j.node.name // QEMU names the job after the device then
+	}
+	if !nodeName.MatchString(j.ID) { // QEMU's id_wellformed, as node names
+		return genericf("Invalid job ID '%s'", j.ID)
+	}
+	if slices.ContainsFunc(e.jobs, func(o *job) bool { return o.ID == j.ID }) {
+		return genericf("Job ID '%s' already in use", j.ID)
+	}
+	if j.Speed < 0 {
+		// QEMU makes the job, then fails to set its speed.
+		e.setStatus(j, "created")
+		e.setStatus(j, "null")
+		return genericf("Parameter 'speed' expects a non-negative value")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	j.cancel, j.worked = cancel, make(chan struct{})
+	e.jobs = append(e.jobs, j)
+	e.setStatus(j, "created")
+	e.setStatus(j, "running")
+	e.log.Info("block job started", "id", j.ID, "type", j.typ, "node-name", j.node.name)
+	go func() {
+		err := work(ctx, j)
+		close(j.worked)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !j.ended {
+			e.jobDone(j, err)
+		}
+	}()
+	return nil
+}
+
+// jobDone moves a job on once its work ended (under mu).
+func (e *Engine) jobDone(j *job, err error) {
+	j.ended = true
+	if j.status == "aborting" || err != nil {
+		j.err = err
+		e.abortJob(j)
+		return
+	}
+	j.cur.Store(j.total)
+	e.setStatus(j, "waiting")
+	e.setStatus(j, "pending")
+	if !j.AutoFinalize {
+		e.event("BLOCK_JOB_PENDING", struct {
+			Type string `json:"type"`
+			ID   string `json:"id"`
+		}{j.typ, j.ID})
+		return
+	}
+	e.finalizeJob(j)
+}
+
+func (e *Engine) finalizeJob(j *job) {
+	if j.finalize != nil {
+		if err := j.finalize(context.Background()); err != nil {
+			j.err = err
+			e.abortJob(j)
+			return
+		}
+	}
+	e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j, ""))
+	e.concludeJob(j)
+}
+
+// abortJob ends a cancelled or failed job: a failure is told by
+// BLOCK_JOB_COMPLETED with its error, a cancel by BLOCK_JOB_CANCELLED.
+func (e *Engine) abortJob(j *job) {
+	if j.status != "aborting" {
+		e.setStatus(j, "aborting")
+	}
+	if j.err != nil && !errors.Is(j.err, context.Canceled) {
+		e.event("BLOCK_JOB_COMPLETED", e.jobEventData(j, j.err.Error()))
+	} else {
+		j.err = nil
+		e.event("BLOCK_JOB_CANCELLED", e.jobEventData(j, ""))
+	}
+	e.concludeJob(j)
+}
+
+func (e *Engine) concludeJob(j *job) {
+	e.setStatus(j, "concluded")
+	e.log.Info("block job concluded", "id", j.ID, "err", j.err)
+	if j.AutoDismiss {
+		e.dismissJob(j)
+	}
+}
+
+func (e *Engine) dismissJob(j *job) {
+	e.setStatus(j, "null")
+	e.jobs = slices.DeleteFunc(e.jobs, func(o *job) bool { return o == j })
+}
+
+// jobEvent is the data of BLOCK_JOB_COMPLETED and BLOCK_JOB_CANCELLED,
+// its members in the order QSD 7.2 sends them.
+type jobEvent struct {
+	Device string `json:"device"`
+	Len    int64  `json:"len"`
+	Offset int64  `json:"offset"`
+	Speed  int64  `json:"speed"`
+	Type   string `json:"type"`
+	Error  string `json:"error,omitempty"`
+}
+
+func (e *Engine) jobEventData(j *job, errText string) jobEvent {
+	return jobEvent{Device: j.ID, Len: j.total, Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
+}
+
+// Jobs lists the jobs (query-jobs).
+func (e *Engine) Jobs() []JobInfo {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := []JobInfo{}
+	for _, j := range e.jobs {
+		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
+		if j.err != nil {
+			ji.Error = j.err.Error()
+		}
+		out = append(out, ji)
+	}
+	return out
+}
+
+// JobVerb runs job-cancel, job-complete, job-finalize or job-dismiss on
+// the job id, refused in QEMU's words where its state does not take it.
+func (e *Engine) JobVerb(id, verb string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	i := slices.IndexFunc(e.jobs, func(o *job) bool { return o.ID == id })
+	if i < 0 {
+		return genericf("Job not found")
+	}
+	j := e.jobs[i]
+	allowed := map[string][]string{
+		"cancel":   {"created", "running", "paused", "ready", "standby", "waiting", "pending"},
+		"finalize": {"pending"},
+		"dismiss":  {"concluded"},
+		"complete": {"ready"}, // no job here reaches ready: only mirror does
+	}[verb]
+	if !slices.Contains(allowed, j.status) {
+		return genericf("Job '%s' in state '%s' cannot accept command verb '%s'", id, j.status, verb)
+	}
+	switch verb {
+	case "cancel":
+		// Its end comes before the reply, as in QEMU: the work stops at
+		// its next step (it takes no engine lock), flushed.
+		e.setStatus(j, "aborting")
+		j.cancel()
+		<-j.worked
+		j.ended = true
+		e.abortJob(j)
+	case "finalize":
+		e.finalizeJob(j)
+	case "dismiss":
+		e.dismissJob(j)
+	}
+	return nil
+}
+
+// jobOn is the job that holds n (under mu; nil: none).
+func (e *Engine) jobOn(n *node) *job {
+	for _, j := range e.jobs {
+		if j.node == n && j.status != "concluded" {
+			return j
+		}
+	}
+	return nil
+}
+
+// busy refuses a node a job holds, as QEMU's op blockers do (under mu).
+func (e *Engine) busy(n *node) error {
+	if j := e.jobOn(n); j != nil {
+		return genericf("Node '%s' is busy: block device is in use by block job: %s", n.name, j.typ)
+	}
+	return nil
+}
+
+func (e *Engine) jobNode(device string) (*node, error) {
+	n := e.node(device)
+	if n == nil {
+		return nil, &Error{Class: DeviceNotFound, Desc: fmt.Sprintf("Device '%s' not found", device)}
+	}
+	return n, e.busy(n)
+}
+
+// Stream starts block-stream of the whole backing chain into device's
+// image. The stream engine drops the backing file as it ends, so the
+// graph change comes before pending, not at finalize.
+func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.node(o.Device) == nil { // QEMU looks a stream's device up as a node
+		return genericf("Cannot find device='%s' nor node-name='%s'", o.Device, o.Device)
+	}
+	n, err := e.jobNode(o.Device)
+	if err != nil {
+		return err
+	}
+	if err := e.layerNode(n, baseNode); err != nil {
+		return err
+	}
+	if base != "" && inChain(n.img, base) {
+		return genericf("Streaming down to a base ('%s') is not supported here: only the whole chain is streamed", base)
+	}
+	if base != "" {
+		return genericf("Can't find '%s' in the backing chain", base)
+	}
+	if n.img == nil || n.readOnly {
+		return genericf("Node '%s' is read-only: a stream writes it", n.name)
+	}
+	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
+	return e.startJob(j, func(ctx context.Context, j *job) error {
+		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(ctx, j)})
+		if errors.Is(err, stream.ErrNoBackingFile) {
+			return nil
+		}
+		return err
+	})
+}
+
+// progress records a stream's progress (QEMU counts the image's length,
+// done when the job is; so does this) and holds it to the job's speed:
+// the stream waits for its callback.
+func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durable, total int64) {
+	start := time.Now()
+	return func(off, n, done, durable, total int64) {
+		if c := min(off+n, j.total); c > j.cur.Load() {
+			j.cur.Store(c) // only this callback writes it, one call at a time
+		}
+		if j.Speed <= 0 {
+			return
+		}
+		due := time.Duration(float64(done) / float64(j.Speed) * float64(time.Second))
+		t := time.NewTimer(due - time.Since(start))
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+	}
+}
+
+// Commit starts block-commit of the layer top of device's chain into
+// the layer below it (or base). Only a layer below the node's own image
+// is committed; the active layer needs a mirror, which is not here.
+func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n, err := e.jobNode(o.Device)
+	if err != nil && n != nil && e.jobOn(n).typ == "stream" {
+		return genericf("Need a root block node") // QEMU 7.2: the stream's filter node is on top
+	}
+	if err != nil {
+		return err
+	}
+	if topNode == n.name {
+		topNode, top = "", ""
+	}
+	for _, name := range []string{topNode, baseNode} {
+		if err := e.layerNode(n, name); err != nil {
+			return err
+		}
+	}
+	if top == "" || n.img == nil {
+		return genericf("Active commit (committing node '%s' itself) is not supported; name a 'top' below it", n.name)
+	}
+	if n.readOnly {
+		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)
+	}
+	setter, ok := n.img.(backingSetter)
+	if !ok {
+		return genericf("Node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
+	}
+	topImg, basePath, baseFormat, depth, err := findCommitLayers(n.img, top, base)
+	if err != nil {
+		return err
+	}
+	// The node's chain holds the base open read-only under its lock;
+	// the writable open goes without one, as QEMU reopens the base.
+	bo, err := registry.Open(basePath, registry.Options{Format: cmpFormat(baseFormat), Writable: true, Backend: e.o.Backend, Logger: e.log})
+	if err != nil {
+		return openError(basePath, err)
+	}
+	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
+	j.finalize = func(ctx context.Context) error {
+		return setter.SetBacking(ctx, basePath, baseFormat)
+	}
+	err = e.startJob(j, func(ctx context.Context, j *job) error {
+		defer bo.Image.Close()
+		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
+			if total > 0 {
+				j.cur.Store(j.total * done / total)
+			}
+		}})
+		if err == nil {
+			err = bo.Image.Flush(context.WithoutCancel(ctx))
+		}
+		return err
+	})
+	if err != nil {
+		bo.Image.Close() // no job: nothing else will
+	}
+	return err
+}
+
+// layerNode refuses a node named as a layer of n's chain (top-node,
+// base-node): the layers below a node have no node of their own here.
+func (e *Engine) layerNode(n *node, name string) error {
+	switch {
+	case name == "":
+		return nil
+	case e.node(name) == nil:
+		return genericf("Cannot find device='' nor node-name='%s'", name)
+	}
+	return genericf("Node '%s' is not in the backing chain of '%s': name the layer by its file name", name, n.name)
+}
+
+// inChain says whether name is a file of img's backing chain.
+func inChain(img formats.Image, name string) bool {
+	for layer := img; layer != nil; {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			return false
+		}
+		info := layer.Info()
+		if samePath(relativeTo(info.Filename, name), info.FullBackingFilename) {
+			return true
+		}
+		layer = l.Backing()
+	}
+	return false
+}
+
+type backingSetter interface {
+	SetBacking(ctx context.Context, backing, format string) error
+}
+
+func cmpFormat(f string) string {
+	if f == "" {
+		return registry.Auto
+	}
+	return f
+}
+
+// findCommitLayers finds top in img's chain and the base below it (base
+// "": the bottom of the chain, as QEMU defaults): top's image, the
+// base's path and format, and the base's depth below top. Only img's
+// own backing file is committed: the overlay above top is the one whose
+// header changes, and the deeper ones are open read-only here.
+func findCommitLayers(img formats.Image, top, base string) (formats.Image, string, string, int, error) {
+	var topImg formats.Image
+	topDepth := 0
+	for layer := img; ; topDepth++ {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			return nil, "", "", 0, genericf("Top image file %s not found", top)
+		}
+		info := layer.Info()
+		if samePath(relativeTo(info.Filename, top), info.FullBackingFilename) {
+			topImg = l.Backing()
+			break
+		}
+		layer = l.Backing()
+	}
+	var path, format string
+	depth, found := 0, base == ""
+	for layer := topImg; !(found && base != ""); {
+		l, ok := layer.(formats.Layered)
+		if !ok || l.Backing() == nil {
+			break
+		}
+		info := layer.Info()
+		depth++
+		path, format = info.FullBackingFilename, info.BackingFilenameFormat
+		found = found || samePath(relativeTo(info.Filename, base), path)
+		layer = l.Backing()
+	}
+	switch {
+	case depth == 0:
+		return nil, "", "", 0, genericf("cannot commit an image into itself")
+	case !found:
+		return nil, "", "", 0, genericf("Can't find '%s' in the backing chain", base)
+	case topDepth > 0:
+		return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
+	}
+	return topImg, path, format, depth, nil
+}
+
+func relativeTo(image, name string) string {
+	if filepath.IsAbs(name) {
+		return name
+	}
+	return filepath.Join(filepath.Dir(image), name)
+}
+
+func samePath(a, b string) bool {
+	sa, err := os.Stat(a)
+	if err != nil {
+		return false
+	}
+	sb, err := os.Stat(b)
+	return err == nil && os.SameFile(sa, sb)
+}
+
+// stopJobs cancels every job and waits for its work to end, so that the
+// nodes close with no copy in flight (under mu: the jobs' ends wait on
+// it, their events come after).
+func (e *Engine) stopJobs() {
+	for _, j := range e.jobs {
+		j.cancel()
+		<-j.worked
+	}
+}
