@@ -139,17 +139,12 @@ func (m *imrt) highest() int64 {
 // structures or the complete new ones. The old structures are leaked
 // then, and freed by the leak repair that follows, as in QEMU. It returns
 // the highest cluster in use.
-func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
-	cs, per := c.h.clusterSize, c.perBlock()
-	c.res.Messages = append(c.res.Messages, "Rebuilding refcount structure")
-	old := *c.res
-
-	start := max(c.nb, c.imrt.highest()+1)
-	need := map[int64]bool{}
-	c.imrt.each(func(k int64) { need[k/per] = true })
-	// The new blocks and table must be covered by blocks too: grow the set
-	// until it covers itself.
-	var nblocks, entries, tableClusters, end int64
+// coverRefcounts sizes a new refcount structure written from cluster
+// first on: need holds the refcount blocks (by index) the clusters in use
+// need, and the new blocks and table must be covered by blocks too, so
+// the set grows until it covers itself. It returns the blocks, the table's
+// entries and clusters, and the cluster after the structure.
+func coverRefcounts(need map[int64]bool, first, cs, per int64) (nblocks, entries, tableClusters, end int64) {
 	for {
 		nblocks = int64(len(need))
 		top := int64(0)
@@ -158,17 +153,28 @@ func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
 		}
 		entries = ((top+1)*8 + cs - 1) / cs * cs / 8
 		tableClusters = entries * 8 / cs
-		end = start + nblocks + tableClusters
+		end = first + nblocks + tableClusters
 		grown := false
-		for k := start; k < end; k++ {
+		for k := first; k < end; k++ {
 			if !need[k/per] {
 				need[k/per], grown = true, true
 			}
 		}
 		if !grown {
-			break
+			return nblocks, entries, tableClusters, end
 		}
 	}
+}
+
+func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
+	cs, per := c.h.clusterSize, c.perBlock()
+	c.res.Messages = append(c.res.Messages, "Rebuilding refcount structure")
+	old := *c.res
+
+	start := max(c.nb, c.imrt.highest()+1)
+	need := map[int64]bool{}
+	c.imrt.each(func(k int64) { need[k/per] = true })
+	nblocks, entries, tableClusters, end := coverRefcounts(need, start, cs, per)
 	if entries*8 > maxRefTableBytes || end > maxCheckClusters {
 		c.res.CheckErrors++
 		return 0, fmt.Errorf("qcow2: %s: the rebuilt refcount table would need %d clusters past cluster %d; too large", c.f.Name(), tableClusters, start)

@@ -127,26 +127,7 @@ func (c *checker) switchRefcounts(ctx context.Context, order uint32, reserved []
 			need[k/per] = true
 		}
 	})
-	var nblocks, entries, tableClusters, end int64
-	for {
-		nblocks = int64(len(need))
-		top := int64(0)
-		for i := range need {
-			top = max(top, i)
-		}
-		entries = ((top+1)*8 + cs - 1) / cs * cs / 8
-		tableClusters = entries * 8 / cs
-		end = first + nblocks + tableClusters
-		grown := false
-		for k := first; k < end; k++ {
-			if !need[k/per] {
-				need[k/per], grown = true, true
-			}
-		}
-		if !grown {
-			break
-		}
-	}
+	nblocks, entries, tableClusters, end := coverRefcounts(need, first, cs, per)
 	if entries*8 > maxRefTableBytes || end > maxCheckClusters {
 		return 0, fmt.Errorf("qcow2: %s: the new refcount table would need %d clusters; too large", c.f.Name(), tableClusters)
 	}
