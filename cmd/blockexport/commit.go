@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
 
@@ -229,25 +228,9 @@ func findBase(top formats.Image, base string, given bool) (string, string, int, 
 		if full == "" {
 			full = l.Backing().Info().Filename
 		}
-		if !given || info.BackingFilename == base || samePath(relativeTo(info.Filename, base), full) {
+		if !given || info.BackingFilename == base || commit.NamesFile(info.Filename, base, full) {
 			return full, info.BackingFilenameFormat, depth, nil
 		}
 		layer = l.Backing()
 	}
-}
-
-func relativeTo(image, name string) string {
-	if filepath.IsAbs(name) {
-		return name
-	}
-	return filepath.Join(filepath.Dir(image), name)
-}
-
-func samePath(a, b string) bool {
-	sa, err := os.Stat(a)
-	if err != nil {
-		return false
-	}
-	sb, err := os.Stat(b)
-	return err == nil && os.SameFile(sa, sb)
 }

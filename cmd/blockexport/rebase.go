@@ -13,6 +13,7 @@ import (
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/jobs/commit"
 	"github.com/blockexport/blockexport/formats/jobs/progress"
 	"github.com/blockexport/blockexport/formats/jobs/rebase"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -200,7 +201,7 @@ func depthInChain(img, newBacking formats.Image, format string) int {
 		}
 		layer = l.Backing()
 		info := layer.Info()
-		if info.Format == format && samePath(info.Filename, want) {
+		if info.Format == format && commit.SameFile(info.Filename, want) {
 			return depth
 		}
 	}

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -395,7 +393,7 @@ func inChain(img formats.Image, name string) bool {
 			return false
 		}
 		info := layer.Info()
-		if samePath(relativeTo(info.Filename, name), info.FullBackingFilename) {
+		if commit.NamesFile(info.Filename, name, info.FullBackingFilename) {
 			return true
 		}
 		layer = l.Backing()
@@ -428,7 +426,7 @@ func findCommitLayers(img formats.Image, top, base string) (formats.Image, strin
 			return nil, "", "", 0, genericf("Top image file %s not found", top)
 		}
 		info := layer.Info()
-		if samePath(relativeTo(info.Filename, top), info.FullBackingFilename) {
+		if commit.NamesFile(info.Filename, top, info.FullBackingFilename) {
 			topImg = l.Backing()
 			break
 		}
@@ -444,7 +442,7 @@ func findCommitLayers(img formats.Image, top, base string) (formats.Image, strin
 		info := layer.Info()
 		depth++
 		path, format = info.FullBackingFilename, info.BackingFilenameFormat
-		found = found || samePath(relativeTo(info.Filename, base), path)
+		found = found || commit.NamesFile(info.Filename, base, path)
 		layer = l.Backing()
 	}
 	switch {
@@ -456,22 +454,6 @@ func findCommitLayers(img formats.Image, top, base string) (formats.Image, strin
 		return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
 	}
 	return topImg, path, format, depth, nil
-}
-
-func relativeTo(image, name string) string {
-	if filepath.IsAbs(name) {
-		return name
-	}
-	return filepath.Join(filepath.Dir(image), name)
-}
-
-func samePath(a, b string) bool {
-	sa, err := os.Stat(a)
-	if err != nil {
-		return false
-	}
-	sb, err := os.Stat(b)
-	return err == nil && os.SameFile(sa, sb)
 }
 
 // stopJobs cancels every job and waits for its work to end, so that the

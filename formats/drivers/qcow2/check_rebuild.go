@@ -142,11 +142,11 @@ func (m *imrt) highest() int64 {
 // coverRefcounts sizes a new refcount structure written from cluster
 // first on: need holds the refcount blocks (by index) the clusters in use
 // need, and the new blocks and table must be covered by blocks too, so
-// the set grows until it covers itself. It returns the blocks, the table's
-// entries and clusters, and the cluster after the structure.
-func coverRefcounts(need map[int64]bool, first, cs, per int64) (nblocks, entries, tableClusters, end int64) {
+// the set grows until it covers itself. It returns the table's entries
+// and clusters, and the cluster after the structure.
+func coverRefcounts(need map[int64]bool, first, cs, per int64) (entries, tableClusters, end int64) {
 	for {
-		nblocks = int64(len(need))
+		nblocks := int64(len(need))
 		top := int64(0)
 		for i := range need {
 			top = max(top, i)
@@ -161,9 +161,33 @@ func coverRefcounts(need map[int64]bool, first, cs, per int64) (nblocks, entries
 			}
 		}
 		if !grown {
-			return nblocks, entries, tableClusters, end
+			return entries, tableClusters, end
 		}
 	}
+}
+
+// writeRefcountStructure writes, from cluster first on, the refcount
+// blocks need names (in index order, counting c.imrt with per refcounts
+// of bits bits a block), then a table of entries after them; it returns the table
+// and its offset. Nothing names them until the caller's header write.
+func (c *checker) writeRefcountStructure(ctx context.Context, need map[int64]bool, first, entries, per, bits int64) ([]uint64, int64, error) {
+	cs := c.h.clusterSize
+	table := make([]uint64, entries)
+	for n, i := range slices.Sorted(maps.Keys(need)) {
+		off := (first + int64(n)) * cs
+		table[i] = uint64(off)
+		b := make([]byte, cs)
+		for j := range per {
+			if v := c.imrt.get(i*per + j); v != 0 {
+				setRefcount(b, j, bits, v)
+			}
+		}
+		if err := c.writeMeta(ctx, b, off, metaNone, "refcount block", false); err != nil {
+			return nil, 0, err
+		}
+	}
+	tableOff := (first + int64(len(need))) * cs
+	return table, tableOff, c.writeMeta(ctx, encodeTable(table), tableOff, metaNone, "refcount table", false)
 }
 
 func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
@@ -174,7 +198,7 @@ func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
 	start := max(c.nb, c.imrt.highest()+1)
 	need := map[int64]bool{}
 	c.imrt.each(func(k int64) { need[k/per] = true })
-	nblocks, entries, tableClusters, end := coverRefcounts(need, start, cs, per)
+	entries, tableClusters, end := coverRefcounts(need, start, cs, per)
 	if entries*8 > maxRefTableBytes || end > maxCheckClusters {
 		c.res.CheckErrors++
 		return 0, fmt.Errorf("qcow2: %s: the rebuilt refcount table would need %d clusters past cluster %d; too large", c.f.Name(), tableClusters, start)
@@ -182,24 +206,9 @@ func (c *checker) rebuildRefcounts(ctx context.Context) (int64, error) {
 	for k := start; k < end; k++ {
 		c.imrt.set(k, 1)
 	}
-	table := make([]uint64, entries)
-	bits := int64(1) << c.h.refcountOrder
 	c.meta = c.metadata()
-	for n, i := range slices.Sorted(maps.Keys(need)) {
-		off := (start + int64(n)) * cs
-		table[i] = uint64(off)
-		b := make([]byte, cs)
-		for j := range per {
-			if v := c.imrt.get(i*per + j); v != 0 {
-				setRefcount(b, j, bits, v)
-			}
-		}
-		if err := c.writeMeta(ctx, b, off, metaNone, "refcount block", false); err != nil {
-			return 0, err
-		}
-	}
-	tableOff := (start + nblocks) * cs
-	if err := c.writeMeta(ctx, encodeTable(table), tableOff, metaNone, "refcount table", false); err != nil {
+	table, tableOff, err := c.writeRefcountStructure(ctx, need, start, entries, per, int64(1)<<c.h.refcountOrder)
+	if err != nil {
 		return 0, err
 	}
 	if err := c.f.Fdatasync(ctx); err != nil {

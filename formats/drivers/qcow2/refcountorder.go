@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 
 	"github.com/blockexport/blockexport/aio"
@@ -127,30 +126,16 @@ func (c *checker) switchRefcounts(ctx context.Context, order uint32, reserved []
 			need[k/per] = true
 		}
 	})
-	nblocks, entries, tableClusters, end := coverRefcounts(need, first, cs, per)
+	entries, tableClusters, end := coverRefcounts(need, first, cs, per)
 	if entries*8 > maxRefTableBytes || end > maxCheckClusters {
 		return 0, fmt.Errorf("qcow2: %s: the new refcount table would need %d clusters; too large", c.f.Name(), tableClusters)
 	}
 	for k := first; k < end; k++ {
 		c.imrt.set(k, 1)
 	}
-	table := make([]uint64, entries)
 	c.meta = c.metadata()
-	for n, i := range slices.Sorted(maps.Keys(need)) {
-		off := (first + int64(n)) * cs
-		table[i] = uint64(off)
-		b := make([]byte, cs)
-		for j := range per {
-			if v := c.imrt.get(i*per + j); v != 0 {
-				setRefcount(b, j, bits, v)
-			}
-		}
-		if err := c.writeMeta(ctx, b, off, metaNone, "refcount block", false); err != nil {
-			return 0, err
-		}
-	}
-	tableOff := (first + nblocks) * cs
-	if err := c.writeMeta(ctx, encodeTable(table), tableOff, metaNone, "refcount table", false); err != nil {
+	table, tableOff, err := c.writeRefcountStructure(ctx, need, first, entries, per, bits)
+	if err != nil {
 		return 0, err
 	}
 	if err := c.f.Fdatasync(ctx); err != nil {
