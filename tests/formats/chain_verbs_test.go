@@ -479,6 +479,16 @@ func TestChainVerbsInterruptedExit130WithTheChainConsistent(t *testing.T) {
 			for _, l := range c.layers {
 				before[l] = guestView(t, dir, l, c.formatOf(l))
 			}
+			// SIGINTs spread over an uninterrupted run's time: a fixed
+			// 100 ms came after an idle machine's whole rebase.
+			if code, out := runIn(t, c.copyTo(t, dir), append([]string{harness.Bin}, tc.args...)...); code != 0 {
+				t.Fatalf("%v: exit %d\n%s", tc.args, code, out)
+			}
+			start := time.Now()
+			if code, out := runIn(t, c.copyTo(t, dir), append([]string{harness.Bin}, tc.args...)...); code != 0 {
+				t.Fatalf("%v: exit %d\n%s", tc.args, code, out)
+			}
+			full := time.Since(start)
 			interrupted := false
 			for try := 0; try < 8 && !interrupted; try++ {
 				work := c.copyTo(t, dir)
@@ -490,13 +500,15 @@ func TestChainVerbsInterruptedExit130WithTheChainConsistent(t *testing.T) {
 					t.Fatal(err)
 				}
 				t.Cleanup(func() { cmd.Process.Kill() })
-				time.Sleep(time.Duration(100+try*40) * time.Millisecond) // past the start, when the handler is set
+				time.Sleep(full * time.Duration(try+2) / 10)
 				cmd.Process.Signal(syscall.SIGINT)
 				err := cmd.Wait()
 				code := cmd.ProcessState.ExitCode()
 				switch {
 				case err == nil:
 					continue // finished first
+				case cmd.ProcessState.Sys().(syscall.WaitStatus).Signaled():
+					continue // before its handler was set: too early; later tries wait longer
 				case code != 130:
 					t.Fatalf("%v interrupted: exit %d, want 130\n%s", tc.args, code, out.String())
 				case strings.Count(strings.TrimSpace(out.String()), "\n") != 0 || !strings.Contains(out.String(), "interrupted"):
