@@ -150,9 +150,8 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 
 // openRemoteImage opens the remote object spec as an image of format
 // (Auto: probed from its first bytes, and a fixed VHD from its last, as a
-// local file is): read-only, a
-// link of the chain like any other (depth bounded; a loop through servers
-// cannot be seen by identity).
+// local file is): read-only, a link of the chain like any other (depth
+// bounded; a loop through servers cannot be seen by identity).
 func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (formats.Image, string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), remoteOpenTimeout)
 	defer cancel()
