@@ -14,7 +14,7 @@ import (
 // -f, as a local one is: info says vpc with one note and its JSON is
 // qemu-img's given -f vpc; the FUSE and NBD exports read as the disk
 // without the footer; -f raw is raw with a warning naming vpc, and a raw
-// object stays raw with no note.
+// object stays raw with no note. The same object in S3 is probed alike.
 func TestHTTPFixedVHDProbedByItsFooter(t *testing.T) {
 	n := harness.StartNginx(t)
 	dir := t.TempDir()
@@ -52,5 +52,11 @@ func TestHTTPFixedVHDProbedByItsFooter(t *testing.T) {
 	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", "-s", raw, s.URI)
 	if got := strings.TrimSpace(harness.Run(t, "nbdinfo", "--size", s.URI)); got != "4194304" {
 		t.Errorf("nbdinfo --size of the NBD export: %s, want 4194304", got)
+	}
+
+	s3 := harness.StartS3Server(t)
+	s3.Put("fixed.vhd", fixed)
+	if _, got := harness.RunBlockexport(t, "info", "--output", "json", "--s3-endpoint", s3.Endpoint, s3.URL("fixed.vhd")); !strings.Contains(got, `"format": "vpc"`) || !strings.Contains(got, `"virtual-size": 4194304`) {
+		t.Errorf("info of the fixed VHD in S3: want vpc of 4 MiB:\n%s", got)
 	}
 }
