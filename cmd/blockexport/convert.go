@@ -165,10 +165,13 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 		f.backingFormat = cmp.Or(f.backingFormat, topts.BackingFormat)
 	}
 	switch {
-	case f.compress && !registry.Compresses(f.outFormat):
-		return convert.Job{}, usagef("Compression not supported for this file format")
 	case f.backing != "" && !registry.CreatesBacking(f.outFormat):
 		return convert.Job{}, usagef("Backing file not supported for file format '%s'", f.outFormat)
+	case f.compress && !registry.Compresses(f.outFormat):
+		// qemu-img 7.2 refuses it as a failure (exit 1), not as a usage
+		// error, and before it creates TARGET (and after -B's refusal):
+		// scripts that test its status see the same here.
+		return convert.Job{}, errors.New("Compression not supported for this file format")
 	case f.backing != "" && f.noCreate:
 		return convert.Job{}, usagef("-B makes a new TARGET; it cannot be used with -n")
 	case f.targetIsZero && !f.noCreate:

@@ -478,8 +478,14 @@ func probeTail(path string) (driver.Format, bool) {
 	if _, err := f.ReadAt(tail, fi.Size()-driver.ProbeTailSize); err != nil {
 		return driver.Format{}, false
 	}
+	return tailFormat(tail, fi.Size())
+}
+
+// tailFormat is the format whose ProbeTail recognises tail, the last
+// driver.ProbeTailSize bytes of a file of size bytes.
+func tailFormat(tail []byte, size int64) (driver.Format, bool) {
 	for _, ff := range fileFormats() {
-		if ff.ProbeTail != nil && ff.ProbeTail(tail, fi.Size()) {
+		if ff.ProbeTail != nil && ff.ProbeTail(tail, size) {
 			return ff, true
 		}
 	}

@@ -149,9 +149,9 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 }
 
 // openRemoteImage opens the remote object spec as an image of format
-// (Auto: probed from its first bytes, as a local file's): read-only, a
-// link of the chain like any other (depth bounded; a loop through servers
-// cannot be seen by identity).
+// (Auto: probed from its first bytes, and a fixed VHD from its last, as a
+// local file is): read-only, a link of the chain like any other (depth
+// bounded; a loop through servers cannot be seen by identity).
 func (c *chain) openRemoteImage(spec, format string, writable, backing bool) (formats.Image, string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), remoteOpenTimeout)
 	defer cancel()
@@ -187,6 +187,21 @@ func (c *chain) openRemoteFile(ctx context.Context, spec, format string, backing
 			name = u.Path // dmg goes by its suffix
 		}
 		ff := probeFormat(head, name)
+		if ff.Name == Raw {
+			// A fixed VHD has its only footer at the end: found there as
+			// a local file's is (detect), by one more ranged read.
+			tf, ok, err := remoteTailFormat(ctx, f)
+			if err != nil {
+				f.Close()
+				return nil, driver.Format{}, err
+			}
+			if ok {
+				ff = tf
+				if format == Auto && !backing {
+					c.probedByTail = tf.Name
+				}
+			}
+		}
 		switch {
 		case format == Auto && ff.Open == nil:
 			f.Close()
@@ -243,4 +258,20 @@ func shownName(name string) string {
 		return remote.Redact(name)
 	}
 	return name
+}
+
+// remoteTailFormat is the format whose ProbeTail recognises the end of
+// the remote object f (its size is known from the open), as probeTail
+// finds it in a local file.
+func remoteTailFormat(ctx context.Context, f aio.File) (driver.Format, bool, error) {
+	sized, ok := f.(aio.Sized)
+	if !ok || sized.Size() < driver.ProbeTailSize {
+		return driver.Format{}, false, nil
+	}
+	tail := make([]byte, driver.ProbeTailSize)
+	if _, err := f.ReadAt(ctx, tail, sized.Size()-driver.ProbeTailSize); err != nil && !errors.Is(err, io.EOF) {
+		return driver.Format{}, false, fmt.Errorf("%s: read the last %d bytes: %w", f.Name(), driver.ProbeTailSize, err)
+	}
+	ff, ok := tailFormat(tail, sized.Size())
+	return ff, ok, nil
 }

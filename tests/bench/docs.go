@@ -43,7 +43,8 @@ func docAreas() []docArea {
 		{"formats", "1 GiB of random data converted by qemu-img to each format, page-cached, exported read-only, fio 4 KiB reads; the last rows read a streamOptimized vmdk through `--decompressed-cache-size 1280M`, read once first"},
 		{"http", "a 1 GiB image on nginx on loopback, cold (caches dropped, default `--cache-size`) and warm (`--cache-size 1280M`, read once first), against nbdkit's curl plugin behind nbdfuse in several configurations and qemu-storage-daemon's curl node"},
 		{"s3", "a 1 GiB object in versitygw on loopback, cold and warm; QEMU has no S3 driver, so there is nothing to compare with and the ratio column is empty"},
-		{"convert", "`blockexport convert`/`compare` against `qemu-img` on 4 GiB images, page-cached, each tool's best of two"},
+		{"convert", "`blockexport convert`/`compare` against `qemu-img` on 4 GiB images, page-cached, each tool's best of two; the rows to vhdx, vpc and vdi beside fio's sequential write of the same 2 GiB to the same disk (the report's device table)"},
+		{"formatwrite", fmt.Sprintf("fio 4 KiB random writes (aio = libaio iodepth 16, sync = pvsync2 iodepth 1, O_DIRECT) through `fuse -w` of a %s image of each format written in place whose every block holds data (`FMT -w`), and into a fresh dynamic image 16 times as large (`FMT -w new`, %d writes), against qemu-storage-daemon's writable FUSE export of the same image", *fwSize, fwAllocIOs)},
 	}
 }
 

@@ -195,7 +195,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images, to every format written, the disk-bound ones beside fio's own write), formatwrite (4 KiB random writes through fuse -w of vmdk, vhdx, vpc and vdi images, full and fresh, against qemu-storage-daemon's writable export), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
@@ -329,6 +329,10 @@ func main() {
 		covered["convert"] = *cvRows == ""
 		rows = append(rows, tag("convert", cvBenchConvert(dir, bin))...)
 	}
+	if targets["formatwrite"] {
+		covered["formatwrite"] = true
+		rows = append(rows, tag("formatwrite", benchFormatWrite(dir, bin))...)
+	}
 	covered["formats"] = true
 	for _, target := range foreignTargets() {
 		if targets["formats"] || targets[target] || *only == defaultOnly {
@@ -352,11 +356,11 @@ func main() {
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert,formatwrite"
 
-// foreignFormats are the read-only formats' targets: the same 1 GiB of
-// random data converted by qemu-img (format and its -o options), read
-// through each export.
+// foreignFormats are the read rows' targets of the formats besides raw
+// and qcow2: the same 1 GiB of random data converted by qemu-img (format
+// and its -o options), read through each export (read-only).
 var foreignFormats = map[string]struct{ format, opts string }{
 	"vmdk":        {"vmdk", "subformat=monolithicSparse"},
 	"vmdk-stream": {"vmdk", "subformat=streamOptimized"},
@@ -366,11 +370,17 @@ var foreignFormats = map[string]struct{ format, opts string }{
 }
 
 // foreignTargets are foreignFormats' targets in the registry's order of
-// the read-only formats, a format's variants after it; a read-only format
-// without a target stops the bench, so that a new one is benched.
+// the formats read here besides raw and qcow2 (which the matrix has), a
+// format's variants after it; such a format without a target stops the
+// bench, so that a new one is benched. Written formats keep their read
+// rows (their writes are formatwrite.go's): asking ReadOnlyFormats
+// dropped vmdk, vpc and vdi from these rows once they became writable.
 func foreignTargets() []string {
 	var ts []string
-	for _, f := range registry.ReadOnlyFormats() {
+	for _, f := range registry.FileFormats() {
+		if f == registry.Raw || f == registry.QCOW2 {
+			continue
+		}
 		n := len(ts)
 		for t, ff := range foreignFormats {
 			if ff.format == f {
@@ -416,6 +426,8 @@ func qsdArgs(c qemuConfig, target, image string) (args []string, node, exportOpt
 			// and a read-write node takes the write lock.
 			args = append(args, "--blockdev", fmt.Sprintf(file, "f")+",read-only=on", "--blockdev", f.format+",node-name=q,file=f,read-only=on")
 			node = "q"
+		} else if fw := fwQsdArgs(target, fmt.Sprintf(file, "f")); fw != nil {
+			args, node = append(args, fw...), "q" // formatwrite.go: written in place
 		}
 	}
 	return args, node, exportOpts
