@@ -166,7 +166,8 @@ func (f *convertFlags) job(src, dst string) (convert.Job, error) {
 	}
 	switch {
 	case f.backing != "" && !registry.CreatesBacking(f.outFormat):
-		return convert.Job{}, usagef("Backing file not supported for file format '%s'", f.outFormat)
+		// A failure in qemu-img 7.2 (exit 1), as -c's below.
+		return convert.Job{}, fmt.Errorf("Backing file not supported for file format '%s'", f.outFormat)
 	case f.compress && !registry.Compresses(f.outFormat):
 		// qemu-img 7.2 refuses it as a failure (exit 1), not as a usage
 		// error, and before it creates TARGET (and after -B's refusal):

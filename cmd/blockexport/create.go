@@ -80,7 +80,8 @@ func (f *createFlags) run(c *cobra.Command, args []string) error {
 		o.BackingFormat = f.backingFormat
 	}
 	if o.BackingFile != "" && !registry.CreatesBacking(f.format) {
-		return usagef("create: Backing file not supported for file format '%s'", f.format)
+		// A failure in qemu-img 7.2 (exit 1), not a usage error.
+		return fmt.Errorf("create: Backing file not supported for file format '%s'", f.format)
 	}
 	if o.BackingFile != "" {
 		// Any image format read here may be a backing file (vmdk...); a

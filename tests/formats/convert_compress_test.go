@@ -76,3 +76,54 @@ func TestConvertCompressedToAFormatThatCannotCompressFailsAsQemuImg(t *testing.T
 		t.Fatalf("no creatable format refuses -c (formats %v): nothing was compared", registry.CreatableFormats())
 	}
 }
+
+// TestBackingFileForAFormatWithoutOneFailsAsQemuImg: `create -b` and
+// `convert -B` for every format the registry creates without a backing
+// file exit as qemu-img 7.2 does (1, "Backing file not supported for file
+// format 'FMT'"), and neither makes the file.
+func TestBackingFileForAFormatWithoutOneFailsAsQemuImg(t *testing.T) {
+	dir := t.TempDir()
+	base := harness.SparseImage(t, dir, "base.raw", 1<<20)
+	refused := 0
+	for _, format := range registry.CreatableFormats() {
+		if registry.CreatesBacking(format) {
+			continue
+		}
+		refused++
+		t.Run(format, func(t *testing.T) {
+			msg := "Backing file not supported for file format '" + format + "'"
+			for _, verb := range []struct {
+				name        string
+				ours, qemus []string
+			}{
+				{"create", []string{"create", "-f", format, "-b", base, "-F", "raw"}, []string{"create", "-f", format, "-b", base, "-F", "raw"}},
+				{"convert", []string{"convert", "-O", format, "-B", base}, []string{"convert", "-O", format, "-B", base}},
+			} {
+				ours, theirs := filepath.Join(dir, verb.name+"-ours."+format), filepath.Join(dir, verb.name+"-theirs."+format)
+				oursArgs, qemuArgs := append(slices.Clone(verb.ours), ours), append(slices.Clone(verb.qemus), theirs)
+				if verb.name == "create" {
+					oursArgs, qemuArgs = append(oursArgs, "1M"), append(qemuArgs, "1M")
+				} else {
+					oursArgs = append(slices.Clone(verb.ours), base, ours)
+					qemuArgs = append(slices.Clone(verb.qemus), base, theirs)
+				}
+				code, out := harness.RunBlockexport(t, oursArgs...)
+				qcode, qout := qemuImgStatus(t, qemuArgs...)
+				if qcode != 1 || code != qcode {
+					t.Errorf("%s: exit %d (%s), qemu-img exits %d (%s)", verb.name, code, out, qcode, qout)
+				}
+				if !strings.Contains(out, msg) || !strings.Contains(qout, msg) {
+					t.Errorf("%s says %q, qemu-img says %q; want both to say %q", verb.name, out, qout, msg)
+				}
+				for _, p := range []string{ours, theirs} {
+					if _, err := os.Stat(p); !os.IsNotExist(err) {
+						t.Errorf("%s: %s exists after the refusal (stat: %v)", verb.name, p, err)
+					}
+				}
+			}
+		})
+	}
+	if refused == 0 {
+		t.Fatalf("every creatable format records a backing file (%v): nothing was compared", registry.CreatableFormats())
+	}
+}
