@@ -66,7 +66,9 @@ func (e *Engine) StartNBD(o NBDServerOptions) error {
 	if err != nil {
 		return err
 	}
-	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, HandshakeLimit: nbd.DefaultHandshakeLimit,
+	// At max-connections QSD 7.2 stops accepting: one more client
+	// waits, connected but unanswered, until another leaves.
+	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, WaitAtMaxClients: true, HandshakeLimit: nbd.DefaultHandshakeLimit,
 		PollMax: 32 * time.Microsecond, Logger: e.log.With("nbd-server", l.Addr().String()),
 		TLS: conf, TLSMode: tlsMode})
 	s := &nbdServer{srv: srv, l: l, path: path, served: make(chan error, 1)}
