@@ -51,6 +51,8 @@ type export struct {
 	// server.
 	mount   *fuseexport.Mount
 	nbdName string
+	// bitmaps are the bitmaps an NBD export holds busy.
+	bitmaps []bitmapKey
 }
 
 // exportTimeout bounds how long a hard removal waits for an NBD
@@ -152,7 +154,7 @@ func (e *Engine) startNBD(x *export) error {
 	if err != nil {
 		return err
 	}
-	metas, err := e.exportBitmaps(x, img)
+	metas, keys, err := e.exportBitmaps(x, img)
 	if err != nil {
 		x.node.release()
 		return genericf("%v", err)
@@ -161,7 +163,10 @@ func (e *Engine) startNBD(x *export) error {
 		x.node.release()
 		return genericf("%v", err)
 	}
-	x.nbdName = name
+	x.nbdName, x.bitmaps = name, keys
+	for _, k := range keys {
+		e.nbd.busy[k] = true
+	}
 	return nil
 }
 
@@ -203,6 +208,9 @@ func (e *Engine) removeExport(ctx context.Context, x *export, hard bool) error {
 		if errors.Is(err, nbd.ErrExportInUse) {
 			return &Error{Class: Generic, Desc: "export '" + x.o.ID + "' still in use"}
 		}
+		for _, k := range x.bitmaps {
+			delete(e.nbd.busy, k)
+		}
 	}
 	e.exports = slices.DeleteFunc(e.exports, func(y *export) bool { return y == x })
 	if rerr := x.node.release(); err == nil {
@@ -235,9 +243,7 @@ func (e *Engine) Exports() []ExportInfo {
 // bitmap the image lacks, or one in use, is refused in QEMU's words. A
 // copy-on-read node's bitmaps are its overlay's.
 func DirtyBitmapContexts(ctx context.Context, img formats.Image, names []string) ([]nbd.MetaContext, error) {
-	if c, ok := img.(*copyonread.Image); ok {
-		img = c.Image
-	}
+	img = bitmapOwner(img)
 	var metas []nbd.MetaContext
 	seen := map[string]bool{}
 	for _, name := range names {
@@ -264,35 +270,47 @@ func DirtyBitmapContexts(ctx context.Context, img formats.Image, names []string)
 	return metas, nil
 }
 
-// exportBitmaps are the meta contexts of x's bitmaps, each checked as
-// QEMU checks it, in their order: found, then not enabled under a
-// read-only export of a writable node.
-func (e *Engine) exportBitmaps(x *export, img formats.Image) ([]nbd.MetaContext, error) {
+// exportBitmaps are the meta contexts of x's bitmaps and the bitmaps
+// they hold busy, each checked as QEMU checks it, in their order: found,
+// not enabled under a read-only export of a writable node, not offered
+// by another export.
+func (e *Engine) exportBitmaps(x *export, img formats.Image) ([]nbd.MetaContext, []bitmapKey, error) {
 	ctx := context.Background()
 	var metas []nbd.MetaContext
+	var keys []bitmapKey
 	for _, name := range x.o.Bitmaps {
-		m, err := DirtyBitmapContexts(ctx, img, append(x.o.Bitmaps[:0:0], name))
+		m, err := DirtyBitmapContexts(ctx, img, []string{name})
 		if err == nil && !x.o.Writable && !x.node.readOnly {
 			err = enabledBitmap(ctx, img, name)
 		}
-		if err != nil {
-			return nil, err
+		k := bitmapKey{bitmapOwner(img), name}
+		if err == nil && e.nbd.busy[k] {
+			err = fmt.Errorf("Bitmap '%s' is currently in use by another operation and cannot be used", name)
 		}
-		if !slices.ContainsFunc(metas, func(have nbd.MetaContext) bool { return have.Name == m[0].Name }) {
-			metas = append(metas, m...)
+		if err != nil {
+			return nil, nil, err
+		}
+		if !slices.Contains(keys, k) {
+			metas, keys = append(metas, m...), append(keys, k)
 		}
 	}
-	return metas, nil
+	return metas, keys, nil
+}
+
+// bitmapOwner is the image whose bitmaps img offers: a copy-on-read
+// node's are its overlay's.
+func bitmapOwner(img formats.Image) formats.Image {
+	if c, ok := img.(*copyonread.Image); ok {
+		return c.Image
+	}
+	return img
 }
 
 // enabledBitmap refuses, as QEMU does, a read-only export of a writable
 // node with an enabled bitmap: the node's other writers would change the
 // bitmap under a client that takes the export for a fixed view.
 func enabledBitmap(ctx context.Context, img formats.Image, name string) error {
-	if c, ok := img.(*copyonread.Image); ok {
-		img = c.Image
-	}
-	q, ok := img.(*qcow2.Image)
+	q, ok := bitmapOwner(img).(*qcow2.Image)
 	if !ok {
 		return nil
 	}
