@@ -151,4 +151,3 @@ func greeting(t *testing.T, c net.Conn, wait time.Duration) {
 		t.Fatalf("NBD greeting: %q, %v", magic, err)
 	}
 }
-
