@@ -114,7 +114,9 @@ func TestRemoteDriverKeysAsQEMUNamesThem(t *testing.T) {
 			}},
 		{opt: "driver=nbd,node-name=n", wantDesc: "Parameter 'server' is missing"},
 		{opt: "driver=http,node-name=h,url=http://h/x,read-only=on,readahead=65536,timeout=10",
-			check: func(o engine.BlockdevOptions) bool { return o.URL == "http://h/x" && o.Timeout == 10 && o.ReadOnly && o.SSLVerify }},
+			check: func(o engine.BlockdevOptions) bool {
+				return o.URL == "http://h/x" && o.Timeout == 10 && o.ReadOnly && o.SSLVerify
+			}},
 		{opt: "driver=http,node-name=h,url=http://h/x,readahead=1000", wantDesc: "HTTP_READAHEAD_SIZE 1000 is not a multiple of 512"},
 		{opt: "driver=http,node-name=h,url=http://h/x,sslverify=off", wantDesc: "Parameter 'sslverify' is unexpected"},
 		{opt: "driver=https,node-name=h,url=https://h/x,sslverify=off,tls-ca=/ca.pem",
