@@ -472,7 +472,7 @@ func (e *Engine) nbdSpec(o BlockdevOptions) (string, registry.Options, error) {
 			return "", ro, genericf("No TLS credentials with id '%s'", o.TLSCreds)
 		}
 		if c.o.Endpoint != "client" {
-			return "", ro, genericf("Expecting TLS credentials with a client endpoint")
+			return "", ro, genericf("Expected TLS credentials for a client endpoint")
 		}
 		u.Scheme = strings.Replace(u.Scheme, "nbd", "nbds", 1)
 		q.Set("tls-certificates", c.o.Dir)

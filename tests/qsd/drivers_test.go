@@ -291,3 +291,44 @@ func TestS3DriverServesAnObject(t *testing.T) {
 		t.Error("the NBD socket was left behind")
 	}
 }
+
+// TestNBDDriverOverTLSAnswersAsQSD: an nbd node whose server wants TLS,
+// through a tls-creds-x509 client object (object-add) and tls-hostname;
+// credentials that are missing or a server's are refused, and the answers
+// are QSD's; what the node reads is the source's.
+func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
+	certs := makeCertificateDir(t)
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src.raw")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "raw", src, "2M")
+	harness.Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x7e 512k 512k", src)
+	srcSock := filepath.Join(dir, "src.sock")
+	harness.StartServerProc(t, srcSock, "qemu-storage-daemon",
+		"--object", "tls-creds-x509,id=s,dir="+certs+",endpoint=server",
+		"--blockdev", "driver=file,node-name=disk,filename="+src,
+		"--nbd-server", "addr.type=unix,addr.path="+srcSock+",tls-creds=s",
+		"--export", "nbd,id=e,node-name=disk,name=src")
+	var runs [2][]string
+	for i, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		rdir := t.TempDir()
+		nbdSock := filepath.Join(rdir, "nbd.sock")
+		d := startDaemon(t, prog, nil)
+		s := newSession(t, d, map[string]string{rdir: "$DIR", srcSock: "$SRC", certs: "$CERTS"})
+		s.send(`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "c", "dir": "` + certs + `", "endpoint": "client"}}`)
+		s.send(`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "srv", "dir": "` + certs + `", "endpoint": "server"}}`)
+		nbdNode := func(name, creds string) string {
+			return `{"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "` + name + `", "server": {"type": "unix", "path": "` +
+				srcSock + `"}, "export": "src", "tls-creds": "` + creds + `", "tls-hostname": "localhost", "read-only": true}}`
+		}
+		s.send(nbdNode("none", "nosuch"))
+		s.send(nbdNode("server", "srv"))
+		s.send(nbdNode("src", "c"))
+		s.send(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
+		s.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e", "node-name": "src"}}`)
+		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, harness.NBDURI("src", nbdSock))
+		s.send(`{"execute": "block-export-del", "arguments": {"id": "e"}}`)
+		s.send(`{"execute": "blockdev-del", "arguments": {"node-name": "src"}}`)
+		runs[i] = s.quit(d)
+	}
+	sameMessages(t, runs[0], runs[1])
+}
