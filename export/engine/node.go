@@ -480,7 +480,9 @@ func (e *Engine) nbdSpec(o BlockdevOptions) (string, registry.Options, error) {
 			q.Set("tls-hostname", o.TLSHostname)
 		}
 	}
-	u.RawQuery = q.Encode()
+	// A socket path's slashes stay as they are, readable in messages and
+	// query-named-block-nodes; what would end the query is escaped.
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "%2F", "/")
 	ro.NBD = registry.NBDOptions{Connections: 1, ReconnectTimeout: time.Duration(o.ReconnectDelay) * time.Second}
 	return u.String(), ro, nil
 }
@@ -495,6 +497,10 @@ func remoteError(o BlockdevOptions, spec string, err error) error {
 			where = net.JoinHostPort(o.Server.Host, o.Server.Port)
 		}
 		return genericf("Failed to connect to '%s': %s", where, errnoText(en))
+	}
+	if o.Driver == "nbd" && errors.Is(err, formats.ErrReadOnly) {
+		// A read-only export opened for writing: QEMU's words.
+		return genericf("Could not open image: Permission denied")
 	}
 	return genericf("Could not open '%s': %v", registry.Shown(spec), err)
 }

@@ -294,8 +294,9 @@ func TestS3DriverServesAnObject(t *testing.T) {
 
 // TestNBDDriverOverTLSAnswersAsQSD: an nbd node whose server wants TLS,
 // through a tls-creds-x509 client object (object-add) and tls-hostname;
-// credentials that are missing or a server's are refused, and the answers
-// are QSD's; what the node reads is the source's.
+// credentials that are missing or a server's, and a writable node on a
+// read-only export, are refused, and the answers are QSD's; what the node
+// reads is the source's.
 func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
 	certs := makeCertificateDir(t)
 	dir := t.TempDir()
@@ -316,13 +317,14 @@ func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
 		s := newSession(t, d, map[string]string{rdir: "$DIR", srcSock: "$SRC", certs: "$CERTS"})
 		s.send(`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "c", "dir": "` + certs + `", "endpoint": "client"}}`)
 		s.send(`{"execute": "object-add", "arguments": {"qom-type": "tls-creds-x509", "id": "srv", "dir": "` + certs + `", "endpoint": "server"}}`)
-		nbdNode := func(name, creds string) string {
+		nbdNode := func(name, creds, readOnly string) string {
 			return `{"execute": "blockdev-add", "arguments": {"driver": "nbd", "node-name": "` + name + `", "server": {"type": "unix", "path": "` +
-				srcSock + `"}, "export": "src", "tls-creds": "` + creds + `", "tls-hostname": "localhost", "read-only": true}}`
+				srcSock + `"}, "export": "src", "tls-creds": "` + creds + `", "tls-hostname": "localhost", "read-only": ` + readOnly + `}}`
 		}
-		s.send(nbdNode("none", "nosuch"))
-		s.send(nbdNode("server", "srv"))
-		s.send(nbdNode("src", "c"))
+		s.send(nbdNode("none", "nosuch", "true"))
+		s.send(nbdNode("server", "srv", "true"))
+		s.send(nbdNode("rw", "c", "false")) // the export is read-only
+		s.send(nbdNode("src", "c", "true"))
 		s.send(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
 		s.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e", "node-name": "src"}}`)
 		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", src, harness.NBDURI("src", nbdSock))
