@@ -4,9 +4,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/blockexport/blockexport/tests/internal/harness"
 )
@@ -333,4 +335,55 @@ func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
 		runs[i] = s.quit(d)
 	}
 	sameMessages(t, runs[0], runs[1])
+}
+
+// TestNBDDriverReconnectDelayRidesOutAServerRestart: with
+// reconnect-delay, a read through an nbd node while its server is down
+// waits, and is answered once the server is back, on both daemons.
+func TestNBDDriverReconnectDelayRidesOutAServerRestart(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src.raw")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "raw", src, "2M")
+	harness.Run(t, "qemu-io", "-f", "raw", "-c", "write -P 0x2b 0 2M", src)
+	srcSock := filepath.Join(dir, "src.sock")
+	serve := func() *harness.ServerProc {
+		return harness.StartServerProc(t, srcSock, "qemu-nbd", "-t", "-e", "4", "-r", "-f", "raw", "-x", "src", "-k", srcSock, src)
+	}
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		t.Run(filepath.Base(prog), func(t *testing.T) {
+			server := serve()
+			rdir := t.TempDir()
+			nbdSock := filepath.Join(rdir, "nbd.sock")
+			d := startDaemon(t, prog, nil,
+				"--blockdev", "driver=nbd,node-name=src,read-only=on,reconnect-delay=20,server.type=unix,server.path="+srcSock+",export=src",
+				"--nbd-server", "addr.type=unix,addr.path="+nbdSock,
+				"--export", "type=nbd,id=e,node-name=src,name=src")
+			dialRaw(t, d.sock, true)
+			harness.Run(t, "qemu-io", "-f", "raw", "-r", "-c", "read -P 0x2b 0 64k", harness.NBDURI("src", nbdSock))
+			server.Kill()
+			read := make(chan error, 1)
+			go func() {
+				out, err := exec.Command("qemu-io", "-f", "raw", "-r", "-c", "read -P 0x2b 1M 64k", harness.NBDURI("src", nbdSock)).CombinedOutput()
+				if err != nil || strings.Contains(string(out), "failed") || !strings.Contains(string(out), "read 65536/65536") {
+					err = fmt.Errorf("%v: %s", err, out)
+				}
+				read <- err
+			}()
+			time.Sleep(time.Second)
+			select {
+			case err := <-read:
+				t.Fatalf("a read while the server was down ended before it came back: %v", err)
+			default:
+			}
+			serve()
+			select {
+			case err := <-read:
+				if err != nil {
+					t.Fatalf("the read once the server was back: %v\n%s", err, d.log)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatalf("the read did not end after the server came back\n%s", d.log)
+			}
+		})
+	}
 }
