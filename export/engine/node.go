@@ -398,6 +398,10 @@ func (e *Engine) openRemote(n *node, o BlockdevOptions) error {
 	ro.Writable = !o.ReadOnly && o.Driver == "nbd"
 	ro.Backend, ro.Logger, ro.Format = e.o.Backend, e.log, registry.Raw
 	opened, err := registry.Open(spec, ro)
+	if err != nil && ro.Writable && o.AutoReadOnly && errors.Is(err, formats.ErrReadOnly) {
+		ro.Writable = false // a read-only export, taken read-only as auto-read-only allows
+		opened, err = registry.Open(spec, ro)
+	}
 	if err != nil {
 		return remoteError(o, spec, err)
 	}

@@ -297,8 +297,8 @@ func TestS3DriverServesAnObject(t *testing.T) {
 // TestNBDDriverOverTLSAnswersAsQSD: an nbd node whose server wants TLS,
 // through a tls-creds-x509 client object (object-add) and tls-hostname;
 // credentials that are missing or a server's, and a writable node on a
-// read-only export, are refused, and the answers are QSD's; what the node
-// reads is the source's.
+// read-only export, are refused (auto-read-only takes it read-only), and
+// the answers are QSD's; what the node reads is the source's.
 func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
 	certs := makeCertificateDir(t)
 	dir := t.TempDir()
@@ -326,6 +326,8 @@ func TestNBDDriverOverTLSAnswersAsQSD(t *testing.T) {
 		s.send(nbdNode("none", "nosuch", "true"))
 		s.send(nbdNode("server", "srv", "true"))
 		s.send(nbdNode("rw", "c", "false")) // the export is read-only
+		s.send(strings.Replace(nbdNode("auto", "c", "false"), `"read-only": false`, `"read-only": false, "auto-read-only": true`, 1))
+		s.send(`{"execute": "blockdev-del", "arguments": {"node-name": "auto"}}`)
 		s.send(nbdNode("src", "c", "true"))
 		s.send(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
 		s.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e", "node-name": "src"}}`)
