@@ -27,10 +27,18 @@ func daemonCommand() *cobra.Command {
 		Long: "Run a daemon that takes qemu-storage-daemon's command line and speaks QMP on its\n" +
 			"monitors. Options are acted on in the order given, as QSD does:\n" +
 			"  --blockdev driver=file|null-co|raw|qcow2|vmdk|vhdx|vpc|vdi,node-name=NAME,...  (or JSON)\n" +
+			"  --blockdev driver=nbd,node-name=NAME,server.type=unix,server.path=PATH | server.type=inet,server.host=HOST,server.port=PORT\n" +
+			"             [,export=NAME][,tls-creds=ID][,tls-hostname=NAME][,reconnect-delay=SECONDS]\n" +
+			"  --blockdev driver=http|https,node-name=NAME,url=URL,read-only=on[,timeout=SECONDS][,readahead=BYTES]\n" +
+			"             [,tls-ca=FILE (ours: https's CA; sslverify=off is refused)]\n" +
+			"  --blockdev driver=s3,node-name=NAME,url=s3://BUCKET/KEY,read-only=on[,s3-endpoint=URL][,s3-path-style=on]  (ours)\n" +
+			"  --blockdev driver=copy-on-read,node-name=NAME,file=NODE  (reads copy what NODE's overlay lacks into it)\n" +
 			"  --export [type=]fuse,id=ID,node-name=NAME,mountpoint=FILE[,writable=on][,growable=on][,allow-other=on|off|auto]\n" +
-			"  --export [type=]nbd,id=ID,node-name=NAME[,name=NAME][,description=TEXT][,writable=on]\n" +
+			"  --export [type=]nbd,id=ID,node-name=NAME[,name=NAME][,description=TEXT][,writable=on][,bitmaps.0=BITMAP,...]\n" +
 			"  --nbd-server addr.type=unix,addr.path=PATH | addr.type=inet,addr.host=HOST,addr.port=PORT[,tls-creds=ID][,max-connections=N]\n" +
-			"  --object tls-creds-x509,id=ID,dir=DIR[,endpoint=server|client][,verify-peer=on|off]  (DIR: ca-cert.pem, server-cert.pem, server-key.pem)\n" +
+			"             (at max-connections further clients wait, unanswered, until one leaves)\n" +
+			"  --object tls-creds-x509,id=ID,dir=DIR[,endpoint=server|client][,verify-peer=on|off]  (DIR: ca-cert.pem, server-cert.pem, server-key.pem;\n" +
+			"             a client endpoint's, for driver=nbd's tls-creds: ca-cert.pem[, client-cert.pem, client-key.pem])\n" +
 			"  --chardev socket,id=ID,path=PATH,server=on,wait=off | --chardev stdio,id=ID\n" +
 			"  --monitor [chardev=]ID     QMP on that chardev (its unix socket is created 0600)\n" +
 			"  --pidfile PATH, --daemonize\n" +

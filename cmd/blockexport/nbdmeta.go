@@ -2,13 +2,11 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"slices"
 
+	"github.com/blockexport/blockexport/export/engine"
 	"github.com/blockexport/blockexport/export/nbd"
 	"github.com/blockexport/blockexport/formats"
-	"github.com/blockexport/blockexport/formats/drivers/qcow2"
-	"github.com/blockexport/blockexport/formats/filters/copyonread"
 )
 
 // nbdMetaContexts are the meta contexts qemu-nbd's -A and -B offer:
@@ -20,34 +18,15 @@ func nbdMetaContexts(ctx context.Context, img formats.Image, depth bool, bitmaps
 	if depth {
 		metas = append(metas, nbd.MetaContext{Name: "qemu:allocation-depth", Extent: allocationDepth(img)})
 	}
-	top := img
-	if c, ok := top.(*copyonread.Image); ok {
-		top = c.Image
-	}
-	seen := map[string]bool{}
 	// qemu-nbd offers the bitmaps in the reverse of their order on its
 	// command line (it prepends each -B to its list).
-	for _, name := range slices.Backward(bitmaps) {
-		if seen[name] {
-			continue // qemu-nbd offers a bitmap named twice once
-		}
-		seen[name] = true
-		q, ok := top.(*qcow2.Image)
-		if !ok {
-			return nil, fmt.Errorf("Bitmap '%s' is not found", name)
-		}
-		bm, err := q.DirtyBitmap(ctx, name)
-		if err != nil {
-			return nil, err
-		}
-		metas = append(metas, nbd.MetaContext{Name: "qemu:dirty-bitmap:" + name, Extent: func(_ context.Context, off, n int64) (int64, uint32, error) {
-			l, dirty := bm.Extent(off, n)
-			if dirty {
-				return l, 1, nil // NBD_STATE_DIRTY
-			}
-			return l, 0, nil
-		}})
+	reversed := slices.Clone(bitmaps)
+	slices.Reverse(reversed)
+	bms, err := engine.DirtyBitmapContexts(ctx, img, reversed)
+	if err != nil {
+		return nil, err
 	}
+	metas = append(metas, bms...)
 	return metas, nil
 }
 

@@ -4,12 +4,16 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"time"
 
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
 	"github.com/blockexport/blockexport/export/nbd"
+	"github.com/blockexport/blockexport/formats"
+	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/filters/copyonread"
 )
 
 // ExportOptions are block-export-add's arguments (types fuse and nbd).
@@ -23,9 +27,12 @@ type ExportOptions struct {
 	Mountpoint string
 	Growable   bool
 	AllowOther string
-	// Name (default: the node's name) and Description are nbd's.
+	// Name (default: the node's name), Description and Bitmaps are
+	// nbd's. Bitmaps name the node's persistent dirty bitmaps offered as
+	// the meta contexts qemu:dirty-bitmap:NAME, in their order.
 	Name        *string
 	Description string
+	Bitmaps     []string
 }
 
 // ExportInfo is one row of query-block-exports.
@@ -44,6 +51,8 @@ type export struct {
 	// server.
 	mount   *fuseexport.Mount
 	nbdName string
+	// bitmaps are the bitmaps an NBD export holds busy.
+	bitmaps []bitmapKey
 }
 
 // exportTimeout bounds how long a hard removal waits for an NBD
@@ -145,11 +154,19 @@ func (e *Engine) startNBD(x *export) error {
 	if err != nil {
 		return err
 	}
-	if err := e.nbd.srv.Add(nbd.Export{Name: name, Description: x.o.Description, Image: img, Writable: x.o.Writable}); err != nil {
+	metas, keys, err := e.exportBitmaps(x, img)
+	if err != nil {
 		x.node.release()
 		return genericf("%v", err)
 	}
-	x.nbdName = name
+	if err := e.nbd.srv.Add(nbd.Export{Name: name, Description: x.o.Description, Image: img, Writable: x.o.Writable, Meta: metas}); err != nil {
+		x.node.release()
+		return genericf("%v", err)
+	}
+	x.nbdName, x.bitmaps = name, keys
+	for _, k := range keys {
+		e.nbd.busy[k] = true
+	}
 	return nil
 }
 
@@ -191,6 +208,9 @@ func (e *Engine) removeExport(ctx context.Context, x *export, hard bool) error {
 		if errors.Is(err, nbd.ErrExportInUse) {
 			return &Error{Class: Generic, Desc: "export '" + x.o.ID + "' still in use"}
 		}
+		for _, k := range x.bitmaps {
+			delete(e.nbd.busy, k)
+		}
 	}
 	e.exports = slices.DeleteFunc(e.exports, func(y *export) bool { return y == x })
 	if rerr := x.node.release(); err == nil {
@@ -215,4 +235,93 @@ func (e *Engine) Exports() []ExportInfo {
 		out = append(out, ExportInfo{ID: x.o.ID, Type: x.o.Type, NodeName: x.node.name})
 	}
 	return out
+}
+
+// DirtyBitmapContexts are the meta contexts qemu:dirty-bitmap:NAME of
+// img's persistent bitmaps names, in that order, each once, as an NBD
+// export offers them (block-export-add's bitmaps, qemu-nbd's -B). A
+// bitmap the image lacks, or one in use, is refused in QEMU's words. A
+// copy-on-read node's bitmaps are its overlay's.
+func DirtyBitmapContexts(ctx context.Context, img formats.Image, names []string) ([]nbd.MetaContext, error) {
+	img = bitmapOwner(img)
+	var metas []nbd.MetaContext
+	seen := map[string]bool{}
+	for _, name := range names {
+		if seen[name] {
+			continue
+		}
+		seen[name] = true
+		q, ok := img.(*qcow2.Image)
+		if !ok {
+			return nil, fmt.Errorf("Bitmap '%s' is not found", name)
+		}
+		bm, err := q.DirtyBitmap(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		metas = append(metas, nbd.MetaContext{Name: "qemu:dirty-bitmap:" + name, Extent: func(_ context.Context, off, n int64) (int64, uint32, error) {
+			l, dirty := bm.Extent(off, n)
+			if dirty {
+				return l, 1, nil // NBD_STATE_DIRTY
+			}
+			return l, 0, nil
+		}})
+	}
+	return metas, nil
+}
+
+// exportBitmaps are the meta contexts of x's bitmaps and the bitmaps
+// they hold busy, each checked as QEMU checks it, in their order: found,
+// not enabled under a read-only export of a writable node, not offered
+// by another export.
+func (e *Engine) exportBitmaps(x *export, img formats.Image) ([]nbd.MetaContext, []bitmapKey, error) {
+	ctx := context.Background()
+	var metas []nbd.MetaContext
+	var keys []bitmapKey
+	for _, name := range x.o.Bitmaps {
+		m, err := DirtyBitmapContexts(ctx, img, []string{name})
+		if err == nil && !x.o.Writable && !x.node.readOnly {
+			err = enabledBitmap(ctx, img, name)
+		}
+		k := bitmapKey{bitmapOwner(img), name}
+		if err == nil && e.nbd.busy[k] {
+			err = fmt.Errorf("Bitmap '%s' is currently in use by another operation and cannot be used", name)
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		if !slices.Contains(keys, k) {
+			metas, keys = append(metas, m...), append(keys, k)
+		}
+	}
+	return metas, keys, nil
+}
+
+// bitmapOwner is the image whose bitmaps img offers: a copy-on-read
+// node's are its overlay's.
+func bitmapOwner(img formats.Image) formats.Image {
+	if c, ok := img.(*copyonread.Image); ok {
+		return c.Image
+	}
+	return img
+}
+
+// enabledBitmap refuses, as QEMU does, a read-only export of a writable
+// node with an enabled bitmap: the node's other writers would change the
+// bitmap under a client that takes the export for a fixed view.
+func enabledBitmap(ctx context.Context, img formats.Image, name string) error {
+	q, ok := bitmapOwner(img).(*qcow2.Image)
+	if !ok {
+		return nil
+	}
+	infos, _, err := q.PersistentBitmaps(ctx)
+	if err != nil {
+		return err
+	}
+	for _, b := range infos {
+		if b.Name == name && slices.Contains(b.Flags, "auto") {
+			return fmt.Errorf("Enabled bitmap '%s' incompatible with readonly export", name)
+		}
+	}
+	return nil
 }

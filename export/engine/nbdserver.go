@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/blockexport/blockexport/export/nbd"
+	"github.com/blockexport/blockexport/formats"
 )
 
 // NBDAddress is where nbd-server-start listens: a unix socket (Path) or
@@ -39,6 +40,15 @@ type nbdServer struct {
 	l      net.Listener
 	path   string // the unix socket we made, removed at stop
 	served chan error
+	// busy are the bitmaps an export offers: QEMU marks them busy, and
+	// another export may not offer them until that one ends.
+	busy map[bitmapKey]bool
+}
+
+// bitmapKey names one persistent bitmap of one image.
+type bitmapKey struct {
+	img  formats.Image
+	name string
 }
 
 // StartNBD starts the NBD server (nbd-server-start).
@@ -66,10 +76,12 @@ func (e *Engine) StartNBD(o NBDServerOptions) error {
 	if err != nil {
 		return err
 	}
-	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, HandshakeLimit: nbd.DefaultHandshakeLimit,
+	// At max-connections QSD 7.2 stops accepting: one more client
+	// waits, connected but unanswered, until another leaves.
+	srv := nbd.New(nil, nbd.Options{MaxClients: o.MaxConnections, WaitAtMaxClients: true, HandshakeLimit: nbd.DefaultHandshakeLimit,
 		PollMax: 32 * time.Microsecond, Logger: e.log.With("nbd-server", l.Addr().String()),
 		TLS: conf, TLSMode: tlsMode})
-	s := &nbdServer{srv: srv, l: l, path: path, served: make(chan error, 1)}
+	s := &nbdServer{srv: srv, l: l, path: path, served: make(chan error, 1), busy: map[bitmapKey]bool{}}
 	go func() { s.served <- srv.Serve(l) }()
 	e.nbd = s
 	e.log.Info("NBD server started", "addr", l.Addr().String())

@@ -1,17 +1,24 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/url"
 	"os"
 	"regexp"
 	"slices"
+	"strings"
+	"syscall"
+	"time"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/drivers/null"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
+	"github.com/blockexport/blockexport/formats/filters/copyonread"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -25,8 +32,32 @@ type BlockdevOptions struct {
 	// Size and ReadZeroes are null-co's (QEMU's defaults: 1 GiB, false).
 	Size       int64
 	ReadZeroes bool
-	// File is a format driver's file child: a node by name, or inline.
+	// File is a format driver's file child, and copy-on-read's: a node
+	// by name, or inline.
 	File *BlockdevRef
+	// Server, Export, TLSCreds, TLSHostname and ReconnectDelay (seconds)
+	// are nbd's: the server's address, the export's name ("" is the
+	// default export), the tls-creds-x509 client object.
+	Server         *NBDAddress
+	Export         string
+	TLSCreds       string
+	TLSHostname    string
+	ReconnectDelay int64
+	// URL is the object of http, https and s3. Timeout (seconds, QEMU's
+	// default 5) bounds how long a read retries the server. SSLVerify is
+	// https's (QEMU's default: on); TLSCA, our own key, is the CA file
+	// that signs the server's certificate ("": the system's roots).
+	URL       string
+	Timeout   int64
+	SSLVerify bool
+	TLSCA     string
+	// S3Endpoint and S3PathStyle are s3's, as the one-shot commands'
+	// --s3-endpoint and --s3-path-style.
+	S3Endpoint  string
+	S3PathStyle bool
+	// AutoReadOnly opens read-only a node that cannot be written (an
+	// http object) instead of refusing it, as QEMU's auto-read-only.
+	AutoReadOnly bool
 }
 
 // BlockdevRef names a child: an existing node (Name) or one made for it
@@ -36,9 +67,18 @@ type BlockdevRef struct {
 	Inline *BlockdevOptions
 }
 
-// Drivers are the block drivers blockdev-add takes, by QEMU's names.
-// The format drivers are the registry's formats of image files.
-func Drivers() []string { return append([]string{"file", "null-co"}, registry.FileFormats()...) }
+// Drivers are the block drivers blockdev-add takes, by QEMU's names (s3
+// is our own): the protocols, the copy-on-read filter, and as format
+// drivers the registry's formats of image files.
+func Drivers() []string {
+	return append([]string{"file", "null-co", "nbd", "http", "https", "s3", "copy-on-read"}, registry.FileFormats()...)
+}
+
+// isRemote says whether driver reads a server's export or object: the
+// node holds a connection from blockdev-add on, as QEMU's does.
+func isRemote(driver string) bool {
+	return driver == "nbd" || driver == "http" || driver == "https" || driver == "s3"
+}
 
 // TakesBacking says whether driver's images name a backing file (QEMU's
 // "backing" option applies to it).
@@ -56,6 +96,15 @@ type node struct {
 	// path is the host file: a file node's own, a format node's child's.
 	path  string
 	child *node
+	// spec is a remote node's URI, with the options it was opened with
+	// (ropts): what a format node over it opens.
+	spec  string
+	ropts registry.Options
+	// borrowed: img is the child's (raw over a remote node, a
+	// copy-on-read filter), closed with the child, not here; childHeld:
+	// the child is a file node whose image this node acquired.
+	borrowed  bool
+	childHeld bool
 	// filename is what query-named-block-nodes shows as the file.
 	filename string
 	// img is the node's image. A file node opens it only while exported
@@ -105,6 +154,10 @@ func (e *Engine) addNode(o BlockdevOptions, implicit bool) (*node, error) {
 		err = n.openFile(o)
 	case o.Driver == "null-co":
 		err = n.openNull(o)
+	case isRemote(o.Driver):
+		err = e.openRemote(n, o)
+	case o.Driver == "copy-on-read":
+		err = e.openCopyOnRead(n, o)
 	case IsFormatDriver(o.Driver):
 		err = e.openFormat(n, o)
 	default:
@@ -153,14 +206,17 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 	if o.File == nil {
 		return genericf("Parameter 'file' is missing")
 	}
-	child, made, err := e.childNode(*o.File)
+	child, made, err := e.childNode(*o.File, o)
 	if err != nil {
 		return err
 	}
-	if child.path == "" {
-		err = genericf("Node '%s' (driver %s) is not a file: a %s node sits on a file node here", child.name, child.driver, o.Driver)
-	} else {
+	switch {
+	case child.path != "":
 		err = n.openImage(e, child.path, o)
+	case child.spec != "":
+		err = n.openOverRemote(e, child, o)
+	default:
+		err = genericf("Node '%s' (driver %s) is not a file: a %s node sits on a file or remote node here", child.name, child.driver, o.Driver)
 	}
 	if err != nil {
 		if made {
@@ -169,11 +225,13 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 		return err
 	}
 	child.parents++
-	n.child, n.path, n.filename = child, child.path, child.path
+	n.child, n.path, n.filename = child, child.path, cmp.Or(child.path, child.filename)
 	return nil
 }
 
-func (e *Engine) childNode(ref BlockdevRef) (child *node, made bool, err error) {
+// childNode finds or makes a child; one made inline inherits its
+// parent's read-only and auto-read-only, as QEMU's children do.
+func (e *Engine) childNode(ref BlockdevRef, parent BlockdevOptions) (child *node, made bool, err error) {
 	if ref.Inline == nil {
 		child = e.node(ref.Name)
 		if child == nil {
@@ -181,7 +239,10 @@ func (e *Engine) childNode(ref BlockdevRef) (child *node, made bool, err error) 
 		}
 		return child, false, nil
 	}
-	child, err = e.addNode(*ref.Inline, true)
+	inline := *ref.Inline
+	inline.ReadOnly = inline.ReadOnly || parent.ReadOnly
+	inline.AutoReadOnly = inline.AutoReadOnly || parent.AutoReadOnly
+	child, err = e.addNode(inline, true)
 	return child, err == nil, err
 }
 
@@ -262,6 +323,17 @@ func (e *Engine) dropNode(n *node) error {
 }
 
 func (n *node) close() error {
+	if n.childHeld {
+		n.childHeld = false
+		if err := n.child.release(); err != nil {
+			n.img = nil
+			return err
+		}
+	}
+	if n.borrowed {
+		n.img = nil
+		return nil
+	}
 	if n.img == nil || (n.driver == "file" && n.opens == 0) {
 		return nil
 	}
@@ -312,4 +384,215 @@ func (n *node) release() error {
 		return ferr
 	}
 	return cerr
+}
+
+// openRemote opens an nbd, http, https or s3 node through the registry's
+// opener, as the one-shot commands open a URI: the connection is made
+// here, so that a server that is not there fails blockdev-add as it
+// fails QEMU's.
+func (e *Engine) openRemote(n *node, o BlockdevOptions) error {
+	spec, ro, err := e.remoteSpec(o)
+	if err != nil {
+		return err
+	}
+	ro.Writable = !o.ReadOnly && o.Driver == "nbd"
+	ro.Backend, ro.Logger, ro.Format = e.o.Backend, e.log, registry.Raw
+	opened, err := registry.Open(spec, ro)
+	if err != nil && ro.Writable && o.AutoReadOnly && errors.Is(err, formats.ErrReadOnly) {
+		ro.Writable = false // a read-only export, taken read-only as auto-read-only allows
+		opened, err = registry.Open(spec, ro)
+	}
+	if err != nil {
+		return remoteError(o, spec, err)
+	}
+	n.opened, n.img, n.readOnly = opened, opened.Image, !ro.Writable
+	n.spec, n.ropts, n.filename = spec, ro, registry.Shown(spec)
+	return nil
+}
+
+// remoteSpec is the URI the registry opens for a remote node's options,
+// and how to reach it; it refuses, in QEMU's words where QEMU has them,
+// what cannot be opened.
+func (e *Engine) remoteSpec(o BlockdevOptions) (string, registry.Options, error) {
+	var ro registry.Options
+	if o.Driver != "nbd" && !o.ReadOnly && !o.AutoReadOnly {
+		// QEMU's curl driver reads only; so do our http and s3.
+		if o.Driver == "s3" {
+			return "", ro, genericf("s3 driver does not support writes")
+		}
+		return "", ro, genericf("curl driver does not support writes")
+	}
+	switch o.Driver {
+	case "nbd":
+		return e.nbdSpec(o)
+	case "http", "https":
+		if o.Timeout < 0 || o.Timeout > 10000 { // CURL_TIMEOUT_MAX
+			return "", ro, genericf("timeout parameter is too large or negative")
+		}
+		if !strings.HasPrefix(o.URL, o.Driver+"://") {
+			return "", ro, genericf("%s curl driver cannot handle the URL '%s' (does not start with '%s://')", o.Driver, o.URL, o.Driver)
+		}
+		if !o.SSLVerify {
+			return "", ro, genericf("sslverify=off is not supported here: give the CA that signs the server's certificate as tls-ca=FILE")
+		}
+		ro.Remote = registry.RemoteOptions{ReconnectTimeout: time.Duration(cmp.Or(o.Timeout, 5)) * time.Second, TLSCA: o.TLSCA}
+		return o.URL, ro, nil
+	case "s3":
+		if !strings.HasPrefix(o.URL, "s3://") {
+			return "", ro, genericf("s3 driver cannot handle the URL '%s' (does not start with 's3://')", o.URL)
+		}
+		ro.Remote = registry.RemoteOptions{S3Endpoint: o.S3Endpoint, S3PathStyle: o.S3PathStyle, TLSCA: o.TLSCA,
+			ReconnectTimeout: time.Duration(cmp.Or(o.Timeout, 5)) * time.Second}
+		return o.URL, ro, nil
+	}
+	return "", ro, genericf("Parameter 'driver' does not accept value '%s'", o.Driver)
+}
+
+// nbdSpec is the NBD URI of an nbd node's server and export, with the
+// client files of its tls-creds object; reconnect-delay is how long
+// requests wait for a lost server, as QEMU's.
+func (e *Engine) nbdSpec(o BlockdevOptions) (string, registry.Options, error) {
+	var ro registry.Options
+	if o.Server == nil {
+		return "", ro, genericf("Parameter 'server' is missing")
+	}
+	if o.ReconnectDelay < 0 {
+		return "", ro, genericf("Parameter 'reconnect-delay' expects uint32_t")
+	}
+	u := url.URL{Scheme: "nbd", Path: "/" + o.Export}
+	q := url.Values{}
+	switch o.Server.Type {
+	case "unix":
+		u.Scheme = "nbd+unix"
+		q.Set("socket", o.Server.Path)
+	case "inet":
+		u.Host = net.JoinHostPort(o.Server.Host, o.Server.Port)
+	default:
+		return "", ro, genericf("Parameter 'server.type' does not accept value '%s'", o.Server.Type)
+	}
+	if o.TLSCreds != "" {
+		c, ok := e.objects[o.TLSCreds]
+		if !ok {
+			return "", ro, genericf("No TLS credentials with id '%s'", o.TLSCreds)
+		}
+		if c.o.Endpoint != "client" {
+			return "", ro, genericf("Expected TLS credentials for a client endpoint")
+		}
+		u.Scheme = strings.Replace(u.Scheme, "nbd", "nbds", 1)
+		q.Set("tls-certificates", c.o.Dir)
+		if o.TLSHostname != "" {
+			q.Set("tls-hostname", o.TLSHostname)
+		}
+	}
+	// A socket path's slashes stay as they are, readable in messages and
+	// query-named-block-nodes; what would end the query is escaped.
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "%2F", "/")
+	ro.NBD = registry.NBDOptions{Connections: 1, ReconnectTimeout: time.Duration(o.ReconnectDelay) * time.Second}
+	return u.String(), ro, nil
+}
+
+// remoteError words a failed remote open: a server that is not there as
+// QEMU's nbd driver says it.
+func remoteError(o BlockdevOptions, spec string, err error) error {
+	var en syscall.Errno
+	if o.Driver == "nbd" && errors.As(err, &en) {
+		where := o.Server.Path
+		if o.Server.Type == "inet" {
+			where = net.JoinHostPort(o.Server.Host, o.Server.Port)
+		}
+		return genericf("Failed to connect to '%s': %s", where, errnoText(en))
+	}
+	if o.Driver == "nbd" && errors.Is(err, formats.ErrReadOnly) {
+		// A read-only export opened for writing: QEMU's words.
+		return genericf("Could not open image: Permission denied")
+	}
+	return genericf("Could not open '%s': %v", registry.Shown(spec), err)
+}
+
+// openOverRemote opens a format node over a remote node: raw is the
+// remote node's own bytes (the same connection); another format opens
+// the object again in that format through the registry, which reads
+// formats over http(s) and s3, and refuses them over NBD (an export is
+// raw bytes: let its server open the format).
+func (n *node) openOverRemote(e *Engine, child *node, o BlockdevOptions) error {
+	if o.Driver == registry.Raw {
+		if !o.ReadOnly && child.readOnly {
+			return genericf("Block node is read-only")
+		}
+		n.img, n.borrowed, n.readOnly = child.img, true, o.ReadOnly || child.readOnly
+		return nil
+	}
+	ro := child.ropts
+	ro.Format, ro.Writable = o.Driver, false
+	if !o.ReadOnly && !o.AutoReadOnly {
+		return genericf("Block node is read-only")
+	}
+	opened, err := registry.Open(child.spec, ro)
+	if err != nil {
+		return genericf("Could not open '%s': %v", child.filename, err)
+	}
+	n.opened, n.img, n.readOnly = opened, opened.Image, true
+	return nil
+}
+
+// openCopyOnRead puts QEMU's copy-on-read filter over its file child:
+// reads of what the child's top layer lacks copy it up from the backing
+// chain (formats/filters/copyonread). Over a node with nothing below it
+// (no backing file, not a layered format) there is nothing to copy, and
+// the filter passes everything through, as QEMU's does.
+func (e *Engine) openCopyOnRead(n *node, o BlockdevOptions) error {
+	if o.File == nil {
+		return genericf("Parameter 'file' is missing")
+	}
+	child, made, err := e.childNode(*o.File, o)
+	if err != nil {
+		return err
+	}
+	writable := !o.ReadOnly && !child.readOnly
+	var img formats.Image
+	if child.driver == "file" {
+		img, err = child.acquire(e, writable)
+		n.childHeld = err == nil
+	} else {
+		img = child.img
+		if img == nil {
+			err = genericf("Node '%s' (driver %s) has no image to filter", child.name, child.driver)
+		}
+	}
+	if err == nil {
+		img, err = copyOnReadImage(img, child)
+	}
+	if err != nil {
+		if n.childHeld {
+			child.release()
+			n.childHeld = false
+		}
+		if made {
+			e.dropNode(child)
+		}
+		return err
+	}
+	child.parents++
+	n.img, n.borrowed, n.readOnly = img, true, !writable
+	n.child, n.filename = child, child.filename
+	return nil
+}
+
+// copyOnReadImage wraps img, child's image, in the copy-on-read filter
+// when there is a backing chain to copy from.
+func copyOnReadImage(img formats.Image, child *node) (formats.Image, error) {
+	c, ok := img.(copyonread.Copier)
+	if !ok || c.Backing() == nil {
+		return img, nil
+	}
+	if child.readOnly {
+		// QEMU's filter takes the right to write its child, which a
+		// read-only node does not give.
+		return nil, genericf("Block node is read-only")
+	}
+	cor, err := copyonread.New(img, child.driver)
+	if err != nil {
+		return nil, genericf("%v", err)
+	}
+	return cor, nil
 }

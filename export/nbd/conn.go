@@ -40,8 +40,10 @@ type conn struct {
 	// writable, chosen and chose say which export the client chose and
 	// whether it may write (set with img under the server's mu: choose).
 	writable bool
-	chosen   string
-	chose    bool
+	// meta are the meta contexts of the chosen export (Export.Meta).
+	meta   []MetaContext
+	chosen string
+	chose  bool
 	// left: the client has hung up (DISC or end of stream); what is left
 	// is to finish its requests, and Remove does not count it as a user.
 	left bool
@@ -86,7 +88,7 @@ type conn struct {
 }
 
 func newConn(s *Server, stream sock.Stream, log *slog.Logger) *conn {
-	c := &conn{srv: s, img: s.img, writable: s.opts.Writable, ended: make(chan struct{}), sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
+	c := &conn{srv: s, img: s.img, writable: s.opts.Writable, meta: s.opts.Meta, ended: make(chan struct{}), sock: stream, raw: stream, log: log, stopping: make(chan struct{}),
 		budget: coroutines.NewBudget(s.opts.ConnBytes)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.hand = coroutines.NewHandoff(c.ctx)
@@ -537,11 +539,9 @@ func (c *conn) blockStatus(req request, off, n int64) {
 	if sel.base {
 		sources = append(sources, source{baseAllocID, c.allocation})
 	}
-	if c.img == c.srv.img {
-		for i, on := range sel.extra {
-			if on && i < len(c.srv.opts.Meta) {
-				sources = append(sources, source{firstMetaID + uint32(i), c.srv.opts.Meta[i].Extent})
-			}
+	for i, on := range sel.extra {
+		if on && i < len(c.meta) {
+			sources = append(sources, source{firstMetaID + uint32(i), c.meta[i].Extent})
 		}
 	}
 	if len(sources) == 0 {

@@ -299,17 +299,15 @@ func (c *conn) metaContext(id uint32, r io.Reader) (metaSelection, uint32, error
 		return sel, wire.RepErrInvalid, fmt.Errorf("bad export name length")
 	}
 	exportName := string(name)
-	if _, ok := c.srv.export(exportName); !ok {
+	e, ok := c.srv.export(exportName)
+	if !ok {
 		return sel, wire.RepErrUnknown, fmt.Errorf("export %q not present", exportName)
 	}
 	nq, ok := u32()
 	if !ok {
 		return sel, wire.RepErrInvalid, fmt.Errorf("short meta context request")
 	}
-	var metas []MetaContext
-	if exportName == c.srv.opts.Name && c.srv.img != nil {
-		metas = c.srv.opts.Meta // a partition's offsets are not the disk's
-	}
+	metas := e.Meta
 	sel.extra = make([]bool, len(metas))
 	list := id == wire.OptListMetaContext
 	if list && nq == 0 {

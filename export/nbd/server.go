@@ -26,6 +26,11 @@ type Options struct {
 	Writable    bool
 	// MaxClients bounds concurrent connections; 0 means no bound.
 	MaxClients int
+	// WaitAtMaxClients: at MaxClients the server stops accepting, so that
+	// one more client waits in the listen backlog until another leaves,
+	// as qemu-storage-daemon's max-connections does; otherwise the extra
+	// client is closed at once.
+	WaitAtMaxClients bool
 	// PollMax bounds the adaptive busy-poll of a connection's socket
 	// before its reader sleeps (see sock); 0 disables it.
 	PollMax time.Duration
@@ -60,17 +65,22 @@ type Export struct {
 	// Writable is for exports given to Add; those in Options.Extra are
 	// as writable as Options.Writable says.
 	Writable bool
+	// Meta are the meta contexts an export given to Add offers beside
+	// base:allocation (Options.Meta are the server's own export's; those
+	// in Options.Extra offer none: a partition's offsets are not the
+	// disk's).
+	Meta []MetaContext
 }
 
 // export finds the export a client names. A server made with a nil
 // image (New(nil, ...)) has no export of its own, only those added.
 func (s *Server) export(name string) (Export, bool) {
 	if name == s.opts.Name && s.img != nil {
-		return Export{Name: name, Description: s.opts.Description, Image: s.img, Writable: s.opts.Writable}, true
+		return Export{Name: name, Description: s.opts.Description, Image: s.img, Writable: s.opts.Writable, Meta: s.opts.Meta}, true
 	}
 	for _, e := range s.opts.Extra {
 		if e.Name == name {
-			e.Writable = s.opts.Writable
+			e.Writable, e.Meta = s.opts.Writable, nil
 			return e, true
 		}
 	}
@@ -165,7 +175,7 @@ func (s *Server) leaving(c *conn) {
 // choose records that c serves the export e from now on: Remove sees it.
 func (s *Server) choose(c *conn, e Export) {
 	s.mu.Lock()
-	c.img, c.writable, c.chosen, c.chose = e.Image, e.Writable, e.Name, true
+	c.img, c.writable, c.meta, c.chosen, c.chose = e.Image, e.Writable, e.Meta, e.Name, true
 	s.mu.Unlock()
 }
 
@@ -192,6 +202,7 @@ type Server struct {
 	closed bool
 	wg     sync.WaitGroup     // connections
 	slots  chan struct{}      // MaxClients
+	quit   chan struct{}      // closed by Shutdown: Serve stops waiting for a slot
 	bufs   *aio.BufPool       // slow-path read buffers
 	budget *coroutines.Budget // request buffers of all connections
 }
@@ -202,7 +213,7 @@ func New(img formats.Image, o Options) *Server {
 	o.ConnBytes = cmp.Or(o.ConnBytes, DefaultConnBytes)
 	o.ServerBytes = cmp.Or(o.ServerBytes, DefaultServerBytes)
 	s := &Server{img: img, opts: o, log: o.Logger, conns: map[*conn]struct{}{}, added: map[string]Export{},
-		bufs: aio.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes)}
+		bufs: aio.NewBufPool(1<<20, 4096), budget: coroutines.NewBudget(o.ServerBytes), quit: make(chan struct{})}
 	if o.MaxClients > 0 {
 		s.slots = make(chan struct{}, o.MaxClients)
 	}
@@ -223,6 +234,11 @@ func transmissionFlags(writable bool) uint16 {
 // Serve accepts connections on l until Shutdown; it returns nil then.
 func (s *Server) Serve(l net.Listener) error {
 	for {
+		if s.opts.WaitAtMaxClients && s.slots != nil {
+			if !s.waitForSlot() {
+				return nil
+			}
+		}
 		c, err := l.Accept()
 		if err != nil {
 			s.mu.Lock()
@@ -233,7 +249,7 @@ func (s *Server) Serve(l net.Listener) error {
 			}
 			return err
 		}
-		if s.slots != nil {
+		if s.slots != nil && !s.opts.WaitAtMaxClients {
 			select {
 			case s.slots <- struct{}{}:
 			default:
@@ -276,6 +292,23 @@ func (s *Server) Serve(l net.Listener) error {
 	}
 }
 
+// waitForSlot takes a MaxClients slot before the next accept, waiting
+// while every slot is held; false once the server is shut down.
+func (s *Server) waitForSlot() bool {
+	select {
+	case s.slots <- struct{}{}:
+		return true
+	default:
+	}
+	s.log.Info("NBD client limit reached: new clients wait until one leaves", "max-connections", cap(s.slots))
+	select {
+	case s.slots <- struct{}{}:
+		return true
+	case <-s.quit:
+		return false
+	}
+}
+
 func remoteName(c net.Conn) string {
 	if a := c.RemoteAddr(); a != nil && a.String() != "" && a.String() != "@" {
 		return a.String()
@@ -288,6 +321,9 @@ func remoteName(c net.Conn) string {
 // caller closes the listener(s) first.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.mu.Lock()
+	if !s.closed {
+		close(s.quit)
+	}
 	s.closed = true
 	for c := range s.conns {
 		c.stop()

@@ -124,6 +124,49 @@ func (a *args) enum(name string, required bool, values ...string) string {
 	return s
 }
 
+// strList is a list of strings: a JSON array, or from the command line
+// keyval's numbered members (bitmaps.0=a,bitmaps.1=b), as QEMU's keyval
+// makes a list of them; nil when absent.
+func (a *args) strList(name string) []string {
+	v, ok := a.get(name, false)
+	if !ok {
+		return nil
+	}
+	var items []any
+	switch v := v.(type) {
+	case []any:
+		items = v
+	case map[string]any:
+		if !a.keyval {
+			break
+		}
+		for i := range len(v) {
+			item, ok := v[strconv.Itoa(i)]
+			if !ok {
+				a.fail("Parameter '%s%s.%d' is missing", a.prefix, name, i)
+				return nil
+			}
+			items = append(items, item)
+		}
+	}
+	if items == nil {
+		if _, isList := v.([]any); !isList {
+			a.fail("Invalid parameter type for '%s%s', expected: array", a.prefix, name)
+			return nil
+		}
+	}
+	out := make([]string, 0, len(items))
+	for i, item := range items {
+		s, ok := item.(string)
+		if !ok {
+			a.fail("Invalid parameter type for '%s%s[%d]', expected: string", a.prefix, name, i)
+			return nil
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
 // object is a nested object member; nil when absent or not an object.
 func (a *args) object(name string, required bool) *args {
 	v, ok := a.get(name, required)

@@ -17,8 +17,43 @@ func blockdev(a *args) engine.BlockdevOptions {
 	o.Driver = a.enum("driver", true, engine.Drivers()...)
 	o.NodeName = a.str("node-name", false)
 	o.ReadOnly = a.boolean("read-only")
-	a.ignore("discard", "cache", "auto-read-only", "force-share", "detect-zeroes")
+	o.AutoReadOnly = a.boolean("auto-read-only")
+	a.ignore("discard", "cache", "force-share", "detect-zeroes")
 	switch o.Driver {
+	case "nbd":
+		if srv := a.object("server", true); srv != nil {
+			addr := socketAddress(srv, srv.enum("type", true, "inet", "unix", "vsock", "fd"))
+			o.Server = &addr
+			srv.done()
+		}
+		o.Export = a.str("export", false)
+		o.TLSCreds = a.str("tls-creds", false)
+		o.TLSHostname = a.str("tls-hostname", false)
+		o.ReconnectDelay = a.integer("reconnect-delay", false)
+		a.ignore("open-timeout")
+	case "http", "https", "s3":
+		// QEMU's curl keys; username, the secrets and cookies are not
+		// served here and stay unexpected. tls-ca, and s3's keys named
+		// as the one-shot commands' flags, are our own.
+		o.URL = a.str("url", true)
+		if ra := a.integer("readahead", false); ra%512 != 0 {
+			a.fail("HTTP_READAHEAD_SIZE %d is not a multiple of 512", ra)
+		}
+		o.Timeout = a.integer("timeout", false)
+		o.SSLVerify = true
+		if _, ok := a.m["sslverify"]; ok && o.Driver == "https" {
+			o.SSLVerify = a.boolean("sslverify")
+		}
+		o.TLSCA = a.str("tls-ca", false)
+		if o.Driver == "s3" {
+			o.S3Endpoint = a.str("s3-endpoint", false)
+			o.S3PathStyle = a.boolean("s3-path-style")
+		}
+	case "copy-on-read":
+		o.File = blockdevRef(a, "file")
+		if _, ok := a.m["bottom"]; ok {
+			a.fail("Parameter 'bottom' is not supported here: the filter copies from the whole backing chain")
+		}
 	case "file":
 		o.Filename = a.str("filename", true)
 		a.ignore("locking", "aio", "aio-max-batch", "drop-cache", "pr-manager")
@@ -80,6 +115,7 @@ func ExportOptions(m map[string]any, keyval bool) (engine.ExportOptions, error) 
 	case "nbd":
 		o.Name = a.optStr("name")
 		o.Description = a.str("description", false)
+		o.Bitmaps = a.strList("bitmaps")
 		a.ignore("allocation-depth")
 	case "vhost-user-blk", "vduse-blk":
 		a.fail("Parameter 'type' does not accept value '%s'", o.Type) // not served here
