@@ -30,7 +30,7 @@ func daemonCommand() *cobra.Command {
 			"  --blockdev driver=nbd,node-name=NAME,server.type=unix,server.path=PATH | server.type=inet,server.host=HOST,server.port=PORT\n" +
 			"             [,export=NAME][,tls-creds=ID][,tls-hostname=NAME][,reconnect-delay=SECONDS]\n" +
 			"  --blockdev driver=http|https,node-name=NAME,url=URL,read-only=on[,timeout=SECONDS][,readahead=BYTES]\n" +
-			"             [,tls-ca=FILE (ours: https's CA; sslverify=off is refused)]\n" +
+			"             [,sslverify=on|off][,tls-ca=FILE (ours: https's CA)]\n" +
 			"  --blockdev driver=s3,node-name=NAME,url=s3://BUCKET/KEY,read-only=on[,s3-endpoint=URL][,s3-path-style=on]  (ours)\n" +
 			"  --blockdev driver=copy-on-read,node-name=NAME,file=NODE  (reads copy what NODE's overlay lacks into it)\n" +
 			"  --export [type=]fuse,id=ID,node-name=NAME,mountpoint=FILE[,writable=on][,growable=on][,allow-other=on|off|auto]\n" +

@@ -432,10 +432,8 @@ func (e *Engine) remoteSpec(o BlockdevOptions) (string, registry.Options, error)
 		if !strings.HasPrefix(o.URL, o.Driver+"://") {
 			return "", ro, genericf("%s curl driver cannot handle the URL '%s' (does not start with '%s://')", o.Driver, o.URL, o.Driver)
 		}
-		if !o.SSLVerify {
-			return "", ro, genericf("sslverify=off is not supported here: give the CA that signs the server's certificate as tls-ca=FILE")
-		}
-		ro.Remote = registry.RemoteOptions{ReconnectTimeout: time.Duration(cmp.Or(o.Timeout, 5)) * time.Second, TLSCA: o.TLSCA}
+		ro.Remote = registry.RemoteOptions{ReconnectTimeout: time.Duration(cmp.Or(o.Timeout, 5)) * time.Second, TLSCA: o.TLSCA,
+			TLSSkipVerify: !o.SSLVerify}
 		return o.URL, ro, nil
 	case "s3":
 		if !strings.HasPrefix(o.URL, "s3://") {

@@ -34,6 +34,10 @@ type RemoteOptions struct {
 	// TLSCA: the CA file that signs https servers' certificates ("": the
 	// system's roots). The command line's: a backing string names none.
 	TLSCA string
+	// TLSSkipVerify: accept any https server certificate (the daemon's
+	// sslverify=off), for the image named alone: a backing file an image
+	// names is verified, as QEMU opens it with its own defaults.
+	TLSSkipVerify bool
 	// AllowRedirects: follow redirects to another origin.
 	AllowRedirects bool
 	// S3Endpoint (--s3-endpoint) overrides the endpoint the AWS
@@ -119,7 +123,7 @@ func openRemote(ctx context.Context, spec string, o Options, fromImage bool) (ai
 	switch {
 	case remotehttp.IsURL(spec):
 		hb, err := remotehttp.New(spec, remotehttp.Options{Connections: o.Remote.Connections, TLSCA: o.Remote.TLSCA,
-			AllowRedirects: o.Remote.AllowRedirects, Logger: o.Logger})
+			SkipVerify: o.Remote.TLSSkipVerify && !fromImage, AllowRedirects: o.Remote.AllowRedirects, Logger: o.Logger})
 		if err != nil {
 			if errors.Is(err, remotehttp.ErrBadURL) && !fromImage {
 				return nil, badSpec("%v", err)

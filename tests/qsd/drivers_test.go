@@ -145,13 +145,40 @@ func TestHTTPDriversAnswerAsQSD(t *testing.T) {
 	qsd := runHTTPScript(t, "qemu-storage-daemon", web, raw, "")
 	ours := runHTTPScript(t, harness.Bin, web, raw, "")
 	sameMessages(t, qsd, ours)
+	// https with sslverify=off (the server's certificate is signed by
+	// the test CA, which neither daemon trusts): the same on both.
+	sameMessages(t, runHTTPScript(t, "qemu-storage-daemon", web, raw, "off"), runHTTPScript(t, harness.Bin, web, raw, "off"))
 	// https with the test CA: our own tls-ca key (QSD's curl takes the
 	// system's roots only).
 	runHTTPScript(t, harness.Bin, web, raw, web.CA)
 }
 
-// runHTTPScript runs the http script, or with ca an https one against
-// our daemon alone.
+// TestHTTPSDriverVerifiesTheServerByDefault: an https node of a server
+// whose certificate no trusted CA signed is refused by both daemons
+// unless sslverify=off; the failure leaves no node behind.
+func TestHTTPSDriverVerifiesTheServerByDefault(t *testing.T) {
+	dir := t.TempDir()
+	raw := filepath.Join(dir, "disk.raw")
+	harness.Run(t, "qemu-img", "create", "-q", "-f", "raw", raw, "1M")
+	web := harness.StartNginx(t)
+	web.Put(t, "disk.raw", raw)
+	var msgs [][]string
+	for _, prog := range []string{"qemu-storage-daemon", harness.Bin} {
+		d := startDaemon(t, prog, nil)
+		s := newSession(t, d, map[string]string{web.HTTPS: "$HTTPS"})
+		s.sendClass(`{"execute": "blockdev-add", "arguments": {"driver": "https", "node-name": "s", "read-only": true, "url": "` + web.URL("https", "disk.raw") + `"}}`)
+		s.send(`{"execute": "blockdev-add", "arguments": {"driver": "https", "node-name": "s", "read-only": true, "sslverify": false, "url": "` + web.URL("https", "disk.raw") + `"}}`)
+		s.send(`{"execute": "blockdev-del", "arguments": {"node-name": "s"}}`)
+		msgs = append(msgs, s.quit(d))
+	}
+	sameMessages(t, msgs[0], msgs[1])
+	if refused := msgs[1][1]; !strings.HasSuffix(refused, "-> error GenericError") {
+		t.Errorf("an https node of an untrusted server: %s, want a GenericError", refused)
+	}
+}
+
+// runHTTPScript runs the http script; with ca "off" an https one with
+// sslverify=off, with a CA file an https one against our daemon alone.
 func runHTTPScript(t *testing.T, prog string, web *harness.Nginx, raw, ca string) []string {
 	t.Helper()
 	dir := t.TempDir()
@@ -159,7 +186,11 @@ func runHTTPScript(t *testing.T, prog string, web *harness.Nginx, raw, ca string
 	d := startDaemon(t, prog, nil)
 	s := newSession(t, d, map[string]string{dir: "$DIR", web.HTTP: "$HTTP", web.HTTPS: "$HTTPS"})
 	scheme, extra := "http", `, "readahead": 65536, "timeout": 10`
-	if ca != "" {
+	switch ca {
+	case "":
+	case "off":
+		scheme, extra = "https", `, "sslverify": false`
+	default:
 		scheme, extra = "https", `, "tls-ca": `+jsonString(ca)
 	}
 	rawURL, qcowURL := web.URL(scheme, "disk.raw"), web.URL(scheme, "disk.qcow2")

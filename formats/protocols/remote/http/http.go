@@ -33,6 +33,9 @@ type Options struct {
 	// TLSCA is a PEM file of the CAs that may sign an https server's
 	// certificate; "": the system's roots.
 	TLSCA string
+	// SkipVerify accepts any certificate the server shows (QEMU's curl
+	// sslverify=off): the daemon's blockdev key, never a default.
+	SkipVerify bool
 	// AllowRedirects lets a redirect lead to another origin (scheme, host
 	// and port); by default only the URL's own origin is followed.
 	AllowRedirects bool
@@ -75,7 +78,7 @@ func New(rawURL string, o Options) (*Backend, error) {
 		o.Connections = remote.DefaultConnections
 	}
 	o.Logger = cmp.Or(o.Logger, slog.Default())
-	tlsConf := &tls.Config{MinVersion: tls.VersionTLS12}
+	tlsConf := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: o.SkipVerify}
 	if o.TLSCA != "" {
 		pem, err := os.ReadFile(o.TLSCA)
 		if err != nil {
