@@ -91,8 +91,17 @@ func (s *server) run(q *queue) {
 	defer s.loops.Done()
 	defer func() {
 		s.bufs.Put(q.bp)
-		if !q.over && q.end != nil {
-			q.end()
+		if !q.over {
+			// The queue is done for good: its goroutine ends locked to
+			// its thread, which then ends too. A loop sleeping in
+			// read(2) holds a thread of its own, and Go keeps idle
+			// threads forever: a daemon that had 200 exports kept 200
+			// threads after their removal. Not when a stand-in took
+			// over (q.over): it reuses the thread this one leaves.
+			runtime.LockOSThread()
+			if q.end != nil {
+				q.end()
+			}
 		}
 	}()
 	fd, helper := q.fd, q.helper
