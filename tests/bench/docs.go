@@ -44,6 +44,7 @@ func docAreas() []docArea {
 		{"http", "a 1 GiB image on nginx on loopback, cold (caches dropped, default `--cache-size`) and warm (`--cache-size 1280M`, read once first), against nbdkit's curl plugin behind nbdfuse in several configurations and qemu-storage-daemon's curl node"},
 		{"s3", "a 1 GiB object in versitygw on loopback, cold and warm; QEMU has no S3 driver, so there is nothing to compare with and the ratio column is empty"},
 		{"convert", "`blockexport convert`/`compare` against `qemu-img` on 4 GiB images, page-cached, each tool's best of two"},
+		{"daemon", fmt.Sprintf("%d qcow2 images of %s (1 MiB written) added with `blockdev-add` and exported with `block-export-add` over FUSE in one daemon, each read (four 4 KiB reads), then `block-export-del` (its event awaited) and `blockdev-del`, %d rounds, over QMP with go-qemu's client, against qemu-storage-daemon (its default aio=threads); RSS with every export up (the highest round), ms per image, and the descriptors, threads and mounts left beyond the start; then fio 4 KiB random reads and 1 MiB bandwidth through a daemon export against the one-shot `blockexport fuse` of the same image", daemonExports, daemonImageSize, daemonRounds)},
 	}
 }
 
