@@ -13,7 +13,6 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 )
 
@@ -164,7 +163,7 @@ func (s *server) runStalling(q *queue, unique uint64, run func(ctx context.Conte
 // q's inline-read buffer (only a loop serving uses it) and q's end.
 func (s *server) standIn(q *queue) {
 	s.loops.Add(1)
-	go s.run(&queue{fd: q.fd, to: replyTo{fd: q.fd}, bp: s.bufs.Get(), out: q.out, end: q.end})
+	go s.run(&queue{fd: q.fd, to: replyTo{fd: q.fd}, bp: s.bufs.Get(), out: q.out, outHold: q.outHold, end: q.end})
 }
 
 // handOff finishes req in a goroutine with a buffer of its own (see
@@ -207,7 +206,7 @@ func (s *server) finish(ctx *reqCtx, unique uint64, to replyTo, req []byte, wait
 }
 
 // pool is the buffer pool for n bytes: the small one where it will do.
-func (s *server) pool(n int) *aio.BufPool {
+func (s *server) pool(n int) bufferPool {
 	if n <= s.small.Size() {
 		return s.small
 	}

@@ -9,7 +9,6 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/coroutines"
 	"github.com/blockexport/blockexport/formats"
 )
@@ -25,6 +24,8 @@ type queue struct {
 	helper bool    // the bulk-write helper (see bulkHelper)
 	bp     *[]byte // the request buffer, from s.bufs
 	out    []byte  // what inline reads fill
+	// outHold keeps out mapped (newMapped) while a loop may use it.
+	outHold *[]byte
 	// end is called when the queue's loop ends (serve waits for every
 	// queue); over is set once a stand-in loop took the queue over (see
 	// runStalling), and this one ends without calling end.
@@ -81,7 +82,8 @@ func (q *queue) queued() bool {
 // locked to its thread: a locked thread blocking in read(2) costs runtime
 // hand-offs (futex wake-ups) on every request.
 func (s *server) loop(fd int, helper bool, end func()) {
-	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: aio.AlignedBuf(maxWrite, 4096), end: end})
+	out := newMapped(maxWrite) // see mapped_linux.go
+	s.run(&queue{fd: fd, to: replyTo{fd: fd}, helper: helper, bp: s.bufs.Get(), out: *out, outHold: out, end: end})
 }
 
 // run is the loop of queue q (s.loops counts it).
@@ -89,8 +91,17 @@ func (s *server) run(q *queue) {
 	defer s.loops.Done()
 	defer func() {
 		s.bufs.Put(q.bp)
-		if !q.over && q.end != nil {
-			q.end()
+		if !q.over {
+			// The queue is done for good: its goroutine ends locked to
+			// its thread, which then ends too. A loop sleeping in
+			// read(2) holds a thread of its own, and Go keeps idle
+			// threads forever: a daemon that had 200 exports kept 200
+			// threads after their removal. Not when a stand-in took
+			// over (q.over): it reuses the thread this one leaves.
+			runtime.LockOSThread()
+			if q.end != nil {
+				q.end()
+			}
 		}
 	}()
 	fd, helper := q.fd, q.helper

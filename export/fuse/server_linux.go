@@ -106,7 +106,7 @@ type server struct {
 	// INTERRUPT cancel those requests.
 	hand    *coroutines.Handoff
 	pending pending
-	bufs    *aio.BufPool   // request buffers and read buffers, up to 1 MiB
+	bufs    *mappedPool    // request buffers and read buffers, up to 1 MiB (mapped_linux.go)
 	small   *aio.BufPool   // the same for requests up to 8 KiB
 	loops   sync.WaitGroup // the queue loops
 	bulk    bulkHelper
@@ -117,14 +117,18 @@ func newServer(exp *Export, fd int) *server {
 		hand:    coroutines.NewHandoff(context.Background()),
 		pending: pending{m: map[uint64]*reqCtx{}, grace: interruptGrace},
 		bulk:    bulkHelper{fd: -1},
-		bufs:    aio.NewBufPool(reqPad+bufSize, 4096),
+		bufs:    newMappedPool(reqPad + bufSize),
 		small:   aio.NewBufPool(reqPad+8192, 4096)}
 }
 
 // handshake answers INIT on the first fd: the kernel sends nothing else
 // before it.
 func (s *server) handshake() error {
-	buf := make([]byte, bufSize)
+	// The buffer the first queue's loop takes next, rather than 1 MiB
+	// of garbage per mount (see mapped_linux.go).
+	bp := s.bufs.Get()
+	defer s.bufs.Put(bp)
+	buf := (*bp)[reqPad:]
 	n, err := unix.Read(s.fds[0], buf)
 	for err == unix.EINTR {
 		n, err = unix.Read(s.fds[0], buf)

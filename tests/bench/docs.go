@@ -45,6 +45,7 @@ func docAreas() []docArea {
 		{"s3", "a 1 GiB object in versitygw on loopback, cold and warm; QEMU has no S3 driver, so there is nothing to compare with and the ratio column is empty"},
 		{"convert", "`blockexport convert`/`compare` against `qemu-img` on 4 GiB images, page-cached, each tool's best of two; the rows to vhdx, vpc and vdi beside fio's sequential write of the same 2 GiB to the same disk (the report's device table)"},
 		{"formatwrite", fmt.Sprintf("fio 4 KiB random writes (aio = libaio iodepth 16, sync = pvsync2 iodepth 1, O_DIRECT) through `fuse -w` of a %s image of each format written in place whose every block holds data (`FMT -w`), and into a fresh dynamic image 16 times as large (`FMT -w new`, %d writes), against qemu-storage-daemon's writable FUSE export of the same image", *fwSize, fwAllocIOs)},
+		{"daemon", fmt.Sprintf("%d qcow2 images of %s (1 MiB written) added with `blockdev-add` and exported with `block-export-add` over FUSE in one daemon, each read (four 4 KiB reads), then `block-export-del` (its event awaited) and `blockdev-del`, %d rounds, over QMP with go-qemu's client, against qemu-storage-daemon (its default aio=threads); RSS with every export up (the highest round), ms per image, and the descriptors, threads and mounts left beyond the start; then fio 4 KiB random reads and 1 MiB bandwidth through a daemon export against the one-shot `blockexport fuse` of the same image", daemonExports, daemonImageSize, daemonRounds)},
 	}
 }
 

@@ -195,7 +195,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images, to every format written, the disk-bound ones beside fio's own write), formatwrite (4 KiB random writes through fuse -w of vmdk, vhdx, vpc and vdi images, full and fresh, against qemu-storage-daemon's writable export), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images, to every format written, the disk-bound ones beside fio's own write), formatwrite (4 KiB random writes through fuse -w of vmdk, vhdx, vpc and vdi images, full and fresh, against qemu-storage-daemon's writable export), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), daemon (200 small qcow2 exports added, read and deleted over QMP in one daemon, three rounds, against qemu-storage-daemon: RSS, ms per add and delete, what is left; and fio through a daemon export against the one-shot fuse command); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
@@ -351,12 +351,16 @@ func main() {
 		rows = append(rows, tag("formats", benchTarget("vmdk-stream", dir, with("vmdk-stream", cached), " (--decompressed-cache-size 1280M, read once first)",
 			func(j fioJob) bool { return j.bs == "4k" && strings.HasPrefix(j.rw, "rand") }))...)
 	}
+	if targets["daemon"] || *only == defaultOnly {
+		covered["daemon"] = true
+		rows = append(rows, tag("daemon", benchDaemon(dir, bin, ours))...)
+	}
 	if err := report(rows, covered); err != nil {
 		log.Fatal(err)
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert,formatwrite"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert,formatwrite,daemon"
 
 // foreignFormats are the read rows' targets of the formats besides raw
 // and qcow2: the same 1 GiB of random data converted by qemu-img (format
@@ -989,6 +993,8 @@ func num(v float64, unit string) string {
 		return fmt.Sprintf("%.1fk", v/1000)
 	case "s":
 		return fmt.Sprintf("%.2f s", v)
+	case "ms":
+		return fmt.Sprintf("%.2f ms", v)
 	}
 	return fmt.Sprintf("%.0f %s", v, unit)
 }
