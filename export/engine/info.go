@@ -86,7 +86,7 @@ func (n *node) info() NodeInfo {
 		depth = backingDepth(n.img)
 	}
 	return NodeInfo{NodeName: n.name, Drv: n.driver, File: n.filename, RO: n.readOnly, DetectZeroes: "off",
-		BackingFileDepth: depth, Image: img, Cache: CacheInfo{Writeback: true}}
+		BackingFileDepth: depth, Image: img, Cache: CacheInfo{Writeback: true, Direct: n.cacheDirect}}
 }
 
 // backingDepth counts the images under img in its backing chain.

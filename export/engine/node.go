@@ -58,6 +58,12 @@ type BlockdevOptions struct {
 	// AutoReadOnly opens read-only a node that cannot be written (an
 	// http object) instead of refusing it, as QEMU's auto-read-only.
 	AutoReadOnly bool
+	// AIO is the file driver's aio: threads (QEMU's default, also for
+	// ""), io_uring, or native, which needs CacheDirect and runs on
+	// io_uring here (the kernel's asynchronous I/O either way).
+	// CacheDirect is cache.direct (O_DIRECT), which children inherit.
+	AIO         string
+	CacheDirect bool
 }
 
 // BlockdevRef names a child: an existing node (Name) or one made for it
@@ -107,6 +113,12 @@ type node struct {
 	childHeld bool
 	// filename is what query-named-block-nodes shows as the file.
 	filename string
+	// backend and direct are a file node's aio and cache.direct: how it
+	// and a format node over it open the host file. cacheDirect is the
+	// node's own cache.direct, as query-named-block-nodes shows it.
+	backend     aio.Backend
+	direct      bool
+	cacheDirect bool
 	// img is the node's image. A file node opens it only while exported
 	// (opens: how many exports hold it): a format node over the same file
 	// opens the file itself, and two opens with QEMU's locks would
@@ -147,7 +159,7 @@ func (e *Engine) addNode(o BlockdevOptions, implicit bool) (*node, error) {
 	if e.node(o.NodeName) != nil {
 		return nil, genericf("Duplicate nodes with node-name='%s'", o.NodeName)
 	}
-	n := &node{name: o.NodeName, driver: o.Driver, implicit: implicit, readOnly: o.ReadOnly}
+	n := &node{name: o.NodeName, driver: o.Driver, implicit: implicit, readOnly: o.ReadOnly, cacheDirect: o.CacheDirect}
 	var err error
 	switch {
 	case o.Driver == "file":
@@ -176,6 +188,16 @@ func (n *node) openFile(o BlockdevOptions) error {
 	flag := os.O_RDWR
 	if o.ReadOnly {
 		flag = os.O_RDONLY
+	}
+	n.backend, n.direct = aio.Threads, o.CacheDirect
+	switch o.AIO {
+	case "io_uring":
+		n.backend = aio.IOUring
+	case "native":
+		if !o.CacheDirect {
+			return genericf("aio=native was specified, but it requires cache.direct=on, which was not specified.")
+		}
+		n.backend = aio.IOUring
 	}
 	f, err := os.OpenFile(o.Filename, flag, 0)
 	if err != nil {
@@ -212,7 +234,7 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 	}
 	switch {
 	case child.path != "":
-		err = n.openImage(e, child.path, o)
+		err = n.openImage(e, child, o)
 	case child.spec != "":
 		err = n.openOverRemote(e, child, o)
 	default:
@@ -226,6 +248,7 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 	}
 	child.parents++
 	n.child, n.path, n.filename = child, child.path, cmp.Or(child.path, child.filename)
+	n.backend, n.direct = child.backend, child.direct || o.CacheDirect
 	return nil
 }
 
@@ -242,17 +265,20 @@ func (e *Engine) childNode(ref BlockdevRef, parent BlockdevOptions) (child *node
 	inline := *ref.Inline
 	inline.ReadOnly = inline.ReadOnly || parent.ReadOnly
 	inline.AutoReadOnly = inline.AutoReadOnly || parent.AutoReadOnly
+	inline.CacheDirect = inline.CacheDirect || parent.CacheDirect
 	child, err = e.addNode(inline, true)
 	return child, err == nil, err
 }
 
-// openImage opens path in the node's format. A format read here and
-// not written is opened read-only, where QEMU would open it read-write:
-// a writable export of it is then refused by name.
-func (n *node) openImage(e *Engine, path string, o BlockdevOptions) error {
+// openImage opens the file node child's host file in the node's format,
+// with the child's aio and cache.direct. A format read here and not
+// written is opened read-only, where QEMU would open it read-write: a
+// writable export of it is then refused by name.
+func (n *node) openImage(e *Engine, child *node, o BlockdevOptions) error {
+	path := child.path
 	writable := !o.ReadOnly && slices.Contains(registry.WritableFormats(), o.Driver)
 	opened, err := registry.Open(path, registry.Options{Format: o.Driver, Writable: writable, Lock: true,
-		Backend: e.o.Backend, Logger: e.log})
+		Backend: cmp.Or(child.backend, e.o.Backend), Direct: child.direct || o.CacheDirect, Logger: e.log})
 	if err != nil {
 		return openError(path, err)
 	}
@@ -353,7 +379,7 @@ func (n *node) acquire(e *Engine, writable bool) (formats.Image, error) {
 	}
 	if n.driver == "file" && n.opens == 0 {
 		opened, err := registry.Open(n.path, registry.Options{Format: registry.Raw, Writable: !n.readOnly, Lock: true,
-			Backend: e.o.Backend, Logger: e.log})
+			Backend: cmp.Or(n.backend, e.o.Backend), Direct: n.direct, Logger: e.log})
 		if err != nil {
 			return nil, openError(n.path, err)
 		}

@@ -18,7 +18,14 @@ func blockdev(a *args) engine.BlockdevOptions {
 	o.NodeName = a.str("node-name", false)
 	o.ReadOnly = a.boolean("read-only")
 	o.AutoReadOnly = a.boolean("auto-read-only")
-	a.ignore("discard", "cache", "force-share", "detect-zeroes")
+	a.ignore("discard", "force-share", "detect-zeroes")
+	if c := a.object("cache", false); c != nil {
+		o.CacheDirect = c.boolean("direct")
+		// no-flush: flushes are kept here (safer, and cheap on the
+		// page cache).
+		c.boolean("no-flush")
+		c.done()
+	}
 	switch o.Driver {
 	case "nbd":
 		if srv := a.object("server", true); srv != nil {
@@ -56,7 +63,8 @@ func blockdev(a *args) engine.BlockdevOptions {
 		}
 	case "file":
 		o.Filename = a.str("filename", true)
-		a.ignore("locking", "aio", "aio-max-batch", "drop-cache", "pr-manager")
+		o.AIO = a.enum("aio", false, "threads", "native", "io_uring")
+		a.ignore("locking", "aio-max-batch", "drop-cache", "pr-manager")
 	case "null-co":
 		o.Size = a.integer("size", false)
 		o.ReadZeroes = a.boolean("read-zeroes")
