@@ -19,6 +19,7 @@ import (
 	"hash/crc32"
 	"io"
 	"slices"
+	"sync"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -149,6 +150,20 @@ type Image struct {
 	parentName string
 	chunkRatio int64
 	bitmaps    []uint64
+
+	// Where the metadata lies, for a writer: every span the reader found
+	// (the header section, the log, the regions), the BAT region and the
+	// log.
+	spans          []span
+	batOff         int64
+	logOff, logLen int64
+	// mu guards bat, bitmaps and pending against a writer's changes
+	// (write.go); a read-only image never takes it exclusively.
+	mu sync.RWMutex
+	// pending holds the 4 KiB metadata sectors (BAT and sector bitmap)
+	// a writer changed and has not yet written through the log, by file
+	// offset: reads of sector bitmaps see them first.
+	pending map[int64][]byte
 }
 
 // New opens the VHDX image in f, which it owns from now on (Close closes
@@ -181,7 +196,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err != nil {
 		return nil, err
 	}
-	img := &Image{f: f, path: name, dataWriteGUID: h.dataWriteGUID}
+	img := &Image{f: f, path: name, dataWriteGUID: h.dataWriteGUID, batOff: int64(bat.start), logOff: int64(h.logOffset), logLen: int64(h.logLength)}
 	locator, err := r.metadata(img, meta)
 	if err != nil {
 		return nil, err
@@ -192,6 +207,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err := r.loadBAT(img, bat, spans); err != nil {
 		return nil, err
 	}
+	img.spans = spans
 	if img.diff {
 		if err := img.openParent(locator, o.OpenParent); err != nil {
 			return nil, err
@@ -589,7 +605,13 @@ func (img *Image) Size() int64 { return img.size }
 func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Run, bool, error) {
 	in := off % img.blockSize
 	r := blockmap.Run{Kind: blockmap.Hole, N: min(n, img.blockSize-in), File: img.f}
+	if !try {
+		img.mu.RLock()
+	} else if !img.mu.TryRLock() {
+		return r, false, nil
+	}
 	e := img.bat[off/img.blockSize]
+	img.mu.RUnlock()
 	switch state := e & batStateMask; {
 	case state == blockFullyPresent:
 		r.Kind, r.Host = blockmap.Data, int64(e&batOffsetMask)+in

@@ -12,12 +12,12 @@ import (
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
-// TestFreshImageReadsBackWhatWasWritten: writes across block boundaries,
+// TestNewImageReadsBackWhatWasWritten: writes across block boundaries,
 // into the short last block, and zero writes over written and unwritten
-// blocks, into a new dynamic and fixed image: after Close, our reader and
+// blocks, into a new dynamic and fixed image (what convert -O vhdx writes): after Close, our reader and
 // qemu-img read the bytes written (and zeroes elsewhere), and qemu-img
 // check finds the image clean.
-func TestFreshImageReadsBackWhatWasWritten(t *testing.T) {
+func TestNewImageReadsBackWhatWasWritten(t *testing.T) {
 	ctx := context.Background()
 	const size = 5<<20 + 512
 	for _, keys := range []map[string]string{
@@ -34,7 +34,7 @@ func TestFreshImageReadsBackWhatWasWritten(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		w, err := OpenFresh(ctx, f)
+		w, err := OpenWriter(ctx, f, Options{})
 		if err != nil {
 			t.Fatalf("%v: %v", keys, err)
 		}
