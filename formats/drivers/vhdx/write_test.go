@@ -3,6 +3,7 @@ package vhdx
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -96,4 +97,245 @@ func createAndOpenExisting(t *testing.T, path string) *Image {
 	}
 	t.Cleanup(func() { img.Close() })
 	return img
+}
+
+// openWriterAt opens the image at path for writing through f (a wrapper
+// of the file: a failing one cuts the session).
+func openWriterAt(t *testing.T, path string, wrap func(aio.File) aio.File, o Options) (*Writer, aio.File, error) {
+	t.Helper()
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var file aio.File = f
+	if wrap != nil {
+		file = wrap(f)
+	}
+	w, err := OpenWriter(context.Background(), file, o)
+	return w, f, err
+}
+
+// writeOp is one step of a write session on an 8 MiB disk of 1 MiB blocks.
+type writeOp struct {
+	fill    byte // 0: zeroes (WriteZeroes); else a write of this byte
+	off, n  int64
+	discard bool
+	flush   bool
+}
+
+// writeSession is a session that allocates blocks, writes in place,
+// across blocks and into the short last block, zeroes whole and part
+// blocks, discards one, and flushes twice.
+var writeSession = []writeOp{
+	{fill: 1, off: 100, n: 5000},
+	{fill: 2, off: 3<<20 - 700, n: 1400},
+	{flush: true},
+	{fill: 3, off: 50, n: 512},
+	{fill: 4, off: 5 << 20, n: 1 << 20},
+	{off: 3 << 20, n: 1 << 20},
+	{fill: 5, off: 7<<20 + 4096, n: 8192},
+	{flush: true},
+	{discard: true, off: 5 << 20, n: 1 << 20},
+	{fill: 6, off: 6<<20 + 1, n: 3},
+	{off: 100, n: 100},
+}
+
+// runSession runs ops on w and returns the disk after each step (the
+// model: a discard of whole blocks reads zeroes, UNMAPPED) and the last step after which a
+// flush succeeded (-1: none); it stops at the first error.
+func runSession(w *Writer, base []byte, ops []writeOp) (states [][]byte, flushed int, err error) {
+	ctx := context.Background()
+	cur := bytes.Clone(base)
+	flushed = -1
+	for i, op := range ops {
+		switch {
+		case op.flush:
+			err = w.Flush(ctx)
+		case op.discard:
+			err = w.Discard(ctx, op.off, op.n)
+			clear(cur[op.off : op.off+op.n])
+		case op.fill == 0:
+			err = w.WriteZeroes(ctx, op.off, op.n, false)
+			clear(cur[op.off : op.off+op.n])
+		default:
+			p := bytes.Repeat([]byte{op.fill}, int(op.n))
+			_, err = w.WriteAt(ctx, p, op.off)
+			copy(cur[op.off:], p)
+		}
+		states = append(states, bytes.Clone(cur))
+		if err != nil {
+			return states, flushed, err
+		}
+		if op.flush {
+			flushed = i
+		}
+	}
+	return states, flushed, nil
+}
+
+// countingFile counts the writes that reach the file.
+type countingFile struct {
+	aio.File
+	n int
+}
+
+func (f *countingFile) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	f.n++
+	return f.File.WriteAt(ctx, p, off)
+}
+
+// sectorsFromStates checks that every 512-byte sector of got holds what
+// one of states holds there (the last flushed state or a later one).
+func sectorsFromStates(got []byte, states [][]byte) (int, bool) {
+	for s := 0; s < len(got); s += 512 {
+		ok := false
+		for _, st := range states {
+			if bytes.Equal(got[s:s+512], st[s:s+512]) {
+				ok = true
+				break
+			}
+		}
+		if !ok {
+			return s, false
+		}
+	}
+	return 0, true
+}
+
+// TestWriterCutAfterEveryWriteLeavesAConsistentImage: a write session
+// (allocations, writes in place, zeroes, a discard, two flushes) on a
+// dynamic image qemu-img made, cut after each of its file writes as a
+// kill -9 cuts it (what reached the file stays): the image replays (our
+// writable open; qemu-img check -r all on a copy), qemu-img check then
+// finds it clean, and every sector reads what it held at the last
+// completed flush or what a later step wrote, through our reader and
+// qemu-img's. Uncut, the session leaves a clean log and the final bytes.
+func TestWriterCutAfterEveryWriteLeavesAConsistentImage(t *testing.T) {
+	const size = 8 << 20
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.vhdx")
+	raw := filepath.Join(dir, "base.raw")
+	baseBytes := bytes.Repeat([]byte{0x77}, 2<<20) // blocks 0 and 1 present
+	if err := os.WriteFile(raw, append(baseBytes, make([]byte, size-len(baseBytes))...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("qemu-img", "convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M", raw, base).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img (apt package qemu-utils): %v\n%s", err, out)
+	}
+	baseDisk, _ := os.ReadFile(raw)
+	orig, _ := os.ReadFile(base)
+
+	// Uncut: the number of writes, and the final state.
+	ref := filepath.Join(dir, "ref.vhdx")
+	os.WriteFile(ref, orig, 0o644)
+	var counter *countingFile
+	w, _, err := openWriterAt(t, ref, func(f aio.File) aio.File { counter = &countingFile{File: f}; return counter }, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	states, _, err := runSession(w, baseDisk, writeSession)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	total := counter.n
+	t.Logf("%d writes in the session", total)
+	final := states[len(states)-1]
+	refBytes, _ := os.ReadFile(ref)
+	if got, ok := qemuReads(t, refBytes); !ok || !bytes.Equal(got, final) {
+		at, _ := sectorsFromStates(got, [][]byte{final})
+		t.Fatalf("uncut session: qemu-img reads other bytes than written (first at %d)", at)
+	}
+	if out, err := exec.Command("qemu-img", "check", "-f", "vhdx", ref).CombinedOutput(); err != nil {
+		t.Fatalf("uncut session: qemu-img check: %v\n%s", err, out)
+	}
+	h, err := readHeadersOf(t, refBytes)
+	if err != nil || h.logGUID != ([16]byte{}) {
+		t.Fatalf("uncut session: log GUID %x (%v), want zero", h.logGUID, err)
+	}
+
+	dirty := 0
+	for cut := 0; cut < total; cut++ {
+		p := filepath.Join(dir, "cut.vhdx")
+		os.WriteFile(p, orig, 0o644)
+		w, f, err := openWriterAt(t, p, func(f aio.File) aio.File { return &failingFile{File: f, left: cut} }, Options{})
+		var flushed int
+		if err == nil {
+			states, flushed, err = runSession(w, baseDisk, writeSession)
+			if err == nil {
+				err = w.Close()
+			}
+		}
+		f.Close() // a kill: nothing more reaches the file
+		if err == nil {
+			t.Fatalf("cut after %d of %d writes: no error", cut, total)
+		}
+		allowed := [][]byte{baseDisk}
+		if flushed >= 0 {
+			allowed = states[flushed:]
+		} else {
+			allowed = append(allowed, states...)
+		}
+		cutBytes, _ := os.ReadFile(p)
+		if _, err := openBytes(t, cutBytes); errors.Is(err, ErrDirtyLog) {
+			dirty++
+		}
+		// QEMU replays our log (check -r all: it opens read-write), and
+		// its check after that finds nothing (exit 0).
+		q := filepath.Join(dir, "q.vhdx")
+		os.WriteFile(q, cutBytes, 0o644)
+		if out, err := exec.Command("qemu-img", "check", "-r", "all", "-f", "vhdx", q).CombinedOutput(); err != nil {
+			t.Fatalf("cut after %d writes: qemu-img check -r all: %v\n%s", cut, err, out)
+		}
+		qb, _ := os.ReadFile(q)
+		got, ok := qemuReads(t, qb)
+		if !ok {
+			t.Fatalf("cut after %d writes: qemu-img does not read it after its replay", cut)
+		}
+		if at, ok := sectorsFromStates(got, allowed); !ok {
+			t.Fatalf("cut after %d writes (last flush after step %d): qemu-img reads at %d what no step left there", cut, flushed, at)
+		}
+		// We replay it at a writable open, and close at once.
+		w, _, err = openWriterAt(t, p, nil, Options{})
+		if err != nil {
+			t.Fatalf("cut after %d writes: writable open: %v", cut, err)
+		}
+		if err := w.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := exec.Command("qemu-img", "check", "-f", "vhdx", p).CombinedOutput(); err != nil {
+			t.Fatalf("cut after %d writes, replayed by us: qemu-img check: %v\n%s", cut, err, out)
+		}
+		img := createAndOpenExisting(t, p)
+		ours := make([]byte, size)
+		if _, err := img.ReadAt(context.Background(), ours, 0); err != nil {
+			t.Fatal(err)
+		}
+		img.Close()
+		if at, ok := sectorsFromStates(ours, allowed); !ok {
+			t.Fatalf("cut after %d writes (last flush after step %d): we read at %d what no step left there", cut, flushed, at)
+		}
+	}
+	if dirty == 0 {
+		t.Fatal("no cut left a log to replay: the log is not written, or not where a cut finds it")
+	}
+	t.Logf("%d cuts left a log to replay", dirty)
+}
+
+// readHeadersOf is the active header of the image b.
+func readHeadersOf(t *testing.T, b []byte) (header, error) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "h.vhdx")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := aio.Open(path, aio.Options{Backend: aio.Threads})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	_, h, err := readHeaders(context.Background(), f, nil)
+	return h, err
 }
