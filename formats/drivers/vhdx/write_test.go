@@ -7,9 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/blockexport/blockexport/aio"
+	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/internal/driver"
 )
 
@@ -338,4 +340,155 @@ func readHeadersOf(t *testing.T, b []byte) (header, error) {
 	defer f.Close()
 	_, h, err := readHeaders(context.Background(), f, nil)
 	return h, err
+}
+
+// TestWriterDifferencingKeepsTheParentsSectors: writes into a
+// differencing disk (unaligned, into a block its parent holds, whose
+// chunk's bitmap has stale bits for it; into a partially present block;
+// zeroes over part of a parent's block, and a whole one) read back
+// through our reader after a close, the sectors not written still the
+// parent's; the parent's file is untouched and the log is clean.
+func TestWriterDifferencingKeepsTheParentsSectors(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	child := diffChild(guidString(vhdxParentGUID))
+	bm := make([]byte, 2048)
+	copy(bm, child.raw[dataBase+2*mib])
+	bm[(4*2048+8)/8] = 0xFF // stale bits of block 4, which the parent holds
+	child.raw[dataBase+2*mib] = bm
+	parentBytes := diffParent().bytes()
+	for name, b := range map[string][]byte{"parent.vhdx": parentBytes, "child.vhdx": child.bytes()} {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	openParent := func(name string) (formats.Image, string, error) {
+		p := filepath.Join(dir, name)
+		f, err := aio.Open(p, aio.Options{Backend: aio.Threads})
+		if err != nil {
+			return nil, p, err
+		}
+		img, err := New(ctx, f, Options{})
+		return img, p, err
+	}
+	path := filepath.Join(dir, "child.vhdx")
+	read := func() []byte {
+		f, err := aio.Open(path, aio.Options{Backend: aio.Threads})
+		if err != nil {
+			t.Fatal(err)
+		}
+		img, err := New(ctx, f, Options{OpenParent: openParent})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer img.Close()
+		got := make([]byte, img.Size())
+		if _, err := img.ReadAt(ctx, got, 0); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	want := read()
+	w, _, err := openWriterAt(t, path, nil, Options{OpenParent: openParent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(fill byte, off, n int64) {
+		p := bytes.Repeat([]byte{fill}, int(n))
+		if _, err := w.WriteAt(ctx, p, off); err != nil {
+			t.Fatalf("write at %d: %v", off, err)
+		}
+		copy(want[off:], p)
+	}
+	write(0x41, 4*mib+1000, 100)    // block 4: the parent's, stale bits
+	write(0x42, mib+60*512+3, 1000) // block 1: partially present
+	write(0x43, 7*mib-10, 10)       // block 6: the parent's (zeroes), to its end
+	if err := w.WriteZeroes(ctx, 4*mib+3000, 5000, false); err != nil {
+		t.Fatal(err)
+	}
+	clear(want[4*mib+3000 : 4*mib+8000])
+	if err := w.WriteZeroes(ctx, 0, mib, false); err != nil { // block 0, whole
+		t.Fatal(err)
+	}
+	clear(want[:mib])
+	got := make([]byte, len(want))
+	if _, err := w.ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
+		t.Fatalf("before the close: the sector at %d differs", at)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(read(), [][]byte{want}); !ok {
+		t.Fatalf("after the close: the sector at %d differs", at)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "parent.vhdx")); !bytes.Equal(b, parentBytes) {
+		t.Fatal("the parent changed")
+	}
+	b, _ := os.ReadFile(path)
+	if h, err := readHeadersOf(t, b); err != nil || h.logGUID != ([16]byte{}) {
+		t.Fatalf("log GUID %x (%v) after the close, want zero", h.logGUID, err)
+	}
+}
+
+// TestWriterReplaysAForeignLogFirst: a writable open of an image whose
+// log holds an entry (written by someone else) replays it to the file
+// before anything else; the write that follows lands beside it.
+func TestWriterReplaysAForeignLogFirst(t *testing.T) {
+	b, target, ds, _ := dirtyImage()
+	path := filepath.Join(t.TempDir(), "d.vhdx")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	w, _, err := openWriterAt(t, path, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.WriteAt(context.Background(), []byte{9}, 2*mib+5); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(path)
+	logged := append(append([]byte("LEADING!"), ds[8:4092]...), "TAIL"...)
+	if !bytes.Equal(got[target:target+logSector], logged) {
+		t.Fatal("the foreign log was not replayed before the write")
+	}
+	img := createAndOpenExisting(t, path)
+	p := make([]byte, 1)
+	if _, err := img.ReadAt(context.Background(), p, 2*mib+5); err != nil || p[0] != 9 {
+		t.Fatalf("read back %v %v, want 9", p, err)
+	}
+}
+
+// TestWriterRefusesHostileImagesUntouched: every crafted file the reader
+// refuses is refused for writing too, in one line, and left as it was
+// (a replay that is refused writes nothing).
+func TestWriterRefusesHostileImagesUntouched(t *testing.T) {
+	for name, mutate := range hostileCases() {
+		s := goodSpec()
+		b := mutate(&s)
+		if b == nil {
+			b = s.bytes()
+		}
+		path := filepath.Join(t.TempDir(), "h.vhdx")
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		w, _, err := openWriterAt(t, path, nil, Options{})
+		if err == nil {
+			w.Close()
+			t.Errorf("%s: opened for writing", name)
+			continue
+		}
+		if strings.Contains(err.Error(), "\n") {
+			t.Errorf("%s: refusal of more than one line: %v", name, err)
+		}
+		if after, _ := os.ReadFile(path); !bytes.Equal(after, b) {
+			t.Errorf("%s: refused (%v), but the file changed", name, err)
+		}
+	}
 }
