@@ -176,10 +176,11 @@ func vhdxPutCRC(b []byte) {
 
 // TestVhdxHostileRefusedWhereQemuReadsWrongData: a BAT region moved past
 // the end of the file (in both region tables, checksums right): QEMU 7.2
-// opens it and reads zeroes for every block; we refuse it in one line.
-// And a dirty log (a valid entry under the headers' log GUID): both
-// refuse the read-only open, ours in one line naming qemu-img check -r
-// all, and after that replay both read the disk.
+// opens it and reads zeroes for every block; we refuse it in one line,
+// for reading and for writing (the file untouched). And a dirty log (a
+// valid entry under the headers' log GUID): both refuse the read-only
+// open, ours in one line naming qemu-img check -r all; a writable export
+// replays it first, and after either replay the disk reads right.
 func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 30)
@@ -224,6 +225,12 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "BAT region") {
 			t.Fatalf("blockexport info: exit %d, want a one-line refusal naming the BAT region:\n%s", code, out)
 		}
+		// Refused for writing too, in one line, the file untouched.
+		mnt := filepath.Join(t.TempDir(), "mnt")
+		if code, out := harness.TryExport(t, mnt, "-w", p); code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "BAT region") {
+			t.Fatalf("fuse -w: exit %d, want a one-line refusal naming the BAT region:\n%s", code, out)
+		}
+		harness.MustEqualBytes(t, "the image after a refused fuse -w", harness.ReadAll(t, p), b)
 	})
 
 	t.Run("dirty log", func(t *testing.T) {
@@ -255,6 +262,13 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		if code, out := harness.TryExport(t, mnt, p); code == 0 || !strings.Contains(out, "replay") {
 			t.Fatalf("export of a dirty log: exit %d\n%s", code, out)
 		}
+		// A writable export replays it first, as QEMU's read-write open.
+		wp := write(t, b)
+		wmnt := filepath.Join(t.TempDir(), "wmnt")
+		d := harness.StartExport(t, wp, wmnt, "-w")
+		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", wmnt, src)
+		d.StopClean()
+		harness.Run(t, "qemu-img", "check", "-f", "vhdx", wp)
 		harness.Run(t, "qemu-img", "check", "-q", "-r", "all", p)
 		harness.StartExport(t, p, mnt)
 		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
