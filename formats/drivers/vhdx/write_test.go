@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -490,5 +491,92 @@ func TestWriterRefusesHostileImagesUntouched(t *testing.T) {
 		if after, _ := os.ReadFile(path); !bytes.Equal(after, b) {
 			t.Errorf("%s: refused (%v), but the file changed", name, err)
 		}
+	}
+}
+
+// TestWriterCommitsMoreThanTheLogHolds: a flush that changes more BAT
+// sectors than one entry of a 1 MiB log holds (260 sectors: one byte in
+// every 512th block of a 130 GiB disk) writes them as several entries,
+// one after the other at the log's start; all read back, here and in
+// qemu-img, check clean.
+func TestWriterCommitsMoreThanTheLogHolds(t *testing.T) {
+	ctx := context.Background()
+	path := filepath.Join(t.TempDir(), "big.vhdx")
+	if err := Create(path, driver.CreateOptions{Size: 130 << 30, Keys: map[string]string{"block_size": "1M"}}); err != nil {
+		t.Fatal(err)
+	}
+	w, _, err := openWriterAt(t, path, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 260
+	if per := logEntrySectors(w.logLen); per >= n {
+		t.Fatalf("one entry holds %d sectors: the test needs more", per)
+	}
+	for i := range n {
+		if _, err := w.WriteAt(ctx, []byte{byte(i) | 1}, int64(i)*512*mib+int64(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("qemu-img", "check", "-f", "vhdx", path).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img check: %v\n%s", err, out)
+	}
+	img := createAndOpenExisting(t, path)
+	var args []string
+	for i := range n {
+		p := make([]byte, 2)
+		off := int64(i)*512*mib + int64(i)
+		if _, err := img.ReadAt(ctx, p, off); err != nil || p[0] != byte(i)|1 || p[1] != 0 {
+			t.Fatalf("block %d reads %v (%v)", i*512, p, err)
+		}
+		if i%37 == 0 {
+			args = append(args, "-c", fmt.Sprintf("read -P %d %d 1", byte(i)|1, off))
+		}
+	}
+	if out, err := exec.Command("qemu-io", append([]string{"-f", "vhdx", "-r"}, append(args, path)...)...).CombinedOutput(); err != nil || strings.Contains(string(out), "Pattern verification failed") {
+		t.Fatalf("qemu-io reads other bytes: %v\n%s", err, out)
+	}
+}
+
+// TestWriterWritesFourKiBSectors: an image of 4096-byte logical sectors
+// (Hyper-V makes them; QEMU 7.2 refuses them) is written, unaligned, and
+// reads back.
+func TestWriterWritesFourKiBSectors(t *testing.T) {
+	ctx := context.Background()
+	s := goodSpec()
+	s.logicalSector = 4096
+	path := filepath.Join(t.TempDir(), "4k.vhdx")
+	if err := os.WriteFile(path, s.bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	img := createAndOpenExisting(t, path)
+	want := make([]byte, img.Size())
+	if _, err := img.ReadAt(ctx, want, 0); err != nil {
+		t.Fatal(err)
+	}
+	img.Close()
+	w, _, err := openWriterAt(t, path, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range [][2]int64{{100, 5000}, {mib - 3, 10}, {6*mib + 4095, 2}} {
+		p := bytes.Repeat([]byte{byte(0x31 + i)}, int(r[1]))
+		if _, err := w.WriteAt(ctx, p, r[0]); err != nil {
+			t.Fatal(err)
+		}
+		copy(want[r[0]:], p)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(want))
+	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
+		t.Fatalf("the sector at %d differs", at)
 	}
 }
