@@ -61,6 +61,8 @@ type Writer struct {
 	// bitmaps) at open: a place an entry keeps is reused only where it is
 	// free of them, and then marked.
 	used []uint64
+	// openSize is the file's size at open: a place reused lies inside it.
+	openSize int64
 	// reuse holds the blocks whose entry keeps a place of their own that
 	// nothing else uses (checked at open, or freed in this session).
 	reuse map[int64]bool
@@ -116,19 +118,26 @@ func (img *Image) openWriter(ctx context.Context) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Writer{Image: img, end: (size + mib - 1) &^ (mib - 1), headers: hp, fixedData: -1, reuse: map[int64]bool{}}
+	w := &Writer{Image: img, end: (size + mib - 1) &^ (mib - 1), openSize: size, headers: hp, fixedData: -1, reuse: map[int64]bool{}}
 	w.used = make([]uint64, (size/mib+64)/64)
 	for _, s := range img.spans {
 		w.mark(int64(s.start), int64(s.end-s.start))
 	}
+	// The end of the file, or of a last block that need only hold the
+	// disk's bytes and so may end past it (the reader allows it, as QEMU
+	// does): new blocks go after both.
+	used := func(off, n int64) {
+		w.mark(off, n)
+		w.end = max(w.end, (off+n+mib-1)&^(mib-1))
+	}
 	for _, e := range img.bitmaps {
 		if e&batStateMask == blockFullyPresent {
-			w.mark(int64(e&batOffsetMask), mib)
+			used(int64(e&batOffsetMask), mib)
 		}
 	}
 	for _, e := range img.bat {
 		if s := e & batStateMask; s == blockFullyPresent || s == blockPartiallyPresent {
-			w.mark(int64(e&batOffsetMask), img.blockSize)
+			used(int64(e&batOffsetMask), img.blockSize)
 		}
 	}
 	// Places kept by entries that read as zeroes (QEMU's fixed disks with
@@ -156,7 +165,7 @@ func (w *Writer) mark(off, n int64) {
 // free says whether [off, off+n) lies in the file as opened, whole MiB,
 // and nothing uses it.
 func (w *Writer) free(off, n int64) bool {
-	if off%mib != 0 || off < 0 || n > int64(len(w.used))*64*mib || off > int64(len(w.used))*64*mib-n || off+n > w.end {
+	if off%mib != 0 || off < 0 || n > w.openSize || off > w.openSize-n {
 		return false
 	}
 	for m := off / mib; m < (off+n+mib-1)/mib; m++ {

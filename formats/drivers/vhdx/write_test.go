@@ -580,3 +580,47 @@ func TestWriterWritesFourKiBSectors(t *testing.T) {
 		t.Fatalf("the sector at %d differs", at)
 	}
 }
+
+// TestWriterAllocatesPastAShortLastBlock: a file that ends with the disk's
+// last bytes, inside its last block (2 MiB blocks, the last one holding
+// 512 bytes of disk: files of other tools end there, and QEMU reads
+// them), gets new blocks after the whole of that block, not over its
+// tail: the image reopens and reads what was written.
+func TestWriterAllocatesPastAShortLastBlock(t *testing.T) {
+	ctx := context.Background()
+	s := goodSpec()
+	s.blockSize = 2 * mib
+	s.virtualSize = 6*mib + 512
+	s.bat = []uint64{dataBase | blockFullyPresent, blockNotPresent, blockZero, (dataBase + 2*mib) | blockFullyPresent}
+	s.blocks = map[uint64]byte{dataBase: 0xA1, dataBase + 2*mib: 0xB2}
+	s.fileSize = dataBase + 2*mib + 512
+	path := filepath.Join(t.TempDir(), "short.vhdx")
+	if err := os.WriteFile(path, s.bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, s.virtualSize)
+	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, want, 0); err != nil {
+		t.Fatal(err)
+	}
+	w, _, err := openWriterAt(t, path, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, off := range []int64{2*mib + 100, 4 * mib, 6 * mib} {
+		p := bytes.Repeat([]byte{byte(0x51 + i)}, 300)
+		if _, err := w.WriteAt(ctx, p, off); err != nil {
+			t.Fatal(err)
+		}
+		copy(want[off:], p)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(want))
+	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
+		t.Fatalf("the sector at %d differs", at)
+	}
+}
