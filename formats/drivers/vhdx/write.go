@@ -239,60 +239,76 @@ func (w *Writer) TryWriteAt(p []byte, off int64) (bool, error) {
 
 // writeBlock writes p at off, inside one block.
 func (w *Writer) writeBlock(ctx context.Context, p []byte, off int64) error {
-	b, in := off/w.blockSize, off%w.blockSize
-	if e := w.entry(b); e&batStateMask == blockFullyPresent && w.session.Load() {
+	in := off % w.blockSize
+	if e := w.entry(off / w.blockSize); e&batStateMask == blockFullyPresent && w.session.Load() {
 		return w.writeData(ctx, p, int64(e&batOffsetMask)+in)
 	}
+	host, err := w.allocating(ctx, p, off)
+	if err != nil || host < 0 {
+		return err
+	}
+	return w.writeData(ctx, p, host+in)
+}
+
+// allocating does what a write to a block that is not FULLY_PRESENT needs,
+// under meta: the write itself (-1) or, where the block's data is p's
+// alone to write, the block's place (the caller writes p there without
+// the lock, so that writes to other new blocks go on meanwhile).
+func (w *Writer) allocating(ctx context.Context, p []byte, off int64) (int64, error) {
+	b, in := off/w.blockSize, off%w.blockSize
 	w.meta.Lock()
 	defer w.meta.Unlock()
 	if err := w.startSession(ctx); err != nil {
-		return err
+		return -1, err
 	}
 	e := w.entry(b)
 	state := e & batStateMask
 	switch {
 	case state == blockFullyPresent: // allocated meanwhile
-		return w.writeData(ctx, p, int64(e&batOffsetMask)+in)
+		return int64(e & batOffsetMask), nil
 	case state == blockPartiallyPresent:
-		return w.writeSectors(ctx, p, off, int64(e&batOffsetMask))
+		return -1, w.writeSectors(ctx, p, off, int64(e&batOffsetMask))
 	case w.fromParent(state):
 		if err := w.bitmapFor(ctx, b); err != nil {
-			return err
+			return -1, err
 		}
 		host, _, err := w.allocate(ctx, b)
 		if err != nil {
-			return err
+			return -1, err
 		}
 		// Bits a chunk's bitmap may hold for a block it never had (a
 		// foreign image's) would hand the parent's sectors to this one.
 		ls := int64(w.logicalSector)
 		if err := w.setBits(ctx, b*w.blockSize/ls, min((b+1)*w.blockSize, w.size)/ls, false); err != nil {
-			return err
+			return -1, err
 		}
 		if err := w.writeSectors(ctx, p, off, host); err != nil {
-			return err
+			return -1, err
 		}
-		return w.setEntry(ctx, b, uint64(host)|blockPartiallyPresent)
+		return -1, w.setEntry(ctx, b, uint64(host)|blockPartiallyPresent)
 	}
 	// A block that reads as zeroes: its data, zeroes around it.
 	host, fresh, err := w.allocate(ctx, b)
 	if err != nil {
-		return err
+		return -1, err
 	}
-	if !fresh {
-		if err := w.zeroData(ctx, host, in); err != nil {
-			return err
-		}
+	if fresh {
+		// Past the old end: a hole, zeroes, what the block read. The
+		// entry goes first: a flush that commits it before p lands
+		// leaves zeroes where an unacknowledged write was going.
+		return host, w.setEntry(ctx, b, uint64(host)|blockFullyPresent)
+	}
+	// A place reused: zeroed around p before the entry names it.
+	if err := w.zeroData(ctx, host, in); err != nil {
+		return -1, err
 	}
 	if err := w.writeData(ctx, p, host+in); err != nil {
-		return err
+		return -1, err
 	}
-	if !fresh {
-		if err := w.zeroData(ctx, host+in+int64(len(p)), w.blockSize-in-int64(len(p))); err != nil {
-			return err
-		}
+	if err := w.zeroData(ctx, host+in+int64(len(p)), w.blockSize-in-int64(len(p))); err != nil {
+		return -1, err
 	}
-	return w.setEntry(ctx, b, uint64(host)|blockFullyPresent)
+	return -1, w.setEntry(ctx, b, uint64(host)|blockFullyPresent)
 }
 
 // writeData writes guest bytes at host, which must lie in a block's data:
@@ -636,7 +652,7 @@ func (w *Writer) commit(ctx context.Context) error {
 			return err
 		}
 		for _, off := range offs {
-			if err := w.writeMeta(ctx, sectors[off], off); err != nil {
+			if err := w.writeSector(ctx, sectors[off], off); err != nil {
 				return err
 			}
 		}
@@ -661,9 +677,9 @@ func (w *Writer) commit(ctx context.Context) error {
 	return nil
 }
 
-// writeMeta writes a metadata sector in place: only into the BAT region
-// or a sector bitmap block.
-func (w *Writer) writeMeta(ctx context.Context, p []byte, off int64) error {
+// writeSector writes a metadata sector in place: never over the headers
+// or the log.
+func (w *Writer) writeSector(ctx context.Context, p []byte, off int64) error {
 	if off < headerSection || off < w.logOff+w.logLen && w.logOff < off+int64(len(p)) {
 		return fmt.Errorf("%w: %s: a metadata write at %d would overwrite the headers or the log", ErrDamaged, w.path, off)
 	}

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/blockexport/blockexport/aio"
@@ -622,5 +623,79 @@ func TestWriterAllocatesPastAShortLastBlock(t *testing.T) {
 	}
 	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
 		t.Fatalf("the sector at %d differs", at)
+	}
+}
+
+// TestWriterConcurrentWritesFlushesAndReads: goroutines write, zero and
+// read their own parts of a dynamic disk while another flushes: each
+// reads back what it wrote at once, and after the close every part holds
+// its last bytes (run with -race, the locking of the BAT, the pending
+// sectors and the allocations is checked too).
+func TestWriterConcurrentWritesFlushesAndReads(t *testing.T) {
+	ctx := context.Background()
+	const size = 16 << 20
+	path := filepath.Join(t.TempDir(), "c.vhdx")
+	if err := Create(path, driver.CreateOptions{Size: size, Keys: map[string]string{"block_size": "1M"}}); err != nil {
+		t.Fatal(err)
+	}
+	w, _, err := openWriterAt(t, path, nil, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, size)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 40 {
+				// Part g: every 4th 256 KiB run, so that the parts share blocks.
+				off := int64((i%16)*4+g)*256<<10 + int64(i*7)
+				p := bytes.Repeat([]byte{byte(g*40 + i + 1)}, 3000)
+				if i%9 == 8 {
+					if err := w.WriteZeroes(ctx, off, int64(len(p)), false); err != nil {
+						errs <- err
+						return
+					}
+					clear(p)
+				} else if _, err := w.WriteAt(ctx, p, off); err != nil {
+					errs <- err
+					return
+				}
+				copy(want[off:], p)
+				got := make([]byte, len(p))
+				if _, err := w.ReadAt(ctx, got, off); err != nil || !bytes.Equal(got, p) {
+					errs <- fmt.Errorf("part %d, step %d: read back differs (%v)", g, i, err)
+					return
+				}
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 20 {
+			if err := w.Flush(ctx); err != nil {
+				errs <- err
+				return
+			}
+		}
+	}()
+	wg.Wait()
+	<-done
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, size)
+	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
+		t.Fatalf("after the close: the sector at %d differs", at)
 	}
 }
