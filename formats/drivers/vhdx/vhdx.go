@@ -1,8 +1,9 @@
 // Package vhdx reads Hyper-V VHDX images (MS-VHDX; QEMU's block/vhdx.c
 // for what QEMU accepts): the file identifier, two headers chosen by
 // sequence number under CRC-32C, the region table, the metadata region and
-// the block allocation table. Open images are read-only; Create makes new
-// ones, and Fresh fills a new one for convert (create.go, fresh.go).
+// the block allocation table. Create makes new images (create.go); an
+// image opened writable is written with its metadata through the log
+// (write.go, logwrite.go), a dirty log replayed first (replay.go).
 //
 // Every table entry is checked against the file before it is used: a BAT
 // region past the end of the file, a payload block inside the headers, the
