@@ -381,7 +381,9 @@ func vhdxTryFor(t *testing.T, args ...string) (int, string) {
 // TestVhdxDifferencingChainsAndConfinedParents: a differencing VHDX
 // (which QEMU 7.2 refuses to open) over a qemu-made parent reads, through
 // the FUSE export, its own blocks where it has them and the parent's
-// elsewhere; a qcow2 overlay on it exports read-write under fio verify.
+// elsewhere; a qcow2 overlay on it exports read-write under fio verify,
+// and a copy of it written in place reads what a raw copy written the
+// same way reads, its parent untouched.
 // Parent locators naming /etc/passwd (absolute, by ../, or as a Win32
 // path), /dev/zero, a FIFO, the child itself, or a parent whose data
 // write GUID is not the linkage, are each refused in one line, without
@@ -434,6 +436,27 @@ func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, wantPath)
 	harness.Run(t, "fio", append(harness.FioJob("vhdxdiff", "4k", "0", "8M", 31), "--io_size=4M", "--filename="+omnt)...)
 	e.StopClean()
+
+	// Written in place (fuse -w): into blocks the parent holds (unaligned:
+	// the sectors around come from the parent), its own blocks, zeroes
+	// over part of a parent's block and a whole one; a raw copy written
+	// the same way reads the same, and the parent is untouched.
+	wchild, wraw := filepath.Join(dir, "wchild.vhdx"), filepath.Join(dir, "wchild.raw")
+	vhdxCopy(t, child, wchild)
+	vhdxCopy(t, wantPath, wraw)
+	parentBefore := harness.ReadAll(t, parent)
+	wmnt := filepath.Join(dir, "wmnt")
+	d := harness.StartExport(t, wchild, wmnt, "-w")
+	for _, op := range []string{"write -P 0x71 1049000 3000", "write -P 0x72 7M 512", "write -P 0x73 2097000 200", "write -z 4200000 10000", "write -z 5M 1M"} {
+		harness.Run(t, "qemu-io", "-f", "raw", "-c", op, wmnt)
+		harness.Run(t, "qemu-io", "-f", "raw", "-c", op, wraw)
+	}
+	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", wmnt, wraw)
+	d.StopClean()
+	rmnt := filepath.Join(dir, "rmnt")
+	harness.StartExport(t, wchild, rmnt)
+	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", rmnt, wraw)
+	harness.MustEqualBytes(t, "the parent after its child was written", harness.ReadAll(t, parent), parentBefore)
 
 	for name, kv := range map[string][][2]string{
 		"absolute /etc/passwd":     {{"parent_linkage", link}, {"relative_path", "/etc/passwd"}},
