@@ -87,7 +87,10 @@ func (o *outputFlag) json() (bool, error) {
 // imageFormats says the image formats read here, for help, as the
 // registry lists them: "qcow2, raw, or read-only vmdk, ...".
 func imageFormats() string {
-	return strings.Join(registry.WritableFormats(), ", ") + ", or read-only " + strings.Join(registry.ReadOnlyFormats(), ", ")
+	if ro := registry.ReadOnlyFormats(); len(ro) > 0 {
+		return strings.Join(registry.WritableFormats(), ", ") + ", or read-only " + strings.Join(ro, ", ")
+	}
+	return strings.Join(registry.WritableFormats(), ", ")
 }
 
 // imageHelp says what IMAGE may be, for the inspecting commands' help.

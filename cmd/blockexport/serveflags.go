@@ -67,7 +67,13 @@ func formatFlag(c *cobra.Command, p *string, usage string) {
 
 // formatUsage is the --format flag's help: the formats read here, from
 // the probe's registry.
-var formatUsage = "image format: " + strings.Join(registry.Formats(), ", ") + " (" + registry.AndList(registry.ReadOnlyFormats()) + " read-only)"
+var formatUsage = func() string {
+	u := "image format: " + strings.Join(registry.Formats(), ", ")
+	if ro := registry.ReadOnlyFormats(); len(ro) > 0 {
+		u += " (" + registry.AndList(ro) + " read-only)"
+	}
+	return u
+}()
 
 // check validates the shared flags and returns the logger and how to open
 // the image (with QEMU's image locks: a served image is in use).

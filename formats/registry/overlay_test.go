@@ -3,6 +3,7 @@ package registry
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -16,11 +17,9 @@ import (
 // refusal) and one line naming the command that makes the overlay, with
 // the format given or probed.
 func TestWritableOpenOfAReadOnlyFormatPointsToAnOverlay(t *testing.T) {
-	ro := ReadOnlyFormats()
-	if len(ro) == 0 {
-		t.Fatal("no read-only formats in the registry")
-	}
-	for _, format := range ro {
+	// Every format read here may be written; those left read-only (none,
+	// once vhdx is written) are refused before their file opens.
+	for _, format := range ReadOnlyFormats() {
 		path := filepath.Join(t.TempDir(), "disk."+format)
 		if err := os.WriteFile(path, make([]byte, 4096), 0o644); err != nil {
 			t.Fatal(err)
@@ -32,12 +31,18 @@ func TestWritableOpenOfAReadOnlyFormatPointsToAnOverlay(t *testing.T) {
 			t.Errorf("%s: writable open: %v, want ErrNeedsOverlay naming %q", format, err, want)
 		}
 	}
-	// Probed: the overlay names the format found.
-	path := filepath.Join(t.TempDir(), "disk")
-	if err := os.WriteFile(path, append([]byte("vhdxfile"), make([]byte, 4096)...), 0o644); err != nil {
+	// A variant a format reads and does not write (a streamOptimized
+	// vmdk that holds grains), probed: the overlay names the format found.
+	dir := t.TempDir()
+	raw, path := filepath.Join(dir, "disk.raw"), filepath.Join(dir, "disk")
+	if err := os.WriteFile(raw, append(make([]byte, 1<<20), 1), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Open(path, Options{Writable: true}); !errors.Is(err, ErrNeedsOverlay) || !strings.Contains(err.Error(), "-F vhdx overlay.qcow2") {
-		t.Errorf("probed vhdx, writable open: %v", err)
+	if out, err := exec.Command("qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat=streamOptimized", raw, path).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img (apt package qemu-utils): %v\n%s", err, out)
+	}
+	_, err := Open(path, Options{Writable: true})
+	if !errors.Is(err, ErrNeedsOverlay) || !errors.Is(err, formats.ErrReadOnly) || !strings.Contains(err.Error(), "-F vmdk overlay.qcow2") || strings.Contains(err.Error(), "\n") {
+		t.Errorf("probed streamOptimized vmdk, writable open: %v", err)
 	}
 }

@@ -115,9 +115,10 @@ func vhdxSeeksFollowTheBAT(t *testing.T, mnt string) {
 // (dynamic, fixed, 1 MiB and 32 MiB blocks, blocks not zeroed) of a raw
 // disk with holes and zero runs read back byte for byte through the FUSE
 // export (format probed) and over NBD, info equals qemu-img's, map differs only as
-// vhdxMapMatches says, -w is refused in one line pointing at a qcow2
-// overlay, and such an overlay exports read-write (fio verifies its
-// writes) with the VHDX unchanged.
+// vhdxMapMatches says, a copy written in place (fuse -w, nbd -w) equals
+// a raw copy written the same way (vhdxWritesEqualARawCopy), and a qcow2
+// overlay exports read-write (fio verifies its writes) with the VHDX
+// unchanged.
 func TestVhdxConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 	dir := t.TempDir()
 	src := vhdxRawWithHoles(t, dir)
@@ -147,11 +148,7 @@ func TestVhdxConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 			// Fixed images may allocate every block, and 32 MiB blocks all hold data.
 			vhdxMapMatches(t, img, src, 64<<20, name != "fixed" && name != "block_size=32M")
 
-			wmnt := filepath.Join(d, "wmnt")
-			code, out := harness.TryExport(t, wmnt, "-w", img)
-			if code == 0 || !strings.Contains(out, "qcow2") || strings.Count(strings.TrimSpace(out), "\n") != 0 {
-				t.Fatalf("-w on a vhdx image: exit %d, want a one-line refusal naming a qcow2 overlay:\n%s", code, out)
-			}
+			vhdxWritesEqualARawCopy(t, img, src)
 
 			ov := filepath.Join(d, "ov.qcow2")
 			harness.Run(t, "qemu-img", "create", "-q", "-f", "qcow2", "-b", img, "-F", "vhdx", ov)
@@ -179,10 +176,11 @@ func vhdxPutCRC(b []byte) {
 
 // TestVhdxHostileRefusedWhereQemuReadsWrongData: a BAT region moved past
 // the end of the file (in both region tables, checksums right): QEMU 7.2
-// opens it and reads zeroes for every block; we refuse it in one line.
-// And a dirty log (a valid entry under the headers' log GUID): both
-// refuse the read-only open, ours in one line naming qemu-img check -r
-// all, and after that replay both read the disk.
+// opens it and reads zeroes for every block; we refuse it in one line,
+// for reading and for writing (the file untouched). And a dirty log (a
+// valid entry under the headers' log GUID): both refuse the read-only
+// open, ours in one line naming qemu-img check -r all; a writable export
+// replays it first, and after either replay the disk reads right.
 func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 	dir := t.TempDir()
 	src := harness.RandomImage(t, dir, 8<<20, 30)
@@ -227,6 +225,12 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		if code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "BAT region") {
 			t.Fatalf("blockexport info: exit %d, want a one-line refusal naming the BAT region:\n%s", code, out)
 		}
+		// Refused for writing too, in one line, the file untouched.
+		mnt := filepath.Join(t.TempDir(), "mnt")
+		if code, out := harness.TryExport(t, mnt, "-w", p); code == 0 || strings.Count(strings.TrimSpace(out), "\n") != 0 || !strings.Contains(out, "BAT region") {
+			t.Fatalf("fuse -w: exit %d, want a one-line refusal naming the BAT region:\n%s", code, out)
+		}
+		harness.MustEqualBytes(t, "the image after a refused fuse -w", harness.ReadAll(t, p), b)
 	})
 
 	t.Run("dirty log", func(t *testing.T) {
@@ -258,6 +262,13 @@ func TestVhdxHostileRefusedWhereQemuReadsWrongData(t *testing.T) {
 		if code, out := harness.TryExport(t, mnt, p); code == 0 || !strings.Contains(out, "replay") {
 			t.Fatalf("export of a dirty log: exit %d\n%s", code, out)
 		}
+		// A writable export replays it first, as QEMU's read-write open.
+		wp := write(t, b)
+		wmnt := filepath.Join(t.TempDir(), "wmnt")
+		d := harness.StartExport(t, wp, wmnt, "-w")
+		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", wmnt, src)
+		d.StopClean()
+		harness.Run(t, "qemu-img", "check", "-f", "vhdx", wp)
 		harness.Run(t, "qemu-img", "check", "-q", "-r", "all", p)
 		harness.StartExport(t, p, mnt)
 		harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", mnt, src)
@@ -370,7 +381,9 @@ func vhdxTryFor(t *testing.T, args ...string) (int, string) {
 // TestVhdxDifferencingChainsAndConfinedParents: a differencing VHDX
 // (which QEMU 7.2 refuses to open) over a qemu-made parent reads, through
 // the FUSE export, its own blocks where it has them and the parent's
-// elsewhere; a qcow2 overlay on it exports read-write under fio verify.
+// elsewhere; a qcow2 overlay on it exports read-write under fio verify,
+// and a copy of it written in place reads what a raw copy written the
+// same way reads, its parent untouched.
 // Parent locators naming /etc/passwd (absolute, by ../, or as a Win32
 // path), /dev/zero, a FIFO, the child itself, or a parent whose data
 // write GUID is not the linkage, are each refused in one line, without
@@ -423,6 +436,27 @@ func TestVhdxDifferencingChainsAndConfinedParents(t *testing.T) {
 	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", omnt, wantPath)
 	harness.Run(t, "fio", append(harness.FioJob("vhdxdiff", "4k", "0", "8M", 31), "--io_size=4M", "--filename="+omnt)...)
 	e.StopClean()
+
+	// Written in place (fuse -w): into blocks the parent holds (unaligned:
+	// the sectors around come from the parent), its own blocks, zeroes
+	// over part of a parent's block and a whole one; a raw copy written
+	// the same way reads the same, and the parent is untouched.
+	wchild, wraw := filepath.Join(dir, "wchild.vhdx"), filepath.Join(dir, "wchild.raw")
+	vhdxCopy(t, child, wchild)
+	vhdxCopy(t, wantPath, wraw)
+	parentBefore := harness.ReadAll(t, parent)
+	wmnt := filepath.Join(dir, "wmnt")
+	d := harness.StartExport(t, wchild, wmnt, "-w")
+	for _, op := range []string{"write -P 0x71 1049000 3000", "write -P 0x72 7M 512", "write -P 0x73 2097000 200", "write -z 4200000 10000", "write -z 5M 1M"} {
+		harness.Run(t, "qemu-io", "-f", "raw", "-c", op, wmnt)
+		harness.Run(t, "qemu-io", "-f", "raw", "-c", op, wraw)
+	}
+	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", wmnt, wraw)
+	d.StopClean()
+	rmnt := filepath.Join(dir, "rmnt")
+	harness.StartExport(t, wchild, rmnt)
+	harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", rmnt, wraw)
+	harness.MustEqualBytes(t, "the parent after its child was written", harness.ReadAll(t, parent), parentBefore)
 
 	for name, kv := range map[string][][2]string{
 		"absolute /etc/passwd":     {{"parent_linkage", link}, {"relative_path", "/etc/passwd"}},

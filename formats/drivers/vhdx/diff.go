@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"unicode/utf16"
 
@@ -145,11 +146,10 @@ func (img *Image) readPartial(ctx context.Context, p []byte, off, blockHost int6
 	ls := int64(img.logicalSector)
 	first, last := off/ls, (off+int64(len(p))-1)/ls
 	chunkSectors := int64(sectorsPerChunk)
-	bm := int64(img.bitmaps[first/chunkSectors] & batOffsetMask)
 	s0, s1 := first%chunkSectors, last%chunkSectors // one block: one chunk
 	bits := make([]byte, s1/8-s0/8+1)
-	if _, err := img.f.ReadAt(ctx, bits, bm+s0/8); err != nil {
-		return fmt.Errorf("vhdx: read the sector bitmap at %d: %w", bm+s0/8, err)
+	if err := img.readBitmap(ctx, bits, first/chunkSectors, s0/8); err != nil {
+		return err
 	}
 	bit := func(sec int64) bool {
 		i := sec%chunkSectors - s0/8*8
@@ -179,3 +179,26 @@ func (img *Image) readPartial(ctx context.Context, p []byte, off, blockHost int6
 
 // Backing is the parent of a differencing image, or nil.
 func (img *Image) Backing() formats.Image { return img.parent }
+
+// readBitmap reads p from byte off of chunk c's sector bitmap: the file's
+// bytes (zeroes past its end: a block a writer has just allocated), under
+// the sectors a writer changed and has not written yet. Both are read
+// under mu, so that a writer's commit, which drops its pending sectors
+// once they are in place, is seen whole or not at all.
+func (img *Image) readBitmap(ctx context.Context, p []byte, c, off int64) error {
+	img.mu.RLock()
+	defer img.mu.RUnlock()
+	at := int64(img.bitmaps[c]&batOffsetMask) + off
+	got, err := img.f.ReadAt(ctx, p, at)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return fmt.Errorf("vhdx: read the sector bitmap at %d: %w", at, err)
+	}
+	clear(p[got:])
+	for s := at &^ (logSector - 1); s < at+int64(len(p)); s += logSector {
+		if b, ok := img.pending[s]; ok {
+			lo, hi := max(s, at), min(s+logSector, at+int64(len(p)))
+			copy(p[lo-at:hi-at], b[lo-s:hi-s])
+		}
+	}
+	return nil
+}

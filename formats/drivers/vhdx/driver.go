@@ -10,16 +10,14 @@ import (
 )
 
 // Driver is vhdx's registry entry: read, checked (a repair replays the
-// log, so it writes) and created; an open image is never written (not
-// Writable: exports stay read-only until writes go through the log),
-// except a new image convert fills (FreshWritable, Fresh).
+// log, so it writes), created and written (dynamic, fixed and
+// differencing disks; metadata through the log: write.go).
 func Driver() driver.Format {
-	return driver.Format{Name: "vhdx", Probe: Probe, Lock: driver.MetadataLock, Check: Check, RepairWrites: true, Create: Create, FreshWritable: true,
+	return driver.Format{Name: "vhdx", Probe: Probe, Lock: driver.MetadataLock, Check: Check, RepairWrites: true, Create: Create, Writable: true,
 		CreateKeys: []string{"subformat=dynamic|fixed", "block_size=SIZE", "log_size=SIZE", "block_state_zero=on|off"},
 		Open: func(ctx context.Context, f aio.File, o driver.Options) (formats.Image, error) {
 			if o.Writable {
-				// Only ever a new image, for convert: FreshWritable.
-				return driver.Image(OpenFresh(ctx, f))
+				return driver.Image(OpenWriter(ctx, f, Options{OpenParent: o.OpenParent}))
 			}
 			return driver.Image(New(ctx, f, Options{OpenParent: o.OpenParent}))
 		}}

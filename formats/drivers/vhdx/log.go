@@ -20,9 +20,10 @@ const (
 
 // checkLog refuses an image whose log holds entries to replay (QEMU's
 // vhdx_parse_log: a non-zero log GUID and at least one valid entry).
-// This reader never writes, so it cannot replay them, and reading around
-// them would serve stale metadata; QEMU, opened read-only, refuses the
-// same way.
+// A read-only open does not write, so it cannot replay them (a writable
+// open has replayed them before it gets here), and reading around them
+// would serve stale metadata; QEMU, opened read-only, refuses the same
+// way.
 func (r *reader) checkLog(h header) error {
 	if h.logGUID == ([16]byte{}) {
 		return nil

@@ -1,14 +1,10 @@
 package vhdx
 
 import (
-	"bytes"
 	"context"
-	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/crc32"
-	"io"
 
 	"github.com/blockexport/blockexport/aio"
 )
@@ -270,46 +266,24 @@ func Replay(ctx context.Context, f aio.File) (bool, error) {
 	return true, nil
 }
 
-// clearLogGUID writes both headers with a zero log GUID: the inactive
-// slot first, with the next sequence number, then the other with the one
-// after, each made durable before the next.
+// clearLogGUID writes both headers with a zero log GUID and a new file
+// write GUID: the inactive slot first, with the next sequence number,
+// then the other with the one after, each made durable before the next.
 func (r *reader) clearLogGUID() error {
-	var raw [2][]byte
-	for i, off := range []uint64{header1Offset, header2Offset} {
-		b, err := r.read(off, headerSize)
-		if err != nil {
-			return err
-		}
-		raw[i] = b
-	}
 	h, err := r.headers()
 	if err != nil {
 		return err
 	}
-	cur := 0
-	if v := raw[1]; string(v[:4]) == "head" && checksumOK(v) && binary.LittleEndian.Uint64(v[8:]) == h.seq {
-		cur = 1
+	p, err := readHeaderPair(r, h.seq)
+	if err != nil {
+		return err
 	}
-	next := bytes.Clone(raw[cur])
-	var fileWrite [16]byte
-	if _, err := io.ReadFull(rand.Reader, fileWrite[:]); err != nil {
-		return fmt.Errorf("vhdx: %s: a new file write GUID: %w", r.name, err)
+	fileWrite, err := newGUID()
+	if err != nil {
+		return fmt.Errorf("%s: %w", r.name, err)
 	}
-	copy(next[16:32], fileWrite[:])
-	clear(next[48:64])
-	seq := h.seq
-	for _, slot := range []int{1 - cur, cur} {
-		seq++
-		binary.LittleEndian.PutUint64(next[8:], seq)
-		binary.LittleEndian.PutUint32(next[4:], 0)
-		binary.LittleEndian.PutUint32(next[4:], crc32.Checksum(next, castagnoli))
-		off := []uint64{header1Offset, header2Offset}[slot]
-		if _, err := r.f.WriteAt(r.ctx, next, int64(off)); err != nil {
-			return fmt.Errorf("vhdx: %s: writing header %d: %w", r.name, slot+1, err)
-		}
-		if err := r.f.Fsync(r.ctx); err != nil {
-			return fmt.Errorf("vhdx: %s: writing header %d: %w", r.name, slot+1, err)
-		}
-	}
-	return nil
+	return p.update(r.ctx, r.f, r.name, true, func(h []byte) {
+		copy(h[16:32], fileWrite[:])
+		clear(h[48:64])
+	})
 }

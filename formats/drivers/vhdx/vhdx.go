@@ -1,8 +1,9 @@
 // Package vhdx reads Hyper-V VHDX images (MS-VHDX; QEMU's block/vhdx.c
 // for what QEMU accepts): the file identifier, two headers chosen by
 // sequence number under CRC-32C, the region table, the metadata region and
-// the block allocation table. Open images are read-only; Create makes new
-// ones, and Fresh fills a new one for convert (create.go, fresh.go).
+// the block allocation table. Create makes new images (create.go); an
+// image opened writable is written with its metadata through the log
+// (write.go, logwrite.go), a dirty log replayed first (replay.go).
 //
 // Every table entry is checked against the file before it is used: a BAT
 // region past the end of the file, a payload block inside the headers, the
@@ -19,6 +20,7 @@ import (
 	"hash/crc32"
 	"io"
 	"slices"
+	"sync"
 
 	"github.com/blockexport/blockexport/aio"
 	"github.com/blockexport/blockexport/formats"
@@ -149,6 +151,20 @@ type Image struct {
 	parentName string
 	chunkRatio int64
 	bitmaps    []uint64
+
+	// Where the metadata lies, for a writer: every span the reader found
+	// (the header section, the log, the regions), the BAT region and the
+	// log.
+	spans          []span
+	batOff         int64
+	logOff, logLen int64
+	// mu guards bat, bitmaps and pending against a writer's changes
+	// (write.go); a read-only image never takes it exclusively.
+	mu sync.RWMutex
+	// pending holds the 4 KiB metadata sectors (BAT and sector bitmap)
+	// a writer changed and has not yet written through the log, by file
+	// offset: reads of sector bitmaps see them first.
+	pending map[int64][]byte
 }
 
 // New opens the VHDX image in f, which it owns from now on (Close closes
@@ -181,7 +197,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err != nil {
 		return nil, err
 	}
-	img := &Image{f: f, path: name, dataWriteGUID: h.dataWriteGUID}
+	img := &Image{f: f, path: name, dataWriteGUID: h.dataWriteGUID, batOff: int64(bat.start), logOff: int64(h.logOffset), logLen: int64(h.logLength)}
 	locator, err := r.metadata(img, meta)
 	if err != nil {
 		return nil, err
@@ -192,6 +208,7 @@ func open(ctx context.Context, f aio.File, o Options, found *[]string) (*Image, 
 	if err := r.loadBAT(img, bat, spans); err != nil {
 		return nil, err
 	}
+	img.spans = spans
 	if img.diff {
 		if err := img.openParent(locator, o.OpenParent); err != nil {
 			return nil, err
@@ -589,7 +606,13 @@ func (img *Image) Size() int64 { return img.size }
 func (img *Image) locate(_ context.Context, off, n int64, try bool) (blockmap.Run, bool, error) {
 	in := off % img.blockSize
 	r := blockmap.Run{Kind: blockmap.Hole, N: min(n, img.blockSize-in), File: img.f}
+	if !try {
+		img.mu.RLock()
+	} else if !img.mu.TryRLock() {
+		return r, false, nil
+	}
 	e := img.bat[off/img.blockSize]
+	img.mu.RUnlock()
 	switch state := e & batStateMask; {
 	case state == blockFullyPresent:
 		r.Kind, r.Host = blockmap.Data, int64(e&batOffsetMask)+in
