@@ -102,7 +102,7 @@ func (f *ddFlags) run(stderr io.Writer, args []string) error {
 	if err := registry.Create(out, f.target, registry.CreateOptions{Size: size, Force: true}); err != nil {
 		return qemuRefusal(fmt.Sprintf("%s: error while creating output image: %v", out, err))
 	}
-	dst, err := openImage(out, registry.Options{Format: f.target, Writable: true, Fresh: true, Lock: true, Backend: "threads"})
+	dst, err := openImage(out, registry.Options{Format: f.target, Writable: true, Lock: true, Backend: "threads"})
 	if err != nil {
 		return err
 	}

@@ -74,10 +74,6 @@ func ParseFormat(s string) (string, error) {
 type Options struct {
 	Format   string // auto (default), null or a format read here (Formats)
 	Writable bool
-	// Fresh: the image was made by this program's Create a moment ago
-	// and nobody else has opened it (convert's new target): a format that
-	// is FreshWritable opens it for writing.
-	Fresh bool
 	// EditBitmaps opens a writable qcow2 image to edit its persistent
 	// dirty bitmaps (the bitmap verb): none is marked in use at open.
 	EditBitmaps bool
@@ -343,7 +339,7 @@ func (c *chain) open(path, format string, writable, backing bool) (formats.Image
 	if ff.Open == nil {
 		return nil, "", unsupported(path, ff.Name) // a backing format the image names
 	}
-	if writable && !ff.Writable && !(c.o.Fresh && ff.FreshWritable && !backing) {
+	if writable && !ff.Writable {
 		return nil, "", needsOverlay(path, ff.Name, ff.Name+" images are read here, not written")
 	}
 	lock := c.o.lock(ff.Lock, writable, backing)

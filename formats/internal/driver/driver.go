@@ -87,11 +87,6 @@ type Format struct {
 	// Writable: images open for writing; otherwise a writable open is
 	// refused before any open, pointing to a qcow2 overlay.
 	Writable bool
-	// FreshWritable: a format that is not Writable still opens an image
-	// its Create has just made for writing, when the opener says so
-	// (registry Options.Fresh: convert's new target only), so that
-	// convert -O writes it while exports of it stay read-only.
-	FreshWritable bool
 	// Create makes a new, empty image at path; nil: the format is not
 	// created here.
 	Create func(path string, o CreateOptions) error

@@ -148,7 +148,7 @@ func (j Job) openTarget(size int64) (*registry.Opened, bool, error) {
 			return nil, false, err
 		}
 	}
-	to := registry.Options{Format: j.Format, Writable: true, Fresh: !j.NoCreate, Lock: true, Backend: j.Open.Backend,
+	to := registry.Options{Format: j.Format, Writable: true, Lock: true, Backend: j.Open.Backend,
 		Direct: j.Cache == "none" && !j.Compress, NBD: j.Open.NBD, RelatedDirs: j.Open.RelatedDirs}
 	if j.NoCreate && (!j.FormatGiven || nbd.IsURI(j.Target)) {
 		to.Format = registry.Auto // probed; an export is raw bytes
