@@ -27,6 +27,8 @@ func daemonCommand() *cobra.Command {
 		Long: "Run a daemon that takes qemu-storage-daemon's command line and speaks QMP on its\n" +
 			"monitors. Options are acted on in the order given, as QSD does:\n" +
 			"  --blockdev driver=file|null-co|raw|qcow2|vmdk|vhdx|vpc|vdi,node-name=NAME,...  (or JSON)\n" +
+			"             file: filename=PATH[,aio=threads|io_uring|native (QEMU's default threads; native needs cache.direct=on)];\n" +
+			"             any node: [,cache.direct=on (O_DIRECT, inherited by an inline file child)]\n" +
 			"  --blockdev driver=nbd,node-name=NAME,server.type=unix,server.path=PATH | server.type=inet,server.host=HOST,server.port=PORT\n" +
 			"             [,export=NAME][,tls-creds=ID][,tls-hostname=NAME][,reconnect-delay=SECONDS]\n" +
 			"  --blockdev driver=http|https,node-name=NAME,url=URL,read-only=on[,timeout=SECONDS][,readahead=BYTES]\n" +
