@@ -44,6 +44,7 @@ func docAreas() []docArea {
 		{"http", "a 1 GiB image on nginx on loopback, cold (caches dropped, default `--cache-size`) and warm (`--cache-size 1280M`, read once first), against nbdkit's curl plugin behind nbdfuse in several configurations and qemu-storage-daemon's curl node"},
 		{"s3", "a 1 GiB object in versitygw on loopback, cold and warm; QEMU has no S3 driver, so there is nothing to compare with and the ratio column is empty"},
 		{"convert", "`blockexport convert`/`compare` against `qemu-img` on 4 GiB images, page-cached, each tool's best of two"},
+		{"verbs", fmt.Sprintf("`measure` and `info` of a %s sparse qcow2 with 1 MiB in every GiB, wall time per call, the median of %d calls of each program taking turns; `commit` and `rebase` (safe onto another base, and `-b ''`) of a %s chain (raw base of random data, qcow2 top with every other cluster rewritten), rebuilt before each run, each cache mode's best of two, until `sync` returns, beside fio writing the same bytes sequentially (the disk's speed, in the report's table against the device)", *vbMeasureSize, *vbCalls, *vbChainSize)},
 	}
 }
 
