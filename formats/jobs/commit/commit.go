@@ -62,22 +62,24 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 			return fmt.Errorf("grow the base image to %d bytes: %w", top.Size(), err)
 		}
 	}
-	var copyTotal, dropTotal int64
-	err := walk(ctx, top, func(e formats.Extent) error {
-		if e.Present && e.Depth < baseDepth {
-			copyTotal += e.Length
-			if e.Depth == 0 {
-				dropTotal += e.Length
+	// The total is progress's alone: without a listener the walk that
+	// sums it is skipped. A walk asks the base about every hole of the
+	// top (two lseeks on a raw base), and each of the copy's and the
+	// emptying's walks does so again.
+	var total int64
+	if o.Progress != nil {
+		err := walk(ctx, top, func(e formats.Extent) error {
+			if e.Present && e.Depth < baseDepth {
+				total += e.Length
+				if e.Depth == 0 && o.Drop {
+					total += e.Length
+				}
 			}
+			return nil
+		})
+		if err != nil {
+			return err
 		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	total := copyTotal
-	if o.Drop {
-		total += dropTotal
 	}
 	var (
 		mu   sync.Mutex
@@ -95,7 +97,7 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 		o.Progress(0, total)
 	}
 	limit := newLimiter(o.Rate)
-	err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth < baseDepth },
+	err := parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth < baseDepth },
 		func(ctx context.Context, e formats.Extent, buf []byte) error {
 			if err := limit.wait(ctx, e.Length); err != nil {
 				return err
