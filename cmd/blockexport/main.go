@@ -141,6 +141,9 @@ func rootCommand(only string) *cobra.Command {
 	root.Flags().BoolVar(&showVersion, "version", false, "print the version and the VCS revision it was built from")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.CompletionOptions.HiddenDefaultCmd = false
+	// cobra's completion command (four shells' help texts, formatted
+	// each run) only runs in the whole tree: soleVerb never names it.
+	root.CompletionOptions.DisableDefaultCmd = only != ""
 	for _, v := range verbs() {
 		if only == "" || v.name == only {
 			root.AddCommand(v.build())
