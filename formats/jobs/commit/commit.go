@@ -125,14 +125,23 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 	if err != nil || !o.Drop {
 		return err
 	}
-	err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth == 0 },
-		func(ctx context.Context, e formats.Extent, _ []byte) error {
-			if err := em.Unallocate(ctx, e.Start, e.Length); err != nil {
-				return fmt.Errorf("empty [%d, +%d): %w", e.Start, e.Length, err)
-			}
-			report(e.Length)
-			return nil
-		})
+	unallocate := func(ctx context.Context, e formats.Extent, _ []byte) error {
+		if err := em.Unallocate(ctx, e.Start, e.Length); err != nil {
+			return fmt.Errorf("empty [%d, +%d): %w", e.Start, e.Length, err)
+		}
+		report(e.Length)
+		return nil
+	}
+	if o.Progress == nil {
+		// Nobody counts the bytes: the top is emptied a step at a time
+		// over its whole size, without a walk (which asks the base about
+		// every hole of the top) and with one request per step rather
+		// than per extent. Unallocate leaves what the top does not
+		// allocate as it is.
+		err = parallelSteps(ctx, top.Size(), o, unallocate)
+	} else {
+		err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth == 0 }, unallocate)
+	}
 	if ferr := top.Flush(context.WithoutCancel(ctx)); err == nil && ferr != nil {
 		err = fmt.Errorf("flush the top image: %w", ferr)
 	}
@@ -142,6 +151,40 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 // parallel runs do on the pieces (at most o.Step, cut at multiples of it)
 // of every extent of img that keep selects, o.Parallel at once.
 func parallel(ctx context.Context, img formats.Image, o Options, keep func(formats.Extent) bool, do func(context.Context, formats.Extent, []byte) error) error {
+	return inParallel(ctx, o, do, func(ctx context.Context, piece func(formats.Extent) error) error {
+		return walk(ctx, img, func(e formats.Extent) error {
+			if !keep(e) {
+				return nil
+			}
+			for off, end := e.Start, e.Start+e.Length; off < end; {
+				p := e
+				p.Start, p.Length = off, min(end-off, o.Step-off%o.Step)
+				if err := piece(p); err != nil {
+					return err
+				}
+				off += p.Length
+			}
+			return nil
+		})
+	})
+}
+
+// parallelSteps runs do on [0, size) a step (o.Step) at a time, o.Parallel
+// at once.
+func parallelSteps(ctx context.Context, size int64, o Options, do func(context.Context, formats.Extent, []byte) error) error {
+	return inParallel(ctx, o, do, func(ctx context.Context, piece func(formats.Extent) error) error {
+		for off := int64(0); off < size; off += o.Step {
+			if err := piece(formats.Extent{Start: off, Length: min(o.Step, size-off)}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// inParallel runs do on every piece feed gives, o.Parallel at once, and
+// returns the first error.
+func inParallel(ctx context.Context, o Options, do func(context.Context, formats.Extent, []byte) error, feed func(context.Context, func(formats.Extent) error) error) error {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	pieces := make(chan formats.Extent)
@@ -167,21 +210,13 @@ func parallel(ctx context.Context, img formats.Image, o Options, keep func(forma
 			}
 		}()
 	}
-	werr := walk(wctx, img, func(e formats.Extent) error {
-		if !keep(e) {
+	werr := feed(wctx, func(p formats.Extent) error {
+		select {
+		case pieces <- p:
 			return nil
+		case <-wctx.Done():
+			return wctx.Err()
 		}
-		for off, end := e.Start, e.Start+e.Length; off < end; {
-			p := e
-			p.Start, p.Length = off, min(end-off, o.Step-off%o.Step)
-			select {
-			case pieces <- p:
-			case <-wctx.Done():
-				return wctx.Err()
-			}
-			off += p.Length
-		}
-		return nil
 	})
 	close(pieces)
 	wg.Wait()
