@@ -133,12 +133,14 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 		return nil
 	}
 	if o.Progress == nil {
-		// Nobody counts the bytes: the top is emptied a step at a time
+		// Nobody counts the bytes: the top is emptied a piece at a time
 		// over its whole size, without a walk (which asks the base about
 		// every hole of the top) and with one request per step rather
 		// than per extent. Unallocate leaves what the top does not
 		// allocate as it is.
-		err = parallelSteps(ctx, top.Size(), o, unallocate)
+		eo := o
+		eo.Step = max(o.Step, emptyStep, (top.Size()/emptyPieces+o.Step-1)/o.Step*o.Step)
+		err = parallelSteps(ctx, top.Size(), eo, unallocate)
 	} else {
 		err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth == 0 }, unallocate)
 	}
@@ -147,6 +149,16 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 	}
 	return err
 }
+
+// Without a progress listener the top is emptied in pieces of at least
+// emptyStep and at most emptyPieces of them: a piece is a request and a
+// trip through the pool (~4 µs), and the whole virtual size is stepped
+// through (an 8 TiB top with three extents, in 64 MiB pieces, took 0.5
+// s where a walk took 0.06 s; in 4096 pieces 0.12-0.17 s).
+const (
+	emptyStep   = 64 << 20
+	emptyPieces = 4096
+)
 
 // parallel runs do on the pieces (at most o.Step, cut at multiples of it)
 // of every extent of img that keep selects, o.Parallel at once.
