@@ -115,12 +115,15 @@ func (f *commitFlags) run(c *cobra.Command, args []string) error {
 	}
 	defer base.Image.Close()
 	p := progress.New(f.progressMode(), "commit", c.OutOrStdout(), c.ErrOrStderr())
-	err = commit.Commit(ctx, top.Image, base.Image, depth, commit.Options{Parallel: f.parallel, Rate: rate, Drop: drop,
-		Progress: func(done, total int64) {
+	co := commit.Options{Parallel: f.parallel, Rate: rate, Drop: drop}
+	if p.Mode() != progress.None { // without -p, Commit skips the walk that sums the total
+		co.Progress = func(done, total int64) {
 			if done < total { // the 100% is Finish's, once, as qemu-img prints it
 				p.Update(done, total)
 			}
-		}})
+		}
+	}
+	err = commit.Commit(ctx, top.Image, base.Image, depth, co)
 	p.Finish(err == nil, -1)
 	switch {
 	case ctx.Err() != nil && errors.Is(err, context.Canceled):

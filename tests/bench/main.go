@@ -195,7 +195,7 @@ func qsdSystems(target string) []system {
 var (
 	runtimeFlag    = flag.Duration("runtime", 5*time.Second, "fio runtime per row and system")
 	outDir         = flag.String("out", "docs/bench", "where the report goes")
-	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images, to every format written, the disk-bound ones beside fio's own write), formatwrite (4 KiB random writes through fuse -w of vmdk, vhdx, vpc and vdi images, full and fresh, against qemu-storage-daemon's writable export), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), daemon (200 small qcow2 exports added, read and deleted over QMP in one daemon, three rounds, against qemu-storage-daemon: RSS, ms per add and delete, what is left; and fio through a daemon export against the one-shot fuse command); the default runs them all")
+	only           = flag.String("only", defaultOnly, "targets to run: null, raw, qcow2, slow (--cache none and cold caches), loop (ext4 through a loop device), nbd, nbdsrc (a FUSE export of an image on qemu-nbd), kcache (buffered I/O with --kernel-cache on, cold, against the file itself; and the O_DIRECT matrix with it against without it, which kcdirect runs alone), s3 (a FUSE export of a 1 GiB object in versitygw, cold and warm), http (a FUSE export of a 1 GiB image on nginx, cold and warm, against nbdkit's curl plugin behind nbdfuse and qemu-storage-daemon's curl node), convert (blockexport convert and compare against qemu-img's on 4 GiB images, to every format written, the disk-bound ones beside fio's own write), verbs (measure and info per call on a 64 GiB sparse qcow2, commit and rebase of a 4 GiB chain, against qemu-img's and beside fio writing the same bytes; -verbs-* size them), formatwrite (4 KiB random writes through fuse -w of vmdk, vhdx, vpc and vdi images, full and fresh, against qemu-storage-daemon's writable export), formats (4 KiB reads of vmdk, streamOptimized vmdk, vhdx, vpc and vdi images, read-only; or one of vmdk, vmdk-stream, vhdx, vpc, vdi), daemon (200 small qcow2 exports added, read and deleted over QMP in one daemon, three rounds, against qemu-storage-daemon: RSS, ms per add and delete, what is left; and fio through a daemon export against the one-shot fuse command); the default runs them all")
 	binFlag        = flag.String("bin", "bin/blockexport", "blockexport binary")
 	workDir        = flag.String("dir", "", "scratch directory for images (default: a temp dir)")
 	loopReps       = flag.Int("loop-reps", 3, "loop rows: runs per system (the median of each step counts)")
@@ -333,6 +333,10 @@ func main() {
 		covered["formatwrite"] = true
 		rows = append(rows, tag("formatwrite", benchFormatWrite(dir, bin))...)
 	}
+	if targets["verbs"] {
+		covered["verbs"] = true
+		rows = append(rows, tag("verbs", benchVerbs(dir, bin))...)
+	}
 	covered["formats"] = true
 	for _, target := range foreignTargets() {
 		if targets["formats"] || targets[target] || *only == defaultOnly {
@@ -360,7 +364,7 @@ func main() {
 	}
 }
 
-const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert,formatwrite,daemon"
+const defaultOnly = "null,raw,qcow2,slow,loop,nbd,nbdsrc,kcache,formats,http,s3,convert,verbs,formatwrite,daemon"
 
 // foreignFormats are the read rows' targets of the formats besides raw
 // and qcow2: the same 1 GiB of random data converted by qemu-img (format
@@ -896,7 +900,7 @@ func report(rows []row, covered map[string]bool) error {
 	fmt.Fprintf(&b, "QEMU at its best: every row ran qemu-storage-daemon in each configuration its users can pick for that image, in the same run (file nodes with aio=threads or aio=io_uring, with or without an iothread for the export; page cache, as blockexport runs by default; aio=native needs cache.direct=on and so applies only where QEMU runs with cache.direct=on: the --cache none rows, the kernel-cache rows and the loop rows, with aio=native, io_uring or threads, with or without an iothread), and the compared-with column quotes the fastest, named beside it. The NBD rows add qemu-nbd --aio=io_uring and leave out the iothread (QEMU 7.2's NBD server aborts when a client of such an export disconnects). The nbd source rows compare with qemu-storage-daemon (an nbd blockdev under its FUSE export) and nbdfuse. The fio rows (the matrix, kcache and http) run each configuration once, then ours and the fastest of them twice more (-reps, -kcache-reps, -http-reps), and quote the medians; the loop rows run every system %d times (-loop-reps), medians; the convert rows take every tool's best of two. Every configuration's figure (its first run) is in the last table.%s\n\n", *loopReps, pinNote())
 	fmt.Fprintf(&b, "![ratios](%s.svg)\n\n", stamp)
 	b.WriteString(ratioTable(rows))
-	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency; the kernel-cache rows beside the same buffered job on the file itself, and the loop rows beside a loop device on the image file itself. The last column is blockexport's speed over the file's (above 1: faster; for time rows the file's time over ours).\n\n| target | row | device (fio on the file) | compared with, best | blockexport | blockexport vs device |\n|---|---|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "\n## The slow path against the device\n\nThe slow-path rows beside fio on a raw file of the same size with O_DIRECT (the device itself, no FUSE): what a request through either export adds to the disk's own latency; the kernel-cache rows beside the same buffered job on the file itself, the loop rows beside a loop device on the image file itself, and the commit and rebase rows (verbs) beside fio writing the bytes they write, sequentially through the page cache with an fsync at the end (the disk's speed). The last column is blockexport's speed over the file's (above 1: faster; for time rows the file's time over ours).\n\n| target | row | device (fio on the file) | compared with, best | blockexport | blockexport vs device |\n|---|---|---:|---:|---:|---:|\n")
 	for _, r := range rows {
 		if r.file == 0 {
 			continue

@@ -3,6 +3,7 @@ package qcow2
 import (
 	"context"
 	"fmt"
+	"slices"
 
 	"golang.org/x/sys/unix"
 )
@@ -360,13 +361,22 @@ func (q *Image) applyFrees(ctx context.Context, frees []int64) (refused, err err
 		}
 	}
 	// Give the space back to the host; where it cannot, the clusters are
-	// merely free for reuse.
+	// merely free for reuse. Neighbouring clusters go in one punch: a
+	// punch costs about a millisecond on ext4 whatever its length, and
+	// emptying the top of a commit freed one cluster at a time took most
+	// of the commit (2048 punches, 2.2 s of a 256 MiB chain's 3 s).
+	slices.Sort(freed)
 	cs := q.h.clusterSize
-	for _, c := range freed {
-		err := q.f.Fallocate(ctx, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, c*cs, cs)
+	for i := 0; i < len(freed); {
+		j := i + 1
+		for j < len(freed) && freed[j] == freed[j-1]+1 {
+			j++
+		}
+		err := q.f.Fallocate(ctx, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, freed[i]*cs, int64(j-i)*cs)
 		if err != nil {
 			break
 		}
+		i = j
 	}
 	return refused, nil
 }

@@ -156,6 +156,11 @@ func (q *Image) setClusters(ctx context.Context, a, b, limit int64, op clusterOp
 func (q *Image) setClustersInTable(ctx context.Context, a, b int64, op clusterOp) error {
 	var table []uint64 // the current table, for reading; nil: none
 	l2off := int64(q.l1[a/q.h.l2Entries] & l1OffsetMask)
+	if l2off == 0 && op == opDiscardAll {
+		// No table: nothing here to drop. Commit empties its top over
+		// the whole virtual size, mostly such spans in a large image.
+		return nil
+	}
 	if l2off != 0 {
 		t, err := q.l2ForAlloc(ctx, l2off)
 		if err != nil {

@@ -62,22 +62,24 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 			return fmt.Errorf("grow the base image to %d bytes: %w", top.Size(), err)
 		}
 	}
-	var copyTotal, dropTotal int64
-	err := walk(ctx, top, func(e formats.Extent) error {
-		if e.Present && e.Depth < baseDepth {
-			copyTotal += e.Length
-			if e.Depth == 0 {
-				dropTotal += e.Length
+	// The total is progress's alone: without a listener the walk that
+	// sums it is skipped. A walk asks the base about every hole of the
+	// top (two lseeks on a raw base), and each of the copy's and the
+	// emptying's walks does so again.
+	var total int64
+	if o.Progress != nil {
+		err := walk(ctx, top, func(e formats.Extent) error {
+			if e.Present && e.Depth < baseDepth {
+				total += e.Length
+				if e.Depth == 0 && o.Drop {
+					total += e.Length
+				}
 			}
+			return nil
+		})
+		if err != nil {
+			return err
 		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	total := copyTotal
-	if o.Drop {
-		total += dropTotal
 	}
 	var (
 		mu   sync.Mutex
@@ -95,7 +97,7 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 		o.Progress(0, total)
 	}
 	limit := newLimiter(o.Rate)
-	err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth < baseDepth },
+	err := parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth < baseDepth },
 		func(ctx context.Context, e formats.Extent, buf []byte) error {
 			if err := limit.wait(ctx, e.Length); err != nil {
 				return err
@@ -123,23 +125,78 @@ func Commit(ctx context.Context, top, base formats.Image, baseDepth int, o Optio
 	if err != nil || !o.Drop {
 		return err
 	}
-	err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth == 0 },
-		func(ctx context.Context, e formats.Extent, _ []byte) error {
-			if err := em.Unallocate(ctx, e.Start, e.Length); err != nil {
-				return fmt.Errorf("empty [%d, +%d): %w", e.Start, e.Length, err)
-			}
-			report(e.Length)
-			return nil
-		})
+	unallocate := func(ctx context.Context, e formats.Extent, _ []byte) error {
+		if err := em.Unallocate(ctx, e.Start, e.Length); err != nil {
+			return fmt.Errorf("empty [%d, +%d): %w", e.Start, e.Length, err)
+		}
+		report(e.Length)
+		return nil
+	}
+	if o.Progress == nil {
+		// Nobody counts the bytes: the top is emptied a piece at a time
+		// over its whole size, without a walk (which asks the base about
+		// every hole of the top) and with one request per step rather
+		// than per extent. Unallocate leaves what the top does not
+		// allocate as it is.
+		eo := o
+		eo.Step = max(o.Step, emptyStep, (top.Size()/emptyPieces+o.Step-1)/o.Step*o.Step)
+		err = parallelSteps(ctx, top.Size(), eo, unallocate)
+	} else {
+		err = parallel(ctx, top, o, func(e formats.Extent) bool { return e.Present && e.Depth == 0 }, unallocate)
+	}
 	if ferr := top.Flush(context.WithoutCancel(ctx)); err == nil && ferr != nil {
 		err = fmt.Errorf("flush the top image: %w", ferr)
 	}
 	return err
 }
 
+// Without a progress listener the top is emptied in pieces of at least
+// emptyStep and at most emptyPieces of them: a piece is a request and a
+// trip through the pool (~4 µs), and the whole virtual size is stepped
+// through (an 8 TiB top with three extents, in 64 MiB pieces, took 0.5
+// s where a walk took 0.06 s; in 4096 pieces 0.12-0.17 s).
+const (
+	emptyStep   = 64 << 20
+	emptyPieces = 4096
+)
+
 // parallel runs do on the pieces (at most o.Step, cut at multiples of it)
 // of every extent of img that keep selects, o.Parallel at once.
 func parallel(ctx context.Context, img formats.Image, o Options, keep func(formats.Extent) bool, do func(context.Context, formats.Extent, []byte) error) error {
+	return inParallel(ctx, o, do, func(ctx context.Context, piece func(formats.Extent) error) error {
+		return walk(ctx, img, func(e formats.Extent) error {
+			if !keep(e) {
+				return nil
+			}
+			for off, end := e.Start, e.Start+e.Length; off < end; {
+				p := e
+				p.Start, p.Length = off, min(end-off, o.Step-off%o.Step)
+				if err := piece(p); err != nil {
+					return err
+				}
+				off += p.Length
+			}
+			return nil
+		})
+	})
+}
+
+// parallelSteps runs do on [0, size) a step (o.Step) at a time, o.Parallel
+// at once.
+func parallelSteps(ctx context.Context, size int64, o Options, do func(context.Context, formats.Extent, []byte) error) error {
+	return inParallel(ctx, o, do, func(ctx context.Context, piece func(formats.Extent) error) error {
+		for off := int64(0); off < size; off += o.Step {
+			if err := piece(formats.Extent{Start: off, Length: min(o.Step, size-off)}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// inParallel runs do on every piece feed gives, o.Parallel at once, and
+// returns the first error.
+func inParallel(ctx context.Context, o Options, do func(context.Context, formats.Extent, []byte) error, feed func(context.Context, func(formats.Extent) error) error) error {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	pieces := make(chan formats.Extent)
@@ -165,21 +222,13 @@ func parallel(ctx context.Context, img formats.Image, o Options, keep func(forma
 			}
 		}()
 	}
-	werr := walk(wctx, img, func(e formats.Extent) error {
-		if !keep(e) {
+	werr := feed(wctx, func(p formats.Extent) error {
+		select {
+		case pieces <- p:
 			return nil
+		case <-wctx.Done():
+			return wctx.Err()
 		}
-		for off, end := e.Start, e.Start+e.Length; off < end; {
-			p := e
-			p.Start, p.Length = off, min(end-off, o.Step-off%o.Step)
-			select {
-			case pieces <- p:
-			case <-wctx.Done():
-				return wctx.Err()
-			}
-			off += p.Length
-		}
-		return nil
 	})
 	close(pieces)
 	wg.Wait()

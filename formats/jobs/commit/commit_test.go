@@ -24,8 +24,20 @@ func readAll(t *testing.T, img formats.Image) []byte {
 
 // TestCommitWritesTheOverlayIntoAShorterBaseAndEmptiesIt: the base grows
 // to the overlay's size and reads as the overlay did; the overlay holds
-// nothing and still reads the same.
+// nothing and still reads the same. With a progress listener the overlay
+// is emptied extent by extent, counted; without, a step at a time over
+// its whole size.
 func TestCommitWritesTheOverlayIntoAShorterBaseAndEmptiesIt(t *testing.T) {
+	for _, counted := range []bool{false, true} {
+		name := "without progress"
+		if counted {
+			name = "with progress"
+		}
+		t.Run(name, func(t *testing.T) { commitIntoAShorterBase(t, counted) })
+	}
+}
+
+func commitIntoAShorterBase(t *testing.T, counted bool) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.raw")
@@ -58,8 +70,22 @@ func TestCommitWritesTheOverlayIntoAShorterBaseAndEmptiesIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	if err := Commit(ctx, img.Image, b.Image, 1, Options{Drop: true, Parallel: 2, Step: 64 << 10, Rate: 2 << 20}); err != nil {
+	co := Options{Drop: true, Parallel: 2, Step: 64 << 10, Rate: 2 << 20}
+	var lastDone, lastTotal int64
+	if counted {
+		co.Progress = func(done, total int64) {
+			if done < lastDone {
+				t.Errorf("progress went back from %d to %d", lastDone, done)
+			}
+			lastDone, lastTotal = done, total
+		}
+	}
+	if err := Commit(ctx, img.Image, b.Image, 1, co); err != nil {
 		t.Fatal(err)
+	}
+	// Nine clusters, 576 KiB, copied and then dropped.
+	if counted && (lastDone != lastTotal || lastTotal != 2*576<<10) {
+		t.Errorf("progress ended at %d of %d, want %d of %d", lastDone, lastTotal, 2*576<<10, 2*576<<10)
 	}
 	// Nine clusters (576 KiB) copied at 2 MiB/s: the last starts after
 	// about 250 ms.

@@ -87,6 +87,10 @@ func Main(m *testing.M) {
 	}
 	build := exec.Command("go", append(buildArgs, blockexportPkg)...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if os.Getenv("BLOCKEXPORT_RACE") != "1" {
+		// Static, as make build makes it (the race detector needs cgo).
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	}
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "tests: building blockexport:", err)
 		os.Exit(1)
