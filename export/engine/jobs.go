@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,6 +23,9 @@ type JobOptions struct {
 	AutoDismiss  bool
 	// Speed caps the bytes copied a second (0: no cap).
 	Speed int64
+	// BackingFile is the backing file name written at finalize, as it is
+	// (QEMU's backing-file); "": the base's file name.
+	BackingFile string
 }
 
 // JobInfo is one entry of query-jobs, its members in QEMU's order.
@@ -253,9 +257,11 @@ func (e *Engine) jobNode(device string) (*node, error) {
 	return n, e.busy(n)
 }
 
-// Stream starts block-stream of the whole backing chain into device's
-// image. The stream engine drops the backing file as it ends, so the
-// graph change comes before pending, not at finalize.
+// Stream starts block-stream of device's backing chain, down to base
+// (a layer's file name; "": the whole chain) into device's image. The
+// graph change comes at finalize, as QEMU makes it in the job's prepare
+// step: the image stands alone, or names base as its backing file (or
+// o.BackingFile, unchecked, as QEMU writes it).
 func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -266,21 +272,37 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	if err != nil {
 		return err
 	}
+	var lay chainLayer
+	if base != "" {
+		var ok bool
+		if lay, ok = findLayer(n.img, base); !ok {
+			return genericf("Can't find '%s' in the backing chain", base)
+		}
+	}
 	if err := e.layerNode(n, baseNode); err != nil {
 		return err
 	}
-	if base != "" && inChain(n.img, base) {
-		return genericf("Streaming down to a base ('%s') is not supported here: only the whole chain is streamed", base)
-	}
-	if base != "" {
-		return genericf("Can't find '%s' in the backing chain", base)
+	if lay.depth == 0 && o.BackingFile != "" {
+		return genericf("backing file specified, but streaming the entire chain")
 	}
 	if n.img == nil || n.readOnly {
 		return genericf("Node '%s' is read-only: a stream writes it", n.name)
 	}
 	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
+	j.finalize = func(ctx context.Context) error {
+		setter, ok := n.img.(backingSetter)
+		if _, layered := findBacking(n.img); !ok && !layered {
+			return nil // nothing was streamed (a null-co node)
+		} else if !ok {
+			return fmt.Errorf("node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
+		}
+		if lay.depth == 0 {
+			return setter.SetBacking(ctx, "", "")
+		}
+		return setter.SetBacking(ctx, cmp.Or(o.BackingFile, lay.path), lay.format())
+	}
 	return e.startJob(j, func(ctx context.Context, j *job) error {
-		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(ctx, j)})
+		err := stream.Stream(ctx, n.img, stream.StreamOptions{Base: lay.depth, KeepBacking: true, Progress: e.progress(ctx, j)})
 		if errors.Is(err, stream.ErrNoBackingFile) {
 			return nil
 		}
@@ -310,9 +332,13 @@ func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durabl
 	}
 }
 
-// Commit starts block-commit of the layer top of device's chain into
-// the layer below it (or base). Only a layer below the node's own image
-// is committed; the active layer needs a mirror, which is not here.
+// Commit starts block-commit of the layer top of device's chain (any
+// layer below the node's own image) into base, a layer below it (""
+// the bottom of the chain, as QEMU defaults). At finalize the layer above
+// top names base as its backing file (or o.BackingFile, as QEMU writes
+// it): the node's own image when top is its backing file, else a layer
+// below it, opened writable for that change alone. The active layer
+// needs a mirror, which is not here.
 func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -337,27 +363,31 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	if n.readOnly {
 		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)
 	}
-	setter, ok := n.img.(backingSetter)
-	if !ok {
-		return genericf("Node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
-	}
-	topImg, basePath, baseFormat, depth, err := findCommitLayers(n.img, top, base)
+	l, err := findCommitLayers(n.img, top, base)
 	if err != nil {
 		return err
 	}
+	setter, ok := l.above.(backingSetter)
+	if !ok {
+		return genericf("Image '%s' cannot change its backing file: only qcow2 can", l.above.Info().Filename)
+	}
 	// The node's chain holds the base open read-only under its lock;
 	// the writable open goes without one, as QEMU reopens the base.
-	bo, err := registry.Open(basePath, registry.Options{Format: cmpFormat(baseFormat), Writable: true, Backend: e.o.Backend, Logger: e.log})
+	bo, err := registry.Open(l.base.path, registry.Options{Format: l.base.format(), Writable: true, Backend: e.o.Backend, Logger: e.log})
 	if err != nil {
-		return openError(basePath, err)
+		return openError(l.base.path, err)
 	}
 	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
 	j.finalize = func(ctx context.Context) error {
-		return setter.SetBacking(ctx, basePath, baseFormat)
+		backing := cmp.Or(o.BackingFile, l.base.path)
+		if l.above == n.img {
+			return setter.SetBacking(ctx, backing, l.base.format())
+		}
+		return e.setLayerBacking(ctx, l.above.Info(), backing, l.base.format())
 	}
 	err = e.startJob(j, func(ctx context.Context, j *job) error {
 		defer bo.Image.Close()
-		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
+		err := commit.Commit(ctx, l.top, bo.Image, l.depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
 			if total > 0 {
 				j.cur.Store(j.total * done / total)
 			}
@@ -369,6 +399,28 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	})
 	if err != nil {
 		bo.Image.Close() // no job: nothing else will
+	}
+	return err
+}
+
+// setLayerBacking changes the backing file a layer below a node names
+// (the layer above a committed one): the node's chain holds it open
+// read-only, so it is opened writable on its own, without its chain and
+// without a lock, as QEMU reopens it read-write for the change.
+func (e *Engine) setLayerBacking(ctx context.Context, layer formats.Info, backing, format string) error {
+	o, err := registry.Open(layer.Filename, registry.Options{Format: cmpFormat(layer.Format), Writable: true, NoBacking: true,
+		Backend: e.o.Backend, Logger: e.log})
+	if err != nil {
+		return fmt.Errorf("reopen %s read-write: %w", layer.Filename, err)
+	}
+	setter, ok := o.Image.(backingSetter)
+	if !ok {
+		o.Image.Close()
+		return fmt.Errorf("%s cannot change its backing file: only qcow2 can", layer.Filename)
+	}
+	err = setter.SetBacking(ctx, backing, format)
+	if cerr := o.Image.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("close %s: %w", layer.Filename, cerr)
 	}
 	return err
 }
@@ -385,20 +437,36 @@ func (e *Engine) layerNode(n *node, name string) error {
 	return genericf("Node '%s' is not in the backing chain of '%s': name the layer by its file name", name, n.name)
 }
 
-// inChain says whether name is a file of img's backing chain.
-func inChain(img formats.Image, name string) bool {
-	for layer := img; layer != nil; {
+// chainLayer is one layer below a node's image.
+type chainLayer struct {
+	// depth below the node's image: 1 its backing file (0: no layer).
+	depth int
+	img   formats.Image
+	// above is the layer whose backing file this is.
+	above formats.Image
+	// path is the layer's file as the layer above resolves its name.
+	path string
+}
+
+// format is the layer's format by QEMU's driver name, which QEMU writes
+// beside a backing file name it sets.
+func (l chainLayer) format() string { return l.img.Info().Format }
+
+// findLayer finds the layer of img's chain that name names (a file name,
+// relative to the directory of the layer above, as QEMU's
+// bdrv_find_backing_image takes it).
+func findLayer(img formats.Image, name string) (chainLayer, bool) {
+	for layer, depth := img, 1; ; depth++ {
 		l, ok := layer.(formats.Layered)
 		if !ok || l.Backing() == nil {
-			return false
+			return chainLayer{}, false
 		}
 		info := layer.Info()
 		if commit.NamesFile(info.Filename, name, info.FullBackingFilename) {
-			return true
+			return chainLayer{depth: depth, img: l.Backing(), above: layer, path: info.FullBackingFilename}, true
 		}
 		layer = l.Backing()
 	}
-	return false
 }
 
 type backingSetter interface {
@@ -412,48 +480,52 @@ func cmpFormat(f string) string {
 	return f
 }
 
+// commitLayers are the layers a commit works on.
+type commitLayers struct {
+	// top is the layer committed, above the layer above it, whose
+	// backing file changes.
+	top, above formats.Image
+	base       chainLayer
+	// depth is the base's depth below top.
+	depth int
+}
+
 // findCommitLayers finds top in img's chain and the base below it (base
-// "": the bottom of the chain, as QEMU defaults): top's image, the
-// base's path and format, and the base's depth below top. Only img's
-// own backing file is committed: the overlay above top is the one whose
-// header changes, and the deeper ones are open read-only here.
-func findCommitLayers(img formats.Image, top, base string) (formats.Image, string, string, int, error) {
-	var topImg formats.Image
-	topDepth := 0
-	for layer := img; ; topDepth++ {
-		l, ok := layer.(formats.Layered)
-		if !ok || l.Backing() == nil {
-			return nil, "", "", 0, genericf("Top image file %s not found", top)
-		}
-		info := layer.Info()
-		if commit.NamesFile(info.Filename, top, info.FullBackingFilename) {
-			topImg = l.Backing()
-			break
-		}
-		layer = l.Backing()
+// "": the bottom of the chain, as QEMU defaults).
+func findCommitLayers(img formats.Image, top, base string) (commitLayers, error) {
+	t, ok := findLayer(img, top)
+	if !ok {
+		return commitLayers{}, genericf("Top image file %s not found", top)
 	}
-	var path, format string
-	depth, found := 0, base == ""
-	for layer := topImg; !(found && base != ""); {
-		l, ok := layer.(formats.Layered)
-		if !ok || l.Backing() == nil {
-			break
+	var b chainLayer
+	if base != "" {
+		if b, ok = findLayer(t.img, base); !ok {
+			return commitLayers{}, genericf("Can't find '%s' in the backing chain", base)
 		}
-		info := layer.Info()
-		depth++
-		path, format = info.FullBackingFilename, info.BackingFilenameFormat
-		found = found || commit.NamesFile(info.Filename, base, path)
-		layer = l.Backing()
+	} else {
+		for layer := t.img; ; {
+			next, ok := findBacking(layer)
+			if !ok {
+				break
+			}
+			b.depth++
+			b.img, b.above, b.path = next, layer, layer.Info().FullBackingFilename
+			layer = next
+		}
 	}
-	switch {
-	case depth == 0:
-		return nil, "", "", 0, genericf("cannot commit an image into itself")
-	case !found:
-		return nil, "", "", 0, genericf("Can't find '%s' in the backing chain", base)
-	case topDepth > 0:
-		return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
+	if b.depth == 0 {
+		return commitLayers{}, genericf("cannot commit an image into itself")
 	}
-	return topImg, path, format, depth, nil
+	return commitLayers{top: t.img, above: t.above, base: b, depth: b.depth}, nil
+}
+
+// findBacking is img's backing image, if it has one.
+func findBacking(img formats.Image) (formats.Image, bool) {
+	l, ok := img.(formats.Layered)
+	if !ok || l.Backing() == nil {
+		return nil, false
+	}
+	return l.Backing(), true
 }
 
 // stopJobs cancels every job and waits for its work to end, so that the

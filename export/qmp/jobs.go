@@ -4,7 +4,8 @@ import (
 	"github.com/blockexport/blockexport/export/engine"
 )
 
-// jobOptions reads the arguments block-stream and block-commit share;
+// jobOptions reads the arguments block-stream and block-commit share
+// (backing-file among them: the name written for the base at finalize);
 // auto-finalize and auto-dismiss default to true, as in QEMU.
 func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 	o := engine.JobOptions{ID: a.str("job-id", false), Device: a.str("device", true), AutoFinalize: true, AutoDismiss: true}
@@ -16,6 +17,7 @@ func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 	}
 	a.enum("on-error", false, "report", "ignore", "enospc", "stop", "auto")
 	o.Speed = a.integer("speed", false)
+	o.BackingFile = a.str("backing-file", false)
 	return o
 }
 
