@@ -296,10 +296,16 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 		} else if !ok {
 			return fmt.Errorf("node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
 		}
+		var err error
 		if lay.depth == 0 {
-			return setter.SetBacking(ctx, "", "")
+			err = setter.SetBacking(ctx, "", "")
+		} else {
+			err = setter.SetBacking(ctx, cmp.Or(o.BackingFile, lay.path), lay.format())
 		}
-		return setter.SetBacking(ctx, cmp.Or(o.BackingFile, lay.path), lay.format())
+		if err != nil {
+			return err
+		}
+		return e.reopenChain(n)
 	}
 	return e.startJob(j, func(ctx context.Context, j *job) error {
 		err := stream.Stream(ctx, n.img, stream.StreamOptions{Base: lay.depth, KeepBacking: true, Progress: e.progress(ctx, j)})
@@ -380,10 +386,16 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
 	j.finalize = func(ctx context.Context) error {
 		backing := cmp.Or(o.BackingFile, l.base.path)
+		var err error
 		if l.above == n.img {
-			return setter.SetBacking(ctx, backing, l.base.format())
+			err = setter.SetBacking(ctx, backing, l.base.format())
+		} else {
+			err = e.setLayerBacking(ctx, l.above.Info(), backing, l.base.format())
 		}
-		return e.setLayerBacking(ctx, l.above.Info(), backing, l.base.format())
+		if err != nil {
+			return err
+		}
+		return e.reopenChain(n)
 	}
 	err = e.startJob(j, func(ctx context.Context, j *job) error {
 		defer bo.Image.Close()
@@ -423,6 +435,38 @@ func (e *Engine) setLayerBacking(ctx context.Context, layer formats.Info, backin
 		err = fmt.Errorf("close %s: %w", layer.Filename, cerr)
 	}
 	return err
+}
+
+// reopenChain opens n's image again once a job changed its backing
+// chain, so that the node reads through the new chain and holds no layer
+// the job took out of it (its lock released, its file free to go), as
+// QEMU's graph change leaves it. The old chain closes first: two writable
+// opens of one qcow2 image at once would each keep its own metadata. An
+// open with the locks that fails (someone took one meanwhile) is done
+// again without them; an open that fails again leaves the node with no
+// image, refused to exports and jobs by name. An exported node keeps the
+// image its exports were given: it reads the same through the old
+// layers, held until the node closes (under mu).
+func (e *Engine) reopenChain(n *node) error {
+	if n.users > 0 || n.opened == nil {
+		return nil
+	}
+	if err := n.close(); err != nil {
+		e.log.Warn("closing the old backing chain", "node-name", n.name, "err", err)
+	}
+	n.opened = nil
+	o := registry.Options{Format: n.driver, Writable: !n.readOnly, Lock: true, Backend: e.o.Backend, Logger: e.log}
+	opened, err := registry.Open(n.path, o)
+	if err != nil {
+		e.log.Warn("reopening the node without its locks", "node-name", n.name, "err", err)
+		o.Lock = false
+		opened, err = registry.Open(n.path, o)
+	}
+	if err != nil {
+		return fmt.Errorf("reopen %s over its new backing chain: %w", n.path, err)
+	}
+	n.opened, n.img = opened, opened.Image
+	return nil
 }
 
 // layerNode refuses a node named as a layer of n's chain (top-node,

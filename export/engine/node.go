@@ -279,6 +279,9 @@ func (n *node) acquire(e *Engine, writable bool) (formats.Image, error) {
 	if writable && n.readOnly {
 		return nil, genericf("Cannot export read-only node '%s' as writable", n.name)
 	}
+	if n.img == nil && n.driver != "file" { // its reopen after a job failed
+		return nil, genericf("Node '%s' has no image open", n.name)
+	}
 	if n.driver == "file" && n.opens == 0 {
 		opened, err := registry.Open(n.path, registry.Options{Format: registry.Raw, Writable: !n.readOnly, Lock: true,
 			Backend: e.o.Backend, Logger: e.log})

@@ -37,7 +37,7 @@ func (e *Engine) Resize(ctx context.Context, device, nodeName string, size int64
 	if err := e.resizeConflict(n); err != nil {
 		return err
 	}
-	if n.readOnly {
+	if n.readOnly || (n.img == nil && n.driver != "file") {
 		return genericf("Image is read-only")
 	}
 	if err := n.resize(ctx, size); err != nil {
