@@ -49,8 +49,7 @@ type job struct {
 	status string
 	// cur is the progress, written by the work without the engine's
 	// lock: a cancel waits for the work under it.
-	cur   atomic.Int64
-	total int64
+	cur, total atomic.Int64
 	// ended: the job's end was handled (its work's end or a cancel).
 	ended  bool
 	cancel context.CancelFunc
@@ -59,6 +58,13 @@ type job struct {
 	err    error
 	// finalize is the job's graph change at finalize (nil: none).
 	finalize func(ctx context.Context) error
+	// refuse, when set, may refuse the job once it is made (QEMU's
+	// permission checks as the job's filter node goes in).
+	refuse func() error
+	// complete is closed by job-complete (a job that reaches ready).
+	complete chan struct{}
+	// cleanup, when set, runs once when the job ends without finalize.
+	cleanup func()
 }
 
 func (e *Engine) setStatus(j *job, status string) {
@@ -86,6 +92,13 @@ func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) 
 		e.setStatus(j, "null")
 		return genericf("Parameter 'speed' expects a non-negative value")
 	}
+	if j.refuse != nil {
+		if err := j.refuse(); err != nil {
+			e.setStatus(j, "created")
+			e.setStatus(j, "null")
+			return err
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel, j.worked = cancel, make(chan struct{})
 	e.jobs = append(e.jobs, j)
@@ -112,7 +125,7 @@ func (e *Engine) jobDone(j *job, err error) {
 		e.abortJob(j)
 		return
 	}
-	j.cur.Store(j.total)
+	j.cur.Store(j.total.Load())
 	e.setStatus(j, "waiting")
 	e.setStatus(j, "pending")
 	if !j.AutoFinalize {
@@ -140,6 +153,9 @@ func (e *Engine) finalizeJob(j *job) {
 // abortJob ends a cancelled or failed job: a failure is told by
 // BLOCK_JOB_COMPLETED with its error, a cancel by BLOCK_JOB_CANCELLED.
 func (e *Engine) abortJob(j *job) {
+	if j.cleanup != nil {
+		j.cleanup()
+	}
 	if j.status != "aborting" {
 		e.setStatus(j, "aborting")
 	}
@@ -177,7 +193,7 @@ type jobEvent struct {
 }
 
 func (e *Engine) jobEventData(j *job, errText string) jobEvent {
-	return jobEvent{Device: j.ID, Len: j.total, Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
+	return jobEvent{Device: j.ID, Len: j.total.Load(), Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
 }
 
 // Jobs lists the jobs (query-jobs).
@@ -186,7 +202,7 @@ func (e *Engine) Jobs() []JobInfo {
 	defer e.mu.Unlock()
 	out := []JobInfo{}
 	for _, j := range e.jobs {
-		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
+		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total.Load(), Type: j.typ, ID: j.ID}
 		if j.err != nil {
 			ji.Error = j.err.Error()
 		}
@@ -209,7 +225,7 @@ func (e *Engine) JobVerb(id, verb string) error {
 		"cancel":   {"created", "running", "paused", "ready", "standby", "waiting", "pending"},
 		"finalize": {"pending"},
 		"dismiss":  {"concluded"},
-		"complete": {"ready"}, // no job here reaches ready: only mirror does
+		"complete": {"ready"}, // an active commit's
 	}[verb]
 	if !slices.Contains(allowed, j.status) {
 		return genericf("Job '%s' in state '%s' cannot accept command verb '%s'", id, j.status, verb)
@@ -223,6 +239,12 @@ func (e *Engine) JobVerb(id, verb string) error {
 		<-j.worked
 		j.ended = true
 		e.abortJob(j)
+	case "complete":
+		select {
+		case <-j.complete: // completing already: QEMU takes it again
+		default:
+			close(j.complete)
+		}
 	case "finalize":
 		e.finalizeJob(j)
 	case "dismiss":
@@ -275,7 +297,7 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	var lay chainLayer
 	if base != "" {
 		var ok bool
-		if lay, ok = findLayer(n.img, base); !ok {
+		if lay, ok = findLayer(n.core(), base); !ok {
 			return genericf("Can't find '%s' in the backing chain", base)
 		}
 	}
@@ -288,10 +310,12 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	if n.img == nil || n.readOnly {
 		return genericf("Node '%s' is read-only: a stream writes it", n.name)
 	}
-	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
+	img := n.core()
+	j := &job{JobOptions: o, typ: "stream", node: n}
+	j.total.Store(img.Size())
 	j.finalize = func(ctx context.Context) error {
-		setter, ok := n.img.(backingSetter)
-		if _, layered := findBacking(n.img); !ok && !layered {
+		setter, ok := img.(backingSetter)
+		if _, layered := findBacking(img); !ok && !layered {
 			return nil // nothing was streamed (a null-co node)
 		} else if !ok {
 			return fmt.Errorf("node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
@@ -308,7 +332,7 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 		return e.reopenChain(n)
 	}
 	return e.startJob(j, func(ctx context.Context, j *job) error {
-		err := stream.Stream(ctx, n.img, stream.StreamOptions{Base: lay.depth, KeepBacking: true, Progress: e.progress(ctx, j)})
+		err := stream.Stream(ctx, img, stream.StreamOptions{Base: lay.depth, KeepBacking: true, Progress: e.progress(ctx, j)})
 		if errors.Is(err, stream.ErrNoBackingFile) {
 			return nil
 		}
@@ -322,7 +346,7 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durable, total int64) {
 	start := time.Now()
 	return func(off, n, done, durable, total int64) {
-		if c := min(off+n, j.total); c > j.cur.Load() {
+		if c := min(off+n, j.total.Load()); c > j.cur.Load() {
 			j.cur.Store(c) // only this callback writes it, one call at a time
 		}
 		if j.Speed <= 0 {
@@ -363,13 +387,17 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 			return err
 		}
 	}
-	if top == "" || n.img == nil {
-		return genericf("Active commit (committing node '%s' itself) is not supported; name a 'top' below it", n.name)
+	img := n.core()
+	if img != nil && (top == "" || commit.SameFile(top, img.Info().Filename)) {
+		return e.activeCommit(o, n, base)
+	}
+	if img == nil {
+		return genericf("Node '%s' has no image open", n.name)
 	}
 	if n.readOnly {
 		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)
 	}
-	l, err := findCommitLayers(n.img, top, base)
+	l, err := findCommitLayers(img, top, base)
 	if err != nil {
 		return err
 	}
@@ -383,11 +411,12 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	if err != nil {
 		return openError(l.base.path, err)
 	}
-	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
+	j := &job{JobOptions: o, typ: "commit", node: n}
+	j.total.Store(img.Size())
 	j.finalize = func(ctx context.Context) error {
 		backing := cmp.Or(o.BackingFile, l.base.path)
 		var err error
-		if l.above == n.img {
+		if l.above == img {
 			err = setter.SetBacking(ctx, backing, l.base.format())
 		} else {
 			err = e.setLayerBacking(ctx, l.above.Info(), backing, l.base.format())
@@ -401,7 +430,7 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 		defer bo.Image.Close()
 		err := commit.Commit(ctx, l.top, bo.Image, l.depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
 			if total > 0 {
-				j.cur.Store(j.total * done / total)
+				j.cur.Store(j.total.Load() * done / total)
 			}
 		}})
 		if err == nil {
@@ -440,33 +469,44 @@ func (e *Engine) setLayerBacking(ctx context.Context, layer formats.Info, backin
 // reopenChain opens n's image again once a job changed its backing
 // chain, so that the node reads through the new chain and holds no layer
 // the job took out of it (its lock released, its file free to go), as
-// QEMU's graph change leaves it. The old chain closes first: two writable
-// opens of one qcow2 image at once would each keep its own metadata. An
-// open with the locks that fails (someone took one meanwhile) is done
-// again without them; an open that fails again leaves the node with no
-// image, refused to exports and jobs by name. An exported node keeps the
-// image its exports were given: it reads the same through the old
-// layers, held until the node closes (under mu).
+// QEMU's graph change leaves it; the node's exports go on with the new
+// image (pivotImage). The old chain closes first: two writable opens of
+// one qcow2 image at once would each keep its own metadata. An open with
+// the locks that fails (someone took one meanwhile) is done again without
+// them (under mu).
 func (e *Engine) reopenChain(n *node) error {
-	if n.users > 0 || n.opened == nil {
+	p, ok := n.img.(*pivotImage)
+	if !ok || n.opened == nil {
 		return nil
 	}
-	if err := n.close(); err != nil {
-		e.log.Warn("closing the old backing chain", "node-name", n.name, "err", err)
-	}
-	n.opened = nil
-	o := registry.Options{Format: n.driver, Writable: !n.readOnly, Lock: true, Backend: e.o.Backend, Logger: e.log}
-	opened, err := registry.Open(n.path, o)
+	return p.swap(context.Background(), func() error {
+		if err := p.img.Close(); err != nil {
+			e.log.Warn("closing the old backing chain", "node-name", n.name, "err", err)
+		}
+		opened, err := e.openNodeImage(n.path, n.driver, !n.readOnly)
+		if err != nil {
+			p.img, n.opened = goneImage{err}, nil
+			return err
+		}
+		p.img, n.opened = opened.Image, opened
+		return nil
+	})
+}
+
+// openNodeImage opens a node's image with its locks, or without them
+// when that fails (someone took one while a job changed the graph).
+func (e *Engine) openNodeImage(path, format string, writable bool) (*registry.Opened, error) {
+	o := registry.Options{Format: format, Writable: writable, Lock: true, Backend: e.o.Backend, Logger: e.log}
+	opened, err := registry.Open(path, o)
 	if err != nil {
-		e.log.Warn("reopening the node without its locks", "node-name", n.name, "err", err)
+		e.log.Warn("opening the node's image without its locks", "file", path, "err", err)
 		o.Lock = false
-		opened, err = registry.Open(n.path, o)
+		opened, err = registry.Open(path, o)
 	}
 	if err != nil {
-		return fmt.Errorf("reopen %s over its new backing chain: %w", n.path, err)
+		return nil, fmt.Errorf("reopen %s after the job's graph change: %w", path, err)
 	}
-	n.opened, n.img = opened, opened.Image
-	return nil
+	return opened, nil
 }
 
 // layerNode refuses a node named as a layer of n's chain (top-node,
@@ -579,5 +619,8 @@ func (e *Engine) stopJobs() {
 	for _, j := range e.jobs {
 		j.cancel()
 		<-j.worked
+		if j.cleanup != nil && j.status != "concluded" {
+			j.cleanup()
+		}
 	}
 }

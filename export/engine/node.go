@@ -195,7 +195,9 @@ func (n *node) openImage(e *Engine, path string, o BlockdevOptions) error {
 	if err != nil {
 		return openError(path, err)
 	}
-	n.opened, n.img, n.readOnly = opened, opened.Image, !writable
+	// Its exports hold it through a pivotImage: a job's graph change
+	// replaces the image under them.
+	n.opened, n.img, n.readOnly = opened, newPivotImage(opened.Image), !writable
 	return nil
 }
 
@@ -278,9 +280,6 @@ func (n *node) close() error {
 func (n *node) acquire(e *Engine, writable bool) (formats.Image, error) {
 	if writable && n.readOnly {
 		return nil, genericf("Cannot export read-only node '%s' as writable", n.name)
-	}
-	if n.img == nil && n.driver != "file" { // its reopen after a job failed
-		return nil, genericf("Node '%s' has no image open", n.name)
 	}
 	if n.driver == "file" && n.opens == 0 {
 		opened, err := registry.Open(n.path, registry.Options{Format: registry.Raw, Writable: !n.readOnly, Lock: true,

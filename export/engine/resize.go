@@ -37,7 +37,7 @@ func (e *Engine) Resize(ctx context.Context, device, nodeName string, size int64
 	if err := e.resizeConflict(n); err != nil {
 		return err
 	}
-	if n.readOnly || (n.img == nil && n.driver != "file") {
+	if n.readOnly {
 		return genericf("Image is read-only")
 	}
 	if err := n.resize(ctx, size); err != nil {
@@ -81,7 +81,7 @@ func (n *node) resize(ctx context.Context, size int64) error {
 		if size%512 != 0 {
 			return genericf("The new size must be a multiple of 512")
 		}
-		if c, ok := n.img.(resizeChecker); ok {
+		if c, ok := n.core().(resizeChecker); ok {
 			if err := c.ResizeAllowed(); err != nil {
 				return genericf("%v", err)
 			}
