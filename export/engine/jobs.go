@@ -280,11 +280,12 @@ func (e *Engine) jobNode(device string) (*node, error) {
 }
 
 // Stream starts block-stream of device's backing chain, down to base
-// (a layer's file name; "": the whole chain) into device's image. The
+// (a layer's file name; "": the whole chain) into device's image; bottom
+// may name the device's node itself (nothing is streamed then). The
 // graph change comes at finalize, as QEMU makes it in the job's prepare
 // step: the image stands alone, or names base as its backing file (or
 // o.BackingFile, unchecked, as QEMU writes it).
-func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
+func (e *Engine) Stream(o JobOptions, base, baseNode, bottom string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.node(o.Device) == nil { // QEMU looks a stream's device up as a node
@@ -304,6 +305,15 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	if err := e.layerNode(n, baseNode); err != nil {
 		return err
 	}
+	if bottom == n.name {
+		// The node itself is the last layer streamed: nothing is, and
+		// it keeps its backing file.
+		if next, ok := findBacking(n.core()); ok {
+			lay = chainLayer{depth: 1, img: next, above: n.core(), path: n.core().Info().FullBackingFilename}
+		}
+	} else if err := e.layerNode(n, bottom); err != nil {
+		return err
+	}
 	if lay.depth == 0 && o.BackingFile != "" {
 		return genericf("backing file specified, but streaming the entire chain")
 	}
@@ -312,7 +322,9 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	}
 	img := n.core()
 	j := &job{JobOptions: o, typ: "stream", node: n}
-	j.total.Store(img.Size())
+	if bottom != n.name { // else QEMU's stream ends at once, of length 0
+		j.total.Store(img.Size())
+	}
 	j.finalize = func(ctx context.Context) error {
 		setter, ok := img.(backingSetter)
 		if _, layered := findBacking(img); !ok && !layered {

@@ -95,9 +95,19 @@ func runChainJobScript(t *testing.T, prog string) []string {
 		// A base above top, and a base not in the chain.
 		`{"execute": "block-commit", "arguments": {"job-id": "x", "device": "a", "top": "` + filepath.Join(a, "mid.qcow2") + `", "base": "` + filepath.Join(a, "mid2.qcow2") + `"}}`,
 		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "a", "base": "` + filepath.Join(b, "mid.qcow2") + `"}}`,
+		// block-stream's own words for its conflicts; a bottom not there.
+		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "a", "base": "` + filepath.Join(a, "base.qcow2") + `", "base-node": "a"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "a", "base": "` + filepath.Join(a, "base.qcow2") + `", "bottom": "a"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "a", "bottom": "a", "base-node": "a"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "x", "device": "a", "bottom": "nope"}}`,
 	} {
 		c.send(cmd)
 	}
+
+	// a: a stream whose bottom is the node itself streams nothing.
+	c.send(`{"execute": "block-stream", "arguments": {"job-id": "s0", "device": "a", "bottom": "a", "filter-node-name": "f0"}}`)
+	c.until("s0", "null")
+	noteChain("a after a stream of nothing", chainNow(t, filepath.Join(a, "top.qcow2")))
 
 	// a: stream down to mid (mid2 copied into top), finalized by hand.
 	c.send(`{"execute": "block-stream", "arguments": {"job-id": "s1", "device": "a", "base": "` + filepath.Join(a, "mid.qcow2") + `", "auto-finalize": false}}`)
@@ -111,7 +121,7 @@ func runChainJobScript(t *testing.T, prog string) []string {
 	// b: commit mid (below mid2, the node's backing file) into base;
 	// mid is held till then.
 	noteChain("b's middle layer, written", writeTakesLock(t, filepath.Join(b, "mid.qcow2")))
-	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base": "` + filepath.Join(b, "base.qcow2") + `", "auto-finalize": false}}`)
+	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base": "` + filepath.Join(b, "base.qcow2") + `", "auto-finalize": false, "filter-node-name": "f1"}}`)
 	c.until("c1", "pending")
 	noteChain("b pending", chainNow(t, filepath.Join(b, "top.qcow2")))
 	c.send(`{"execute": "job-finalize", "arguments": {"id": "c1"}}`)
