@@ -65,6 +65,9 @@ type job struct {
 	complete chan struct{}
 	// cleanup, when set, runs once when the job ends without finalize.
 	cleanup func()
+	// midLayers: an active commit with layers between the node's image
+	// and the base.
+	midLayers bool
 }
 
 func (e *Engine) setStatus(j *job, status string) {

@@ -71,7 +71,7 @@ func (e *Engine) activeCommit(o JobOptions, n *node, base string) error {
 		granule = cs
 	}
 	dirty := newDirtyMap(img.Size(), granule)
-	j := &job{JobOptions: o, typ: "commit", node: n, complete: make(chan struct{})}
+	j := &job{JobOptions: o, typ: "commit", node: n, complete: make(chan struct{}), midLayers: b.depth > 1}
 	j.total.Store(img.Size())
 	j.refuse = func() error { return e.activeCommitConflict(n, j.ID) }
 	var (
@@ -150,7 +150,9 @@ func (e *Engine) activeCommit(o JobOptions, n *node, base string) error {
 			case <-ctx.Done():
 				return ctx.Err()
 			case <-j.complete:
-				return catchUp(ctx)
+				err := catchUp(ctx)
+				j.total.Store(copied + dirty.grown())
+				return err
 			case <-tick.C:
 				if err := catchUp(ctx); err != nil {
 					return err
@@ -178,14 +180,44 @@ func (e *Engine) jobReady(j *job) {
 
 // activeCommitConflict is QEMU 7.2's refusal of an active commit of a
 // node a writable FUSE export holds: the export takes resize, which the
-// commit's filter node (auto-named, as QEMU names it) unshares.
+// commit's filter node unshares.
 func (e *Engine) activeCommitConflict(n *node, id string) error {
 	for _, x := range e.exports {
 		if x.node == n && x.mount != nil && x.o.Writable {
-			e.implicit++
-			f := fmt.Sprintf("#block%03d", e.implicit)
-			return genericf("Permission conflict on node '%s': permissions 'resize' are both required by an unnamed block device (uses node '%s' as 'root' child) and unshared by commit job '%s' (uses node '%s' as 'main node' child).", f, f, id, f)
+			return e.resizeConflictWith(id)
 		}
+	}
+	return nil
+}
+
+func (e *Engine) resizeConflictWith(id string) error {
+	f := e.autoNodeName()
+	return genericf("Permission conflict on node '%s': permissions 'resize' are both required by an unnamed block device (uses node '%s' as 'root' child) and unshared by commit job '%s' (uses node '%s' as 'main node' child).", f, f, id, f)
+}
+
+// autoNodeName names a node QEMU would have made (a job's filter node,
+// a layer of a chain), as QEMU names it, for its messages (under mu).
+func (e *Engine) autoNodeName() string {
+	e.implicit++
+	return fmt.Sprintf("#block%03d", e.implicit)
+}
+
+// exportConflict is QEMU 7.2's refusal of a new export of a node under
+// an active commit with layers between it and the base: the export's
+// permissions are checked again over the chain, and the commit job
+// unshares consistent read on the layer in between. Without such a
+// layer, a writable FUSE export still conflicts on resize, as at the
+// job's start (under mu).
+func (e *Engine) exportConflict(n *node, o ExportOptions) error {
+	j := e.jobOn(n)
+	switch {
+	case j == nil || j.complete == nil:
+		return nil
+	case j.midLayers:
+		f := e.autoNodeName()
+		return genericf("Permission conflict on node '%s': permissions 'consistent read' are both required by node '%s' (uses node '%s' as 'backing' child) and unshared by commit job '%s' (uses node '%s' as 'intermediate node' child).", f, n.name, f, j.ID, f)
+	case o.Type == "fuse" && o.Writable:
+		return e.resizeConflictWith(j.ID)
 	}
 	return nil
 }

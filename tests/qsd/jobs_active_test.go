@@ -15,8 +15,9 @@ import (
 // the bottom of its chain while an NBD export of the node is written,
 // against qemu-storage-daemon and the daemon: refused while a writable
 // FUSE export holds the node (QEMU 7.2's permission conflict), then
-// ready, a write through the export while ready, job-complete, a write
-// after the pivot (into the base now); and on a second chain a cancel
+// ready (new exports refused, as QEMU's permissions refuse them), a
+// write through the export while ready, job-complete and job-finalize,
+// a write after the pivot (into the base now); and on a second chain a cancel
 // once ready, after which writes go to the top again. The same replies,
 // the same events, the images afterwards clean, reading what was
 // written, and allocated alike.
@@ -76,13 +77,20 @@ func runActiveCommitScript(t *testing.T, prog string) []string {
 		c.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e` + node + `", "node-name": "` + node + `", "writable": true}}`)
 	}
 
-	// a: complete.
-	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "a"}}`)
+	// a: complete, finalized by hand. No export may be added meanwhile:
+	// the job unshares consistent read on mid, which a new user of a
+	// takes again.
+	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "a", "auto-finalize": false}}`)
 	c.until("c", "ready")
 	c.send(`{"execute": "query-jobs"}`)
+	c.send(`{"execute": "block-export-add", "arguments": {"type": "fuse", "id": "f", "node-name": "a", "mountpoint": "` + mnt + `", "writable": true}}`)
+	c.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "n2", "node-name": "a", "name": "again"}}`)
 	c.send(`{"execute": "job-complete", "arguments": {"id": "x"}}`)
 	nbdIO("a", "write -P 7 2M 64k")
 	c.send(`{"execute": "job-complete", "arguments": {"id": "c"}}`)
+	c.until("c", "pending")
+	c.send(`{"execute": "query-jobs"}`)
+	c.send(`{"execute": "job-finalize", "arguments": {"id": "c"}}`)
 	c.until("c", "null")
 	nbdIO("a", "write -P 8 3M 64k", "read -P 7 2M 64k", "read -P 3 1M 512k", "read -P 8 3M 64k")
 
