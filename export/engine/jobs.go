@@ -388,8 +388,10 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
-	if err != nil && n != nil && e.jobOn(n).typ == "stream" {
-		return genericf("Need a root block node") // QEMU 7.2: the stream's filter node is on top
+	if j := e.jobOn(n); err != nil && n != nil && (j.typ == "stream" || j.complete != nil) {
+		// QEMU 7.2: the stream's or the active commit's filter node is
+		// on top of the node.
+		return genericf("Need a root block node")
 	}
 	if err != nil {
 		return err
@@ -406,8 +408,11 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	if img != nil && (top == "" || commit.SameFile(top, img.Info().Filename)) {
 		return e.activeCommit(o, n, base)
 	}
-	if img == nil {
-		return genericf("Node '%s' has no image open", n.name)
+	if img == nil { // a file node: no backing chain
+		if top != "" {
+			return genericf("Top image file %s not found", top)
+		}
+		return genericf("cannot commit an image into itself")
 	}
 	if n.readOnly {
 		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)

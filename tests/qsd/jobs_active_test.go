@@ -85,7 +85,18 @@ func runActiveCommitScript(t *testing.T, prog string) []string {
 	c.send(`{"execute": "query-jobs"}`)
 	c.send(`{"execute": "block-export-add", "arguments": {"type": "fuse", "id": "f", "node-name": "a", "mountpoint": "` + mnt + `", "writable": true}}`)
 	c.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "n2", "node-name": "a", "name": "again"}}`)
-	c.send(`{"execute": "job-complete", "arguments": {"id": "x"}}`)
+	for _, cmd := range []string{
+		`{"execute": "job-complete", "arguments": {"id": "x"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "c2", "device": "a"}}`,
+		`{"execute": "block-commit", "arguments": {"job-id": "c2", "device": "a", "top": "` + filepath.Join(a, "mid.qcow2") + `"}}`,
+		`{"execute": "block-stream", "arguments": {"job-id": "s", "device": "a"}}`,
+		`{"execute": "block_resize", "arguments": {"node-name": "a", "size": 8388608}}`,
+		`{"execute": "blockdev-del", "arguments": {"node-name": "a"}}`,
+		`{"execute": "job-finalize", "arguments": {"id": "c"}}`,
+		`{"execute": "job-dismiss", "arguments": {"id": "c"}}`,
+	} {
+		c.send(cmd)
+	}
 	nbdIO("a", "write -P 7 2M 64k")
 	c.send(`{"execute": "job-complete", "arguments": {"id": "c"}}`)
 	c.until("c", "pending")
