@@ -53,8 +53,9 @@ func chainNow(t *testing.T, path string) string {
 
 // TestStreamToABaseAndCommitOfADeepLayerAsQSD streams a node's chain
 // down to a named base and commits a layer two below a node's image,
-// each with auto-finalize off, against qemu-storage-daemon and the
-// daemon: the same replies and events, the same backing files named
+// each with auto-finalize off (the latter node exported over NBD),
+// against qemu-storage-daemon and the daemon: the same replies and
+// events, the same backing files named
 // while the job is pending (the old ones: the change is made at
 // finalize) and after it, and the images afterwards clean, reading as
 // they did before.
@@ -118,8 +119,11 @@ func runChainJobScript(t *testing.T, prog string) []string {
 	c.until("s1", "null")
 	noteChain("a streamed", chainNow(t, filepath.Join(a, "top.qcow2")))
 
-	// b: commit mid (below mid2, the node's backing file) into base;
-	// mid is held till then.
+	// b: commit mid (below mid2, the node's backing file) into base,
+	// the node exported over NBD meanwhile; mid is held till then.
+	nbdSock := filepath.Join(dir, "nbd.sock")
+	c.send(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
+	c.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "eb", "node-name": "b"}}`)
 	noteChain("b's middle layer, written", writeTakesLock(t, filepath.Join(b, "mid.qcow2")))
 	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base": "` + filepath.Join(b, "base.qcow2") + `", "auto-finalize": false, "filter-node-name": "f1"}}`)
 	c.until("c1", "pending")
@@ -136,6 +140,9 @@ func runChainJobScript(t *testing.T, prog string) []string {
 	if err := os.Remove(filepath.Join(b, "mid.qcow2")); err != nil {
 		t.Fatal(err)
 	}
+	noteChain("b's export after the commit", harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "qcow2",
+		"nbd+unix:///b?socket="+nbdSock, filepath.Join(b, "pristine", "top.qcow2")))
+	c.send(`{"execute": "block-export-del", "arguments": {"id": "eb"}}`)
 
 	// b again: stream mid2 into top, naming base as given.
 	c.send(`{"execute": "block-stream", "arguments": {"job-id": "s2", "device": "b", "base": "` + filepath.Join(b, "base.qcow2") + `", "backing-file": "base.qcow2"}}`)
