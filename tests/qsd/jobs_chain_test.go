@@ -125,7 +125,7 @@ func runChainJobScript(t *testing.T, prog string) []string {
 	c.send(`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`)
 	c.send(`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "eb", "node-name": "b"}}`)
 	noteChain("b's middle layer, written", writeTakesLock(t, filepath.Join(b, "mid.qcow2")))
-	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base": "` + filepath.Join(b, "base.qcow2") + `", "auto-finalize": false, "filter-node-name": "f1"}}`)
+	c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top": "` + filepath.Join(b, "mid.qcow2") + `", "base": "` + filepath.Join(b, "base.qcow2") + `", "auto-finalize": false, "filter-node-name": "f1", "backing-file": "base.qcow2"}}`)
 	c.until("c1", "pending")
 	noteChain("b pending", chainNow(t, filepath.Join(b, "top.qcow2")))
 	c.send(`{"execute": "job-finalize", "arguments": {"id": "c1"}}`)
