@@ -192,6 +192,20 @@ func (p *pivotImage) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	return formats.TryLend(p.img, off, n, v)
 }
 
+// GrowPreallocated passes a FUSE fallocate's grow on to a raw image,
+// which allocates the new tail on the host (iotest 308); others grow
+// plainly, as the export grows an image without it.
+func (p *pivotImage) GrowPreallocated(ctx context.Context, size int64, full bool) error {
+	p.inflight.Begin()
+	defer p.inflight.End()
+	if g, ok := p.img.(interface {
+		GrowPreallocated(ctx context.Context, size int64, full bool) error
+	}); ok {
+		return g.GrowPreallocated(ctx, size, full)
+	}
+	return p.img.Resize(ctx, size)
+}
+
 func (p *pivotImage) SetNoFlush(on bool) {
 	p.inflight.Begin()
 	defer p.inflight.End()
