@@ -74,6 +74,9 @@ func (e *Engine) AddExport(o ExportOptions) error {
 	if n == nil {
 		return genericf("Cannot find device='' nor node-name='%s'", o.NodeName)
 	}
+	if err := e.exportConflict(n, o); err != nil {
+		return err
+	}
 	x := &export{o: o, node: n}
 	var err error
 	switch o.Type {

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,6 +23,9 @@ type JobOptions struct {
 	AutoDismiss  bool
 	// Speed caps the bytes copied a second (0: no cap).
 	Speed int64
+	// BackingFile is the backing file name written at finalize, as it is
+	// (QEMU's backing-file); "": the base's file name.
+	BackingFile string
 }
 
 // JobInfo is one entry of query-jobs, its members in QEMU's order.
@@ -45,8 +49,7 @@ type job struct {
 	status string
 	// cur is the progress, written by the work without the engine's
 	// lock: a cancel waits for the work under it.
-	cur   atomic.Int64
-	total int64
+	cur, total atomic.Int64
 	// ended: the job's end was handled (its work's end or a cancel).
 	ended  bool
 	cancel context.CancelFunc
@@ -55,6 +58,16 @@ type job struct {
 	err    error
 	// finalize is the job's graph change at finalize (nil: none).
 	finalize func(ctx context.Context) error
+	// refuse, when set, may refuse the job once it is made (QEMU's
+	// permission checks as the job's filter node goes in).
+	refuse func() error
+	// complete is closed by job-complete (a job that reaches ready).
+	complete chan struct{}
+	// cleanup, when set, runs once when the job ends without finalize.
+	cleanup func()
+	// midLayers: an active commit with layers between the node's image
+	// and the base.
+	midLayers bool
 }
 
 func (e *Engine) setStatus(j *job, status string) {
@@ -82,6 +95,13 @@ func (e *Engine) startJob(j *job, work func(ctx context.Context, j *job) error) 
 		e.setStatus(j, "null")
 		return genericf("Parameter 'speed' expects a non-negative value")
 	}
+	if j.refuse != nil {
+		if err := j.refuse(); err != nil {
+			e.setStatus(j, "created")
+			e.setStatus(j, "null")
+			return err
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	j.cancel, j.worked = cancel, make(chan struct{})
 	e.jobs = append(e.jobs, j)
@@ -108,7 +128,7 @@ func (e *Engine) jobDone(j *job, err error) {
 		e.abortJob(j)
 		return
 	}
-	j.cur.Store(j.total)
+	j.cur.Store(j.total.Load())
 	e.setStatus(j, "waiting")
 	e.setStatus(j, "pending")
 	if !j.AutoFinalize {
@@ -136,6 +156,9 @@ func (e *Engine) finalizeJob(j *job) {
 // abortJob ends a cancelled or failed job: a failure is told by
 // BLOCK_JOB_COMPLETED with its error, a cancel by BLOCK_JOB_CANCELLED.
 func (e *Engine) abortJob(j *job) {
+	if j.cleanup != nil {
+		j.cleanup()
+	}
 	if j.status != "aborting" {
 		e.setStatus(j, "aborting")
 	}
@@ -173,7 +196,7 @@ type jobEvent struct {
 }
 
 func (e *Engine) jobEventData(j *job, errText string) jobEvent {
-	return jobEvent{Device: j.ID, Len: j.total, Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
+	return jobEvent{Device: j.ID, Len: j.total.Load(), Offset: j.cur.Load(), Speed: j.Speed, Type: j.typ, Error: errText}
 }
 
 // Jobs lists the jobs (query-jobs).
@@ -182,7 +205,7 @@ func (e *Engine) Jobs() []JobInfo {
 	defer e.mu.Unlock()
 	out := []JobInfo{}
 	for _, j := range e.jobs {
-		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total, Type: j.typ, ID: j.ID}
+		ji := JobInfo{CurrentProgress: j.cur.Load(), Status: j.status, TotalProgress: j.total.Load(), Type: j.typ, ID: j.ID}
 		if j.err != nil {
 			ji.Error = j.err.Error()
 		}
@@ -205,7 +228,7 @@ func (e *Engine) JobVerb(id, verb string) error {
 		"cancel":   {"created", "running", "paused", "ready", "standby", "waiting", "pending"},
 		"finalize": {"pending"},
 		"dismiss":  {"concluded"},
-		"complete": {"ready"}, // no job here reaches ready: only mirror does
+		"complete": {"ready"}, // an active commit's
 	}[verb]
 	if !slices.Contains(allowed, j.status) {
 		return genericf("Job '%s' in state '%s' cannot accept command verb '%s'", id, j.status, verb)
@@ -219,6 +242,12 @@ func (e *Engine) JobVerb(id, verb string) error {
 		<-j.worked
 		j.ended = true
 		e.abortJob(j)
+	case "complete":
+		select {
+		case <-j.complete: // completing already: QEMU takes it again
+		default:
+			close(j.complete)
+		}
 	case "finalize":
 		e.finalizeJob(j)
 	case "dismiss":
@@ -253,10 +282,13 @@ func (e *Engine) jobNode(device string) (*node, error) {
 	return n, e.busy(n)
 }
 
-// Stream starts block-stream of the whole backing chain into device's
-// image. The stream engine drops the backing file as it ends, so the
-// graph change comes before pending, not at finalize.
-func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
+// Stream starts block-stream of device's backing chain, down to base
+// (a layer's file name; "": the whole chain) into device's image; bottom
+// may name the device's node itself (nothing is streamed then). The
+// graph change comes at finalize, as QEMU makes it in the job's prepare
+// step: the image stands alone, or names base as its backing file (or
+// o.BackingFile, unchecked, as QEMU writes it).
+func (e *Engine) Stream(o JobOptions, base, baseNode, bottom string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.node(o.Device) == nil { // QEMU looks a stream's device up as a node
@@ -266,21 +298,56 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 	if err != nil {
 		return err
 	}
+	var lay chainLayer
+	if base != "" {
+		var ok bool
+		if lay, ok = findLayer(n.core(), base); !ok {
+			return genericf("Can't find '%s' in the backing chain", base)
+		}
+	}
 	if err := e.layerNode(n, baseNode); err != nil {
 		return err
 	}
-	if base != "" && inChain(n.img, base) {
-		return genericf("Streaming down to a base ('%s') is not supported here: only the whole chain is streamed", base)
+	if bottom == n.name {
+		// The node itself is the last layer streamed: nothing is, and
+		// it keeps its backing file.
+		if next, ok := findBacking(n.core()); ok {
+			lay = chainLayer{depth: 1, img: next, above: n.core(), path: n.core().Info().FullBackingFilename}
+		}
+	} else if err := e.layerNode(n, bottom); err != nil {
+		return err
 	}
-	if base != "" {
-		return genericf("Can't find '%s' in the backing chain", base)
+	if lay.depth == 0 && o.BackingFile != "" {
+		return genericf("backing file specified, but streaming the entire chain")
 	}
 	if n.img == nil || n.readOnly {
 		return genericf("Node '%s' is read-only: a stream writes it", n.name)
 	}
-	j := &job{JobOptions: o, typ: "stream", node: n, total: n.img.Size()}
+	img := n.core()
+	j := &job{JobOptions: o, typ: "stream", node: n}
+	if bottom != n.name { // else QEMU's stream ends at once, of length 0
+		j.total.Store(img.Size())
+	}
+	j.finalize = func(ctx context.Context) error {
+		setter, ok := img.(backingSetter)
+		if _, layered := findBacking(img); !ok && !layered {
+			return nil // nothing was streamed (a null-co node)
+		} else if !ok {
+			return fmt.Errorf("node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
+		}
+		var err error
+		if lay.depth == 0 {
+			err = setter.SetBacking(ctx, "", "")
+		} else {
+			err = setter.SetBacking(ctx, cmp.Or(o.BackingFile, lay.path), lay.format())
+		}
+		if err != nil {
+			return err
+		}
+		return e.reopenChain(n)
+	}
 	return e.startJob(j, func(ctx context.Context, j *job) error {
-		err := stream.Stream(ctx, n.img, stream.StreamOptions{Progress: e.progress(ctx, j)})
+		err := stream.Stream(ctx, img, stream.StreamOptions{Base: lay.depth, KeepBacking: true, Progress: e.progress(ctx, j)})
 		if errors.Is(err, stream.ErrNoBackingFile) {
 			return nil
 		}
@@ -294,7 +361,7 @@ func (e *Engine) Stream(o JobOptions, base, baseNode string) error {
 func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durable, total int64) {
 	start := time.Now()
 	return func(off, n, done, durable, total int64) {
-		if c := min(off+n, j.total); c > j.cur.Load() {
+		if c := min(off+n, j.total.Load()); c > j.cur.Load() {
 			j.cur.Store(c) // only this callback writes it, one call at a time
 		}
 		if j.Speed <= 0 {
@@ -310,15 +377,21 @@ func (e *Engine) progress(ctx context.Context, j *job) func(off, n, done, durabl
 	}
 }
 
-// Commit starts block-commit of the layer top of device's chain into
-// the layer below it (or base). Only a layer below the node's own image
-// is committed; the active layer needs a mirror, which is not here.
+// Commit starts block-commit of the layer top of device's chain (any
+// layer below the node's own image) into base, a layer below it (""
+// the bottom of the chain, as QEMU defaults). At finalize the layer above
+// top names base as its backing file (or o.BackingFile, as QEMU writes
+// it): the node's own image when top is its backing file, else a layer
+// below it, opened writable for that change alone. The active layer
+// needs a mirror, which is not here.
 func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
-	if err != nil && n != nil && e.jobOn(n).typ == "stream" {
-		return genericf("Need a root block node") // QEMU 7.2: the stream's filter node is on top
+	if j := e.jobOn(n); err != nil && n != nil && (j.typ == "stream" || j.complete != nil) {
+		// QEMU 7.2: the stream's or the active commit's filter node is
+		// on top of the node.
+		return genericf("Need a root block node")
 	}
 	if err != nil {
 		return err
@@ -331,35 +404,53 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 			return err
 		}
 	}
-	if top == "" || n.img == nil {
-		return genericf("Active commit (committing node '%s' itself) is not supported; name a 'top' below it", n.name)
+	img := n.core()
+	if img != nil && (top == "" || commit.SameFile(top, img.Info().Filename)) {
+		return e.activeCommit(o, n, base)
+	}
+	if img == nil { // a file node: no backing chain
+		if top != "" {
+			return genericf("Top image file %s not found", top)
+		}
+		return genericf("cannot commit an image into itself")
 	}
 	if n.readOnly {
 		return genericf("Node '%s' is read-only: a commit rewrites its backing file name", n.name)
 	}
-	setter, ok := n.img.(backingSetter)
-	if !ok {
-		return genericf("Node '%s' (driver %s) cannot change its backing file: only qcow2 can", n.name, n.driver)
-	}
-	topImg, basePath, baseFormat, depth, err := findCommitLayers(n.img, top, base)
+	l, err := findCommitLayers(img, top, base)
 	if err != nil {
 		return err
 	}
+	setter, ok := l.above.(backingSetter)
+	if !ok {
+		return genericf("Image '%s' cannot change its backing file: only qcow2 can", l.above.Info().Filename)
+	}
 	// The node's chain holds the base open read-only under its lock;
 	// the writable open goes without one, as QEMU reopens the base.
-	bo, err := registry.Open(basePath, registry.Options{Format: cmpFormat(baseFormat), Writable: true, Backend: e.o.Backend, Logger: e.log})
+	bo, err := registry.Open(l.base.path, registry.Options{Format: l.base.format(), Writable: true, Backend: e.o.Backend, Logger: e.log})
 	if err != nil {
-		return openError(basePath, err)
+		return openError(l.base.path, err)
 	}
-	j := &job{JobOptions: o, typ: "commit", node: n, total: n.img.Size()}
+	j := &job{JobOptions: o, typ: "commit", node: n}
+	j.total.Store(img.Size())
 	j.finalize = func(ctx context.Context) error {
-		return setter.SetBacking(ctx, basePath, baseFormat)
+		backing := cmp.Or(o.BackingFile, l.base.path)
+		var err error
+		if l.above == img {
+			err = setter.SetBacking(ctx, backing, l.base.format())
+		} else {
+			err = e.setLayerBacking(ctx, l.above.Info(), backing, l.base.format())
+		}
+		if err != nil {
+			return err
+		}
+		return e.reopenChain(n)
 	}
 	err = e.startJob(j, func(ctx context.Context, j *job) error {
 		defer bo.Image.Close()
-		err := commit.Commit(ctx, topImg, bo.Image, depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
+		err := commit.Commit(ctx, l.top, bo.Image, l.depth, commit.Options{Rate: j.Speed, Progress: func(done, total int64) {
 			if total > 0 {
-				j.cur.Store(j.total * done / total)
+				j.cur.Store(j.total.Load() * done / total)
 			}
 		}})
 		if err == nil {
@@ -371,6 +462,71 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 		bo.Image.Close() // no job: nothing else will
 	}
 	return err
+}
+
+// setLayerBacking changes the backing file a layer below a node names
+// (the layer above a committed one): the node's chain holds it open
+// read-only, so it is opened writable on its own, without its chain and
+// without a lock, as QEMU reopens it read-write for the change.
+func (e *Engine) setLayerBacking(ctx context.Context, layer formats.Info, backing, format string) error {
+	o, err := registry.Open(layer.Filename, registry.Options{Format: cmpFormat(layer.Format), Writable: true, NoBacking: true,
+		Backend: e.o.Backend, Logger: e.log})
+	if err != nil {
+		return fmt.Errorf("reopen %s read-write: %w", layer.Filename, err)
+	}
+	setter, ok := o.Image.(backingSetter)
+	if !ok {
+		o.Image.Close()
+		return fmt.Errorf("%s cannot change its backing file: only qcow2 can", layer.Filename)
+	}
+	err = setter.SetBacking(ctx, backing, format)
+	if cerr := o.Image.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("close %s: %w", layer.Filename, cerr)
+	}
+	return err
+}
+
+// reopenChain opens n's image again once a job changed its backing
+// chain, so that the node reads through the new chain and holds no layer
+// the job took out of it (its lock released, its file free to go), as
+// QEMU's graph change leaves it; the node's exports go on with the new
+// image (pivotImage). The old chain closes first: two writable opens of
+// one qcow2 image at once would each keep its own metadata. An open with
+// the locks that fails (someone took one meanwhile) is done again without
+// them (under mu).
+func (e *Engine) reopenChain(n *node) error {
+	p, ok := n.img.(*pivotImage)
+	if !ok || n.opened == nil {
+		return nil
+	}
+	return p.swap(context.Background(), func() error {
+		if err := p.img.Close(); err != nil {
+			e.log.Warn("closing the old backing chain", "node-name", n.name, "err", err)
+		}
+		opened, err := e.openNodeImage(n.path, n.driver, !n.readOnly)
+		if err != nil {
+			p.img, n.opened = goneImage{err}, nil
+			return err
+		}
+		p.img, n.opened = opened.Image, opened
+		return nil
+	})
+}
+
+// openNodeImage opens a node's image with its locks, or without them
+// when that fails (someone took one while a job changed the graph).
+func (e *Engine) openNodeImage(path, format string, writable bool) (*registry.Opened, error) {
+	o := registry.Options{Format: format, Writable: writable, Lock: true, Backend: e.o.Backend, Logger: e.log}
+	opened, err := registry.Open(path, o)
+	if err != nil {
+		e.log.Warn("opening the node's image without its locks", "file", path, "err", err)
+		o.Lock = false
+		opened, err = registry.Open(path, o)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reopen %s after the job's graph change: %w", path, err)
+	}
+	return opened, nil
 }
 
 // layerNode refuses a node named as a layer of n's chain (top-node,
@@ -385,20 +541,36 @@ func (e *Engine) layerNode(n *node, name string) error {
 	return genericf("Node '%s' is not in the backing chain of '%s': name the layer by its file name", name, n.name)
 }
 
-// inChain says whether name is a file of img's backing chain.
-func inChain(img formats.Image, name string) bool {
-	for layer := img; layer != nil; {
+// chainLayer is one layer below a node's image.
+type chainLayer struct {
+	// depth below the node's image: 1 its backing file (0: no layer).
+	depth int
+	img   formats.Image
+	// above is the layer whose backing file this is.
+	above formats.Image
+	// path is the layer's file as the layer above resolves its name.
+	path string
+}
+
+// format is the layer's format by QEMU's driver name, which QEMU writes
+// beside a backing file name it sets.
+func (l chainLayer) format() string { return l.img.Info().Format }
+
+// findLayer finds the layer of img's chain that name names (a file name,
+// relative to the directory of the layer above, as QEMU's
+// bdrv_find_backing_image takes it).
+func findLayer(img formats.Image, name string) (chainLayer, bool) {
+	for layer, depth := img, 1; ; depth++ {
 		l, ok := layer.(formats.Layered)
 		if !ok || l.Backing() == nil {
-			return false
+			return chainLayer{}, false
 		}
 		info := layer.Info()
 		if commit.NamesFile(info.Filename, name, info.FullBackingFilename) {
-			return true
+			return chainLayer{depth: depth, img: l.Backing(), above: layer, path: info.FullBackingFilename}, true
 		}
 		layer = l.Backing()
 	}
-	return false
 }
 
 type backingSetter interface {
@@ -412,48 +584,52 @@ func cmpFormat(f string) string {
 	return f
 }
 
+// commitLayers are the layers a commit works on.
+type commitLayers struct {
+	// top is the layer committed, above the layer above it, whose
+	// backing file changes.
+	top, above formats.Image
+	base       chainLayer
+	// depth is the base's depth below top.
+	depth int
+}
+
 // findCommitLayers finds top in img's chain and the base below it (base
-// "": the bottom of the chain, as QEMU defaults): top's image, the
-// base's path and format, and the base's depth below top. Only img's
-// own backing file is committed: the overlay above top is the one whose
-// header changes, and the deeper ones are open read-only here.
-func findCommitLayers(img formats.Image, top, base string) (formats.Image, string, string, int, error) {
-	var topImg formats.Image
-	topDepth := 0
-	for layer := img; ; topDepth++ {
-		l, ok := layer.(formats.Layered)
-		if !ok || l.Backing() == nil {
-			return nil, "", "", 0, genericf("Top image file %s not found", top)
-		}
-		info := layer.Info()
-		if commit.NamesFile(info.Filename, top, info.FullBackingFilename) {
-			topImg = l.Backing()
-			break
-		}
-		layer = l.Backing()
+// "": the bottom of the chain, as QEMU defaults).
+func findCommitLayers(img formats.Image, top, base string) (commitLayers, error) {
+	t, ok := findLayer(img, top)
+	if !ok {
+		return commitLayers{}, genericf("Top image file %s not found", top)
 	}
-	var path, format string
-	depth, found := 0, base == ""
-	for layer := topImg; !(found && base != ""); {
-		l, ok := layer.(formats.Layered)
-		if !ok || l.Backing() == nil {
-			break
+	var b chainLayer
+	if base != "" {
+		if b, ok = findLayer(t.img, base); !ok {
+			return commitLayers{}, genericf("Can't find '%s' in the backing chain", base)
 		}
-		info := layer.Info()
-		depth++
-		path, format = info.FullBackingFilename, info.BackingFilenameFormat
-		found = found || commit.NamesFile(info.Filename, base, path)
-		layer = l.Backing()
+	} else {
+		for layer := t.img; ; {
+			next, ok := findBacking(layer)
+			if !ok {
+				break
+			}
+			b.depth++
+			b.img, b.above, b.path = next, layer, layer.Info().FullBackingFilename
+			layer = next
+		}
 	}
-	switch {
-	case depth == 0:
-		return nil, "", "", 0, genericf("cannot commit an image into itself")
-	case !found:
-		return nil, "", "", 0, genericf("Can't find '%s' in the backing chain", base)
-	case topDepth > 0:
-		return nil, "", "", 0, genericf("Committing '%s', below the node's backing file, is not supported here", top)
+	if b.depth == 0 {
+		return commitLayers{}, genericf("cannot commit an image into itself")
 	}
-	return topImg, path, format, depth, nil
+	return commitLayers{top: t.img, above: t.above, base: b, depth: b.depth}, nil
+}
+
+// findBacking is img's backing image, if it has one.
+func findBacking(img formats.Image) (formats.Image, bool) {
+	l, ok := img.(formats.Layered)
+	if !ok || l.Backing() == nil {
+		return nil, false
+	}
+	return l.Backing(), true
 }
 
 // stopJobs cancels every job and waits for its work to end, so that the
@@ -463,5 +639,8 @@ func (e *Engine) stopJobs() {
 	for _, j := range e.jobs {
 		j.cancel()
 		<-j.worked
+		if j.cleanup != nil && j.status != "concluded" {
+			j.cleanup()
+		}
 	}
 }

@@ -41,14 +41,14 @@ func TestCloseStopsARunningStreamAndKeepsTheBackingFile(t *testing.T) {
 	if err := e.AddNode(BlockdevOptions{Driver: "qcow2", NodeName: "top", File: &BlockdevRef{Inline: &BlockdevOptions{Driver: "file", Filename: top}}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.Stream(JobOptions{ID: "s", Device: "top", AutoFinalize: true, AutoDismiss: true, Speed: 1}, "", ""); err != nil {
+	if err := e.Stream(JobOptions{ID: "s", Device: "top", AutoFinalize: true, AutoDismiss: true, Speed: 1}, "", "", ""); err != nil {
 		t.Fatal(err)
 	}
-	wantDesc(t, "a second stream", e.Stream(JobOptions{ID: "t", Device: "top"}, "", ""), "Node 'top' is busy: block device is in use by block job: stream")
+	wantDesc(t, "a second stream", e.Stream(JobOptions{ID: "t", Device: "top"}, "", "", ""), "Node 'top' is busy: block device is in use by block job: stream")
 	if err := e.AddNode(BlockdevOptions{Driver: "null-co", NodeName: "n"}); err != nil {
 		t.Fatal(err)
 	}
-	wantDesc(t, "a duplicate job id", e.Stream(JobOptions{ID: "s", Device: "n"}, "", ""), "Job ID 's' already in use")
+	wantDesc(t, "a duplicate job id", e.Stream(JobOptions{ID: "s", Device: "n"}, "", "", ""), "Job ID 's' already in use")
 	wantDesc(t, "dismissing a running job", e.JobVerb("s", "dismiss"), "Job 's' in state 'running' cannot accept command verb 'dismiss'")
 	wantDesc(t, "an unknown job", e.JobVerb("x", "cancel"), "Job not found")
 	wantDesc(t, "deleting its node", e.DelNode("top"), "Node 'top' is busy: block device is in use by block job: stream")

@@ -282,7 +282,9 @@ func (n *node) openImage(e *Engine, child *node, o BlockdevOptions) error {
 	if err != nil {
 		return openError(path, err)
 	}
-	n.opened, n.img, n.readOnly = opened, opened.Image, !writable
+	// Its exports hold it through a pivotImage: a job's graph change
+	// replaces the image under them.
+	n.opened, n.img, n.readOnly = opened, newPivotImage(opened.Image), !writable
 	return nil
 }
 

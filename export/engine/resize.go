@@ -81,7 +81,7 @@ func (n *node) resize(ctx context.Context, size int64) error {
 		if size%512 != 0 {
 			return genericf("The new size must be a multiple of 512")
 		}
-		if c, ok := n.img.(resizeChecker); ok {
+		if c, ok := n.core().(resizeChecker); ok {
 			if err := c.ResizeAllowed(); err != nil {
 				return genericf("%v", err)
 			}

@@ -4,7 +4,8 @@ import (
 	"github.com/blockexport/blockexport/export/engine"
 )
 
-// jobOptions reads the arguments block-stream and block-commit share;
+// jobOptions reads the arguments block-stream and block-commit share
+// (backing-file among them: the name written for the base at finalize);
 // auto-finalize and auto-dismiss default to true, as in QEMU.
 func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 	o := engine.JobOptions{ID: a.str("job-id", false), Device: a.str("device", true), AutoFinalize: true, AutoDismiss: true}
@@ -16,17 +17,28 @@ func jobOptions(a *args, raw map[string]any) engine.JobOptions {
 	}
 	a.enum("on-error", false, "report", "ignore", "enospc", "stop", "auto")
 	o.Speed = a.integer("speed", false)
+	o.BackingFile = a.str("backing-file", false)
 	return o
 }
 
 func blockStream(s *Server, args map[string]any) (any, error) {
 	a := newArgs(args, false)
 	o := jobOptions(a, args)
-	base, baseNode := exclusive(a, "base")
+	// QEMU's block-stream words its conflicts its own way, not as
+	// block-commit's "mutually exclusive".
+	base, baseNode, bottom := a.str("base", false), a.str("base-node", false), a.str("bottom", false)
+	for _, c := range [][2]string{{"base", "base-node"}, {"base", "bottom"}, {"bottom", "base-node"}} {
+		if _, x := args[c[0]]; x {
+			if _, y := args[c[1]]; y {
+				a.fail("'%s' and '%s' cannot be specified at the same time", c[0], c[1])
+			}
+		}
+	}
+	a.str("filter-node-name", false) // QEMU's filter node is not here: nothing to name
 	if err := a.done(); err != nil {
 		return nil, err
 	}
-	return map[string]any{}, s.eng.Stream(o, base, baseNode)
+	return map[string]any{}, s.eng.Stream(o, base, baseNode, bottom)
 }
 
 func blockCommit(s *Server, args map[string]any) (any, error) {
@@ -34,6 +46,7 @@ func blockCommit(s *Server, args map[string]any) (any, error) {
 	o := jobOptions(a, args)
 	top, topNode := exclusive(a, "top")
 	base, baseNode := exclusive(a, "base")
+	a.str("filter-node-name", false) // QEMU's filter node is not here: nothing to name
 	if err := a.done(); err != nil {
 		return nil, err
 	}

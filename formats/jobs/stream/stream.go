@@ -12,10 +12,11 @@ import (
 	"github.com/blockexport/blockexport/formats"
 )
 
-// Streaming (QEMU's block-stream with no base): every range the top layer
-// does not allocate and some layer below does is copied into the top
-// layer, several requests in flight, then the top layer drops its backing
-// file; bytes no layer allocates are left alone, as block-stream leaves
+// Streaming (QEMU's block-stream): every range the top layer does not
+// allocate and some layer below does (above the base, when there is one)
+// is copied into the top layer, several requests in flight, then the top
+// layer drops its backing file (unless the caller keeps it, to change it
+// itself); bytes no layer allocates are left alone, as block-stream leaves
 // them. An interrupted stream leaves a consistent image with its backing
 // file; run again, it copies only what the top layer still lacks.
 
@@ -52,6 +53,15 @@ type StreamOptions struct {
 	Progress func(off, n, done, durable, total int64)
 	// Planned, when set, hears the total before the first step.
 	Planned func(total int64)
+	// Base, when positive, is the depth of the layer the stream stops
+	// at (1: the image's own backing file): only what the layers above
+	// it allocate is copied, as QEMU's block-stream to a base. 0: the
+	// whole chain.
+	Base int
+	// KeepBacking leaves the header's backing file as it is: the caller
+	// changes it itself (a daemon's job does so at finalize, as QEMU's
+	// does in its prepare step). A stream to a base always keeps it.
+	KeepBacking bool
 }
 
 // ErrNoBackingFile: the image has nothing to stream.
@@ -85,7 +95,7 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 		o.FlushInterval = 5 * time.Second
 	}
 	var total int64
-	if err := walkMissing(ctx, s, func(off, n int64) error { total += n; return nil }); err != nil {
+	if err := walkMissing(ctx, s, o.Base, func(off, n int64) error { total += n; return nil }); err != nil {
 		return err
 	}
 	if o.Planned != nil {
@@ -153,7 +163,7 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 			}
 		}()
 	}
-	werr := walkMissing(wctx, s, func(off, n int64) error {
+	werr := walkMissing(wctx, s, o.Base, func(off, n int64) error {
 		// Steps at multiples of Step: a cluster at most is shared with
 		// the neighbour, and the range lock orders those two.
 		for end := off + n; off < end; {
@@ -189,18 +199,22 @@ func Stream(ctx context.Context, img formats.Image, o StreamOptions) error {
 	// Nothing may be left below (nothing else writes the image: it is
 	// locked), else dropping the backing file would lose it.
 	var left int64
-	if err := walkMissing(ctx, s, func(off, n int64) error { left += n; return nil }); err != nil {
+	if err := walkMissing(ctx, s, o.Base, func(off, n int64) error { left += n; return nil }); err != nil {
 		return err
 	}
 	if left > 0 {
 		return fmt.Errorf("stream: %d bytes still come from the backing file after the copy", left)
 	}
+	if o.KeepBacking || o.Base > 0 {
+		return nil
+	}
 	return s.DropBacking(ctx)
 }
 
 // walkMissing calls fn for every run that the top layer does not allocate
-// and some layer below does (the bytes to copy), neighbours merged.
-func walkMissing(ctx context.Context, img formats.Image, fn func(off, n int64) error) error {
+// and some layer below does, above depth base when base is positive (the
+// bytes to copy), neighbours merged.
+func walkMissing(ctx context.Context, img formats.Image, base int, fn func(off, n int64) error) error {
 	var runOff, runLen int64
 	flush := func() error {
 		if runLen == 0 {
@@ -222,7 +236,7 @@ func walkMissing(ctx context.Context, img formats.Image, fn func(off, n int64) e
 		if e.Length <= 0 {
 			return fmt.Errorf("block status at %d: an empty extent", off)
 		}
-		if e.Depth > 0 && e.Present {
+		if e.Depth > 0 && e.Present && (base <= 0 || e.Depth < base) {
 			if runLen == 0 {
 				runOff = off
 			}

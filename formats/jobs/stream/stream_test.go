@@ -1,6 +1,7 @@
 package stream
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/null"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/filters/copyonread"
+	"github.com/blockexport/blockexport/formats/registry"
 )
 
 // dataImage is a backing image of nonzero bytes (each byte its offset's
@@ -183,5 +185,67 @@ func TestCopyOnReadAndStreamNeedABackingFile(t *testing.T) {
 	}
 	if err := Stream(context.Background(), q, StreamOptions{}); !errors.Is(err, ErrNoBackingFile) {
 		t.Fatalf("Stream of an image with no backing file: %v", err)
+	}
+}
+
+// TestStreamToABaseCopiesOnlyTheLayersAboveIt streams top <- mid <- base
+// down to mid's backing file at depth 2 (Base), keeping the backing file
+// named: top then holds what mid held, still reads as before, and what
+// only base holds is still read from base (depth 2), not copied.
+func TestStreamToABaseCopiesOnlyTheLayersAboveIt(t *testing.T) {
+	dir := t.TempDir()
+	run := func(args ...string) {
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %v\n%s", args, err, out)
+		}
+	}
+	base, mid, top := filepath.Join(dir, "base.qcow2"), filepath.Join(dir, "mid.qcow2"), filepath.Join(dir, "top.qcow2")
+	run("qemu-img", "create", "-q", "-f", "qcow2", base, "4M")
+	run("qemu-io", "-c", "write -P 1 0 2M", base)
+	run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", mid)
+	run("qemu-io", "-c", "write -P 2 1M 2M", mid)
+	run("qemu-img", "create", "-q", "-f", "qcow2", "-b", "mid.qcow2", "-F", "qcow2", top)
+	run("qemu-io", "-c", "write -P 3 2560k 512k", top)
+	want := make([]byte, 4<<20)
+	for i := range want {
+		switch {
+		case i >= 2560<<10 && i < 3<<20:
+			want[i] = 3
+		case i >= 1<<20 && i < 3<<20:
+			want[i] = 2
+		case i < 2<<20:
+			want[i] = 1
+		}
+	}
+	o, err := registry.Open(top, registry.Options{Format: registry.QCOW2, Writable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Image.Close()
+	var planned int64
+	if err := Stream(t.Context(), o.Image, StreamOptions{Base: 2, Planned: func(n int64) { planned = n }}); err != nil {
+		t.Fatal(err)
+	}
+	if planned != 1536<<10 {
+		t.Fatalf("the stream planned %d bytes, want mid's 1.5 MiB under top's own", planned)
+	}
+	if l, ok := o.Image.(formats.Layered); !ok || l.Backing() == nil || o.Image.Info().BackingFilename != "mid.qcow2" {
+		t.Fatal("a stream to a base dropped or changed the backing file")
+	}
+	got := make([]byte, len(want))
+	if _, err := o.Image.ReadAt(t.Context(), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the image reads other bytes after a stream to a base")
+	}
+	for _, c := range []struct {
+		off   int64
+		depth int
+	}{{0, 2}, {1 << 20, 0}, {2560 << 10, 0}} {
+		e, err := o.Image.Extent(t.Context(), c.off, 4096)
+		if err != nil || !e.Present || e.Depth != c.depth {
+			t.Fatalf("extent at %d after the stream: %+v, %v; want depth %d", c.off, e, err, c.depth)
+		}
 	}
 }
