@@ -62,15 +62,7 @@ func chainNow(t *testing.T, path string) string {
 func TestStreamToABaseAndCommitOfADeepLayerAsQSD(t *testing.T) {
 	qsd := runChainJobScript(t, "qemu-storage-daemon")
 	ours := runChainJobScript(t, harness.Bin)
-	if len(qsd) != len(ours) {
-		t.Fatalf("QSD gave %d lines, we gave %d:\nQSD:\n%s\nours:\n%s", len(qsd), len(ours),
-			strings.Join(qsd, "\n"), strings.Join(ours, "\n"))
-	}
-	for i := range qsd {
-		if qsd[i] != ours[i] {
-			t.Errorf("line %d:\n QSD: %s\nours: %s", i, qsd[i], ours[i])
-		}
-	}
+	sameMessages(t, qsd, ours)
 }
 
 func runChainJobScript(t *testing.T, prog string) []string {

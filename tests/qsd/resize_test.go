@@ -23,15 +23,7 @@ import (
 func TestBlockResizeAnswersAsQSD(t *testing.T) {
 	qsd := runResizeScript(t, "qemu-storage-daemon")
 	ours := runResizeScript(t, harness.Bin)
-	if len(qsd) != len(ours) {
-		t.Fatalf("QSD gave %d lines, we gave %d:\nQSD:\n%s\nours:\n%s", len(qsd), len(ours),
-			strings.Join(qsd, "\n"), strings.Join(ours, "\n"))
-	}
-	for i := range qsd {
-		if qsd[i] != ours[i] {
-			t.Errorf("line %d:\n QSD: %s\nours: %s", i, qsd[i], ours[i])
-		}
-	}
+	sameMessages(t, qsd, ours)
 }
 
 func runResizeScript(t *testing.T, prog string) []string {
