@@ -144,6 +144,7 @@ func TestVpcConvertReadsBackEverywhere(t *testing.T) {
 		{"", parallel}, {"subformat=fixed,force_size", parallel}, {"", []string{"-f", "qcow2"}},
 	} {
 		t.Run(strings.ReplaceAll(c.opts+"_"+strings.Join(c.args, "_"), ",", "_"), func(t *testing.T) {
+			t.Parallel() // the sources are only read; each conversion has its own file
 			img := filepath.Join(t.TempDir(), "c.vhd")
 			from := src
 			args := append([]string{"convert", "-O", "vpc"}, c.args...)
@@ -204,6 +205,7 @@ func TestVpcWritableExports(t *testing.T) {
 		}, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			t.Parallel() // each disk has its own image, exports and copies
 			dir := t.TempDir()
 			img := filepath.Join(dir, "w.vhd")
 			c.create(t, img)
