@@ -357,6 +357,8 @@ func TestSnapshotVerbOnDamagedTables(t *testing.T) {
 	}
 	for _, p := range patches {
 		t.Run(strings.ReplaceAll(p.name, " ", "_"), func(t *testing.T) {
+			t.Parallel() // each damage is done to copies in a directory of its own
+			dir := t.TempDir()
 			for _, args := range [][]string{{"-l"}, {"-d", "s1"}} {
 				ours, theirs := filepath.Join(dir, "ours.qcow2"), filepath.Join(dir, "theirs.qcow2")
 				for _, img := range []string{ours, theirs} {
