@@ -57,7 +57,7 @@ type blockFate struct {
 // KillCheck counts what [WritesUnderKill.Check] found.
 type KillCheck struct {
 	Synced  int // blocks a writer wrote in some round and not in doubt now (synced, or settled by an earlier check), read back exactly
-	Zeroes  int // of those, the ones that are zeroes (punched, or written and never synced)
+	Zeroes  int // of those, the ones that hold zeroes (a synced punch, or a doubt settled as zeroes)
 	InDoubt int // blocks written since their last acknowledged fsync, read back as one of their candidates
 }
 
