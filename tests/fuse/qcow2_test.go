@@ -121,6 +121,7 @@ func TestQcow2WritesThroughTheExport(t *testing.T) {
 	}
 	for _, s := range setups {
 		t.Run(s.name, func(t *testing.T) {
+			t.Parallel() // each setup has its own image, mirror and export
 			dir := t.TempDir()
 			img, backing := s.make(t, dir)
 			var backingHash [32]byte
