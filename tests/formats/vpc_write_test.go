@@ -311,7 +311,9 @@ func fixChecksum(f []byte) {
 // reads back as the rule of [harness.WritesUnderKill] allows: what was
 // synced exactly, what was written since as one of its values.
 func TestVpcSurvivesKill9(t *testing.T) {
-	load := harness.KillLoad{BlockSize: 4096, Blocks: 64 << 20 / 4096, Writers: 4, SyncEvery: 8, PunchOneIn: 8}
+	// TornAt 512: a block's data starts one bitmap sector into its place,
+	// so a 4 KiB write spans two host pages and a kill may land between.
+	load := harness.KillLoad{BlockSize: 4096, Blocks: 64 << 20 / 4096, Writers: 4, SyncEvery: 8, PunchOneIn: 8, TornAt: 512}
 	dir := t.TempDir()
 	img := filepath.Join(dir, "crash.vhd")
 	harness.CreateImage(t, "-f", "vpc", "-o", "force_size=on", img, "64M")

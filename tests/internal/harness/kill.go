@@ -18,12 +18,21 @@ import (
 // of Blocks blocks (spread over it, so that most writes allocate), each
 // calling fsync after every SyncEvery of its writes and punching a hole
 // instead of writing once in PunchOneIn writes (never when 0).
+//
+// TornAt is where a write the kill interrupts may have been cut short:
+// 0 when a block's write is stored whole or not at all (its data lies
+// in one host page, as a qcow2 cluster of 4 KiB or more does); 512 when
+// the format places data at any sector, so that a block's write spans
+// two host pages and the kill may land between them (a VHD block's data
+// starts one bitmap sector in: seen as a block holding its new value
+// for 1536 bytes and its synced one after).
 type KillLoad struct {
 	BlockSize  int
 	Blocks     int
 	Writers    int
 	SyncEvery  int
 	PunchOneIn int
+	TornAt     int
 }
 
 // WritesUnderKill runs writers on a writable export that is killed with
@@ -32,9 +41,10 @@ type KillLoad struct {
 // whose last write its writer saw acknowledged by fsync reads back
 // exactly that; a block written since its writer's last acknowledged
 // fsync may read back as any value written to it since then, or as its
-// last synced value, and nothing else (not a mix of them: a torn block is
-// a failure). The disk starts as zeroes, and a block no round wrote must
-// still read as zeroes.
+// last synced value, and nothing else: not a mix of them, but where
+// [KillLoad.TornAt] allows a write to be cut short, each piece of that
+// size holds one of them whole. The disk starts as zeroes, and a block
+// no round wrote must still read as zeroes.
 //
 // A value v stands for the block filled with v as little-endian 64-bit
 // words; 0 is a block of zeroes (a punched hole). Values name their
@@ -50,8 +60,17 @@ type WritesUnderKill struct {
 // writers run.
 type blockFate struct {
 	value   uint64   // the last synced value, or the one read back after a kill settled a doubt
+	pieces  []uint64 // instead of value, one per piece, where a doubt settled as a torn write
 	since   []uint64 // the values written since the last acknowledged fsync, in order
 	written bool     // a writer wrote or punched it in some round
+}
+
+// synced is the value piece i of the block holds once synced.
+func (f *blockFate) synced(i int) uint64 {
+	if f.pieces != nil {
+		return f.pieces[i]
+	}
+	return f.value
 }
 
 // KillCheck counts what [WritesUnderKill.Check] found.
@@ -59,6 +78,7 @@ type KillCheck struct {
 	Synced  int // blocks a writer wrote in some round and not in doubt now (synced, or settled by an earlier check), read back exactly
 	Zeroes  int // of those, the ones that hold zeroes (a synced punch, or a doubt settled as zeroes)
 	InDoubt int // blocks written since their last acknowledged fsync, read back as one of their candidates
+	Torn    int // of those, the ones a write the kill cut short left in pieces of two values (only where TornAt allows)
 }
 
 // NewWritesUnderKill starts the ledger of a fresh disk (all zeroes)
@@ -133,7 +153,7 @@ func (w *WritesUnderKill) write(f *os.File, round, writer int) {
 			for _, b := range unsynced {
 				fate := &w.blocks[b]
 				if len(fate.since) > 0 {
-					fate.value = fate.since[len(fate.since)-1]
+					fate.value, fate.pieces = fate.since[len(fate.since)-1], nil
 					fate.since = fate.since[:0]
 				}
 			}
@@ -144,41 +164,56 @@ func (w *WritesUnderKill) write(f *os.File, round, writer int) {
 
 // Check fails the test unless every block of content (the disk read back
 // after round's kill) holds what the rule allows. Blocks in doubt are
-// settled to the candidate they hold, which is what the next round
-// starts from.
+// settled to what they hold, which is what the next round starts from.
 func (w *WritesUnderKill) Check(t *testing.T, round int, content []byte) KillCheck {
 	t.Helper()
-	bs := w.load.BlockSize
+	bs, piece := w.load.BlockSize, w.load.TornAt
+	if piece == 0 {
+		piece = bs
+	}
 	if len(content) != bs*len(w.blocks) {
 		t.Fatalf("round %d: the disk reads back %d bytes, want %d", round, len(content), bs*len(w.blocks))
 	}
 	var got KillCheck
-	want := make([]byte, bs)
+	want := make([]byte, piece)
+	holds := func(p []byte, v uint64) bool {
+		fill(want, v)
+		return bytes.Equal(p, want)
+	}
 	for b := range w.blocks {
 		fate := &w.blocks[b]
 		block := content[b*bs : (b+1)*bs]
 		if len(fate.since) == 0 {
-			fill(want, fate.value)
-			if !bytes.Equal(block, want) {
-				t.Fatalf("round %d: block %d, synced as %#x, reads back as %s", round, b, fate.value, words(block))
+			for i := 0; i < bs/piece; i++ {
+				if p := block[i*piece : (i+1)*piece]; !holds(p, fate.synced(i)) {
+					t.Fatalf("round %d: block %d, synced, holds other than %#x at byte %d: it reads back as %s", round, b, fate.synced(i), i*piece, words(block))
+				}
 			}
 			if fate.written {
 				got.Synced++
-				if fate.value == 0 {
+				if fate.pieces == nil && fate.value == 0 {
 					got.Zeroes++
 				}
 			}
 			continue
 		}
-		candidates := append([]uint64{fate.value}, fate.since...)
-		i := slices.IndexFunc(candidates, func(v uint64) bool {
-			fill(want, v)
-			return bytes.Equal(block, want)
-		})
-		if i < 0 {
-			t.Fatalf("round %d: block %d, synced as %#x and written since as %#x, reads back as %s", round, b, fate.value, fate.since, words(block))
+		pieces := make([]uint64, bs/piece)
+		for i := range pieces {
+			p := block[i*piece : (i+1)*piece]
+			candidates := append([]uint64{fate.synced(i)}, fate.since...)
+			k := slices.IndexFunc(candidates, func(v uint64) bool { return holds(p, v) })
+			if k < 0 {
+				t.Fatalf("round %d: block %d, synced as %#x and written since as %#x, reads back as %s", round, b, fate.synced(i), fate.since, words(block))
+			}
+			pieces[i] = candidates[k]
 		}
-		fate.value, fate.since = candidates[i], nil
+		fate.since = nil
+		if slices.Equal(pieces, slices.Repeat(pieces[:1], len(pieces))) {
+			fate.value, fate.pieces = pieces[0], nil
+		} else {
+			fate.pieces = pieces
+			got.Torn++
+		}
 		got.InDoubt++
 	}
 	return got
@@ -205,5 +240,5 @@ func words(block []byte) string {
 
 // String is the round's log line.
 func (c KillCheck) String() string {
-	return fmt.Sprintf("%d synced blocks read back (%d of them zeroes), %d in doubt each read back as one of its values", c.Synced, c.Zeroes, c.InDoubt)
+	return fmt.Sprintf("%d synced blocks read back (%d of them zeroes), %d in doubt each read back as its values allow (%d torn)", c.Synced, c.Zeroes, c.InDoubt, c.Torn)
 }
