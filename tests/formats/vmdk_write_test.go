@@ -326,8 +326,9 @@ func TestVmdkStreamOptimizedWithGrainsPointsToAnOverlay(t *testing.T) {
 // reads back as the rule of [harness.WritesUnderKill] allows: what was
 // synced exactly, what was written since as one of its values.
 func TestVmdkSurvivesKill9(t *testing.T) {
-	// 16 MiB. TornAt 512: grains lie at any sector of the file, so a 4 KiB
-	// write into one may span two host pages and a kill land between.
+	// 16 MiB. TornAt 512: the driver places grains on sector boundaries
+	// only (not pages), so a 4 KiB write into one may span two host pages
+	// and a kill land between them.
 	load := harness.KillLoad{BlockSize: 4096, Blocks: 4096, Writers: 2, SyncEvery: 8, TornAt: 512}
 	dir := t.TempDir()
 	img := filepath.Join(dir, "crash.vmdk")
