@@ -164,6 +164,7 @@ func TestAmendMatchesQemuImg(t *testing.T) {
 	}) {
 		for _, opt := range amendCases[name] {
 			t.Run(name+"/"+opt, func(t *testing.T) {
+				t.Parallel() // each case builds its image in a directory of its own
 				dir := t.TempDir()
 				buildAmendImage(t, dir, name, "img.qcow2")
 				data, err := os.ReadFile(filepath.Join(dir, "img.qcow2"))

@@ -257,6 +257,7 @@ func TestBitmapVerbMatchesQemuImg(t *testing.T) {
 			name = name[:60]
 		}
 		t.Run(fmt.Sprintf("%d %s", i, name), func(t *testing.T) {
+			t.Parallel() // the fixtures are copied, never written
 			qDir, oDir := filepath.Join(t.TempDir(), "copy-qemu"), filepath.Join(t.TempDir(), "copy-ours")
 			os.MkdirAll(qDir, 0o755)
 			os.MkdirAll(oDir, 0o755)

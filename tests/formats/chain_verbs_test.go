@@ -217,6 +217,7 @@ func TestCommitMatchesQemuImg(t *testing.T) {
 		{"growing a base that has bitmaps with -b", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, []string{"-b", "base.qcow2"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each case builds its chain in a directory of its own
 			differential(t, tc.c, append(append([]string{"commit"}, tc.extra...), "top.qcow2")...)
 		})
 	}
@@ -240,6 +241,7 @@ func TestRebaseMatchesQemuImg(t *testing.T) {
 		{"unsafe keeping the bitmaps", chain{baseFormat: "qcow2", levels: 3, size: 16 << 20, bitmaps: true}, []string{"-u", "-b", "base.qcow2", "-F", "raw"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each case builds its chain in a directory of its own
 			differential(t, tc.c, append(append([]string{"rebase"}, tc.args...), "top.qcow2")...)
 		})
 	}

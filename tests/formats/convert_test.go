@@ -128,6 +128,7 @@ func TestConvertEveryFormatToEveryTargetEqualsSource(t *testing.T) {
 	for _, s := range srcs {
 		for _, tg := range targets {
 			t.Run(s.name+"/"+tg.name, func(t *testing.T) {
+				t.Parallel() // the sources are only read; each target is its own file
 				dst := filepath.Join(t.TempDir(), "dst")
 				convert(t, append(append([]string{"-f", s.format}, tg.args...), s.path, dst)...)
 				what := s.name + " -> " + tg.name

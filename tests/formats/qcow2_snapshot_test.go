@@ -258,54 +258,60 @@ func TestSnapshotVerbKilledLeavesAConsistentImage(t *testing.T) {
 	beforeActive := activeContent(t, base, dir)
 	s1 := snapshotContent(t, base, "s1", dir)
 	beforeNames := snapshotNames(t, base)
-	rng := rand.New(rand.NewPCG(46, 1))
-	for _, args := range [][]string{{"-c", "s2"}, {"-d", "s1"}, {"-a", "s1"}} {
-		// The whole step once, for its duration and its result.
-		after := filepath.Join(dir, "after.qcow2")
-		harness.Run(t, "cp", pristine, after)
-		start := time.Now()
-		if code, out := harness.RunBlockexport(t, append([]string{"snapshot"}, append(args, after)...)...); code != 0 {
-			t.Fatalf("snapshot %v: exit %d: %s", args, code, out)
-		}
-		dur := time.Since(start)
-		afterActive, afterNames := activeContent(t, after, dir), snapshotNames(t, after)
-		killed := 0
-		for i := range 20 {
-			img := filepath.Join(dir, "victim.qcow2")
-			harness.Run(t, "cp", pristine, img)
-			cmd := exec.Command(harness.Bin, append([]string{"snapshot"}, append(args, img)...)...)
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
+	for step, args := range [][]string{{"-c", "s2"}, {"-d", "s1"}, {"-a", "s1"}} {
+		// The three steps start from copies of one image, each in a
+		// directory of its own: they run side by side.
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			t.Parallel()
+			dir := t.TempDir()
+			rng := rand.New(rand.NewPCG(46, uint64(step)))
+			// The whole step once, for its duration and its result.
+			after := filepath.Join(dir, "after.qcow2")
+			harness.Run(t, "cp", pristine, after)
+			start := time.Now()
+			if code, out := harness.RunBlockexport(t, append([]string{"snapshot"}, append(args, after)...)...); code != 0 {
+				t.Fatalf("snapshot %v: exit %d: %s", args, code, out)
 			}
-			time.Sleep(time.Duration(rng.Int64N(int64(dur))))
-			if cmd.Process.Signal(syscall.SIGKILL) == nil {
-				if err := cmd.Wait(); err != nil {
-					killed++
+			dur := time.Since(start)
+			afterActive, afterNames := activeContent(t, after, dir), snapshotNames(t, after)
+			killed := 0
+			for i := range 20 {
+				img := filepath.Join(dir, "victim.qcow2")
+				harness.Run(t, "cp", pristine, img)
+				cmd := exec.Command(harness.Bin, append([]string{"snapshot"}, append(args, img)...)...)
+				if err := cmd.Start(); err != nil {
+					t.Fatal(err)
 				}
-			} else {
-				cmd.Wait()
-			}
-			what := fmt.Sprintf("snapshot %v killed (try %d)", args, i)
-			killedSnapshotVerdict(t, img, what)
-			names := snapshotNames(t, img)
-			active := activeContent(t, img, dir)
-			switch {
-			case slices.Equal(names, beforeNames) && bytes.Equal(active, beforeActive):
-			case slices.Equal(names, afterNames) && bytes.Equal(active, afterActive):
-			case args[0] == "-a" && slices.Equal(names, beforeNames) && bytes.Equal(active, afterActive):
-				// Apply changes the active layer, not the list.
-			default:
-				t.Fatalf("%s: snapshots %q and the active layer are neither before (%q) nor after (%q)", what, names, beforeNames, afterNames)
-			}
-			for _, n := range names {
-				if name := strings.Fields(n)[1]; name == "s1" && !bytes.Equal(snapshotContent(t, img, name, dir), s1) {
-					t.Fatalf("%s: snapshot s1 reads changed", what)
+				time.Sleep(time.Duration(rng.Int64N(int64(dur))))
+				if cmd.Process.Signal(syscall.SIGKILL) == nil {
+					if err := cmd.Wait(); err != nil {
+						killed++
+					}
+				} else {
+					cmd.Wait()
+				}
+				what := fmt.Sprintf("snapshot %v killed (try %d)", args, i)
+				killedSnapshotVerdict(t, img, what)
+				names := snapshotNames(t, img)
+				active := activeContent(t, img, dir)
+				switch {
+				case slices.Equal(names, beforeNames) && bytes.Equal(active, beforeActive):
+				case slices.Equal(names, afterNames) && bytes.Equal(active, afterActive):
+				case args[0] == "-a" && slices.Equal(names, beforeNames) && bytes.Equal(active, afterActive):
+					// Apply changes the active layer, not the list.
+				default:
+					t.Fatalf("%s: snapshots %q and the active layer are neither before (%q) nor after (%q)", what, names, beforeNames, afterNames)
+				}
+				for _, n := range names {
+					if name := strings.Fields(n)[1]; name == "s1" && !bytes.Equal(snapshotContent(t, img, name, dir), s1) {
+						t.Fatalf("%s: snapshot s1 reads changed", what)
+					}
 				}
 			}
-		}
-		if killed == 0 {
-			t.Errorf("snapshot %v: no run was killed before it finished (%v each)", args, dur)
-		}
+			if killed == 0 {
+				t.Errorf("snapshot %v: no run was killed before it finished (%v each)", args, dur)
+			}
+		})
 	}
 }
 
@@ -351,6 +357,8 @@ func TestSnapshotVerbOnDamagedTables(t *testing.T) {
 	}
 	for _, p := range patches {
 		t.Run(strings.ReplaceAll(p.name, " ", "_"), func(t *testing.T) {
+			t.Parallel() // each damage is done to copies in a directory of its own
+			dir := t.TempDir()
 			for _, args := range [][]string{{"-l"}, {"-d", "s1"}} {
 				ours, theirs := filepath.Join(dir, "ours.qcow2"), filepath.Join(dir, "theirs.qcow2")
 				for _, img := range []string{ours, theirs} {

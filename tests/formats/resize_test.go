@@ -70,17 +70,20 @@ func TestResizeMatchesQemuImg(t *testing.T) {
 		{"IMG", "9223372035781033985"},
 	}
 	for _, format := range []string{"raw", "qcow2"} {
-		for _, c := range cases {
-			theirs, mine := resizePair(t, format, nil)
-			args := append([]string{"resize", "-f", format}, c...)
-			runBoth(t, replaceArg(args, "IMG", theirs), func(a string) string {
-				if a == theirs {
-					return mine
-				}
-				return a
-			})
-			sameImages(t, format, theirs, mine)
-		}
+		t.Run(format, func(t *testing.T) {
+			t.Parallel() // each case resizes a fresh pair of its own
+			for _, c := range cases {
+				theirs, mine := resizePair(t, format, nil)
+				args := append([]string{"resize", "-f", format}, c...)
+				runBoth(t, replaceArg(args, "IMG", theirs), func(a string) string {
+					if a == theirs {
+						return mine
+					}
+					return a
+				})
+				sameImages(t, format, theirs, mine)
+			}
+		})
 	}
 }
 

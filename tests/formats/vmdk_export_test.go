@@ -78,6 +78,7 @@ func TestVmdkManyExtents(t *testing.T) {
 	f.Close()
 	for _, sub := range []string{"twoGbMaxExtentSparse", "twoGbMaxExtentFlat"} {
 		t.Run(sub, func(t *testing.T) {
+			t.Parallel() // each subformat has its own image, exports and overlay; the source is only read
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vmdk")
 			harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)
@@ -113,6 +114,7 @@ func TestVmdkSubformatsExportAsQemuReadsThem(t *testing.T) {
 	src := vdiRawWithHoles(t, dir)
 	for _, sub := range []string{"monolithicSparse", "monolithicFlat", "twoGbMaxExtentSparse", "twoGbMaxExtentFlat", "streamOptimized"} {
 		t.Run(sub, func(t *testing.T) {
+			t.Parallel() // each subformat has its own image, exports and overlay; the source is only read
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vmdk")
 			harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vmdk", "-o", "subformat="+sub, src, img)

@@ -2,7 +2,6 @@ package formats
 
 import (
 	"bytes"
-	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
@@ -13,8 +12,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -326,105 +323,31 @@ func TestVmdkStreamOptimizedWithGrainsPointsToAnOverlay(t *testing.T) {
 // (each a part of a 64 KiB grain: new grains filled around the write)
 // and fsync. Every time qemu-img check and ours find the image clean (a
 // leak at worst: a grain written and not yet linked), and every block
-// acknowledged before its writer's last successful fsync, and not
-// touched since, reads back.
+// reads back as the rule of [harness.WritesUnderKill] allows: what was
+// synced exactly, what was written since as one of its values.
 func TestVmdkSurvivesKill9(t *testing.T) {
-	const (
-		blockSize = 4096
-		blocks    = 4096 // 16 MiB
-		writers   = 2
-	)
+	// 16 MiB. TornAt 512: the driver places grains on sector boundaries
+	// only (not pages), so a 4 KiB write into one may span two host pages
+	// and a kill land between them.
+	load := harness.KillLoad{BlockSize: 4096, Blocks: 4096, Writers: 2, SyncEvery: 8, TornAt: 512}
 	dir := t.TempDir()
 	img := filepath.Join(dir, "crash.vmdk")
-	harness.CreateImage(t, "-f", "vmdk", img, fmt.Sprint(blocks*blockSize))
-	durable := map[int]uint64{}
+	harness.CreateImage(t, "-f", "vmdk", img, fmt.Sprint(load.Blocks*load.BlockSize))
+	writes := harness.NewWritesUnderKill(load)
 	r := rand.New(rand.NewPCG(47, 47))
 	for round := 1; round <= 3; round++ {
-		mnt := filepath.Join(dir, fmt.Sprintf("mnt%d", round))
-		d := harness.StartExport(t, img, mnt, "-w")
-		f, err := os.OpenFile(mnt, os.O_RDWR, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var mu sync.Mutex
-		unsure := map[int]bool{}
-		var wg sync.WaitGroup
-		for w := range writers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				wr := rand.New(rand.NewPCG(uint64(round), uint64(w)))
-				buf := make([]byte, blockSize)
-				pending := map[int]uint64{}
-				for seq := uint64(1); ; seq++ {
-					b := w + writers*wr.IntN(blocks/writers)
-					v := uint64(round)<<40 | uint64(b)<<20 | seq
-					mu.Lock()
-					unsure[b] = true
-					mu.Unlock()
-					for j := 0; j < blockSize; j += 8 {
-						binary.LittleEndian.PutUint64(buf[j:], v)
-					}
-					if _, err := f.WriteAt(buf, int64(b)*blockSize); err != nil {
-						return
-					}
-					pending[b] = v
-					if seq%8 == 0 {
-						if err := f.Sync(); err != nil {
-							return
-						}
-						mu.Lock()
-						for pb, pv := range pending {
-							durable[pb] = pv
-							delete(unsure, pb)
-						}
-						mu.Unlock()
-						clear(pending)
-					}
-				}
-			}()
-		}
-		time.Sleep(time.Duration(100+r.IntN(300)) * time.Millisecond)
-		d.Cmd.Process.Signal(syscall.SIGKILL)
-		wg.Wait()
-		f.Close()
-		d.Wait(10 * time.Second)
-		syscall.Unmount(mnt, syscall.MNT_DETACH)
-
-		// The killed exporter's locks go with its last reference to the
-		// file, which a ring torn down after it died may hold a moment.
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			out, err := exec.Command("qemu-img", "check", "-f", "vmdk", img).CombinedOutput()
-			if err == nil {
-				break
-			}
-			if !strings.Contains(string(out), "lock") || time.Now().After(deadline) {
-				t.Fatalf("round %d: qemu-img check: %v\n%s", round, err, out)
-			}
+		writes.Round(t, round, img, filepath.Join(dir, fmt.Sprintf("mnt%d", round)), time.Duration(100+r.IntN(300))*time.Millisecond)
+		if out, err := exec.Command("qemu-img", "check", "-f", "vmdk", img).CombinedOutput(); err != nil {
+			t.Fatalf("round %d: qemu-img check: %v\n%s", round, err, out)
 		}
 		if code, out := harness.RunBlockexport(t, "check", img); code != 0 {
 			t.Fatalf("round %d: blockexport check: exit %d\n%s", round, code, out)
 		}
 		asRaw := filepath.Join(dir, fmt.Sprintf("round%d.raw", round))
 		harness.Run(t, "qemu-img", "convert", "-f", "vmdk", "-O", "raw", img, asRaw)
-		content := harness.ReadAll(t, asRaw)
+		got := writes.Check(t, round, harness.ReadAll(t, asRaw))
 		os.Remove(asRaw)
-		block := func(b int) []byte { return content[b*blockSize : (b+1)*blockSize] }
-		for b, v := range durable {
-			if unsure[b] {
-				continue
-			}
-			want := make([]byte, blockSize)
-			for j := 0; j < blockSize; j += 8 {
-				binary.LittleEndian.PutUint64(want[j:], v)
-			}
-			if !bytes.Equal(block(b), want) {
-				t.Fatalf("round %d: block %d, acknowledged and flushed as %#x, reads back as %#x", round, b, v, binary.LittleEndian.Uint64(block(b)))
-			}
-		}
-		for b := range unsure {
-			durable[b] = binary.LittleEndian.Uint64(block(b))
-		}
+		t.Logf("round %d: %v", round, got)
 	}
 }
 

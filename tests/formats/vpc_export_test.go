@@ -46,6 +46,9 @@ func TestVpcConvertedImagesExportAsQemuReadsThem(t *testing.T) {
 		{"fixed force_size", "subformat=fixed,force_size=on", []string{"-f", "vpc"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			// Each subformat has its own image, exports and overlay;
+			// the source is only read.
+			t.Parallel()
 			d := t.TempDir()
 			img := filepath.Join(d, "d.vhd")
 			harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", c.opts, src, img)

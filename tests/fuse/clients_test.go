@@ -92,6 +92,7 @@ func TestFioVerify(t *testing.T) {
 	for _, engine := range []string{"io_uring", "threads"} {
 		for _, cache := range []string{"writeback", "none"} {
 			t.Run(engine+"/"+cache, func(t *testing.T) {
+				t.Parallel() // each run has its own image and export
 				harness.FioVerifyThroughExport(t, "32M", 42, "--aio", engine, "--cache", cache)
 			})
 		}
@@ -106,6 +107,9 @@ func TestFioVerifyQueueDepthOne(t *testing.T) {
 	for _, format := range []string{"raw", "qcow2"} {
 		for _, cache := range []string{"writeback", "none"} {
 			t.Run(format+"/"+cache, func(t *testing.T) {
+				// Each run has its own image and export (and so its own
+				// serve loop, at queue depth one whatever runs beside it).
+				t.Parallel()
 				dir := t.TempDir()
 				img := filepath.Join(dir, "img")
 				harness.CreateImage(t, "-f", format, img, "32M")

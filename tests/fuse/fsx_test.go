@@ -367,6 +367,7 @@ func TestFsxOnGrowableExportsMatchesModel(t *testing.T) {
 	for _, format := range []string{"raw", "qcow2", "qcow2-overlay"} {
 		for _, kc := range []string{"on", "off"} {
 			t.Run(format+"/kernel-cache="+kc, func(t *testing.T) {
+				t.Parallel() // each run has its own image, export and model
 				seed := fsxSeed(t)
 				t.Logf("fsx seed %d", seed)
 				fsxExercise(t, format, kc, seed, fsxOps(t))

@@ -44,8 +44,8 @@ func s3Export(t *testing.T, s *harness.S3Server, key, mnt string, args ...string
 func TestS3RawAndQcow2ObjectsThroughTheExport(t *testing.T) {
 	s := harness.StartS3Server(t)
 	dir := t.TempDir()
-	raw := harness.SparseImage(t, dir, "disk.img", 64<<20)
-	job := s3FioJob("48M", 2701)
+	raw := harness.SparseImage(t, dir, "disk.img", 32<<20)
+	job := s3FioJob("16M", 2701)
 	harness.Run(t, "fio", append(job, "--filename="+raw)...)
 	qc := filepath.Join(dir, "disk.qcow2")
 	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qc)
@@ -53,12 +53,13 @@ func TestS3RawAndQcow2ObjectsThroughTheExport(t *testing.T) {
 	s.Put("disks/disk.qcow2", qc)
 	for _, c := range []struct{ key, format string }{{"disks/disk.img", "raw"}, {"disks/disk.qcow2", "qcow2"}} {
 		t.Run(c.format, func(t *testing.T) {
+			t.Parallel() // two exports of two objects: nothing shared but the server
 			mnt := filepath.Join(t.TempDir(), "mnt")
 			d := s3Export(t, s, c.key, mnt)
 			if !strings.Contains(d.Log(), "s3://images/"+c.key) {
 				t.Errorf("the log does not name the object:\n%s", d.Log())
 			}
-			harness.Run(t, "fio", append(s3FioReadVerify("48M"), "--filename="+mnt)...)
+			harness.Run(t, "fio", append(s3FioReadVerify("16M"), "--filename="+mnt)...)
 			harness.Run(t, "qemu-img", "compare", "-f", "raw", "-F", "raw", raw, mnt)
 			d.StopClean()
 			harness.MustNotShowS3Secret(t, "the export's log", d.Log())

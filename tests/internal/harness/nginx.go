@@ -191,12 +191,23 @@ func (n *Nginx) Kill() {
 }
 
 // Put places a copy of the file src as name in the served directory,
-// atomically (a new file renamed over any old one: a new ETag).
+// atomically (a new file renamed over any old one). A replaced object
+// gets a new Last-Modified second, and so a new ETag (nginx's is the
+// mtime's seconds and the size): its mtime is set past the old one's, so
+// that a test need not wait for the clock's next second.
 func (n *Nginx) Put(t *testing.T, name, src string) {
 	t.Helper()
 	tmp := filepath.Join(n.Root, "."+name+".tmp")
+	dst := filepath.Join(n.Root, name)
 	Run(t, "cp", "--sparse=always", src, tmp)
-	if err := os.Rename(tmp, filepath.Join(n.Root, name)); err != nil {
+	if old, err := os.Stat(dst); err == nil {
+		if mtime := old.ModTime().Truncate(time.Second).Add(time.Second); time.Now().Before(mtime) {
+			if err := os.Chtimes(tmp, mtime, mtime); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := os.Rename(tmp, dst); err != nil {
 		t.Fatal(err)
 	}
 }
