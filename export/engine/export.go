@@ -303,10 +303,16 @@ func (e *Engine) exportBitmaps(x *export, img formats.Image) ([]nbd.MetaContext,
 // bitmapOwner is the image whose bitmaps img offers: a copy-on-read
 // node's are its overlay's.
 func bitmapOwner(img formats.Image) formats.Image {
-	if c, ok := img.(*copyonread.Image); ok {
-		return c.Image
+	for {
+		switch w := img.(type) {
+		case *pivotImage: // a format node's image as its exports hold it
+			img = w.Wrapped()
+		case *copyonread.Image:
+			img = w.Image
+		default:
+			return img
+		}
 	}
-	return img
 }
 
 // enabledBitmap refuses, as QEMU does, a read-only export of a writable
