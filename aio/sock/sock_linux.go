@@ -215,6 +215,20 @@ func (s *sock) Pending() bool {
 	}
 }
 
+// HungUp says whether the peer has closed its end (or the socket is in
+// error), bytes still unread or not: a client that sent its last request
+// and left, which its reader may not have reached yet.
+func (s *sock) HungUp() bool {
+	fds := [1]unix.PollFd{{Fd: int32(s.fd), Events: unix.POLLRDHUP}}
+	for {
+		n, err := unix.Poll(fds[:], 0)
+		if err == unix.EINTR {
+			continue
+		}
+		return err == nil && n > 0 && fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+	}
+}
+
 // Write sends all of p. MSG_NOSIGNAL: a vanished peer is an EPIPE error,
 // not a signal.
 func (s *sock) Write(p []byte) (int, error) {

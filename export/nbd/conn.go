@@ -798,3 +798,12 @@ func (c *conn) send(hdr, data []byte) {
 		}
 	}
 }
+
+// hungUp says whether the client has closed its end of the socket though
+// the reader has not come to it yet (its last request, DISC, unread): a
+// safe Remove right after a client left then does not find it in use,
+// as QEMU's main loop, which reads the hang-up first, does not.
+func (c *conn) hungUp() bool {
+	h, ok := c.raw.(interface{ HungUp() bool })
+	return ok && h.HungUp()
+}

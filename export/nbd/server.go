@@ -137,7 +137,7 @@ func (s *Server) Remove(ctx context.Context, name string, hard bool) error {
 	for c := range s.conns {
 		if c.chosen == name && c.chose {
 			users = append(users, c)
-			inUse = inUse || !c.left
+			inUse = inUse || !c.left && !c.hungUp()
 		}
 	}
 	if inUse && !hard {
