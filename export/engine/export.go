@@ -36,6 +36,9 @@ type ExportOptions struct {
 	// FUSE are our own FUSE options, beyond QEMU's keys (oneshot.go);
 	// nil: QEMU's behaviour.
 	FUSE *FUSEExtras
+	// NBD, our own, makes an nbd export the one export of a server of
+	// its own (oneshot.go); nil: an export on nbd-server-start's server.
+	NBD *NBDExtras
 }
 
 // ExportInfo is one row of query-block-exports.
@@ -56,6 +59,8 @@ type export struct {
 	nbdName string
 	// bitmaps are the bitmaps an NBD export holds busy.
 	bitmaps []bitmapKey
+	// server is the own server of an NBD export with NBDExtras.
+	server *nbdServer
 }
 
 // exportTimeout bounds how long a hard removal waits for an NBD
@@ -143,6 +148,9 @@ func (e *Engine) startFUSE(x *export) error {
 
 // startNBD adds the node to the running NBD server.
 func (e *Engine) startNBD(x *export) error {
+	if x.o.NBD != nil {
+		return e.startNBDExtras(x)
+	}
 	if e.nbd == nil {
 		return genericf("NBD server not running")
 	}
@@ -223,6 +231,8 @@ func (e *Engine) endExport(ctx context.Context, x *export, hard bool) (stopErr, 
 			stopErr = x.mount.Unmount()
 		}
 		x.mount.Cleanup()
+	case x.server != nil:
+		stopErr = x.server.stop()
 	case x.nbdName != "" && e.nbd != nil:
 		ctx, cancel := context.WithTimeout(ctx, exportTimeout)
 		stopErr = e.nbd.srv.Remove(ctx, x.nbdName, hard)

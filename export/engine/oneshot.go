@@ -3,8 +3,10 @@ package engine
 import (
 	"context"
 	"log/slog"
+	"net"
 
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
+	"github.com/blockexport/blockexport/export/nbd"
 	"github.com/blockexport/blockexport/formats"
 )
 
@@ -147,4 +149,46 @@ func (h quietHandler) WithGroup(name string) slog.Handler {
 // only what goes wrong: the command logs its own lines.
 func NewOneShot(logger *slog.Logger) *Engine {
 	return New(Options{Logger: slog.New(quietHandler{logger.Handler()})})
+}
+
+// NBDExtras make an NBD export the one export of a server of its own, as
+// the one-shot nbd command (and qemu-nbd) serves one image: on the
+// caller's listener, with the caller's server options (TLS, max-clients,
+// handshake limit, polling, its logger), the export's name, description
+// and meta contexts (Server.Name, Description, Meta: -B bitmaps,
+// allocation depth) and the partitions as extra exports (Server.Extra).
+// Its writability is ExportOptions.Writable. Ending the export closes the
+// listener (a unix socket's file is the caller's to remove) and ends the
+// server's connections, waiting up to a minute for them.
+type NBDExtras struct {
+	Listener net.Listener
+	Server   nbd.Options
+	// Ended, when set, receives Serve's end, once: an error of the
+	// listener, or nil once the export ended. It needs room for it.
+	Ended chan<- error
+}
+
+// startNBDExtras is startNBD for an export with NBDExtras.
+func (e *Engine) startNBDExtras(x *export) error {
+	o := x.o.NBD
+	img, err := x.node.acquire(e, x.o.Writable)
+	if err != nil {
+		return err
+	}
+	so := o.Server
+	so.Writable = x.o.Writable
+	if so.Logger == nil {
+		so.Logger = e.log.With("export", x.o.ID)
+	}
+	srv := nbd.New(img, so)
+	s := &nbdServer{srv: srv, l: o.Listener, served: make(chan error, 1), busy: map[bitmapKey]bool{}}
+	go func() {
+		err := srv.Serve(o.Listener)
+		s.served <- err
+		if o.Ended != nil {
+			o.Ended <- err
+		}
+	}()
+	x.server = s
+	return nil
 }
