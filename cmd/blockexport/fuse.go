@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/blockexport/blockexport/export/engine"
 	fuseexport "github.com/blockexport/blockexport/export/fuse"
 	"github.com/blockexport/blockexport/formats/protocols/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -104,7 +105,6 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		fuseexport.Served{KernelCache: f.kernelCache, Raw: img.Format == registry.Raw, QCOW2: img.Format == registry.QCOW2,
 			Null: img.Format == registry.Null, NBD: nbd.IsURI(image), MayStall: served.Features().MayStall,
 			Direct: f.cache == "none", Files: 1 + len(parts), Hosts: img.Hosts}, logger)
-	exp := fuseexport.New(served, expOpts)
 	sigs, jobs, stop, err := f.begin()
 	if err != nil {
 		return err
@@ -115,11 +115,21 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 		stats = fuseexport.NewStats()
 	}
 	mo.FsName, mo.Stats, mo.Extra = registry.Shown(image), stats, extra
-	m, err := exp.Mount(mountpoint, mo)
-	if err != nil {
+	// One engine, one node, one export: the daemon's add and delete path
+	// mounts, serves and unmounts it. The engine borrows the image: it is
+	// flushed and closed here, after the engine is closed.
+	eng := engine.NewOneShot(logger)
+	defer eng.Close()
+	if err := eng.AddImageNode(served, engine.ImageNode{NodeName: oneShotNode, Driver: img.Format,
+		Filename: registry.Shown(image), ReadOnly: !f.writable}); err != nil {
 		return err
 	}
-	defer m.Cleanup()
+	if err := eng.AddExport(engine.ExportOptions{Type: "fuse", ID: oneShotExport, NodeName: oneShotNode,
+		Writable: f.writable, Growable: f.growable, Mountpoint: mountpoint,
+		FUSE: &engine.FUSEExtras{Export: expOpts, Mount: mo}}); err != nil {
+		return err
+	}
+	m := eng.FUSEMount(oneShotExport)
 	jobs.add(m.Abandon)
 	fuseexport.OneProcForOneLoop(m, logger)
 	// A server of block I/O must not wait on the page cache of the device it
@@ -144,17 +154,29 @@ func (f *fuseFlags) run(c *cobra.Command, args []string) error {
 	select {
 	case s := <-sigs:
 		stopping(logger, s, sigs, jobs)
-		if err := m.Unmount(); err != nil {
+		if err := eng.EndExport(oneShotExport); err != nil {
 			return err
 		}
 	case <-m.Done():
 		logger.Info("unmounted from outside", "mountpoint", m.Path())
+		// Nothing to unmount: the engine lets the export and its node go
+		// and removes a mountpoint file the mount made.
+		if err := eng.EndExport(oneShotExport); err != nil {
+			return err
+		}
 	}
 	if err := img.Image.Flush(context.Background()); err != nil {
 		return fmt.Errorf("final flush: %w", err)
 	}
 	return nil
 }
+
+// oneShotNode and oneShotExport name the one node and the one export of
+// a one-shot command's engine.
+const (
+	oneShotNode   = "image"
+	oneShotExport = "export"
+)
 
 // readAheadKB resolves --read-ahead: a size given, or auto: as far as
 // the device holding a local image reads ahead, and never less than one

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/blockexport/blockexport/export/engine"
 	"github.com/blockexport/blockexport/export/nbd"
 	"github.com/blockexport/blockexport/formats/registry"
 )
@@ -142,11 +143,24 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 		defer os.Remove(addr)
 		jobs.add(func() { os.Remove(addr) })
 	}
-	srv := nbd.New(disk, nbd.Options{Extra: extra, Name: f.name, Description: f.desc, Writable: f.writable, MaxClients: f.maxClients,
-		PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second, Logger: logger,
-		TLS: tlsConf, TLSMode: tlsMode, Meta: metas})
+	// One engine, one node, one export with a server of its own: the
+	// daemon's add and delete path serves and stops it. The engine
+	// borrows the image: it is flushed and closed here.
+	eng := engine.NewOneShot(logger)
+	defer eng.Close()
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(l) }()
+	if err := eng.AddImageNode(disk, engine.ImageNode{NodeName: oneShotNode, Driver: img.Format,
+		Filename: registry.Shown(args[0]), ReadOnly: !f.writable}); err != nil {
+		l.Close()
+		return err
+	}
+	if err := eng.AddExport(engine.ExportOptions{Type: "nbd", ID: oneShotExport, NodeName: oneShotNode, Writable: f.writable,
+		NBD: &engine.NBDExtras{Listener: l, Ended: served, Server: nbd.Options{Extra: extra, Name: f.name, Description: f.desc,
+			MaxClients: f.maxClients, PollMax: pollMax, HandshakeLimit: time.Duration(f.handshakeLimit) * time.Second,
+			Logger: logger, TLS: tlsConf, TLSMode: tlsMode, Meta: metas}}}); err != nil {
+		l.Close()
+		return err
+	}
 	logger.Info("serving NBD", "image", registry.Shown(args[0]), "format", img.Format, "size", img.Image.Size(), "listen", f.listen, "export", f.name, "writable", f.writable, "tls", tlsMode)
 	notifyReady()
 	select {
@@ -157,10 +171,8 @@ func (f *nbdFlags) run(c *cobra.Command, args []string) error {
 			return fmt.Errorf("nbd: %w", err)
 		}
 	}
-	l.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if err := srv.Shutdown(ctx); err != nil {
+	// Closes the listener and waits up to a minute for the connections.
+	if err := eng.EndExport(oneShotExport); err != nil {
 		logger.Warn("connections did not finish in time", "err", err)
 	}
 	if err := img.Image.Flush(context.Background()); err != nil {

@@ -33,6 +33,12 @@ type ExportOptions struct {
 	Name        *string
 	Description string
 	Bitmaps     []string
+	// FUSE are our own FUSE options, beyond QEMU's keys (oneshot.go);
+	// nil: QEMU's behaviour.
+	FUSE *FUSEExtras
+	// NBD, our own, makes an nbd export the one export of a server of
+	// its own (oneshot.go); nil: an export on nbd-server-start's server.
+	NBD *NBDExtras
 }
 
 // ExportInfo is one row of query-block-exports.
@@ -53,6 +59,8 @@ type export struct {
 	nbdName string
 	// bitmaps are the bitmaps an NBD export holds busy.
 	bitmaps []bitmapKey
+	// server is the own server of an NBD export with NBDExtras.
+	server *nbdServer
 }
 
 // exportTimeout bounds how long a hard removal waits for an NBD
@@ -99,6 +107,9 @@ func (e *Engine) AddExport(o ExportOptions) error {
 // an existing regular file.
 func (e *Engine) startFUSE(x *export) error {
 	o := x.o
+	if o.FUSE != nil {
+		return e.startFUSEExtras(x)
+	}
 	// Before the stat, as QEMU: a stat of our own mount point would wait
 	// on the export that answers it.
 	for _, y := range e.exports {
@@ -137,6 +148,9 @@ func (e *Engine) startFUSE(x *export) error {
 
 // startNBD adds the node to the running NBD server.
 func (e *Engine) startNBD(x *export) error {
+	if x.o.NBD != nil {
+		return e.startNBDExtras(x)
+	}
 	if e.nbd == nil {
 		return genericf("NBD server not running")
 	}
@@ -199,32 +213,44 @@ func (e *Engine) DelExport(id string, hard bool) error {
 // removeExport stops x, releases its node and sends
 // BLOCK_EXPORT_DELETED (under mu).
 func (e *Engine) removeExport(ctx context.Context, x *export, hard bool) error {
-	var err error
+	stopErr, err := e.endExport(ctx, x, hard)
+	if stopErr != nil {
+		e.log.Warn("export ended with an error", "id", x.o.ID, "err", stopErr)
+	}
+	return err
+}
+
+// endExport is removeExport, returning how the export's stop went
+// (stopErr) besides its refusal (err) instead of logging it.
+func (e *Engine) endExport(ctx context.Context, x *export, hard bool) (stopErr, err error) {
 	switch {
 	case x.mount != nil:
-		err = x.mount.Unmount()
+		select {
+		case <-x.mount.Done(): // unmounted from outside: nothing to unmount
+		default:
+			stopErr = x.mount.Unmount()
+		}
 		x.mount.Cleanup()
+	case x.server != nil:
+		stopErr = x.server.stop()
 	case x.nbdName != "" && e.nbd != nil:
 		ctx, cancel := context.WithTimeout(ctx, exportTimeout)
-		err = e.nbd.srv.Remove(ctx, x.nbdName, hard)
+		stopErr = e.nbd.srv.Remove(ctx, x.nbdName, hard)
 		cancel()
-		if errors.Is(err, nbd.ErrExportInUse) {
-			return &Error{Class: Generic, Desc: "export '" + x.o.ID + "' still in use"}
+		if errors.Is(stopErr, nbd.ErrExportInUse) {
+			return nil, &Error{Class: Generic, Desc: "export '" + x.o.ID + "' still in use"}
 		}
 		for _, k := range x.bitmaps {
 			delete(e.nbd.busy, k)
 		}
 	}
 	e.exports = slices.DeleteFunc(e.exports, func(y *export) bool { return y == x })
-	if rerr := x.node.release(); err == nil {
-		err = rerr
+	if rerr := x.node.release(); stopErr == nil {
+		stopErr = rerr
 	}
 	e.log.Info("export deleted", "id", x.o.ID)
 	e.event("BLOCK_EXPORT_DELETED", map[string]any{"id": x.o.ID})
-	if err != nil {
-		e.log.Warn("export ended with an error", "id", x.o.ID, "err", err)
-	}
-	return nil
+	return stopErr, nil
 }
 
 // Exports lists the exports for query-block-exports, newest first as

@@ -124,16 +124,18 @@ func (s *nbdServer) has(name string) bool {
 	return s.srv.Has(name)
 }
 
-// stop closes the listener and ends every connection.
-func (s *nbdServer) stop() {
+// stop closes the listener and ends every connection. The error is
+// Shutdown's: connections that did not end in time.
+func (s *nbdServer) stop() error {
 	s.l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), exportTimeout)
 	defer cancel()
-	s.srv.Shutdown(ctx)
+	err := s.srv.Shutdown(ctx)
 	<-s.served
 	if s.path != "" {
 		os.Remove(s.path)
 	}
+	return err
 }
 
 // StopNBD stops the NBD server (nbd-server-stop) and with it every NBD
