@@ -128,6 +128,19 @@ type node struct {
 	opens   int
 	parents int // nodes whose child this is
 	users   int // exports of this node
+	// layers name the layers of a format node's backing chain, which
+	// QEMU opens as nodes of their own, each over a file node, with
+	// automatic names: layers[i] is the layer i+1 below the image. They
+	// are names only: the node's image holds the chain, and the jobs
+	// take a layer by its name.
+	layers []layerNames
+}
+
+// layerNames are the automatic names of one backing layer's format node
+// and its file node, and the layer's file, by which a layer keeps its
+// names when a job changes the chain around it.
+type layerNames struct {
+	filename, format, file string
 }
 
 // nodeName is QEMU's id_wellformed: a letter, then letters, digits, '-',
@@ -249,6 +262,41 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 	child.parents++
 	n.child, n.path, n.filename = child, child.path, cmp.Or(child.path, child.filename)
 	n.backend, n.direct = child.backend, child.direct || o.CacheDirect
+	if n.opened != nil && n.path != "" {
+		e.nameLayers(n)
+	}
+	return nil
+}
+
+// nameLayers names the layers of n's backing chain as QEMU names the
+// nodes it opens for them, after the node's own: from the top down, each
+// layer's file node, then its format node. A layer that had names before
+// (the chain changed under a job) keeps them; the names of layers no
+// longer in the chain go (under mu).
+func (e *Engine) nameLayers(n *node) {
+	var layers []layerNames
+	for layer, ok := findBacking(n.core()); ok; layer, ok = findBacking(layer) {
+		filename := layer.Info().Filename
+		if i := slices.IndexFunc(n.layers, func(l layerNames) bool { return l.filename == filename }); i >= 0 {
+			layers = append(layers, n.layers[i])
+			continue
+		}
+		l := layerNames{filename: filename}
+		l.file = e.autoNodeName()
+		l.format = e.autoNodeName()
+		layers = append(layers, l)
+	}
+	n.layers = layers
+}
+
+// layerOwner is the node whose backing chain has a layer (or a layer's
+// file node) named name (under mu; nil: none).
+func (e *Engine) layerOwner(name string) *node {
+	for _, n := range e.nodes {
+		if slices.ContainsFunc(n.layers, func(l layerNames) bool { return l.format == name || l.file == name }) {
+			return n
+		}
+	}
 	return nil
 }
 
