@@ -89,3 +89,106 @@ func TestBackingLayersAreNamedNodesAsQSD(t *testing.T) {
 		return out
 	})
 }
+
+// TestJobsTakeBackingLayersByNodeNameAsQSD: block-commit's top-node and
+// base-node and block-stream's base-node and bottom name backing layers
+// by the names QEMU gave them, refused in QSD's words for a node outside
+// the chain (another node's layer, a layer's file node, the node itself
+// as a stream's base), a base above the top and a name no node has; a
+// stream to a bottom layer, a commit between two named layers and a
+// stream to a named base do what QSD does to the images, and the layers
+// they take out of a chain leave query-named-block-nodes with them.
+func TestJobsTakeBackingLayersByNodeNameAsQSD(t *testing.T) {
+	sameAsQSD(t, func(t *testing.T, prog string) []string {
+		dir := t.TempDir()
+		a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
+		deepChain(t, a)
+		deepChain(t, b)
+		d := startDaemon(t, prog, nil)
+		c := &jobClient{rawClient: dialRaw(t, d.sock, true)}
+		c.send(`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "a", "file": {"driver": "file", "filename": "` + filepath.Join(a, "top.qcow2") + `"}}}`)
+		c.send(`{"execute": "blockdev-add", "arguments": {"driver": "file", "node-name": "b-file", "filename": "` + filepath.Join(b, "top.qcow2") + `"}}`)
+		c.send(`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "b", "file": "b-file"}}`)
+		_, names := namedNodes(t, c)
+		// a's and b's layers have the same base names; the listing is
+		// newest first, so a's, listed after b's, are the ones kept.
+		aLayer := func(file string) string { return names["qcow2 "+file] }
+		job := func(verb, args string) {
+			c.send(`{"execute": "` + verb + `", "arguments": {"job-id": "x", "device": "a", ` + args + `}}`)
+		}
+		for _, args := range []string{
+			`"top-node": "nope"`,
+			`"top-node": "` + names["file mid.qcow2"] + `"`,
+			`"top-node": "b"`,
+			`"top-node": "` + aLayer("mid.qcow2") + `", "top": "` + filepath.Join(a, "mid.qcow2") + `"`,
+			`"top-node": "` + aLayer("mid.qcow2") + `", "base-node": "` + aLayer("mid2.qcow2") + `"`,
+			`"top-node": "` + aLayer("mid.qcow2") + `", "base-node": "` + aLayer("mid.qcow2") + `"`,
+			`"top-node": "` + aLayer("mid.qcow2") + `", "base-node": "nope"`,
+			`"top": "` + filepath.Join(a, "mid2.qcow2") + `", "base-node": "a"`,
+		} {
+			job("block-commit", args)
+		}
+		for _, args := range []string{
+			`"base-node": "a"`,
+			`"base-node": "b"`,
+			`"base-node": "nope"`,
+			`"base-node": "` + names["file base.qcow2"] + `"`,
+			`"bottom": "b"`,
+			`"bottom": "` + names["file mid2.qcow2"] + `"`,
+			`"bottom": "nope"`,
+		} {
+			job("block-stream", args)
+		}
+		// chain is node's layers by file, from its own directory.
+		chain := func(node string) map[string]string {
+			r := c.call(`{"execute": "query-named-block-nodes"}`)
+			own := map[string]string{}
+			for _, n := range r["return"].([]any) {
+				n := n.(map[string]any)
+				if f := n["file"].(string); strings.HasPrefix(f, filepath.Join(dir, node)+"/") && n["drv"] == "qcow2" {
+					own[filepath.Base(f)] = n["node-name"].(string)
+				}
+			}
+			return own
+		}
+		var chains []string
+		note := func(what, text string) { chains = append(chains, what+": "+text) }
+
+		// a: stream with mid2 as the bottom: mid2 is copied into top,
+		// which then names mid.
+		la := chain("a")
+		c.send(`{"execute": "block-stream", "arguments": {"job-id": "s1", "device": "a", "bottom": "` + la["mid2.qcow2"] + `"}}`)
+		c.until("s1", "null")
+		note("a streamed to its bottom", chainNow(t, filepath.Join(a, "top.qcow2")))
+		rows, _ := namedNodes(t, c)
+		chains = append(chains, rows...)
+
+		// b: commit mid into base by node names, b's own image naming
+		// mid2 as it was; then mid2 into base with base given by node.
+		lb := chain("b")
+		c.send(`{"execute": "block-commit", "arguments": {"job-id": "c1", "device": "b", "top-node": "` + lb["mid.qcow2"] + `", "base-node": "` + lb["base.qcow2"] + `"}}`)
+		c.until("c1", "null")
+		note("b committed mid", chainNow(t, filepath.Join(b, "top.qcow2")))
+		c.send(`{"execute": "block-stream", "arguments": {"job-id": "s2", "device": "b", "base-node": "` + lb["base.qcow2"] + `"}}`)
+		c.until("s2", "null")
+		note("b streamed to base", chainNow(t, filepath.Join(b, "top.qcow2")))
+		rows, _ = namedNodes(t, c)
+		chains = append(chains, rows...)
+
+		c.send(`{"execute": "quit"}`)
+		if code := d.wait(t); code != 0 {
+			t.Fatalf("%s exited %d after quit\n%s", prog, code, d.log)
+		}
+		out := append(append(c.replies, c.events...), chains...)
+		for _, img := range []string{"a/top.qcow2", "b/top.qcow2"} {
+			p := filepath.Join(dir, img)
+			check, _, _ := strings.Cut(harness.Run(t, "qemu-img", "check", p), "\n")
+			pristine := filepath.Join(dir, filepath.Dir(img), "pristine", filepath.Base(img))
+			out = append(out, img+" check: "+check, img+" compare: "+harness.Run(t, "qemu-img", "compare", pristine, p))
+		}
+		for i := range out {
+			out[i] = implicitNode.ReplaceAllString(strings.ReplaceAll(out[i], dir, "$DIR"), "#block")
+		}
+		return out
+	})
+}
