@@ -117,15 +117,19 @@ func layerImageInfo(img formats.Image) ImageInfo {
 }
 
 // withBacking adds img's backing file and its image, if it has one.
+// The names are the header's even where the backing file was not
+// opened (backing: null), as QEMU shows them.
 func (i *ImageInfo) withBacking(img formats.Image) {
-	b, ok := findBacking(img)
-	if !ok {
+	info := img.Info()
+	if info.BackingFilename == "" {
 		return
 	}
-	info := img.Info()
-	bi := layerImageInfo(b)
 	i.BackingFilename, i.FullBackingFilename = info.BackingFilename, info.FullBackingFilename
-	i.BackingFilenameFormat, i.BackingImage = info.BackingFilenameFormat, &bi
+	i.BackingFilenameFormat = info.BackingFilenameFormat
+	if b, ok := findBacking(img); ok {
+		bi := layerImageInfo(b)
+		i.BackingImage = &bi
+	}
 }
 
 // fileLength is a host file's length as QEMU's file driver gives it: in
@@ -158,8 +162,10 @@ func (n *node) info() NodeInfo {
 	depth, backing := 0, ""
 	if n.opened != nil && n.driver != "file" {
 		depth = backingDepth(n.img)
-		if core := n.core(); core != nil && depth > 0 {
+		if core := n.core(); core != nil {
 			img.withBacking(core)
+		}
+		if depth > 0 {
 			backing = img.FullBackingFilename
 		}
 	}

@@ -337,10 +337,16 @@ func (e *Engine) Stream(o JobOptions, base, baseNode, bottom string) error {
 	}
 	img := n.core()
 	j := &job{JobOptions: o, typ: "stream", node: n}
-	if bottomDepth != 0 { // else QEMU's stream ends at once, of length 0
+	// A stream with nothing under the node (it is the bottom itself, or
+	// it was opened with backing: null) ends at once, of length 0, as
+	// QEMU's does.
+	if bottomDepth != 0 && !n.noBacking {
 		j.total.Store(img.Size())
 	}
 	j.finalize = func(ctx context.Context) error {
+		if n.noBacking {
+			return nil // nothing under it was read: its header stays, as QEMU leaves it
+		}
 		setter, ok := img.(backingSetter)
 		if _, layered := findBacking(img); !ok && !layered {
 			return nil // nothing was streamed (a null-co node)
@@ -407,6 +413,11 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	}
 	if err != nil {
 		return err
+	}
+	if n.backingRef != nil {
+		// The layers below are the given node's, which a commit would
+		// write under it.
+		return genericf("Node '%s' stands on node '%s' given as its backing: a commit into that node's chain is not taken here", n.name, n.backingRef.name)
 	}
 	img := n.core()
 	top, base, err = e.commitLayerFiles(n, img, top, base, topNode, baseNode)
@@ -589,6 +600,12 @@ func (e *Engine) chainDepth(n *node, name string) (int, error) {
 	}
 	if i := slices.IndexFunc(n.layers, func(l layerNames) bool { return l.format == name }); i >= 0 {
 		return i + 1, nil
+	}
+	if ref := n.backingRef; ref != nil {
+		// The given backing node's chain is the rest of n's.
+		if d, err := e.chainDepth(ref, name); err == nil && d >= 0 {
+			return 1 + d, nil
+		}
 	}
 	if e.node(name) != nil || e.layerOwner(name) != nil {
 		return -1, nil

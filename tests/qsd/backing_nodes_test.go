@@ -3,6 +3,7 @@ package qsd
 import (
 	"encoding/json"
 	"fmt"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -191,4 +192,79 @@ func TestJobsTakeBackingLayersByNodeNameAsQSD(t *testing.T) {
 		}
 		return out
 	})
+}
+
+// TestBlockdevAddBackingAsQSD: blockdev-add's backing: null opens an
+// overlay alone (what its backing file holds reads as zeroes, its header
+// still naming it, a stream of it changing nothing), and backing: "NODE"
+// puts an existing node under a new overlay, which then holds it
+// (blockdev-del of it busy until the overlay goes); both show QEMU's
+// json: filename, and a name no node has, an inline-less wrong type,
+// are refused in QSD's words. Reads through NBD exports of the overlays
+// see the same bytes from both daemons.
+func TestBlockdevAddBackingAsQSD(t *testing.T) {
+	sameAsQSD(t, func(t *testing.T, prog string) []string {
+		dir := t.TempDir()
+		deepChain(t, dir)
+		d := startDaemon(t, prog, nil)
+		c := &jobClient{rawClient: dialRaw(t, d.sock, true)}
+		qcow2 := func(node, file, more string) string {
+			return `{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "` + node + `", ` + more + `"file": {"driver": "file", "filename": "` + filepath.Join(dir, file) + `"}}}`
+		}
+		nbdSock := filepath.Join(dir, "nbd.sock")
+		for _, cmd := range []string{
+			qcow2("mid2", "mid2.qcow2", `"read-only": true, `),
+			qcow2("over", "top.qcow2", `"backing": "mid2", `),
+			qcow2("lost", "pristine/mid.qcow2", `"backing": "nope", `),
+			qcow2("odd", "pristine/mid.qcow2", `"backing": 5, `),
+			qcow2("alone", "pristine/top.qcow2", `"backing": null, `),
+			`{"execute": "blockdev-del", "arguments": {"node-name": "mid2"}}`,
+			`{"execute": "nbd-server-start", "arguments": {"addr": {"type": "unix", "data": {"path": "` + nbdSock + `"}}}}`,
+			`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e1", "node-name": "over"}}`,
+			`{"execute": "block-export-add", "arguments": {"type": "nbd", "id": "e2", "node-name": "alone"}}`,
+		} {
+			c.send(cmd)
+		}
+		rows, _ := namedNodes(t, c)
+		var reads []string
+		read := func(export, cmd string) {
+			out, err := exec.Command("qemu-io", "-r", "-f", "raw", "-c", cmd, "nbd+unix:///"+export+"?socket="+nbdSock).CombinedOutput()
+			got := "reads as expected"
+			if err != nil || strings.Contains(string(out), "verification failed") || strings.Contains(string(out), "error") {
+				got = "reads otherwise: " + firstLine(string(out))
+			}
+			if err != nil || got != "reads as expected" {
+				t.Errorf("%s: export %s, %s: %s", prog, export, cmd, out)
+			}
+			reads = append(reads, export+" "+cmd+": "+got)
+		}
+		read("over", "read -P 5 1M 512k") // mid2's, through the given node
+		read("over", "read -P 3 1536k 1M")
+		read("over", "read -P 1 0 512k")   // base's, below mid2
+		read("alone", "read -P 0 0 1536k") // the backing files' is not read
+		read("alone", "read -P 3 1536k 1M")
+		c.send(`{"execute": "block-export-del", "arguments": {"id": "e1"}}`)
+		c.send(`{"execute": "block-export-del", "arguments": {"id": "e2"}}`)
+		c.send(`{"execute": "block-stream", "arguments": {"job-id": "s", "device": "alone"}}`)
+		c.until("s", "null")
+		reads = append(reads, "alone after its stream: "+chainNow(t, filepath.Join(dir, "pristine", "top.qcow2")))
+		c.send(`{"execute": "blockdev-del", "arguments": {"node-name": "over"}}`)
+		c.send(`{"execute": "blockdev-del", "arguments": {"node-name": "mid2"}}`)
+		after, _ := namedNodes(t, c)
+		c.send(`{"execute": "quit"}`)
+		if code := d.wait(t); code != 0 {
+			t.Fatalf("%s exited %d after quit\n%s", prog, code, d.log)
+		}
+		out := append(append(append(append(c.replies, c.events...), rows...), reads...), "after the deletes:")
+		out = append(out, after...)
+		for i := range out {
+			out[i] = implicitNode.ReplaceAllString(strings.ReplaceAll(out[i], dir, "$DIR"), "#block")
+		}
+		return out
+	})
+}
+
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
 }
