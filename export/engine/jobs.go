@@ -279,6 +279,12 @@ func (e *Engine) jobNode(device string) (*node, error) {
 	if n == nil {
 		return nil, &Error{Class: DeviceNotFound, Desc: fmt.Sprintf("Device '%s' not found", device)}
 	}
+	if u := e.backingUser(n); u != nil {
+		// The overlay reads n's files through its own open of its chain:
+		// a job writing them under it would leave it reading stale
+		// metadata.
+		return n, genericf("Node '%s' is given as the backing of node '%s': a job on it is not taken here while that node is there", n.name, u.name)
+	}
 	return n, e.busy(n)
 }
 
@@ -406,7 +412,7 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
-	if j := e.jobOn(n); err != nil && n != nil && (j.typ == "stream" || j.complete != nil) {
+	if j := e.jobOn(n); err != nil && j != nil && (j.typ == "stream" || j.complete != nil) {
 		// QEMU 7.2: the stream's or the active commit's filter node is
 		// on top of the node.
 		return genericf("Need a root block node")

@@ -494,6 +494,10 @@ func (e *Engine) DelNode(name string) error {
 		return genericf("Block device %s is in use", name)
 	}
 	err := e.dropNode(n)
+	if ref := n.backingRef; ref != nil { // the given backing node is free again
+		ref.parents--
+		n.backingRef = nil
+	}
 	if err != nil {
 		return genericf("Closing node '%s': %v", name, err)
 	}
@@ -506,10 +510,6 @@ func (e *Engine) DelNode(name string) error {
 func (e *Engine) dropNode(n *node) error {
 	err := n.close()
 	e.nodes = slices.DeleteFunc(e.nodes, func(m *node) bool { return m == n })
-	if ref := n.backingRef; ref != nil {
-		ref.parents--
-		n.backingRef = nil
-	}
 	if c := n.child; c != nil {
 		c.parents--
 		if c.implicit && c.parents == 0 {

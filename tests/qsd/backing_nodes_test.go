@@ -268,3 +268,41 @@ func firstLine(s string) string {
 	line, _, _ := strings.Cut(s, "\n")
 	return line
 }
+
+// TestJobsOnAGivenBackingNodeAreRefused: a node given as an overlay's
+// backing takes no job while the overlay is there (the overlay reads its
+// files through an open of its own, which a job writing them would
+// leave stale), nor does the overlay take a commit into that node's
+// chain; once the overlay goes, the node's jobs run again. Here QSD
+// differs (one graph, it runs them): the refusal is ours.
+func TestJobsOnAGivenBackingNodeAreRefused(t *testing.T) {
+	dir := t.TempDir()
+	deepChain(t, dir)
+	d := startDaemon(t, harness.Bin, nil)
+	c := dialRaw(t, d.sock, true)
+	for _, cmd := range []string{
+		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "mid2", "read-only": true, "file": {"driver": "file", "filename": "` + filepath.Join(dir, "mid2.qcow2") + `"}}}`,
+		`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "over", "backing": "mid2", "file": {"driver": "file", "filename": "` + filepath.Join(dir, "top.qcow2") + `"}}}`,
+	} {
+		if r := c.call(cmd); r["return"] == nil {
+			t.Fatalf("%s: %v", cmd, r)
+		}
+	}
+	wantError(t, "block-stream of the given node", c.call(`{"execute": "block-stream", "arguments": {"job-id": "s", "device": "mid2"}}`),
+		"GenericError", "Node 'mid2' is given as the backing of node 'over': a job on it is not taken here while that node is there")
+	wantError(t, "block-commit of the given node", c.call(`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "mid2"}}`),
+		"GenericError", "Node 'mid2' is given as the backing of node 'over': a job on it is not taken here while that node is there")
+	wantError(t, "block-commit into the given node", c.call(`{"execute": "block-commit", "arguments": {"job-id": "c", "device": "over", "top-node": "mid2"}}`),
+		"GenericError", "Node 'over' stands on node 'mid2' given as its backing: a commit into that node's chain is not taken here")
+	wantError(t, "a writable node as the backing", c.call(`{"execute": "blockdev-add", "arguments": {"driver": "qcow2", "node-name": "o2", "backing": "over", "file": {"driver": "file", "filename": "`+filepath.Join(dir, "pristine", "top.qcow2")+`"}}}`),
+		"GenericError", "Backing node 'over' is writable: only a read-only node is taken as a backing file here")
+	if r := c.call(`{"execute": "blockdev-del", "arguments": {"node-name": "over"}}`); r["return"] == nil {
+		t.Fatalf("blockdev-del over: %v", r)
+	}
+	// mid2 is read-only: the stream is refused for that now, not for
+	// the overlay that was there.
+	r := c.call(`{"execute": "block-stream", "arguments": {"job-id": "s", "device": "mid2"}}`)
+	if e, _ := r["error"].(map[string]any); e == nil || strings.Contains(e["desc"].(string), "given as the backing") {
+		t.Fatalf("block-stream of mid2 after the overlay went: %v", r)
+	}
+}
