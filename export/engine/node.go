@@ -263,6 +263,9 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 		return err
 	}
 	switch {
+	case child.path == "" && (o.NoBacking || o.Backing != ""):
+		// A remote image's chain is the registry's to open, whole.
+		err = genericf("Parameter 'backing' is taken here only for an image in a host file, not over node '%s' (driver %s)", child.name, child.driver)
 	case child.path != "" && o.Backing != "":
 		err = e.openOverBackingNode(n, child, o)
 	case child.path != "":
