@@ -279,6 +279,12 @@ func (e *Engine) jobNode(device string) (*node, error) {
 	if n == nil {
 		return nil, &Error{Class: DeviceNotFound, Desc: fmt.Sprintf("Device '%s' not found", device)}
 	}
+	if u := e.backingUser(n); u != nil {
+		// The overlay reads n's files through its own open of its chain:
+		// a job writing them under it would leave it reading stale
+		// metadata.
+		return n, genericf("Node '%s' is given as the backing of node '%s': a job on it is not taken here while that node is there", n.name, u.name)
+	}
 	return n, e.busy(n)
 }
 
@@ -305,17 +311,29 @@ func (e *Engine) Stream(o JobOptions, base, baseNode, bottom string) error {
 			return genericf("Can't find '%s' in the backing chain", base)
 		}
 	}
-	if err := e.layerNode(n, baseNode); err != nil {
-		return err
-	}
-	if bottom == n.name {
-		// The node itself is the last layer streamed: nothing is, and
-		// it keeps its backing file.
-		if next, ok := findBacking(n.core()); ok {
-			lay = chainLayer{depth: 1, img: next, above: n.core(), path: n.core().Info().FullBackingFilename}
+	if baseNode != "" {
+		d, err := e.chainDepth(n, baseNode)
+		if err != nil {
+			return err
 		}
-	} else if err := e.layerNode(n, bottom); err != nil {
-		return err
+		if d <= 0 {
+			return genericf("Node '%s' is not a backing image of '%s'", baseNode, o.Device)
+		}
+		lay = layerAt(n.core(), d)
+	}
+	bottomDepth := -1
+	if bottom != "" {
+		var err error
+		if bottomDepth, err = e.chainDepth(n, bottom); err != nil {
+			return err
+		}
+		if bottomDepth < 0 {
+			return genericf("Node '%s' is not in a chain starting from '%s'", bottom, o.Device)
+		}
+		// The bottom is the last layer streamed, the one below it the
+		// base (none: the whole chain). The node itself as the bottom
+		// streams nothing, and it keeps its backing file.
+		lay = layerAt(n.core(), bottomDepth+1)
 	}
 	if lay.depth == 0 && o.BackingFile != "" {
 		return genericf("backing file specified, but streaming the entire chain")
@@ -325,10 +343,16 @@ func (e *Engine) Stream(o JobOptions, base, baseNode, bottom string) error {
 	}
 	img := n.core()
 	j := &job{JobOptions: o, typ: "stream", node: n}
-	if bottom != n.name { // else QEMU's stream ends at once, of length 0
+	// A stream with nothing under the node (it is the bottom itself, or
+	// it was opened with backing: null) ends at once, of length 0, as
+	// QEMU's does.
+	if bottomDepth != 0 && !n.noBacking {
 		j.total.Store(img.Size())
 	}
 	j.finalize = func(ctx context.Context) error {
+		if n.noBacking {
+			return nil // nothing under it was read: its header stays, as QEMU leaves it
+		}
 		setter, ok := img.(backingSetter)
 		if _, layered := findBacking(img); !ok && !layered {
 			return nil // nothing was streamed (a null-co node)
@@ -388,7 +412,7 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n, err := e.jobNode(o.Device)
-	if j := e.jobOn(n); err != nil && n != nil && (j.typ == "stream" || j.complete != nil) {
+	if j := e.jobOn(n); err != nil && j != nil && (j.typ == "stream" || j.complete != nil) {
 		// QEMU 7.2: the stream's or the active commit's filter node is
 		// on top of the node.
 		return genericf("Need a root block node")
@@ -396,15 +420,16 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	if err != nil {
 		return err
 	}
-	if topNode == n.name {
-		topNode, top = "", ""
-	}
-	for _, name := range []string{topNode, baseNode} {
-		if err := e.layerNode(n, name); err != nil {
-			return err
-		}
+	if n.backingRef != nil {
+		// The layers below are the given node's, which a commit would
+		// write under it.
+		return genericf("Node '%s' stands on node '%s' given as its backing: a commit into that node's chain is not taken here", n.name, n.backingRef.name)
 	}
 	img := n.core()
+	top, base, err = e.commitLayerFiles(n, img, top, base, topNode, baseNode)
+	if err != nil {
+		return err
+	}
 	if img != nil && (top == "" || commit.SameFile(top, img.Info().Filename)) {
 		return e.activeCommit(o, n, base)
 	}
@@ -464,6 +489,46 @@ func (e *Engine) Commit(o JobOptions, top, base, topNode, baseNode string) error
 	return err
 }
 
+// commitLayerFiles turns block-commit's top-node and base-node into the
+// file names of the layers they name (top "": the node's own image),
+// refused in QEMU's words where they are not in the chain, top's first.
+func (e *Engine) commitLayerFiles(n *node, img formats.Image, top, base, topNode, baseNode string) (string, string, error) {
+	topDepth := 0
+	switch {
+	case topNode != "":
+		d, err := e.chainDepth(n, topNode)
+		if err != nil {
+			return "", "", err
+		}
+		if d < 0 {
+			return "", "", genericf("'%s' is not in this backing file chain", topNode)
+		}
+		topDepth, top = d, ""
+		if d > 0 {
+			top = layerAt(img, d).img.Info().Filename
+		}
+	case top != "" && img != nil:
+		l, ok := findLayer(img, top)
+		if !ok {
+			return "", "", genericf("Top image file %s not found", top)
+		}
+		topDepth = l.depth
+	}
+	if baseNode == "" {
+		return top, base, nil
+	}
+	d, err := e.chainDepth(n, baseNode)
+	switch {
+	case err != nil:
+		return "", "", err
+	case d < topDepth:
+		return "", "", genericf("'%s' is not in this backing file chain", baseNode)
+	case d == topDepth:
+		return "", "", genericf("cannot commit an image into itself")
+	}
+	return top, layerAt(img, d).img.Info().Filename, nil
+}
+
 // setLayerBacking changes the backing file a layer below a node names
 // (the layer above a committed one): the node's chain holds it open
 // read-only, so it is opened writable on its own, without its chain and
@@ -509,6 +574,7 @@ func (e *Engine) reopenChain(n *node) error {
 			return err
 		}
 		p.img, n.opened = opened.Image, opened
+		e.nameLayers(n)
 		return nil
 	})
 }
@@ -529,16 +595,45 @@ func (e *Engine) openNodeImage(path, format string, writable bool) (*registry.Op
 	return opened, nil
 }
 
-// layerNode refuses a node named as a layer of n's chain (top-node,
-// base-node): the layers below a node have no node of their own here.
-func (e *Engine) layerNode(n *node, name string) error {
-	switch {
-	case name == "":
-		return nil
-	case e.node(name) == nil:
-		return genericf("Cannot find device='' nor node-name='%s'", name)
+// chainDepth finds the node name names in n's backing chain, as a job
+// takes base-node, top-node and bottom: 0 is n itself, i the layer i
+// below its image, -1 a node outside the chain (another node, a layer
+// of another node's chain, a layer's file node). A name no node has is
+// refused as QEMU's lookup refuses it (under mu).
+func (e *Engine) chainDepth(n *node, name string) (int, error) {
+	if name == n.name {
+		return 0, nil
 	}
-	return genericf("Node '%s' is not in the backing chain of '%s': name the layer by its file name", name, n.name)
+	if i := slices.IndexFunc(n.layers, func(l layerNames) bool { return l.format == name }); i >= 0 {
+		return i + 1, nil
+	}
+	if ref := n.backingRef; ref != nil {
+		// The given backing node's chain is the rest of n's.
+		if d, err := e.chainDepth(ref, name); err == nil && d >= 0 {
+			return 1 + d, nil
+		}
+	}
+	if e.node(name) != nil || e.layerOwner(name) != nil {
+		return -1, nil
+	}
+	return 0, genericf("Cannot find device='' nor node-name='%s'", name)
+}
+
+// layerAt is the layer depth below img (the zero chainLayer where the
+// chain is not that deep).
+func layerAt(img formats.Image, depth int) chainLayer {
+	above := img
+	for d := 1; d <= depth; d++ {
+		next, ok := findBacking(above)
+		if !ok {
+			return chainLayer{}
+		}
+		if d == depth {
+			return chainLayer{depth: d, img: next, above: above, path: above.Info().FullBackingFilename}
+		}
+		above = next
+	}
+	return chainLayer{}
 }
 
 // chainLayer is one layer below a node's image.

@@ -124,6 +124,7 @@ func (e *Engine) activeCommit(o JobOptions, n *node, base string) error {
 			}
 			p.dirty = nil
 			e.pivot(n, p, bo, b.path, baseFormat)
+			e.nameLayers(n) // the base's own layers are the node's now
 			pivoted = true
 			once.Do(func() {})
 			return nil

@@ -3,8 +3,10 @@ package engine
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"os"
@@ -19,6 +21,7 @@ import (
 	"github.com/blockexport/blockexport/formats/drivers/null"
 	"github.com/blockexport/blockexport/formats/drivers/qcow2"
 	"github.com/blockexport/blockexport/formats/filters/copyonread"
+	"github.com/blockexport/blockexport/formats/jobs/commit"
 	"github.com/blockexport/blockexport/formats/registry"
 )
 
@@ -64,6 +67,12 @@ type BlockdevOptions struct {
 	// CacheDirect is cache.direct (O_DIRECT), which children inherit.
 	AIO         string
 	CacheDirect bool
+	// NoBacking (backing: null) opens a format node's image without its
+	// backing file, unallocated clusters reading as zeroes, as QEMU's.
+	// Backing names a node that stands as the image's backing file
+	// (backing: "NODE"); see takeBacking for what is taken.
+	NoBacking bool
+	Backing   string
 }
 
 // BlockdevRef names a child: an existing node (Name) or one made for it
@@ -128,6 +137,27 @@ type node struct {
 	opens   int
 	parents int // nodes whose child this is
 	users   int // exports of this node
+	// layers name the layers of a format node's backing chain, which
+	// QEMU opens as nodes of their own, each over a file node, with
+	// automatic names: layers[i] is the layer i+1 below the image. They
+	// are names only: the node's image holds the chain, and the jobs
+	// take a layer by its name.
+	layers []layerNames
+	// backingRef is the node given as this one's backing file
+	// (blockdev-add's backing: "NODE"), held as a parent holds its
+	// child; noBacking: the node was opened with backing: null.
+	backingRef *node
+	noBacking  bool
+	// options is the node's options as QEMU's filename shows them once
+	// they differ from the image's own ("json:{...}"); nil: not shown.
+	options map[string]any
+}
+
+// layerNames are the automatic names of one backing layer's format node
+// and its file node, and the layer's file, by which a layer keeps its
+// names when a job changes the chain around it.
+type layerNames struct {
+	filename, format, file string
 }
 
 // nodeName is QEMU's id_wellformed: a letter, then letters, digits, '-',
@@ -233,6 +263,11 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 		return err
 	}
 	switch {
+	case child.path == "" && (o.NoBacking || o.Backing != ""):
+		// A remote image's chain is the registry's to open, whole.
+		err = genericf("Parameter 'backing' is taken here only for an image in a host file, not over node '%s' (driver %s)", child.name, child.driver)
+	case child.path != "" && o.Backing != "":
+		err = e.openOverBackingNode(n, child, o)
 	case child.path != "":
 		err = n.openImage(e, child, o)
 	case child.spec != "":
@@ -249,6 +284,136 @@ func (e *Engine) openFormat(n *node, o BlockdevOptions) error {
 	child.parents++
 	n.child, n.path, n.filename = child, child.path, cmp.Or(child.path, child.filename)
 	n.backend, n.direct = child.backend, child.direct || o.CacheDirect
+	if n.backingRef != nil || o.NoBacking {
+		n.noBacking = o.NoBacking
+		n.options = map[string]any{"driver": o.Driver, "file": child.shownOptions(), "backing": nil}
+		if ref := n.backingRef; ref != nil {
+			ref.parents++
+			n.options["backing"] = ref.shownOptions()
+		}
+		n.filename = "json:" + qemuJSON(n.options)
+	}
+	if n.opened != nil && n.path != "" {
+		e.nameLayers(n)
+	}
+	return nil
+}
+
+// openOverBackingNode opens a format node whose backing file is given
+// as a node. QEMU reads the given node under the image whatever its
+// header names; here the node is taken where it is the image's own
+// backing file (the same file, in the same format, with its own chain)
+// and read-only, so that the image's chain, opened as it always is, reads
+// what the node reads. Another node would need the format driver to
+// read through a node it did not open, which it does not.
+func (e *Engine) openOverBackingNode(n, child *node, o BlockdevOptions) error {
+	ref := e.node(o.Backing)
+	switch {
+	case ref == nil:
+		return genericf("Could not open backing file: Cannot find device='%s' nor node-name='%s'", o.Backing, o.Backing)
+	case !ref.readOnly:
+		return genericf("Backing node '%s' is writable: only a read-only node is taken as a backing file here", ref.name)
+	}
+	if err := n.openImage(e, child, o); err != nil {
+		return err
+	}
+	b, ok := findBacking(n.core())
+	if !ok || ref.opened == nil || ref.path == "" || ref.noBacking || ref.backingRef != nil ||
+		!commit.SameFile(ref.path, b.Info().Filename) || ref.driver != b.Info().Format {
+		own := "none"
+		if ok {
+			own = b.Info().Filename + " (" + b.Info().Format + ")"
+		}
+		n.img.Close()
+		n.img, n.opened = nil, nil
+		return genericf("Node '%s' is not the image's own backing file (%s): only that node is taken as its backing here", ref.name, own)
+	}
+	n.backingRef = ref
+	return nil
+}
+
+// shownOptions are the options QEMU's json: filename shows for n as a
+// child: a file node's driver and file name, a format node's driver and
+// file child (with its own backing where that is not the image's).
+func (n *node) shownOptions() map[string]any {
+	if n.options != nil {
+		return n.options
+	}
+	if n.driver == "file" {
+		return map[string]any{"driver": "file", "filename": n.path}
+	}
+	o := map[string]any{"driver": n.driver}
+	if n.child != nil {
+		o["file"] = n.child.shownOptions()
+	}
+	return o
+}
+
+// qemuJSON writes v as QEMU writes a json: filename: keys sorted, ", "
+// and ": " between members.
+func qemuJSON(v any) string {
+	m, ok := v.(map[string]any)
+	if !ok {
+		b, _ := json.Marshal(v)
+		return string(b)
+	}
+	keys := slices.Sorted(maps.Keys(m))
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = qemuJSON(k) + ": " + qemuJSON(m[k])
+	}
+	return "{" + strings.Join(parts, ", ") + "}"
+}
+
+// nameLayers names the layers of n's backing chain as QEMU names the
+// nodes it opens for them, after the node's own: from the top down, each
+// layer's file node, then its format node. A layer that had names before
+// (the chain changed under a job) keeps them; the names of layers no
+// longer in the chain go (under mu).
+func (e *Engine) nameLayers(n *node) {
+	if ref := n.backingRef; ref != nil {
+		if b, ok := findBacking(n.core()); ok && commit.SameFile(ref.path, b.Info().Filename) {
+			n.layers = nil // the given node's, listed as its own
+			return
+		}
+		// A job took the given node out of the chain: it is let go.
+		ref.parents--
+		n.backingRef = nil
+	}
+	var layers []layerNames
+	for layer, ok := findBacking(n.core()); ok; layer, ok = findBacking(layer) {
+		filename := layer.Info().Filename
+		if i := slices.IndexFunc(n.layers, func(l layerNames) bool { return l.filename == filename }); i >= 0 {
+			layers = append(layers, n.layers[i])
+			continue
+		}
+		l := layerNames{filename: filename}
+		l.file = e.autoNodeName()
+		l.format = e.autoNodeName()
+		layers = append(layers, l)
+	}
+	n.layers = layers
+}
+
+// backingUser is a node that n stands under as its given backing node
+// (under mu; nil: none).
+func (e *Engine) backingUser(n *node) *node {
+	for _, m := range e.nodes {
+		if m.backingRef == n {
+			return m
+		}
+	}
+	return nil
+}
+
+// layerOwner is the node whose backing chain has a layer (or a layer's
+// file node) named name (under mu; nil: none).
+func (e *Engine) layerOwner(name string) *node {
+	for _, n := range e.nodes {
+		if slices.ContainsFunc(n.layers, func(l layerNames) bool { return l.format == name || l.file == name }) {
+			return n
+		}
+	}
 	return nil
 }
 
@@ -278,7 +443,8 @@ func (n *node) openImage(e *Engine, child *node, o BlockdevOptions) error {
 	path := child.path
 	writable := !o.ReadOnly && slices.Contains(registry.WritableFormats(), o.Driver)
 	opened, err := registry.Open(path, registry.Options{Format: o.Driver, Writable: writable, Lock: true,
-		Backend: cmp.Or(child.backend, e.o.Backend), Direct: child.direct || o.CacheDirect, Logger: e.log})
+		Backend: cmp.Or(child.backend, e.o.Backend), Direct: child.direct || o.CacheDirect, Logger: e.log,
+		NoBacking: o.NoBacking})
 	if err != nil {
 		return openError(path, err)
 	}
@@ -325,10 +491,16 @@ func (e *Engine) DelNode(name string) error {
 		return e.busy(n)
 	case n.users > 0: // QEMU: the node has a BlockBackend (an export's)
 		return genericf("Node %s is in use", name)
+	case e.backingUser(n) != nil:
+		return genericf("Node '%s' is busy: node is used as backing hd of '%s'", name, e.backingUser(n).name)
 	case n.parents > 0:
 		return genericf("Block device %s is in use", name)
 	}
 	err := e.dropNode(n)
+	if ref := n.backingRef; ref != nil { // the given backing node is free again
+		ref.parents--
+		n.backingRef = nil
+	}
 	if err != nil {
 		return genericf("Closing node '%s': %v", name, err)
 	}

@@ -73,11 +73,19 @@ func blockdev(a *args) engine.BlockdevOptions {
 	default:
 		o.File = blockdevRef(a, "file")
 		if engine.TakesBacking(o.Driver) {
-			// backing: null (no backing file) is QEMU's way to
-			// open an overlay alone; the chain is otherwise the
-			// image's own.
-			if v, ok := a.m["backing"]; ok && v != nil {
-				a.fail("Parameter 'backing' is given a node here; only the image's own backing chain is opened")
+			// backing: null opens the image alone; a node name puts
+			// that node under it (the engine says which it takes).
+			if v, ok := a.m["backing"]; ok {
+				switch v := v.(type) {
+				case nil:
+					o.NoBacking = true
+				case string:
+					o.Backing = v
+				case map[string]any:
+					a.fail("Parameter 'backing' is given inline here; add the backing node first and name it")
+				default:
+					a.fail("Invalid parameter type for 'backing', expected: BlockdevRefOrNull")
+				}
 			}
 			a.used["backing"] = true
 		}

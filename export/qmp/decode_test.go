@@ -171,3 +171,45 @@ func TestRemoteDriverKeysAsQEMUNamesThem(t *testing.T) {
 		}
 	}
 }
+
+// TestBackingOptionAsQEMUTakesIt: a format node's backing is null (the
+// image alone), a node's name, or refused: inline (not taken here) and
+// any other type in QEMU's words; a driver without backing files has no
+// such key.
+func TestBackingOptionAsQEMUTakesIt(t *testing.T) {
+	for _, tc := range []struct {
+		opt      string
+		check    func(engine.BlockdevOptions) bool
+		wantDesc string
+	}{
+		{opt: `{"driver": "qcow2", "node-name": "o", "file": "f", "backing": null}`,
+			check: func(o engine.BlockdevOptions) bool { return o.NoBacking && o.Backing == "" }},
+		{opt: `{"driver": "qcow2", "node-name": "o", "file": "f", "backing": "base"}`,
+			check: func(o engine.BlockdevOptions) bool { return !o.NoBacking && o.Backing == "base" }},
+		{opt: "driver=qcow2,node-name=o,file=f,backing=base",
+			check: func(o engine.BlockdevOptions) bool { return o.Backing == "base" }},
+		{opt: `{"driver": "qcow2", "node-name": "o", "file": "f"}`,
+			check: func(o engine.BlockdevOptions) bool { return !o.NoBacking && o.Backing == "" }},
+		{opt: `{"driver": "qcow2", "node-name": "o", "file": "f", "backing": 5}`,
+			wantDesc: "Invalid parameter type for 'backing', expected: BlockdevRefOrNull"},
+		{opt: `{"driver": "qcow2", "node-name": "o", "file": "f", "backing": {"driver": "null-co"}}`,
+			wantDesc: "Parameter 'backing' is given inline here; add the backing node first and name it"},
+		{opt: `{"driver": "raw", "node-name": "o", "file": "f", "backing": "base"}`,
+			wantDesc: "Parameter 'backing' is unexpected"},
+	} {
+		m, keyval, err := ParseOption(tc.opt, "")
+		if err != nil {
+			t.Fatalf("%s: %v", tc.opt, err)
+		}
+		got, err := BlockdevOptions(m, keyval)
+		if tc.wantDesc != "" {
+			if err == nil || err.Error() != tc.wantDesc {
+				t.Errorf("%s: %v, want %q", tc.opt, err, tc.wantDesc)
+			}
+			continue
+		}
+		if err != nil || !tc.check(got) {
+			t.Errorf("%s: %+v, %v", tc.opt, got, err)
+		}
+	}
+}
