@@ -148,11 +148,13 @@ func TestVdiConvertReadsBackIdentical(t *testing.T) {
 
 // vdiIoScript is a qemu-io command list: writes that allocate, writes in
 // place and across blocks, zeroes over data and over nothing, discards,
-// flushes.
+// flushes, and two writes in flight at once that allocate one block
+// (side by side: overlapping ones may land in either order, and two
+// writers of the same script would then differ by chance).
 var vdiIoScript = []string{
 	"write -P 0x11 0 4k", "write -P 0x22 1020k 8k", "write -P 0x33 10M 64k", "write -z 10M 4k",
 	"write -z 20M 2M", "flush", "discard 1M 1M", "write -P 0x44 63M 1M", "write -P 0x55 5M 3M",
-	"write -z -u 6M 1M", "aio_write -P 0x66 30M 4k", "aio_write -P 0x67 30M 4k", "aio_flush", "flush",
+	"write -z -u 6M 1M", "aio_write -P 0x66 30M 4k", "aio_write -P 0x67 30724k 4k", "aio_flush", "flush",
 }
 
 func qemuIoArgs(script []string) []string {
