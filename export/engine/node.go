@@ -779,6 +779,11 @@ func (e *Engine) openCopyOnRead(n *node, o BlockdevOptions) error {
 // copyOnReadImage wraps img, child's image, in the copy-on-read filter
 // when there is a backing chain to copy from.
 func copyOnReadImage(img formats.Image, child *node) (formats.Image, error) {
+	if p, ok := img.(*pivotImage); ok {
+		// The filter copies into the format node's image itself, which
+		// the pivotImage hides.
+		img = p.Wrapped()
+	}
 	c, ok := img.(copyonread.Copier)
 	if !ok || c.Backing() == nil {
 		return img, nil
