@@ -57,6 +57,8 @@ type export struct {
 	// server.
 	mount   *fuseexport.Mount
 	nbdName string
+	// unquiesce takes a FUSE export off its node's pivotImage's fronts.
+	unquiesce func()
 	// bitmaps are the bitmaps an NBD export holds busy.
 	bitmaps []bitmapKey
 	// server is the own server of an NBD export with NBDExtras.
@@ -137,8 +139,16 @@ func (e *Engine) startFUSE(x *export) error {
 	// here would not see.
 	// growable without writable is taken and means nothing, as in QEMU.
 	exp := fuseexport.New(img, fuseexport.Options{Writable: o.Writable, Growable: o.Growable && o.Writable, Logger: e.log.With("export", o.ID)})
+	// Its replies carry lent pages after the image's calls return: a
+	// swap of the image waits for them.
+	if p, ok := img.(*pivotImage); ok {
+		x.unquiesce = p.addFront(exp)
+	}
 	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1})
 	if err != nil {
+		if x.unquiesce != nil {
+			x.unquiesce()
+		}
 		x.node.release()
 		return genericf("Failed to mount FUSE export on '%s': %v", o.Mountpoint, err)
 	}
@@ -243,6 +253,9 @@ func (e *Engine) endExport(ctx context.Context, x *export, hard bool) (stopErr, 
 		for _, k := range x.bitmaps {
 			delete(e.nbd.busy, k)
 		}
+	}
+	if x.unquiesce != nil {
+		x.unquiesce()
 	}
 	e.exports = slices.DeleteFunc(e.exports, func(y *export) bool { return y == x })
 	if rerr := x.node.release(); stopErr == nil {

@@ -2,6 +2,8 @@ package engine
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/blockexport/blockexport/coroutines"
@@ -19,13 +21,48 @@ type pivotImage struct {
 	inflight coroutines.InFlight
 	img      formats.Image // read inside inflight, replaced under its drain
 	dirty    *dirtyMap     // set and cleared under the drain
+	// fronts are the front ends serving the image whose requests outlive
+	// their calls here: a FUSE export writes the pages TryLendAt lent
+	// after it returned. A swap quiesces them first, as QEMU drains its
+	// exports before a graph change, so that no reply is still to carry
+	// pages of the image it closes.
+	frontsMu sync.Mutex
+	fronts   []quiescer
+}
+
+// quiescer is a front end that can finish the requests it has begun and
+// hold new ones back until release (fuse.Export.Quiesce).
+type quiescer interface {
+	Quiesce(ctx context.Context) (release func(), err error)
 }
 
 func newPivotImage(img formats.Image) *pivotImage { return &pivotImage{img: img} }
 
-// swap runs change with no request in flight and none let in: change
-// may replace p.img and p.dirty.
+// addFront has a swap quiesce q first; the func returned undoes it.
+func (p *pivotImage) addFront(q quiescer) (remove func()) {
+	p.frontsMu.Lock()
+	defer p.frontsMu.Unlock()
+	p.fronts = append(p.fronts, q)
+	return func() {
+		p.frontsMu.Lock()
+		defer p.frontsMu.Unlock()
+		p.fronts = slices.DeleteFunc(p.fronts, func(f quiescer) bool { return f == q })
+	}
+}
+
+// swap runs change with no request in flight and none let in, the front
+// ends' included (their requests come here, so they are quiesced first):
+// change may replace p.img and p.dirty, and close the image replaced.
 func (p *pivotImage) swap(ctx context.Context, change func() error) error {
+	p.frontsMu.Lock()
+	defer p.frontsMu.Unlock()
+	for _, f := range p.fronts {
+		release, err := f.Quiesce(ctx)
+		if err != nil {
+			return fmt.Errorf("quiesce the node's exports: %w", err)
+		}
+		defer release()
+	}
 	release, err := p.inflight.Drain(ctx)
 	if err != nil {
 		return err
@@ -180,10 +217,11 @@ func (p *pivotImage) LendAt(ctx context.Context, off, n int64, max int) ([][]byt
 }
 
 // TryLendAt lends pages of the files' mappings, valid until the image is
-// closed; a page lent just before a swap closes its image fails the
-// writev that carries it (EFAULT: aio leaves closed mappings
-// inaccessible, never unmapped), which the front end answers as an
-// error, as for a file closed under any other loan.
+// closed. The loan outlives the call (the front end's writev carries the
+// pages after), which only a front end added by addFront may rely on: a
+// swap quiesces it before closing the image, and a page of a closed image
+// would fail that writev (EFAULT: aio leaves closed mappings
+// inaccessible, never unmapped).
 func (p *pivotImage) TryLendAt(off, n int64, v [][]byte) ([][]byte, bool) {
 	if !p.inflight.TryBegin() {
 		return v, false

@@ -1,10 +1,14 @@
 package engine
 
 import (
+	"bytes"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/blockexport/blockexport/formats"
 	"github.com/blockexport/blockexport/formats/registry"
@@ -55,5 +59,98 @@ func TestPivotImageKeepsWhatItsImageOffers(t *testing.T) {
 	}
 	if after.Size != 2<<20 || after.Blocks <= before.Blocks {
 		t.Fatalf("a preallocated grow through the wrapper: size %d, blocks %d -> %d; want 2 MiB, the tail allocated", after.Size, before.Blocks, after.Blocks)
+	}
+}
+
+// TestLentReadsSurviveImageSwapsUnderAFUSEExport reads a page-cached raw
+// node through its FUSE export (reads answered by lending the file's
+// pages, written to /dev/fuse after the image's call returns) while the
+// engine swaps the image under the export again and again, closing the
+// old one each time, as a job's graph change does: every read succeeds
+// with the file's bytes, as QEMU's drain before a graph change keeps its
+// readers from seeing an error.
+func TestLentReadsSurviveImageSwapsUnderAFUSEExport(t *testing.T) {
+	const size = 4 << 20
+	dir := t.TempDir()
+	raw, mnt := filepath.Join(dir, "disk.raw"), filepath.Join(dir, "mnt")
+	want := make([]byte, size)
+	for i := range want {
+		want[i] = byte(i/4096) ^ byte(i)
+	}
+	// Written through the page cache, so its pages are resident to lend.
+	if err := os.WriteFile(raw, want, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(mnt, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := New(Options{Backend: "threads", Event: func(string, any) {}})
+	t.Cleanup(func() { e.Close() })
+	if err := e.AddNode(BlockdevOptions{Driver: "raw", NodeName: "disk", File: &BlockdevRef{Inline: &BlockdevOptions{Driver: "file", Filename: raw}}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.AddExport(ExportOptions{Type: "fuse", ID: "exp", NodeName: "disk", Mountpoint: mnt}); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	n := e.node("disk")
+	p, ok := n.img.(*pivotImage)
+	if _, lends := formats.As[formats.PageLender](n.img); !ok || !lends {
+		e.mu.Unlock()
+		t.Fatalf("the raw node's image is %T, lending %v: want a pivotImage that lends pages", n.img, lends)
+	}
+	e.mu.Unlock()
+
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var (
+		stop  = make(chan struct{})
+		wg    sync.WaitGroup
+		reads atomic.Int64
+	)
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, 64<<10)
+			for i := w; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				off := int64(i*len(buf)) % size
+				if _, err := f.ReadAt(buf, off); err != nil {
+					t.Errorf("read at %d while the image was swapped: %v", off, err)
+					return
+				}
+				if !bytes.Equal(buf, want[off:off+int64(len(buf))]) {
+					t.Errorf("read at %d while the image was swapped: wrong data", off)
+					return
+				}
+				reads.Add(1)
+			}
+		}()
+	}
+	for range 300 {
+		e.mu.Lock()
+		err := e.reopenChain(n)
+		e.mu.Unlock()
+		if err != nil {
+			t.Error(err)
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if reads.Load() < 300 {
+		t.Errorf("only %d reads went on during 300 swaps", reads.Load())
+	}
+	if p.img == nil {
+		t.Fatal("no image under the node after the swaps")
 	}
 }

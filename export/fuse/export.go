@@ -239,6 +239,14 @@ func (e *Export) SetAttr(ctx context.Context, in *fuse.SetAttrIn, out *fuse.Attr
 // fattrKillSUIDGID is FATTR_KILL_SUIDGID, which go-fuse does not name.
 const fattrKillSUIDGID = 1 << 11
 
+// Quiesce finishes the requests in flight, their replies written (a lent
+// read's pages included), and holds new ones back until release: for a
+// graph change that closes the image under the export (QEMU drains its
+// exports likewise before one).
+func (e *Export) Quiesce(ctx context.Context) (release func(), err error) {
+	return e.inflight.Drain(ctx)
+}
+
 // resize changes the image size with no request in flight, so that no
 // write lands beyond a new, smaller end.
 func (e *Export) resize(ctx context.Context, size int64) fuse.Status {

@@ -353,6 +353,7 @@ func (q *Image) loadBitmapByName(ctx context.Context, name string) (*liveBitmap,
 // directory, durable before the header names them, then the header, then
 // the old clusters freed. Nothing changed, nothing is written.
 func (e *BitmapEdit) Commit(ctx context.Context) error {
+	defer e.q.wrote()
 	q := e.q
 	ctx = context.WithoutCancel(ctx) // the steps after the first write must all happen
 	old := q.w.bitmaps

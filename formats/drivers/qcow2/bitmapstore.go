@@ -236,7 +236,9 @@ func (q *Image) closeFlush(ctx context.Context) error {
 	if s == nil || len(s.live) == 0 || q.corrupt.Load() {
 		return nil // a corrupt image keeps its bitmaps in use: they may have missed writes
 	}
-	if err := q.storeBitmaps(ctx, s); err != nil {
+	err := q.storeBitmaps(ctx, s)
+	q.wrote() // the directory and the header's switch to it: the flush makes them durable
+	if err != nil {
 		return fmt.Errorf("qcow2: store dirty bitmaps (left marked in use): %w", err)
 	}
 	return q.Flush(ctx)

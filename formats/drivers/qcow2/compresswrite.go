@@ -153,6 +153,7 @@ func (q *Image) CompressCluster(p []byte) (comp []byte, ok bool, err error) {
 // cluster at virtual offset off (cluster-aligned). Whatever the cluster
 // was is freed as any overwritten cluster is.
 func (q *Image) WriteCompressed(ctx context.Context, comp []byte, off int64) error {
+	defer q.wrote()
 	if err := q.checkWritable("compressed write"); err != nil {
 		return err
 	}

@@ -121,6 +121,7 @@ func (q *Image) populate(ctx context.Context, a, b int64, p []byte, off int64) (
 	run := max(cs, maxCopyRun/cs*cs)
 	q.w.users.RLock()
 	defer q.w.users.RUnlock()
+	defer q.wrote()
 	all = true
 	for pos := a; pos < b; {
 		m, _, err := q.lookup(ctx, pos/cs)
@@ -252,6 +253,7 @@ func allZero(b []byte) bool {
 // backing name's offset and length, 12 bytes of one sector, become zero in
 // one write, made durable; only then is the unreferenced name cleared.
 func (q *Image) DropBacking(ctx context.Context) error {
+	defer q.wrote()
 	if err := q.checkWritable("drop the backing file"); err != nil {
 		return err
 	}

@@ -53,17 +53,28 @@ func (q *Image) Flush(ctx context.Context) error {
 	w := q.w
 	w.flushMu.Lock()
 	defer w.flushMu.Unlock()
+	// Nothing written since the last flush began, and no metadata dirty:
+	// that flush made it all durable already (a write completed since
+	// would have moved writes).
+	writes := w.writes.Load()
+	clean := writes == w.flushed
 	// A second round writes the refcounts that the first round's frees
 	// dropped, so that a clean close leaves no leak behind.
 	var refused error // a free refused as metadata: reported, after the rest
-	for range 2 {
+	for round := range 2 {
 		s := q.snapshot()
+		if round == 0 && clean && s.empty() {
+			return nil
+		}
 		if err := q.writeBack(ctx, s); err != nil {
 			q.redirty(s)
 			return err
 		}
 		q.unpinClean()
 		if len(s.frees) == 0 {
+			if refused == nil && !q.noFlush.Load() {
+				w.flushed = writes
+			}
 			return refused
 		}
 		r, err := q.applyFrees(ctx, s.frees)
@@ -73,6 +84,12 @@ func (q *Image) Flush(ctx context.Context) error {
 		refused = cmp.Or(refused, r)
 	}
 	return refused
+}
+
+// empty says the snapshot has nothing to write.
+func (s *metaSnapshot) empty() bool {
+	return len(s.blocks) == 0 && s.rtable == nil && s.rtHeader == nil && len(s.l2) == 0 &&
+		s.l1 == nil && s.header == nil && len(s.frees) == 0
 }
 
 // snapshot copies the dirty metadata and marks it clean (but still pinned,

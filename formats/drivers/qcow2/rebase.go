@@ -20,6 +20,7 @@ import (
 // so that no header ever pairs a name with the other's format (in between
 // the format is probed, which finds what the file is).
 func (q *Image) SetBacking(ctx context.Context, backing, format string) error {
+	defer q.wrote()
 	if backing == "" {
 		return q.DropBacking(ctx)
 	}

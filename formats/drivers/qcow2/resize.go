@@ -16,6 +16,7 @@ import (
 // is zeroed so that it does not show the backing file through. Shrinking
 // drops the clusters past the new end. The new size is durable on return.
 func (q *Image) Resize(ctx context.Context, size int64) error {
+	defer q.wrote()
 	if err := q.checkWritable("resize"); err != nil {
 		return err
 	}
@@ -159,6 +160,7 @@ var _ formats.Image = (*Image)(nil)
 // write: the dirty bitmaps are not marked, as QEMU's preallocation inside
 // qcow2_co_truncate marks none.
 func (q *Image) Preallocate(ctx context.Context, off, n int64) error {
+	defer q.wrote()
 	if err := q.checkWritable("preallocate"); err != nil {
 		return err
 	}

@@ -69,6 +69,7 @@ func (q *Image) Snapshots() []formats.Snapshot { return q.snapshotList() }
 // `qemu-img snapshot -c` does (a name already taken is taken again, as
 // QEMU allows).
 func (q *Image) CreateSnapshot(ctx context.Context, name string, now time.Time) error {
+	defer q.wrote()
 	w, err := q.snapshotWriter()
 	if err != nil {
 		return err
@@ -128,6 +129,7 @@ func (q *Image) CreateSnapshot(ctx context.Context, name string, now time.Time) 
 // DeleteSnapshot deletes the first snapshot named name, as `qemu-img
 // snapshot -d` does (by name only).
 func (q *Image) DeleteSnapshot(ctx context.Context, name string) error {
+	defer q.wrote()
 	w, err := q.snapshotWriter()
 	if err != nil {
 		return err
@@ -159,6 +161,7 @@ func (q *Image) DeleteSnapshot(ctx context.Context, name string) error {
 // idOrName, as `qemu-img snapshot -a` does: the virtual size becomes the
 // snapshot's too, and the L1 table keeps the larger of the two lengths.
 func (q *Image) ApplySnapshot(ctx context.Context, idOrName string) error {
+	defer q.wrote()
 	w, err := q.snapshotWriter()
 	if err != nil {
 		return err

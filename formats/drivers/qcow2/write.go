@@ -51,6 +51,7 @@ func (q *Image) request(ctx context.Context, op string, off, n int64, change fun
 	q.markDirty(off, n)
 	err := change()
 	q.w.users.RUnlock()
+	q.wrote()
 	if err != nil {
 		return err
 	}
@@ -105,6 +106,9 @@ func (q *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 	q.markDirty(off, int64(len(p)))
 	for _, r := range runs {
 		done, err := q.f.TryWriteAt(p[r.pos:r.pos+r.n], r.host)
+		if done {
+			q.wrote()
+		}
 		if !done {
 			// Not with a buffered file; were it so, the earlier runs
 			// are written and the caller's WriteAt writes them again.

@@ -45,6 +45,15 @@ type writeState struct {
 	// that writers check them without alloc.
 	dirtyL2, dirtyRB atomic.Int64
 
+	// writes counts the changes completed (wrote); flushed is what it was
+	// when the last flush that made them durable began (under flushMu).
+	// Equal, with no metadata dirty, a flush has nothing to make durable
+	// and issues no fdatasync, as QEMU skips a flush when its write
+	// generation has not moved: a close of an image not written since its
+	// last flush (blockdev-del of one only read) costs no sync.
+	writes  atomic.Uint64
+	flushed uint64
+
 	// noZeroRange: the host file system cannot FALLOC_FL_ZERO_RANGE.
 	noZeroRange atomic.Bool
 
@@ -114,6 +123,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 			return fmt.Errorf("qcow2: clear autoclear features: %w", err)
 		}
 		h.autoclear = keep
+		w.writes.Add(1) // not synced here: the first flush does
 	}
 	// Allocation reads refcounts cluster by cluster: keep more clean
 	// blocks than a read-only open needs (4 MiB of them).
@@ -121,6 +131,15 @@ func (q *Image) openForWriting(ctx context.Context) error {
 	q.w = w
 	q.buildMetaMap()
 	return q.openBitmaps(ctx)
+}
+
+// wrote notes a change completed (or failed part way), for the next flush
+// to make durable: one atomic add. Every method that writes the file
+// calls it once it is done.
+func (q *Image) wrote() {
+	if q.w != nil {
+		q.w.writes.Add(1)
+	}
 }
 
 // refBlockCacheBytes bounds the clean refcount blocks a writable image

@@ -13,6 +13,7 @@ import (
 // extends the file), full writes zeroes over it. The new size is durable
 // on return.
 func (r *Image) GrowPreallocated(ctx context.Context, size int64, full bool) error {
+	defer r.wrote()
 	if !r.writable {
 		return formats.ErrReadOnly
 	}

@@ -55,6 +55,13 @@ type Image struct {
 	blockDev bool
 	size     atomic.Int64
 
+	// writes counts the changes completed (wrote); flushed is what it was
+	// when the newest flush that synced began. Equal, Flush has nothing to
+	// make durable and issues no fdatasync, as QEMU skips the flush of a
+	// node whose write generation has not moved (blockdev-del of a node
+	// only read).
+	writes, flushed atomic.Uint64
+
 	// Only with Direct: the host's block size, and a lock that keeps a
 	// resize out of an unaligned write near the end (see WriteAt).
 	align int
@@ -130,6 +137,7 @@ func (r *Image) LendAt(ctx context.Context, off, n int64, maxBufs int) ([][]byte
 }
 
 func (r *Image) WriteAt(ctx context.Context, p []byte, off int64) (int, error) {
+	defer r.wrote()
 	if !r.writable {
 		return 0, formats.ErrReadOnly
 	}
@@ -178,6 +186,7 @@ func (r *Image) cover(off, n int64) (start, end int64) {
 // WriteZeroes zeroes [off, off+n): a punched hole when mayUnmap allows it,
 // else an allocated zero range, else written zeroes.
 func (r *Image) WriteZeroes(ctx context.Context, off, n int64, mayUnmap bool) error {
+	defer r.wrote()
 	if !r.writable {
 		return formats.ErrReadOnly
 	}
@@ -208,6 +217,7 @@ func notSupported(err error) bool {
 // Discard punches a hole where the host can; elsewhere it does nothing,
 // which discard allows.
 func (r *Image) Discard(ctx context.Context, off, n int64) error {
+	defer r.wrote()
 	if !r.writable {
 		return formats.ErrReadOnly
 	}
@@ -230,13 +240,25 @@ func (r *Image) Flush(ctx context.Context) error {
 	if !r.writable || r.noFlush.Load() {
 		return nil
 	}
+	w := r.writes.Load()
+	if w == r.flushed.Load() {
+		return nil
+	}
 	if err := r.f.Fdatasync(ctx); err != nil {
 		return fmt.Errorf("raw: flush: %w", err)
+	}
+	// Keep the newest: a flush that began later may have finished first.
+	for f := r.flushed.Load(); f < w && !r.flushed.CompareAndSwap(f, w); f = r.flushed.Load() {
 	}
 	return nil
 }
 
+// wrote notes a change completed (or failed part way), for the next
+// Flush to make durable: one atomic add.
+func (r *Image) wrote() { r.writes.Add(1) }
+
 func (r *Image) Resize(ctx context.Context, size int64) error {
+	defer r.wrote()
 	if !r.writable {
 		return formats.ErrReadOnly
 	}
@@ -338,6 +360,9 @@ func (r *Image) TryWriteAt(p []byte, off int64) (bool, error) {
 		return false, nil // WriteAt reports read-only
 	}
 	done, err := r.f.TryWriteAt(p, off)
+	if done {
+		r.wrote()
+	}
 	if err != nil {
 		err = fmt.Errorf("raw: write %d bytes at %d: %w", len(p), off, err)
 	}
