@@ -47,7 +47,7 @@ func daemonCommand() *cobra.Command {
 			"QMP commands: qmp_capabilities, query-version, query-commands, blockdev-add, blockdev-del,\n" +
 			"block-export-add, block-export-del, query-block-exports, query-named-block-nodes,\n" +
 			"block_resize, query-blockstats, nbd-server-start, nbd-server-stop, object-add, object-del (tls-creds-x509),\n" +
-			"block-stream, block-commit (below the active layer), query-jobs, job-cancel, job-complete, job-finalize,\n" +
+			"block-stream, block-commit (the active layer too: ready, then job-complete), query-jobs, job-cancel, job-complete, job-finalize,\n" +
 			"job-dismiss, quit; any other is CommandNotFound.",
 		Example: "  blockexport daemon --chardev socket,id=m,path=/tmp/qmp.sock,server=on,wait=off --monitor chardev=m \\\n" +
 			"    --blockdev driver=file,node-name=f,filename=disk.qcow2 --blockdev driver=qcow2,node-name=q,file=f \\\n" +
