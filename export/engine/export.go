@@ -126,7 +126,7 @@ func (e *Engine) startFUSE(x *export) error {
 	// here would not see.
 	// growable without writable is taken and means nothing, as in QEMU.
 	exp := fuseexport.New(img, fuseexport.Options{Writable: o.Writable, Growable: o.Growable && o.Writable, Logger: e.log.With("export", o.ID)})
-	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1})
+	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1, ParkIdle: fuseParkIdle})
 	if err != nil {
 		x.node.release()
 		return genericf("Failed to mount FUSE export on '%s': %v", o.Mountpoint, err)
@@ -134,6 +134,13 @@ func (e *Engine) startFUSE(x *export) error {
 	x.mount = m
 	return nil
 }
+
+// fuseParkIdle is how long a daemon's FUSE export waits for its next
+// request in poll(2), holding a thread, before it parks in the netpoller:
+// a daemon of 200 idle exports held 200 threads, about 15 KiB resident
+// each (their Go stacks), and kept them; a busy export never waits that
+// long.
+const fuseParkIdle = 10 * time.Millisecond
 
 // startNBD adds the node to the running NBD server.
 func (e *Engine) startNBD(x *export) error {
