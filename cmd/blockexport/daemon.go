@@ -72,6 +72,15 @@ func daemonCommand() *cobra.Command {
 	}
 }
 
+// daemonGCPercent is the daemon's GOGC. Its live heap is mostly the
+// images' tables (a qcow2 node's L2 and refcount tables: 128 KiB at 64 KiB
+// clusters, pointer-free, cheap to mark), and its requests allocate little:
+// letting the heap grow 25% between collections rather than Go's 100%
+// keeps the resident set near what is in use (200 qcow2 exports: about 56
+// MB against 65) for a few more short collections. The one-shot commands
+// keep Go's default.
+const daemonGCPercent = 25
+
 // daemonOption is one option of the command line, in order.
 type daemonOption struct{ name, value string }
 
@@ -131,8 +140,11 @@ func runDaemon(d daemonArgs) error {
 	if err != nil {
 		return err
 	}
+	if os.Getenv("GOGC") == "" { // the user's GOGC wins
+		debug.SetGCPercent(daemonGCPercent)
+	}
 	srv := qmp.New(nil, qmpVersion(), logger)
-	eng := engine.New(engine.Options{Logger: logger, Backend: aio.IOUring, Event: srv.Event})
+	eng := engine.New(engine.Options{Logger: logger, Backend: aio.IOUring, Event: srv.Event, ReturnMemory: true})
 	srv.SetEngine(eng)
 	sigs, jobs, stop, err := (&serveFlags{pidfile: d.pidfile}).begin()
 	if err != nil {

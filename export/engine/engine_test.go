@@ -2,9 +2,11 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/blockexport/blockexport/formats/registry"
 )
@@ -103,4 +105,48 @@ func TestTLSCredentialsRefusedAsQEMURefusesThem(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantDesc(t, "deleted twice", e.DelObject("c"), "object 'c' not found")
+}
+
+// TestDeletedNodesGiveTheirMemoryBackOnceDeletionsGoQuiet: with
+// ReturnMemory, a run of blockdev-dels returns the freed memory once,
+// after the last; without it, never.
+func TestDeletedNodesGiveTheirMemoryBackOnceDeletionsGoQuiet(t *testing.T) {
+	for _, on := range []bool{true, false} {
+		e := New(Options{Backend: "threads", ReturnMemory: on})
+		t.Cleanup(func() { e.Close() })
+		given := make(chan time.Time, 10)
+		e.giveBack = func() { given <- time.Now() }
+		const nodes = 5
+		for i := range nodes {
+			if err := e.AddNode(BlockdevOptions{Driver: "null-co", NodeName: fmt.Sprintf("n%d", i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var last time.Time
+		for i := range nodes {
+			if err := e.DelNode(fmt.Sprintf("n%d", i)); err != nil {
+				t.Fatal(err)
+			}
+			last = time.Now()
+			time.Sleep(returnMemoryAfter / 10)
+		}
+		select {
+		case at := <-given:
+			if !on {
+				t.Fatal("memory given back without ReturnMemory")
+			}
+			if at.Sub(last) < returnMemoryAfter*9/10 {
+				t.Fatalf("memory given back %v after the last deletion, before the deletions went quiet (%v)", at.Sub(last), returnMemoryAfter)
+			}
+		case <-time.After(3 * returnMemoryAfter):
+			if on {
+				t.Fatal("memory not given back after the deletions")
+			}
+		}
+		select {
+		case <-given:
+			t.Fatal("memory given back more than once for one run of deletions")
+		case <-time.After(returnMemoryAfter):
+		}
+	}
 }

@@ -144,7 +144,7 @@ func (e *Engine) startFUSE(x *export) error {
 	if p, ok := img.(*pivotImage); ok {
 		x.unquiesce = p.addFront(exp)
 	}
-	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1})
+	m, err := exp.Mount(o.Mountpoint, fuseexport.MountOptions{AllowOther: allowOther, FsName: x.node.name, Queues: 1, ParkIdle: fuseParkIdle})
 	if err != nil {
 		if x.unquiesce != nil {
 			x.unquiesce()
@@ -155,6 +155,13 @@ func (e *Engine) startFUSE(x *export) error {
 	x.mount = m
 	return nil
 }
+
+// fuseParkIdle is how long a daemon's FUSE export waits for its next
+// request in poll(2), holding a thread, before it parks in the netpoller:
+// a daemon of 200 idle exports held 200 threads, about 15 KiB resident
+// each (their Go stacks), and kept them; a busy export never waits that
+// long.
+const fuseParkIdle = 10 * time.Millisecond
 
 // startNBD adds the node to the running NBD server.
 func (e *Engine) startNBD(x *export) error {

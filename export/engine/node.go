@@ -505,6 +505,7 @@ func (e *Engine) DelNode(name string) error {
 		return genericf("Closing node '%s': %v", name, err)
 	}
 	e.log.Info("block node deleted", "node-name", name)
+	e.nodeFreed()
 	return nil
 }
 

@@ -2,6 +2,8 @@ package fuse
 
 import (
 	"errors"
+	"fmt"
+	"os"
 	"runtime"
 	"time"
 	"unsafe"
@@ -213,11 +215,19 @@ func (s *server) waitRequestOrCompletion(fd int, comp formats.Completions) {
 }
 
 // waitRequest sleeps until fd has a request; false: the connection has
-// ended (the helper checks that every 50 ms).
+// ended (the helper checks that every 50 ms). With parkIdle a queue sleeps
+// in poll(2) that long, then parks in the netpoller (parkUntilRequest).
 func (s *server) waitRequest(fd int, helper bool) bool {
 	timeout := -1
 	if helper {
 		timeout = 50
+	} else if s.parkIdle > 0 {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		if k, _ := unix.Poll(pfd, int(s.parkIdle.Milliseconds())); k != 0 {
+			return true // a request, the connection's end, or EINTR: the loop reads
+		}
+		s.parkUntilRequest(fd)
+		return true
 	}
 	for {
 		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
@@ -229,5 +239,50 @@ func (s *server) waitRequest(fd int, helper bool) bool {
 			return false
 		default:
 		}
+	}
+}
+
+// parkWhenIdle makes the queues non-blocking and hands them to the
+// netpoller, for loops that park once idle for that long
+// (MountOptions.ParkIdle). An os.File owns each fd from here on: serve
+// closes it through the File.
+func (s *server) parkWhenIdle(idle time.Duration) error {
+	for _, fd := range s.fds {
+		if err := unix.SetNonblock(fd, true); err != nil {
+			return fmt.Errorf("fuse: non-blocking queue: %w", err)
+		}
+		f := os.NewFile(uintptr(fd), "/dev/fuse")
+		s.files = append(s.files, f)
+		c, err := f.SyscallConn()
+		if err != nil {
+			return fmt.Errorf("fuse: queue in the netpoller: %w", err)
+		}
+		s.parked = append(s.parked, c)
+	}
+	s.parkIdle = idle
+	return nil
+}
+
+// parkUntilRequest waits in Go's netpoller, holding no thread, until fd
+// has a request or the connection has ended (the kernel reports an error
+// on it then) or its File is closed; the loop then reads and sees which.
+func (s *server) parkUntilRequest(fd int) {
+	for i, q := range s.fds {
+		if q != fd {
+			continue
+		}
+		s.parks.Add(1)
+		waited := false
+		// Read calls the function until it says done, waiting for
+		// readability after each false: the first call only asks to
+		// wait.
+		s.parked[i].Read(func(uintptr) bool {
+			if !waited {
+				waited = true
+				return false
+			}
+			return true
+		})
+		return
 	}
 }

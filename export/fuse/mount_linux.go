@@ -53,7 +53,14 @@ type MountOptions struct {
 	// NoPace turns off the short spin for the next request of a reader
 	// that waits on each reply (see depthGuess).
 	NoPace bool
-	Stats  *Stats // when set, counts every request (--stats)
+	// ParkIdle > 0: a queue that had no request for that long waits for
+	// the next in Go's netpoller rather than in read(2), which holds an OS
+	// thread (its stacks) per idle export: a daemon's many exports. Until
+	// then its loop sleeps in poll(2) as in read(2), at the cost of one
+	// more system call (the read that finds nothing) per sleep. Not with
+	// PollFor, nor for a queue that reads completions (they poll already).
+	ParkIdle time.Duration
+	Stats    *Stats // when set, counts every request (--stats)
 	// FileName, when set, makes the mountpoint an existing directory and
 	// the export the one file of that name in it (see CheckFileName).
 	FileName string
@@ -359,6 +366,10 @@ func (s *server) start(o MountOptions) (sizeKnown bool, err error) {
 			if err := unix.SetNonblock(fd, true); err != nil {
 				return false, fmt.Errorf("fuse: non-blocking queue: %w", err)
 			}
+		}
+	} else if o.ParkIdle > 0 {
+		if err := s.parkWhenIdle(o.ParkIdle); err != nil {
+			return false, err
 		}
 	}
 	s.pace = !o.NoPace

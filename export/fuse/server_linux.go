@@ -8,7 +8,10 @@ package fuse
 import (
 	"context"
 	"fmt"
+	"os"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -81,7 +84,14 @@ type server struct {
 	fds []int
 
 	pollFor time.Duration // --poll-us: spin on non-blocking reads that long
-	pace    bool          // spin for a reader at queue depth 1 (depthGuess)
+	// parkIdle: an idle queue waits in the netpoller (MountOptions.ParkIdle)
+	// through parked[i], the handle of fds[i], whose os.File files[i]
+	// owns the fd.
+	parkIdle time.Duration
+	parked   []syscall.RawConn
+	files    []*os.File
+	parks    atomic.Int64 // how many times a queue parked (tests)
+	pace     bool         // spin for a reader at queue depth 1 (depthGuess)
 
 	// comp is set when the one queue reads the image's completions
 	// itself (formats.Completions); cfds and pfds are its loop's scratch.
@@ -211,7 +221,11 @@ func (s *server) serve() {
 	close(s.bulk.stop) // the connection is gone: a parked helper exits
 	s.loops.Wait()
 	s.hand.Wait()
-	for _, fd := range s.fds {
+	for i, fd := range s.fds {
+		if i < len(s.files) {
+			s.files[i].Close() // out of the netpoller, and the fd closed
+			continue
+		}
 		unix.Close(fd)
 	}
 	if s.bulk.fd >= 0 {

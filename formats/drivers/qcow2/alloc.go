@@ -138,6 +138,7 @@ func (q *Image) allocClusters(ctx context.Context, n int64) (int64, error) {
 		}
 		next := c + n
 		for i := c / w.perBlock; i <= (c+total-1)/w.perBlock; i++ {
+			w.extendRefTable(i)
 			if w.rtable[i] != 0 {
 				continue
 			}
@@ -206,10 +207,10 @@ func (q *Image) findFree(ctx context.Context, from, n int64) (c, firstFree int64
 func (q *Image) missingBlocks(c, n int64) (missing, beyond int64) {
 	w := q.w
 	for i := c / w.perBlock; i <= (c+n-1)/w.perBlock; i++ {
-		if i >= int64(len(w.rtable)) {
+		if i >= w.rtEntries {
 			return 0, i
 		}
-		if w.rtable[i] == 0 {
+		if i >= int64(len(w.rtable)) || w.rtable[i] == 0 {
 			missing++
 		}
 	}
@@ -233,7 +234,7 @@ const maxRefTableBytes = 8 << 20
 func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
 	w := q.w
 	cs := q.h.clusterSize
-	old := int64(len(w.rtable))
+	old := w.rtEntries
 	x := old * w.perBlock // first cluster the old table cannot count
 	entries := max(old*2, need+1)
 	var tClusters, blocks int64
@@ -271,7 +272,7 @@ func (q *Image) growRefcountTable(ctx context.Context, need int64) error {
 		}
 	}
 	q.freeRangeLater(w.rtOffset, old*8) // once the header points at rt
-	w.rtable, w.rtOffset = rt, x*cs
+	w.rtable, w.rtEntries, w.rtOffset = rt, entries, x*cs
 	w.rtDirty, w.rtMoved = true, true
 	for c := x; c < x+tClusters+blocks; c++ {
 		if err := q.setRef(ctx, c, 1); err != nil {

@@ -111,7 +111,7 @@ func (q *Image) snapshot() *metaSnapshot {
 		s.rtDirty = true
 		if w.rtMoved {
 			b := binary.BigEndian.AppendUint64(nil, uint64(w.rtOffset))
-			b = binary.BigEndian.AppendUint32(b, uint32((int64(len(w.rtable))*8+q.h.clusterSize-1)/q.h.clusterSize))
+			b = binary.BigEndian.AppendUint32(b, uint32((w.rtEntries*8+q.h.clusterSize-1)/q.h.clusterSize))
 			s.rtHeader = &hostWrite{hdrRefcountOffset, b}
 			s.rtMoved = true
 		}

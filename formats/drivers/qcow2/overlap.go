@@ -78,6 +78,8 @@ func (q *Image) buildMetaMap() {
 	w := q.w
 	w.metaMap = newMetaMap(q.h.clusterSize, q.l1, w.l1Offset, w.rtable, w.rtOffset, ^uint64(q.h.clusterSize-1),
 		int64(q.h.snapshotsOffset), q.snapTableBytes, q.snaps)
+	// The table's clusters in the file, past its trimmed zeros.
+	w.metaMap.setRange(metaRefTable, w.rtOffset, w.rtEntries*8, q.h.clusterSize)
 }
 
 // newMetaMap maps the metadata of an image: the header, the active L1

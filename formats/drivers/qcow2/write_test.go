@@ -507,3 +507,48 @@ func TestGrowKeepsWritesThatRaceIt(t *testing.T) {
 		})
 	}
 }
+
+// TestRefcountTableHeldWithoutItsZeros: a writable image holds its
+// refcount table without the trailing zero entries (a small image's
+// table is a whole cluster of them); writes that need new refcount blocks
+// still fill the file's table in place, without moving it, and the image
+// checks clean and reads back as written.
+func TestRefcountTableHeldWithoutItsZeros(t *testing.T) {
+	// 512-byte clusters, 16-bit refcounts: a block counts 256 clusters, the
+	// one-cluster table has 64 entries, of which a new image uses one.
+	img := filepath.Join(t.TempDir(), "t.qcow2")
+	tool(t, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=512", img, "4M")
+	tableAt := func() uint64 {
+		b, err := os.ReadFile(img)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return binary.BigEndian.Uint64(b[48:])
+	}
+	before := tableAt()
+	q := openRW(t, img)
+	if len(q.w.rtable) != 1 || q.w.rtEntries != 64 {
+		t.Fatalf("refcount table held as %d entries of the file's %d, want 1 of 64", len(q.w.rtable), q.w.rtEntries)
+	}
+	mirror := make([]byte, 4<<20)
+	p := make([]byte, 1<<20)
+	r := rand.New(rand.NewPCG(4, 4))
+	for _, off := range []int64{0, 2 << 20} {
+		fill(r, p)
+		if _, err := q.WriteAt(context.Background(), p, off); err != nil {
+			t.Fatal(err)
+		}
+		copy(mirror[off:], p)
+	}
+	if n := len(q.w.rtable); n < 8 || q.w.rtEntries != 64 {
+		t.Fatalf("after 2 MiB of writes the refcount table holds %d entries of %d, want at least 8 of 64", n, q.w.rtEntries)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if after := tableAt(); after != before {
+		t.Fatalf("the refcount table moved from %#x to %#x: the file's table had room", before, after)
+	}
+	checkClean(t, img)
+	compareRaw(t, img, mirror)
+}

@@ -3,6 +3,7 @@ package qcow2
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -28,8 +29,13 @@ type writeState struct {
 	// readers, alloc+meta for changes.
 	l2pin map[int64]*pinnedL2
 	// Guarded by alloc:
-	rbpin       map[int64]*pinnedBlock // refcount blocks, same rule
-	rtable      []uint64               // refcount table
+	rbpin map[int64]*pinnedBlock // refcount blocks, same rule
+	// rtable is the refcount table without its trailing zero entries
+	// (the file's table is a whole cluster or more, mostly zeros: 64 KiB
+	// held per small image, a daemon's 200 nodes 12.5 MB); rtEntries is
+	// the file's, which an index below it may reach (extendRefTable).
+	rtable      []uint64
+	rtEntries   int64
 	rtOffset    int64
 	rtDirty     bool // the table must be written
 	rtMoved     bool // ...and the header pointed at its new place
@@ -104,7 +110,7 @@ func (q *Image) openForWriting(ctx context.Context) error {
 	bits := int64(1) << h.refcountOrder
 	w := &writeState{
 		l2pin: map[int64]*pinnedL2{}, rbpin: map[int64]*pinnedBlock{},
-		rtable: rt, rtOffset: int64(h.refcountOffset), l1Offset: int64(h.l1Offset),
+		rtable: trimRefTable(rt), rtEntries: int64(len(rt)), rtOffset: int64(h.refcountOffset), l1Offset: int64(h.l1Offset),
 		freeHint: 1, bits: bits, perBlock: h.clusterSize * 8 / bits,
 	}
 	w.maxRef = 1<<bits - 1
@@ -145,3 +151,21 @@ func (q *Image) wrote() {
 // refBlockCacheBytes bounds the clean refcount blocks a writable image
 // keeps.
 const refBlockCacheBytes = 4 << 20
+
+// trimRefTable is rt without its trailing zero entries, in an array of
+// its own (rt's goes to the collector).
+func trimRefTable(rt []uint64) []uint64 {
+	n := len(rt)
+	for n > 0 && rt[n-1] == 0 {
+		n--
+	}
+	return slices.Clone(rt[:n])
+}
+
+// extendRefTable makes entry i of the refcount table, below rtEntries,
+// addressable in w.rtable. The caller holds alloc.
+func (w *writeState) extendRefTable(i int64) {
+	if i >= int64(len(w.rtable)) {
+		w.rtable = append(w.rtable, make([]uint64, i+1-int64(len(w.rtable)))...)
+	}
+}
