@@ -129,20 +129,7 @@ func TestRemoteDriverKeysAsQEMUNamesThem(t *testing.T) {
 			check: func(o engine.BlockdevOptions) bool { return o.File != nil && o.File.Name == "top" }},
 		{opt: "driver=copy-on-read,node-name=c,file=top,bottom=base", wantDesc: "Parameter 'bottom' is not supported here: the filter copies from the whole backing chain"},
 	} {
-		m, keyval, err := ParseOption(tc.opt, "")
-		if err != nil {
-			t.Fatalf("%s: %v", tc.opt, err)
-		}
-		got, err := BlockdevOptions(m, keyval)
-		if tc.wantDesc != "" {
-			if err == nil || err.Error() != tc.wantDesc {
-				t.Errorf("%s: %v, want %q", tc.opt, err, tc.wantDesc)
-			}
-			continue
-		}
-		if err != nil || !tc.check(got) {
-			t.Errorf("%s: %+v, %v", tc.opt, got, err)
-		}
+		checkBlockdevOption(t, tc.opt, tc.check, tc.wantDesc)
 	}
 	for _, tc := range []struct {
 		opt      string
@@ -197,19 +184,26 @@ func TestBackingOptionAsQEMUTakesIt(t *testing.T) {
 		{opt: `{"driver": "raw", "node-name": "o", "file": "f", "backing": "base"}`,
 			wantDesc: "Parameter 'backing' is unexpected"},
 	} {
-		m, keyval, err := ParseOption(tc.opt, "")
-		if err != nil {
-			t.Fatalf("%s: %v", tc.opt, err)
+		checkBlockdevOption(t, tc.opt, tc.check, tc.wantDesc)
+	}
+}
+
+// checkBlockdevOption parses opt (keyval or JSON) as --blockdev does and
+// wants check to hold of the options, or, with wantDesc, that error.
+func checkBlockdevOption(t *testing.T, opt string, check func(engine.BlockdevOptions) bool, wantDesc string) {
+	t.Helper()
+	m, keyval, err := ParseOption(opt, "")
+	if err != nil {
+		t.Fatalf("%s: %v", opt, err)
+	}
+	got, err := BlockdevOptions(m, keyval)
+	if wantDesc != "" {
+		if err == nil || err.Error() != wantDesc {
+			t.Errorf("%s: %v, want %q", opt, err, wantDesc)
 		}
-		got, err := BlockdevOptions(m, keyval)
-		if tc.wantDesc != "" {
-			if err == nil || err.Error() != tc.wantDesc {
-				t.Errorf("%s: %v, want %q", tc.opt, err, tc.wantDesc)
-			}
-			continue
-		}
-		if err != nil || !tc.check(got) {
-			t.Errorf("%s: %+v, %v", tc.opt, got, err)
-		}
+		return
+	}
+	if err != nil || !check(got) {
+		t.Errorf("%s: %+v, %v", opt, got, err)
 	}
 }
