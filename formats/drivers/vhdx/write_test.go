@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -570,16 +571,7 @@ func TestWriterWritesFourKiBSectors(t *testing.T) {
 		}
 		copy(want[r[0]:], p)
 	}
-	if err := w.Close(); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]byte, len(want))
-	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, got, 0); err != nil {
-		t.Fatal(err)
-	}
-	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
-		t.Fatalf("the sector at %d differs", at)
-	}
+	closeAndReadBack(t, w, path, want)
 }
 
 // TestWriterAllocatesPastAShortLastBlock: a file that ends with the disk's
@@ -614,16 +606,7 @@ func TestWriterAllocatesPastAShortLastBlock(t *testing.T) {
 		}
 		copy(want[off:], p)
 	}
-	if err := w.Close(); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]byte, len(want))
-	if _, err := createAndOpenExisting(t, path).ReadAt(ctx, got, 0); err != nil {
-		t.Fatal(err)
-	}
-	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
-		t.Fatalf("the sector at %d differs", at)
-	}
+	closeAndReadBack(t, w, path, want)
 }
 
 // TestWriterConcurrentWritesFlushesAndReads: goroutines write, zero and
@@ -697,5 +680,20 @@ func TestWriterConcurrentWritesFlushesAndReads(t *testing.T) {
 	}
 	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
 		t.Fatalf("after the close: the sector at %d differs", at)
+	}
+}
+
+// closeAndReadBack closes w, opens path again and wants it to read want.
+func closeAndReadBack(t *testing.T, w io.Closer, path string, want []byte) {
+	t.Helper()
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(want))
+	if _, err := createAndOpenExisting(t, path).ReadAt(context.Background(), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if at, ok := sectorsFromStates(got, [][]byte{want}); !ok {
+		t.Fatalf("the sector at %d differs", at)
 	}
 }
