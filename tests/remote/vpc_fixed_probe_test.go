@@ -1,6 +1,8 @@
 package remote
 
 import (
+	"encoding/binary"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -58,5 +60,60 @@ func TestHTTPFixedVHDProbedByItsFooter(t *testing.T) {
 	s3.Put("fixed.vhd", fixed)
 	if _, got := harness.RunBlockexport(t, "info", "--output", "json", "--s3-endpoint", s3.Endpoint, s3.URL("fixed.vhd")); !strings.Contains(got, `"format": "vpc"`) || !strings.Contains(got, `"virtual-size": 4194304`) {
 		t.Errorf("info of the fixed VHD in S3: want vpc of 4 MiB:\n%s", got)
+	}
+}
+
+// TestHTTPFixedVHDCraftedFootersProbeAsRaw: an object whose last 512
+// bytes are a fixed VHD's footer with one field wrong (the cookie, the
+// checksum, the disk size at 0, at the most a uint64 holds, or one byte
+// past what the object holds before its footer, each with a checksum
+// that fits, and a dynamic disk type) is probed as raw, as qemu-img
+// probes it, whole: exit 0, format raw, the object's size, info's JSON
+// qemu-img's.
+func TestHTTPFixedVHDCraftedFootersProbeAsRaw(t *testing.T) {
+	n := harness.StartNginx(t)
+	dir := t.TempDir()
+	raw := harness.RandomImage(t, dir, 1<<20, 4702)
+	fixed := filepath.Join(dir, "fixed.vhd")
+	harness.Run(t, "qemu-img", "convert", "-f", "raw", "-O", "vpc", "-o", "subformat=fixed,force_size=on", raw, fixed)
+	good := harness.ReadAll(t, fixed)
+	const disk = 1 << 20
+	for _, c := range []struct {
+		name  string
+		craft func(f []byte) // f is the footer
+		sum   bool           // recompute the checksum after
+	}{
+		{"cookie", func(f []byte) { copy(f, "conectiy") }, true},
+		{"checksum", func(f []byte) { f[64] ^= 0xff }, false},
+		{"size 0", func(f []byte) { binary.BigEndian.PutUint64(f[48:], 0) }, true},
+		{"size max", func(f []byte) { binary.BigEndian.PutUint64(f[48:], ^uint64(0)) }, true},
+		{"size past the object", func(f []byte) { binary.BigEndian.PutUint64(f[48:], disk+1) }, true},
+		{"dynamic type", func(f []byte) { binary.BigEndian.PutUint32(f[60:], 3) }, true},
+	} {
+		b := append([]byte(nil), good...)
+		f := b[len(b)-512:]
+		c.craft(f)
+		if c.sum {
+			binary.BigEndian.PutUint32(f[64:], 0)
+			var sum uint32
+			for _, x := range f {
+				sum += uint32(x)
+			}
+			binary.BigEndian.PutUint32(f[64:], ^sum)
+		}
+		name := strings.ReplaceAll(c.name, " ", "-") + ".vhd"
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		n.Put(t, name, p)
+		u := n.URL("http", name)
+		code, out := harness.RunBlockexport(t, "info", "--output", "json", u)
+		if code != 0 || !strings.Contains(out, `"format": "raw"`) || !strings.Contains(out, fmt.Sprintf(`"virtual-size": %d`, len(b))) {
+			t.Errorf("%s: exit %d, want raw of %d bytes:\n%s", c.name, code, len(b), out)
+		}
+		if q := qemuImgJSON(t, "qemu-img", "info", "--output=json", u); canonicalJSON(t, out) != q {
+			t.Errorf("%s: info --output json\n got %s\nwant qemu-img's %s", c.name, out, q)
+		}
 	}
 }
